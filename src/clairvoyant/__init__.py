@@ -1,0 +1,6 @@
+"""Clairvoyant: a shortest-predicted-first scheduling proxy for serial LLM servers."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+__all__ = ["__version__"]

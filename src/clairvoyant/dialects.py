@@ -1,0 +1,200 @@
+"""What the proxy reads from OpenAI and Ollama request bodies: the one place that decides the text
+a request is featurized from.
+
+The rule, for every scheduled endpoint:
+
+- instruction = the text of the LAST user turn (OpenAI/Ollama chat), or the prompt (completions,
+  /api/generate). Text parts of list-of-parts content are joined with newlines; images and other
+  non-text parts are skipped. A completion prompt given as a list of strings is joined with
+  newlines; token-id prompts have no text (their length still counts in ``context_chars``, at
+  4 characters a token).
+- context_chars = characters of all message texts and system prompts (what the model reads).
+- turns = number of messages (1 for a bare prompt); system_chars = characters of system prompts.
+
+Nothing here raises on odd *text* (empty, huge, non-English, control characters); only a body that
+is not JSON, or lacks a field the endpoint requires, is refused with ``BadRequest``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from clairvoyant.errors import BadRequest
+from clairvoyant.features import Prompt
+
+__all__ = [
+    "PROXY_FIELD",
+    "SCHEDULED_ENDPOINTS",
+    "Dialect",
+    "Endpoint",
+    "ParsedRequest",
+    "dialect_of_path",
+    "parse_request",
+    "prompt_from_body",
+]
+
+# The one body field only the proxy understands; removed before forwarding.
+PROXY_FIELD = "clairvoyant"
+
+
+class Dialect(str, Enum):
+    OPENAI = "openai"
+    OLLAMA = "ollama"
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    path: str
+    dialect: Dialect
+    kind: str  # "chat" or "completion"
+    stream_default: bool
+
+
+SCHEDULED_ENDPOINTS: dict[str, Endpoint] = {
+    e.path: e
+    for e in (
+        Endpoint("/v1/chat/completions", Dialect.OPENAI, "chat", False),
+        Endpoint("/v1/completions", Dialect.OPENAI, "completion", False),
+        Endpoint("/api/chat", Dialect.OLLAMA, "chat", True),
+        Endpoint("/api/generate", Dialect.OLLAMA, "completion", True),
+    )
+}
+
+
+def dialect_of_path(path: str) -> Dialect:
+    return Dialect.OLLAMA if path.startswith("/api/") else Dialect.OPENAI
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """A scheduled request body, read once."""
+
+    endpoint: Endpoint
+    prompt: Prompt
+    stream: bool
+    model: str | None
+    forward_body: bytes  # what goes upstream: the original bytes unless a proxy field was removed
+    proxy_options: dict[str, Any]  # the removed proxy field (e.g. the benchmark's oracle length)
+
+
+def _content_text(content: Any) -> str:
+    """Text of an OpenAI/Ollama message content: a string, or a list of parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+        return "\n".join(texts)
+    return ""
+
+
+def _chat_prompt(messages: list[Any]) -> Prompt:
+    instruction = ""
+    context = 0
+    system = 0
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        text = _content_text(message.get("content"))
+        context += len(text)
+        role = message.get("role")
+        if role in ("system", "developer"):
+            system += len(text)
+        elif role == "user":
+            instruction = text
+    return Prompt(instruction=instruction, context_chars=context, turns=len(messages), system_chars=system)
+
+
+def _completion_prompt(prompt: Any, system: Any = None) -> Prompt:
+    system_text = system if isinstance(system, str) else ""
+    if isinstance(prompt, str):
+        text, extra = prompt, 0
+    elif isinstance(prompt, list):
+        strings = [p for p in prompt if isinstance(p, str)]
+        token_ids = sum(1 for p in prompt if isinstance(p, int))
+        token_ids += sum(len(p) for p in prompt if isinstance(p, list))
+        text, extra = "\n".join(strings), 4 * token_ids
+    else:
+        text, extra = "", 0
+    return Prompt(
+        instruction=text,
+        context_chars=len(text) + extra + len(system_text),
+        turns=1,
+        system_chars=len(system_text),
+    )
+
+
+def prompt_from_body(endpoint: Endpoint, body: dict[str, Any]) -> Prompt:
+    """The Prompt a body is featurized from (see the module docstring). Never raises on odd text."""
+    if endpoint.kind == "chat":
+        messages = body.get("messages")
+        return _chat_prompt(messages if isinstance(messages, list) else [])
+    if endpoint.dialect is Dialect.OLLAMA:
+        return _completion_prompt(body.get("prompt"), body.get("system"))
+    return _completion_prompt(body.get("prompt"))
+
+
+def _require(body: dict[str, Any], field: str, types: tuple[type, ...], what: str) -> None:
+    if field not in body or body[field] is None:
+        raise BadRequest(f"'{field}' is a required property", param=field)
+    if not isinstance(body[field], types) or isinstance(body[field], bool):
+        raise BadRequest(f"'{field}' must be {what}", param=field)
+
+
+def _validate(endpoint: Endpoint, body: dict[str, Any]) -> None:
+    if endpoint.dialect is Dialect.OPENAI:
+        if endpoint.kind == "chat":
+            _require(body, "messages", (list,), "an array of messages")
+            if not body["messages"]:
+                raise BadRequest("'messages' must contain at least one message", param="messages")
+            for i, message in enumerate(body["messages"]):
+                if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                    raise BadRequest(f"'messages.{i}' must be an object with a 'role'", param=f"messages.{i}")
+        else:
+            _require(body, "prompt", (str, list), "a string or an array")
+    else:
+        _require(body, "model", (str,), "a string")
+        if endpoint.kind == "chat" and "messages" in body and body["messages"] is not None:
+            if not isinstance(body["messages"], list):
+                raise BadRequest("'messages' must be an array", param="messages")
+    if "stream" in body and body["stream"] is not None and not isinstance(body["stream"], bool):
+        raise BadRequest("'stream' must be a boolean", param="stream")
+
+
+def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
+    """Decode and validate a scheduled request body.
+
+    Raises ``BadRequest`` for a body that is not a JSON object or lacks a required field.
+    """
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    _validate(endpoint, body)
+    stream = body.get("stream")
+    proxy_options: dict[str, Any] = {}
+    forward = raw
+    if PROXY_FIELD in body:
+        options = body.pop(PROXY_FIELD)
+        proxy_options = options if isinstance(options, dict) else {}
+        forward = json.dumps(body, ensure_ascii=False).encode()
+    model = body.get("model")
+    return ParsedRequest(
+        endpoint=endpoint,
+        prompt=prompt_from_body(endpoint, body),
+        stream=endpoint.stream_default if stream is None else bool(stream),
+        model=model if isinstance(model, str) else None,
+        forward_body=forward,
+        proxy_options=proxy_options,
+    )
