@@ -1,0 +1,5 @@
+import sys
+
+from clairvoyant.cli import main
+
+sys.exit(main())

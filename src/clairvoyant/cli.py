@@ -1,0 +1,53 @@
+"""The `clairvoyant` command: serve, predict, train, evaluate, ...
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
+those modules import their heavy dependencies inside ``run`` so that ``--help`` stays fast and the
+serving path never imports training dependencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from clairvoyant import __version__
+from clairvoyant.errors import ClairvoyantError
+
+__all__ = ["main"]
+
+# command name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("clairvoyant.serve", "run the scheduling proxy"),
+    "predict": ("clairvoyant.bulk_predict", "score a JSONL file of prompts or chat bodies"),
+    "train": ("clairvoyant.training.commands_train", "train the length predictor and export it to ONNX"),
+    "evaluate": ("clairvoyant.training.commands_evaluate", "evaluate a model on the held-out split"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="clairvoyant", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"clairvoyant {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(command)
+        command.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except ClairvoyantError as exc:
+        print(f"clairvoyant {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

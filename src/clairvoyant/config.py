@@ -1,0 +1,130 @@
+"""Settings: one object, built once at start-up and passed explicitly.
+
+Precedence, highest first: CLI flags, CLAIRVOYANT_* environment variables, the optional TOML
+config file (``--config`` or CLAIRVOYANT_CONFIG), defaults. An invalid value stops start-up with
+a ``ConfigError`` naming the setting and its environment variable.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from clairvoyant.errors import ConfigError
+
+__all__ = ["ENV_PREFIX", "PolicyName", "Settings", "load_settings"]
+
+ENV_PREFIX = "CLAIRVOYANT_"
+PolicyName = Literal["fcfs", "sjf"]
+DisconnectMode = Literal["drain", "abort"]
+
+
+class Settings(BaseSettings):
+    """Every setting of the proxy. The README's configuration table is generated from this class."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8080, ge=0, le=65535, description="Port to listen on.")
+    upstream_url: str = Field(
+        "http://127.0.0.1:11434",
+        description="Base URL of the backend (Ollama or llama.cpp's server).",
+    )
+    policy: PolicyName = Field("sjf", description="Scheduling policy: sjf (shortest predicted first) or fcfs.")
+    starvation_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        description="tau: a request waiting longer than this goes next regardless of score ('inf' disables).",
+    )
+    slots: int = Field(1, ge=1, le=64, description="Requests in flight upstream at once (the backend's parallel slots).")
+    max_queue: int = Field(256, ge=1, description="Waiting requests before new ones get 503 with Retry-After.")
+    retry_after_s: int = Field(5, ge=1, description="Retry-After seconds sent with a queue-full 503.")
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above).")
+    connect_timeout_s: float = Field(10.0, gt=0, description="Timeout to connect to the backend (504 when exceeded).")
+    read_timeout_s: float | None = Field(
+        None, gt=0, description="Timeout between bytes from the backend; unset = none (long answers take minutes)."
+    )
+    disconnect_mode: DisconnectMode = Field(
+        "abort",
+        description="When a client leaves mid-generation: abort the upstream request, or drain it to its end.",
+    )
+    model_path: Path | None = Field(None, description="ONNX predictor model (its .card.json beside it); unset = shipped model.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    log_prompts: bool = Field(False, description="Log prompt text (debug aid; off by default).")
+    allow_oracle: bool = Field(
+        False,
+        description="Benchmarks only: accept the true output length in the request's 'clairvoyant' field.",
+    )
+
+    @field_validator("upstream_url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return value.rstrip("/")
+
+    @field_validator("starvation_timeout_s")
+    @classmethod
+    def _check_tau(cls, value: float) -> float:
+        if math.isnan(value):
+            raise ValueError("must be a number of seconds or 'inf'")
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # CLI flags (init) > environment > config file (passed in as the lowest init layer).
+        return (init_settings, env_settings)
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    unknown = sorted(set(data) - set(Settings.model_fields))
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
+    return data
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        field = ".".join(str(p) for p in item["loc"]) or "settings"
+        lines.append(f"invalid setting {field} ({ENV_PREFIX}{field.upper()}): {item['msg']}")
+    return "; ".join(lines)
+
+
+def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Settings:
+    """Build the Settings. ``overrides`` are CLI flags; None values mean "not given"."""
+    if config_file is None:
+        config_file = os.environ.get(f"{ENV_PREFIX}CONFIG") or None
+    file_values = _read_config_file(Path(config_file)) if config_file else {}
+    given = {k: v for k, v in overrides.items() if v is not None}
+    env_set = {name for name in Settings.model_fields if f"{ENV_PREFIX}{name.upper()}" in os.environ}
+    # File values apply only where neither a flag nor the environment speaks.
+    layered = {k: v for k, v in file_values.items() if k not in env_set}
+    layered.update(given)
+    try:
+        return Settings(**layered)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
