@@ -1,0 +1,81 @@
+"""Shared pytest fixtures.
+
+Each area keeps its fixtures in its own marked section below; add a new section rather than editing
+another one. Heavy imports go inside the fixture, so collecting tests stays cheap.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from clairvoyant.embedded_backend import EmbeddedLlamaServer
+
+
+# =================================================================================================
+# Generic helpers
+# =================================================================================================
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago (bind it soon: another process may take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# =================================================================================================
+# Embedded llama.cpp backend (clairvoyant.embedded_backend): the real serial LLM server
+# =================================================================================================
+
+
+def backend_missing_reason() -> str | None:
+    """Why the embedded backend cannot run here (xllamacpp or the SmolLM2 package missing), else None.
+
+    With ``CLAIRVOYANT_REQUIRE_BACKEND=1`` (set it in CI) a missing backend fails the run instead of
+    skipping the end-to-end tests silently.
+    """
+    from clairvoyant.embedded_backend import BackendNotInstalled, find_smollm2_gguf, xllamacpp_installed
+
+    reason: str | None = None
+    if not xllamacpp_installed():
+        reason = "xllamacpp is not installed (pip install 'clairvoyant[backend]')"
+    else:
+        try:
+            find_smollm2_gguf()
+        except BackendNotInstalled as exc:
+            reason = str(exc)
+    if reason is not None and os.environ.get("CLAIRVOYANT_REQUIRE_BACKEND") == "1":
+        pytest.fail(f"CLAIRVOYANT_REQUIRE_BACKEND=1 but the embedded backend is missing: {reason}")
+    return reason
+
+
+@pytest.fixture(scope="session")
+def require_embedded_backend() -> None:
+    """Skip the test if xllamacpp or the SmolLM2 model is not installed (fails instead in CI, see above)."""
+    reason = backend_missing_reason()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def llama_server(require_embedded_backend: None) -> Iterator[EmbeddedLlamaServer]:
+    """One real llama.cpp server (SmolLM2, n_parallel=1: serial FCFS) shared by the whole session.
+
+    Skips only when xllamacpp or the model is not installed; a server that fails to start is an error.
+    Tests must not stop it; start an own ``EmbeddedLlamaServer`` to test lifecycle behaviour.
+    """
+    from clairvoyant.embedded_backend import EmbeddedLlamaServer
+
+    server = EmbeddedLlamaServer(n_parallel=1)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
