@@ -79,7 +79,7 @@ class ProxyResponse(Response):
         self.method = method
         self.path = path
         self.query = query
-        self.headers = headers
+        self.request_headers = headers
         self.body = body
         self.dialect = dialect
         self.metrics = metrics
@@ -148,7 +148,7 @@ class ProxyResponse(Response):
     async def _relay(self, send: Send) -> None:
         try:
             response = await self.upstream.open(
-                self.method, self.path, query=self.query, headers=self.headers, body=self.body
+                self.method, self.path, query=self.query, headers=self.request_headers, body=self.body
             )
         except RequestError as exc:
             self._count_upstream_error(exc)

@@ -1,0 +1,81 @@
+"""Run the proxy app on a real uvicorn server in a background thread (streaming and disconnects
+need a real server: httpx.ASGITransport buffers whole bodies)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import uvicorn
+
+from clairvoyant.app import create_app
+from clairvoyant.config import Settings
+from clairvoyant.features import Prompt
+from clairvoyant.predictor import Prediction
+
+
+class MarkerPredictor:
+    """Test double for the ONNX predictor: the prompt says what it is ("[short]", "[long]", or
+    "[p=0.37]"), so tests decide the order the queue must produce. Everything else is 0.5."""
+
+    def predict(self, prompt: Prompt) -> Prediction:
+        text = prompt.instruction
+        if "[short]" in text:
+            return Prediction(0.9, 0.08, 0.02)
+        if "[long]" in text:
+            return Prediction(0.02, 0.08, 0.9)
+        if "[p=" in text:
+            p = float(text.split("[p=", 1)[1].split("]", 1)[0])
+            return Prediction((1 - p) / 2, (1 - p) / 2, p)
+        return Prediction(0.25, 0.25, 0.5)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def running_proxy(settings: Settings, **app_kwargs: Any) -> Iterator[str]:
+    """Start ``create_app(settings, **app_kwargs)`` on a free loopback port; yield its base URL."""
+    port = free_port()
+    app = create_app(settings, **app_kwargs)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("proxy did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def wait_until(predicate: Any, timeout_s: float = 5.0, what: str = "condition") -> None:
+    """Poll a condition (for observing state across threads; never used to order events)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def queue_snapshot(base_url: str) -> dict[str, Any]:
+    return httpx.get(f"{base_url}/queue").json()
+
+
+async def gate_wait(gate: threading.Event) -> None:
+    """Await a threading.Event from the server's loop without blocking it."""
+    while not gate.is_set():
+        await asyncio.sleep(0.002)
