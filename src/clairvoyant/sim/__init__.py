@@ -1,0 +1,49 @@
+"""Discrete-event simulator of the proxy's non-preemptive queue, in virtual time.
+
+It drives the proxy's own ``JobQueue`` and policies (``clairvoyant.job_queue``,
+``clairvoyant.policy``): no second SJF lives here. It never imports the dispatcher, the app or
+any HTTP library. Modules:
+
+    workload     arrivals (Poisson, burst) and service-time models (normal, lognormal, replay, prompts)
+    predictors   scorers: oracle, noisy at a target ranking accuracy, a real predictor over prompts
+    engine       the event loop: ``simulate(workload, scores, policy=, starvation_timeout_s=, slots=)``
+    report       per-class percentiles, mean +/- std over seeds, JSON/CSV/markdown
+    plots        PNG plots (matplotlib, Agg)
+    experiments  conditions x seeds, and the paper's tau sweep and utilisation spectrum
+    command      ``clairvoyant simulate run | tau-sweep | spectrum``
+"""
+
+from __future__ import annotations
+
+from clairvoyant.sim.engine import Schedule, simulate
+from clairvoyant.sim.experiments import Condition, Setup, paper_service, run_conditions, spectrum, tau_sweep
+from clairvoyant.sim.predictors import NoisyScorer, OracleScorer, PredictorScorer, pairwise_accuracy
+from clairvoyant.sim.workload import (
+    LognormalService,
+    NormalService,
+    PromptService,
+    ReplayService,
+    Workload,
+    make_workload,
+)
+
+__all__ = [
+    "Condition",
+    "LognormalService",
+    "NoisyScorer",
+    "NormalService",
+    "OracleScorer",
+    "PredictorScorer",
+    "PromptService",
+    "ReplayService",
+    "Schedule",
+    "Setup",
+    "Workload",
+    "make_workload",
+    "pairwise_accuracy",
+    "paper_service",
+    "run_conditions",
+    "simulate",
+    "spectrum",
+    "tau_sweep",
+]
