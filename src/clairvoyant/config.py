@@ -22,11 +22,19 @@ from pydantic_settings import (
 
 from clairvoyant.errors import ConfigError
 
-__all__ = ["ENV_PREFIX", "PolicyName", "Settings", "load_settings"]
+__all__ = ["CLI_FLAGS", "ENV_PREFIX", "PolicyName", "Settings", "load_settings", "settings_reference_markdown"]
 
 ENV_PREFIX = "CLAIRVOYANT_"
 PolicyName = Literal["fcfs", "sjf"]
 DisconnectMode = Literal["drain", "abort"]
+
+
+# Settings that `clairvoyant serve` also takes as command-line flags (they override everything).
+CLI_FLAGS: dict[str, str] = {
+    "host": "--host", "port": "--port", "upstream_url": "--upstream", "policy": "--policy",
+    "starvation_timeout_s": "--tau", "slots": "--slots", "max_queue": "--max-queue",
+    "disconnect_mode": "--disconnect-mode", "model_path": "--model", "log_level": "--log-level",
+}
 
 
 class Settings(BaseSettings):
@@ -128,3 +136,19 @@ def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Se
         return Settings(**layered)
     except ValidationError as exc:
         raise ConfigError(_describe(exc)) from None
+
+
+def settings_reference_markdown() -> str:
+    """The README's configuration table, generated from ``Settings`` (a test keeps them equal)."""
+    flags = CLI_FLAGS
+    rows = [
+        "| setting | environment variable | flag | default | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for name, field in Settings.model_fields.items():
+        default = "unset" if field.default is None else f"`{field.default}`"
+        flag = f"`{flags[name]}`" if name in flags else ""
+        rows.append(
+            f"| `{name}` | `{ENV_PREFIX}{name.upper()}` | {flag} | {default} | {field.description} |"
+        )
+    return "\n".join(rows) + "\n"
