@@ -1,23 +1,39 @@
 """The only feature code anywhere: lexical features of a prompt, used by training and serving alike.
 
-A feature set is versioned by name. ``paper19`` is the paper's 19 features (section 3.2) in the
-paper's order, with the reference implementation's defects fixed:
+A feature set is versioned by name; a model card records the name and the feature names, and the
+predictor refuses a model whose card does not match ``FEATURE_SETS[name].names``. Changing what a
+feature computes means a new feature-set name, never an edit in place.
+
+``paper19``: the paper's 19 features (section 3.2) in the paper's order, with the reference
+implementation's defects fixed:
 
 - the verb is the *leading* instruction verb (after openers such as "please", "can you"),
   not the first match anywhere in the text;
-- keywords match whole words ("information" is not "format", "stable" is not "table");
-- ``prompt_token_len`` is always ``len(text) // 4`` in Unicode code points (never bytes).
+- keywords match whole words ("information" is not "format", "stable" is not "table",
+  "listen" is not "list");
+- ``prompt_token_len`` is always ``len(instruction) // 4`` in Unicode code points (never bytes),
+  at training and serving time alike.
+
+``rich_v1``: ``paper19`` followed by conversation and structure features (history size, turns,
+system prompt, lines, code fences and symbols, requested quantities such as "10 ideas" or
+"2000-word") and counts of curated word groups (long-form artifacts, code, detail, brevity,
+continuation, chit-chat, role-play, reply constraints, rewriting, creation, questions).
+
+Words: the scanned text is UTF-8 encoded, ASCII-lower-cased, ASCII punctuation except ``#+_`` is
+turned into spaces, and the result is split on whitespace (so "step-by-step" is three words,
+"what's" is "what" + "s", "c++" and "c#" stay whole). Non-ASCII words never match the English
+keyword sets. Everything runs in C-level str/bytes/set operations (one regex only when a trigger
+word is present), so extraction costs a few microseconds.
 
 Only the first ``SCAN_HEAD_CHARS`` and last ``SCAN_TAIL_CHARS`` characters are scanned for words,
-so a megabyte prompt costs the same as a long one; lengths always use the whole text.
-
-The model card records the feature-set name and its feature names; the predictor refuses a model
-whose card does not match ``FEATURE_SETS[name].names``.
+so a megabyte prompt costs the same as a long one; lengths always use the whole text. No input
+raises: empty text, lone surrogates, control characters and any script are all valid.
 """
 
 from __future__ import annotations
 
 import re
+import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -25,11 +41,14 @@ import numpy as np
 
 __all__ = [
     "FEATURE_SETS",
+    "SCAN_HEAD_CHARS",
+    "SCAN_TAIL_CHARS",
     "VERBS",
     "FeatureSet",
     "Prompt",
     "get_feature_set",
     "leading_verb",
+    "words_of",
 ]
 
 SCAN_HEAD_CHARS = 16_000
@@ -56,75 +75,12 @@ class Prompt:
         return len(self.instruction) if self.context_chars < 0 else self.context_chars
 
 
-# The paper's 13 verb categories, in the paper's column order.
-VERBS: tuple[str, ...] = (
-    "what", "write", "explain", "summarize", "how", "list", "implement",
-    "compare", "describe", "generate", "why", "define", "other",
-)
-_VERB_INDEX = {v: i for i, v in enumerate(VERBS)}
-# Spellings that mean the same category; everything else is "other".
-_VERB_ALIASES = {
-    "what's": "what", "whats": "what", "summarise": "summarize", "how's": "how",
-}
-# Openers skipped before the leading verb. Multi-word openers are matched word by word.
-_OPENERS: tuple[tuple[str, ...], ...] = tuple(
-    tuple(o.split())
-    for o in (
-        "i would like you to", "i'd like you to", "i want you to", "i need you to",
-        "can you please", "could you please", "would you please", "will you please",
-        "can you", "could you", "would you", "will you", "can u", "could u",
-        "help me", "please", "pls", "plz", "kindly", "hey", "hi", "hello", "ok", "okay",
-        "so", "now", "also", "and", "then", "dear", "chatgpt", "gpt", "assistant",
-    )
-)
-_LEAD_WORD_RE = re.compile(r"[a-z]+(?:'[a-z]+)?")
-_LEAD_WINDOW = 200
+# --------------------------------------------------------------------------------------------
+# Tokenizing into words (bytes)
 
-
-def leading_verb(lower_text: str) -> str:
-    """The verb category of the first instruction word, skipping openers. Input must be lower-cased."""
-    words = _LEAD_WORD_RE.findall(lower_text[:_LEAD_WINDOW])
-    i = 0
-    progressed = True
-    while progressed and i < len(words):
-        progressed = False
-        for opener in _OPENERS:
-            n = len(opener)
-            if tuple(words[i : i + n]) == opener:
-                i += n
-                progressed = True
-                break
-    if i >= len(words):
-        return "other"
-    word = words[i]
-    word = _VERB_ALIASES.get(word, word)
-    return word if word in _VERB_INDEX else "other"
-
-
-_WORD_RE = re.compile(r"[a-z0-9_#+]+(?:'[a-z]+)?")
-
-CODE_WORDS = frozenset(
-    """code function def class script program implement algorithm debug refactor import variable
-    loop recursion api sql regex react angular vue nextjs typescript javascript html css node express
-    django flask component endpoint middleware query python java c++ c# golang rust kotlin php ruby
-    bash shell json compile compiler bug exception""".split()
-)
-FORMAT_WORDS = frozenset(
-    """table tables list lists bullet bullets bulleted json csv markdown outline numbered enumerate
-    format formatted structure structured yaml xml""".split()
-)
-_FORMAT_PHRASE_RE = re.compile(r"\bstep[ -]by[ -]step\b")
-_LENGTH_RE = re.compile(
-    r"\b(?:brief(?:ly)?|concise(?:ly)?|short(?:ly)?|succinct(?:ly)?|one[- ]liner|tl;?dr|detailed|"
-    r"in detail|in depth|elaborate|in (?:one|a single|\d+) (?:word|words|sentence|sentences|line|lines|paragraph|paragraphs)|"
-    r"(?:no more than|not more than|at most|under|less than|fewer than|maximum of|max) \d+|"
-    r"\d+[- ](?:word|words|sentence|sentences|paragraph|paragraphs|page|pages))\b"
-)
-# Subordinating conjunctions and relative pronouns (paper 3.2: a proxy for syntactic complexity).
-CLAUSE_WORDS = frozenset(
-    """because although though while whereas when whenever if unless since after before until
-    once which who whom whose that where""".split()
-)
+# ASCII punctuation that separates words; '#', '+' and '_' stay inside words (c#, c++, snake_case).
+_SEPARATORS = set(string.punctuation) - set("#+_")
+_WORD_TABLE = bytes(32 if chr(i) in _SEPARATORS else i for i in range(256))
 
 
 def _scan_window(text: str) -> str:
@@ -133,24 +89,144 @@ def _scan_window(text: str) -> str:
     return text[:SCAN_HEAD_CHARS] + "\n" + text[-SCAN_TAIL_CHARS:]
 
 
+def _lower_bytes(window: str) -> bytes:
+    # surrogatepass: a lone surrogate (legal in a JSON string) must not raise.
+    return window.encode("utf-8", "surrogatepass").lower()
+
+
+def words_of(text: str) -> list[str]:
+    """The words the keyword features see, in order (a debugging and test aid)."""
+    return [w.decode("utf-8", "replace") for w in _lower_bytes(_scan_window(text)).translate(_WORD_TABLE).split()]
+
+
+def _bset(words: str) -> frozenset[bytes]:
+    return frozenset(w.encode() for w in words.split())
+
+
+# --------------------------------------------------------------------------------------------
+# The leading verb
+
+# The paper's 13 verb categories, in the paper's column order.
+VERBS: tuple[str, ...] = (
+    "what", "write", "explain", "summarize", "how", "list", "implement",
+    "compare", "describe", "generate", "why", "define", "other",
+)
+_VERB_INDEX = {v: i for i, v in enumerate(VERBS)}
+_VERB_OF: dict[bytes, int] = {v.encode(): i for i, v in enumerate(VERBS) if v != "other"}
+# Spellings of the same category ("what's" tokenizes to "what" + "s").
+_VERB_OF.update({b"whats": 0, b"summarise": 3})
+_OTHER = _VERB_INDEX["other"]
+
+# Openers skipped before the leading verb, matched word by word (longest first).
+_OPENER_PHRASES = (
+    "i would like you to", "i'd like you to", "i want you to", "i need you to",
+    "can you please", "could you please", "would you please", "will you please",
+    "can you", "could you", "would you", "will you", "can u", "could u",
+    "help me", "please", "pls", "plz", "kindly", "hey", "hi", "hello", "ok", "okay",
+    "so", "now", "also", "and", "then", "dear", "chatgpt", "gpt", "assistant",
+)
+_OPENERS: dict[bytes, tuple[tuple[bytes, ...], ...]] = {}
+for _phrase in sorted(_OPENER_PHRASES, key=lambda p: -len(p.split())):
+    _ws = tuple(_lower_bytes(_phrase).translate(_WORD_TABLE).split())
+    _OPENERS[_ws[0]] = _OPENERS.get(_ws[0], ()) + (_ws,)
+del _phrase, _ws
+_LEAD_WORDS = 24  # openers are looked for among the first words only
+
+
+def _lead_index(words: list[bytes]) -> int:
+    """Index in ``words`` of the first word after the openers (len(words) if none)."""
+    i, n = 0, len(words)
+    while i < n:
+        candidates = _OPENERS.get(words[i])
+        if candidates is None or i >= _LEAD_WORDS:
+            return i
+        for opener in candidates:
+            k = len(opener)
+            if tuple(words[i : i + k]) == opener:
+                i += k
+                break
+        else:
+            return i
+    return i
+
+
+def _verb_column(words: list[bytes]) -> int:
+    i = _lead_index(words)
+    return _VERB_OF.get(words[i], _OTHER) if i < len(words) else _OTHER
+
+
+def leading_verb(text: str) -> str:
+    """The verb category of the first instruction word after openers ("please", "can you", ...)."""
+    return VERBS[_verb_column(_lower_bytes(text[:2000]).translate(_WORD_TABLE).split())]
+
+
+# --------------------------------------------------------------------------------------------
+# paper19
+
+CODE_WORDS = _bset(
+    """code function def class script program implement algorithm debug refactor import variable
+    loop recursion api sql regex react angular vue nextjs typescript javascript html css node express
+    django flask component endpoint middleware query python java c++ c# golang rust kotlin php ruby
+    bash shell json compile compiler bug exception"""
+)
+FORMAT_WORDS = _bset(
+    """table tables list lists bullet bullets bulleted json csv markdown outline numbered enumerate
+    format formatted structure structured yaml xml"""
+)
+# Subordinating conjunctions and relative pronouns (paper 3.2: a proxy for syntactic complexity).
+CLAUSE_WORDS = _bset(
+    """because although though while whereas when whenever if unless since after before until
+    once which who whom whose that where"""
+)
+# A length-constraint pattern can only match when one of these words is present (checked first,
+# so the regex runs on few prompts). The regex sees the separator-normalized word stream.
+_LENGTH_TRIGGERS = _bset(
+    """brief briefly concise concisely short shortly succinct succinctly liner tl tldr detailed
+    detail depth elaborate word words sentence sentences line lines paragraph paragraphs page pages
+    than most under maximum max"""
+)
+_LENGTH_RE = re.compile(
+    rb"\b(?:brief(?:ly)?|concise(?:ly)?|short(?:ly)?|succinct(?:ly)?|one liner|tl dr|tldr|detailed|"
+    rb"in detail|in depth|elaborate|in (?:one|a single|\d+) (?:word|words|sentence|sentences|line|lines|"
+    rb"paragraph|paragraphs)|(?:no more than|not more than|at most|under|less than|fewer than|maximum of|max) \d+|"
+    rb"\d+ (?:word|words|sentence|sentences|paragraph|paragraphs|page|pages))\b"
+)
+_STEP_BY_STEP = b" step by step "
+
+
+class _Scan:
+    """The words of one prompt, computed once and shared by every feature of a set."""
+
+    __slots__ = ("text", "window", "norm", "words", "wset")
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.window = _scan_window(text)
+        self.norm = b" " + b" ".join(_lower_bytes(self.window).translate(_WORD_TABLE).split()) + b" "
+        self.words = self.norm.split()
+        self.wset = frozenset(self.words)
+
+
 def _ends_with_question(text: str) -> bool:
-    stripped = text.rstrip()
-    return bool(stripped) and stripped[-1] in "?？"
+    tail = text[-256:].rstrip()
+    return bool(tail) and tail[-1] in "?？"
+
+
+def _fill_paper19(scan: _Scan, out: np.ndarray) -> None:
+    wset = scan.wset
+    out[0] = len(scan.text) // 4
+    out[1] = 0.0 if (CODE_WORDS.isdisjoint(wset) and "```" not in scan.window) else 1.0
+    out[2] = 0.0 if (_LENGTH_TRIGGERS.isdisjoint(wset) or _LENGTH_RE.search(scan.norm) is None) else 1.0
+    out[3] = 1.0 if _ends_with_question(scan.text) else 0.0
+    out[4] = 0.0 if (FORMAT_WORDS.isdisjoint(wset) and _STEP_BY_STEP not in scan.norm) else 1.0
+    hits = CLAUSE_WORDS & wset
+    out[5] = sum(map(scan.words.count, hits)) if hits else 0
+    out[6:19] = 0.0
+    out[6 + _verb_column(scan.words)] = 1.0
 
 
 def _paper19(prompt: Prompt, out: np.ndarray) -> None:
-    text = prompt.instruction
-    lower = _scan_window(text).lower()
-    words = _WORD_RE.findall(lower)
-    word_set = set(words)
-    out[0] = len(text) // 4
-    out[1] = 1.0 if (word_set & CODE_WORDS or "```" in lower) else 0.0
-    out[2] = 1.0 if _LENGTH_RE.search(lower) else 0.0
-    out[3] = 1.0 if _ends_with_question(text) else 0.0
-    out[4] = 1.0 if (word_set & FORMAT_WORDS or _FORMAT_PHRASE_RE.search(lower)) else 0.0
-    out[5] = sum(1 for w in words if w in CLAUSE_WORDS)
-    out[6:19] = 0.0
-    out[6 + _VERB_INDEX[leading_verb(lower)]] = 1.0
+    _fill_paper19(_Scan(prompt.instruction), out)
 
 
 PAPER19_NAMES: tuple[str, ...] = (
@@ -169,10 +245,156 @@ PAPER19_GROUPS: dict[str, tuple[str, ...]] = {
     "instruction_verb": tuple(f"verb_{v}" for v in VERBS),
 }
 
+# --------------------------------------------------------------------------------------------
+# rich_v1: word groups (counts of distinct words present)
+
+_RICH_GROUPS: tuple[tuple[str, frozenset[bytes]], ...] = (
+    ("w_longform", _bset(
+        """essay article articles blog post posts story stories report script outline plan chapter
+        chapters book guide tutorial course curriculum lesson lessons proposal letter speech
+        presentation slides email newsletter itinerary quiz questions examples website landing
+        documentation readme description descriptions paper thesis novel episode scene lyrics
+        song poem agenda schedule syllabus strategy campaign""")),
+    ("w_code", _bset(
+        """code function functions def class python javascript js typescript html css sql api
+        implement algorithm script json node nodejs react database server query component
+        program app application backend frontend endpoint java c++ c# golang rust php ruby bash
+        regex array method variable print input output error import return unity flutter
+        django flask spring docker kubernetes aws""")),
+    ("w_detail", _bset(
+        """detailed detail details comprehensive complete full thorough elaborate extensive depth
+        expand longer long entire whole every each all steps include including additional more
+        examples""")),
+    ("w_brief", _bset(
+        """brief briefly short shorter concise concisely summary summarize summarise tldr quick
+        quickly simple simply sentence sentences one word yes no only just""")),
+    ("w_continue", _bset("""continue continues finish proceed resume rest keep going further next""")),
+    ("w_chat", _bset(
+        """thanks thank thx great awesome cool nice perfect ok okay hi hello hey good wow lol
+        sure correct right exactly yes no love amazing""")),
+    ("w_roleplay", _bset("""act pretend roleplay role imagine simulate persona character game play""")),
+    ("w_reply_constraint", _bset(
+        """reply respond answer say confirm acknowledge understood ready wait remember only""")),
+    ("w_rewrite", _bset(
+        """rewrite rephrase paraphrase improve edit fix correct proofread translate convert shorten
+        polish revise grammar reword""")),
+    ("w_create", _bset(
+        """write create generate make build develop design produce draft compose give provide list
+        show suggest add""")),
+    ("w_question", _bset(
+        """what why how who when where which is are does do did can could should would will was were
+        whats""")),
+    ("w_personal", _bset("""i i'm im me my mine we our she her he him his they them am was were""")),
+)
+
+_QUESTION_LEADS = _bset("what why how who when where which is are does do did can could should would will whats")
+_CONTINUE_LEADS = _bset("continue finish proceed resume go keep more next rest")
+_CREATE_LEADS = _bset("write create generate make build develop design produce draft compose give provide list")
+_CONTEXT_LEADS = _bset("i my we our here this the")
+
+_UNIT_WORDS = {  # requested text size: words per unit
+    b"word": 1, b"words": 1, b"sentence": 20, b"sentences": 20, b"line": 10, b"lines": 10,
+    b"paragraph": 120, b"paragraphs": 120, b"page": 450, b"pages": 450,
+}
+_ITEM_WORDS = _bset(
+    """ideas examples questions tips ways steps points reasons names titles options suggestions
+    items facts things strategies methods topics questions headlines slogans sentences prompts
+    answers words lines paragraphs pages chapters days weeks posts tweets emails variations
+    versions alternatives keywords bullet bullets benefits features"""
+)
+_QUANTITY_TRIGGERS = _ITEM_WORDS | frozenset(_UNIT_WORDS)
+_NUMBER_WORDS = {
+    b"one": 1, b"two": 2, b"three": 3, b"four": 4, b"five": 5, b"six": 6, b"seven": 7, b"eight": 8,
+    b"nine": 9, b"ten": 10, b"eleven": 11, b"twelve": 12, b"fifteen": 15, b"twenty": 20,
+    b"thirty": 30, b"forty": 40, b"fifty": 50, b"hundred": 100, b"a": 1,
+}
+_QUANTITY_RE = re.compile(
+    rb" (\d{1,6}|" + b"|".join(sorted(_NUMBER_WORDS)) + rb") (?:[a-z]+ )?("
+    + b"|".join(sorted(_QUANTITY_TRIGGERS, key=lambda w: (-len(w), w))) + rb")(?= )"
+)
+_QUANTITY_CAP = 100_000.0
+
+
+def _quantities(scan: _Scan) -> tuple[float, float]:
+    """(largest requested item count, largest requested text size in words); 0 when none."""
+    if _QUANTITY_TRIGGERS.isdisjoint(scan.wset):
+        return 0.0, 0.0
+    items = size = 0.0
+    for number, noun in _QUANTITY_RE.findall(scan.norm):
+        value = float(number) if number.isdigit() else float(_NUMBER_WORDS[number])
+        value = min(value, _QUANTITY_CAP)
+        unit = _UNIT_WORDS.get(noun)
+        if unit is not None:
+            size = max(size, value * unit)
+        if noun in _ITEM_WORDS:
+            items = max(items, value)
+    return items, size
+
+
+_CODE_SYMBOLS = ("{", ";", "=", "()", "</", "->")
+
+
+def _rich_v1(prompt: Prompt, out: np.ndarray) -> None:
+    scan = _Scan(prompt.instruction)
+    _fill_paper19(scan, out)
+    text, window, wset, words = scan.text, scan.window, scan.wset, scan.words
+    turns = max(int(prompt.turns), 1)
+    system = max(int(prompt.system_chars), 0)
+    history = max(prompt.total_chars - len(text) - system, 0)
+    out[19] = history
+    out[20] = turns
+    out[21] = system
+    out[22] = history / (turns - 1) if turns > 1 else 0.0
+    out[23] = window.count("\n")
+    out[24] = window.count("```")
+    out[25] = sum(map(window.count, _CODE_SYMBOLS))
+    out[26] = len(words)
+    out[27], out[28] = _quantities(scan)
+    j = 29
+    for _, group in _RICH_GROUPS:
+        out[j] = len(group & wset)
+        j += 1
+    i = _lead_index(words)
+    lead = words[i] if i < len(words) else b""
+    out[j] = 1.0 if lead in _QUESTION_LEADS else 0.0
+    out[j + 1] = 1.0 if lead in _CONTINUE_LEADS else 0.0
+    out[j + 2] = 1.0 if lead in _CREATE_LEADS else 0.0
+    out[j + 3] = 1.0 if lead in _CONTEXT_LEADS else 0.0
+    out[j + 4] = 1.0 if text.isascii() else 0.0
+    tail = text[-256:].rstrip()
+    out[j + 5] = 1.0 if tail.endswith(":") else 0.0
+    out[j + 6] = window.count('"')
+
+
+RICH_V1_EXTRA: tuple[str, ...] = (
+    "history_chars", "turns", "system_chars", "mean_history_message_chars", "line_count",
+    "code_fence_count", "code_symbol_count", "word_count", "requested_items", "requested_words",
+) + tuple(name for name, _ in _RICH_GROUPS) + (
+    "lead_question", "lead_continue", "lead_create", "lead_context", "is_ascii", "ends_with_colon",
+    "quote_count",
+)
+RICH_V1_NAMES: tuple[str, ...] = PAPER19_NAMES + RICH_V1_EXTRA
+RICH_V1_GROUPS: dict[str, tuple[str, ...]] = {
+    **PAPER19_GROUPS,
+    "conversation": ("history_chars", "turns", "system_chars", "mean_history_message_chars"),
+    "structure": ("line_count", "code_fence_count", "code_symbol_count", "word_count", "ends_with_colon", "quote_count", "is_ascii"),
+    "requested_quantity": ("requested_items", "requested_words"),
+    "word_groups": tuple(name for name, _ in _RICH_GROUPS),
+    "lead_word": ("lead_question", "lead_continue", "lead_create", "lead_context"),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# The registry
+
 
 @dataclass(frozen=True)
 class FeatureSet:
-    """A named, versioned feature vector. ``extract`` allocates; ``extract_into`` fills a buffer."""
+    """A named, versioned feature vector. ``extract`` allocates; ``extract_into`` fills a buffer.
+
+    Contract: every method accepts any Prompt (any text, any size) without raising, and fills
+    every one of the ``size`` columns.
+    """
 
     name: str
     names: tuple[str, ...]
@@ -200,10 +422,13 @@ class FeatureSet:
 
 FEATURE_SETS: dict[str, FeatureSet] = {
     "paper19": FeatureSet("paper19", PAPER19_NAMES, PAPER19_GROUPS, _paper19),
+    "rich_v1": FeatureSet("rich_v1", RICH_V1_NAMES, RICH_V1_GROUPS, _rich_v1),
 }
+assert all(len(set(fs.names)) == fs.size for fs in FEATURE_SETS.values())
 
 
 def get_feature_set(name: str) -> FeatureSet:
+    """The feature set registered as ``name``; KeyError naming the known sets otherwise."""
     try:
         return FEATURE_SETS[name]
     except KeyError:
