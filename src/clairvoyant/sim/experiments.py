@@ -160,10 +160,19 @@ def run_conditions(
 
 
 def relative_change(result: ConditionResult, baseline: ConditionResult, key: str) -> dict[str, float]:
-    """Per-seed ``result/baseline - 1`` of metric ``key``, as mean and std over seeds."""
-    changes = [r[key] / b[key] - 1.0 for r, b in zip(result.per_seed, baseline.per_seed, strict=True)]
+    """Per-seed ``result/baseline - 1`` of metric ``key``, as mean and std over seeds.
+
+    A zero baseline (e.g. a median wait of 0 at low load) gives 0 if the result is 0 too, else NaN.
+    """
+    changes = [_ratio(r[key], b[key]) for r, b in zip(result.per_seed, baseline.per_seed, strict=True)]
     vals = np.array(changes)
     return {"mean": float(vals.mean()), "std": float(vals.std(ddof=1)) if len(vals) > 1 else 0.0}
+
+
+def _ratio(value: float, base: float) -> float:
+    if base == 0:
+        return 0.0 if value == 0 else math.nan
+    return value / base - 1.0
 
 
 def _resolve_mu_short(mu_short_s: float | str, fcfs: ConditionResult) -> tuple[float, float]:

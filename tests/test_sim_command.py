@@ -1,0 +1,70 @@
+"""`clairvoyant simulate` round trips: flags in, JSON/CSV/markdown (and PNG) files out."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from clairvoyant.sim import command
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    return command.run(parser.parse_args(argv))
+
+
+def test_run_writes_json_and_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    argv = ["run", "--n", "300", "--seeds", "2", "--rho", "0.7", "--predictor", "noisy", "--accuracy", "0.8",
+            "--conditions", "fcfs", "sjf:10.5", "sjf", "--out", str(out), "--no-plots", "--no-progress"]  # fmt: skip
+    assert run(argv) == 0
+    data = json.loads((out / "sim_run.json").read_text())
+    assert [c["name"] for c in data["conditions"]] == ["fcfs", "sjf tau=10.5", "sjf tau=inf"]
+    assert data["setup"]["rho_nominal"] == pytest.approx(0.7)
+    assert len(data["conditions"][0]["per_seed"]) == 2
+    assert 0.7 < data["conditions"][0]["summary"]["accuracy"]["mean"] < 0.9
+    with (out / "sim_run.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    p50 = {r["condition"]: float(r["mean"]) for r in rows if r["metric"] == "short.sojourn.p50"}
+    expected = {c["name"]: c["summary"]["short.sojourn.p50"]["mean"] for c in data["conditions"]}
+    assert p50 == pytest.approx(expected, rel=1e-5)
+    with (out / "sim_run_seeds.csv").open() as fh:
+        assert len(list(csv.DictReader(fh))) == 6
+    printed = capsys.readouterr().out
+    assert "achieved Short-vs-Long pairwise ranking accuracy" in printed and "| FCFS |" in printed
+
+
+def test_tau_sweep_and_spectrum_with_plots(tmp_path: Path) -> None:
+    assert run(["tau-sweep", "--n", "200", "--seeds", "2", "--multiples", "1", "3", "--out", str(tmp_path), "--no-progress"]) == 0
+    sweep = json.loads((tmp_path / "sim_tau_sweep.json").read_text())
+    assert sweep["conditions"][-1]["tau_s"] == "inf"
+    assert (tmp_path / "sim_tau_sweep.png").stat().st_size > 10_000
+    assert "Short P50" in (tmp_path / "sim_tau_sweep.md").read_text()
+    assert run(["spectrum", "--n", "200", "--seeds", "2", "--rhos", "0.3", "0.8", "--out", str(tmp_path), "--no-progress"]) == 0
+    spec = json.loads((tmp_path / "sim_spectrum.json").read_text())
+    assert [p["rho"] for p in spec["points"]] == [0.3, 0.8]
+    assert (tmp_path / "sim_spectrum.png").stat().st_size > 10_000
+
+
+def test_prompts_workload_from_the_cli(tmp_path: Path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        '{"prompt": "hi", "output_tokens": 10, "class": "short"}\n{"prompt": "essay", "output_tokens": 800, "class": "long"}\n'
+    )
+    argv = ["run", "--service", "prompts", "--prompts", str(prompts), "--c0", "0.2", "--c-tok", "0.01",
+            "--n", "100", "--seeds", "1", "--rate", "0.1", "--out", str(tmp_path), "--no-plots", "--no-progress"]  # fmt: skip
+    assert run(argv) == 0
+    data = json.loads((tmp_path / "sim_run.json").read_text())
+    assert data["setup"]["mean_service_s"] == pytest.approx(0.2 + 0.01 * 405)
+    text = (tmp_path / "sim_run.json").read_text() + (tmp_path / "sim_run.csv").read_text()
+    assert "essay" not in text  # no prompt text in any output
+
+
+def test_onnx_predictor_requires_prompts(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        run(["run", "--predictor", "onnx", "--out", str(tmp_path), "--no-progress"])
