@@ -109,8 +109,13 @@ def _check_card(card: dict[str, Any], model_path: Path) -> FeatureSet:
     if tuple(card.get("classes") or ()) != CLASS_NAMES:
         raise ModelError(f"model {model_path} card classes {card.get('classes')!r} are not {list(CLASS_NAMES)}")
     expected_sha = card.get("onnx_sha256")
-    if expected_sha is not None and expected_sha != _sha256(model_path):
-        raise ModelError(f"model {model_path} does not match the sha256 in its card")
+    if not isinstance(expected_sha, str):
+        raise ModelError(f"model {model_path} card has no 'onnx_sha256': cannot tell it describes this file")
+    if expected_sha != _sha256(model_path):
+        raise ModelError(
+            f"model {model_path} does not match the sha256 in its card {card_path_for(model_path)}: "
+            "the file was replaced or the card belongs to another model"
+        )
     return feature_set
 
 
@@ -143,29 +148,50 @@ class OnnxPredictor:
         if len(inputs) != 1 or inputs[0].shape[-1] != self.feature_set.size:
             raise ModelError(f"model {path} input does not take {self.feature_set.size} features")
         self._input_name = inputs[0].name
-        outputs = [o.name for o in self._session.get_outputs()]
+        outputs = {o.name: o for o in self._session.get_outputs()}
         if "probabilities" not in outputs:
-            raise ModelError(f"model {path} has no 'probabilities' output (has {outputs})")
+            raise ModelError(f"model {path} has no 'probabilities' output (has {sorted(outputs)})")
         self._output_names = ["probabilities"]
-        # One reusable input row; the lock makes the shared buffer safe if called from threads.
+        # The per-request path avoids every per-call allocation it can: one input row and one
+        # output row, bound once to the session (IOBinding over numpy buffers shared with ORT), so
+        # a call is "fill the row in place, run, read three floats". The lock makes the shared
+        # buffers safe if predict is called from several threads.
         self._row = np.zeros((1, self.feature_set.size), dtype=np.float32)
+        self._out = np.zeros((1, len(CLASS_NAMES)), dtype=np.float32)
+        self._binding = self._session.io_binding()
+        self._input_value = ort.OrtValue.ortvalue_from_numpy(self._row)  # shares self._row's memory
+        self._binding.bind_ortvalue_input(self._input_name, self._input_value)
+        self._binding.bind_output(
+            "probabilities", "cpu", 0, np.float32, list(self._out.shape), self._out.ctypes.data
+        )
+        self._row_view, self._out_view = self._row[0], self._out[0]
+        self._extract_into = self.feature_set.extract_into
+        self._run_bound = self._session.run_with_iobinding
         self._lock = threading.Lock()
+        self.predict(Prompt(""))  # warm up (first-run allocations) and prove the binding works
 
     @property
     def feature_set_name(self) -> str:
         return self.feature_set.name
 
     def predict(self, prompt: Prompt) -> Prediction:
+        """P(Short), P(Medium), P(Long) for one request. Never raises on any Prompt text."""
         with self._lock:
-            self.feature_set.extract_into(prompt, self._row[0])
-            probs = self._session.run(self._output_names, {self._input_name: self._row})[0][0]
-        return Prediction(float(probs[0]), float(probs[1]), float(probs[2]))
+            self._extract_into(prompt, self._row_view)
+            self._run_bound(self._binding)
+            p_short, p_medium, p_long = self._out_view.tolist()
+        return Prediction(p_short, p_medium, p_long)
 
     def predict_features(self, matrix: np.ndarray) -> np.ndarray:
         """Probabilities [N, 3] for a feature matrix (bulk scoring and evaluation)."""
         matrix = np.ascontiguousarray(matrix, dtype=np.float32)
+        if matrix.ndim != 2 or matrix.shape[1] != self.feature_set.size:
+            raise ValueError(f"expected a [N, {self.feature_set.size}] feature matrix, got {matrix.shape}")
+        if len(matrix) == 0:
+            return np.zeros((0, len(CLASS_NAMES)), dtype=np.float32)
         return np.asarray(self._session.run(self._output_names, {self._input_name: matrix})[0])
 
     def predict_many(self, prompts: list[Prompt]) -> list[Prediction]:
+        """``predict`` for each prompt, in one ONNX call."""
         probs = self.predict_features(self.feature_set.extract_many(prompts))
         return [Prediction(float(p[0]), float(p[1]), float(p[2])) for p in probs]

@@ -291,8 +291,7 @@ def build_split(pairs: Sequence[Pair], config: DataConfig, *, progress: bool = F
 
     from tqdm import tqdm
 
-    total = 2 * 3
-    bar = tqdm(total=total * max(quotas.values()), desc="sampling (English filter)", disable=not progress)
+    bar = tqdm(total=3 * sum(quotas.values()), desc="sampling (English filter)", disable=not progress)
     for is_test in (False, True):
         name = "test" if is_test else "train"
         available[name] = {}
