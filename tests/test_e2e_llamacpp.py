@@ -1,0 +1,187 @@
+"""End to end: the proxy with the shipped ONNX predictor in front of a REAL llama.cpp server
+(xllamacpp + SmolLM2), driven by the official openai client. Output lengths are forced with
+max_tokens + ignore_eos so service times are known."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from openai import AsyncOpenAI, OpenAI
+
+from clairvoyant.config import Settings
+from clairvoyant.embedded_backend import EmbeddedLlamaServer
+from clairvoyant.dialects import SCHEDULED_ENDPOINTS, prompt_from_body
+from clairvoyant.predictor import OnnxPredictor
+from proxy_harness import queue_snapshot, running_proxy, wait_until
+
+SHORT_PROMPTS = [
+    "What is the capital of France?",
+    "What year did World War II end?",
+    "Translate 'good morning' into Spanish.",
+    "What is 17 times 3?",
+]
+LONG_PROMPTS = [
+    "Write a detailed 2000-word essay on the causes and consequences of the French Revolution, with sections and examples.",
+    "Write a complete Python implementation of a web server with routing, middleware, templates and tests, and explain every part in detail.",
+    "Write a long story in ten chapters about a detective in 1920s Paris, with dialogue and a twist ending.",
+    "Generate a comprehensive 30-day training plan for a marathon, day by day, with nutrition advice and explanations for each session.",
+]
+
+
+@pytest.fixture(scope="module")
+def predictor() -> OnnxPredictor:
+    return OnnxPredictor()
+
+
+@pytest.fixture(scope="module")
+def proxy_url(llama_server: EmbeddedLlamaServer, predictor: OnnxPredictor) -> Iterator[str]:
+    settings = Settings(upstream_url=llama_server.base_url, starvation_timeout_s=600)
+    with running_proxy(settings, predictor=predictor) as url:
+        yield url
+
+
+def backend_metric(server: EmbeddedLlamaServer, name: str) -> float:
+    for line in httpx.get(f"{server.base_url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in llama.cpp /metrics")
+
+
+def chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+FORCE = {"ignore_eos": True}
+
+
+def test_non_streaming_chat_round_trip(proxy_url: str) -> None:
+    with OpenAI(base_url=f"{proxy_url}/v1", api_key="sk-unused", max_retries=0, timeout=120) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model="smollm2", messages=chat("Name a colour."), max_tokens=6, extra_body=FORCE
+        )
+        completion = raw.parse()
+    assert completion.usage is not None and completion.usage.completion_tokens == 6
+    assert completion.choices[0].message.content
+    assert raw.headers["x-request-id"]
+    assert 0.0 <= float(raw.headers["x-clairvoyant-p-long"]) <= 1.0
+    assert raw.headers["x-clairvoyant-predicted-class"] in ("short", "medium", "long")
+
+
+def test_streaming_chat_and_completion_round_trips(proxy_url: str) -> None:
+    with OpenAI(base_url=f"{proxy_url}/v1", api_key="sk-unused", max_retries=0, timeout=120) as client:
+        stream = client.chat.completions.create(
+            model="smollm2", messages=chat("Count to five."), max_tokens=12, stream=True,
+            stream_options={"include_usage": True}, extra_body=FORCE,
+        )
+        chunks = list(stream)
+        text = client.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=5, extra_body=FORCE)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert content
+    assert usage and usage[-1].completion_tokens == 12
+    assert text.usage is not None and text.usage.completion_tokens == 5
+    assert text.choices[0].text
+
+
+def test_bad_request_is_answered_in_openai_shape_by_the_proxy(proxy_url: str) -> None:
+    r = httpx.post(f"{proxy_url}/v1/chat/completions", content=b"{", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_shorts_complete_before_any_long_when_queued_behind_a_long_job(
+    proxy_url: str, predictor: OnnxPredictor
+) -> None:
+    """The paper's n=8 check: a long request holds the slot; 4 Short and 4 Long arrive together."""
+    endpoint = SCHEDULED_ENDPOINTS["/v1/chat/completions"]
+    score = lambda text: predictor.predict(prompt_from_body(endpoint, {"messages": chat(text)})).p_long  # noqa: E731
+    short_scores = [score(p) for p in SHORT_PROMPTS]
+    long_scores = [score(p) for p in LONG_PROMPTS]
+    assert max(short_scores) < min(long_scores), (short_scores, long_scores)  # the premise of the test
+
+    async def scenario() -> list[str]:
+        finished: list[str] = []
+        async with AsyncOpenAI(base_url=f"{proxy_url}/v1", api_key="sk-unused", max_retries=0, timeout=300) as client:
+
+            async def run(tag: str, text: str, tokens: int) -> None:
+                await client.chat.completions.create(
+                    model="smollm2", messages=chat(text), max_tokens=tokens, extra_body=FORCE
+                )
+                finished.append(tag)
+
+            holder = asyncio.create_task(run("holder", LONG_PROMPTS[0], 200))
+            while not queue_snapshot(proxy_url)["in_flight"]:
+                await asyncio.sleep(0.01)
+            batch = [run(f"long{i}", p, 24) for i, p in enumerate(LONG_PROMPTS)]
+            batch += [run(f"short{i}", p, 4) for i, p in enumerate(SHORT_PROMPTS)]
+            tasks = [asyncio.create_task(c) for c in batch]
+            while len(queue_snapshot(proxy_url)["waiting"]) < 8 and not holder.done():
+                await asyncio.sleep(0.01)
+            assert not holder.done(), "the holder finished before the batch queued; make it longer"
+            await asyncio.gather(holder, *tasks)
+        return finished
+
+    finished = asyncio.run(scenario())
+    assert finished[0] == "holder"
+    assert sorted(finished[1:5]) == ["short0", "short1", "short2", "short3"], finished
+    assert sorted(finished[5:]) == ["long0", "long1", "long2", "long3"], finished
+
+
+def test_a_client_that_leaves_while_queued_is_never_sent(proxy_url: str, llama_server: EmbeddedLlamaServer) -> None:
+    before = backend_metric(llama_server, "llamacpp:tokens_predicted_total")
+
+    async def scenario() -> None:
+        async with AsyncOpenAI(base_url=f"{proxy_url}/v1", api_key="sk-unused", max_retries=0, timeout=300) as client:
+            holder = asyncio.create_task(
+                client.chat.completions.create(model="smollm2", messages=chat("Tell me a story."), max_tokens=120, extra_body=FORCE)
+            )
+            while not queue_snapshot(proxy_url)["in_flight"]:
+                await asyncio.sleep(0.01)
+            leaver = asyncio.create_task(
+                client.chat.completions.create(model="smollm2", messages=chat("What is 2+2?"), max_tokens=37, extra_body=FORCE)
+            )
+            while len(queue_snapshot(proxy_url)["waiting"]) < 1:
+                await asyncio.sleep(0.01)
+            leaver.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await leaver
+            while queue_snapshot(proxy_url)["waiting"]:
+                await asyncio.sleep(0.01)
+            assert not holder.done(), "the holder finished too early for the test to mean anything"
+            await holder
+            await client.chat.completions.create(model="smollm2", messages=chat("Hi"), max_tokens=3, extra_body=FORCE)
+
+    asyncio.run(scenario())
+    # Exactly the holder's 120 and the follow-up's 3 tokens were generated: the leaver's 37 never were.
+    assert backend_metric(llama_server, "llamacpp:tokens_predicted_total") - before == 123
+
+
+def test_a_client_that_leaves_mid_stream_lets_the_next_request_run(
+    proxy_url: str, llama_server: EmbeddedLlamaServer
+) -> None:
+    before = backend_metric(llama_server, "llamacpp:n_decode_total")
+    with httpx.Client(timeout=120) as client:
+        with client.stream(
+            "POST", f"{proxy_url}/v1/chat/completions",
+            json={"messages": chat("Write a very long essay."), "max_tokens": 1500, "stream": True, **FORCE},
+        ) as r:
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 3:
+                    break  # leave mid-generation
+        started = time.monotonic()
+        nxt = client.post(
+            f"{proxy_url}/v1/chat/completions",
+            json={"messages": chat("Hi"), "max_tokens": 2, **FORCE},
+        )
+        waited = time.monotonic() - started
+    assert nxt.status_code == 200 and nxt.json()["usage"]["completion_tokens"] == 2
+    wait_until(lambda: not queue_snapshot(proxy_url)["in_flight"], what="slot free")
+    decoded = backend_metric(llama_server, "llamacpp:n_decode_total") - before
+    # Aborted (the default): the backend stopped far short of 1,500 tokens before serving the next one.
+    assert decoded < 750, (decoded, waited)
