@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "predict": ("clairvoyant.bulk_predict", "score a JSONL file of prompts or chat bodies"),
     "train": ("clairvoyant.training.commands_train", "train the length predictor and export it to ONNX"),
     "evaluate": ("clairvoyant.training.commands_evaluate", "evaluate a model on the held-out split"),
+    "simulate": ("clairvoyant.sim.command", "discrete-event simulation of the scheduling queue"),
 }
 
 
