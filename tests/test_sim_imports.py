@@ -18,7 +18,7 @@ def test_simulator_never_imports_the_proxy(tmp_path: object) -> None:
         parser = argparse.ArgumentParser()
         command.add_arguments(parser)
         out = tempfile.mkdtemp()
-        command.run(parser.parse_args(["tau-sweep", "--n", "100", "--seeds", "1", "--out", out, "--no-progress"]))
+        command.run(parser.parse_args(["tau-sweep", "--n", "100", "--seeds", "1", "--out", out, "--no-progress", "--no-plots"]))
         loaded = [m for m in {FORBIDDEN!r} if m in sys.modules]
         assert "clairvoyant.job_queue" in sys.modules and "clairvoyant.policy" in sys.modules
         print("LOADED", loaded)

@@ -184,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
             result: dict[str, Any] = {
                 "experiment": "run", "setup": setup.describe(), "conditions": [r.as_dict() for r in results],
             }  # fmt: skip
+            if conds[0].policy == "fcfs":
+                result["change_vs_fcfs"] = ex.changes_vs(results[1:], results[0])
         elif command == "tau-sweep":
             result = ex.tau_sweep(setup, mu_short_s=_mu_short(args.mu_short), multiples=args.multiples, progress=bar.update)
         else:
@@ -232,7 +234,7 @@ def _tables(result: dict[str, Any], report: Any) -> str:
         )
     lines += ["", "sojourn (s), mean ± std over seeds:", report.conditions_table(result["conditions"], "sojourn")]
     lines += ["", "wait (s), mean ± std over seeds:", report.conditions_table(result["conditions"], "wait")]
-    if result["experiment"] == "tau-sweep":
+    if "change_vs_fcfs" in result:
         lines += ["", "change vs FCFS (per seed, mean ± std):", report.changes_table(result)]
     return "\n".join(lines)
 

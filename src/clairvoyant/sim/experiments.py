@@ -36,6 +36,7 @@ __all__ = [
     "Condition",
     "ConditionResult",
     "Setup",
+    "changes_vs",
     "paper_service",
     "relative_change",
     "run_conditions",
@@ -169,6 +170,14 @@ def relative_change(result: ConditionResult, baseline: ConditionResult, key: str
     return {"mean": float(vals.mean()), "std": float(vals.std(ddof=1)) if len(vals) > 1 else 0.0}
 
 
+CHANGE_KEYS: tuple[str, ...] = ("short.sojourn.p50", "long.sojourn.p95", "short.wait.p50", "long.wait.p95")
+
+
+def changes_vs(results: Sequence[ConditionResult], baseline: ConditionResult) -> dict[str, dict[str, dict[str, float]]]:
+    """``{condition: {metric: change}}`` vs ``baseline`` for the headline metrics (Short P50, Long P95)."""
+    return {r.condition.name: {key: relative_change(r, baseline, key) for key in CHANGE_KEYS} for r in results}
+
+
 def _ratio(value: float, base: float) -> float:
     if base == 0:
         return 0.0 if value == 0 else math.nan
@@ -206,13 +215,7 @@ def tau_sweep(
     (fcfs,) = run_conditions(setup, [Condition("fcfs", "fcfs")], progress)
     mu, measured = _resolve_mu_short(mu_short_s, fcfs)
     results = [fcfs, *run_conditions(setup, tau_conditions(mu, multiples), progress)]
-    changes = {
-        r.condition.name: {
-            key: relative_change(r, fcfs, key)
-            for key in ("short.sojourn.p50", "long.sojourn.p95", "short.wait.p50", "long.wait.p95")
-        }
-        for r in results[1:]
-    }
+    changes = changes_vs(results[1:], fcfs)
     return {
         "experiment": "tau-sweep",
         "setup": setup.describe(),

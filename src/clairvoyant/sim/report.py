@@ -89,8 +89,10 @@ def aggregate(per_seed: Sequence[Mapping[str, float]]) -> dict[str, dict[str, fl
 
 
 def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, float):
+        if not math.isfinite(obj):
+            return None if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+        return float(f"{obj:.6g}")  # 6 significant digits: keeps result files small
     if isinstance(obj, dict):
         return {str(k): _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -101,7 +103,7 @@ def _jsonable(obj: Any) -> Any:
 
 
 def write_json(path: Path, data: Mapping[str, Any]) -> Path:
-    """Write ``data`` as indented JSON (infinities as the strings "inf"/"-inf", NaN as null)."""
+    """Write ``data`` as JSON (floats to 6 significant digits, infinities as "inf"/"-inf", NaN as null)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_jsonable(dict(data)), indent=1) + "\n")
     return path
