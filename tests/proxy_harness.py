@@ -4,6 +4,7 @@ need a real server: httpx.ASGITransport buffers whole bodies)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -12,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
+import respx
 import uvicorn
 
 from clairvoyant.app import create_app
@@ -79,3 +81,38 @@ async def gate_wait(gate: threading.Event) -> None:
     """Await a threading.Event from the server's loop without blocking it."""
     while not gate.is_set():
         await asyncio.sleep(0.002)
+
+
+def mock_transport(router: respx.MockRouter) -> httpx.MockTransport:
+    """respx pre-reads plain-bytes responses; a real backend's body is unread when headers arrive,
+    so hand the proxy an unread copy."""
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        response = await router.async_handler(request)
+        if response.is_stream_consumed:
+            return httpx.Response(response.status_code, headers=response.headers, stream=httpx.ByteStream(response.content))
+        return response
+
+    return httpx.MockTransport(handler)
+
+
+def metric_value(base: str, name: str, labels: str = "") -> float:
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith(name + (("{" + labels + "}") if labels else " ")):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name}{{{labels}}} not found")
+
+
+class HeldBackend:
+    """A mocked serial backend that records the order requests reach it and holds the first one
+    until released."""
+
+    def __init__(self) -> None:
+        self.order: list[str] = []
+        self.gate = threading.Event()
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        self.order.append(body["messages"][-1]["content"])
+        await gate_wait(self.gate)
+        return httpx.Response(200, json={"ok": True})

@@ -16,26 +16,22 @@ import pytest
 import respx
 
 from clairvoyant.config import Settings
-from proxy_harness import MarkerPredictor, gate_wait, queue_snapshot, running_proxy, wait_until
+from proxy_harness import (
+    HeldBackend,
+    MarkerPredictor,
+    gate_wait,
+    metric_value,
+    mock_transport,
+    queue_snapshot,
+    running_proxy,
+    wait_until,
+)
 
 UPSTREAM = "http://upstream.test"
 
 
 def make_settings(**overrides: Any) -> Settings:
     return Settings(upstream_url=UPSTREAM, **overrides)
-
-
-def mock_transport(router: respx.MockRouter) -> httpx.MockTransport:
-    """respx pre-reads plain-bytes responses; a real backend's body is unread when headers arrive,
-    so hand the proxy an unread copy."""
-
-    async def handler(request: httpx.Request) -> httpx.Response:
-        response = await router.async_handler(request)
-        if response.is_stream_consumed:
-            return httpx.Response(response.status_code, headers=response.headers, stream=httpx.ByteStream(response.content))
-        return response
-
-    return httpx.MockTransport(handler)
 
 
 def proxy(router: respx.MockRouter, **settings: Any) -> Any:
@@ -46,13 +42,6 @@ def proxy(router: respx.MockRouter, **settings: Any) -> Any:
 
 def chat_body(text: str, **extra: Any) -> dict[str, Any]:
     return {"model": "m", "messages": [{"role": "user", "content": text}], **extra}
-
-
-def metric_value(base: str, name: str, labels: str = "") -> float:
-    for line in httpx.get(f"{base}/metrics").text.splitlines():
-        if line.startswith(name + (("{" + labels + "}") if labels else " ")):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"metric {name}{{{labels}}} not found")
 
 
 # --- OpenAI dialect -------------------------------------------------------------------------------
@@ -273,21 +262,6 @@ def test_passthrough_paths_are_forwarded_unqueued_with_query_headers_and_streams
 
 
 # --- scheduling -----------------------------------------------------------------------------------
-
-
-class HeldBackend:
-    """A mocked serial backend that records the order requests reach it and holds the first one
-    until released."""
-
-    def __init__(self) -> None:
-        self.order: list[str] = []
-        self.gate = threading.Event()
-
-    async def __call__(self, request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        self.order.append(body["messages"][-1]["content"])
-        await gate_wait(self.gate)
-        return httpx.Response(200, json={"ok": True})
 
 
 async def _post_all(base: str, texts: list[str]) -> list[httpx.Response]:

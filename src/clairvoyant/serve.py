@@ -42,11 +42,17 @@ def run(args: argparse.Namespace) -> int:
 
     from clairvoyant.app import create_app
     from clairvoyant.config import load_settings
+    from clairvoyant.predictor import OnnxPredictor
 
     settings = load_settings(args.config, **{name: getattr(args, name) for name in CLI_FLAGS})
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = create_app(settings)
+    # Load the model before binding the port: a bad model stops start-up with a clear message.
+    predictor = OnnxPredictor(settings.model_path)
+    logging.getLogger(__name__).info(
+        "predictor %s (feature set %s)", predictor.model_path, predictor.feature_set_name
+    )
+    app = create_app(settings, predictor=predictor)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
     return 0

@@ -1,0 +1,105 @@
+"""Settings: precedence, validation naming the setting, config files, the README table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clairvoyant.config import Settings, load_settings, settings_reference_markdown
+from clairvoyant.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_match_the_paper_and_the_issue() -> None:
+    s = load_settings()
+    assert (s.host, s.port, s.upstream_url) == ("127.0.0.1", 8080, "http://127.0.0.1:11434")
+    assert (s.starvation_timeout_s, s.slots, s.max_queue, s.policy) == (15.0, 1, 256, "sjf")
+    assert s.read_timeout_s is None and not s.log_prompts and not s.allow_oracle
+
+
+def test_flags_override_environment_which_overrides_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('port = 9001\nslots = 3\nmax_queue = 7\nupstream_url = "http://file:1"\n')
+    monkeypatch.setenv("CLAIRVOYANT_SLOTS", "4")
+    monkeypatch.setenv("CLAIRVOYANT_UPSTREAM_URL", "http://env:2/")
+    s = load_settings(config, port=9002, upstream_url=None)
+    assert s.port == 9002  # flag beats file
+    assert s.slots == 4  # environment beats file
+    assert s.max_queue == 7  # file beats default
+    assert s.upstream_url == "http://env:2"  # environment beats file; trailing slash normalised
+
+
+def test_config_file_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('policy = "fcfs"\n')
+    monkeypatch.setenv("CLAIRVOYANT_CONFIG", str(config))
+    assert load_settings().policy == "fcfs"
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "named"),
+    [
+        ("CLAIRVOYANT_STARVATION_TIMEOUT_S", "-1", "starvation_timeout_s (CLAIRVOYANT_STARVATION_TIMEOUT_S)"),
+        ("CLAIRVOYANT_SLOTS", "zero", "slots (CLAIRVOYANT_SLOTS)"),
+        ("CLAIRVOYANT_POLICY", "lifo", "policy (CLAIRVOYANT_POLICY)"),
+        ("CLAIRVOYANT_UPSTREAM_URL", "localhost:11434", "upstream_url (CLAIRVOYANT_UPSTREAM_URL)"),
+        ("CLAIRVOYANT_PORT", "70000", "port (CLAIRVOYANT_PORT)"),
+    ],
+)
+def test_an_invalid_value_is_refused_naming_the_setting(
+    monkeypatch: pytest.MonkeyPatch, env: str, value: str, named: str
+) -> None:
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    assert f"invalid setting {named}" in str(info.value)
+
+
+def test_bad_config_files_are_refused(tmp_path: Path) -> None:
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("prot = 1\n")
+    with pytest.raises(ConfigError, match="unknown setting.*prot"):
+        load_settings(unknown)
+    broken = tmp_path / "broken.toml"
+    broken.write_text("port = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_settings(broken)
+    with pytest.raises(ConfigError, match="not found"):
+        load_settings(tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize("name", ["ollama.toml", "llamacpp.toml"])
+def test_example_configs_are_valid(name: str) -> None:
+    s = load_settings(ROOT / "configs" / name)
+    assert s.slots == 1 and s.policy == "sjf"
+    assert s.upstream_url.startswith("http://127.0.0.1:")
+
+
+def test_serve_refuses_an_invalid_setting_before_starting() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "clairvoyant", "serve", "--tau", "-5"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert "invalid setting starvation_timeout_s" in result.stderr
+
+
+def test_serve_refuses_a_missing_model_before_starting(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "clairvoyant", "serve", "--model", str(tmp_path / "nope.onnx")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert "nope.onnx" in result.stderr and "not found" in result.stderr
+
+
+def test_readme_configuration_table_is_generated_from_the_settings() -> None:
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("<!-- settings-reference:start")
+    start = readme.index("\n", start) + 1
+    end = readme.index("<!-- settings-reference:end -->")
+    assert readme[start:end] == settings_reference_markdown()
+    assert all(f"`{name}`" in readme[start:end] for name in Settings.model_fields)

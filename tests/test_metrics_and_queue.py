@@ -1,0 +1,77 @@
+"""/metrics and /queue move as requests flow (respx-mocked backend held on a gate)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import respx
+
+from clairvoyant.config import Settings
+from proxy_harness import HeldBackend, MarkerPredictor, metric_value, mock_transport, queue_snapshot, running_proxy, wait_until
+
+UPSTREAM = "http://upstream.test"
+
+
+def post(base: str, text: str) -> threading.Thread:
+    async def go() -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            await client.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": text}]})
+
+    thread = threading.Thread(target=lambda: asyncio.run(go()))
+    thread.start()
+    return thread
+
+
+def test_metrics_follow_a_held_queue_and_its_release() -> None:
+    backend = HeldBackend()
+    router = respx.MockRouter(base_url=UPSTREAM)
+    router.post("/v1/chat/completions").mock(side_effect=backend)
+    settings = Settings(upstream_url=UPSTREAM, max_queue=3, starvation_timeout_s=42)
+    with running_proxy(settings, predictor=MarkerPredictor(), upstream_transport=mock_transport(router)) as base:
+        threads = [post(base, "[long] secret holder text")]
+        wait_until(lambda: len(backend.order) == 1, what="holder dispatched")
+        threads += [post(base, "[short] secret s1"), post(base, "[short] secret s2"), post(base, "[long] secret l1")]
+        wait_until(lambda: len(queue_snapshot(base)["waiting"]) == 3, what="3 waiting")
+
+        assert metric_value(base, "clairvoyant_queue_depth", 'predicted_class="short"') == 2
+        assert metric_value(base, "clairvoyant_queue_depth", 'predicted_class="long"') == 1
+        assert metric_value(base, "clairvoyant_in_flight_requests") == 1
+        assert metric_value(base, "clairvoyant_starvation_timeout_seconds") == 42
+
+        # Rejections by reason: queue full, too large, bad request.
+        assert httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}).status_code == 503
+        assert httpx.post(f"{base}/v1/chat/completions", content=b"x" * (17 * 1024 * 1024)).status_code == 413
+        assert httpx.post(f"{base}/api/chat", json={"messages": []}).status_code == 400
+        for reason in ("queue_full", "too_large", "bad_request"):
+            assert metric_value(base, "clairvoyant_rejections_total", f'reason="{reason}"') == 1, reason
+
+        snapshot = queue_snapshot(base)
+        text = json.dumps(snapshot)
+        assert "secret" not in text  # no prompt text
+        assert [w["position"] for w in snapshot["waiting"]] == [0, 1, 2]
+        assert [w["predicted_class"] for w in snapshot["waiting"]] == ["short", "short", "long"]
+        assert all(w["waited_s"] >= 0 and w["endpoint"] == "/v1/chat/completions" for w in snapshot["waiting"])
+        assert snapshot["in_flight"][0]["predicted_class"] == "long" and snapshot["in_flight"][0]["slot"] == 0
+        assert snapshot["policy"] == "sjf" and snapshot["slots"] == 1
+
+        backend.gate.set()
+        for t in threads:
+            t.join(10)
+        wait_until(lambda: metric_value(base, "clairvoyant_in_flight_requests") == 0, what="all done")
+        assert metric_value(base, "clairvoyant_queue_depth", 'predicted_class="short"') == 0
+        assert metric_value(base, "clairvoyant_queue_wait_seconds_count", 'predicted_class="short"') == 2
+        assert metric_value(base, "clairvoyant_queue_wait_seconds_count", 'predicted_class="long"') == 2
+        assert metric_value(base, "clairvoyant_end_to_end_seconds_count", 'predicted_class="short"') == 2
+        assert metric_value(base, "clairvoyant_time_to_first_byte_seconds_count", 'predicted_class="long"') == 2
+        # 4 served + the one scored and then refused by the full queue.
+        assert metric_value(base, "clairvoyant_predictor_seconds_count") == 5
+        assert metric_value(
+            base, "clairvoyant_requests_total", 'dialect="openai",endpoint="/v1/chat/completions",status="200"'
+        ) == 4
+        assert metric_value(
+            base, "clairvoyant_requests_total", 'dialect="openai",endpoint="/v1/chat/completions",status="503"'
+        ) == 1
+        assert queue_snapshot(base)["waiting"] == []
