@@ -197,32 +197,57 @@ _STEP_BY_STEP = b" step by step "
 class _Scan:
     """The words of one prompt, computed once and shared by every feature of a set."""
 
-    __slots__ = ("text", "window", "norm", "words", "wset")
+    __slots__ = ("text", "window", "words", "wset", "_norm")
 
     def __init__(self, text: str) -> None:
         self.text = text
-        self.window = _scan_window(text)
-        self.norm = b" " + b" ".join(_lower_bytes(self.window).translate(_WORD_TABLE).split()) + b" "
-        self.words = self.norm.split()
+        window = text if len(text) <= _SCAN_LIMIT else _scan_window(text)
+        self.window = window
+        self.words = window.encode("utf-8", "surrogatepass").lower().translate(_WORD_TABLE).split()
         self.wset = frozenset(self.words)
+        self._norm: bytes | None = None
+
+    @property
+    def norm(self) -> bytes:
+        """The words joined by single spaces, with a space at each end (for the few regexes)."""
+        if self._norm is None:
+            self._norm = b" " + b" ".join(self.words) + b" "
+        return self._norm
+
+
+_SCAN_LIMIT = SCAN_HEAD_CHARS + SCAN_TAIL_CHARS
+_QUESTION_MARKS = frozenset("?？")
 
 
 def _ends_with_question(text: str) -> bool:
     tail = text[-256:].rstrip()
-    return bool(tail) and tail[-1] in "?？"
+    return bool(tail) and tail[-1] in _QUESTION_MARKS
+
+
+def _paper19_values(scan: _Scan) -> list[float]:
+    """The 19 paper features as a list (one bulk copy into the output row is the cheap way)."""
+    wset = scan.wset
+    hits = CLAUSE_WORDS & wset
+    values = [
+        float(len(scan.text) // 4),
+        0.0 if (CODE_WORDS.isdisjoint(wset) and "```" not in scan.window) else 1.0,
+        0.0 if (_LENGTH_TRIGGERS.isdisjoint(wset) or _LENGTH_RE.search(scan.norm) is None) else 1.0,
+        1.0 if _ends_with_question(scan.text) else 0.0,
+        0.0 if (FORMAT_WORDS.isdisjoint(wset) and (_STEP_WORDS.isdisjoint(wset) or _STEP_BY_STEP not in scan.norm))
+        else 1.0,
+        float(sum(map(scan.words.count, hits))) if hits else 0.0,
+    ]
+    values += _VERB_ROWS[_verb_column(scan.words)]
+    return values
+
+
+# The 13-column one-hot rows, prebuilt.
+_VERB_ROWS: tuple[list[float], ...] = tuple([1.0 if j == i else 0.0 for j in range(len(VERBS))] for i in range(len(VERBS)))
+_STEP_WORDS = frozenset((b"step",))
 
 
 def _fill_paper19(scan: _Scan, out: np.ndarray) -> None:
-    wset = scan.wset
-    out[0] = len(scan.text) // 4
-    out[1] = 0.0 if (CODE_WORDS.isdisjoint(wset) and "```" not in scan.window) else 1.0
-    out[2] = 0.0 if (_LENGTH_TRIGGERS.isdisjoint(wset) or _LENGTH_RE.search(scan.norm) is None) else 1.0
-    out[3] = 1.0 if _ends_with_question(scan.text) else 0.0
-    out[4] = 0.0 if (FORMAT_WORDS.isdisjoint(wset) and _STEP_BY_STEP not in scan.norm) else 1.0
-    hits = CLAUSE_WORDS & wset
-    out[5] = sum(map(scan.words.count, hits)) if hits else 0
-    out[6:19] = 0.0
-    out[6 + _verb_column(scan.words)] = 1.0
+    out[:] = _paper19_values(scan)
 
 
 def _paper19(prompt: Prompt, out: np.ndarray) -> None:
@@ -316,7 +341,11 @@ _QUANTITY_CAP = 100_000.0
 
 
 def _quantities(scan: _Scan) -> tuple[float, float]:
-    """(largest requested item count, largest requested text size in words); 0 when none."""
+    """(largest requested count, largest requested text size in words); 0 when none.
+
+    The count is the largest number directly before (or one word before) any quantity noun,
+    text units included: "10 ideas" -> 10, "2000-word essay" -> 2000 (and 2000 words of size).
+    """
     if _QUANTITY_TRIGGERS.isdisjoint(scan.wset):
         return 0.0, 0.0
     items = size = 0.0
@@ -334,36 +363,49 @@ def _quantities(scan: _Scan) -> tuple[float, float]:
 _CODE_SYMBOLS = ("{", ";", "=", "()", "</", "->")
 
 
+# Every rich_v1 group word -> the indices of the groups it belongs to: one set intersection finds
+# all group words present, then a short loop counts them (cheaper than one intersection a group).
+_GROUP_INDEX: dict[bytes, tuple[int, ...]] = {}
+for _j, (_, _group) in enumerate(_RICH_GROUPS):
+    for _w in _group:
+        _GROUP_INDEX[_w] = _GROUP_INDEX.get(_w, ()) + (_j,)
+_GROUP_WORDS = frozenset(_GROUP_INDEX)
+del _j, _group, _w
+_N_GROUPS = len(_RICH_GROUPS)
+
+
 def _rich_v1(prompt: Prompt, out: np.ndarray) -> None:
     scan = _Scan(prompt.instruction)
-    _fill_paper19(scan, out)
-    text, window, wset, words = scan.text, scan.window, scan.wset, scan.words
-    turns = max(int(prompt.turns), 1)
-    system = max(int(prompt.system_chars), 0)
-    history = max(prompt.total_chars - len(text) - system, 0)
-    out[19] = history
-    out[20] = turns
-    out[21] = system
-    out[22] = history / (turns - 1) if turns > 1 else 0.0
-    out[23] = window.count("\n")
-    out[24] = window.count("```")
-    out[25] = sum(map(window.count, _CODE_SYMBOLS))
-    out[26] = len(words)
-    out[27], out[28] = _quantities(scan)
-    j = 29
-    for _, group in _RICH_GROUPS:
-        out[j] = len(group & wset)
-        j += 1
+    values = _paper19_values(scan)
+    text, window, words = scan.text, scan.window, scan.words
+    turns = prompt.turns if prompt.turns > 1 else 1
+    system = prompt.system_chars if prompt.system_chars > 0 else 0
+    history = prompt.total_chars - len(text) - system
+    if history < 0:
+        history = 0
+    items, size = _quantities(scan)
+    counts = [0.0] * _N_GROUPS
+    for word in _GROUP_WORDS & scan.wset:
+        for j in _GROUP_INDEX[word]:
+            counts[j] += 1.0
     i = _lead_index(words)
     lead = words[i] if i < len(words) else b""
-    out[j] = 1.0 if lead in _QUESTION_LEADS else 0.0
-    out[j + 1] = 1.0 if lead in _CONTINUE_LEADS else 0.0
-    out[j + 2] = 1.0 if lead in _CREATE_LEADS else 0.0
-    out[j + 3] = 1.0 if lead in _CONTEXT_LEADS else 0.0
-    out[j + 4] = 1.0 if text.isascii() else 0.0
-    tail = text[-256:].rstrip()
-    out[j + 5] = 1.0 if tail.endswith(":") else 0.0
-    out[j + 6] = window.count('"')
+    values += (
+        float(history), float(turns), float(system), history / (turns - 1) if turns > 1 else 0.0,
+        float(window.count("\n")), float(window.count("```")), float(sum(map(window.count, _CODE_SYMBOLS))),
+        float(len(words)), items, size,
+    )
+    values += counts
+    values += (
+        1.0 if lead in _QUESTION_LEADS else 0.0,
+        1.0 if lead in _CONTINUE_LEADS else 0.0,
+        1.0 if lead in _CREATE_LEADS else 0.0,
+        1.0 if lead in _CONTEXT_LEADS else 0.0,
+        1.0 if text.isascii() else 0.0,
+        1.0 if text[-256:].rstrip().endswith(":") else 0.0,
+        float(window.count('"')),
+    )
+    out[:] = values
 
 
 RICH_V1_EXTRA: tuple[str, ...] = (
