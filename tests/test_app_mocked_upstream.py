@@ -435,3 +435,27 @@ def test_health_and_readiness() -> None:
     assert ready.status_code == 200 and ready.json()["upstream"] is True
     assert not_ready.status_code == 503 and not_ready.json()["upstream"] is False
     assert root.call_count == 2
+
+
+def test_client_leaving_a_passthrough_stream_closes_the_backend_stream() -> None:
+    router = respx.MockRouter(base_url=UPSTREAM)
+    closed = threading.Event()
+
+    async def progress() -> AsyncIterator[bytes]:
+        try:
+            for i in range(1000):
+                yield json.dumps({"status": "downloading", "completed": i}).encode() + b"\n"
+                await asyncio.sleep(0.01)
+        finally:
+            closed.set()
+
+    router.post("/api/pull").mock(
+        return_value=httpx.Response(200, headers={"content-type": "application/x-ndjson"}, content=progress())
+    )
+    with proxy(router) as base:
+        with httpx.stream("POST", f"{base}/api/pull", json={"model": "m"}) as r:
+            first = json.loads(next(r.iter_lines()))
+        wait_until(closed.is_set, what="backend stream closed")
+        left = metric_value(base, "clairvoyant_client_disconnects_total", 'stage="streaming"')
+    assert first["status"] == "downloading"
+    assert left == 1

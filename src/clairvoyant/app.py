@@ -227,5 +227,6 @@ async def _passthrough(request: Request) -> ProxyResponse:
         body=body,
         dialect=dialect_of_path(request.url.path),
         metrics=state.metrics,
+        dispatcher=state.dispatcher,  # owns the task that finishes a relay whose client left
     )
 

@@ -110,8 +110,8 @@ class ProxyResponse(Response):
             self._client_gone = True
             self.outcome = "client_left_streaming"
             self.metrics.client_disconnects.labels("streaming").inc()
-            if self.disconnect_mode == "abort":
-                relay.cancel()
+            if self.disconnect_mode == "abort" or self.ticket is None:
+                relay.cancel()  # pass-through requests hold no slot: nothing to drain for
             handed_off = self._finish_later(relay)
         finally:
             disconnect.cancel()
