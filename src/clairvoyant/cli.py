@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("clairvoyant.training.commands_train", "train the length predictor and export it to ONNX"),
     "evaluate": ("clairvoyant.training.commands_evaluate", "evaluate a model on the held-out split"),
     "simulate": ("clairvoyant.sim.command", "discrete-event simulation of the scheduling queue"),
+    "demo": ("clairvoyant.demo", "embedded llama.cpp + the proxy: a mixed burst under fcfs and sjf"),
 }
 
 
