@@ -189,7 +189,8 @@ def evaluate_model(model_path: Path, *, split: SplitData | None = None, ood_rows
     first = [i for i, p in enumerate(split.train) if p.turn == 0]
     later = [i for i, p in enumerate(split.test) if p.turn > 0]
     if first and later and len(np.unique(y_tr[first])) == 3:
-        probs = _score_model(ModelConfig(fs.name, 100, 4, 0.1, 42), [split.train[i] for i in first], y_tr[first],
+        first_turn_cfg = ModelConfig(fs.name, **{k: card["hyperparameters"][k] for k in ("n_estimators", "max_depth", "learning_rate", "seed")})
+        probs = _score_model(first_turn_cfg, [split.train[i] for i in first], y_tr[first],
                              [split.test[i] for i in later])
         entry = _slice("transfer_first_turns_to_later_turns", probs, y_te[later], split.test_lengths[later],
                        f"rich model trained on the {len(first)} first-turn training rows only, scored on the "

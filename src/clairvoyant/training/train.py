@@ -2,8 +2,10 @@
 
 Presets: ``paper`` is the paper's configuration (section 4.3: paper19 features, 300 trees per
 class, depth 6, learning rate 0.1, seed 42); ``shipped`` is the configuration of
-``model/predictor.onnx`` (rich_v1 features, 100 trees per class, depth 4: as accurate on held-out
-data and about 4x cheaper per request, see MODEL_CARD.md). Training is deterministic for a given
+``model/predictor.onnx`` (rich_v1 features, 50 rounds x 3 classes, depth 3, learning rate 0.2),
+chosen by 5-fold group cross-validation on the training split only: 300x6 0.853, 100x4 0.865,
+60x4 0.866, 50x3 0.868, 30x3 0.866, 20x3 0.864 ranking accuracy (std ~0.015). Shallow and few
+trees are as accurate here and 6x cheaper per request than the paper's 900 depth-6 trees. Training is deterministic for a given
 seed: the hist method, fixed thread count, no row or column subsampling.
 """
 
@@ -42,7 +44,7 @@ class ModelConfig:
 
 PRESETS: dict[str, ModelConfig] = {
     "paper": ModelConfig("paper19", 300, 6, 0.1, 42),
-    "shipped": ModelConfig("rich_v1", 100, 4, 0.1, 42),
+    "shipped": ModelConfig("rich_v1", 50, 3, 0.2, 42),
 }
 
 

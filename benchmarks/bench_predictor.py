@@ -1,0 +1,165 @@
+"""Per-request predictor overhead: features + ONNX, one request at a time, real ShareGPT prompts.
+
+    python benchmarks/bench_predictor.py [--model model/predictor.onnx] [--requests 12000]
+        [--no-load] [--compare OTHER.onnx ...] [--no-card]
+
+Phases: idle, then with a real llama.cpp server (xllamacpp + SmolLM2-135M, 2 threads) generating
+continuously in a background process on the same cores. Each phase times, per request, the full
+``OnnxPredictor.predict(prompt)`` call and, separately, feature extraction alone and the bound
+ONNX run alone, plus the floor: ``run_with_iobinding`` of a one-node Identity ONNX graph (the bare
+cost of calling ONNX Runtime from Python). Prompts are the proxy's own Prompts (history included)
+for every user turn of ShareGPT, shuffled with seed 0. p50 and p99 go into the model card.
+
+Not a timed test: numbers depend on the machine and its neighbours; the JSON result records the
+load average at the start of each phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from clairvoyant.features import Prompt  # noqa: E402
+from clairvoyant.predictor import DEFAULT_MODEL_PATH, OnnxPredictor  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "predictor_results.json"
+
+
+def _prompts(n: int) -> list[Prompt]:
+    from clairvoyant.training.dataset import load_pairs
+
+    pairs = load_pairs()
+    order = np.random.default_rng(0).permutation(len(pairs))[:n]
+    return [pairs[i].prompt for i in order]
+
+
+def _identity_session() -> tuple[Any, Any]:
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])], "floor",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    x = np.zeros((1, 3), dtype=np.float32)
+    y = np.zeros((1, 3), dtype=np.float32)
+    binding = session.io_binding()
+    binding.bind_ortvalue_input("x", ort.OrtValue.ortvalue_from_numpy(x))
+    binding.bind_output("y", "cpu", 0, np.float32, [1, 3], y.ctypes.data)
+    assert onnx is not None
+    return session, (binding, x, y)
+
+
+def _time_each(fn: Callable[[Any], object], items: list[Any]) -> np.ndarray:
+    """Microseconds of fn(item) for each item, one at a time (perf_counter_ns around each call)."""
+    clock = time.perf_counter_ns
+    out = np.empty(len(items), dtype=np.float64)
+    for k, item in enumerate(items):
+        t0 = clock()
+        fn(item)
+        out[k] = clock() - t0
+    return out / 1000.0
+
+
+def _stats(us: np.ndarray) -> dict[str, float]:
+    return {"p50_us": float(np.percentile(us, 50)), "p90_us": float(np.percentile(us, 90)),
+            "p99_us": float(np.percentile(us, 99)), "mean_us": float(us.mean()), "n": int(len(us))}
+
+
+def _phase(predictor: OnnxPredictor, prompts: list[Prompt], floor: tuple[Any, Any]) -> dict[str, Any]:
+    fs = predictor.feature_set
+    row = np.zeros(fs.size, dtype=np.float32)
+    session, (binding, _, _) = floor
+    for p in prompts[:1000]:  # warm-up
+        predictor.predict(p)
+    load = os.getloadavg()[0]
+    result = {
+        "loadavg_1min_at_start": load,
+        "predict": _stats(_time_each(predictor.predict, prompts)),
+        "features_only": _stats(_time_each(lambda p: fs.extract_into(p, row), prompts)),
+        "onnx_only": _stats(_time_each(lambda _: predictor._run_bound(predictor._binding), prompts)),
+        "floor_identity_run": _stats(_time_each(lambda _: session.run_with_iobinding(binding), prompts)),
+    }
+    return result
+
+
+def _bench_model(path: Path, prompts: list[Prompt], floor: tuple[Any, Any]) -> dict[str, Any]:
+    predictor = OnnxPredictor(path)
+    return {"model": str(path), "feature_set": predictor.feature_set_name,
+            "trees": predictor.card.get("hyperparameters", {}), **_phase(predictor, prompts, floor)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_PATH)
+    parser.add_argument("--requests", type=int, default=12_000)
+    parser.add_argument("--compare", type=Path, nargs="*", default=[], help="other models to time alike")
+    parser.add_argument("--no-load", action="store_true", help="idle phase only")
+    parser.add_argument("--no-card", action="store_true", help="do not write p50/p99 into the model card")
+    args = parser.parse_args(argv)
+
+    prompts = _prompts(args.requests)
+    floor = _identity_session()
+    chars = np.array([len(p.instruction) for p in prompts])
+    report: dict[str, Any] = {
+        "requests": len(prompts),
+        "prompt_chars": {"p50": float(np.percentile(chars, 50)), "p99": float(np.percentile(chars, 99))},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "gc": "enabled (as in the proxy)",
+        "phases": {},
+    }
+    models = [args.model, *args.compare]
+    gc.collect()
+    report["phases"]["idle"] = [_bench_model(m, prompts, floor) for m in models]
+    if not args.no_load:
+        from predictor_load import LoadProcess
+
+        with LoadProcess():
+            time.sleep(2.0)
+            report["phases"]["under_llamacpp_load"] = [_bench_model(m, prompts, floor) for m in models]
+    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    for phase, rows in report["phases"].items():
+        for r in rows:
+            print(f"{phase:22s} {Path(r['model']).name:24s} predict p50 {r['predict']['p50_us']:7.1f} us  "
+                  f"p99 {r['predict']['p99_us']:7.1f} us | features p50 {r['features_only']['p50_us']:6.1f} | "
+                  f"onnx p50 {r['onnx_only']['p50_us']:6.1f} | floor p50 {r['floor_identity_run']['p50_us']:5.1f} "
+                  f"(load {r['loadavg_1min_at_start']:.1f})")
+    if not args.no_card:
+        from clairvoyant.training import card as card_md
+        from clairvoyant.training.export import update_card
+
+        latency: dict[str, Any] = {"benchmark": "benchmarks/bench_predictor.py", "requests": len(prompts),
+                                   "paper_go_onnx_reference_ms": 0.029}
+        for phase, rows in report["phases"].items():
+            r = rows[0]
+            latency[f"{phase}_predict_p50_ms"] = round(r["predict"]["p50_us"] / 1000, 4)
+            latency[f"{phase}_predict_p99_ms"] = round(r["predict"]["p99_us"] / 1000, 4)
+            latency[f"{phase}_features_p50_ms"] = round(r["features_only"]["p50_us"] / 1000, 4)
+            latency[f"{phase}_onnx_p50_ms"] = round(r["onnx_only"]["p50_us"] / 1000, 4)
+            latency[f"{phase}_floor_identity_run_p50_ms"] = round(r["floor_identity_run"]["p50_us"] / 1000, 4)
+            latency[f"{phase}_loadavg_1min"] = round(r["loadavg_1min_at_start"], 2)
+        update_card(args.model, "latency", latency)
+        card_md.write_markdown(args.model)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
