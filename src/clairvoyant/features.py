@@ -194,25 +194,21 @@ _LENGTH_RE = re.compile(
 _STEP_BY_STEP = b" step by step "
 
 
-class _Scan:
-    """The words of one prompt, computed once and shared by every feature of a set."""
+def _scan(text: str) -> tuple[bytes, list[bytes], frozenset[bytes]]:
+    """(lower-cased UTF-8 bytes of the scan window, its words, the set of its words).
 
-    __slots__ = ("text", "window", "words", "wset", "_norm")
+    Counting ASCII symbols in the bytes equals counting them in the text: UTF-8 multi-byte
+    sequences never contain ASCII bytes, and lower-casing only touches letters.
+    """
+    window = text if len(text) <= _SCAN_LIMIT else _scan_window(text)
+    raw = window.encode("utf-8", "surrogatepass").lower()
+    words = raw.translate(_WORD_TABLE).split()
+    return raw, words, frozenset(words)
 
-    def __init__(self, text: str) -> None:
-        self.text = text
-        window = text if len(text) <= _SCAN_LIMIT else _scan_window(text)
-        self.window = window
-        self.words = window.encode("utf-8", "surrogatepass").lower().translate(_WORD_TABLE).split()
-        self.wset = frozenset(self.words)
-        self._norm: bytes | None = None
 
-    @property
-    def norm(self) -> bytes:
-        """The words joined by single spaces, with a space at each end (for the few regexes)."""
-        if self._norm is None:
-            self._norm = b" " + b" ".join(self.words) + b" "
-        return self._norm
+def _norm(words: list[bytes]) -> bytes:
+    """The words joined by single spaces, with a space at each end (for the few regexes)."""
+    return b" " + b" ".join(words) + b" "
 
 
 _SCAN_LIMIT = SCAN_HEAD_CHARS + SCAN_TAIL_CHARS
@@ -224,20 +220,19 @@ def _ends_with_question(text: str) -> bool:
     return bool(tail) and tail[-1] in _QUESTION_MARKS
 
 
-def _paper19_values(scan: _Scan) -> list[float]:
+def _paper19_values(text: str, raw: bytes, words: list[bytes], wset: frozenset[bytes]) -> list[float]:
     """The 19 paper features as a list (one bulk copy into the output row is the cheap way)."""
-    wset = scan.wset
     hits = CLAUSE_WORDS & wset
     values = [
-        float(len(scan.text) // 4),
-        0.0 if (CODE_WORDS.isdisjoint(wset) and "```" not in scan.window) else 1.0,
-        0.0 if (_LENGTH_TRIGGERS.isdisjoint(wset) or _LENGTH_RE.search(scan.norm) is None) else 1.0,
-        1.0 if _ends_with_question(scan.text) else 0.0,
-        0.0 if (FORMAT_WORDS.isdisjoint(wset) and (_STEP_WORDS.isdisjoint(wset) or _STEP_BY_STEP not in scan.norm))
+        float(len(text) // 4),
+        0.0 if (CODE_WORDS.isdisjoint(wset) and b"```" not in raw) else 1.0,
+        0.0 if (_LENGTH_TRIGGERS.isdisjoint(wset) or _LENGTH_RE.search(_norm(words)) is None) else 1.0,
+        1.0 if _ends_with_question(text) else 0.0,
+        0.0 if (FORMAT_WORDS.isdisjoint(wset) and (_STEP_WORDS.isdisjoint(wset) or _STEP_BY_STEP not in _norm(words)))
         else 1.0,
-        float(sum(map(scan.words.count, hits))) if hits else 0.0,
+        float(sum(map(words.count, hits))) if hits else 0.0,
     ]
-    values += _VERB_ROWS[_verb_column(scan.words)]
+    values += _VERB_ROWS[_verb_column(words)]
     return values
 
 
@@ -246,12 +241,9 @@ _VERB_ROWS: tuple[list[float], ...] = tuple([1.0 if j == i else 0.0 for j in ran
 _STEP_WORDS = frozenset((b"step",))
 
 
-def _fill_paper19(scan: _Scan, out: np.ndarray) -> None:
-    out[:] = _paper19_values(scan)
-
-
 def _paper19(prompt: Prompt, out: np.ndarray) -> None:
-    _fill_paper19(_Scan(prompt.instruction), out)
+    text = prompt.instruction
+    out[:] = _paper19_values(text, *_scan(text))
 
 
 PAPER19_NAMES: tuple[str, ...] = (
@@ -340,16 +332,16 @@ _QUANTITY_RE = re.compile(
 _QUANTITY_CAP = 100_000.0
 
 
-def _quantities(scan: _Scan) -> tuple[float, float]:
+def _quantities(words: list[bytes], wset: frozenset[bytes]) -> tuple[float, float]:
     """(largest requested count, largest requested text size in words); 0 when none.
 
     The count is the largest number directly before (or one word before) any quantity noun,
     text units included: "10 ideas" -> 10, "2000-word essay" -> 2000 (and 2000 words of size).
     """
-    if _QUANTITY_TRIGGERS.isdisjoint(scan.wset):
+    if _QUANTITY_TRIGGERS.isdisjoint(wset):
         return 0.0, 0.0
     items = size = 0.0
-    for number, noun in _QUANTITY_RE.findall(scan.norm):
+    for number, noun in _QUANTITY_RE.findall(_norm(words)):
         value = float(number) if number.isdigit() else float(_NUMBER_WORDS[number])
         value = min(value, _QUANTITY_CAP)
         unit = _UNIT_WORDS.get(noun)
@@ -360,7 +352,7 @@ def _quantities(scan: _Scan) -> tuple[float, float]:
     return items, size
 
 
-_CODE_SYMBOLS = ("{", ";", "=", "()", "</", "->")
+_CODE_SYMBOLS = (b"{", b";", b"=", b"()", b"</", b"->")
 
 
 # Every rich_v1 group word -> the indices of the groups it belongs to: one set intersection finds
@@ -375,24 +367,24 @@ _N_GROUPS = len(_RICH_GROUPS)
 
 
 def _rich_v1(prompt: Prompt, out: np.ndarray) -> None:
-    scan = _Scan(prompt.instruction)
-    values = _paper19_values(scan)
-    text, window, words = scan.text, scan.window, scan.words
+    text = prompt.instruction
+    raw, words, wset = _scan(text)
+    values = _paper19_values(text, raw, words, wset)
     turns = prompt.turns if prompt.turns > 1 else 1
     system = prompt.system_chars if prompt.system_chars > 0 else 0
     history = prompt.total_chars - len(text) - system
     if history < 0:
         history = 0
-    items, size = _quantities(scan)
+    items, size = _quantities(words, wset)
     counts = [0.0] * _N_GROUPS
-    for word in _GROUP_WORDS & scan.wset:
+    for word in _GROUP_WORDS & wset:
         for j in _GROUP_INDEX[word]:
             counts[j] += 1.0
     i = _lead_index(words)
     lead = words[i] if i < len(words) else b""
     values += (
         float(history), float(turns), float(system), history / (turns - 1) if turns > 1 else 0.0,
-        float(window.count("\n")), float(window.count("```")), float(sum(map(window.count, _CODE_SYMBOLS))),
+        float(raw.count(b"\n")), float(raw.count(b"```")), float(sum(map(raw.count, _CODE_SYMBOLS))),
         float(len(words)), items, size,
     )
     values += counts
@@ -403,7 +395,7 @@ def _rich_v1(prompt: Prompt, out: np.ndarray) -> None:
         1.0 if lead in _CONTEXT_LEADS else 0.0,
         1.0 if text.isascii() else 0.0,
         1.0 if text[-256:].rstrip().endswith(":") else 0.0,
-        float(window.count('"')),
+        float(raw.count(b'"')),
     )
     out[:] = values
 

@@ -165,7 +165,7 @@ class OnnxPredictor:
             "probabilities", "cpu", 0, np.float32, list(self._out.shape), self._out.ctypes.data
         )
         self._row_view, self._out_view = self._row[0], self._out[0]
-        self._extract_into = self.feature_set.extract_into
+        self._extract_into = self.feature_set._fill  # extract_into minus one call layer
         self._run_bound = self._session.run_with_iobinding
         self._lock = threading.Lock()
         self.predict(Prompt(""))  # warm up (first-run allocations) and prove the binding works
