@@ -24,9 +24,12 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-short", type=int, default=8, help="Short requests in the burst (default 8)")
     parser.add_argument("--n-long", type=int, default=8, help="Long requests in the burst (default 8)")
-    parser.add_argument("--length-scale", type=float, default=0.5,
-                        help="forced output length = ceil(true answer tokens x scale) (default 0.5)")
-    parser.add_argument("--threads", type=int, default=2, help="CPU threads of the llama.cpp server (default 2)")
+    parser.add_argument("--length-scale", type=float, default=0.25,
+                        help="forced output length = ceil(true answer tokens x scale) (default 0.25: a Long "
+                             "request generates ~150-200 tokens, ~3-4 s on one CPU thread)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads of the llama.cpp server (default 1: the proxy and the client need the "
+                             "other core; 2 spinning ggml threads on 2 busy cores slow generation 20x)")
     parser.add_argument("--model-path", type=Path, default=None, help="ONNX predictor (default: the shipped model)")
     parser.add_argument("--out", type=Path, default=Path("clairvoyant-demo"), help="results directory (default ./clairvoyant-demo)")
     parser.add_argument("--seed", type=int, default=0, help="which prompts are drawn")

@@ -35,7 +35,9 @@ def _add_backend_arguments(parser: argparse.ArgumentParser) -> None:
                        help="openai: POST /v1/chat/completions with n_predict+ignore_eos (llama.cpp); "
                             "ollama: POST /api/chat with options.num_predict (a cap: Ollama cannot force a length)")
     group.add_argument("--model", default="SmolLM2-135M-Instruct", help="model name sent in each request")
-    group.add_argument("--threads", type=int, default=2, help="CPU threads of the embedded server")
+    group.add_argument("--threads", type=int, default=1,
+                       help="CPU threads of the embedded server (default 1: on shared cores, 2 spinning ggml "
+                            "threads collapse to ~2 tokens/s under contention, 1 thread keeps ~50)")
     group.add_argument("--prompts", type=Path, default=None, help="prompt reference file (default: profiler/data/prompts.jsonl)")
     group.add_argument("--length-scale", type=float, default=0.25,
                        help="forced output length = ceil(true answer tokens x scale) (default 0.25)")
@@ -43,7 +45,7 @@ def _add_backend_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @contextmanager
-def backend(url: str | None, *, threads: int = 2, log_path: Path | None = None) -> Iterator[tuple[str, str]]:
+def backend(url: str | None, *, threads: int = 1, log_path: Path | None = None) -> Iterator[tuple[str, str]]:
     """Yield ``(base_url, label)``: ``url`` itself, or a fresh embedded llama.cpp server."""
     if url:
         yield url.rstrip("/"), url

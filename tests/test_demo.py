@@ -1,0 +1,28 @@
+"""clairvoyant.demo: arguments and the side-by-side table (the full demo is timed by hand, see docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import argparse
+
+from clairvoyant import demo
+
+
+def test_defaults_fit_the_three_minute_budget() -> None:
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args([])
+    assert (args.n_short, args.n_long, args.threads) == (8, 8, 1)
+    # A Long request (600-799 true tokens) is forced to at most 200 tokens: ~4 s at ~50 tokens/s.
+    assert 799 * args.length_scale <= 200
+
+
+def test_table_shows_both_policies_and_the_change() -> None:
+    rows = []
+    for condition, short, long in (("fcfs", [10.0, 20.0, 30.0], [40.0, 50.0]), ("sjf", [1.0, 2.0, 3.0], [44.0, 60.0])):
+        rows += [{"condition": condition, "cls": "short", "ok": True, "e2e_s": v} for v in short]
+        rows += [{"condition": condition, "cls": "long", "ok": True, "e2e_s": v} for v in long]
+    table = demo._table(rows)
+    lines = {line.split("(s)")[0].strip(): line.split() for line in table.splitlines() if "(s)" in line}
+    assert lines["Short P50"][-3:] == ["20.00", "2.00", "-90%"]
+    assert lines["Long P50"][-3:] == ["45.00", "52.00", "+16%"]
+    assert set(lines) == {"Short P50", "Short P95", "Long P50", "Long P95"}
