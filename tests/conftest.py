@@ -66,14 +66,16 @@ def require_embedded_backend() -> None:
 
 @pytest.fixture(scope="session")
 def llama_server(require_embedded_backend: None) -> Iterator[EmbeddedLlamaServer]:
-    """One real llama.cpp server (SmolLM2, n_parallel=1: serial FCFS) shared by the whole session.
+    """One real llama.cpp server (SmolLM2, n_parallel=1: serial FCFS, 1 thread) shared by the whole session.
 
     Skips only when xllamacpp or the model is not installed; a server that fails to start is an error.
     Tests must not stop it; start an own ``EmbeddedLlamaServer`` to test lifecycle behaviour.
     """
     from clairvoyant.embedded_backend import EmbeddedLlamaServer
 
-    server = EmbeddedLlamaServer(n_parallel=1)
+    # n_threads=1, not the default 2: tests run the proxy and the clients on the same cores, and on a
+    # 2-core machine with other work running, 2 llama.cpp threads measured 4-6 tok/s against 35-45 with 1.
+    server = EmbeddedLlamaServer(n_parallel=1, n_threads=1)
     server.start()
     try:
         yield server

@@ -175,6 +175,7 @@ class EmbeddedLlamaServer:
         self._log_path: Path | None = None
         self._owns_log = False
         self._finalizer: weakref.finalize[..., EmbeddedLlamaServer] | None = None
+        self._active_model: Path | None = None  # the model file of the last start
         self.startup_s: float | None = None  # seconds from Popen to /health 200, for the last start
 
     # -- public surface ---------------------------------------------------------------------------
@@ -242,6 +243,7 @@ class EmbeddedLlamaServer:
         model_path = self._model_path if self._model_path is not None else find_smollm2_gguf()
         if not model_path.is_file():
             raise EmbeddedServerError(f"model file not found: {model_path}")
+        self._active_model = model_path
 
         attempts = 1 if self._requested_port is not None else _MAX_BIND_ATTEMPTS
         for attempt in range(1, attempts + 1):
@@ -373,9 +375,10 @@ class EmbeddedLlamaServer:
             what = f"was not healthy within {self._startup_timeout_s:g} s (killed)"
         else:
             what = f"exited with code {returncode} during start-up"
+        where = "" if self._owns_log else f" ({self._log_path})"  # a temporary log is deleted after this
         raise EmbeddedServerError(
-            f"llama.cpp server for model {self._model_path or find_smollm2_gguf()} {what}.\n"
-            f"--- last lines of its log ({self._log_path}) ---\n{self.log_tail()}"
+            f"llama.cpp server for model {self._active_model} {what}.\n"
+            f"--- last lines of its log{where} ---\n{self.log_tail()}"
         )
 
 
