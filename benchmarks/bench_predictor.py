@@ -54,7 +54,7 @@ def _identity_session() -> tuple[Any, Any]:
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)], ir_version=8)
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1

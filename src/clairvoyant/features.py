@@ -241,9 +241,9 @@ _VERB_ROWS: tuple[list[float], ...] = tuple([1.0 if j == i else 0.0 for j in ran
 _STEP_WORDS = frozenset((b"step",))
 
 
-def _paper19(prompt: Prompt, out: np.ndarray) -> None:
+def _paper19(prompt: Prompt) -> list[float]:
     text = prompt.instruction
-    out[:] = _paper19_values(text, *_scan(text))
+    return _paper19_values(text, *_scan(text))
 
 
 PAPER19_NAMES: tuple[str, ...] = (
@@ -366,13 +366,16 @@ del _j, _group, _w
 _N_GROUPS = len(_RICH_GROUPS)
 
 
-def _rich_v1(prompt: Prompt, out: np.ndarray) -> None:
+_COUNT_CAP = 1e12  # keeps every value finite in float32 whatever a hand-built Prompt carries
+
+
+def _rich_v1(prompt: Prompt) -> list[float]:
     text = prompt.instruction
     raw, words, wset = _scan(text)
     values = _paper19_values(text, raw, words, wset)
-    turns = prompt.turns if prompt.turns > 1 else 1
-    system = prompt.system_chars if prompt.system_chars > 0 else 0
-    history = prompt.total_chars - len(text) - system
+    turns = min(prompt.turns, _COUNT_CAP) if prompt.turns > 1 else 1
+    system = min(prompt.system_chars, _COUNT_CAP) if prompt.system_chars > 0 else 0
+    history = min(prompt.total_chars - len(text) - system, _COUNT_CAP)
     if history < 0:
         history = 0
     items, size = _quantities(words, wset)
@@ -397,7 +400,7 @@ def _rich_v1(prompt: Prompt, out: np.ndarray) -> None:
         1.0 if text[-256:].rstrip().endswith(":") else 0.0,
         float(raw.count(b'"')),
     )
-    out[:] = values
+    return values
 
 
 RICH_V1_EXTRA: tuple[str, ...] = (
@@ -427,31 +430,36 @@ class FeatureSet:
     """A named, versioned feature vector. ``extract`` allocates; ``extract_into`` fills a buffer.
 
     Contract: every method accepts any Prompt (any text, any size) without raising, and fills
-    every one of the ``size`` columns.
+    every one of the ``size`` columns with a finite float32 value.
     """
 
     name: str
     names: tuple[str, ...]
     groups: dict[str, tuple[str, ...]]
-    _fill: Callable[[Prompt, np.ndarray], None]
+    _values: Callable[[Prompt], list[float]]
 
     @property
     def size(self) -> int:
         return len(self.names)
 
+    @property
+    def values(self) -> Callable[[Prompt], list[float]]:
+        """The raw extractor: ``values(prompt)`` is the row as a list of ``size`` Python floats
+        (what ``extract_into`` copies; the predictor packs it straight into its bound buffer)."""
+        return self._values
+
     def extract_into(self, prompt: Prompt, out: np.ndarray) -> np.ndarray:
         """Write the features of ``prompt`` into ``out`` (float32, shape [size]) and return it."""
-        self._fill(prompt, out)
+        out[:] = self._values(prompt)
         return out
 
     def extract(self, prompt: Prompt) -> np.ndarray:
-        return self.extract_into(prompt, np.zeros(self.size, dtype=np.float32))
+        return np.array(self._values(prompt), dtype=np.float32)
 
     def extract_many(self, prompts: Sequence[Prompt]) -> np.ndarray:
-        matrix = np.zeros((len(prompts), self.size), dtype=np.float32)
-        for row, prompt in zip(matrix, prompts):
-            self._fill(prompt, row)
-        return matrix
+        if not prompts:
+            return np.zeros((0, self.size), dtype=np.float32)
+        return np.array([self._values(p) for p in prompts], dtype=np.float32)
 
 
 FEATURE_SETS: dict[str, FeatureSet] = {
