@@ -194,17 +194,20 @@ def test_taken_port_fails_with_the_bind_error(require_embedded_backend: None, fr
 def test_child_dies_when_its_parent_is_killed(require_embedded_backend: None) -> None:
     code = (
         "import time; from clairvoyant.embedded_backend import EmbeddedLlamaServer; "
-        "s = EmbeddedLlamaServer().start(); print(s.pid, flush=True); time.sleep(120)"
+        "s = EmbeddedLlamaServer().start(); print(s.pid, s.log_path, flush=True); time.sleep(120)"
     )
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     child_pid: int | None = None
     try:
         assert parent.stdout is not None
-        child_pid = int(parent.stdout.readline())
+        pid_text, log_text = parent.stdout.readline().split()
+        child_pid, log_path = int(pid_text), Path(log_text)
         assert not _process_gone(child_pid)
+        assert log_path.exists()
         os.kill(parent.pid, signal.SIGKILL)  # no finally, no atexit: only the child's watchdog can act
         parent.wait(timeout=10)
         assert _wait_gone(child_pid, timeout_s=5.0), "llama.cpp child outlived its SIGKILLed parent"
+        assert not log_path.exists()  # the orphaned child removed its temporary log
     finally:
         if parent.poll() is None:
             parent.kill()

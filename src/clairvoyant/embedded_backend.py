@@ -123,6 +123,7 @@ class LlamaServerConfig:
     model_alias: str  # the name /v1/models reports
     endpoint_metrics: bool  # expose Prometheus /metrics
     parent_pid: int  # the child exits when its parent is no longer this pid
+    orphan_log_path: str | None  # a temporary log the child deletes if it outlives its parent
 
 
 class EmbeddedLlamaServer:
@@ -309,6 +310,7 @@ class EmbeddedLlamaServer:
             self._owns_log = False
 
     def _spawn_and_wait(self, model_path: Path, port: int) -> None:
+        log_fd = self._open_log()
         config = LlamaServerConfig(
             model_path=str(model_path),
             host=self._host,
@@ -319,9 +321,9 @@ class EmbeddedLlamaServer:
             model_alias=self._model_alias,
             endpoint_metrics=self._endpoint_metrics,
             parent_pid=os.getpid(),
+            orphan_log_path=str(self._log_path) if self._owns_log else None,
         )
         code = f"from clairvoyant.embedded_backend import _child_main; _child_main({json.dumps(dataclasses.asdict(config))!r})"
-        log_fd = self._open_log()
         started = time.monotonic()
         try:
             # stdin: a pipe we never write to; the child exits on its EOF, i.e. when we die.
@@ -444,6 +446,7 @@ def _child_main(config_json: str) -> None:
         signal.signal(signum, _raise_stop)
 
     server = None
+    orphaned = False
     try:
         import xllamacpp
 
@@ -469,10 +472,14 @@ def _child_main(config_json: str) -> None:
         while True:
             readable, _, _ = select.select([stdin_fd], [], [], 0.5)
             if readable and not os.read(stdin_fd, 1024):
+                # The parent closes this pipe only after we have exited (see _terminate): an EOF
+                # means it is dying. getppid() may not have changed yet at this point.
                 print("clairvoyant: parent closed the pipe; stopping", file=sys.stderr, flush=True)
+                orphaned = True
                 break
             if os.getppid() != config.parent_pid:
                 print("clairvoyant: parent died; stopping", file=sys.stderr, flush=True)
+                orphaned = True
                 break
     except _StopRequested as stop:
         print(f"clairvoyant: {stop} received; stopping", file=sys.stderr, flush=True)
@@ -483,4 +490,6 @@ def _child_main(config_json: str) -> None:
         threading.Timer(3.0, os._exit, args=(0,)).start()
         del server
         sys.stderr.flush()
+        if orphaned and config.orphan_log_path is not None:
+            Path(config.orphan_log_path).unlink(missing_ok=True)  # nobody is left to delete it
         os._exit(0)
