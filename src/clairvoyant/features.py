@@ -215,35 +215,31 @@ _SCAN_LIMIT = SCAN_HEAD_CHARS + SCAN_TAIL_CHARS
 _QUESTION_MARKS = frozenset("?？")
 
 
-def _ends_with_question(text: str) -> bool:
-    tail = text[-256:].rstrip()
-    return bool(tail) and tail[-1] in _QUESTION_MARKS
-
-
-def _paper19_values(text: str, raw: bytes, words: list[bytes], wset: frozenset[bytes]) -> list[float]:
-    """The 19 paper features as a list (one bulk copy into the output row is the cheap way)."""
+def _paper19_values(text: str, raw: bytes, words: list[bytes], wset: frozenset[bytes], lead: int, tail: str) -> list[float | int]:
+    """The 19 paper features as a list; ``lead`` is ``_lead_index(words)``, ``tail`` the stripped end."""
     hits = CLAUSE_WORDS & wset
     values = [
-        float(len(text) // 4),
+        len(text) // 4,
         0.0 if (CODE_WORDS.isdisjoint(wset) and b"```" not in raw) else 1.0,
         0.0 if (_LENGTH_TRIGGERS.isdisjoint(wset) or _LENGTH_RE.search(_norm(words)) is None) else 1.0,
-        1.0 if _ends_with_question(text) else 0.0,
+        1.0 if (tail and tail[-1] in _QUESTION_MARKS) else 0.0,
         0.0 if (FORMAT_WORDS.isdisjoint(wset) and (_STEP_WORDS.isdisjoint(wset) or _STEP_BY_STEP not in _norm(words)))
         else 1.0,
-        float(sum(map(words.count, hits))) if hits else 0.0,
+        sum(map(words.count, hits)) if hits else 0.0,
     ]
-    values += _VERB_ROWS[_verb_column(words)]
+    values += _VERB_ROWS[_VERB_OF.get(words[lead], _OTHER) if lead < len(words) else _OTHER]
     return values
 
 
 # The 13-column one-hot rows, prebuilt.
-_VERB_ROWS: tuple[list[float], ...] = tuple([1.0 if j == i else 0.0 for j in range(len(VERBS))] for i in range(len(VERBS)))
+_VERB_ROWS: tuple[list[float | int], ...] = tuple([1.0 if j == i else 0.0 for j in range(len(VERBS))] for i in range(len(VERBS)))
 _STEP_WORDS = frozenset((b"step",))
 
 
-def _paper19(prompt: Prompt) -> list[float]:
+def _paper19(prompt: Prompt) -> list[float | int]:
     text = prompt.instruction
-    return _paper19_values(text, *_scan(text))
+    raw, words, wset = _scan(text)
+    return _paper19_values(text, raw, words, wset, _lead_index(words), text[-256:].rstrip())
 
 
 PAPER19_NAMES: tuple[str, ...] = (
@@ -369,13 +365,16 @@ _N_GROUPS = len(_RICH_GROUPS)
 _COUNT_CAP = 1e12  # keeps every value finite in float32 whatever a hand-built Prompt carries
 
 
-def _rich_v1(prompt: Prompt) -> list[float]:
+def _rich_v1(prompt: Prompt) -> list[float | int]:
     text = prompt.instruction
     raw, words, wset = _scan(text)
-    values = _paper19_values(text, raw, words, wset)
+    i = _lead_index(words)
+    tail = text[-256:].rstrip()
+    values = _paper19_values(text, raw, words, wset, i, tail)
     turns = min(prompt.turns, _COUNT_CAP) if prompt.turns > 1 else 1
     system = min(prompt.system_chars, _COUNT_CAP) if prompt.system_chars > 0 else 0
-    history = min(prompt.total_chars - len(text) - system, _COUNT_CAP)
+    context = prompt.context_chars
+    history = min((len(text) if context < 0 else context) - len(text) - system, _COUNT_CAP)
     if history < 0:
         history = 0
     items, size = _quantities(words, wset)
@@ -383,12 +382,11 @@ def _rich_v1(prompt: Prompt) -> list[float]:
     for word in _GROUP_WORDS & wset:
         for j in _GROUP_INDEX[word]:
             counts[j] += 1.0
-    i = _lead_index(words)
     lead = words[i] if i < len(words) else b""
     values += (
-        float(history), float(turns), float(system), history / (turns - 1) if turns > 1 else 0.0,
-        float(raw.count(b"\n")), float(raw.count(b"```")), float(sum(map(raw.count, _CODE_SYMBOLS))),
-        float(len(words)), items, size,
+        history, turns, system, history / (turns - 1) if turns > 1 else 0.0,
+        raw.count(b"\n"), raw.count(b"```"), sum(map(raw.count, _CODE_SYMBOLS)),
+        len(words), items, size,
     )
     values += counts
     values += (
@@ -397,8 +395,8 @@ def _rich_v1(prompt: Prompt) -> list[float]:
         1.0 if lead in _CREATE_LEADS else 0.0,
         1.0 if lead in _CONTEXT_LEADS else 0.0,
         1.0 if text.isascii() else 0.0,
-        1.0 if text[-256:].rstrip().endswith(":") else 0.0,
-        float(raw.count(b'"')),
+        1.0 if tail.endswith(":") else 0.0,
+        raw.count(b'"'),
     )
     return values
 
@@ -436,14 +434,14 @@ class FeatureSet:
     name: str
     names: tuple[str, ...]
     groups: dict[str, tuple[str, ...]]
-    _values: Callable[[Prompt], list[float]]
+    _values: Callable[[Prompt], list[float | int]]
 
     @property
     def size(self) -> int:
         return len(self.names)
 
     @property
-    def values(self) -> Callable[[Prompt], list[float]]:
+    def values(self) -> Callable[[Prompt], list[float | int]]:
         """The raw extractor: ``values(prompt)`` is the row as a list of ``size`` Python floats
         (what ``extract_into`` copies; the predictor packs it straight into its bound buffer)."""
         return self._values
