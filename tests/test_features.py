@@ -17,6 +17,7 @@ from clairvoyant.features import (
 
 P19 = get_feature_set("paper19")
 RICH = get_feature_set("rich_v1")
+RICH2 = get_feature_set("rich_v2")
 
 
 def feat(text: str, name: str, fs=P19, **prompt_kw: int) -> float:
@@ -219,4 +220,29 @@ def test_golden_rich_v1() -> None:
         "code_symbol_count": 1.0, "word_count": 15.0, "requested_words": 1500.0, "requested_items": 1500.0, "w_longform": 2.0,
         "w_code": 2.0, "w_detail": 1.0, "w_create": 1.0, "lead_create": 1.0, "is_ascii": 1.0,
         "quote_count": 2.0,
+    }
+
+
+def test_rich_v2_is_rich_v1_on_a_600_character_window() -> None:
+    assert RICH2.names == RICH.names and RICH2.groups == RICH.groups
+    short = Prompt("Write a detailed essay about 10 ideas?", context_chars=500, turns=3)
+    np.testing.assert_array_equal(RICH2.extract(short), RICH.extract(short))
+    # A keyword 600 characters in is seen by rich_v1 only; lengths still use the whole text.
+    text = "Tell me about this. " + "lorem " * 100 + " python code " + "ipsum " * 100 + "Thanks."
+    v1, v2 = RICH.extract(Prompt(text)), RICH2.extract(Prompt(text))
+    code = RICH.names.index("has_code_keyword")
+    assert v1[code] == 1.0 and v2[code] == 0.0
+    assert v1[0] == v2[0] == len(text) // 4
+    assert v2[RICH.names.index("word_count")] < v1[RICH.names.index("word_count")]
+
+
+def test_golden_rich_v2_long_prompt() -> None:
+    text = "Please summarize the following article in 3 bullet points:\n" + "The committee met. " * 200 + "What do you think?"
+    row = RICH2.extract(Prompt(text))
+    got = {n: float(v) for n, v in zip(RICH2.names, row) if v}
+    assert got == {
+        "prompt_token_len": 969.0, "has_format_keyword": 1.0, "ends_with_question": 1.0, "verb_summarize": 1.0,
+        "turns": 1.0, "line_count": 2.0, "word_count": 96.0, "requested_items": 3.0, "w_brief": 1.0,
+        "w_longform": 1.0,
+        "w_question": 2.0, "is_ascii": 1.0,
     }

@@ -185,4 +185,4 @@ def test_paper_preset_flag_reaches_the_model_config() -> None:
         "paper19", 300, 6, 0.1, 42)
     assert (data.per_class, data.test_fraction) == (2000, 0.2)
     _, shipped = commands_train._configs(parser.parse_args(["--max-depth", "3"]))
-    assert shipped.feature_set == "rich_v1" and shipped.max_depth == 3
+    assert shipped.feature_set == "rich_v2" and shipped.max_depth == 3

@@ -14,6 +14,10 @@ implementation's defects fixed:
 - ``prompt_token_len`` is always ``len(instruction) // 4`` in Unicode code points (never bytes),
   at training and serving time alike.
 
+``rich_v2`` (the shipped model's): exactly ``rich_v1`` computed on a 600-character scan window
+(first 500 + last 100 characters), so that a long prompt costs what a short one does; lengths
+(``prompt_token_len``, history, system) still use the whole text, ``word_count`` counts the window.
+
 ``rich_v1``: ``paper19`` followed by conversation and structure features (history size, turns,
 system prompt, lines, code fences and symbols, requested quantities such as "10 ideas" or
 "2000-word") and counts of curated word groups (long-form artifacts, code, detail, brevity,
@@ -25,7 +29,8 @@ turned into spaces, and the result is split on whitespace (so "step-by-step" is 
 keyword sets. Everything runs in C-level str/bytes/set operations (one regex only when a trigger
 word is present), so extraction costs a few microseconds.
 
-Only the first ``SCAN_HEAD_CHARS`` and last ``SCAN_TAIL_CHARS`` characters are scanned for words,
+Only the first ``SCAN_HEAD_CHARS`` and last ``SCAN_TAIL_CHARS`` characters (rich_v2: 500 and 100)
+are scanned for words,
 so a megabyte prompt costs the same as a long one; lengths always use the whole text. No input
 raises: empty text, lone surrogates, control characters and any script are all valid.
 """
@@ -53,6 +58,13 @@ __all__ = [
 
 SCAN_HEAD_CHARS = 16_000
 SCAN_TAIL_CHARS = 4_000
+# rich_v2 = rich_v1 computed on a 600-character scan window (first 500 + last 100 characters; the
+# whole of ~75% of ShareGPT prompts). Word features of a long paste come from its start and end
+# only, so the per-request cost is bounded by the cost of a 600-character prompt: that is what
+# keeps the predictor's p99 under 0.1 ms. Group cross-validation on the training split: 0.870
+# ranking accuracy for rich_v2 vs 0.868 for rich_v1 (std 0.015): no accuracy is lost.
+RICH_V2_HEAD_CHARS = 500
+RICH_V2_TAIL_CHARS = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,10 +95,10 @@ _SEPARATORS = set(string.punctuation) - set("#+_")
 _WORD_TABLE = bytes(32 if chr(i) in _SEPARATORS else i for i in range(256))
 
 
-def _scan_window(text: str) -> str:
-    if len(text) <= SCAN_HEAD_CHARS + SCAN_TAIL_CHARS:
+def _scan_window(text: str, head: int = SCAN_HEAD_CHARS, tail: int = SCAN_TAIL_CHARS) -> str:
+    if len(text) <= head + tail:
         return text
-    return text[:SCAN_HEAD_CHARS] + "\n" + text[-SCAN_TAIL_CHARS:]
+    return text[:head] + "\n" + text[-tail:]
 
 
 def _lower_bytes(window: str) -> bytes:
@@ -194,13 +206,13 @@ _LENGTH_RE = re.compile(
 _STEP_BY_STEP = b" step by step "
 
 
-def _scan(text: str) -> tuple[bytes, list[bytes], frozenset[bytes]]:
+def _scan(text: str, head: int = SCAN_HEAD_CHARS, tail: int = SCAN_TAIL_CHARS) -> tuple[bytes, list[bytes], frozenset[bytes]]:
     """(lower-cased UTF-8 bytes of the scan window, its words, the set of its words).
 
     Counting ASCII symbols in the bytes equals counting them in the text: UTF-8 multi-byte
     sequences never contain ASCII bytes, and lower-casing only touches letters.
     """
-    window = text if len(text) <= _SCAN_LIMIT else _scan_window(text)
+    window = text if len(text) <= head + tail else _scan_window(text, head, tail)
     raw = window.encode("utf-8", "surrogatepass").lower()
     words = raw.translate(_WORD_TABLE).split()
     return raw, words, frozenset(words)
@@ -211,7 +223,6 @@ def _norm(words: list[bytes]) -> bytes:
     return b" " + b" ".join(words) + b" "
 
 
-_SCAN_LIMIT = SCAN_HEAD_CHARS + SCAN_TAIL_CHARS
 _QUESTION_MARKS = frozenset("?？")
 
 
@@ -365,9 +376,18 @@ _N_GROUPS = len(_RICH_GROUPS)
 _COUNT_CAP = 1e12  # keeps every value finite in float32 whatever a hand-built Prompt carries
 
 
-def _rich_v1(prompt: Prompt) -> list[float | int]:
+def _rich(head: int, tail: int) -> Callable[[Prompt], list[float | int]]:
+    """The rich extractor with a scan window of the first ``head`` and last ``tail`` characters."""
+
+    def values(prompt: Prompt) -> list[float | int]:
+        return _rich_values(prompt, head, tail)
+
+    return values
+
+
+def _rich_values(prompt: Prompt, head: int, tail_chars: int) -> list[float | int]:
     text = prompt.instruction
-    raw, words, wset = _scan(text)
+    raw, words, wset = _scan(text, head, tail_chars)
     i = _lead_index(words)
     tail = text[-256:].rstrip()
     values = _paper19_values(text, raw, words, wset, i, tail)
@@ -462,7 +482,8 @@ class FeatureSet:
 
 FEATURE_SETS: dict[str, FeatureSet] = {
     "paper19": FeatureSet("paper19", PAPER19_NAMES, PAPER19_GROUPS, _paper19),
-    "rich_v1": FeatureSet("rich_v1", RICH_V1_NAMES, RICH_V1_GROUPS, _rich_v1),
+    "rich_v1": FeatureSet("rich_v1", RICH_V1_NAMES, RICH_V1_GROUPS, _rich(SCAN_HEAD_CHARS, SCAN_TAIL_CHARS)),
+    "rich_v2": FeatureSet("rich_v2", RICH_V1_NAMES, RICH_V1_GROUPS, _rich(RICH_V2_HEAD_CHARS, RICH_V2_TAIL_CHARS)),
 }
 assert all(len(set(fs.names)) == fs.size for fs in FEATURE_SETS.values())
 
