@@ -108,6 +108,9 @@ def benchmark_parser() -> argparse.ArgumentParser:
     parser.add_argument("--poisson-tau", type=float, default=None,
                         help="tau for the Poisson proxies (default: 3 x the measured mean Short service time)")
     parser.add_argument("--model-path", type=Path, default=None, help="ONNX predictor for sjf (default: model/predictor.onnx)")
+    parser.add_argument("--upstream-keepalive", action="store_true",
+                        help="let the proxies pool keep-alive connections to the backend (reproduces sporadic 502s "
+                             "against llama.cpp; default: a fresh connection per request)")
     parser.add_argument("--calibration", type=int, default=4, help="requests per class sent one at a time to fit service times")
     parser.add_argument("--out", type=Path, default=Path("results/bench/latest"), help="output directory")
     parser.add_argument("--plot-prefix", default="", help="prefix of the plot file names")
@@ -131,9 +134,16 @@ def benchmark_main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     prompts = _load_prompts(args.prompts, ("short", "long"))
     args.out.mkdir(parents=True, exist_ok=True)
+    partial = args.out / "requests.partial.jsonl"
+
+    def save(cell_rows: list[dict[str, Any]]) -> None:
+        # Everything so far (this mode's rows after earlier modes'), rewritten after each condition.
+        partial.write_text("".join(json.dumps(r, default=str) + "\n" for r in rows + cell_rows))
+
     with backend(args.backend, threads=args.threads) as (url, label):
         config = BenchConfig(backend_url=url, dialect=args.dialect, model=args.model, model_path=args.model_path,
-                             tau_s=args.tau, conditions=conditions)
+                             tau_s=args.tau, conditions=conditions,
+                             upstream_keepalive=args.upstream_keepalive)
         # Warm-up (weights paged in, first-request costs), not recorded.
         run_workload(url, burst(prompts, n_short=1, n_long=0, length_scale=args.length_scale, seed=999),
                      dialect=args.dialect, model=args.model)
@@ -144,7 +154,7 @@ def benchmark_main(argv: Sequence[str] | None = None) -> int:
                                                     length_scale=args.length_scale, seed=args.seed + run))
                          for run in range(args.runs)]
             extra["burst"] = {"n_short": args.n_short, "n_long": args.n_long, "tau_s": args.tau}
-            rows += run_cells(config, workloads)
+            rows += run_cells(config, workloads, checkpoint=save)
         if args.mode in ("poisson", "both"):
             sample = burst(prompts, n_short=args.calibration, n_long=args.calibration,
                            length_scale=args.length_scale, seed=args.seed + 1000)
@@ -153,7 +163,8 @@ def benchmark_main(argv: Sequence[str] | None = None) -> int:
             mu_short_service = sum(short_service) / len(short_service)
             tau = args.poisson_tau if args.poisson_tau is not None else 3 * mu_short_service
             poisson_config = BenchConfig(backend_url=url, dialect=args.dialect, model=args.model,
-                                         model_path=args.model_path, tau_s=tau, conditions=conditions)
+                                         model_path=args.model_path, tau_s=tau, conditions=conditions,
+                                         upstream_keepalive=args.upstream_keepalive)
             workloads = []
             rates = {}
             for rho in rhos:
@@ -168,10 +179,11 @@ def benchmark_main(argv: Sequence[str] | None = None) -> int:
                 "service_model": {"overhead_s": round(service.overhead_s, 4), "per_token_s": round(service.per_token_s, 5)},
                 "mean_short_service_s": round(mu_short_service, 3), "arrival_rates_per_s": rates,
             }
-            rows += run_cells(poisson_config, workloads)
+            rows += run_cells(poisson_config, workloads, checkpoint=save)
     extra["wall_s"] = round(time.monotonic() - started, 1)
     paths = report.write_outputs(rows, args.out, meta=_meta(args, label, **extra), plots=not args.no_plots,
                                  plot_prefix=args.plot_prefix)
+    partial.unlink(missing_ok=True)
     print(report.markdown_summary(rows))
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
     return 0

@@ -49,6 +49,11 @@ class BenchConfig:
     model_path: Path | None = None  # the predictor for ``sjf``; None = the shipped model
     tau_s: float = math.inf  # the proxy's starvation timeout
     conditions: tuple[str, ...] = CONDITIONS
+    # False: the proxy opens a fresh upstream connection per request. With the proxy's pooled
+    # keep-alive connections, 2-20% of requests to llama.cpp's server failed with 502
+    # "Server disconnected without sending a response" (a stale-connection race, reported upstream);
+    # True reproduces that.
+    upstream_keepalive: bool = False
 
 
 def _free_port() -> int:
@@ -108,7 +113,10 @@ def target_for(config: BenchConfig, condition: str) -> Iterator[str]:
     if condition == "direct":
         yield config.backend_url
         return
-    with proxy_server(_proxy_settings(config, condition)) as url:
+    kwargs: dict[str, Any] = {}
+    if not config.upstream_keepalive:
+        kwargs["upstream_transport"] = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_keepalive_connections=0))
+    with proxy_server(_proxy_settings(config, condition), **kwargs) as url:
         yield url
 
 
@@ -196,8 +204,12 @@ def run_cells(
     workloads: Sequence[tuple[str, float | None, int, list[RequestSpec]]],
     *,
     progress: bool = True,
+    checkpoint: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run each ``(mode, rho, run, specs)`` under every condition in rotated order; return all rows."""
+    """Run each ``(mode, rho, run, specs)`` under every condition in rotated order; return all rows.
+
+    ``checkpoint`` gets the rows so far after each condition (to save partial results).
+    """
     from tqdm import tqdm
 
     total = sum(len(specs) for *_, specs in workloads) * len(config.conditions)
@@ -218,4 +230,6 @@ def run_cells(
                     logger.warning("%s run %d %s: %d of %d requests failed, first: %s",
                                    where, run, condition, len(failed), len(results), failed[0].error)
                 rows.extend(result_rows(results, mode=mode, rho=rho, run=run, condition=condition, position=position))
+                if checkpoint is not None:
+                    checkpoint(rows)
     return rows
