@@ -23,7 +23,7 @@ def markdown_path_for(model_path: Path) -> Path:
 
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
-        return f"{value:.4f}"
+        return f"{value:.3g}" if 0 < abs(value) < 1e-3 else f"{value:.4f}"
     return str(value)
 
 
