@@ -388,37 +388,49 @@ def _rich(head: int, tail: int) -> Callable[[Prompt], list[float | int]]:
 def _rich_values(prompt: Prompt, head: int, tail_chars: int) -> list[float | int]:
     text = prompt.instruction
     raw, words, wset = _scan(text, head, tail_chars)
-    i = _lead_index(words)
+    n_words = len(words)
+    # _lead_index, with its common case (no opener) inlined
+    i = 0 if (not n_words or words[0] not in _OPENERS) else _lead_index(words)
     tail = text[-256:].rstrip()
     values = _paper19_values(text, raw, words, wset, i, tail)
-    turns = min(prompt.turns, _COUNT_CAP) if prompt.turns > 1 else 1
-    system = min(prompt.system_chars, _COUNT_CAP) if prompt.system_chars > 0 else 0
+    turns = prompt.turns
+    turns = (turns if turns < _COUNT_CAP else _COUNT_CAP) if turns > 1 else 1
+    system = prompt.system_chars
+    system = (system if system < _COUNT_CAP else _COUNT_CAP) if system > 0 else 0
     context = prompt.context_chars
-    history = min((len(text) if context < 0 else context) - len(text) - system, _COUNT_CAP)
-    if history < 0:
-        history = 0
-    items, size = _quantities(words, wset)
+    history = (context - len(text) - system) if context >= 0 else -system
+    history = (history if history < _COUNT_CAP else _COUNT_CAP) if history > 0 else 0
+    items, size = (0.0, 0.0) if _QUANTITY_TRIGGERS.isdisjoint(wset) else _quantities(words, wset)
     counts = [0.0] * _N_GROUPS
     for word in _GROUP_WORDS & wset:
         for j in _GROUP_INDEX[word]:
             counts[j] += 1.0
-    lead = words[i] if i < len(words) else b""
     values += (
         history, turns, system, history / (turns - 1) if turns > 1 else 0.0,
         raw.count(b"\n"), raw.count(b"```"), sum(map(raw.count, _CODE_SYMBOLS)),
-        len(words), items, size,
+        n_words, items, size,
     )
     values += counts
+    values += _LEAD_FLAGS.get(words[i], _NO_LEAD_FLAGS) if i < n_words else _NO_LEAD_FLAGS
     values += (
-        1.0 if lead in _QUESTION_LEADS else 0.0,
-        1.0 if lead in _CONTINUE_LEADS else 0.0,
-        1.0 if lead in _CREATE_LEADS else 0.0,
-        1.0 if lead in _CONTEXT_LEADS else 0.0,
         1.0 if text.isascii() else 0.0,
         1.0 if tail.endswith(":") else 0.0,
         raw.count(b'"'),
     )
     return values
+
+
+# lead word -> (lead_question, lead_continue, lead_create, lead_context)
+_LEAD_FLAGS: dict[bytes, tuple[float, float, float, float]] = {
+    w: (
+        1.0 if w in _QUESTION_LEADS else 0.0,
+        1.0 if w in _CONTINUE_LEADS else 0.0,
+        1.0 if w in _CREATE_LEADS else 0.0,
+        1.0 if w in _CONTEXT_LEADS else 0.0,
+    )
+    for w in _QUESTION_LEADS | _CONTINUE_LEADS | _CREATE_LEADS | _CONTEXT_LEADS
+}
+_NO_LEAD_FLAGS = (0.0, 0.0, 0.0, 0.0)
 
 
 RICH_V1_EXTRA: tuple[str, ...] = (
