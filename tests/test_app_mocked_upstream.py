@@ -459,3 +459,17 @@ def test_client_leaving_a_passthrough_stream_closes_the_backend_stream() -> None
         left = metric_value(base, "clairvoyant_client_disconnects_total", 'stage="streaming"')
     assert first["status"] == "downloading"
     assert left == 1
+
+
+def test_a_stale_pooled_connection_is_retried_but_a_dead_backend_is_502() -> None:
+    router = respx.MockRouter(base_url=UPSTREAM)
+    stale = httpx.RemoteProtocolError("Server disconnected without sending a response.")
+    route = router.post("/v1/chat/completions").mock(side_effect=[stale, httpx.Response(200, json={"ok": 1})])
+    with proxy(router) as base:
+        ok = httpx.post(f"{base}/v1/chat/completions", json=chat_body("hi"))
+        assert route.call_count == 2
+        route.mock(side_effect=stale)
+        dead = httpx.post(f"{base}/v1/chat/completions", json=chat_body("hi"))
+    assert ok.json() == {"ok": 1}
+    assert dead.status_code == 502
+    assert route.call_count == 2 + 3  # one try and two resends, then give up

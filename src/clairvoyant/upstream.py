@@ -7,6 +7,7 @@ Every httpx exception is translated here into ``UpstreamUnavailable`` (502) or `
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Iterable, Mapping
 
 import httpx
@@ -14,6 +15,11 @@ import httpx
 from clairvoyant.errors import UpstreamTimeout, UpstreamUnavailable
 
 __all__ = ["HOP_BY_HOP", "Upstream", "forwardable_headers", "response_headers"]
+
+logger = logging.getLogger(__name__)
+
+# Resends after the server dropped a pooled connection without answering (see Upstream.open).
+STALE_CONNECTION_RETRIES = 2
 
 # RFC 9110 7.6.1 hop-by-hop headers, plus those the proxy recomputes itself.
 HOP_BY_HOP = frozenset(
@@ -83,10 +89,19 @@ class Upstream:
         """Send a request and return the response with its body not yet read. Close it with ``close``."""
         url = path + (f"?{query}" if query else "")
         request = self._client.build_request(method, url, headers=forwardable_headers(headers), content=body)
-        try:
-            return await self._client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise _translate(exc, self.base_url) from exc
+        for attempt in range(STALE_CONNECTION_RETRIES + 1):
+            try:
+                return await self._client.send(request, stream=True)
+            except httpx.RemoteProtocolError as exc:
+                # "Server disconnected without sending a response": a pooled keep-alive connection
+                # the server had closed (llama.cpp's server closes some connections after a streamed
+                # answer without saying so). Nothing was answered, so send again on a fresh one.
+                if attempt == STALE_CONNECTION_RETRIES:
+                    raise _translate(exc, self.base_url) from exc
+                logger.debug("upstream connection was stale (%s); retrying", exc)
+            except httpx.HTTPError as exc:
+                raise _translate(exc, self.base_url) from exc
+        raise AssertionError("unreachable")
 
     async def iter_body(self, response: httpx.Response) -> AsyncIterator[bytes]:
         """The raw (undecoded) body as it arrives; errors translated."""
