@@ -4,7 +4,8 @@
         [--no-load] [--compare OTHER.onnx ...] [--no-card]
 
 Phases: idle, then with a real llama.cpp server (xllamacpp + SmolLM2-135M, 2 threads) generating
-continuously in a background process on the same cores. Each phase times, per request, the full
+continuously in a background process on the same cores (optionally also with the backend at a
+lower CPU priority, ``--load-nice 0 10``: a deployment choice that the p99 depends on). Each phase times, per request, the full
 ``OnnxPredictor.predict(prompt)`` call and, separately, feature extraction alone and the bound
 ONNX run alone, plus the floor: ``run_with_iobinding`` of a one-node Identity ONNX graph (the bare
 cost of calling ONNX Runtime from Python). A first, separately reported pass touches every
@@ -117,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", type=Path, nargs="*", default=[], help="other models to time alike")
     parser.add_argument("--no-load", action="store_true", help="idle phase only")
     parser.add_argument("--no-card", action="store_true", help="do not write p50/p99 into the model card")
+    parser.add_argument("--load-nice", type=int, nargs="*", default=[0],
+                        help="nice values of the llama.cpp load, one loaded phase each (0 = same priority)")
     args = parser.parse_args(argv)
 
     prompts = _prompts(args.requests)
@@ -135,9 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_load:
         from predictor_load import LoadProcess
 
-        with LoadProcess():
-            time.sleep(2.0)
-            report["phases"]["under_llamacpp_load"] = [_bench_model(m, prompts, floor) for m in models]
+        for nice in args.load_nice:
+            with LoadProcess(nice=nice):
+                time.sleep(2.0)
+                name = "under_llamacpp_load" + (f"_nice{nice}" if nice else "")
+                report["phases"][name] = [_bench_model(m, prompts, floor) for m in models]
     RESULTS.write_text(json.dumps(report, indent=2) + "\n")
     for phase, rows in report["phases"].items():
         for r in rows:

@@ -67,13 +67,16 @@ def _serve(port: int) -> None:
 class LoadProcess:
     """A child process running llama.cpp and generating continuously (see the module docstring)."""
 
-    def __init__(self, port: int = 18931) -> None:
+    def __init__(self, port: int = 18931, nice: int = 0) -> None:
         self.port = port
+        self.nice = nice  # > 0 runs the backend at a lower CPU priority than the caller
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> LoadProcess:
+        nice = self.nice
         self.proc = subprocess.Popen([sys.executable, __file__, str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
