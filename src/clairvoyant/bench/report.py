@@ -89,6 +89,17 @@ def markdown_summary(rows: Sequence[dict[str, Any]], cells: Sequence[CellSummary
     return "\n".join(out)
 
 
+def _plain(value: Any) -> Any:
+    """JSON-safe: inf/nan become strings (standard JSON has no Infinity)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
 def write_outputs(rows: Sequence[dict[str, Any]], out_dir: Path, *, meta: dict[str, Any], plots: bool = True,
                   plot_prefix: str = "") -> dict[str, Path]:
     """Write every output file for ``rows`` into ``out_dir``; return name -> path."""
@@ -110,7 +121,7 @@ def write_outputs(rows: Sequence[dict[str, Any]], out_dir: Path, *, meta: dict[s
         writer.writerows(summary_rows)
     reductions = reductions_table(rows)
     paths["summary.json"] = out_dir / "summary.json"
-    paths["summary.json"].write_text(json.dumps({
+    paths["summary.json"].write_text(json.dumps(_plain({
         "meta": meta,
         "cells": summary_rows,
         "reductions_vs_fcfs": [
@@ -118,7 +129,7 @@ def write_outputs(rows: Sequence[dict[str, Any]], out_dir: Path, *, meta: dict[s
             for label, table in reductions.items() for (mode, rho, cond), (m, s, n) in sorted(table.items(), key=str)
             if cond != "fcfs" and not math.isnan(m)
         ],
-    }, indent=1, default=str))
+    }), indent=1, default=str, allow_nan=False))
     paths["summary.md"] = out_dir / "summary.md"
     paths["summary.md"].write_text(markdown_summary(rows, cells))
     if plots and rows:
