@@ -109,6 +109,16 @@ def evaluate_model(model_path: Path, *, split: SplitData | None = None, ood_rows
         "class_bounds": bounds.as_dict(),
         "split_fingerprint": fingerprint,
         "tie_rule": "ranking accuracy counts tied (Short, Long) pairs as half correct",
+        "data": {
+            "turns": config.turns, "per_class": config.per_class, "test_fraction": config.test_fraction,
+            "eligible_before_balancing": split.available,
+            "train_rows": len(split.train), "test_rows": len(split.test),
+            "long_rows_at_paper_bound_800": {
+                "all_turns": int(np.sum(split.train_lengths >= 800) + np.sum(split.test_lengths >= 800)
+                                 + np.sum(split.test_pool_lengths >= 800)),
+                "note": "in the balanced sample plus the held-out pool; the packaged answers are capped near 800 tokens",
+            },
+        },
         "held_out": {"model": metrics.summary(p_model, y_te, split.test_lengths)},
     }
 
@@ -214,6 +224,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"Feature set `{report['feature_set']}`; classes {json.dumps(report['class_bounds'])} (cl100k_base tokens); "
         f"split fingerprint `{report['split_fingerprint'][:16]}`. {report['tie_rule'].capitalize()}.",
+        "",
+        "## Data",
+        f"Rows: {report['data']['train_rows']} train / {report['data']['test_rows']} held out, turns: "
+        f"{report['data']['turns']}. Eligible rows per class before balancing: "
+        f"{json.dumps(report['data']['eligible_before_balancing'])}.",
         "",
         "## Held-out split (balanced, conversations disjoint from training)",
         "| model | ranking accuracy | 3-class accuracy | Kendall tau_b (P(Long) vs length) | rows |",
