@@ -359,7 +359,10 @@ def _quantities(words: list[bytes], wset: frozenset[bytes]) -> tuple[float, floa
     return items, size
 
 
-_CODE_SYMBOLS = (b"{", b";", b"=", b"()", b"</", b"->")
+# code_symbol_count counts "{", ";", "=", "()", "</" and "->": the single bytes in one pass (the
+# length lost when translate deletes them), the pairs with bytes.count.
+_CODE_SYMBOL_BYTES = b"{;="
+_CODE_SYMBOL_PAIRS = (b"()", b"</", b"->")
 
 
 # Every rich_v1 group word -> the indices of the groups it belongs to: one set intersection finds
@@ -407,7 +410,8 @@ def _rich_values(prompt: Prompt, head: int, tail_chars: int) -> list[float | int
             counts[j] += 1.0
     values += (
         history, turns, system, history / (turns - 1) if turns > 1 else 0.0,
-        raw.count(b"\n"), raw.count(b"```"), sum(map(raw.count, _CODE_SYMBOLS)),
+        raw.count(b"\n"), raw.count(b"```"),
+        len(raw) - len(raw.translate(None, _CODE_SYMBOL_BYTES)) + sum(map(raw.count, _CODE_SYMBOL_PAIRS)),
         n_words, items, size,
     )
     values += counts
