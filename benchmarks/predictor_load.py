@@ -62,6 +62,8 @@ def _serve(port: int) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     while not stop.wait(1.0):
         pass
+    # Skip interpreter teardown: the server's destructor can hang with a generation in flight.
+    os._exit(0)
 
 
 class LoadProcess:
