@@ -116,13 +116,15 @@ def test_parse_request_refuses_what_it_cannot_read_and_reads_the_rest() -> None:
     assert parsed.forward_body == raw
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dialects.parse_request re-serializes with ensure_ascii=False and encodes strictly: a lone "
-    "surrogate plus the proxy field raises UnicodeEncodeError (fix: json.dumps(body) with ensure_ascii=True)",
-)
 def test_proxy_field_removal_survives_a_lone_surrogate() -> None:
     raw = b'{"messages": [{"role": "user", "content": "hi \\ud83d"}], "clairvoyant": {"x": 1}}'
     parsed = parse_request(CHAT, raw)
     assert parsed.proxy_options == {"x": 1}
     assert json.loads(parsed.forward_body)["messages"][0]["content"] == "hi \ud83d"
+
+
+def test_ollama_context_ids_count_as_history_and_non_object_messages_do_not_count_as_turns() -> None:
+    generate = parse_request(OLLAMA_GENERATE, json.dumps({"model": "m", "prompt": "go on", "context": [1, 2, 3]}).encode())
+    assert generate.prompt.total_chars == len("go on") + 4 * 3
+    chat = parse_request(OLLAMA_CHAT, json.dumps({"model": "m", "messages": ["junk", {"role": "user", "content": "hi"}]}).encode())
+    assert chat.prompt.turns == 1 and chat.prompt.instruction == "hi"

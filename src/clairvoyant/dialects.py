@@ -7,7 +7,7 @@ The rule, for every scheduled endpoint:
   /api/generate). Text parts of list-of-parts content are joined with newlines; images and other
   non-text parts are skipped. A completion prompt given as a list of strings is joined with
   newlines; token-id prompts have no text (their length still counts in ``context_chars``, at
-  4 characters a token).
+  4 characters a token), and so do the token ids of Ollama's ``context`` (an earlier exchange).
 - context_chars = characters of all message texts and system prompts (what the model reads).
 - turns = number of messages (1 for a bare prompt); system_chars = characters of system prompts.
 
@@ -101,9 +101,11 @@ def _chat_prompt(messages: list[Any]) -> Prompt:
     instruction = ""
     context = 0
     system = 0
+    turns = 0
     for message in messages:
         if not isinstance(message, dict):
             continue
+        turns += 1
         text = _content_text(message.get("content"))
         context += len(text)
         role = message.get("role")
@@ -111,11 +113,13 @@ def _chat_prompt(messages: list[Any]) -> Prompt:
             system += len(text)
         elif role == "user":
             instruction = text
-    return Prompt(instruction=instruction, context_chars=context, turns=len(messages), system_chars=system)
+    return Prompt(instruction=instruction, context_chars=context, turns=turns, system_chars=system)
 
 
-def _completion_prompt(prompt: Any, system: Any = None) -> Prompt:
+def _completion_prompt(prompt: Any, system: Any = None, context_ids: Any = None) -> Prompt:
+    """``context_ids``: Ollama's /api/generate ``context``, the token ids of the earlier exchange."""
     system_text = system if isinstance(system, str) else ""
+    history = 4 * len(context_ids) if isinstance(context_ids, list) else 0
     if isinstance(prompt, str):
         text, extra = prompt, 0
     elif isinstance(prompt, list):
@@ -127,7 +131,7 @@ def _completion_prompt(prompt: Any, system: Any = None) -> Prompt:
         text, extra = "", 0
     return Prompt(
         instruction=text,
-        context_chars=len(text) + extra + len(system_text),
+        context_chars=len(text) + extra + len(system_text) + history,
         turns=1,
         system_chars=len(system_text),
     )
@@ -139,7 +143,7 @@ def prompt_from_body(endpoint: Endpoint, body: dict[str, Any]) -> Prompt:
         messages = body.get("messages")
         return _chat_prompt(messages if isinstance(messages, list) else [])
     if endpoint.dialect is Dialect.OLLAMA:
-        return _completion_prompt(body.get("prompt"), body.get("system"))
+        return _completion_prompt(body.get("prompt"), body.get("system"), body.get("context"))
     return _completion_prompt(body.get("prompt"))
 
 
@@ -188,7 +192,7 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
     if PROXY_FIELD in body:
         options = body.pop(PROXY_FIELD)
         proxy_options = options if isinstance(options, dict) else {}
-        forward = json.dumps(body, ensure_ascii=False).encode()
+        forward = json.dumps(body).encode()  # ASCII escapes: lone surrogates survive
     model = body.get("model")
     return ParsedRequest(
         endpoint=endpoint,
