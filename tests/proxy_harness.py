@@ -1,23 +1,19 @@
-"""Run the proxy app on a real uvicorn server in a background thread (streaming and disconnects
-need a real server: httpx.ASGITransport buffers whole bodies)."""
+"""Helpers for proxy tests. The proxy runs on a real uvicorn server in a background thread
+(``clairvoyant.bench.runner.proxy_server``, which the benchmarks use too): streaming and
+disconnects need a real server, since httpx.ASGITransport buffers whole bodies."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import respx
-import uvicorn
 
-from clairvoyant.app import create_app
-from clairvoyant.config import Settings
+from clairvoyant.bench.runner import proxy_server as running_proxy  # noqa: F401 (re-exported)
 from clairvoyant.features import Prompt
 from clairvoyant.predictor import Prediction
 
@@ -36,32 +32,6 @@ class MarkerPredictor:
             p = float(text.split("[p=", 1)[1].split("]", 1)[0])
             return Prediction((1 - p) / 2, (1 - p) / 2, p)
         return Prediction(0.25, 0.25, 0.5)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def running_proxy(settings: Settings, **app_kwargs: Any) -> Iterator[str]:
-    """Start ``create_app(settings, **app_kwargs)`` on a free loopback port; yield its base URL."""
-    port = free_port()
-    app = create_app(settings, **app_kwargs)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("proxy did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def wait_until(predicate: Any, timeout_s: float = 5.0, what: str = "condition") -> None:
