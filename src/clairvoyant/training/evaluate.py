@@ -99,7 +99,6 @@ def evaluate_model(model_path: Path, *, split: SplitData | None = None, ood_rows
         raise RuntimeError("the rebuilt split does not match the card's split fingerprint: data or code changed")
     bounds = config.bounds
     y_tr, y_te = split.train_labels, split.test_labels
-    x_tr = featurize(fs, [p.prompt for p in split.train])
     x_te = featurize(fs, [p.prompt for p in split.test])
     p_model = predictor.predict_features(x_te)
     report: dict[str, Any] = {
