@@ -8,6 +8,7 @@ the duration of the command.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -214,7 +215,7 @@ def mu_short_main(argv: Sequence[str] | None = None) -> int:
     args = mu_short_parser().parse_args(argv)
     prompts: list[BenchPrompt] = _load_prompts(args.prompts, (args.cls,))
     # burst() draws Short and Long; reuse it by labelling the chosen class "short" for the draw.
-    as_short = [p.__class__(p.key, p.answer_tokens, "short", p.prompt_chars, p.sha, p.text) for p in prompts]
+    as_short = [dataclasses.replace(p, cls="short") for p in prompts]
     specs = burst(as_short, n_short=args.n, n_long=0, length_scale=args.length_scale, seed=args.seed)
     from tqdm import tqdm
 

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from clairvoyant.bench.stats import CellSummary, paired_reductions, summarize
+from clairvoyant.bench.stats import CellSummary, paired_reductions, realized_utilization, summarize
 
-__all__ = ["REDUCTIONS", "format_mean_std", "markdown_summary", "reductions_table", "write_outputs"]
+__all__ = ["REDUCTIONS", "format_mean_std", "load_rows", "markdown_summary", "reductions_table", "write_outputs"]
 
 # (label, metric, percentile, class): what "reduction" rows report; negative = an increase.
 REDUCTIONS = (
@@ -58,6 +58,7 @@ def markdown_summary(rows: Sequence[dict[str, Any]], cells: Sequence[CellSummary
     """Markdown: per (mode, rho), a latency table (s, mean ± std over runs) and a reduction table."""
     cells = list(cells) if cells is not None else summarize(rows)
     reductions = reductions_table(rows)
+    utilization = realized_utilization(rows)
     out: list[str] = []
     order = {"direct": 0, "fcfs": 1, "sjf": 2, "oracle": 3}
     for mode, rho in _cell_keys(cells):
@@ -65,6 +66,9 @@ def markdown_summary(rows: Sequence[dict[str, Any]], cells: Sequence[CellSummary
         chosen = sorted((c for c in cells if c.mode == mode and c.rho == rho),
                         key=lambda c: (c.cls != "short", order.get(c.condition, 9)))
         out.append(f"#### {heading}\n")
+        if (mode, rho) in utilization and rho is not None:
+            mean, std, n = utilization[(mode, rho)]
+            out.append(f"Backend utilisation actually reached under fcfs: {mean:.2f} ± {std:.2f} ({n} runs).\n")
         out.append("| class | condition | runs | n | P50 (s) | P95 (s) | P99 (s) | TTFT P50 (s) | TTFT P95 (s) | TTFT P99 (s) |")
         out.append("|---|---|---|---|---|---|---|---|---|---|")
         for c in chosen:
@@ -100,6 +104,29 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def load_rows(path: Path) -> list[dict[str, Any]]:
+    """Rows of a ``requests.csv`` with their types back (to regenerate the summaries and plots)."""
+    ints = {"run", "position", "index", "answer_tokens", "n_predict", "completion_tokens", "status", "finish_rank"}
+    floats = {"rho", "offset_s", "sent_s", "ttft_s", "e2e_s", "done_s"}
+    rows = []
+    with path.open(newline="") as fh:
+        for raw in csv.DictReader(fh):
+            row: dict[str, Any] = {}
+            for key, value in raw.items():
+                if value == "":
+                    row[key] = "" if key == "rho" else None
+                elif key in ints:
+                    row[key] = int(value)
+                elif key in floats:
+                    row[key] = float(value)
+                elif key == "ok":
+                    row[key] = value == "True"
+                else:
+                    row[key] = value
+            rows.append(row)
+    return rows
+
+
 def write_outputs(rows: Sequence[dict[str, Any]], out_dir: Path, *, meta: dict[str, Any], plots: bool = True,
                   plot_prefix: str = "") -> dict[str, Path]:
     """Write every output file for ``rows`` into ``out_dir``; return name -> path."""
@@ -128,6 +155,10 @@ def write_outputs(rows: Sequence[dict[str, Any]], out_dir: Path, *, meta: dict[s
             {"what": label, "mode": mode, "rho": rho, "condition": cond, "mean": round(m, 4), "std": round(s, 4), "runs": n}
             for label, table in reductions.items() for (mode, rho, cond), (m, s, n) in sorted(table.items(), key=str)
             if cond != "fcfs" and not math.isnan(m)
+        ],
+        "realized_utilization_fcfs": [
+            {"mode": mode, "rho": rho, "mean": round(m, 3), "std": round(s, 3), "runs": n}
+            for (mode, rho), (m, s, n) in sorted(realized_utilization(rows).items(), key=str)
         ],
     }), indent=1, default=str, allow_nan=False))
     paths["summary.md"] = out_dir / "summary.md"

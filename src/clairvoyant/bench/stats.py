@@ -19,6 +19,7 @@ __all__ = [
     "paired_reductions",
     "per_run_percentile",
     "percentile",
+    "realized_utilization",
     "reduction",
     "summarize",
 ]
@@ -137,4 +138,33 @@ def paired_reductions(
         values = [reduction(base[r], v) for r, v in runs.items() if r in base]
         mean, std = mean_std(values)
         out[(mode, rho, condition)] = (mean, std, len(values))
+    return out
+
+
+def realized_utilization(rows: Iterable[dict[str, object]], *, condition: str = "fcfs") -> dict[tuple[str, float | None], tuple[float, float, int]]:
+    """(mode, rho) -> (mean, std, runs) of the backend utilisation actually reached under ``condition``.
+
+    On a serial backend, a request's service starts at the later of its send and the previous
+    completion; utilisation = summed service / (last completion - first send). For Poisson runs this
+    checks the calibrated target rho.
+    """
+    runs: dict[tuple[str, float | None], dict[int, list[dict[str, object]]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        if row["condition"] == condition and row["ok"] in (True, "True", "true", 1) and row.get("done_s") not in (None, ""):
+            rho = row.get("rho")
+            runs[(str(row["mode"]), None if rho in (None, "") else float(rho))][int(row["run"])].append(row)  # type: ignore[arg-type, call-overload]
+    out = {}
+    for key, by_run in runs.items():
+        values = []
+        for run_rows in by_run.values():
+            ordered = sorted(run_rows, key=lambda r: float(r["done_s"]))  # type: ignore[arg-type]
+            busy, previous = 0.0, 0.0
+            for r in ordered:
+                start = max(float(r["sent_s"]), previous)  # type: ignore[arg-type]
+                busy += float(r["done_s"]) - start  # type: ignore[arg-type]
+                previous = float(r["done_s"])  # type: ignore[arg-type]
+            span = previous - min(float(r["sent_s"]) for r in ordered)  # type: ignore[arg-type]
+            values.append(busy / span if span > 0 else math.nan)
+        mean, std = mean_std(values)
+        out[key] = (mean, std, len(values))
     return out
