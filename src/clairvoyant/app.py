@@ -101,7 +101,7 @@ def create_app(
     async def request_error(request: Request, exc: RequestError) -> Response:
         reason = next((r for cls, r in _REJECTION_REASONS.items() if isinstance(exc, cls)), None)
         if reason is not None:
-            metrics.rejections.labels(reason).inc()
+            metrics.rejections_by_reason[reason].inc()
         return _error_response(request, exc, metrics)
 
     @app.exception_handler(Exception)
@@ -144,7 +144,7 @@ def _error_response(request: Request, exc: RequestError, metrics: Metrics) -> Re
     path = request.url.path
     dialect = dialect_of_path(path)
     endpoint = path if path in SCHEDULED_ENDPOINTS else "passthrough"
-    metrics.requests.labels(endpoint, dialect.value, str(exc.status_code)).inc()
+    metrics.count_request(endpoint, dialect.value, str(exc.status_code))
     return Response(
         error_body(dialect, exc), status_code=exc.status_code, headers=exc.headers, media_type="application/json"
     )

@@ -88,7 +88,7 @@ class Dispatcher:
         """Refuse new work, let in-flight requests finish for up to ``timeout_s``, then cancel."""
         self._closing = True
         while (job := self.queue.pop(math.inf)) is not None:
-            self.metrics.queue_depth.labels(job.payload.predicted_class).dec()
+            self.metrics.depth_by_class[job.payload.predicted_class].dec()
             if not job.payload.granted.done():
                 job.payload.granted.set_exception(ShuttingDown("the proxy is shutting down; retry"))
         deadline = time.monotonic() + timeout_s
@@ -109,7 +109,7 @@ class Dispatcher:
         if self._closing:
             raise ShuttingDown("the proxy is shutting down; retry")
         ticket.job = self.queue.push(ticket, ticket.score, ticket.arrival_s)
-        self.metrics.queue_depth.labels(ticket.predicted_class).inc()
+        self.metrics.depth_by_class[ticket.predicted_class].inc()
         self._wakeup.set()
 
     async def wait_turn(self, ticket: Ticket) -> int:
@@ -124,7 +124,7 @@ class Dispatcher:
     def withdraw(self, ticket: Ticket) -> bool:
         """Remove a ticket whose client left while queued. True if it was still waiting."""
         if ticket.job is not None and self.queue.remove(ticket.job):
-            self.metrics.queue_depth.labels(ticket.predicted_class).dec()
+            self.metrics.depth_by_class[ticket.predicted_class].dec()
             if not ticket.granted.done():
                 ticket.granted.cancel()
             return True
@@ -203,7 +203,7 @@ class Dispatcher:
             await self._wakeup.wait()
             return
         ticket = job.payload
-        self.metrics.queue_depth.labels(ticket.predicted_class).dec()
+        self.metrics.depth_by_class[ticket.predicted_class].dec()
         if self.queue.promotions != promotions:
             self.metrics.starvation_promotions.inc()
         if ticket.granted.done():  # withdrawn or failed in between: nothing to run
@@ -212,7 +212,7 @@ class Dispatcher:
         ticket.dispatched_s = self.clock.now()
         self._running[slot] = ticket
         self.metrics.in_flight.inc()
-        self.metrics.queue_wait.labels(ticket.predicted_class).observe(ticket.dispatched_s - ticket.arrival_s)
+        self.metrics.wait_by_class[ticket.predicted_class].observe(ticket.dispatched_s - ticket.arrival_s)
         ticket.granted.set_result(slot)
         try:
             await ticket.released.wait()

@@ -109,7 +109,7 @@ class ProxyResponse(Response):
             # The client left while the backend is still working.
             self._client_gone = True
             self.outcome = "client_left_streaming"
-            self.metrics.client_disconnects.labels("streaming").inc()
+            self.metrics.disconnects_by_stage["streaming"].inc()
             if self.disconnect_mode == "abort" or self.ticket is None:
                 relay.cancel()  # pass-through requests hold no slot: nothing to drain for
             handed_off = self._finish_later(relay)
@@ -134,7 +134,7 @@ class ProxyResponse(Response):
         if turn not in done:
             self.dispatcher.abandon(self.ticket)
             self.outcome = "client_left_queued"
-            self.metrics.client_disconnects.labels("queued").inc()
+            self.metrics.disconnects_by_stage["queued"].inc()
             return False
         try:
             turn.result()
@@ -244,21 +244,21 @@ class ProxyResponse(Response):
             self.dispatcher.release(self.ticket)
 
     def _count_upstream_error(self, exc: RequestError) -> None:
-        self.metrics.upstream_errors.labels("timeout" if isinstance(exc, UpstreamTimeout) else "unavailable").inc()
+        self.metrics.upstream_errors_by_kind["timeout" if isinstance(exc, UpstreamTimeout) else "unavailable"].inc()
 
     def _observe(self, what: str) -> None:
         ticket, dispatcher = self.ticket, self.dispatcher
         if ticket is None or dispatcher is None:
             return
         elapsed = dispatcher.clock.now() - ticket.arrival_s
-        histogram = self.metrics.ttft if what == "ttft" else self.metrics.end_to_end
-        histogram.labels(ticket.predicted_class).observe(elapsed)
+        by_class = self.metrics.ttft_by_class if what == "ttft" else self.metrics.end_to_end_by_class
+        by_class[ticket.predicted_class].observe(elapsed)
 
     def _log(self) -> None:
         ticket, dispatcher = self.ticket, self.dispatcher
         endpoint = ticket.endpoint if ticket is not None else "passthrough"
         status = str(self.status) if self.status is not None else "client_closed"
-        self.metrics.requests.labels(endpoint, self.dialect.value, status).inc()
+        self.metrics.count_request(endpoint, self.dialect.value, status)
         if ticket is None or dispatcher is None:
             return
         wait = ticket.queue_wait_s()

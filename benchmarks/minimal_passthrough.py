@@ -1,0 +1,47 @@
+"""The floor of the serving stack: a bare FastAPI + httpx streaming pass-through, no scheduling.
+
+Run beside the real proxy by bench_proxy_overhead.py, so the proxy's added latency can be split
+into what the stack (uvicorn, FastAPI, httpx) costs on this machine and what Clairvoyant adds.
+
+    python benchmarks/minimal_passthrough.py UPSTREAM_URL PORT
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from starlette.responses import StreamingResponse
+
+
+def build(upstream: str) -> FastAPI:
+    app = FastAPI()
+    client = httpx.AsyncClient(base_url=upstream, timeout=None)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> StreamingResponse:
+        body = await request.body()
+        req = client.build_request(
+            "POST", "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+        )
+        response = await client.send(req, stream=True)
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in response.aiter_raw():
+                    yield chunk
+            finally:
+                await response.aclose()
+
+        return StreamingResponse(
+            relay(), status_code=response.status_code, media_type=response.headers.get("content-type")
+        )
+
+    return app
+
+
+if __name__ == "__main__":
+    uvicorn.run(build(sys.argv[1]), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning", access_log=False)
