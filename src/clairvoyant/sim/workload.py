@@ -293,10 +293,20 @@ class PromptRecord:
 
 
 def load_prompts(path: Path | str) -> list[PromptRecord]:
-    """Read a JSONL file of ``{"prompt": str, "output_tokens": int, "class": "short"|"medium"|"long"}``.
+    """Read a JSONL file of ``{"prompt": str, "output_tokens": int, "class": "short"|"medium"|"long"}``,
+    or the shipped reference file (profiler/data/prompts.jsonl: keys into the installed ShareGPT
+    package, no text), whose texts are resolved by ``clairvoyant.bench.prompt_set``.
 
     Blank lines are skipped. Raises ValueError naming the line number (never the text) on a bad line.
     """
+    first = next((line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()), "")
+    if first and "key" in json.loads(first):
+        from clairvoyant.bench.prompt_set import load_prompt_set, resolve
+
+        return [
+            PromptRecord(Prompt(p.text or ""), p.answer_tokens, class_index(p.cls))
+            for p in resolve(load_prompt_set(path))
+        ]
     records: list[PromptRecord] = []
     with Path(path).open(encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
