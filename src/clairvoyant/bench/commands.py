@@ -109,9 +109,6 @@ def benchmark_parser() -> argparse.ArgumentParser:
     parser.add_argument("--poisson-tau", type=float, default=None,
                         help="tau for the Poisson proxies (default: 3 x the measured mean Short service time)")
     parser.add_argument("--model-path", type=Path, default=None, help="ONNX predictor for sjf (default: model/predictor.onnx)")
-    parser.add_argument("--upstream-keepalive", action="store_true",
-                        help="let the proxies pool keep-alive connections to the backend (reproduces sporadic 502s "
-                             "against llama.cpp; default: a fresh connection per request)")
     parser.add_argument("--calibration", type=int, default=4, help="requests per class sent one at a time to fit service times")
     parser.add_argument("--out", type=Path, default=Path("results/bench/latest"), help="output directory")
     parser.add_argument("--plot-prefix", default="", help="prefix of the plot file names")
@@ -143,8 +140,7 @@ def benchmark_main(argv: Sequence[str] | None = None) -> int:
 
     with backend(args.backend, threads=args.threads) as (url, label):
         config = BenchConfig(backend_url=url, dialect=args.dialect, model=args.model, model_path=args.model_path,
-                             tau_s=args.tau, conditions=conditions,
-                             upstream_keepalive=args.upstream_keepalive)
+                             tau_s=args.tau, conditions=conditions)
         # Warm-up (weights paged in, first-request costs), not recorded.
         run_workload(url, burst(prompts, n_short=1, n_long=0, length_scale=args.length_scale, seed=999),
                      dialect=args.dialect, model=args.model)
@@ -164,8 +160,7 @@ def benchmark_main(argv: Sequence[str] | None = None) -> int:
             mu_short_service = sum(short_service) / len(short_service)
             tau = args.poisson_tau if args.poisson_tau is not None else 3 * mu_short_service
             poisson_config = BenchConfig(backend_url=url, dialect=args.dialect, model=args.model,
-                                         model_path=args.model_path, tau_s=tau, conditions=conditions,
-                                         upstream_keepalive=args.upstream_keepalive)
+                                         model_path=args.model_path, tau_s=tau, conditions=conditions)
             workloads = []
             rates = {}
             for rho in rhos:

@@ -49,11 +49,6 @@ class BenchConfig:
     model_path: Path | None = None  # the predictor for ``sjf``; None = the shipped model
     tau_s: float = math.inf  # the proxy's starvation timeout
     conditions: tuple[str, ...] = CONDITIONS
-    # False: the proxy opens a fresh upstream connection per request. With the proxy's pooled
-    # keep-alive connections, 2-20% of requests to llama.cpp's server failed with 502
-    # "Server disconnected without sending a response" (a stale-connection race, reported upstream);
-    # True reproduces that.
-    upstream_keepalive: bool = False
 
 
 def _free_port() -> int:
@@ -113,10 +108,7 @@ def target_for(config: BenchConfig, condition: str) -> Iterator[str]:
     if condition == "direct":
         yield config.backend_url
         return
-    kwargs: dict[str, Any] = {}
-    if not config.upstream_keepalive:
-        kwargs["upstream_transport"] = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_keepalive_connections=0))
-    with proxy_server(_proxy_settings(config, condition), **kwargs) as url:
+    with proxy_server(_proxy_settings(config, condition)) as url:
         yield url
 
 
