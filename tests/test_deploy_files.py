@@ -61,3 +61,17 @@ def test_compose_wires_clairvoyant_to_a_healthy_serial_ollama() -> None:
     assert str(proxy["environment"]["CLAIRVOYANT_SLOTS"]) == str(ollama["environment"]["OLLAMA_NUM_PARALLEL"])
     assert "8080:8080" in proxy["ports"]
     assert proxy["build"] == "."
+
+
+def test_the_package_carries_the_shipped_model() -> None:
+    """src/clairvoyant/model links to model/ and package-data names its files, so a wheel (and the
+    Docker image's `pip install .`) carries the model the predictor loads by default."""
+    import tomllib
+
+    from clairvoyant.predictor import DEFAULT_MODEL_PATH
+
+    link = ROOT / "src" / "clairvoyant" / "model"
+    assert link.is_symlink() and link.resolve() == (ROOT / "model").resolve()
+    assert DEFAULT_MODEL_PATH.resolve() == (ROOT / "model" / "predictor.onnx").resolve()
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert {"model/predictor.onnx", "model/predictor.card.json"} <= set(package_data["clairvoyant"])

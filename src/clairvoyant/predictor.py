@@ -31,9 +31,9 @@ __all__ = [
 ]
 
 CLASS_NAMES: tuple[str, str, str] = ("short", "medium", "long")
-# The shipped model: model/predictor.onnx at the top of the source tree (an editable install or a
-# checkout). The Docker image copies model/ and points CLAIRVOYANT_MODEL_PATH at it.
-DEFAULT_MODEL_PATH = Path(__file__).resolve().parents[2] / "model" / "predictor.onnx"
+# The shipped model: model/predictor.onnx at the top of the source tree. src/clairvoyant/model links
+# to that folder, so a checkout, an editable install and a built wheel all find it here.
+DEFAULT_MODEL_PATH = Path(__file__).parent / "model" / "predictor.onnx"
 
 
 @dataclass(frozen=True, slots=True)
