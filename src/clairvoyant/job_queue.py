@@ -105,9 +105,6 @@ class JobQueue(Generic[T]):
         self._maybe_compact()
         return job
 
-    def peek_oldest(self) -> QueuedJob[T] | None:
-        return next(iter(self._by_arrival.values()), None)
-
     def __iter__(self) -> Iterator[QueuedJob[T]]:
         """Waiting jobs in key order (the order they would go in if no starvation fired)."""
         return iter(sorted(self._by_arrival.values(), key=lambda j: (j.key, j.seq)))
