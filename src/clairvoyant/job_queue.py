@@ -38,9 +38,6 @@ class QueuedJob(Generic[T]):
     key: float  # the policy's key, computed once at push
     waiting: bool = field(default=True)  # False once popped or removed
 
-    def waited_s(self, now: float) -> float:
-        return now - self.arrival_s
-
 
 class JobQueue(Generic[T]):
     def __init__(
