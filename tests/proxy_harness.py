@@ -86,3 +86,24 @@ class HeldBackend:
         self.order.append(body["messages"][-1]["content"])
         await gate_wait(self.gate)
         return httpx.Response(200, json={"ok": True})
+
+
+class BackgroundPosts(threading.Thread):
+    """Chat requests POSTed to the proxy together, from a background thread (so a test can watch
+    the queue while they wait). ``responses`` is filled once the thread is joined."""
+
+    def __init__(self, base: str, *texts: str) -> None:
+        super().__init__(daemon=True)
+        self.base, self.texts = base, texts
+        self.responses: list[httpx.Response] = []
+        self.start()
+
+    def run(self) -> None:
+        async def post_all() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=30) as client:
+                return await asyncio.gather(
+                    *(client.post(f"{self.base}/v1/chat/completions", json={"messages": [{"role": "user", "content": t}]})
+                      for t in self.texts)
+                )
+
+        self.responses = asyncio.run(post_all())

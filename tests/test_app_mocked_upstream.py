@@ -17,6 +17,7 @@ import respx
 
 from clairvoyant.config import Settings
 from proxy_harness import (
+    BackgroundPosts,
     HeldBackend,
     MarkerPredictor,
     gate_wait,
@@ -264,23 +265,15 @@ def test_passthrough_paths_are_forwarded_unqueued_with_query_headers_and_streams
 # --- scheduling -----------------------------------------------------------------------------------
 
 
-async def _post_all(base: str, texts: list[str]) -> list[httpx.Response]:
-    async with httpx.AsyncClient(timeout=30) as client:
-        return await asyncio.gather(*(client.post(f"{base}/v1/chat/completions", json=chat_body(t)) for t in texts))
-
-
 def test_queued_requests_run_shortest_predicted_first_one_at_a_time() -> None:
     backend = HeldBackend()
     router = respx.MockRouter(base_url=UPSTREAM)
     router.post("/v1/chat/completions").mock(side_effect=backend)
     with proxy(router, starvation_timeout_s=600) as base:
-        holder = threading.Thread(target=lambda: asyncio.run(_post_all(base, ["[long] holder"])))
-        holder.start()
+        holder = BackgroundPosts(base, "[long] holder")
         wait_until(lambda: backend.order == ["[long] holder"], what="holder at the backend")
         texts = ["[p=0.9] L1", "[p=0.02] S1", "[p=0.5] M1", "[p=0.8] L2", "[p=0.01] S2"]
-        results: list[httpx.Response] = []
-        batch = threading.Thread(target=lambda: results.extend(asyncio.run(_post_all(base, texts))))
-        batch.start()
+        batch = BackgroundPosts(base, *texts)
         wait_until(lambda: len(queue_snapshot(base)["waiting"]) == 5, what="5 queued")
         snapshot = queue_snapshot(base)
         assert len(snapshot["in_flight"]) == 1  # slots=1: one at a time
@@ -288,7 +281,7 @@ def test_queued_requests_run_shortest_predicted_first_one_at_a_time() -> None:
         holder.join(10)
         batch.join(10)
     assert backend.order == ["[long] holder", "[p=0.01] S2", "[p=0.02] S1", "[p=0.5] M1", "[p=0.8] L2", "[p=0.9] L1"]
-    assert all(r.status_code == 200 for r in results)
+    assert [r.status_code for r in batch.responses] == [200] * 5
     assert [w["p_long"] for w in snapshot["waiting"]] == [0.01, 0.02, 0.5, 0.8, 0.9]
     assert all("[" not in json.dumps(w) for w in snapshot["waiting"])  # no prompt text in /queue
 
@@ -298,14 +291,11 @@ def test_fcfs_policy_keeps_arrival_order() -> None:
     router = respx.MockRouter(base_url=UPSTREAM)
     router.post("/v1/chat/completions").mock(side_effect=backend)
     with proxy(router, policy="fcfs") as base:
-        holder = threading.Thread(target=lambda: asyncio.run(_post_all(base, ["[long] holder"])))
-        holder.start()
+        holder = BackgroundPosts(base, "[long] holder")
         wait_until(lambda: backend.order == ["[long] holder"], what="holder at the backend")
         threads = []
         for text in ["[long] L1", "[short] S1", "[long] L2"]:  # arrive one after another
-            t = threading.Thread(target=lambda text=text: asyncio.run(_post_all(base, [text])))
-            t.start()
-            threads.append(t)
+            threads.append(BackgroundPosts(base, text))
             wait_until(lambda n=len(threads): len(queue_snapshot(base)["waiting"]) == n, what="queued")
         backend.gate.set()
         for t in [holder, *threads]:
@@ -318,10 +308,9 @@ def test_queue_full_answers_503_with_retry_after_in_the_dialect() -> None:
     router = respx.MockRouter(base_url=UPSTREAM)
     router.post("/v1/chat/completions").mock(side_effect=backend)
     with proxy(router, max_queue=1, retry_after_s=3) as base:
-        threads = [threading.Thread(target=lambda t=t: asyncio.run(_post_all(base, [t]))) for t in ("[long] a", "[long] b")]
-        threads[0].start()
+        threads = [BackgroundPosts(base, "[long] a")]
         wait_until(lambda: len(backend.order) == 1, what="first at the backend")
-        threads[1].start()
+        threads.append(BackgroundPosts(base, "[long] b"))
         wait_until(lambda: len(queue_snapshot(base)["waiting"]) == 1, what="second queued")
         full = httpx.post(f"{base}/v1/chat/completions", json=chat_body("[short] c"))
         full_ollama = httpx.post(f"{base}/api/chat", json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
@@ -341,8 +330,7 @@ def test_client_leaving_while_queued_is_never_sent() -> None:
     router = respx.MockRouter(base_url=UPSTREAM)
     router.post("/v1/chat/completions").mock(side_effect=backend)
     with proxy(router) as base:
-        holder = threading.Thread(target=lambda: asyncio.run(_post_all(base, ["[long] holder"])))
-        holder.start()
+        holder = BackgroundPosts(base, "[long] holder")
         wait_until(lambda: backend.order == ["[long] holder"], what="holder at the backend")
 
         async def leave_while_queued() -> None:
@@ -407,15 +395,12 @@ def test_starvation_timeout_promotes_a_waiting_long_request() -> None:
     router = respx.MockRouter(base_url=UPSTREAM)
     router.post("/v1/chat/completions").mock(side_effect=backend)
     with proxy(router, starvation_timeout_s=0.2) as base:
-        holder = threading.Thread(target=lambda: asyncio.run(_post_all(base, ["[long] holder"])))
-        holder.start()
+        holder = BackgroundPosts(base, "[long] holder")
         wait_until(lambda: len(backend.order) == 1, what="holder at the backend")
-        threads = [threading.Thread(target=lambda: asyncio.run(_post_all(base, ["[long] old"])))]
-        threads[0].start()
+        threads = [BackgroundPosts(base, "[long] old")]
         wait_until(lambda: len(queue_snapshot(base)["waiting"]) == 1, what="long queued")
         time.sleep(0.3)  # let the long one wait longer than tau (time is the point of this test)
-        threads.append(threading.Thread(target=lambda: asyncio.run(_post_all(base, ["[short] new"]))))
-        threads[1].start()
+        threads.append(BackgroundPosts(base, "[short] new"))
         wait_until(lambda: len(queue_snapshot(base)["waiting"]) == 2, what="short queued")
         backend.gate.set()
         for t in [holder, *threads]:

@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 
 import httpx
 import respx
 
 from clairvoyant.config import Settings
-from proxy_harness import HeldBackend, MarkerPredictor, metric_value, mock_transport, queue_snapshot, running_proxy, wait_until
+from proxy_harness import BackgroundPosts, HeldBackend, MarkerPredictor, metric_value, mock_transport, queue_snapshot, running_proxy, wait_until
 
 UPSTREAM = "http://upstream.test"
-
-
-def post(base: str, text: str) -> threading.Thread:
-    async def go() -> None:
-        async with httpx.AsyncClient(timeout=30) as client:
-            await client.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": text}]})
-
-    thread = threading.Thread(target=lambda: asyncio.run(go()))
-    thread.start()
-    return thread
 
 
 def test_metrics_follow_a_held_queue_and_its_release() -> None:
@@ -31,9 +19,9 @@ def test_metrics_follow_a_held_queue_and_its_release() -> None:
     router.post("/v1/chat/completions").mock(side_effect=backend)
     settings = Settings(upstream_url=UPSTREAM, max_queue=3, starvation_timeout_s=42)
     with running_proxy(settings, predictor=MarkerPredictor(), upstream_transport=mock_transport(router)) as base:
-        threads = [post(base, "[long] secret holder text")]
+        threads = [BackgroundPosts(base, "[long] secret holder text")]
         wait_until(lambda: len(backend.order) == 1, what="holder dispatched")
-        threads += [post(base, "[short] secret s1"), post(base, "[short] secret s2"), post(base, "[long] secret l1")]
+        threads += [BackgroundPosts(base, "[short] secret s1"), BackgroundPosts(base, "[short] secret s2"), BackgroundPosts(base, "[long] secret l1")]
         wait_until(lambda: len(queue_snapshot(base)["waiting"]) == 3, what="3 waiting")
 
         assert metric_value(base, "clairvoyant_queue_depth", 'predicted_class="short"') == 2

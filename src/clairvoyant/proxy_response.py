@@ -68,8 +68,8 @@ class ProxyResponse(Response):
         body: bytes,
         dialect: Dialect,
         metrics: Metrics,
-        dispatcher: Dispatcher | None = None,
-        ticket: Ticket | None = None,
+        dispatcher: Dispatcher,  # owns the slot (scheduled requests) and every detached ending
+        ticket: Ticket | None = None,  # None: a pass-through request, not queued
         disconnect_mode: Literal["drain", "abort"] = "abort",
     ) -> None:
         self.background = None
@@ -98,7 +98,7 @@ class ProxyResponse(Response):
         relay: asyncio.Task[None] | None = None
         handed_off = False
         try:
-            if self.ticket is not None and self.dispatcher is not None:
+            if self.ticket is not None:
                 if not await self._wait_for_slot(disconnect, send):
                     return
             relay = asyncio.ensure_future(self._relay(send))
@@ -124,7 +124,7 @@ class ProxyResponse(Response):
 
     async def _wait_for_slot(self, disconnect: asyncio.Future[None], send: Send) -> bool:
         """True once a slot is held; False if the client left or the proxy refused (answered)."""
-        assert self.ticket is not None and self.dispatcher is not None
+        assert self.ticket is not None
         turn = asyncio.ensure_future(self.dispatcher.wait_turn(self.ticket))
         try:
             done, _ = await asyncio.wait({turn, disconnect}, return_when=asyncio.FIRST_COMPLETED)
@@ -224,8 +224,6 @@ class ProxyResponse(Response):
     # -- endings -------------------------------------------------------------------------------
     def _finish_later(self, relay: asyncio.Future[None]) -> bool:
         """Release the slot only once the relay has ended (drained to the end, or aborted)."""
-        if self.dispatcher is None:
-            return False
 
         async def finish() -> None:
             try:
@@ -240,29 +238,29 @@ class ProxyResponse(Response):
         return True
 
     def _release(self) -> None:
-        if self.ticket is not None and self.dispatcher is not None:
+        if self.ticket is not None:
             self.dispatcher.release(self.ticket)
 
     def _count_upstream_error(self, exc: RequestError) -> None:
         self.metrics.upstream_errors_by_kind["timeout" if isinstance(exc, UpstreamTimeout) else "unavailable"].inc()
 
     def _observe(self, what: str) -> None:
-        ticket, dispatcher = self.ticket, self.dispatcher
-        if ticket is None or dispatcher is None:
+        ticket = self.ticket
+        if ticket is None:
             return
-        elapsed = dispatcher.clock.now() - ticket.arrival_s
+        elapsed = self.dispatcher.clock.now() - ticket.arrival_s
         by_class = self.metrics.ttft_by_class if what == "ttft" else self.metrics.end_to_end_by_class
         by_class[ticket.predicted_class].observe(elapsed)
 
     def _log(self) -> None:
-        ticket, dispatcher = self.ticket, self.dispatcher
+        ticket = self.ticket
         endpoint = ticket.endpoint if ticket is not None else "passthrough"
         status = str(self.status) if self.status is not None else "client_closed"
         self.metrics.count_request(endpoint, self.dialect.value, status)
-        if ticket is None or dispatcher is None:
+        if ticket is None or not logger.isEnabledFor(logging.INFO):
             return
         wait = ticket.queue_wait_s()
-        service = None if ticket.dispatched_s is None else dispatcher.clock.now() - ticket.dispatched_s
+        service = None if ticket.dispatched_s is None else self.dispatcher.clock.now() - ticket.dispatched_s
         fields: dict[str, Any] = {
             "request_id": ticket.request_id,
             "endpoint": ticket.endpoint,
