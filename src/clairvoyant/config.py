@@ -73,6 +73,17 @@ class Settings(BaseSettings):
         False,
         description="Benchmarks only: accept the true output length in the request's 'clairvoyant' field.",
     )
+    online_learning: bool = Field(
+        True,
+        description="Learn this deployment's answer lengths from what the backend reports, and correct the predictor.",
+    )
+    learner_state_path: Path | None = Field(
+        None,
+        description="File the online learner loads at start and saves to (atomically); unset = learn in memory only.",
+    )
+    learner_save_interval_s: float = Field(
+        300.0, gt=0, description="Seconds between saves of the learner's state (it is also saved at shutdown)."
+    )
 
     @field_validator("upstream_url")
     @classmethod

@@ -10,6 +10,9 @@ The client's disconnect is watched the whole time (``receive`` yields ``http.dis
 
 Once the status line is sent it cannot change: a backend failure after that point ends a stream
 with one final error event in the dialect's framing, or truncates a plain body.
+
+A scheduled answer that the backend completes (2xx, relayed or drained to its end) is read by a
+``UsageTap`` as it passes, without buffering, and its ``Usage`` handed to ``on_usage``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from typing import Any, Literal
 
 import httpx
@@ -28,6 +32,7 @@ from clairvoyant.dispatcher import Dispatcher, Ticket
 from clairvoyant.errors import RequestError, UpstreamTimeout
 from clairvoyant.metrics import Metrics
 from clairvoyant.upstream import Upstream, response_headers
+from clairvoyant.usage import Usage, UsageTap
 
 __all__ = ["ProxyResponse", "error_body"]
 
@@ -71,6 +76,7 @@ class ProxyResponse(Response):
         dispatcher: Dispatcher,  # owns the slot (scheduled requests) and every detached ending
         ticket: Ticket | None = None,  # None: a pass-through request, not queued
         disconnect_mode: Literal["drain", "abort"] = "abort",
+        on_usage: Callable[[Ticket, Usage], None] | None = None,  # a completed scheduled answer's usage
     ) -> None:
         self.background = None
         self.status_code = 200
@@ -86,6 +92,9 @@ class ProxyResponse(Response):
         self.dispatcher = dispatcher
         self.ticket = ticket
         self.disconnect_mode = disconnect_mode
+        self.on_usage = on_usage
+        self.usage: Usage | None = None
+        self._sent_s = 0.0  # clock seconds when the request went upstream
         self.status: int | None = None  # sent status, once sent
         self.outcome = "pending"
         self._client_gone = False
@@ -146,6 +155,7 @@ class ProxyResponse(Response):
 
     # -- relaying ------------------------------------------------------------------------------
     async def _relay(self, send: Send) -> None:
+        self._sent_s = self.dispatcher.clock.now()
         try:
             response = await self.upstream.open(
                 self.method, self.path, query=self.query, headers=self.request_headers, body=self.body
@@ -165,6 +175,7 @@ class ProxyResponse(Response):
         self.status = response.status_code
         self._content_type = response.headers.get("content-type", "")
         headers = response_headers(response.headers) + self._own_headers()
+        tap = UsageTap(self._content_type) if self.ticket is not None and 200 <= response.status_code < 300 else None
         if not self._client_gone:
             await send(
                 {
@@ -178,6 +189,8 @@ class ProxyResponse(Response):
                 if chunk and not self._first_byte_seen:
                     self._first_byte_seen = True
                     self._observe("ttft")
+                if tap is not None:
+                    tap.feed(chunk)
                 if not self._client_gone:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except RequestError as exc:
@@ -186,6 +199,8 @@ class ProxyResponse(Response):
             if not self._client_gone:
                 await send({"type": "http.response.body", "body": self._stream_error_event(exc), "more_body": False})
             return
+        if tap is not None:  # before the last send: the observation is in once the client has it all
+            self._record_usage(tap)
         if not self._client_gone:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             self.outcome = "completed"
@@ -237,6 +252,15 @@ class ProxyResponse(Response):
         self.dispatcher.run_detached(finish(), name=f"finish-{self.ticket.request_id if self.ticket else 'passthrough'}")
         return True
 
+    def _record_usage(self, tap: UsageTap) -> None:
+        assert self.ticket is not None
+        self.usage = tap.usage(wall_s=self.dispatcher.clock.now() - self._sent_s, request_model=self.ticket.model)
+        if self.on_usage is not None:
+            try:
+                self.on_usage(self.ticket, self.usage)
+            except Exception:  # the answer is already relayed: a failing observer must not break it
+                logger.exception("request_id=%s: recording usage failed", self.ticket.request_id)
+
     def _release(self) -> None:
         if self.ticket is not None:
             self.dispatcher.release(self.ticket)
@@ -270,5 +294,7 @@ class ProxyResponse(Response):
             "service_ms": "-" if service is None else f"{service * 1000:.1f}",
             "status": self.status if self.status is not None else "-",
             "outcome": self.outcome,
+            "output_tokens": "-" if self.usage is None or self.usage.output_tokens is None else self.usage.output_tokens,
+            "usage_source": "-" if self.usage is None else self.usage.source,
         }
         logger.info("request %s", " ".join(f"{k}={v}" for k, v in fields.items()))

@@ -1,0 +1,250 @@
+"""What the backend really produced for one request: read from the relayed answer, never buffered.
+
+A ``UsageTap`` is fed every chunk the proxy relays. It keeps only a bounded tail of the body
+(``TAIL_BYTES``) and, for streams, a count of content-bearing events; when the answer has ended,
+``UsageTap.usage`` reads the counts the backends put at the END of their answers:
+
+- OpenAI (and llama.cpp's OpenAI endpoints): ``usage.completion_tokens`` / ``usage.prompt_tokens``
+  (streams carry it in the last event only with ``stream_options.include_usage``);
+- llama.cpp: ``timings`` (``predicted_n``, ``predicted_ms``, ``prompt_n``, ``prompt_ms``,
+  ``cache_n``), present in non-streamed bodies and in a stream's last event, and
+  ``tokens_predicted`` (its native /completion endpoint);
+- Ollama: the final object's ``eval_count``, ``eval_duration`` (ns), ``prompt_eval_count``,
+  ``prompt_eval_duration`` (ns);
+- else, for a stream, the number of content-bearing events (one per generated token on
+  llama.cpp and Ollama, an estimate elsewhere).
+
+Whichever source gives the output length wins in that order; durations are taken from
+wherever they are present. Nothing here raises on any body: an unreadable tail gives a
+``Usage`` with ``output_tokens=None`` (no observation), or a chunk count for a stream.
+
+Keys are found by searching the tail for ``"<key>":`` and decoding the JSON value after it.
+That cannot be fooled by generated text: inside a JSON string every ``"`` is escaped, so the
+byte sequence ``"key":`` only occurs as a real key. The tail holds prompt or answer text;
+it is never logged.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["TAIL_BYTES", "Usage", "UsageSource", "UsageTap"]
+
+# The end of a body kept for reading the counts. llama.cpp's last stream event with its
+# generation_settings is ~2.5 KB; 16 KB leaves room for the last few token events before it.
+TAIL_BYTES = 16 * 1024
+# A stream event longer than this is counted from its first bytes only (the content key comes early).
+_EVENT_PREFIX_BYTES = 4 * 1024
+
+UsageSource = Literal[
+    "openai_usage",  # usage.completion_tokens
+    "llamacpp_timings",  # timings.predicted_n
+    "llamacpp_tokens_predicted",  # tokens_predicted (native /completion)
+    "ollama_eval_count",  # eval_count of Ollama's final object
+    "stream_events",  # counted content-bearing stream events (no backend count)
+    "none",  # nothing readable: not an observation
+]
+
+# A stream event that carries generated text (or reasoning, or tool-call arguments): one of these
+# keys with a NON-empty string value. OpenAI/llama.cpp chat `content`, completions `text`,
+# Ollama /api/generate `response`, reasoning and thinking deltas, tool-call `arguments` deltas.
+_CONTENT_EVENT = re.compile(
+    rb'"(?:content|text|response|reasoning_content|reasoning|thinking|arguments)"\s*:\s*"(?!")'
+)
+_DECODER = json.JSONDecoder()
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """One completed request as the backend served it. ``None`` = the backend did not say."""
+
+    output_tokens: int | None  # generated tokens (None: unknown, not an observation)
+    prompt_tokens: int | None  # tokens of the prompt as the backend counted them (cached ones included)
+    generation_s: float | None  # backend-reported decode time, seconds
+    prompt_s: float | None  # backend-reported prompt-evaluation time, seconds
+    wall_s: float  # the proxy's own service time: request sent upstream -> last byte, seconds
+    model: str | None  # backend model name: from the response, else from the request
+    source: UsageSource  # where output_tokens came from
+    stream_events: int  # content-bearing stream events counted (0 for a plain body)
+
+    @property
+    def observed(self) -> bool:
+        """True if this is a length the learner may use (backend-reported or counted)."""
+        return self.output_tokens is not None and self.source != "none"
+
+    @property
+    def seconds_per_output_token(self) -> float | None:
+        """Decode time per generated token, from the backend's own timing (None if not reported)."""
+        if self.generation_s is None or not self.output_tokens:
+            return None
+        return self.generation_s / self.output_tokens
+
+
+def _framing(content_type: str) -> Literal["sse", "ndjson", "body"]:
+    content_type = content_type.lower()
+    if "text/event-stream" in content_type:
+        return "sse"
+    if "ndjson" in content_type:
+        return "ndjson"
+    return "body"
+
+
+class UsageTap:
+    """Watches one relayed answer. ``feed`` is O(len(chunk)) and keeps at most a few KB.
+
+    Not thread-safe: one tap per response, fed from the relay's task.
+    """
+
+    __slots__ = ("_framing", "_tail", "_partial", "_events", "_tail_bytes")
+
+    def __init__(self, content_type: str, *, tail_bytes: int = TAIL_BYTES) -> None:
+        self._framing = _framing(content_type)
+        self._tail_bytes = tail_bytes
+        self._tail = bytearray()
+        self._partial = bytearray()  # the current, unterminated stream line (bounded)
+        self._events = 0
+
+    @property
+    def is_stream(self) -> bool:
+        return self._framing != "body"
+
+    def feed(self, chunk: bytes) -> None:
+        """Take one relayed chunk (any split of the body: events may span chunks)."""
+        if not chunk:
+            return
+        tail = self._tail
+        tail += chunk
+        if len(tail) > 2 * self._tail_bytes:  # trim in batches: amortised O(1) per byte
+            del tail[: len(tail) - self._tail_bytes]
+        if self._framing != "body":
+            self._count_events(chunk)
+
+    def _count_events(self, chunk: bytes) -> None:
+        lines = chunk.split(b"\n")
+        if len(lines) == 1:
+            self._extend_partial(chunk)
+            return
+        self._extend_partial(lines[0])
+        self._count_line(bytes(self._partial))
+        for line in lines[1:-1]:
+            self._count_line(line)
+        self._partial.clear()
+        self._extend_partial(lines[-1])
+
+    def _extend_partial(self, piece: bytes) -> None:
+        room = _EVENT_PREFIX_BYTES - len(self._partial)
+        if room > 0:
+            self._partial += piece[:room]
+
+    def _count_line(self, line: bytes) -> None:
+        if _CONTENT_EVENT.search(line, 0, _EVENT_PREFIX_BYTES) is not None:
+            self._events += 1
+
+    def usage(self, *, wall_s: float, request_model: str | None = None) -> Usage:
+        """The record, once the answer has ended. Never raises."""
+        if self._partial:  # a last line without its newline
+            self._count_line(bytes(self._partial))
+            self._partial.clear()
+        try:
+            tail = self._tail[-self._tail_bytes :].decode("utf-8", errors="replace")
+            return self._read(tail, wall_s, request_model)
+        except Exception:  # noqa: BLE001 - an odd body must never become an error for the client
+            return self._fallback(wall_s, request_model, None)
+
+    # -- reading the tail ----------------------------------------------------------------------
+    def _read(self, tail: str, wall_s: float, request_model: str | None) -> Usage:
+        usage = _last_value(tail, "usage")
+        timings = _last_value(tail, "timings")
+        usage = usage if isinstance(usage, dict) else {}
+        timings = timings if isinstance(timings, dict) else {}
+        eval_count = _last_value(tail, "eval_count")
+        model = _last_value(tail, "model")
+        model = model if isinstance(model, str) and model else request_model
+
+        output: int | None = None
+        source: UsageSource = "none"
+        prompt_tokens = _count(usage.get("prompt_tokens"))
+        generation_s = _ms(timings.get("predicted_ms"))
+        prompt_s = _ms(timings.get("prompt_ms"))
+        if prompt_tokens is None:
+            prompt_n, cache_n = _count(timings.get("prompt_n")), _count(timings.get("cache_n"))
+            if prompt_n is not None:
+                prompt_tokens = prompt_n + (cache_n or 0)
+
+        if (n := _count(usage.get("completion_tokens"))) is not None:
+            output, source = n, "openai_usage"
+        elif (n := _count(timings.get("predicted_n"))) is not None:
+            output, source = n, "llamacpp_timings"
+        elif (n := _count(_last_value(tail, "tokens_predicted"))) is not None:
+            output, source = n, "llamacpp_tokens_predicted"
+        elif (n := _count(eval_count)) is not None:
+            output, source = n, "ollama_eval_count"
+
+        if _count(eval_count) is not None:  # Ollama: durations in nanoseconds
+            generation_s = generation_s if generation_s is not None else _ns(_last_value(tail, "eval_duration"))
+            prompt_s = prompt_s if prompt_s is not None else _ns(_last_value(tail, "prompt_eval_duration"))
+            if prompt_tokens is None:
+                prompt_tokens = _count(_last_value(tail, "prompt_eval_count"))
+
+        if output is None:
+            return self._fallback(wall_s, model, (prompt_tokens, generation_s, prompt_s))
+        return Usage(output, prompt_tokens, generation_s, prompt_s, wall_s, model, source, self._events)
+
+    def _fallback(
+        self,
+        wall_s: float,
+        model: str | None,
+        known: tuple[int | None, float | None, float | None] | None,
+    ) -> Usage:
+        prompt_tokens, generation_s, prompt_s = known or (None, None, None)
+        if self.is_stream and self._events > 0:
+            return Usage(self._events, prompt_tokens, generation_s, prompt_s, wall_s, model, "stream_events", self._events)
+        return Usage(None, prompt_tokens, generation_s, prompt_s, wall_s, model, "none", self._events)
+
+
+def _last_value(tail: str, key: str) -> Any:
+    """The JSON value of the LAST ``"key":`` in the tail whose value decodes, else None."""
+    needle = f'"{key}"'
+    end = len(tail)
+    while (at := tail.rfind(needle, 0, end)) >= 0:
+        end = at
+        rest = at + len(needle)
+        while rest < len(tail) and tail[rest] in " \t\r\n":
+            rest += 1
+        if rest >= len(tail) or tail[rest] != ":":  # a string value, not a key
+            continue
+        rest += 1
+        while rest < len(tail) and tail[rest] in " \t\r\n":
+            rest += 1
+        try:
+            value, _ = _DECODER.raw_decode(tail, rest)
+        except ValueError:
+            continue
+        return value
+    return None
+
+
+def _count(value: Any) -> int | None:
+    """A non-negative integer count, else None (bools, floats with fractions, negatives refused)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int) and value >= 0:
+        return value
+    if isinstance(value, float) and value >= 0 and value.is_integer():
+        return int(value)
+    return None
+
+
+def _ms(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value) / 1000.0
+    return None
+
+
+def _ns(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value) / 1e9
+    return None
