@@ -20,18 +20,21 @@ from clairvoyant.predictor import Prediction
 
 class MarkerPredictor:
     """Test double for the ONNX predictor: the prompt says what it is ("[short]", "[long]", or
-    "[p=0.37]"), so tests decide the order the queue must produce. Everything else is 0.5."""
+    "[p=0.37]"), so tests decide the order the queue must produce. Everything else is 0.5.
+    Scored like a class model (key P(Long)), capped by the request's own cap."""
 
-    def predict(self, prompt: Prompt) -> Prediction:
+    def predict(self, prompt: Prompt, *, model: str | None = None, cap_tokens: int | None = None) -> Prediction:
         text = prompt.instruction
         if "[short]" in text:
-            return Prediction(0.9, 0.08, 0.02)
-        if "[long]" in text:
-            return Prediction(0.02, 0.08, 0.9)
-        if "[p=" in text:
+            probs = (0.9, 0.08, 0.02)
+        elif "[long]" in text:
+            probs = (0.02, 0.08, 0.9)
+        elif "[p=" in text:
             p = float(text.split("[p=", 1)[1].split("]", 1)[0])
-            return Prediction((1 - p) / 2, (1 - p) / 2, p)
-        return Prediction(0.25, 0.25, 0.5)
+            probs = ((1 - p) / 2, (1 - p) / 2, p)
+        else:
+            probs = (0.25, 0.25, 0.5)
+        return Prediction.from_probabilities(*probs, model=model, cap_tokens=cap_tokens)
 
 
 def wait_until(predicate: Any, timeout_s: float = 5.0, what: str = "condition") -> None:

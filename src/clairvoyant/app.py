@@ -24,6 +24,7 @@ from clairvoyant.config import Settings
 from clairvoyant.dialects import SCHEDULED_ENDPOINTS, dialect_of_path, parse_request
 from clairvoyant.dispatcher import Dispatcher, Ticket
 from clairvoyant.errors import BadRequest, PayloadTooLarge, QueueFull, RequestError
+from clairvoyant.feedback import UsageRecorder
 from clairvoyant.job_queue import JobQueue
 from clairvoyant.metrics import CONTENT_TYPE_LATEST, Metrics
 from clairvoyant.policy import make_policy
@@ -49,6 +50,7 @@ class ProxyState:
     upstream: Upstream
     dispatcher: Dispatcher
     metrics: Metrics
+    usage_recorder: UsageRecorder  # the relay's on_usage: metrics and the online learner
 
 
 def create_app(
@@ -80,7 +82,7 @@ def create_app(
         )
         dispatcher = Dispatcher(queue, slots=settings.slots, clock=clock, metrics=metrics)
         await dispatcher.start()
-        app.state.proxy = ProxyState(settings, loaded, upstream, dispatcher, metrics)
+        app.state.proxy = ProxyState(settings, loaded, upstream, dispatcher, metrics, UsageRecorder(metrics))
         logger.info(
             "clairvoyant ready: upstream=%s policy=%s tau=%ss slots=%d max_queue=%d disconnect_mode=%s",
             settings.upstream_url, settings.policy, settings.starvation_timeout_s, settings.slots,
@@ -181,7 +183,7 @@ async def _scheduled(request: Request) -> ProxyResponse:
     parsed = parse_request(endpoint, await _read_body(request, state.settings.max_body_bytes))
 
     started = time.perf_counter()
-    prediction: Prediction = state.predictor.predict(parsed.prompt)
+    prediction: Prediction = state.predictor.predict(parsed.prompt, model=parsed.model, cap_tokens=parsed.cap_tokens)
     state.metrics.predictor_latency.observe(time.perf_counter() - started)
     score = prediction.score
     oracle = parsed.proxy_options.get("output_tokens")
@@ -212,6 +214,7 @@ async def _scheduled(request: Request) -> ProxyResponse:
         dispatcher=state.dispatcher,
         ticket=ticket,
         disconnect_mode=state.settings.disconnect_mode,
+        on_usage=state.usage_recorder,
     )
 
 

@@ -48,7 +48,7 @@ class Ticket:
     dialect: str
     model: str | None
     prediction: Prediction
-    score: float  # the queue's score: P(Long), or the true length under the benchmark oracle
+    score: float  # the queue key: the prediction's score, or the true length under the benchmark oracle
     arrival_s: float  # clock seconds at arrival
     granted: asyncio.Future[int] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     released: asyncio.Event = field(default_factory=asyncio.Event)
@@ -166,7 +166,8 @@ class Dispatcher:
                 "endpoint": ticket.endpoint,
                 "model": ticket.model,
                 "predicted_class": ticket.predicted_class,
-                "p_long": round(ticket.prediction.p_long, 6),
+                "predicted_tokens": round(ticket.prediction.predicted_tokens, 1),
+                **({} if ticket.prediction.p_long is None else {"p_long": round(ticket.prediction.p_long, 6)}),
                 "score": round(ticket.score, 6),
                 "waited_s": round(now - ticket.arrival_s, 3),
             }

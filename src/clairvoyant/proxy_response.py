@@ -221,12 +221,16 @@ class ProxyResponse(Response):
         if ticket is None:
             return []
         wait = ticket.queue_wait_s()
-        return [
+        prediction = ticket.prediction
+        headers = [
             ("x-request-id", ticket.request_id),
             ("x-clairvoyant-queue-wait-ms", "" if wait is None else f"{wait * 1000:.1f}"),
-            ("x-clairvoyant-p-long", f"{ticket.prediction.p_long:.4f}"),
+            ("x-clairvoyant-predicted-tokens", f"{prediction.predicted_tokens:.0f}"),
             ("x-clairvoyant-predicted-class", ticket.predicted_class),
         ]
+        if prediction.p_long is not None:  # class models only
+            headers.append(("x-clairvoyant-p-long", f"{prediction.p_long:.4f}"))
+        return headers
 
     async def _send_error(self, send: Send, exc: RequestError) -> None:
         body = error_body(self.dialect, exc)
@@ -289,7 +293,7 @@ class ProxyResponse(Response):
             "request_id": ticket.request_id,
             "endpoint": ticket.endpoint,
             "predicted_class": ticket.predicted_class,
-            "p_long": f"{ticket.prediction.p_long:.4f}",
+            "predicted_tokens": f"{ticket.prediction.predicted_tokens:.0f}",
             "queue_wait_ms": "-" if wait is None else f"{wait * 1000:.1f}",
             "service_ms": "-" if service is None else f"{service * 1000:.1f}",
             "status": self.status if self.status is not None else "-",
