@@ -11,6 +11,12 @@ The rule, for every scheduled endpoint:
 - context_chars = characters of all message texts and system prompts (what the model reads).
 - turns = number of messages (1 for a bare prompt); system_chars = characters of system prompts.
 
+The output cap (``cap_tokens``): the smallest of OpenAI's ``max_tokens`` and
+``max_completion_tokens`` and llama.cpp's ``n_predict`` (OpenAI dialect), or Ollama's
+``options.num_predict``. A negative value means unlimited; a value of the wrong type (a string, a
+boolean, a fraction, a non-object ``options``) is ignored rather than refused: the backend
+decides whether the body is valid, and the cap only ever lowers a prediction.
+
 Nothing here raises on odd *text* (empty, huge, non-English, control characters); only a body that
 is not JSON, or lacks a field the endpoint requires, is refused with ``BadRequest``.
 """
@@ -31,6 +37,7 @@ __all__ = [
     "Dialect",
     "Endpoint",
     "ParsedRequest",
+    "cap_tokens_from_body",
     "dialect_of_path",
     "parse_request",
     "prompt_from_body",
@@ -78,6 +85,7 @@ class ParsedRequest:
     model: str | None
     forward_body: bytes  # what goes upstream: the original bytes unless a proxy field was removed
     proxy_options: dict[str, Any]  # the removed proxy field (e.g. the benchmark's oracle length)
+    cap_tokens: int | None = None  # the body's own output-token cap, if any (see the module docstring)
 
 
 def _content_text(content: Any) -> str:
@@ -147,6 +155,30 @@ def prompt_from_body(endpoint: Endpoint, body: dict[str, Any]) -> Prompt:
     return _completion_prompt(body.get("prompt"))
 
 
+# OpenAI-dialect cap fields (llama.cpp's server takes n_predict on every endpoint).
+_OPENAI_CAP_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
+
+
+def _cap_value(value: Any) -> int | None:
+    """A non-negative integer cap, or None (absent, unlimited, or not an integer)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or value < 0:
+        return None
+    return value
+
+
+def cap_tokens_from_body(dialect: Dialect, body: dict[str, Any]) -> int | None:
+    """The output-token cap a request body sets, or None (see the module docstring). Never raises."""
+    if dialect is Dialect.OLLAMA:
+        options = body.get("options")
+        return _cap_value(options.get("num_predict")) if isinstance(options, dict) else None
+    caps = [cap for field in _OPENAI_CAP_FIELDS if (cap := _cap_value(body.get(field))) is not None]
+    return min(caps) if caps else None
+
+
 def _require(body: dict[str, Any], field: str, types: tuple[type, ...], what: str) -> None:
     if field not in body or body[field] is None:
         raise BadRequest(f"'{field}' is a required property", param=field)
@@ -201,4 +233,5 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
         model=model if isinstance(model, str) else None,
         forward_body=forward,
         proxy_options=proxy_options,
+        cap_tokens=cap_tokens_from_body(endpoint.dialect, body),
     )

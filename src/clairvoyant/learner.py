@@ -1,0 +1,557 @@
+"""Online learning: corrects the shipped prior for THIS deployment, from what its backend produced.
+
+The shipped model (the prior) was trained on ShareGPT answers; the models a deployment serves answer
+its own users at their own lengths. The learner fits, for each backend model the traffic allows,
+a correction in log tokens that ``OnnxPredictor`` adds to the prior's calibrated log tokens:
+
+    predicted log tokens = prior log tokens + correction(model, features, prior log tokens)
+
+The correction: a ridge regression of (observed - prior) log tokens on the standardised
+[prior log tokens, log1p(feature row)], with the ridge penalty chosen by generalised
+cross-validation, so that with few or uninformative observations it shrinks to zero by itself.
+The mean correction is shrunk toward zero too (``intercept_prior_observations`` pseudo-observations).
+First a global correction over every model's observations; then, for a model with
+``min_model_observations`` of its own, a correction of the global one's residuals on top.
+No fit is made before ``min_observations``: until then predictions are the prior's.
+
+Observations: ``observe(prediction, observed_tokens)`` is O(1) (a row copied into the model's ring
+buffer of ``buffer_size`` observations, and two floats into its quality window) and is what the
+proxy calls, on the event loop, with the count the BACKEND reported (or the stream's counted
+chunks): never with anything the client sent. A prediction capped by the request (``cap_tokens``)
+whose answer reached the cap is censored: it counts for the rolling quality, not for the fit. The
+per-model key is the model the REQUEST named (``Prediction.model``), the only name known when
+predicting; the first ``max_models`` names get their own buffer, later ones share ``OTHER_MODEL``.
+Memory is bounded: (max_models + 1) x buffer_size rows.
+
+Refits run in a background thread (``start``/``stop``), never on the event loop, whenever
+``refit_every`` new observations have arrived; the fitted coefficients are swapped in as one
+immutable object, so ``correction`` (the request path) reads them without a lock. ``refit()``
+can also be called directly (replay, tests). The heavy steps are numpy BLAS/LAPACK calls, which
+release the GIL; the thread yields between models (see benchmarks/bench_learner_refit.py).
+
+Rolling quality per model (``quality()``): Kendall tau_b and mean |log-token error| between the
+predictions as they were made (before their own observation was learned) and the observed
+lengths, over the last ``quality_window`` observed requests; computed by the worker thread after
+each refit (or by ``update_quality()``), so reading it costs a dict lookup.
+
+Persistence: ``save(path)`` writes the buffers and quality windows atomically (a temporary file in
+the same directory, fsync, then ``os.replace``), so a crash leaves the old file or the new one,
+never half of one. ``OnlineLearner.load(path, identity)`` restores them. A state file that is
+corrupt, or was made for another prior (its feature set, feature names or model sha256 differ from
+the loaded model's), is REFUSED: one warning log line says why, and the learner starts from the
+prior (no observations). A missing file is not an error (first start). Loading does not refit:
+``start()`` (or ``refit()``) does, off the event loop.
+
+Serving path: numpy only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clairvoyant.predictor import Prediction, log_tokens
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "OTHER_MODEL",
+    "LearnerConfig",
+    "ModelQuality",
+    "OnlineLearner",
+    "PriorIdentity",
+    "kendall_tau_b",
+]
+
+logger = logging.getLogger(__name__)
+
+STATE_FORMAT = "clairvoyant-learner-1"
+DEFAULT_MODEL = "default"  # the key of requests that name no model
+OTHER_MODEL = "other"  # the shared key of models beyond max_models
+# Ridge penalties tried by GCV, relative to the number of observations (features are standardised,
+# so the Gram matrix's eigenvalues are of order n).
+_ALPHA_FACTORS = 10.0 ** np.linspace(-3, 3, 25)
+
+
+@dataclass(frozen=True, slots=True)
+class PriorIdentity:
+    """What a learner's observations are tied to: the prior's log tokens and feature rows."""
+
+    feature_set: str
+    feature_names: tuple[str, ...]
+    onnx_sha256: str
+
+    @classmethod
+    def of(cls, predictor: Any) -> PriorIdentity:
+        """The identity of an ``OnnxPredictor``."""
+        return cls(predictor.feature_set.name, tuple(predictor.feature_set.names), predictor.onnx_sha256)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"feature_set": self.feature_set, "feature_names": list(self.feature_names),
+                "onnx_sha256": self.onnx_sha256}
+
+
+@dataclass(frozen=True, slots=True)
+class LearnerConfig:
+    buffer_size: int = 1024  # observations kept per model (a ring buffer: the most recent win)
+    refit_every: int = 8  # new observations that make a refit due
+    min_observations: int = 16  # observations before the first (global) fit
+    min_model_observations: int = 32  # a model's own observations before it gets its own correction
+    max_models: int = 16  # models with their own buffer; the rest share OTHER_MODEL
+    quality_window: int = 256  # observed requests per model in the rolling quality
+    intercept_prior_observations: float = 16.0  # pseudo-observations shrinking the mean correction to 0
+
+    def __post_init__(self) -> None:
+        if min(self.buffer_size, self.refit_every, self.min_observations, self.max_models, self.quality_window) < 1:
+            raise ValueError(f"learner settings must be >= 1: {self}")
+        if self.min_observations < 2 or self.min_model_observations < 2:
+            raise ValueError("min_observations and min_model_observations must be >= 2")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelQuality:
+    """Rolling prediction quality of one model's last observed requests."""
+
+    model: str
+    observations: int  # in the window
+    kendall_tau_b: float  # NaN while undefined (fewer than 2 observations, or all tied)
+    mean_abs_log_error: float  # mean |predicted - observed| natural-log tokens; NaN when empty
+
+
+def kendall_tau_b(x: np.ndarray, y: np.ndarray) -> float:
+    """Kendall's tau_b of two equally long arrays, O(n^2) in numpy (n is a few hundred here).
+    NaN when undefined."""
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    if len(x) < 2:
+        return math.nan
+    sx = np.sign(x[:, None] - x[None, :])
+    sy = np.sign(y[:, None] - y[None, :])
+    concordance = float(np.sum(sx * sy))  # each unordered pair counted twice, as below
+    untied_x = float(np.count_nonzero(sx))
+    untied_y = float(np.count_nonzero(sy))
+    if untied_x == 0 or untied_y == 0:
+        return math.nan
+    return concordance / math.sqrt(untied_x * untied_y)
+
+
+class _Ring:
+    """A fixed-capacity buffer of the most recent observations of one model."""
+
+    __slots__ = ("capacity", "count", "next", "observed", "prior", "rows")
+
+    def __init__(self, capacity: int, n_features: int) -> None:
+        self.capacity = capacity
+        self.rows = np.zeros((capacity, n_features), dtype=np.float32)
+        self.prior = np.zeros(capacity, dtype=np.float64)  # prior log tokens
+        self.observed = np.zeros(capacity, dtype=np.float64)  # observed log tokens
+        self.count = 0
+        self.next = 0
+
+    def append(self, row: np.ndarray, prior: float, observed: float) -> None:
+        i = self.next
+        self.rows[i] = row
+        self.prior[i] = prior
+        self.observed[i] = observed
+        self.next = (i + 1) % self.capacity
+        self.count = min(self.count + 1, self.capacity)
+
+    def ordered(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Copies of the kept observations, oldest first."""
+        if self.count < self.capacity:
+            idx = np.arange(self.count)
+        else:
+            idx = (np.arange(self.capacity) + self.next) % self.capacity
+        return self.rows[idx], self.prior[idx], self.observed[idx]
+
+
+class _Window:
+    """The last ``capacity`` (predicted, observed) log-token pairs of one model."""
+
+    __slots__ = ("capacity", "count", "next", "observed", "predicted")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.predicted = np.zeros(capacity, dtype=np.float64)
+        self.observed = np.zeros(capacity, dtype=np.float64)
+        self.count = 0
+        self.next = 0
+
+    def append(self, predicted: float, observed: float) -> None:
+        i = self.next
+        self.predicted[i] = predicted
+        self.observed[i] = observed
+        self.next = (i + 1) % self.capacity
+        self.count = min(self.count + 1, self.capacity)
+
+    def ordered(self) -> tuple[np.ndarray, np.ndarray]:
+        idx = (np.arange(self.count) + (self.next if self.count == self.capacity else 0)) % self.capacity
+        return self.predicted[idx], self.observed[idx]
+
+
+class _Bucket:
+    __slots__ = ("observations", "ring", "window")
+
+    def __init__(self, config: LearnerConfig, n_features: int) -> None:
+        self.ring = _Ring(config.buffer_size, n_features)
+        self.window = _Window(config.quality_window)
+        self.observations = 0  # ever observed (censored ones included)
+
+
+@dataclass(frozen=True, slots=True)
+class _Linear:
+    """correction = weights . log1p(row) + prior_weight * prior_log_tokens + intercept."""
+
+    weights: np.ndarray  # float32 [n_features]
+    prior_weight: float
+    intercept: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Fitted:
+    global_: _Linear
+    by_model: dict[str, _Linear]  # global + the model's own correction
+    observations: int  # rows the fit used
+
+
+def _ridge_gcv(z: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float, float]:
+    """Ridge of centred ``y`` on standardised ``z`` (no intercept), the penalty picked by GCV.
+    Returns (weights, mean of y, chosen alpha). Everything goes through the p x p Gram matrix."""
+    n = len(y)
+    y_mean = float(y.mean())
+    yc = y - y_mean
+    gram = z.T @ z
+    proj_full = z.T @ yc
+    evals, evecs = np.linalg.eigh(gram)
+    evals = np.clip(evals, 0.0, None)
+    proj = evecs.T @ proj_full  # = s_i * (U^T y)_i
+    keep = evals > 1e-9 * max(float(evals.max()), 1e-12)
+    c2 = np.where(keep, proj**2 / np.where(keep, evals, 1.0), 0.0)  # (U^T y)_i^2
+    alphas = n * _ALPHA_FACTORS
+    shrink = evals[None, :] / (evals[None, :] + alphas[:, None])
+    rss = float(yc @ yc) - float(c2.sum()) + ((1.0 - shrink) ** 2 * c2[None, :]).sum(axis=1)
+    dof = (shrink * keep[None, :]).sum(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        gcv = np.where(n - dof > 0.5, n * rss / (n - dof) ** 2, np.inf)
+    alpha = float(alphas[int(np.argmin(gcv))])
+    weights = evecs @ (proj / (evals + alpha))
+    return weights, y_mean, alpha
+
+
+class OnlineLearner:
+    """See the module docstring. Thread-safe: ``observe`` from the event loop, ``refit`` and
+    ``save`` from a worker thread, ``correction`` and ``quality`` from anywhere."""
+
+    def __init__(self, identity: PriorIdentity, config: LearnerConfig | None = None) -> None:
+        self.identity = identity
+        self.config = config or LearnerConfig()
+        self.n_features = len(identity.feature_names)
+        self._row_bytes = 4 * self.n_features
+        self._buckets: dict[str, _Bucket] = {}
+        self._lock = threading.Lock()  # guards _buckets and the counters below
+        self._refit_lock = threading.Lock()  # one refit at a time
+        self._new_since_fit = 0
+        self._new_since_quality = 0
+        self._observed_total = 0
+        self._fitted: _Fitted | None = None  # swapped whole by refit; read without a lock
+        self._quality: dict[str, ModelQuality] = {}
+        self.last_refit_s: float | None = None  # seconds the last refit took
+        self._due = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def for_predictor(cls, predictor: Any, config: LearnerConfig | None = None) -> OnlineLearner:
+        return cls(PriorIdentity.of(predictor), config)
+
+    # -- the request path ----------------------------------------------------------------------
+    def _key(self, model: str | None) -> str:
+        return model if model else DEFAULT_MODEL
+
+    def correction(self, model: str | None, row: np.ndarray, prior_log_tokens: float) -> float:
+        """Log tokens to add to the prior's (0.0 before the first fit). Lock-free; never raises."""
+        fitted = self._fitted
+        if fitted is None:
+            return 0.0
+        key = self._key(model)
+        linear = fitted.by_model.get(key)
+        if linear is None:
+            if key not in self._buckets and len(self._buckets) >= self.config.max_models:
+                linear = fitted.by_model.get(OTHER_MODEL, fitted.global_)
+            else:
+                linear = fitted.global_
+        value = float(np.dot(linear.weights, np.log1p(row))) + linear.prior_weight * prior_log_tokens + linear.intercept
+        return value if math.isfinite(value) else 0.0
+
+    def observe(self, prediction: Prediction, observed_tokens: int) -> bool:
+        """Record what the backend produced for a request predicted as ``prediction``. O(1).
+        Returns False (and records nothing) for an unusable observation: a negative or non-integer
+        count, or a prediction without this prior's feature row."""
+        if isinstance(observed_tokens, bool) or not isinstance(observed_tokens, (int, np.integer)) or observed_tokens < 0:
+            return False
+        if len(prediction.feature_row) != self._row_bytes:
+            return False
+        observed_log = log_tokens(int(observed_tokens))
+        cap = prediction.cap_tokens
+        censored = cap is not None and observed_tokens >= cap
+        key = self._key(prediction.model)
+        with self._lock:
+            bucket = self._buckets.get(key)
+            if bucket is None:
+                if len(self._buckets) >= self.config.max_models:
+                    key = OTHER_MODEL
+                bucket = self._buckets.get(key)
+                if bucket is None:
+                    bucket = self._buckets[key] = _Bucket(self.config, self.n_features)
+            bucket.window.append(prediction.predicted_log_tokens, observed_log)
+            bucket.observations += 1
+            self._observed_total += 1
+            self._new_since_quality += 1
+            if not censored:
+                row = np.frombuffer(prediction.feature_row, dtype=np.float32)
+                bucket.ring.append(row, prediction.prior_log_tokens, observed_log)
+                self._new_since_fit += 1
+            due = self._new_since_fit >= self.config.refit_every
+        if due:
+            self._due.set()
+        return True
+
+    # -- reading -------------------------------------------------------------------------------
+    @property
+    def refit_due(self) -> bool:
+        return self._new_since_fit >= self.config.refit_every
+
+    @property
+    def fitted(self) -> bool:
+        return self._fitted is not None
+
+    @property
+    def observed_total(self) -> int:
+        return self._observed_total
+
+    def quality(self) -> Mapping[str, ModelQuality]:
+        """Rolling quality per model key, as last computed (by the worker or ``update_quality``)."""
+        return self._quality
+
+    def models(self) -> list[str]:
+        with self._lock:
+            return list(self._buckets)
+
+    # -- fitting -------------------------------------------------------------------------------
+    def _snapshot(self) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]:
+        """Copies of every model's buffer, each taken under the lock (briefly: one model at a time)."""
+        with self._lock:
+            keys = list(self._buckets)
+            self._new_since_fit = 0
+        out = []
+        for key in keys:
+            with self._lock:
+                rows, prior, observed = self._buckets[key].ring.ordered()
+            out.append((key, rows, prior, observed))
+            time.sleep(0)  # let the event loop's thread have the GIL between models
+        return out
+
+    def refit(self) -> None:
+        """Fit the corrections on the buffers and swap them in; then update the rolling quality.
+        Blocking (a few milliseconds on full buffers): call it from the worker thread or offline."""
+        with self._refit_lock:
+            started = time.perf_counter()
+            data = [d for d in self._snapshot() if len(d[2])]
+            total = sum(len(d[2]) for d in data)
+            if total >= self.config.min_observations:
+                self._fitted = self._fit(data, total)
+            self.last_refit_s = time.perf_counter() - started
+            self.update_quality()
+
+    def _fit(self, data: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]], total: int) -> _Fitted:
+        cfg = self.config
+        rows = np.concatenate([d[1] for d in data])
+        prior = np.concatenate([d[2] for d in data])
+        observed = np.concatenate([d[3] for d in data])
+        design = np.empty((total, self.n_features + 1), dtype=np.float64)
+        design[:, 0] = prior
+        np.log1p(np.maximum(rows, 0.0), out=design[:, 1:])
+        target = observed - prior
+        mean = design.mean(axis=0)
+        std = design.std(axis=0)
+        used = std > 1e-6
+        mean_u, std_u = mean[used], std[used]
+
+        def fit(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
+            """Coefficients on the raw design columns, and the intercept, both shrunk."""
+            z = (x[:, used] - mean_u) / std_u
+            weights, y_mean, _ = _ridge_gcv(z, y)
+            coef = np.zeros(self.n_features + 1)
+            coef[used] = weights / std_u
+            n = len(y)
+            shrunk_mean = y_mean * n / (n + cfg.intercept_prior_observations)
+            return coef, shrunk_mean - float(coef @ mean)
+
+        def linear(coef: np.ndarray, intercept: float) -> _Linear:
+            return _Linear(coef[1:].astype(np.float32), float(coef[0]), float(intercept))
+
+        global_coef, global_intercept = fit(design, target)
+        by_model: dict[str, _Linear] = {}
+        if len(data) > 1:  # with one model the global fit is already that model's
+            start = 0
+            for key, _, model_prior, _ in data:
+                n = len(model_prior)
+                stop = start + n
+                if n >= cfg.min_model_observations:
+                    x = design[start:stop]
+                    residual = target[start:stop] - (x @ global_coef + global_intercept)
+                    coef, intercept = fit(x, residual)
+                    by_model[key] = linear(global_coef + coef, global_intercept + intercept)
+                    time.sleep(0)
+                start = stop
+        return _Fitted(linear(global_coef, global_intercept), by_model, total)
+
+    def update_quality(self) -> None:
+        """Recompute the rolling quality of every model (O(window^2) per model; off the event loop)."""
+        with self._lock:
+            keys = list(self._buckets)
+            self._new_since_quality = 0
+        quality = {}
+        for key in keys:
+            with self._lock:
+                bucket = self._buckets[key]
+                predicted, observed = bucket.window.ordered()
+            mae = float(np.mean(np.abs(predicted - observed))) if len(observed) else math.nan
+            quality[key] = ModelQuality(key, len(observed), kendall_tau_b(predicted, observed), mae)
+        self._quality = quality
+
+    # -- the worker thread ---------------------------------------------------------------------
+    def start(self, quality_interval_s: float = 5.0) -> None:
+        """Start the background worker: refits when due, else refreshes the quality every
+        ``quality_interval_s`` if anything was observed. Idempotent."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stopping = False
+        if self._new_since_fit > 0:
+            self._due.set()  # restored observations: fit them now
+
+        def run() -> None:
+            while not self._stopping:
+                self._due.wait(timeout=quality_interval_s)
+                self._due.clear()
+                if self._stopping:
+                    break
+                try:
+                    if self._new_since_fit > 0:  # due, or quiet traffic that has waited an interval
+                        self.refit()
+                    elif self._new_since_quality:
+                        self.update_quality()
+                except Exception:  # a failed refit must not end learning; the old fit stays
+                    logger.exception("online learner: refit failed; keeping the previous correction")
+
+        self._thread = threading.Thread(target=run, name="clairvoyant-learner", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the worker (waits for a refit in progress, up to ``timeout_s``)."""
+        self._stopping = True
+        self._due.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    # -- persistence ---------------------------------------------------------------------------
+    def save(self, path: Path | str) -> None:
+        """Write the state atomically (temp file + fsync + os.replace). Raises OSError."""
+        path = Path(path)
+        arrays: dict[str, np.ndarray] = {}
+        with self._lock:
+            keys = list(self._buckets)
+            observations = []
+            for i, key in enumerate(keys):
+                bucket = self._buckets[key]
+                arrays[f"rows_{i}"], arrays[f"prior_{i}"], arrays[f"observed_{i}"] = bucket.ring.ordered()
+                arrays[f"qpredicted_{i}"], arrays[f"qobserved_{i}"] = bucket.window.ordered()
+                observations.append(bucket.observations)
+        meta = {"format": STATE_FORMAT, "identity": self.identity.as_dict(), "models": keys,
+                "observations": observations, "config": asdict(self.config)}
+        arrays["meta"] = np.array(json.dumps(meta))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                np.savez(fh, **arrays)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: Path | str, identity: PriorIdentity, config: LearnerConfig | None = None) -> OnlineLearner:
+        """A learner restored from ``path``; a fresh one (the prior) if the file is missing, or is
+        refused: corrupt, or made for another prior (one warning line says which). Does not refit."""
+        path = Path(path)
+        learner = cls(identity, config)
+        if not path.exists():
+            logger.info("online learner: no state file at %s yet; starting from the prior", path)
+            return learner
+        try:
+            learner._restore(path)
+        except _Refused as exc:
+            logger.warning("online learner: state file %s refused: %s; starting from the prior", path, exc)
+            return cls(identity, config)
+        except Exception as exc:  # numpy/zipfile raise many types for a damaged file
+            logger.warning("online learner: state file %s refused: unreadable or corrupt (%s: %s); "
+                           "starting from the prior", path, type(exc).__name__, exc)
+            return cls(identity, config)
+        logger.info("online learner: restored %d observations of %d models from %s",
+                    learner._observed_total, len(learner._buckets), path)
+        return learner
+
+    def _restore(self, path: Path) -> None:
+        with np.load(path, allow_pickle=False) as npz:
+            if "meta" not in npz.files:
+                raise _Refused("not a learner state file (no metadata)")
+            meta = json.loads(str(npz["meta"][()]))
+            if not isinstance(meta, dict) or meta.get("format") != STATE_FORMAT:
+                raise _Refused(f"format {meta.get('format') if isinstance(meta, dict) else None!r} is not {STATE_FORMAT!r}")
+            theirs = meta.get("identity") or {}
+            ours = self.identity.as_dict()
+            for field in ("feature_set", "feature_names", "onnx_sha256"):
+                if theirs.get(field) != ours[field]:
+                    shown = theirs.get(field) if field != "feature_names" else "a different list"
+                    raise _Refused(f"made for another prior: its {field} is {shown!r}, the loaded model's differs")
+            keys = meta.get("models")
+            counts = meta.get("observations")
+            if not isinstance(keys, list) or not isinstance(counts, list) or len(keys) != len(counts):
+                raise _Refused("metadata lists no models")
+            cfg = self.config
+            for i, key in enumerate(keys[: cfg.max_models + 1]):
+                rows, prior, observed = npz[f"rows_{i}"], npz[f"prior_{i}"], npz[f"observed_{i}"]
+                predicted_q, observed_q = npz[f"qpredicted_{i}"], npz[f"qobserved_{i}"]
+                n = len(observed)
+                if rows.shape != (n, self.n_features) or len(prior) != n or len(predicted_q) != len(observed_q):
+                    raise _Refused(f"model {i}: arrays of inconsistent shapes")
+                if not (np.isfinite(rows).all() and np.isfinite(prior).all() and np.isfinite(observed).all()):
+                    raise _Refused(f"model {i}: non-finite values")
+                bucket = _Bucket(cfg, self.n_features)
+                for j in range(max(0, n - cfg.buffer_size), n):
+                    bucket.ring.append(rows[j], float(prior[j]), float(observed[j]))
+                for j in range(max(0, len(observed_q) - cfg.quality_window), len(observed_q)):
+                    bucket.window.append(float(predicted_q[j]), float(observed_q[j]))
+                bucket.observations = int(counts[i])
+                self._buckets[str(key)] = bucket
+                self._observed_total += bucket.observations
+                self._new_since_fit += bucket.ring.count
+                self._new_since_quality += bucket.window.count
+
+
+class _Refused(ValueError):
+    """A state file that must not be used (the message says why)."""
