@@ -1,4 +1,4 @@
-"""The `clairvoyant` command: serve, predict, train, evaluate, ...
+"""The `clairvoyant` command: serve, predict, replay, train, evaluate, ...
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
 those modules import their heavy dependencies inside ``run`` so that ``--help`` stays fast and the
@@ -21,6 +21,7 @@ __all__ = ["main"]
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("clairvoyant.serve", "run the scheduling proxy"),
     "predict": ("clairvoyant.bulk_predict", "score a JSONL file of prompts or chat bodies"),
+    "replay": ("clairvoyant.replay", "replay requests with their real lengths through the online learner"),
     "train": ("clairvoyant.training.commands_train", "train the length predictor and export it to ONNX"),
     "evaluate": ("clairvoyant.training.commands_evaluate", "evaluate a model on the held-out split"),
     "simulate": ("clairvoyant.sim.command", "discrete-event simulation of the scheduling queue"),

@@ -226,26 +226,30 @@ class _Fitted:
 
 def _ridge_gcv(z: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float, float]:
     """Ridge of centred ``y`` on standardised ``z`` (no intercept), the penalty picked by GCV.
-    Returns (weights, mean of y, chosen alpha). Everything goes through the p x p Gram matrix."""
-    n = len(y)
+    Returns (weights, mean of y, chosen alpha).
+
+    Everything goes through the p x p Gram matrix, and the penalties are tried in ONE stacked
+    ``np.linalg.solve`` (LU): ``eigh`` would be neater, but OpenBLAS runs it multi-threaded and, on
+    a machine whose cores are busy generating, it then takes 15 ms instead of 0.3 ms.
+    """
+    n, p = z.shape
     y_mean = float(y.mean())
     yc = y - y_mean
     gram = z.T @ z
-    proj_full = z.T @ yc
-    evals, evecs = np.linalg.eigh(gram)
-    evals = np.clip(evals, 0.0, None)
-    proj = evecs.T @ proj_full  # = s_i * (U^T y)_i
-    keep = evals > 1e-9 * max(float(evals.max()), 1e-12)
-    c2 = np.where(keep, proj**2 / np.where(keep, evals, 1.0), 0.0)  # (U^T y)_i^2
+    zy = z.T @ yc
     alphas = n * _ALPHA_FACTORS
-    shrink = evals[None, :] / (evals[None, :] + alphas[:, None])
-    rss = float(yc @ yc) - float(c2.sum()) + ((1.0 - shrink) ** 2 * c2[None, :]).sum(axis=1)
-    dof = (shrink * keep[None, :]).sum(axis=1)
+    eye = np.eye(p)
+    systems = gram[None, :, :] + alphas[:, None, None] * eye[None, :, :]
+    rhs = np.broadcast_to(np.concatenate([zy[:, None], eye], axis=1), (len(alphas), p, p + 1))
+    solved = np.linalg.solve(systems, rhs)
+    weights = solved[:, :, 0]  # [A, p]
+    inverse_trace = np.trace(solved[:, :, 1:], axis1=1, axis2=2)
+    dof = p - alphas * inverse_trace  # trace of the hat matrix
+    rss = float(yc @ yc) - 2.0 * weights @ zy + np.einsum("ap,pq,aq->a", weights, gram, weights)
     with np.errstate(divide="ignore", invalid="ignore"):
         gcv = np.where(n - dof > 0.5, n * rss / (n - dof) ** 2, np.inf)
-    alpha = float(alphas[int(np.argmin(gcv))])
-    weights = evecs @ (proj / (evals + alpha))
-    return weights, y_mean, alpha
+    best = int(np.argmin(gcv))
+    return weights[best], y_mean, float(alphas[best])
 
 
 class OnlineLearner:
