@@ -24,8 +24,9 @@ def _check(results: list[dict]) -> None:
         if r["line"] in BAD:
             assert BAD[r["line"]] in r["error"] and "p_long" not in r
         else:
-            assert set(r) == {"line", "p_short", "p_medium", "p_long", "score", "predicted_class"}
+            assert set(r) == {"line", "p_short", "p_medium", "p_long", "score", "predicted_tokens", "predicted_class"}
             assert r["score"] == r["p_long"]
+            assert r["predicted_tokens"] > 0
             assert r["p_short"] + r["p_medium"] + r["p_long"] == pytest.approx(1.0, abs=1e-5)
     assert results[1]["p_long"] > results[0]["p_long"]  # the essay ranks after "hi"
 
@@ -80,3 +81,25 @@ def test_prompt_of_line_uses_the_dialect_rules() -> None:
         prompt_of_line('{"prompt": 5}')
     with pytest.raises(LineError):
         prompt_of_line("[" * 100_000)  # deep nesting: a clear error, not a RecursionError
+
+
+def test_lines_carry_their_model_and_cap_like_proxy_requests() -> None:
+    from clairvoyant.bulk_predict import request_of_line
+
+    essay = "Write a detailed 2000-word essay on the history of the Roman Empire."
+    openai = request_of_line(json.dumps({"model": "m1", "prompt": essay, "max_tokens": 5}))
+    assert (openai.model, openai.cap_tokens, openai.endpoint.path) == ("m1", 5, "/v1/completions")
+    ollama = request_of_line(json.dumps({"model": "m2", "prompt": essay, "system": "be brief",
+                                         "options": {"num_predict": 3}}))
+    assert (ollama.model, ollama.cap_tokens, ollama.endpoint.path) == ("m2", 3, "/api/generate")
+    assert ollama.prompt.system_chars == len("be brief")  # read as Ollama reads /api/generate
+    chat = request_of_line(json.dumps({"messages": [{"role": "user", "content": essay}], "options": {}}))
+    assert chat.endpoint.path == "/api/chat" and chat.cap_tokens is None and chat.model is None
+
+    results = list(score_lines(OnnxPredictor(), [
+        json.dumps({"prompt": essay}), json.dumps({"prompt": essay, "max_tokens": 5}),
+        json.dumps({"model": "m", "prompt": essay, "options": {"num_predict": 3}}),
+    ]))
+    assert results[0]["predicted_class"] == "long"
+    assert results[1]["predicted_tokens"] == 5.0 and results[1]["score"] < results[0]["score"]
+    assert results[2]["predicted_tokens"] == 3.0

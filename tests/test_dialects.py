@@ -128,3 +128,59 @@ def test_ollama_context_ids_count_as_history_and_non_object_messages_do_not_coun
     assert generate.prompt.total_chars == len("go on") + 4 * 3
     chat = parse_request(OLLAMA_CHAT, json.dumps({"model": "m", "messages": ["junk", {"role": "user", "content": "hi"}]}).encode())
     assert chat.prompt.turns == 1 and chat.prompt.instruction == "hi"
+
+
+# --------------------------------------------------------------------------------------------
+# The output cap (issue 8 part 4)
+
+from clairvoyant.dialects import Dialect, cap_tokens_from_body  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("body", "cap"),
+    [
+        ({}, None),
+        ({"max_tokens": 64}, 64),
+        ({"max_completion_tokens": 32}, 32),
+        ({"n_predict": 16}, 16),  # llama.cpp's own field
+        ({"max_tokens": 64, "max_completion_tokens": 32, "n_predict": 100}, 32),  # the tightest bound wins
+        ({"max_tokens": 0}, 0),
+        ({"n_predict": -1}, None),  # llama.cpp: -1 = unlimited
+        ({"max_tokens": -1, "n_predict": 8}, 8),
+        ({"max_tokens": 50.0}, 50),  # an integral float is that integer
+        ({"max_tokens": 50.5}, None),  # the wrong types are ignored, not refused
+        ({"max_tokens": "50"}, None),
+        ({"max_tokens": True}, None),
+        ({"max_tokens": None}, None),
+        ({"max_tokens": [5]}, None),
+        ({"options": {"num_predict": 7}}, None),  # Ollama's field means nothing to the OpenAI dialect
+    ],
+)
+def test_openai_caps(body: dict, cap: int | None) -> None:
+    assert cap_tokens_from_body(Dialect.OPENAI, body) == cap
+
+
+@pytest.mark.parametrize(
+    ("body", "cap"),
+    [
+        ({"options": {"num_predict": 7}}, 7),
+        ({"options": {"num_predict": -1}}, None),  # Ollama: negative = unlimited
+        ({"options": {"num_predict": -2}}, None),  # Ollama: -2 = fill the context
+        ({"options": {"num_predict": "7"}}, None),
+        ({"options": [7]}, None),
+        ({"options": None}, None),
+        ({"max_tokens": 5}, None),  # not an Ollama field
+    ],
+)
+def test_ollama_caps(body: dict, cap: int | None) -> None:
+    assert cap_tokens_from_body(Dialect.OLLAMA, body) == cap
+
+
+def test_parse_request_reads_the_cap_and_never_refuses_a_cap_of_the_wrong_type() -> None:
+    chat = {"messages": [{"role": "user", "content": "Write an essay"}]}
+    assert parse_request(CHAT, json.dumps({**chat, "max_tokens": 1}).encode()).cap_tokens == 1
+    assert parse_request(CHAT, json.dumps(chat).encode()).cap_tokens is None
+    assert parse_request(CHAT, json.dumps({**chat, "max_tokens": "lots"}).encode()).cap_tokens is None
+    assert parse_request(COMPLETION, b'{"prompt": "x", "n_predict": 12, "max_tokens": 40}').cap_tokens == 12
+    assert parse_request(OLLAMA_GENERATE, b'{"model": "m", "prompt": "x", "options": {"num_predict": 9}}').cap_tokens == 9
+    assert parse_request(OLLAMA_CHAT, b'{"model": "m", "messages": [], "options": {"num_predict": -1}}').cap_tokens is None

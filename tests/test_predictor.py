@@ -154,3 +154,164 @@ def test_the_shipped_model_loads_by_default_and_ranks_the_obvious_cases() -> Non
     essay = predictor.predict(Prompt("Write a detailed 2000-word essay on the history of the Roman Empire."))
     assert essay.p_long > hi.p_long
     assert hi.predicted_class == "short"
+
+
+# --------------------------------------------------------------------------------------------
+# Schema-2 cards, calibration, caps (issue 8)
+
+import math  # noqa: E402
+
+from clairvoyant.length_classes import LONG_FROM_TOKENS, SHORT_BELOW_TOKENS  # noqa: E402
+from clairvoyant.predictor import STAND_IN_P_LONG_CALIBRATION, Calibration  # noqa: E402
+
+ESSAY = "Write a detailed 2000-word essay on the history of the Roman Empire."
+
+
+@pytest.fixture(scope="module")
+def regressor_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    """A small XGBoost regressor on log tokens exported like R's schema-2 models, with its card."""
+    from onnxmltools import convert_xgboost
+    from onnxmltools.convert.common.data_types import FloatTensorType
+
+    from clairvoyant.training import export
+
+    fs = get_feature_set("rich_v1")
+    prompts, labels = synthetic_prompts(600)
+    x = fs.extract_many(prompts)
+    y = np.log(np.array([30.0, 300.0, 1200.0])[labels]) + np.random.default_rng(3).normal(0, 0.1, len(labels))
+    reg = xgboost.XGBRegressor(n_estimators=10, max_depth=3, learning_rate=0.3, n_jobs=1, random_state=0)
+    reg.fit(x, y)
+    onnx_model = convert_xgboost(reg, initial_types=[("input", FloatTensorType([None, fs.size]))], target_opset=15)
+    path = tmp_path_factory.mktemp("regressor") / "reg.onnx"
+    export.write_model(onnx_model.SerializeToString(), path)
+    card = {
+        "schema": 2, "kind": "regressor", "output": onnx_model.graph.output[0].name, "score": "log_tokens",
+        "calibration": {"method": "isotonic", "score": [2.0, 4.0, 6.0, 8.0], "log_tokens": [2.5, 4.0, 6.5, 7.0]},
+        "feature_set": fs.name, "feature_names": list(fs.names), "onnx_sha256": export.sha256_of(path),
+    }
+    card_path_for(path).write_text(json.dumps(card))
+    return path, reg
+
+
+def test_calibration_matches_np_interp_both_ways_and_extends_strictly() -> None:
+    cal = Calibration((0.0, 0.3, 1.0), (1.0, 5.0, 6.0), "isotonic")
+    for x in np.linspace(-1, 2, 61):
+        assert cal.log_tokens_of(float(x)) == pytest.approx(np.interp(x, cal.score, cal.log_tokens))
+        assert cal.score_of(float(x) * 5) == pytest.approx(np.interp(x * 5, cal.log_tokens, cal.score))
+    assert cal.log_tokens_of(math.nan) == 1.0
+    beyond = [cal.score_of_extended(v) for v in (-3.0, 0.0, 0.99, 6.01, 9.0, 20.0)]
+    assert all(b > a for a, b in zip(beyond, beyond[1:]))  # strictly ordered past both ends
+    assert cal.score_of_extended(5.5) == cal.score_of(5.5)
+    for bad in (((0.0, 0.0), (1.0, 2.0)), ((0.0, 1.0), (2.0, 1.0)), ((0.0,), (1.0,)), ((0.0, math.inf), (1.0, 2.0))):
+        with pytest.raises(ValueError):
+            Calibration(bad[0], bad[1], "isotonic")
+
+
+def test_schema2_regressor_card_predicts_calibrated_tokens(regressor_model) -> None:
+    path, reg = regressor_model
+    predictor = OnnxPredictor(path)
+    assert predictor.output.kind == "regressor" and not predictor.calibration.stand_in
+    prompts = [Prompt("hi"), Prompt("write essay code " * 12), Prompt("")]
+    single = [predictor.predict(p) for p in prompts]
+    bulk = predictor.predict_many(prompts)
+    for s, b, p in zip(single, bulk, prompts):
+        raw = float(reg.predict(predictor.feature_set.extract(p)[None, :])[0])
+        assert s.score == pytest.approx(raw, abs=1e-5)  # the key is the raw score
+        expected_log = np.interp(s.score, predictor.calibration.score, predictor.calibration.log_tokens)
+        assert s.predicted_tokens == pytest.approx(math.exp(expected_log), rel=1e-6)
+        assert s.probabilities is None and s.p_long is None
+        assert "p_long" not in s.as_dict() and s.as_dict()["predicted_tokens"] == s.predicted_tokens
+        assert (b.score, b.predicted_tokens) == pytest.approx((s.score, s.predicted_tokens), rel=1e-6)
+        assert s.feature_row == b.feature_row == predictor.feature_set.extract(p).tobytes()
+    assert single[1].predicted_tokens > single[0].predicted_tokens
+
+
+def test_schema1_card_is_a_class_model_with_the_named_stand_in_calibration() -> None:
+    predictor = OnnxPredictor()
+    assert predictor.card["schema"] == 1
+    assert predictor.calibration is STAND_IN_P_LONG_CALIBRATION and predictor.calibration.stand_in
+    assert "stand-in" in predictor.calibration.method
+    pred = predictor.predict(Prompt(ESSAY))
+    assert pred.score == pred.p_long
+    assert pred.predicted_tokens == pytest.approx(math.exp(np.interp(pred.p_long, (0, 0.5, 1), np.log([100, 400, 1000]))))
+    # one definition of the classes: derived from predicted tokens
+    for p in (predictor.predict(Prompt("hi")), pred):
+        expected = "short" if p.predicted_tokens < SHORT_BELOW_TOKENS else (
+            "medium" if p.predicted_tokens < LONG_FROM_TOKENS else "long")
+        assert p.predicted_class == expected
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"schema": 3}, "schemas 1 and 2"),
+        ({"kind": "ranker"}, "neither"),
+        ({"score": "p_long"}, "does not fit"),
+        ({"output": "nope"}, "has no 'nope' output"),
+        ({"calibration": {"method": "isotonic", "score": [1, 1], "log_tokens": [1, 2]}}, "strictly increasing"),
+        ({"calibration": None}, "must be an object"),
+    ],
+)
+def test_bad_schema2_cards_are_refused(regressor_model, tmp_path: Path, changes: dict, message: str) -> None:
+    path = _copy(regressor_model[0], tmp_path)
+    card = json.loads(card_path_for(path).read_text())
+    card.update(changes)
+    card_path_for(path).write_text(json.dumps(card))
+    with pytest.raises(ModelError, match=message):
+        OnnxPredictor(path)
+
+
+def test_the_cap_bounds_predicted_tokens_and_the_key() -> None:
+    """Issue 8 part 4: `max_tokens: 1` on an essay prompt was predicted Long (p_long 0.86)."""
+    predictor = OnnxPredictor()
+    cal = predictor.calibration
+    free = predictor.predict(Prompt(ESSAY))
+    hi = predictor.predict(Prompt("hi"))
+    assert free.predicted_class == "long"
+    capped = predictor.predict(Prompt(ESSAY), cap_tokens=1)
+    assert capped.predicted_tokens == 1.0 and capped.predicted_class == "short" and capped.cap_tokens == 1
+    assert capped.score == min(free.score, float(np.interp(math.log(1), cal.log_tokens, cal.score)))
+    assert capped.score < hi.score  # the capped essay now goes before "hi"
+    assert capped.probabilities == free.probabilities  # the model's view is unchanged, only the bound
+    # a cap between: tokens = the cap, key = the raw score whose calibrated tokens are the cap
+    mid = predictor.predict(Prompt(ESSAY), cap_tokens=300)
+    assert mid.predicted_tokens == 300.0
+    assert mid.score == pytest.approx(float(np.interp(math.log(300), cal.log_tokens, cal.score)))
+    assert cal.log_tokens_of(mid.score) == pytest.approx(math.log(300))
+    # a cap above the prediction changes nothing; a zero cap predicts nothing
+    loose = predictor.predict(Prompt(ESSAY), cap_tokens=100_000)
+    assert (loose.score, loose.predicted_tokens) == (free.score, free.predicted_tokens)
+    assert predictor.predict(Prompt(ESSAY), cap_tokens=0).predicted_tokens == 0.0
+    # bulk scoring applies the same rule
+    bulk = predictor.predict_many([Prompt(ESSAY)] * 3, caps_tokens=[1, 300, None])
+    assert [b.score for b in bulk] == pytest.approx([capped.score, mid.score, free.score], rel=1e-6)
+    assert [b.predicted_tokens for b in bulk] == pytest.approx([1.0, 300.0, free.predicted_tokens], rel=1e-6)
+
+
+class _ConstantCorrector:
+    def __init__(self, log_tokens: float) -> None:
+        self.log_tokens = log_tokens
+        self.seen: list[tuple[str | None, int, float]] = []
+
+    def correction(self, model: str | None, row: np.ndarray, prior_log_tokens: float) -> float:
+        self.seen.append((model, len(row), prior_log_tokens))
+        return self.log_tokens
+
+
+def test_a_corrector_moves_tokens_and_key_together_and_the_cap_still_binds(regressor_model) -> None:
+    path, _ = regressor_model
+    corrector = _ConstantCorrector(math.log(2.0))
+    static = OnnxPredictor(path)
+    learned = OnnxPredictor(path, corrector=corrector)
+    prompts = [Prompt("hi"), Prompt("write essay code " * 12), Prompt("why " * 30)]
+    before = [static.predict(p) for p in prompts]
+    after = [learned.predict(p, model="m") for p in prompts]
+    for b, a in zip(before, after):
+        assert a.prior_log_tokens == b.prior_log_tokens
+        assert a.predicted_tokens == pytest.approx(2.0 * b.predicted_tokens)
+        assert a.model == "m"
+    assert corrector.seen[0] == ("m", static.feature_set.size, before[0].prior_log_tokens)
+    # the key follows the corrected tokens: same order as predicted tokens
+    assert np.argsort([a.score for a in after]).tolist() == np.argsort([a.predicted_tokens for a in after]).tolist()
+    capped = learned.predict(prompts[1], cap_tokens=5)
+    assert capped.predicted_tokens == 5.0 and capped.score <= after[0].score

@@ -349,7 +349,7 @@ class OnnxPredictor:
         self.feature_set = _check_card(self.card, path)
         self.onnx_sha256: str = self.card["onnx_sha256"]
         self.calibration = self.output.calibration
-        self.corrector = corrector
+        self.corrector: Corrector | None = None
         options = ort.SessionOptions()
         options.intra_op_num_threads = 1
         options.inter_op_num_threads = 1
@@ -394,6 +394,7 @@ class OnnxPredictor:
         self._run_bound = self._session.run_with_iobinding
         self._lock = threading.Lock()
         self.predict(Prompt(""))  # warm up (first-run allocations) and prove the binding works
+        self.corrector = corrector
 
     @property
     def feature_set_name(self) -> str:
