@@ -520,7 +520,14 @@ class OnlineLearner:
         return learner
 
     def _restore(self, path: Path) -> None:
-        with np.load(path, allow_pickle=False) as npz:
+        with path.open("rb") as fh:  # our handle: closed even when np.load refuses the bytes
+            npz = np.load(fh, allow_pickle=False)
+            if not isinstance(npz, np.lib.npyio.NpzFile):
+                raise _Refused("not a learner state file (not an npz archive)")
+            self._restore_from(npz)
+
+    def _restore_from(self, npz: Any) -> None:
+        with npz:
             if "meta" not in npz.files:
                 raise _Refused("not a learner state file (no metadata)")
             meta = json.loads(str(npz["meta"][()]))

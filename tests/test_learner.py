@@ -1,0 +1,272 @@
+"""clairvoyant.learner: the online correction of the prior, its thread, its state file, its quality."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clairvoyant.features import Prompt
+from clairvoyant.learner import OTHER_MODEL, LearnerConfig, OnlineLearner, PriorIdentity, kendall_tau_b
+from clairvoyant.predictor import OnnxPredictor, Prediction
+
+N_FEATURES = 6
+IDENTITY = PriorIdentity("test_set", tuple(f"f{i}" for i in range(N_FEATURES)), "a" * 64)
+
+
+def _prediction(row: np.ndarray, prior_log: float, model: str | None = "m", cap: int | None = None,
+                correction: float = 0.0) -> Prediction:
+    predicted = math.exp(prior_log + correction)
+    if cap is not None:
+        predicted = min(predicted, cap)
+    return Prediction(prior_log, predicted, None, prior_log, row.astype(np.float32).tobytes(), model, cap)
+
+
+def _world(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows, a prior that is biased (x e^1.5) and blind to feature 0, and the true log tokens."""
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, 4, size=(n, N_FEATURES)).astype(np.float32)
+    truth = 4.0 + 0.8 * np.log1p(rows[:, 0]) + 0.3 * np.log1p(rows[:, 1]) + rng.normal(0, 0.2, n)
+    prior = 4.0 + 1.5 + 0.3 * np.log1p(rows[:, 1]) + rng.normal(0, 0.2, n)  # biased, and blind to feature 0
+    return rows, prior, truth
+
+
+def _learn(learner: OnlineLearner, rows: np.ndarray, prior: np.ndarray, truth: np.ndarray, model: str = "m") -> None:
+    for row, p, t in zip(rows, prior, truth):
+        learner.observe(_prediction(row, float(p), model), int(round(math.exp(t))))
+    learner.refit()
+
+
+def _corrected(learner: OnlineLearner, rows: np.ndarray, prior: np.ndarray, model: str | None = "m") -> np.ndarray:
+    return np.array([p + learner.correction(model, r, float(p)) for r, p in zip(rows, prior)])
+
+
+def test_learning_moves_a_biased_prior_toward_the_truth() -> None:
+    rows, prior, truth = _world(400)
+    test_rows, test_prior, test_truth = _world(300, seed=1)
+    learner = OnlineLearner(IDENTITY)
+    assert learner.correction("m", test_rows[0], float(test_prior[0])) == 0.0  # nothing learned: the prior
+    _learn(learner, rows, prior, truth)
+    assert learner.fitted
+    before_error = np.mean(np.abs(test_prior - test_truth))
+    after = _corrected(learner, test_rows, test_prior)
+    after_error = np.mean(np.abs(after - test_truth))
+    assert before_error > 0.7 and after_error < 0.3  # the bias is gone
+    # ...and it learned the signal the prior was blind to: the ordering improves
+    assert kendall_tau_b(after, test_truth) > kendall_tau_b(test_prior, test_truth) + 0.2
+
+
+def test_the_correction_flows_through_the_onnx_predictor() -> None:
+    predictor = OnnxPredictor()
+    learner = OnlineLearner.for_predictor(predictor)
+    prompts = [Prompt(f"Question {i}: what is {i} plus {i}?") for i in range(60)]
+    for prompt in prompts:  # this deployment answers everything in about 5 tokens
+        learner.observe(predictor.predict(prompt, model="tiny"), 5)
+    learner.refit()
+    predictor.corrector = learner
+    learned = predictor.predict(Prompt("Question 99: what is 99 plus 99?"), model="tiny")
+    predictor.corrector = None
+    static = predictor.predict(Prompt("Question 99: what is 99 plus 99?"), model="tiny")
+    assert static.predicted_tokens > 50
+    assert abs(math.log(learned.predicted_tokens / 5)) < 0.5 * abs(math.log(static.predicted_tokens / 5))
+    assert learned.score < static.score  # the key moved with the tokens
+
+
+def test_no_fit_before_min_observations_and_noise_is_shrunk_to_almost_nothing() -> None:
+    rng = np.random.default_rng(4)
+    learner = OnlineLearner(IDENTITY, LearnerConfig(min_observations=16))
+    rows = rng.integers(0, 4, size=(300, N_FEATURES)).astype(np.float32)
+    for row in rows[:15]:
+        learner.observe(_prediction(row, 5.0), int(math.exp(5.0)))
+    learner.refit()
+    assert not learner.fitted
+    # observed = prior + pure noise: nothing to learn, so the correction stays near zero
+    for row in rows[15:]:
+        learner.observe(_prediction(row, 5.0), int(math.exp(5.0 + rng.normal(0, 0.5))))
+    learner.refit()
+    assert learner.fitted
+    corrections = [learner.correction("m", r, 5.0) for r in rows]
+    assert max(abs(c) for c in corrections) < 0.15
+
+
+def test_per_model_corrections_and_a_global_one_for_unknown_models() -> None:
+    rows, prior, _ = _world(200)
+    learner = OnlineLearner(IDENTITY, LearnerConfig(min_model_observations=32))
+    for row, p in zip(rows, prior):
+        learner.observe(_prediction(row, float(p), "verbose"), int(math.exp(p + 1.0)))
+        learner.observe(_prediction(row, float(p), "terse"), int(math.exp(p - 1.0)))
+    learner.refit()
+    verbose = _corrected(learner, rows, prior, "verbose") - prior
+    terse = _corrected(learner, rows, prior, "terse") - prior
+    unknown = _corrected(learner, rows, prior, "never-seen") - prior
+    assert np.mean(verbose) == pytest.approx(1.0, abs=0.15)
+    assert np.mean(terse) == pytest.approx(-1.0, abs=0.15)
+    assert abs(np.mean(unknown)) < 0.15  # the global correction: the two cancel
+
+
+def test_models_beyond_max_models_share_one_bucket_and_memory_is_bounded() -> None:
+    learner = OnlineLearner(IDENTITY, LearnerConfig(max_models=2, buffer_size=50))
+    row = np.ones(N_FEATURES, np.float32)
+    for i in range(500):
+        assert learner.observe(_prediction(row, 4.0, model=f"m{i % 5}"), 50)
+    assert learner.models() == ["m0", "m1", OTHER_MODEL]
+    assert all(b.ring.count == 50 for b in learner._buckets.values())  # ring buffers: the newest 50 kept
+    assert learner.observed_total == 500
+
+
+def test_observe_refuses_unusable_observations_and_censors_capped_answers() -> None:
+    learner = OnlineLearner(IDENTITY)
+    row = np.ones(N_FEATURES, np.float32)
+    assert not learner.observe(_prediction(row, 4.0), -1)
+    assert not learner.observe(_prediction(row, 4.0), True)  # type: ignore[arg-type]
+    assert not learner.observe(_prediction(row, 4.0), 12.5)  # type: ignore[arg-type]
+    assert not learner.observe(Prediction.from_probabilities(0.2, 0.3, 0.5), 10)  # no feature row
+    assert not learner.observe(_prediction(np.ones(3), 4.0), 10)  # another prior's row size
+    assert learner.observed_total == 0
+    # an answer that reached the request's cap says nothing of the uncapped length: quality only
+    assert learner.observe(_prediction(row, 4.0, cap=20), 20)
+    assert learner.observe(_prediction(row, 4.0, cap=20), 7)
+    bucket = learner._buckets["m"]
+    assert bucket.window.count == 2 and bucket.ring.count == 1
+
+
+def test_rolling_quality_uses_the_predictions_as_made() -> None:
+    scipy_stats = pytest.importorskip("scipy.stats")
+    rng = np.random.default_rng(7)
+    learner = OnlineLearner(IDENTITY, LearnerConfig(quality_window=100))
+    predicted, observed = [], []
+    for _ in range(150):
+        prior = float(rng.normal(5, 1))
+        tokens = int(math.exp(prior + rng.normal(0, 0.7)))
+        prediction = _prediction(rng.integers(0, 3, N_FEATURES), prior)
+        learner.observe(prediction, tokens)
+        predicted.append(math.log(prediction.predicted_tokens))
+        observed.append(math.log(max(tokens, 1)))
+    learner.update_quality()
+    quality = learner.quality()["m"]
+    assert quality.observations == 100  # the window
+    expected_tau = scipy_stats.kendalltau(predicted[-100:], observed[-100:]).statistic
+    assert quality.kendall_tau_b == pytest.approx(expected_tau, abs=1e-9)
+    assert quality.mean_abs_log_error == pytest.approx(np.mean(np.abs(np.subtract(predicted, observed)[-100:])))
+
+
+def test_kendall_tau_b_matches_scipy_with_ties() -> None:
+    scipy_stats = pytest.importorskip("scipy.stats")
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 5, 80).astype(float)
+    y = x + rng.integers(0, 3, 80)
+    assert kendall_tau_b(x, y) == pytest.approx(scipy_stats.kendalltau(x, y).statistic, abs=1e-12)
+    assert math.isnan(kendall_tau_b(np.ones(5), np.arange(5.0)))
+    assert math.isnan(kendall_tau_b(np.ones(1), np.ones(1)))
+
+
+# --------------------------------------------------------------------------------------------
+# The state file
+
+
+def _trained(n: int = 120) -> OnlineLearner:
+    learner = OnlineLearner(IDENTITY)
+    rows, prior, truth = _world(n)
+    _learn(learner, rows, prior, truth, model="a")
+    _learn(learner, rows[:40], prior[:40], truth[:40], model="b")
+    learner.update_quality()
+    return learner
+
+
+def test_state_round_trip_restores_the_same_corrections_and_quality(tmp_path: Path) -> None:
+    learner = _trained()
+    path = tmp_path / "state" / "learner.npz"
+    learner.save(path)
+    assert [p.name for p in path.parent.iterdir()] == ["learner.npz"]  # no temporary file left
+    restored = OnlineLearner.load(path, IDENTITY)
+    assert restored.observed_total == learner.observed_total
+    assert restored.models() == ["a", "b"]
+    assert not restored.fitted  # loading does not refit (that is the worker's job)
+    restored.refit()
+    rows, prior, _ = _world(50, seed=9)
+    for model in ("a", "b", "other-model"):
+        assert _corrected(restored, rows, prior, model) == pytest.approx(_corrected(learner, rows, prior, model))
+    for model in ("a", "b"):
+        assert restored.quality()[model] == learner.quality()[model]
+
+
+def test_a_corrupt_state_file_is_refused_with_one_clear_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "learner.npz"
+    _trained().save(path)
+    good = path.read_bytes()
+    for damaged in (b"not a state file at all", good[: len(good) // 2], b""):
+        path.write_bytes(damaged)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="clairvoyant.learner"):
+            learner = OnlineLearner.load(path, IDENTITY)
+        assert learner.observed_total == 0 and learner.models() == []  # starts from the prior
+        assert len(caplog.records) == 1
+        assert "refused" in caplog.text and str(path) in caplog.text and "starting from the prior" in caplog.text
+
+
+def test_a_state_file_of_another_prior_is_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "learner.npz"
+    _trained().save(path)
+    others = {
+        "onnx_sha256": PriorIdentity(IDENTITY.feature_set, IDENTITY.feature_names, "b" * 64),
+        "feature_set": PriorIdentity("other_set", IDENTITY.feature_names, IDENTITY.onnx_sha256),
+        "feature_names": PriorIdentity(IDENTITY.feature_set, IDENTITY.feature_names[::-1], IDENTITY.onnx_sha256),
+    }
+    for field, identity in others.items():
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="clairvoyant.learner"):
+            learner = OnlineLearner.load(path, identity)
+        assert learner.observed_total == 0
+        assert "another prior" in caplog.text and field in caplog.text
+
+
+def test_a_missing_state_file_is_a_first_start(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="clairvoyant.learner"):
+        learner = OnlineLearner.load(tmp_path / "none.npz", IDENTITY)
+    assert learner.observed_total == 0 and "no state file" in caplog.text
+    assert not any(r.levelno >= logging.WARNING for r in caplog.records)
+
+
+def test_a_failed_save_leaves_the_previous_file_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "learner.npz"
+    first = _trained(60)
+    first.save(path)
+    before = path.read_bytes()
+
+    def broken_savez(fh, **arrays):  # write half a file, then fail (a full disk, a crash)
+        fh.write(b"PK\x03\x04 half a zip")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(np, "savez", broken_savez)
+    with pytest.raises(OSError):
+        _trained(120).save(path)
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["learner.npz"]
+
+
+# --------------------------------------------------------------------------------------------
+# The worker thread
+
+
+def test_the_worker_refits_in_the_background_when_due() -> None:
+    rows, prior, truth = _world(64)
+    learner = OnlineLearner(IDENTITY, LearnerConfig(refit_every=8, min_observations=16))
+    learner.start(quality_interval_s=0.05)
+    try:
+        for row, p, t in zip(rows, prior, truth):
+            learner.observe(_prediction(row, float(p)), int(round(math.exp(t))))
+        deadline = time.monotonic() + 10
+        while not (learner.fitted and learner.quality().get("m") and learner.quality()["m"].observations == 64):
+            assert time.monotonic() < deadline, "the worker never refitted"
+            time.sleep(0.01)
+        learned = _corrected(learner, rows, prior) - prior
+        assert np.mean(learned) == pytest.approx(np.mean(truth - prior), abs=0.2)  # it learned the bias
+        assert learner.last_refit_s is not None
+    finally:
+        learner.stop()
+    assert learner._thread is None
