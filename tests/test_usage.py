@@ -151,11 +151,11 @@ def forced_tokens(body: dict[str, Any]) -> int:
 def llamacpp_answers(llama_server: EmbeddedLlamaServer) -> dict[str, tuple[str, bytes]]:
     """Each case's raw answer from the real server: (content type, body bytes)."""
     answers = {}
-    with httpx.Client(base_url=llama_server.base_url, timeout=120) as client:
-        for name, (path, body, _) in LLAMACPP_CASES.items():
-            with client.stream("POST", path, json=body) as r:
-                assert r.status_code == 200, r.read()
-                answers[name] = (r.headers["content-type"], b"".join(r.iter_raw()))
+    for name, (path, body, _) in LLAMACPP_CASES.items():
+        # A fresh connection each: llama.cpp's server silently closes some after a streamed answer.
+        with httpx.stream("POST", f"{llama_server.base_url}{path}", json=body, timeout=120) as r:
+            assert r.status_code == 200, r.read()
+            answers[name] = (r.headers["content-type"], b"".join(r.iter_raw()))
     return answers
 
 

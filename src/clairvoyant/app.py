@@ -24,7 +24,7 @@ from clairvoyant.config import Settings
 from clairvoyant.dialects import SCHEDULED_ENDPOINTS, dialect_of_path, parse_request
 from clairvoyant.dispatcher import Dispatcher, Ticket
 from clairvoyant.errors import BadRequest, PayloadTooLarge, QueueFull, RequestError
-from clairvoyant.feedback import UsageRecorder
+from clairvoyant.feedback import OnlineLearning
 from clairvoyant.job_queue import JobQueue
 from clairvoyant.metrics import CONTENT_TYPE_LATEST, Metrics
 from clairvoyant.policy import make_policy
@@ -50,7 +50,7 @@ class ProxyState:
     upstream: Upstream
     dispatcher: Dispatcher
     metrics: Metrics
-    usage_recorder: UsageRecorder  # the relay's on_usage: metrics and the online learner
+    learning: OnlineLearning  # its recorder is the relay's on_usage: metrics and the online learner
 
 
 def create_app(
@@ -80,9 +80,11 @@ def create_app(
             max_size=settings.max_queue,
             retry_after_s=settings.retry_after_s,
         )
+        learning = OnlineLearning(settings, loaded, metrics)
+        await learning.start()
         dispatcher = Dispatcher(queue, slots=settings.slots, clock=clock, metrics=metrics)
         await dispatcher.start()
-        app.state.proxy = ProxyState(settings, loaded, upstream, dispatcher, metrics, UsageRecorder(metrics))
+        app.state.proxy = ProxyState(settings, loaded, upstream, dispatcher, metrics, learning)
         logger.info(
             "clairvoyant ready: upstream=%s policy=%s tau=%ss slots=%d max_queue=%d disconnect_mode=%s",
             settings.upstream_url, settings.policy, settings.starvation_timeout_s, settings.slots,
@@ -92,6 +94,7 @@ def create_app(
             yield
         finally:
             await dispatcher.stop()
+            await learning.stop()  # after the drain: the last requests are learned, then saved
             await upstream.aclose()
 
     app = FastAPI(
@@ -129,7 +132,8 @@ def create_app(
         return JSONResponse({"status": "ready" if ready else "not_ready", **checks}, status_code=200 if ready else 503)
 
     @app.get("/metrics")
-    async def metrics_endpoint() -> Response:
+    async def metrics_endpoint(request: Request) -> Response:
+        await request.app.state.proxy.learning.refresh_quality()
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/queue")
@@ -214,7 +218,7 @@ async def _scheduled(request: Request) -> ProxyResponse:
         dispatcher=state.dispatcher,
         ticket=ticket,
         disconnect_mode=state.settings.disconnect_mode,
-        on_usage=state.usage_recorder,
+        on_usage=state.learning.recorder,
     )
 
 

@@ -2,15 +2,15 @@
 
 Labels are low-cardinality by construction: predicted class (3 values), endpoint (the 4 scheduled
 paths or "passthrough"), dialect (2), status code, rejection reason (3), disconnect stage (2),
-usage source (6), backend model (the first ``MAX_MODEL_LABELS`` names seen, the rest "other").
+usage source (6), and the online learner's model keys (the model a request named: the first 16
+names, then "other", and "default" for none; ``MAX_MODEL_LABELS`` bounds them here too).
 No request ids, users or prompt text ever become labels.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from typing import get_args
+from typing import TYPE_CHECKING, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -18,7 +18,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from clairvoyant.length_classes import CLASS_NAMES
 from clairvoyant.usage import UsageSource
 
-__all__ = ["CONTENT_TYPE_LATEST", "MAX_MODEL_LABELS", "OTHER_MODELS", "Metrics", "PredictionQuality"]
+if TYPE_CHECKING:
+    from clairvoyant.learner import ModelQuality
+
+__all__ = ["CONTENT_TYPE_LATEST", "MAX_MODEL_LABELS", "Metrics"]
 
 CLASSES = CLASS_NAMES  # one definition, in length_classes
 # Seconds: from a cached 1-token answer to a 30-minute queue.
@@ -26,14 +29,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 
 PREDICTOR_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.01)
 # Output tokens per answer: from a one-word reply to a long essay.
 TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 200, 256, 400, 600, 800, 1024, 1600, 2048, 4096, 8192)
-# Backend models get their own label up to this many distinct names; later ones share "other".
-MAX_MODEL_LABELS = 16
-OTHER_MODELS = "other"
-UNKNOWN_MODEL = "unknown"  # the backend and the request named no model
-
-
-# model -> (rolling Kendall tau_b or None while undefined, rolling mean |log-token error|, requests in window)
-PredictionQuality = Mapping[str, tuple[float | None, float | None, int]]
+# Model labels published, at most (the learner bounds its keys already: this is a second fence).
+MAX_MODEL_LABELS = 32
 
 
 class Metrics:
@@ -110,21 +107,21 @@ class Metrics:
         self.prediction_kendall_tau = Gauge(
             "clairvoyant_prediction_kendall_tau",
             "Rolling Kendall tau_b between predicted and observed output tokens (each prediction as made, "
-            "before learning its request), by backend model.",
+            "before learning its request), by model (the online learner's key: the model the request named).",
             ["model"], registry=r,
         )
         self.prediction_log_error = Gauge(
             "clairvoyant_prediction_abs_log_token_error",
-            "Rolling mean |ln(predicted tokens) - ln(observed tokens)|, by backend model.",
+            "Rolling mean |ln(predicted tokens) - ln(observed tokens)|, by model.",
             ["model"], registry=r,
         )
         self.prediction_window = Gauge(
             "clairvoyant_prediction_quality_window_requests",
-            "Observed requests in the rolling prediction-quality window, by backend model.",
+            "Observed requests in the rolling prediction-quality window, by model.",
             ["model"], registry=r,
         )
         self.usage_by_source = {s: self.usage_observations.labels(s) for s in get_args(UsageSource)}
-        self._model_labels: dict[str, str] = {}
+        self._quality_gauges: dict[str, tuple[Gauge, Gauge, Gauge]] = {}  # model key -> its three gauges
 
     def count_request(self, endpoint: str, dialect: str, status: str) -> None:
         key = (endpoint, dialect, status)
@@ -133,32 +130,28 @@ class Metrics:
             child = self._requests_children[key] = self.requests.labels(*key)
         child.inc()
 
-    def model_label(self, model: str | None) -> str:
-        """The bounded label for a backend model name: the first ``MAX_MODEL_LABELS`` names keep theirs."""
-        name = model or UNKNOWN_MODEL
-        label = self._model_labels.get(name)
-        if label is None:
-            label = name if len(self._model_labels) < MAX_MODEL_LABELS else OTHER_MODELS
-            if label != OTHER_MODELS:
-                self._model_labels[name] = label
-        return label
-
     def count_usage(self, source: str, output_tokens: int | None) -> None:
         """One completed scheduled request's usage record (see ``clairvoyant.usage``)."""
         self.usage_by_source[source].inc()
         if output_tokens is not None:
             self.observed_output_tokens.observe(output_tokens)
 
-    def set_prediction_quality(self, quality: PredictionQuality) -> None:
-        """Publish the learner's rolling prediction quality. Models past the label bound are not
-        shown one by one (their quality cannot be merged into one "other" figure)."""
-        for model, (tau, error, window) in quality.items():
-            label = self.model_label(model)
-            if label == OTHER_MODELS:
-                continue
-            self.prediction_kendall_tau.labels(label).set(math.nan if tau is None else tau)
-            self.prediction_log_error.labels(label).set(math.nan if error is None else error)
-            self.prediction_window.labels(label).set(window)
+    def set_prediction_quality(self, quality: Mapping[str, ModelQuality]) -> None:
+        """Publish the online learner's rolling prediction quality, one series per model key
+        (NaN while undefined). Keys past ``MAX_MODEL_LABELS`` are not published."""
+        for model, q in quality.items():
+            if model not in self._quality_gauges:
+                if len(self._quality_gauges) >= MAX_MODEL_LABELS:
+                    continue
+                self._quality_gauges[model] = (
+                    self.prediction_kendall_tau.labels(model),
+                    self.prediction_log_error.labels(model),
+                    self.prediction_window.labels(model),
+                )
+            tau, error, window = self._quality_gauges[model]
+            tau.set(q.kendall_tau_b)
+            error.set(q.mean_abs_log_error)
+            window.set(q.observations)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
