@@ -1,0 +1,203 @@
+"""The closed loop end to end: the proxy with the shipped ONNX predictor observes what the backend
+produced for each completed request, its online learner learns it, /metrics shows the rolling
+prediction quality, and the state survives a restart.
+
+- With the REAL llama.cpp server (xllamacpp + SmolLM2): output lengths forced with n_predict /
+  max_tokens + ignore_eos, and a natural-length answer whose count only the backend knows.
+- With a respx-mocked Ollama backend (its native API cannot run here) for what needs many
+  requests: a backend whose answers are far shorter than the prior predicts moves the proxy's
+  predictions; with ``online_learning = false`` the same traffic moves nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import respx
+
+from clairvoyant.config import Settings
+from clairvoyant.dialects import SCHEDULED_ENDPOINTS, parse_request
+from clairvoyant.embedded_backend import EmbeddedLlamaServer
+from clairvoyant.predictor import OnnxPredictor
+from proxy_harness import metric_value, mock_transport, running_proxy, wait_until
+
+MODEL = "smollm2"  # the name the requests give: the learner's key
+FORCE = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def predictor() -> Iterator[OnnxPredictor]:
+    yield OnnxPredictor()
+
+
+def chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def state_observations(path: Path, model: str) -> tuple[np.ndarray, np.ndarray]:
+    """From a saved learner state: the model's quality-window observed tokens (every observation,
+    in order) and its fitting buffer's observed tokens (uncensored ones only)."""
+    with np.load(path, allow_pickle=False) as npz:
+        meta = json.loads(str(npz["meta"][()]))
+        i = meta["models"].index(model)
+        return np.exp(npz[f"qobserved_{i}"]), np.exp(npz[f"observed_{i}"])
+
+
+def quality_window(base: str, model: str = MODEL) -> float:
+    return metric_value(base, "clairvoyant_prediction_quality_window_requests", f'model="{model}"')
+
+
+# --- the real llama.cpp server --------------------------------------------------------------------
+
+
+def test_completed_requests_reach_the_learner_with_the_backends_real_counts(
+    llama_server: EmbeddedLlamaServer, predictor: OnnxPredictor, tmp_path: Path
+) -> None:
+    state = tmp_path / "learner.npz"
+    settings = Settings(upstream_url=llama_server.base_url, learner_state_path=state, starvation_timeout_s=600)
+    forced = [3, 8, 5, 13]
+    # The client claims a length in the proxy's own field: it must never reach the learner.
+    lie = {"clairvoyant": {"output_tokens": 999}}
+    with running_proxy(settings, predictor=predictor) as base:
+        counts = []
+        for i, n in enumerate(forced):
+            limit = {"n_predict": n} if i % 2 else {"max_tokens": n}
+            body = {"model": MODEL, "messages": chat(f"Tell me about the number {n}."), **limit, **FORCE, **lie}
+            if i == 3:  # one streamed, its count read from the last event
+                body |= {"stream": True, "stream_options": {"include_usage": True}}
+                with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as r:
+                    events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+                counts.append(events[-1]["usage"]["completion_tokens"])
+            else:
+                r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+                counts.append(r.json()["usage"]["completion_tokens"])
+        assert counts == forced  # the premise: the backend produced exactly the forced lengths
+        # A natural-length answer: only the backend knows how long it is.
+        natural = httpx.post(
+            f"{base}/v1/chat/completions", json={"model": MODEL, "messages": chat("What is 2+2?"), "max_tokens": 64},
+            timeout=120,
+        ).json()["usage"]["completion_tokens"]
+
+        assert metric_value(base, "clairvoyant_usage_observations_total", 'source="openai_usage"') == 5
+        assert quality_window(base) == 5
+        tau = metric_value(base, "clairvoyant_prediction_kendall_tau", f'model="{MODEL}"')
+        error = metric_value(base, "clairvoyant_prediction_abs_log_token_error", f'model="{MODEL}"')
+        assert -1.0 <= tau <= 1.0 and error >= 0.0  # defined: 5 observations of different lengths
+    assert predictor.corrector is None  # the learner is detached from the shared predictor at shutdown
+
+    # Shutdown saved the state: the learner saw exactly the backend's counts, in order.
+    seen, fitted = state_observations(state, MODEL)
+    assert np.allclose(seen, [*forced, natural])
+    # Forced answers reached their cap (censored): they rank, but are not fitted; a natural one is.
+    expected_fitted = [natural] if natural < 64 else []
+    assert np.allclose(fitted, expected_fitted)
+
+
+def test_a_restart_keeps_what_was_learned_and_a_corrupt_file_is_refused(
+    llama_server: EmbeddedLlamaServer, predictor: OnnxPredictor, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = tmp_path / "learner.npz"
+    settings = Settings(upstream_url=llama_server.base_url, learner_state_path=state)
+
+    def one_request(base: str, n: int) -> None:
+        r = httpx.post(
+            f"{base}/v1/chat/completions", json={"model": MODEL, "messages": chat("Count."), "max_tokens": n, **FORCE},
+            timeout=120,
+        )
+        assert r.json()["usage"]["completion_tokens"] == n
+
+    with running_proxy(settings, predictor=predictor) as base:
+        one_request(base, 4)
+        one_request(base, 6)
+    with running_proxy(settings, predictor=predictor) as base:
+        assert quality_window(base) == 2  # restored from the file, before any new request
+        one_request(base, 5)
+        assert quality_window(base) == 3
+    assert np.allclose(state_observations(state, MODEL)[0], [4, 6, 5])
+
+    state.write_bytes(b"PK\x03\x04 this is not a learner state")
+    caplog.set_level(logging.WARNING, logger="clairvoyant.learner")
+    with running_proxy(settings, predictor=predictor) as base:
+        refused = [r for r in caplog.records if "refused" in r.getMessage()]
+        assert len(refused) == 1 and str(state) in refused[0].getMessage()
+        one_request(base, 3)  # the proxy serves, starting from the prior
+        assert quality_window(base) == 1
+    assert np.allclose(state_observations(state, MODEL)[0], [3])  # a fresh state replaced the corrupt one
+
+
+# --- many requests: a respx-mocked Ollama backend -------------------------------------------------
+
+OLLAMA = "http://ollama.test"
+TRUE_TOKENS = 3  # the deployment's model answers in 3 tokens, whatever the prompt
+PROMPTS = [
+    f"{verb} {topic}"
+    for verb in ("Write a detailed essay about", "Explain step by step", "Give me a long story about",
+                 "Write a complete guide to", "Describe in depth")
+    for topic in ("the French Revolution", "compilers", "the immune system", "sourdough baking",
+                  "black holes", "medieval trade routes", "neural networks", "the history of jazz")
+]
+
+
+def short_ollama_backend() -> respx.MockRouter:
+    router = respx.MockRouter(base_url=OLLAMA)
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        final = {"model": body["model"], "created_at": "2025-03-14T09:26:53.1Z", "response": "Sure thing.",
+                 "done": True, "done_reason": "stop", "total_duration": 90_000_000, "prompt_eval_count": 12,
+                 "prompt_eval_duration": 20_000_000, "eval_count": TRUE_TOKENS, "eval_duration": 60_000_000}
+        return httpx.Response(200, json=final)
+
+    router.post("/api/generate").mock(side_effect=answer)
+    return router
+
+
+def static_tokens(predictor: OnnxPredictor, prompt: str) -> float:
+    parsed = parse_request(SCHEDULED_ENDPOINTS["/api/generate"], json.dumps({"model": "tiny", "prompt": prompt}).encode())
+    saved, predictor.corrector = predictor.corrector, None
+    try:
+        return predictor.predict(parsed.prompt, model="tiny").predicted_tokens
+    finally:
+        predictor.corrector = saved
+
+
+def generate(base: str, prompt: str) -> float:
+    """One request through the proxy; the predicted tokens it was scheduled with."""
+    r = httpx.post(f"{base}/api/generate", json={"model": "tiny", "prompt": prompt, "stream": False}, timeout=30)
+    assert r.status_code == 200 and r.json()["eval_count"] == TRUE_TOKENS
+    return float(r.headers["x-clairvoyant-predicted-tokens"])
+
+
+@pytest.mark.parametrize("learning", [True, False])
+def test_a_backend_answering_shorter_than_the_prior_moves_the_predictions_only_when_learning(
+    predictor: OnnxPredictor, tmp_path: Path, learning: bool
+) -> None:
+    probe = "Write a detailed essay about the Roman Empire"
+    static = static_tokens(predictor, probe)
+    assert static > 30 * TRUE_TOKENS  # the premise: the prior predicts far longer answers
+    settings = Settings(upstream_url=OLLAMA, online_learning=learning, learner_state_path=tmp_path / "s.npz",
+                        learner_save_interval_s=0.2)
+    with running_proxy(settings, predictor=predictor, upstream_transport=mock_transport(short_ollama_backend())) as base:
+        first = generate(base, probe)
+        assert first == pytest.approx(static, abs=0.5)  # nothing learned yet (the header is whole tokens)
+        for prompt in PROMPTS:  # 40 observations of 3-token answers
+            generate(base, prompt)
+        assert quality_window(base, "tiny") == len(PROMPTS) + 1  # measured either way
+        if learning:
+            # The worker thread refits every 8 observations: wait for a fit that has seen them.
+            wait_until(lambda: generate(base, probe) < static / 4, timeout_s=10, what="the learned correction")
+            learned = generate(base, probe)
+            assert abs(math.log(learned) - math.log(TRUE_TOKENS)) < abs(math.log(static) - math.log(TRUE_TOKENS)) / 2
+            wait_until((tmp_path / "s.npz").exists, timeout_s=5, what="a periodic save")
+        else:
+            assert generate(base, probe) == pytest.approx(static, abs=0.5)  # the static model, unchanged
+    # With learning off no state file is written (nor read).
+    assert (tmp_path / "s.npz").exists() is learning
