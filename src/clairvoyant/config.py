@@ -34,6 +34,7 @@ CLI_FLAGS: dict[str, str] = {
     "host": "--host", "port": "--port", "upstream_url": "--upstream", "policy": "--policy",
     "starvation_timeout_s": "--tau", "slots": "--slots", "max_queue": "--max-queue",
     "disconnect_mode": "--disconnect-mode", "model_path": "--model", "log_level": "--log-level",
+    "learner_state_path": "--learner-state",
 }
 
 
@@ -75,7 +76,8 @@ class Settings(BaseSettings):
     )
     online_learning: bool = Field(
         True,
-        description="Learn this deployment's answer lengths from what the backend reports, and correct the predictor.",
+        description="Learn this deployment's answer lengths from the backend's counts and correct the predictor "
+        "(off: the static model, whose quality /metrics still shows).",
     )
     learner_state_path: Path | None = Field(
         None,
