@@ -33,9 +33,10 @@ from typing import Any, Literal
 
 __all__ = ["TAIL_BYTES", "Usage", "UsageSource", "UsageTap"]
 
-# The end of a body kept for reading the counts. llama.cpp's last stream event with its
-# generation_settings is ~2.5 KB; 16 KB leaves room for the last few token events before it.
-TAIL_BYTES = 16 * 1024
+# The end of a body kept for reading the counts (at most twice this is held between trims).
+# llama.cpp's last stream event, with its generation_settings, is ~2.5 KB; OpenAI's usage event and
+# Ollama's final object (without /api/generate's `context`) are well under 1 KB.
+TAIL_BYTES = 8 * 1024
 # A stream event longer than this is counted from its first bytes only (the content key comes early).
 _EVENT_PREFIX_BYTES = 4 * 1024
 
