@@ -201,3 +201,16 @@ def test_a_backend_answering_shorter_than_the_prior_moves_the_predictions_only_w
             assert generate(base, probe) == pytest.approx(static, abs=0.5)  # the static model, unchanged
     # With learning off no state file is written (nor read).
     assert (tmp_path / "s.npz").exists() is learning
+
+
+def test_a_state_path_that_cannot_be_written_is_logged_and_the_proxy_keeps_serving(
+    predictor: OnnxPredictor, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="clairvoyant")
+    settings = Settings(upstream_url=OLLAMA, learner_state_path=tmp_path, learner_save_interval_s=0.1)  # a directory
+    with running_proxy(settings, predictor=predictor, upstream_transport=mock_transport(short_ollama_backend())) as base:
+        generate(base, PROMPTS[0])
+        wait_until(lambda: any("cannot save state" in r.getMessage() for r in caplog.records), what="a failed save")
+        generate(base, PROMPTS[1])  # still serving, still observing
+        assert quality_window(base, "tiny") == 2
+    assert any("refused" in r.getMessage() for r in caplog.records)  # loading it was refused too

@@ -130,8 +130,8 @@ class OnlineLearning:
             return False
         try:
             await asyncio.to_thread(learner.save, self.state_path)
-        except OSError as exc:
-            logger.warning("online learner: cannot save state to %s: %s", self.state_path, exc)
+        except Exception as exc:  # disk full, permissions, a path that is a directory...: keep serving
+            logger.warning("online learner: cannot save state to %s: %s: %s", self.state_path, type(exc).__name__, exc)
             return False
         self._saved_total = total
         return True
