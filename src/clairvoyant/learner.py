@@ -26,8 +26,11 @@ Memory is bounded: (max_models + 1) x buffer_size rows.
 Refits run in a background thread (``start``/``stop``), never on the event loop, whenever
 ``refit_every`` new observations have arrived; the fitted coefficients are swapped in as one
 immutable object, so ``correction`` (the request path) reads them without a lock. ``refit()``
-can also be called directly (replay, tests). The heavy steps are numpy BLAS/LAPACK calls, which
-release the GIL; the thread yields between models (see benchmarks/bench_learner_refit.py).
+can also be called directly (replay, tests). A refit never touches the rows: each observation
+updates its model's sufficient statistics (p x p moments, p = features + 1), so a refit solves a
+few small systems per model (about a millisecond each) and sleeps briefly between models to hand
+the GIL to the event loop; the worker thread also runs at a lower CPU priority (``worker_nice``).
+See benchmarks/bench_learner_refit.py for the measured loop lag.
 
 Rolling quality per model (``quality()``): Kendall tau_b and mean |log-token error| between the
 predictions as they were made (before their own observation was learned) and the observed
@@ -110,6 +113,7 @@ class LearnerConfig:
     max_models: int = 16  # models with their own buffer; the rest share OTHER_MODEL
     quality_window: int = 256  # observed requests per model in the rolling quality
     intercept_prior_observations: float = 16.0  # pseudo-observations shrinking the mean correction to 0
+    worker_nice: int = 10  # the worker thread's niceness above the process's (Linux: per thread)
 
     def __post_init__(self) -> None:
         if min(self.buffer_size, self.refit_every, self.min_observations, self.max_models, self.quality_window) < 1:
@@ -158,13 +162,23 @@ class _Ring:
         self.count = 0
         self.next = 0
 
+    @property
+    def full(self) -> bool:
+        return self.count == self.capacity
+
     def append(self, row: np.ndarray, prior: float, observed: float) -> None:
+        """Keep an observation, overwriting the oldest when full (read it first: ``oldest``)."""
         i = self.next
         self.rows[i] = row
         self.prior[i] = prior
         self.observed[i] = observed
         self.next = (i + 1) % self.capacity
         self.count = min(self.count + 1, self.capacity)
+
+    def oldest(self) -> tuple[np.ndarray, float, float]:
+        """The observation the next ``append`` overwrites (when full)."""
+        i = self.next
+        return self.rows[i], float(self.prior[i]), float(self.observed[i])
 
     def ordered(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Copies of the kept observations, oldest first."""
@@ -199,13 +213,71 @@ class _Window:
         return self.predicted[idx], self.observed[idx]
 
 
+class _Moments:
+    """Sufficient statistics of the regression over a ring buffer's observations, kept up to date
+    by each observation (add the new one, subtract the evicted one): a refit then works on p x p
+    matrices only, never on the rows. That keeps it short and off multi-threaded BLAS (a Gram
+    matrix over 17k rows makes OpenBLAS wake its threads, which then compete with the event loop
+    for the cores). Design column 0 is the prior's log tokens, then log1p of the features; the
+    target is observed - prior log tokens."""
+
+    __slots__ = ("n", "s_yy", "s_y", "s_z", "s_zy", "s_zz")
+
+    def __init__(self, p: int) -> None:
+        self.n = 0
+        self.s_z = np.zeros(p)
+        self.s_y = 0.0
+        self.s_zz = np.zeros((p, p))
+        self.s_zy = np.zeros(p)
+        self.s_yy = 0.0
+
+    @staticmethod
+    def design(row: np.ndarray, prior: float) -> np.ndarray:
+        z = np.empty(len(row) + 1)
+        z[0] = prior
+        np.log1p(np.maximum(row, 0.0), out=z[1:])
+        return z
+
+    def add(self, z: np.ndarray, y: float, sign: float = 1.0) -> None:
+        self.n += int(sign)
+        self.s_z += sign * z
+        self.s_y += sign * y
+        self.s_zz += sign * np.outer(z, z)
+        self.s_zy += (sign * y) * z
+        self.s_yy += sign * y * y
+
+    def copy(self) -> _Moments:
+        out = _Moments(len(self.s_z))
+        out.n, out.s_y, out.s_yy = self.n, self.s_y, self.s_yy
+        out.s_z, out.s_zz, out.s_zy = self.s_z.copy(), self.s_zz.copy(), self.s_zy.copy()
+        return out
+
+    def __iadd__(self, other: _Moments) -> _Moments:
+        self.n += other.n
+        self.s_z += other.s_z
+        self.s_y += other.s_y
+        self.s_zz += other.s_zz
+        self.s_zy += other.s_zy
+        self.s_yy += other.s_yy
+        return self
+
+
 class _Bucket:
-    __slots__ = ("observations", "ring", "window")
+    __slots__ = ("moments", "observations", "ring", "window")
 
     def __init__(self, config: LearnerConfig, n_features: int) -> None:
         self.ring = _Ring(config.buffer_size, n_features)
         self.window = _Window(config.quality_window)
+        self.moments = _Moments(n_features + 1)
         self.observations = 0  # ever observed (censored ones included)
+
+    def learn(self, row: np.ndarray, prior: float, observed: float) -> None:
+        """Keep an uncensored observation in the ring and the moments (evicting the oldest)."""
+        if self.ring.full:
+            old_row, old_prior, old_observed = self.ring.oldest()
+            self.moments.add(_Moments.design(old_row, old_prior), old_observed - old_prior, -1.0)
+        self.ring.append(row, prior, observed)
+        self.moments.add(_Moments.design(row, prior), observed - prior)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,19 +296,16 @@ class _Fitted:
     observations: int  # rows the fit used
 
 
-def _ridge_gcv(z: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float, float]:
-    """Ridge of centred ``y`` on standardised ``z`` (no intercept), the penalty picked by GCV.
-    Returns (weights, mean of y, chosen alpha).
+def _ridge_gcv(gram: np.ndarray, zy: np.ndarray, yy: float, n: int) -> np.ndarray:
+    """Ridge weights of a centred target on standardised, centred columns, given their Gram
+    matrix ``Z'Z``, ``Z'y`` and ``y'y`` over ``n`` rows; the penalty is picked by generalised
+    cross-validation among ``n * _ALPHA_FACTORS``.
 
-    Everything goes through the p x p Gram matrix, and the penalties are tried in ONE stacked
-    ``np.linalg.solve`` (LU): ``eigh`` would be neater, but OpenBLAS runs it multi-threaded and, on
-    a machine whose cores are busy generating, it then takes 15 ms instead of 0.3 ms.
+    The penalties are tried in ONE stacked ``np.linalg.solve`` (LU on p x p): ``eigh`` would be
+    neater, but OpenBLAS may run it multi-threaded, and on cores busy generating it then takes
+    15 ms instead of 0.3 ms.
     """
-    n, p = z.shape
-    y_mean = float(y.mean())
-    yc = y - y_mean
-    gram = z.T @ z
-    zy = z.T @ yc
+    p = len(zy)
     alphas = n * _ALPHA_FACTORS
     eye = np.eye(p)
     systems = gram[None, :, :] + alphas[:, None, None] * eye[None, :, :]
@@ -245,11 +314,10 @@ def _ridge_gcv(z: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float, float]:
     weights = solved[:, :, 0]  # [A, p]
     inverse_trace = np.trace(solved[:, :, 1:], axis1=1, axis2=2)
     dof = p - alphas * inverse_trace  # trace of the hat matrix
-    rss = float(yc @ yc) - 2.0 * weights @ zy + np.einsum("ap,pq,aq->a", weights, gram, weights)
+    rss = yy - 2.0 * (weights @ zy) + np.sum((weights @ gram) * weights, axis=1)
     with np.errstate(divide="ignore", invalid="ignore"):
         gcv = np.where(n - dof > 0.5, n * rss / (n - dof) ** 2, np.inf)
-    best = int(np.argmin(gcv))
-    return weights[best], y_mean, float(alphas[best])
+    return weights[int(np.argmin(gcv))]
 
 
 class OnlineLearner:
@@ -270,6 +338,7 @@ class OnlineLearner:
         self._fitted: _Fitted | None = None  # swapped whole by refit; read without a lock
         self._quality: dict[str, ModelQuality] = {}
         self.last_refit_s: float | None = None  # seconds the last refit took
+        self.refits = 0  # refits completed (with or without enough observations to fit)
         self._due = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -323,7 +392,7 @@ class OnlineLearner:
             self._new_since_quality += 1
             if not censored:
                 row = np.frombuffer(prediction.feature_row, dtype=np.float32)
-                bucket.ring.append(row, prediction.prior_log_tokens, observed_log)
+                bucket.learn(row, prediction.prior_log_tokens, observed_log)
                 self._new_since_fit += 1
             due = self._new_since_fit >= self.config.refit_every
         if due:
@@ -352,73 +421,74 @@ class OnlineLearner:
             return list(self._buckets)
 
     # -- fitting -------------------------------------------------------------------------------
-    def _snapshot(self) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]:
-        """Copies of every model's buffer, each taken under the lock (briefly: one model at a time)."""
+    def _snapshot(self) -> list[tuple[str, _Moments]]:
+        """Copies of every model's moments (p x p each), taken under the lock."""
         with self._lock:
-            keys = list(self._buckets)
             self._new_since_fit = 0
-        out = []
-        for key in keys:
-            with self._lock:
-                rows, prior, observed = self._buckets[key].ring.ordered()
-            out.append((key, rows, prior, observed))
-            time.sleep(0)  # let the event loop's thread have the GIL between models
-        return out
+            return [(key, bucket.moments.copy()) for key, bucket in self._buckets.items() if bucket.moments.n]
 
     def refit(self) -> None:
-        """Fit the corrections on the buffers and swap them in; then update the rolling quality.
-        Blocking (a few milliseconds on full buffers): call it from the worker thread or offline."""
+        """Fit the corrections from the moments and swap them in; then update the rolling quality.
+        Blocking, about a millisecond per model: call it from the worker thread or offline. It
+        sleeps briefly between models so that the event loop's thread gets the GIL."""
         with self._refit_lock:
             started = time.perf_counter()
-            data = [d for d in self._snapshot() if len(d[2])]
-            total = sum(len(d[2]) for d in data)
+            data = self._snapshot()
+            total = sum(m.n for _, m in data)
             if total >= self.config.min_observations:
-                self._fitted = self._fit(data, total)
+                self._fitted = self._fit(data)
             self.last_refit_s = time.perf_counter() - started
+            self.refits += 1
             self.update_quality()
 
-    def _fit(self, data: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]], total: int) -> _Fitted:
+    def _fit(self, data: list[tuple[str, _Moments]]) -> _Fitted:
         cfg = self.config
-        rows = np.concatenate([d[1] for d in data])
-        prior = np.concatenate([d[2] for d in data])
-        observed = np.concatenate([d[3] for d in data])
-        design = np.empty((total, self.n_features + 1), dtype=np.float64)
-        design[:, 0] = prior
-        np.log1p(np.maximum(rows, 0.0), out=design[:, 1:])
-        target = observed - prior
-        mean = design.mean(axis=0)
-        std = design.std(axis=0)
+        pooled = _Moments(self.n_features + 1)
+        for _, moments in data:
+            pooled += moments
+        n = pooled.n
+        mean = pooled.s_z / n
+        covariance = pooled.s_zz / n - np.outer(mean, mean)
+        std = np.sqrt(np.clip(np.diag(covariance), 0.0, None))
         used = std > 1e-6
-        mean_u, std_u = mean[used], std[used]
+        scale = std[used]
+        outer_scale = np.outer(scale, scale)
 
-        def fit(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
-            """Coefficients on the raw design columns, and the intercept, both shrunk."""
-            z = (x[:, used] - mean_u) / std_u
-            weights, y_mean, _ = _ridge_gcv(z, y)
+        def fit(m: _Moments, offset: np.ndarray | None = None, offset_intercept: float = 0.0) -> tuple[np.ndarray, float]:
+            """Ridge (with intercept) of the target minus ``z . offset + offset_intercept`` on the
+            columns standardised by the pooled std; returns raw-column coefficients and the
+            intercept, both shrunk."""
+            k = m.n
+            s_y, s_zy, s_yy = m.s_y, m.s_zy, m.s_yy
+            if offset is not None:  # moments of the residual r = y - z.c - b
+                c, b = offset, offset_intercept
+                zc = m.s_z @ c
+                s_y = m.s_y - zc - k * b
+                s_zy = m.s_zy - m.s_zz @ c - m.s_z * b
+                s_yy = m.s_yy - 2 * (c @ m.s_zy) - 2 * b * m.s_y + c @ m.s_zz @ c + 2 * b * zc + k * b * b
+            z_mean = m.s_z / k
+            y_mean = s_y / k
+            gram = (m.s_zz - k * np.outer(z_mean, z_mean))[np.ix_(used, used)] / outer_scale
+            zy = (s_zy - k * z_mean * y_mean)[used] / scale
+            yy = max(s_yy - k * y_mean * y_mean, 0.0)
+            weights = _ridge_gcv(gram, zy, yy, k)
             coef = np.zeros(self.n_features + 1)
-            coef[used] = weights / std_u
-            n = len(y)
-            shrunk_mean = y_mean * n / (n + cfg.intercept_prior_observations)
-            return coef, shrunk_mean - float(coef @ mean)
+            coef[used] = weights / scale
+            shrunk_mean = y_mean * k / (k + cfg.intercept_prior_observations)
+            return coef, shrunk_mean - float(coef @ z_mean)
 
         def linear(coef: np.ndarray, intercept: float) -> _Linear:
             return _Linear(coef[1:].astype(np.float32), float(coef[0]), float(intercept))
 
-        global_coef, global_intercept = fit(design, target)
+        global_coef, global_intercept = fit(pooled)
         by_model: dict[str, _Linear] = {}
         if len(data) > 1:  # with one model the global fit is already that model's
-            start = 0
-            for key, _, model_prior, _ in data:
-                n = len(model_prior)
-                stop = start + n
-                if n >= cfg.min_model_observations:
-                    x = design[start:stop]
-                    residual = target[start:stop] - (x @ global_coef + global_intercept)
-                    coef, intercept = fit(x, residual)
+            for key, moments in data:
+                if moments.n >= cfg.min_model_observations:
+                    time.sleep(0.0001)  # hand the GIL to the event loop between models
+                    coef, intercept = fit(moments, global_coef, global_intercept)
                     by_model[key] = linear(global_coef + coef, global_intercept + intercept)
-                    time.sleep(0)
-                start = stop
-        return _Fitted(linear(global_coef, global_intercept), by_model, total)
+        return _Fitted(linear(global_coef, global_intercept), by_model, n)
 
     def update_quality(self) -> None:
         """Recompute the rolling quality of every model (O(window^2) per model; off the event loop)."""
@@ -427,6 +497,7 @@ class OnlineLearner:
             self._new_since_quality = 0
         quality = {}
         for key in keys:
+            time.sleep(0.0001)  # hand the GIL to the event loop between models
             with self._lock:
                 bucket = self._buckets[key]
                 predicted, observed = bucket.window.ordered()
@@ -445,6 +516,7 @@ class OnlineLearner:
             self._due.set()  # restored observations: fit them now
 
         def run() -> None:
+            _lower_thread_priority(self.config.worker_nice)
             while not self._stopping:
                 self._due.wait(timeout=quality_interval_s)
                 self._due.clear()
@@ -554,7 +626,7 @@ class OnlineLearner:
                     raise _Refused(f"model {i}: non-finite values")
                 bucket = _Bucket(cfg, self.n_features)
                 for j in range(max(0, n - cfg.buffer_size), n):
-                    bucket.ring.append(rows[j], float(prior[j]), float(observed[j]))
+                    bucket.learn(rows[j], float(prior[j]), float(observed[j]))
                 for j in range(max(0, len(observed_q) - cfg.quality_window), len(observed_q)):
                     bucket.window.append(float(predicted_q[j]), float(observed_q[j]))
                 bucket.observations = int(counts[i])
@@ -562,6 +634,18 @@ class OnlineLearner:
                 self._observed_total += bucket.observations
                 self._new_since_fit += bucket.ring.count
                 self._new_since_quality += bucket.window.count
+
+
+def _lower_thread_priority(increment: int) -> None:
+    """Raise the calling thread's niceness by ``increment`` (Linux nice values are per thread), so
+    that a refit yields the cores to the event loop and to the backend. Best effort."""
+    if increment <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        thread_id = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread_id, min(19, os.getpriority(os.PRIO_PROCESS, thread_id) + increment))
+    except OSError as exc:
+        logger.debug("online learner: cannot lower the worker's priority: %s", exc)
 
 
 class _Refused(ValueError):
