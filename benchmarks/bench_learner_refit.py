@@ -16,7 +16,9 @@ load of the machine's other tenants drifts equally over both):
 - refitting: the learner refits back to back on full buffers (``--models`` buffers of ``--rows``
   observations: 16 models + "other" by default, the learner's memory bound), the worst case (the
   proxy refits once per ``refit_every`` observations). ``--mode worker`` uses the learner's own
-  worker thread (``start``/``stop``, niced); ``--mode thread`` calls ``refit()`` in a plain thread.
+  worker thread (``start``/``stop``, niced); ``--mode thread`` calls ``refit()`` in a plain thread;
+  ``--mode cadence`` runs the worker as the proxy does, refitting every ``refit_every`` = 8
+  observations, with ``--completions-per-s`` completed requests a second.
 
 Prints p50, p99, p99.9 and max lag of each, and the refit durations. Target (issue 8): a refit
 never blocks the event loop for more than 1 ms. The rows are real feature rows of varied
@@ -72,9 +74,10 @@ class _Refitter:
         self._thread: threading.Thread | None = None
 
     def on(self) -> None:
-        if self.mode == "worker":
-            self.learner._new_since_fit = 1  # due at once; refit_every=1 keeps it due
-            self.learner.start(quality_interval_s=0.001)
+        if self.mode in ("worker", "cadence"):
+            if self.mode == "worker":
+                self.learner._new_since_fit = 1  # due at once; refit_every=1 keeps it due
+            self.learner.start(quality_interval_s=0.001 if self.mode == "worker" else 5.0)
             return
         self._stop.clear()
 
@@ -86,7 +89,7 @@ class _Refitter:
         self._thread.start()
 
     def off(self) -> None:
-        if self.mode == "worker":
+        if self.mode in ("worker", "cadence"):
             self.learner.stop()
             return
         self._stop.set()
@@ -95,10 +98,11 @@ class _Refitter:
 
 
 async def _run(seconds: float, learner: OnlineLearner, refitter: _Refitter, traffic: list[Prediction],
-               rng: np.random.Generator) -> dict[str, list[float]]:
+               rng: np.random.Generator, completions_per_s: float) -> dict[str, list[float]]:
     lags: dict[str, list[float]] = {"idle": [], "refitting": []}
     loop = asyncio.get_running_loop()
     i = 0
+    next_completion = loop.time()
     for segment in range(int(2 * seconds)):
         phase = "refitting" if segment % 2 else "idle"
         if phase == "refitting":
@@ -108,8 +112,10 @@ async def _run(seconds: float, learner: OnlineLearner, refitter: _Refitter, traf
             before = time.perf_counter()
             await asyncio.sleep(0.001)
             lags[phase].append(time.perf_counter() - before - 0.001)
-            learner.observe(traffic[i % len(traffic)], int(rng.integers(1, 2000)))  # a completed request
-            i += 1
+            if loop.time() >= next_completion:  # a completed request
+                learner.observe(traffic[i % len(traffic)], int(rng.integers(1, 2000)))
+                i += 1
+                next_completion += 1.0 / completions_per_s
         if phase == "refitting":
             refitter.off()
     return lags
@@ -120,8 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="seconds of each phase (interleaved)")
     parser.add_argument("--models", type=int, default=17, help="buffers to fill (max_models=16 + 'other')")
     parser.add_argument("--rows", type=int, default=1024, help="observations per buffer (buffer_size)")
-    parser.add_argument("--mode", choices=("worker", "thread"), default="worker",
-                        help="worker: the learner's own (niced) worker thread; thread: refit() in a plain thread")
+    parser.add_argument("--mode", choices=("worker", "thread", "cadence"), default="worker",
+                        help="worker: the learner's own (niced) worker thread refitting back to back; thread: "
+                             "refit() back to back in a plain thread; cadence: the worker refitting when due "
+                             "(every refit_every=8 observations) at --completions-per-s")
+    parser.add_argument("--completions-per-s", type=float, default=1000.0,
+                        help="completed requests observed per second (default: one per tick)")
     parser.add_argument("--worker-nice", type=int, default=LearnerConfig().worker_nice,
                         help="the worker thread's niceness above the process's")
     parser.add_argument("--json", type=Path, default=None)
@@ -129,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rng = np.random.default_rng(0)
     predictor = OnnxPredictor()
-    config = LearnerConfig(buffer_size=args.rows, max_models=max(args.models - 1, 1), refit_every=1,
+    config = LearnerConfig(buffer_size=args.rows, max_models=max(args.models - 1, 1),
+                           refit_every=LearnerConfig().refit_every if args.mode == "cadence" else 1,
                            worker_nice=args.worker_nice)
     learner = OnlineLearner.for_predictor(predictor, config)
     pool = _predictions(predictor, 2000, rng)
@@ -139,17 +150,20 @@ def main(argv: list[str] | None = None) -> int:
             learner.observe(replace(p, model=f"model-{m}"), int(np.exp(rng.normal(5, 1))))
     traffic = [replace(p, model="model-0") for p in pool[:256]]
     learner.refit()  # warm up
+    learner.longest_step_s = learner.longest_step_cpu_s = 0.0
     refitter = _Refitter(learner, args.mode)
     refits_before = learner.refits
-    lags = asyncio.run(_run(args.seconds, learner, refitter, traffic, rng))
+    lags = asyncio.run(_run(args.seconds, learner, refitter, traffic, rng, args.completions_per_s))
     refits = learner.refits - refits_before
 
     result = {
-        "mode": args.mode, "process_nice": os.getpriority(os.PRIO_PROCESS, 0), "worker_nice": args.worker_nice,
+        "mode": args.mode, "completions_per_s": args.completions_per_s, "process_nice": os.getpriority(os.PRIO_PROCESS, 0), "worker_nice": args.worker_nice,
         "buffers": args.models, "rows_per_buffer": args.rows, "seconds_per_phase": args.seconds,
         "loadavg_1min_at_end": os.getloadavg()[0], "cpus": os.cpu_count(),
         "idle": _summary(lags["idle"]), "refitting": _summary(lags["refitting"]),
         "refits": refits, "last_refit_ms": (learner.last_refit_s or 0.0) * 1000,
+        "longest_refit_step_ms": learner.longest_step_s * 1000,
+        "longest_refit_step_cpu_ms": learner.longest_step_cpu_s * 1000,
     }
     print(f"learner: {args.models} buffers x {args.rows} observations; {args.seconds:.0f} s per phase, "
           f"interleaved in 1 s segments; load average {result['loadavg_1min_at_end']:.2f} on {result['cpus']} CPUs")
@@ -158,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         s = result[phase]
         print(f"{phase:12s} {s['ticks']:7d} {s['p50_ms']:8.3f} {s['p99_ms']:8.3f} {s['p999_ms']:9.3f} {s['max_ms']:8.3f} "
               f"{100 * s['late_over_1ms_share']:7.2f}%")
-    print(f"refits ({args.mode}): {refits} back to back during {args.seconds:.0f} s; "
-          f"the last took {result['last_refit_ms']:.1f} ms")
+    print(f"refits ({args.mode}, {args.completions_per_s:g} completions/s): {refits} during {args.seconds:.0f} s; "
+          f"the last took {result['last_refit_ms']:.1f} ms; the longest step between two GIL hand-overs "
+          f"took {result['longest_refit_step_ms']:.3f} ms wall, {result['longest_refit_step_cpu_ms']:.3f} ms CPU")
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
