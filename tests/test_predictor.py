@@ -270,8 +270,11 @@ def test_the_cap_bounds_predicted_tokens_and_the_key() -> None:
     assert free.predicted_class == "long"
     capped = predictor.predict(Prompt(ESSAY), cap_tokens=1)
     assert capped.predicted_tokens == 1.0 and capped.predicted_class == "short" and capped.cap_tokens == 1
-    assert capped.score == min(free.score, float(np.interp(math.log(1), cal.log_tokens, cal.score)))
+    assert capped.score == min(free.score, cal.score_of_extended(math.log(1)))
     assert capped.score < hi.score  # the capped essay now goes before "hi"
+    # caps below the calibrated range (its first knot is 100 tokens) still order by cap, not tie
+    tiny = [predictor.predict(Prompt(ESSAY), cap_tokens=c).score for c in (1, 4, 24, 99)]
+    assert all(b > a for a, b in zip(tiny, tiny[1:])) and tiny[-1] < cal.score[0] <= hi.score
     assert capped.probabilities == free.probabilities  # the model's view is unchanged, only the bound
     # a cap between: tokens = the cap, key = the raw score whose calibrated tokens are the cap
     mid = predictor.predict(Prompt(ESSAY), cap_tokens=300)

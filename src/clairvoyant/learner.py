@@ -343,6 +343,7 @@ class OnlineLearner:
         self._buckets: dict[str, _Bucket] = {}
         self._lock = threading.Lock()  # guards _buckets and the counters below
         self._refit_lock = threading.Lock()  # one refit at a time
+        self._quality_lock = threading.Lock()  # one quality update at a time
         self._new_since_fit = 0
         self._new_since_quality = 0
         self._observed_total = 0
@@ -356,8 +357,7 @@ class OnlineLearner:
         # the longest refit step between two GIL hand-overs (see _yield), in wall and CPU seconds
         self.longest_step_s = 0.0
         self.longest_step_cpu_s = 0.0
-        self._step_started: float | None = None
-        self._step_cpu_started = 0.0
+        self._step = threading.local()  # per thread: .started (wall, None between refits), .cpu_started
         self._due = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -447,12 +447,13 @@ class OnlineLearner:
         two yields (``longest_step_s``): the most a refit can hold the GIL against the loop.
         ``gil_released``: the step was one call that released the GIL (not counted)."""
         now, cpu_now = time.perf_counter(), time.thread_time()
-        if self._step_started is not None and not gil_released:
-            self.longest_step_s = max(self.longest_step_s, now - self._step_started)
-            self.longest_step_cpu_s = max(self.longest_step_cpu_s, cpu_now - self._step_cpu_started)
+        step = self._step
+        if getattr(step, "started", None) is not None and not gil_released:
+            self.longest_step_s = max(self.longest_step_s, now - step.started)
+            self.longest_step_cpu_s = max(self.longest_step_cpu_s, cpu_now - step.cpu_started)
         if threading.current_thread() is self._thread:
             time.sleep(0.0001)
-        self._step_started, self._step_cpu_started = time.perf_counter(), time.thread_time()
+        step.started, step.cpu_started = time.perf_counter(), time.thread_time()
 
     def _snapshot(self) -> list[tuple[str, _Moments, int]]:
         """Copies of every model's moments (p x p each) and its observation count, under the lock."""
@@ -466,8 +467,8 @@ class OnlineLearner:
         Blocking, about a millisecond per model: call it from the worker thread or offline. It
         sleeps briefly between models so that the event loop's thread gets the GIL."""
         with self._refit_lock:
-            started = self._step_started = time.perf_counter()
-            self._step_cpu_started = time.thread_time()
+            started = self._step.started = time.perf_counter()
+            self._step.cpu_started = time.thread_time()
             data = self._snapshot()
             total = sum(m.n for _, m, _ in data)
             if total >= self.config.min_observations:
@@ -541,8 +542,12 @@ class OnlineLearner:
     def update_quality(self) -> None:
         """Recompute the rolling quality of the models observed since the last update
         (O(window^2) each, about 0.2 ms for 256; off the event loop)."""
-        if self._step_started is None:
-            self._step_started, self._step_cpu_started = time.perf_counter(), time.thread_time()
+        with self._quality_lock:  # the worker's refit and a /metrics refresh may both call this
+            self._update_quality()
+
+    def _update_quality(self) -> None:
+        if getattr(self._step, "started", None) is None:
+            self._step.started, self._step.cpu_started = time.perf_counter(), time.thread_time()
         with self._lock:
             keys = list(self._buckets)
             self._new_since_quality = 0
@@ -559,7 +564,7 @@ class OnlineLearner:
             quality[key] = ModelQuality(key, len(observed), kendall_tau_b(predicted, observed), mae)
         self._quality = quality
         self._yield()
-        self._step_started = None
+        self._step.started = None
 
     # -- the worker thread ---------------------------------------------------------------------
     def start(self, quality_interval_s: float = 5.0) -> None:

@@ -22,7 +22,9 @@ Two card schemas are read:
 The queue key (``Prediction.score``, lower = sooner) is the model's raw score, so for one model it
 is monotone in predicted tokens. A request's own cap (``max_tokens`` and friends, parsed by
 ``clairvoyant.dialects``) bounds the prediction: predicted tokens <= cap, and
-``score = min(raw score, calibration^-1(log cap))``. An online corrector (``clairvoyant.learner``)
+``score = min(raw score, calibration^-1(log cap))``, where the inverse is ``np.interp`` on the
+swapped knots inside the calibrated range and is extended linearly beyond it (so caps below the
+range, e.g. 4 and 24 tokens under a first knot of 100, still order by cap). An online corrector (``clairvoyant.learner``)
 may add a learned correction in log tokens; the key is then the calibration's inverse of the
 corrected log tokens, extended linearly beyond the calibrated range so that it stays strictly
 ordered there.
@@ -187,7 +189,7 @@ class Prediction:
         tokens = math.exp(prior) if cap_tokens is None else min(math.exp(prior), cap_tokens)
         score = p_long
         if cap_tokens is not None:
-            score = min(score, STAND_IN_P_LONG_CALIBRATION.score_of(log_tokens(cap_tokens)))
+            score = min(score, STAND_IN_P_LONG_CALIBRATION.score_of_extended(log_tokens(cap_tokens)))
         return cls(score, tokens, (p_short, p_medium, p_long), prior, b"", model, cap_tokens)
 
     @property
@@ -433,10 +435,10 @@ class OnnxPredictor:
             score = raw
         tokens = math.exp(predicted_log)
         if cap_tokens is not None and cap_tokens >= 0:
-            cap_log = log_tokens(cap_tokens)
-            # clamped inverse for the static model (the card contract); the extended one once a
-            # correction may have moved the prediction past the calibrated range
-            cap_score = calibration.score_of_extended(cap_log) if correction else calibration.score_of(cap_log)
+            # np.interp on the swapped knots inside the calibrated range; extended beyond it, so
+            # that caps below the range (max_tokens 4 vs 24, under a first knot of 100 tokens)
+            # still order by cap instead of tying at the first knot's score
+            cap_score = calibration.score_of_extended(log_tokens(cap_tokens))
             if cap_score < score:
                 score = cap_score
             if cap_tokens < tokens:
