@@ -16,7 +16,9 @@ A ``UsageTap`` is fed every chunk the proxy relays. It keeps only a bounded tail
 
 Whichever source gives the output length wins in that order; durations are taken from
 wherever they are present. Nothing here raises on any body: an unreadable tail gives a
-``Usage`` with ``output_tokens=None`` (no observation), or a chunk count for a stream.
+``Usage`` with ``output_tokens=None`` (no observation), or a chunk count for a stream. The tap
+sees the bytes as relayed: a compressed body (``Content-Encoding: gzip``; neither llama.cpp's
+server nor Ollama compresses by default) is unreadable, so no observation.
 
 Keys are found by searching the tail for ``"<key>":`` and decoding the JSON value after it.
 That cannot be fooled by generated text: inside a JSON string every ``"`` is escaped, so the
