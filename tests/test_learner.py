@@ -292,3 +292,22 @@ def test_the_learner_and_replay_import_no_training_dependency() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_moments_track_the_ring_buffer_exactly_through_evictions() -> None:
+    from clairvoyant.learner import _Moments
+
+    rng = np.random.default_rng(2)
+    learner = OnlineLearner(IDENTITY, LearnerConfig(buffer_size=64))
+    for _ in range(500):  # almost 8 turns of the ring
+        row = rng.integers(0, 9, N_FEATURES).astype(np.float32)
+        learner.observe(_prediction(row, float(rng.normal(5, 1))), int(rng.integers(1, 3000)))
+    bucket = learner._buckets["m"]
+    rows, prior, observed = bucket.ring.ordered()
+    assert len(rows) == 64 and bucket.moments.n == 64
+    design = np.array([_Moments.design(r, p) for r, p in zip(rows, prior)])
+    target = observed - prior
+    assert bucket.moments.s_zz == pytest.approx(design.T @ design, rel=1e-9)
+    assert bucket.moments.s_zy == pytest.approx(design.T @ target, rel=1e-9, abs=1e-9)
+    assert bucket.moments.s_z == pytest.approx(design.sum(axis=0), rel=1e-9)
+    assert bucket.moments.s_yy == pytest.approx(float(target @ target), rel=1e-9)

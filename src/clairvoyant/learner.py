@@ -14,8 +14,9 @@ First a global correction over every model's observations; then, for a model wit
 ``min_model_observations`` of its own, a correction of the global one's residuals on top.
 No fit is made before ``min_observations``: until then predictions are the prior's.
 
-Observations: ``observe(prediction, observed_tokens)`` is O(1) (a row copied into the model's ring
-buffer of ``buffer_size`` observations, and two floats into its quality window) and is what the
+Observations: ``observe(prediction, observed_tokens)`` is O(1), 20-40 us (a row copied into the
+model's ring buffer of ``buffer_size`` observations, a rank-2 update of its p x p sufficient
+statistics for the one added and the one evicted, two floats into its quality window) and is what the
 proxy calls, on the event loop, with the count the BACKEND reported (or the stream's counted
 chunks): never with anything the client sent. A prediction capped by the request (``cap_tokens``)
 whose answer reached the cap is censored: it counts for the rolling quality, not for the fit. The
@@ -29,7 +30,8 @@ immutable object, so ``correction`` (the request path) reads them without a lock
 can also be called directly (replay, tests). A refit never touches the rows: each observation
 updates its model's sufficient statistics (p x p moments, p = features + 1), so a refit solves a
 few small systems per model (about a millisecond each) and sleeps briefly between models to hand
-the GIL to the event loop; the worker thread also runs at a lower CPU priority (``worker_nice``).
+the GIL to the event loop; the GCV search for a model's penalty runs again only once a quarter of
+its buffer is new; the worker thread runs at a lower CPU priority (``worker_nice``).
 See benchmarks/bench_learner_refit.py for the measured loop lag.
 
 Rolling quality per model (``quality()``): Kendall tau_b and mean |log-token error| between the
@@ -237,18 +239,32 @@ class _Moments:
 
     @staticmethod
     def design(row: np.ndarray, prior: float) -> np.ndarray:
+        """[prior, log1p(max(row, 0))] in float64 (features are counts: >= 0 by contract)."""
         z = np.empty(len(row) + 1)
         z[0] = prior
-        np.log1p(np.maximum(row, 0.0), out=z[1:])
+        tail = z[1:]
+        tail[:] = row
+        np.maximum(tail, 0.0, out=tail)
+        np.log1p(tail, out=tail)
         return z
 
-    def add(self, z: np.ndarray, y: float, sign: float = 1.0) -> None:
-        self.n += int(sign)
-        self.s_z += sign * z
-        self.s_y += sign * y
-        self.s_zz += sign * np.outer(z, z)
-        self.s_zy += (sign * y) * z
-        self.s_yy += sign * y * y
+    def update(self, z: np.ndarray, y: float, z_out: np.ndarray | None = None, y_out: float = 0.0) -> None:
+        """Add the observation (z, y) and, if given, remove (z_out, y_out): one rank-2 update."""
+        if z_out is None:
+            self.n += 1
+            self.s_z += z
+            self.s_y += y
+            self.s_zz += np.outer(z, z)
+            self.s_zy += y * z
+            self.s_yy += y * y
+            return
+        both = np.stack((z, z_out))  # [2, p]
+        signed = both * np.array([[1.0], [-1.0]])
+        self.s_z += signed[0] + signed[1]
+        self.s_y += y - y_out
+        self.s_zz += both.T @ signed
+        self.s_zy += y * z - y_out * z_out
+        self.s_yy += y * y - y_out * y_out
 
     def copy(self) -> _Moments:
         out = _Moments(len(self.s_z))
@@ -277,11 +293,13 @@ class _Bucket:
 
     def learn(self, row: np.ndarray, prior: float, observed: float) -> None:
         """Keep an uncensored observation in the ring and the moments (evicting the oldest)."""
+        z = _Moments.design(row, prior)
         if self.ring.full:
             old_row, old_prior, old_observed = self.ring.oldest()
-            self.moments.add(_Moments.design(old_row, old_prior), old_observed - old_prior, -1.0)
+            self.moments.update(z, observed - prior, _Moments.design(old_row, old_prior), old_observed - old_prior)
+        else:
+            self.moments.update(z, observed - prior)
         self.ring.append(row, prior, observed)
-        self.moments.add(_Moments.design(row, prior), observed - prior)
 
 
 @dataclass(frozen=True, slots=True)
