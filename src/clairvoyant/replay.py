@@ -15,9 +15,10 @@ Output, one JSON line per input line, in order, and nothing else on stdout::
     {"line": 1, "score": ..., "predicted_tokens": ..., "p_short": ..., "p_medium": ..., "p_long": ...}
 
 (p_* only for a class model). A bad line gets ``{"line": N, "error": "..."}`` in its place and
-teaches nothing. ``--no-learn`` scores with the static prior. ``--state FILE`` starts from a saved
-learner state (refused with a log line if corrupt or made for another model) and saves the final
-state back, atomically. Exit status: 0 if every line was used, 1 if some were errors.
+teaches nothing. ``--no-learn`` scores with the static prior (and ignores ``--state``). ``--state
+FILE`` starts from a saved learner state (refused with a log line if corrupt or made for another
+model: the replay then starts from the prior) and saves the final state to FILE, atomically,
+replacing a refused one. Exit status: 0 if every line was used, 1 if some were errors.
 """
 
 from __future__ import annotations
