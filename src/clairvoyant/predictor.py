@@ -31,6 +31,9 @@ __all__ = [
 ]
 
 CLASS_NAMES: tuple[str, str, str] = ("short", "medium", "long")
+# STAND-IN until issue 6 (L1) lands a calibrated ``predicted_tokens`` on Prediction: expected output
+# tokens from the class probabilities with these class midpoints (Short < 200 <= Medium < 600 <= Long).
+_STAND_IN_CLASS_TOKENS: tuple[float, float, float] = (100.0, 400.0, 900.0)
 # The shipped model: model/predictor.onnx at the top of the source tree. src/clairvoyant/model links
 # to that folder, so a checkout, an editable install and a built wheel all find it here.
 DEFAULT_MODEL_PATH = Path(__file__).parent / "model" / "predictor.onnx"
@@ -46,6 +49,13 @@ class Prediction:
     def score(self) -> float:
         """The scheduling key: ascending P(Long) (paper 3.4); lower runs earlier."""
         return self.p_long
+
+    @property
+    def predicted_tokens(self) -> float:
+        """STAND-IN (see _STAND_IN_CLASS_TOKENS): expected output tokens from the class probabilities.
+        L1's Prediction replaces this with a calibrated, max_tokens-capped value."""
+        a, b, c = _STAND_IN_CLASS_TOKENS
+        return a * self.p_short + b * self.p_medium + c * self.p_long
 
     @property
     def predicted_class(self) -> str:

@@ -51,13 +51,18 @@ def metric(group: str, measure: str, stat: str) -> str:
 def run_metrics(workload: Workload, schedule: Schedule) -> dict[str, float]:
     """Per-class and overall percentiles and means of sojourn and wait for one run.
 
-    Classes with no request in the workload are omitted. Also reports ``<class>.n``,
+    Classes with no request in the workload are omitted; multi-tenant workloads add groups
+    ``tenant<id>`` (e.g. ``tenant1.wait.p95``). Also reports ``<class>.n``,
     ``promotions``, ``makespan_s`` and ``utilisation`` (busy time / makespan, per slot).
     """
     out: dict[str, float] = {}
     values = {"sojourn": schedule.sojourn_s(workload), "wait": schedule.wait_s(workload)}
-    for group in GROUPS:
-        rows = np.ones(len(workload), bool) if group == "all" else workload.class_idx == CLASS_NAMES.index(group)
+    groups: list[tuple[str, np.ndarray]] = [
+        (g, np.ones(len(workload), bool) if g == "all" else workload.class_idx == CLASS_NAMES.index(g)) for g in GROUPS
+    ]
+    if workload.tenant is not None:
+        groups += [(f"tenant{t}", workload.tenant == t) for t in sorted(set(workload.tenant.tolist()))]
+    for group, rows in groups:
         count = int(rows.sum())
         if count == 0:
             continue
