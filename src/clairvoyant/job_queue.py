@@ -35,7 +35,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -152,6 +151,10 @@ class HeapQueue(Generic[T]):
     def ordered(self, now: float) -> list[Job[T]]:
         return [entry[2] for entry in sorted(e for e in self._heap if e[2].waiting)]
 
+    def sort_key(self, job: Job[T], now: float) -> tuple[Any, int]:
+        """The job's place in this queue's order (lower = sooner)."""
+        return self.key(job), job.seq
+
 
 class ScanQueue(Generic[T]):
     """Priorities that change with time: ``rank(job, now)`` is evaluated for every waiting job at
@@ -194,23 +197,35 @@ class ScanQueue(Generic[T]):
         rank = self.rank
         return sorted(self._jobs.values(), key=lambda j: (rank(j, now), j.seq))
 
+    def sort_key(self, job: Job[T], now: float) -> tuple[Any, int]:
+        """The job's place in this queue's order at ``now`` (lower = sooner)."""
+        return self.rank(job, now), job.seq
+
 
 class StarvationGuard(Generic[T]):
-    """Wraps any queue: a job that has waited longer than ``timeout_s`` goes next, oldest first.
+    """Wraps any queue: an overdue job goes before every job that arrived after it.
 
-    Bound: once job i has waited ``timeout_s``, every later dispatch takes an overdue job in
-    arrival order, so no job that arrived after i is dispatched before i. Its wait is therefore at
-    most ``timeout_s`` plus the service of the jobs that arrived before it (plus the one in flight).
-    The strict ``>`` is the paper's rule (3.4): a job that has waited exactly ``timeout_s`` is not
-    yet overdue.
+    Job i is overdue once ``now > arrival_s + timeout_s + slowdown * predicted_s`` (its deadline;
+    ``slowdown`` = 0 is the paper's rule 3.4 with tau = ``timeout_s``, strict ``>`` included).
+    Overdue jobs go in deadline order.
+
+    Bound: once job i is overdue, no job that arrived strictly after it is dispatched before it,
+    except overdue jobs with an earlier deadline. So i's wait is at most its deadline's offset
+    ``timeout_s + slowdown * predicted_s_i`` plus the service of the jobs that arrived before it or
+    have earlier deadlines (plus the one in flight). Jobs that arrived at the same instant (a burst)
+    are equally old: the policy keeps ordering them, where the paper's rule would make the whole
+    burst FIFO after tau.
     """
 
-    def __init__(self, inner: JobQueue[T], timeout_s: float) -> None:
+    def __init__(self, inner: JobQueue[T], timeout_s: float, slowdown: float = 0.0) -> None:
         if not timeout_s > 0:
             raise ValueError("timeout_s must be > 0 (math.inf disables it)")
+        if not slowdown >= 0:
+            raise ValueError("slowdown must be >= 0")
         self.inner = inner
         self.timeout_s = timeout_s
-        self._by_arrival: OrderedDict[int, Job[T]] = OrderedDict()
+        self.slowdown = slowdown
+        self._deadlines: list[tuple[float, int, Job[T]]] = []  # lazy: popped/removed jobs linger
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -218,30 +233,74 @@ class StarvationGuard(Generic[T]):
     def __iter__(self) -> Iterator[Job[T]]:
         return iter(self.inner)
 
+    def deadline_s(self, job: Job[T]) -> float:
+        """Clock seconds after which ``job`` is overdue."""
+        return job.arrival_s + self.timeout_s + self.slowdown * job.predicted_s
+
+    def is_overdue(self, job: Job[T], now: float) -> bool:
+        return now > self.deadline_s(job)
+
     def push(self, job: Job[T]) -> None:
         self.inner.push(job)
-        self._by_arrival[job.seq] = job
+        if not math.isinf(self.timeout_s):
+            heapq.heappush(self._deadlines, (self.deadline_s(job), job.seq, job))
 
     def remove(self, job: Job[T]) -> bool:
-        self._by_arrival.pop(job.seq, None)
-        return self.inner.remove(job)
+        removed = self.inner.remove(job)
+        self._compact()
+        return removed
 
-    def _overdue(self, now: float) -> Job[T] | None:
-        if not self._by_arrival or math.isinf(self.timeout_s):
-            return None
-        oldest = next(iter(self._by_arrival.values()))
-        return oldest if now - oldest.arrival_s > self.timeout_s else None
+    def _compact(self) -> None:
+        d = self._deadlines
+        while d and not d[0][2].waiting:
+            heapq.heappop(d)
+        if len(d) > 64 and len(d) > 2 * len(self.inner):
+            self._deadlines = [e for e in d if e[2].waiting]
+            heapq.heapify(self._deadlines)
+
+    def _promotion(self, head: Job[T], now: float) -> Job[T] | None:
+        """The overdue job, earliest deadline first, that arrived strictly before ``head``; equal
+        deadlines (a burst) in the inner queue's own order."""
+        self._compact()
+        found: list[Job[T]] = []
+        steps = 0
+        for deadline, _, job in self._overdue_entries(now):
+            steps += 1
+            if found and deadline != self.deadline_s(found[0]):
+                break
+            if job.arrival_s < head.arrival_s:
+                found.append(job)
+            if steps >= 64:  # many same-instant overdue jobs: stop walking
+                break
+        if not found:
+            if steps < 64:
+                return None
+            oldest = min((e[2] for e in self._deadlines if e[2].waiting and e[0] < now), key=lambda j: (j.arrival_s, j.seq))
+            return oldest if oldest.arrival_s < head.arrival_s else None
+        sort_key = getattr(self.inner, "sort_key", None)
+        return found[0] if sort_key is None or len(found) == 1 else min(found, key=lambda j: sort_key(j, now))
+
+    def _overdue_entries(self, now: float) -> Iterator[tuple[float, int, Job[T]]]:
+        # Walk the heap in deadline order without popping: a small frontier heap of indices.
+        d = self._deadlines
+        if not d or d[0][0] >= now:
+            return
+        frontier = [(d[0][0], d[0][1], 0)]
+        while frontier:
+            _, _, i = heapq.heappop(frontier)
+            entry = d[i]
+            if entry[2].waiting:
+                yield entry
+            for child in (2 * i + 1, 2 * i + 2):
+                if child < len(d) and d[child][0] < now:
+                    heapq.heappush(frontier, (d[child][0], d[child][1], child))
 
     def peek(self, now: float) -> tuple[Job[T], bool] | None:
         head = self.inner.peek(now)
-        if head is None:
-            return None
-        oldest = self._overdue(now)
-        # Strictly earlier: requests that arrived together (a burst) are equally old, so the policy
-        # keeps ordering them; the paper's rule would turn the whole burst FIFO after tau.
-        if oldest is not None and oldest.arrival_s < head[0].arrival_s:
-            return oldest, True
-        return head
+        if head is None or not self._deadlines:
+            return head
+        promoted = self._promotion(head[0], now)
+        return (promoted, True) if promoted is not None and promoted is not head[0] else head
 
     def pop(self, now: float) -> tuple[Job[T], bool] | None:
         head = self.peek(now)
@@ -251,18 +310,27 @@ class StarvationGuard(Generic[T]):
         if promoted:
             self.inner.remove(job)
         else:
-            job, promoted = self.inner.pop(now)  # type: ignore[misc]  # same job as peeked
-        del self._by_arrival[job.seq]
+            self.inner.pop(now)  # the head peeked above
+        self._compact()
         return job, promoted
 
     def ordered(self, now: float) -> list[Job[T]]:
-        overdue = []
-        if not math.isinf(self.timeout_s):
-            overdue = [j for j in self._by_arrival.values() if now - j.arrival_s > self.timeout_s]
+        inner = self.inner.ordered(now)
+        overdue = sorted(e for e in self._deadlines if e[2].waiting and e[0] < now)
         if not overdue:
-            return self.inner.ordered(now)
-        ids = {j.seq for j in overdue}
-        return overdue + [j for j in self.inner.ordered(now) if j.seq not in ids]
+            return inner
+        # Replay the pops at a fixed ``now``.
+        out: list[Job[T]] = []
+        taken: set[int] = set()
+        i = 0
+        while len(out) < len(inner):
+            while inner[i].seq in taken:
+                i += 1
+            head = inner[i]
+            pick = next((e[2] for e in overdue if e[2].seq not in taken and e[2].arrival_s < head.arrival_s), head)
+            out.append(pick)
+            taken.add(pick.seq)
+        return out
 
 
 @dataclass(slots=True)
@@ -275,8 +343,8 @@ class FairShareQueue(Generic[T]):
     """One inner queue per tenant; tenants share the backend in predicted service seconds.
 
     Start-time fair queuing with predicted seconds as the cost. At each pop the candidate heads are
-    those of the best priority class among tenants (a head its tenant's starvation guard promoted
-    counts as the best class); among them the tenant with the least ``served_s`` (its next start
+    those of the best priority class among tenants (an overdue head, by its tenant's starvation
+    guard, counts as the best class); among them the tenant with the least ``served_s`` (its next start
     tag) goes, and its ``served_s`` grows by the job's ``predicted_s``. The system's virtual time is
     the start tag of the last dispatched job; a tenant that becomes active starts there, so idling
     banks no credit and a newcomer is not queued behind another tenant's backlog. With one tenant
@@ -323,17 +391,21 @@ class FairShareQueue(Generic[T]):
         return True
 
     def _choose(self, now: float) -> tuple[Hashable, Job[T], bool] | None:
-        best: tuple[Any, ...] | None = None
-        chosen: tuple[Hashable, Job[T], bool] | None = None
+        heads = []
         for name, tenant in self._tenants.items():
             head = tenant.queue.peek(now)
             if head is None:
                 continue
             job, promoted = head
-            rank = (-math.inf if promoted else job.priority, tenant.served_s, job.seq)
-            if best is None or rank < best:
-                best, chosen = rank, (name, job, promoted)
-        return chosen
+            is_overdue = getattr(tenant.queue, "is_overdue", None)
+            overdue = promoted or (is_overdue is not None and is_overdue(job, now))
+            heads.append(((-math.inf if overdue else job.priority, tenant.served_s, job.seq), name, job, promoted))
+        if not heads:
+            return None
+        _, name, job, promoted = min(heads, key=lambda h: h[0])
+        # Lifted over a better class by its deadline: a starvation decision too.
+        lifted = job.priority > min(h[2].priority for h in heads)
+        return name, job, promoted or lifted
 
     def peek(self, now: float) -> tuple[Job[T], bool] | None:
         chosen = self._choose(now)
@@ -343,11 +415,11 @@ class FairShareQueue(Generic[T]):
         chosen = self._choose(now)
         if chosen is None:
             return None
-        name, _, _ = chosen
+        name, _, lifted = chosen
         tenant = self._tenants[name]
         got = tenant.queue.pop(now)
         assert got is not None
-        job, promoted = got
+        job, promoted = got[0], got[1] or lifted
         self._virtual_s = tenant.served_s
         tenant.served_s += job.predicted_s
         self._live -= 1

@@ -172,16 +172,23 @@ def make_policy(name: str, params: PolicyParams | None = None) -> SchedulingPoli
 
 
 def build_queue(
-    policy: SchedulingPolicy, *, starvation_timeout_s: float = math.inf, fair_share: bool = False
+    policy: SchedulingPolicy,
+    *,
+    starvation_timeout_s: float = math.inf,
+    starvation_slowdown: float = 0.0,
+    fair_share: bool = False,
 ) -> JobQueue[Any]:
-    """The queue the dispatcher and the simulator drive: policy order, starvation guard (tau),
-    and optionally one such queue per tenant under fair share."""
+    """The queue the dispatcher and the simulator drive: policy order, starvation guard (a job is
+    overdue after ``starvation_timeout_s + starvation_slowdown * predicted_s``), and optionally one
+    such queue per tenant under fair share."""
     if not starvation_timeout_s > 0:
         raise ValueError("starvation_timeout_s must be > 0 (math.inf disables it)")
 
     def one() -> JobQueue[Any]:
         inner = policy.make_queue()
-        return inner if math.isinf(starvation_timeout_s) else StarvationGuard(inner, starvation_timeout_s)
+        if math.isinf(starvation_timeout_s):
+            return inner
+        return StarvationGuard(inner, starvation_timeout_s, starvation_slowdown)
 
     return FairShareQueue(one) if fair_share else one()
 

@@ -69,6 +69,7 @@ def simulate(
     *,
     policy: str | SchedulingPolicy = "sjf",
     starvation_timeout_s: float = math.inf,
+    starvation_slowdown: float = 0.0,
     slots: int = 1,
     fair_share: bool = False,
     params: PolicyParams | None = None,
@@ -90,7 +91,9 @@ def simulate(
     if slots < 1:
         raise ValueError("slots must be >= 1")
     pol = make_policy(policy, params) if isinstance(policy, str) else policy
-    queue = build_queue(pol, starvation_timeout_s=starvation_timeout_s, fair_share=fair_share)
+    queue = build_queue(
+        pol, starvation_timeout_s=starvation_timeout_s, starvation_slowdown=starvation_slowdown, fair_share=fair_share
+    )
 
     arrival = workload.arrival_s.tolist()
     service = workload.service_s.tolist()

@@ -84,12 +84,13 @@ class Condition:
     tau_s: float = math.inf  # starvation timeout, seconds (inf: none)
     tau_multiple: float | None = None  # tau / mu_short, when defined that way
     fair_share: bool = False  # one queue per tenant, shared in predicted seconds
+    slowdown: float = 0.0  # guard deadline = tau + slowdown x predicted seconds
     params: PolicyParams = field(default_factory=PolicyParams)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "name": self.name, "policy": self.policy, "tau_s": self.tau_s, "tau_multiple": self.tau_multiple,
-            "fair_share": self.fair_share, "boost_gamma_per_s": self.params.boost_gamma_per_s,
+            "fair_share": self.fair_share, "starvation_slowdown": self.slowdown, "boost_gamma_per_s": self.params.boost_gamma_per_s,
             "boost_auto_gamma": self.params.boost_auto_gamma, "boost_max_s": self.params.boost_max_s,
         }  # fmt: skip
 
@@ -165,7 +166,8 @@ def run_conditions(
         for result in results:
             c = result.condition
             schedule = simulate(
-                workload, beliefs, policy=c.policy, starvation_timeout_s=c.tau_s, slots=setup.slots,
+                workload, beliefs, policy=c.policy, starvation_timeout_s=c.tau_s, starvation_slowdown=c.slowdown,
+                slots=setup.slots,
                 fair_share=c.fair_share, params=c.params,
             )  # fmt: skip
             result.per_seed.append({"seed": float(seed), "accuracy": accuracy, **run_metrics(workload, schedule)})
