@@ -21,11 +21,11 @@ from pydantic_settings import (
 )
 
 from clairvoyant.errors import ConfigError
+from clairvoyant.policy import POLICY_NAMES
 
-__all__ = ["CLI_FLAGS", "ENV_PREFIX", "PolicyName", "Settings", "load_settings", "settings_reference_markdown"]
+__all__ = ["CLI_FLAGS", "ENV_PREFIX", "Settings", "load_settings", "settings_reference_markdown"]
 
 ENV_PREFIX = "CLAIRVOYANT_"
-PolicyName = Literal["fcfs", "sjf"]
 DisconnectMode = Literal["drain", "abort"]
 
 
@@ -48,15 +48,47 @@ class Settings(BaseSettings):
         "http://127.0.0.1:11434",
         description="Base URL of the backend (Ollama or llama.cpp's server).",
     )
-    policy: PolicyName = Field("sjf", description="Scheduling policy: sjf (shortest predicted first) or fcfs.")
+    policy: str = Field(
+        "sjf",
+        description=(
+            "Scheduling policy: " + ", ".join(POLICY_NAMES) + " (fcfs arrival order; sjf the paper's shortest "
+            "predicted first; boost gamma-boost; hrrn highest response ratio next). See docs/simulation.md."
+        ),
+    )
     starvation_timeout_s: float = Field(
         15.0,
         gt=0,
-        description="tau: a request waiting longer than this goes next regardless of score ('inf' disables).",
+        description=(
+            "tau: a request waiting longer than tau + starvation_slowdown x its predicted seconds goes before "
+            "every later arrival, whatever the policy or priority ('inf' disables)."
+        ),
+    )
+    starvation_slowdown: float = Field(
+        0.0, ge=0, description="Adds this many times a request's predicted service seconds to its tau (0 = the paper's rule)."
+    )
+    boost_gamma_per_s: float = Field(
+        0.02, gt=0, description="boost: gamma in 1/s; requests shorter than about 1/gamma seconds get a real boost."
+    )
+    boost_auto_gamma: bool = Field(False, description="boost: fit gamma online by the fixed-point rule (manual gamma until it has a root).")
+    boost_max_s: float = Field(
+        600.0, gt=0, description="boost: cap on any boost, seconds; within a priority class no later arrival passes a request after this."
+    )
+    fair_share: bool = Field(True, description="Share the backend between tenants by predicted service seconds.")
+    tenant_header: str = Field("X-Clairvoyant-Tenant", description="Request header naming the tenant (absent = the default tenant).")
+    priority_header: str = Field(
+        "X-Clairvoyant-Priority", description="Request header with an integer priority (the body field 'priority' wins)."
+    )
+    min_priority: int = Field(0, description="Most urgent priority a client may ask for (lower = sooner); lower values are clamped.")
+    max_priority: int = Field(10, description="Least urgent priority a client may ask for; higher values are clamped.")
+    forward_priority: bool = Field(False, description="Keep the body's 'priority' field when forwarding (vLLM accepts it).")
+    service_time_state: Path | None = Field(
+        None, description="JSON file where the learned service-time model is kept across restarts; unset = memory only."
     )
     slots: int = Field(1, ge=1, le=64, description="Requests in flight upstream at once (the backend's parallel slots).")
     max_queue: int = Field(256, ge=1, description="Waiting requests before new ones get 503 with Retry-After.")
-    retry_after_s: int = Field(5, ge=1, description="Retry-After seconds sent with a queue-full 503.")
+    retry_after_s: int = Field(
+        1, ge=1, description="Smallest Retry-After seconds sent with a queue-full 503 (the value is the queue tail's ETA)."
+    )
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above).")
     connect_timeout_s: float = Field(10.0, gt=0, description="Timeout to connect to the backend (504 when exceeded).")
     read_timeout_s: float | None = Field(
@@ -80,6 +112,13 @@ class Settings(BaseSettings):
         if not value.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
         return value.rstrip("/")
+
+    @field_validator("policy")
+    @classmethod
+    def _check_policy(cls, value: str) -> str:
+        if value not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {value!r}; known: {', '.join(POLICY_NAMES)}")
+        return value
 
     @field_validator("starvation_timeout_s")
     @classmethod

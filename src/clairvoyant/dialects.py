@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from clairvoyant.errors import BadRequest
+from clairvoyant.errors import BadRequest, RequestError
 from clairvoyant.features import Prompt
 
 __all__ = [
@@ -34,6 +34,11 @@ __all__ = [
     "dialect_of_path",
     "parse_request",
     "prompt_from_body",
+    "PRIORITY_FIELD",
+    "SchedulingFields",
+    "error_body",
+    "scheduling_fields",
+    "stream_error_event",
 ]
 
 # The one body field only the proxy understands; removed before forwarding.
@@ -202,3 +207,60 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
         forward_body=forward,
         proxy_options=proxy_options,
     )
+
+
+# -- scheduling fields and error framing (issue 9; kept at the end of the module for the merge) --
+
+PRIORITY_FIELD = "priority"  # vLLM's convention: integer, lower = sooner, default 0
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulingFields:
+    """What the scheduler reads from a body besides the prompt."""
+
+    priority: int | None  # the client's priority class, unclamped; None = not given
+    cap_tokens: int | None  # max_tokens / max_completion_tokens (OpenAI) or options.num_predict (Ollama)
+    forward_body: bytes  # the body to forward (priority removed unless kept)
+
+
+def scheduling_fields(endpoint: Endpoint, forward_body: bytes, *, keep_priority: bool) -> SchedulingFields:
+    """Read the priority and the output cap; strip ``priority`` unless ``keep_priority``.
+
+    Parses the body again only when it mentions one of the fields (a substring test first).
+    Raises ``BadRequest`` for a non-integer priority.
+    """
+    if b'"priority"' not in forward_body and b"max_" not in forward_body and b"num_predict" not in forward_body:
+        return SchedulingFields(None, None, forward_body)
+    body = json.loads(forward_body)
+    priority = body.get(PRIORITY_FIELD)
+    if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
+        raise BadRequest("'priority' must be an integer", param=PRIORITY_FIELD)
+    if endpoint.dialect is Dialect.OLLAMA:
+        options = body.get("options")
+        cap = options.get("num_predict") if isinstance(options, dict) else None
+    else:
+        cap = body.get("max_completion_tokens", body.get("max_tokens"))
+    cap_tokens = cap if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0 else None
+    if PRIORITY_FIELD in body and not keep_priority:
+        del body[PRIORITY_FIELD]
+        forward_body = json.dumps(body).encode()
+    return SchedulingFields(priority, cap_tokens, forward_body)
+
+
+def error_body(dialect: Dialect, exc: RequestError) -> bytes:
+    """The error in the client's own dialect (OpenAI's error object, or Ollama's {"error": str})."""
+    if dialect is Dialect.OLLAMA:
+        return json.dumps({"error": exc.message}).encode()
+    return json.dumps(
+        {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}}
+    ).encode()
+
+
+def stream_error_event(dialect: Dialect, content_type: str, exc: RequestError) -> bytes:
+    """A final error in a stream's own framing: an SSE event, an NDJSON line, or nothing for a
+    plain body (it is truncated)."""
+    if "text/event-stream" in content_type:
+        return b"data: " + error_body(dialect, exc) + b"\n\n"
+    if "ndjson" in content_type:
+        return error_body(dialect, exc) + b"\n"
+    return b""
