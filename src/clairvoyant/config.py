@@ -56,7 +56,7 @@ class Settings(BaseSettings):
         ),
     )
     starvation_timeout_s: float = Field(
-        15.0,
+        1.0,
         gt=0,
         description=(
             "tau: a request waiting longer than tau + starvation_slowdown x its predicted seconds goes before "
@@ -64,7 +64,7 @@ class Settings(BaseSettings):
         ),
     )
     starvation_slowdown: float = Field(
-        0.0, ge=0, description="Adds this many times a request's predicted service seconds to its tau (0 = the paper's rule)."
+        3.2, ge=0, description="Adds this many times a request's predicted service seconds to its tau (0 = the paper's rule; see docs/simulation.md)."
     )
     boost_gamma_per_s: float = Field(
         0.02, gt=0, description="boost: gamma in 1/s; requests shorter than about 1/gamma seconds get a real boost."

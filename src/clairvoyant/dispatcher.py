@@ -51,9 +51,10 @@ class ShuttingDown(RequestError):
     code = "shutting_down"
 
 
-@dataclass(eq=False)
+@dataclass(slots=True, eq=False)
 class Ticket:
-    """One scheduled request, from arrival to release. Its queue record is ``job``."""
+    """One scheduled request, from arrival to release. Its queue record is ``job``. Slotted and
+    lean: thousands may wait (``bench/queue_cost.py`` measures the bytes per waiting request)."""
 
     request_id: str
     endpoint: str  # the scheduled path, e.g. /v1/chat/completions
@@ -63,7 +64,7 @@ class Ticket:
     prompt_tokens: int  # estimated prompt tokens (service-time model input)
     job: Job[Ticket] = field(init=False)
     granted: asyncio.Future[int] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    released: asyncio.Event = field(default_factory=asyncio.Event)
+    released: asyncio.Future[None] | None = None  # created at dispatch; set when the slot is given back
     slot: int | None = None
     dispatched_s: float | None = None  # clock seconds when a slot was granted
     position_at_arrival: int | None = None  # place in dispatch order when queued (0 = next)
@@ -212,7 +213,8 @@ class Dispatcher:
             ticket.ended = True
             if lease is not None and lease.completed and ticket.dispatched_s is not None:
                 self._learn(ticket, self.clock.now() - ticket.dispatched_s)
-            ticket.released.set()  # the worker frees the slot
+            if ticket.released is not None and not ticket.released.done():
+                ticket.released.set_result(None)  # the worker frees the slot
             return
         ticket.ended = True  # refused (shutting down) or withdrawn by the worker's race: nothing held
 
@@ -356,13 +358,14 @@ class Dispatcher:
             ticket.ended = True
             return
         ticket.slot = slot
+        ticket.released = asyncio.get_running_loop().create_future()
         ticket.dispatched_s = self.clock.now()
         self._running[slot] = ticket
         self.metrics.in_flight.inc()
         self.metrics.wait_by_class[ticket.predicted_class].observe(ticket.dispatched_s - job.arrival_s)
         ticket.granted.set_result(slot)
         try:
-            await ticket.released.wait()
+            await ticket.released
         finally:
             self._running.pop(slot, None)
             self.metrics.in_flight.dec()

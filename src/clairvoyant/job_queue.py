@@ -226,6 +226,7 @@ class StarvationGuard(Generic[T]):
         self.timeout_s = timeout_s
         self.slowdown = slowdown
         self._deadlines: list[tuple[float, int, Job[T]]] = []  # lazy: popped/removed jobs linger
+        self._by_arrival: dict[int, Job[T]] = {}  # waiting jobs by seq, in arrival order
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -244,9 +245,11 @@ class StarvationGuard(Generic[T]):
         self.inner.push(job)
         if not math.isinf(self.timeout_s):
             heapq.heappush(self._deadlines, (self.deadline_s(job), job.seq, job))
+            self._by_arrival[job.seq] = job
 
     def remove(self, job: Job[T]) -> bool:
         removed = self.inner.remove(job)
+        self._by_arrival.pop(job.seq, None)
         self._compact()
         return removed
 
@@ -260,25 +263,34 @@ class StarvationGuard(Generic[T]):
 
     def _promotion(self, head: Job[T], now: float) -> Job[T] | None:
         """The overdue job, earliest deadline first, that arrived strictly before ``head``; equal
-        deadlines (a burst) in the inner queue's own order."""
+        deadlines (a burst) in the inner queue's own order.
+
+        Cost: O(1) when nobody arrived before the head; else a walk of at most 16 overdue entries
+        in deadline order, then of at most 256 jobs in arrival order (deep overload only).
+        """
+        oldest = next(iter(self._by_arrival.values()), None)
+        if oldest is None or oldest.arrival_s >= head.arrival_s:
+            return None  # nobody arrived before the head
         self._compact()
         found: list[Job[T]] = []
-        steps = 0
-        for deadline, _, job in self._overdue_entries(now):
-            steps += 1
+        for steps, (deadline, _, job) in enumerate(self._overdue_entries(now)):
             if found and deadline != self.deadline_s(found[0]):
                 break
             if job.arrival_s < head.arrival_s:
                 found.append(job)
-            if steps >= 64:  # many same-instant overdue jobs: stop walking
+            if steps >= 16:
                 break
-        if not found:
-            if steps < 64:
-                return None
-            oldest = min((e[2] for e in self._deadlines if e[2].waiting and e[0] < now), key=lambda j: (j.arrival_s, j.seq))
-            return oldest if oldest.arrival_s < head.arrival_s else None
-        sort_key = getattr(self.inner, "sort_key", None)
-        return found[0] if sort_key is None or len(found) == 1 else min(found, key=lambda j: sort_key(j, now))
+        if found:
+            sort_key = getattr(self.inner, "sort_key", None)
+            return found[0] if sort_key is None or len(found) == 1 else min(found, key=lambda j: sort_key(j, now))
+        # Deep overload: the overdue jobs with the earliest deadlines all arrived with or after the
+        # head. Any overdue job older than the head will do for the bound: take the oldest.
+        for job in itertools.islice(self._by_arrival.values(), 256):
+            if job.arrival_s >= head.arrival_s:
+                break
+            if self.is_overdue(job, now):
+                return job
+        return None
 
     def _overdue_entries(self, now: float) -> Iterator[tuple[float, int, Job[T]]]:
         # Walk the heap in deadline order without popping: a small frontier heap of indices.
@@ -311,6 +323,7 @@ class StarvationGuard(Generic[T]):
             self.inner.remove(job)
         else:
             self.inner.pop(now)  # the head peeked above
+        self._by_arrival.pop(job.seq, None)
         self._compact()
         return job, promoted
 
@@ -344,7 +357,7 @@ class FairShareQueue(Generic[T]):
 
     Start-time fair queuing with predicted seconds as the cost. At each pop the candidate heads are
     those of the best priority class among tenants (an overdue head, by its tenant's starvation
-    guard, counts as the best class); among them the tenant with the least ``served_s`` (its next start
+    guard, joins the best class); among them the tenant with the least ``served_s`` (its next start
     tag) goes, and its ``served_s`` grows by the job's ``predicted_s``. The system's virtual time is
     the start tag of the last dispatched job; a tenant that becomes active starts there, so idling
     banks no credit and a newcomer is not queued behind another tenant's backlog. With one tenant
@@ -399,13 +412,16 @@ class FairShareQueue(Generic[T]):
             job, promoted = head
             is_overdue = getattr(tenant.queue, "is_overdue", None)
             overdue = promoted or (is_overdue is not None and is_overdue(job, now))
-            heads.append(((-math.inf if overdue else job.priority, tenant.served_s, job.seq), name, job, promoted))
+            heads.append((job.priority, overdue, tenant.served_s, name, job, promoted))
         if not heads:
             return None
-        _, name, job, promoted = min(heads, key=lambda h: h[0])
-        # Lifted over a better class by its deadline: a starvation decision too.
-        lifted = job.priority > min(h[2].priority for h in heads)
-        return name, job, promoted or lifted
+        best = min(h[0] for h in heads)
+        # An overdue head joins the best class, where fair share still decides: lifting it above
+        # every tenant would let a flooding tenant's overdue backlog starve the others.
+        _, _, _, name, job, promoted = min(
+            heads, key=lambda h: (best if h[1] else h[0], h[2], h[4].seq)
+        )
+        return name, job, promoted or job.priority > best
 
     def peek(self, now: float) -> tuple[Job[T], bool] | None:
         chosen = self._choose(now)

@@ -1,7 +1,7 @@
 """Numbers out of schedules: per-class percentiles, mean +/- std over seeds, JSON/CSV files, plots.
 
 Metric names are flat strings ``"<class>.<measure>.<stat>"``: class in short/medium/long/all,
-measure ``sojourn`` (arrival to completion) or ``wait`` (arrival to dispatch), stat p50/p95/p99/mean.
+measure ``sojourn`` (arrival to completion) or ``wait`` (arrival to dispatch), stat p50/p95/p99/mean/max.
 Percentiles use numpy's default (linear interpolation) over one seed's requests; the spread over
 seeds is the sample standard deviation (ddof = 1; 0 for a single seed). No prompt text is ever
 part of these outputs: only classes, times and scores' summary statistics.
@@ -72,6 +72,7 @@ def run_metrics(workload: Workload, schedule: Schedule) -> dict[str, float]:
             for q, p in zip(PERCENTILES, np.percentile(sel, PERCENTILES), strict=True):
                 out[metric(group, measure, f"p{q}")] = float(p)
             out[metric(group, measure, "mean")] = float(sel.mean())
+            out[metric(group, measure, "max")] = float(sel.max())
     out["promotions"] = float(schedule.promotions)
     span = float(schedule.end_s.max() - min(0.0, float(workload.arrival_s.min())))
     slots = int(schedule.slot.max()) + 1
