@@ -259,7 +259,7 @@ class Dispatcher:
         """Predicted seconds until each slot is free: in-flight remainders (never below 0), idle 0."""
         free = [0.0] * self.slots
         for slot, t in self._running.items():
-            running_s = now - (t.dispatched_s or now)
+            running_s = 0.0 if t.dispatched_s is None else now - t.dispatched_s
             free[slot] = max(0.0, t.job.predicted_s - running_s)
         return free
 
@@ -313,7 +313,7 @@ class Dispatcher:
             {"position": i, "eta_s": round(eta, 3), **describe(job.payload)} for i, (job, eta) in enumerate(etas)
         ]
         in_flight = [
-            {"slot": slot, **describe(t), "running_s": round(now - (t.dispatched_s or now), 3)}
+            {"slot": slot, **describe(t), "running_s": round(0.0 if t.dispatched_s is None else now - t.dispatched_s, 3)}
             for slot, t in sorted(self._running.items())
         ]
         return {

@@ -10,9 +10,11 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from clairvoyant.predictor import CLASS_NAMES
+
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 
-CLASSES = ("short", "medium", "long")
+CLASSES = CLASS_NAMES  # one definition (predictor.py; the lead moves it to a bottom-layer module)
 # Seconds: from a cached 1-token answer to a 30-minute queue.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
 PREDICTOR_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.01)

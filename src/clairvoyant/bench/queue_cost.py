@@ -35,14 +35,16 @@ def _job(rng: random.Random, i: int, now: float) -> Job[int]:
                priority=rng.choice((0, 0, 0, 1)), tenant=rng.choice(("a", "b")))  # fmt: skip
 
 
-def _queue(name: str) -> Any:
+def _queue(name: str, wrapped: bool = True) -> Any:
+    if not wrapped:
+        return build_queue(make_policy(name))
     return build_queue(make_policy(name), starvation_timeout_s=1.0, starvation_slowdown=3.2, fair_share=True)
 
 
-def measure_dispatch_us(name: str, depth: int, ops: int, seed: int = 0) -> float:
+def measure_dispatch_us(name: str, depth: int, ops: int, seed: int = 0, wrapped: bool = True) -> float:
     """Median microseconds of one pop + one push at a steady ``depth``."""
     rng = random.Random(seed)
-    queue = _queue(name)
+    queue = _queue(name, wrapped)
     now = 0.0
     for i in range(depth):
         now += 0.001
@@ -98,18 +100,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depths", type=int, nargs="+", default=[100, 1000, 10000])
     parser.add_argument("--ops", type=int, default=2000, help="timed pop+push pairs per point (default 2000)")
     args = parser.parse_args(argv)
-    print("dispatch decision + arrival, median microseconds (default guard, fair share, 2 tenants):")
-    print("| policy | " + " | ".join(f"n={d}" for d in args.depths) + " | growth 100->10k |")
-    print("|---|" + "---|" * (len(args.depths) + 1))
-    for name in POLICY_NAMES:
-        ops = args.ops if name != "hrrn" else max(50, args.ops // 20)
-        us = [measure_dispatch_us(name, d, ops) for d in args.depths]
-        growth = us[-1] / us[0] if us[0] > 0 else math.nan
-        print(f"| {name} | " + " | ".join(f"{u:.1f}" for u in us) + f" | {growth:.1f}x |")
+    for wrapped in (False, True):
+        what = "the default guard (1 s + 3.2 x S) and fair share, 2 tenants" if wrapped else "the policy's queue alone"
+        print(f"\ndispatch decision + arrival, median microseconds, {what}:")
+        print("| policy | " + " | ".join(f"n={d}" for d in args.depths) + f" | growth {args.depths[0]}->{args.depths[-1]} |")
+        print("|---|" + "---|" * (len(args.depths) + 1))
+        for name in POLICY_NAMES:
+            ops = args.ops if name != "hrrn" else max(50, args.ops // 20)
+            us = [measure_dispatch_us(name, d, ops, wrapped=wrapped) for d in args.depths]
+            growth = us[-1] / us[0] if us[0] > 0 else math.nan
+            print(f"| {name} | " + " | ".join(f"{u:.1f}" for u in us) + f" | {growth:.1f}x |")
     depth = max(args.depths)
     queue_b, proxy_b = measure_memory_bytes(depth)
     print(f"\nmemory per waiting request at n={depth}: queue record and entries {queue_b:.0f} B; "
-          f"proxy's whole waiting request (ticket, future, event, prediction, job, entries) {proxy_b:.0f} B; "
+          f"proxy's whole waiting request (ticket, its future, prediction, job, entries) {proxy_b:.0f} B; "
           "request bodies not included")  # fmt: skip
     return 0
 

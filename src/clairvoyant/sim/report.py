@@ -164,7 +164,7 @@ def _cond_label(cond: Mapping[str, Any]) -> str:
 
 def conditions_table(conditions: Sequence[Mapping[str, Any]], measure: str = "sojourn") -> str:
     """Markdown: one row per condition, Short and Long P50/P95/P99 of ``measure`` (mean ± std)."""
-    groups = [g for g in ("short", "medium", "long") if f"{g}.{measure}.p50" in conditions[0]["summary"]]
+    groups = [g for g in CLASS_NAMES if f"{g}.{measure}.p50" in conditions[0]["summary"]]
     head = ["condition"] + [f"{g.capitalize()} P{q}" for g in groups for q in PERCENTILES] + ["promotions"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for cond in conditions:

@@ -25,6 +25,7 @@ from typing import Protocol
 import numpy as np
 
 from clairvoyant.features import Prompt
+from clairvoyant.predictor import CLASS_NAMES  # one definition of the class names
 
 __all__ = [
     "CLASS_NAMES",
@@ -46,8 +47,7 @@ __all__ = [
     "score_stream",
 ]
 
-# Class indices used in every array of this package. Same names and order as the predictor's.
-CLASS_NAMES: tuple[str, str, str] = ("short", "medium", "long")
+# Class indices used in every array of this package are the predictor's CLASS_NAMES, in its order.
 _CLASS_INDEX = {name: i for i, name in enumerate(CLASS_NAMES)}
 
 
