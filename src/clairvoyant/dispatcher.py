@@ -140,6 +140,7 @@ class Dispatcher:
             self._end_waiting(ticket)
             if not ticket.granted.done():
                 ticket.granted.set_exception(ShuttingDown("the proxy is shutting down; retry"))
+                ticket.granted.exception()  # marked retrieved: a lease that still waits raises it anyway
         deadline = time.monotonic() + timeout_s
         while (self._running or self._detached) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -207,14 +207,17 @@ class StarvationGuard(Generic[T]):
 
     Job i is overdue once ``now > arrival_s + timeout_s + slowdown * predicted_s`` (its deadline;
     ``slowdown`` = 0 is the paper's rule 3.4 with tau = ``timeout_s``, strict ``>`` included).
-    Overdue jobs go in deadline order.
+    When the inner queue's head arrived after the oldest overdue job, that job goes instead
+    (overdue jobs go oldest first; jobs of the same instant in the inner queue's order).
 
-    Bound: once job i is overdue, no job that arrived strictly after it is dispatched before it,
-    except overdue jobs with an earlier deadline. So i's wait is at most its deadline's offset
-    ``timeout_s + slowdown * predicted_s_i`` plus the service of the jobs that arrived before it or
-    have earlier deadlines (plus the one in flight). Jobs that arrived at the same instant (a burst)
-    are equally old: the policy keeps ordering them, where the paper's rule would make the whole
-    burst FIFO after tau.
+    Bound: once job i is overdue, no job that arrived after it is dispatched before it. Its wait is
+    therefore at most ``timeout_s + slowdown * predicted_s_i`` plus the service of the jobs that
+    arrived before it (plus the one in flight). Jobs that arrived at the same instant (a burst) are
+    equally old: the policy keeps ordering them, where the paper's rule would make the whole burst
+    FIFO after tau.
+
+    Cost: each job moves once from the deadline heap to the overdue heap (O(log n)); a pop is
+    O(log n) plus the size of a same-instant group of overdue jobs (capped at 64).
     """
 
     def __init__(self, inner: JobQueue[T], timeout_s: float, slowdown: float = 0.0) -> None:
@@ -225,8 +228,9 @@ class StarvationGuard(Generic[T]):
         self.inner = inner
         self.timeout_s = timeout_s
         self.slowdown = slowdown
-        self._deadlines: list[tuple[float, int, Job[T]]] = []  # lazy: popped/removed jobs linger
-        self._by_arrival: dict[int, Job[T]] = {}  # waiting jobs by seq, in arrival order
+        # Both heaps are lazy: popped or removed jobs linger until they surface or a compaction.
+        self._pending: list[tuple[float, int, Job[T]]] = []  # (deadline, seq, job), not yet overdue
+        self._overdue: list[tuple[float, int, Job[T]]] = []  # (arrival_s, seq, job), overdue
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -244,72 +248,54 @@ class StarvationGuard(Generic[T]):
     def push(self, job: Job[T]) -> None:
         self.inner.push(job)
         if not math.isinf(self.timeout_s):
-            heapq.heappush(self._deadlines, (self.deadline_s(job), job.seq, job))
-            self._by_arrival[job.seq] = job
+            heapq.heappush(self._pending, (self.deadline_s(job), job.seq, job))
 
     def remove(self, job: Job[T]) -> bool:
         removed = self.inner.remove(job)
-        self._by_arrival.pop(job.seq, None)
         self._compact()
         return removed
 
+    def _advance(self, now: float) -> None:
+        pending, overdue = self._pending, self._overdue
+        while pending and pending[0][0] < now:
+            _, seq, job = heapq.heappop(pending)
+            if job.waiting:
+                heapq.heappush(overdue, (job.arrival_s, seq, job))
+        while overdue and not overdue[0][2].waiting:
+            heapq.heappop(overdue)
+
     def _compact(self) -> None:
-        d = self._deadlines
-        while d and not d[0][2].waiting:
-            heapq.heappop(d)
-        if len(d) > 64 and len(d) > 2 * len(self.inner):
-            self._deadlines = [e for e in d if e[2].waiting]
-            heapq.heapify(self._deadlines)
+        live = len(self.inner)
+        for name in ("_pending", "_overdue"):
+            heap = getattr(self, name)
+            if len(heap) > 64 and len(heap) > 2 * live:
+                heap = [e for e in heap if e[2].waiting]
+                heapq.heapify(heap)
+                setattr(self, name, heap)
 
     def _promotion(self, head: Job[T], now: float) -> Job[T] | None:
-        """The overdue job, earliest deadline first, that arrived strictly before ``head``; equal
-        deadlines (a burst) in the inner queue's own order.
-
-        Cost: O(1) when nobody arrived before the head; else a walk of at most 16 overdue entries
-        in deadline order, then of at most 256 jobs in arrival order (deep overload only).
-        """
-        oldest = next(iter(self._by_arrival.values()), None)
-        if oldest is None or oldest.arrival_s >= head.arrival_s:
-            return None  # nobody arrived before the head
-        self._compact()
-        found: list[Job[T]] = []
-        for steps, (deadline, _, job) in enumerate(self._overdue_entries(now)):
-            if found and deadline != self.deadline_s(found[0]):
-                break
-            if job.arrival_s < head.arrival_s:
-                found.append(job)
-            if steps >= 16:
-                break
-        if found:
-            sort_key = getattr(self.inner, "sort_key", None)
-            return found[0] if sort_key is None or len(found) == 1 else min(found, key=lambda j: sort_key(j, now))
-        # Deep overload: the overdue jobs with the earliest deadlines all arrived with or after the
-        # head. Any overdue job older than the head will do for the bound: take the oldest.
-        for job in itertools.islice(self._by_arrival.values(), 256):
-            if job.arrival_s >= head.arrival_s:
-                break
-            if self.is_overdue(job, now):
-                return job
-        return None
-
-    def _overdue_entries(self, now: float) -> Iterator[tuple[float, int, Job[T]]]:
-        # Walk the heap in deadline order without popping: a small frontier heap of indices.
-        d = self._deadlines
-        if not d or d[0][0] >= now:
-            return
-        frontier = [(d[0][0], d[0][1], 0)]
-        while frontier:
-            _, _, i = heapq.heappop(frontier)
-            entry = d[i]
+        """The oldest overdue job if it arrived strictly before ``head``; of a same-instant group,
+        the one the inner queue prefers."""
+        self._advance(now)
+        overdue = self._overdue
+        if not overdue or overdue[0][0] >= head.arrival_s:
+            return None
+        first = overdue[0][2]
+        sort_key = getattr(self.inner, "sort_key", None)
+        if sort_key is None:
+            return first
+        group: list[tuple[float, int, Job[T]]] = []
+        while overdue and overdue[0][0] == first.arrival_s and len(group) < 64:
+            entry = heapq.heappop(overdue)
             if entry[2].waiting:
-                yield entry
-            for child in (2 * i + 1, 2 * i + 2):
-                if child < len(d) and d[child][0] < now:
-                    heapq.heappush(frontier, (d[child][0], d[child][1], child))
+                group.append(entry)
+        for entry in group:
+            heapq.heappush(overdue, entry)
+        return min((e[2] for e in group), key=lambda j: sort_key(j, now))
 
     def peek(self, now: float) -> tuple[Job[T], bool] | None:
         head = self.inner.peek(now)
-        if head is None or not self._deadlines:
+        if head is None or math.isinf(self.timeout_s):
             return head
         promoted = self._promotion(head[0], now)
         return (promoted, True) if promoted is not None and promoted is not head[0] else head
@@ -323,24 +309,27 @@ class StarvationGuard(Generic[T]):
             self.inner.remove(job)
         else:
             self.inner.pop(now)  # the head peeked above
-        self._by_arrival.pop(job.seq, None)
         self._compact()
         return job, promoted
 
     def ordered(self, now: float) -> list[Job[T]]:
         inner = self.inner.ordered(now)
-        overdue = sorted(e for e in self._deadlines if e[2].waiting and e[0] < now)
+        self._advance(now)
+        place = {j.seq: i for i, j in enumerate(inner)}
+        overdue = sorted((e[2] for e in self._overdue if e[2].waiting), key=lambda j: (j.arrival_s, place[j.seq]))
         if not overdue:
             return inner
         # Replay the pops at a fixed ``now``.
         out: list[Job[T]] = []
         taken: set[int] = set()
-        i = 0
+        i = k = 0
         while len(out) < len(inner):
             while inner[i].seq in taken:
                 i += 1
+            while k < len(overdue) and overdue[k].seq in taken:
+                k += 1
             head = inner[i]
-            pick = next((e[2] for e in overdue if e[2].seq not in taken and e[2].arrival_s < head.arrival_s), head)
+            pick = overdue[k] if k < len(overdue) and overdue[k].arrival_s < head.arrival_s else head
             out.append(pick)
             taken.add(pick.seq)
         return out

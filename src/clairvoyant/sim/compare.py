@@ -159,6 +159,11 @@ def compare_json(data: dict[str, Any]) -> dict[str, Any]:
     out = []
     for b in data["blocks"]:
         out.append({**{k: v for k, v in b.items() if k not in ("results", "alone")},
-                    "results": [r.as_dict() for r in b["results"]],
-                    **({"alone": [r.as_dict() for r in b["alone"]]} if "alone" in b else {})})  # fmt: skip
+                    "results": [_brief(r) for r in b["results"]],
+                    **({"alone": [_brief(r) for r in b["alone"]]} if "alone" in b else {})})  # fmt: skip
     return {"experiment": "compare", "blocks": out}
+
+
+def _brief(result: ConditionResult) -> dict[str, Any]:
+    """A condition's settings and summary (mean and std over seeds) without the per-seed rows."""
+    return {**result.condition.as_dict(), "summary": result.summary}
