@@ -44,7 +44,7 @@ class PolicyParams:
 
     boost_gamma_per_s: float = 0.05  # gamma, 1/s: jobs shorter than ~1/gamma s get a real boost
     boost_auto_gamma: bool = False  # fit gamma online by the fixed-point rule (digest 2b)
-    boost_max_s: float = 60.0  # cap on any boost: boost's own starvation bound, seconds
+    boost_max_s: float = 600.0  # cap on any boost: boost's own starvation bound, seconds
 
 
 class SchedulingPolicy(Protocol):

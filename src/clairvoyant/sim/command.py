@@ -45,12 +45,20 @@ def _mix(text: str) -> dict[str, float]:
     return out
 
 
-def _condition(text: str) -> tuple[str, float]:
-    policy, _, tau = text.partition(":")
+def _condition(text: str) -> tuple[str, float, float, float | None]:
+    """POLICY[:TAU_S[+SLOWDOWN]][@GAMMA], e.g. ``sjf:10.5``, ``sjf:1+3.2``, ``boost:25@0.02``."""
+    rest, _, gamma = text.partition("@")
+    policy, _, guard = rest.partition(":")
+    tau, _, slowdown = guard.partition("+")
     try:
-        return policy, (math.inf if tau in ("", "inf") else float(tau))
+        return (
+            policy,
+            math.inf if tau in ("", "inf") else float(tau),
+            float(slowdown) if slowdown else 0.0,
+            float(gamma) if gamma else None,
+        )
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected POLICY[:TAU_S], got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected POLICY[:TAU_S[+SLOWDOWN]][@GAMMA], got {text!r}") from None
 
 
 def _add_workload_flags(p: argparse.ArgumentParser, *, with_rate: bool = True) -> None:
@@ -95,8 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("run", help="run chosen conditions on one workload", description="run chosen conditions on one workload")
     _add_workload_flags(p)
     p.add_argument(
-        "--conditions", nargs="+", type=_condition, default=[("fcfs", math.inf), ("sjf", math.inf)],
-        metavar="POLICY[:TAU_S]", help="e.g. fcfs sjf:10.5 sjf:inf (default fcfs sjf:inf)",
+        "--conditions", nargs="+", type=_condition, default=[("fcfs", math.inf, 0.0, None), ("sjf", math.inf, 0.0, None)],
+        metavar="POLICY[:TAU_S[+SLOWDOWN]][@GAMMA]",
+        help="e.g. fcfs sjf:10.5 sjf:inf sjf:1+3.2 boost:25@0.02 hrrn (default fcfs sjf:inf)",
     )  # fmt: skip
     p = sub.add_parser("tau-sweep", help="paper 5.5: starvation timeout sweep", description="paper 5.5: starvation timeout sweep")
     _add_workload_flags(p)
@@ -183,6 +192,13 @@ def _scorer(args: argparse.Namespace, service: Any) -> Any:
     return pr.PredictorScorer(OnnxPredictor(args.model), service.records)
 
 
+def _condition_name(policy: str, tau: float, slowdown: float, gamma: float | None) -> str:
+    if math.isinf(tau) and policy == "fcfs" and gamma is None:
+        return policy
+    name = f"{policy} tau={tau:g}" + (f"+{slowdown:g}xS" if slowdown else "")
+    return name + (f" gamma={gamma:g}" if gamma is not None else "")
+
+
 def _mu_short(text: str) -> float | str:
     if text == "fcfs":
         return text
@@ -220,8 +236,14 @@ def run(args: argparse.Namespace) -> int:
     name = args.name or f"sim_{command.replace('-', '_')}"
     with tqdm(total=runs * len(seeds), desc=name, unit="run", disable=args.no_progress, file=sys.stderr) as bar:
         if command == "run":
+            from clairvoyant.policy import PolicyParams
+
             conds = [
-                ex.Condition(f"{p}" if math.isinf(t) and p == "fcfs" else f"{p} tau={t:g}", p, t) for p, t in args.conditions
+                ex.Condition(
+                    _condition_name(p, t, m, g), p, t, slowdown=m,
+                    params=PolicyParams(boost_gamma_per_s=g) if g is not None else PolicyParams(),
+                )  # fmt: skip
+                for p, t, m, g in args.conditions
             ]
             results = ex.run_conditions(setup, conds, bar.update)
             result: dict[str, Any] = {

@@ -153,6 +153,8 @@ def _pct(change: Mapping[str, float], sign: int = 1) -> str:
 
 
 def _cond_label(cond: Mapping[str, Any]) -> str:
+    if cond.get("starvation_slowdown") or cond["policy"] not in ("fcfs", "sjf"):
+        return str(cond["name"])  # the new guard and policies: the condition's own name
     if cond["policy"] == "fcfs":
         return "FCFS"
     tau = cond["tau_s"]
