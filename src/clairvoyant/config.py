@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -32,7 +32,7 @@ DisconnectMode = Literal["drain", "abort"]
 # Settings that `clairvoyant serve` also takes as command-line flags (they override everything).
 CLI_FLAGS: dict[str, str] = {
     "host": "--host", "port": "--port", "upstream_url": "--upstream", "policy": "--policy",
-    "starvation_timeout_s": "--tau", "slots": "--slots", "max_queue": "--max-queue",
+    "starvation_timeout_s": "--tau", "starvation_slowdown": "--slowdown", "slots": "--slots", "max_queue": "--max-queue",
     "disconnect_mode": "--disconnect-mode", "model_path": "--model", "log_level": "--log-level",
 }
 
@@ -112,6 +112,12 @@ class Settings(BaseSettings):
         if not value.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
         return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _check_priority_range(self) -> Settings:
+        if self.min_priority > self.max_priority:
+            raise ValueError("min_priority must be <= max_priority")
+        return self
 
     @field_validator("policy")
     @classmethod
