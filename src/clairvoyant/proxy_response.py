@@ -35,7 +35,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from clairvoyant.dialects import Dialect, error_body, stream_error_event
-from clairvoyant.dispatcher import Dispatcher, Lease, Ticket
+from clairvoyant.dispatcher import Dispatcher, Ticket
 from clairvoyant.errors import RequestError, UpstreamTimeout
 from clairvoyant.metrics import Metrics
 from clairvoyant.upstream import Upstream, response_headers

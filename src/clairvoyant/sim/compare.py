@@ -29,7 +29,7 @@ from clairvoyant.sim.experiments import Condition, ConditionResult, Setup, paper
 from clairvoyant.sim.predictors import LabelScorer, NoisyScorer, OracleScorer, PredictorScorer, Scorer
 from clairvoyant.sim.workload import PromptService, load_prompts
 
-__all__ = ["DEFAULT_CONDITIONS", "compare", "compare_markdown"]
+__all__ = ["compare", "compare_json", "compare_markdown", "default_conditions"]
 
 
 def _default_condition() -> Condition:
@@ -57,8 +57,6 @@ def default_conditions() -> list[Condition]:
         _default_condition(),
     ]
 
-
-DEFAULT_CONDITIONS = default_conditions
 
 
 def _with_fair_share(conditions: Sequence[Condition]) -> list[Condition]:
