@@ -398,7 +398,7 @@ def test_starvation_timeout_promotes_a_waiting_long_request() -> None:
     backend = HeldBackend()
     router = respx.MockRouter(base_url=UPSTREAM)
     router.post("/v1/chat/completions").mock(side_effect=backend)
-    with proxy(router, starvation_timeout_s=0.2) as base:
+    with proxy(router, starvation_timeout_s=0.2, starvation_slowdown=0) as base:  # the paper's rule
         holder = BackgroundPosts(base, "[long] holder")
         wait_until(lambda: len(backend.order) == 1, what="holder at the backend")
         threads = [BackgroundPosts(base, "[long] old")]
