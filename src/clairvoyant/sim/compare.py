@@ -5,7 +5,8 @@ Workloads (n requests x seeds each; common random numbers across conditions):
 - ``paper``: paper 5.5, Poisson lambda = 0.12/s (rho 0.74), N(3.5, 0.8) s Short / N(8.9, 2.0) s Long.
 - ``heavy``: real ShareGPT answer lengths (the prompts file's reference answers) at a fixed decode
   speed, s = c0 + c_tok x answer tokens, Poisson at rho 0.74; the real predictor scores the real
-  prompts.
+  prompts. Also the default with predicted seconds from the online service-time model, taught
+  each completion as the proxy does ("learned S"; the real predictor only, which has tokens).
 - ``tenants``: tenant 0 floods (half the requests in one batch at t = 0), tenant 1 is interactive
   (Poisson at rho 0.3 on its own), paper service times; also tenant 1 alone, for the 2x target.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +64,7 @@ def default_conditions() -> list[Condition]:
 def _with_fair_share(conditions: Sequence[Condition]) -> list[Condition]:
     out = [Condition("fcfs (no fair share)", "fcfs")]
     for c in conditions:
-        out.append(Condition(c.name if c.fair_share else c.name + " +fair", c.policy, c.tau_s, c.tau_multiple, True, c.slowdown, c.params))
+        out.append(replace(c, name=c.name if c.fair_share else c.name + " +fair", fair_share=True))
     return out
 
 
@@ -95,8 +97,10 @@ def compare(
         from clairvoyant.predictor import OnnxPredictor
 
         scorers: list[Scorer] = [OracleScorer(), NoisyScorer(0.8), PredictorScorer(OnnxPredictor(model), service.records, c0_s=c0_s, c_tok_s=c_tok_s)]
+        d = conditions[-1]  # the default, with predicted seconds from the online service-time model
+        learned = replace(d, name=d.name + " learned S", learn_service_time=True)
         for scorer in scorers:
-            block("heavy", Setup(service, n, seeds, rho=0.74, scorer=scorer), conditions)
+            block("heavy", Setup(service, n, seeds, rho=0.74, scorer=scorer), [*conditions, learned])
     if "tenants" in workloads:
         scorer = LabelScorer(0.8)
         alone = run_conditions(Setup(paper_service(), n, seeds, "tenants-alone", rho=0.3, scorer=scorer), conditions, progress)

@@ -22,6 +22,7 @@ import numpy as np
 from clairvoyant.job_queue import Job
 from clairvoyant.policy import PolicyParams, SchedulingPolicy, build_queue, make_policy
 from clairvoyant.scheduling.boost import bucket_for
+from clairvoyant.scheduling.service_time import ServiceTimeModel
 from clairvoyant.sim.workload import Workload
 
 __all__ = ["Beliefs", "Schedule", "simulate"]
@@ -34,6 +35,7 @@ class Beliefs:
     score: np.ndarray  # float64 predictor score, unitless, lower = shorter (sjf's key)
     predicted_s: np.ndarray  # float64 predicted service seconds (boost, hrrn, fair share)
     bucket: np.ndarray  # int64 prediction bucket (boost's bucket-conditioned table)
+    predicted_tokens: np.ndarray | None = None  # float64 predicted output tokens, when the predictor has them
 
     @classmethod
     def from_scores(cls, scores: np.ndarray, predicted_s: np.ndarray | None = None) -> Beliefs:
@@ -74,6 +76,7 @@ def simulate(
     fair_share: bool = False,
     params: PolicyParams | None = None,
     priority: np.ndarray | None = None,
+    service_time: ServiceTimeModel | None = None,
 ) -> Schedule:
     """Run ``workload`` through the proxy's queue (``policy.build_queue``) with ``slots`` servers.
 
@@ -81,7 +84,10 @@ def simulate(
     (then predicted seconds = scores). A fresh policy is built per run (its learned state, e.g.
     boost's bucket table, starts empty) and told each completion at its virtual end time, as the
     dispatcher tells it when a request ends. ``priority`` (int per request, lower = sooner) and
-    the workload's tenants feed the job record. Raises ValueError on mismatched lengths,
+    the workload's tenants feed the job record. With ``service_time`` (and predicted tokens in the
+    beliefs) predicted seconds come from that online model as in the proxy: predicted at arrival,
+    taught each completion's measured seconds with the predicted tokens (the proxy's stand-in until
+    usage records land). Raises ValueError on mismatched lengths,
     ``slots`` < 1 or a non-positive timeout.
     """
     n = len(workload)
@@ -100,6 +106,8 @@ def simulate(
     score = beliefs.score.tolist()
     pred = beliefs.predicted_s.tolist()
     bucket = beliefs.bucket.tolist()
+    tokens = None if beliefs.predicted_tokens is None else beliefs.predicted_tokens.tolist()
+    learn = service_time is not None and tokens is not None
     prio = [0] * n if priority is None else [int(p) for p in priority]
     tenant = [""] * n if workload.tenant is None else [str(t) for t in workload.tenant.tolist()]
     jobs: list[Job[int] | None] = [None] * n
@@ -123,8 +131,14 @@ def simulate(
         while running and running[0][0] <= t:  # completions reach the policy before the decision
             _, done = heapq.heappop(running)
             observe(jobs[done], service[done])  # type: ignore[arg-type]
+            if learn:
+                service_time.observe(None, 0, round(tokens[done]), service[done])  # type: ignore[union-attr,index]
         while nxt < n and arrival[nxt] <= t:
-            job = Job(nxt, arrival[nxt], score[nxt], 0.0, pred[nxt], bucket[nxt], None, prio[nxt], tenant[nxt])
+            if learn:
+                p_s = service_time.predict_s(None, 0, tokens[nxt])  # type: ignore[union-attr,index]
+                job = Job(nxt, arrival[nxt], score[nxt], tokens[nxt], p_s, bucket_for(p_s), None, prio[nxt], tenant[nxt])  # type: ignore[index]
+            else:
+                job = Job(nxt, arrival[nxt], score[nxt], 0.0, pred[nxt], bucket[nxt], None, prio[nxt], tenant[nxt])
             jobs[nxt] = job
             push(job)
             nxt += 1

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from clairvoyant.policy import PolicyParams
+from clairvoyant.scheduling.service_time import ServiceTimeModel
 from clairvoyant.sim.engine import Beliefs, simulate
 from clairvoyant.sim.predictors import OracleScorer, Scorer, pairwise_accuracy
 from clairvoyant.sim.report import aggregate, run_metrics
@@ -85,12 +86,14 @@ class Condition:
     tau_multiple: float | None = None  # tau / mu_short, when defined that way
     fair_share: bool = False  # one queue per tenant, shared in predicted seconds
     slowdown: float = 0.0  # guard deadline = tau + slowdown x predicted seconds
+    learn_service_time: bool = False  # predicted seconds from the online service-time model (proxy-like)
     params: PolicyParams = field(default_factory=PolicyParams)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "name": self.name, "policy": self.policy, "tau_s": self.tau_s, "tau_multiple": self.tau_multiple,
-            "fair_share": self.fair_share, "starvation_slowdown": self.slowdown, "boost_gamma_per_s": self.params.boost_gamma_per_s,
+            "fair_share": self.fair_share, "starvation_slowdown": self.slowdown,
+            "learn_service_time": self.learn_service_time, "boost_gamma_per_s": self.params.boost_gamma_per_s,
             "boost_auto_gamma": self.params.boost_auto_gamma, "boost_max_s": self.params.boost_max_s,
         }  # fmt: skip
 
@@ -169,6 +172,7 @@ def run_conditions(
                 workload, beliefs, policy=c.policy, starvation_timeout_s=c.tau_s, starvation_slowdown=c.slowdown,
                 slots=setup.slots,
                 fair_share=c.fair_share, params=c.params,
+                service_time=ServiceTimeModel() if c.learn_service_time else None,
             )  # fmt: skip
             result.per_seed.append({"seed": float(seed), "accuracy": accuracy, **run_metrics(workload, schedule)})
             if progress is not None:

@@ -198,7 +198,8 @@ class PredictorScorer:
         score, tokens = self._predict(workload)
         if np.isnan(tokens).any():
             raise ValueError("the predictor gives no predicted_tokens")
-        return _beliefs(score, self.c0_s + self.c_tok_s * tokens)
+        b = _beliefs(score, self.c0_s + self.c_tok_s * tokens)
+        return Beliefs(b.score, b.predicted_s, b.bucket, tokens)
 
 
 def pairwise_accuracy(scores: np.ndarray, class_idx: np.ndarray, lo: int = SHORT, hi: int = LONG) -> float:
