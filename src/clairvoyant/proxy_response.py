@@ -201,7 +201,10 @@ class ScheduledResponse(_AsgiOnly):
             async with self.dispatcher.lease(self.ticket) as lease:
                 self.stage = "relaying"
                 await self.relay.run(send)
-                lease.completed = self.relay.outcome in ("completed", "client_left_streaming")
+                # Only whole successful answers teach the service-time model.
+                lease.completed = self.relay.outcome in ("completed", "client_left_streaming") and (
+                    self.relay.status is not None and self.relay.status < 400
+                )
                 if lease.completed:
                     self._observe_end()
         except RequestError as exc:  # refused while waiting (shutting down)
