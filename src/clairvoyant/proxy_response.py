@@ -201,12 +201,11 @@ class ScheduledResponse(_AsgiOnly):
             async with self.dispatcher.lease(self.ticket) as lease:
                 self.stage = "relaying"
                 await self.relay.run(send)
-                # Only whole successful answers teach the service-time model.
-                lease.completed = self.relay.outcome in ("completed", "client_left_streaming") and (
-                    self.relay.status is not None and self.relay.status < 400
-                )
-                if lease.completed:
+                finished = self.relay.outcome in ("completed", "client_left_streaming")
+                if finished:
                     self._observe_end()
+                # Only whole successful answers teach the service-time model.
+                lease.completed = finished and self.relay.status is not None and self.relay.status < 400
         except RequestError as exc:  # refused while waiting (shutting down)
             self.relay.outcome = "refused"
             if not self.relay.client_gone:
