@@ -505,6 +505,9 @@ def test_priority_orders_is_clamped_stripped_and_tenant_header_stays_here() -> N
         post("header", json=chat_body("header"), headers={"x-clairvoyant-priority": "-1"})
         post("urgent", json=chat_body("urgent", priority=-50))  # clamped to -2
         snapshot = queue_snapshot(base)
+        first = snapshot["waiting"][0]["request_id"]
+        one = httpx.get(f"{base}/queue/{first}").json()
+        unknown = httpx.get(f"{base}/queue/no-such-request")
         bad = httpx.post(f"{base}/v1/chat/completions", json=chat_body("x", priority="high"))
         backend.gate.set()
         for t in [holder, *posts]:
@@ -515,6 +518,8 @@ def test_priority_orders_is_clamped_stripped_and_tenant_header_stays_here() -> N
     assert all("priority" not in body for body in backend.bodies)  # stripped before forwarding
     assert all("x-clairvoyant-tenant" not in h and "x-clairvoyant-priority" not in h for h in backend.headers)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
+    assert one["waiting"] and one["position"] == 0 and one["eta_s"] > 0
+    assert unknown.status_code == 404 and unknown.json() == {"request_id": "no-such-request", "waiting": False}
 
 
 def test_priority_is_forwarded_when_configured() -> None:
