@@ -89,13 +89,13 @@ def create_app(
         dispatcher = Dispatcher(
             queue, policy, slots=settings.slots, clock=clock, metrics=metrics, max_queue=settings.max_queue,
             service_time=service_time, min_retry_after_s=settings.retry_after_s,
-            starvation_timeout_s=settings.starvation_timeout_s,
+            starvation_timeout_s=settings.starvation_timeout_s, starvation_slowdown=settings.starvation_slowdown,
         )  # fmt: skip
         await dispatcher.start()
         app.state.proxy = ProxyState(settings, loaded, upstream, dispatcher, metrics)
         logger.info(
-            "clairvoyant ready: upstream=%s policy=%s tau=%ss slots=%d max_queue=%d disconnect_mode=%s",
-            settings.upstream_url, settings.policy, settings.starvation_timeout_s, settings.slots,
+            "clairvoyant ready: upstream=%s policy=%s tau=%ss+%sxS slots=%d max_queue=%d disconnect_mode=%s",
+            settings.upstream_url, settings.policy, settings.starvation_timeout_s, settings.starvation_slowdown, settings.slots,
             settings.max_queue, settings.disconnect_mode,
         )
         try:

@@ -106,6 +106,7 @@ class Dispatcher:
         service_time: ServiceTimeModel | None = None,
         min_retry_after_s: int = 1,
         starvation_timeout_s: float = math.inf,
+        starvation_slowdown: float = 0.0,
     ) -> None:
         if slots < 1:
             raise ValueError("slots must be >= 1")
@@ -118,6 +119,7 @@ class Dispatcher:
         self.service_time = service_time or ServiceTimeModel()
         self.min_retry_after_s = min_retry_after_s
         self.starvation_timeout_s = starvation_timeout_s
+        self.starvation_slowdown = starvation_slowdown
         self._wakeup = asyncio.Event()
         self._workers: list[asyncio.Task[None]] = []
         self._detached: set[asyncio.Task[Any]] = set()
@@ -321,6 +323,7 @@ class Dispatcher:
             "policy": self.policy.name,
             "policy_detail": self.policy.describe(),
             "starvation_timeout_s": self.starvation_timeout_s,
+            "starvation_slowdown": self.starvation_slowdown,  # overdue after tau + this x predicted_s
             "slots": self.slots,
             "max_queue": self.max_queue,
             "tail_eta_s": round(tail, 3),
