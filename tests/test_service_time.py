@@ -88,3 +88,19 @@ def test_auto_gamma_follows_the_traffic() -> None:
         table.observe(bucket_for(3.5 if i % 2 else 8.9), 3.5 if i % 2 else 8.9)
     assert 0.06 < table.gamma_per_s < 0.09
     assert table.describe()["auto_gamma"] is True
+
+
+def test_adaptive_slowdown_follows_the_spread_of_service_times() -> None:
+    from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
+
+    rule = AdaptiveSlowdown(2.0, window=100, min_samples=20)
+    assert rule.value() == pytest.approx(2.0 * 1.25)  # the prior CV^2 = 0.25 until 20 samples
+    for _ in range(100):
+        rule.observe(5.0)  # no spread at all
+    assert rule.cv2() == pytest.approx(0.0, abs=1e-9) and rule.value() == pytest.approx(2.0)
+    for s in (1.0, 9.0) * 50:  # mean 5, std 4: CV^2 = 0.64, and the window forgot the 5.0s
+        rule.observe(s)
+    assert rule.cv2() == pytest.approx(0.64) and rule.value() == pytest.approx(2.0 * 1.64)
+    rule.observe(-1.0)
+    rule.observe(math.nan)
+    assert rule.cv2() == pytest.approx(0.64)

@@ -73,13 +73,14 @@ def test_onnx_predictor_requires_prompts(tmp_path: Path) -> None:
 def test_run_parses_the_guard_and_gamma_of_each_condition(tmp_path: Path) -> None:
     out = tmp_path / "out"
     argv = ["run", "--n", "200", "--seeds", "1", "--predictor", "label", "--accuracy", "0.8",
-            "--conditions", "fcfs", "sjf:1+3.2", "boost:25@0.02", "hrrn", "--out", str(out), "--no-plots", "--no-progress"]  # fmt: skip
+            "--conditions", "fcfs", "sjf:1+3.2", "boost:25@0.02", "hrrn", "sjf:1+2.56cv", "--out", str(out), "--no-plots", "--no-progress"]  # fmt: skip
     assert run(argv) == 0
     conds = json.loads((out / "sim_run.json").read_text())["conditions"]
     assert [(c["policy"], c["tau_s"], c["starvation_slowdown"]) for c in conds] == [
-        ("fcfs", "inf", 0.0), ("sjf", 1.0, 3.2), ("boost", 25.0, 0.0), ("hrrn", "inf", 0.0)
+        ("fcfs", "inf", 0.0), ("sjf", 1.0, 3.2), ("boost", 25.0, 0.0), ("hrrn", "inf", 0.0), ("sjf", 1.0, 2.56)
     ]
     assert conds[2]["boost_gamma_per_s"] == 0.02
+    assert [c["adaptive_slowdown"] for c in conds] == [False, False, False, False, True]
 
 
 def test_compare_reports_every_policy_and_both_tenants(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from clairvoyant.predictor import OnnxPredictor, Prediction, Predictor
 from clairvoyant.proxy_response import PassthroughResponse, Relay, ScheduledResponse, UpstreamRequest
 from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.service_time import ServiceTimeModel
+from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
 from clairvoyant.upstream import Upstream
 
 __all__ = ["create_app"]
@@ -78,10 +79,13 @@ def create_app(
             settings.policy,
             PolicyParams(settings.boost_gamma_per_s, settings.boost_auto_gamma, settings.boost_max_s),
         )
+        slowdown: float | AdaptiveSlowdown = settings.starvation_slowdown
+        if settings.starvation_slowdown_adaptive:
+            slowdown = AdaptiveSlowdown(settings.starvation_slowdown)
         queue = build_queue(
             policy,
             starvation_timeout_s=settings.starvation_timeout_s,
-            starvation_slowdown=settings.starvation_slowdown,
+            starvation_slowdown=slowdown,
             fair_share=settings.fair_share,
         )
         service_time = ServiceTimeModel(path=settings.service_time_state)
@@ -89,7 +93,7 @@ def create_app(
         dispatcher = Dispatcher(
             queue, policy, slots=settings.slots, clock=clock, metrics=metrics, max_queue=settings.max_queue,
             service_time=service_time, min_retry_after_s=settings.retry_after_s,
-            starvation_timeout_s=settings.starvation_timeout_s, starvation_slowdown=settings.starvation_slowdown,
+            starvation_timeout_s=settings.starvation_timeout_s, starvation_slowdown=slowdown,
         )  # fmt: skip
         await dispatcher.start()
         app.state.proxy = ProxyState(settings, loaded, upstream, dispatcher, metrics)

@@ -64,7 +64,16 @@ class Settings(BaseSettings):
         ),
     )
     starvation_slowdown: float = Field(
-        3.2, ge=0, description="Adds this many times a request's predicted service seconds to its tau (0 = the paper's rule; see docs/simulation.md)."
+        2.56,
+        ge=0,
+        description=(
+            "Adds this many times a request's predicted service seconds to its tau (0 = the paper's rule); with "
+            "starvation_slowdown_adaptive, times (1 + CV^2) of recent service times. See docs/scheduling.md."
+        ),
+    )
+    starvation_slowdown_adaptive: bool = Field(
+        True,
+        description="Scale the slowdown by (1 + CV^2) of the last 512 measured service times (CV^2 = 0.25 until 20 are in).",
     )
     boost_gamma_per_s: float = Field(
         0.02, gt=0, description="boost: gamma in 1/s; requests shorter than about 1/gamma seconds get a real boost."

@@ -37,6 +37,7 @@ from clairvoyant.metrics import Metrics
 from clairvoyant.policy import SchedulingPolicy
 from clairvoyant.predictor import Prediction
 from clairvoyant.scheduling.service_time import ServiceTimeModel
+from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
 
 __all__ = ["Dispatcher", "Lease", "ShuttingDown", "Ticket"]
 
@@ -106,7 +107,7 @@ class Dispatcher:
         service_time: ServiceTimeModel | None = None,
         min_retry_after_s: int = 1,
         starvation_timeout_s: float = math.inf,
-        starvation_slowdown: float = 0.0,
+        starvation_slowdown: float | AdaptiveSlowdown = 0.0,
     ) -> None:
         if slots < 1:
             raise ValueError("slots must be >= 1")
@@ -232,6 +233,8 @@ class Dispatcher:
         job = ticket.job
         self.service_time.observe(ticket.model, ticket.prompt_tokens, round(job.predicted_tokens), service_s)
         self.policy.observe(job, service_s)
+        if isinstance(self.starvation_slowdown, AdaptiveSlowdown):
+            self.starvation_slowdown.observe(service_s)
         self._observed += 1
         if self._observed % _SAVE_EVERY == 0:
             self._save_state()
@@ -323,7 +326,12 @@ class Dispatcher:
             "policy": self.policy.name,
             "policy_detail": self.policy.describe(),
             "starvation_timeout_s": self.starvation_timeout_s,
-            "starvation_slowdown": self.starvation_slowdown,  # overdue after tau + this x predicted_s
+            # overdue after tau + slowdown x predicted_s (adaptive: base x (1 + CV^2) of service times)
+            "starvation_slowdown": (
+                self.starvation_slowdown.describe()
+                if isinstance(self.starvation_slowdown, AdaptiveSlowdown)
+                else self.starvation_slowdown
+            ),
             "slots": self.slots,
             "max_queue": self.max_queue,
             "tail_eta_s": round(tail, 3),

@@ -39,6 +39,8 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
+from clairvoyant.scheduling.slowdown import SlowdownRule
+
 __all__ = [
     "FairShareQueue",
     "HeapQueue",
@@ -67,6 +69,7 @@ class Job(Generic[T]):
     cap_tokens: int | None = None  # the client's max_tokens / num_predict, if any
     priority: int = 0  # client priority class, already clamped; lower = sooner
     tenant: str = ""  # who sent it (fair share); "" = the default tenant
+    deadline_s: float = math.inf  # clock seconds after which it is overdue (set by a StarvationGuard at push)
     seq: int = -1  # arrival order, set at construction; breaks key ties
     waiting: bool = False  # True between push and pop/remove
 
@@ -220,10 +223,10 @@ class StarvationGuard(Generic[T]):
     O(log n) plus the size of a same-instant group of overdue jobs (capped at 64).
     """
 
-    def __init__(self, inner: JobQueue[T], timeout_s: float, slowdown: float = 0.0) -> None:
+    def __init__(self, inner: JobQueue[T], timeout_s: float, slowdown: float | SlowdownRule = 0.0) -> None:
         if not timeout_s > 0:
             raise ValueError("timeout_s must be > 0 (math.inf disables it)")
-        if not slowdown >= 0:
+        if isinstance(slowdown, (int, float)) and not slowdown >= 0:
             raise ValueError("slowdown must be >= 0")
         self.inner = inner
         self.timeout_s = timeout_s
@@ -238,17 +241,23 @@ class StarvationGuard(Generic[T]):
     def __iter__(self) -> Iterator[Job[T]]:
         return iter(self.inner)
 
+    def slowdown_now(self) -> float:
+        """The slowdown factor for a job queued now (fixed, or the rule's current value)."""
+        s = self.slowdown
+        return float(s) if isinstance(s, (int, float)) else s.value()
+
     def deadline_s(self, job: Job[T]) -> float:
-        """Clock seconds after which ``job`` is overdue."""
-        return job.arrival_s + self.timeout_s + self.slowdown * job.predicted_s
+        """Clock seconds after which ``job`` is overdue (fixed when it was pushed)."""
+        return job.deadline_s
 
     def is_overdue(self, job: Job[T], now: float) -> bool:
-        return now > self.deadline_s(job)
+        return now > job.deadline_s
 
     def push(self, job: Job[T]) -> None:
+        job.deadline_s = job.arrival_s + self.timeout_s + self.slowdown_now() * job.predicted_s
         self.inner.push(job)
         if not math.isinf(self.timeout_s):
-            heapq.heappush(self._pending, (self.deadline_s(job), job.seq, job))
+            heapq.heappush(self._pending, (job.deadline_s, job.seq, job))
 
     def remove(self, job: Job[T]) -> bool:
         removed = self.inner.remove(job)

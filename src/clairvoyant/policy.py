@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from clairvoyant.job_queue import FairShareQueue, HeapQueue, Job, JobQueue, ScanQueue, StarvationGuard
 from clairvoyant.scheduling.boost import BoostTable
+from clairvoyant.scheduling.slowdown import SlowdownRule
 
 __all__ = [
     "POLICIES",
@@ -175,7 +176,7 @@ def build_queue(
     policy: SchedulingPolicy,
     *,
     starvation_timeout_s: float = math.inf,
-    starvation_slowdown: float = 0.0,
+    starvation_slowdown: float | SlowdownRule = 0.0,
     fair_share: bool = False,
 ) -> JobQueue[Any]:
     """The queue the dispatcher and the simulator drive: policy order, starvation guard (a job is

@@ -45,20 +45,24 @@ def _mix(text: str) -> dict[str, float]:
     return out
 
 
-def _condition(text: str) -> tuple[str, float, float, float | None]:
-    """POLICY[:TAU_S[+SLOWDOWN]][@GAMMA], e.g. ``sjf:10.5``, ``sjf:1+3.2``, ``boost:25@0.02``."""
+def _condition(text: str) -> tuple[str, float, float, float | None, bool]:
+    """POLICY[:TAU_S[+SLOWDOWN[cv]]][@GAMMA], e.g. ``sjf:10.5``, ``sjf:1+3.2``, ``sjf:1+2.56cv``
+    (adaptive: x (1 + CV^2) of measured service times), ``boost:25@0.02``."""
     rest, _, gamma = text.partition("@")
     policy, _, guard = rest.partition(":")
     tau, _, slowdown = guard.partition("+")
+    adaptive = slowdown.endswith("cv")
+    slowdown = slowdown.removesuffix("cv")
     try:
         return (
             policy,
             math.inf if tau in ("", "inf") else float(tau),
             float(slowdown) if slowdown else 0.0,
             float(gamma) if gamma else None,
+            adaptive,
         )
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected POLICY[:TAU_S[+SLOWDOWN]][@GAMMA], got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected POLICY[:TAU_S[+SLOWDOWN[cv]]][@GAMMA], got {text!r}") from None
 
 
 def _add_workload_flags(p: argparse.ArgumentParser, *, with_rate: bool = True) -> None:
@@ -103,9 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("run", help="run chosen conditions on one workload", description="run chosen conditions on one workload")
     _add_workload_flags(p)
     p.add_argument(
-        "--conditions", nargs="+", type=_condition, default=[("fcfs", math.inf, 0.0, None), ("sjf", math.inf, 0.0, None)],
-        metavar="POLICY[:TAU_S[+SLOWDOWN]][@GAMMA]",
-        help="e.g. fcfs sjf:10.5 sjf:inf sjf:1+3.2 boost:25@0.02 hrrn (default fcfs sjf:inf)",
+        "--conditions", nargs="+", type=_condition, default=[("fcfs", math.inf, 0.0, None, False), ("sjf", math.inf, 0.0, None, False)],
+        metavar="POLICY[:TAU_S[+SLOWDOWN[cv]]][@GAMMA]",
+        help="e.g. fcfs sjf:10.5 sjf:inf sjf:1+3.2 sjf:1+2.56cv boost:25@0.02 hrrn (default fcfs sjf:inf)",
     )  # fmt: skip
     p = sub.add_parser("tau-sweep", help="paper 5.5: starvation timeout sweep", description="paper 5.5: starvation timeout sweep")
     _add_workload_flags(p)
@@ -192,10 +196,10 @@ def _scorer(args: argparse.Namespace, service: Any) -> Any:
     return pr.PredictorScorer(OnnxPredictor(args.model), service.records)
 
 
-def _condition_name(policy: str, tau: float, slowdown: float, gamma: float | None) -> str:
+def _condition_name(policy: str, tau: float, slowdown: float, gamma: float | None, adaptive: bool = False) -> str:
     if math.isinf(tau) and policy == "fcfs" and gamma is None:
         return policy
-    name = f"{policy} tau={tau:g}" + (f"+{slowdown:g}xS" if slowdown else "")
+    name = f"{policy} tau={tau:g}" + (f"+{slowdown:g}{'x(1+CV2)' if adaptive else ''}xS" if slowdown else "")
     return name + (f" gamma={gamma:g}" if gamma is not None else "")
 
 
@@ -240,10 +244,10 @@ def run(args: argparse.Namespace) -> int:
 
             conds = [
                 ex.Condition(
-                    _condition_name(p, t, m, g), p, t, slowdown=m,
+                    _condition_name(p, t, m, g, a), p, t, slowdown=m, adaptive_slowdown=a,
                     params=PolicyParams(boost_gamma_per_s=g) if g is not None else PolicyParams(),
                 )  # fmt: skip
-                for p, t, m, g in args.conditions
+                for p, t, m, g, a in args.conditions
             ]
             results = ex.run_conditions(setup, conds, bar.update)
             result: dict[str, Any] = {

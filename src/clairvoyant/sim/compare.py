@@ -40,10 +40,12 @@ def _default_condition() -> Condition:
 
     defaults = {name: f.default for name, f in Settings.model_fields.items()}  # defaults only, no environment
     params = PolicyParams(defaults["boost_gamma_per_s"], defaults["boost_auto_gamma"], defaults["boost_max_s"])
+    adaptive = defaults["starvation_slowdown_adaptive"]
+    slowdown = f"{defaults['starvation_slowdown']:g}x(1+CV2)" if adaptive else f"{defaults['starvation_slowdown']:g}"
     return Condition(
-        f"default ({defaults['policy']} tau={defaults['starvation_timeout_s']:g}+{defaults['starvation_slowdown']:g}xS)",
+        f"default ({defaults['policy']} tau={defaults['starvation_timeout_s']:g}+{slowdown}xS)",
         defaults["policy"], defaults["starvation_timeout_s"], slowdown=defaults["starvation_slowdown"],
-        fair_share=defaults["fair_share"], params=params,
+        fair_share=defaults["fair_share"], params=params, adaptive_slowdown=adaptive,
     )  # fmt: skip
 
 

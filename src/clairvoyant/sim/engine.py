@@ -23,6 +23,7 @@ from clairvoyant.job_queue import Job
 from clairvoyant.policy import PolicyParams, SchedulingPolicy, build_queue, make_policy
 from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.service_time import ServiceTimeModel
+from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
 from clairvoyant.sim.workload import Workload
 
 __all__ = ["Beliefs", "Schedule", "simulate"]
@@ -71,7 +72,7 @@ def simulate(
     *,
     policy: str | SchedulingPolicy = "sjf",
     starvation_timeout_s: float = math.inf,
-    starvation_slowdown: float = 0.0,
+    starvation_slowdown: float | AdaptiveSlowdown = 0.0,
     slots: int = 1,
     fair_share: bool = False,
     params: PolicyParams | None = None,
@@ -83,7 +84,7 @@ def simulate(
     ``scores`` is a ``Beliefs`` (score, predicted seconds, bucket per request) or plain scores
     (then predicted seconds = scores). A fresh policy is built per run (its learned state, e.g.
     boost's bucket table, starts empty) and told each completion at its virtual end time, as the
-    dispatcher tells it when a request ends. ``priority`` (int per request, lower = sooner) and
+    dispatcher tells it when a request ends. An ``AdaptiveSlowdown`` is told each completion too. ``priority`` (int per request, lower = sooner) and
     the workload's tenants feed the job record. With ``service_time`` (and predicted tokens in the
     beliefs) predicted seconds come from that online model as in the proxy: predicted at arrival,
     taught each completion's measured seconds with the predicted tokens (the proxy's stand-in until
@@ -123,6 +124,7 @@ def simulate(
     now = -math.inf  # decision times never go backwards
     nxt = 0  # next request to arrive
     push, pop, observe = queue.push, queue.pop, pol.observe
+    spread = starvation_slowdown if isinstance(starvation_slowdown, AdaptiveSlowdown) else None
     for _ in range(n):
         free_at, slot = heapq.heappop(free)
         t = free_at if free_at > now else now
@@ -131,6 +133,8 @@ def simulate(
         while running and running[0][0] <= t:  # completions reach the policy before the decision
             _, done = heapq.heappop(running)
             observe(jobs[done], service[done])  # type: ignore[arg-type]
+            if spread is not None:
+                spread.observe(service[done])
             if learn:
                 service_time.observe(None, 0, round(tokens[done]), service[done])  # type: ignore[union-attr,index]
         while nxt < n and arrival[nxt] <= t:

@@ -28,6 +28,7 @@ import numpy as np
 
 from clairvoyant.policy import PolicyParams
 from clairvoyant.scheduling.service_time import ServiceTimeModel
+from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
 from clairvoyant.sim.engine import Beliefs, simulate
 from clairvoyant.sim.predictors import OracleScorer, Scorer, pairwise_accuracy
 from clairvoyant.sim.report import aggregate, run_metrics
@@ -87,13 +88,14 @@ class Condition:
     fair_share: bool = False  # one queue per tenant, shared in predicted seconds
     slowdown: float = 0.0  # guard deadline = tau + slowdown x predicted seconds
     learn_service_time: bool = False  # predicted seconds from the online service-time model (proxy-like)
+    adaptive_slowdown: bool = False  # slowdown = the given one x (1 + CV^2) of measured service times
     params: PolicyParams = field(default_factory=PolicyParams)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "name": self.name, "policy": self.policy, "tau_s": self.tau_s, "tau_multiple": self.tau_multiple,
             "fair_share": self.fair_share, "starvation_slowdown": self.slowdown,
-            "learn_service_time": self.learn_service_time, "boost_gamma_per_s": self.params.boost_gamma_per_s,
+            "learn_service_time": self.learn_service_time, "adaptive_slowdown": self.adaptive_slowdown, "boost_gamma_per_s": self.params.boost_gamma_per_s,
             "boost_auto_gamma": self.params.boost_auto_gamma, "boost_max_s": self.params.boost_max_s,
         }  # fmt: skip
 
@@ -169,7 +171,8 @@ def run_conditions(
         for result in results:
             c = result.condition
             schedule = simulate(
-                workload, beliefs, policy=c.policy, starvation_timeout_s=c.tau_s, starvation_slowdown=c.slowdown,
+                workload, beliefs, policy=c.policy, starvation_timeout_s=c.tau_s,
+                starvation_slowdown=AdaptiveSlowdown(c.slowdown) if c.adaptive_slowdown else c.slowdown,
                 slots=setup.slots,
                 fair_share=c.fair_share, params=c.params,
                 service_time=ServiceTimeModel() if c.learn_service_time else None,
