@@ -105,3 +105,13 @@ def test_priority_classes_invert_only_by_the_starvation_bound(operations, name, 
             assert now - job.arrival_s > tau  # and only once it had waited past tau
 
     run(build_queue(make_policy(name, PolicyParams()), starvation_timeout_s=tau, fair_share=fair), operations, check)
+
+
+def test_regression_an_overdue_head_passing_a_hidden_better_class_is_a_promotion() -> None:
+    # Found by hypothesis: tenant b's class-0 jobs were hidden behind b's own promoted class-1 job,
+    # so tenant a's overdue class-1 head went first without being reported as a starvation decision.
+    q = build_queue(make_policy("fcfs"), starvation_timeout_s=5.0, fair_share=True)
+    for name, arrival, prio, tenant in [("a1", 0.0, 1, "a"), ("b2", 0.0, 1, "b"), ("b3", 0.5, 0, "b")]:
+        q.push(Job(name, arrival, priority=prio, tenant=tenant))
+    job, promoted = q.pop(10.5)  # type: ignore[misc]
+    assert job.priority == 1 and promoted

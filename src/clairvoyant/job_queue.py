@@ -410,16 +410,21 @@ class FairShareQueue(Generic[T]):
             job, promoted = head
             is_overdue = getattr(tenant.queue, "is_overdue", None)
             overdue = promoted or (is_overdue is not None and is_overdue(job, now))
-            heads.append((job.priority, overdue, tenant.served_s, name, job, promoted))
+            # The tenant's best class, even when a promotion hides it behind an older job.
+            inner = getattr(tenant.queue, "inner", None)
+            inner_head = inner.peek(now) if inner is not None else None
+            best_here = min(job.priority, inner_head[0].priority) if inner_head is not None else job.priority
+            heads.append((job.priority, overdue, tenant.served_s, name, job, promoted, best_here))
         if not heads:
             return None
         best = min(h[0] for h in heads)
         # An overdue head joins the best class, where fair share still decides: lifting it above
         # every tenant would let a flooding tenant's overdue backlog starve the others.
-        _, _, _, name, job, promoted = min(
+        _, _, _, name, job, promoted, _ = min(
             heads, key=lambda h: (best if h[1] else h[0], h[2], h[4].seq)
         )
-        return name, job, promoted or job.priority > best
+        # A starvation decision if a better class waits anywhere (possibly hidden behind a promotion).
+        return name, job, promoted or job.priority > min(h[6] for h in heads)
 
     def peek(self, now: float) -> tuple[Job[T], bool] | None:
         chosen = self._choose(now)
