@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -312,13 +313,16 @@ def test_queue_full_answers_503_with_retry_after_in_the_dialect() -> None:
         wait_until(lambda: len(backend.order) == 1, what="first at the backend")
         threads.append(BackgroundPosts(base, "[long] b"))
         wait_until(lambda: len(queue_snapshot(base)["waiting"]) == 1, what="second queued")
+        tail_eta_s = queue_snapshot(base)["tail_eta_s"]  # the in-flight [long] job's predicted remainder
         full = httpx.post(f"{base}/v1/chat/completions", json=chat_body("[short] c"))
         full_ollama = httpx.post(f"{base}/api/chat", json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
         rejected = metric_value(base, "clairvoyant_rejections_total", 'reason="queue_full"')
         backend.gate.set()
         for t in threads:
             t.join(10)
-    assert full.status_code == 503 and full.headers["retry-after"] == "3"
+    # Retry-After is the queue tail's ETA (not a constant), never below the configured floor.
+    assert tail_eta_s > 3
+    assert full.status_code == 503 and int(full.headers["retry-after"]) in (math.ceil(tail_eta_s), math.ceil(tail_eta_s) - 1)
     assert full.json()["error"]["code"] == "queue_full"
     assert full_ollama.status_code == 503 and "queue is full" in full_ollama.json()["error"]
     assert rejected == 2
@@ -394,7 +398,7 @@ def test_starvation_timeout_promotes_a_waiting_long_request() -> None:
     backend = HeldBackend()
     router = respx.MockRouter(base_url=UPSTREAM)
     router.post("/v1/chat/completions").mock(side_effect=backend)
-    with proxy(router, starvation_timeout_s=0.2) as base:
+    with proxy(router, starvation_timeout_s=0.2, starvation_slowdown=0) as base:  # the paper's rule
         holder = BackgroundPosts(base, "[long] holder")
         wait_until(lambda: len(backend.order) == 1, what="holder at the backend")
         threads = [BackgroundPosts(base, "[long] old")]
@@ -458,3 +462,71 @@ def test_a_stale_pooled_connection_is_retried_but_a_dead_backend_is_502() -> Non
     assert ok.json() == {"ok": 1}
     assert dead.status_code == 502
     assert route.call_count == 2 + 3  # one try and two resends, then give up
+
+
+# --- priorities and tenants --------------------------------------------------------------------
+
+
+class RecordingHeldBackend(HeldBackend):
+    """Records each forwarded body and header set too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bodies: list[dict[str, Any]] = []
+        self.headers: list[httpx.Headers] = []
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.bodies.append(json.loads(request.content))
+        self.headers.append(request.headers)
+        return await super().__call__(request)
+
+
+def test_priority_orders_is_clamped_stripped_and_tenant_header_stays_here() -> None:
+    backend = RecordingHeldBackend()
+    router = respx.MockRouter(base_url=UPSTREAM)
+    router.post("/v1/chat/completions").mock(side_effect=backend)
+    with proxy(router, policy="fcfs", min_priority=-2, max_priority=3) as base:
+        holder = BackgroundPosts(base, "[long] holder")
+        wait_until(lambda: len(backend.order) == 1, what="holder dispatched")
+        posts = []
+
+        def post(text: str, **kw: Any) -> None:
+            def go() -> None:
+                httpx.post(f"{base}/v1/chat/completions", timeout=30, **kw)
+
+            t = threading.Thread(target=go, daemon=True)
+            t.start()
+            posts.append(t)
+            n = len(posts)
+            wait_until(lambda: len(queue_snapshot(base)["waiting"]) == n, what=f"{text} queued")
+
+        post("low", json=chat_body("low", priority=99))  # clamped to 3
+        post("normal", json=chat_body("normal"), headers={"x-clairvoyant-tenant": "team-a"})
+        post("header", json=chat_body("header"), headers={"x-clairvoyant-priority": "-1"})
+        post("urgent", json=chat_body("urgent", priority=-50))  # clamped to -2
+        snapshot = queue_snapshot(base)
+        first = snapshot["waiting"][0]["request_id"]
+        one = httpx.get(f"{base}/queue/{first}").json()
+        unknown = httpx.get(f"{base}/queue/no-such-request")
+        bad = httpx.post(f"{base}/v1/chat/completions", json=chat_body("x", priority="high"))
+        backend.gate.set()
+        for t in [holder, *posts]:
+            t.join(10)
+    assert [w["priority"] for w in snapshot["waiting"]] == [-2, -1, 0, 3]
+    assert [w["tenant"] for w in snapshot["waiting"]] == ["", "", "team-a", ""]
+    assert backend.order == ["[long] holder", "urgent", "header", "normal", "low"]
+    assert all("priority" not in body for body in backend.bodies)  # stripped before forwarding
+    assert all("x-clairvoyant-tenant" not in h and "x-clairvoyant-priority" not in h for h in backend.headers)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
+    assert one["waiting"] and one["position"] == 0 and one["eta_s"] > 0
+    assert unknown.status_code == 404 and unknown.json() == {"request_id": "no-such-request", "waiting": False}
+
+
+def test_priority_is_forwarded_when_configured() -> None:
+    router = respx.MockRouter(base_url=UPSTREAM)
+    route = router.post("/v1/chat/completions").respond(200, json={"ok": True})
+    with proxy(router, forward_priority=True) as base:
+        r = httpx.post(f"{base}/v1/chat/completions", json=chat_body("[short] x", priority=2))
+    assert r.status_code == 200
+    assert json.loads(route.calls.last.request.content)["priority"] == 2
+    assert r.headers["x-clairvoyant-queue-position"] == "0"

@@ -17,7 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_defaults_match_the_paper_and_the_issue() -> None:
     s = load_settings()
     assert (s.host, s.port, s.upstream_url) == ("127.0.0.1", 8080, "http://127.0.0.1:11434")
-    assert (s.starvation_timeout_s, s.slots, s.max_queue, s.policy) == (15.0, 1, 256, "sjf")
+    assert (s.starvation_timeout_s, s.starvation_slowdown, s.slots, s.max_queue, s.policy) == (1.0, 2.56, 1, 256, "sjf")
+    assert s.starvation_slowdown_adaptive
+    assert (s.min_priority, s.max_priority, s.fair_share, s.tenant_header) == (0, 10, True, "X-Clairvoyant-Tenant")
     assert s.read_timeout_s is None and not s.log_prompts and not s.allow_oracle
 
 

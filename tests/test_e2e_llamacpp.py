@@ -185,3 +185,55 @@ def test_a_client_that_leaves_mid_stream_lets_the_next_request_run(
     decoded = backend_metric(llama_server, "llamacpp:n_decode_total") - before
     # Aborted (the default): the backend stopped far short of 1,500 tokens before serving the next one.
     assert decoded < 750, (decoded, waited)
+
+
+def test_a_priority_request_overtakes_queued_normal_ones_and_queue_shows_eta(
+    llama_server: EmbeddedLlamaServer, predictor: OnnxPredictor
+) -> None:
+    """fcfs inside a class, so only the priority can explain the overtaking."""
+    settings = Settings(upstream_url=llama_server.base_url, policy="fcfs", min_priority=-5, starvation_timeout_s=600)
+    with running_proxy(settings, predictor=predictor) as url:
+
+        async def scenario() -> tuple[list[str], dict, dict, dict[str, str]]:
+            finished: list[str] = []
+            headers: dict[str, str] = {}
+            async with AsyncOpenAI(base_url=f"{url}/v1", api_key="sk-unused", max_retries=0, timeout=300) as client:
+
+                async def run(tag: str, tokens: int, priority: int | None = None) -> None:
+                    extra = {**FORCE, **({"priority": priority} if priority is not None else {})}
+                    raw = await client.chat.completions.with_raw_response.create(
+                        model="smollm2", messages=chat(SHORT_PROMPTS[0]), max_tokens=tokens, extra_body=extra,
+                        extra_headers={"x-request-id": f"e2e-{tag}"},
+                    )
+                    if tag == "urgent":
+                        headers.update(raw.headers)
+                    finished.append(tag)
+
+                holder = asyncio.create_task(run("holder", 160))
+                while not queue_snapshot(url)["in_flight"]:
+                    await asyncio.sleep(0.01)
+                tasks = []
+                for i in range(3):
+                    tasks.append(asyncio.create_task(run(f"normal{i}", 4)))
+                    while len(queue_snapshot(url)["waiting"]) < i + 1:
+                        await asyncio.sleep(0.005)
+                tasks.append(asyncio.create_task(run("urgent", 4, priority=-1)))
+                while len(queue_snapshot(url)["waiting"]) < 4 and not holder.done():
+                    await asyncio.sleep(0.005)
+                snapshot = queue_snapshot(url)
+                one = httpx.get(f"{url}/queue/e2e-normal2").json()
+                assert not holder.done(), "the holder finished before the queue filled; make it longer"
+                await asyncio.gather(holder, *tasks)
+            return finished, snapshot, one, headers
+
+        finished, snapshot, one, headers = asyncio.run(scenario())
+    assert finished[:2] == ["holder", "urgent"], finished
+    assert finished[2:] == ["normal0", "normal1", "normal2"], finished
+    waiting = snapshot["waiting"]
+    assert [w["request_id"] for w in waiting] == ["e2e-urgent", "e2e-normal0", "e2e-normal1", "e2e-normal2"]
+    assert [w["position"] for w in waiting] == [0, 1, 2, 3]
+    assert waiting[0]["priority"] == -1 and all(w["priority"] == 0 for w in waiting[1:])
+    etas = [w["eta_s"] for w in waiting]
+    assert 0 < etas[0] < etas[1] < etas[2] < etas[3]  # in-flight remainder, then each one's predicted seconds
+    assert one == {"request_id": "e2e-normal2", "waiting": True, "position": 3, "eta_s": one["eta_s"]} and one["eta_s"] > etas[2]
+    assert headers["x-clairvoyant-queue-position"] == "0"  # it went straight to the front when it arrived

@@ -1,4 +1,4 @@
-"""The waiting queue, with time as data: explicit arrival times in, expected order out."""
+"""The waiting queues, with time as data: explicit arrival times in, expected order out (no clock, no sleeps)."""
 
 from __future__ import annotations
 
@@ -6,116 +6,222 @@ import math
 
 import pytest
 
-from clairvoyant.errors import QueueFull
-from clairvoyant.job_queue import JobQueue
-from clairvoyant.policy import FcfsPolicy, SjfPolicy, make_policy
+from clairvoyant.job_queue import FairShareQueue, HeapQueue, Job, JobQueue, ScanQueue, StarvationGuard
+from clairvoyant.policy import (
+    POLICY_NAMES,
+    BoostPolicy,
+    FcfsPolicy,
+    HrrnPolicy,
+    PolicyParams,
+    SjfPolicy,
+    build_queue,
+    make_policy,
+)
+from clairvoyant.scheduling.boost import BoostTable
+
+
+def job(name: str, arrival_s: float, *, score: float = 0.5, predicted_s: float = 1.0, priority: int = 0, tenant: str = "", bucket: int = 0) -> Job[str]:
+    return Job(name, arrival_s, score=score, predicted_s=predicted_s, priority=priority, tenant=tenant, bucket=bucket)
 
 
 def drain(queue: JobQueue[str], now: float) -> list[str]:
     out = []
-    while (job := queue.pop(now)) is not None:
-        out.append(job.payload)
+    while (got := queue.pop(now)) is not None:
+        out.append(got[0].payload)
     return out
 
 
-def test_sjf_orders_by_score_then_arrival() -> None:
-    q: JobQueue[str] = JobQueue(SjfPolicy())
-    q.push("long", 0.9, arrival_s=0.0)
-    q.push("mid", 0.5, arrival_s=1.0)
-    q.push("short-a", 0.1, arrival_s=2.0)
-    q.push("short-b", 0.1, arrival_s=3.0)  # same score: arrival breaks the tie
-    q.push("shortest", 0.05, arrival_s=4.0)
-    assert drain(q, now=5.0) == ["shortest", "short-a", "short-b", "mid", "long"]
+def test_policy_names_come_from_the_registry() -> None:
+    assert POLICY_NAMES == ("fcfs", "sjf", "boost", "hrrn")
+    with pytest.raises(ValueError, match="unknown scheduling policy 'lifo'"):
+        make_policy("lifo")
 
 
-def test_fcfs_ignores_score() -> None:
-    q: JobQueue[str] = JobQueue(FcfsPolicy())
+def test_fcfs_is_arrival_order_whatever_the_score() -> None:
+    q = FcfsPolicy().make_queue()
     for i, score in enumerate([0.9, 0.1, 0.5]):
-        q.push(f"r{i}", score, arrival_s=float(i))
+        q.push(job(f"r{i}", float(i), score=score))
     assert drain(q, now=10.0) == ["r0", "r1", "r2"]
 
 
-def test_starvation_promotes_the_longest_waiting_only_after_tau() -> None:
-    q: JobQueue[str] = JobQueue(SjfPolicy(), starvation_timeout_s=10.0)
-    q.push("long", 0.9, arrival_s=0.0)
-    q.push("short1", 0.1, arrival_s=1.0)
-    q.push("short2", 0.1, arrival_s=2.0)
-    # At t=10 the long job has waited exactly tau: not yet "longer than tau".
-    assert q.pop(now=10.0).payload == "short1"
-    assert q.promotions == 0
-    # At t=10.5 it has waited longer than tau: it goes next regardless of its score.
-    assert q.pop(now=10.5).payload == "long"
-    assert q.promotions == 1
-    assert q.pop(now=10.5).payload == "short2"
-    assert q.pop(now=10.5) is None
+def test_sjf_orders_by_score_then_arrival() -> None:
+    q = SjfPolicy().make_queue()
+    q.push(job("long", 0.0, score=0.9))
+    q.push(job("mid", 1.0, score=0.5))
+    q.push(job("short-a", 2.0, score=0.1))
+    q.push(job("short-b", 3.0, score=0.1))  # same score: arrival breaks the tie
+    q.push(job("shortest", 4.0, score=0.05))
+    assert drain(q, now=5.0) == ["shortest", "short-a", "short-b", "mid", "long"]
 
 
-def test_starved_head_of_heap_is_not_counted_as_promotion() -> None:
-    q: JobQueue[str] = JobQueue(SjfPolicy(), starvation_timeout_s=1.0)
-    q.push("short-old", 0.1, arrival_s=0.0)
-    q.push("long", 0.9, arrival_s=0.5)
-    assert q.pop(now=100.0).payload == "short-old"  # oldest and best: no promotion needed
-    assert q.promotions == 0
+def test_boost_key_by_hand() -> None:
+    # gamma = 0.1/s, no measurements yet: b(S) = -ln(1 - exp(-0.1 S)) / 0.1
+    # b(10 s) = 4.587 s, b(1 s) = 23.52 s. Keys: A 0 - 4.587 = -4.59; B 15 - 23.52 = -8.52; C 20 - 23.52 = -3.52.
+    policy = BoostPolicy(BoostTable(0.1, max_boost_s=1e9))
+    assert policy.table.boost(0, 10.0) == pytest.approx(4.587, abs=1e-3)
+    assert policy.table.boost(1, 1.0) == pytest.approx(23.52, abs=1e-2)
+    q = policy.make_queue()
+    q.push(job("A", 0.0, predicted_s=10.0, bucket=0))
+    q.push(job("B", 15.0, predicted_s=1.0, bucket=1))
+    q.push(job("C", 20.0, predicted_s=1.0, bucket=1))
+    assert drain(q, now=20.0) == ["B", "A", "C"]
 
 
-def test_infinite_tau_is_pure_sjf() -> None:
-    q: JobQueue[str] = JobQueue(make_policy("sjf"), starvation_timeout_s=math.inf)
-    q.push("long", 0.9, arrival_s=0.0)
-    q.push("short", 0.1, arrival_s=1.0)
-    assert drain(q, now=1e9) == ["short", "long"]
+def test_boost_cap_bounds_overtaking() -> None:
+    # Cap 5 s: B (1 s, arrives 6 s after A) cannot pass A any more however short it is.
+    policy = BoostPolicy(BoostTable(0.1, max_boost_s=5.0))
+    q = policy.make_queue()
+    q.push(job("A", 0.0, predicted_s=1000.0))
+    q.push(job("B", 6.0, predicted_s=1.0))
+    q.push(job("C", 4.0 + 0.0, predicted_s=1.0))  # arrival order need not be monotone for the heap itself
+    assert drain(q, now=10.0) == ["C", "A", "B"]
 
 
-def test_removed_waiters_are_never_popped() -> None:
-    q: JobQueue[str] = JobQueue(SjfPolicy(), starvation_timeout_s=5.0)
-    gone_old = q.push("gone-old", 0.9, arrival_s=0.0)
-    q.push("stays", 0.5, arrival_s=1.0)
-    gone_best = q.push("gone-best", 0.0, arrival_s=2.0)
+def test_bucket_conditioned_boost_shrinks_for_a_dispersed_bucket() -> None:
+    # A bucket whose measured sizes are all over the place earns a smaller boost than a tight one
+    # with the same prediction: a weak predictor degrades toward FCFS.
+    table = BoostTable(0.05, max_boost_s=1e9)
+    for _ in range(200):
+        table.observe(1, 3.5)  # tight: always 3.5 s
+        table.observe(2, 0.5)
+        table.observe(2, 30.0)  # dispersed
+    assert table.boost(1, 3.5) > table.boost(2, 3.5) + 5.0
+    useless = BoostTable(0.05, max_boost_s=1e9)
+    for s in (1.0, 20.0) * 100:  # both buckets see the same sizes: same boost, i.e. FCFS
+        useless.observe(1, s)
+        useless.observe(2, s)
+    assert useless.boost(1, 1.0) == pytest.approx(useless.boost(2, 20.0), rel=0.05)
+
+
+def test_hrrn_by_hand() -> None:
+    q = HrrnPolicy().make_queue()
+    q.push(job("A", 0.0, predicted_s=10.0))  # at t=10: (10 + 10) / 10 = 2
+    q.push(job("B", 8.0, predicted_s=1.0))  # at t=10: (2 + 1) / 1 = 3
+    q.push(job("C", 9.0, predicted_s=5.0))  # at t=10: (1 + 5) / 5 = 1.2
+    assert q.pop(10.0)[0].payload == "B"  # type: ignore[index]
+    # at t=11: A (11 + 10) / 10 = 2.1, C (2 + 5) / 5 = 1.4
+    assert q.pop(11.0)[0].payload == "A"  # type: ignore[index]
+    # HRRN ages: at t=11 a fresh 1 s job ratio 1.0 loses to C's 1.4; at t=1000 C's ratio is ~199
+    q.push(job("D", 11.0, predicted_s=1.0))
+    assert [j.payload for j in q.ordered(11.0)] == ["C", "D"]
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_priority_class_goes_first_in_every_policy(name: str) -> None:
+    q = build_queue(make_policy(name))
+    q.push(job("normal-old", 0.0, score=0.0, predicted_s=0.5))
+    q.push(job("low", 0.5, score=0.0, predicted_s=0.5, priority=1))
+    q.push(job("urgent-long", 1.0, score=1.0, predicted_s=100.0, priority=-1))
+    assert drain(q, now=2.0) == ["urgent-long", "normal-old", "low"]
+
+
+def test_guard_promotes_the_longest_waiting_only_after_tau() -> None:
+    q = StarvationGuard(SjfPolicy().make_queue(), 10.0)
+    long_job, s1, s2 = job("long", 0.0, score=0.9), job("short1", 1.0, score=0.1), job("short2", 2.0, score=0.1)
+    for j in (long_job, s1, s2):
+        q.push(j)
+    assert q.pop(10.0) == (s1, False)  # the long job has waited exactly tau: not yet overdue
+    assert q.pop(10.5) == (long_job, True)  # waited 10.5 > tau: goes before the later short2
+    assert q.pop(10.5) == (s2, False)
+    assert q.pop(10.5) is None
+
+
+def test_guard_keeps_a_burst_in_policy_order() -> None:
+    # Everyone arrived at t=0: all are overdue at t=100 but equally old, so SJF order stays.
+    q = StarvationGuard(SjfPolicy().make_queue(), 1.0)
+    for name, score in (("c", 0.9), ("a", 0.1), ("b", 0.5)):
+        q.push(job(name, 0.0, score=score))
+    q.push(job("late-best", 50.0, score=0.0))  # arrived later: may not pass the overdue burst
+    assert drain(q, now=100.0) == ["a", "b", "c", "late-best"]
+
+
+def test_guard_head_that_is_oldest_is_not_a_promotion() -> None:
+    q = StarvationGuard(SjfPolicy().make_queue(), 1.0)
+    old = job("short-old", 0.0, score=0.1)
+    q.push(old)
+    q.push(job("long", 0.5, score=0.9))
+    assert q.pop(100.0) == (old, False)
+
+
+def test_removed_jobs_are_never_popped_and_remove_is_idempotent() -> None:
+    q = StarvationGuard(SjfPolicy().make_queue(), 5.0)
+    gone_old, stays, gone_best = job("gone-old", 0.0, score=0.9), job("stays", 1.0), job("gone-best", 2.0, score=0.0)
+    for j in (gone_old, stays, gone_best):
+        q.push(j)
     assert q.remove(gone_old) and q.remove(gone_best)
-    assert not q.remove(gone_best)  # already gone
+    assert not q.remove(gone_best)
     assert len(q) == 1
-    # gone-old would be starving at t=100, but it left: the remaining one goes.
     assert drain(q, now=100.0) == ["stays"]
-    assert q.promotions == 0
+    assert not q.remove(stays)  # popped: no longer waiting
 
 
-def test_popped_job_cannot_be_removed() -> None:
-    q: JobQueue[str] = JobQueue(SjfPolicy())
-    job = q.push("a", 0.1, arrival_s=0.0)
-    assert q.pop(now=0.0) is job
-    assert not q.remove(job)
-
-
-def test_bounded_queue_refuses_with_retry_after() -> None:
-    q: JobQueue[str] = JobQueue(SjfPolicy(), max_size=2, retry_after_s=7)
-    q.push("a", 0.1, arrival_s=0.0)
-    q.push("b", 0.2, arrival_s=0.0)
-    with pytest.raises(QueueFull) as info:
-        q.push("c", 0.3, arrival_s=0.0)
-    assert info.value.status_code == 503
-    assert info.value.headers == {"Retry-After": "7"}
-    q.pop(now=0.0)
-    q.push("c", 0.3, arrival_s=0.0)  # room again
-    assert len(q) == 2
+def test_scan_queue_remove() -> None:
+    q = HrrnPolicy().make_queue()
+    a, b = job("a", 0.0), job("b", 0.0)
+    q.push(a)
+    q.push(b)
+    assert q.remove(a) and not q.remove(a)
+    assert drain(q, 1.0) == ["b"]
 
 
 def test_heap_stays_bounded_under_churn() -> None:
-    q: JobQueue[int] = JobQueue(SjfPolicy())
-    keeper = q.push(-1, 1.0, arrival_s=0.0)
+    q = HeapQueue[int](lambda j: j.score)
+    keeper = Job(-1, 0.0, score=1.0)
+    q.push(keeper)
     for i in range(10_000):
-        q.remove(q.push(i, 0.5, arrival_s=float(i)))
+        j = Job(i, float(i), score=0.5)
+        q.push(j)
+        q.remove(j)
     assert len(q) == 1
     assert len(q._heap) <= 130  # compacted, not 10,001 dead entries
-    assert q.pop(now=0.0) is keeper
+    assert q.pop(0.0) == (keeper, False)
 
 
-def test_iteration_is_key_order_without_popping() -> None:
-    q: JobQueue[str] = JobQueue(SjfPolicy())
-    q.push("b", 0.5, arrival_s=0.0)
-    q.push("a", 0.1, arrival_s=1.0)
-    assert [j.payload for j in q] == ["a", "b"]
-    assert len(q) == 2
+def test_fair_share_newcomer_is_not_queued_behind_a_batch() -> None:
+    q = FairShareQueue(lambda: FcfsPolicy().make_queue())
+    for i in range(5):
+        q.push(job(f"batch{i}", 0.0, predicted_s=10.0, tenant="batch"))
+    assert q.pop(0.0)[0].payload == "batch0"  # type: ignore[index]
+    q.push(job("chat", 0.5, predicted_s=1.0, tenant="chat"))
+    # batch has been served 10 predicted seconds, chat starts at the virtual time (0): chat next.
+    assert q.pop(10.0)[0].payload == "chat"  # type: ignore[index]
+    q.push(job("chat2", 10.5, predicted_s=1.0, tenant="chat"))
+    # chat has had 1 predicted second, batch 10: chat2 first (start-time fair queuing).
+    assert drain(q, 20.0) == ["chat2", "batch1", "batch2", "batch3", "batch4"]
 
 
-def test_unknown_policy_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="unknown scheduling policy 'lifo'"):
-        make_policy("lifo")
+def test_fair_share_is_weighted_by_predicted_seconds_not_counts() -> None:
+    q = FairShareQueue(lambda: FcfsPolicy().make_queue())
+    for i in range(6):
+        q.push(job(f"small{i}", 0.0, predicted_s=1.0, tenant="small"))
+    for i in range(2):
+        q.push(job(f"big{i}", 0.0, predicted_s=3.0, tenant="big"))
+    order = drain(q, 0.0)
+    # Equal seconds: 3 small jobs for each big one.
+    assert order == ["small0", "big0", "small1", "small2", "small3", "big1", "small4", "small5"]
+
+
+def test_fair_share_lifts_a_promoted_low_priority_job_to_the_top_class() -> None:
+    q = build_queue(FcfsPolicy(), starvation_timeout_s=5.0, fair_share=True)
+    low, high = job("low", 0.0, priority=3, tenant="a"), job("high", 1.0, priority=0, tenant="b")
+    q.push(low)
+    q.push(high)
+    assert q.peek(4.0) == (high, False)  # low has not waited 5 s yet: class order
+    assert q.pop(6.0) == (low, True)  # overdue: counts as the top class, and tenant a is owed
+
+
+def test_ordered_matches_the_pops() -> None:
+    for name in POLICY_NAMES:
+        q = build_queue(make_policy(name), starvation_timeout_s=30.0, fair_share=True)
+        for i in range(20):
+            q.push(job(f"j{i}", float(i), score=(i * 7 % 10) / 10, predicted_s=1.0 + (i * 3 % 7), tenant="ab"[i % 2], priority=i % 3 - 1))
+        expected = [j.payload for j in q.ordered(20.0)]
+        assert drain(q, 20.0) == expected, name
+
+
+def test_build_queue_rejects_a_non_positive_timeout() -> None:
+    with pytest.raises(ValueError):
+        build_queue(FcfsPolicy(), starvation_timeout_s=0.0)
+    assert isinstance(build_queue(FcfsPolicy(), starvation_timeout_s=math.inf), HeapQueue)
+    assert isinstance(build_queue(HrrnPolicy(), starvation_timeout_s=math.inf), ScanQueue)
+    assert isinstance(make_policy("boost", PolicyParams(boost_gamma_per_s=0.2)), BoostPolicy)

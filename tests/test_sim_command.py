@@ -68,3 +68,33 @@ def test_prompts_workload_from_the_cli(tmp_path: Path) -> None:
 def test_onnx_predictor_requires_prompts(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         run(["run", "--predictor", "onnx", "--out", str(tmp_path), "--no-progress"])
+
+
+def test_run_parses_the_guard_and_gamma_of_each_condition(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = ["run", "--n", "200", "--seeds", "1", "--predictor", "label", "--accuracy", "0.8",
+            "--conditions", "fcfs", "sjf:1+3.2", "boost:25@0.02", "hrrn", "sjf:1+2.56cv", "--out", str(out), "--no-plots", "--no-progress"]  # fmt: skip
+    assert run(argv) == 0
+    conds = json.loads((out / "sim_run.json").read_text())["conditions"]
+    assert [(c["policy"], c["tau_s"], c["starvation_slowdown"]) for c in conds] == [
+        ("fcfs", "inf", 0.0), ("sjf", 1.0, 3.2), ("boost", 25.0, 0.0), ("hrrn", "inf", 0.0), ("sjf", 1.0, 2.56)
+    ]
+    assert conds[2]["boost_gamma_per_s"] == 0.02
+    assert [c["adaptive_slowdown"] for c in conds] == [False, False, False, False, True]
+
+
+def test_compare_reports_every_policy_and_both_tenants(tmp_path: Path) -> None:
+    argv = ["compare", "--n", "200", "--seeds", "1", "--workloads", "paper", "tenants", "--out", str(tmp_path), "--no-progress"]
+    assert run(argv) == 0
+    data = json.loads((tmp_path / "sim_compare.json").read_text())
+    names = [r["name"] for r in data["blocks"][0]["results"]]
+    assert names[0] == "fcfs" and any(n.startswith("default") for n in names)
+    assert {r["policy"] for r in data["blocks"][0]["results"]} == {"fcfs", "sjf", "boost", "hrrn"}
+    tenants = data["blocks"][-1]
+    assert tenants["workload"] == "tenants" and "alone" in tenants
+    fair = next(r for r in tenants["results"] if r["name"] == "fcfs +fair")["summary"]
+    unfair = next(r for r in tenants["results"] if r["name"] == "fcfs (no fair share)")["summary"]
+    # Fair share by predicted seconds: the interactive tenant no longer waits behind the batch.
+    assert fair["tenant1.wait.p95"]["mean"] < unfair["tenant1.wait.p95"]["mean"] / 5
+    text = (tmp_path / "sim_compare.md").read_text()
+    assert "interactive P95 wait" in text and "Short P50 vs FCFS" in text

@@ -152,3 +152,19 @@ def test_workload_is_shared_across_predictors() -> None:
     b = NoisyScorer(0.9).scores(w, score_stream(5))
     assert np.array_equal(a, w.service_s) and not np.array_equal(a, b)
     assert math.isclose(float(w.service_s.mean()), 6.2, rel_tol=0.1)
+
+
+def test_the_online_service_time_model_learns_from_each_completion() -> None:
+    from clairvoyant.scheduling.service_time import ServiceTimeModel
+    from clairvoyant.sim.engine import Beliefs
+
+    w = make_workload(5, 300, paper_service(), rate_per_s=0.12)
+    tokens = np.where(w.class_idx == 0, 100.0, 800.0)
+    beliefs = Beliefs(tokens, np.maximum(tokens * 0.02, 1e-3), np.zeros(300, dtype=np.int64), tokens)
+    model = ServiceTimeModel()
+    simulate(w, beliefs, policy="sjf", service_time=model)
+    # Every request but the last one in flight was completed before the run ended and taught it.
+    assert model.coefficients(None)["observations"] == 299
+    # Paper service: ~3.5 s for 100 predicted tokens, ~8.9 s for 800: the fit moves off the defaults.
+    assert model.predict_s(None, 0, 100) == pytest.approx(3.5, abs=0.8)
+    assert model.predict_s(None, 0, 800) == pytest.approx(8.9, abs=0.8)

@@ -102,3 +102,16 @@ def test_bad_prompt_line_names_the_line_not_the_text(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"bad.jsonl:2") as info:
         load_prompts(path)
     assert "secret" not in str(info.value)
+
+
+def test_label_scorer_is_right_the_stated_fraction_and_predicts_class_means() -> None:
+    from clairvoyant.sim.predictors import LabelScorer
+
+    w = make_workload(4, 5000, paper_service(), rate_per_s=0.12)
+    scorer = LabelScorer(0.8)
+    labels = scorer.labels(w, score_stream(4))
+    assert np.mean(labels == w.class_idx) == pytest.approx(0.8, abs=0.02)
+    beliefs = scorer.beliefs(w, score_stream(4))
+    short_mean = w.service_s[w.class_idx == 0].mean()
+    assert np.allclose(beliefs.predicted_s[labels == 0], short_mean)
+    assert set(np.unique(beliefs.score)) <= {0.0, 1.0}

@@ -67,3 +67,15 @@ def test_replay_files(tmp_path: Path) -> None:
     bad.write_text("class,service_s\nshort,-1\n")
     with pytest.raises(ValueError):
         load_replay(bad)
+
+
+def test_two_tenant_workload_floods_then_interacts() -> None:
+    from clairvoyant.sim.workload import two_tenant_workload
+
+    w = two_tenant_workload(3, 400, paper_service(), interactive_rho=0.3)
+    assert w.tenant is not None and (w.tenant == 0).sum() == 200 and (w.tenant == 1).sum() == 200
+    assert np.all(w.arrival_s[w.tenant == 0] == 0.0)  # the flood is one batch at t = 0
+    assert np.all(np.diff(w.arrival_s) >= 0)
+    alone = two_tenant_workload(3, 400, paper_service(), interactive_rho=0.3, only=1)
+    assert len(alone) == 200 and np.array_equal(alone.arrival_s, w.arrival_s[w.tenant == 1])
+    assert np.array_equal(alone.service_s, w.service_s[w.tenant == 1])  # the same draws

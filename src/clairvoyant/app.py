@@ -2,7 +2,7 @@
 
 Scheduled endpoints (scored, queued, dispatched serially): POST /v1/chat/completions,
 /v1/completions, /api/chat, /api/generate. The proxy's own endpoints: GET /healthz, /readyz,
-/metrics, /queue. Every other path and method passes through to the backend, streamed, unqueued.
+/metrics, /queue, /queue/{request_id}. Every other path and method passes through to the backend, streamed, unqueued.
 """
 
 from __future__ import annotations
@@ -21,15 +21,18 @@ from fastapi.responses import JSONResponse, Response
 
 from clairvoyant.clock import Clock, MonotonicClock
 from clairvoyant.config import Settings
-from clairvoyant.dialects import SCHEDULED_ENDPOINTS, dialect_of_path, parse_request
+from clairvoyant.dialects import SCHEDULED_ENDPOINTS, dialect_of_path, error_body, parse_request
 from clairvoyant.dispatcher import Dispatcher, Ticket
 from clairvoyant.errors import BadRequest, PayloadTooLarge, QueueFull, RequestError
 from clairvoyant.feedback import OnlineLearning
-from clairvoyant.job_queue import JobQueue
+from clairvoyant.job_queue import Job
 from clairvoyant.metrics import CONTENT_TYPE_LATEST, Metrics
-from clairvoyant.policy import make_policy
+from clairvoyant.policy import PolicyParams, build_queue, make_policy
 from clairvoyant.predictor import OnnxPredictor, Prediction, Predictor
-from clairvoyant.proxy_response import ProxyResponse, error_body
+from clairvoyant.proxy_response import PassthroughResponse, Relay, ScheduledResponse, UpstreamRequest
+from clairvoyant.scheduling.boost import bucket_for
+from clairvoyant.scheduling.service_time import ServiceTimeModel
+from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
 from clairvoyant.upstream import Upstream
 
 __all__ = ["create_app"]
@@ -74,20 +77,33 @@ def create_app(
             read_timeout_s=settings.read_timeout_s,
             transport=upstream_transport,
         )
-        queue: JobQueue[Ticket] = JobQueue(
-            make_policy(settings.policy),
-            starvation_timeout_s=settings.starvation_timeout_s,
-            max_size=settings.max_queue,
-            retry_after_s=settings.retry_after_s,
+        policy = make_policy(
+            settings.policy,
+            PolicyParams(settings.boost_gamma_per_s, settings.boost_auto_gamma, settings.boost_max_s),
         )
         learning = OnlineLearning(settings, loaded, metrics)
         await learning.start()
-        dispatcher = Dispatcher(queue, slots=settings.slots, clock=clock, metrics=metrics)
+        slowdown: float | AdaptiveSlowdown = settings.starvation_slowdown
+        if settings.starvation_slowdown_adaptive:
+            slowdown = AdaptiveSlowdown(settings.starvation_slowdown)
+        queue = build_queue(
+            policy,
+            starvation_timeout_s=settings.starvation_timeout_s,
+            starvation_slowdown=slowdown,
+            fair_share=settings.fair_share,
+        )
+        service_time = ServiceTimeModel(path=settings.service_time_state)
+        service_time.load()
+        dispatcher = Dispatcher(
+            queue, policy, slots=settings.slots, clock=clock, metrics=metrics, max_queue=settings.max_queue,
+            service_time=service_time, min_retry_after_s=settings.retry_after_s,
+            starvation_timeout_s=settings.starvation_timeout_s, starvation_slowdown=slowdown,
+        )  # fmt: skip
         await dispatcher.start()
         app.state.proxy = ProxyState(settings, loaded, upstream, dispatcher, metrics, learning)
         logger.info(
-            "clairvoyant ready: upstream=%s policy=%s tau=%ss slots=%d max_queue=%d disconnect_mode=%s",
-            settings.upstream_url, settings.policy, settings.starvation_timeout_s, settings.slots,
+            "clairvoyant ready: upstream=%s policy=%s tau=%ss+%sxS slots=%d max_queue=%d disconnect_mode=%s",
+            settings.upstream_url, settings.policy, settings.starvation_timeout_s, settings.starvation_slowdown, settings.slots,
             settings.max_queue, settings.disconnect_mode,
         )
         try:
@@ -140,6 +156,17 @@ def create_app(
     async def queue_endpoint(request: Request) -> dict[str, Any]:
         return request.app.state.proxy.dispatcher.snapshot()
 
+    @app.get("/queue/{request_id}")
+    async def queue_position(request: Request, request_id: str) -> Response:
+        """Where one waiting request stands: position in dispatch order and ETA in seconds."""
+        dispatcher: Dispatcher = request.app.state.proxy.dispatcher
+        ticket = dispatcher.waiting_ticket(request_id)
+        where = None if ticket is None else dispatcher.where(ticket)
+        if ticket is None or where is None:
+            return JSONResponse({"request_id": request_id, "waiting": False}, status_code=404)
+        position, eta_s = where
+        return JSONResponse({"request_id": request_id, "waiting": True, "position": position, "eta_s": round(eta_s, 3)})
+
     for path in SCHEDULED_ENDPOINTS:
         app.add_api_route(path, _scheduled, methods=["POST"], include_in_schema=False)
     app.add_api_route("/{path:path}", _passthrough, methods=PASSTHROUGH_METHODS, include_in_schema=False)
@@ -173,67 +200,93 @@ def _request_id(request: Request, dispatcher: Dispatcher) -> str:
     return given if _REQUEST_ID_RE.match(given) else dispatcher.new_request_id()
 
 
-def _forward_headers(request: Request, request_id: str) -> list[tuple[str, str]]:
-    headers = [(k, v) for k, v in request.headers.items() if k != "x-request-id"]
+def _forward_headers(request: Request, request_id: str, settings: Settings) -> list[tuple[str, str]]:
+    # The proxy's own headers stay here (the tenant header may carry an identity); the request id goes on.
+    own = {"x-request-id", settings.tenant_header.lower(), settings.priority_header.lower()}
+    headers = [(k, v) for k, v in request.headers.items() if k not in own]
     headers.append(("x-request-id", request_id))
     return headers
 
 
-async def _scheduled(request: Request) -> ProxyResponse:
+def _clamped_priority(request: Request, given: int | None, settings: Settings) -> int:
+    """The body's priority, else the header's, else 0; clamped to [min_priority, max_priority]."""
+    if given is None:
+        header = request.headers.get(settings.priority_header)
+        if header is not None:
+            try:
+                given = int(header.strip())
+            except ValueError:
+                raise BadRequest(f"header {settings.priority_header} must be an integer") from None
+    value = 0 if given is None else given
+    return max(settings.min_priority, min(settings.max_priority, value))
+
+
+async def _scheduled(request: Request) -> ScheduledResponse:
     state: ProxyState = request.app.state.proxy
-    arrival_s = state.dispatcher.clock.now()
+    settings = state.settings
+    dispatcher = state.dispatcher
+    arrival_s = dispatcher.clock.now()
     endpoint = SCHEDULED_ENDPOINTS[request.url.path]
-    request_id = _request_id(request, state.dispatcher)
-    parsed = parse_request(endpoint, await _read_body(request, state.settings.max_body_bytes))
+    request_id = _request_id(request, dispatcher)
+    parsed = parse_request(
+        endpoint, await _read_body(request, settings.max_body_bytes), keep_priority=settings.forward_priority
+    )
 
     started = time.perf_counter()
     prediction: Prediction = state.predictor.predict(parsed.prompt, model=parsed.model, cap_tokens=parsed.cap_tokens)
     state.metrics.predictor_latency.observe(time.perf_counter() - started)
     score = prediction.score
+    predicted_tokens = prediction.predicted_tokens
     oracle = parsed.proxy_options.get("output_tokens")
-    if state.settings.allow_oracle and isinstance(oracle, (int, float)) and not isinstance(oracle, bool):
-        score = float(oracle)  # benchmark-only: the true length, to measure the ideal ordering
-    if state.settings.log_prompts:
+    if settings.allow_oracle and isinstance(oracle, (int, float)) and not isinstance(oracle, bool):
+        score = predicted_tokens = float(oracle)  # benchmark-only: the true length, the ideal ordering
+    if parsed.cap_tokens is not None:  # the oracle too is bounded by the request's own cap
+        predicted_tokens = min(predicted_tokens, float(parsed.cap_tokens))
+    if settings.log_prompts:
         logger.debug("request_id=%s prompt=%r", request_id, parsed.prompt.instruction[:2000])
 
+    prompt_tokens = parsed.prompt.context_chars // 4  # ~4 characters a token until usage says better
+    predicted_s = dispatcher.predicted_s(parsed.model, prompt_tokens, predicted_tokens)
     ticket = Ticket(
         request_id=request_id,
         endpoint=endpoint.path,
         dialect=endpoint.dialect.value,
         model=parsed.model,
         prediction=prediction,
-        score=score,
-        arrival_s=arrival_s,
+        prompt_tokens=prompt_tokens,
     )
-    state.dispatcher.submit(ticket)
-    return ProxyResponse(
+    job = Job(
+        ticket,
+        arrival_s,
+        score=score,
+        predicted_tokens=predicted_tokens,
+        predicted_s=predicted_s,
+        bucket=bucket_for(predicted_s),
+        cap_tokens=parsed.cap_tokens,
+        priority=_clamped_priority(request, parsed.priority, settings),
+        tenant=request.headers.get(settings.tenant_header, "")[:128],
+    )
+    dispatcher.submit(ticket, job)
+    upstream_request = UpstreamRequest(
+        "POST", endpoint.path, request.url.query, _forward_headers(request, request_id, settings), parsed.forward_body,
+        endpoint.dialect,
+    )  # fmt: skip
+    return ScheduledResponse(
         upstream=state.upstream,
-        method="POST",
-        path=endpoint.path,
-        query=request.url.query,
-        headers=_forward_headers(request, request_id),
-        body=parsed.forward_body,
-        dialect=endpoint.dialect,
+        request=upstream_request,
         metrics=state.metrics,
-        dispatcher=state.dispatcher,
+        dispatcher=dispatcher,
         ticket=ticket,
-        disconnect_mode=state.settings.disconnect_mode,
+        disconnect_mode=settings.disconnect_mode,
         on_usage=state.learning.recorder,
     )
 
 
-async def _passthrough(request: Request) -> ProxyResponse:
+async def _passthrough(request: Request) -> PassthroughResponse:
     state: ProxyState = request.app.state.proxy
     body = await _read_body(request, state.settings.max_body_bytes)
-    return ProxyResponse(
-        upstream=state.upstream,
-        method=request.method,
-        path=request.url.path,
-        query=request.url.query,
-        headers=list(request.headers.items()),
-        body=body,
-        dialect=dialect_of_path(request.url.path),
-        metrics=state.metrics,
-        dispatcher=state.dispatcher,  # owns the task that finishes a relay whose client left
-    )
-
+    upstream_request = UpstreamRequest(
+        request.method, request.url.path, request.url.query, list(request.headers.items()), body,
+        dialect_of_path(request.url.path),
+    )  # fmt: skip
+    return PassthroughResponse(Relay(state.upstream, upstream_request, state.metrics))

@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -21,18 +21,18 @@ from pydantic_settings import (
 )
 
 from clairvoyant.errors import ConfigError
+from clairvoyant.policy import POLICY_NAMES
 
-__all__ = ["CLI_FLAGS", "ENV_PREFIX", "PolicyName", "Settings", "load_settings", "settings_reference_markdown"]
+__all__ = ["CLI_FLAGS", "ENV_PREFIX", "Settings", "load_settings", "settings_reference_markdown"]
 
 ENV_PREFIX = "CLAIRVOYANT_"
-PolicyName = Literal["fcfs", "sjf"]
 DisconnectMode = Literal["drain", "abort"]
 
 
 # Settings that `clairvoyant serve` also takes as command-line flags (they override everything).
 CLI_FLAGS: dict[str, str] = {
     "host": "--host", "port": "--port", "upstream_url": "--upstream", "policy": "--policy",
-    "starvation_timeout_s": "--tau", "slots": "--slots", "max_queue": "--max-queue",
+    "starvation_timeout_s": "--tau", "starvation_slowdown": "--slowdown", "slots": "--slots", "max_queue": "--max-queue",
     "disconnect_mode": "--disconnect-mode", "model_path": "--model", "log_level": "--log-level",
     "learner_state_path": "--learner-state",
 }
@@ -49,15 +49,56 @@ class Settings(BaseSettings):
         "http://127.0.0.1:11434",
         description="Base URL of the backend (Ollama or llama.cpp's server).",
     )
-    policy: PolicyName = Field("sjf", description="Scheduling policy: sjf (shortest predicted first) or fcfs.")
+    policy: str = Field(
+        "sjf",
+        description=(
+            "Scheduling policy: " + ", ".join(POLICY_NAMES) + " (fcfs arrival order; sjf the paper's shortest "
+            "predicted first; boost gamma-boost; hrrn highest response ratio next). See docs/simulation.md."
+        ),
+    )
     starvation_timeout_s: float = Field(
-        15.0,
+        1.0,
         gt=0,
-        description="tau: a request waiting longer than this goes next regardless of score ('inf' disables).",
+        description=(
+            "tau: a request waiting longer than tau + starvation_slowdown x its predicted seconds goes before "
+            "every later arrival, whatever the policy or priority ('inf' disables)."
+        ),
+    )
+    starvation_slowdown: float = Field(
+        2.56,
+        ge=0,
+        description=(
+            "Adds this many times a request's predicted service seconds to its tau (0 = the paper's rule); with "
+            "starvation_slowdown_adaptive, times (1 + CV^2) of recent service times. See docs/scheduling.md."
+        ),
+    )
+    starvation_slowdown_adaptive: bool = Field(
+        True,
+        description="Scale the slowdown by (1 + CV^2) of the last 512 measured service times (CV^2 = 0.25 until 20 are in).",
+    )
+    boost_gamma_per_s: float = Field(
+        0.02, gt=0, description="boost: gamma in 1/s; requests shorter than about 1/gamma seconds get a real boost."
+    )
+    boost_auto_gamma: bool = Field(False, description="boost: fit gamma online by the fixed-point rule (manual gamma until it has a root).")
+    boost_max_s: float = Field(
+        600.0, gt=0, description="boost: cap on any boost, seconds; within a priority class no later arrival passes a request after this."
+    )
+    fair_share: bool = Field(True, description="Share the backend between tenants by predicted service seconds.")
+    tenant_header: str = Field("X-Clairvoyant-Tenant", description="Request header naming the tenant (absent = the default tenant).")
+    priority_header: str = Field(
+        "X-Clairvoyant-Priority", description="Request header with an integer priority (the body field 'priority' wins)."
+    )
+    min_priority: int = Field(0, description="Most urgent priority a client may ask for (lower = sooner); lower values are clamped.")
+    max_priority: int = Field(10, description="Least urgent priority a client may ask for; higher values are clamped.")
+    forward_priority: bool = Field(False, description="Keep the body's 'priority' field when forwarding (vLLM accepts it).")
+    service_time_state: Path | None = Field(
+        None, description="JSON file where the learned service-time model is kept across restarts; unset = memory only."
     )
     slots: int = Field(1, ge=1, le=64, description="Requests in flight upstream at once (the backend's parallel slots).")
     max_queue: int = Field(256, ge=1, description="Waiting requests before new ones get 503 with Retry-After.")
-    retry_after_s: int = Field(5, ge=1, description="Retry-After seconds sent with a queue-full 503.")
+    retry_after_s: int = Field(
+        1, ge=1, description="Smallest Retry-After seconds sent with a queue-full 503 (the value is the queue tail's ETA)."
+    )
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above).")
     connect_timeout_s: float = Field(10.0, gt=0, description="Timeout to connect to the backend (504 when exceeded).")
     read_timeout_s: float | None = Field(
@@ -93,6 +134,19 @@ class Settings(BaseSettings):
         if not value.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
         return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _check_priority_range(self) -> Settings:
+        if self.min_priority > self.max_priority:
+            raise ValueError("min_priority must be <= max_priority")
+        return self
+
+    @field_validator("policy")
+    @classmethod
+    def _check_policy(cls, value: str) -> str:
+        if value not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {value!r}; known: {', '.join(POLICY_NAMES)}")
+        return value
 
     @field_validator("starvation_timeout_s")
     @classmethod

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from clairvoyant.errors import BadRequest
+from clairvoyant.errors import BadRequest, RequestError
 from clairvoyant.features import Prompt
 
 __all__ = [
@@ -41,6 +41,9 @@ __all__ = [
     "dialect_of_path",
     "parse_request",
     "prompt_from_body",
+    "PRIORITY_FIELD",
+    "error_body",
+    "stream_error_event",
 ]
 
 # The one body field only the proxy understands; removed before forwarding.
@@ -86,6 +89,7 @@ class ParsedRequest:
     forward_body: bytes  # what goes upstream: the original bytes unless a proxy field was removed
     proxy_options: dict[str, Any]  # the removed proxy field (e.g. the benchmark's oracle length)
     cap_tokens: int | None = None  # the body's own output-token cap, if any (see the module docstring)
+    priority: int | None = None  # the client's priority class (body field), unclamped; None = not given
 
 
 def _content_text(content: Any) -> str:
@@ -206,10 +210,15 @@ def _validate(endpoint: Endpoint, body: dict[str, Any]) -> None:
         raise BadRequest("'stream' must be a boolean", param="stream")
 
 
-def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
-    """Decode and validate a scheduled request body.
+PRIORITY_FIELD = "priority"  # vLLM's convention: integer, lower = sooner, default 0
 
-    Raises ``BadRequest`` for a body that is not a JSON object or lacks a required field.
+
+def parse_request(endpoint: Endpoint, raw: bytes, *, keep_priority: bool = False) -> ParsedRequest:
+    """Decode and validate a scheduled request body, once.
+
+    The proxy's own field, and ``priority`` unless ``keep_priority`` (a backend such as vLLM that
+    takes it), are removed from the forwarded body. Raises ``BadRequest`` for a body that is not a
+    JSON object, lacks a required field, or has a non-integer priority.
     """
     try:
         body = json.loads(raw)
@@ -219,11 +228,20 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
         raise BadRequest("request body must be a JSON object")
     _validate(endpoint, body)
     stream = body.get("stream")
+    priority = body.get(PRIORITY_FIELD)
+    if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
+        raise BadRequest(f"'{PRIORITY_FIELD}' must be an integer", param=PRIORITY_FIELD)
     proxy_options: dict[str, Any] = {}
     forward = raw
+    stripped = False
     if PROXY_FIELD in body:
         options = body.pop(PROXY_FIELD)
         proxy_options = options if isinstance(options, dict) else {}
+        stripped = True
+    if PRIORITY_FIELD in body and not keep_priority:
+        del body[PRIORITY_FIELD]
+        stripped = True
+    if stripped:
         forward = json.dumps(body).encode()  # ASCII escapes: lone surrogates survive
     model = body.get("model")
     return ParsedRequest(
@@ -234,4 +252,27 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
         forward_body=forward,
         proxy_options=proxy_options,
         cap_tokens=cap_tokens_from_body(endpoint.dialect, body),
+        priority=priority,
     )
+
+
+# -- error framing: every answer the proxy itself gives is in the client's dialect --
+
+
+def error_body(dialect: Dialect, exc: RequestError) -> bytes:
+    """The error in the client's own dialect (OpenAI's error object, or Ollama's {"error": str})."""
+    if dialect is Dialect.OLLAMA:
+        return json.dumps({"error": exc.message}).encode()
+    return json.dumps(
+        {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}}
+    ).encode()
+
+
+def stream_error_event(dialect: Dialect, content_type: str, exc: RequestError) -> bytes:
+    """A final error in a stream's own framing: an SSE event, an NDJSON line, or nothing for a
+    plain body (it is truncated)."""
+    if "text/event-stream" in content_type:
+        return b"data: " + error_body(dialect, exc) + b"\n\n"
+    if "ndjson" in content_type:
+        return error_body(dialect, exc) + b"\n"
+    return b""

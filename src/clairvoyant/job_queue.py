@@ -1,12 +1,33 @@
-"""The waiting queue: a min-heap of ``(key, seq, job)`` plus an arrival index and the starvation rule.
+"""The waiting queue is the policy unit (the shape of vLLM's ``RequestQueue``).
+
+Every queue here has the same small interface (``JobQueue``):
+
+    push(job)            queue a job (its key, if any, is computed now and never again)
+    remove(job) -> bool  withdraw a waiting job (its client left); False if it was not waiting
+    pop(now)  -> (job, promoted) | None    the next job to dispatch at ``now``
+    peek(now) -> (job, promoted) | None    what ``pop(now)`` would return, without removing it
+    len(q), iter(q)      waiting jobs (iteration order unspecified; ``ordered(now)`` is dispatch order)
+
+``promoted`` is True when a starvation rule, not the policy's order, chose the job.
+
+Implementations:
+
+- ``HeapQueue``: a min-heap of ``(key, seq, job)`` for keys fixed at push (fcfs, sjf, gamma-boost,
+  priority tuples). O(log n) push and pop; removal is lazy in the heap and the heap is rebuilt
+  when dead entries outnumber live ones, so memory stays bounded.
+- ``ScanQueue``: priorities that change with time (HRRN). ``pop`` scans every waiting job: O(n),
+  about 0.4 ms at 1,000 waiting requests (``bench/queue_cost.py`` prints the measured cost).
+- ``StarvationGuard``: a wrapper any queue can wear. A job past its deadline
+  (``timeout_s + slowdown x predicted_s``) goes before any later arrival, whatever the inner order
+  (oldest overdue first). Bound: once a job is overdue no job that arrived after it is dispatched
+  before it. Jobs that arrived at the same instant stay in policy order (a burst is not FIFO).
+- ``FairShareQueue``: one inner queue per tenant; the next tenant is the one that has received the
+  least predicted service *seconds* while active (start-time fair queuing), so a tenant's batch of
+  500 requests cannot starve another tenant's interactive ones.
 
 Synchronous and clock-free: callers pass ``now`` in, so the proxy (monotonic clock) and the
-discrete-event simulator (virtual time) drive this very code. Keys are fixed at push; the
-starvation rule (paper 3.4) is applied when popping: if the longest-waiting job has waited longer
-than ``starvation_timeout_s``, it goes next regardless of its key.
-
-Removal is lazy in the heap (a removed job is skipped when it surfaces) and eager in the arrival
-index; the heap is rebuilt when dead entries outnumber live ones, so memory stays bounded.
+discrete-event simulator (virtual time) drive this very code. Capacity limits and HTTP errors are
+not here: the dispatcher owns them.
 """
 
 from __future__ import annotations
@@ -14,104 +35,426 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import OrderedDict
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
-from clairvoyant.errors import QueueFull
-from clairvoyant.policy import SchedulingPolicy
+from clairvoyant.scheduling.slowdown import SlowdownRule
 
-__all__ = ["JobQueue", "QueuedJob"]
+__all__ = [
+    "FairShareQueue",
+    "HeapQueue",
+    "Job",
+    "JobQueue",
+    "ScanQueue",
+    "StarvationGuard",
+]
 
 T = TypeVar("T")
 
+_seq = itertools.count()  # process-wide arrival order: ties break the same way in every queue
+
 
 @dataclass(slots=True, eq=False)
-class QueuedJob(Generic[T]):
-    """One waiting request. Never compared: the heap compares (key, seq) only."""
+class Job(Generic[T]):
+    """One waiting request: everything a policy may read, one unit per field. Never compared:
+    queues compare ``(key, seq)`` only."""
 
-    payload: T
-    score: float  # the predictor's scheduling score (lower = shorter)
+    payload: T  # the caller's object (the dispatcher's ticket, the simulator's row index)
     arrival_s: float  # clock seconds when the request arrived
-    seq: int  # arrival order; breaks key ties
-    key: float  # the policy's key, computed once at push
-    waiting: bool = field(default=True)  # False once popped or removed
+    score: float = 0.0  # the predictor's queue key: unitless, lower = sooner (paper SJF)
+    predicted_tokens: float = 0.0  # predicted output tokens (already capped by cap_tokens)
+    predicted_s: float = 1.0  # predicted service seconds (service-time model), > 0
+    bucket: int = 0  # prediction bucket, for bucket-conditioned boosts (see policy.Boost)
+    cap_tokens: int | None = None  # the client's max_tokens / num_predict, if any
+    priority: int = 0  # client priority class, already clamped; lower = sooner
+    tenant: str = ""  # who sent it (fair share); "" = the default tenant
+    deadline_s: float = math.inf  # clock seconds after which it is overdue (set by a StarvationGuard at push)
+    seq: int = -1  # arrival order, set at construction; breaks key ties
+    waiting: bool = False  # True between push and pop/remove
+
+    def __post_init__(self) -> None:
+        if self.seq < 0:
+            self.seq = next(_seq)
 
 
-class JobQueue(Generic[T]):
-    def __init__(
-        self,
-        policy: SchedulingPolicy,
-        *,
-        starvation_timeout_s: float = math.inf,
-        max_size: int | None = None,
-        retry_after_s: int = 5,
-    ) -> None:
-        if starvation_timeout_s <= 0:
-            raise ValueError("starvation_timeout_s must be > 0 (math.inf disables it)")
-        self.policy = policy
-        self.starvation_timeout_s = starvation_timeout_s
-        self.max_size = max_size
-        self.retry_after_s = retry_after_s
-        self.promotions = 0  # pops decided by the starvation rule against the key order
-        self._heap: list[tuple[float, int, QueuedJob[T]]] = []
-        self._by_arrival: OrderedDict[int, QueuedJob[T]] = OrderedDict()
-        self._seq = itertools.count()
+class JobQueue(Protocol[T]):
+    def push(self, job: Job[T]) -> None:
+        """Queue ``job``. ``job.arrival_s`` must not decrease between calls."""
+        ...
+
+    def remove(self, job: Job[T]) -> bool:
+        """Withdraw a waiting job. False if it was not waiting (already popped or removed)."""
+        ...
+
+    def pop(self, now: float) -> tuple[Job[T], bool] | None:
+        """The next job at ``now`` and whether a starvation rule chose it; None if empty."""
+        ...
+
+    def peek(self, now: float) -> tuple[Job[T], bool] | None:
+        """What ``pop(now)`` would return, without removing it."""
+        ...
+
+    def ordered(self, now: float) -> list[Job[T]]:
+        """Waiting jobs in the order they would go if nothing else arrived (for positions and ETAs)."""
+        ...
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Job[T]]: ...
+
+
+Key = Callable[[Job[Any]], Any]  # fixed at push; must be comparable (a float or a tuple of floats)
+Rank = Callable[[Job[Any], float], Any]  # (job, now) -> comparable; lower goes sooner
+
+
+class HeapQueue(Generic[T]):
+    """Keys fixed at push: a min-heap of ``(key, seq, job)``."""
+
+    def __init__(self, key: Key) -> None:
+        self.key = key
+        self._heap: list[tuple[Any, int, Job[T]]] = []
+        self._live = 0
 
     def __len__(self) -> int:
-        return len(self._by_arrival)
+        return self._live
 
-    def push(self, payload: T, score: float, arrival_s: float) -> QueuedJob[T]:
-        """Queue a job. Raises ``QueueFull`` at capacity. ``arrival_s`` must not decrease between calls."""
-        if self.max_size is not None and len(self._by_arrival) >= self.max_size:
-            raise QueueFull(
-                f"the scheduling queue is full ({self.max_size} requests waiting); retry later",
-                retry_after_s=self.retry_after_s,
-            )
-        seq = next(self._seq)
-        job = QueuedJob(payload, score, arrival_s, seq, self.policy.key(score, arrival_s))
-        heapq.heappush(self._heap, (job.key, seq, job))
-        self._by_arrival[seq] = job
-        return job
+    def __iter__(self) -> Iterator[Job[T]]:
+        return (entry[2] for entry in self._heap if entry[2].waiting)
 
-    def remove(self, job: QueuedJob[T]) -> bool:
-        """Withdraw a waiting job (its client left). Returns False if it was no longer waiting."""
+    def push(self, job: Job[T]) -> None:
+        job.waiting = True
+        heapq.heappush(self._heap, (self.key(job), job.seq, job))
+        self._live += 1
+
+    def remove(self, job: Job[T]) -> bool:
         if not job.waiting:
             return False
-        job.waiting = False
-        del self._by_arrival[job.seq]
-        self._maybe_compact()
+        job.waiting = False  # lazily dropped when it surfaces
+        self._live -= 1
+        if len(self._heap) > 64 and len(self._heap) > 2 * self._live:
+            self._heap = [entry for entry in self._heap if entry[2].waiting]
+            heapq.heapify(self._heap)
         return True
 
-    def pop(self, now: float) -> QueuedJob[T] | None:
-        """The next job to dispatch at time ``now``, or None if nothing waits."""
-        if not self._by_arrival:
-            return None
-        self._drop_dead_top()
-        oldest = next(iter(self._by_arrival.values()))
-        head = self._heap[0][2]
-        job = head
-        if oldest is not head and now - oldest.arrival_s > self.starvation_timeout_s:
-            job = oldest
-            self.promotions += 1
-        if job is head:
-            heapq.heappop(self._heap)
-        job.waiting = False
-        del self._by_arrival[job.seq]
-        self._maybe_compact()
-        return job
-
-    def __iter__(self) -> Iterator[QueuedJob[T]]:
-        """Waiting jobs in key order (the order they would go in if no starvation fired)."""
-        return iter(sorted(self._by_arrival.values(), key=lambda j: (j.key, j.seq)))
-
-    def _drop_dead_top(self) -> None:
+    def peek(self, now: float) -> tuple[Job[T], bool] | None:
         heap = self._heap
         while heap and not heap[0][2].waiting:
             heapq.heappop(heap)
+        return (heap[0][2], False) if heap else None
 
-    def _maybe_compact(self) -> None:
-        if len(self._heap) > 64 and len(self._heap) > 2 * len(self._by_arrival):
-            self._heap = [entry for entry in self._heap if entry[2].waiting]
-            heapq.heapify(self._heap)
+    def pop(self, now: float) -> tuple[Job[T], bool] | None:
+        head = self.peek(now)
+        if head is not None:
+            heapq.heappop(self._heap)
+            head[0].waiting = False
+            self._live -= 1
+        return head
+
+    def ordered(self, now: float) -> list[Job[T]]:
+        return [entry[2] for entry in sorted(e for e in self._heap if e[2].waiting)]
+
+    def sort_key(self, job: Job[T], now: float) -> tuple[Any, int]:
+        """The job's place in this queue's order (lower = sooner)."""
+        return self.key(job), job.seq
+
+
+class ScanQueue(Generic[T]):
+    """Priorities that change with time: ``rank(job, now)`` is evaluated for every waiting job at
+    each pop (lowest rank first, ties by arrival)."""
+
+    def __init__(self, rank: Rank) -> None:
+        self.rank = rank
+        self._jobs: dict[int, Job[T]] = {}  # by seq, in arrival order
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __iter__(self) -> Iterator[Job[T]]:
+        return iter(list(self._jobs.values()))
+
+    def push(self, job: Job[T]) -> None:
+        job.waiting = True
+        self._jobs[job.seq] = job
+
+    def remove(self, job: Job[T]) -> bool:
+        if not job.waiting:
+            return False
+        job.waiting = False
+        del self._jobs[job.seq]
+        return True
+
+    def peek(self, now: float) -> tuple[Job[T], bool] | None:
+        if not self._jobs:
+            return None
+        rank = self.rank
+        return min(self._jobs.values(), key=lambda j: (rank(j, now), j.seq)), False
+
+    def pop(self, now: float) -> tuple[Job[T], bool] | None:
+        head = self.peek(now)
+        if head is not None:
+            self.remove(head[0])
+        return head
+
+    def ordered(self, now: float) -> list[Job[T]]:
+        rank = self.rank
+        return sorted(self._jobs.values(), key=lambda j: (rank(j, now), j.seq))
+
+    def sort_key(self, job: Job[T], now: float) -> tuple[Any, int]:
+        """The job's place in this queue's order at ``now`` (lower = sooner)."""
+        return self.rank(job, now), job.seq
+
+
+class StarvationGuard(Generic[T]):
+    """Wraps any queue: an overdue job goes before every job that arrived after it.
+
+    Job i is overdue once ``now > arrival_s + timeout_s + slowdown * predicted_s`` (its deadline;
+    ``slowdown`` = 0 is the paper's rule 3.4 with tau = ``timeout_s``, strict ``>`` included).
+    When the inner queue's head arrived after the oldest overdue job, that job goes instead
+    (overdue jobs go oldest first; jobs of the same instant in the inner queue's order).
+
+    Bound: once job i is overdue, no job that arrived after it is dispatched before it. Its wait is
+    therefore at most ``timeout_s + slowdown * predicted_s_i`` plus the service of the jobs that
+    arrived before it (plus the one in flight). Jobs that arrived at the same instant (a burst) are
+    equally old: the policy keeps ordering them, where the paper's rule would make the whole burst
+    FIFO after tau.
+
+    Cost: each job moves once from the deadline heap to the overdue heap (O(log n)); a pop is
+    O(log n) plus the size of a same-instant group of overdue jobs (capped at 64).
+    """
+
+    def __init__(self, inner: JobQueue[T], timeout_s: float, slowdown: float | SlowdownRule = 0.0) -> None:
+        if not timeout_s > 0:
+            raise ValueError("timeout_s must be > 0 (math.inf disables it)")
+        if isinstance(slowdown, (int, float)) and not slowdown >= 0:
+            raise ValueError("slowdown must be >= 0")
+        self.inner = inner
+        self.timeout_s = timeout_s
+        self.slowdown = slowdown
+        # Both heaps are lazy: popped or removed jobs linger until they surface or a compaction.
+        self._pending: list[tuple[float, int, Job[T]]] = []  # (deadline, seq, job), not yet overdue
+        self._overdue: list[tuple[float, int, Job[T]]] = []  # (arrival_s, seq, job), overdue
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[Job[T]]:
+        return iter(self.inner)
+
+    def slowdown_now(self) -> float:
+        """The slowdown factor for a job queued now (fixed, or the rule's current value)."""
+        s = self.slowdown
+        return float(s) if isinstance(s, (int, float)) else s.value()
+
+    def deadline_s(self, job: Job[T]) -> float:
+        """Clock seconds after which ``job`` is overdue (fixed when it was pushed)."""
+        return job.deadline_s
+
+    def is_overdue(self, job: Job[T], now: float) -> bool:
+        return now > job.deadline_s
+
+    def push(self, job: Job[T]) -> None:
+        job.deadline_s = job.arrival_s + self.timeout_s + self.slowdown_now() * job.predicted_s
+        self.inner.push(job)
+        if not math.isinf(self.timeout_s):
+            heapq.heappush(self._pending, (job.deadline_s, job.seq, job))
+
+    def remove(self, job: Job[T]) -> bool:
+        removed = self.inner.remove(job)
+        self._compact()
+        return removed
+
+    def _advance(self, now: float) -> None:
+        pending, overdue = self._pending, self._overdue
+        while pending and pending[0][0] < now:
+            _, seq, job = heapq.heappop(pending)
+            if job.waiting:
+                heapq.heappush(overdue, (job.arrival_s, seq, job))
+        while overdue and not overdue[0][2].waiting:
+            heapq.heappop(overdue)
+
+    def _compact(self) -> None:
+        live = len(self.inner)
+        for name in ("_pending", "_overdue"):
+            heap = getattr(self, name)
+            if len(heap) > 64 and len(heap) > 2 * live:
+                heap = [e for e in heap if e[2].waiting]
+                heapq.heapify(heap)
+                setattr(self, name, heap)
+
+    def _promotion(self, head: Job[T], now: float) -> Job[T] | None:
+        """The oldest overdue job if it arrived strictly before ``head``; of a same-instant group,
+        the one the inner queue prefers."""
+        self._advance(now)
+        overdue = self._overdue
+        if not overdue or overdue[0][0] >= head.arrival_s:
+            return None
+        first = overdue[0][2]
+        sort_key = getattr(self.inner, "sort_key", None)
+        if sort_key is None:
+            return first
+        group: list[tuple[float, int, Job[T]]] = []
+        while overdue and overdue[0][0] == first.arrival_s and len(group) < 64:
+            entry = heapq.heappop(overdue)
+            if entry[2].waiting:
+                group.append(entry)
+        for entry in group:
+            heapq.heappush(overdue, entry)
+        return min((e[2] for e in group), key=lambda j: sort_key(j, now))
+
+    def peek(self, now: float) -> tuple[Job[T], bool] | None:
+        head = self.inner.peek(now)
+        if head is None or math.isinf(self.timeout_s):
+            return head
+        promoted = self._promotion(head[0], now)
+        return (promoted, True) if promoted is not None and promoted is not head[0] else head
+
+    def pop(self, now: float) -> tuple[Job[T], bool] | None:
+        head = self.peek(now)
+        if head is None:
+            return None
+        job, promoted = head
+        if promoted:
+            self.inner.remove(job)
+        else:
+            self.inner.pop(now)  # the head peeked above
+        self._compact()
+        return job, promoted
+
+    def ordered(self, now: float) -> list[Job[T]]:
+        inner = self.inner.ordered(now)
+        self._advance(now)
+        place = {j.seq: i for i, j in enumerate(inner)}
+        overdue = sorted((e[2] for e in self._overdue if e[2].waiting), key=lambda j: (j.arrival_s, place[j.seq]))
+        if not overdue:
+            return inner
+        # Replay the pops at a fixed ``now``.
+        out: list[Job[T]] = []
+        taken: set[int] = set()
+        i = k = 0
+        while len(out) < len(inner):
+            while inner[i].seq in taken:
+                i += 1
+            while k < len(overdue) and overdue[k].seq in taken:
+                k += 1
+            head = inner[i]
+            pick = overdue[k] if k < len(overdue) and overdue[k].arrival_s < head.arrival_s else head
+            out.append(pick)
+            taken.add(pick.seq)
+        return out
+
+
+@dataclass(slots=True)
+class _Tenant(Generic[T]):
+    queue: JobQueue[T]
+    served_s: float  # predicted service seconds received while active (virtual time)
+
+
+class FairShareQueue(Generic[T]):
+    """One inner queue per tenant; tenants share the backend in predicted service seconds.
+
+    Start-time fair queuing with predicted seconds as the cost. At each pop the candidate heads are
+    those of the best priority class among tenants (an overdue head, by its tenant's starvation
+    guard, joins the best class); among them the tenant with the least ``served_s`` (its next start
+    tag) goes, and its ``served_s`` grows by the job's ``predicted_s``. The system's virtual time is
+    the start tag of the last dispatched job; a tenant that becomes active starts there, so idling
+    banks no credit and a newcomer is not queued behind another tenant's backlog. With one tenant
+    this is exactly its inner queue.
+
+    Bound across tenants: with k active tenants, a tenant's head is dispatched before any other
+    tenant has received more than (its own lag + the largest predicted job) predicted seconds.
+    """
+
+    def __init__(self, make_queue: Callable[[], JobQueue[T]], tenant_of: Callable[[Job[T]], Hashable] | None = None) -> None:
+        self.make_queue = make_queue
+        self.tenant_of = tenant_of or (lambda job: job.tenant)
+        self._tenants: dict[Hashable, _Tenant[T]] = {}
+        self._live = 0
+        self._virtual_s = 0.0  # start tag of the last dispatched job
+
+    def __len__(self) -> int:
+        return self._live
+
+    def __iter__(self) -> Iterator[Job[T]]:
+        return itertools.chain.from_iterable(list(t.queue) for t in self._tenants.values())
+
+    @property
+    def tenants(self) -> dict[Hashable, float]:
+        """Active tenants and their served predicted seconds."""
+        return {name: t.served_s for name, t in self._tenants.items()}
+
+    def push(self, job: Job[T]) -> None:
+        name = self.tenant_of(job)
+        tenant = self._tenants.get(name)
+        if tenant is None:
+            tenant = self._tenants[name] = _Tenant(self.make_queue(), self._virtual_s)
+        tenant.queue.push(job)
+        self._live += 1
+
+    def remove(self, job: Job[T]) -> bool:
+        name = self.tenant_of(job)
+        tenant = self._tenants.get(name)
+        if tenant is None or not tenant.queue.remove(job):
+            return False
+        self._live -= 1
+        if not len(tenant.queue):
+            del self._tenants[name]
+        return True
+
+    def _choose(self, now: float) -> tuple[Hashable, Job[T], bool] | None:
+        heads = []
+        for name, tenant in self._tenants.items():
+            head = tenant.queue.peek(now)
+            if head is None:
+                continue
+            job, promoted = head
+            is_overdue = getattr(tenant.queue, "is_overdue", None)
+            overdue = promoted or (is_overdue is not None and is_overdue(job, now))
+            # The tenant's best class, even when a promotion hides it behind an older job.
+            inner = getattr(tenant.queue, "inner", None)
+            inner_head = inner.peek(now) if inner is not None else None
+            best_here = min(job.priority, inner_head[0].priority) if inner_head is not None else job.priority
+            heads.append((job.priority, overdue, tenant.served_s, name, job, promoted, best_here))
+        if not heads:
+            return None
+        best = min(h[0] for h in heads)
+        # An overdue head joins the best class, where fair share still decides: lifting it above
+        # every tenant would let a flooding tenant's overdue backlog starve the others.
+        _, _, _, name, job, promoted, _ = min(
+            heads, key=lambda h: (best if h[1] else h[0], h[2], h[4].seq)
+        )
+        # A starvation decision if a better class waits anywhere (possibly hidden behind a promotion).
+        return name, job, promoted or job.priority > min(h[6] for h in heads)
+
+    def peek(self, now: float) -> tuple[Job[T], bool] | None:
+        chosen = self._choose(now)
+        return None if chosen is None else (chosen[1], chosen[2])
+
+    def pop(self, now: float) -> tuple[Job[T], bool] | None:
+        chosen = self._choose(now)
+        if chosen is None:
+            return None
+        name, _, lifted = chosen
+        tenant = self._tenants[name]
+        got = tenant.queue.pop(now)
+        assert got is not None
+        job, promoted = got[0], got[1] or lifted
+        self._virtual_s = tenant.served_s
+        tenant.served_s += job.predicted_s
+        self._live -= 1
+        if not len(tenant.queue):
+            del self._tenants[name]
+        return job, promoted
+
+    def ordered(self, now: float) -> list[Job[T]]:
+        if len(self._tenants) <= 1:
+            return [j for t in self._tenants.values() for j in t.queue.ordered(now)]
+        # Merge the tenants' own orders by the virtual time each job would start at.
+        merged: list[tuple[tuple[Any, ...], Job[T]]] = []
+        for tenant in self._tenants.values():
+            served = tenant.served_s
+            for job in tenant.queue.ordered(now):
+                merged.append(((job.priority, served, job.seq), job))
+                served += job.predicted_s
+        merged.sort(key=lambda item: item[0])
+        return [job for _, job in merged]

@@ -1,51 +1,66 @@
-"""The ASGI response that waits for a backend slot, then relays the backend's answer as it arrives.
+"""The ASGI responses: a plain relay of the backend's answer, and a scheduled one that waits first.
 
-Used for scheduled requests (with a ticket) and for pass-through requests (without one).
+``Relay`` opens the upstream request and relays status, headers and body as they arrive. It is
+shared: ``PassthroughResponse`` runs it directly; ``ScheduledResponse`` runs it inside
+``async with dispatcher.lease(ticket)``, so the slot is held for exactly the relay's life and given
+back once (the lease is the only place that releases).
+
 The client's disconnect is watched the whole time (``receive`` yields ``http.disconnect``):
 
-- while queued: the ticket is withdrawn and the request is never sent;
-- while the backend generates: either ``abort`` (cancel the relay, which closes the backend
-  connection; llama.cpp stops generating) or ``drain`` (keep reading the backend's answer into the
-  void until it ends, so the slot is freed only when the backend really is free).
+- while queued: the scheduled task is cancelled; the lease withdraws the ticket, never sent;
+- while the backend generates: ``abort`` cancels the relay (closing the backend connection;
+  llama.cpp stops generating) or ``drain`` lets it read the answer into the void to its end, so the
+  slot is freed only when the backend really is free. The draining task is tracked by the
+  dispatcher.
+
+Before dispatch a waiting client receives nothing, not even a status line (the status comes from
+the backend). It can see where it stands at ``GET /queue/{request_id}`` (position and ETA; the id is
+its ``X-Request-Id`` header or the one the proxy assigns). At dispatch the response headers carry
+``X-Clairvoyant-Queue-Position`` (its place when it arrived) and the measured wait.
 
 Once the status line is sent it cannot change: a backend failure after that point ends a stream
 with one final error event in the dialect's framing, or truncates a plain body.
 
 A scheduled answer that the backend completes (2xx, relayed or drained to its end) is read by a
-``UsageTap`` as it passes, without buffering, and its ``Usage`` handed to ``on_usage``.
+``UsageTap`` as it passes, without buffering, and its ``Usage`` (what the backend really produced)
+goes to the online learner and the service-time model.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from clairvoyant.dialects import Dialect
+from clairvoyant.dialects import Dialect, error_body, stream_error_event
 from clairvoyant.dispatcher import Dispatcher, Ticket
 from clairvoyant.errors import RequestError, UpstreamTimeout
 from clairvoyant.metrics import Metrics
 from clairvoyant.upstream import Upstream, response_headers
 from clairvoyant.usage import Usage, UsageTap
 
-__all__ = ["ProxyResponse", "error_body"]
+__all__ = ["PassthroughResponse", "Relay", "ScheduledResponse", "UpstreamRequest", "error_body"]
 
 logger = logging.getLogger(__name__)
 
 
-def error_body(dialect: Dialect, exc: RequestError) -> bytes:
-    """The error in the client's own dialect."""
-    if dialect is Dialect.OLLAMA:
-        return json.dumps({"error": exc.message}).encode()
-    return json.dumps(
-        {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}}
-    ).encode()
+@dataclass(frozen=True, slots=True)
+class UpstreamRequest:
+    """What to send to the backend."""
+
+    method: str
+    path: str
+    query: str
+    headers: list[tuple[str, str]]
+    body: bytes
+    dialect: Dialect
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -55,116 +70,35 @@ async def _wait_disconnect(receive: Receive) -> None:
             return
 
 
-class ProxyResponse(Response):
-    """An ASGI app for one request: [wait for a slot] -> open upstream -> relay -> release.
+@dataclass(eq=False)
+class Relay:
+    """Open the upstream request and relay its answer to ``send`` (nothing once the client is gone)."""
 
-    A ``Response`` subclass only so that FastAPI returns it as is; status and headers come from
-    the backend when it answers.
-    """
+    upstream: Upstream
+    request: UpstreamRequest
+    metrics: Metrics
+    extra_headers: Callable[[], list[tuple[str, str]]] = lambda: []
+    on_first_byte: Callable[[], None] = lambda: None
+    # Called once with what the backend produced, when a 2xx answer has fully arrived (None: not read).
+    on_usage: Callable[[Usage], None] | None = None
+    now: Callable[[], float] = time.monotonic  # seconds; the dispatcher's clock for scheduled requests
+    model: str | None = None  # the model the request named (usage falls back to it)
+    status: int | None = None  # sent status, once sent
+    outcome: str = "pending"
+    client_gone: bool = False
+    _content_type: str = field(default="", repr=False)
+    _sent_s: float = field(default=0.0, repr=False)  # clock seconds when the request went upstream
 
-    def __init__(
-        self,
-        *,
-        upstream: Upstream,
-        method: str,
-        path: str,
-        query: str,
-        headers: list[tuple[str, str]],
-        body: bytes,
-        dialect: Dialect,
-        metrics: Metrics,
-        dispatcher: Dispatcher,  # owns the slot (scheduled requests) and every detached ending
-        ticket: Ticket | None = None,  # None: a pass-through request, not queued
-        disconnect_mode: Literal["drain", "abort"] = "abort",
-        on_usage: Callable[[Ticket, Usage], None] | None = None,  # a completed scheduled answer's usage
-    ) -> None:
-        self.background = None
-        self.status_code = 200
-        self.raw_headers = []
-        self.upstream = upstream
-        self.method = method
-        self.path = path
-        self.query = query
-        self.request_headers = headers
-        self.body = body
-        self.dialect = dialect
-        self.metrics = metrics
-        self.dispatcher = dispatcher
-        self.ticket = ticket
-        self.disconnect_mode = disconnect_mode
-        self.on_usage = on_usage
-        self.usage: Usage | None = None
-        self._sent_s = 0.0  # clock seconds when the request went upstream
-        self.status: int | None = None  # sent status, once sent
-        self.outcome = "pending"
-        self._client_gone = False
-        self._first_byte_seen = False
-        self._content_type = ""
-
-    # -- the ASGI entry point ----------------------------------------------------------------
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        disconnect = asyncio.ensure_future(_wait_disconnect(receive))
-        relay: asyncio.Task[None] | None = None
-        handed_off = False
+    async def run(self, send: Send) -> None:
+        r = self.request
+        self._sent_s = self.now()
         try:
-            if self.ticket is not None:
-                if not await self._wait_for_slot(disconnect, send):
-                    return
-            relay = asyncio.ensure_future(self._relay(send))
-            done, _ = await asyncio.wait({relay, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-            if relay in done:
-                relay.result()
-                return
-            # The client left while the backend is still working.
-            self._client_gone = True
-            self.outcome = "client_left_streaming"
-            self.metrics.disconnects_by_stage["streaming"].inc()
-            if self.disconnect_mode == "abort" or self.ticket is None:
-                relay.cancel()  # pass-through requests hold no slot: nothing to drain for
-            handed_off = self._finish_later(relay)
-        finally:
-            disconnect.cancel()
-            if relay is not None and not relay.done() and not handed_off:
-                relay.cancel()  # we are being cancelled ourselves (shutdown)
-                handed_off = self._finish_later(relay)
-            if not handed_off:
-                self._release()
-                self._log()
-
-    async def _wait_for_slot(self, disconnect: asyncio.Future[None], send: Send) -> bool:
-        """True once a slot is held; False if the client left or the proxy refused (answered)."""
-        assert self.ticket is not None
-        turn = asyncio.ensure_future(self.dispatcher.wait_turn(self.ticket))
-        try:
-            done, _ = await asyncio.wait({turn, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not turn.done():
-                turn.cancel()  # wait_turn withdraws the ticket on cancellation
-        if turn not in done:
-            self.dispatcher.abandon(self.ticket)
-            self.outcome = "client_left_queued"
-            self.metrics.disconnects_by_stage["queued"].inc()
-            return False
-        try:
-            turn.result()
-        except RequestError as exc:  # e.g. shutting down
-            await self._send_error(send, exc)
-            self.outcome = "refused"
-            return False
-        return True
-
-    # -- relaying ------------------------------------------------------------------------------
-    async def _relay(self, send: Send) -> None:
-        self._sent_s = self.dispatcher.clock.now()
-        try:
-            response = await self.upstream.open(
-                self.method, self.path, query=self.query, headers=self.request_headers, body=self.body
-            )
+            response = await self.upstream.open(r.method, r.path, query=r.query, headers=r.headers, body=r.body)
         except RequestError as exc:
             self._count_upstream_error(exc)
             self.outcome = "upstream_error"
-            if not self._client_gone:
-                await self._send_error(send, exc)
+            if not self.client_gone:
+                await self.send_error(send, exc)
             return
         try:
             await self._relay_body(response, send)
@@ -174,9 +108,10 @@ class ProxyResponse(Response):
     async def _relay_body(self, response: httpx.Response, send: Send) -> None:
         self.status = response.status_code
         self._content_type = response.headers.get("content-type", "")
-        headers = response_headers(response.headers) + self._own_headers()
-        tap = UsageTap(self._content_type) if self.ticket is not None and 200 <= response.status_code < 300 else None
-        if not self._client_gone:
+        headers = response_headers(response.headers) + self.extra_headers()
+        read_usage = self.on_usage is not None and 200 <= response.status_code < 300
+        tap = UsageTap(self._content_type) if read_usage else None
+        if not self.client_gone:
             await send(
                 {
                     "type": "http.response.start",
@@ -184,42 +119,160 @@ class ProxyResponse(Response):
                     "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers],
                 }
             )
+        first = True
         try:
             async for chunk in self.upstream.iter_body(response):
-                if chunk and not self._first_byte_seen:
-                    self._first_byte_seen = True
-                    self._observe("ttft")
+                if chunk and first:
+                    first = False
+                    self.on_first_byte()
                 if tap is not None:
                     tap.feed(chunk)
-                if not self._client_gone:
+                if not self.client_gone:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except RequestError as exc:
             self._count_upstream_error(exc)
             self.outcome = "upstream_error_mid_body"
-            if not self._client_gone:
-                await send({"type": "http.response.body", "body": self._stream_error_event(exc), "more_body": False})
+            if not self.client_gone:
+                event = stream_error_event(self.request.dialect, self._content_type, exc)
+                await send({"type": "http.response.body", "body": event, "more_body": False})
             return
-        if tap is not None:  # before the last send: the observation is in once the client has it all
-            self._record_usage(tap)
-        if not self._client_gone:
+        if tap is not None and self.on_usage is not None:
+            # Before the last send: the observation is in once the client has it all.
+            self.on_usage(tap.usage(wall_s=self.now() - self._sent_s, request_model=self.model))
+        if not self.client_gone:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             self.outcome = "completed"
         else:
-            self.outcome = "client_left_streaming"
-        self._observe("end_to_end")
+            self.outcome = "client_left_streaming"  # drained to the end
 
-    def _stream_error_event(self, exc: RequestError) -> bytes:
-        """A final error in the stream's own framing (nothing for a plain body: it is truncated)."""
-        if "text/event-stream" in self._content_type:
-            return b"data: " + error_body(self.dialect, exc) + b"\n\n"
-        if "ndjson" in self._content_type:
-            return error_body(self.dialect, exc) + b"\n"
-        return b""
+    async def send_error(self, send: Send, exc: RequestError) -> None:
+        body = error_body(self.request.dialect, exc)
+        self.status = exc.status_code
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers += [(k.lower().encode(), v.encode()) for k, v in (*exc.headers.items(), *self.extra_headers())]
+        await send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def _count_upstream_error(self, exc: RequestError) -> None:
+        self.metrics.upstream_errors_by_kind["timeout" if isinstance(exc, UpstreamTimeout) else "unavailable"].inc()
+
+
+class _AsgiOnly(Response):
+    """A ``Response`` subclass only so that FastAPI returns it as is; status and headers come
+    from the backend when it answers."""
+
+    def __init__(self) -> None:
+        self.background = None
+        self.status_code = 200
+        self.raw_headers = []
+
+
+class PassthroughResponse(_AsgiOnly):
+    """Unscheduled: relay at once; a client that leaves cancels the relay (no slot to drain for)."""
+
+    def __init__(self, relay: Relay) -> None:
+        super().__init__()
+        self.relay = relay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        disconnect = asyncio.ensure_future(_wait_disconnect(receive))
+        relay = asyncio.ensure_future(self.relay.run(send))
+        try:
+            done, _ = await asyncio.wait({relay, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            if relay in done:
+                relay.result()
+            else:
+                self.relay.client_gone = True
+                self.relay.metrics.disconnects_by_stage["streaming"].inc()
+        finally:
+            disconnect.cancel()
+            relay.cancel()
+            await asyncio.gather(relay, return_exceptions=True)
+            status = str(self.relay.status) if self.relay.status is not None else "client_closed"
+            self.relay.metrics.count_request("passthrough", self.relay.request.dialect.value, status)
+
+
+class ScheduledResponse(_AsgiOnly):
+    """Scheduled: ``async with dispatcher.lease(ticket)`` around the relay, in one task whose life
+    is the slot's life."""
+
+    def __init__(
+        self,
+        *,
+        upstream: Upstream,
+        request: UpstreamRequest,
+        metrics: Metrics,
+        dispatcher: Dispatcher,
+        ticket: Ticket,
+        disconnect_mode: Literal["drain", "abort"] = "abort",
+        on_usage: Callable[[Ticket, Usage], None] | None = None,  # a completed answer's usage (the learner)
+    ) -> None:
+        super().__init__()
+        self.dispatcher = dispatcher
+        self.ticket = ticket
+        self.metrics = metrics
+        self.disconnect_mode = disconnect_mode
+        self.on_usage = on_usage
+        self.usage: Usage | None = None
+        self.relay = Relay(
+            upstream, request, metrics, self._own_headers, self._first_byte,
+            on_usage=self._record_usage, now=dispatcher.clock.now, model=ticket.model,
+        )
+        self.stage = "queued"  # queued -> relaying -> done
+
+    async def _lifetime(self, send: Send) -> None:
+        """The slot's whole life: wait, relay, release (in the lease)."""
+        try:
+            async with self.dispatcher.lease(self.ticket) as lease:
+                self.stage = "relaying"
+                await self.relay.run(send)
+                finished = self.relay.outcome in ("completed", "client_left_streaming")
+                if finished:
+                    self._observe_end()
+                # Only whole successful answers teach the service-time model.
+                lease.completed = finished and self.relay.status is not None and self.relay.status < 400
+                lease.usage = self.usage
+        except RequestError as exc:  # refused while waiting (shutting down)
+            self.relay.outcome = "refused"
+            if not self.relay.client_gone:
+                await self.relay.send_error(send, exc)
+        finally:
+            self.stage = "done"
+            self._log()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        disconnect = asyncio.ensure_future(_wait_disconnect(receive))
+        life = self.dispatcher.run_detached(self._lifetime(send), name=f"request-{self.ticket.request_id}")
+        try:
+            done, _ = await asyncio.wait({life, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # we are being cancelled ourselves (shutdown)
+            life.cancel()
+            raise
+        finally:
+            disconnect.cancel()
+        if life in done:
+            return
+        self.relay.client_gone = True
+        if self.stage == "queued":
+            self.relay.outcome = "client_left_queued"  # the lease withdraws it (and counts it)
+            life.cancel()
+            return
+        self.relay.outcome = "client_left_streaming"
+        self.metrics.disconnects_by_stage["streaming"].inc()
+        if self.disconnect_mode == "abort":
+            life.cancel()  # closes the backend connection, then the lease releases the slot
+        # drain: the task reads the backend's answer to its end (tracked by the dispatcher)
+
+    def _record_usage(self, usage: Usage) -> None:
+        self.usage = usage
+        if self.on_usage is not None:
+            try:
+                self.on_usage(self.ticket, usage)
+            except Exception:  # the answer is already relayed: a failing observer must not break it
+                logger.exception("request_id=%s: recording usage failed", self.ticket.request_id)
 
     def _own_headers(self) -> list[tuple[str, str]]:
         ticket = self.ticket
-        if ticket is None:
-            return []
         wait = ticket.queue_wait_s()
         prediction = ticket.prediction
         headers = [
@@ -227,77 +280,43 @@ class ProxyResponse(Response):
             ("x-clairvoyant-queue-wait-ms", "" if wait is None else f"{wait * 1000:.1f}"),
             ("x-clairvoyant-predicted-tokens", f"{prediction.predicted_tokens:.0f}"),
             ("x-clairvoyant-predicted-class", ticket.predicted_class),
+            ("x-clairvoyant-predicted-s", f"{ticket.job.predicted_s:.3f}"),
         ]
         if prediction.p_long is not None:  # class models only
             headers.append(("x-clairvoyant-p-long", f"{prediction.p_long:.4f}"))
+        if ticket.position_at_arrival is not None:
+            headers.append(("x-clairvoyant-queue-position", str(ticket.position_at_arrival)))
         return headers
 
-    async def _send_error(self, send: Send, exc: RequestError) -> None:
-        body = error_body(self.dialect, exc)
-        self.status = exc.status_code
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        headers += [(k.lower().encode(), v.encode()) for k, v in (*exc.headers.items(), *self._own_headers())]
-        await send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+    def _first_byte(self) -> None:
+        self.metrics.ttft_by_class[self.ticket.predicted_class].observe(self.dispatcher.clock.now() - self.ticket.arrival_s)
 
-    # -- endings -------------------------------------------------------------------------------
-    def _finish_later(self, relay: asyncio.Future[None]) -> bool:
-        """Release the slot only once the relay has ended (drained to the end, or aborted)."""
-
-        async def finish() -> None:
-            try:
-                await relay
-            except (asyncio.CancelledError, RequestError):
-                pass
-            finally:
-                self._release()
-                self._log()
-
-        self.dispatcher.run_detached(finish(), name=f"finish-{self.ticket.request_id if self.ticket else 'passthrough'}")
-        return True
-
-    def _record_usage(self, tap: UsageTap) -> None:
-        assert self.ticket is not None
-        self.usage = tap.usage(wall_s=self.dispatcher.clock.now() - self._sent_s, request_model=self.ticket.model)
-        if self.on_usage is not None:
-            try:
-                self.on_usage(self.ticket, self.usage)
-            except Exception:  # the answer is already relayed: a failing observer must not break it
-                logger.exception("request_id=%s: recording usage failed", self.ticket.request_id)
-
-    def _release(self) -> None:
-        if self.ticket is not None:
-            self.dispatcher.release(self.ticket)
-
-    def _count_upstream_error(self, exc: RequestError) -> None:
-        self.metrics.upstream_errors_by_kind["timeout" if isinstance(exc, UpstreamTimeout) else "unavailable"].inc()
-
-    def _observe(self, what: str) -> None:
-        ticket = self.ticket
-        if ticket is None:
-            return
-        elapsed = self.dispatcher.clock.now() - ticket.arrival_s
-        by_class = self.metrics.ttft_by_class if what == "ttft" else self.metrics.end_to_end_by_class
-        by_class[ticket.predicted_class].observe(elapsed)
+    def _observe_end(self) -> None:
+        self.metrics.end_to_end_by_class[self.ticket.predicted_class].observe(
+            self.dispatcher.clock.now() - self.ticket.arrival_s
+        )
 
     def _log(self) -> None:
         ticket = self.ticket
-        endpoint = ticket.endpoint if ticket is not None else "passthrough"
-        status = str(self.status) if self.status is not None else "client_closed"
-        self.metrics.count_request(endpoint, self.dialect.value, status)
-        if ticket is None or not logger.isEnabledFor(logging.INFO):
+        relay = self.relay
+        status = str(relay.status) if relay.status is not None else "client_closed"
+        self.metrics.count_request(ticket.endpoint, relay.request.dialect.value, status)
+        if not logger.isEnabledFor(logging.INFO):
             return
         wait = ticket.queue_wait_s()
         service = None if ticket.dispatched_s is None else self.dispatcher.clock.now() - ticket.dispatched_s
         fields: dict[str, Any] = {
             "request_id": ticket.request_id,
             "endpoint": ticket.endpoint,
+            "tenant": ticket.job.tenant or "-",
+            "priority": ticket.job.priority,
             "predicted_class": ticket.predicted_class,
             "predicted_tokens": f"{ticket.prediction.predicted_tokens:.0f}",
+            "predicted_s": f"{ticket.job.predicted_s:.3f}",
             "queue_wait_ms": "-" if wait is None else f"{wait * 1000:.1f}",
             "service_ms": "-" if service is None else f"{service * 1000:.1f}",
-            "status": self.status if self.status is not None else "-",
-            "outcome": self.outcome,
+            "status": relay.status if relay.status is not None else "-",
+            "outcome": relay.outcome,
             "output_tokens": "-" if self.usage is None or self.usage.output_tokens is None else self.usage.output_tokens,
             "usage_source": "-" if self.usage is None else self.usage.source,
         }

@@ -13,6 +13,10 @@ __all__ = ["add_arguments", "run"]
 
 
 def _flag_type(name: str) -> dict[str, Any]:
+    if name == "policy":
+        from clairvoyant.policy import POLICY_NAMES  # the registry's names
+
+        return {"choices": list(POLICY_NAMES)}
     annotation = Settings.model_fields[name].annotation
     choices = get_args(annotation)
     if choices and all(isinstance(c, str) for c in choices):

@@ -93,6 +93,8 @@ def _proxy_settings(config: BenchConfig, condition: str) -> Any:
         upstream_url=config.backend_url,
         policy="fcfs" if condition == "fcfs" else "sjf",
         starvation_timeout_s=config.tau_s,
+        starvation_slowdown=0.0,  # the benchmarks measure the paper's rule (tau alone)
+        starvation_slowdown_adaptive=False,
         allow_oracle=condition == "oracle",
         model_path=config.model_path,
         max_queue=10_000,

@@ -1,16 +1,19 @@
 """Discrete-event simulator of the proxy's non-preemptive queue, in virtual time.
 
-It drives the proxy's own ``JobQueue`` and policies (``clairvoyant.job_queue``,
-``clairvoyant.policy``): no second SJF lives here. It never imports the dispatcher, the app or
+It drives the proxy's own queues and policies (``clairvoyant.policy.build_queue`` over
+``clairvoyant.job_queue``): no second SJF lives here. It never imports the dispatcher, the app or
 any HTTP library. Modules:
 
     workload     arrivals (Poisson, burst) and service-time models (normal, lognormal, replay, prompts)
-    predictors   scorers: oracle, noisy at a target ranking accuracy, a real predictor over prompts
-    engine       the event loop: ``simulate(workload, scores, policy=, starvation_timeout_s=, slots=)``
+    workload     also the two-tenant flood (``two_tenant_workload``)
+    predictors   scorers: oracle, noisy at a target ranking accuracy, label (right a fraction of the
+                 time), a real predictor over prompts; each gives score, predicted seconds, bucket
+    engine       the event loop: ``simulate(workload, beliefs, policy=, starvation_timeout_s=, slots=, ...)``
     report       per-class percentiles, mean +/- std over seeds, JSON/CSV/markdown
     plots        PNG plots (matplotlib, Agg)
     experiments  conditions x seeds, and the paper's tau sweep and utilisation spectrum
-    command      ``clairvoyant simulate run | tau-sweep | spectrum``
+    compare      every policy on the paper, heavy-tailed and two-tenant workloads (issue 9)
+    command      ``clairvoyant simulate run | tau-sweep | spectrum | compare``
 """
 
 from __future__ import annotations

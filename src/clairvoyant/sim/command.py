@@ -3,6 +3,7 @@
     clairvoyant simulate run        [workload flags] [--conditions fcfs sjf:10.5 sjf:inf]
     clairvoyant simulate tau-sweep  [workload flags] [--mu-short 3.5|fcfs] [--multiples 0.5 1 2 3 5 10]
     clairvoyant simulate spectrum   [workload flags] [--rhos 0.3 0.5 0.6 0.74 0.85] [--tau-multiple 3]
+    clairvoyant simulate compare    [--n 2000] [--seeds 5] [--prompts FILE] [--workloads paper heavy tenants]
 
 Workload defaults are the paper's (5.5): Poisson lambda = 0.12/s, N(3.5, 0.8) Short and
 N(8.9, 2.0) Long 50/50 (clipped at --floor), n = 2,000, 5 seeds, oracle predictor, one slot.
@@ -44,12 +45,24 @@ def _mix(text: str) -> dict[str, float]:
     return out
 
 
-def _condition(text: str) -> tuple[str, float]:
-    policy, _, tau = text.partition(":")
+def _condition(text: str) -> tuple[str, float, float, float | None, bool]:
+    """POLICY[:TAU_S[+SLOWDOWN[cv]]][@GAMMA], e.g. ``sjf:10.5``, ``sjf:1+3.2``, ``sjf:1+2.56cv``
+    (adaptive: x (1 + CV^2) of measured service times), ``boost:25@0.02``."""
+    rest, _, gamma = text.partition("@")
+    policy, _, guard = rest.partition(":")
+    tau, _, slowdown = guard.partition("+")
+    adaptive = slowdown.endswith("cv")
+    slowdown = slowdown.removesuffix("cv")
     try:
-        return policy, (math.inf if tau in ("", "inf") else float(tau))
+        return (
+            policy,
+            math.inf if tau in ("", "inf") else float(tau),
+            float(slowdown) if slowdown else 0.0,
+            float(gamma) if gamma else None,
+            adaptive,
+        )
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected POLICY[:TAU_S], got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected POLICY[:TAU_S[+SLOWDOWN[cv]]][@GAMMA], got {text!r}") from None
 
 
 def _add_workload_flags(p: argparse.ArgumentParser, *, with_rate: bool = True) -> None:
@@ -77,8 +90,8 @@ def _add_workload_flags(p: argparse.ArgumentParser, *, with_rate: bool = True) -
     g.add_argument("--c0", type=float, default=0.3, help="prompts cost model: seconds per request (default 0.3)")
     g.add_argument("--c-tok", type=float, default=0.02, help="prompts cost model: seconds per output token (default 0.02)")
     pr = p.add_argument_group("predictor")
-    pr.add_argument("--predictor", choices=("oracle", "noisy", "onnx"), default="oracle", help="scores (default oracle)")
-    pr.add_argument("--accuracy", type=float, default=0.8, help="noisy: target Short-vs-Long pairwise accuracy (default 0.8)")
+    pr.add_argument("--predictor", choices=("oracle", "noisy", "label", "onnx"), default="oracle", help="scores (default oracle)")
+    pr.add_argument("--accuracy", type=float, default=0.8, help="noisy: target Short-vs-Long pairwise accuracy; label: fraction of right labels (default 0.8)")
     pr.add_argument("--model", type=Path, default=None, help="onnx: model path (default: the shipped model)")
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, default=Path("results/sim"), help="directory for JSON/CSV/MD (default results/sim)")
@@ -94,8 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("run", help="run chosen conditions on one workload", description="run chosen conditions on one workload")
     _add_workload_flags(p)
     p.add_argument(
-        "--conditions", nargs="+", type=_condition, default=[("fcfs", math.inf), ("sjf", math.inf)],
-        metavar="POLICY[:TAU_S]", help="e.g. fcfs sjf:10.5 sjf:inf (default fcfs sjf:inf)",
+        "--conditions", nargs="+", type=_condition, default=[("fcfs", math.inf, 0.0, None, False), ("sjf", math.inf, 0.0, None, False)],
+        metavar="POLICY[:TAU_S[+SLOWDOWN[cv]]][@GAMMA]",
+        help="e.g. fcfs sjf:10.5 sjf:inf sjf:1+3.2 sjf:1+2.56cv boost:25@0.02 hrrn (default fcfs sjf:inf)",
     )  # fmt: skip
     p = sub.add_parser("tau-sweep", help="paper 5.5: starvation timeout sweep", description="paper 5.5: starvation timeout sweep")
     _add_workload_flags(p)
@@ -106,6 +120,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--rhos", type=float, nargs="+", default=[0.3, 0.5, 0.6, 0.74, 0.85], help="utilisations")
     p.add_argument("--tau-multiple", type=float, default=3.0, help="tau = this x mu_short (default 3)")
     p.add_argument("--mu-short", default="3.5", help="mu_short in seconds, or 'fcfs' (measured per rho) (default 3.5)")
+    _add_compare(sub)
+
+
+def _add_compare(sub: Any) -> None:
+    p = sub.add_parser("compare", help="issue 9: every policy on the paper, heavy-tailed and two-tenant workloads",
+                       description="every policy on the paper, heavy-tailed and two-tenant workloads")  # fmt: skip
+    p.add_argument("--n", type=int, default=2000, help="requests per seed (default 2000)")
+    p.add_argument("--seeds", type=int, default=5, help="number of seeds (default 5)")
+    p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help=f"prompt file for the heavy workload (default {DEFAULT_PROMPTS})")
+    p.add_argument("--model", type=Path, default=None, help="ONNX model for the real predictor (default: shipped)")
+    p.add_argument("--c0", type=float, default=0.3, help="heavy workload: seconds per request (default 0.3)")
+    p.add_argument("--c-tok", type=float, default=0.02, help="heavy workload: seconds per answer token (default 0.02)")
+    p.add_argument("--workloads", nargs="+", default=["paper", "heavy", "tenants"], choices=["paper", "heavy", "tenants"])
+    p.add_argument("--out", type=Path, default=Path("results/sim"), help="directory for JSON/MD (default results/sim)")
+    p.add_argument("--name", default="sim_compare", help="file name stem (default sim_compare)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from clairvoyant.sim import compare, report
+
+    prompts = args.prompts if "heavy" in args.workloads else None
+    if prompts is not None and not prompts.is_file():
+        raise SystemExit(f"clairvoyant simulate: prompts file {prompts} not found (--prompts)")
+    with tqdm(desc=args.name, unit="run", disable=args.no_progress, file=sys.stderr) as bar:
+        data = compare.compare(
+            n=args.n, seeds=range(args.seeds), prompts=prompts, model=args.model, c0_s=args.c0, c_tok_s=args.c_tok,
+            workloads=args.workloads, progress=bar.update,
+        )  # fmt: skip
+    text = compare.compare_markdown(data)
+    out: Path = args.out
+    report.write_json(out / f"{args.name}.json", compare.compare_json(data))
+    (out / f"{args.name}.md").write_text(text + "\n")
+    print(text)
+    print(f"\nwrote {out / (args.name + '.json')}, {out / (args.name + '.md')}")
+    return 0
 
 
 def _service(args: argparse.Namespace) -> Any:
@@ -135,11 +187,20 @@ def _scorer(args: argparse.Namespace, service: Any) -> Any:
         return pr.OracleScorer()
     if args.predictor == "noisy":
         return pr.NoisyScorer(args.accuracy)
+    if args.predictor == "label":
+        return pr.LabelScorer(args.accuracy)
     if args.service != "prompts":
         raise SystemExit("clairvoyant simulate: --predictor onnx needs --service prompts")
     from clairvoyant.predictor import OnnxPredictor
 
     return pr.PredictorScorer(OnnxPredictor(args.model), service.records)
+
+
+def _condition_name(policy: str, tau: float, slowdown: float, gamma: float | None, adaptive: bool = False) -> str:
+    if math.isinf(tau) and policy == "fcfs" and gamma is None:
+        return policy
+    name = f"{policy} tau={tau:g}" + (f"+{slowdown:g}{'x(1+CV2)' if adaptive else ''}xS" if slowdown else "")
+    return name + (f" gamma={gamma:g}" if gamma is not None else "")
 
 
 def _mu_short(text: str) -> float | str:
@@ -158,6 +219,8 @@ def run(args: argparse.Namespace) -> int:
     from clairvoyant.sim import experiments as ex
     from clairvoyant.sim import report
 
+    if args.sim_command == "compare":
+        return _run_compare(args)
     service = _service(args)
     scorer = _scorer(args, service)
     seeds = tuple(range(args.seed_base, args.seed_base + args.seeds))
@@ -177,8 +240,14 @@ def run(args: argparse.Namespace) -> int:
     name = args.name or f"sim_{command.replace('-', '_')}"
     with tqdm(total=runs * len(seeds), desc=name, unit="run", disable=args.no_progress, file=sys.stderr) as bar:
         if command == "run":
+            from clairvoyant.policy import PolicyParams
+
             conds = [
-                ex.Condition(f"{p}" if math.isinf(t) and p == "fcfs" else f"{p} tau={t:g}", p, t) for p, t in args.conditions
+                ex.Condition(
+                    _condition_name(p, t, m, g, a), p, t, slowdown=m, adaptive_slowdown=a,
+                    params=PolicyParams(boost_gamma_per_s=g) if g is not None else PolicyParams(),
+                )  # fmt: skip
+                for p, t, m, g, a in args.conditions
             ]
             results = ex.run_conditions(setup, conds, bar.update)
             result: dict[str, Any] = {

@@ -26,10 +26,20 @@ from typing import Any
 
 import numpy as np
 
-from clairvoyant.sim.engine import simulate
+from clairvoyant.policy import PolicyParams
+from clairvoyant.scheduling.service_time import ServiceTimeModel
+from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
+from clairvoyant.sim.engine import Beliefs, simulate
 from clairvoyant.sim.predictors import OracleScorer, Scorer, pairwise_accuracy
 from clairvoyant.sim.report import aggregate, run_metrics
-from clairvoyant.sim.workload import NormalService, ServiceModel, make_workload, score_stream
+from clairvoyant.sim.workload import (
+    NormalService,
+    ServiceModel,
+    Workload,
+    make_workload,
+    score_stream,
+    two_tenant_workload,
+)
 
 __all__ = [
     "PAPER",
@@ -69,15 +79,25 @@ def paper_service(floor_s: float = 0.05) -> NormalService:
 
 @dataclass(frozen=True, slots=True)
 class Condition:
-    """One scheduling configuration: a policy name and a starvation timeout."""
+    """One scheduling configuration: a policy, its parameters, a starvation timeout, fair share."""
 
     name: str  # label in tables, e.g. "fcfs", "sjf tau=3x", "sjf tau=inf"
     policy: str  # a name known to clairvoyant.policy.make_policy
     tau_s: float = math.inf  # starvation timeout, seconds (inf: none)
     tau_multiple: float | None = None  # tau / mu_short, when defined that way
+    fair_share: bool = False  # one queue per tenant, shared in predicted seconds
+    slowdown: float = 0.0  # guard deadline = tau + slowdown x predicted seconds
+    learn_service_time: bool = False  # predicted seconds from the online service-time model (proxy-like)
+    adaptive_slowdown: bool = False  # slowdown = the given one x (1 + CV^2) of measured service times
+    params: PolicyParams = field(default_factory=PolicyParams)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "policy": self.policy, "tau_s": self.tau_s, "tau_multiple": self.tau_multiple}
+        return {
+            "name": self.name, "policy": self.policy, "tau_s": self.tau_s, "tau_multiple": self.tau_multiple,
+            "fair_share": self.fair_share, "starvation_slowdown": self.slowdown,
+            "learn_service_time": self.learn_service_time, "adaptive_slowdown": self.adaptive_slowdown, "boost_gamma_per_s": self.params.boost_gamma_per_s,
+            "boost_auto_gamma": self.params.boost_auto_gamma, "boost_max_s": self.params.boost_max_s,
+        }  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +107,7 @@ class Setup:
     service: ServiceModel
     n: int = 2000
     seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
-    arrivals: str = "poisson"  # "poisson" or "burst"
+    arrivals: str = "poisson"  # "poisson", "burst", "tenants" (two_tenant_workload) or "tenants-alone"
     rate_per_s: float | None = None  # give this or rho for poisson arrivals
     rho: float | None = None
     slots: int = 1
@@ -145,19 +165,42 @@ def run_conditions(
     """Every condition on every seed's workload. Deterministic in ``setup.seeds``."""
     results = [ConditionResult(c) for c in conditions]
     for seed in setup.seeds:
-        workload = make_workload(
-            seed, setup.n, setup.service, arrivals=setup.arrivals, rate_per_s=setup.rate_per_s,
-            rho=setup.rho, slots=setup.slots,
-        )  # fmt: skip
-        scores = setup.scorer.scores(workload, score_stream(seed))
-        accuracy = pairwise_accuracy(scores, workload.class_idx)
+        workload = setup_workload(setup, seed)
+        beliefs = _beliefs(setup.scorer, workload, seed)
+        accuracy = pairwise_accuracy(beliefs.score, workload.class_idx)
         for result in results:
             c = result.condition
-            schedule = simulate(workload, scores, policy=c.policy, starvation_timeout_s=c.tau_s, slots=setup.slots)
+            schedule = simulate(
+                workload, beliefs, policy=c.policy, starvation_timeout_s=c.tau_s,
+                starvation_slowdown=AdaptiveSlowdown(c.slowdown) if c.adaptive_slowdown else c.slowdown,
+                slots=setup.slots,
+                fair_share=c.fair_share, params=c.params,
+                service_time=ServiceTimeModel() if c.learn_service_time else None,
+            )  # fmt: skip
             result.per_seed.append({"seed": float(seed), "accuracy": accuracy, **run_metrics(workload, schedule)})
             if progress is not None:
                 progress(1)
     return results
+
+
+def setup_workload(setup: Setup, seed: int) -> Workload:
+    """The workload of one seed (two-tenant arrivals use ``rho`` as the interactive tenant's own load)."""
+    if setup.arrivals in ("tenants", "tenants-alone"):
+        return two_tenant_workload(
+            seed, setup.n, setup.service, interactive_rho=setup.rho or 0.3,
+            only=1 if setup.arrivals == "tenants-alone" else None,
+        )  # fmt: skip
+    return make_workload(
+        seed, setup.n, setup.service, arrivals=setup.arrivals, rate_per_s=setup.rate_per_s,
+        rho=setup.rho, slots=setup.slots,
+    )  # fmt: skip
+
+
+def _beliefs(scorer: Scorer, workload: Workload, seed: int) -> Beliefs:
+    beliefs = getattr(scorer, "beliefs", None)
+    if beliefs is not None:
+        return beliefs(workload, score_stream(seed))  # type: ignore[no-any-return]
+    return Beliefs.from_scores(scorer.scores(workload, score_stream(seed)))
 
 
 def relative_change(result: ConditionResult, baseline: ConditionResult, key: str) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """Numbers out of schedules: per-class percentiles, mean +/- std over seeds, JSON/CSV files, plots.
 
 Metric names are flat strings ``"<class>.<measure>.<stat>"``: class in short/medium/long/all,
-measure ``sojourn`` (arrival to completion) or ``wait`` (arrival to dispatch), stat p50/p95/p99/mean.
+measure ``sojourn`` (arrival to completion) or ``wait`` (arrival to dispatch), stat p50/p95/p99/mean/max.
 Percentiles use numpy's default (linear interpolation) over one seed's requests; the spread over
 seeds is the sample standard deviation (ddof = 1; 0 for a single seed). No prompt text is ever
 part of these outputs: only classes, times and scores' summary statistics.
@@ -51,13 +51,18 @@ def metric(group: str, measure: str, stat: str) -> str:
 def run_metrics(workload: Workload, schedule: Schedule) -> dict[str, float]:
     """Per-class and overall percentiles and means of sojourn and wait for one run.
 
-    Classes with no request in the workload are omitted. Also reports ``<class>.n``,
+    Classes with no request in the workload are omitted; multi-tenant workloads add groups
+    ``tenant<id>`` (e.g. ``tenant1.wait.p95``). Also reports ``<class>.n``,
     ``promotions``, ``makespan_s`` and ``utilisation`` (busy time / makespan, per slot).
     """
     out: dict[str, float] = {}
     values = {"sojourn": schedule.sojourn_s(workload), "wait": schedule.wait_s(workload)}
-    for group in GROUPS:
-        rows = np.ones(len(workload), bool) if group == "all" else workload.class_idx == CLASS_NAMES.index(group)
+    groups: list[tuple[str, np.ndarray]] = [
+        (g, np.ones(len(workload), bool) if g == "all" else workload.class_idx == CLASS_NAMES.index(g)) for g in GROUPS
+    ]
+    if workload.tenant is not None:
+        groups += [(f"tenant{t}", workload.tenant == t) for t in sorted(set(workload.tenant.tolist()))]
+    for group, rows in groups:
         count = int(rows.sum())
         if count == 0:
             continue
@@ -67,6 +72,7 @@ def run_metrics(workload: Workload, schedule: Schedule) -> dict[str, float]:
             for q, p in zip(PERCENTILES, np.percentile(sel, PERCENTILES), strict=True):
                 out[metric(group, measure, f"p{q}")] = float(p)
             out[metric(group, measure, "mean")] = float(sel.mean())
+            out[metric(group, measure, "max")] = float(sel.max())
     out["promotions"] = float(schedule.promotions)
     span = float(schedule.end_s.max() - min(0.0, float(workload.arrival_s.min())))
     slots = int(schedule.slot.max()) + 1
@@ -147,6 +153,8 @@ def _pct(change: Mapping[str, float], sign: int = 1) -> str:
 
 
 def _cond_label(cond: Mapping[str, Any]) -> str:
+    if cond.get("starvation_slowdown") or cond["policy"] not in ("fcfs", "sjf"):
+        return str(cond["name"])  # the new guard and policies: the condition's own name
     if cond["policy"] == "fcfs":
         return "FCFS"
     tau = cond["tau_s"]
@@ -158,7 +166,7 @@ def _cond_label(cond: Mapping[str, Any]) -> str:
 
 def conditions_table(conditions: Sequence[Mapping[str, Any]], measure: str = "sojourn") -> str:
     """Markdown: one row per condition, Short and Long P50/P95/P99 of ``measure`` (mean ± std)."""
-    groups = [g for g in ("short", "medium", "long") if f"{g}.{measure}.p50" in conditions[0]["summary"]]
+    groups = [g for g in CLASS_NAMES if f"{g}.{measure}.p50" in conditions[0]["summary"]]
     head = ["condition"] + [f"{g.capitalize()} P{q}" for g in groups for q in PERCENTILES] + ["promotions"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for cond in conditions:

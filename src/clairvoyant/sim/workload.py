@@ -25,6 +25,7 @@ from typing import Protocol
 import numpy as np
 
 from clairvoyant.features import Prompt
+from clairvoyant.predictor import CLASS_NAMES  # one definition of the class names
 
 __all__ = [
     "CLASS_NAMES",
@@ -40,13 +41,13 @@ __all__ = [
     "load_prompts",
     "load_replay",
     "make_workload",
+    "two_tenant_workload",
     "poisson_arrivals",
     "rate_for_rho",
     "score_stream",
 ]
 
-# Class indices used in every array of this package. Same names and order as the predictor's.
-CLASS_NAMES: tuple[str, str, str] = ("short", "medium", "long")
+# Class indices used in every array of this package are the predictor's CLASS_NAMES, in its order.
 _CLASS_INDEX = {name: i for i, name in enumerate(CLASS_NAMES)}
 
 
@@ -63,16 +64,20 @@ class Workload:
     """One simulated request stream, in arrival order (``arrival_s`` non-decreasing).
 
     ``item`` indexes ``PromptService.records`` for prompt-based workloads, else is -1.
+    ``tenant`` (int8 tenant id per request) is None for single-tenant workloads.
     """
 
     arrival_s: np.ndarray  # float64 virtual seconds
     service_s: np.ndarray  # float64 seconds the backend takes (the truth, unknown to the scheduler)
     class_idx: np.ndarray  # int8 index into CLASS_NAMES
     item: np.ndarray  # int64 row of the prompt file, or -1
+    tenant: np.ndarray | None = None  # int8 tenant id, or None (one tenant)
 
     def __post_init__(self) -> None:
         n = len(self.arrival_s)
         if not (len(self.service_s) == len(self.class_idx) == len(self.item) == n):
+            raise ValueError("workload arrays differ in length")
+        if self.tenant is not None and len(self.tenant) != n:
             raise ValueError("workload arrays differ in length")
         if n and np.any(np.diff(self.arrival_s) < 0):
             raise ValueError("arrival times must be non-decreasing")
@@ -385,6 +390,39 @@ def make_workload(
         raise ValueError(f"unknown arrival process {arrivals!r}; known: burst, poisson")
     cls, svc, item = service.draw(service_rng, n)
     return Workload(arrival, svc.astype(np.float64), cls, item)
+
+
+def two_tenant_workload(
+    seed: int,
+    n: int,
+    service: ServiceModel,
+    *,
+    flood_share: float = 0.5,
+    interactive_rho: float = 0.3,
+    flood_span_s: float = 0.0,
+    only: int | None = None,
+) -> Workload:
+    """Tenant 0 floods: ``flood_share`` of the ``n`` requests arrive as one batch spread evenly over
+    ``flood_span_s`` seconds from t = 0 (0 = all at t = 0). Tenant 1 is interactive: the rest arrive
+    as a Poisson stream at ``interactive_rho`` of the backend on their own.
+
+    ``only`` keeps one tenant's requests (the same draws): the interactive tenant "alone" is
+    ``only=1``. Deterministic in ``seed``.
+    """
+    n_flood = int(round(n * flood_share))
+    n_inter = n - n_flood
+    if n_flood < 1 or n_inter < 1:
+        raise ValueError("both tenants need at least one request")
+    arrival_rng, service_rng, _ = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3))
+    flood_at = np.linspace(0.0, flood_span_s, n_flood) if flood_span_s > 0 else np.zeros(n_flood)
+    inter_at = poisson_arrivals(arrival_rng, n_inter, rate_for_rho(interactive_rho, service.mean_service_s()))
+    cls, svc, item = service.draw(service_rng, n)
+    tenant = np.concatenate([np.zeros(n_flood, np.int8), np.ones(n_inter, np.int8)])
+    arrival = np.concatenate([flood_at, inter_at])
+    order = np.argsort(arrival, kind="stable")
+    if only is not None:
+        order = order[tenant[order] == only]
+    return Workload(arrival[order], svc[order].astype(np.float64), cls[order], item[order], tenant[order])
 
 
 def score_stream(seed: int) -> np.random.Generator:

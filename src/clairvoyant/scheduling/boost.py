@@ -1,0 +1,173 @@
+"""gamma-boost (paper 002, digest section 2): key = arrival_s - b, with b in seconds.
+
+``b_gamma(S) = (1/gamma) ln(1 / (1 - exp(-gamma S)))``: decreasing in S, so short jobs get a large
+boost. gamma -> inf is FCFS, gamma -> 0 is SJF; only jobs shorter than about 1/gamma seconds get a
+meaningful boost.
+
+Bucket-conditioned boosts: the boost of prediction bucket l is
+``b(l) = (1/gamma) ln(M_l / (M_l - 1))`` with ``M_l = mean(exp(gamma S) | bucket l)`` over the
+*measured* service times of completed requests in that bucket (blended with the predicted seconds
+until a bucket has data). A bucket whose real sizes are dispersed gets a small boost, so a weak
+predictor degrades toward FCFS instead of reordering at random.
+
+Starvation bound: every boost is capped at ``max_boost_s``. A later arrival j overtakes a waiting
+i only if ``a_j - a_i < b_j - b_i <= max_boost_s``: after waiting ``max_boost_s`` seconds nobody
+new passes i (within its priority class). That cap holds whatever gamma is, so automatic gamma
+cannot break it.
+
+Automatic gamma (digest 2b): the positive root of ``gamma = lambda (mean(exp(gamma S)) - 1)`` over
+recent arrivals and measured service times; it exists only when rho < 1, otherwise the manual
+gamma stays.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["BoostTable", "boost_s", "bucket_for", "solve_gamma", "tail_gamma"]
+
+_BUCKETS_PER_OCTAVE = 2
+_BUCKET_BASE_S = 0.25  # bucket 0 holds predictions up to this many seconds
+_MAX_BUCKET = 31
+_PRIOR_WEIGHT = 5.0  # a bucket's predicted seconds count as this many measurements
+
+
+def boost_s(service_s: float, gamma_per_s: float) -> float:
+    """b_gamma(S) in seconds, computed stably as -log1p(-exp(-gamma S)) / gamma."""
+    x = gamma_per_s * max(service_s, 1e-9)
+    return -math.log1p(-math.exp(-x)) / gamma_per_s
+
+
+def bucket_for(predicted_s: float) -> int:
+    """The prediction bucket of a predicted service time: half-octaves from 0.25 s."""
+    if not predicted_s > _BUCKET_BASE_S:
+        return 0
+    return min(_MAX_BUCKET, 1 + int(_BUCKETS_PER_OCTAVE * math.log2(predicted_s / _BUCKET_BASE_S)))
+
+
+def solve_gamma(rate_per_s: float, services_s: Sequence[float]) -> float | None:
+    """Positive root of gamma = rate (mean(exp(gamma S)) - 1), or None when rho >= 1 (no root)."""
+    if rate_per_s <= 0 or not services_s:
+        return None
+    n = len(services_s)
+    mean = sum(services_s) / n
+    if rate_per_s * mean >= 1.0:
+        return None
+
+    def f(g: float) -> float:
+        return rate_per_s * (sum(math.exp(min(g * s, 700.0)) for s in services_s) / n - 1.0) - g
+
+    lo, hi = 1e-9, 1.0 / max(mean, 1e-9)
+    while f(hi) < 0:  # f < 0 just above 0 (rho < 1) and grows without bound
+        lo, hi = hi, hi * 2
+        if hi > 1e6:
+            return None
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < 0 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def tail_gamma(response_times_s: Sequence[float]) -> float | None:
+    """Digest 2c: gamma ~ ln(5) / (t99 - t95) of recent response times; None if undefined."""
+    if len(response_times_s) < 20:
+        return None
+    ordered = sorted(response_times_s)
+    t95 = ordered[int(0.95 * (len(ordered) - 1))]
+    t99 = ordered[int(0.99 * (len(ordered) - 1))]
+    return math.log(5.0) / (t99 - t95) if t99 > t95 else None
+
+
+@dataclass(slots=True)
+class _Bucket:
+    exp_sum: float = 0.0  # sum of exp(gamma S) over the window (recomputed when gamma changes)
+    measured_s: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+
+
+class BoostTable:
+    """Boosts per prediction bucket, learned from completed requests; gamma manual or automatic.
+
+    ``boost(job_bucket, predicted_s)`` is read at push; ``observe(bucket, measured_s, arrival_s)``
+    at completion. Everything is in seconds.
+    """
+
+    def __init__(
+        self,
+        gamma_per_s: float = 0.05,
+        *,
+        max_boost_s: float = 60.0,
+        auto_gamma: bool = False,
+        window: int = 512,
+    ) -> None:
+        if not gamma_per_s > 0:
+            raise ValueError("gamma must be > 0")
+        if not max_boost_s > 0:
+            raise ValueError("max_boost_s must be > 0")
+        self.gamma_per_s = gamma_per_s
+        self.manual_gamma_per_s = gamma_per_s
+        self.max_boost_s = max_boost_s
+        self.auto_gamma = auto_gamma
+        self._buckets: dict[int, _Bucket] = {}
+        self._recent_s: deque[float] = deque(maxlen=window)
+        self._arrivals_s: deque[float] = deque(maxlen=window)
+        self._since_refit = 0
+
+    def boost(self, bucket: int, predicted_s: float) -> float:
+        """The boost in seconds for a job of ``bucket`` predicted to take ``predicted_s``."""
+        g = self.gamma_per_s
+        prior = math.exp(min(g * max(predicted_s, 1e-9), 700.0))
+        data = self._buckets.get(bucket)
+        if data is None or not data.measured_s:
+            m = prior
+        else:
+            m = (data.exp_sum + _PRIOR_WEIGHT * prior) / (len(data.measured_s) + _PRIOR_WEIGHT)
+        b = math.log(m / (m - 1.0)) / g if m > 1.0 else self.max_boost_s
+        return min(b, self.max_boost_s)
+
+    def note_arrival(self, arrival_s: float) -> None:
+        """Record an arrival time (the arrival rate for automatic gamma)."""
+        self._arrivals_s.append(arrival_s)
+
+    def observe(self, bucket: int, measured_s: float) -> None:
+        """A completed request of ``bucket`` took ``measured_s`` seconds of service."""
+        data = self._buckets.get(bucket)
+        if data is None:
+            data = self._buckets[bucket] = _Bucket()
+        if len(data.measured_s) == data.measured_s.maxlen:
+            data.exp_sum -= math.exp(min(self.gamma_per_s * data.measured_s[0], 700.0))
+        data.measured_s.append(measured_s)
+        data.exp_sum += math.exp(min(self.gamma_per_s * measured_s, 700.0))
+        self._recent_s.append(measured_s)
+        self._since_refit += 1
+        if self.auto_gamma and self._since_refit >= 32:
+            self._since_refit = 0
+            self.refit_gamma()
+
+    def arrival_rate_per_s(self) -> float:
+        a = self._arrivals_s
+        if len(a) < 2 or a[-1] <= a[0]:
+            return 0.0
+        return (len(a) - 1) / (a[-1] - a[0])
+
+    def refit_gamma(self) -> float:
+        """Set gamma from the fixed-point rule when it has a root; returns the gamma in use."""
+        g = solve_gamma(self.arrival_rate_per_s(), list(self._recent_s))
+        if g is not None and g > 0:
+            self._set_gamma(g)
+        return self.gamma_per_s
+
+    def _set_gamma(self, gamma_per_s: float) -> None:
+        self.gamma_per_s = gamma_per_s
+        for data in self._buckets.values():
+            data.exp_sum = sum(math.exp(min(gamma_per_s * s, 700.0)) for s in data.measured_s)
+
+    def describe(self) -> dict[str, float | bool]:
+        return {
+            "gamma_per_s": self.gamma_per_s,
+            "auto_gamma": self.auto_gamma,
+            "starvation_bound_s": self.max_boost_s,
+            "buckets_learned": len(self._buckets),
+        }

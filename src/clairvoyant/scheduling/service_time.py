@@ -1,0 +1,153 @@
+"""Service time in seconds, per backend model: S = c0 + c_p * prompt_tokens + c_d * output_tokens.
+
+Fitted online by recursive least squares with a forgetting factor (recent requests weigh more, so
+a backend that changes speed is followed), seeded with defaults that hold until there is data: the
+prior covariance says how many observations the defaults are worth. One model per backend model
+name (``None`` = the default model). The state is persisted atomically (write a temporary file,
+then ``os.replace``) to a JSON file, so a restart keeps what was learned.
+
+Inputs come from completed requests through one call,
+``observe(model, prompt_tokens, output_tokens, duration_s)``; predictions through
+``predict_s(model, prompt_tokens, output_tokens)``. Nothing here reads a clock or does I/O except
+``save``/``load``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ServiceTimeModel", "ServiceTimeDefaults"]
+
+logger = logging.getLogger(__name__)
+
+_MIN_SERVICE_S = 0.01
+_MAX_MODELS = 64  # bounded: model names come from clients
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceTimeDefaults:
+    """The seed coefficients, used until a model has data (a small CPU model's order of magnitude)."""
+
+    c0_s: float = 0.3  # seconds per request (HTTP, scheduling, first prefill overheads)
+    c_prompt_s: float = 0.0005  # seconds per prompt token (prefill)
+    c_decode_s: float = 0.02  # seconds per output token (decode)
+    prior_weight: float = 20.0  # the defaults count as this many observations
+    forgetting: float = 0.995  # RLS forgetting factor per observation (effective memory ~200)
+
+
+@dataclass(slots=True)
+class _Rls:
+    theta: list[float]  # [c0_s, c_prompt_s, c_decode_s]
+    p: list[list[float]]  # 3x3 covariance (scaled)
+    n: int = 0  # observations so far
+
+    def update(self, x: list[float], y: float, lam: float) -> None:
+        p = self.p
+        px = [sum(p[i][k] * x[k] for k in range(3)) for i in range(3)]
+        denom = lam + sum(x[i] * px[i] for i in range(3))
+        gain = [v / denom for v in px]
+        err = y - sum(self.theta[i] * x[i] for i in range(3))
+        self.theta = [self.theta[i] + gain[i] * err for i in range(3)]
+        self.p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(3)] for i in range(3)]
+        self.n += 1
+
+
+@dataclass(slots=True)
+class ServiceTimeModel:
+    """Per-model online linear service-time model (see the module docstring)."""
+
+    defaults: ServiceTimeDefaults = field(default_factory=ServiceTimeDefaults)
+    path: Path | None = None  # state file; None = in memory only
+    _models: dict[str, _Rls] = field(default_factory=dict)
+
+    # Feature scales keep the RLS well conditioned: tokens in thousands.
+    _SCALE = (1.0, 1e-3, 1e-3)
+
+    def _fresh(self) -> _Rls:
+        d = self.defaults
+        theta = [d.c0_s, d.c_prompt_s / self._SCALE[1], d.c_decode_s / self._SCALE[2]]
+        # Prior variance ~ (size of the coefficient)^2 / prior_weight: the defaults hold for a while.
+        var = [max(abs(t), 1e-3) ** 2 * 100.0 / d.prior_weight for t in theta]
+        p = [[var[i] if i == j else 0.0 for j in range(3)] for i in range(3)]
+        return _Rls(theta, p)
+
+    def _x(self, prompt_tokens: float, output_tokens: float) -> list[float]:
+        return [1.0, max(prompt_tokens, 0.0) * self._SCALE[1], max(output_tokens, 0.0) * self._SCALE[2]]
+
+    def _get(self, model: str | None) -> _Rls | None:
+        return self._models.get(model or "")
+
+    def predict_s(self, model: str | None, prompt_tokens: float, output_tokens: float) -> float:
+        """Predicted service seconds (never below 10 ms)."""
+        rls = self._get(model)
+        theta = rls.theta if rls is not None else self._fresh().theta
+        x = self._x(prompt_tokens, output_tokens)
+        return max(_MIN_SERVICE_S, sum(theta[i] * x[i] for i in range(3)))
+
+    def observe(self, model: str | None, prompt_tokens: int, output_tokens: int, duration_s: float) -> None:
+        """A completed request: its token counts and how long the backend took, in seconds."""
+        if not (duration_s > 0 and math.isfinite(duration_s)):
+            return
+        key = model or ""
+        rls = self._models.get(key)
+        if rls is None:
+            if len(self._models) >= _MAX_MODELS:
+                return
+            rls = self._models[key] = self._fresh()
+        rls.update(self._x(prompt_tokens, output_tokens), duration_s, self.defaults.forgetting)
+
+    def coefficients(self, model: str | None) -> dict[str, float]:
+        """c0_s, c_prompt_s (per token), c_decode_s (per token) and the observation count."""
+        rls = self._get(model) or self._fresh()
+        return {
+            "c0_s": rls.theta[0],
+            "c_prompt_s": rls.theta[1] * self._SCALE[1],
+            "c_decode_s": rls.theta[2] * self._SCALE[2],
+            "observations": float(rls.n),
+        }
+
+    # -- persistence ---------------------------------------------------------------------------
+    def save(self) -> None:
+        """Write the state atomically (temporary file in the same folder, then rename)."""
+        if self.path is None:
+            return
+        state: dict[str, Any] = {
+            "version": 1,
+            "models": {name: {"theta": r.theta, "p": r.p, "n": r.n} for name, r in self._models.items()},
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w") as fh:
+                json.dump(state, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def load(self) -> bool:
+        """Read the state file if there is one; a corrupt file is logged and ignored. True if loaded."""
+        if self.path is None or not self.path.is_file():
+            return False
+        try:
+            state = json.loads(self.path.read_text())
+            models = {
+                name: _Rls([float(v) for v in m["theta"]], [[float(v) for v in row] for row in m["p"]], int(m["n"]))
+                for name, m in state["models"].items()
+            }
+            if any(len(r.theta) != 3 or len(r.p) != 3 for r in models.values()):
+                raise ValueError("wrong shape")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("service-time state %s unreadable (%s); starting from the defaults", self.path, type(exc).__name__)
+            return False
+        self._models = models
+        return True

@@ -1,0 +1,111 @@
+"""The dispatcher's lease and capacity, with a manual clock (no backend, no sleeps for ordering)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from clairvoyant.clock import ManualClock
+from clairvoyant.dispatcher import Dispatcher, ShuttingDown, Ticket
+from clairvoyant.errors import QueueFull
+from clairvoyant.job_queue import Job
+from clairvoyant.metrics import Metrics
+from clairvoyant.policy import build_queue, make_policy
+from clairvoyant.predictor import Prediction
+
+
+def make(slots: int = 1, max_queue: int = 10, policy: str = "fcfs") -> tuple[Dispatcher, ManualClock]:
+    clock = ManualClock()
+    pol = make_policy(policy)
+    d = Dispatcher(build_queue(pol), pol, slots=slots, clock=clock, metrics=Metrics(), max_queue=max_queue)
+    return d, clock
+
+
+def submit(d: Dispatcher, name: str, arrival_s: float, predicted_s: float) -> Ticket:
+    t = Ticket(name, "/v1/chat/completions", "openai", None, Prediction(0.5, 0.3, 0.2), 10)
+    d.submit(t, Job(t, arrival_s, predicted_s=predicted_s, predicted_tokens=50.0))
+    return t
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_lease_releases_exactly_once_and_withdraws_a_cancelled_waiter() -> None:
+    async def scenario() -> None:
+        d, clock = make()
+        await d.start()
+        first, second, third = submit(d, "a", 0.0, 5.0), submit(d, "b", 0.0, 3.0), submit(d, "c", 0.0, 2.0)
+        assert [j.payload.request_id for j, _ in d._etas(0.0)[0]] == ["a", "b", "c"]
+        order: list[str] = []
+
+        async def use(t: Ticket, hold: asyncio.Event) -> None:
+            async with d.lease(t) as lease:
+                order.append(t.request_id)
+                await hold.wait()
+                lease.completed = True
+
+        holds = {n: asyncio.Event() for n in "abc"}
+        tasks = {t.request_id: asyncio.create_task(use(t, holds[t.request_id])) for t in (first, second, third)}
+        await settle()
+        assert order == ["a"] and len(d.queue) == 2
+        tasks["b"].cancel()  # b's client leaves while queued: withdrawn, never granted
+        await settle()
+        assert len(d.queue) == 1 and second.ended and second.slot is None
+        clock.advance(4.0)
+        holds["a"].set()
+        await settle()
+        assert order == ["a", "c"]  # c got a's slot; b never ran
+        assert first.ended and first.released is not None and first.released.done()
+        d._end(first, None)  # idempotent: a second end changes nothing
+        assert d.service_time.coefficients(None)["observations"] == 1  # a's 4 s taught the model once
+        holds["c"].set()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        await d.stop()
+
+    asyncio.run(scenario())
+
+
+def test_queue_full_retry_after_is_the_tail_eta() -> None:
+    async def scenario() -> None:
+        d, clock = make(max_queue=2)
+        await d.start()
+        running = submit(d, "run", 0.0, 10.0)
+        lease = d.lease(running)
+        await lease.__aenter__()
+        clock.advance(3.0)  # 7 s of predicted work left in flight
+        submit(d, "w1", 3.0, 4.0)
+        submit(d, "w2", 3.0, 6.0)
+        etas = [round(eta, 6) for _, eta in d._etas(clock.now())[0]]
+        assert etas == [7.0, 11.0]  # in-flight remainder, then w1's predicted seconds
+        with pytest.raises(QueueFull) as info:
+            submit(d, "w3", 3.0, 1.0)
+        assert info.value.headers == {"Retry-After": str(math.ceil(11.0))}
+        assert d.where(d.waiting_ticket("w2")) == (1, pytest.approx(11.0))  # type: ignore[arg-type]
+        await lease.__aexit__(None, None, None)
+        await d.stop()
+
+    asyncio.run(scenario())
+
+
+def test_stop_refuses_the_waiting_with_shutting_down() -> None:
+    async def scenario() -> None:
+        d, _ = make()
+        await d.start()
+        holder, waiter = submit(d, "h", 0.0, 1.0), submit(d, "w", 0.0, 1.0)
+        held = d.lease(holder)
+        await held.__aenter__()
+        stopping = asyncio.create_task(d.stop(timeout_s=0.2))
+        await settle()
+        with pytest.raises(ShuttingDown):
+            async with d.lease(waiter):
+                pass
+        await held.__aexit__(None, None, None)
+        await stopping
+        with pytest.raises(ShuttingDown):
+            submit(d, "late", 1.0, 1.0)
+
+    asyncio.run(scenario())
