@@ -400,6 +400,7 @@ class OnlineLearner:
                 linear = fitted.by_model.get(OTHER_MODEL, fitted.global_)
             else:
                 linear = fitted.global_
+        # features are counts (>= 0), so log1p(row) is the design's log1p(max(row, 0)), one call cheaper
         value = float(np.dot(linear.weights, np.log1p(row))) + linear.prior_weight * prior_log_tokens + linear.intercept
         return value if math.isfinite(value) else 0.0
 
