@@ -76,12 +76,14 @@ def fit_lexicon(term_sets: Sequence[set[bytes]], log_tokens: np.ndarray, config:
 
 def score_terms(lexicon: Lexicon, term_sets: Sequence[set[bytes]]) -> np.ndarray:
     """The lexicon column for rows given as term sets (same formula as ``Lexicon.score_words``)."""
+    import math
+
     weights = lexicon.weights
     out = np.full(len(term_sets), lexicon.intercept_log_tokens, dtype=np.float64)
     for row, terms in enumerate(term_sets):
         known = terms & weights.keys()
         if known:
-            out[row] += sum(weights[t] for t in known) / np.sqrt(len(known))
+            out[row] += math.fsum(weights[t] for t in known) / math.sqrt(len(known))
     return out
 
 
