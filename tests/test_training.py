@@ -344,23 +344,6 @@ def test_lexicon_fit_score_and_round_trip() -> None:
     assert np.corrcoef(oof, y)[0, 1] > 0.8 and not np.allclose(oof, row)
 
 
-def test_rich_v3_is_rich_v2_plus_the_shipped_lexicon_column() -> None:
-    from clairvoyant.features import get_feature_set, load_lexicon, scan_words
-
-    v2, v3 = get_feature_set("rich_v2"), get_feature_set("rich_v3")
-    assert v3.names == v2.names + ("lexicon_log_tokens",)
-    lexicon = load_lexicon()
-    for text in ("Write a 2000-word essay about the history of Rome", "hi", "", "\ud800 x" * 3, "y " * 5000):
-        row = v3.extract(Prompt(text))
-        np.testing.assert_array_equal(row[:-1], v2.extract(Prompt(text)))
-        assert row[-1] == np.float32(lexicon.score_words(scan_words(text)))
-    essay = v3.extract(Prompt("Write a detailed 2000-word essay about the history of Rome"))[-1]
-    short = v3.extract(Prompt("Translate 'hello' into French. Answer with one word."))[-1]
-    assert essay > short
-    with pytest.raises(RuntimeError, match="sha256"):
-        load_lexicon(sha256="0" * 64)
-
-
 # ---------------------------------------------------------------------------- evaluate
 
 
