@@ -246,3 +246,36 @@ def test_golden_rich_v2_long_prompt() -> None:
         "w_longform": 1.0,
         "w_question": 2.0, "is_ascii": 1.0,
     }
+
+
+# ---------------------------------------------------------------------------- rich_v3
+
+
+def test_lexicon_column_is_the_documented_formula() -> None:
+    import math
+
+    from clairvoyant.features import Lexicon, scan_words
+
+    lexicon = Lexicon("t", 5.0, {b"essay": 0.8, b"detailed essay": 0.4, b"hi": -1.0})
+    words = scan_words("Write a DETAILED essay, essay!")  # known: essay, "detailed essay" (each counted once)
+    assert words == [b"write", b"a", b"detailed", b"essay", b"essay"]
+    assert lexicon.score_words(words) == pytest.approx(5.0 + (0.8 + 0.4) / math.sqrt(2))
+    assert lexicon.score_words(scan_words("hi")) == pytest.approx(4.0)
+    assert lexicon.score_words([]) == 5.0
+
+
+def test_rich_v3_is_rich_v2_plus_the_shipped_lexicon_column() -> None:
+    from clairvoyant.features import load_lexicon, scan_words
+
+    v2, v3 = get_feature_set("rich_v2"), get_feature_set("rich_v3")
+    assert v3.names == v2.names + ("lexicon_log_tokens",)
+    lexicon = load_lexicon()
+    for text in ("Write a 2000-word essay about the history of Rome", "hi", "", "\ud800 x" * 3, "y " * 5000):
+        row = v3.extract(Prompt(text))
+        np.testing.assert_array_equal(row[:-1], v2.extract(Prompt(text)))
+        assert row[-1] == np.float32(lexicon.score_words(scan_words(text)))
+    essay = v3.extract(Prompt("Write a detailed 2000-word essay about the history of Rome"))[-1]
+    short = v3.extract(Prompt("Translate 'hello' into French. Answer with one word."))[-1]
+    assert essay > short
+    with pytest.raises(RuntimeError, match="sha256"):
+        load_lexicon(sha256="0" * 64)

@@ -184,5 +184,200 @@ def test_paper_preset_flag_reaches_the_model_config() -> None:
     assert (model.feature_set, model.n_estimators, model.max_depth, model.learning_rate, model.seed) == (
         "paper19", 300, 6, 0.1, 42)
     assert (data.per_class, data.test_fraction) == (2000, 0.2)
-    _, shipped = commands_train._configs(parser.parse_args(["--max-depth", "3"]))
-    assert shipped.feature_set == "rich_v2" and shipped.max_depth == 3
+    natural, shipped = commands_train._configs(parser.parse_args(["--max-depth", "4"]))
+    assert shipped.feature_set == "rich_v3" and shipped.max_depth == 4
+    assert type(shipped).__name__ == "RegressorConfig" and type(natural).__name__ == "NaturalConfig"
+    _, previous = commands_train._configs(parser.parse_args(["--preset", "rich_v2_3class"]))
+    assert (previous.feature_set, previous.n_estimators, previous.max_depth) == ("rich_v2", 50, 3)
+
+
+# ---------------------------------------------------------------------------- natural split, regressor, calibration
+
+
+def test_pairwise_accuracy_matches_brute_force_and_skips_close_pairs() -> None:
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 1000, 300)
+    scores = np.log(lengths) + rng.normal(0, 1.0, 300)
+    scores[:20] = 0.5  # some ties
+    brute_right, brute_pairs = 0.0, 0
+    for i in range(300):
+        for j in range(300):
+            if np.log(lengths[i]) - np.log(lengths[j]) >= np.log(2) - 1e-12:
+                brute_pairs += 1
+                brute_right += 1.0 if scores[i] > scores[j] else (0.5 if scores[i] == scores[j] else 0.0)
+    assert metrics.pairwise_accuracy(scores, lengths, chunk_rows=37) == pytest.approx(brute_right / brute_pairs)
+    assert metrics.pairwise_accuracy(np.log(lengths), lengths) == 1.0
+    assert metrics.pairwise_accuracy(-np.log(lengths), lengths) == 0.0
+    assert np.isnan(metrics.pairwise_accuracy(np.array([1.0, 2.0]), np.array([100, 150])))  # no pair 2x apart
+
+
+def test_isotonic_calibration_keeps_the_card_contract() -> None:
+    from clairvoyant.training import calibration
+    from clairvoyant.training.export import check_calibration
+
+    rng = np.random.default_rng(2)
+    score = rng.normal(0, 1, 5000)
+    truth = 5.0 + 0.8 * score + rng.normal(0, 0.5, 5000)
+    calib = calibration.isotonic_breakpoints(score, truth)
+    check_calibration(calib)  # strictly increasing, 2..200 points
+    assert calib["method"] == "isotonic" and 2 <= len(calib["score"]) <= 200
+    mapped = calibration.apply(calib, np.array([-1.0, 0.0, 1.0, 99.0]))
+    assert mapped[0] < mapped[1] < mapped[2] <= mapped[3]
+    assert mapped[1] == pytest.approx(5.0, abs=0.1) and mapped[2] == pytest.approx(5.8, abs=0.15)
+    assert mapped[3] == calib["log_tokens"][-1]  # clamped at the ends
+    flat = calibration.isotonic_breakpoints(np.ones(10), np.full(10, 3.0))  # one plateau: still a valid map
+    check_calibration(flat)
+    assert calibration.apply(flat, np.array([1.0]))[0] == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        check_calibration({"method": "isotonic", "score": [0.0, 0.0], "log_tokens": [1.0, 2.0]})
+
+
+def _natural_pairs(n_conversations: int) -> list[Pair]:
+    """Prompts whose words decide their answer length (so a model can learn the order)."""
+    rng = np.random.default_rng(5)
+    pairs = []
+    for c in range(n_conversations):
+        group = f"g{c // 2}"
+        for turn in range(2):
+            kind = int(rng.integers(0, 3))
+            text = ["say hi briefly", "explain this topic", "write a long detailed essay"][kind] + f" number {c}"
+            n_words = int(rng.integers(1, 6) * [3, 40, 300][kind])
+            pairs.append(Pair(f"c{c}", turn, group, Prompt(text, context_chars=len(text), turns=1 + 2 * turn), "word " * n_words))
+    return pairs
+
+
+def test_natural_split_is_unbalanced_leak_free_and_deterministic() -> None:
+    from clairvoyant.training.dataset import NaturalConfig, build_natural_split
+
+    pairs = _natural_pairs(300)
+    split = build_natural_split(pairs, NaturalConfig(english_only=False, seed=3))
+    assert len(split.train) + len(split.test) == len(pairs)  # nothing dropped, nothing balanced
+    assert not {p.group for p in split.train} & {p.group for p in split.test}
+    assert 0.1 < len(split.test) / len(pairs) < 0.3
+    assert build_natural_split(pairs, NaturalConfig(english_only=False, seed=3)).fingerprint() == split.fingerprint()
+    # the balanced split puts every group on the same side (same seed and fraction)
+    balanced = build_split(pairs, DataConfig(per_class=40, bounds=ClassBounds(50, 400), seed=3, english_only=False))
+    assert not {p.group for p in balanced.train} & {p.group for p in split.test}
+    first = build_natural_split(pairs, NaturalConfig(english_only=False, seed=3, turns="first", max_train_rows=50))
+    assert {p.turn for p in first.train + first.test} == {0} and len(first.train) == 50
+    flags = [p.conv_id != "c0" for p in pairs]
+    assert "c0" not in {p.conv_id for p in (lambda s: s.train + s.test)(build_natural_split(pairs, NaturalConfig(seed=3), english=flags))}
+    np.testing.assert_allclose(split.train_log_tokens, np.log(np.maximum(split.train_lengths, 1)))
+
+
+def test_regressor_train_export_card_and_scorer(tmp_path: Path) -> None:
+    from clairvoyant.training.commands_train import train_regressor_and_export
+    from clairvoyant.training.dataset import NaturalConfig, build_natural_split
+    from clairvoyant.training.scoring import ModelScorer
+    from clairvoyant.training.train import RegressorConfig
+
+    split = build_natural_split(_natural_pairs(300), NaturalConfig(english_only=False))
+    out = tmp_path / "predictor.onnx"
+    card = train_regressor_and_export(split, RegressorConfig("rich_v2", 20, 2, 0.3, 42), out, preset="test", threads=1)
+    stored = json.loads((tmp_path / "predictor.card.json").read_text())
+    assert (stored["schema"], stored["kind"], stored["output"], stored["score"]) == (2, "regressor", "variable", "log_tokens")
+    assert "classes" not in stored
+    assert stored["calibration"]["method"] == "isotonic"
+    assert np.all(np.diff(stored["calibration"]["score"]) > 0) and np.all(np.diff(stored["calibration"]["log_tokens"]) > 0)
+    assert stored["data"]["split_fingerprint"] == split.fingerprint() and stored["data"]["distribution"].startswith("natural")
+    assert card["metrics"]["onnx_xgboost_max_abs_diff"] <= 1e-5
+    assert card["metrics"]["held_out_kendall_tau_b"] > 0.5  # the words decide the length here
+    assert "ln(answer" in (tmp_path / "MODEL_CARD.md").read_text() or "natural log" in (tmp_path / "MODEL_CARD.md").read_text()
+    scorer = ModelScorer(out)
+    raw = scorer.score_prompts([Prompt(t, context_chars=len(t)) for t in ("say hi briefly number 7", "write a long detailed essay number 7")])
+    assert raw[0] < raw[1]
+    predicted = np.exp(scorer.predicted_log_tokens(raw))  # true lengths: 3-15 and 300-1500 tokens
+    assert predicted[0] < 40 and predicted[1] > 200
+
+
+def test_regressor_parity_check_fails_for_another_model(tmp_path: Path) -> None:
+    from clairvoyant.training import export
+    from clairvoyant.training.train import RegressorConfig, fit_regressor
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 4)).astype(np.float32)
+    a = fit_regressor(x, x[:, 0], RegressorConfig("paper19", 10, 2, 0.3), threads=1)
+    b = fit_regressor(x, -x[:, 0], RegressorConfig("paper19", 10, 2, 0.3), threads=1)
+    model = export.regressor_to_onnx(a, 4)
+    assert export.check_regressor_parity(a, model, x) <= 1e-5
+    with pytest.raises(export.ParityError):
+        export.check_regressor_parity(b, model, x)
+
+
+def test_classifier_card_is_schema_2_with_a_calibration(tmp_path: Path) -> None:
+    from clairvoyant.training.commands_train import train_and_export
+    from clairvoyant.training.train import ModelConfig
+
+    split = build_split(_natural_pairs(300), DataConfig(per_class=60, bounds=ClassBounds(50, 400), english_only=False))
+    out = tmp_path / "paper.onnx"
+    train_and_export(split, ModelConfig("paper19", 5, 2, 0.3, 42), out, preset="paper", threads=1)
+    stored = json.loads((tmp_path / "paper.card.json").read_text())
+    assert (stored["schema"], stored["kind"], stored["output"], stored["score"]) == (2, "classifier", "probabilities", "p_long")
+    assert stored["classes"] == ["short", "medium", "long"]
+    # P(Long) rises with the answer length here, so the map from P(Long) to ln tokens rises too
+    assert stored["calibration"]["log_tokens"][-1] - stored["calibration"]["log_tokens"][0] > 1.0
+
+
+# ---------------------------------------------------------------------------- the rich_v3 lexicon
+
+
+def test_lexicon_fit_score_and_round_trip() -> None:
+    from clairvoyant.features import Lexicon, lexicon_terms, scan_words
+    from clairvoyant.training.lexicon import LexiconConfig, fit_lexicon, out_of_fold_scores, score_terms, terms_of_texts
+
+    pairs = _natural_pairs(300)
+    texts = [p.prompt.instruction for p in pairs]
+    y = np.log(np.maximum(count_tokens([p.answer for p in pairs]), 1))
+    terms = terms_of_texts(texts)
+    assert b"long detailed" in terms[[i for i, t in enumerate(texts) if "essay" in t][0]]  # bigrams too
+    lexicon = fit_lexicon(terms, y, LexiconConfig(min_rows=5, ridge_alpha=1.0))
+    assert lexicon.weights[b"essay"] > 0 > lexicon.weights[b"hi"]
+    assert b"number" in lexicon.weights and b"0" not in lexicon.weights  # "0" occurs in fewer than 5 rows
+    row = score_terms(lexicon, terms)
+    served = [lexicon.score_words(scan_words(t)) for t in texts]
+    np.testing.assert_allclose(row, served, rtol=1e-9)
+    assert lexicon_terms([b"a", b"b", b"a"]) == {b"a", b"b", b"a b", b"b a"}
+    again = Lexicon.from_json(lexicon.to_json())
+    assert again.weights.keys() == lexicon.weights.keys() and again.intercept_log_tokens == lexicon.intercept_log_tokens
+    assert Lexicon("x", 1.5, {}).score_words([b"anything"]) == 1.5
+    oof = out_of_fold_scores(terms, y, [p.group for p in pairs], LexiconConfig(min_rows=5, ridge_alpha=1.0), folds=3)
+    assert np.corrcoef(oof, y)[0, 1] > 0.8 and not np.allclose(oof, row)
+
+
+# ---------------------------------------------------------------------------- evaluate
+
+
+def test_evaluate_reports_transfer_per_model_and_the_baselines(tmp_path: Path) -> None:
+    from clairvoyant.training.commands_train import train_and_export, train_regressor_and_export
+    from clairvoyant.training.dataset import NaturalConfig, build_natural_split
+    from clairvoyant.training.evaluate import evaluate_model, write_report
+    from clairvoyant.training.train import ModelConfig, RegressorConfig
+
+    pairs = _natural_pairs(300)
+    split = build_natural_split(pairs, NaturalConfig(english_only=False))
+    model = tmp_path / "predictor.onnx"
+    train_regressor_and_export(split, RegressorConfig("rich_v2", 20, 2, 0.3, 42), model, preset="test", threads=1)
+    baseline = tmp_path / "baseline.onnx"
+    balanced = build_split(pairs, DataConfig(per_class=60, bounds=ClassBounds(50, 400), english_only=False))
+    train_and_export(balanced, ModelConfig("rich_v2", 5, 2, 0.3, 42), baseline, preset="old", threads=1)
+    alpaca = tmp_path / "alpaca.jsonl"  # a synthetic stand-in with the real file's shape
+    rows = [("say hi briefly number 1", 5, 9), ("explain this topic number 2", 120, 200),
+            ("write a long detailed essay number 3", 900, 700), ("say hi briefly number 4", 6, 4)]
+    alpaca.write_text("".join(json.dumps({"prompt": p, "source": "x", "output_tokens": {"m1": a, "m2": b}}) + "\n"
+                              for p, a, b in rows))
+    report = evaluate_model(model, alpaca_eval=alpaca, split=split, baseline_model=baseline, paper_baseline=True,
+                            threads=1)
+    s = report["scorers"]
+    assert set(s) == {"model", "prompt_length", "paper_preset", "previous_shipped"}
+    assert report["split"]["model_trained_on_this_split"]
+    assert set(s["model"]["alpaca_eval"]["per_model"]) == {"m1", "m2"}
+    assert s["model"]["alpaca_eval"]["per_model"]["m1"]["pairwise_accuracy_2x"] == 1.0
+    assert s["model"]["alpaca_eval"]["mean_kendall_tau_b"] > 0.5
+    assert s["model"]["sharegpt_held_out"]["kendall_tau_b"] > 0.5
+    assert "log_tokens_mae" in s["model"]["sharegpt_held_out"]
+    json_path, md_path = write_report(model, report)
+    assert "AlpacaEval mean tau_b" in md_path.read_text() and json.loads(json_path.read_text())["model"] == "predictor.onnx"
+    card = json.loads((tmp_path / "predictor.card.json").read_text())
+    assert card["evaluation"]["model_alpaca_eval_mean_kendall_tau_b"] == s["model"]["alpaca_eval"]["mean_kendall_tau_b"]
+    skipped = evaluate_model(model, split=split, baseline_model=None, paper_baseline=False)
+    assert "skipped" in skipped["alpaca_eval"] and "alpaca_eval" not in skipped["scorers"]["model"]

@@ -18,6 +18,13 @@ implementation's defects fixed:
 (first 500 + last 100 characters), so that a long prompt costs what a short one does; lengths
 (``prompt_token_len``, history, system) still use the whole text, ``word_count`` counts the window.
 
+``rich_v3`` (the shipped regressor's): ``rich_v2`` plus one learned column, ``lexicon_log_tokens``: a
+linear word lexicon's estimate of the answer's log tokens. The lexicon (``lexicons/rich_v3.json``,
+pinned by sha256 below) maps words and word bigrams of the rich_v2 scan window to weights; the
+column is ``intercept + sum(weights of the distinct known terms) / sqrt(number of known terms)``
+(a ridge regression on binary term presence, fit on the ShareGPT training split only: see
+``clairvoyant.training.lexicon``). A new lexicon means a new feature-set name.
+
 ``rich_v1``: ``paper19`` followed by conversation and structure features (history size, turns,
 system prompt, lines, code fences and symbols, requested quantities such as "10 ideas" or
 "2000-word") and counts of curated word groups (long-form artifacts, code, detail, brevity,
@@ -37,10 +44,15 @@ raises: empty text, lone surrogates, control characters and any script are all v
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+import math
 import re
 import string
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -52,7 +64,11 @@ __all__ = [
     "FeatureSet",
     "Prompt",
     "get_feature_set",
+    "Lexicon",
     "leading_verb",
+    "lexicon_terms",
+    "load_lexicon",
+    "scan_words",
     "words_of",
 ]
 
@@ -388,7 +404,7 @@ def _rich(head: int, tail: int) -> Callable[[Prompt], list[float | int]]:
     return values
 
 
-def _rich_values(prompt: Prompt, head: int, tail_chars: int) -> list[float | int]:
+def _rich_values(prompt: Prompt, head: int, tail_chars: int, lexicon: Lexicon | None = None) -> list[float | int]:
     text = prompt.instruction
     raw, words, wset = _scan(text, head, tail_chars)
     n_words = len(words)
@@ -421,6 +437,8 @@ def _rich_values(prompt: Prompt, head: int, tail_chars: int) -> list[float | int
         1.0 if tail.endswith(":") else 0.0,
         raw.count(b'"'),
     )
+    if lexicon is not None:
+        values.append(lexicon.score_words(words))
     return values
 
 
@@ -453,6 +471,85 @@ RICH_V1_GROUPS: dict[str, tuple[str, ...]] = {
     "word_groups": tuple(name for name, _ in _RICH_GROUPS),
     "lead_word": ("lead_question", "lead_continue", "lead_create", "lead_context"),
 }
+
+
+# --------------------------------------------------------------------------------------------
+# rich_v3: rich_v2 + a learned word lexicon
+
+
+@dataclass(frozen=True)
+class Lexicon:
+    """Weights of words and word bigrams (UTF-8 bytes, bigram = ``b"w1 w2"``) -> log tokens."""
+
+    name: str
+    intercept_log_tokens: float
+    weights: dict[bytes, float]
+
+    def __post_init__(self) -> None:
+        # set & frozenset runs over the smaller side in C: cheaper than intersecting with a keys view
+        object.__setattr__(self, "_known", frozenset(self.weights))
+
+    def score_words(self, words: list[bytes]) -> float:
+        """intercept + sum of the distinct known terms' weights / sqrt(their number).
+
+        fsum: exact, so the result does not depend on the set's (hash-seeded) iteration order.
+        """
+        terms = set(words)
+        terms.update(map(b" ".join, zip(words, words[1:])))
+        known = terms & self._known  # type: ignore[attr-defined]
+        if not known:
+            return self.intercept_log_tokens
+        return self.intercept_log_tokens + math.fsum(map(self.weights.__getitem__, known)) / math.sqrt(len(known))
+
+    def to_json(self, extra: dict[str, object] | None = None) -> str:
+        terms = {t.decode("utf-8", "surrogatepass"): round(w, 6) for t, w in sorted(self.weights.items())}
+        return json.dumps({"name": self.name, "intercept_log_tokens": self.intercept_log_tokens,
+                           **(extra or {}), "weights": terms}, ensure_ascii=False, separators=(",", ":")) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Lexicon:
+        data = json.loads(text)
+        weights = {t.encode("utf-8", "surrogatepass"): float(w) for t, w in data["weights"].items()}
+        return cls(str(data["name"]), float(data["intercept_log_tokens"]), weights)
+
+
+def lexicon_terms(words: Iterable[bytes]) -> set[bytes]:
+    """The distinct words and word bigrams a lexicon looks up (training builds its vocabulary from these)."""
+    words = list(words)
+    terms = set(words)
+    terms.update(map(b" ".join, zip(words, words[1:])))
+    return terms
+
+
+def scan_words(text: str, head: int = RICH_V2_HEAD_CHARS, tail: int = RICH_V2_TAIL_CHARS) -> list[bytes]:
+    """The words of the rich_v2 scan window as the extractor sees them (bytes, lower-cased)."""
+    return _scan(text, head, tail)[1]
+
+
+LEXICON_DIR = Path(__file__).parent / "lexicons"
+# The shipped lexicon file, pinned: a different file is a different feature set.
+RICH_V3_LEXICON = "rich_v3.json"
+RICH_V3_LEXICON_SHA256 = "107363506241f09933300b4a5c3938cb9787e7ceaa55647ce64dbc10dee9c642"
+
+
+@functools.cache
+def load_lexicon(file_name: str = RICH_V3_LEXICON, sha256: str | None = None) -> Lexicon:
+    """The lexicon file under ``lexicons/``; raises RuntimeError if its sha256 is not the pinned one."""
+    raw = (LEXICON_DIR / file_name).read_bytes()
+    expected = sha256 if sha256 is not None else RICH_V3_LEXICON_SHA256
+    digest = hashlib.sha256(raw).hexdigest()
+    if digest != expected:
+        raise RuntimeError(f"lexicon {file_name} has sha256 {digest}, feature set rich_v3 expects {expected}: "
+                           "the file was changed; a new lexicon needs a new feature-set name")
+    return Lexicon.from_json(raw.decode("utf-8"))
+
+
+def _rich_v3_values(prompt: Prompt) -> list[float | int]:
+    return _rich_values(prompt, RICH_V2_HEAD_CHARS, RICH_V2_TAIL_CHARS, load_lexicon())
+
+
+RICH_V3_NAMES: tuple[str, ...] = RICH_V1_NAMES + ("lexicon_log_tokens",)
+RICH_V3_GROUPS: dict[str, tuple[str, ...]] = {**RICH_V1_GROUPS, "lexicon": ("lexicon_log_tokens",)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -500,6 +597,7 @@ FEATURE_SETS: dict[str, FeatureSet] = {
     "paper19": FeatureSet("paper19", PAPER19_NAMES, PAPER19_GROUPS, _paper19),
     "rich_v1": FeatureSet("rich_v1", RICH_V1_NAMES, RICH_V1_GROUPS, _rich(SCAN_HEAD_CHARS, SCAN_TAIL_CHARS)),
     "rich_v2": FeatureSet("rich_v2", RICH_V1_NAMES, RICH_V1_GROUPS, _rich(RICH_V2_HEAD_CHARS, RICH_V2_TAIL_CHARS)),
+    "rich_v3": FeatureSet("rich_v3", RICH_V3_NAMES, RICH_V3_GROUPS, _rich_v3_values),
 }
 assert all(len(set(fs.names)) == fs.size for fs in FEATURE_SETS.values())
 

@@ -36,6 +36,28 @@ def _table(rows: dict[str, Any]) -> list[str]:
 def render(card: dict[str, Any], model_path: Path) -> str:
     data = card.get("data", {})
     bounds = card.get("class_bounds", {})
+    if card.get("kind") == "regressor":
+        calib = card.get("calibration", {})
+        what = [
+            "## What it predicts",
+            f"The natural log of the answer's length in `{card.get('tokenizer', '?')}` tokens of the dataset's "
+            f"reference (ChatGPT) answer (ONNX output `{card.get('output')}`, score `{card.get('score')}`). The "
+            "scheduler orders requests by ascending score; `predicted_tokens` = exp(np.interp(score, "
+            "calibration.score, calibration.log_tokens)), an isotonic map fit on the training rows "
+            f"({len(calib.get('score', []))} points).",
+            "",
+        ]
+    else:
+        what = [
+            "## What it predicts",
+            f"P(Short), P(Medium), P(Long) of the answer length, in `{card.get('tokenizer', '?')}` tokens of the "
+            f"dataset's reference (ChatGPT) answer: Short < {bounds.get('short_below')}, "
+            f"Medium {bounds.get('short_below')}-{(bounds.get('long_from') or 1) - 1}, Long >= {bounds.get('long_from')}. "
+            + ("The scheduler orders requests by ascending P(Long); `predicted_tokens` comes from an isotonic map "
+               "from P(Long) to ln tokens (the card's `calibration`)." if card.get("calibration") else
+               "The scheduler orders requests by ascending P(Long)."),
+            "",
+        ]
     out = [
         f"# Model card: {model_path.name}",
         "",
@@ -43,15 +65,11 @@ def render(card: dict[str, Any], model_path: Path) -> str:
         "`clairvoyant.predictor` on load). Do not edit by hand: re-run `clairvoyant train`, "
         "`clairvoyant evaluate` and `benchmarks/bench_predictor.py`.",
         "",
-        "## What it predicts",
-        f"P(Short), P(Medium), P(Long) of the answer length, in `{card.get('tokenizer', '?')}` tokens of the "
-        f"dataset's reference (ChatGPT) answer: Short < {bounds.get('short_below')}, "
-        f"Medium {bounds.get('short_below')}-{(bounds.get('long_from') or 1) - 1}, Long >= {bounds.get('long_from')}. "
-        "The scheduler orders requests by ascending P(Long).",
-        "",
+        *what,
         "## Identity",
         *_table({
             "preset": card.get("preset"),
+            "kind": card.get("kind", "classifier"),
             "feature set": card.get("feature_set"),
             "features": len(card.get("feature_names", [])),
             "onnx sha256": card.get("onnx_sha256"),
@@ -68,6 +86,9 @@ def render(card: dict[str, Any], model_path: Path) -> str:
         "",
         "## Measured",
     ]
+    lexicon = card.get("lexicon")
+    if lexicon:
+        out += ["### lexicon", *_table({k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in lexicon.items()}), ""]
     for section in ("metrics", "evaluation", "latency"):
         values = card.get(section)
         if values:

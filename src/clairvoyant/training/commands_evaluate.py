@@ -1,7 +1,10 @@
-"""`clairvoyant evaluate`: the evaluation report of a model on its held-out split.
+"""`clairvoyant evaluate`: how well a model orders real answers (see ``training.evaluate``).
+
+    clairvoyant evaluate --alpaca-eval /work/shared/data/alpaca_eval_dev.jsonl
 
 Writes ``<model>.evaluation.json`` and ``<model>.evaluation.md`` beside the model and copies the
-headline figures into its card (and MODEL_CARD.md). Heavy imports happen inside ``run``.
+headline figures into its card (and MODEL_CARD.md). The AlpacaEval file is read from its path, never
+copied. Heavy imports happen inside ``run``.
 """
 
 from __future__ import annotations
@@ -17,20 +20,29 @@ __all__ = ["add_arguments", "run"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_PATH, help="ONNX model (card beside it)")
-    parser.add_argument("--ood-rows", type=int, default=3000, help="held-out English rows for the natural-mix slices")
-    parser.add_argument("--no-ablation", action="store_true", help="skip the drop-one-group ablation (faster)")
+    parser.add_argument("--alpaca-eval", type=Path, metavar="PATH",
+                        help="AlpacaEval dev JSONL (prompt + output_tokens per model); without it that section is skipped")
+    parser.add_argument("--baseline-model", type=Path, help="the previous shipped model to compare "
+                        "(default: model/baselines/rich_v2_3class.onnx)")
+    parser.add_argument("--no-paper-baseline", action="store_true", help="skip training the paper preset (faster)")
+    parser.add_argument("--threads", type=int, default=2, help="xgboost threads for the paper baseline")
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from clairvoyant.training.evaluate import evaluate_model, write_report
+    from clairvoyant.training.evaluate import BASELINE_MODEL_PATH, evaluate_model, write_report
 
-    report = evaluate_model(args.model, ood_rows=args.ood_rows, ablation=not args.no_ablation)
+    if args.alpaca_eval is not None and not args.alpaca_eval.is_file():
+        print(f"--alpaca-eval: {args.alpaca_eval} is not a file")
+        return 2
+    if args.alpaca_eval is None:
+        logging.getLogger(__name__).info("no --alpaca-eval PATH: the AlpacaEval transfer section is skipped")
+    report = evaluate_model(args.model, alpaca_eval=args.alpaca_eval,
+                            baseline_model=args.baseline_model or BASELINE_MODEL_PATH,
+                            paper_baseline=not args.no_paper_baseline, threads=args.threads)
     json_path, md_path = write_report(args.model, report)
-    h = report["held_out"]
-    print(
-        f"wrote {md_path} and {json_path}: ranking accuracy {h['model']['ranking_accuracy']:.4f} "
-        f"(paper preset {h['paper_preset']['ranking_accuracy']:.4f}, prompt-length rule "
-        f"{report['baselines']['prompt_length_rule']['ranking_accuracy']:.4f})"
-    )
+    m = report["scorers"]["model"]
+    alpaca = m.get("alpaca_eval")
+    print(f"wrote {md_path} and {json_path}: ShareGPT held-out tau_b {m['sharegpt_held_out']['kendall_tau_b']:.4f}"
+          + (f", AlpacaEval mean tau_b {alpaca['mean_kendall_tau_b']:.4f}" if alpaca else ", AlpacaEval skipped"))
     return 0

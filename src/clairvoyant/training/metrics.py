@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["kendall_tau", "ranking_accuracy", "summary", "three_class_accuracy"]
+__all__ = ["kendall_tau", "pairwise_accuracy", "ranking_accuracy", "summary", "three_class_accuracy"]
 
 
 def ranking_accuracy(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -51,6 +51,23 @@ def kendall_tau(scores: np.ndarray, lengths: np.ndarray) -> float:
     if len(scores) < 2:
         return float("nan")
     return float(kendalltau(scores, lengths, variant="b").statistic)
+
+
+def pairwise_accuracy(scores: np.ndarray, lengths: np.ndarray, min_ratio: float = 2.0, chunk_rows: int = 512) -> float:
+    """Over every pair whose true lengths differ by at least ``min_ratio`` x, the share that ``scores``
+    orders the same way (ties in the score count half); NaN without such pairs. Exact, O(n^2) in chunks.
+    Lengths below 1 token count as 1."""
+    s = np.asarray(scores, dtype=np.float64)
+    ln = np.log(np.maximum(np.asarray(lengths, dtype=np.float64), 1.0))
+    gap = np.log(min_ratio)
+    right = 0.0
+    pairs = 0
+    for start in range(0, len(s), chunk_rows):
+        ds = s[start : start + chunk_rows, None] - s[None, :]
+        longer = (ln[start : start + chunk_rows, None] - ln[None, :]) >= gap - 1e-12  # row i much longer than j
+        pairs += int(longer.sum())
+        right += float((ds[longer] > 0).sum()) + 0.5 * float((ds[longer] == 0).sum())
+    return right / pairs if pairs else float("nan")
 
 
 def summary(probabilities: np.ndarray, labels: np.ndarray, lengths: np.ndarray) -> dict[str, Any]:
