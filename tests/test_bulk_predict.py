@@ -18,17 +18,24 @@ FIXTURE = Path(__file__).parent / "fixtures" / "predictor_bulk.jsonl"
 BAD = {3: "not valid JSON", 4: "expected a JSON object", 5: "empty line", 6: "neither", 8: "'messages' must be an array"}
 
 
-def _check(results: list[dict]) -> None:
+BASELINE_PATH = Path(__file__).parents[1] / "model" / "baselines" / "rich_v2_3class.onnx"  # a class model
+
+
+def _check(results: list[dict], *, classes: bool = False) -> None:
     assert [r["line"] for r in results] == list(range(1, 10))
     for r in results:
         if r["line"] in BAD:
-            assert BAD[r["line"]] in r["error"] and "p_long" not in r
-        else:
+            assert BAD[r["line"]] in r["error"] and "score" not in r
+        elif classes:
             assert set(r) == {"line", "p_short", "p_medium", "p_long", "score", "predicted_tokens", "predicted_class"}
             assert r["score"] == r["p_long"]
             assert r["predicted_tokens"] > 0
             assert r["p_short"] + r["p_medium"] + r["p_long"] == pytest.approx(1.0, abs=1e-5)
-    assert results[1]["p_long"] > results[0]["p_long"]  # the essay ranks after "hi"
+        else:  # the shipped regressor: no class probabilities to show
+            assert set(r) == {"line", "score", "predicted_tokens", "predicted_class"}
+            assert r["predicted_tokens"] > 0
+    assert results[1]["score"] > results[0]["score"]  # the essay ranks after "hi"
+    assert results[1]["predicted_tokens"] > results[0]["predicted_tokens"]
 
 
 def test_cli_round_trip_via_subprocess(tmp_path: Path) -> None:
@@ -41,6 +48,14 @@ def test_cli_round_trip_via_subprocess(tmp_path: Path) -> None:
     assert "5 of 9 lines could not be scored" in proc.stderr
     assert "Traceback" not in proc.stderr
     _check([json.loads(line) for line in out.read_text().splitlines()])
+
+
+def test_a_class_model_adds_its_probabilities(tmp_path: Path) -> None:
+    from clairvoyant.cli import main
+
+    out = tmp_path / "scores.jsonl"
+    assert main(["predict", "--jsonl", str(FIXTURE), "--out", str(out), "--model", str(BASELINE_PATH)]) == 1
+    _check([json.loads(line) for line in out.read_text().splitlines()], classes=True)
 
 
 def test_cli_main_to_stdout_with_explicit_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -70,7 +85,8 @@ def test_score_lines_batches_keep_order_across_batch_boundaries() -> None:
     assert [r["line"] for r in results] == list(range(1, 1200))
     assert all(("error" in r) == (r["line"] % 7 == 0) for r in results)
     single = predictor.predict(Prompt("x" * 5))
-    assert results[4]["p_long"] == pytest.approx(single.p_long, abs=1e-6)
+    assert results[4]["score"] == pytest.approx(single.score, abs=1e-6)
+    assert results[4]["predicted_tokens"] == pytest.approx(single.predicted_tokens, rel=1e-5)
 
 
 def test_prompt_of_line_uses_the_dialect_rules() -> None:
@@ -100,6 +116,6 @@ def test_lines_carry_their_model_and_cap_like_proxy_requests() -> None:
         json.dumps({"prompt": essay}), json.dumps({"prompt": essay, "max_tokens": 5}),
         json.dumps({"model": "m", "prompt": essay, "options": {"num_predict": 3}}),
     ]))
-    assert results[0]["predicted_class"] == "long"
+    assert results[0]["predicted_tokens"] > 100
     assert results[1]["predicted_tokens"] == 5.0 and results[1]["score"] < results[0]["score"]
     assert results[2]["predicted_tokens"] == 3.0

@@ -64,15 +64,15 @@ def test_learning_moves_a_biased_prior_toward_the_truth() -> None:
 def test_the_correction_flows_through_the_onnx_predictor() -> None:
     predictor = OnnxPredictor()
     learner = OnlineLearner.for_predictor(predictor)
-    prompts = [Prompt(f"Question {i}: what is {i} plus {i}?") for i in range(60)]
+    prompts = [Prompt(f"Write a detailed essay about topic number {i}.") for i in range(60)]
     for prompt in prompts:  # this deployment answers everything in about 5 tokens
         learner.observe(predictor.predict(prompt, model="tiny"), 5)
     learner.refit()
     predictor.corrector = learner
-    learned = predictor.predict(Prompt("Question 99: what is 99 plus 99?"), model="tiny")
+    learned = predictor.predict(Prompt("Write a detailed essay about topic number 99."), model="tiny")
     predictor.corrector = None
-    static = predictor.predict(Prompt("Question 99: what is 99 plus 99?"), model="tiny")
-    assert static.predicted_tokens > 50
+    static = predictor.predict(Prompt("Write a detailed essay about topic number 99."), model="tiny")
+    assert static.predicted_tokens > 100
     assert abs(math.log(learned.predicted_tokens / 5)) < 0.5 * abs(math.log(static.predicted_tokens / 5))
     assert learned.score < static.score  # the key moved with the tokens
 

@@ -13,6 +13,9 @@ from clairvoyant.errors import ModelError
 from clairvoyant.features import Prompt, get_feature_set
 from clairvoyant.predictor import DEFAULT_MODEL_PATH, OnnxPredictor, Prediction, card_path_for
 
+# The previous shipped model (balanced 3-class, P(Long), a schema-1 card): the class-model reference.
+BASELINE_PATH = DEFAULT_MODEL_PATH.parent / "baselines" / "rich_v2_3class.onnx"
+
 xgboost = pytest.importorskip("xgboost")
 pytest.importorskip("onnxmltools")
 
@@ -42,7 +45,14 @@ def small_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object,
     clf = fit(x, y, ModelConfig("rich_v1", 10, 3, 0.3, 42), threads=1)
     path = tmp_path_factory.mktemp("model") / "small.onnx"
     export.write_model(export.to_onnx(clf, fs.size), path)
-    export.write_card(path, {"feature_set": fs.name, "feature_names": list(fs.names)})
+    from clairvoyant.training import calibration
+
+    p_long = export.onnx_probabilities(path.read_bytes(), x)[:, 2]
+    lengths = np.where(y == 0, 50.0, np.where(y == 1, 400.0, 900.0))
+    export.write_card(path, {
+        "feature_set": fs.name, "feature_names": list(fs.names),
+        "calibration": calibration.isotonic_breakpoints(p_long, np.log(lengths)),
+    })  # fmt: skip
     held_out, _ = synthetic_prompts(200, seed=1)
     return path, clf, featurize(fs, held_out)
 
@@ -147,13 +157,13 @@ def test_the_shipped_model_loads_by_default_and_ranks_the_obvious_cases() -> Non
     predictor = OnnxPredictor()
     card = predictor.card
     assert card["feature_set"] == predictor.feature_set_name
-    assert card["class_bounds"]["short_below"] == 200
-    for key in ("tokenizer", "data", "hyperparameters", "metrics"):
+    assert (card["schema"], card["kind"], card["score"]) == (2, "regressor", "log_tokens")
+    for key in ("tokenizer", "data", "hyperparameters", "metrics", "calibration"):
         assert key in card
     hi = predictor.predict(Prompt("hi"))
     essay = predictor.predict(Prompt("Write a detailed 2000-word essay on the history of the Roman Empire."))
-    assert essay.p_long > hi.p_long
-    assert hi.predicted_class == "short"
+    assert essay.score > hi.score and essay.predicted_tokens > 2 * hi.predicted_tokens
+    assert hi.predicted_class == "short" and hi.p_long is None and hi.probabilities is None
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,7 +237,7 @@ def test_schema2_regressor_card_predicts_calibrated_tokens(regressor_model) -> N
 
 
 def test_schema1_card_is_a_class_model_with_the_named_stand_in_calibration() -> None:
-    predictor = OnnxPredictor()
+    predictor = OnnxPredictor(BASELINE_PATH)
     assert predictor.card["schema"] == 1
     assert predictor.calibration is STAND_IN_P_LONG_CALIBRATION and predictor.calibration.stand_in
     assert "stand-in" in predictor.calibration.method
@@ -263,7 +273,7 @@ def test_bad_schema2_cards_are_refused(regressor_model, tmp_path: Path, changes:
 
 def test_the_cap_bounds_predicted_tokens_and_the_key() -> None:
     """Issue 8 part 4: `max_tokens: 1` on an essay prompt was predicted Long (p_long 0.86)."""
-    predictor = OnnxPredictor()
+    predictor = OnnxPredictor(BASELINE_PATH)
     cal = predictor.calibration
     free = predictor.predict(Prompt(ESSAY))
     hi = predictor.predict(Prompt("hi"))
@@ -289,6 +299,17 @@ def test_the_cap_bounds_predicted_tokens_and_the_key() -> None:
     bulk = predictor.predict_many([Prompt(ESSAY)] * 3, caps_tokens=[1, 300, None])
     assert [b.score for b in bulk] == pytest.approx([capped.score, mid.score, free.score], rel=1e-6)
     assert [b.predicted_tokens for b in bulk] == pytest.approx([1.0, 300.0, free.predicted_tokens], rel=1e-6)
+
+
+def test_the_cap_binds_the_shipped_regressor_too() -> None:
+    predictor = OnnxPredictor()
+    free, hi = predictor.predict(Prompt(ESSAY)), predictor.predict(Prompt("hi"))
+    capped = predictor.predict(Prompt(ESSAY), cap_tokens=1)
+    assert free.predicted_tokens > 100 and capped.predicted_tokens == 1.0
+    assert capped.score < hi.score < free.score  # the capped essay now goes before "hi"
+    assert predictor.calibration.log_tokens_of(predictor.predict(Prompt(ESSAY), cap_tokens=50).score) == pytest.approx(
+        math.log(50)
+    )
 
 
 class _ConstantCorrector:
@@ -329,4 +350,4 @@ def test_a_prediction_stays_well_under_one_kilobyte() -> None:
                                    pred.feature_row, pred.model, pred.cap_tokens))
     size += sum(sys.getsizeof(p) for p in pred.probabilities or ())
     assert size < 700, size
-    assert len(pred.feature_row) == 4 * 48
+    assert len(pred.feature_row) == 4 * OnnxPredictor().feature_set.size

@@ -118,7 +118,7 @@ def write_card(model_path: Path, card: dict[str, Any]) -> Path:
     """Write ``<model>.card.json`` (schema 2); ``card`` must carry feature_set and feature_names.
 
     ``kind`` defaults to "classifier" (output "probabilities", score "p_long", the three classes); a
-    "regressor" card must name its ``output`` and ``score``. ``calibration`` is checked when present.
+    "regressor" card must name its ``output`` and ``score``. ``calibration`` is required and checked.
     """
     for key in ("feature_set", "feature_names"):
         if key not in card:
@@ -133,8 +133,9 @@ def write_card(model_path: Path, card: dict[str, Any]) -> Path:
     else:
         raise ValueError(f"unknown model kind {kind!r}")
     calibration = card.get("calibration")
-    if calibration is not None:
-        check_calibration(calibration)
+    if calibration is None:  # the predictor needs it to speak in tokens (a cap, seconds, the ETA)
+        raise ValueError("a schema-2 model card needs a 'calibration' (raw score -> ln tokens)")
+    check_calibration(calibration)
     full = {"schema": CARD_SCHEMA, **head, "onnx_sha256": sha256_of(model_path), **card}
     path = card_path_for(model_path)
     path.write_text(json.dumps(full, indent=2, sort_keys=False) + "\n")
