@@ -82,3 +82,33 @@ def test_oracle_field_and_true_length_never_reach_the_backend() -> None:
     assert "clairvoyant" not in body and "max_tokens" not in body
     assert body["n_predict"] == 78 and body["ignore_eos"] is True
     assert "777" not in json.dumps(body)
+
+
+def test_a_hidden_forced_length_reaches_the_backend_but_not_the_predictor() -> None:
+    """The forced length (n_predict) would be a cap the predictor obeys: the benchmark hides it."""
+    from clairvoyant.bench.client import build_body
+
+    seen: list[dict] = []
+
+    def backend(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+
+        async def answer() -> AsyncIterator[bytes]:
+            yield b'{"choices": [{"message": {"content": "hi"}}]}'
+
+        return httpx.Response(200, content=answer(), headers={"content-type": "application/json"})
+
+    spec = RequestSpec(index=0, key="k:0", cls="short", answer_tokens=20, n_predict=3, prompt_chars=5,
+                       text="Write a detailed 2000-word essay on the history of the Roman Empire.")
+    settings = Settings(upstream_url="http://backend.invalid", policy="sjf", bench_upstream_fields=True)
+    with proxy_server(settings, upstream_transport=httpx.MockTransport(backend)) as url:
+        predicted = {}
+        for hide in (False, True):
+            body = build_body(spec, "openai", model="m", hide_length=hide) | {"stream": False}
+            r = httpx.post(f"{url}/v1/chat/completions", json=body)
+            assert r.status_code == 200
+            predicted[hide] = float(r.headers["x-clairvoyant-predicted-tokens"])
+    assert predicted[False] == 3.0  # seen as the client's cap
+    assert predicted[True] > 100  # hidden: the predictor's own view of an essay
+    for body in seen:  # either way the backend gets the forced length, and nothing of the proxy's
+        assert body["n_predict"] == 3 and body["ignore_eos"] is True and "clairvoyant" not in body

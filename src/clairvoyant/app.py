@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from clairvoyant.clock import Clock, MonotonicClock
 from clairvoyant.config import Settings
-from clairvoyant.dialects import SCHEDULED_ENDPOINTS, dialect_of_path, error_body, parse_request
+from clairvoyant.dialects import SCHEDULED_ENDPOINTS, dialect_of_path, error_body, parse_request, with_upstream_fields
 from clairvoyant.dispatcher import Dispatcher, Ticket
 from clairvoyant.errors import BadRequest, PayloadTooLarge, QueueFull, RequestError
 from clairvoyant.feedback import OnlineLearning
@@ -242,6 +242,10 @@ async def _scheduled(request: Request) -> ScheduledResponse:
         score = predicted_tokens = float(oracle)  # benchmark-only: the true length, the ideal ordering
     if parsed.cap_tokens is not None:  # the oracle too is bounded by the request's own cap
         predicted_tokens = min(predicted_tokens, float(parsed.cap_tokens))
+    forward_body = parsed.forward_body
+    bench_fields = parsed.proxy_options.get("upstream")
+    if settings.bench_upstream_fields and isinstance(bench_fields, dict):
+        forward_body = with_upstream_fields(forward_body, bench_fields)  # after prediction: never a cap
     if settings.log_prompts:
         logger.debug("request_id=%s prompt=%r", request_id, parsed.prompt.instruction[:2000])
 
@@ -268,7 +272,7 @@ async def _scheduled(request: Request) -> ScheduledResponse:
     )
     dispatcher.submit(ticket, job)
     upstream_request = UpstreamRequest(
-        "POST", endpoint.path, request.url.query, _forward_headers(request, request_id, settings), parsed.forward_body,
+        "POST", endpoint.path, request.url.query, _forward_headers(request, request_id, settings), forward_body,
         endpoint.dialect,
     )  # fmt: skip
     return ScheduledResponse(

@@ -115,6 +115,11 @@ class Settings(BaseSettings):
         False,
         description="Benchmarks only: accept the true output length in the request's 'clairvoyant' field.",
     )
+    bench_upstream_fields: bool = Field(
+        False,
+        description="Benchmarks only: add the request's 'clairvoyant.upstream' fields to the body sent to the "
+        "backend after prediction (a forced answer length the predictor must not see as a cap).",
+    )
     online_learning: bool = Field(
         True,
         description="Learn this deployment's answer lengths from the backend's counts and correct the predictor "

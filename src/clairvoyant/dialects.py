@@ -43,6 +43,7 @@ __all__ = [
     "prompt_from_body",
     "PRIORITY_FIELD",
     "error_body",
+    "with_upstream_fields",
     "stream_error_event",
 ]
 
@@ -257,6 +258,13 @@ def parse_request(endpoint: Endpoint, raw: bytes, *, keep_priority: bool = False
 
 
 # -- error framing: every answer the proxy itself gives is in the client's dialect --
+
+
+def with_upstream_fields(forward_body: bytes, fields: dict[str, Any]) -> bytes:
+    """``forward_body`` with ``fields`` added at its top level (a benchmark's forced length)."""
+    body = json.loads(forward_body)
+    body.update(fields)
+    return json.dumps(body).encode()
 
 
 def error_body(dialect: Dialect, exc: RequestError) -> bytes:

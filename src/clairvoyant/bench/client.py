@@ -66,21 +66,35 @@ def endpoint_for(dialect: Dialect) -> str:
     return "/v1/chat/completions" if dialect == "openai" else "/api/chat"
 
 
-def build_body(spec: RequestSpec, dialect: Dialect, *, model: str, oracle: bool = False) -> dict[str, Any]:
-    """The streamed chat body for ``spec``; ``oracle`` adds the true length for the proxy."""
+def build_body(
+    spec: RequestSpec, dialect: Dialect, *, model: str, oracle: bool = False, hide_length: bool = False
+) -> dict[str, Any]:
+    """The streamed chat body for ``spec``; ``oracle`` adds the true length for the proxy.
+
+    The answer's length is forced (llama.cpp ``n_predict`` + ``ignore_eos``, Ollama ``num_predict``).
+    The proxy reads those fields as the client's cap, which would tell the scheduler the true
+    length; ``hide_length`` (every condition through the proxy) puts them in the proxy's own field
+    instead, added to the body only after prediction (setting ``bench_upstream_fields``).
+    """
     messages = [{"role": "user", "content": spec.text}]
     body: dict[str, Any]
+    length: dict[str, Any]
     if dialect == "openai":
-        body = {
-            "model": model, "messages": messages, "stream": True, "temperature": 0.0, "seed": 0,
-            "n_predict": spec.n_predict, "ignore_eos": True,  # llama.cpp: exact length, no max_tokens
-            "stream_options": {"include_usage": True},
-        }
+        body = {"model": model, "messages": messages, "stream": True, "temperature": 0.0, "seed": 0,
+                "stream_options": {"include_usage": True}}
+        length = {"n_predict": spec.n_predict, "ignore_eos": True}  # llama.cpp: exact length
     else:
-        body = {"model": model, "messages": messages, "stream": True,
-                "options": {"num_predict": spec.n_predict, "temperature": 0.0, "seed": 0}}
+        body = {"model": model, "messages": messages, "stream": True}
+        length = {"options": {"num_predict": spec.n_predict, "temperature": 0.0, "seed": 0}}
+    proxy: dict[str, Any] = {}
+    if hide_length:
+        proxy["upstream"] = length
+    else:
+        body.update(length)
     if oracle:
-        body[ORACLE_FIELD] = {"output_tokens": spec.answer_tokens}
+        proxy["output_tokens"] = spec.answer_tokens
+    if proxy:
+        body[ORACLE_FIELD] = proxy
     return body
 
 
@@ -125,6 +139,7 @@ async def send(
     dialect: Dialect,
     model: str,
     oracle: bool = False,
+    hide_length: bool = False,
     origin: float,
 ) -> RequestResult:
     """Send ``spec`` now, stream the answer to its end, and time it. Never raises for HTTP or
@@ -132,7 +147,7 @@ async def send(
 
     ``origin`` is the workload's start (``time.perf_counter()``), for ``sent_s`` and ``done_s``.
     """
-    body = json.dumps(build_body(spec, dialect, model=model, oracle=oracle)).encode()
+    body = json.dumps(build_body(spec, dialect, model=model, oracle=oracle, hide_length=hide_length)).encode()
     parse = _openai_event if dialect == "openai" else _ollama_event
     url = base_url.rstrip("/") + endpoint_for(dialect)
     ttft = e2e = done = None

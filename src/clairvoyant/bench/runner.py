@@ -96,6 +96,7 @@ def _proxy_settings(config: BenchConfig, condition: str) -> Any:
         starvation_slowdown=0.0,  # the benchmarks measure the paper's rule (tau alone)
         starvation_slowdown_adaptive=False,
         allow_oracle=condition == "oracle",
+        bench_upstream_fields=True,  # forced lengths reach the backend, not the predictor
         model_path=config.model_path,
         max_queue=10_000,
         log_level="warning",
@@ -115,7 +116,7 @@ def target_for(config: BenchConfig, condition: str) -> Iterator[str]:
 
 
 async def _run(
-    base_url: str, specs: Sequence[RequestSpec], *, dialect: Dialect, model: str, oracle: bool,
+    base_url: str, specs: Sequence[RequestSpec], *, dialect: Dialect, model: str, oracle: bool, hide_length: bool,
     on_done: Callable[[RequestResult], None] | None,
 ) -> list[RequestResult]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -127,7 +128,8 @@ async def _run(
             delay = origin + spec.offset_s - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            result = await send(client, base_url, spec, dialect=dialect, model=model, oracle=oracle, origin=origin)
+            result = await send(client, base_url, spec, dialect=dialect, model=model, oracle=oracle,
+                                hide_length=hide_length, origin=origin)
             if on_done is not None:
                 on_done(result)
             return result
@@ -137,10 +139,14 @@ async def _run(
 
 def run_workload(
     base_url: str, specs: Sequence[RequestSpec], *, dialect: Dialect = "openai", model: str = "SmolLM2-135M-Instruct",
-    oracle: bool = False, on_done: Callable[[RequestResult], None] | None = None,
+    oracle: bool = False, hide_length: bool = False, on_done: Callable[[RequestResult], None] | None = None,
 ) -> list[RequestResult]:
-    """Send ``specs`` at their offsets (all at once for a burst) and wait for every answer."""
-    return asyncio.run(_run(base_url, specs, dialect=dialect, model=model, oracle=oracle, on_done=on_done))
+    """Send ``specs`` at their offsets (all at once for a burst) and wait for every answer.
+
+    ``hide_length``: the forced length travels in the proxy's own field, unseen by its predictor
+    (for every condition through the proxy; see ``client.build_body``)."""
+    return asyncio.run(_run(base_url, specs, dialect=dialect, model=model, oracle=oracle, hide_length=hide_length,
+                            on_done=on_done))
 
 
 def calibrate(config: BenchConfig, specs: Sequence[RequestSpec]) -> tuple[ServiceModel, list[RequestResult]]:
@@ -218,7 +224,8 @@ def run_cells(
                 wait_idle(config.backend_url)
                 with target_for(config, condition) as url:
                     results = run_workload(url, specs, dialect=config.dialect, model=config.model,
-                                           oracle=condition == "oracle", on_done=lambda _: bar.update(1))
+                                           oracle=condition == "oracle", hide_length=condition != "direct",
+                                           on_done=lambda _: bar.update(1))
                 failed = [r for r in results if not r.ok]
                 if failed:
                     logger.warning("%s run %d %s: %d of %d requests failed, first: %s",
