@@ -55,13 +55,32 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def order_table(specs: list, predicted_tokens: list[float], sjf_finish_rank: dict[int, int]) -> str:
+    """The burst in the predictor's order (what sjf dispatches) beside the truth: why sjf helps.
+
+    ``specs`` are the burst's ``RequestSpec``s, ``predicted_tokens[i]`` the predictor's tokens for
+    ``specs[i]``, ``sjf_finish_rank`` request index -> place it finished under sjf (0 = first).
+    """
+    by_truth = sorted(range(len(specs)), key=lambda i: (specs[i].answer_tokens, i))
+    true_rank = {i: r for r, i in enumerate(by_truth)}
+    lines = [f"{'predicted order':>15} {'predicted tokens':>17} {'true tokens':>12} {'true rank':>10} {'class':>6} "
+             f"{'finished (sjf)':>15}"]
+    for place, i in enumerate(sorted(range(len(specs)), key=lambda i: (predicted_tokens[i], i))):
+        finished = sjf_finish_rank.get(i)
+        lines.append(f"{place + 1:>15} {predicted_tokens[i]:>17.0f} {specs[i].answer_tokens:>12} "
+                     f"{true_rank[i] + 1:>10} {specs[i].cls:>6} {'-' if finished is None else finished + 1:>15}")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     from clairvoyant.bench.commands import backend
     from clairvoyant.bench.prompt_set import PromptSetError, load_prompt_set, resolve
     from clairvoyant.bench.report import write_outputs
     from clairvoyant.bench.runner import BenchConfig, run_cells, run_workload
     from clairvoyant.bench.workload import burst
+    from clairvoyant.dialects import SCHEDULED_ENDPOINTS, prompt_from_body
     from clairvoyant.embedded_backend import EmbeddedServerError
+    from clairvoyant.predictor import OnnxPredictor
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
@@ -85,6 +104,14 @@ def run(args: argparse.Namespace) -> int:
     failed = [r for r in rows if not r["ok"]]
     paths = write_outputs(rows, args.out, meta={"demo": vars(args) | {"out": str(args.out), "model_path": str(args.model_path)},
                                                  "backend_label": label})
+    # The proxy's own view of each request (no cap: the forced length is hidden from it).
+    predictor = OnnxPredictor(args.model_path)
+    chat = SCHEDULED_ENDPOINTS["/v1/chat/completions"]
+    predicted = [predictor.predict(prompt_from_body(chat, {"messages": [{"role": "user", "content": s.text}]}))
+                 .predicted_tokens for s in specs]
+    finish = {r["index"]: int(r["finish_rank"]) for r in rows if r["condition"] == "sjf" and r["finish_rank"] != ""}
+    print("\nwhat the predictor saw (prompts it never trained on), in the order sjf dispatches them:")
+    print(order_table(specs, predicted, finish))
     print()
     print(_table(rows))
     print(f"\n(change: negative = faster under sjf; one run of {len(specs)} requests per policy, "
