@@ -24,7 +24,7 @@ def make(slots: int = 1, max_queue: int = 10, policy: str = "fcfs") -> tuple[Dis
 
 
 def submit(d: Dispatcher, name: str, arrival_s: float, predicted_s: float) -> Ticket:
-    t = Ticket(name, "/v1/chat/completions", "openai", None, Prediction(0.5, 0.3, 0.2), 10)
+    t = Ticket(name, "/v1/chat/completions", "openai", None, Prediction.from_probabilities(0.5, 0.3, 0.2), 10)
     d.submit(t, Job(t, arrival_s, predicted_s=predicted_s, predicted_tokens=50.0))
     return t
 
@@ -107,5 +107,25 @@ def test_stop_refuses_the_waiting_with_shutting_down() -> None:
         await stopping
         with pytest.raises(ShuttingDown):
             submit(d, "late", 1.0, 1.0)
+
+    asyncio.run(scenario())
+
+
+def test_queue_position_counts_the_requests_dispatched_ahead_while_waiting() -> None:
+    async def scenario() -> None:
+        d, clock = make(policy="sjf")
+        await d.start()
+        running = submit(d, "run", 0.0, 10.0)
+        holder = d.lease(running)
+        await holder.__aenter__()
+        # arrive in this order; sjf dispatches by score, and these share one score: arrival decides
+        late = [submit(d, n, 1.0 + i, 1.0) for i, n in enumerate("xyz")]
+        await holder.__aexit__(None, None, None)
+        for t in late:
+            async with d.lease(t):
+                pass
+        assert running.queue_position == 0  # found the slot free
+        assert [t.queue_position for t in late] == [0, 1, 2]
+        await d.stop()
 
     asyncio.run(scenario())

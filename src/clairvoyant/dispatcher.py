@@ -69,8 +69,8 @@ class Ticket:
     released: asyncio.Future[None] | None = None  # created at dispatch; set when the slot is given back
     slot: int | None = None
     dispatched_s: float | None = None  # clock seconds when a slot was granted
-    position_at_arrival: int | None = None  # place in dispatch order when queued (0 = next)
-    eta_at_arrival_s: float | None = None  # predicted seconds until dispatch, when queued
+    grants_before_arrival: int = 0  # the dispatcher's slot grants so far when this ticket was queued
+    queue_position: int | None = None  # set at dispatch: requests dispatched ahead of it while it waited
     ended: bool = False  # withdrawn or released: set exactly once
 
     @property
@@ -131,6 +131,7 @@ class Dispatcher:
         self._closing = False
         self._ids = itertools.count()
         self._observed = 0
+        self._grants = 0  # slots granted so far (a ticket's queue position is a difference of these)
         metrics.starvation_timeout.set(starvation_timeout_s)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -183,10 +184,8 @@ class Dispatcher:
         self.queue.push(job)
         self._by_id[ticket.request_id] = ticket
         self.metrics.depth_by_class[ticket.predicted_class].inc()
-        now = self.clock.now()
-        position = self.where(ticket, now)
-        if position is not None:
-            ticket.position_at_arrival, ticket.eta_at_arrival_s = position
+        # O(1) on purpose: ordering the whole queue per arrival would cost O(n log n) at depth n.
+        ticket.grants_before_arrival = self._grants
         self._wakeup.set()
 
     @asynccontextmanager
@@ -382,6 +381,8 @@ class Dispatcher:
         self._running[slot] = ticket
         self.metrics.in_flight.inc()
         self.metrics.wait_by_class[ticket.predicted_class].observe(ticket.dispatched_s - job.arrival_s)
+        ticket.queue_position = self._grants - ticket.grants_before_arrival
+        self._grants += 1
         ticket.granted.set_result(slot)
         try:
             await ticket.released

@@ -16,7 +16,7 @@ The client's disconnect is watched the whole time (``receive`` yields ``http.dis
 Before dispatch a waiting client receives nothing, not even a status line (the status comes from
 the backend). It can see where it stands at ``GET /queue/{request_id}`` (position and ETA; the id is
 its ``X-Request-Id`` header or the one the proxy assigns). At dispatch the response headers carry
-``X-Clairvoyant-Queue-Position`` (its place when it arrived) and the measured wait.
+``X-Clairvoyant-Queue-Position`` (requests dispatched ahead of it while it waited) and the measured wait.
 
 Once the status line is sent it cannot change: a backend failure after that point ends a stream
 with one final error event in the dialect's framing, or truncates a plain body.
@@ -284,8 +284,8 @@ class ScheduledResponse(_AsgiOnly):
         ]
         if prediction.p_long is not None:  # class models only
             headers.append(("x-clairvoyant-p-long", f"{prediction.p_long:.4f}"))
-        if ticket.position_at_arrival is not None:
-            headers.append(("x-clairvoyant-queue-position", str(ticket.position_at_arrival)))
+        if ticket.queue_position is not None:
+            headers.append(("x-clairvoyant-queue-position", str(ticket.queue_position)))
         return headers
 
     def _first_byte(self) -> None:

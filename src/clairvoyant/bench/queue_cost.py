@@ -83,7 +83,7 @@ def measure_memory_bytes(depth: int) -> tuple[float, float]:
         q = _queue("sjf")
         keep = []
         for i in range(depth):
-            t = Ticket(f"cv-{i:x}", "/v1/chat/completions", "openai", "model", Prediction(0.2, 0.3, 0.5), 120)
+            t = Ticket(f"cv-{i:x}", "/v1/chat/completions", "openai", "model", Prediction.from_probabilities(0.2, 0.3, 0.5), 120)
             job = Job(t, float(i), score=0.5, predicted_tokens=300.0, predicted_s=6.0, bucket=bucket_for(6.0), tenant="a")
             t.job = job
             q.push(job)
