@@ -23,6 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from clairvoyant.length_classes import CLASS_NAMES
+
 __all__ = ["backend", "benchmark_main", "mu_short_main"]
 
 logger = logging.getLogger(__name__)
@@ -195,7 +197,7 @@ def mu_short_parser() -> argparse.ArgumentParser:
                     "and the recommended starvation timeout tau = 3 x mu_short (paper 3.4).",
     )
     _add_backend_arguments(parser)
-    parser.add_argument("--class", dest="cls", choices=("short", "medium", "long"), default="short")
+    parser.add_argument("--class", dest="cls", choices=CLASS_NAMES, default="short")
     parser.add_argument("--n", type=int, default=100, help="requests sent at once (default 100)")
     parser.add_argument("--json", type=Path, default=None, help="also write the per-request times and the summary here")
     return parser

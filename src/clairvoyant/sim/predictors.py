@@ -40,7 +40,7 @@ __all__ = [
     "pairwise_accuracy",
 ]
 
-SHORT, MEDIUM, LONG = (CLASS_NAMES.index(c) for c in ("short", "medium", "long"))
+SHORT, MEDIUM, LONG = range(len(CLASS_NAMES))  # indices into the one CLASS_NAMES
 
 
 class Scorer(Protocol):

@@ -25,7 +25,7 @@ from typing import Protocol
 import numpy as np
 
 from clairvoyant.features import Prompt
-from clairvoyant.predictor import CLASS_NAMES  # one definition of the class names
+from clairvoyant.length_classes import CLASS_NAMES  # one definition of the class names
 
 __all__ = [
     "CLASS_NAMES",

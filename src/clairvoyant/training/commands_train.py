@@ -21,6 +21,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from clairvoyant.length_classes import LONG_FROM_TOKENS, SHORT_BELOW_TOKENS
 from clairvoyant.predictor import DEFAULT_MODEL_PATH
 
 __all__ = ["add_arguments", "run", "train_and_export", "train_regressor_and_export"]
@@ -28,7 +29,7 @@ __all__ = ["add_arguments", "run", "train_and_export", "train_regressor_and_expo
 logger = logging.getLogger(__name__)
 
 # Why the classifier presets' Long bound is 600 and not the paper's 800: see NOTES below.
-DEFAULT_LONG_FROM = 600
+DEFAULT_LONG_FROM = LONG_FROM_TOKENS  # the one definition (length_classes)
 NOTES = [
     "Class bounds: the packaged ShareGPT answers are capped just under 800 cl100k tokens (ChatGPT's "
     "output limit at the time): of ~57k pairs only 64 reach 800 tokens (8 first turns), so the paper's "
@@ -68,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-train-rows", type=int, help="regressor: subsample the natural training rows")
     parser.add_argument("--test-fraction", type=float, default=0.2)
     parser.add_argument("--turns", choices=("all", "first"), default="all", help="which user turns make rows")
-    parser.add_argument("--short-below", type=int, default=200, help="Short: answer tokens below this")
+    parser.add_argument("--short-below", type=int, default=SHORT_BELOW_TOKENS, help="Short: answer tokens below this")
     parser.add_argument("--long-from", type=int, default=DEFAULT_LONG_FROM, help="Long: answer tokens from this")
     parser.add_argument("--no-english-filter", action="store_true", help="keep non-English prompts")
     parser.add_argument("--out", type=Path, default=DEFAULT_MODEL_PATH, help="ONNX file to write (card beside it)")

@@ -32,6 +32,7 @@ import numpy as np
 
 from clairvoyant.dialects import SCHEDULED_ENDPOINTS, prompt_from_body
 from clairvoyant.features import Prompt
+from clairvoyant.length_classes import CLASS_NAMES
 from clairvoyant.training.labels import ClassBounds, count_tokens
 
 __all__ = [
@@ -299,7 +300,7 @@ def build_split(pairs: Sequence[Pair], config: DataConfig, *, progress: bool = F
     for is_test in (False, True):
         name = "test" if is_test else "train"
         available[name] = {}
-        for cls, cls_name in enumerate(("short", "medium", "long")):
+        for cls, cls_name in enumerate(CLASS_NAMES):
             candidates = [i for i in order if side[i] == is_test and labels[i] == cls and eligible[i]]
             available[name][cls_name] = len(candidates)
             taken: list[int] = []

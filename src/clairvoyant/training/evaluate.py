@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from clairvoyant.length_classes import LONG_FROM_TOKENS, SHORT_BELOW_TOKENS
 from clairvoyant.dialects import SCHEDULED_ENDPOINTS, prompt_from_body
 from clairvoyant.features import Prompt, get_feature_set
 from clairvoyant.predictor import card_path_for
@@ -48,7 +49,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 BASELINE_MODEL_PATH = Path(__file__).resolve().parents[1] / "model" / "baselines" / "rich_v2_3class.onnx"
-PAPER_BASELINE_BOUNDS = ClassBounds(200, 600)
+PAPER_BASELINE_BOUNDS = ClassBounds(SHORT_BELOW_TOKENS, LONG_FROM_TOKENS)  # the shipped classes
 _GENERATIVE_VERBS = ("write", "implement", "generate", "explain", "describe", "list", "compare")
 _CHAT = SCHEDULED_ENDPOINTS["/v1/chat/completions"]
 
