@@ -197,8 +197,9 @@ def test_fair_share_is_weighted_by_predicted_seconds_not_counts() -> None:
     for i in range(2):
         q.push(job(f"big{i}", 0.0, predicted_s=3.0, tenant="big"))
     order = drain(q, 0.0)
-    # Equal seconds: 3 small jobs for each big one.
-    assert order == ["small0", "big0", "small1", "small2", "small3", "big1", "small4", "small5"]
+    # Equal seconds: 3 small jobs for each big one. Equal start tags (0 s, then 3 s) go to the
+    # tenant with fewer requests waiting: big.
+    assert order == ["big0", "small0", "small1", "small2", "big1", "small3", "small4", "small5"]
 
 
 def test_fair_share_lifts_a_promoted_low_priority_job_to_the_top_class() -> None:
@@ -206,8 +207,11 @@ def test_fair_share_lifts_a_promoted_low_priority_job_to_the_top_class() -> None
     low, high = job("low", 0.0, priority=3, tenant="a"), job("high", 1.0, priority=0, tenant="b")
     q.push(low)
     q.push(high)
-    assert q.peek(4.0) == (high, False)  # low has not waited 5 s yet: class order
-    assert q.pop(6.0) == (low, True)  # overdue: counts as the top class, and tenant a is owed
+    # Two tenants wait from t = 1, so low's share clock runs at 1/2 from then: 1 + (t - 1) / 2 > 5
+    # once t > 9 (k x tau of wall time, k = 2).
+    assert q.peek(6.0) == (high, False)  # 5 s of wall time but 3.5 s of its share: class order
+    assert q.peek(8.9) == (high, False)
+    assert q.pop(9.1) == (low, True)  # overdue: counts as the top class, and tenant a is owed
 
 
 def test_ordered_matches_the_pops() -> None:
