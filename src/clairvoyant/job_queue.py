@@ -5,6 +5,7 @@ Every queue here has the same small interface (``JobQueue``):
     push(job)            queue a job (its key, if any, is computed now and never again)
     remove(job) -> bool  withdraw a waiting job (its client left); False if it was not waiting
     pop(now)  -> (job, promoted) | None    the next job to dispatch at ``now``
+    done(job)            a popped job has left the backend (finished, failed, or never ran)
     peek(now) -> (job, promoted) | None    what ``pop(now)`` would return, without removing it
     len(q), iter(q)      waiting jobs (iteration order unspecified; ``ordered(now)`` is dispatch order)
 
@@ -98,6 +99,10 @@ class JobQueue(Protocol[T]):
         """What ``pop(now)`` would return, without removing it."""
         ...
 
+    def done(self, job: Job[T]) -> None:
+        """A job this queue popped has left the backend (finished, failed, or was never run)."""
+        ...
+
     def ordered(self, now: float) -> list[Job[T]]:
         """Waiting jobs in the order they would go if nothing else arrived (for positions and ETAs)."""
         ...
@@ -154,6 +159,9 @@ class HeapQueue(Generic[T]):
             self._live -= 1
         return head
 
+    def done(self, job: Job[T]) -> None:
+        pass  # keys are fixed at push: nothing follows a job after its dispatch
+
     def ordered(self, now: float) -> list[Job[T]]:
         return [entry[2] for entry in sorted(e for e in self._heap if e[2].waiting)]
 
@@ -198,6 +206,9 @@ class ScanQueue(Generic[T]):
         if head is not None:
             self.remove(head[0])
         return head
+
+    def done(self, job: Job[T]) -> None:
+        pass
 
     def ordered(self, now: float) -> list[Job[T]]:
         rank = self.rank
@@ -340,6 +351,9 @@ class StarvationGuard(Generic[T]):
         self._compact()
         return job, promoted
 
+    def done(self, job: Job[T]) -> None:
+        self.inner.done(job)
+
     def ordered(self, now: float) -> list[Job[T]]:
         inner = self.inner.ordered(now)
         self._advance(now)
@@ -366,39 +380,46 @@ class StarvationGuard(Generic[T]):
 @dataclass(slots=True)
 class _Tenant(Generic[T]):
     queue: JobQueue[T]
-    served_s: float  # predicted service seconds received while active (virtual time)
+    served_s: float  # start tag of its next job: predicted service seconds received while active (virtual time)
+    in_flight: int = 0  # its popped jobs not yet done: it stays active (keeps its tag) until 0
 
 
 class FairShareQueue(Generic[T]):
     """One inner queue per tenant; tenants share the backend in predicted service seconds.
 
-    Start-time fair queuing with predicted seconds as the cost. At each pop the candidate heads are
-    those of the best priority class among tenants (an overdue head, by its tenant's starvation
-    guard, joins the best class); among them the tenant with the least ``served_s`` (its next start
-    tag) goes, and its ``served_s`` grows by the job's ``predicted_s``. Equal tags go to the tenant
-    with fewer requests waiting (the lighter user), then by arrival. The system's virtual time is
-    the start tag of the last dispatched job; a tenant that becomes active starts there, so idling
-    banks no credit and a newcomer is not queued behind another tenant's backlog. With one tenant
-    this is exactly its inner queue.
+    Start-time fair queuing (SFQ) with predicted seconds as the cost. A tenant is *active* while it
+    has a request waiting or in service (popped, not yet ``done``). At each pop the candidate heads
+    are those of the best priority class among tenants with a request waiting (an overdue head, by
+    its tenant's starvation guard, joins the best class); among them the tenant with the least
+    ``served_s`` (its next start tag) goes, and its ``served_s`` grows by the job's
+    ``predicted_s``. Equal tags go to the tenant with fewer requests waiting (the lighter user),
+    then by arrival. The system's virtual time is the start tag of the last dispatched job; a
+    tenant that becomes active starts there, so idling banks no credit and a newcomer is not queued
+    behind another tenant's backlog. A tenant whose request is still in service keeps its tag
+    (at least the virtual time): sending the next request while the last one runs buys no place.
+    With one tenant this is exactly its inner queue.
 
     Each tenant's ``StarvationGuard`` runs on the share clock (``share_clock_s``): wall seconds
-    divided by the number of tenants with waiting requests, so the guard bounds waiting *within* a
+    divided by the number of tenants with requests waiting, so the guard bounds waiting *within* a
     tenant in that tenant's own share, and fair share bounds waiting *across* tenants. A flooding
     tenant's overdue backlog therefore never competes with another tenant's requests beyond its
     share, and the other tenant's guard does not turn its queue FIFO merely because it shares.
 
-    Bound across tenants (one priority class): while tenant A has a request waiting, each other
-    tenant B is dispatched at most P_A + P_B predicted seconds between two dispatches of A (P_A: the
-    predicted seconds of A's last dispatched job, P_B: B's largest), since B goes only while its
-    start tag does not exceed A's and every tag is at least the virtual time. With k tenants
-    waiting, A's head therefore waits at most (k - 1) x 2 x P_max predicted seconds plus the job in
-    flight.
+    Bound across tenants (one priority class): from when tenant A has a request waiting, until A's
+    next dispatch, each other tenant B is dispatched at most P_A + P_B predicted seconds per
+    activation of B (P_A: the predicted seconds of A's last dispatched job, 0 if A has just become
+    active; P_B: B's largest in between), since B goes only while its start tag does not exceed A's
+    and every tag is at least the virtual time. B re-activates only after all its requests have
+    left the backend, so with one slot B gets at most P_A + P_B before A's head goes, and with k
+    active tenants A's head waits at most the job in flight plus (k - 1) x 2 x P_max predicted
+    seconds.
     """
 
     def __init__(self, make_queue: Callable[[], JobQueue[T]], tenant_of: Callable[[Job[T]], Hashable] | None = None) -> None:
         self.make_queue = make_queue
         self.tenant_of = tenant_of or (lambda job: job.tenant)
-        self._tenants: dict[Hashable, _Tenant[T]] = {}
+        self._tenants: dict[Hashable, _Tenant[T]] = {}  # active tenants (waiting or in service)
+        self._waiting_tenants = 0  # active tenants with a request waiting (k of the share clock)
         self._live = 0
         self._virtual_s = 0.0  # start tag of the last dispatched job
         # The share clock is wall time minus the accumulated (1 - 1/k) dt, so with one tenant it is
@@ -414,7 +435,7 @@ class FairShareQueue(Generic[T]):
 
     @property
     def tenants(self) -> dict[Hashable, float]:
-        """Active tenants and their served predicted seconds."""
+        """Active tenants (waiting or in service) and their start tags in predicted seconds."""
         return {name: t.served_s for name, t in self._tenants.items()}
 
     def share_clock_s(self, now: float) -> float:
@@ -422,7 +443,7 @@ class FairShareQueue(Generic[T]):
         requests waiting (1 s per second with one or none). ``now`` before the last update counts
         as the last update. A withdrawal (``remove``) takes effect from the last push or pop, which
         can only make the clock run faster (deadlines come sooner, never later)."""
-        k = len(self._tenants)
+        k = self._waiting_tenants
         lag_s = self._share_lag_s
         if k > 1 and now > self._share_at_s:
             lag_s += (now - self._share_at_s) * (1.0 - 1.0 / k)
@@ -431,7 +452,7 @@ class FairShareQueue(Generic[T]):
     def _tick(self, now: float) -> None:
         """Fold the share clock up to ``now`` (before the number of waiting tenants changes)."""
         if now > self._share_at_s:
-            k = len(self._tenants)
+            k = self._waiting_tenants
             if k > 1:
                 self._share_lag_s += (now - self._share_at_s) * (1.0 - 1.0 / k)
             self._share_at_s = now
@@ -445,8 +466,17 @@ class FairShareQueue(Generic[T]):
             if isinstance(queue, StarvationGuard):
                 queue.clock = self.share_clock_s
             tenant = self._tenants[name] = _Tenant(queue, self._virtual_s)
+        if not len(tenant.queue):
+            self._waiting_tenants += 1
+            tenant.served_s = max(tenant.served_s, self._virtual_s)  # in service only: keeps its tag
         tenant.queue.push(job)
         self._live += 1
+
+    def _emptied(self, name: Hashable, tenant: _Tenant[T]) -> None:
+        """``tenant``'s last waiting job left the queue."""
+        self._waiting_tenants -= 1
+        if not tenant.in_flight:
+            del self._tenants[name]
 
     def remove(self, job: Job[T]) -> bool:
         name = self.tenant_of(job)
@@ -455,8 +485,18 @@ class FairShareQueue(Generic[T]):
             return False
         self._live -= 1
         if not len(tenant.queue):
-            del self._tenants[name]
+            self._emptied(name, tenant)
         return True
+
+    def done(self, job: Job[T]) -> None:
+        name = self.tenant_of(job)
+        tenant = self._tenants.get(name)
+        if tenant is None or tenant.in_flight <= 0:
+            return  # not one of ours in service (or reported twice)
+        tenant.queue.done(job)
+        tenant.in_flight -= 1
+        if not tenant.in_flight and not len(tenant.queue):
+            del self._tenants[name]
 
     def _choose(self, now: float) -> tuple[Hashable, Job[T], bool] | None:
         heads = []
@@ -500,18 +540,20 @@ class FairShareQueue(Generic[T]):
         job, promoted = got[0], got[1] or lifted
         self._virtual_s = tenant.served_s
         tenant.served_s += job.predicted_s
+        tenant.in_flight += 1
         self._live -= 1
         if not len(tenant.queue):
-            del self._tenants[name]
+            self._emptied(name, tenant)
         return job, promoted
 
     def ordered(self, now: float) -> list[Job[T]]:
-        if len(self._tenants) <= 1:
-            return [j for t in self._tenants.values() for j in t.queue.ordered(now)]
+        waiting = [t for t in self._tenants.values() if len(t.queue)]
+        if len(waiting) <= 1:
+            return [j for t in waiting for j in t.queue.ordered(now)]
         # Merge the tenants' own orders by the virtual time each job would start at (then the
         # tenant's remaining count, as ``_choose`` breaks ties).
         merged: list[tuple[tuple[Any, ...], Job[T]]] = []
-        for tenant in self._tenants.values():
+        for tenant in waiting:
             served = tenant.served_s
             own = tenant.queue.ordered(now)
             for i, job in enumerate(own):
