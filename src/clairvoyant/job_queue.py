@@ -40,7 +40,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from clairvoyant.scheduling.slowdown import SlowdownRule
@@ -381,7 +381,7 @@ class StarvationGuard(Generic[T]):
 class _Tenant(Generic[T]):
     queue: JobQueue[T]
     served_s: float  # start tag of its next job: predicted service seconds received while active (virtual time)
-    in_flight: int = 0  # its popped jobs not yet done: it stays active (keeps its tag) until 0
+    in_flight: set[int] = field(default_factory=set)  # seqs of its popped jobs not yet done: active until empty
 
 
 class FairShareQueue(Generic[T]):
@@ -491,10 +491,10 @@ class FairShareQueue(Generic[T]):
     def done(self, job: Job[T]) -> None:
         name = self.tenant_of(job)
         tenant = self._tenants.get(name)
-        if tenant is None or tenant.in_flight <= 0:
+        if tenant is None or job.seq not in tenant.in_flight:
             return  # not one of ours in service (or reported twice)
         tenant.queue.done(job)
-        tenant.in_flight -= 1
+        tenant.in_flight.discard(job.seq)
         if not tenant.in_flight and not len(tenant.queue):
             del self._tenants[name]
 
@@ -540,7 +540,7 @@ class FairShareQueue(Generic[T]):
         job, promoted = got[0], got[1] or lifted
         self._virtual_s = tenant.served_s
         tenant.served_s += job.predicted_s
-        tenant.in_flight += 1
+        tenant.in_flight.add(job.seq)
         self._live -= 1
         if not len(tenant.queue):
             self._emptied(name, tenant)
