@@ -212,3 +212,15 @@ def test_regression_an_overdue_head_passing_a_hidden_better_class_is_a_promotion
         q.push(Job(name, arrival, priority=prio, tenant=tenant))
     job, promoted = q.pop(10.5)  # type: ignore[misc]
     assert job.priority == 1 and promoted
+
+
+def test_regression_a_head_that_is_not_overdue_never_passes_a_hidden_better_class() -> None:
+    # Found by hypothesis: tenant a's class -1 job was hidden behind a's own overdue class-0 job;
+    # tenant c's class-0 job, not overdue, won the visible class 0 on fair share (fewer waiting) and
+    # went before the class -1 job. The best class is now taken over hidden heads too.
+    q = build_queue(make_policy("fcfs"), starvation_timeout_s=5.0, fair_share=True)
+    for name, arrival, prio, tenant in [("a0", 0.0, 0, "a"), ("a1", 10.0, -1, "a"), ("c0", 10.0, 0, "c")]:
+        q.push(Job(name, arrival, priority=prio, tenant=tenant))
+    job, promoted = q.pop(10.5)  # type: ignore[misc]
+    assert job.payload == "a0" and promoted  # a's overdue job, by the starvation bound
+    assert q.pop(10.5)[0].payload == "a1"  # type: ignore[index]

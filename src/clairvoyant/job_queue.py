@@ -451,7 +451,7 @@ class FairShareQueue(Generic[T]):
 
     def _tick(self, now: float) -> None:
         """Fold the share clock up to ``now`` (before the number of waiting tenants changes)."""
-        if now > self._share_at_s:
+        if now > self._share_at_s and math.isfinite(now):  # pop(math.inf) drains at shutdown
             k = self._waiting_tenants
             if k > 1:
                 self._share_lag_s += (now - self._share_at_s) * (1.0 - 1.0 / k)
@@ -514,7 +514,9 @@ class FairShareQueue(Generic[T]):
             heads.append((job.priority, overdue, tenant.served_s, len(tenant.queue), name, job, promoted, best_here))
         if not heads:
             return None
-        best = min(h[0] for h in heads)
+        # The best class waiting anywhere, including one hidden behind a tenant's own promotion: a
+        # head that is not overdue never goes before it.
+        best = min(h[7] for h in heads)
         # An overdue head joins the best class, where fair share still decides: lifting it above
         # every tenant would let a flooding tenant's overdue backlog starve the others. Equal start
         # tags (common when predictions take a few values) go to the tenant with less waiting.
@@ -522,7 +524,7 @@ class FairShareQueue(Generic[T]):
             heads, key=lambda h: (best if h[1] else h[0], h[2], h[3], h[5].seq)
         )
         # A starvation decision if a better class waits anywhere (possibly hidden behind a promotion).
-        return name, job, promoted or job.priority > min(h[7] for h in heads)
+        return name, job, promoted or job.priority > best
 
     def peek(self, now: float) -> tuple[Job[T], bool] | None:
         chosen = self._choose(now)
