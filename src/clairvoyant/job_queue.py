@@ -282,8 +282,8 @@ class StarvationGuard(Generic[T]):
         return self._clock_s(now) > job.deadline_s
 
     def push(self, job: Job[T]) -> None:
-        offset_s = self.timeout_s + self.slowdown_now() * job.predicted_s
-        job.deadline_s = self._clock_s(job.arrival_s) + offset_s
+        # Summed left to right as before the clock existed: wall-clock deadlines are bit-identical.
+        job.deadline_s = self._clock_s(job.arrival_s) + self.timeout_s + self.slowdown_now() * job.predicted_s
         self.inner.push(job)
         if not math.isinf(self.timeout_s):
             heapq.heappush(self._pending, (job.deadline_s, job.seq, job))
