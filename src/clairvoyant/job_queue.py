@@ -410,9 +410,8 @@ class FairShareQueue(Generic[T]):
     activation of B (P_A: the predicted seconds of A's last dispatched job, 0 if A has just become
     active; P_B: B's largest in between), since B goes only while its start tag does not exceed A's
     and every tag is at least the virtual time. B re-activates only after all its requests have
-    left the backend, so with one slot B gets at most P_A + P_B before A's head goes, and with k
-    active tenants A's head waits at most the job in flight plus (k - 1) x 2 x P_max predicted
-    seconds.
+    left the backend: with one slot and two tenants A's head waits at most the job in flight plus
+    P_A + P_max <= 2 x P_max predicted seconds.
     """
 
     def __init__(self, make_queue: Callable[[], JobQueue[T]], tenant_of: Callable[[Job[T]], Hashable] | None = None) -> None:
