@@ -190,6 +190,40 @@ def test_fair_share_newcomer_is_not_queued_behind_a_batch() -> None:
     assert drain(q, 20.0) == ["chat2", "batch1", "batch2", "batch3", "batch4"]
 
 
+def test_fair_share_tenant_in_service_keeps_its_tag_until_done() -> None:
+    q = FairShareQueue(lambda: FcfsPolicy().make_queue())
+    for i in range(3):
+        q.push(job(f"batch{i}", 0.0, predicted_s=4.0, tenant="batch"))
+    q.push(job("chat0", 0.0, predicted_s=4.0, tenant="chat"))
+    # Equal start tags (0): chat has fewer waiting, so it goes first; its tag becomes 4.
+    chat0 = q.pop(0.0)[0]  # type: ignore[index]
+    assert chat0.payload == "chat0"
+    # chat sends its next request while chat0 runs: it keeps tag 4, batch (tag 0) goes first.
+    q.push(job("chat1", 1.0, predicted_s=4.0, tenant="chat"))
+    assert q.pop(4.0)[0].payload == "batch0"  # type: ignore[index]
+    assert q.pop(8.0)[0].payload == "chat1"  # type: ignore[index]  # tags 4 vs 4: chat has 1 waiting, batch 2
+    assert q.tenants == {"batch": 4.0, "chat": 8.0}
+    q.done(chat0)
+    assert "chat" in q.tenants  # chat1 is still in service
+    q.done(chat0)  # reported twice: ignored
+    q.done(q.pop(12.0)[0])  # type: ignore[index]  # batch1 ran and left
+    assert q.tenants == {"batch": 8.0, "chat": 8.0}
+
+
+def test_fair_share_idle_tenant_restarts_at_the_virtual_time() -> None:
+    q = FairShareQueue(lambda: FcfsPolicy().make_queue())
+    for i in range(4):
+        q.push(job(f"batch{i}", 0.0, predicted_s=4.0, tenant="batch"))
+    q.push(job("chat0", 0.0, predicted_s=4.0, tenant="chat"))
+    chat0 = q.pop(0.0)[0]  # type: ignore[index]
+    q.done(chat0)  # finished before chat sends again: chat is idle and forgotten
+    assert "chat" not in q.tenants
+    assert q.pop(4.0)[0].payload == "batch0"  # type: ignore[index]  # virtual time is now 0 (batch0's start)
+    q.push(job("chat1", 5.0, predicted_s=4.0, tenant="chat"))
+    # chat restarts at the virtual time 0, below batch's 4: chat1 next, without its old tag (4).
+    assert q.pop(8.0)[0].payload == "chat1"  # type: ignore[index]
+
+
 def test_fair_share_is_weighted_by_predicted_seconds_not_counts() -> None:
     q = FairShareQueue(lambda: FcfsPolicy().make_queue())
     for i in range(6):
@@ -197,8 +231,9 @@ def test_fair_share_is_weighted_by_predicted_seconds_not_counts() -> None:
     for i in range(2):
         q.push(job(f"big{i}", 0.0, predicted_s=3.0, tenant="big"))
     order = drain(q, 0.0)
-    # Equal seconds: 3 small jobs for each big one.
-    assert order == ["small0", "big0", "small1", "small2", "small3", "big1", "small4", "small5"]
+    # Equal seconds: 3 small jobs for each big one. Equal start tags (0 s, then 3 s) go to the
+    # tenant with fewer requests waiting: big.
+    assert order == ["big0", "small0", "small1", "small2", "big1", "small3", "small4", "small5"]
 
 
 def test_fair_share_lifts_a_promoted_low_priority_job_to_the_top_class() -> None:
@@ -206,8 +241,11 @@ def test_fair_share_lifts_a_promoted_low_priority_job_to_the_top_class() -> None
     low, high = job("low", 0.0, priority=3, tenant="a"), job("high", 1.0, priority=0, tenant="b")
     q.push(low)
     q.push(high)
-    assert q.peek(4.0) == (high, False)  # low has not waited 5 s yet: class order
-    assert q.pop(6.0) == (low, True)  # overdue: counts as the top class, and tenant a is owed
+    # Two tenants wait from t = 1, so low's share clock runs at 1/2 from then: 1 + (t - 1) / 2 > 5
+    # once t > 9 (k x tau of wall time, k = 2).
+    assert q.peek(6.0) == (high, False)  # 5 s of wall time but 3.5 s of its share: class order
+    assert q.peek(8.9) == (high, False)
+    assert q.pop(9.1) == (low, True)  # overdue: counts as the top class, and tenant a is owed
 
 
 def test_ordered_matches_the_pops() -> None:

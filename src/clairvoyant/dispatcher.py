@@ -142,6 +142,7 @@ class Dispatcher:
         """Refuse new work, let in-flight requests finish for up to ``timeout_s``, then cancel."""
         self._closing = True
         while (got := self.queue.pop(math.inf)) is not None:
+            self.queue.done(got[0])  # refused: it never reaches the backend
             ticket = got[0].payload
             self._end_waiting(ticket)
             if not ticket.granted.done():
@@ -374,6 +375,7 @@ class Dispatcher:
             self.metrics.starvation_promotions.inc()
         if ticket.granted.done():  # cancelled in between: nothing to run
             ticket.ended = True
+            self.queue.done(job)
             return
         ticket.slot = slot
         ticket.released = asyncio.get_running_loop().create_future()
@@ -389,3 +391,4 @@ class Dispatcher:
         finally:
             self._running.pop(slot, None)
             self.metrics.in_flight.dec()
+            self.queue.done(job)  # its tenant stays active for fair share until here

@@ -5,6 +5,7 @@ Every queue here has the same small interface (``JobQueue``):
     push(job)            queue a job (its key, if any, is computed now and never again)
     remove(job) -> bool  withdraw a waiting job (its client left); False if it was not waiting
     pop(now)  -> (job, promoted) | None    the next job to dispatch at ``now``
+    done(job)            a popped job has left the backend (finished, failed, or never ran)
     peek(now) -> (job, promoted) | None    what ``pop(now)`` would return, without removing it
     len(q), iter(q)      waiting jobs (iteration order unspecified; ``ordered(now)`` is dispatch order)
 
@@ -18,12 +19,15 @@ Implementations:
 - ``ScanQueue``: priorities that change with time (HRRN). ``pop`` scans every waiting job: O(n),
   about 0.4 ms at 1,000 waiting requests (``bench/queue_cost.py`` prints the measured cost).
 - ``StarvationGuard``: a wrapper any queue can wear. A job past its deadline
-  (``timeout_s + slowdown x predicted_s``) goes before any later arrival, whatever the inner order
-  (oldest overdue first). Bound: once a job is overdue no job that arrived after it is dispatched
-  before it. Jobs that arrived at the same instant stay in policy order (a burst is not FIFO).
-- ``FairShareQueue``: one inner queue per tenant; the next tenant is the one that has received the
-  least predicted service *seconds* while active (start-time fair queuing), so a tenant's batch of
-  500 requests cannot starve another tenant's interactive ones.
+  (``timeout_s + slowdown x predicted_s`` of waiting, on the guard's clock) goes before any later
+  arrival, whatever the inner order (oldest overdue first). Bound: once a job is overdue no job
+  that arrived after it is dispatched before it. Jobs that arrived at the same instant stay in
+  policy order (a burst is not FIFO).
+- ``FairShareQueue``: one inner queue (policy + guard) per tenant; the next tenant is the one that
+  has received the least predicted service *seconds* while active (start-time fair queuing), so a
+  tenant's batch of 500 requests cannot starve another tenant's interactive ones. Each tenant's
+  guard runs on the *share clock* (wall seconds / tenants waiting): it bounds waiting inside the
+  tenant in the tenant's own share of the backend, and fair share bounds waiting across tenants.
 
 Synchronous and clock-free: callers pass ``now`` in, so the proxy (monotonic clock) and the
 discrete-event simulator (virtual time) drive this very code. Capacity limits and HTTP errors are
@@ -36,7 +40,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from clairvoyant.scheduling.slowdown import SlowdownRule
@@ -69,7 +73,7 @@ class Job(Generic[T]):
     cap_tokens: int | None = None  # the client's max_tokens / num_predict, if any
     priority: int = 0  # client priority class, already clamped; lower = sooner
     tenant: str = ""  # who sent it (fair share); "" = the default tenant
-    deadline_s: float = math.inf  # clock seconds after which it is overdue (set by a StarvationGuard at push)
+    deadline_s: float = math.inf  # overdue after this, on its guard's clock (set by a StarvationGuard at push)
     seq: int = -1  # arrival order, set at construction; breaks key ties
     waiting: bool = False  # True between push and pop/remove
 
@@ -93,6 +97,10 @@ class JobQueue(Protocol[T]):
 
     def peek(self, now: float) -> tuple[Job[T], bool] | None:
         """What ``pop(now)`` would return, without removing it."""
+        ...
+
+    def done(self, job: Job[T]) -> None:
+        """A job this queue popped has left the backend (finished, failed, or was never run)."""
         ...
 
     def ordered(self, now: float) -> list[Job[T]]:
@@ -151,6 +159,9 @@ class HeapQueue(Generic[T]):
             self._live -= 1
         return head
 
+    def done(self, job: Job[T]) -> None:
+        pass  # keys are fixed at push: nothing follows a job after its dispatch
+
     def ordered(self, now: float) -> list[Job[T]]:
         return [entry[2] for entry in sorted(e for e in self._heap if e[2].waiting)]
 
@@ -196,6 +207,9 @@ class ScanQueue(Generic[T]):
             self.remove(head[0])
         return head
 
+    def done(self, job: Job[T]) -> None:
+        pass
+
     def ordered(self, now: float) -> list[Job[T]]:
         rank = self.rank
         return sorted(self._jobs.values(), key=lambda j: (rank(j, now), j.seq))
@@ -208,8 +222,12 @@ class ScanQueue(Generic[T]):
 class StarvationGuard(Generic[T]):
     """Wraps any queue: an overdue job goes before every job that arrived after it.
 
-    Job i is overdue once ``now > arrival_s + timeout_s + slowdown * predicted_s`` (its deadline;
-    ``slowdown`` = 0 is the paper's rule 3.4 with tau = ``timeout_s``, strict ``>`` included).
+    Job i is overdue once ``clock(now) > clock(arrival_s) + timeout_s + slowdown * predicted_s``
+    (its deadline; ``slowdown`` = 0 is the paper's rule 3.4 with tau = ``timeout_s``, strict ``>``
+    included). ``clock`` is the wall clock unless set: a ``FairShareQueue`` sets its share clock
+    (wall seconds / tenants waiting), so a tenant's requests age in the tenant's own share of the
+    backend and a job waits at most k x its offset of wall time to become overdue, k being the
+    most tenants waiting at once meanwhile. With one tenant the share clock is the wall clock.
     When the inner queue's head arrived after the oldest overdue job, that job goes instead
     (overdue jobs go oldest first; jobs of the same instant in the inner queue's order).
 
@@ -223,7 +241,13 @@ class StarvationGuard(Generic[T]):
     O(log n) plus the size of a same-instant group of overdue jobs (capped at 64).
     """
 
-    def __init__(self, inner: JobQueue[T], timeout_s: float, slowdown: float | SlowdownRule = 0.0) -> None:
+    def __init__(
+        self,
+        inner: JobQueue[T],
+        timeout_s: float,
+        slowdown: float | SlowdownRule = 0.0,
+        clock: Callable[[float], float] | None = None,
+    ) -> None:
         if not timeout_s > 0:
             raise ValueError("timeout_s must be > 0 (math.inf disables it)")
         if isinstance(slowdown, (int, float)) and not slowdown >= 0:
@@ -231,6 +255,7 @@ class StarvationGuard(Generic[T]):
         self.inner = inner
         self.timeout_s = timeout_s
         self.slowdown = slowdown
+        self.clock = clock  # wall seconds -> the guard's seconds (None: the wall clock itself)
         # Both heaps are lazy: popped or removed jobs linger until they surface or a compaction.
         self._pending: list[tuple[float, int, Job[T]]] = []  # (deadline, seq, job), not yet overdue
         self._overdue: list[tuple[float, int, Job[T]]] = []  # (arrival_s, seq, job), overdue
@@ -247,14 +272,18 @@ class StarvationGuard(Generic[T]):
         return float(s) if isinstance(s, (int, float)) else s.value()
 
     def deadline_s(self, job: Job[T]) -> float:
-        """Clock seconds after which ``job`` is overdue (fixed when it was pushed)."""
+        """The guard-clock reading after which ``job`` is overdue (fixed when it was pushed)."""
         return job.deadline_s
 
+    def _clock_s(self, now: float) -> float:
+        return now if self.clock is None else self.clock(now)
+
     def is_overdue(self, job: Job[T], now: float) -> bool:
-        return now > job.deadline_s
+        return self._clock_s(now) > job.deadline_s
 
     def push(self, job: Job[T]) -> None:
-        job.deadline_s = job.arrival_s + self.timeout_s + self.slowdown_now() * job.predicted_s
+        # Summed left to right as before the clock existed: wall-clock deadlines are bit-identical.
+        job.deadline_s = self._clock_s(job.arrival_s) + self.timeout_s + self.slowdown_now() * job.predicted_s
         self.inner.push(job)
         if not math.isinf(self.timeout_s):
             heapq.heappush(self._pending, (job.deadline_s, job.seq, job))
@@ -266,7 +295,8 @@ class StarvationGuard(Generic[T]):
 
     def _advance(self, now: float) -> None:
         pending, overdue = self._pending, self._overdue
-        while pending and pending[0][0] < now:
+        clock_now = self._clock_s(now)
+        while pending and pending[0][0] < clock_now:
             _, seq, job = heapq.heappop(pending)
             if job.waiting:
                 heapq.heappush(overdue, (job.arrival_s, seq, job))
@@ -321,6 +351,9 @@ class StarvationGuard(Generic[T]):
         self._compact()
         return job, promoted
 
+    def done(self, job: Job[T]) -> None:
+        self.inner.done(job)
+
     def ordered(self, now: float) -> list[Job[T]]:
         inner = self.inner.ordered(now)
         self._advance(now)
@@ -347,30 +380,51 @@ class StarvationGuard(Generic[T]):
 @dataclass(slots=True)
 class _Tenant(Generic[T]):
     queue: JobQueue[T]
-    served_s: float  # predicted service seconds received while active (virtual time)
+    served_s: float  # start tag of its next job: predicted service seconds received while active (virtual time)
+    in_flight: set[int] = field(default_factory=set)  # seqs of its popped jobs not yet done: active until empty
 
 
 class FairShareQueue(Generic[T]):
     """One inner queue per tenant; tenants share the backend in predicted service seconds.
 
-    Start-time fair queuing with predicted seconds as the cost. At each pop the candidate heads are
-    those of the best priority class among tenants (an overdue head, by its tenant's starvation
-    guard, joins the best class); among them the tenant with the least ``served_s`` (its next start
-    tag) goes, and its ``served_s`` grows by the job's ``predicted_s``. The system's virtual time is
-    the start tag of the last dispatched job; a tenant that becomes active starts there, so idling
-    banks no credit and a newcomer is not queued behind another tenant's backlog. With one tenant
-    this is exactly its inner queue.
+    Start-time fair queuing (SFQ) with predicted seconds as the cost. A tenant is *active* while it
+    has a request waiting or in service (popped, not yet ``done``). At each pop the candidate heads
+    are those of the best priority class among tenants with a request waiting (an overdue head, by
+    its tenant's starvation guard, joins the best class); among them the tenant with the least
+    ``served_s`` (its next start tag) goes, and its ``served_s`` grows by the job's
+    ``predicted_s``. Equal tags go to the tenant with fewer requests waiting (the lighter user),
+    then by arrival. The system's virtual time is the start tag of the last dispatched job; a
+    tenant that becomes active starts there, so idling banks no credit and a newcomer is not queued
+    behind another tenant's backlog. A tenant whose request is still in service keeps its tag
+    (at least the virtual time): sending the next request while the last one runs buys no place.
+    With one tenant this is exactly its inner queue.
 
-    Bound across tenants: with k active tenants, a tenant's head is dispatched before any other
-    tenant has received more than (its own lag + the largest predicted job) predicted seconds.
+    Each tenant's ``StarvationGuard`` runs on the share clock (``share_clock_s``): wall seconds
+    divided by the number of tenants with requests waiting, so the guard bounds waiting *within* a
+    tenant in that tenant's own share, and fair share bounds waiting *across* tenants. A flooding
+    tenant's overdue backlog therefore never competes with another tenant's requests beyond its
+    share, and the other tenant's guard does not turn its queue FIFO merely because it shares.
+
+    Bound across tenants (one priority class): from when tenant A has a request waiting, until A's
+    next dispatch, each other tenant B is dispatched at most P_A + P_B predicted seconds per
+    activation of B (P_A: the predicted seconds of A's last dispatched job, 0 if A has just become
+    active; P_B: B's largest in between), since B goes only while its start tag does not exceed A's
+    and every tag is at least the virtual time. B re-activates only after all its requests have
+    left the backend: with one slot and two tenants A's head waits at most the job in flight plus
+    P_A + P_max <= 2 x P_max predicted seconds.
     """
 
     def __init__(self, make_queue: Callable[[], JobQueue[T]], tenant_of: Callable[[Job[T]], Hashable] | None = None) -> None:
         self.make_queue = make_queue
         self.tenant_of = tenant_of or (lambda job: job.tenant)
-        self._tenants: dict[Hashable, _Tenant[T]] = {}
+        self._tenants: dict[Hashable, _Tenant[T]] = {}  # active tenants (waiting or in service)
+        self._waiting_tenants = 0  # active tenants with a request waiting (k of the share clock)
         self._live = 0
         self._virtual_s = 0.0  # start tag of the last dispatched job
+        # The share clock is wall time minus the accumulated (1 - 1/k) dt, so with one tenant it is
+        # the wall clock exactly (single-tenant schedules do not change by a rounding error).
+        self._share_lag_s = 0.0  # wall seconds minus share seconds, as of _share_at_s
+        self._share_at_s = -math.inf  # wall time of the last update
 
     def __len__(self) -> int:
         return self._live
@@ -380,16 +434,48 @@ class FairShareQueue(Generic[T]):
 
     @property
     def tenants(self) -> dict[Hashable, float]:
-        """Active tenants and their served predicted seconds."""
+        """Active tenants (waiting or in service) and their start tags in predicted seconds."""
         return {name: t.served_s for name, t in self._tenants.items()}
 
+    def share_clock_s(self, now: float) -> float:
+        """The share clock at wall time ``now``: it advances 1/k s per second while k tenants have
+        requests waiting (1 s per second with one or none). ``now`` before the last update counts
+        as the last update. A withdrawal (``remove``) takes effect from the last push or pop, which
+        can only make the clock run faster (deadlines come sooner, never later)."""
+        k = self._waiting_tenants
+        lag_s = self._share_lag_s
+        if k > 1 and now > self._share_at_s:
+            lag_s += (now - self._share_at_s) * (1.0 - 1.0 / k)
+        return (now if now > self._share_at_s else self._share_at_s) - lag_s
+
+    def _tick(self, now: float) -> None:
+        """Fold the share clock up to ``now`` (before the number of waiting tenants changes)."""
+        if now > self._share_at_s and math.isfinite(now):  # pop(math.inf) drains at shutdown
+            k = self._waiting_tenants
+            if k > 1:
+                self._share_lag_s += (now - self._share_at_s) * (1.0 - 1.0 / k)
+            self._share_at_s = now
+
     def push(self, job: Job[T]) -> None:
+        self._tick(job.arrival_s)
         name = self.tenant_of(job)
         tenant = self._tenants.get(name)
         if tenant is None:
-            tenant = self._tenants[name] = _Tenant(self.make_queue(), self._virtual_s)
+            queue = self.make_queue()
+            if isinstance(queue, StarvationGuard):
+                queue.clock = self.share_clock_s
+            tenant = self._tenants[name] = _Tenant(queue, self._virtual_s)
+        if not len(tenant.queue):
+            self._waiting_tenants += 1
+            tenant.served_s = max(tenant.served_s, self._virtual_s)  # in service only: keeps its tag
         tenant.queue.push(job)
         self._live += 1
+
+    def _emptied(self, name: Hashable, tenant: _Tenant[T]) -> None:
+        """``tenant``'s last waiting job left the queue."""
+        self._waiting_tenants -= 1
+        if not tenant.in_flight:
+            del self._tenants[name]
 
     def remove(self, job: Job[T]) -> bool:
         name = self.tenant_of(job)
@@ -398,8 +484,18 @@ class FairShareQueue(Generic[T]):
             return False
         self._live -= 1
         if not len(tenant.queue):
-            del self._tenants[name]
+            self._emptied(name, tenant)
         return True
+
+    def done(self, job: Job[T]) -> None:
+        name = self.tenant_of(job)
+        tenant = self._tenants.get(name)
+        if tenant is None or job.seq not in tenant.in_flight:
+            return  # not one of ours in service (or reported twice)
+        tenant.queue.done(job)
+        tenant.in_flight.discard(job.seq)
+        if not tenant.in_flight and not len(tenant.queue):
+            del self._tenants[name]
 
     def _choose(self, now: float) -> tuple[Hashable, Job[T], bool] | None:
         heads = []
@@ -414,23 +510,27 @@ class FairShareQueue(Generic[T]):
             inner = getattr(tenant.queue, "inner", None)
             inner_head = inner.peek(now) if inner is not None else None
             best_here = min(job.priority, inner_head[0].priority) if inner_head is not None else job.priority
-            heads.append((job.priority, overdue, tenant.served_s, name, job, promoted, best_here))
+            heads.append((job.priority, overdue, tenant.served_s, len(tenant.queue), name, job, promoted, best_here))
         if not heads:
             return None
-        best = min(h[0] for h in heads)
+        # The best class waiting anywhere, including one hidden behind a tenant's own promotion: a
+        # head that is not overdue never goes before it.
+        best = min(h[7] for h in heads)
         # An overdue head joins the best class, where fair share still decides: lifting it above
-        # every tenant would let a flooding tenant's overdue backlog starve the others.
-        _, _, _, name, job, promoted, _ = min(
-            heads, key=lambda h: (best if h[1] else h[0], h[2], h[4].seq)
+        # every tenant would let a flooding tenant's overdue backlog starve the others. Equal start
+        # tags (common when predictions take a few values) go to the tenant with less waiting.
+        _, _, _, _, name, job, promoted, _ = min(
+            heads, key=lambda h: (best if h[1] else h[0], h[2], h[3], h[5].seq)
         )
         # A starvation decision if a better class waits anywhere (possibly hidden behind a promotion).
-        return name, job, promoted or job.priority > min(h[6] for h in heads)
+        return name, job, promoted or job.priority > best
 
     def peek(self, now: float) -> tuple[Job[T], bool] | None:
         chosen = self._choose(now)
         return None if chosen is None else (chosen[1], chosen[2])
 
     def pop(self, now: float) -> tuple[Job[T], bool] | None:
+        self._tick(now)
         chosen = self._choose(now)
         if chosen is None:
             return None
@@ -441,20 +541,24 @@ class FairShareQueue(Generic[T]):
         job, promoted = got[0], got[1] or lifted
         self._virtual_s = tenant.served_s
         tenant.served_s += job.predicted_s
+        tenant.in_flight.add(job.seq)
         self._live -= 1
         if not len(tenant.queue):
-            del self._tenants[name]
+            self._emptied(name, tenant)
         return job, promoted
 
     def ordered(self, now: float) -> list[Job[T]]:
-        if len(self._tenants) <= 1:
-            return [j for t in self._tenants.values() for j in t.queue.ordered(now)]
-        # Merge the tenants' own orders by the virtual time each job would start at.
+        waiting = [t for t in self._tenants.values() if len(t.queue)]
+        if len(waiting) <= 1:
+            return [j for t in waiting for j in t.queue.ordered(now)]
+        # Merge the tenants' own orders by the virtual time each job would start at (then the
+        # tenant's remaining count, as ``_choose`` breaks ties).
         merged: list[tuple[tuple[Any, ...], Job[T]]] = []
-        for tenant in self._tenants.values():
+        for tenant in waiting:
             served = tenant.served_s
-            for job in tenant.queue.ordered(now):
-                merged.append(((job.priority, served, job.seq), job))
+            own = tenant.queue.ordered(now)
+            for i, job in enumerate(own):
+                merged.append(((job.priority, served, len(own) - i, job.seq), job))
                 served += job.predicted_s
         merged.sort(key=lambda item: item[0])
         return [job for _, job in merged]

@@ -3,7 +3,7 @@
 It drives the proxy's own queue (``policy.build_queue``: policy, starvation guard, fair share;
 no simulator-side SJF): every dispatch decision is ``queue.pop(now)`` at the moment a slot frees, exactly as a dispatcher worker
 calls ``pop(clock.now())`` when its slot is released, and the starvation rule fires inside that
-pop. A running request is never interrupted.
+pop; each completion is ``queue.done(job)``, as the dispatcher reports a released slot. A running request is never interrupted.
 
 Event order at equal times: every arrival at time t is queued before the dispatch decision at t
 (a burst at t = 0 is therefore ordered by the policy from the first pop on). Slots free at the
@@ -123,7 +123,7 @@ def simulate(
     running: list[tuple[float, int]] = []  # (end, request) not yet reported to the policy
     now = -math.inf  # decision times never go backwards
     nxt = 0  # next request to arrive
-    push, pop, observe = queue.push, queue.pop, pol.observe
+    push, pop, done, observe = queue.push, queue.pop, queue.done, pol.observe
     spread = starvation_slowdown if isinstance(starvation_slowdown, AdaptiveSlowdown) else None
     for _ in range(n):
         free_at, slot = heapq.heappop(free)
@@ -131,12 +131,13 @@ def simulate(
         if not len(queue) and arrival[nxt] > t:
             t = arrival[nxt]  # idle until the next arrival
         while running and running[0][0] <= t:  # completions reach the policy before the decision
-            _, done = heapq.heappop(running)
-            observe(jobs[done], service[done])  # type: ignore[arg-type]
+            _, finished = heapq.heappop(running)
+            done(jobs[finished])  # type: ignore[arg-type]
+            observe(jobs[finished], service[finished])  # type: ignore[arg-type]
             if spread is not None:
-                spread.observe(service[done])
+                spread.observe(service[finished])
             if learn:
-                service_time.observe(None, 0, round(tokens[done]), service[done])  # type: ignore[union-attr,index]
+                service_time.observe(None, 0, round(tokens[finished]), service[finished])  # type: ignore[union-attr,index]
         while nxt < n and arrival[nxt] <= t:
             if learn:
                 p_s = service_time.predict_s(None, 0, tokens[nxt])  # type: ignore[union-attr,index]
