@@ -41,9 +41,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from clairvoyant.features import Prompt  # noqa: E402
-from clairvoyant.learner import LearnerConfig, OnlineLearner  # noqa: E402
-from clairvoyant.predictor import OnnxPredictor, Prediction  # noqa: E402
+from clairvoyant.prediction.features import Prompt  # noqa: E402
+from clairvoyant.prediction.learner import LearnerConfig, OnlineLearner  # noqa: E402
+from clairvoyant.prediction.predictor import OnnxPredictor, Prediction  # noqa: E402
 
 WORDS = ("write explain list why code essay story brief summary detailed python table poem steps "
          "compare what how translate history science").split()

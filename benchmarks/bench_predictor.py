@@ -33,14 +33,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from clairvoyant.errors import ModelError  # noqa: E402
-from clairvoyant.features import Prompt  # noqa: E402
-from clairvoyant.predictor import DEFAULT_MODEL_PATH, OnnxPredictor, load_card  # noqa: E402
+from clairvoyant.prediction.features import Prompt  # noqa: E402
+from clairvoyant.prediction.predictor import DEFAULT_MODEL_PATH, OnnxPredictor, load_card  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "predictor_results.json"
 
 
 def _prompts(n: int) -> list[Prompt]:
-    from clairvoyant.training.dataset import load_pairs
+    from clairvoyant.tools.training.dataset import load_pairs
 
     pairs = load_pairs()
     order = np.random.default_rng(0).permutation(len(pairs))[:n]
@@ -84,7 +84,7 @@ class CardPathTimer:
 
         import onnxruntime as ort
 
-        from clairvoyant.features import get_feature_set
+        from clairvoyant.prediction.features import get_feature_set
 
         self.card = load_card(path)
         self.feature_set = get_feature_set(self.card["feature_set"])
@@ -162,7 +162,7 @@ def _phase(predictor: Any, prompts: list[Prompt], floor: tuple[Any, Any]) -> dic
 def _bench_model(path: Path, prompts: list[Prompt], floor: tuple[Any, Any]) -> dict[str, Any]:
     try:
         predictor: Any = OnnxPredictor(path)
-        timed_with = "clairvoyant.predictor.OnnxPredictor.predict"
+        timed_with = "clairvoyant.prediction.predictor.OnnxPredictor.predict"
     except ModelError:  # a card this checkout's predictor does not read yet (e.g. a schema-2 regressor)
         predictor = CardPathTimer(path)
         timed_with = "bench_predictor.CardPathTimer.predict (features + bound ONNX run + calibration)"
@@ -210,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"onnx p50 {r['onnx_only']['p50_us']:6.1f} | floor p50 {r['floor_identity_run']['p50_us']:5.1f} "
                   f"(load {r['loadavg_1min_at_start']:.1f})")
     if not args.no_card:
-        from clairvoyant.training import card as card_md
-        from clairvoyant.training.export import update_card
+        from clairvoyant.tools.training import card as card_md
+        from clairvoyant.tools.training.export import update_card
 
         latency: dict[str, Any] = {"benchmark": "benchmarks/bench_predictor.py", "requests": len(prompts),
                                    "paper_go_onnx_reference_ms": 0.029}

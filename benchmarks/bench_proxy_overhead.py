@@ -26,7 +26,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from clairvoyant.embedded_backend import EmbeddedLlamaServer
+from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
 
 BODY = {
     "messages": [{"role": "user", "content": "Say OK."}],

@@ -5,7 +5,7 @@
 
 For each of the file's four models, its lines become replay lines (``{"prompt", "output_tokens":
 that model's length, "model"}``), shuffled in a seeded random order, and are replayed through
-``clairvoyant.replay.replay_lines`` (the function behind ``clairvoyant replay``) twice: with a fresh
+``clairvoyant.tools.replay.replay_lines`` (the function behind ``clairvoyant replay``) twice: with a fresh
 online learner and with ``--no-learn`` (the static model). Every line is scored before its own
 length is learned. The figure is Kendall tau_b between the scores of the second half of the lines
 and their real lengths; the target (issue 8) is learning minus static >= +0.05, per model and mean.
@@ -24,9 +24,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from clairvoyant.learner import LearnerConfig, OnlineLearner, kendall_tau_b  # noqa: E402
-from clairvoyant.predictor import OnnxPredictor  # noqa: E402
-from clairvoyant.replay import replay_lines  # noqa: E402
+from clairvoyant.prediction.learner import LearnerConfig, OnlineLearner, kendall_tau_b  # noqa: E402
+from clairvoyant.prediction.predictor import OnnxPredictor  # noqa: E402
+from clairvoyant.tools.replay import replay_lines  # noqa: E402
 
 TARGET_GAIN = 0.05
 

@@ -17,12 +17,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from clairvoyant.features import Prompt
-from clairvoyant.feedback import UsageRecorder
-from clairvoyant.learner import OnlineLearner
+from clairvoyant.prediction.features import Prompt
+from clairvoyant.proxy.feedback import UsageRecorder
+from clairvoyant.prediction.learner import OnlineLearner
 from clairvoyant.metrics import Metrics
-from clairvoyant.predictor import OnnxPredictor
-from clairvoyant.usage import Usage, UsageTap
+from clairvoyant.prediction.predictor import OnnxPredictor
+from clairvoyant.prediction.usage import Usage, UsageTap
 
 ROOT = Path(__file__).resolve().parents[1]
 SSE_EVENT = (

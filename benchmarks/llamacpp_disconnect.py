@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import httpx
 
-from clairvoyant.embedded_backend import EmbeddedLlamaServer
+from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
 
 Mode = Literal["stream", "non-stream", "control"]
 

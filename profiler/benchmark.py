@@ -4,10 +4,10 @@
     python profiler/benchmark.py --mode burst --n-short 50 --n-long 50 --runs 3
     python profiler/benchmark.py --mode poisson --rho 0.5,0.74,0.85 --backend http://localhost:8080
 
-Thin wrapper over clairvoyant.bench.commands.benchmark_main; --help lists every flag.
+Thin wrapper over clairvoyant.tools.bench.commands.benchmark_main; --help lists every flag.
 """
 
-from clairvoyant.bench.commands import benchmark_main
+from clairvoyant.tools.bench.commands import benchmark_main
 
 if __name__ == "__main__":
     raise SystemExit(benchmark_main())

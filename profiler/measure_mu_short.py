@@ -6,10 +6,10 @@ starvation timeout tau = 3 x mu_short (paper 3.4).
     python profiler/measure_mu_short.py --class short --n 100     # the embedded llama.cpp server
 
 Point --backend at the proxy instead of the backend to measure through it.
-Thin wrapper over clairvoyant.bench.commands.mu_short_main; --help lists every flag.
+Thin wrapper over clairvoyant.tools.bench.commands.mu_short_main; --help lists every flag.
 """
 
-from clairvoyant.bench.commands import mu_short_main
+from clairvoyant.tools.bench.commands import mu_short_main
 
 if __name__ == "__main__":
     raise SystemExit(mu_short_main())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from clairvoyant.sim import command
+from clairvoyant.tools.sim import command
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from clairvoyant.dialects import SCHEDULED_ENDPOINTS, prompt_from_body
-from clairvoyant.training.dataset import _is_test_group, is_english, load_pairs
-from clairvoyant.training.labels import count_tokens
-from clairvoyant.training.train import featurize
+from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, prompt_from_body
+from clairvoyant.tools.training.dataset import _is_test_group, is_english, load_pairs
+from clairvoyant.tools.training.labels import count_tokens
+from clairvoyant.tools.training.train import featurize
 
 OUT = Path("/tmp/rcache")
 

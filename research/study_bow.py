@@ -16,7 +16,7 @@ from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.linear_model import Ridge
 from sklearn.model_selection import GroupKFold
 
-from clairvoyant.features import words_of
+from clairvoyant.prediction.features import words_of
 from common import CACHE, heldout_rows, load, report
 
 

@@ -12,8 +12,8 @@ import numpy as np
 import xgboost as xgb
 from sklearn.model_selection import GroupKFold
 
-from clairvoyant.features import lexicon_terms, scan_words
-from clairvoyant.training.lexicon import LexiconConfig, fit_lexicon, score_terms
+from clairvoyant.prediction.features import lexicon_terms, scan_words
+from clairvoyant.tools.training.lexicon import LexiconConfig, fit_lexicon, score_terms
 from common import CACHE, heldout_rows, load, report
 
 

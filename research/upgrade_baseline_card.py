@@ -12,11 +12,11 @@ import json
 import sys
 from pathlib import Path
 
-from clairvoyant.predictor import card_path_for
-from clairvoyant.training import calibration, card as card_md, export
-from clairvoyant.training.dataset import DataConfig, build_split, load_pairs, log_tokens
-from clairvoyant.training.labels import ClassBounds
-from clairvoyant.training.scoring import ModelScorer
+from clairvoyant.prediction.predictor import card_path_for
+from clairvoyant.tools.training import calibration, card as card_md, export
+from clairvoyant.tools.training.dataset import DataConfig, build_split, load_pairs, log_tokens
+from clairvoyant.tools.training.labels import ClassBounds
+from clairvoyant.tools.training.scoring import ModelScorer
 
 
 def main() -> None:

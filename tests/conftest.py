@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from clairvoyant.embedded_backend import EmbeddedLlamaServer
+    from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
 
 
 # =================================================================================================
@@ -31,7 +31,7 @@ def free_port() -> int:
 
 
 # =================================================================================================
-# Embedded llama.cpp backend (clairvoyant.embedded_backend): the real serial LLM server
+# Embedded llama.cpp backend (clairvoyant.tools.embedded_backend): the real serial LLM server
 # =================================================================================================
 
 
@@ -41,7 +41,7 @@ def backend_missing_reason() -> str | None:
     With ``CLAIRVOYANT_REQUIRE_BACKEND=1`` (set it in CI) a missing backend fails the run instead of
     skipping the end-to-end tests silently.
     """
-    from clairvoyant.embedded_backend import BackendNotInstalled, find_smollm2_gguf, xllamacpp_installed
+    from clairvoyant.tools.embedded_backend import BackendNotInstalled, find_smollm2_gguf, xllamacpp_installed
 
     reason: str | None = None
     if not xllamacpp_installed():
@@ -71,7 +71,7 @@ def llama_server(require_embedded_backend: None) -> Iterator[EmbeddedLlamaServer
     Skips only when xllamacpp or the model is not installed; a server that fails to start is an error.
     Tests must not stop it; start an own ``EmbeddedLlamaServer`` to test lifecycle behaviour.
     """
-    from clairvoyant.embedded_backend import EmbeddedLlamaServer
+    from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
 
     # n_threads=1, not the default 2: tests run the proxy and the clients on the same cores, and on a
     # 2-core machine with other work running, 2 llama.cpp threads measured 4-6 tok/s against 35-45 with 1.

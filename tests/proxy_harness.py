@@ -1,5 +1,5 @@
 """Helpers for proxy tests. The proxy runs on a real uvicorn server in a background thread
-(``clairvoyant.bench.runner.proxy_server``, which the benchmarks use too): streaming and
+(``clairvoyant.tools.bench.runner.proxy_server``, which the benchmarks use too): streaming and
 disconnects need a real server, since httpx.ASGITransport buffers whole bodies."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 import respx
 
-from clairvoyant.bench.runner import proxy_server as running_proxy  # noqa: F401 (re-exported)
-from clairvoyant.features import Prompt
-from clairvoyant.predictor import Prediction
+from clairvoyant.tools.bench.runner import proxy_server as running_proxy  # noqa: F401 (re-exported)
+from clairvoyant.prediction.features import Prompt
+from clairvoyant.prediction.predictor import Prediction
 
 
 class MarkerPredictor:

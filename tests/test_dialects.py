@@ -1,4 +1,4 @@
-"""clairvoyant.dialects: the one place deciding the text a request is featurized from."""
+"""clairvoyant.prediction.dialects: the one place deciding the text a request is featurized from."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from clairvoyant.dialects import SCHEDULED_ENDPOINTS, parse_request, prompt_from_body
+from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, parse_request, prompt_from_body
 from clairvoyant.errors import BadRequest
-from clairvoyant.features import FEATURE_SETS, Prompt
+from clairvoyant.prediction.features import FEATURE_SETS, Prompt
 
 CHAT = SCHEDULED_ENDPOINTS["/v1/chat/completions"]
 COMPLETION = SCHEDULED_ENDPOINTS["/v1/completions"]
@@ -133,7 +133,7 @@ def test_ollama_context_ids_count_as_history_and_non_object_messages_do_not_coun
 # --------------------------------------------------------------------------------------------
 # The output cap (issue 8 part 4)
 
-from clairvoyant.dialects import Dialect, cap_tokens_from_body  # noqa: E402
+from clairvoyant.prediction.dialects import Dialect, cap_tokens_from_body  # noqa: E402
 
 
 @pytest.mark.parametrize(

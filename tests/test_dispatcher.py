@@ -8,12 +8,12 @@ import math
 import pytest
 
 from clairvoyant.clock import ManualClock
-from clairvoyant.dispatcher import Dispatcher, ShuttingDown, Ticket
+from clairvoyant.scheduling.dispatcher import Dispatcher, ShuttingDown, Ticket
 from clairvoyant.errors import QueueFull
-from clairvoyant.job_queue import Job
+from clairvoyant.scheduling.job_queue import Job
 from clairvoyant.metrics import Metrics
-from clairvoyant.policy import build_queue, make_policy
-from clairvoyant.predictor import Prediction
+from clairvoyant.scheduling.policy import build_queue, make_policy
+from clairvoyant.prediction.predictor import Prediction
 
 
 def make(slots: int = 1, max_queue: int = 10, policy: str = "fcfs") -> tuple[Dispatcher, ManualClock]:

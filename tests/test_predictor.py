@@ -1,4 +1,4 @@
-"""clairvoyant.predictor and the ONNX export: parity, card checks, the shipped model."""
+"""clairvoyant.prediction.predictor and the ONNX export: parity, card checks, the shipped model."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from clairvoyant.errors import ModelError
-from clairvoyant.features import Prompt, get_feature_set
-from clairvoyant.predictor import DEFAULT_MODEL_PATH, OnnxPredictor, Prediction, card_path_for
+from clairvoyant.prediction.features import Prompt, get_feature_set
+from clairvoyant.prediction.predictor import DEFAULT_MODEL_PATH, OnnxPredictor, Prediction, card_path_for
 
 # The previous shipped model (balanced 3-class, P(Long), a schema-1 card): the class-model reference.
 BASELINE_PATH = DEFAULT_MODEL_PATH.parent / "baselines" / "rich_v2_3class.onnx"
@@ -36,8 +36,8 @@ def synthetic_prompts(n: int, seed: int = 0) -> tuple[list[Prompt], np.ndarray]:
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object, np.ndarray]:
     """A 10-round depth-3 rich_v1 model trained here in well under a second, with its card."""
-    from clairvoyant.training import export
-    from clairvoyant.training.train import ModelConfig, featurize, fit
+    from clairvoyant.tools.training import export
+    from clairvoyant.tools.training.train import ModelConfig, featurize, fit
 
     fs = get_feature_set("rich_v1")
     prompts, y = synthetic_prompts(600)
@@ -45,7 +45,7 @@ def small_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object,
     clf = fit(x, y, ModelConfig("rich_v1", 10, 3, 0.3, 42), threads=1)
     path = tmp_path_factory.mktemp("model") / "small.onnx"
     export.write_model(export.to_onnx(clf, fs.size), path)
-    from clairvoyant.training import calibration
+    from clairvoyant.tools.training import calibration
 
     p_long = export.onnx_probabilities(path.read_bytes(), x)[:, 2]
     lengths = np.where(y == 0, 50.0, np.where(y == 1, 400.0, 900.0))
@@ -58,7 +58,7 @@ def small_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object,
 
 
 def test_onnx_matches_xgboost_within_1e_5(small_model) -> None:
-    from clairvoyant.training.export import check_parity
+    from clairvoyant.tools.training.export import check_parity
 
     path, clf, x_held_out = small_model
     expected = clf.predict_proba(x_held_out)
@@ -69,8 +69,8 @@ def test_onnx_matches_xgboost_within_1e_5(small_model) -> None:
 
 
 def test_parity_check_fails_loudly_for_a_different_model(small_model) -> None:
-    from clairvoyant.training import export
-    from clairvoyant.training.train import ModelConfig, fit
+    from clairvoyant.tools.training import export
+    from clairvoyant.tools.training.train import ModelConfig, fit
 
     path, _, x = small_model
     prompts, y = synthetic_prompts(300, seed=5)
@@ -171,8 +171,8 @@ def test_the_shipped_model_loads_by_default_and_ranks_the_obvious_cases() -> Non
 
 import math  # noqa: E402
 
-from clairvoyant.length_classes import LONG_FROM_TOKENS, SHORT_BELOW_TOKENS  # noqa: E402
-from clairvoyant.predictor import STAND_IN_P_LONG_CALIBRATION, Calibration  # noqa: E402
+from clairvoyant.prediction.length_classes import LONG_FROM_TOKENS, SHORT_BELOW_TOKENS  # noqa: E402
+from clairvoyant.prediction.predictor import STAND_IN_P_LONG_CALIBRATION, Calibration  # noqa: E402
 
 ESSAY = "Write a detailed 2000-word essay on the history of the Roman Empire."
 
@@ -183,7 +183,7 @@ def regressor_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, obj
     from onnxmltools import convert_xgboost
     from onnxmltools.convert.common.data_types import FloatTensorType
 
-    from clairvoyant.training import export
+    from clairvoyant.tools.training import export
 
     fs = get_feature_set("rich_v1")
     prompts, labels = synthetic_prompts(600)

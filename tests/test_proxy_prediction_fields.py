@@ -10,8 +10,8 @@ import httpx
 import respx
 
 from clairvoyant.config import Settings
-from clairvoyant.features import Prompt
-from clairvoyant.predictor import Prediction
+from clairvoyant.prediction.features import Prompt
+from clairvoyant.prediction.predictor import Prediction
 from proxy_harness import gate_wait, mock_transport, queue_snapshot, running_proxy, wait_until
 
 UPSTREAM = "http://upstream.test"

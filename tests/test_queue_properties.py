@@ -7,8 +7,8 @@ import math
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from clairvoyant.job_queue import Job, StarvationGuard
-from clairvoyant.policy import POLICY_NAMES, BoostPolicy, PolicyParams, build_queue, make_policy
+from clairvoyant.scheduling.job_queue import Job, StarvationGuard
+from clairvoyant.scheduling.policy import POLICY_NAMES, BoostPolicy, PolicyParams, build_queue, make_policy
 from clairvoyant.scheduling.boost import BoostTable, bucket_for
 
 # One operation: (kind, time step, score, predicted seconds, priority, tenant)

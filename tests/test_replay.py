@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clairvoyant.bulk_predict import score_lines
-from clairvoyant.learner import LearnerConfig, OnlineLearner
-from clairvoyant.predictor import OnnxPredictor
-from clairvoyant.replay import replay_lines
+from clairvoyant.tools.bulk_predict import score_lines
+from clairvoyant.prediction.learner import LearnerConfig, OnlineLearner
+from clairvoyant.prediction.predictor import OnnxPredictor
+from clairvoyant.tools.replay import replay_lines
 
 TOPICS = "Rome volcanoes jazz tea bridges whales chess glaciers bees satellites".split()
 ASKS = ["What is {t}?", "Write a detailed essay about {t}.", "List 10 facts about {t}.", "Explain {t} briefly.",
@@ -58,7 +58,7 @@ def test_a_line_is_scored_before_its_own_length_is_learned(predictor: OnnxPredic
 
 
 def test_learning_improves_the_ranking_of_later_lines(predictor: OnnxPredictor) -> None:
-    from clairvoyant.learner import kendall_tau_b
+    from clairvoyant.prediction.learner import kendall_tau_b
 
     lines = _lines(200, seed=3)
     truth = np.array([line["output_tokens"] for line in lines[100:]])

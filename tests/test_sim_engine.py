@@ -1,4 +1,4 @@
-"""The simulator's event loop (clairvoyant.sim.engine) against hand-computed schedules and M/G/1 theory."""
+"""The simulator's event loop (clairvoyant.tools.sim.engine) against hand-computed schedules and M/G/1 theory."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from clairvoyant.sim import NoisyScorer, OracleScorer, Workload, make_workload, paper_service, simulate
-from clairvoyant.sim.workload import score_stream
+from clairvoyant.tools.sim import NoisyScorer, OracleScorer, Workload, make_workload, paper_service, simulate
+from clairvoyant.tools.sim.workload import score_stream
 
 
 def workload(arrivals: list[float], services: list[float], classes: list[int] | None = None) -> Workload:
@@ -156,7 +156,7 @@ def test_workload_is_shared_across_predictors() -> None:
 
 def test_the_online_service_time_model_learns_from_each_completion() -> None:
     from clairvoyant.scheduling.service_time import ServiceTimeModel
-    from clairvoyant.sim.engine import Beliefs
+    from clairvoyant.tools.sim.engine import Beliefs
 
     w = make_workload(5, 300, paper_service(), rate_per_s=0.12)
     tokens = np.where(w.class_idx == 0, 100.0, 800.0)
@@ -190,8 +190,8 @@ def test_a_flooding_tenant_does_not_make_the_other_tenants_guard_fifo() -> None:
     # Tenant 0 floods at t = 0; tenant 1's requests arrive in a Poisson stream. With fair share each
     # tenant's guard ages on the share clock (half speed while both wait): tenant 1's P95 wait stays
     # within 2x of its wait alone (issue 9's target; one seed here, five in simulate compare).
-    from clairvoyant.sim.predictors import LabelScorer
-    from clairvoyant.sim.workload import two_tenant_workload
+    from clairvoyant.tools.sim.predictors import LabelScorer
+    from clairvoyant.tools.sim.workload import two_tenant_workload
 
     p95 = {}
     for only in (None, 1):

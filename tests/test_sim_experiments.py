@@ -1,8 +1,8 @@
-"""Paper reproductions at small size (clairvoyant.sim.experiments)."""
+"""Paper reproductions at small size (clairvoyant.tools.sim.experiments)."""
 
 from __future__ import annotations
 
-from clairvoyant.sim import Condition, Setup, paper_service, run_conditions, tau_sweep
+from clairvoyant.tools.sim import Condition, Setup, paper_service, run_conditions, tau_sweep
 
 
 def test_pure_sjf_beats_fcfs_on_short_p50_and_worsens_long_p95() -> None:

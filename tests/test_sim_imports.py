@@ -6,21 +6,21 @@ import subprocess
 import sys
 import textwrap
 
-FORBIDDEN = ("clairvoyant.dispatcher", "clairvoyant.app", "fastapi", "uvicorn", "httpx", "starlette")
+FORBIDDEN = ("clairvoyant.scheduling.dispatcher", "clairvoyant.proxy.app", "fastapi", "uvicorn", "httpx", "starlette")
 
 
 def test_simulator_never_imports_the_proxy(tmp_path: object) -> None:
     code = textwrap.dedent(
         f"""
         import argparse, sys, tempfile
-        import clairvoyant.sim
-        from clairvoyant.sim import command, engine, experiments, plots, predictors, report, workload
+        import clairvoyant.tools.sim
+        from clairvoyant.tools.sim import command, engine, experiments, plots, predictors, report, workload
         parser = argparse.ArgumentParser()
         command.add_arguments(parser)
         out = tempfile.mkdtemp()
         command.run(parser.parse_args(["tau-sweep", "--n", "100", "--seeds", "1", "--out", out, "--no-progress", "--no-plots"]))
         loaded = [m for m in {FORBIDDEN!r} if m in sys.modules]
-        assert "clairvoyant.job_queue" in sys.modules and "clairvoyant.policy" in sys.modules
+        assert "clairvoyant.scheduling.job_queue" in sys.modules and "clairvoyant.scheduling.policy" in sys.modules
         print("LOADED", loaded)
         sys.exit(1 if loaded else 0)
         """

@@ -1,4 +1,4 @@
-"""Scorers of the simulator (clairvoyant.sim.predictors): oracle, noisy at a target accuracy, real-predictor interface."""
+"""Scorers of the simulator (clairvoyant.tools.sim.predictors): oracle, noisy at a target accuracy, real-predictor interface."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clairvoyant.features import Prompt
-from clairvoyant.sim import NoisyScorer, OracleScorer, PredictorScorer, PromptService, make_workload, paper_service
-from clairvoyant.sim.predictors import pairwise_accuracy
-from clairvoyant.sim.workload import load_prompts, score_stream
+from clairvoyant.prediction.features import Prompt
+from clairvoyant.tools.sim import NoisyScorer, OracleScorer, PredictorScorer, PromptService, make_workload, paper_service
+from clairvoyant.tools.sim.predictors import pairwise_accuracy
+from clairvoyant.tools.sim.workload import load_prompts, score_stream
 
 
 def test_pairwise_accuracy_by_hand() -> None:
@@ -105,7 +105,7 @@ def test_bad_prompt_line_names_the_line_not_the_text(tmp_path: Path) -> None:
 
 
 def test_label_scorer_is_right_the_stated_fraction_and_predicts_class_means() -> None:
-    from clairvoyant.sim.predictors import LabelScorer
+    from clairvoyant.tools.sim.predictors import LabelScorer
 
     w = make_workload(4, 5000, paper_service(), rate_per_s=0.12)
     scorer = LabelScorer(0.8)

@@ -1,4 +1,4 @@
-"""Workloads of the simulator (clairvoyant.sim.workload): arrivals, service models, replay files."""
+"""Workloads of the simulator (clairvoyant.tools.sim.workload): arrivals, service models, replay files."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clairvoyant.sim import LognormalService, NormalService, ReplayService, make_workload, paper_service
-from clairvoyant.sim.workload import load_replay, rate_for_rho
+from clairvoyant.tools.sim import LognormalService, NormalService, ReplayService, make_workload, paper_service
+from clairvoyant.tools.sim.workload import load_replay, rate_for_rho
 
 
 def test_poisson_rate_and_rho() -> None:
@@ -70,7 +70,7 @@ def test_replay_files(tmp_path: Path) -> None:
 
 
 def test_two_tenant_workload_floods_then_interacts() -> None:
-    from clairvoyant.sim.workload import two_tenant_workload
+    from clairvoyant.tools.sim.workload import two_tenant_workload
 
     w = two_tenant_workload(3, 400, paper_service(), interactive_rho=0.3)
     assert w.tenant is not None and (w.tenant == 0).sum() == 200 and (w.tenant == 1).sum() == 200

@@ -1,4 +1,4 @@
-"""clairvoyant.training: record decoding, pairs, the leak-free split, metrics, train -> export -> card."""
+"""clairvoyant.tools.training: record decoding, pairs, the leak-free split, metrics, train -> export -> card."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 pytest.importorskip("xgboost")
 pytest.importorskip("quicktok")
 
-from clairvoyant.features import Prompt  # noqa: E402
-from clairvoyant.training import metrics  # noqa: E402
-from clairvoyant.training.dataset import (  # noqa: E402
+from clairvoyant.prediction.features import Prompt  # noqa: E402
+from clairvoyant.tools.training import metrics  # noqa: E402
+from clairvoyant.tools.training.dataset import (  # noqa: E402
     DataConfig,
     Pair,
     build_split,
@@ -22,7 +22,7 @@ from clairvoyant.training.dataset import (  # noqa: E402
     merge_chunks,
     pairs_from_conversations,
 )
-from clairvoyant.training.labels import PAPER_BOUNDS, ClassBounds, count_tokens  # noqa: E402
+from clairvoyant.tools.training.labels import PAPER_BOUNDS, ClassBounds, count_tokens  # noqa: E402
 
 # ---------------------------------------------------------------------------- decoding
 
@@ -128,8 +128,8 @@ def test_summary_has_the_headline_metrics() -> None:
 
 
 def test_length_rule_and_keyword_baselines() -> None:
-    from clairvoyant.features import get_feature_set
-    from clairvoyant.training.evaluate import fit_length_rule, keyword_scores
+    from clairvoyant.prediction.features import get_feature_set
+    from clairvoyant.tools.training.evaluate import fit_length_rule, keyword_scores
 
     lengths = np.array([1, 2, 3, 50, 60, 70])
     labels = np.array([2, 2, 2, 0, 0, 0])  # here long prompts get short answers
@@ -144,9 +144,9 @@ def test_length_rule_and_keyword_baselines() -> None:
 
 
 def test_train_and_export_writes_a_model_its_card_and_markdown(tmp_path: Path) -> None:
-    from clairvoyant.predictor import OnnxPredictor
-    from clairvoyant.training.commands_train import train_and_export
-    from clairvoyant.training.train import PRESETS, ModelConfig
+    from clairvoyant.prediction.predictor import OnnxPredictor
+    from clairvoyant.tools.training.commands_train import train_and_export
+    from clairvoyant.tools.training.train import PRESETS, ModelConfig
 
     split = build_split(_synthetic_pairs(400), DataConfig(per_class=100, bounds=ClassBounds(200, 800), english_only=False))
     out = tmp_path / "predictor.onnx"
@@ -162,7 +162,7 @@ def test_train_and_export_writes_a_model_its_card_and_markdown(tmp_path: Path) -
 
 
 def test_training_is_deterministic_for_a_seed() -> None:
-    from clairvoyant.training.train import ModelConfig, featurize, fit
+    from clairvoyant.tools.training.train import ModelConfig, featurize, fit
 
     split = build_split(_synthetic_pairs(200), DataConfig(per_class=60, bounds=ClassBounds(200, 800), english_only=False))
     x = featurize("paper19", [p.prompt for p in split.train])
@@ -176,7 +176,7 @@ def test_training_is_deterministic_for_a_seed() -> None:
 def test_paper_preset_flag_reaches_the_model_config() -> None:
     import argparse
 
-    from clairvoyant.training import commands_train
+    from clairvoyant.tools.training import commands_train
 
     parser = argparse.ArgumentParser()
     commands_train.add_arguments(parser)
@@ -212,8 +212,8 @@ def test_pairwise_accuracy_matches_brute_force_and_skips_close_pairs() -> None:
 
 
 def test_isotonic_calibration_keeps_the_card_contract() -> None:
-    from clairvoyant.training import calibration
-    from clairvoyant.training.export import check_calibration
+    from clairvoyant.tools.training import calibration
+    from clairvoyant.tools.training.export import check_calibration
 
     rng = np.random.default_rng(2)
     score = rng.normal(0, 1, 5000)
@@ -247,7 +247,7 @@ def _natural_pairs(n_conversations: int) -> list[Pair]:
 
 
 def test_natural_split_is_unbalanced_leak_free_and_deterministic() -> None:
-    from clairvoyant.training.dataset import NaturalConfig, build_natural_split
+    from clairvoyant.tools.training.dataset import NaturalConfig, build_natural_split
 
     pairs = _natural_pairs(300)
     split = build_natural_split(pairs, NaturalConfig(english_only=False, seed=3))
@@ -266,10 +266,10 @@ def test_natural_split_is_unbalanced_leak_free_and_deterministic() -> None:
 
 
 def test_regressor_train_export_card_and_scorer(tmp_path: Path) -> None:
-    from clairvoyant.training.commands_train import train_regressor_and_export
-    from clairvoyant.training.dataset import NaturalConfig, build_natural_split
-    from clairvoyant.training.scoring import ModelScorer
-    from clairvoyant.training.train import RegressorConfig
+    from clairvoyant.tools.training.commands_train import train_regressor_and_export
+    from clairvoyant.tools.training.dataset import NaturalConfig, build_natural_split
+    from clairvoyant.tools.training.scoring import ModelScorer
+    from clairvoyant.tools.training.train import RegressorConfig
 
     split = build_natural_split(_natural_pairs(300), NaturalConfig(english_only=False))
     out = tmp_path / "predictor.onnx"
@@ -291,8 +291,8 @@ def test_regressor_train_export_card_and_scorer(tmp_path: Path) -> None:
 
 
 def test_regressor_parity_check_fails_for_another_model(tmp_path: Path) -> None:
-    from clairvoyant.training import export
-    from clairvoyant.training.train import RegressorConfig, fit_regressor
+    from clairvoyant.tools.training import export
+    from clairvoyant.tools.training.train import RegressorConfig, fit_regressor
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(200, 4)).astype(np.float32)
@@ -305,8 +305,8 @@ def test_regressor_parity_check_fails_for_another_model(tmp_path: Path) -> None:
 
 
 def test_classifier_card_is_schema_2_with_a_calibration(tmp_path: Path) -> None:
-    from clairvoyant.training.commands_train import train_and_export
-    from clairvoyant.training.train import ModelConfig
+    from clairvoyant.tools.training.commands_train import train_and_export
+    from clairvoyant.tools.training.train import ModelConfig
 
     split = build_split(_natural_pairs(300), DataConfig(per_class=60, bounds=ClassBounds(50, 400), english_only=False))
     out = tmp_path / "paper.onnx"
@@ -322,8 +322,8 @@ def test_classifier_card_is_schema_2_with_a_calibration(tmp_path: Path) -> None:
 
 
 def test_lexicon_fit_score_and_round_trip() -> None:
-    from clairvoyant.features import Lexicon, lexicon_terms, scan_words
-    from clairvoyant.training.lexicon import LexiconConfig, fit_lexicon, out_of_fold_scores, score_terms, terms_of_texts
+    from clairvoyant.prediction.features import Lexicon, lexicon_terms, scan_words
+    from clairvoyant.tools.training.lexicon import LexiconConfig, fit_lexicon, out_of_fold_scores, score_terms, terms_of_texts
 
     pairs = _natural_pairs(300)
     texts = [p.prompt.instruction for p in pairs]
@@ -348,10 +348,10 @@ def test_lexicon_fit_score_and_round_trip() -> None:
 
 
 def test_evaluate_reports_transfer_per_model_and_the_baselines(tmp_path: Path) -> None:
-    from clairvoyant.training.commands_train import train_and_export, train_regressor_and_export
-    from clairvoyant.training.dataset import NaturalConfig, build_natural_split
-    from clairvoyant.training.evaluate import evaluate_model, write_report
-    from clairvoyant.training.train import ModelConfig, RegressorConfig
+    from clairvoyant.tools.training.commands_train import train_and_export, train_regressor_and_export
+    from clairvoyant.tools.training.dataset import NaturalConfig, build_natural_split
+    from clairvoyant.tools.training.evaluate import evaluate_model, write_report
+    from clairvoyant.tools.training.train import ModelConfig, RegressorConfig
 
     pairs = _natural_pairs(300)
     split = build_natural_split(pairs, NaturalConfig(english_only=False))

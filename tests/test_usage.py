@@ -1,4 +1,4 @@
-"""Usage extraction (clairvoyant.usage): what the backend really produced, read from the relayed
+"""Usage extraction (clairvoyant.prediction.usage): what the backend really produced, read from the relayed
 answer without buffering it.
 
 - Real llama.cpp (the `llama_server` fixture): every scheduled endpoint, streamed and not, with the
@@ -23,8 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from clairvoyant.config import Settings
-from clairvoyant.embedded_backend import EmbeddedLlamaServer
-from clairvoyant.usage import TAIL_BYTES, Usage, UsageTap
+from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
+from clairvoyant.prediction.usage import TAIL_BYTES, Usage, UsageTap
 from proxy_harness import MarkerPredictor, metric_value, mock_transport, running_proxy
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ollama"

@@ -12,9 +12,9 @@ import random
 import sys
 from pathlib import Path
 
-from clairvoyant.bench.prompt_set import class_of, prompt_sha
-from clairvoyant.training.dataset import DataConfig, build_split, is_english, load_pairs
-from clairvoyant.training.labels import ClassBounds
+from clairvoyant.tools.bench.prompt_set import class_of, prompt_sha
+from clairvoyant.tools.training.dataset import DataConfig, build_split, is_english, load_pairs
+from clairvoyant.tools.training.labels import ClassBounds
 
 OUT = Path(__file__).resolve().parent / "prompts.jsonl"
 MAX_PROMPT_CHARS = 600  # SmolLM2's 2048-token context and ~243 prompt tokens/s on 2 CPU cores

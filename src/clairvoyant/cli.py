@@ -19,13 +19,13 @@ __all__ = ["main"]
 
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("clairvoyant.serve", "run the scheduling proxy"),
-    "predict": ("clairvoyant.bulk_predict", "score a JSONL file of prompts or chat bodies"),
-    "replay": ("clairvoyant.replay", "replay requests with their real lengths through the online learner"),
-    "train": ("clairvoyant.training.commands_train", "train the length predictor and export it to ONNX"),
-    "evaluate": ("clairvoyant.training.commands_evaluate", "evaluate a model on the held-out split"),
-    "simulate": ("clairvoyant.sim.command", "discrete-event simulation of the scheduling queue"),
-    "demo": ("clairvoyant.demo", "embedded llama.cpp + the proxy: a mixed burst under fcfs and sjf"),
+    "serve": ("clairvoyant.proxy.serve", "run the scheduling proxy"),
+    "predict": ("clairvoyant.tools.bulk_predict", "score a JSONL file of prompts or chat bodies"),
+    "replay": ("clairvoyant.tools.replay", "replay requests with their real lengths through the online learner"),
+    "train": ("clairvoyant.tools.training.commands_train", "train the length predictor and export it to ONNX"),
+    "evaluate": ("clairvoyant.tools.training.commands_evaluate", "evaluate a model on the held-out split"),
+    "simulate": ("clairvoyant.tools.sim.command", "discrete-event simulation of the scheduling queue"),
+    "demo": ("clairvoyant.tools.demo", "embedded llama.cpp + the proxy: a mixed burst under fcfs and sjf"),
 }
 
 

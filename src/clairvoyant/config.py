@@ -21,7 +21,7 @@ from pydantic_settings import (
 )
 
 from clairvoyant.errors import ConfigError
-from clairvoyant.policy import POLICY_NAMES
+from clairvoyant.scheduling.policy import POLICY_NAMES
 
 __all__ = ["CLI_FLAGS", "ENV_PREFIX", "Settings", "load_settings", "settings_reference_markdown"]
 
@@ -117,7 +117,7 @@ class Settings(BaseSettings):
     )
     bench_upstream_fields: bool = Field(
         False,
-        description="Benchmarks only: add the request's 'clairvoyant.upstream' fields to the body sent to the "
+        description="Benchmarks only: add the request's 'clairvoyant.proxy.upstream' fields to the body sent to the "
         "backend after prediction (a forced answer length the predictor must not see as a cap).",
     )
     online_learning: bool = Field(

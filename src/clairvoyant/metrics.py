@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, get_args
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from clairvoyant.length_classes import CLASS_NAMES
-from clairvoyant.usage import UsageSource
+from clairvoyant.prediction.length_classes import CLASS_NAMES
+from clairvoyant.prediction.usage import UsageSource
 
 if TYPE_CHECKING:
-    from clairvoyant.learner import ModelQuality
+    from clairvoyant.prediction.learner import ModelQuality
 
 __all__ = ["CONTENT_TYPE_LATEST", "MAX_MODEL_LABELS", "Metrics"]
 
@@ -131,7 +131,7 @@ class Metrics:
         child.inc()
 
     def count_usage(self, source: str, output_tokens: int | None) -> None:
-        """One completed scheduled request's usage record (see ``clairvoyant.usage``)."""
+        """One completed scheduled request's usage record (see ``clairvoyant.prediction.usage``)."""
         self.usage_by_source[source].inc()
         if output_tokens is not None:
             self.observed_output_tokens.observe(output_tokens)

@@ -1,5 +1,4 @@
-"""New scheduling parts (issue 9): the gamma-boost table and the service-time model.
-
-The queue interface and its implementations live in ``clairvoyant.job_queue``, the policies and
-their registry in ``clairvoyant.policy``; the lead's package re-layout moves them here.
+"""Scheduling: the queue record and queues (job_queue), the policies and their registry (policy),
+the gamma-boost table, the service-time model, the adaptive slowdown, and the dispatcher with its
+slot lease. Synchronous and clock-free below the dispatcher, so the simulator drives the same code.
 """

@@ -1,0 +1,732 @@
+"""Online learning: corrects the shipped prior for THIS deployment, from what its backend produced.
+
+The shipped model (the prior) was trained on ShareGPT answers; the models a deployment serves answer
+its own users at their own lengths. The learner fits, for each backend model the traffic allows,
+a correction in log tokens that ``OnnxPredictor`` adds to the prior's calibrated log tokens:
+
+    predicted log tokens = prior log tokens + correction(model, features, prior log tokens)
+
+The correction: a ridge regression of (observed - prior) log tokens on the standardised
+[prior log tokens, log1p(feature row)], with the ridge penalty chosen by generalised
+cross-validation, so that with few or uninformative observations it shrinks to zero by itself.
+The mean correction is shrunk toward zero too (``intercept_prior_observations`` pseudo-observations).
+First a global correction over every model's observations; then, for a model with
+``min_model_observations`` of its own, a correction of the global one's residuals on top.
+No fit is made before ``min_observations``: until then predictions are the prior's.
+
+Observations: ``observe(prediction, observed_tokens)`` is O(1), 20-40 us (a row copied into the
+model's ring buffer of ``buffer_size`` observations, a rank-2 update of its p x p sufficient
+statistics for the one added and the one evicted, two floats into its quality window) and is what the
+proxy calls, on the event loop, with the count the BACKEND reported (or the stream's counted
+chunks): never with anything the client sent. A prediction capped by the request (``cap_tokens``)
+whose answer reached the cap is censored: it counts for the rolling quality, not for the fit. The
+per-model key is the model the REQUEST named (``Prediction.model``), the only name known when
+predicting; the first ``max_models`` names get their own buffer, later ones share ``OTHER_MODEL``.
+Memory is bounded: (max_models + 1) x buffer_size rows.
+
+Refits run in a background thread (``start``/``stop``), never on the event loop, whenever
+``refit_every`` new observations have arrived; the fitted coefficients are swapped in as one
+immutable object, so ``correction`` (the request path) reads them without a lock. ``refit()``
+can also be called directly (replay, tests). A refit never touches the rows: each observation
+updates its model's sufficient statistics (p x p moments, p = features + 1), so a refit solves a
+few small systems per model (about a millisecond each) and sleeps briefly between models to hand
+the GIL to the event loop; the GCV search for a model's penalty runs again only once a quarter of
+its buffer is new; the worker thread runs at a lower CPU priority (``worker_nice``).
+See benchmarks/bench_learner_refit.py for the measured loop lag.
+
+Rolling quality per model (``quality()``): Kendall tau_b and mean |log-token error| between the
+predictions as they were made (before their own observation was learned) and the observed
+lengths, over the last ``quality_window`` observed requests; computed by the worker thread after
+each refit (or by ``update_quality()``), so reading it costs a dict lookup.
+
+Persistence: ``save(path)`` writes the buffers and quality windows atomically (a temporary file in
+the same directory, fsync, then ``os.replace``), so a crash leaves the old file or the new one,
+never half of one. ``OnlineLearner.load(path, identity)`` restores them. A state file that is
+corrupt, or was made for another prior (its feature set, feature names or model sha256 differ from
+the loaded model's), is REFUSED: one warning log line says why, and the learner starts from the
+prior (no observations). A missing file is not an error (first start). Loading does not refit:
+``start()`` (or ``refit()``) does, off the event loop.
+
+Serving path: numpy only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clairvoyant.prediction.predictor import Prediction, log_tokens
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "OTHER_MODEL",
+    "LearnerConfig",
+    "ModelQuality",
+    "OnlineLearner",
+    "PriorIdentity",
+    "kendall_tau_b",
+]
+
+logger = logging.getLogger(__name__)
+
+STATE_FORMAT = "clairvoyant-learner-1"
+DEFAULT_MODEL = "default"  # the key of requests that name no model
+_GLOBAL = "\x00global"  # the penalty cache's key of the global fit (never a model name)
+OTHER_MODEL = "other"  # the shared key of models beyond max_models
+# Ridge penalties tried by GCV, relative to the number of observations (features are standardised,
+# so the Gram matrix's eigenvalues are of order n).
+_ALPHA_FACTORS = 10.0 ** np.linspace(-3, 3, 13)
+
+
+@dataclass(frozen=True, slots=True)
+class PriorIdentity:
+    """What a learner's observations are tied to: the prior's log tokens and feature rows."""
+
+    feature_set: str
+    feature_names: tuple[str, ...]
+    onnx_sha256: str
+
+    @classmethod
+    def of(cls, predictor: Any) -> PriorIdentity:
+        """The identity of an ``OnnxPredictor``."""
+        return cls(predictor.feature_set.name, tuple(predictor.feature_set.names), predictor.onnx_sha256)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"feature_set": self.feature_set, "feature_names": list(self.feature_names),
+                "onnx_sha256": self.onnx_sha256}
+
+
+@dataclass(frozen=True, slots=True)
+class LearnerConfig:
+    buffer_size: int = 1024  # observations kept per model (a ring buffer: the most recent win)
+    refit_every: int = 8  # new observations that make a refit due
+    min_observations: int = 16  # observations before the first (global) fit
+    min_model_observations: int = 32  # a model's own observations before it gets its own correction
+    max_models: int = 16  # models with their own buffer; the rest share OTHER_MODEL
+    quality_window: int = 256  # observed requests per model in the rolling quality
+    intercept_prior_observations: float = 16.0  # pseudo-observations shrinking the mean correction to 0
+    worker_nice: int = 10  # the worker thread's niceness above the process's (Linux: per thread)
+
+    def __post_init__(self) -> None:
+        if min(self.buffer_size, self.refit_every, self.min_observations, self.max_models, self.quality_window) < 1:
+            raise ValueError(f"learner settings must be >= 1: {self}")
+        if self.min_observations < 2 or self.min_model_observations < 2:
+            raise ValueError("min_observations and min_model_observations must be >= 2")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelQuality:
+    """Rolling prediction quality of one model's last observed requests."""
+
+    model: str
+    observations: int  # in the window
+    kendall_tau_b: float  # NaN while undefined (fewer than 2 observations, or all tied)
+    mean_abs_log_error: float  # mean |predicted - observed| natural-log tokens; NaN when empty
+
+
+def kendall_tau_b(x: np.ndarray, y: np.ndarray) -> float:
+    """Kendall's tau_b of two equally long arrays, O(n^2) in numpy on boolean pair matrices (n is a
+    few hundred here: about 0.1 ms for 256). NaN when undefined."""
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    if len(x) < 2:
+        return math.nan
+    x_greater = x[:, None] > x[None, :]
+    y_greater = y[:, None] > y[None, :]
+    y_less = y[:, None] < y[None, :]
+    # over ordered pairs (i, j) with x_i > x_j: concordant if y_i > y_j, discordant if y_i < y_j
+    concordant = np.count_nonzero(x_greater & y_greater)
+    discordant = np.count_nonzero(x_greater & y_less)
+    untied_x = np.count_nonzero(x_greater)  # untied pairs in x, each counted once
+    untied_y = np.count_nonzero(y_greater)
+    if untied_x == 0 or untied_y == 0:
+        return math.nan
+    return (concordant - discordant) / math.sqrt(float(untied_x) * float(untied_y))
+
+
+class _Ring:
+    """A fixed-capacity buffer of the most recent observations of one model."""
+
+    __slots__ = ("capacity", "count", "next", "observed", "prior", "rows")
+
+    def __init__(self, capacity: int, n_features: int) -> None:
+        self.capacity = capacity
+        self.rows = np.zeros((capacity, n_features), dtype=np.float32)
+        self.prior = np.zeros(capacity, dtype=np.float64)  # prior log tokens
+        self.observed = np.zeros(capacity, dtype=np.float64)  # observed log tokens
+        self.count = 0
+        self.next = 0
+
+    @property
+    def full(self) -> bool:
+        return self.count == self.capacity
+
+    def append(self, row: np.ndarray, prior: float, observed: float) -> None:
+        """Keep an observation, overwriting the oldest when full (read it first: ``oldest``)."""
+        i = self.next
+        self.rows[i] = row
+        self.prior[i] = prior
+        self.observed[i] = observed
+        self.next = (i + 1) % self.capacity
+        self.count = min(self.count + 1, self.capacity)
+
+    def oldest(self) -> tuple[np.ndarray, float, float]:
+        """The observation the next ``append`` overwrites (when full)."""
+        i = self.next
+        return self.rows[i], float(self.prior[i]), float(self.observed[i])
+
+    def ordered(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Copies of the kept observations, oldest first."""
+        if self.count < self.capacity:
+            idx = np.arange(self.count)
+        else:
+            idx = (np.arange(self.capacity) + self.next) % self.capacity
+        return self.rows[idx], self.prior[idx], self.observed[idx]
+
+
+class _Window:
+    """The last ``capacity`` (predicted, observed) log-token pairs of one model."""
+
+    __slots__ = ("capacity", "count", "next", "observed", "predicted")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.predicted = np.zeros(capacity, dtype=np.float64)
+        self.observed = np.zeros(capacity, dtype=np.float64)
+        self.count = 0
+        self.next = 0
+
+    def append(self, predicted: float, observed: float) -> None:
+        i = self.next
+        self.predicted[i] = predicted
+        self.observed[i] = observed
+        self.next = (i + 1) % self.capacity
+        self.count = min(self.count + 1, self.capacity)
+
+    def ordered(self) -> tuple[np.ndarray, np.ndarray]:
+        idx = (np.arange(self.count) + (self.next if self.count == self.capacity else 0)) % self.capacity
+        return self.predicted[idx], self.observed[idx]
+
+
+class _Moments:
+    """Sufficient statistics of the regression over a ring buffer's observations, kept up to date
+    by each observation (add the new one, subtract the evicted one): a refit then works on p x p
+    matrices only, never on the rows. That keeps it short and off multi-threaded BLAS (a Gram
+    matrix over 17k rows makes OpenBLAS wake its threads, which then compete with the event loop
+    for the cores). Design column 0 is the prior's log tokens, then log1p of the features; the
+    target is observed - prior log tokens."""
+
+    __slots__ = ("n", "s_yy", "s_y", "s_z", "s_zy", "s_zz")
+
+    def __init__(self, p: int) -> None:
+        self.n = 0
+        self.s_z = np.zeros(p)
+        self.s_y = 0.0
+        self.s_zz = np.zeros((p, p))
+        self.s_zy = np.zeros(p)
+        self.s_yy = 0.0
+
+    @staticmethod
+    def design(row: np.ndarray, prior: float) -> np.ndarray:
+        """[prior, log1p(max(row, 0))] in float64 (features are counts: >= 0 by contract)."""
+        z = np.empty(len(row) + 1)
+        z[0] = prior
+        tail = z[1:]
+        tail[:] = row
+        np.maximum(tail, 0.0, out=tail)
+        np.log1p(tail, out=tail)
+        return z
+
+    def update(self, z: np.ndarray, y: float, z_out: np.ndarray | None = None, y_out: float = 0.0) -> None:
+        """Add the observation (z, y) and, if given, remove (z_out, y_out): one rank-2 update."""
+        if z_out is None:
+            self.n += 1
+            self.s_z += z
+            self.s_y += y
+            self.s_zz += np.outer(z, z)
+            self.s_zy += y * z
+            self.s_yy += y * y
+            return
+        both = np.stack((z, z_out))  # [2, p]
+        signed = both * np.array([[1.0], [-1.0]])
+        self.s_z += signed[0] + signed[1]
+        self.s_y += y - y_out
+        self.s_zz += both.T @ signed
+        self.s_zy += y * z - y_out * z_out
+        self.s_yy += y * y - y_out * y_out
+
+    def copy(self) -> _Moments:
+        out = _Moments(len(self.s_z))
+        out.n, out.s_y, out.s_yy = self.n, self.s_y, self.s_yy
+        out.s_z, out.s_zz, out.s_zy = self.s_z.copy(), self.s_zz.copy(), self.s_zy.copy()
+        return out
+
+    def __iadd__(self, other: _Moments) -> _Moments:
+        self.n += other.n
+        self.s_z += other.s_z
+        self.s_y += other.s_y
+        self.s_zz += other.s_zz
+        self.s_zy += other.s_zy
+        self.s_yy += other.s_yy
+        return self
+
+
+class _Bucket:
+    __slots__ = ("moments", "observations", "ring", "window")
+
+    def __init__(self, config: LearnerConfig, n_features: int) -> None:
+        self.ring = _Ring(config.buffer_size, n_features)
+        self.window = _Window(config.quality_window)
+        self.moments = _Moments(n_features + 1)
+        self.observations = 0  # ever observed (censored ones included)
+
+    def learn(self, row: np.ndarray, prior: float, observed: float) -> None:
+        """Keep an uncensored observation in the ring and the moments (evicting the oldest)."""
+        z = _Moments.design(row, prior)
+        if self.ring.full:
+            old_row, old_prior, old_observed = self.ring.oldest()
+            self.moments.update(z, observed - prior, _Moments.design(old_row, old_prior), old_observed - old_prior)
+        else:
+            self.moments.update(z, observed - prior)
+        self.ring.append(row, prior, observed)
+
+
+@dataclass(frozen=True, slots=True)
+class _Linear:
+    """correction = weights . log1p(row) + prior_weight * prior_log_tokens + intercept."""
+
+    weights: np.ndarray  # float32 [n_features]
+    prior_weight: float
+    intercept: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Fitted:
+    global_: _Linear
+    by_model: dict[str, _Linear]  # global + the model's own correction
+    observations: int  # rows the fit used
+
+
+def _ridge_gcv(gram: np.ndarray, zy: np.ndarray, yy: float, n: int, alpha: float | None = None,
+               around_solve: Callable[[bool], None] = lambda released: None) -> tuple[np.ndarray, float]:
+    """Ridge weights of a centred target on standardised, centred columns, given their Gram
+    matrix ``Z'Z``, ``Z'y`` and ``y'y`` over ``n`` rows, and the penalty used. Without ``alpha``
+    the penalty is picked by generalised cross-validation among ``n * _ALPHA_FACTORS``.
+
+    The penalties are tried in ONE stacked ``np.linalg.solve`` (LU on p x p): ``eigh`` would be
+    neater, but OpenBLAS may run it multi-threaded, and on cores busy generating it then takes
+    15 ms instead of 0.3 ms. ``around_solve(False)`` is called before the solve and
+    ``around_solve(True)`` after it (the solve releases the GIL: the refit's yield points).
+    """
+    p = len(zy)
+    eye = np.eye(p)
+    if alpha is not None:  # a penalty chosen earlier: one p x p solve
+        return np.linalg.solve(gram + alpha * eye, zy), alpha
+    alphas = n * _ALPHA_FACTORS
+    systems = gram[None, :, :] + alphas[:, None, None] * eye[None, :, :]
+    rhs = np.broadcast_to(np.concatenate([zy[:, None], eye], axis=1), (len(alphas), p, p + 1))
+    around_solve(False)
+    solved = np.linalg.solve(systems, rhs)  # numpy's LAPACK calls release the GIL
+    around_solve(True)
+    weights = solved[:, :, 0]  # [A, p]
+    inverse_trace = np.trace(solved[:, :, 1:], axis1=1, axis2=2)
+    dof = p - alphas * inverse_trace  # trace of the hat matrix
+    rss = yy - 2.0 * (weights @ zy) + np.sum((weights @ gram) * weights, axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        gcv = np.where(n - dof > 0.5, n * rss / (n - dof) ** 2, np.inf)
+    best = int(np.argmin(gcv))
+    return weights[best], float(alphas[best])
+
+
+class OnlineLearner:
+    """See the module docstring. Thread-safe: ``observe`` from the event loop, ``refit`` and
+    ``save`` from a worker thread, ``correction`` and ``quality`` from anywhere."""
+
+    def __init__(self, identity: PriorIdentity, config: LearnerConfig | None = None) -> None:
+        self.identity = identity
+        self.config = config or LearnerConfig()
+        self.n_features = len(identity.feature_names)
+        self._row_bytes = 4 * self.n_features
+        self._buckets: dict[str, _Bucket] = {}
+        self._lock = threading.Lock()  # guards _buckets and the counters below
+        self._refit_lock = threading.Lock()  # one refit at a time
+        self._quality_lock = threading.Lock()  # one quality update at a time
+        self._new_since_fit = 0
+        self._new_since_quality = 0
+        self._observed_total = 0
+        self._fitted: _Fitted | None = None  # swapped whole by refit; read without a lock
+        # per fit (model key or _GLOBAL): (GCV penalty, observations when it was searched); refit only
+        self._penalties: dict[str, tuple[float, int]] = {}
+        self._quality: dict[str, ModelQuality] = {}
+        self._quality_at: dict[str, int] = {}  # each model's observation count when its quality was computed
+        self.last_refit_s: float | None = None  # seconds the last refit took
+        self.refits = 0  # refits completed (with or without enough observations to fit)
+        # the longest refit step between two GIL hand-overs (see _yield), in wall and CPU seconds
+        self.longest_step_s = 0.0
+        self.longest_step_cpu_s = 0.0
+        self._step = threading.local()  # per thread: .started (wall, None between refits), .cpu_started
+        self._due = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def for_predictor(cls, predictor: Any, config: LearnerConfig | None = None) -> OnlineLearner:
+        return cls(PriorIdentity.of(predictor), config)
+
+    # -- the request path ----------------------------------------------------------------------
+    def _key(self, model: str | None) -> str:
+        return model if model else DEFAULT_MODEL
+
+    def correction(self, model: str | None, row: np.ndarray, prior_log_tokens: float) -> float:
+        """Log tokens to add to the prior's (0.0 before the first fit). Lock-free; never raises."""
+        fitted = self._fitted
+        if fitted is None:
+            return 0.0
+        key = self._key(model)
+        linear = fitted.by_model.get(key)
+        if linear is None:
+            if key not in self._buckets and len(self._buckets) >= self.config.max_models:
+                linear = fitted.by_model.get(OTHER_MODEL, fitted.global_)
+            else:
+                linear = fitted.global_
+        # features are counts (>= 0), so log1p(row) is the design's log1p(max(row, 0)), one call cheaper
+        value = float(np.dot(linear.weights, np.log1p(row))) + linear.prior_weight * prior_log_tokens + linear.intercept
+        return value if math.isfinite(value) else 0.0
+
+    def observe(self, prediction: Prediction, observed_tokens: int) -> bool:
+        """Record what the backend produced for a request predicted as ``prediction``. O(1).
+        Returns False (and records nothing) for an unusable observation: a negative or non-integer
+        count, or a prediction without this prior's feature row."""
+        if isinstance(observed_tokens, bool) or not isinstance(observed_tokens, (int, np.integer)) or observed_tokens < 0:
+            return False
+        if len(prediction.feature_row) != self._row_bytes:
+            return False
+        observed_log = log_tokens(int(observed_tokens))
+        cap = prediction.cap_tokens
+        censored = cap is not None and observed_tokens >= cap
+        key = self._key(prediction.model)
+        with self._lock:
+            bucket = self._buckets.get(key)
+            if bucket is None:
+                if len(self._buckets) >= self.config.max_models:
+                    key = OTHER_MODEL
+                bucket = self._buckets.get(key)
+                if bucket is None:
+                    bucket = self._buckets[key] = _Bucket(self.config, self.n_features)
+            bucket.window.append(prediction.predicted_log_tokens, observed_log)
+            bucket.observations += 1
+            self._observed_total += 1
+            self._new_since_quality += 1
+            if not censored:
+                row = np.frombuffer(prediction.feature_row, dtype=np.float32)
+                bucket.learn(row, prediction.prior_log_tokens, observed_log)
+                self._new_since_fit += 1
+            due = self._new_since_fit >= self.config.refit_every
+        if due:
+            self._due.set()
+        return True
+
+    # -- reading -------------------------------------------------------------------------------
+    @property
+    def refit_due(self) -> bool:
+        return self._new_since_fit >= self.config.refit_every
+
+    @property
+    def fitted(self) -> bool:
+        return self._fitted is not None
+
+    @property
+    def observed_total(self) -> int:
+        return self._observed_total
+
+    def quality(self) -> Mapping[str, ModelQuality]:
+        """Rolling quality per model key, as last computed (by the worker or ``update_quality``)."""
+        return self._quality
+
+    def models(self) -> list[str]:
+        with self._lock:
+            return list(self._buckets)
+
+    # -- fitting -------------------------------------------------------------------------------
+    def _yield(self, gil_released: bool = False) -> None:
+        """Between two steps of a refit in the worker thread: sleep 0.1 ms, which hands the GIL to
+        the event loop's thread if it waits for it (without a blocking call, a waiting thread may
+        wait the interpreter's whole 5 ms switch interval). Records the longest stretch between
+        two yields (``longest_step_s``): the most a refit can hold the GIL against the loop.
+        ``gil_released``: the step was one call that released the GIL (not counted)."""
+        now, cpu_now = time.perf_counter(), time.thread_time()
+        step = self._step
+        if getattr(step, "started", None) is not None and not gil_released:
+            self.longest_step_s = max(self.longest_step_s, now - step.started)
+            self.longest_step_cpu_s = max(self.longest_step_cpu_s, cpu_now - step.cpu_started)
+        if threading.current_thread() is self._thread:
+            time.sleep(0.0001)
+        step.started, step.cpu_started = time.perf_counter(), time.thread_time()
+
+    def _snapshot(self) -> list[tuple[str, _Moments, int]]:
+        """Copies of every model's moments (p x p each) and its observation count, under the lock."""
+        with self._lock:
+            self._new_since_fit = 0
+            return [(key, bucket.moments.copy(), bucket.observations)
+                    for key, bucket in self._buckets.items() if bucket.moments.n]
+
+    def refit(self) -> None:
+        """Fit the corrections from the moments and swap them in; then update the rolling quality.
+        Blocking, about a millisecond per model: call it from the worker thread or offline. It
+        sleeps briefly between models so that the event loop's thread gets the GIL."""
+        with self._refit_lock:
+            started = self._step.started = time.perf_counter()
+            self._step.cpu_started = time.thread_time()
+            data = self._snapshot()
+            total = sum(m.n for _, m, _ in data)
+            if total >= self.config.min_observations:
+                self._yield()
+                self._fitted = self._fit(data)
+            self.last_refit_s = time.perf_counter() - started
+            self.refits += 1
+            self.update_quality()
+
+    def _fit(self, data: list[tuple[str, _Moments, int]]) -> _Fitted:
+        cfg = self.config
+        pooled = _Moments(self.n_features + 1)
+        for _, moments, _ in data:
+            pooled += moments
+        n = pooled.n
+        mean = pooled.s_z / n
+        covariance = pooled.s_zz / n - np.outer(mean, mean)
+        std = np.sqrt(np.clip(np.diag(covariance), 0.0, None))
+        used = std > 1e-6
+        scale = std[used]
+        outer_scale = np.outer(scale, scale)
+
+        def penalty(key: str, observations: int, n: int) -> float | None:
+            """The penalty chosen for ``key`` earlier, or None (search again): GCV runs again once
+            a quarter of the buffer, and at least 32 observations, are new since the last search."""
+            found = self._penalties.get(key)
+            if found is None or observations - found[1] >= max(32, n // 4):
+                return None
+            return found[0]
+
+        def fit(m: _Moments, key: str, observations: int, offset: np.ndarray | None = None,
+                offset_intercept: float = 0.0) -> tuple[np.ndarray, float]:
+            """Ridge (with intercept) of the target minus ``z . offset + offset_intercept`` on the
+            columns standardised by the pooled std; returns raw-column coefficients and the
+            intercept, both shrunk."""
+            k = m.n
+            s_y, s_zy, s_yy = m.s_y, m.s_zy, m.s_yy
+            if offset is not None:  # moments of the residual r = y - z.c - b
+                c, b = offset, offset_intercept
+                zc = m.s_z @ c
+                s_y = m.s_y - zc - k * b
+                s_zy = m.s_zy - m.s_zz @ c - m.s_z * b
+                s_yy = m.s_yy - 2 * (c @ m.s_zy) - 2 * b * m.s_y + c @ m.s_zz @ c + 2 * b * zc + k * b * b
+            z_mean = m.s_z / k
+            y_mean = s_y / k
+            gram = (m.s_zz - k * np.outer(z_mean, z_mean))[np.ix_(used, used)] / outer_scale
+            zy = (s_zy - k * z_mean * y_mean)[used] / scale
+            yy = max(s_yy - k * y_mean * y_mean, 0.0)
+            weights, alpha = _ridge_gcv(gram, zy, yy, k, penalty(key, observations, k), self._yield)
+            if key not in self._penalties or self._penalties[key][0] != alpha:
+                self._penalties[key] = (alpha, observations)
+            coef = np.zeros(self.n_features + 1)
+            coef[used] = weights / scale
+            shrunk_mean = y_mean * k / (k + cfg.intercept_prior_observations)
+            return coef, shrunk_mean - float(coef @ z_mean)
+
+        def linear(coef: np.ndarray, intercept: float) -> _Linear:
+            return _Linear(coef[1:].astype(np.float32), float(coef[0]), float(intercept))
+
+        global_coef, global_intercept = fit(pooled, _GLOBAL, sum(o for _, _, o in data))
+        self._yield()
+        by_model: dict[str, _Linear] = {}
+        if len(data) > 1:  # with one model the global fit is already that model's
+            for key, moments, observations in data:
+                if moments.n >= cfg.min_model_observations:
+                    self._yield()
+                    coef, intercept = fit(moments, key, observations, global_coef, global_intercept)
+                    by_model[key] = linear(global_coef + coef, global_intercept + intercept)
+        return _Fitted(linear(global_coef, global_intercept), by_model, n)
+
+    def update_quality(self) -> None:
+        """Recompute the rolling quality of the models observed since the last update
+        (O(window^2) each, about 0.2 ms for 256; off the event loop)."""
+        with self._quality_lock:  # the worker's refit and a /metrics refresh may both call this
+            self._update_quality()
+
+    def _update_quality(self) -> None:
+        if getattr(self._step, "started", None) is None:
+            self._step.started, self._step.cpu_started = time.perf_counter(), time.thread_time()
+        with self._lock:
+            keys = list(self._buckets)
+            self._new_since_quality = 0
+        quality = dict(self._quality)
+        for key in keys:
+            with self._lock:
+                bucket = self._buckets[key]
+                if key in quality and bucket.observations == self._quality_at.get(key):
+                    continue
+                self._quality_at[key] = bucket.observations
+                predicted, observed = bucket.window.ordered()
+            self._yield()
+            mae = float(np.mean(np.abs(predicted - observed))) if len(observed) else math.nan
+            quality[key] = ModelQuality(key, len(observed), kendall_tau_b(predicted, observed), mae)
+        self._quality = quality
+        self._yield()
+        self._step.started = None
+
+    # -- the worker thread ---------------------------------------------------------------------
+    def start(self, quality_interval_s: float = 5.0) -> None:
+        """Start the background worker: refits when due, else refreshes the quality every
+        ``quality_interval_s`` if anything was observed. Idempotent."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stopping = False
+        if self._new_since_fit > 0:
+            self._due.set()  # restored observations: fit them now
+
+        def run() -> None:
+            _lower_thread_priority(self.config.worker_nice)
+            while not self._stopping:
+                self._due.wait(timeout=quality_interval_s)
+                self._due.clear()
+                if self._stopping:
+                    break
+                try:
+                    if self._new_since_fit > 0:  # due, or quiet traffic that has waited an interval
+                        self.refit()
+                    elif self._new_since_quality:
+                        self.update_quality()
+                except Exception:  # a failed refit must not end learning; the old fit stays
+                    logger.exception("online learner: refit failed; keeping the previous correction")
+
+        self._thread = threading.Thread(target=run, name="clairvoyant-learner", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the worker (waits for a refit in progress, up to ``timeout_s``)."""
+        self._stopping = True
+        self._due.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    # -- persistence ---------------------------------------------------------------------------
+    def save(self, path: Path | str) -> None:
+        """Write the state atomically (temp file + fsync + os.replace). Raises OSError."""
+        path = Path(path)
+        arrays: dict[str, np.ndarray] = {}
+        with self._lock:
+            keys = list(self._buckets)
+            observations = []
+            for i, key in enumerate(keys):
+                bucket = self._buckets[key]
+                arrays[f"rows_{i}"], arrays[f"prior_{i}"], arrays[f"observed_{i}"] = bucket.ring.ordered()
+                arrays[f"qpredicted_{i}"], arrays[f"qobserved_{i}"] = bucket.window.ordered()
+                observations.append(bucket.observations)
+        meta = {"format": STATE_FORMAT, "identity": self.identity.as_dict(), "models": keys,
+                "observations": observations, "config": asdict(self.config)}
+        arrays["meta"] = np.array(json.dumps(meta))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                np.savez(fh, **arrays)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: Path | str, identity: PriorIdentity, config: LearnerConfig | None = None) -> OnlineLearner:
+        """A learner restored from ``path``; a fresh one (the prior) if the file is missing, or is
+        refused: corrupt, or made for another prior (one warning line says which). Does not refit."""
+        path = Path(path)
+        learner = cls(identity, config)
+        if not path.exists():
+            logger.info("online learner: no state file at %s yet; starting from the prior", path)
+            return learner
+        try:
+            learner._restore(path)
+        except _Refused as exc:
+            logger.warning("online learner: state file %s refused: %s; starting from the prior", path, exc)
+            return cls(identity, config)
+        except Exception as exc:  # numpy/zipfile raise many types for a damaged file
+            logger.warning("online learner: state file %s refused: unreadable or corrupt (%s: %s); "
+                           "starting from the prior", path, type(exc).__name__, exc)
+            return cls(identity, config)
+        logger.info("online learner: restored %d observations of %d models from %s",
+                    learner._observed_total, len(learner._buckets), path)
+        return learner
+
+    def _restore(self, path: Path) -> None:
+        with path.open("rb") as fh:  # our handle: closed even when np.load refuses the bytes
+            npz = np.load(fh, allow_pickle=False)
+            if not isinstance(npz, np.lib.npyio.NpzFile):
+                raise _Refused("not a learner state file (not an npz archive)")
+            self._restore_from(npz)
+
+    def _restore_from(self, npz: Any) -> None:
+        with npz:
+            if "meta" not in npz.files:
+                raise _Refused("not a learner state file (no metadata)")
+            meta = json.loads(str(npz["meta"][()]))
+            if not isinstance(meta, dict) or meta.get("format") != STATE_FORMAT:
+                raise _Refused(f"format {meta.get('format') if isinstance(meta, dict) else None!r} is not {STATE_FORMAT!r}")
+            theirs = meta.get("identity") or {}
+            ours = self.identity.as_dict()
+            for field in ("feature_set", "feature_names", "onnx_sha256"):
+                if theirs.get(field) != ours[field]:
+                    shown = theirs.get(field) if field != "feature_names" else "a different list"
+                    raise _Refused(f"made for another prior: its {field} is {shown!r}, the loaded model's differs")
+            keys = meta.get("models")
+            counts = meta.get("observations")
+            if not isinstance(keys, list) or not isinstance(counts, list) or len(keys) != len(counts):
+                raise _Refused("metadata lists no models")
+            cfg = self.config
+            for i, key in enumerate(keys[: cfg.max_models + 1]):
+                rows, prior, observed = npz[f"rows_{i}"], npz[f"prior_{i}"], npz[f"observed_{i}"]
+                predicted_q, observed_q = npz[f"qpredicted_{i}"], npz[f"qobserved_{i}"]
+                n = len(observed)
+                if rows.shape != (n, self.n_features) or len(prior) != n or len(predicted_q) != len(observed_q):
+                    raise _Refused(f"model {i}: arrays of inconsistent shapes")
+                if not (np.isfinite(rows).all() and np.isfinite(prior).all() and np.isfinite(observed).all()):
+                    raise _Refused(f"model {i}: non-finite values")
+                bucket = _Bucket(cfg, self.n_features)
+                for j in range(max(0, n - cfg.buffer_size), n):
+                    bucket.learn(rows[j], float(prior[j]), float(observed[j]))
+                for j in range(max(0, len(observed_q) - cfg.quality_window), len(observed_q)):
+                    bucket.window.append(float(predicted_q[j]), float(observed_q[j]))
+                bucket.observations = int(counts[i])
+                self._buckets[str(key)] = bucket
+                self._observed_total += bucket.observations
+                self._new_since_fit += bucket.ring.count
+                self._new_since_quality += bucket.window.count
+
+
+def _lower_thread_priority(increment: int) -> None:
+    """Raise the calling thread's niceness by ``increment`` (Linux nice values are per thread), so
+    that a refit yields the cores to the event loop and to the backend. Best effort."""
+    if increment <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        thread_id = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread_id, min(19, os.getpriority(os.PRIO_PROCESS, thread_id) + increment))
+    except OSError as exc:
+        logger.debug("online learner: cannot lower the worker's priority: %s", exc)
+
+
+class _Refused(ValueError):
+    """A state file that must not be used (the message says why)."""

@@ -1,0 +1,492 @@
+"""The length predictor: features -> ONNX XGBoost model -> a queue key and calibrated output tokens.
+
+Serving imports only onnxruntime and numpy here. The model file ships with a JSON card beside it
+(``<model>.card.json``); loading refuses a model whose card names a feature set or feature list
+that differs from ``clairvoyant.prediction.features``, or whose sha256 differs from the file.
+
+Two card schemas are read:
+
+- ``"schema": 2`` says what the model outputs and how to turn it into tokens::
+
+      "kind": "regressor" | "classifier",
+      "output": "<ONNX output name>",             # regressor: one float [N, 1]
+      "score": "log_tokens" | "rank" | "p_long",  # classifier: raw score = probabilities[:, 2]
+      "calibration": {"method": "isotonic", "score": [...], "log_tokens": [...]},
+      "classes": ["short", "medium", "long"]       # classifier only
+
+  Predicted log tokens (natural log of output tokens) = ``np.interp(raw_score, score, log_tokens)``.
+- ``"schema": 1`` (the 3-class models trained before schema 2) is read as a classifier whose raw
+  score is P(Long), with ``STAND_IN_P_LONG_CALIBRATION``: NOT a fitted calibration, only the class
+  midpoints placed on the P(Long) axis, so that such a model still reports tokens.
+
+The queue key (``Prediction.score``, lower = sooner) is the model's raw score, so for one model it
+is monotone in predicted tokens. A request's own cap (``max_tokens`` and friends, parsed by
+``clairvoyant.prediction.dialects``) bounds the prediction: predicted tokens <= cap, and
+``score = min(raw score, calibration^-1(log cap))``, where the inverse is ``np.interp`` on the
+swapped knots inside the calibrated range and is extended linearly beyond it (so caps below the
+range, e.g. 4 and 24 tokens under a first knot of 100, still order by cap). An online corrector (``clairvoyant.prediction.learner``)
+may add a learned correction in log tokens; the key is then the calibration's inverse of the
+corrected log tokens, extended linearly beyond the calibrated range so that it stays strictly
+ordered there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+import threading
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from clairvoyant.errors import ModelError
+from clairvoyant.prediction.features import FEATURE_SETS, FeatureSet, Prompt
+from clairvoyant.prediction.length_classes import CLASS_NAMES, class_of_tokens
+
+__all__ = [
+    "CLASS_NAMES",
+    "DEFAULT_MODEL_PATH",
+    "STAND_IN_P_LONG_CALIBRATION",
+    "Calibration",
+    "Corrector",
+    "ModelOutput",
+    "OnnxPredictor",
+    "Prediction",
+    "Predictor",
+    "card_path_for",
+    "load_card",
+    "log_tokens",
+]
+
+# The shipped model: model/predictor.onnx at the top of the source tree. src/clairvoyant/model links
+# to that folder, so a checkout, an editable install and a built wheel all find it here.
+DEFAULT_MODEL_PATH = Path(__file__).parents[1] / "model" / "predictor.onnx"
+
+SCORE_KINDS = ("log_tokens", "rank", "p_long")
+
+
+def log_tokens(tokens: float) -> float:
+    """Natural log of an output-token count, counting 0 as 1 (the unit of every ``*_log_tokens``)."""
+    return math.log(tokens) if tokens > 1 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """Raw model score -> natural log of output tokens: piecewise linear through strictly increasing
+    knots, clamped at the ends (``np.interp`` semantics). Scalar calls use ``bisect`` on tuples:
+    about ten times cheaper than ``np.interp`` on one value, and this is the request path."""
+
+    score: tuple[float, ...]
+    log_tokens: tuple[float, ...]
+    method: str
+    stand_in: bool = False  # True: not fitted on data (a schema-1 card's class-midpoint stand-in)
+
+    def __post_init__(self) -> None:
+        xs, ys = self.score, self.log_tokens
+        if len(xs) != len(ys) or len(xs) < 2:
+            raise ValueError(f"calibration needs two equally long arrays of >= 2 knots, got {len(xs)} and {len(ys)}")
+        if not all(math.isfinite(v) for v in (*xs, *ys)):
+            raise ValueError("calibration knots must be finite")
+        if any(b <= a for a, b in zip(xs, xs[1:])) or any(b <= a for a, b in zip(ys, ys[1:])):
+            raise ValueError("calibration 'score' and 'log_tokens' must both be strictly increasing")
+
+    @classmethod
+    def from_card(cls, spec: Any) -> Calibration:
+        if not isinstance(spec, dict):
+            raise ValueError("'calibration' must be an object")
+        score, logs = spec.get("score"), spec.get("log_tokens")
+        if not isinstance(score, list) or not isinstance(logs, list):
+            raise ValueError("'calibration' needs 'score' and 'log_tokens' arrays")
+        try:
+            return cls(tuple(float(v) for v in score), tuple(float(v) for v in logs), str(spec.get("method", "")))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"bad calibration: {exc}") from None
+
+    @staticmethod
+    def _interp(x: float, xs: tuple[float, ...], ys: tuple[float, ...]) -> float:
+        if not x > xs[0]:  # also catches NaN
+            return ys[0]
+        if x >= xs[-1]:
+            return ys[-1]
+        i = bisect_right(xs, x)
+        x0, y0 = xs[i - 1], ys[i - 1]
+        return y0 + (ys[i] - y0) * (x - x0) / (xs[i] - x0)
+
+    def log_tokens_of(self, score: float) -> float:
+        """Predicted log tokens of a raw score (clamped at the calibrated range)."""
+        return self._interp(score, self.score, self.log_tokens)
+
+    def score_of(self, log_tokens: float) -> float:
+        """The raw score whose calibrated log tokens are ``log_tokens`` (the inverse, clamped)."""
+        return self._interp(log_tokens, self.log_tokens, self.score)
+
+    def score_of_extended(self, log_tokens: float) -> float:
+        """``score_of``, extended beyond the calibrated range with the calibration's mean slope,
+        so that learned corrections past its ends still order strictly."""
+        xs, ys = self.log_tokens, self.score
+        if log_tokens < xs[0]:
+            return ys[0] - (xs[0] - log_tokens) * (ys[-1] - ys[0]) / (xs[-1] - xs[0])
+        if log_tokens > xs[-1]:
+            return ys[-1] + (log_tokens - xs[-1]) * (ys[-1] - ys[0]) / (xs[-1] - xs[0])
+        return self._interp(log_tokens, xs, ys)
+
+    def log_tokens_many(self, scores: np.ndarray) -> np.ndarray:
+        """``log_tokens_of`` for an array of raw scores."""
+        return np.interp(np.asarray(scores, dtype=np.float64), self.score, self.log_tokens)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "score": list(self.score), "log_tokens": list(self.log_tokens),
+                "stand_in": self.stand_in}
+
+
+# Schema-1 cards have no calibration. This stand-in is NOT fitted: it puts the class midpoints
+# (Short 100, Medium 400, Long 1000 tokens) at P(Long) = 0, 0.5 and 1, so a 3-class model still
+# reports tokens, and P(Long) < 0.25 reads as Short, P(Long) >= 0.72 as Long.
+STAND_IN_P_LONG_CALIBRATION = Calibration(
+    score=(0.0, 0.5, 1.0),
+    log_tokens=(math.log(100.0), math.log(400.0), math.log(1000.0)),
+    method="stand-in: class midpoints on the P(Long) axis (schema-1 card, not fitted)",
+    stand_in=True,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """One request's prediction. Compact on purpose (a waiting request carries it): about 0.4 KB
+    with the 48-feature row.
+
+    score: the queue key, unitless, lower = sooner; for one model monotone in predicted tokens.
+    predicted_tokens: calibrated output tokens, after the learned correction and the cap.
+    probabilities: P(Short), P(Medium), P(Long) for class models, else None.
+    prior_log_tokens: the shipped model's calibrated log tokens, before correction and cap
+        (what the online learner corrects).
+    feature_row: the float32 feature row as bytes (what the online learner regresses on).
+    model: the backend model the request named (the learner's per-model key), if any.
+    cap_tokens: the request's own output-token cap, if any.
+    """
+
+    score: float
+    predicted_tokens: float
+    probabilities: tuple[float, float, float] | None = None
+    prior_log_tokens: float = 0.0
+    feature_row: bytes = b""
+    model: str | None = None
+    cap_tokens: int | None = None
+
+    @classmethod
+    def from_probabilities(
+        cls, p_short: float, p_medium: float, p_long: float, *, model: str | None = None, cap_tokens: int | None = None
+    ) -> Prediction:
+        """A class-model prediction scored like a schema-1 card: key P(Long), tokens from the
+        stand-in calibration (for test doubles and simulators)."""
+        prior = STAND_IN_P_LONG_CALIBRATION.log_tokens_of(p_long)
+        tokens = math.exp(prior) if cap_tokens is None else min(math.exp(prior), cap_tokens)
+        score = p_long
+        if cap_tokens is not None:
+            score = min(score, STAND_IN_P_LONG_CALIBRATION.score_of_extended(log_tokens(cap_tokens)))
+        return cls(score, tokens, (p_short, p_medium, p_long), prior, b"", model, cap_tokens)
+
+    @property
+    def predicted_class(self) -> str:
+        return class_of_tokens(self.predicted_tokens)
+
+    @property
+    def predicted_log_tokens(self) -> float:
+        return log_tokens(self.predicted_tokens)
+
+    @property
+    def p_short(self) -> float | None:
+        return None if self.probabilities is None else self.probabilities[0]
+
+    @property
+    def p_medium(self) -> float | None:
+        return None if self.probabilities is None else self.probabilities[1]
+
+    @property
+    def p_long(self) -> float | None:
+        return None if self.probabilities is None else self.probabilities[2]
+
+    def features(self) -> np.ndarray:
+        """The feature row as a float32 array (a copy-free view of ``feature_row``)."""
+        return np.frombuffer(self.feature_row, dtype=np.float32)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The public fields: p_short/p_medium/p_long (class models only), score, predicted_tokens,
+        predicted_class."""
+        out: dict[str, Any] = {}
+        if self.probabilities is not None:
+            out["p_short"], out["p_medium"], out["p_long"] = self.probabilities
+        out["score"] = self.score
+        out["predicted_tokens"] = self.predicted_tokens
+        out["predicted_class"] = self.predicted_class
+        return out
+
+
+class Predictor(Protocol):
+    def predict(self, prompt: Prompt, *, model: str | None = None, cap_tokens: int | None = None) -> Prediction:
+        """The prediction for one request. Must not raise on any Prompt."""
+        ...
+
+
+class Corrector(Protocol):
+    """A learned correction of the prior (``clairvoyant.prediction.learner.OnlineLearner``)."""
+
+    def correction(self, model: str | None, row: np.ndarray, prior_log_tokens: float) -> float:
+        """Log tokens to add to ``prior_log_tokens``. ``row`` is a float32 view valid only during
+        the call. Must be cheap (request path) and must not raise."""
+        ...
+
+
+def card_path_for(model_path: Path) -> Path:
+    return model_path.with_suffix(".card.json")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_card(model_path: Path) -> dict[str, Any]:
+    card_path = card_path_for(model_path)
+    try:
+        card = json.loads(card_path.read_text())
+    except FileNotFoundError:
+        raise ModelError(f"model card {card_path} not found beside {model_path}") from None
+    except ValueError as exc:
+        raise ModelError(f"model card {card_path} is not valid JSON: {exc}") from None
+    if not isinstance(card, dict):
+        raise ModelError(f"model card {card_path} must be a JSON object")
+    return card
+
+
+@dataclass(frozen=True, slots=True)
+class ModelOutput:
+    """What a card says the ONNX model outputs and how its raw score becomes tokens."""
+
+    kind: str  # "regressor" or "classifier"
+    output: str  # ONNX output name
+    score: str  # one of SCORE_KINDS
+    calibration: Calibration
+    classes: tuple[str, ...] | None  # classifier only
+
+
+def _model_output(card: dict[str, Any], model_path: Path) -> ModelOutput:
+    schema = card.get("schema", 1)
+    classes = tuple(card.get("classes") or ())
+    if schema == 1:
+        if classes != CLASS_NAMES:
+            raise ModelError(f"model {model_path} card classes {card.get('classes')!r} are not {list(CLASS_NAMES)}")
+        return ModelOutput("classifier", "probabilities", "p_long", STAND_IN_P_LONG_CALIBRATION, CLASS_NAMES)
+    if schema != 2:
+        raise ModelError(f"model {model_path} card has schema {schema!r}; this clairvoyant reads schemas 1 and 2")
+    kind, output, score = card.get("kind"), card.get("output"), card.get("score")
+    if kind not in ("regressor", "classifier"):
+        raise ModelError(f"model {model_path} card kind {kind!r} is neither 'regressor' nor 'classifier'")
+    if not isinstance(output, str) or not output:
+        raise ModelError(f"model {model_path} card has no 'output' name")
+    if score not in SCORE_KINDS or (kind == "classifier") != (score == "p_long"):
+        raise ModelError(f"model {model_path} card score {score!r} does not fit kind {kind!r}")
+    if kind == "classifier" and classes != CLASS_NAMES:
+        raise ModelError(f"model {model_path} card classes {card.get('classes')!r} are not {list(CLASS_NAMES)}")
+    try:
+        calibration = Calibration.from_card(card.get("calibration"))
+    except ValueError as exc:
+        raise ModelError(f"model {model_path} card: {exc}") from None
+    return ModelOutput(kind, output, score, calibration, CLASS_NAMES if kind == "classifier" else None)
+
+
+def _check_card(card: dict[str, Any], model_path: Path) -> FeatureSet:
+    name = card.get("feature_set")
+    if name not in FEATURE_SETS:
+        raise ModelError(
+            f"model {model_path} was trained on feature set {name!r}, which this version of "
+            f"clairvoyant does not have (known: {', '.join(sorted(FEATURE_SETS))})"
+        )
+    feature_set = FEATURE_SETS[name]
+    names = tuple(card.get("feature_names") or ())
+    if names != feature_set.names:
+        raise ModelError(
+            f"model {model_path} card lists features {list(names)} but feature set {name!r} "
+            f"extracts {list(feature_set.names)}: retrain the model or use a matching clairvoyant"
+        )
+    expected_sha = card.get("onnx_sha256")
+    if not isinstance(expected_sha, str):
+        raise ModelError(f"model {model_path} card has no 'onnx_sha256': cannot tell it describes this file")
+    if expected_sha != _sha256(model_path):
+        raise ModelError(
+            f"model {model_path} does not match the sha256 in its card {card_path_for(model_path)}: "
+            "the file was replaced or the card belongs to another model"
+        )
+    return feature_set
+
+
+class OnnxPredictor:
+    """Scores one request at a time with a single-threaded ONNX Runtime session.
+
+    Single-threaded on purpose: the backend generates on the same cores, and a thread pool per
+    call turns a 0.05 ms median into a multi-millisecond p99 under that load.
+
+    ``corrector`` (settable later): an online correction of the prior, e.g.
+    ``clairvoyant.prediction.learner.OnlineLearner``; None = the static shipped model.
+    """
+
+    def __init__(self, model_path: Path | str | None = None, *, corrector: Corrector | None = None) -> None:
+        import onnxruntime as ort  # imported here so that importing this module stays cheap
+
+        path = Path(model_path) if model_path is not None else DEFAULT_MODEL_PATH
+        if not path.is_file():
+            raise ModelError(f"model file {path} not found")
+        self.model_path = path
+        self.card = load_card(path)
+        self.output = _model_output(self.card, path)
+        self.feature_set = _check_card(self.card, path)
+        self.onnx_sha256: str = self.card["onnx_sha256"]
+        self.calibration = self.output.calibration
+        self.corrector: Corrector | None = None
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        try:
+            self._session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own untyped errors
+            raise ModelError(f"cannot load ONNX model {path}: {exc}") from exc
+        inputs = self._session.get_inputs()
+        if len(inputs) != 1 or inputs[0].shape[-1] != self.feature_set.size:
+            raise ModelError(f"model {path} input does not take {self.feature_set.size} features")
+        self._input_name = inputs[0].name
+        outputs = {o.name: o for o in self._session.get_outputs()}
+        if self.output.output not in outputs:
+            raise ModelError(f"model {path} has no {self.output.output!r} output (has {sorted(outputs)})")
+        out_shape = outputs[self.output.output].shape
+        width = out_shape[-1] if len(out_shape) == 2 else 1
+        expected_width = len(CLASS_NAMES) if self.output.kind == "classifier" else 1
+        if width != expected_width:
+            raise ModelError(f"model {path} output {self.output.output!r} has shape {out_shape}, expected [N, {expected_width}]")
+        self._output_names = [self.output.output]
+        self._is_classifier = self.output.kind == "classifier"
+        self._score_column = 2 if self._is_classifier else 0
+        # The per-request path avoids every per-call allocation it can: one input row and one
+        # output row, bound once to the session (IOBinding over numpy buffers shared with ORT), so
+        # a call is "fill the row in place, run, read the outputs". The lock makes the shared
+        # buffers safe if predict is called from several threads.
+        self._row = np.zeros((1, self.feature_set.size), dtype=np.float32)
+        bound_shape = [1, width] if len(out_shape) == 2 else [1]
+        self._out = np.zeros(bound_shape, dtype=np.float32)
+        self._binding = self._session.io_binding()
+        self._input_value = ort.OrtValue.ortvalue_from_numpy(self._row)  # shares self._row's memory
+        self._binding.bind_ortvalue_input(self._input_name, self._input_value)
+        self._binding.bind_output(self.output.output, "cpu", 0, np.float32, bound_shape, self._out.ctypes.data)
+        self._out_flat = self._out.reshape(-1)
+        self._row_view = self._row[0]
+        # struct packs the feature list straight into the bound buffer: cheaper than numpy's
+        # list assignment, and the same float64 -> float32 rounding.
+        self._pack_into = struct.Struct(f"={self.feature_set.size}f").pack_into
+        self._values = self.feature_set.values
+        self._run_bound = self._session.run_with_iobinding
+        self._lock = threading.Lock()
+        self.predict(Prompt(""))  # warm up (first-run allocations) and prove the binding works
+        self.corrector = corrector
+
+    @property
+    def feature_set_name(self) -> str:
+        return self.feature_set.name
+
+    def predict(self, prompt: Prompt, *, model: str | None = None, cap_tokens: int | None = None) -> Prediction:
+        """The prediction for one request (see the module docstring). Never raises on any Prompt."""
+        with self._lock:
+            self._pack_into(self._row, 0, *self._values(prompt))
+            self._run_bound(self._binding)
+            out = self._out_flat.tolist()
+            row = self._row.tobytes()
+            raw = out[self._score_column]
+            prior = self.calibration.log_tokens_of(raw)
+            corrector = self.corrector
+            correction = 0.0 if corrector is None else corrector.correction(model, self._row_view, prior)
+        probabilities = (out[0], out[1], out[2]) if self._is_classifier else None
+        return self._prediction(raw, prior, correction, probabilities, row, model, cap_tokens)
+
+    def _prediction(
+        self,
+        raw: float,
+        prior_log_tokens: float,
+        correction: float,
+        probabilities: tuple[float, float, float] | None,
+        row: bytes,
+        model: str | None,
+        cap_tokens: int | None,
+    ) -> Prediction:
+        calibration = self.calibration
+        if correction:
+            predicted_log = prior_log_tokens + correction
+            score = calibration.score_of_extended(predicted_log)
+        else:
+            predicted_log = prior_log_tokens
+            score = raw
+        tokens = math.exp(predicted_log)
+        if cap_tokens is not None and cap_tokens >= 0:
+            # np.interp on the swapped knots inside the calibrated range; extended beyond it, so
+            # that caps below the range (max_tokens 4 vs 24, under a first knot of 100 tokens)
+            # still order by cap instead of tying at the first knot's score
+            cap_score = calibration.score_of_extended(log_tokens(cap_tokens))
+            if cap_score < score:
+                score = cap_score
+            if cap_tokens < tokens:
+                tokens = float(cap_tokens)
+        else:
+            cap_tokens = None
+        return Prediction(score, tokens, probabilities, prior_log_tokens, row, model, cap_tokens)
+
+    def predict_features(self, matrix: np.ndarray) -> np.ndarray:
+        """The model's raw ONNX output for a feature matrix: probabilities [N, 3] for a class
+        model, [N, 1] (or [N]) for a regressor (bulk scoring and evaluation)."""
+        matrix = np.ascontiguousarray(matrix, dtype=np.float32)
+        if matrix.ndim != 2 or matrix.shape[1] != self.feature_set.size:
+            raise ValueError(f"expected a [N, {self.feature_set.size}] feature matrix, got {matrix.shape}")
+        if len(matrix) == 0:
+            width = len(CLASS_NAMES) if self._is_classifier else 1
+            return np.zeros((0, width), dtype=np.float32)
+        return np.asarray(self._session.run(self._output_names, {self._input_name: matrix})[0])
+
+    def raw_scores(self, matrix: np.ndarray) -> np.ndarray:
+        """The raw score [N] of each row (P(Long) for a class model, the regressor's output else)."""
+        out = self.predict_features(matrix)
+        return out[:, self._score_column] if out.ndim == 2 else out
+
+    def predict_many(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        models: Sequence[str | None] | None = None,
+        caps_tokens: Sequence[int | None] | None = None,
+    ) -> list[Prediction]:
+        """``predict`` for each prompt (with its model and cap, if given), in one ONNX call."""
+        if not prompts:
+            return []
+        matrix = self.feature_set.extract_many(prompts)
+        out = self.predict_features(matrix)
+        out2d = out.reshape(len(out), -1)
+        raws = out2d[:, self._score_column].astype(np.float64)
+        priors = self.calibration.log_tokens_many(raws)
+        corrector = self.corrector
+        predictions = []
+        for i in range(len(prompts)):
+            model = models[i] if models is not None else None
+            cap = caps_tokens[i] if caps_tokens is not None else None
+            prior = float(priors[i])
+            correction = 0.0 if corrector is None else corrector.correction(model, matrix[i], prior)
+            probabilities = tuple(float(p) for p in out2d[i]) if self._is_classifier else None
+            predictions.append(
+                self._prediction(float(raws[i]), prior, correction, probabilities, matrix[i].tobytes(), model, cap)  # type: ignore[arg-type]
+            )
+        return predictions

@@ -1,0 +1,154 @@
+"""The closed loop: what the backend produced for each completed request goes to the metrics and
+the online learner (``clairvoyant.prediction.learner``), and the learner's correction back into the predictor.
+
+- ``UsageRecorder`` is the relay's ``on_usage`` hook. It runs on the event loop once per completed
+  scheduled request and does O(1) work: a counter, a histogram, and the learner's ``observe``
+  (rows into bounded ring buffers; refits run in the learner's own thread, never here).
+- ``OnlineLearning`` is the learner's life in the proxy, built by the lifespan: load the state file
+  at start, attach the learner to the predictor as its corrector, start its refit thread, save the
+  state every ``learner_save_interval_s`` and at shutdown. Loading, saving and stopping the thread
+  run in worker threads (``asyncio.to_thread``), never on the event loop.
+
+The learner learns only from ``Usage`` records, which the relay reads from the BACKEND's answer
+(its reported token counts, else its counted stream events): nothing a client sends (the request
+body, its proxy field, its headers) can become an observed length.
+
+With ``online_learning = false`` the predictor stays the static shipped model: no corrector, no
+refit thread, no state file read or written. Completed requests are still observed, only so that
+/metrics shows the static model's rolling prediction quality (the learner's quality windows);
+nothing learned from them is ever used.
+
+A predictor that is not an ``OnnxPredictor`` (test doubles) has no prior identity to learn
+against: the proxy then records usage in the metrics only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from clairvoyant.config import Settings
+from clairvoyant.prediction.learner import OnlineLearner, PriorIdentity
+from clairvoyant.metrics import Metrics
+from clairvoyant.prediction.usage import Usage
+
+if TYPE_CHECKING:
+    from clairvoyant.scheduling.dispatcher import Ticket
+    from clairvoyant.prediction.predictor import Predictor
+
+__all__ = ["OnlineLearning", "UsageRecorder"]
+
+logger = logging.getLogger(__name__)
+
+
+class UsageRecorder:
+    """Counts each completed request's usage and, when there is a learner, lets it observe the
+    backend's length. ``learner=None``: metrics only."""
+
+    def __init__(self, metrics: Metrics, learner: OnlineLearner | None = None) -> None:
+        self.metrics = metrics
+        self.learner = learner
+
+    def __call__(self, ticket: Ticket, usage: Usage) -> None:
+        self.metrics.count_usage(usage.source, usage.output_tokens)
+        if self.learner is not None and usage.observed and usage.output_tokens is not None:
+            self.learner.observe(ticket.prediction, usage.output_tokens)
+
+
+def _identity(predictor: Predictor) -> PriorIdentity | None:
+    """The prior a learner is tied to, or None for a predictor without one (a test double)."""
+    if not all(hasattr(predictor, name) for name in ("feature_set", "onnx_sha256", "corrector")):
+        return None
+    return PriorIdentity.of(predictor)
+
+
+class OnlineLearning:
+    """The learner's lifecycle in the proxy (see the module docstring). ``learner`` is None when the
+    predictor has no prior identity."""
+
+    def __init__(self, settings: Settings, predictor: Predictor, metrics: Metrics) -> None:
+        self.settings = settings
+        self.predictor = predictor
+        self.metrics = metrics
+        self.learning = settings.online_learning
+        self.state_path = settings.learner_state_path if settings.online_learning else None
+        self.learner: OnlineLearner | None = None
+        self.recorder = UsageRecorder(metrics)
+        self._saver: asyncio.Task[None] | None = None
+        self._previous_corrector: Any = None  # restored at stop: a predictor may outlive one app
+        self._saved_total = 0  # learner.observed_total at the last save (skip saves with nothing new)
+        self._quality_total = -1  # learner.observed_total when the quality gauges were last refreshed
+
+    async def start(self) -> None:
+        identity = _identity(self.predictor)
+        if identity is None:
+            logger.info("online learning: the predictor has no prior identity; usage is recorded in metrics only")
+            return
+        if self.state_path is not None:
+            self.learner = await asyncio.to_thread(OnlineLearner.load, self.state_path, identity)
+        else:
+            self.learner = OnlineLearner(identity)
+        self._saved_total = self.learner.observed_total
+        self.recorder.learner = self.learner
+        if not self.learning:
+            logger.info("online learning off: the static model predicts; its quality is still measured")
+            return
+        predictor: Any = self.predictor
+        self._previous_corrector = predictor.corrector
+        predictor.corrector = self.learner
+        self.learner.start()  # its own thread: refits restored observations, then whenever due
+        if self.state_path is not None:
+            self._saver = asyncio.create_task(self._save_periodically(), name="learner-saver")
+        logger.info(
+            "online learning on: state file %s, saved every %ss",
+            self.state_path or "none (in memory only)", self.settings.learner_save_interval_s,
+        )
+
+    async def stop(self) -> None:
+        """Stop saving and refitting, then save once more. Call after the dispatcher has drained."""
+        if self._saver is not None:
+            self._saver.cancel()
+            await asyncio.gather(self._saver, return_exceptions=True)
+            self._saver = None
+        learner = self.learner
+        if learner is None or not self.learning:
+            return
+        predictor: Any = self.predictor
+        predictor.corrector = self._previous_corrector
+        await asyncio.to_thread(learner.stop)
+        await self.save()
+
+    async def save(self) -> bool:
+        """Save the state now (in a worker thread) if there is a state file and anything new.
+        True if saved. A failed save is logged, never raised: the proxy keeps serving."""
+        learner = self.learner
+        if learner is None or self.state_path is None or not self.learning:
+            return False
+        total = learner.observed_total
+        if total == self._saved_total:
+            return False
+        try:
+            await asyncio.to_thread(learner.save, self.state_path)
+        except Exception as exc:  # disk full, permissions, a path that is a directory...: keep serving
+            logger.warning("online learner: cannot save state to %s: %s: %s", self.state_path, type(exc).__name__, exc)
+            return False
+        self._saved_total = total
+        return True
+
+    async def _save_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.learner_save_interval_s)
+            await self.save()
+
+    async def refresh_quality(self) -> None:
+        """Bring the quality gauges up to date (before /metrics renders). The rolling quality is
+        recomputed in a worker thread only if requests were observed since the last refresh."""
+        learner = self.learner
+        if learner is None:
+            return
+        total = learner.observed_total
+        if total != self._quality_total:
+            await asyncio.to_thread(learner.update_quality)
+            self._quality_total = total
+        self.metrics.set_prediction_quality(learner.quality())

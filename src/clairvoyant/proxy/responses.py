@@ -1,0 +1,323 @@
+"""The ASGI responses: a plain relay of the backend's answer, and a scheduled one that waits first.
+
+``Relay`` opens the upstream request and relays status, headers and body as they arrive. It is
+shared: ``PassthroughResponse`` runs it directly; ``ScheduledResponse`` runs it inside
+``async with dispatcher.lease(ticket)``, so the slot is held for exactly the relay's life and given
+back once (the lease is the only place that releases).
+
+The client's disconnect is watched the whole time (``receive`` yields ``http.disconnect``):
+
+- while queued: the scheduled task is cancelled; the lease withdraws the ticket, never sent;
+- while the backend generates: ``abort`` cancels the relay (closing the backend connection;
+  llama.cpp stops generating) or ``drain`` lets it read the answer into the void to its end, so the
+  slot is freed only when the backend really is free. The draining task is tracked by the
+  dispatcher.
+
+Before dispatch a waiting client receives nothing, not even a status line (the status comes from
+the backend). It can see where it stands at ``GET /queue/{request_id}`` (position and ETA; the id is
+its ``X-Request-Id`` header or the one the proxy assigns). At dispatch the response headers carry
+``X-Clairvoyant-Queue-Position`` (requests dispatched ahead of it while it waited) and the measured wait.
+
+Once the status line is sent it cannot change: a backend failure after that point ends a stream
+with one final error event in the dialect's framing, or truncates a plain body.
+
+A scheduled answer that the backend completes (2xx, relayed or drained to its end) is read by a
+``UsageTap`` as it passes, without buffering, and its ``Usage`` (what the backend really produced)
+goes to the online learner and the service-time model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from clairvoyant.prediction.dialects import Dialect, error_body, stream_error_event
+from clairvoyant.scheduling.dispatcher import Dispatcher, Ticket
+from clairvoyant.errors import RequestError, UpstreamTimeout
+from clairvoyant.metrics import Metrics
+from clairvoyant.proxy.upstream import Upstream, response_headers
+from clairvoyant.prediction.usage import Usage, UsageTap
+
+__all__ = ["PassthroughResponse", "Relay", "ScheduledResponse", "UpstreamRequest", "error_body"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamRequest:
+    """What to send to the backend."""
+
+    method: str
+    path: str
+    query: str
+    headers: list[tuple[str, str]]
+    body: bytes
+    dialect: Dialect
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+@dataclass(eq=False)
+class Relay:
+    """Open the upstream request and relay its answer to ``send`` (nothing once the client is gone)."""
+
+    upstream: Upstream
+    request: UpstreamRequest
+    metrics: Metrics
+    extra_headers: Callable[[], list[tuple[str, str]]] = lambda: []
+    on_first_byte: Callable[[], None] = lambda: None
+    # Called once with what the backend produced, when a 2xx answer has fully arrived (None: not read).
+    on_usage: Callable[[Usage], None] | None = None
+    now: Callable[[], float] = time.monotonic  # seconds; the dispatcher's clock for scheduled requests
+    model: str | None = None  # the model the request named (usage falls back to it)
+    status: int | None = None  # sent status, once sent
+    outcome: str = "pending"
+    client_gone: bool = False
+    _content_type: str = field(default="", repr=False)
+    _sent_s: float = field(default=0.0, repr=False)  # clock seconds when the request went upstream
+
+    async def run(self, send: Send) -> None:
+        r = self.request
+        self._sent_s = self.now()
+        try:
+            response = await self.upstream.open(r.method, r.path, query=r.query, headers=r.headers, body=r.body)
+        except RequestError as exc:
+            self._count_upstream_error(exc)
+            self.outcome = "upstream_error"
+            if not self.client_gone:
+                await self.send_error(send, exc)
+            return
+        try:
+            await self._relay_body(response, send)
+        finally:
+            await response.aclose()
+
+    async def _relay_body(self, response: httpx.Response, send: Send) -> None:
+        self.status = response.status_code
+        self._content_type = response.headers.get("content-type", "")
+        headers = response_headers(response.headers) + self.extra_headers()
+        read_usage = self.on_usage is not None and 200 <= response.status_code < 300
+        tap = UsageTap(self._content_type) if read_usage else None
+        if not self.client_gone:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": response.status_code,
+                    "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers],
+                }
+            )
+        first = True
+        try:
+            async for chunk in self.upstream.iter_body(response):
+                if chunk and first:
+                    first = False
+                    self.on_first_byte()
+                if tap is not None:
+                    tap.feed(chunk)
+                if not self.client_gone:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except RequestError as exc:
+            self._count_upstream_error(exc)
+            self.outcome = "upstream_error_mid_body"
+            if not self.client_gone:
+                event = stream_error_event(self.request.dialect, self._content_type, exc)
+                await send({"type": "http.response.body", "body": event, "more_body": False})
+            return
+        if tap is not None and self.on_usage is not None:
+            # Before the last send: the observation is in once the client has it all.
+            self.on_usage(tap.usage(wall_s=self.now() - self._sent_s, request_model=self.model))
+        if not self.client_gone:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            self.outcome = "completed"
+        else:
+            self.outcome = "client_left_streaming"  # drained to the end
+
+    async def send_error(self, send: Send, exc: RequestError) -> None:
+        body = error_body(self.request.dialect, exc)
+        self.status = exc.status_code
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers += [(k.lower().encode(), v.encode()) for k, v in (*exc.headers.items(), *self.extra_headers())]
+        await send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def _count_upstream_error(self, exc: RequestError) -> None:
+        self.metrics.upstream_errors_by_kind["timeout" if isinstance(exc, UpstreamTimeout) else "unavailable"].inc()
+
+
+class _AsgiOnly(Response):
+    """A ``Response`` subclass only so that FastAPI returns it as is; status and headers come
+    from the backend when it answers."""
+
+    def __init__(self) -> None:
+        self.background = None
+        self.status_code = 200
+        self.raw_headers = []
+
+
+class PassthroughResponse(_AsgiOnly):
+    """Unscheduled: relay at once; a client that leaves cancels the relay (no slot to drain for)."""
+
+    def __init__(self, relay: Relay) -> None:
+        super().__init__()
+        self.relay = relay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        disconnect = asyncio.ensure_future(_wait_disconnect(receive))
+        relay = asyncio.ensure_future(self.relay.run(send))
+        try:
+            done, _ = await asyncio.wait({relay, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            if relay in done:
+                relay.result()
+            else:
+                self.relay.client_gone = True
+                self.relay.metrics.disconnects_by_stage["streaming"].inc()
+        finally:
+            disconnect.cancel()
+            relay.cancel()
+            await asyncio.gather(relay, return_exceptions=True)
+            status = str(self.relay.status) if self.relay.status is not None else "client_closed"
+            self.relay.metrics.count_request("passthrough", self.relay.request.dialect.value, status)
+
+
+class ScheduledResponse(_AsgiOnly):
+    """Scheduled: ``async with dispatcher.lease(ticket)`` around the relay, in one task whose life
+    is the slot's life."""
+
+    def __init__(
+        self,
+        *,
+        upstream: Upstream,
+        request: UpstreamRequest,
+        metrics: Metrics,
+        dispatcher: Dispatcher,
+        ticket: Ticket,
+        disconnect_mode: Literal["drain", "abort"] = "abort",
+        on_usage: Callable[[Ticket, Usage], None] | None = None,  # a completed answer's usage (the learner)
+    ) -> None:
+        super().__init__()
+        self.dispatcher = dispatcher
+        self.ticket = ticket
+        self.metrics = metrics
+        self.disconnect_mode = disconnect_mode
+        self.on_usage = on_usage
+        self.usage: Usage | None = None
+        self.relay = Relay(
+            upstream, request, metrics, self._own_headers, self._first_byte,
+            on_usage=self._record_usage, now=dispatcher.clock.now, model=ticket.model,
+        )
+        self.stage = "queued"  # queued -> relaying -> done
+
+    async def _lifetime(self, send: Send) -> None:
+        """The slot's whole life: wait, relay, release (in the lease)."""
+        try:
+            async with self.dispatcher.lease(self.ticket) as lease:
+                self.stage = "relaying"
+                await self.relay.run(send)
+                finished = self.relay.outcome in ("completed", "client_left_streaming")
+                if finished:
+                    self._observe_end()
+                # Only whole successful answers teach the service-time model.
+                lease.completed = finished and self.relay.status is not None and self.relay.status < 400
+                lease.usage = self.usage
+        except RequestError as exc:  # refused while waiting (shutting down)
+            self.relay.outcome = "refused"
+            if not self.relay.client_gone:
+                await self.relay.send_error(send, exc)
+        finally:
+            self.stage = "done"
+            self._log()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        disconnect = asyncio.ensure_future(_wait_disconnect(receive))
+        life = self.dispatcher.run_detached(self._lifetime(send), name=f"request-{self.ticket.request_id}")
+        try:
+            done, _ = await asyncio.wait({life, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # we are being cancelled ourselves (shutdown)
+            life.cancel()
+            raise
+        finally:
+            disconnect.cancel()
+        if life in done:
+            return
+        self.relay.client_gone = True
+        if self.stage == "queued":
+            self.relay.outcome = "client_left_queued"  # the lease withdraws it (and counts it)
+            life.cancel()
+            return
+        self.relay.outcome = "client_left_streaming"
+        self.metrics.disconnects_by_stage["streaming"].inc()
+        if self.disconnect_mode == "abort":
+            life.cancel()  # closes the backend connection, then the lease releases the slot
+        # drain: the task reads the backend's answer to its end (tracked by the dispatcher)
+
+    def _record_usage(self, usage: Usage) -> None:
+        self.usage = usage
+        if self.on_usage is not None:
+            try:
+                self.on_usage(self.ticket, usage)
+            except Exception:  # the answer is already relayed: a failing observer must not break it
+                logger.exception("request_id=%s: recording usage failed", self.ticket.request_id)
+
+    def _own_headers(self) -> list[tuple[str, str]]:
+        ticket = self.ticket
+        wait = ticket.queue_wait_s()
+        prediction = ticket.prediction
+        headers = [
+            ("x-request-id", ticket.request_id),
+            ("x-clairvoyant-queue-wait-ms", "" if wait is None else f"{wait * 1000:.1f}"),
+            ("x-clairvoyant-predicted-tokens", f"{prediction.predicted_tokens:.0f}"),
+            ("x-clairvoyant-predicted-class", ticket.predicted_class),
+            ("x-clairvoyant-predicted-s", f"{ticket.job.predicted_s:.3f}"),
+        ]
+        if prediction.p_long is not None:  # class models only
+            headers.append(("x-clairvoyant-p-long", f"{prediction.p_long:.4f}"))
+        if ticket.queue_position is not None:
+            headers.append(("x-clairvoyant-queue-position", str(ticket.queue_position)))
+        return headers
+
+    def _first_byte(self) -> None:
+        self.metrics.ttft_by_class[self.ticket.predicted_class].observe(self.dispatcher.clock.now() - self.ticket.arrival_s)
+
+    def _observe_end(self) -> None:
+        self.metrics.end_to_end_by_class[self.ticket.predicted_class].observe(
+            self.dispatcher.clock.now() - self.ticket.arrival_s
+        )
+
+    def _log(self) -> None:
+        ticket = self.ticket
+        relay = self.relay
+        status = str(relay.status) if relay.status is not None else "client_closed"
+        self.metrics.count_request(ticket.endpoint, relay.request.dialect.value, status)
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        wait = ticket.queue_wait_s()
+        service = None if ticket.dispatched_s is None else self.dispatcher.clock.now() - ticket.dispatched_s
+        fields: dict[str, Any] = {
+            "request_id": ticket.request_id,
+            "endpoint": ticket.endpoint,
+            "tenant": ticket.job.tenant or "-",
+            "priority": ticket.job.priority,
+            "predicted_class": ticket.predicted_class,
+            "predicted_tokens": f"{ticket.prediction.predicted_tokens:.0f}",
+            "predicted_s": f"{ticket.job.predicted_s:.3f}",
+            "queue_wait_ms": "-" if wait is None else f"{wait * 1000:.1f}",
+            "service_ms": "-" if service is None else f"{service * 1000:.1f}",
+            "status": relay.status if relay.status is not None else "-",
+            "outcome": relay.outcome,
+            "output_tokens": "-" if self.usage is None or self.usage.output_tokens is None else self.usage.output_tokens,
+            "usage_source": "-" if self.usage is None else self.usage.source,
+        }
+        logger.info("request %s", " ".join(f"{k}={v}" for k, v in fields.items()))

@@ -1,0 +1,62 @@
+"""`clairvoyant serve`: run the proxy on uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any, get_args
+
+from clairvoyant.config import CLI_FLAGS, ENV_PREFIX, Settings
+
+__all__ = ["add_arguments", "run"]
+
+
+def _flag_type(name: str) -> dict[str, Any]:
+    if name == "policy":
+        from clairvoyant.scheduling.policy import POLICY_NAMES  # the registry's names
+
+        return {"choices": list(POLICY_NAMES)}
+    annotation = Settings.model_fields[name].annotation
+    choices = get_args(annotation)
+    if choices and all(isinstance(c, str) for c in choices):
+        return {"choices": list(choices)}
+    if annotation is int:
+        return {"type": int}
+    if annotation is float:
+        return {"type": float}
+    if name == "model_path":
+        return {"type": Path}
+    return {}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help=f"TOML config file (see configs/); also {ENV_PREFIX}CONFIG")
+    for name, flag in CLI_FLAGS.items():
+        field = Settings.model_fields[name]
+        default = "unset" if field.default is None else field.default
+        parser.add_argument(
+            flag, dest=name, help=f"{field.description} (default {default}; {ENV_PREFIX}{name.upper()})",
+            **_flag_type(name),
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from clairvoyant.proxy.app import create_app
+    from clairvoyant.config import load_settings
+    from clairvoyant.prediction.predictor import OnnxPredictor
+
+    settings = load_settings(args.config, **{name: getattr(args, name) for name in CLI_FLAGS})
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # Load the model before binding the port: a bad model stops start-up with a clear message.
+    predictor = OnnxPredictor(settings.model_path)
+    logging.getLogger(__name__).info(
+        "predictor %s (feature set %s)", predictor.model_path, predictor.feature_set_name
+    )
+    app = create_app(settings, predictor=predictor)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+    return 0

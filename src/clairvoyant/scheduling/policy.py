@@ -1,0 +1,195 @@
+"""Scheduling policies: each one builds the queue that orders requests (the queue is the policy unit).
+
+    fcfs   arrival order                                       HeapQueue, key (priority, arrival_s)
+    sjf    the paper's rule (3.4): ascending predictor score    HeapQueue, key (priority, score)
+    boost  gamma-boost (paper 002): arrival_s - b(bucket)       HeapQueue, key (priority, arrival_s - b)
+    hrrn   highest response ratio next (wait + S) / S           ScanQueue, rank (priority, -ratio)
+
+Ordering is always (priority class, then the policy inside the class), ties by arrival. Starvation
+protection is not in the keys: ``build_queue`` wraps each queue in a ``StarvationGuard`` (tau) and,
+with fair share on, puts one such queue per tenant inside a ``FairShareQueue``.
+
+Bounds, in seconds (see ``describe``): the guard's tau (no later arrival passes a request that
+has waited tau, whatever its class); boost's own cap ``max_boost_s`` (inside a class, no request
+arriving ``max_boost_s`` after a waiting one passes it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from clairvoyant.scheduling.job_queue import FairShareQueue, HeapQueue, Job, JobQueue, ScanQueue, StarvationGuard
+from clairvoyant.scheduling.boost import BoostTable
+from clairvoyant.scheduling.slowdown import SlowdownRule
+
+__all__ = [
+    "POLICIES",
+    "POLICY_NAMES",
+    "BoostPolicy",
+    "FcfsPolicy",
+    "HrrnPolicy",
+    "PolicyParams",
+    "SchedulingPolicy",
+    "SjfPolicy",
+    "build_queue",
+    "make_policy",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyParams:
+    """Every policy parameter (each one is a setting)."""
+
+    boost_gamma_per_s: float = 0.05  # gamma, 1/s: jobs shorter than ~1/gamma s get a real boost
+    boost_auto_gamma: bool = False  # fit gamma online by the fixed-point rule (digest 2b)
+    boost_max_s: float = 600.0  # cap on any boost: boost's own starvation bound, seconds
+
+
+class SchedulingPolicy(Protocol):
+    name: str
+
+    def make_queue(self) -> JobQueue[Any]:
+        """A fresh queue ordered by this policy (no starvation guard, no fair share)."""
+        ...
+
+    def observe(self, job: Job[Any], measured_s: float) -> None:
+        """A job of this policy finished after ``measured_s`` seconds of service."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """Name, parameters and built-in bounds (for /queue and reports)."""
+        ...
+
+
+@dataclass(slots=True)
+class FcfsPolicy:
+    """First come, first served: the baseline for every benchmark."""
+
+    name: str = "fcfs"
+
+    def make_queue(self) -> JobQueue[Any]:
+        return HeapQueue(lambda j: (j.priority, j.arrival_s))
+
+    def observe(self, job: Job[Any], measured_s: float) -> None:
+        pass
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+
+@dataclass(slots=True)
+class SjfPolicy:
+    """Shortest predicted job first (paper 3.4): ascending predictor score, ties by arrival."""
+
+    name: str = "sjf"
+
+    def make_queue(self) -> JobQueue[Any]:
+        return HeapQueue(lambda j: (j.priority, j.score))
+
+    def observe(self, job: Job[Any], measured_s: float) -> None:
+        pass
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+
+@dataclass(slots=True)
+class BoostPolicy:
+    """gamma-boost: key = arrival_s - b(bucket), b learned per prediction bucket (see BoostTable)."""
+
+    table: BoostTable
+    name: str = "boost"
+
+    def key(self, job: Job[Any]) -> tuple[int, float]:
+        return job.priority, job.arrival_s - self.table.boost(job.bucket, job.predicted_s)
+
+    def make_queue(self) -> JobQueue[Any]:
+        return _NotingHeap(self.key, self.table)
+
+    def observe(self, job: Job[Any], measured_s: float) -> None:
+        self.table.observe(job.bucket, measured_s)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, **self.table.describe()}
+
+
+class _NotingHeap(HeapQueue[Any]):
+    """A boost heap that also records arrivals (the arrival rate for automatic gamma)."""
+
+    def __init__(self, key: Callable[[Job[Any]], Any], table: BoostTable) -> None:
+        super().__init__(key)
+        self.table = table
+
+    def push(self, job: Job[Any]) -> None:
+        self.table.note_arrival(job.arrival_s)
+        super().push(job)
+
+
+@dataclass(slots=True)
+class HrrnPolicy:
+    """Highest response ratio next (paper 001's parameter-free aging): (wait + S) / S, S = predicted_s."""
+
+    name: str = "hrrn"
+
+    @staticmethod
+    def rank(job: Job[Any], now: float) -> tuple[int, float]:
+        s = max(job.predicted_s, 1e-6)
+        return job.priority, -(now - job.arrival_s + s) / s
+
+    def make_queue(self) -> JobQueue[Any]:
+        return ScanQueue(self.rank)
+
+    def observe(self, job: Job[Any], measured_s: float) -> None:
+        pass
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+
+def _boost(params: PolicyParams) -> BoostPolicy:
+    table = BoostTable(params.boost_gamma_per_s, max_boost_s=params.boost_max_s, auto_gamma=params.boost_auto_gamma)
+    return BoostPolicy(table)
+
+
+POLICIES: dict[str, Callable[[PolicyParams], SchedulingPolicy]] = {
+    "fcfs": lambda p: FcfsPolicy(),
+    "sjf": lambda p: SjfPolicy(),
+    "boost": _boost,
+    "hrrn": lambda p: HrrnPolicy(),
+}
+POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
+
+
+def make_policy(name: str, params: PolicyParams | None = None) -> SchedulingPolicy:
+    """The policy called ``name``. Raises ValueError naming the known ones."""
+    try:
+        factory = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown scheduling policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
+    return factory(params or PolicyParams())
+
+
+def build_queue(
+    policy: SchedulingPolicy,
+    *,
+    starvation_timeout_s: float = math.inf,
+    starvation_slowdown: float | SlowdownRule = 0.0,
+    fair_share: bool = False,
+) -> JobQueue[Any]:
+    """The queue the dispatcher and the simulator drive: policy order, starvation guard (a job is
+    overdue after ``starvation_timeout_s + starvation_slowdown * predicted_s``), and optionally one
+    such queue per tenant under fair share."""
+    if not starvation_timeout_s > 0:
+        raise ValueError("starvation_timeout_s must be > 0 (math.inf disables it)")
+
+    def one() -> JobQueue[Any]:
+        inner = policy.make_queue()
+        if math.isinf(starvation_timeout_s):
+            return inner
+        return StarvationGuard(inner, starvation_timeout_s, starvation_slowdown)
+
+    return FairShareQueue(one) if fair_share else one()
+

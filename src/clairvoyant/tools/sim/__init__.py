@@ -1,0 +1,52 @@
+"""Discrete-event simulator of the proxy's non-preemptive queue, in virtual time.
+
+It drives the proxy's own queues and policies (``clairvoyant.scheduling.policy.build_queue`` over
+``clairvoyant.scheduling.job_queue``): no second SJF lives here. It never imports the dispatcher, the app or
+any HTTP library. Modules:
+
+    workload     arrivals (Poisson, burst) and service-time models (normal, lognormal, replay, prompts)
+    workload     also the two-tenant flood (``two_tenant_workload``)
+    predictors   scorers: oracle, noisy at a target ranking accuracy, label (right a fraction of the
+                 time), a real predictor over prompts; each gives score, predicted seconds, bucket
+    engine       the event loop: ``simulate(workload, beliefs, policy=, starvation_timeout_s=, slots=, ...)``
+    report       per-class percentiles, mean +/- std over seeds, JSON/CSV/markdown
+    plots        PNG plots (matplotlib, Agg)
+    experiments  conditions x seeds, and the paper's tau sweep and utilisation spectrum
+    compare      every policy on the paper, heavy-tailed and two-tenant workloads (issue 9)
+    command      ``clairvoyant simulate run | tau-sweep | spectrum | compare``
+"""
+
+from __future__ import annotations
+
+from clairvoyant.tools.sim.engine import Schedule, simulate
+from clairvoyant.tools.sim.experiments import Condition, Setup, paper_service, run_conditions, spectrum, tau_sweep
+from clairvoyant.tools.sim.predictors import NoisyScorer, OracleScorer, PredictorScorer, pairwise_accuracy
+from clairvoyant.tools.sim.workload import (
+    LognormalService,
+    NormalService,
+    PromptService,
+    ReplayService,
+    Workload,
+    make_workload,
+)
+
+__all__ = [
+    "Condition",
+    "LognormalService",
+    "NoisyScorer",
+    "NormalService",
+    "OracleScorer",
+    "PredictorScorer",
+    "PromptService",
+    "ReplayService",
+    "Schedule",
+    "Setup",
+    "Workload",
+    "make_workload",
+    "pairwise_accuracy",
+    "paper_service",
+    "run_conditions",
+    "simulate",
+    "spectrum",
+    "tau_sweep",
+]
