@@ -1,9 +1,11 @@
 """Step 4 (research): cost per prompt of the ONNX MiniLM regressor without torch: `tokenizers` + onnxruntime
 (single-threaded session, as serving runs its models), idle and under a real llama.cpp generation load
 (benchmarks/predictor_load.py), plus its transfer figure from the ONNX file (to check the export and the
-int8 quantization). Runs in the main venv (no torch) with `tokenizers` available.
+int8 quantization). The timed process never imports torch: it runs in a venv with onnxruntime, numpy, scipy and
+`tokenizers` only (the research venv; the main venv has no `tokenizers`); the llama.cpp load child runs with the
+main venv's Python (xllamacpp lives there).
 
-    PYTHONPATH=src:benchmarks nice -n 10 python research/bench_encoder.py --dir /tmp/rcache/enc --alpaca /work/shared/data/alpaca_eval_dev.jsonl
+    PYTHONPATH=benchmarks /tmp/encvenv/bin/python research/bench_encoder.py --dir /tmp/rcache/enc --alpaca /work/shared/data/alpaca_eval_dev.jsonl
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+MAIN_PYTHON = "/work/main/.venv/bin/python"
 
 
 def main() -> None:
@@ -68,11 +72,19 @@ def main() -> None:
 
         entry["idle"] = timing()
         if not args.no_load:
+            import sys
+
             from predictor_load import LoadProcess
 
-            with LoadProcess():
-                time.sleep(2.0)
-                entry["under_llamacpp_load"] = timing()
+            own = sys.executable
+            sys.executable = MAIN_PYTHON  # LoadProcess starts its child with sys.executable
+            try:
+                with LoadProcess():
+                    time.sleep(2.0)
+                    entry["under_llamacpp_load"] = timing()
+            finally:
+                sys.executable = own
+            assert "torch" not in sys.modules
         result[name] = entry
         print(name, json.dumps(entry), flush=True)
     (args.dir / "bench.json").write_text(json.dumps(result, indent=1))

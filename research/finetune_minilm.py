@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--later-ratio", type=float, default=1.0)
+    parser.add_argument("--resume", type=Path, help="a --out folder of an earlier run: continue from its model and step")
     args = parser.parse_args()
     torch.set_num_threads(2)
     torch.manual_seed(42)
@@ -66,9 +67,19 @@ def main() -> None:
     model = Regressor()
     with torch.no_grad():
         model.head.bias.fill_(0.0)
+    first_step = 0
+    previous: list = []
+    if args.resume:
+        model.load_state_dict(torch.load(args.resume / "model.pt", map_location="cpu"))
+        earlier = json.loads((args.resume / "trajectory.json").read_text())
+        first_step, previous = int(earlier["steps"]), earlier["trajectory"]
+        print(f"resuming at step {first_step}", flush=True)
     steps_per_epoch = len(rows) // args.batch
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 50) * max(0.05, 1 - k / steps_per_epoch))
+    # warm-up then linear decay over one epoch; a resumed run continues the schedule where it stopped
+    # (AdamW's moments restart from zero: a short re-warm-up of 20 steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda k: min(1.0, (k + 1) / (20 if first_step else 50)) * max(0.05, 1 - (k + first_step) / steps_per_epoch))
 
     def score(batch_texts: list[str]) -> np.ndarray:
         model.eval()
@@ -92,11 +103,11 @@ def main() -> None:
         return entry
 
     args.out.mkdir(parents=True, exist_ok=True)
-    trajectory = [evaluate(0, 0.0)]
+    trajectory = previous or [evaluate(0, 0.0)]
     start = time.perf_counter()
     model.train()
-    step = 0
-    for b in range(0, steps_per_epoch * args.batch, args.batch):
+    step = first_step
+    for b in range(first_step * args.batch, steps_per_epoch * args.batch, args.batch):
         idx = rows[b : b + args.batch]
         enc = tok([texts[i][:4000] for i in idx], padding=True, truncation=True, max_length=args.max_tokens,
                   return_tensors="pt")
@@ -113,7 +124,8 @@ def main() -> None:
             trajectory.append(evaluate(step, elapsed))
         if elapsed > args.minutes * 60:
             break
-    trajectory.append(evaluate(step, time.perf_counter() - start))
+    if not trajectory or trajectory[-1]["step"] != step:
+        trajectory.append(evaluate(step, time.perf_counter() - start))
     torch.save(model.state_dict(), args.out / "model.pt")
     (args.out / "trajectory.json").write_text(json.dumps({"rows": len(rows), "steps": step, "batch": args.batch,
                                                           "mean": mean, "std": std, "trajectory": trajectory}, indent=1))
