@@ -13,9 +13,9 @@ import json
 
 import numpy as np
 
-from clairvoyant.features import Prompt
-from clairvoyant.training.evaluate import load_alpaca_eval
-from clairvoyant.training.scoring import ModelScorer
+from clairvoyant.prediction.features import Prompt
+from clairvoyant.tools.training.evaluate import load_alpaca_eval
+from clairvoyant.tools.training.scoring import ModelScorer
 from common import CACHE, alpaca_taus, load, tau
 
 

@@ -13,8 +13,20 @@ from clairvoyant.errors import ModelError
 from clairvoyant.prediction.features import Prompt, get_feature_set
 from clairvoyant.prediction.predictor import DEFAULT_MODEL_PATH, OnnxPredictor, Prediction, card_path_for
 
-# The previous shipped model (balanced 3-class, P(Long), a schema-1 card): the class-model reference.
+# The previous shipped model (balanced 3-class, P(Long)): the class-model reference.
 BASELINE_PATH = DEFAULT_MODEL_PATH.parent / "baselines" / "rich_v2_3class.onnx"
+
+
+@pytest.fixture
+def schema1_model(tmp_path: Path) -> Path:
+    """The baseline class model with its card as schema 1 wrote it (no kind, output, score or calibration)."""
+    dst = tmp_path / "schema1.onnx"
+    shutil.copy(BASELINE_PATH, dst)
+    card = json.loads(card_path_for(BASELINE_PATH).read_text())
+    for key in ("kind", "output", "score", "calibration"):
+        card.pop(key, None)
+    card_path_for(dst).write_text(json.dumps({**card, "schema": 1}))
+    return dst
 
 xgboost = pytest.importorskip("xgboost")
 pytest.importorskip("onnxmltools")
@@ -236,8 +248,8 @@ def test_schema2_regressor_card_predicts_calibrated_tokens(regressor_model) -> N
     assert single[1].predicted_tokens > single[0].predicted_tokens
 
 
-def test_schema1_card_is_a_class_model_with_the_named_stand_in_calibration() -> None:
-    predictor = OnnxPredictor(BASELINE_PATH)
+def test_schema1_card_is_a_class_model_with_the_named_stand_in_calibration(schema1_model: Path) -> None:
+    predictor = OnnxPredictor(schema1_model)
     assert predictor.card["schema"] == 1
     assert predictor.calibration is STAND_IN_P_LONG_CALIBRATION and predictor.calibration.stand_in
     assert "stand-in" in predictor.calibration.method
@@ -271,9 +283,9 @@ def test_bad_schema2_cards_are_refused(regressor_model, tmp_path: Path, changes:
         OnnxPredictor(path)
 
 
-def test_the_cap_bounds_predicted_tokens_and_the_key() -> None:
+def test_the_cap_bounds_predicted_tokens_and_the_key(schema1_model: Path) -> None:
     """Issue 8 part 4: `max_tokens: 1` on an essay prompt was predicted Long (p_long 0.86)."""
-    predictor = OnnxPredictor(BASELINE_PATH)
+    predictor = OnnxPredictor(schema1_model)
     cal = predictor.calibration
     free = predictor.predict(Prompt(ESSAY))
     hi = predictor.predict(Prompt("hi"))
