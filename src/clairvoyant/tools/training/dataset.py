@@ -60,6 +60,15 @@ _ROLES = {
 }
 
 
+def split_fingerprint(train: Sequence[Pair], test: Sequence[Pair]) -> str:
+    """sha256 of the ordered train and test row keys (a split is reproduced iff this is)."""
+    digest = hashlib.sha256()
+    for name, rows in (("train", train), ("test", test)):
+        digest.update(name.encode())
+        for pair in rows:
+            digest.update(pair.key.encode() + b"\n")
+    return digest.hexdigest()
+
 @dataclass(frozen=True, slots=True)
 class Pair:
     """One user message and the assistant answer that followed it."""
@@ -253,12 +262,7 @@ class SplitData:
 
     def fingerprint(self) -> str:
         """sha256 of the ordered train and test row keys: evaluation checks it reproduces the split."""
-        digest = hashlib.sha256()
-        for name, rows in (("train", self.train), ("test", self.test)):
-            digest.update(name.encode())
-            for pair in rows:
-                digest.update(pair.key.encode() + b"\n")
-        return digest.hexdigest()
+        return split_fingerprint(self.train, self.test)
 
 
 def _is_test_group(group: str, seed: int, test_fraction: float) -> bool:
@@ -383,12 +387,8 @@ class NaturalSplit:
         return log_tokens(self.test_lengths)
 
     def fingerprint(self) -> str:
-        digest = hashlib.sha256()
-        for name, rows in (("train", self.train), ("test", self.test)):
-            digest.update(name.encode())
-            for pair in rows:
-                digest.update(pair.key.encode() + b"\n")
-        return digest.hexdigest()
+        """sha256 of the ordered train and test row keys: evaluation checks it reproduces the split."""
+        return split_fingerprint(self.train, self.test)
 
 
 def log_tokens(lengths: np.ndarray) -> np.ndarray:
