@@ -69,6 +69,7 @@ def split_fingerprint(train: Sequence[Pair], test: Sequence[Pair]) -> str:
             digest.update(pair.key.encode() + b"\n")
     return digest.hexdigest()
 
+
 @dataclass(frozen=True, slots=True)
 class Pair:
     """One user message and the assistant answer that followed it."""
