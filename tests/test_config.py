@@ -105,3 +105,15 @@ def test_readme_configuration_table_is_generated_from_the_settings() -> None:
     end = readme.index("<!-- settings-reference:end -->")
     assert readme[start:end] == settings_reference_markdown()
     assert all(f"`{name}`" in readme[start:end] for name in Settings.model_fields)
+
+
+def test_the_service_time_state_lives_beside_the_learners_unless_set() -> None:
+    from pathlib import Path
+
+    from clairvoyant.config import Settings
+
+    assert Settings().service_time_path is None
+    beside = Settings(learner_state_path=Path("/var/lib/cv/learner.npz"))
+    assert beside.service_time_path == Path("/var/lib/cv/learner.service-time.json")
+    own = Settings(learner_state_path=Path("/var/lib/cv/learner.npz"), service_time_state=Path("/tmp/s.json"))
+    assert own.service_time_path == Path("/tmp/s.json")

@@ -92,7 +92,9 @@ class Settings(BaseSettings):
     max_priority: int = Field(10, description="Least urgent priority a client may ask for; higher values are clamped.")
     forward_priority: bool = Field(False, description="Keep the body's 'priority' field when forwarding (vLLM accepts it).")
     service_time_state: Path | None = Field(
-        None, description="JSON file where the learned service-time model is kept across restarts; unset = memory only."
+        None,
+        description="JSON file where the learned service-time model is kept across restarts; unset = beside "
+        "learner_state_path (<stem>.service-time.json) when that is set, else memory only.",
     )
     slots: int = Field(1, ge=1, le=64, description="Requests in flight upstream at once (the backend's parallel slots).")
     max_queue: int = Field(256, ge=1, description="Waiting requests before new ones get 503 with Retry-After.")
@@ -145,6 +147,15 @@ class Settings(BaseSettings):
         if self.min_priority > self.max_priority:
             raise ValueError("min_priority must be <= max_priority")
         return self
+
+    @property
+    def service_time_path(self) -> Path | None:
+        """Where the service-time model is kept: its own setting, else beside the learner's state."""
+        if self.service_time_state is not None:
+            return self.service_time_state
+        if self.learner_state_path is not None:
+            return self.learner_state_path.with_name(self.learner_state_path.stem + ".service-time.json")
+        return None
 
     @field_validator("policy")
     @classmethod

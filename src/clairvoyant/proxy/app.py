@@ -92,7 +92,7 @@ def create_app(
             starvation_slowdown=slowdown,
             fair_share=settings.fair_share,
         )
-        service_time = ServiceTimeModel(path=settings.service_time_state)
+        service_time = ServiceTimeModel(path=settings.service_time_path)
         service_time.load()
         dispatcher = Dispatcher(
             queue, policy, slots=settings.slots, clock=clock, metrics=metrics, max_queue=settings.max_queue,
