@@ -230,15 +230,16 @@ class Dispatcher:
         self.metrics.depth_by_class[ticket.predicted_class].dec()
 
     def _learn(self, ticket: Ticket, service_s: float, usage: Usage | None) -> None:
-        # The slot's measured seconds against the backend's own token counts; where the backend
-        # reported none, the prompt estimate and the predicted output stand in.
+        # The slot's measured seconds against the inputs the model predicts from: the prompt's
+        # tokens (the backend's count when it reported one) and the PREDICTED output tokens. Fitting
+        # on predicted rather than produced output tokens makes predicted seconds the conditional
+        # mean of the slot time: the predictor's tokens are a median (log-space regression), and
+        # seconds must add up to an ETA. The produced tokens teach the length learner instead.
         job = ticket.job
         prompt_tokens = ticket.prompt_tokens
-        output_tokens = round(job.predicted_tokens)
-        if usage is not None:
-            prompt_tokens = usage.prompt_tokens if usage.prompt_tokens is not None else prompt_tokens
-            output_tokens = usage.output_tokens if usage.output_tokens is not None else output_tokens
-        self.service_time.observe(ticket.model, prompt_tokens, output_tokens, service_s)
+        if usage is not None and usage.prompt_tokens is not None:
+            prompt_tokens = usage.prompt_tokens
+        self.service_time.observe(ticket.model, prompt_tokens, round(job.predicted_tokens), service_s)
         self.policy.observe(job, service_s)
         if isinstance(self.starvation_slowdown, AdaptiveSlowdown):
             self.starvation_slowdown.observe(service_s)

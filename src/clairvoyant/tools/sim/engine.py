@@ -87,8 +87,8 @@ def simulate(
     dispatcher tells it when a request ends. An ``AdaptiveSlowdown`` is told each completion too. ``priority`` (int per request, lower = sooner) and
     the workload's tenants feed the job record. With ``service_time`` (and predicted tokens in the
     beliefs) predicted seconds come from that online model as in the proxy: predicted at arrival,
-    taught each completion's measured seconds with the predicted tokens (the proxy's stand-in until
-    usage records land). Raises ValueError on mismatched lengths,
+    taught each completion's measured seconds with the predicted tokens (as the dispatcher does: see
+    ``Dispatcher._learn``). Raises ValueError on mismatched lengths,
     ``slots`` < 1 or a non-positive timeout.
     """
     n = len(workload)
