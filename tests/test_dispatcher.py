@@ -129,3 +129,31 @@ def test_queue_position_counts_the_requests_dispatched_ahead_while_waiting() -> 
         await d.stop()
 
     asyncio.run(scenario())
+
+
+def test_the_service_time_state_is_written_every_50_completions_in_a_worker_thread(tmp_path) -> None:
+    import json
+
+    from clairvoyant.scheduling.service_time import ServiceTimeModel
+
+    async def scenario() -> None:
+        clock = ManualClock()
+        pol = make_policy("fcfs")
+        path = tmp_path / "st.json"
+        d = Dispatcher(build_queue(pol), pol, slots=1, clock=clock, metrics=Metrics(), max_queue=10,
+                       service_time=ServiceTimeModel(path=path))
+        await d.start()
+        for i in range(50):
+            t = submit(d, f"r{i}", clock.now(), 1.0)
+            async with d.lease(t) as lease:
+                clock.advance(1.0)
+                lease.completed = True
+            assert not path.exists() or i == 49
+        for _ in range(50):  # the write runs in a worker thread, tracked by the dispatcher
+            if path.exists():
+                break
+            await asyncio.sleep(0.01)
+        assert json.loads(path.read_text())["models"][""]["n"] == 50
+        await d.stop()
+
+    asyncio.run(scenario())

@@ -28,6 +28,7 @@ import time
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from clairvoyant.clock import Clock
@@ -36,7 +37,7 @@ from clairvoyant.scheduling.job_queue import Job, JobQueue
 from clairvoyant.metrics import Metrics
 from clairvoyant.scheduling.policy import SchedulingPolicy
 from clairvoyant.prediction.predictor import Prediction
-from clairvoyant.scheduling.service_time import ServiceTimeModel
+from clairvoyant.scheduling.service_time import ServiceTimeModel, write_state
 from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
 from clairvoyant.prediction.usage import Usage
 
@@ -244,12 +245,23 @@ class Dispatcher:
         if isinstance(self.starvation_slowdown, AdaptiveSlowdown):
             self.starvation_slowdown.observe(service_s)
         self._observed += 1
-        if self._observed % _SAVE_EVERY == 0:
-            self._save_state()
+        if self._observed % _SAVE_EVERY == 0 and self.service_time.path is not None:
+            # Written in a worker thread (fsync can take milliseconds); the snapshot is taken here.
+            self.run_detached(
+                asyncio.to_thread(self._write_state, self.service_time.path, self.service_time.snapshot()),
+                name="service-time-save",
+            )
 
     def _save_state(self) -> None:
         try:
             self.service_time.save()
+        except OSError as exc:
+            logger.warning("cannot save the service-time state: %s", exc)
+
+    @staticmethod
+    def _write_state(path: Path, state: dict[str, Any]) -> None:
+        try:
+            write_state(path, state)
         except OSError as exc:
             logger.warning("cannot save the service-time state: %s", exc)
 

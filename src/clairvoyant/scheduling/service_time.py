@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ServiceTimeModel", "ServiceTimeDefaults"]
+__all__ = ["ServiceTimeDefaults", "ServiceTimeModel", "write_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -118,21 +118,17 @@ class ServiceTimeModel:
         """Write the state atomically (temporary file in the same folder, then rename)."""
         if self.path is None:
             return
-        state: dict[str, Any] = {
+        write_state(self.path, self.snapshot())
+
+    def snapshot(self) -> dict[str, Any]:
+        """The state to save, copied (cheap: a few numbers per model), so another thread may write it."""
+        return {
             "version": 1,
-            "models": {name: {"theta": r.theta, "p": r.p, "n": r.n} for name, r in self._models.items()},
+            "models": {
+                name: {"theta": list(r.theta), "p": [list(row) for row in r.p], "n": r.n}
+                for name, r in self._models.items()
+            },
         }
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "w") as fh:
-                json.dump(state, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
 
     def load(self) -> bool:
         """Read the state file if there is one; a corrupt file is logged and ignored. True if loaded."""
@@ -151,3 +147,19 @@ class ServiceTimeModel:
             return False
         self._models = models
         return True
+
+
+def write_state(path: Path, state: dict[str, Any]) -> None:
+    """Write ``state`` (a ``snapshot``) to ``path`` atomically: a temporary file in the same folder,
+    fsynced, then renamed over the old one. Safe to run in a worker thread."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
