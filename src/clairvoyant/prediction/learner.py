@@ -56,7 +56,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -67,6 +66,7 @@ from typing import Any
 import numpy as np
 
 from clairvoyant.prediction.predictor import Prediction, log_tokens
+from clairvoyant.state_file import atomic_writer
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -637,17 +637,8 @@ class OnlineLearner:
         meta = {"format": STATE_FORMAT, "identity": self.identity.as_dict(), "models": keys,
                 "observations": observations, "config": asdict(self.config)}
         arrays["meta"] = np.array(json.dumps(meta))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                np.savez(fh, **arrays)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_writer(path, "wb") as fh:
+            np.savez(fh, **arrays)
 
     @classmethod
     def load(cls, path: Path | str, identity: PriorIdentity, config: LearnerConfig | None = None) -> OnlineLearner:

@@ -17,11 +17,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from clairvoyant.state_file import atomic_writer
 
 __all__ = ["ServiceTimeDefaults", "ServiceTimeModel", "write_state"]
 
@@ -152,14 +152,5 @@ class ServiceTimeModel:
 def write_state(path: Path, state: dict[str, Any]) -> None:
     """Write ``state`` (a ``snapshot``) to ``path`` atomically: a temporary file in the same folder,
     fsynced, then renamed over the old one. Safe to run in a worker thread."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(state, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_writer(path) as fh:
+        json.dump(state, fh)
