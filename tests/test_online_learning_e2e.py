@@ -16,7 +16,6 @@ import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np

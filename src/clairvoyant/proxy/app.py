@@ -240,8 +240,8 @@ async def _scheduled(request: Request) -> ScheduledResponse:
     oracle = parsed.proxy_options.get("output_tokens")
     if settings.allow_oracle and isinstance(oracle, (int, float)) and not isinstance(oracle, bool):
         score = predicted_tokens = float(oracle)  # benchmark-only: the true length, the ideal ordering
-    if parsed.cap_tokens is not None:  # the oracle too is bounded by the request's own cap
-        predicted_tokens = min(predicted_tokens, float(parsed.cap_tokens))
+        if parsed.cap_tokens is not None:  # the predictor applied the cap itself; the oracle must too
+            predicted_tokens = min(predicted_tokens, float(parsed.cap_tokens))
     forward_body = parsed.forward_body
     bench_fields = parsed.proxy_options.get("upstream")
     if settings.bench_upstream_fields and isinstance(bench_fields, dict):
