@@ -26,7 +26,7 @@ from clairvoyant.scheduling.policy import POLICY_NAMES
 __all__ = ["CLI_FLAGS", "ENV_PREFIX", "Settings", "load_settings", "settings_reference_markdown"]
 
 ENV_PREFIX = "CLAIRVOYANT_"
-DisconnectMode = Literal["drain", "abort"]
+DisconnectMode = Literal["auto", "drain", "abort"]
 
 
 # Settings that `clairvoyant serve` also takes as command-line flags (they override everything).
@@ -103,12 +103,42 @@ class Settings(BaseSettings):
     )
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above).")
     connect_timeout_s: float = Field(10.0, gt=0, description="Timeout to connect to the backend (504 when exceeded).")
+    first_byte_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Seconds from sending a request until the backend's response headers (504 beyond). Covers a cold "
+        "model load; a NON-streamed answer's headers come only when it is fully generated, so this also bounds it.",
+    )
     read_timeout_s: float | None = Field(
-        None, gt=0, description="Timeout between bytes from the backend; unset = none (long answers take minutes)."
+        None, gt=0, description="Timeout between bytes from the backend once it answers; unset = none (long answers take minutes)."
+    )
+    backend_wait_s: float = Field(
+        30.0,
+        ge=0,
+        description="A request not yet sent whose backend is down (refused connection, or 503 while a model loads) "
+        "waits this long for it to come back, health-checked with backoff, before its 502/503.",
     )
     disconnect_mode: DisconnectMode = Field(
-        "abort",
-        description="When a client leaves mid-generation: abort the upstream request, or drain it to its end.",
+        "auto",
+        description="When a client leaves mid-generation: abort the upstream request, drain it to its end (the slot "
+        "stays busy until the backend is), or auto: abort streams, drain non-streamed requests (llama.cpp does not "
+        "stop a non-streamed generation when its connection closes). See docs/design.md.",
+    )
+    client_timeout_s: float = Field(
+        30.0, gt=0, description="A client must send its request headers, and then its body, within this many seconds each (408 beyond)."
+    )
+    keep_alive_timeout_s: float = Field(5.0, gt=0, description="An idle client keep-alive connection is closed after this many seconds.")
+    max_header_bytes: int = Field(
+        64 * 1024, ge=1024, description="Largest request line + headers accepted, bytes (431 beyond)."
+    )
+    max_connections: int = Field(
+        2048, ge=1, description="Open client connections at most; a connection beyond gets 503 and is closed."
+    )
+    shutdown_grace_s: float = Field(
+        8.0,
+        ge=0,
+        description="On SIGTERM: queued requests get 503 at once; in-flight answers may finish for this many seconds, "
+        "then end with an error event. (docker stop waits 10 s before SIGKILL.)",
     )
     model_path: Path | None = Field(None, description="ONNX predictor model (its .card.json beside it); unset = shipped model.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")

@@ -5,7 +5,10 @@
     ├── ModelError                   model file or card missing, corrupt or mismatched (start-up)
     └── RequestError                 answered to a client
         ├── BadRequest               400 malformed JSON, missing or ill-typed fields
+        ├── RequestTimeout           408 headers or body not received within client_timeout_s
         ├── PayloadTooLarge          413 body over the configured limit
+        ├── HeadersTooLarge          431 request headers over max_header_bytes
+        ├── ClientGone               the client closed the connection mid-upload (nobody to answer)
         ├── QueueFull                503 the waiting queue is at capacity (carries Retry-After)
         ├── UpstreamUnavailable      502 backend refused or dropped the connection
         └── UpstreamTimeout          504 backend did not connect/answer in time
@@ -18,11 +21,14 @@ from __future__ import annotations
 __all__ = [
     "BadRequest",
     "ClairvoyantError",
+    "ClientGone",
+    "HeadersTooLarge",
     "ConfigError",
     "ModelError",
     "PayloadTooLarge",
     "QueueFull",
     "RequestError",
+    "RequestTimeout",
     "UpstreamTimeout",
     "UpstreamUnavailable",
 ]
@@ -45,10 +51,11 @@ class RequestError(ClairvoyantError):
     error_type: str = "server_error"
     code: str | None = None
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(self, message: str, *, param: str | None = None, detail: str | None = None) -> None:
         super().__init__(message)
-        self.message = message
+        self.message = message  # sent to the client: never an internal address or a secret
         self.param = param
+        self.detail = detail or message  # for the proxy's own log only
 
     @property
     def headers(self) -> dict[str, str]:
@@ -59,6 +66,27 @@ class BadRequest(RequestError):
     status_code = 400
     error_type = "invalid_request_error"
     code = "bad_request"
+
+
+class RequestTimeout(RequestError):
+    status_code = 408
+    error_type = "invalid_request_error"
+    code = "request_timeout"
+
+
+class HeadersTooLarge(RequestError):
+    status_code = 431
+    error_type = "invalid_request_error"
+    code = "request_header_fields_too_large"
+
+
+class ClientGone(RequestError):
+    """The client closed its connection before its request was read: there is nobody to answer.
+    The status is nginx's 499 ("client closed request"), for the proxy's own counters only."""
+
+    status_code = 499
+    error_type = "invalid_request_error"
+    code = "client_closed_request"
 
 
 class PayloadTooLarge(RequestError):
@@ -85,6 +113,10 @@ class UpstreamUnavailable(RequestError):
     status_code = 502
     error_type = "server_error"
     code = "upstream_unavailable"
+
+    def __init__(self, message: str, *, detail: str | None = None, never_sent: bool = False) -> None:
+        super().__init__(message, detail=detail)
+        self.never_sent = never_sent  # the connection could not be opened: the backend never saw it
 
 
 class UpstreamTimeout(RequestError):

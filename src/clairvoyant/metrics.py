@@ -77,6 +77,10 @@ class Metrics:
         self.upstream_errors = Counter(
             "clairvoyant_upstream_errors", "Backend failures by kind (unavailable, timeout).", ["kind"], registry=r,
         )
+        self.client_rejections = Counter(
+            "clairvoyant_client_rejections", "Client connections cut off by a limit (client_timeout, header_too_large, max_connections).",
+            ["reason"], registry=r,
+        )
         self.client_disconnects = Counter(
             "clairvoyant_client_disconnects", "Clients that left before their answer ended, by stage.",
             ["stage"], registry=r,
@@ -88,7 +92,7 @@ class Metrics:
         self.end_to_end_by_class = {cls: self.end_to_end.labels(cls) for cls in CLASSES}
         self.ttft_by_class = {cls: self.ttft.labels(cls) for cls in CLASSES}
         self.rejections_by_reason = {r: self.rejections.labels(r) for r in ("queue_full", "too_large", "bad_request")}
-        self.disconnects_by_stage = {s: self.client_disconnects.labels(s) for s in ("queued", "streaming")}
+        self.disconnects_by_stage = {s: self.client_disconnects.labels(s) for s in ("upload", "queued", "streaming")}
         self.upstream_errors_by_kind = {k: self.upstream_errors.labels(k) for k in ("unavailable", "timeout")}
         self._requests_children: dict[tuple[str, str, str], Counter] = {}
 

@@ -18,12 +18,13 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from clairvoyant.clock import Clock, MonotonicClock
 from clairvoyant.config import Settings
 from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, dialect_of_path, error_body, parse_request, with_upstream_fields
 from clairvoyant.scheduling.dispatcher import Dispatcher, Ticket
-from clairvoyant.errors import BadRequest, PayloadTooLarge, QueueFull, RequestError
+from clairvoyant.errors import BadRequest, ClientGone, PayloadTooLarge, QueueFull, RequestError
 from clairvoyant.proxy.feedback import OnlineLearning
 from clairvoyant.scheduling.job_queue import Job
 from clairvoyant.metrics import CONTENT_TYPE_LATEST, Metrics
@@ -75,6 +76,7 @@ def create_app(
             settings.upstream_url,
             connect_timeout_s=settings.connect_timeout_s,
             read_timeout_s=settings.read_timeout_s,
+            first_byte_timeout_s=settings.first_byte_timeout_s,
             transport=upstream_transport,
         )
         policy = make_policy(
@@ -103,9 +105,10 @@ def create_app(
         app.state.proxy = ProxyState(settings, loaded, upstream, dispatcher, metrics, learning)
         logger.info(
             "clairvoyant ready: upstream=%s policy=%s tau=%ss+%sxS slots=%d max_queue=%d disconnect_mode=%s",
-            settings.upstream_url, settings.policy, settings.starvation_timeout_s, settings.starvation_slowdown, settings.slots,
+            upstream.display_url, settings.policy, settings.starvation_timeout_s, settings.starvation_slowdown, settings.slots,
             settings.max_queue, settings.disconnect_mode,
         )
+        dispatcher.run_detached(_check_upstream_at_start(upstream), name="upstream-check")
         try:
             yield
         finally:
@@ -120,6 +123,11 @@ def create_app(
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, exc: RequestError) -> Response:
+        if isinstance(exc, ClientGone):  # nobody to answer: counted and logged once, no traceback
+            metrics.disconnects_by_stage["upload"].inc()
+            metrics.count_request(_endpoint_label(request.url.path), dialect_of_path(request.url.path).value, "client_closed")
+            logger.info("client left during its upload: %s %s", request.method, request.url.path)
+            return Response(status_code=exc.status_code)
         reason = next((r for cls, r in _REJECTION_REASONS.items() if isinstance(exc, cls)), None)
         if reason is not None:
             metrics.rejections_by_reason[reason].inc()
@@ -138,12 +146,11 @@ def create_app(
     async def readyz(request: Request) -> Response:
         state: ProxyState = request.app.state.proxy
         checks: dict[str, Any] = {"model_loaded": state.predictor is not None, "dispatcher": state.dispatcher.healthy}
-        try:
-            await state.upstream.get("/", timeout_s=2.0)
-            checks["upstream"] = True
-        except RequestError as exc:
-            checks["upstream"] = False
-            checks["upstream_error"] = exc.message
+        problem = await state.upstream.probe()
+        checks["upstream"] = problem is None
+        if problem is not None:
+            checks["upstream_error"] = "the backend is not ready"  # the detail (its address) stays in the log
+            logger.info("readiness: %s", problem)
         ready = checks["model_loaded"] and checks["dispatcher"] and checks["upstream"]
         return JSONResponse({"status": "ready" if ready else "not_ready", **checks}, status_code=200 if ready else 503)
 
@@ -173,25 +180,43 @@ def create_app(
     return app
 
 
+async def _check_upstream_at_start(upstream: Upstream) -> None:
+    """Start anyway, but say so when the backend cannot be reached (requests will wait for it)."""
+    try:
+        problem = await upstream.probe(timeout_s=5.0)
+    except Exception as exc:  # a background check must never fail loudly
+        problem = repr(exc)
+    if problem is not None:
+        logger.warning("the backend at %s is not ready yet (%s); requests will wait for it", upstream.display_url, problem)
+
+
+def _endpoint_label(path: str) -> str:
+    return path if path in SCHEDULED_ENDPOINTS else "passthrough"
+
+
 def _error_response(request: Request, exc: RequestError, metrics: Metrics) -> Response:
     path = request.url.path
     dialect = dialect_of_path(path)
-    endpoint = path if path in SCHEDULED_ENDPOINTS else "passthrough"
-    metrics.count_request(endpoint, dialect.value, str(exc.status_code))
+    metrics.count_request(_endpoint_label(path), dialect.value, str(exc.status_code))
     return Response(
         error_body(dialect, exc), status_code=exc.status_code, headers=exc.headers, media_type="application/json"
     )
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
+    """The whole body, or ``PayloadTooLarge``; ``ClientGone`` when the client closes mid-upload.
+    (A client that stalls is cut off by the server's body timeout, which ends here as ``ClientGone``.)"""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+    except ClientDisconnect:
+        raise ClientGone("the client closed the connection before sending its whole request") from None
     return bytes(body)
 
 
@@ -282,6 +307,8 @@ async def _scheduled(request: Request) -> ScheduledResponse:
         dispatcher=dispatcher,
         ticket=ticket,
         disconnect_mode=settings.disconnect_mode,
+        stream=parsed.stream,
+        backend_wait_s=settings.backend_wait_s,
         on_usage=state.learning.recorder,
     )
 
@@ -293,4 +320,6 @@ async def _passthrough(request: Request) -> PassthroughResponse:
         request.method, request.url.path, request.url.query, list(request.headers.items()), body,
         dialect_of_path(request.url.path),
     )  # fmt: skip
-    return PassthroughResponse(Relay(state.upstream, upstream_request, state.metrics))
+    return PassthroughResponse(
+        Relay(state.upstream, upstream_request, state.metrics, backend_wait_s=state.settings.backend_wait_s)
+    )

@@ -40,8 +40,8 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from clairvoyant.prediction.dialects import Dialect, error_body, stream_error_event
-from clairvoyant.scheduling.dispatcher import Dispatcher, Ticket
-from clairvoyant.errors import RequestError, UpstreamTimeout
+from clairvoyant.scheduling.dispatcher import Dispatcher, ShuttingDown, Ticket
+from clairvoyant.errors import RequestError, UpstreamTimeout, UpstreamUnavailable
 from clairvoyant.metrics import Metrics
 from clairvoyant.proxy.upstream import Upstream, response_headers
 from clairvoyant.prediction.usage import Usage, UsageTap
@@ -83,27 +83,62 @@ class Relay:
     on_usage: Callable[[Usage], None] | None = None
     now: Callable[[], float] = time.monotonic  # seconds; the dispatcher's clock for scheduled requests
     model: str | None = None  # the model the request named (usage falls back to it)
+    backend_wait_s: float = 0.0  # seconds a not-yet-sent request waits for a backend that is down
+    retry_unavailable: bool = False  # also wait and resend when the backend answers 503 (scheduled requests)
     status: int | None = None  # sent status, once sent
     outcome: str = "pending"
     client_gone: bool = False
     _content_type: str = field(default="", repr=False)
     _sent_s: float = field(default=0.0, repr=False)  # clock seconds when the request went upstream
+    _interrupt_requested: bool = field(default=False, repr=False)
 
     async def run(self, send: Send) -> None:
-        r = self.request
-        self._sent_s = self.now()
         try:
-            response = await self.upstream.open(r.method, r.path, query=r.query, headers=r.headers, body=r.body)
+            response = await self._open()
         except RequestError as exc:
             self._count_upstream_error(exc)
             self.outcome = "upstream_error"
             if not self.client_gone:
                 await self.send_error(send, exc)
             return
+        except asyncio.CancelledError:
+            if not self._interrupted():
+                raise
+            self.outcome = "shutdown"
+            if not self.client_gone:
+                await self.send_error(send, ShuttingDown("the proxy is shutting down; retry"))
+            return
         try:
             await self._relay_body(response, send)
         finally:
             await response.aclose()
+
+    async def _open(self) -> httpx.Response:
+        """Open the upstream request. While the backend is down (connection refused) or, for a
+        scheduled request, answers 503 (a model loading, its queue full), nothing has been
+        generated: wait for its health check, up to ``backend_wait_s`` from the first failure, and
+        send again."""
+        r = self.request
+        deadline_s: float | None = None
+        while True:
+            self._sent_s = self.now()
+            try:
+                response = await self.upstream.open(r.method, r.path, query=r.query, headers=r.headers, body=r.body)
+            except UpstreamUnavailable as exc:
+                if not exc.never_sent:
+                    raise
+                deadline_s = deadline_s if deadline_s is not None else time.monotonic() + self.backend_wait_s
+                if time.monotonic() >= deadline_s or not await self.upstream.wait_until_ready(deadline_s):
+                    raise
+                continue
+            if response.status_code != 503 or not self.retry_unavailable:
+                return response
+            deadline_s = deadline_s if deadline_s is not None else time.monotonic() + self.backend_wait_s
+            if time.monotonic() >= deadline_s:
+                return response  # relayed as it is: the backend's own 503 and reason
+            await response.aclose()
+            logger.info("the backend answered 503 before starting; waiting up to %.0f s for it", deadline_s - time.monotonic())
+            await self.upstream.wait_until_ready(deadline_s)
 
     async def _relay_body(self, response: httpx.Response, send: Send) -> None:
         self.status = response.status_code
@@ -132,9 +167,13 @@ class Relay:
         except RequestError as exc:
             self._count_upstream_error(exc)
             self.outcome = "upstream_error_mid_body"
-            if not self.client_gone:
-                event = stream_error_event(self.request.dialect, self._content_type, exc)
-                await send({"type": "http.response.body", "body": event, "more_body": False})
+            await self._end_with_error(send, exc)
+            return
+        except asyncio.CancelledError:
+            if not self._interrupted():
+                raise
+            self.outcome = "shutdown"  # the grace period ran out: end the answer in its own framing
+            await self._end_with_error(send, ShuttingDown("the proxy shut down before the answer was complete"))
             return
         if tap is not None and self.on_usage is not None:
             # Before the last send: the observation is in once the client has it all.
@@ -144,6 +183,25 @@ class Relay:
             self.outcome = "completed"
         else:
             self.outcome = "client_left_streaming"  # drained to the end
+
+    async def _end_with_error(self, send: Send, exc: RequestError) -> None:
+        if not self.client_gone:
+            event = stream_error_event(self.request.dialect, self._content_type, exc)
+            await send({"type": "http.response.body", "body": event, "more_body": False})
+
+    def interrupt(self, task: asyncio.Task[Any]) -> None:
+        """End this relay now (``task`` runs it): the answer so far ends with an error event."""
+        self._interrupt_requested = True
+        task.cancel()
+
+    def _interrupted(self) -> bool:
+        """Whether a cancellation is our own ``interrupt`` (then it is consumed, not propagated)."""
+        if not self._interrupt_requested:
+            return False
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        return True
 
     async def send_error(self, send: Send, exc: RequestError) -> None:
         body = error_body(self.request.dialect, exc)
@@ -155,6 +213,7 @@ class Relay:
 
     def _count_upstream_error(self, exc: RequestError) -> None:
         self.metrics.upstream_errors_by_kind["timeout" if isinstance(exc, UpstreamTimeout) else "unavailable"].inc()
+        logger.warning("upstream error on %s %s: %s", self.request.method, self.request.path, exc.detail)
 
 
 class _AsgiOnly(Response):
@@ -204,19 +263,25 @@ class ScheduledResponse(_AsgiOnly):
         metrics: Metrics,
         dispatcher: Dispatcher,
         ticket: Ticket,
-        disconnect_mode: Literal["drain", "abort"] = "abort",
+        disconnect_mode: Literal["auto", "drain", "abort"] = "auto",
+        stream: bool = True,  # the client asked for a stream (decides ``auto``)
+        backend_wait_s: float = 0.0,
         on_usage: Callable[[Ticket, Usage], None] | None = None,  # a completed answer's usage (the learner)
     ) -> None:
         super().__init__()
         self.dispatcher = dispatcher
         self.ticket = ticket
         self.metrics = metrics
-        self.disconnect_mode = disconnect_mode
+        # auto: llama.cpp stops a stream within ~0.2 s of its connection closing, but not a
+        # non-streamed generation (measured: benchmarks/llamacpp_disconnect.py), so a non-streamed
+        # request is drained to keep the slot busy exactly as long as the backend is.
+        self.abort_on_leave = disconnect_mode == "abort" or (disconnect_mode == "auto" and stream)
         self.on_usage = on_usage
         self.usage: Usage | None = None
         self.relay = Relay(
             upstream, request, metrics, self._own_headers, self._first_byte,
             on_usage=self._record_usage, now=dispatcher.clock.now, model=ticket.model,
+            backend_wait_s=backend_wait_s, retry_unavailable=True,
         )
         self.stage = "queued"  # queued -> relaying -> done
 
@@ -225,6 +290,9 @@ class ScheduledResponse(_AsgiOnly):
         try:
             async with self.dispatcher.lease(self.ticket) as lease:
                 self.stage = "relaying"
+                task = asyncio.current_task()
+                assert task is not None
+                self.ticket.interrupt = lambda: self.relay.interrupt(task)
                 await self.relay.run(send)
                 finished = self.relay.outcome in ("completed", "client_left_streaming")
                 if finished:
@@ -259,7 +327,7 @@ class ScheduledResponse(_AsgiOnly):
             return
         self.relay.outcome = "client_left_streaming"
         self.metrics.disconnects_by_stage["streaming"].inc()
-        if self.disconnect_mode == "abort":
+        if self.abort_on_leave:
             life.cancel()  # closes the backend connection, then the lease releases the slot
         # drain: the task reads the backend's answer to its end (tracked by the dispatcher)
 

@@ -1,4 +1,4 @@
-"""`clairvoyant serve`: run the proxy on uvicorn."""
+"""`clairvoyant serve`: run the proxy (proxy/server.py: uvicorn with client limits and graceful shutdown)."""
 
 from __future__ import annotations
 
@@ -42,9 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from clairvoyant.proxy.app import create_app
+    from clairvoyant.proxy.server import build_server
     from clairvoyant.config import load_settings
     from clairvoyant.prediction.predictor import OnnxPredictor
 
@@ -58,5 +57,5 @@ def run(args: argparse.Namespace) -> int:
         "predictor %s (feature set %s)", predictor.model_path, predictor.feature_set_name
     )
     app = create_app(settings, predictor=predictor)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+    build_server(app, settings).run()
     return 0

@@ -1,25 +1,40 @@
 """The HTTP client to the backend (Ollama or llama.cpp's server).
 
 Every httpx exception is translated here into ``UpstreamUnavailable`` (502) or ``UpstreamTimeout``
-(504); nothing above this module sees an httpx error type. There is no read timeout by default
-(generation takes minutes), only a connect timeout.
+(504); nothing above this module sees an httpx error type. Client-facing messages never name the
+backend's address (it may carry credentials); the log detail does, with userinfo redacted.
+
+Timeouts: connect ``connect_timeout_s``; the response headers within ``first_byte_timeout_s`` of
+sending (a cold model load, or a whole non-streamed answer); between body bytes ``read_timeout_s``
+(none by default: long answers take minutes).
+
+A request is sent again only when the backend cannot have acted on it (see ``_never_read``):
+nothing is ever resent after the backend may have read it, so a generation is never duplicated.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from clairvoyant.errors import UpstreamTimeout, UpstreamUnavailable
+from clairvoyant.errors import RequestError, UpstreamTimeout, UpstreamUnavailable
 
-__all__ = ["HOP_BY_HOP", "Upstream", "forwardable_headers", "response_headers"]
+__all__ = ["HOP_BY_HOP", "Upstream", "forwardable_headers", "redact_url", "response_headers"]
 
 logger = logging.getLogger(__name__)
 
-# Resends after the server dropped a pooled connection without answering (see Upstream.open).
-STALE_CONNECTION_RETRIES = 2
+# Resends of a request the backend provably never read (a reused connection it had closed).
+UNREAD_RETRIES = 2
+# Pooled connections idle longer than this are dropped, below the 5 s idle timeout of llama.cpp's
+# server and uvicorn: closing first ourselves avoids racing the backend's close of an idle connection.
+KEEPALIVE_EXPIRY_S = 2.0
+HEALTH_PATH = "/health"  # llama.cpp: 503 while the model loads; other backends 404 (alive is enough)
 
 # RFC 9110 7.6.1 hop-by-hop headers, plus those the proxy recomputes itself.
 HOP_BY_HOP = frozenset(
@@ -28,6 +43,15 @@ HOP_BY_HOP = frozenset(
         "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host",
     }
 )
+
+
+def redact_url(url: str) -> str:
+    """The URL with any user:password replaced by ``***`` (for logs and status pages)."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"***@{host}"))
 
 
 def forwardable_headers(
@@ -50,10 +74,39 @@ def forwardable_headers(
     return [(k, v) for k, v in pairs if k.lower() not in HOP_BY_HOP and k.lower() not in named]
 
 
-def _translate(exc: httpx.HTTPError, base_url: str) -> Exception:
-    if isinstance(exc, httpx.TimeoutException):
-        return UpstreamTimeout(f"the backend at {base_url} did not answer in time ({type(exc).__name__})")
-    return UpstreamUnavailable(f"the backend at {base_url} is unreachable or failed: {type(exc).__name__}: {exc}")
+class _SendTrace:
+    """What httpcore reports of one attempt: a fresh connection, and how far the request got."""
+
+    __slots__ = ("events",)
+
+    def __init__(self) -> None:
+        self.events: set[str] = set()
+
+    async def __call__(self, event: str, info: dict[str, Any]) -> None:
+        self.events.add(event)
+
+    def never_read(self, exc: httpx.HTTPError) -> bool:
+        """True only when the backend provably did not act on the request: it went out on a REUSED
+        connection (a fresh one that fails means the backend is down or broken: no resend), and
+        either it was not fully written, or the backend reset the connection. A reset means the
+        backend closed with our bytes unread in its socket (a clean close after reading would be a
+        FIN, not a reset). A clean close after the request went out is never resent: the backend
+        may have read it and be generating."""
+        traced = "http11.send_request_headers.started" in self.events
+        if not traced or "connection.connect_tcp.started" in self.events:
+            return False  # no trace (a test transport) or a fresh connection: no proof
+        if "http11.send_request_body.complete" not in self.events:
+            return True
+        return _was_reset(exc)
+
+
+def _was_reset(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, (ConnectionResetError, BrokenPipeError)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 class Upstream:
@@ -65,17 +118,27 @@ class Upstream:
         *,
         connect_timeout_s: float = 10.0,
         read_timeout_s: float | None = None,
+        first_byte_timeout_s: float | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.display_url = redact_url(self.base_url)
+        self.first_byte_timeout_s = first_byte_timeout_s
         timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=connect_timeout_s, pool=None)
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=timeout,
             transport=transport,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=32, keepalive_expiry=KEEPALIVE_EXPIRY_S),
             follow_redirects=False,
         )
+
+    def _translate(self, exc: httpx.HTTPError | TimeoutError, what: str) -> RequestError:
+        detail = f"{what} at {self.display_url}: {type(exc).__name__}: {exc}"
+        if isinstance(exc, (httpx.TimeoutException, TimeoutError)):
+            return UpstreamTimeout(f"the backend did not answer in time ({what})", detail=detail)
+        kind = "unreachable" if isinstance(exc, httpx.ConnectError) else "failed"
+        return UpstreamUnavailable(f"the backend is {kind} ({type(exc).__name__})", detail=detail)
 
     async def open(
         self,
@@ -86,21 +149,31 @@ class Upstream:
         headers: Iterable[tuple[str, str]] = (),
         body: bytes = b"",
     ) -> httpx.Response:
-        """Send a request and return the response with its body not yet read. Close it with ``close``."""
+        """Send a request and return the response with its body not yet read. Close it with ``close``.
+
+        Raises ``UpstreamUnavailable`` (``never_sent`` when the connection could not be opened) or
+        ``UpstreamTimeout``.
+        """
         url = path + (f"?{query}" if query else "")
-        request = self._client.build_request(method, url, headers=forwardable_headers(headers), content=body)
-        for attempt in range(STALE_CONNECTION_RETRIES + 1):
+        forwarded = forwardable_headers(headers)
+        for attempt in range(UNREAD_RETRIES + 1):
+            trace = _SendTrace()
+            request = self._client.build_request(method, url, headers=forwarded, content=body, extensions={"trace": trace})
             try:
-                return await self._client.send(request, stream=True)
-            except httpx.RemoteProtocolError as exc:
-                # "Server disconnected without sending a response": a pooled keep-alive connection
-                # the server had closed (llama.cpp's server closes some connections after a streamed
-                # answer without saying so). Nothing was answered, so send again on a fresh one.
-                if attempt == STALE_CONNECTION_RETRIES:
-                    raise _translate(exc, self.base_url) from exc
-                logger.debug("upstream connection was stale (%s); retrying", exc)
+                if self.first_byte_timeout_s is None:
+                    return await self._client.send(request, stream=True)
+                async with asyncio.timeout(self.first_byte_timeout_s):
+                    return await self._client.send(request, stream=True)
+            except TimeoutError as exc:
+                raise self._translate(exc, f"no response headers within {self.first_byte_timeout_s:g} s") from None
+            except httpx.ConnectError as exc:
+                detail = f"{method} {path} at {self.display_url}: {type(exc).__name__}: {exc}"
+                raise UpstreamUnavailable("the backend is unreachable", detail=detail, never_sent=True) from exc
             except httpx.HTTPError as exc:
-                raise _translate(exc, self.base_url) from exc
+                if attempt < UNREAD_RETRIES and trace.never_read(exc):
+                    logger.debug("the backend closed a reused connection without reading (%s); resending", exc)
+                    continue
+                raise self._translate(exc, f"{method} {path}") from exc
         raise AssertionError("unreachable")
 
     async def iter_body(self, response: httpx.Response) -> AsyncIterator[bytes]:
@@ -109,19 +182,44 @@ class Upstream:
             async for chunk in response.aiter_raw():
                 yield chunk
         except httpx.HTTPError as exc:
-            raise _translate(exc, self.base_url) from exc
+            raise self._translate(exc, "reading the answer") from exc
 
     async def get(self, path: str, *, timeout_s: float = 2.0) -> httpx.Response:
         """A short GET with a total timeout (readiness probes)."""
         try:
             return await self._client.get(path, timeout=timeout_s)
         except httpx.HTTPError as exc:
-            raise _translate(exc, self.base_url) from exc
+            raise self._translate(exc, f"GET {path}") from exc
+
+    async def probe(self, timeout_s: float = 2.0) -> str | None:
+        """One health check: None when the backend is ready, else why not. Ready = ``/health``
+        answers anything but 503 (llama.cpp answers 503 while its model loads; Ollama, which has no
+        such path, 404)."""
+        try:
+            response = await self.get(HEALTH_PATH, timeout_s=timeout_s)
+        except RequestError as exc:
+            return exc.detail
+        return "the backend answered 503 (loading or busy)" if response.status_code == 503 else None
+
+    async def wait_until_ready(self, deadline_s: float) -> bool:
+        """Probe with backoff (0.1 s doubling to 2 s) until the backend is ready or ``deadline_s``
+        (time.monotonic seconds) passes. True when ready."""
+        delay_s = 0.1
+        while True:
+            if await self.probe() is None:
+                return True
+            remaining_s = deadline_s - time.monotonic()
+            if remaining_s <= 0:
+                return False
+            await asyncio.sleep(min(delay_s, remaining_s))
+            delay_s = min(2.0, delay_s * 2)
 
     async def aclose(self) -> None:
         await self._client.aclose()
 
 
 def response_headers(headers: Mapping[str, str] | httpx.Headers) -> list[tuple[str, str]]:
+    """The backend's end-to-end response headers, less its Date (the proxy's server sets one; its
+    Server header is off, so the backend's stays the only one)."""
     items = headers.multi_items() if isinstance(headers, httpx.Headers) else list(headers.items())
-    return forwardable_headers(items, keep_content_length=True)
+    return [(k, v) for k, v in forwardable_headers(items, keep_content_length=True) if k.lower() != "date"]

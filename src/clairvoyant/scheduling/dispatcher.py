@@ -25,7 +25,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +53,13 @@ class ShuttingDown(RequestError):
     error_type = "server_error"
     code = "shutting_down"
 
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)}
+
+
+SHUTDOWN_RETRY_AFTER_S = 5  # a restarted proxy is usually back within seconds
+
 
 @dataclass(slots=True, eq=False)
 class Ticket:
@@ -73,6 +80,7 @@ class Ticket:
     grants_before_arrival: int = 0  # the dispatcher's slot grants so far when this ticket was queued
     queue_position: int | None = None  # set at dispatch: requests dispatched ahead of it while it waited
     ended: bool = False  # withdrawn or released: set exactly once
+    interrupt: Callable[[], None] | None = None  # set by its relay once dispatched: end the answer now (shutdown)
 
     @property
     def predicted_class(self) -> str:
@@ -130,6 +138,7 @@ class Dispatcher:
         self._running: dict[int, Ticket] = {}
         self._by_id: dict[str, Ticket] = {}  # waiting tickets by request id (for /queue/{id})
         self._closing = False
+        self._grace_timer: asyncio.TimerHandle | None = None
         self._ids = itertools.count()
         self._observed = 0
         self._grants = 0  # slots granted so far (a ticket's queue position is a difference of these)
@@ -139,9 +148,14 @@ class Dispatcher:
     async def start(self) -> None:
         self._workers = [asyncio.create_task(self._worker(slot), name=f"dispatcher-slot-{slot}") for slot in range(self.slots)]
 
-    async def stop(self, timeout_s: float = 5.0) -> None:
-        """Refuse new work, let in-flight requests finish for up to ``timeout_s``, then cancel."""
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Refuse new work and every waiting request (503 ``shutting_down`` at once); in-flight
+        answers may finish for ``grace_s`` seconds, then each is interrupted (its stream ends with
+        an error event). Idempotent."""
+        if self._closing:
+            return
         self._closing = True
+        refused = 0
         while (got := self.queue.pop(math.inf)) is not None:
             self.queue.done(got[0])  # refused: it never reaches the backend
             ticket = got[0].payload
@@ -149,9 +163,24 @@ class Dispatcher:
             if not ticket.granted.done():
                 ticket.granted.set_exception(ShuttingDown("the proxy is shutting down; retry"))
                 ticket.granted.exception()  # marked retrieved: a lease that still waits raises it anyway
+            refused += 1
+        logger.info("shutting down: refused %d waiting request(s); %d in flight get %.1f s", refused, len(self._running), grace_s)
+        self._grace_timer = asyncio.get_running_loop().call_later(grace_s, self._interrupt_running)
+
+    def _interrupt_running(self) -> None:
+        for ticket in list(self._running.values()):
+            if ticket.interrupt is not None:
+                logger.warning("request_id=%s: shutdown grace period over; ending its answer", ticket.request_id)
+                ticket.interrupt()
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Refuse new work, let in-flight requests finish for up to ``timeout_s``, then cancel."""
+        self.begin_shutdown(timeout_s)
         deadline = time.monotonic() + timeout_s
         while (self._running or self._detached) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
         for task in [*self._workers, *self._detached]:
             task.cancel()
         await asyncio.gather(*self._workers, *self._detached, return_exceptions=True)

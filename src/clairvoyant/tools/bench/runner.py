@@ -59,18 +59,15 @@ def _free_port() -> int:
 
 @contextmanager
 def proxy_server(settings: Any, **app_kwargs: Any) -> Iterator[str]:
-    """Run ``create_app(settings)`` on real uvicorn in a thread on a free loopback port; yield its URL.
+    """Run ``create_app(settings)`` on the proxy's server (real uvicorn) in a thread on a free loopback port; yield its URL.
 
     Raises RuntimeError if it does not start within 30 s (a model that fails to load fails here).
     """
-    import uvicorn
-
     from clairvoyant.proxy.app import create_app
+    from clairvoyant.proxy.server import build_server
 
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(
-        create_app(settings, **app_kwargs), host="127.0.0.1", port=port, log_level="warning", lifespan="on",
-    ))
+    server = build_server(create_app(settings, **app_kwargs), settings, host="127.0.0.1", port=port, log_level="warning")
     thread = threading.Thread(target=server.run, name="clairvoyant-bench-proxy", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

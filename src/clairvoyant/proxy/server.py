@@ -1,0 +1,183 @@
+"""The HTTP server: uvicorn, with the client limits a proxy facing a network needs, and a shutdown
+that answers everyone.
+
+uvicorn bounds neither how long a client may take to send its request nor how big its headers
+may be, so its httptools protocol is extended here (per connection, all on the event loop):
+
+- the request line and headers must arrive within ``client_timeout_s`` of the connection opening
+  (or of the request's first byte, on a kept-alive connection), and the body within
+  ``client_timeout_s`` of the headers: else 408 in the path's dialect and the connection closes.
+  The application sees a client disconnect (``ClientGone``), never a 500;
+- request line + headers above ``max_header_bytes``: 431, closed;
+- more than ``max_connections`` open: the new one gets 503 and is closed at once;
+- an idle keep-alive connection closes after ``keep_alive_timeout_s`` (uvicorn's own timer).
+
+On SIGTERM (``ProxyServer.shutdown``): the dispatcher refuses every waiting request at once (503
+``shutting_down``, Retry-After), then uvicorn stops accepting and waits for the open answers,
+which the dispatcher ends with an error event after ``shutdown_grace_s``. uvicorn's own graceful
+timeout, one second later, is the backstop for pass-through requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from clairvoyant.config import Settings
+from clairvoyant.errors import HeadersTooLarge, RequestError, RequestTimeout
+from clairvoyant.prediction.dialects import dialect_of_path, error_body
+
+__all__ = ["ClientLimits", "ProxyServer", "build_server"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ClientLimits:
+    client_timeout_s: float
+    max_header_bytes: int
+    max_connections: int
+    on_rejected: Callable[[str], None] = lambda reason: None  # counts a limit hit (metrics)
+
+
+_REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+
+
+def _raw_response(status: int, body: bytes) -> bytes:
+    head = (
+        f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with header/body deadlines, a header size cap and a connection cap."""
+
+    limits: ClientLimits  # set on the subclass that ``build_server`` makes
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_bytes = 0
+        self._in_headers = True
+        self._deadline: asyncio.TimerHandle | None = None
+        if len(self.connections) > self.limits.max_connections:
+            self._reject(503, RequestError("too many open connections; retry later"), "max_connections")
+            return
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_headers:
+            self._header_bytes += len(data)
+        super().data_received(data)
+        # Counted per read, so a read that also carries body bytes may overcount: only headers
+        # still incomplete after it are refused.
+        if self._in_headers and self._header_bytes > self.limits.max_header_bytes and not self.transport.is_closing():
+            message = f"request headers exceed {self.limits.max_header_bytes} bytes"
+            self._reject(431, HeadersTooLarge(message), "header_too_large")
+
+    # Parser callbacks (called from data_received) -------------------------------------------
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_headers = True
+        if self._deadline is None:  # a kept-alive connection's next request: its first byte starts the clock
+            self._arm()
+
+    def on_headers_complete(self) -> None:
+        self._in_headers = False
+        self._header_bytes = 0
+        self._disarm()
+        self._arm()  # the body's deadline (disarmed at once if there is no body)
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
+
+    # Deadlines ------------------------------------------------------------------------------
+    def _arm(self) -> None:
+        self._deadline = self.loop.call_later(self.limits.client_timeout_s, self._timed_out)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _timed_out(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        what = "headers" if self._in_headers else "body"
+        self._reject(408, RequestTimeout(f"the request {what} did not arrive within {self.limits.client_timeout_s:g} s"), "client_timeout")
+
+    def _path(self) -> str:
+        """The request's path so far (for the error's dialect), or "/" before the request line."""
+        url = getattr(self, "url", b"") if self.scope is not None else b""
+        return url.split(b"?", 1)[0].decode("latin-1") or "/"
+
+    def _reject(self, status: int, error: RequestError, reason: str) -> None:
+        """Answer ``status`` unless a response already started, tell the application its client
+        is gone, and close."""
+        self._disarm()
+        self.limits.on_rejected(reason)
+        cycle = self.cycle
+        started = cycle is not None and cycle.response_started
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # the app's receive() now yields http.disconnect; its sends are dropped
+            cycle.message_event.set()
+        if not started:
+            self.transport.write(_raw_response(status, error_body(dialect_of_path(self._path()), error)))
+        logger.info("client connection closed: %s (%d)", reason, status)
+        self.transport.close()
+
+
+class ProxyServer(uvicorn.Server):
+    """uvicorn's server, with the dispatcher's refusal of the queue at the start of shutdown
+    (uvicorn would otherwise wait for every open connection, queued ones included, before the
+    application hears of it)."""
+
+    def __init__(self, config: uvicorn.Config, grace_s: float) -> None:
+        super().__init__(config)
+        self.grace_s = grace_s
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        proxy = getattr(self.config.app.state, "proxy", None) if hasattr(self.config.app, "state") else None
+        if proxy is not None:
+            proxy.dispatcher.begin_shutdown(self.grace_s)
+        await super().shutdown(sockets)
+
+
+def build_server(app: Any, settings: Settings, *, host: str | None = None, port: int | None = None, log_level: str | None = None) -> ProxyServer:
+    """The proxy's uvicorn server for ``app`` (from ``create_app``) with ``settings``' limits."""
+    metrics = getattr(getattr(app, "state", None), "metrics", None)
+
+    def on_rejected(reason: str) -> None:
+        if metrics is not None:
+            metrics.client_rejections.labels(reason).inc()
+
+    limits = ClientLimits(settings.client_timeout_s, settings.max_header_bytes, settings.max_connections, on_rejected)
+    protocol = type("ProxyHttpProtocol", (LimitedHttpToolsProtocol,), {"limits": limits})
+    config = uvicorn.Config(
+        app,
+        host=settings.host if host is None else host,
+        port=settings.port if port is None else port,
+        http=protocol,
+        log_level=settings.log_level if log_level is None else log_level,
+        access_log=False,
+        lifespan="on",
+        timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]  # used as call_later seconds
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 2,  # backstop: the dispatcher ends answers first
+        server_header=False,  # the backend's own Server header is relayed
+        date_header=True,
+    )
+    return ProxyServer(config, grace_s=settings.shutdown_grace_s)
