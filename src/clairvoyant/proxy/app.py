@@ -298,7 +298,7 @@ async def _scheduled(request: Request) -> ScheduledResponse:
     dispatcher.submit(ticket, job)
     upstream_request = UpstreamRequest(
         "POST", endpoint.path, request.url.query, _forward_headers(request, request_id, settings), forward_body,
-        endpoint.dialect,
+        endpoint.dialect, close_connection=parsed.stream,
     )  # fmt: skip
     return ScheduledResponse(
         upstream=state.upstream,

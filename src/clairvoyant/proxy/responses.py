@@ -61,6 +61,7 @@ class UpstreamRequest:
     headers: list[tuple[str, str]]
     body: bytes
     dialect: Dialect
+    close_connection: bool = False  # ask the backend to close after answering (streams: see Upstream.open)
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -123,7 +124,9 @@ class Relay:
         while True:
             self._sent_s = self.now()
             try:
-                response = await self.upstream.open(r.method, r.path, query=r.query, headers=r.headers, body=r.body)
+                response = await self.upstream.open(
+                    r.method, r.path, query=r.query, headers=r.headers, body=r.body, close_connection=r.close_connection
+                )
             except UpstreamUnavailable as exc:
                 if not exc.never_sent:
                     raise

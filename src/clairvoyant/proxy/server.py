@@ -46,6 +46,7 @@ class ClientLimits:
     on_rejected: Callable[[str], None] = lambda reason: None  # counts a limit hit (metrics)
 
 
+LINGER_S = 1.0  # seconds a rejected connection is still read (and discarded) before it is closed
 _REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
 
 
@@ -67,6 +68,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._header_bytes = 0
         self._in_headers = True
         self._deadline: asyncio.TimerHandle | None = None
+        self._rejected = False
         if len(self.connections) > self.limits.max_connections:
             self._reject(503, RequestError("too many open connections; retry later"), "max_connections")
             return
@@ -77,12 +79,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._rejected:
+            return
         if self._in_headers:
             self._header_bytes += len(data)
         super().data_received(data)
         # Counted per read, so a read that also carries body bytes may overcount: only headers
         # still incomplete after it are refused.
-        if self._in_headers and self._header_bytes > self.limits.max_header_bytes and not self.transport.is_closing():
+        if self._in_headers and self._header_bytes > self.limits.max_header_bytes and not self._rejected:
             message = f"request headers exceed {self.limits.max_header_bytes} bytes"
             self._reject(431, HeadersTooLarge(message), "header_too_large")
 
@@ -96,13 +100,22 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_headers = False
         self._header_bytes = 0
+        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if size > self.limits.max_header_bytes:
+            self._reject(431, HeadersTooLarge(f"request headers exceed {self.limits.max_header_bytes} bytes"), "header_too_large")
+            return
         self._disarm()
         self._arm()  # the body's deadline (disarmed at once if there is no body)
         super().on_headers_complete()
 
+    def on_body(self, body: bytes) -> None:
+        if not self._rejected:
+            super().on_body(body)
+
     def on_message_complete(self) -> None:
         self._disarm()
-        super().on_message_complete()
+        if not self._rejected:
+            super().on_message_complete()
 
     # Deadlines ------------------------------------------------------------------------------
     def _arm(self) -> None:
@@ -129,6 +142,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """Answer ``status`` unless a response already started, tell the application its client
         is gone, and close."""
         self._disarm()
+        self._rejected = True
         self.limits.on_rejected(reason)
         cycle = self.cycle
         started = cycle is not None and cycle.response_started
@@ -138,7 +152,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if not started:
             self.transport.write(_raw_response(status, error_body(dialect_of_path(self._path()), error)))
         logger.info("client connection closed: %s (%d)", reason, status)
-        self.transport.close()
+        # A lingering close: end our side now, discard what the client still sends, close fully a
+        # little later. Closing at once with its bytes unread would reset the connection, and the
+        # client could lose the answer above.
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+            self.loop.call_later(LINGER_S, self.transport.close)
+        else:
+            self.transport.close()
 
 
 class ProxyServer(uvicorn.Server):

@@ -148,14 +148,22 @@ class Upstream:
         query: str = "",
         headers: Iterable[tuple[str, str]] = (),
         body: bytes = b"",
+        close_connection: bool = False,
     ) -> httpx.Response:
         """Send a request and return the response with its body not yet read. Close it with ``close``.
+
+        ``close_connection`` asks the backend to close the connection after this answer (for
+        streamed answers: llama.cpp's server closes its connection after every stream without
+        saying so, and a request sent on it in that instant would meet a close it cannot tell
+        from a backend that read it and died).
 
         Raises ``UpstreamUnavailable`` (``never_sent`` when the connection could not be opened) or
         ``UpstreamTimeout``.
         """
         url = path + (f"?{query}" if query else "")
         forwarded = forwardable_headers(headers)
+        if close_connection:
+            forwarded.append(("Connection", "close"))
         for attempt in range(UNREAD_RETRIES + 1):
             trace = _SendTrace()
             request = self._client.build_request(method, url, headers=forwarded, content=body, extensions={"trace": trace})

@@ -1,0 +1,147 @@
+"""A tiny HTTP/1.1 backend on raw sockets, for faults a real backend will not produce on demand:
+reading a request and then dying, resetting, hanging, answering 503. One thread per connection.
+
+``script(path, n)`` decides what the n-th request (0-based) for ``path`` gets, after it was read
+in full: ``"ok"`` (200 JSON, kept alive), ``"close"`` (close 0.3 s later without answering: a
+FIN), ``"reset"`` (an immediate RST), ``"hang"`` (never answer), ``"loading"`` (503 like
+llama.cpp loading a model), or ``("stream", n_events, interval_s)`` (an SSE stream ending in
+[DONE]). ``/health`` always answers 200 and closes. Every read request is recorded in
+``delivered`` as (path, body), unless its action was ``reset``: the proxy must treat a reset as
+"never read", and the tests count what the backend would have acted on.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+Action = Any  # str or ("stream", n_events, interval_s)
+
+
+class FakeBackend:
+    def __init__(self, script: Callable[[str, int], Action]) -> None:
+        self.script = script
+        self.delivered: list[tuple[str, bytes]] = []
+        self.resets = 0
+        self.connections = 0
+        self._per_path: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(128)
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._sock.close()
+
+    def __enter__(self) -> FakeBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def posts(self, path: str) -> int:
+        return sum(1 for p, _ in self.delivered if p == path)
+
+    # -- serving ---------------------------------------------------------------------------------
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            with self._lock:
+                self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        buffer = b""
+        try:
+            while True:
+                request, buffer = _read_request(conn, buffer)
+                if request is None:
+                    return
+                method, path, body = request
+                if path == "/health":
+                    _write(conn, 200, b'{"status":"ok"}', close=True)
+                    return
+                with self._lock:
+                    n = self._per_path[path]
+                    self._per_path[path] += 1
+                action = self.script(path, n)
+                if action == "reset":
+                    with self._lock:
+                        self.resets += 1
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    return
+                with self._lock:
+                    self.delivered.append((path, body))
+                if action == "ok":
+                    _write(conn, 200, json.dumps({"ok": True, "n": n}).encode())
+                elif action == "loading":
+                    _write(conn, 503, b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}')
+                elif action == "close":
+                    time.sleep(0.3)
+                    return
+                elif action == "hang":
+                    self._stop.wait()
+                    return
+                elif isinstance(action, tuple) and action[0] == "stream":
+                    self._stream(conn, action[1], action[2])
+                else:
+                    raise ValueError(f"unknown action {action!r}")
+        except OSError:
+            return
+        finally:
+            conn.close()
+
+    def _stream(self, conn: socket.socket, n_events: int, interval_s: float) -> None:
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        conn.sendall(head)
+        for i in range(n_events):
+            event = b'data: {"choices":[{"delta":{"content":"x%d"}}]}\n\n' % i
+            conn.sendall(b"%x\r\n%s\r\n" % (len(event), event))
+            time.sleep(interval_s)
+        done = b"data: [DONE]\n\n"
+        conn.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+
+
+def _read_request(conn: socket.socket, buffer: bytes) -> tuple[tuple[str, str, bytes] | None, bytes]:
+    while b"\r\n\r\n" not in buffer:
+        data = conn.recv(65536)
+        if not data:
+            return None, b""
+        buffer += data
+    head, buffer = buffer.split(b"\r\n\r\n", 1)
+    lines = head.decode("latin-1").split("\r\n")
+    method, target, _ = lines[0].split(" ", 2)
+    length = 0
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        if name.strip().lower() == "content-length":
+            length = int(value.strip())
+    while len(buffer) < length:
+        data = conn.recv(65536)
+        if not data:
+            return None, b""
+        buffer += data
+    return (method, target.split("?", 1)[0], buffer[:length]), buffer[length:]
+
+
+def _write(conn: socket.socket, status: int, body: bytes, *, close: bool = False) -> None:
+    reason = {200: "OK", 503: "Service Unavailable"}[status]
+    head = f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+    if close:
+        head += "connection: close\r\n"
+    conn.sendall(head.encode() + b"\r\n" + body)

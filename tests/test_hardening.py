@@ -1,0 +1,366 @@
+"""Hardening: client limits, no duplicated generations, backend faults, secrets, shutdown.
+
+The proxy runs on its real server (proxy/server.py) and talks to real sockets: a raw fake backend
+(tests/fake_backend.py) for faults, and raw client sockets for misbehaving clients. The slow and
+load versions of these cases are in benchmarks/bench_hardening.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from clairvoyant.config import Settings
+from fake_backend import FakeBackend
+from proxy_harness import MarkerPredictor, metric_value, queue_snapshot, running_proxy, wait_until
+
+CHAT = "/v1/chat/completions"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def settings(upstream: str, **overrides: Any) -> Settings:
+    return Settings(upstream_url=upstream, **overrides)
+
+
+def proxy(upstream: str, **overrides: Any) -> Any:
+    return running_proxy(settings(upstream, **overrides), predictor=MarkerPredictor())
+
+
+def chat(text: str = "hi", **extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": text}], **extra}
+
+
+def raw_exchange(base: str, payload: bytes, *, read_timeout_s: float = 10.0) -> tuple[bytes, float]:
+    """Send ``payload`` on a fresh connection, read until the proxy closes it; (bytes, seconds)."""
+    host, port = base.removeprefix("http://").split(":")
+    started = time.monotonic()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.settimeout(read_timeout_s)
+        sock.sendall(payload)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    return received, time.monotonic() - started
+
+
+# --- never resend what the backend may have started ------------------------------------------
+
+
+def test_a_backend_that_reads_then_closes_gets_the_request_exactly_once() -> None:
+    with FakeBackend(lambda path, n: "close") as backend, proxy(backend.url) as base:
+        r = httpx.post(f"{base}{CHAT}", json=chat())
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unavailable"
+    assert backend.posts(CHAT) == 1
+
+
+def test_a_reused_connection_that_dies_after_the_request_is_not_resent() -> None:
+    # The first request is answered on a kept-alive connection; the second goes out on it, is read,
+    # and the backend closes: it may be generating, so the proxy answers 502 once.
+    with FakeBackend(lambda path, n: "ok" if n == 0 else "close") as backend, proxy(backend.url) as base:
+        with httpx.Client() as client:
+            first = client.post(f"{base}{CHAT}", json=chat())
+            second = client.post(f"{base}{CHAT}", json=chat())
+    assert first.status_code == 200 and second.status_code == 502
+    assert backend.posts(CHAT) == 2
+    assert backend.connections <= 2  # the health check's connection, and the one the two posts shared
+
+
+def test_a_reused_connection_reset_unread_is_resent_once() -> None:
+    # A reset (not a clean close) means the backend's socket still held our unread bytes.
+    with FakeBackend(lambda path, n: "reset" if n == 1 else "ok") as backend, proxy(backend.url) as base:
+        with httpx.Client() as client:
+            first = client.post(f"{base}{CHAT}", json=chat())
+            second = client.post(f"{base}{CHAT}", json=chat())
+    assert first.status_code == 200 and second.status_code == 200
+    assert second.json() == {"ok": True, "n": 2}  # answered by the resend
+    assert backend.resets == 1 and backend.posts(CHAT) == 2
+
+
+# --- a backend that hangs, is down, or is loading --------------------------------------------
+
+
+def test_a_backend_that_never_answers_is_a_504_after_the_first_byte_timeout() -> None:
+    with FakeBackend(lambda path, n: "hang") as backend, proxy(backend.url, first_byte_timeout_s=0.5) as base:
+        r = httpx.post(f"{base}/api/chat", json=chat(), timeout=10)
+        after = httpx.get(f"{base}/queue").json()
+    assert r.status_code == 504 and isinstance(r.json()["error"], str)  # Ollama's error shape
+    assert after["in_flight"] == [] and backend.posts("/api/chat") == 1  # the slot is free again
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_request_waits_for_a_backend_that_comes_back() -> None:
+    port = _closed_port()
+    up: list[FakeBackend] = []
+
+    def start_later() -> None:
+        time.sleep(1.0)
+        backend = FakeBackend(lambda path, n: "ok")
+        up.append(backend)
+        # Take over the port the proxy was told to use: a restarted backend.
+        relay = socket.socket()
+        relay.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        relay.bind(("127.0.0.1", port))
+        relay.listen(16)
+        backend._sock.close()
+        backend._sock = relay
+        threading.Thread(target=backend._accept, daemon=True).start()
+
+    with proxy(f"http://127.0.0.1:{port}", backend_wait_s=10) as base:
+        threading.Thread(target=start_later, daemon=True).start()
+        r = httpx.post(f"{base}{CHAT}", json=chat(), timeout=15)
+    assert r.status_code == 200
+    assert up and up[0].posts(CHAT) == 1
+    up[0].close()
+
+
+def test_a_backend_still_loading_its_model_is_waited_for() -> None:
+    with FakeBackend(lambda path, n: "loading" if n < 2 else "ok") as backend, proxy(backend.url, backend_wait_s=10) as base:
+        r = httpx.post(f"{base}{CHAT}", json=chat(), timeout=15)
+    assert r.status_code == 200 and r.json()["n"] == 2
+    assert backend.posts(CHAT) == 3  # two 503s (nothing generated), then the answer
+
+
+def test_with_no_backend_wait_a_down_backend_is_an_immediate_502() -> None:
+    with proxy(f"http://127.0.0.1:{_closed_port()}", backend_wait_s=0) as base:
+        r = httpx.post(f"{base}{CHAT}", json=chat(), timeout=15)
+    assert r.status_code == 502 and r.json()["error"]["message"] == "the backend is unreachable"
+
+
+# --- no secrets or internal addresses to clients ---------------------------------------------
+
+
+def test_backend_credentials_and_address_never_reach_clients_or_logs(caplog: pytest.LogCaptureFixture) -> None:
+    port = _closed_port()
+    caplog.set_level(logging.DEBUG)
+    with proxy(f"http://admin:s3cr3t-pw@127.0.0.1:{port}", backend_wait_s=0) as base:
+        failed = httpx.post(f"{base}{CHAT}", json=chat())
+        ollama = httpx.post(f"{base}/api/generate", json={"model": "m", "prompt": "hi"})
+        passthrough = httpx.get(f"{base}/api/tags")
+        ready = httpx.get(f"{base}/readyz")
+    for r in (failed, ollama, passthrough, ready):
+        assert "s3cr3t" not in r.text and str(port) not in r.text and "127.0.0.1" not in r.text
+    assert failed.status_code == 502 and ollama.status_code == 502 and ready.status_code == 503
+    logged = "\n".join(record.getMessage() for record in caplog.records)
+    assert "s3cr3t" not in logged
+    assert f"***@127.0.0.1:{port}" in logged  # the log keeps the detail, redacted
+
+
+# --- client limits --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def limited_proxy() -> Any:
+    with FakeBackend(lambda path, n: "ok") as backend, proxy(
+        backend.url, client_timeout_s=0.5, max_header_bytes=4096, keep_alive_timeout_s=0.5
+    ) as base:
+        yield base
+
+
+def test_headers_that_never_end_get_408_and_the_connection_closes(limited_proxy: str) -> None:
+    answer, took_s = raw_exchange(limited_proxy, b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Le")
+    assert answer.startswith(b"HTTP/1.1 408 ")
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"].startswith("the request headers did not arrive")
+    assert took_s < 5  # closed by the proxy (0.5 s), not by this socket's 10 s read timeout
+
+
+def test_a_body_shorter_than_its_content_length_gets_408_not_a_hang(limited_proxy: str) -> None:
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    answer, took_s = raw_exchange(limited_proxy, head + b'{"messages":')
+    assert answer.startswith(b"HTTP/1.1 408 ")
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"  # OpenAI's shape
+    assert took_s < 5
+    assert metric_value(limited_proxy, "clairvoyant_client_rejections_total", 'reason="client_timeout"') == 1
+
+
+def test_oversized_headers_get_431(limited_proxy: str) -> None:
+    payload = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 10_000 + b"\r\n\r\n"
+    answer, _ = raw_exchange(limited_proxy, payload)
+    assert answer.startswith(b"HTTP/1.1 431 ")
+    normal = httpx.get(f"{limited_proxy}/healthz", headers={"X-Small": "a" * 1000})
+    assert normal.status_code == 200  # headers under the limit pass
+
+
+def test_an_idle_keep_alive_connection_is_closed(limited_proxy: str) -> None:
+    answer, took_s = raw_exchange(limited_proxy, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200 ") and took_s < 5  # closed after keep_alive_timeout_s
+
+
+def test_an_aborted_upload_is_a_client_disconnect_not_a_500(caplog: pytest.LogCaptureFixture) -> None:
+    head = b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    with FakeBackend(lambda path, n: "ok") as backend, proxy(backend.url) as base:
+        host, port = base.removeprefix("http://").split(":")
+        for _ in range(3):
+            with socket.create_connection((host, int(port))) as sock:
+                sock.sendall(head + b'{"messages":')
+        wait_until(lambda: metric_value(base, "clairvoyant_client_disconnects_total", 'stage="upload"') == 3)
+        metrics = httpx.get(f"{base}/metrics").text
+    assert 'status="500"' not in metrics
+    assert backend.posts("/api/chat") == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]  # no tracebacks
+
+
+def test_connections_beyond_the_bound_get_503() -> None:
+    with FakeBackend(lambda path, n: "ok") as backend, proxy(backend.url, max_connections=3, client_timeout_s=30) as base:
+        host, port = base.removeprefix("http://").split(":")
+        held = [socket.create_connection((host, int(port))) for _ in range(3)]
+        try:
+            wait_until(lambda: True)
+            answer, took_s = raw_exchange(base, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        finally:
+            for sock in held:
+                sock.close()
+        assert answer.startswith(b"HTTP/1.1 503 ") and took_s < 5
+        wait_until(lambda: httpx.get(f"{base}/healthz").status_code == 200, what="a free connection again")
+
+
+# --- shutdown ---------------------------------------------------------------------------------
+
+
+def test_sigterm_refuses_the_queue_at_once_and_ends_the_stream_after_the_grace_period(free_port: int) -> None:
+    # One stream of 60 events x 0.1 s (6 s) is in flight; 5 requests wait; grace 1 s.
+    with FakeBackend(lambda path, n: ("stream", 60, 0.1)) as backend:
+        env = {**os.environ, "CLAIRVOYANT_UPSTREAM_URL": backend.url, "CLAIRVOYANT_PORT": str(free_port),
+               "CLAIRVOYANT_SHUTDOWN_GRACE_S": "1", "CLAIRVOYANT_SLOTS": "1", "CLAIRVOYANT_LOG_LEVEL": "warning",
+               "PYTHONPATH": str(ROOT / "src")}  # fmt: skip
+        process = subprocess.Popen([sys.executable, "-m", "clairvoyant.cli", "serve"], env=env)
+        base = f"http://127.0.0.1:{free_port}"
+        try:
+            wait_until(lambda: _ready(base), timeout_s=30, what="the proxy to start")
+            results: dict[str, Any] = {}
+            stream_thread = threading.Thread(target=_read_stream, args=(base, results), daemon=True)
+            stream_thread.start()
+            wait_until(lambda: backend.posts(CHAT) == 1, what="the stream at the backend")
+            queued = _post_in_background(base, 5)
+            wait_until(lambda: len(queue_snapshot(base)["waiting"]) == 5, what="5 waiting")
+            signalled = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            for thread in queued:
+                thread.join(timeout=10)
+            refused_s = time.monotonic() - signalled
+            stream_thread.join(timeout=15)
+            exit_code = process.wait(timeout=15)
+            exited_s = time.monotonic() - signalled
+        finally:
+            process.kill()
+            process.wait()
+    statuses = [t.result.status_code for t in queued]  # type: ignore[attr-defined]
+    assert statuses == [503] * 5
+    assert all(t.result.json()["error"]["code"] == "shutting_down" for t in queued)  # type: ignore[attr-defined]
+    assert all(t.result.headers["retry-after"] for t in queued)  # type: ignore[attr-defined]
+    assert refused_s < results["stream_ended_s"] - signalled  # refused before the stream's end
+    assert '"code": "shutting_down"' in results["last_event"] or "shut down" in results["last_event"]
+    assert results["events"] < 60  # cut at the grace period, not served to its end
+    # uvicorn re-raises the signal once shut down (the conventional exit of a SIGTERMed server).
+    assert exit_code in (0, -signal.SIGTERM)
+    assert exited_s < 6  # the 6 s stream did not hold the exit: it ended at the 1 s grace
+    assert backend.posts(CHAT) == 1  # nothing queued reached the backend
+
+
+def _ready(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _read_stream(base: str, results: dict[str, Any]) -> None:
+    events = []
+    with httpx.stream("POST", f"{base}{CHAT}", json=chat(stream=True), timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+    results["stream_ended_s"] = time.monotonic()
+    results["events"] = sum(1 for e in events if '"delta"' in e)
+    results["last_event"] = events[-1] if events else ""
+
+
+class _Post(threading.Thread):
+    def __init__(self, base: str, body: dict[str, Any]) -> None:
+        super().__init__(daemon=True)
+        self.base, self.body = base, body
+        self.result: httpx.Response | None = None
+
+    def run(self) -> None:
+        self.result = httpx.post(f"{self.base}{CHAT}", json=self.body, timeout=120)
+
+
+def _post_in_background(base: str, n: int, body: dict[str, Any] | None = None) -> list[_Post]:
+    threads = [_Post(base, body or chat()) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+# --- the real llama.cpp server ------------------------------------------------------------------
+
+
+def test_a_non_streamed_leaver_keeps_its_llamacpp_slot_until_the_backend_is_done(
+    llama_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # llama.cpp does not stop a non-streamed generation when its client leaves, so the default
+    # (auto) mode drains it: the slot stays busy as long as the backend is, and the next request's
+    # wait shows up in the queue, not hidden inside the backend.
+    caplog.set_level(logging.INFO, logger="clairvoyant")
+    long = chat("Write a long story.", max_tokens=120, ignore_eos=True, temperature=0)
+    with proxy(llama_server.base_url, starvation_timeout_s=60) as base:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{base}{CHAT}", json=long, timeout=0.5)  # the client leaves mid-generation
+        assert queue_snapshot(base)["in_flight"], "the slot must still be held"
+        nxt = httpx.post(f"{base}{CHAT}", json=chat("Say OK.", max_tokens=1), timeout=120)
+    assert nxt.status_code == 200
+    assert float(nxt.headers["x-clairvoyant-queue-wait-ms"]) > 0  # it waited in the queue, visibly
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request ")]
+    left = [line for line in lines if "outcome=client_left_streaming" in line]
+    assert len(left) == 1 and "output_tokens=120" in left[0]  # read to its end: the backend's whole work
+
+
+def test_requests_waiting_through_a_llamacpp_restart_are_all_answered(require_embedded_backend: None) -> None:
+    from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
+
+    port = _closed_port()
+    server = EmbeddedLlamaServer(port=port, n_threads=1)
+    server.start()
+    try:
+        with proxy(server.base_url, backend_wait_s=60, starvation_timeout_s=60) as base:
+            server.stop()  # the backend goes away; requests keep arriving
+            queued = _post_in_background(base, 3, chat("Say OK.", max_tokens=4))
+            wait_until(lambda: len(queue_snapshot(base)["waiting"]) == 2, what="1 waiting for the backend, 2 queued")
+            time.sleep(1.0)
+            server.start()
+            for thread in queued:
+                thread.join(timeout=120)
+    finally:
+        server.stop()
+    assert [t.result.status_code for t in queued] == [200, 200, 200]  # type: ignore[union-attr]
+
+
+def test_back_to_back_streams_to_llamacpp_never_meet_its_closing_connection(llama_server: Any) -> None:
+    # llama.cpp's server closes its connection after every stream without a Connection: close, so a
+    # request sent at once on the pooled connection would meet that close (a 502: it cannot be told
+    # from a backend that read it and died). Streamed requests therefore ask for the close themselves.
+    body = chat("Say OK.", max_tokens=2, stream=True)
+    with proxy(llama_server.base_url) as base, httpx.Client(timeout=60) as client:
+        statuses = []
+        for _ in range(12):
+            with client.stream("POST", f"{base}{CHAT}", json=body) as r:
+                r.read()
+                statuses.append(r.status_code)
+        errors = metric_value(base, "clairvoyant_upstream_errors_total", 'kind="unavailable"')
+    assert statuses == [200] * 12 and errors == 0
