@@ -114,6 +114,7 @@ def ollama_router(models: list[str], delay_s: float = 0.02, eval_count: int = 7)
     router.get("http://127.0.0.1:11434/api/tags").respond(
         200, json={"models": [{"name": m, "model": m} for m in models]}
     )
+    router.get("http://127.0.0.1:11434/api/version").respond(200, json={"version": "0.13.5"})
     router.post("http://127.0.0.1:11434/api/chat").mock(side_effect=chat)
     return router, bodies
 
@@ -163,6 +164,18 @@ def test_an_openai_server_without_props_gets_the_openai_dialect() -> None:
     assert json.loads(chat.calls[0].request.content)["max_tokens"] == MAX_TOKENS
 
 
+def test_an_ollama_style_model_list_without_api_version_is_not_taken_for_ollama() -> None:
+    """llama.cpp's server lists its models at /api/tags too, but serves chat at /v1/chat/completions."""
+    with respx.mock(assert_all_called=False) as router:
+        router.get("http://cpp:8081/api/tags").respond(200, json={"models": [{"name": "smol"}]})
+        router.get("http://cpp:8081/api/version").respond(404)
+        router.get("http://cpp:8081/v1/models").respond(200, json={"data": [{"id": "smol"}], "models": []})
+        router.get("http://cpp:8081/props").respond(200, json={"total_slots": 4})
+        chat = router.post("http://cpp:8081/v1/chat/completions").respond(200, json={"usage": {"completion_tokens": 3}})
+        cal = measure("http://cpp:8081", n=1, warmup=0)
+    assert (cal.dialect, cal.model, cal.slots) == ("openai", "smol", 4) and chat.call_count == 1
+
+
 def test_a_backend_with_no_model_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     router, _ = ollama_router([])
     with router:
@@ -178,6 +191,7 @@ def test_an_unreachable_backend_is_a_clear_error(free_port: int) -> None:
 def test_a_failing_request_names_the_status() -> None:
     with respx.mock(assert_all_called=False) as router:
         router.get("http://127.0.0.1:11434/api/tags").respond(200, json={"models": [{"name": "m"}]})
+        router.get("http://127.0.0.1:11434/api/version").respond(200, json={"version": "0.13.5"})
         router.post("http://127.0.0.1:11434/api/chat").respond(404, json={"error": "model 'm' not found"})
         with pytest.raises(CalibrationError, match=r"answered 404 for model 'm'.*not found"):
             measure("http://127.0.0.1:11434", n=1)

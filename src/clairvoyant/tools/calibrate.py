@@ -10,8 +10,8 @@ of a request that waits for nothing. That is the quantity the paper's simulation
 (tau = 3 x mu_short, docs/simulation.md), not the sojourn time of a concurrent burst (which grows
 with the burst: docs/benchmarks.md section 3).
 
-The dialect is found by asking the backend: Ollama answers ``GET /api/tags`` (then requests go to
-``/api/chat``); otherwise ``GET /v1/models`` (llama.cpp, vLLM, any OpenAI-compatible server; requests
+The dialect is found by asking the backend: Ollama answers ``GET /api/tags`` and ``GET /api/version``
+(then requests go to ``/api/chat``); otherwise ``GET /v1/models`` (llama.cpp, vLLM, any OpenAI-compatible server; requests
 go to ``/v1/chat/completions``). Without ``--model`` the first model the backend lists is used.
 Every answer is capped at the Short class's upper bound (``SHORT_BELOW_TOKENS - 1`` tokens), so a
 chatty model cannot turn a Short measurement into a long one; the mean output tokens are printed
@@ -122,6 +122,11 @@ def detect(client: Any, backend: str, dialect: str, model: str | None) -> tuple[
     """(dialect, model, slots): asks the backend what it is, which models it has and, for llama.cpp,
     how many parallel slots it runs."""
     tags = _get_json(client, f"{backend}/api/tags") if dialect in ("auto", "ollama") else None
+    if dialect == "auto" and isinstance(tags, dict):
+        # llama.cpp's server answers /api/tags too (an Ollama-style model list); only Ollama has /api/version.
+        version = _get_json(client, f"{backend}/api/version")
+        if not (isinstance(version, dict) and "version" in version):
+            tags = None
     found: Dialect
     if isinstance(tags, dict) and isinstance(tags.get("models"), list):
         found = "ollama"
