@@ -1,17 +1,32 @@
 # Clairvoyant: the scheduling proxy, with the shipped predictor model inside.
-FROM python:3.11-slim
+#
+# Two stages on one pinned base: `build` installs the package and its serving dependencies into a
+# virtual environment; the runtime image receives only that environment and the model (no compiler,
+# no pip cache, no sources, no training, benchmark or progress-bar dependencies: see pyproject.toml).
+# Size, estimated and not measured (no Docker engine where this was written): the base image is about
+# 125 MB uncompressed; the serving packages about 175 MB (onnxruntime 80 MB and numpy 71 MB of it,
+# summed from the installed files of the same versions) plus about 15 MB of pip in the environment;
+# so about 315 MB in all.
+ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
-ENV PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1 \
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-
-WORKDIR /app
-COPY pyproject.toml README.md ./
+WORKDIR /build
+COPY pyproject.toml README.md LICENSE ./
 COPY src ./src
 COPY model ./model
-# Serving dependencies only: no training extras, no llama.cpp.
-RUN pip install . && useradd --create-home --uid 10001 clairvoyant
+# Serving dependencies only: no extras (training, llama.cpp, tqdm).
+RUN python -m venv /opt/clairvoyant && /opt/clairvoyant/bin/pip install .
+
+FROM ${PYTHON_IMAGE} AS runtime
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PATH=/opt/clairvoyant/bin:$PATH
+COPY --from=build /opt/clairvoyant /opt/clairvoyant
+COPY model /app/model
+RUN useradd --create-home --uid 10001 clairvoyant
+WORKDIR /app
 
 USER clairvoyant
 

@@ -117,3 +117,72 @@ def test_the_service_time_state_lives_beside_the_learners_unless_set() -> None:
     assert beside.service_time_path == Path("/var/lib/cv/learner.service-time.json")
     own = Settings(learner_state_path=Path("/var/lib/cv/learner.npz"), service_time_state=Path("/tmp/s.json"))
     assert own.service_time_path == Path("/tmp/s.json")
+
+
+def test_an_unknown_environment_variable_is_a_warning_naming_the_closest_valid_one(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CLAIRVOYANT_POLCY", "fcfs")
+    monkeypatch.setenv("CLAIRVOYANT_ZZZ_NOTHING_LIKE_IT", "1")
+    monkeypatch.setenv("CLAIRVOYANT_SLOTS", "2")  # a valid one is not reported
+    with caplog.at_level("WARNING", logger="clairvoyant.config"):
+        s = load_settings()
+    assert s.policy == "sjf" and s.slots == 2  # started anyway; the typo changed nothing
+    messages = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("CLAIRVOYANT_POLCY" in m and "did you mean CLAIRVOYANT_POLICY?" in m for m in messages)
+    assert any("CLAIRVOYANT_ZZZ_NOTHING_LIKE_IT" in m and "did you mean" not in m for m in messages)
+    assert not any("CLAIRVOYANT_SLOTS" in m for m in messages)
+
+
+def test_unknown_environment_variables_ignore_the_other_names_read_on_purpose() -> None:
+    from clairvoyant.config import unknown_environment_variables
+
+    environ = {"CLAIRVOYANT_CONFIG": "x.toml", "CLAIRVOYANT_REQUIRE_BACKEND": "1", "HOME": "/root",
+               "CLAIRVOYANT_STARVATION_TIMEOUT": "5"}
+    assert unknown_environment_variables(environ) == [
+        "unknown environment variable CLAIRVOYANT_STARVATION_TIMEOUT (ignored); "
+        "did you mean CLAIRVOYANT_STARVATION_TIMEOUT_S?"
+    ]
+
+
+def test_serve_warns_about_an_unknown_variable_and_goes_on_to_the_next_check(tmp_path: Path) -> None:
+    """The warning is printed (formatted) and start-up continues: here it then stops at the missing model."""
+    import os
+
+    env = {**os.environ, "CLAIRVOYANT_POLCY": "fcfs"}
+    result = subprocess.run(
+        [sys.executable, "-m", "clairvoyant", "serve", "--model", str(tmp_path / "nope.onnx")],
+        capture_output=True, text=True, timeout=60, env=env,
+    )
+    assert "WARNING clairvoyant.config: unknown environment variable CLAIRVOYANT_POLCY" in result.stderr
+    assert "did you mean CLAIRVOYANT_POLICY?" in result.stderr
+    assert result.returncode == 2 and "nope.onnx" in result.stderr
+
+
+def test_an_unknown_config_key_names_the_file_the_key_and_the_closest_valid_key(tmp_path: Path) -> None:
+    config = tmp_path / "typo.toml"
+    config.write_text("starvation_timeout = 5\nslots = 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(config)
+    message = str(info.value)
+    assert str(config) in message
+    assert "unknown setting 'starvation_timeout'" in message
+    assert "did you mean starvation_timeout_s?" in message
+
+
+def test_a_bad_value_in_the_config_file_is_blamed_on_the_file_and_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text("slots = 0\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(config)
+    message = str(info.value)
+    assert f"invalid setting slots (config file {config}, key slots)" in message
+    assert "CLAIRVOYANT_SLOTS" not in message
+    # The same bad value from the environment is blamed on the variable, and a flag on the flag.
+    monkeypatch.setenv("CLAIRVOYANT_SLOTS", "0")
+    with pytest.raises(ConfigError, match=r"invalid setting slots \(CLAIRVOYANT_SLOTS\)"):
+        load_settings(config)
+    with pytest.raises(ConfigError, match=r"invalid setting slots \(flag --slots\)"):
+        load_settings(config, slots=0)

@@ -15,21 +15,43 @@ SETTING_ENVS = {f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields}
 
 
 def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(KEYWORD, arguments) per instruction, with global ARG defaults substituted into FROM lines."""
     text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
     out = []
+    args: dict[str, str] = {}
     for line in text.splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
             keyword, _, rest = line.partition(" ")
-            out.append((keyword.upper(), rest.strip()))
+            keyword, rest = keyword.upper(), rest.strip()
+            if keyword == "ARG" and "=" in rest and not any(k == "FROM" for k, _ in out):
+                name, _, value = rest.partition("=")
+                args[name] = value
+            if keyword == "FROM":
+                rest = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], rest)
+            out.append((keyword, rest))
     return out
+
+
+# An exact image tag: a version with at least major.minor.patch, never "latest" or a floating minor.
+EXACT_TAG = re.compile(r"[\w./-]+:v?\d+\.\d+\.\d+[\w.-]*")
 
 
 def test_dockerfile_is_slim_non_root_with_model_healthcheck_and_documented_entrypoint() -> None:
     instructions = dockerfile_instructions()
     keywords = [k for k, _ in instructions]
     args = {k: [a for kk, a in instructions if kk == k] for k in keywords}
-    assert re.fullmatch(r"python:3\.11-slim\S*", args["FROM"][0])
+    # Every stage on one base pinned to an exact Python release (the runtime stage is the last FROM).
+    bases = {a.split()[0] for a in args["FROM"]}
+    assert len(bases) == 1
+    (base,) = bases
+    assert re.fullmatch(r"python:3\.11\.\d+-slim-bookworm", base), base
+    assert len(args["FROM"]) == 2 and args["FROM"][-1].endswith("AS runtime")
+    # The runtime stage receives the built environment, not the sources or a compiler.
+    runtime = max(i for i, k in enumerate(keywords) if k == "FROM")
+    runtime_copies = [a for k, a in instructions[runtime:] if k == "COPY"]
+    assert any(a.startswith("--from=build ") for a in runtime_copies)
+    assert not any(a.split()[0] in ("src", ".", "pyproject.toml") for a in runtime_copies)
     user = args["USER"][-1]
     assert user not in ("root", "0")
     assert keywords.index("USER") < keywords.index("ENTRYPOINT")
@@ -50,7 +72,7 @@ def test_compose_wires_clairvoyant_to_a_healthy_serial_ollama() -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
     ollama, proxy = services["ollama"], services["clairvoyant"]
-    assert ollama["image"].startswith("ollama/ollama")
+    assert ollama["image"].startswith("ollama/ollama:") and EXACT_TAG.fullmatch(ollama["image"])
     assert str(ollama["environment"]["OLLAMA_NUM_PARALLEL"]) == "1"
     volume = ollama["volumes"][0].split(":")
     assert volume[1] == "/root/.ollama" and volume[0] in compose["volumes"]
@@ -75,3 +97,105 @@ def test_the_package_carries_the_shipped_model() -> None:
     assert DEFAULT_MODEL_PATH.resolve() == (ROOT / "model" / "predictor.onnx").resolve()
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert {"model/predictor.onnx", "model/predictor.card.json"} <= set(package_data["clairvoyant"])
+
+
+def test_every_compose_image_is_pinned_and_every_mounted_file_exists() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    for name, service in compose["services"].items():
+        if "image" in service and "build" not in service:
+            assert EXACT_TAG.fullmatch(service["image"]), f"{name}: {service['image']} is not an exact tag"
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):  # a bind mount: the file or directory must be in the repository
+                assert (ROOT / source).exists(), f"{name}: {source} does not exist"
+            else:
+                assert source in compose["volumes"], f"{name}: named volume {source} not declared"
+    # The monitoring profile: Prometheus scrapes the proxy, Grafana gets the data source and dashboard.
+    prometheus, grafana = compose["services"]["prometheus"], compose["services"]["grafana"]
+    assert prometheus["profiles"] == ["monitoring"] and grafana["profiles"] == ["monitoring"]
+    assert "profiles" not in compose["services"]["clairvoyant"]  # the default `up` still starts the proxy
+    scrape = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())["scrape_configs"][0]
+    assert scrape["metrics_path"] == "/metrics" and scrape["static_configs"][0]["targets"] == ["clairvoyant:8080"]
+    datasource = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
+    provider = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/clairvoyant.yml").read_text())
+    dashboards_dir = provider["providers"][0]["options"]["path"]
+    mounted = {v.split(":")[1]: v.split(":")[0] for v in grafana["volumes"]}
+    assert mounted[f"{dashboards_dir}/clairvoyant.json"] == "./deploy/grafana/clairvoyant.json"
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home in mounted
+
+
+def test_dockerignore_keeps_the_context_to_what_the_image_needs() -> None:
+    lines = [l.strip() for l in (ROOT / ".dockerignore").read_text().splitlines() if l.strip() and not l.startswith("#")]
+    for excluded in (".venv", ".git", "results", "research", "tests", "benchmarks", "profiler/data", "**/__pycache__"):
+        assert excluded in lines, excluded
+    assert lines.index("**/*.onnx") < lines.index("!model/*.onnx")  # ONNX files only from model/
+    # Nothing the Dockerfile copies from the context is ignored.
+    sources = [w for k, a in dockerfile_instructions() if k == "COPY" and not a.startswith("--from")
+               for w in a.split()[:-1]]
+    assert {"src", "model", "pyproject.toml", "README.md", "LICENSE"} <= set(sources)
+    for path in sources:
+        assert (ROOT / path).exists(), path
+        assert path not in lines and f"{path}/" not in lines, path
+
+
+def test_licence_and_project_metadata() -> None:
+    import tomllib
+
+    licence = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in licence and "Version 2.0, January 2004" in licence
+    assert "END OF TERMS AND CONDITIONS" in licence
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    assert project["urls"] and all(u.startswith("https://") for u in project["urls"].values())
+
+
+def test_serving_needs_no_progress_bar_package(tmp_path: Path) -> None:
+    """tqdm is an extra, not a core dependency; the serve path and the simulator run with it absent."""
+    import subprocess
+    import sys
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert not any(d.startswith("tqdm") for d in pyproject["project"]["dependencies"])
+    extras = pyproject["project"]["optional-dependencies"]
+    assert all(any(d.startswith("tqdm") for d in extras[e]) for e in ("tools", "train", "backend"))
+    # Block tqdm as if it were not installed, then import the serving path and run a small simulation.
+    code = (
+        "import sys; sys.modules['tqdm'] = None\n"
+        "import clairvoyant.proxy.app, clairvoyant.proxy.serve\n"
+        "from clairvoyant.cli import main\n"
+        "sys.exit(main(['simulate', 'run', '--n', '40', '--seeds', '1', '--conditions', 'fcfs', 'sjf',\n"
+        f"               '--no-plots', '--out', {str(tmp_path)!r}]))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "SJF" in (tmp_path / "sim_run.md").read_text() and "tqdm" not in result.stderr
+
+
+def test_the_systemd_unit_runs_serve_as_a_dynamic_user_with_an_environment_file() -> None:
+    unit: dict[str, dict[str, str]] = {}
+    section = ""
+    for line in (ROOT / "deploy" / "clairvoyant.service").read_text().splitlines():
+        line = line.strip()
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+            unit[section] = {}
+        elif line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            unit[section][key] = value
+    service = unit["Service"]
+    program, *arguments = service["ExecStart"].split()
+    assert Path(program).name == "clairvoyant" and arguments == ["serve"]
+    assert service["DynamicUser"] == "yes" and service["Restart"] == "on-failure"
+    assert service["RestartPreventExitStatus"] == "2"  # clairvoyant's exit status for a configuration error
+    assert service["EnvironmentFile"].lstrip("-") == "/etc/clairvoyant/clairvoyant.env"
+    assert unit["Install"]["WantedBy"] == "multi-user.target"
+    # The example environment file sets only real settings, and keeps state in the unit's StateDirectory.
+    env = dict(
+        l.split("=", 1) for l in (ROOT / "deploy" / "clairvoyant.env").read_text().splitlines()
+        if l.strip() and not l.startswith("#")
+    )
+    assert set(env) <= SETTING_ENVS
+    assert env["CLAIRVOYANT_LEARNER_STATE_PATH"].startswith(f"/var/lib/{service['StateDirectory']}/")

@@ -20,6 +20,7 @@ __all__ = ["main"]
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("clairvoyant.proxy.serve", "run the scheduling proxy"),
+    "calibrate": ("clairvoyant.tools.calibrate", "measure the backend's mean Short service time; print what to set"),
     "predict": ("clairvoyant.tools.bulk_predict", "score a JSONL file of prompts or chat bodies"),
     "replay": ("clairvoyant.tools.replay", "replay requests with their real lengths through the online learner"),
     "train": ("clairvoyant.tools.training.commands_train", "train the length predictor and export it to ONNX"),

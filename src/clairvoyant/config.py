@@ -2,14 +2,20 @@
 
 Precedence, highest first: CLI flags, CLAIRVOYANT_* environment variables, the optional TOML
 config file (``--config`` or CLAIRVOYANT_CONFIG), defaults. An invalid value stops start-up with
-a ``ConfigError`` naming the setting and its environment variable.
+a ``ConfigError`` naming the setting and where its value came from (flag, environment variable, or
+config file and key); an unknown config-file key stops it too, naming the closest valid key. An
+unknown ``CLAIRVOYANT_*`` environment variable is logged as a WARNING with the closest valid name,
+and start-up goes on.
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
 import math
 import os
 import tomllib
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,7 +29,16 @@ from pydantic_settings import (
 from clairvoyant.errors import ConfigError
 from clairvoyant.scheduling.policy import POLICY_NAMES
 
-__all__ = ["CLI_FLAGS", "ENV_PREFIX", "Settings", "load_settings", "settings_reference_markdown"]
+__all__ = [
+    "CLI_FLAGS",
+    "ENV_PREFIX",
+    "Settings",
+    "load_settings",
+    "settings_reference_markdown",
+    "unknown_environment_variables",
+]
+
+logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "CLAIRVOYANT_"
 DisconnectMode = Literal["auto", "drain", "abort"]
@@ -214,6 +229,41 @@ class Settings(BaseSettings):
         return (init_settings, env_settings)
 
 
+# CLAIRVOYANT_* variables that are not settings but are read on purpose (the config file's path;
+# the test suite's switch that turns a missing llama.cpp backend into a failure).
+OTHER_ENV_NAMES = frozenset({f"{ENV_PREFIX}CONFIG", f"{ENV_PREFIX}REQUIRE_BACKEND"})
+
+
+def _closest(name: str, candidates: Iterable[str]) -> str | None:
+    """The candidate most like ``name`` (difflib), or None when nothing is close."""
+    matches = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def _did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    closest = _closest(name, candidates)
+    return f"; did you mean {closest}?" if closest else ""
+
+
+def unknown_environment_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One message per ``CLAIRVOYANT_*`` variable that is neither a setting nor read elsewhere,
+    naming the closest valid variable. Start-up logs them and goes on (a typo must not stop a
+    service, but it must not pass in silence either)."""
+    environ = os.environ if environ is None else environ
+    valid = {f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields} | OTHER_ENV_NAMES
+    # Compared without the shared prefix (it would make every name look alike), upper-cased because
+    # pydantic-settings reads the environment case-insensitively.
+    suffixes = {name.removeprefix(ENV_PREFIX): name for name in valid}
+    messages = []
+    for key in sorted(environ):
+        upper = key.upper()
+        if upper.startswith(ENV_PREFIX) and upper not in valid:
+            closest = _closest(upper.removeprefix(ENV_PREFIX), suffixes)
+            hint = f"; did you mean {suffixes[closest]}?" if closest else ""
+            messages.append(f"unknown environment variable {key} (ignored){hint}")
+    return messages
+
+
 def _read_config_file(path: Path) -> dict[str, Any]:
     try:
         data = tomllib.loads(path.read_text())
@@ -223,20 +273,39 @@ def _read_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     unknown = sorted(set(data) - set(Settings.model_fields))
     if unknown:
-        raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
+        raise ConfigError(
+            "; ".join(f"config file {path}: unknown setting {key!r}{_did_you_mean(key, Settings.model_fields)}"
+                      for key in unknown)
+        )
     return data
 
 
-def _describe(error: ValidationError) -> str:
+def _describe(error: ValidationError, sources: Mapping[str, str]) -> str:
+    """One line per invalid setting, blaming where its value came from (``sources``: field name ->
+    "flag --x", "config file F, key k"; a field absent from it came from the environment, or is
+    the default)."""
     lines = []
     for item in error.errors():
         field = ".".join(str(p) for p in item["loc"]) or "settings"
-        lines.append(f"invalid setting {field} ({ENV_PREFIX}{field.upper()}): {item['msg']}")
+        if field in sources:
+            origin = sources[field]
+        elif field in Settings.model_fields:
+            origin = f"{ENV_PREFIX}{field.upper()}"
+        else:
+            origin = "the combination of settings"
+        lines.append(f"invalid setting {field} ({origin}): {item['msg']}")
     return "; ".join(lines)
 
 
 def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Settings:
-    """Build the Settings. ``overrides`` are CLI flags; None values mean "not given"."""
+    """Build the Settings. ``overrides`` are CLI flags; None values mean "not given".
+
+    Logs a WARNING for each unknown ``CLAIRVOYANT_*`` environment variable (and starts anyway);
+    raises ``ConfigError`` for an unknown config-file key or an invalid value, naming where the
+    value came from (flag, environment variable, or config file and key).
+    """
+    for message in unknown_environment_variables():
+        logger.warning("%s", message)
     if config_file is None:
         config_file = os.environ.get(f"{ENV_PREFIX}CONFIG") or None
     file_values = _read_config_file(Path(config_file)) if config_file else {}
@@ -244,11 +313,13 @@ def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Se
     env_set = {name for name in Settings.model_fields if f"{ENV_PREFIX}{name.upper()}" in os.environ}
     # File values apply only where neither a flag nor the environment speaks.
     layered = {k: v for k, v in file_values.items() if k not in env_set}
+    sources = {k: f"config file {config_file}, key {k}" for k in layered}
     layered.update(given)
+    sources.update({k: f"flag {CLI_FLAGS[k]}" if k in CLI_FLAGS else f"argument {k}" for k in given})
     try:
         return Settings(**layered)
     except ValidationError as exc:
-        raise ConfigError(_describe(exc)) from None
+        raise ConfigError(_describe(exc, sources)) from None
 
 
 def settings_reference_markdown() -> str:

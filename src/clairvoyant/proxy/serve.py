@@ -47,10 +47,11 @@ def run(args: argparse.Namespace) -> int:
     from clairvoyant.config import load_settings
     from clairvoyant.prediction.predictor import OnnxPredictor
 
+    # Logging first, so that the settings' own warnings (unknown CLAIRVOYANT_* variables) are formatted;
+    # the level comes from the settings once they are known.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = load_settings(args.config, **{name: getattr(args, name) for name in CLI_FLAGS})
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.getLogger().setLevel(settings.log_level.upper())
     # Load the model before binding the port: a bad model stops start-up with a clear message.
     predictor = OnnxPredictor(settings.model_path)
     logging.getLogger(__name__).info(

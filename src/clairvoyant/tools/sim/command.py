@@ -139,14 +139,14 @@ def _add_compare(sub: Any) -> None:
 
 
 def _run_compare(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+    from clairvoyant.tools.progress import progress_bar
 
     from clairvoyant.tools.sim import compare, report
 
     prompts = args.prompts if "heavy" in args.workloads else None
     if prompts is not None and not prompts.is_file():
         raise SystemExit(f"clairvoyant simulate: prompts file {prompts} not found (--prompts)")
-    with tqdm(desc=args.name, unit="run", disable=args.no_progress, file=sys.stderr) as bar:
+    with progress_bar(desc=args.name, unit="run", disable=args.no_progress, file=sys.stderr) as bar:
         data = compare.compare(
             n=args.n, seeds=range(args.seeds), prompts=prompts, model=args.model, c0_s=args.c0, c_tok_s=args.c_tok,
             workloads=args.workloads, progress=bar.update,
@@ -214,7 +214,7 @@ def _mu_short(text: str) -> float | str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen experiment; write JSON/CSV/MD (+ PNG) files and print the tables. Returns 0."""
-    from tqdm import tqdm
+    from clairvoyant.tools.progress import progress_bar
 
     from clairvoyant.tools.sim import experiments as ex
     from clairvoyant.tools.sim import report
@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         runs = 3 * len(args.rhos)
     name = args.name or f"sim_{command.replace('-', '_')}"
-    with tqdm(total=runs * len(seeds), desc=name, unit="run", disable=args.no_progress, file=sys.stderr) as bar:
+    with progress_bar(total=runs * len(seeds), desc=name, unit="run", disable=args.no_progress, file=sys.stderr) as bar:
         if command == "run":
             from clairvoyant.scheduling.policy import PolicyParams
 
