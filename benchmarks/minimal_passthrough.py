@@ -26,13 +26,23 @@ def build(upstream: str) -> FastAPI:
         base_url=upstream, timeout=None, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
     )
 
+    async def send_fresh_if_stale(req: httpx.Request) -> httpx.Response:
+        # llama.cpp's server closes some keep-alive connections after a streamed answer without saying
+        # so; nothing was answered, so send again on a fresh connection (as Clairvoyant and nginx do).
+        for _ in range(2):
+            try:
+                return await client.send(req, stream=True)
+            except httpx.RemoteProtocolError:
+                continue
+        return await client.send(req, stream=True)
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> StreamingResponse:
         body = await request.body()
         req = client.build_request(
             "POST", "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
         )
-        response = await client.send(req, stream=True)
+        response = await send_fresh_if_stale(req)
 
         async def relay() -> AsyncIterator[bytes]:
             try:

@@ -130,7 +130,8 @@ def test_tree_cpu_seconds_sums_a_process_and_its_descendants_only(tmp_path: Path
 def test_proxy_conf_streams_and_keeps_upstream_connections(tmp_path: Path) -> None:
     conf = nginx_proxy_conf(tmp_path, 8081, "http://127.0.0.1:9000/", keepalive=64)
     for line in ("proxy_buffering off;", "keepalive 64;", "proxy_http_version 1.1;", 'proxy_set_header Connection "";',
-                 "server 127.0.0.1:9000;", "listen 127.0.0.1:8081;", "daemon off;"):
+                 "server 127.0.0.1:9000;",
+                 "proxy_next_upstream error timeout non_idempotent;", "listen 127.0.0.1:8081;", "daemon off;"):
         assert line in conf
 
 

@@ -162,9 +162,12 @@ def _nginx_http(prefix: Path) -> str:
 def nginx_proxy_conf(prefix: Path, port: int, upstream: str, *, workers: int = 1, keepalive: int = 64) -> str:
     """An nginx reverse proxy on 127.0.0.1:``port`` in front of ``upstream`` (``http://host:port``).
 
-    Streaming as Clairvoyant does it: ``proxy_buffering off`` (each chunk is sent on as it comes),
-    HTTP/1.1 to the upstream with a pool of ``keepalive`` idle connections, and the request body
-    passed through unbuffered."""
+    Streaming as Clairvoyant does it: ``proxy_buffering off`` (each chunk is sent on as it comes)
+    and HTTP/1.1 to the upstream with a pool of ``keepalive`` idle connections. A POST that meets a
+    pooled connection the upstream had closed is sent again on a fresh one (``non_idempotent``; nginx
+    gives a failed *cached* connection an extra try), as Clairvoyant's upstream does: llama.cpp's
+    server closes some keep-alive connections after a streamed answer without saying so. For that
+    retry the (small) request body stays buffered (nginx cannot resend an unbuffered body)."""
     hostport = upstream.removeprefix("http://").rstrip("/")
     return _nginx_main(prefix, workers) + f"""http {{
 {_nginx_http(prefix)}    upstream backend {{
@@ -178,7 +181,7 @@ def nginx_proxy_conf(prefix: Path, port: int, upstream: str, *, workers: int = 1
             proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_buffering off;
-            proxy_request_buffering off;
+            proxy_next_upstream error timeout non_idempotent;
             proxy_read_timeout 600s;
         }}
     }}
