@@ -1,32 +1,47 @@
-"""Added latency of the proxy: a 1-token request through Clairvoyant versus straight to the backend.
+"""Added latency of the proxy: a 1-token streamed request through each proxy versus straight to the backend.
 
-Starts a real llama.cpp server (xllamacpp + SmolLM2) and `clairvoyant serve` in front of it as a
-separate process (the deployed shape), plus a bare FastAPI + httpx pass-through
-(minimal_passthrough.py: the floor of the serving stack on this machine), then rotates direct,
-bare and proxied requests one at a time, empty queue, same prompt (so the backend answers from its
-prompt cache). Prints TTFT and total time side by side, the paired per-request differences against
-direct (which cancel most of the machine's noise), and each server process's CPU time per request.
+Starts a real llama.cpp server (xllamacpp + SmolLM2) and, each as a separate process on a free
+port in front of it: nginx (Debian `nginx`; proxy_buffering off, upstream keepalive), the bare
+FastAPI + httpx pass-through (minimal_passthrough.py: the floor of the Python serving stack) and
+the proxy under test (`clairvoyant serve`, the deployed shape, or --proxy-cmd). Each round sends one
+request to every target, one at a time (empty queue), in a fresh random order (a fixed rotation
+would put the same target before each one every time), same prompt (the backend answers from its
+prompt cache). Prints TTFB (first body byte), TTFT (first text chunk) and total time, the paired
+per-round differences against direct (which cancel most of the machine's noise), and each server
+process's CPU time per request (/proc/<pid>/stat of its process tree).
 
-    python benchmarks/bench_proxy_overhead.py --n 300 [--json FILE]
+    python benchmarks/bench_proxy_overhead.py [--n 300] [--json FILE] [--proxy-cmd '...{upstream} {port}...']
+
+Needs nginx (apt-get install nginx wrk). Results: benchmarks/proxy_overhead_results.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import socket
-import statistics
-import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
-import numpy as np
 from tqdm import tqdm
 
-from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import servers  # noqa: E402  (benchmarks/servers.py, beside this script)
+
+from clairvoyant.tools.bench.request_path import (  # noqa: E402
+    nginx_proxy_conf,
+    paired_differences,
+    predecessor_counts,
+    round_orders,
+    summarize_ms,
+    tree_cpu_seconds,
+)
+from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer  # noqa: E402
 
 BODY = {
     "messages": [{"role": "user", "content": "Say OK."}],
@@ -34,10 +49,13 @@ BODY = {
     "stream": True,
     "temperature": 0,
 }
+TARGETS = ("direct", "nginx", "bare", "proxy")
+METRICS = ("ttfb", "ttft", "total")
+RESULTS = Path(__file__).with_name("proxy_overhead_results.json")
 
 
-def one_request(client: httpx.Client, url: str) -> tuple[float, float]:
-    """(TTFT, total) seconds for one streamed 1-token chat completion.
+def one_request(client: httpx.Client, url: str) -> dict[str, float]:
+    """TTFB, TTFT and total seconds of one streamed 1-token chat completion.
 
     llama.cpp's server sometimes closes a keep-alive connection after a streamed answer without
     saying so; a request that meets such a connection is timed again from scratch."""
@@ -49,108 +67,104 @@ def one_request(client: httpx.Client, url: str) -> tuple[float, float]:
     return _timed_request(client, url)
 
 
-def _timed_request(client: httpx.Client, url: str) -> tuple[float, float]:
+def _timed_request(client: httpx.Client, url: str) -> dict[str, float]:
     started = time.perf_counter()
-    ttft = None
+    ttfb = ttft = None
+    seen = b""
     with client.stream("POST", url, json=BODY) as response:
         response.raise_for_status()
-        for line in response.iter_lines():
-            if ttft is None and line.startswith("data: ") and '"content"' in line:
-                ttft = time.perf_counter() - started
+        for chunk in response.iter_raw():
+            now = time.perf_counter() - started
+            if ttfb is None and chunk:
+                ttfb = now
+            if ttft is None:
+                seen += chunk
+                if b'"content":"' in seen:  # the first delta carrying text (the role-only delta has none)
+                    ttft = now
     total = time.perf_counter() - started
-    return (ttft if ttft is not None else total), total
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def start_server(argv: list[str], port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, *argv], env={**os.environ})
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
-            return proc
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"{argv} did not start")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def describe(values: list[float]) -> dict[str, float]:
-    arr = np.asarray(values) * 1000
-    return {"p50_ms": float(np.percentile(arr, 50)), "p90_ms": float(np.percentile(arr, 90)), "p99_ms": float(np.percentile(arr, 99))}
+    return {"ttfb": ttfb if ttfb is not None else total, "ttft": ttft if ttft is not None else total, "total": total}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=300, help="rounds of one request to each target (default 300)")
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed rounds first (default 20)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the per-round random order")
+    parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads (default 1: stable on shared cores)")
+    parser.add_argument(
+        "--proxy-cmd",
+        help=f"command of the proxy under test, with {{python}} {{upstream}} {{port}} {{slots}} "
+        f"(default: ${servers.PROXY_CMD_ENV} or: {servers.DEFAULT_PROXY_CMD}; slots 1 here)",
+    )
+    parser.add_argument("--json", default=str(RESULTS), help=f"write the figures here (default {RESULTS.name} beside the script)")
     args = parser.parse_args()
+    servers.require_tools("nginx")
 
-    names = ("direct", "bare", "proxy")
-    with EmbeddedLlamaServer() as backend:
-        ports = {"bare": free_port(), "proxy": free_port()}
-        servers = {
-            "bare": start_server(
-                [str(Path(__file__).with_name("minimal_passthrough.py")), backend.base_url, str(ports["bare"])],
-                ports["bare"],
-            ),
-            "proxy": start_server(
-                ["-m", "clairvoyant", "serve", "--upstream", backend.base_url, "--port", str(ports["proxy"]),
-                 "--log-level", "warning"],
-                ports["proxy"],
-            ),
-        }
-        try:
-            urls = {
-                "direct": f"{backend.base_url}/v1/chat/completions",
-                "bare": f"http://127.0.0.1:{ports['bare']}/v1/chat/completions",
-                "proxy": f"http://127.0.0.1:{ports['proxy']}/v1/chat/completions",
-            }
-            samples: dict[str, dict[str, list[float]]] = {k: {"ttft": [], "total": []} for k in urls}
-            with httpx.Client(timeout=60) as client:
-                for _ in range(args.warmup):
-                    for url in urls.values():
-                        one_request(client, url)
-                cpu_before = {k: cpu_seconds(p.pid) for k, p in servers.items()}
-                for i in tqdm(range(args.n), desc="rounds"):
-                    for name in names[i % 3:] + names[: i % 3]:  # rotate the order
-                        ttft, total = one_request(client, urls[name])
-                        samples[name]["ttft"].append(ttft)
-                        samples[name]["total"].append(total)
-                cpu_per_request_ms = {k: (cpu_seconds(p.pid) - cpu_before[k]) / args.n * 1000 for k, p in servers.items()}
-        finally:
-            for proc in servers.values():
-                proc.terminate()
-                proc.wait(10)
+    with contextlib.ExitStack() as stack:
+        backend = stack.enter_context(EmbeddedLlamaServer(n_threads=args.threads))
+        ports = {name: servers.free_port() for name in TARGETS if name != "direct"}
+        procs = {
+            "direct": backend.pid,
+            "nginx": stack.enter_context(servers.nginx(
+                lambda p: nginx_proxy_conf(p, ports["nginx"], backend.base_url), ports["nginx"])).pid,
+            "bare": stack.enter_context(servers.running(
+                servers.passthrough_argv(backend.base_url, ports["bare"]), ports["bare"])).pid,
+            "proxy": stack.enter_context(servers.running(
+                servers.proxy_argv(args.proxy_cmd, backend.base_url, ports["proxy"], 1), ports["proxy"],
+                env=servers.proxy_env())).pid,
+        }  # fmt: skip
+        urls = {"direct": f"{backend.base_url}/v1/chat/completions"}
+        urls |= {name: f"http://127.0.0.1:{port}/v1/chat/completions" for name, port in ports.items()}
+        samples: dict[str, dict[str, list[float]]] = {m: {t: [] for t in TARGETS} for m in METRICS}
+        orders = round_orders(TARGETS, args.n, args.seed)
+        with httpx.Client(timeout=60) as client:
+            for order in round_orders(TARGETS, args.warmup, args.seed + 1):
+                for name in order:
+                    one_request(client, urls[name])
+            load_before = os.getloadavg()
+            cpu_before = {k: tree_cpu_seconds(pid) for k, pid in procs.items() if pid is not None}
+            for order in tqdm(orders, desc="rounds"):
+                for name in order:
+                    timed = one_request(client, urls[name])
+                    for metric in METRICS:
+                        samples[metric][name].append(timed[metric])
+            cpu_after = {k: tree_cpu_seconds(pid) for k, pid in procs.items() if pid is not None}
+            load_after = os.getloadavg()
+    # the backend serves every target's request; each proxy only its own
+    served = {name: args.n * (len(TARGETS) if name == "direct" else 1) for name in cpu_after}
+    cpu_ms = {k: (cpu_after[k] - cpu_before[k]) / served[k] * 1000 for k in cpu_after}
 
-    result: dict[str, object] = {"n_rounds": args.n, "server_cpu_ms_per_request": cpu_per_request_ms}
-    print(f"\n1-token streamed chat completion, empty queue, n={args.n} rounds (rotating order)")
-    print(f"{'':8} {'TTFT p50':>10} {'TTFT p90':>10} {'total p50':>10} {'total p90':>10} {'total p99':>10}")
-    for name in names:
-        t, tot = describe(samples[name]["ttft"]), describe(samples[name]["total"])
-        result[name] = {"ttft": t, "total": tot}
-        print(f"{name:8} {t['p50_ms']:10.2f} {t['p90_ms']:10.2f} {tot['p50_ms']:10.2f} {tot['p90_ms']:10.2f} {tot['p99_ms']:10.2f}")
-    for name in ("bare", "proxy"):
-        for metric in ("ttft", "total"):
-            diffs = [p - d for p, d in zip(samples[name][metric], samples["direct"][metric])]
-            added = describe(diffs)
-            result[f"added_{metric}_{name}"] = added
-            print(f"{name} adds to {metric}: median of paired differences {statistics.median(diffs) * 1000:.2f} ms (p90 {added['p90_ms']:.2f} ms)")
-    print("server CPU per request: " + ", ".join(f"{k} {v:.2f} ms" for k, v in cpu_per_request_ms.items()))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+    result: dict[str, object] = {
+        "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "proxy_argv": servers.proxy_argv(args.proxy_cmd, "UPSTREAM", 0, 1),
+        "n_rounds": args.n, "order": "random per round", "seed": args.seed, "llama_threads": args.threads,
+        "loadavg_before": load_before, "loadavg_after": load_after, "cpus": os.cpu_count(),
+        "predecessors": {k: dict(v) for k, v in predecessor_counts(orders).items()},
+        "server_cpu_ms_per_request": cpu_ms,
+    }  # fmt: skip
+    print(f"\n1-token streamed chat completion to llama.cpp, empty queue, n={args.n} rounds (random order per round); "
+          f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}\n")  # fmt: skip
+    print("| target | TTFB p50 | TTFB p90 | TTFT p50 | total p50 | total p90 | total p99 |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name in TARGETS:
+        s = {m: summarize_ms(samples[m][name]) for m in METRICS}
+        result[name] = s
+        print(f"| {name} | {s['ttfb']['p50_ms']:.2f} | {s['ttfb']['p90_ms']:.2f} | {s['ttft']['p50_ms']:.2f} | "
+              f"{s['total']['p50_ms']:.2f} | {s['total']['p90_ms']:.2f} | {s['total']['p99_ms']:.2f} |")  # fmt: skip
+    print("\nAdded over direct, paired per round (ms): p50 and p90 of (target - direct)\n")
+    print("| target | TTFB p50 | TTFB p90 | TTFT p50 | total p50 | total p90 | server CPU ms/request |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    added = {m: paired_differences(samples[m], "direct") for m in METRICS}
+    for name in TARGETS[1:]:
+        a = {m: summarize_ms(added[m][name]) for m in METRICS}
+        result[f"added_{name}"] = a
+        print(f"| {name} | {a['ttfb']['p50_ms']:.2f} | {a['ttfb']['p90_ms']:.2f} | {a['ttft']['p50_ms']:.2f} | "
+              f"{a['total']['p50_ms']:.2f} | {a['total']['p90_ms']:.2f} | {cpu_ms[name]:.2f} |")  # fmt: skip
+    print(f"\nllama.cpp server (direct) CPU per request it served: {cpu_ms['direct']:.2f} ms")
+    with open(args.json, "w") as fh:
+        json.dump(result, fh, indent=2)
+    print(f"wrote {args.json}")
     return 0
 
 
