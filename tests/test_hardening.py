@@ -326,9 +326,9 @@ def test_a_non_streamed_leaver_keeps_its_llamacpp_slot_until_the_backend_is_done
         nxt = httpx.post(f"{base}{CHAT}", json=chat("Say OK.", max_tokens=1), timeout=120)
     assert nxt.status_code == 200
     assert float(nxt.headers["x-clairvoyant-queue-wait-ms"]) > 0  # it waited in the queue, visibly
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request ")]
-    left = [line for line in lines if "outcome=client_left_streaming" in line]
-    assert len(left) == 1 and "output_tokens=120" in left[0]  # read to its end: the backend's whole work
+    lines = [r.fields for r in caplog.records if getattr(r, "fields", None)]  # type: ignore[attr-defined]
+    left = [line for line in lines if line.get("outcome") == "client_left_streaming"]
+    assert len(left) == 1 and left[0]["output_tokens"] == 120  # read to its end: the backend's whole work
 
 
 def test_requests_waiting_through_a_llamacpp_restart_are_all_answered(require_embedded_backend: None) -> None:

@@ -1,9 +1,9 @@
 """The package's layers: each imports only from below it, so the tree reads as the request's flow.
 
-    config, errors, clock, state_file (the bottom: settings, errors, time, atomic state files)
+    config, errors, clock, state_file, logs (the bottom: settings, errors, time, atomic state files, log format)
     prediction/                      dialects, features, predictor, learner, usage
     scheduling/, metrics             job record and queues, policies, dispatcher and its lease
-    proxy/                           app, responses, upstream, the closed loop's wiring, serve
+    proxy/                           app, responses, upstream, server (client limits), ui/, the closed loop's wiring, serve
     tools/                           training, simulator, benchmarks, demo, replay (never served)
     cli                              the command line
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[1] / "src" / "clairvoyant"
-LAYER = {"errors": 0, "clock": 0, "config": 0, "state_file": 0, "prediction": 1, "scheduling": 2, "metrics": 2, "proxy": 3,
+LAYER = {"errors": 0, "clock": 0, "config": 0, "state_file": 0, "logs": 0, "prediction": 1, "scheduling": 2, "metrics": 2, "proxy": 3,
          "tools": 4, "cli": 5, "__main__": 5, "__init__": 0}
 ALLOWED = {("config", "clairvoyant.scheduling.policy")}
 

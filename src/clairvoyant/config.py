@@ -157,6 +157,9 @@ class Settings(BaseSettings):
     )
     model_path: Path | None = Field(None, description="ONNX predictor model (its .card.json beside it); unset = shipped model.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="Log lines as text (key=value fields) or JSON (one object a line, for Loki or Elastic)."
+    )
     log_prompts: bool = Field(False, description="Log prompt text (debug aid; off by default).")
     allow_oracle: bool = Field(
         False,

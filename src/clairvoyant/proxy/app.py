@@ -2,7 +2,7 @@
 
 Scheduled endpoints (scored, queued, dispatched serially): POST /v1/chat/completions,
 /v1/completions, /api/chat, /api/generate. The proxy's own endpoints: GET /healthz, /readyz,
-/metrics, /queue, /queue/{request_id}. Every other path and method passes through to the backend, streamed, unqueued.
+/metrics, /queue, /queue/{request_id}, and the live page /ui. Every other path and method passes through to the backend, streamed, unqueued.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from pathlib import Path
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -17,7 +18,8 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
 from starlette.requests import ClientDisconnect
 
 from clairvoyant.clock import Clock, MonotonicClock
@@ -27,6 +29,7 @@ from clairvoyant.scheduling.dispatcher import Dispatcher, Ticket
 from clairvoyant.errors import BadRequest, ClientGone, PayloadTooLarge, QueueFull, RequestError
 from clairvoyant.proxy.feedback import OnlineLearning
 from clairvoyant.scheduling.job_queue import Job
+from clairvoyant.logs import log_request
 from clairvoyant.metrics import CONTENT_TYPE_LATEST, Metrics
 from clairvoyant.scheduling.policy import PolicyParams, build_queue, make_policy
 from clairvoyant.prediction.predictor import OnnxPredictor, Prediction, Predictor
@@ -40,6 +43,7 @@ __all__ = ["create_app"]
 
 logger = logging.getLogger(__name__)
 
+UI_DIR = Path(__file__).with_name("ui")
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _REJECTION_REASONS = {BadRequest: "bad_request", PayloadTooLarge: "too_large", QueueFull: "queue_full"}
 PASSTHROUGH_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
@@ -126,16 +130,18 @@ def create_app(
         if isinstance(exc, ClientGone):  # nobody to answer: counted and logged once, no traceback
             metrics.disconnects_by_stage["upload"].inc()
             metrics.count_request(_endpoint_label(request.url.path), dialect_of_path(request.url.path).value, "client_closed")
-            logger.info("client left during its upload: %s %s", request.method, request.url.path)
+            _log_rejection(request, "client_closed", "client_left_uploading", settings)
             return Response(status_code=exc.status_code)
         reason = next((r for cls, r in _REJECTION_REASONS.items() if isinstance(exc, cls)), None)
         if reason is not None:
             metrics.rejections_by_reason[reason].inc()
+        _log_rejection(request, exc.status_code, exc.code or "error", settings)
         return _error_response(request, exc, metrics)
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, exc: Exception) -> Response:
         logger.exception("unexpected error on %s %s", request.method, request.url.path)
+        _log_rejection(request, 500, "internal_error", settings)
         return _error_response(request, RequestError("internal error in the proxy"), metrics)
 
     @app.get("/healthz")
@@ -174,6 +180,12 @@ def create_app(
         position, eta_s = where
         return JSONResponse({"request_id": request_id, "waiting": True, "position": position, "eta_s": round(eta_s, 3)})
 
+    @app.get("/ui")
+    async def ui_root() -> Response:
+        return RedirectResponse("/ui/")
+
+    # The live queue page: static files in the package, no build step, no CDN.
+    app.mount("/ui/", StaticFiles(directory=UI_DIR, html=True), name="ui")
     for path in SCHEDULED_ENDPOINTS:
         app.add_api_route(path, _scheduled, methods=["POST"], include_in_schema=False)
     app.add_api_route("/{path:path}", _passthrough, methods=PASSTHROUGH_METHODS, include_in_schema=False)
@@ -188,6 +200,14 @@ async def _check_upstream_at_start(upstream: Upstream) -> None:
         problem = repr(exc)
     if problem is not None:
         logger.warning("the backend at %s is not ready yet (%s); requests will wait for it", upstream.display_url, problem)
+
+
+def _log_rejection(request: Request, status: int | str, outcome: str, settings: Settings) -> None:
+    """The request line of an answer the proxy gave itself (it never reached the queue or the backend)."""
+    log_request({
+        "request_id": request.headers.get("x-request-id", "-"), "method": request.method, "path": request.url.path,
+        "tenant": request.headers.get(settings.tenant_header, "-")[:128] or "-", "status": status, "outcome": outcome,
+    })  # fmt: skip
 
 
 def _endpoint_label(path: str) -> str:

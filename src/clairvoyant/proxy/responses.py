@@ -42,6 +42,7 @@ from starlette.types import Receive, Scope, Send
 from clairvoyant.prediction.dialects import Dialect, error_body, stream_error_event
 from clairvoyant.scheduling.dispatcher import Dispatcher, ShuttingDown, Ticket
 from clairvoyant.errors import RequestError, UpstreamTimeout, UpstreamUnavailable
+from clairvoyant.logs import REQUEST_LOG, log_request
 from clairvoyant.metrics import Metrics
 from clairvoyant.proxy.upstream import Upstream, response_headers
 from clairvoyant.prediction.usage import Usage, UsageTap
@@ -237,6 +238,7 @@ class PassthroughResponse(_AsgiOnly):
         self.relay = relay
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.monotonic()
         disconnect = asyncio.ensure_future(_wait_disconnect(receive))
         relay = asyncio.ensure_future(self.relay.run(send))
         try:
@@ -252,6 +254,14 @@ class PassthroughResponse(_AsgiOnly):
             await asyncio.gather(relay, return_exceptions=True)
             status = str(self.relay.status) if self.relay.status is not None else "client_closed"
             self.relay.metrics.count_request("passthrough", self.relay.request.dialect.value, status)
+            if REQUEST_LOG.isEnabledFor(logging.INFO):
+                request = self.relay.request
+                log_request({
+                    "request_id": dict(request.headers).get("x-request-id", "-"), "method": request.method,
+                    "path": request.path, "status": self.relay.status or "client_closed",
+                    "outcome": "passthrough_" + self.relay.outcome,
+                    "service_ms": f"{(time.monotonic() - started) * 1000:.1f}",
+                })  # fmt: skip
 
 
 class ScheduledResponse(_AsgiOnly):
@@ -372,7 +382,7 @@ class ScheduledResponse(_AsgiOnly):
         relay = self.relay
         status = str(relay.status) if relay.status is not None else "client_closed"
         self.metrics.count_request(ticket.endpoint, relay.request.dialect.value, status)
-        if not logger.isEnabledFor(logging.INFO):
+        if not REQUEST_LOG.isEnabledFor(logging.INFO):
             return
         wait = ticket.queue_wait_s()
         service = None if ticket.dispatched_s is None else self.dispatcher.clock.now() - ticket.dispatched_s
@@ -391,4 +401,4 @@ class ScheduledResponse(_AsgiOnly):
             "output_tokens": "-" if self.usage is None or self.usage.output_tokens is None else self.usage.output_tokens,
             "usage_source": "-" if self.usage is None else self.usage.source,
         }
-        logger.info("request %s", " ".join(f"{k}={v}" for k, v in fields.items()))
+        log_request(fields)

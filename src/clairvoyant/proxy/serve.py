@@ -45,13 +45,14 @@ def run(args: argparse.Namespace) -> int:
     from clairvoyant.proxy.app import create_app
     from clairvoyant.proxy.server import build_server
     from clairvoyant.config import load_settings
+    from clairvoyant.logs import configure_logging
     from clairvoyant.prediction.predictor import OnnxPredictor
 
     # Logging first, so that the settings' own warnings (unknown CLAIRVOYANT_* variables) are formatted;
     # the level comes from the settings once they are known.
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging("warning")
     settings = load_settings(args.config, **{name: getattr(args, name) for name in CLI_FLAGS})
-    logging.getLogger().setLevel(settings.log_level.upper())
+    configure_logging(settings.log_level, settings.log_format)
     # Load the model before binding the port: a bad model stops start-up with a clear message.
     predictor = OnnxPredictor(settings.model_path)
     logging.getLogger(__name__).info(

@@ -31,6 +31,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from clairvoyant.config import Settings
 from clairvoyant.errors import HeadersTooLarge, RequestError, RequestTimeout
+from clairvoyant.logs import log_request
 from clairvoyant.prediction.dialects import dialect_of_path, error_body
 
 __all__ = ["ClientLimits", "ProxyServer", "build_server"]
@@ -151,7 +152,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             cycle.message_event.set()
         if not started:
             self.transport.write(_raw_response(status, error_body(dialect_of_path(self._path()), error)))
-        logger.info("client connection closed: %s (%d)", reason, status)
+        log_request({"path": self._path(), "status": status, "outcome": reason})
         # A lingering close: end our side now, discard what the client still sends, close fully a
         # little later. Closing at once with its bytes unread would reset the connection, and the
         # client could lose the answer above.
@@ -194,7 +195,8 @@ def build_server(app: Any, settings: Settings, *, host: str | None = None, port:
         port=settings.port if port is None else port,
         http=protocol,
         log_level=settings.log_level if log_level is None else log_level,
-        access_log=False,
+        access_log=False,  # the proxy logs one line per request itself (clairvoyant.logs)
+        log_config=None,  # uvicorn's loggers propagate to ours: one format
         lifespan="on",
         timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]  # used as call_later seconds
         timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 2,  # backstop: the dispatcher ends answers first

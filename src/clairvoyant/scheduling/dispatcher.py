@@ -25,6 +25,7 @@ import itertools
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ __all__ = ["Dispatcher", "Lease", "ShuttingDown", "Ticket"]
 logger = logging.getLogger(__name__)
 
 _SAVE_EVERY = 50  # service-time observations between state-file writes
+RECENT_REQUESTS = 100  # finished requests kept for /queue's timeline (the live page)
 
 
 class ShuttingDown(RequestError):
@@ -142,6 +144,8 @@ class Dispatcher:
         self._ids = itertools.count()
         self._observed = 0
         self._grants = 0  # slots granted so far (a ticket's queue position is a difference of these)
+        # (ticket, ended clock seconds, outcome, output tokens or None), newest last
+        self._recent: deque[tuple[Ticket, float, str, int | None]] = deque(maxlen=RECENT_REQUESTS)
         metrics.starvation_timeout.set(starvation_timeout_s)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -241,14 +245,20 @@ class Dispatcher:
         if ticket.job.waiting and self.queue.remove(ticket.job):
             self._end_waiting(ticket)
             self.metrics.disconnects_by_stage["queued"].inc()
+            self._recent.append((ticket, self.clock.now(), "left_queued", None))
             if not ticket.granted.done():
                 ticket.granted.cancel()
             return
         granted = ticket.granted
         if granted.done() and not granted.cancelled() and granted.exception() is None:
             ticket.ended = True
-            if lease is not None and lease.completed and ticket.dispatched_s is not None:
-                self._learn(ticket, self.clock.now() - ticket.dispatched_s, lease.usage)
+            completed = lease is not None and lease.completed
+            usage = None if lease is None else lease.usage
+            self._recent.append(
+                (ticket, self.clock.now(), "completed" if completed else "ended", None if usage is None else usage.output_tokens)
+            )
+            if completed and ticket.dispatched_s is not None:
+                self._learn(ticket, self.clock.now() - ticket.dispatched_s, usage)
             if ticket.released is not None and not ticket.released.done():
                 ticket.released.set_result(None)  # the worker frees the slot
             return
@@ -344,7 +354,8 @@ class Dispatcher:
 
     # -- introspection ---------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
-        """The waiting queue in dispatch order with positions and ETAs, and what is in flight; no prompt text."""
+        """The waiting queue in dispatch order with positions and ETAs, what is in flight, and the
+        last finished requests (newest first; ``waited_s`` there is the time it spent queued); no prompt text."""
         now = self.clock.now()
 
         def describe(ticket: Ticket) -> dict[str, Any]:
@@ -390,6 +401,17 @@ class Dispatcher:
             },
             "waiting": waiting,
             "in_flight": in_flight,
+            "recent": [
+                {
+                    **describe(t),
+                    "outcome": outcome,
+                    "output_tokens": output_tokens,
+                    "waited_s": round((ended_s if t.dispatched_s is None else t.dispatched_s) - t.job.arrival_s, 3),
+                    "service_s": None if t.dispatched_s is None else round(ended_s - t.dispatched_s, 3),
+                    "ended_ago_s": round(now - ended_s, 3),
+                }
+                for t, ended_s, outcome, output_tokens in reversed(self._recent)
+            ],
         }
 
     # -- workers ---------------------------------------------------------------------------

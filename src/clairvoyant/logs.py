@@ -1,0 +1,71 @@
+"""Logging: one format for everything the proxy logs (its own lines, uvicorn's), text or JSON.
+
+Every answer gets one ``request`` line (``log_request``) with its fields: scheduled, pass-through,
+and the proxy's own rejections. In text form the fields follow the message as ``key=value``; in
+JSON form each line is one object (``ts``, ``level``, ``logger``, ``msg`` and the fields), ready
+for Loki or Elastic. httpx's and httpcore's per-call INFO lines are silenced. No prompt text is
+ever a field (``log_prompts`` logs it separately, at debug level).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, Literal
+
+__all__ = ["REQUEST_LOG", "LogFormat", "configure_logging", "log_request"]
+
+LogFormat = Literal["text", "json"]
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+REQUEST_LOG = logging.getLogger("clairvoyant.requests")
+
+
+def log_request(fields: dict[str, Any]) -> None:
+    """The one line for one answered (or refused) request."""
+    if REQUEST_LOG.isEnabledFor(logging.INFO):
+        REQUEST_LOG.info("request", extra={"fields": fields})
+
+
+class TextFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        line = super().formatMessage(record)
+        fields = getattr(record, "fields", None)
+        if fields:
+            line += " " + " ".join(f"{k}={'-' if v is None else v}" for k, v in fields.items())
+        return line
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        fields = getattr(record, "fields", None)
+        if fields:
+            entry.update(fields)
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(level: str, log_format: LogFormat = "text") -> None:
+    """Install the one handler on the root logger (uvicorn's loggers propagate to it)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for name in ("httpx", "httpcore"):  # one INFO line per upstream call otherwise
+        logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        uvicorn_logger = logging.getLogger(name)
+        uvicorn_logger.handlers[:] = []
+        uvicorn_logger.propagate = True
+    logging.getLogger("uvicorn.access").disabled = True  # our request line replaces it

@@ -1,0 +1,93 @@
+"""One log line per answer on every path, in one format (text or JSON), no prompt text, no httpx
+per-call lines. Runs the real `clairvoyant serve` process, as deployed, and reads its stderr."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from fake_backend import FakeBackend
+from proxy_harness import wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
+SECRET_PROMPT = "PROMPT-TEXT-7f3a never to be logged"
+
+
+def _serve(backend_url: str, port: int, **env: str) -> subprocess.Popen[str]:
+    environment = {
+        **os.environ, "CLAIRVOYANT_UPSTREAM_URL": backend_url, "CLAIRVOYANT_PORT": str(port),
+        "CLAIRVOYANT_CLIENT_TIMEOUT_S": "0.5", "CLAIRVOYANT_SHUTDOWN_GRACE_S": "0", "PYTHONPATH": str(ROOT / "src"), **env,
+    }  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "clairvoyant.cli", "serve"], env=environment, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _ready(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _exercise(base: str, port: int) -> None:
+    """A scheduled answer, a pass-through, a 400, an aborted upload, a 408 from the server."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": SECRET_PROMPT}]}
+    assert httpx.post(f"{base}/v1/chat/completions", json=chat, headers={"X-Request-Id": "sched-1"}).status_code == 200
+    assert httpx.get(f"{base}/api/tags", headers={"X-Request-Id": "pass-1"}).status_code == 200
+    bad = httpx.post(f"{base}/api/chat", content=b'{"messages": [', headers={"X-Request-Id": "bad-1"})
+    assert bad.status_code == 400
+    with socket.create_connection(("127.0.0.1", port)) as sock:  # aborted upload
+        sock.sendall(b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"m")
+    with socket.create_connection(("127.0.0.1", port)) as sock:  # headers that never end: 408
+        sock.sendall(b"GET /api/tags HTTP/1.1\r\nHost: x\r\n")
+        sock.settimeout(10)
+        assert sock.recv(100).startswith(b"HTTP/1.1 408")
+
+
+def _run(free_port: int, **env: str) -> str:
+    with FakeBackend(lambda path, n: "ok") as backend:
+        process = _serve(backend.url, free_port, **env)
+        base = f"http://127.0.0.1:{free_port}"
+        try:
+            wait_until(lambda: _ready(base), timeout_s=30, what="the proxy to start")
+            _exercise(base, free_port)
+            time.sleep(0.3)  # the aborted upload's line
+        finally:
+            process.send_signal(signal.SIGTERM)
+            _, stderr = process.communicate(timeout=30)
+    return stderr
+
+
+def test_json_logs_one_object_a_line_and_one_request_line_per_answer(free_port: int) -> None:
+    stderr = _run(free_port, CLAIRVOYANT_LOG_FORMAT="json")
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    entries = [json.loads(line) for line in lines]  # every line, uvicorn's included, is one JSON object
+    requests: list[dict[str, Any]] = [e for e in entries if e["msg"] == "request"]
+    by_outcome = {str(e["outcome"]): e for e in requests}
+    assert by_outcome["completed"]["request_id"] == "sched-1" and by_outcome["completed"]["status"] == 200
+    assert by_outcome["passthrough_completed"]["request_id"] == "pass-1"
+    assert by_outcome["bad_request"]["status"] == 400 and by_outcome["bad_request"]["request_id"] == "bad-1"
+    assert by_outcome["client_left_uploading"]["path"] == "/api/chat"
+    assert by_outcome["client_timeout"]["status"] == 408
+    assert len(requests) == 5
+    assert any(e["logger"].startswith("uvicorn") for e in entries)  # uvicorn's lines, in the same format
+    assert SECRET_PROMPT.split()[0] not in stderr
+    assert "HTTP Request:" not in stderr  # httpx's per-call INFO line is silenced
+
+
+def test_text_logs_carry_the_same_fields(free_port: int) -> None:
+    stderr = _run(free_port)
+    request_lines = [line for line in stderr.splitlines() if " clairvoyant.requests: request " in line]
+    assert len(request_lines) == 5
+    assert any("request_id=sched-1" in line and "status=200" in line and "outcome=completed" in line for line in request_lines)
+    assert SECRET_PROMPT.split()[0] not in stderr and "Traceback" not in stderr
