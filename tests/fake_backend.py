@@ -141,7 +141,10 @@ def _read_request(conn: socket.socket, buffer: bytes) -> tuple[tuple[str, str, b
 
 def _write(conn: socket.socket, status: int, body: bytes, *, close: bool = False) -> None:
     reason = {200: "OK", 503: "Service Unavailable"}[status]
-    head = f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        "date: Sun, 22 Nov 2026 00:00:00 GMT\r\nserver: fake-backend\r\n"
+    )
     if close:
         head += "connection: close\r\n"
     conn.sendall(head.encode() + b"\r\n" + body)

@@ -162,6 +162,14 @@ def test_backend_credentials_and_address_never_reach_clients_or_logs(caplog: pyt
     assert f"***@127.0.0.1:{port}" in logged  # the log keeps the detail, redacted
 
 
+def test_an_answer_carries_one_date_and_one_server_header() -> None:
+    with FakeBackend(lambda path, n: "ok") as backend, proxy(backend.url) as base:
+        answers = [httpx.post(f"{base}{CHAT}", json=chat()), httpx.get(f"{base}/api/tags"), httpx.get(f"{base}/healthz")]
+    for r in answers:
+        assert len(r.headers.get_list("date")) == 1
+    assert [r.headers.get_list("server") for r in answers] == [["fake-backend"], ["fake-backend"], []]
+
+
 # --- client limits --------------------------------------------------------------------------
 
 
