@@ -263,3 +263,18 @@ def test_build_queue_rejects_a_non_positive_timeout() -> None:
     assert isinstance(build_queue(FcfsPolicy(), starvation_timeout_s=math.inf), HeapQueue)
     assert isinstance(build_queue(HrrnPolicy(), starvation_timeout_s=math.inf), ScanQueue)
     assert isinstance(make_policy("boost", PolicyParams(boost_gamma_per_s=0.2)), BoostPolicy)
+
+
+def test_fair_share_weights_give_a_tenant_its_multiple_of_backend_seconds() -> None:
+    weights = {"gold": 2.0, "basic": 1.0}
+    q = FairShareQueue(lambda: FcfsPolicy().make_queue(), weight_of=lambda tenant: weights[str(tenant)])
+    for i in range(6):
+        q.push(job(f"g{i}", 0.0, predicted_s=1.0, tenant="gold"))
+        q.push(job(f"b{i}", 0.0, predicted_s=1.0, tenant="basic"))
+    order = []
+    for _ in range(9):
+        got = q.pop(0.0)
+        assert got is not None
+        order.append(got[0].payload[0])
+        q.done(got[0])
+    assert order.count("g") == 6 and order.count("b") == 3  # two gold seconds for each basic one

@@ -20,6 +20,7 @@ __all__ = ["main"]
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("clairvoyant.proxy.serve", "run the scheduling proxy"),
+    "keys": ("clairvoyant.tools.keys", "make a client API key (or hash one) for the api_keys setting"),
     "calibrate": ("clairvoyant.tools.calibrate", "measure the backend's mean Short service time; print what to set"),
     "predict": ("clairvoyant.tools.bulk_predict", "score a JSONL file of prompts or chat bodies"),
     "replay": ("clairvoyant.tools.replay", "replay requests with their real lengths through the online learner"),

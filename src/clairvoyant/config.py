@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -51,6 +51,24 @@ CLI_FLAGS: dict[str, str] = {
     "disconnect_mode": "--disconnect-mode", "model_path": "--model", "log_level": "--log-level",
     "learner_state_path": "--learner-state",
 }
+
+
+class ApiKey(BaseModel):
+    """One client API key, stored only as its hash (``clairvoyant keys add`` makes one)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    hash: str = Field(pattern=r"^sha256:[0-9a-f]{64}$", description="sha256:<hex> of the key's text")
+    tenant: str = Field(min_length=1, max_length=128, description="The tenant its requests belong to (fair share).")
+    min_priority: int = Field(0, description="Most urgent priority this key may ask for.")
+    max_priority: int = Field(10, description="Least urgent priority this key may ask for.")
+    weight: float = Field(1.0, gt=0, description="The tenant's fair-share weight (2 = twice the backend seconds of weight 1).")
+
+    @model_validator(mode="after")
+    def _check_range(self) -> ApiKey:
+        if self.min_priority > self.max_priority:
+            raise ValueError("min_priority must be <= max_priority")
+        return self
 
 
 class Settings(BaseSettings):
@@ -154,6 +172,23 @@ class Settings(BaseSettings):
         ge=0,
         description="On SIGTERM: queued requests get 503 at once; in-flight answers may finish for this many seconds, "
         "then end with an error event. (docker stop waits 10 s before SIGKILL.)",
+    )
+    api_keys: list[ApiKey] = Field(
+        default_factory=list,
+        description="Client API keys as [[api_keys]] tables (hash, tenant, min_priority, max_priority, weight); "
+        "none = no authentication (the localhost default). Make one with `clairvoyant keys add`.",
+    )
+    status_requires_key: bool = Field(False, description="With api_keys: /queue, /metrics and /ui need a key too.")
+    forward_client_key: bool = Field(
+        False, description="With api_keys: forward the client's Authorization / X-Api-Key header to the backend."
+    )
+    upstream_api_key: SecretStr | None = Field(
+        None, description="The backend's own key (llama-server --api-key), sent as Authorization: Bearer; never logged."
+    )
+    passthrough_allow: list[str] | None = Field(
+        None,
+        description="Pass-through paths allowed, as 'METHOD /path' or 'METHOD /prefix/*' ('*' = all); unset = all on "
+        "loopback, else inference, model listing and show only (no pull, push, create, copy, delete).",
     )
     model_path: Path | None = Field(None, description="ONNX predictor model (its .card.json beside it); unset = shipped model.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
@@ -333,7 +368,7 @@ def settings_reference_markdown() -> str:
         "|---|---|---|---|---|",
     ]
     for name, field in Settings.model_fields.items():
-        default = "unset" if field.default is None else f"`{field.default}`"
+        default = "unset" if field.default is None else f"`{field.get_default(call_default_factory=True)}`"
         flag = f"`{flags[name]}`" if name in flags else ""
         rows.append(
             f"| `{name}` | `{ENV_PREFIX}{name.upper()}` | {flag} | {default} | {field.description} |"

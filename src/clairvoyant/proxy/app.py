@@ -27,6 +27,7 @@ from clairvoyant.config import Settings
 from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, dialect_of_path, error_body, parse_request, with_upstream_fields
 from clairvoyant.scheduling.dispatcher import Dispatcher, Ticket
 from clairvoyant.errors import BadRequest, ClientGone, PayloadTooLarge, QueueFull, RequestError
+from clairvoyant.proxy.access import AccessControl, Identity, identity_of
 from clairvoyant.proxy.feedback import OnlineLearning
 from clairvoyant.scheduling.job_queue import Job
 from clairvoyant.logs import log_request
@@ -81,6 +82,7 @@ def create_app(
             connect_timeout_s=settings.connect_timeout_s,
             read_timeout_s=settings.read_timeout_s,
             first_byte_timeout_s=settings.first_byte_timeout_s,
+            api_key=None if settings.upstream_api_key is None else settings.upstream_api_key.get_secret_value(),
             transport=upstream_transport,
         )
         policy = make_policy(
@@ -97,6 +99,7 @@ def create_app(
             starvation_timeout_s=settings.starvation_timeout_s,
             starvation_slowdown=slowdown,
             fair_share=settings.fair_share,
+            tenant_weights={key.tenant: key.weight for key in settings.api_keys},
         )
         service_time = ServiceTimeModel(path=settings.service_time_path)
         service_time.load()
@@ -124,6 +127,7 @@ def create_app(
         title="clairvoyant", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     app.state.metrics = metrics
+    app.add_middleware(AccessControl, settings=settings)  # keys and the pass-through allowlist, before anything else
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, exc: RequestError) -> Response:
@@ -253,8 +257,9 @@ def _forward_headers(request: Request, request_id: str, settings: Settings) -> l
     return headers
 
 
-def _clamped_priority(request: Request, given: int | None, settings: Settings) -> int:
-    """The body's priority, else the header's, else 0; clamped to [min_priority, max_priority]."""
+def _clamped_priority(request: Request, given: int | None, settings: Settings, identity: Identity | None) -> int:
+    """The body's priority, else the header's, else 0; clamped to [min_priority, max_priority]
+    (the API key's range when the request came with one)."""
     if given is None:
         header = request.headers.get(settings.priority_header)
         if header is not None:
@@ -263,7 +268,8 @@ def _clamped_priority(request: Request, given: int | None, settings: Settings) -
             except ValueError:
                 raise BadRequest(f"header {settings.priority_header} must be an integer") from None
     value = 0 if given is None else given
-    return max(settings.min_priority, min(settings.max_priority, value))
+    low, high = (settings.min_priority, settings.max_priority) if identity is None else (identity.min_priority, identity.max_priority)
+    return max(low, min(high, value))
 
 
 async def _scheduled(request: Request) -> ScheduledResponse:
@@ -273,6 +279,7 @@ async def _scheduled(request: Request) -> ScheduledResponse:
     arrival_s = dispatcher.clock.now()
     endpoint = SCHEDULED_ENDPOINTS[request.url.path]
     request_id = _request_id(request, dispatcher)
+    identity = identity_of(request.scope)
     parsed = parse_request(
         endpoint, await _read_body(request, settings.max_body_bytes), keep_priority=settings.forward_priority
     )
@@ -312,8 +319,8 @@ async def _scheduled(request: Request) -> ScheduledResponse:
         predicted_s=predicted_s,
         bucket=bucket_for(predicted_s),
         cap_tokens=parsed.cap_tokens,
-        priority=_clamped_priority(request, parsed.priority, settings),
-        tenant=request.headers.get(settings.tenant_header, "")[:128],
+        priority=_clamped_priority(request, parsed.priority, settings, identity),
+        tenant=identity.tenant if identity is not None else request.headers.get(settings.tenant_header, "")[:128],
     )
     dispatcher.submit(ticket, job)
     upstream_request = UpstreamRequest(

@@ -119,9 +119,12 @@ class Upstream:
         connect_timeout_s: float = 10.0,
         read_timeout_s: float | None = None,
         first_byte_timeout_s: float | None = None,
+        api_key: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        # The backend's own key replaces whatever Authorization the client sent.
+        self._authorization = None if api_key is None else ("Authorization", f"Bearer {api_key}")
         self.display_url = redact_url(self.base_url)
         self.first_byte_timeout_s = first_byte_timeout_s
         timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=connect_timeout_s, pool=None)
@@ -162,6 +165,9 @@ class Upstream:
         """
         url = path + (f"?{query}" if query else "")
         forwarded = forwardable_headers(headers)
+        if self._authorization is not None:
+            forwarded = [(k, v) for k, v in forwarded if k.lower() != "authorization"]
+            forwarded.append(self._authorization)
         if close_connection:
             forwarded.append(("Connection", "close"))
         for attempt in range(UNREAD_RETRIES + 1):
@@ -195,7 +201,8 @@ class Upstream:
     async def get(self, path: str, *, timeout_s: float = 2.0) -> httpx.Response:
         """A short GET with a total timeout (readiness probes)."""
         try:
-            return await self._client.get(path, timeout=timeout_s)
+            headers = [] if self._authorization is None else [self._authorization]
+            return await self._client.get(path, timeout=timeout_s, headers=headers)
         except httpx.HTTPError as exc:
             raise self._translate(exc, f"GET {path}") from exc
 

@@ -414,9 +414,17 @@ class FairShareQueue(Generic[T]):
     P_A + P_max <= 2 x P_max predicted seconds.
     """
 
-    def __init__(self, make_queue: Callable[[], JobQueue[T]], tenant_of: Callable[[Job[T]], Hashable] | None = None) -> None:
+    def __init__(
+        self,
+        make_queue: Callable[[], JobQueue[T]],
+        tenant_of: Callable[[Job[T]], Hashable] | None = None,
+        weight_of: Callable[[Hashable], float] | None = None,
+    ) -> None:
         self.make_queue = make_queue
         self.tenant_of = tenant_of or (lambda job: job.tenant)
+        # A tenant of weight w is charged predicted_s / w: it gets w times the backend seconds of a
+        # weight-1 tenant (weighted fair queuing). The share clock still divides by the count.
+        self.weight_of = weight_of or (lambda tenant: 1.0)
         self._tenants: dict[Hashable, _Tenant[T]] = {}  # active tenants (waiting or in service)
         self._waiting_tenants = 0  # active tenants with a request waiting (k of the share clock)
         self._live = 0
@@ -540,7 +548,7 @@ class FairShareQueue(Generic[T]):
         assert got is not None
         job, promoted = got[0], got[1] or lifted
         self._virtual_s = tenant.served_s
-        tenant.served_s += job.predicted_s
+        tenant.served_s += job.predicted_s / self.weight_of(name)
         tenant.in_flight.add(job.seq)
         self._live -= 1
         if not len(tenant.queue):

@@ -178,10 +178,11 @@ def build_queue(
     starvation_timeout_s: float = math.inf,
     starvation_slowdown: float | SlowdownRule = 0.0,
     fair_share: bool = False,
+    tenant_weights: dict[str, float] | None = None,
 ) -> JobQueue[Any]:
     """The queue the dispatcher and the simulator drive: policy order, starvation guard (a job is
     overdue after ``starvation_timeout_s + starvation_slowdown * predicted_s``), and optionally one
-    such queue per tenant under fair share."""
+    such queue per tenant under fair share (a tenant's weight from ``tenant_weights``, else 1)."""
     if not starvation_timeout_s > 0:
         raise ValueError("starvation_timeout_s must be > 0 (math.inf disables it)")
 
@@ -191,5 +192,8 @@ def build_queue(
             return inner
         return StarvationGuard(inner, starvation_timeout_s, starvation_slowdown)
 
-    return FairShareQueue(one) if fair_share else one()
+    if not fair_share:
+        return one()
+    weights = tenant_weights or {}
+    return FairShareQueue(one, weight_of=lambda tenant: weights.get(str(tenant), 1.0))
 

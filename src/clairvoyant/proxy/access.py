@@ -1,0 +1,150 @@
+"""Who may use the proxy, and for what: API keys that name a tenant and a priority range, and the
+allowlist of pass-through paths.
+
+A raw ASGI layer in front of the app (cheap: one SHA-256 and one dict lookup per request):
+
+- **Keys** (``api_keys``; off when none are configured, the localhost default). A key arrives as
+  ``Authorization: Bearer KEY`` or ``X-Api-Key: KEY`` (llama-server's two forms). It is stored
+  only as ``sha256:<hex>`` of its text; keys are random (``clairvoyant keys add``), so a plain hash
+  is enough. A missing or unknown key is 401 in the dialect's error shape. The accepted key's
+  ``Identity`` (tenant, priority range, fair-share weight) goes to the app in ``scope["state"]``.
+  The client's key is removed before anything is forwarded unless ``forward_client_key``.
+- **The pass-through allowlist** (``passthrough_allow``): which other paths and methods reach the
+  backend. Unset: every path while the proxy listens on loopback only, else
+  ``DEFAULT_PASSTHROUGH_ALLOW`` (inference, model listing and show; never pull, push, create, copy
+  or delete). Refused: 403.
+- ``/healthz`` and ``/readyz`` are always open; ``/queue``, ``/metrics`` and ``/ui`` need a key
+  when ``status_requires_key``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from clairvoyant.config import ApiKey, Settings
+from clairvoyant.logs import log_request
+from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, Dialect, dialect_of_path
+
+__all__ = ["DEFAULT_PASSTHROUGH_ALLOW", "AccessControl", "Identity", "hash_key", "identity_of", "new_key"]
+
+# "METHOD /path" exact, or "METHOD /prefix/*"; "*" as the method allows any.
+DEFAULT_PASSTHROUGH_ALLOW = (
+    "GET /", "HEAD /", "GET /v1/models", "GET /v1/models/*", "POST /v1/embeddings",
+    "GET /api/tags", "POST /api/show", "GET /api/ps", "GET /api/version", "POST /api/embed", "POST /api/embeddings",
+    "GET /health", "GET /props", "POST /tokenize", "POST /detokenize",
+)  # fmt: skip
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+STATUS_PREFIXES = ("/queue", "/metrics", "/ui")
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+IDENTITY_KEY = "clairvoyant.identity"  # where the accepted key's Identity is in scope["state"]
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    tenant: str
+    min_priority: int
+    max_priority: int
+    weight: float
+
+
+def hash_key(key: str) -> str:
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> str:
+    return "cv-" + secrets.token_urlsafe(32)
+
+
+def _rules(entries: Iterable[str]) -> tuple[set[tuple[str, str]], list[tuple[str, str]]]:
+    exact: set[tuple[str, str]] = set()
+    prefixes: list[tuple[str, str]] = []
+    for entry in entries:
+        method, _, path = entry.strip().partition(" ")
+        if path.endswith("/*"):
+            prefixes.append((method.upper(), path[:-1]))
+        else:
+            exact.add((method.upper(), path))
+    return exact, prefixes
+
+
+def _error(dialect: Dialect, status: int, message: str, code: str) -> bytes:
+    if dialect is Dialect.OLLAMA:
+        return json.dumps({"error": message}).encode()
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}).encode()
+
+
+class AccessControl:
+    """The ASGI layer described in the module docstring."""
+
+    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+        self.app = app
+        self.keys: dict[str, Identity] = {k.hash: _identity(k) for k in settings.api_keys}
+        self.status_requires_key = settings.status_requires_key
+        self.forward_client_key = settings.forward_client_key
+        allow = settings.passthrough_allow
+        if allow is None and settings.host not in LOOPBACK_HOSTS:
+            allow = list(DEFAULT_PASSTHROUGH_ALLOW)
+        self.allow_all = allow is None or "*" in allow
+        self.exact, self.prefixes = _rules(allow or ())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        if path in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        status_path = path.startswith(STATUS_PREFIXES)
+        if not status_path and path not in SCHEDULED_ENDPOINTS and not self._allowed(scope["method"], path):
+            await _respond(send, 403, _error(dialect_of_path(path), 403, f"{scope['method']} {path} is not allowed through this proxy", "forbidden"))
+            log_request({"method": scope["method"], "path": path, "status": 403, "outcome": "not_allowed"})
+            return
+        if self.keys and (not status_path or self.status_requires_key):
+            presented = _presented_key(scope["headers"])
+            identity = self.keys.get(hash_key(presented)) if presented else None
+            if identity is None:
+                body = _error(dialect_of_path(path), 401, "a valid API key is required (Authorization: Bearer KEY or X-Api-Key)", "invalid_api_key")
+                await _respond(send, 401, body, [(b"www-authenticate", b"Bearer")])
+                log_request({"method": scope["method"], "path": path, "status": 401, "outcome": "missing_key" if not presented else "unknown_key"})
+                return
+            scope.setdefault("state", {})[IDENTITY_KEY] = identity
+            if not self.forward_client_key:
+                scope["headers"] = [(k, v) for k, v in scope["headers"] if k not in (b"authorization", b"x-api-key")]
+        await self.app(scope, receive, send)
+
+    def _allowed(self, method: str, path: str) -> bool:
+        if self.allow_all or (method, path) in self.exact or ("*", path) in self.exact:
+            return True
+        return any((m == method or m == "*") and path.startswith(prefix) for m, prefix in self.prefixes)
+
+
+def _identity(key: ApiKey) -> Identity:
+    return Identity(key.tenant, key.min_priority, key.max_priority, key.weight)
+
+
+def _presented_key(headers: Iterable[tuple[bytes, bytes]]) -> str:
+    for name, value in headers:
+        if name == b"x-api-key":
+            return value.decode("latin-1").strip()
+        if name == b"authorization" and value[:7].lower() == b"bearer ":
+            return value[7:].decode("latin-1").strip()
+    return ""
+
+
+async def _respond(send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(extra or [])]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def identity_of(scope: Scope) -> Identity | None:
+    state: dict[str, Any] = scope.get("state") or {}
+    return state.get(IDENTITY_KEY)
