@@ -25,7 +25,7 @@ Action = Any  # str or ("stream", n_events, interval_s)
 
 
 class FakeBackend:
-    def __init__(self, script: Callable[[str, int], Action]) -> None:
+    def __init__(self, script: Callable[[str, int], Action], port: int = 0) -> None:
         self.script = script
         self.delivered: list[tuple[str, bytes]] = []
         self.resets = 0
@@ -35,7 +35,7 @@ class FakeBackend:
         self._stop = threading.Event()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
+        self._sock.bind(("127.0.0.1", port))
         self._sock.listen(128)
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"

@@ -111,16 +111,7 @@ def test_a_request_waits_for_a_backend_that_comes_back() -> None:
 
     def start_later() -> None:
         time.sleep(1.0)
-        backend = FakeBackend(lambda path, n: "ok")
-        up.append(backend)
-        # Take over the port the proxy was told to use: a restarted backend.
-        relay = socket.socket()
-        relay.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        relay.bind(("127.0.0.1", port))
-        relay.listen(16)
-        backend._sock.close()
-        backend._sock = relay
-        threading.Thread(target=backend._accept, daemon=True).start()
+        up.append(FakeBackend(lambda path, n: "ok", port=port))  # the backend comes back on its port
 
     with proxy(f"http://127.0.0.1:{port}", backend_wait_s=10) as base:
         threading.Thread(target=start_later, daemon=True).start()
@@ -135,6 +126,31 @@ def test_a_backend_still_loading_its_model_is_waited_for() -> None:
         r = httpx.post(f"{base}{CHAT}", json=chat(), timeout=15)
     assert r.status_code == 200 and r.json()["n"] == 2
     assert backend.posts(CHAT) == 3  # two 503s (nothing generated), then the answer
+
+
+def test_a_client_that_leaves_while_the_backend_is_down_is_never_sent() -> None:
+    port = _closed_port()
+    with proxy(f"http://127.0.0.1:{port}", backend_wait_s=30) as base:
+        with pytest.raises(httpx.ReadTimeout):  # non-streamed: the mode that would otherwise drain
+            httpx.post(f"{base}{CHAT}", json=chat(), timeout=0.5)
+        with FakeBackend(lambda path, n: "ok", port=port) as backend:
+            wait_until(lambda: not queue_snapshot(base)["in_flight"], timeout_s=10, what="the slot to be free")
+            after = httpx.post(f"{base}{CHAT}", json=chat(), timeout=10)
+    assert after.status_code == 200
+    assert backend.posts(CHAT) == 1  # only the second request: the abandoned one was never sent
+
+
+def test_requests_queued_during_an_outage_share_its_deadline() -> None:
+    # backend_wait_s counts from the outage's start, not from each request's turn: three requests
+    # behind one slot all get their 502 about backend_wait_s after the first failure, not 3 x.
+    with proxy(f"http://127.0.0.1:{_closed_port()}", backend_wait_s=1.5) as base:
+        started = time.monotonic()
+        posts = _post_in_background(base, 3)
+        for thread in posts:
+            thread.join(timeout=30)
+        took_s = time.monotonic() - started
+    assert [t.result.status_code for t in posts] == [502, 502, 502]  # type: ignore[union-attr]
+    assert took_s < 3.5  # 1.5 s for the whole queue (each waiting its own 1.5 s would be 4.5 s)
 
 
 def test_with_no_backend_wait_a_down_backend_is_an_immediate_502() -> None:
@@ -203,6 +219,19 @@ def test_oversized_headers_get_431(limited_proxy: str) -> None:
     assert answer.startswith(b"HTTP/1.1 431 ")
     normal = httpx.get(f"{limited_proxy}/healthz", headers={"X-Small": "a" * 1000})
     assert normal.status_code == 200  # headers under the limit pass
+
+
+def test_a_kept_alive_connections_next_request_that_stalls_gets_408(limited_proxy: str) -> None:
+    host, port = limited_proxy.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.settimeout(10)
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = sock.recv(65536)
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow")  # the next request stalls
+        rest = b""
+        while chunk := sock.recv(65536):
+            rest += chunk
+    assert first.startswith(b"HTTP/1.1 200 ") and rest.startswith(b"HTTP/1.1 408 ")
 
 
 def test_an_idle_keep_alive_connection_is_closed(limited_proxy: str) -> None:
@@ -319,24 +348,38 @@ def _post_in_background(base: str, n: int, body: dict[str, Any] | None = None) -
 # --- the real llama.cpp server ------------------------------------------------------------------
 
 
-def test_a_non_streamed_leaver_keeps_its_llamacpp_slot_until_the_backend_is_done(
+def test_a_non_streamed_leaver_keeps_its_llamacpp_slot_until_the_backend_is_idle(
     llama_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # llama.cpp does not stop a non-streamed generation when its client leaves, so the default
-    # (auto) mode drains it: the slot stays busy as long as the backend is, and the next request's
-    # wait shows up in the queue, not hidden inside the backend.
+    # llama.cpp notices a closed non-streamed request only when nothing else keeps its HTTP thread
+    # busy, so the default (auto) mode closes the connection and then holds the slot until
+    # /slots shows the backend idle: the next request's wait shows up in the queue, not hidden
+    # inside the backend.
     caplog.set_level(logging.INFO, logger="clairvoyant")
-    long = chat("Write a long story.", max_tokens=120, ignore_eos=True, temperature=0)
+    long = chat("Write a long story.", max_tokens=200, ignore_eos=True, temperature=0)
     with proxy(llama_server.base_url, starvation_timeout_s=60) as base:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{base}{CHAT}", json=long, timeout=0.5)  # the client leaves mid-generation
         assert queue_snapshot(base)["in_flight"], "the slot must still be held"
         nxt = httpx.post(f"{base}{CHAT}", json=chat("Say OK.", max_tokens=1), timeout=120)
+        busy_after = httpx.get(f"{llama_server.base_url}/slots").json()
     assert nxt.status_code == 200
-    assert float(nxt.headers["x-clairvoyant-queue-wait-ms"]) > 0  # it waited in the queue, visibly
+    # It waited in the queue for at least one /slots poll (1.5 s): the slot was held, visibly.
+    assert float(nxt.headers["x-clairvoyant-queue-wait-ms"]) >= 1000
+    assert not any(slot["is_processing"] for slot in busy_after)
     lines = [r.fields for r in caplog.records if getattr(r, "fields", None)]  # type: ignore[attr-defined]
-    left = [line for line in lines if line.get("outcome") == "client_left_streaming"]
-    assert len(left) == 1 and left[0]["output_tokens"] == 120  # read to its end: the backend's whole work
+    assert [line["outcome"] for line in lines] == ["client_left_watching", "completed"]
+
+
+def test_drain_mode_reads_an_abandoned_answer_to_its_end(llama_server: Any, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="clairvoyant")
+    long = chat("Write a long story.", max_tokens=60, ignore_eos=True, temperature=0)
+    with proxy(llama_server.base_url, disconnect_mode="drain") as base:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{base}{CHAT}", json=long, timeout=0.3)
+        wait_until(lambda: not queue_snapshot(base)["in_flight"], timeout_s=60, what="the drained answer's end")
+    lines = [r.fields for r in caplog.records if getattr(r, "fields", None)]  # type: ignore[attr-defined]
+    assert len(lines) == 1 and lines[0]["outcome"] == "client_left_streaming" and lines[0]["output_tokens"] == 60
 
 
 def test_requests_waiting_through_a_llamacpp_restart_are_all_answered(require_embedded_backend: None) -> None:

@@ -153,9 +153,9 @@ class Settings(BaseSettings):
     )
     disconnect_mode: DisconnectMode = Field(
         "auto",
-        description="When a client leaves mid-generation: abort the upstream request, drain it to its end (the slot "
-        "stays busy until the backend is), or auto: abort streams, drain non-streamed requests (llama.cpp does not "
-        "stop a non-streamed generation when its connection closes). See docs/design.md.",
+        description="When a client leaves mid-generation: abort the upstream request, drain it to its end, or auto: "
+        "abort, and for a non-streamed request hold the slot until llama.cpp's /slots shows the backend idle "
+        "(llama.cpp does not always stop one). See docs/design.md.",
     )
     client_timeout_s: float = Field(
         30.0, gt=0, description="A client must send its request headers, and then its body, within this many seconds each (408 beyond)."

@@ -51,6 +51,9 @@ __all__ = ["PassthroughResponse", "Relay", "ScheduledResponse", "UpstreamRequest
 
 logger = logging.getLogger(__name__)
 
+SLOTS_POLL_S = 1.5  # seconds between /slots polls while a left client's slot is held (see ScheduledResponse)
+HOLD_MAX_S = 600.0  # the longest a left client's slot is held waiting for the backend to go idle
+
 
 @dataclass(frozen=True, slots=True)
 class UpstreamRequest:
@@ -92,7 +95,7 @@ class Relay:
     client_gone: bool = False
     _content_type: str = field(default="", repr=False)
     _sent_s: float = field(default=0.0, repr=False)  # clock seconds when the request went upstream
-    _interrupt_requested: bool = field(default=False, repr=False)
+    _interrupt_requested: str = field(default="", repr=False)  # the outcome an interrupt ends the relay with
 
     async def run(self, send: Send) -> None:
         try:
@@ -106,7 +109,6 @@ class Relay:
         except asyncio.CancelledError:
             if not self._interrupted():
                 raise
-            self.outcome = "shutdown"
             if not self.client_gone:
                 await self.send_error(send, ShuttingDown("the proxy is shutting down; retry"))
             return
@@ -121,8 +123,11 @@ class Relay:
         generated: wait for its health check, up to ``backend_wait_s`` from the first failure, and
         send again."""
         r = self.request
-        deadline_s: float | None = None
+        unavailable_since_s: float | None = None  # our own first 503 (a loading model)
         while True:
+            if self.client_gone:  # left while we waited for the backend: it never had the request
+                self.outcome = "client_left_before_send"
+                raise asyncio.CancelledError
             self._sent_s = self.now()
             try:
                 response = await self.upstream.open(
@@ -131,18 +136,21 @@ class Relay:
             except UpstreamUnavailable as exc:
                 if not exc.never_sent:
                     raise
-                deadline_s = deadline_s if deadline_s is not None else time.monotonic() + self.backend_wait_s
-                if time.monotonic() >= deadline_s or not await self.upstream.wait_until_ready(deadline_s):
+                deadline_s = self.upstream.outage_deadline_s(self.backend_wait_s)
+                if time.monotonic() >= deadline_s or not await self.upstream.wait_until_ready(deadline_s, lambda: self.client_gone):
+                    if self.client_gone:
+                        continue
                     raise
                 continue
             if response.status_code != 503 or not self.retry_unavailable:
                 return response
-            deadline_s = deadline_s if deadline_s is not None else time.monotonic() + self.backend_wait_s
+            unavailable_since_s = unavailable_since_s or time.monotonic()
+            deadline_s = unavailable_since_s + self.backend_wait_s
             if time.monotonic() >= deadline_s:
                 return response  # relayed as it is: the backend's own 503 and reason
             await response.aclose()
             logger.info("the backend answered 503 before starting; waiting up to %.0f s for it", deadline_s - time.monotonic())
-            await self.upstream.wait_until_ready(deadline_s)
+            await self.upstream.wait_until_ready(deadline_s, lambda: self.client_gone)
 
     async def _relay_body(self, response: httpx.Response, send: Send) -> None:
         self.status = response.status_code
@@ -176,7 +184,7 @@ class Relay:
         except asyncio.CancelledError:
             if not self._interrupted():
                 raise
-            self.outcome = "shutdown"  # the grace period ran out: end the answer in its own framing
+            # the grace period ran out (or the client left): end the answer in its own framing
             await self._end_with_error(send, ShuttingDown("the proxy shut down before the answer was complete"))
             return
         if tap is not None and self.on_usage is not None:
@@ -193,9 +201,10 @@ class Relay:
             event = stream_error_event(self.request.dialect, self._content_type, exc)
             await send({"type": "http.response.body", "body": event, "more_body": False})
 
-    def interrupt(self, task: asyncio.Task[Any]) -> None:
-        """End this relay now (``task`` runs it): the answer so far ends with an error event."""
-        self._interrupt_requested = True
+    def interrupt(self, task: asyncio.Task[Any], outcome: str) -> None:
+        """End this relay now (``task`` runs it): the answer so far ends with an error event, and
+        ``run`` returns with ``outcome``."""
+        self._interrupt_requested = outcome
         task.cancel()
 
     def _interrupted(self) -> bool:
@@ -205,6 +214,7 @@ class Relay:
         task = asyncio.current_task()
         if task is not None:
             task.uncancel()
+        self.outcome = self._interrupt_requested
         return True
 
     async def send_error(self, send: Send, exc: RequestError) -> None:
@@ -285,10 +295,14 @@ class ScheduledResponse(_AsgiOnly):
         self.dispatcher = dispatcher
         self.ticket = ticket
         self.metrics = metrics
-        # auto: llama.cpp stops a stream within ~0.2 s of its connection closing, but not a
-        # non-streamed generation (measured: benchmarks/llamacpp_disconnect.py), so a non-streamed
-        # request is drained to keep the slot busy exactly as long as the backend is.
-        self.abort_on_leave = disconnect_mode == "abort" or (disconnect_mode == "auto" and stream)
+        # What a client's leaving does (docs/design.md, "Disconnects"): abort closes the backend
+        # connection and frees the slot; drain reads the answer to its end; auto aborts, and for a
+        # non-streamed request then holds the slot until llama.cpp's /slots shows the backend idle
+        # (llama.cpp notices a closed non-streamed request only when nothing else keeps its HTTP
+        # thread busy; a stream it stops within ~0.2 s).
+        self.mode = "abort" if disconnect_mode == "auto" and stream else disconnect_mode
+        self.upstream = upstream
+        self.stream = stream
         self.on_usage = on_usage
         self.usage: Usage | None = None
         self.relay = Relay(
@@ -305,8 +319,10 @@ class ScheduledResponse(_AsgiOnly):
                 self.stage = "relaying"
                 task = asyncio.current_task()
                 assert task is not None
-                self.ticket.interrupt = lambda: self.relay.interrupt(task)
+                self.ticket.interrupt = lambda: self.relay.interrupt(task, "shutdown")
                 await self.relay.run(send)
+                if self.relay.outcome == "client_left_watching":
+                    await self._hold_until_backend_idle()
                 finished = self.relay.outcome in ("completed", "client_left_streaming")
                 if finished:
                     self._observe_end()
@@ -340,9 +356,23 @@ class ScheduledResponse(_AsgiOnly):
             return
         self.relay.outcome = "client_left_streaming"
         self.metrics.disconnects_by_stage["streaming"].inc()
-        if self.abort_on_leave:
+        if self.mode == "abort":
             life.cancel()  # closes the backend connection, then the lease releases the slot
+        elif self.mode == "auto":
+            self.relay.interrupt(life, "client_left_watching")  # closes it; the slot waits for /slots
         # drain: the task reads the backend's answer to its end (tracked by the dispatcher)
+
+    async def _hold_until_backend_idle(self) -> None:
+        """Keep the slot until the backend's /slots shows no more busy slots than our other
+        requests in flight, polled every SLOTS_POLL_S (a poll more often than llama.cpp's 1 s
+        disconnect check would keep it from noticing), for at most HOLD_MAX_S. A backend without
+        /slots (Ollama, vLLM: they stop on disconnect) releases at once."""
+        deadline_s = time.monotonic() + HOLD_MAX_S
+        while time.monotonic() < deadline_s:
+            await asyncio.sleep(SLOTS_POLL_S)
+            busy = await self.upstream.busy_slots()
+            if busy is None or busy <= self.dispatcher.in_flight - 1:
+                return
 
     def _record_usage(self, usage: Usage) -> None:
         self.usage = usage

@@ -140,19 +140,27 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         return url.split(b"?", 1)[0].decode("latin-1") or "/"
 
     def _reject(self, status: int, error: RequestError, reason: str) -> None:
-        """Answer ``status`` unless a response already started, tell the application its client
-        is gone, and close."""
+        """Answer ``status`` unless this request's response already started, tell the application
+        its client is gone, and close.
+
+        While headers arrive, ``self.cycle`` is still the PREVIOUS request's (uvicorn makes a
+        request's cycle when its headers are complete): that answer is done (keep-alive: answer
+        now) or still running (pipelining: let it finish, then close; do not write into it)."""
         self._disarm()
         self._rejected = True
         self.limits.on_rejected(reason)
+        log_request({"path": self._path(), "status": status, "outcome": reason})
         cycle = self.cycle
-        started = cycle is not None and cycle.response_started
-        if cycle is not None and not cycle.response_complete:
-            cycle.disconnected = True  # the app's receive() now yields http.disconnect; its sends are dropped
+        if self._in_headers:
+            if cycle is not None and not cycle.response_complete:
+                cycle.keep_alive = False  # uvicorn closes the connection once that answer is complete
+                return
+        elif cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # this request's app: receive() yields http.disconnect, sends are dropped
             cycle.message_event.set()
+        started = not self._in_headers and cycle is not None and cycle.response_started
         if not started:
             self.transport.write(_raw_response(status, error_body(dialect_of_path(self._path()), error)))
-        log_request({"path": self._path(), "status": status, "outcome": reason})
         # A lingering close: end our side now, discard what the client still sends, close fully a
         # little later. Closing at once with its bytes unread would reset the connection, and the
         # client could lose the answer above.

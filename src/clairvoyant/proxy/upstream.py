@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import httpx
 
@@ -122,14 +122,22 @@ class Upstream:
         api_key: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
+        # Credentials in the URL become basic auth: the URL httpx holds (and logs) has none.
+        parts = urlsplit(base_url.rstrip("/"))
+        auth = None
+        if parts.username is not None or parts.password is not None:
+            auth = httpx.BasicAuth(unquote(parts.username or ""), unquote(parts.password or ""))
+            parts = parts._replace(netloc=parts.netloc.rsplit("@", 1)[1])
+        self.base_url = urlunsplit(parts)
+        self.down_since_s: float | None = None  # time.monotonic() of the first refused connection of an outage
         # The backend's own key replaces whatever Authorization the client sent.
         self._authorization = None if api_key is None else ("Authorization", f"Bearer {api_key}")
-        self.display_url = redact_url(self.base_url)
+        self.display_url = redact_url(base_url.rstrip("/"))
         self.first_byte_timeout_s = first_byte_timeout_s
         timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=connect_timeout_s, pool=None)
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
+            auth=auth,
             timeout=timeout,
             transport=transport,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=32, keepalive_expiry=KEEPALIVE_EXPIRY_S),
@@ -175,12 +183,17 @@ class Upstream:
             request = self._client.build_request(method, url, headers=forwarded, content=body, extensions={"trace": trace})
             try:
                 if self.first_byte_timeout_s is None:
-                    return await self._client.send(request, stream=True)
-                async with asyncio.timeout(self.first_byte_timeout_s):
-                    return await self._client.send(request, stream=True)
+                    response = await self._client.send(request, stream=True)
+                else:
+                    async with asyncio.timeout(self.first_byte_timeout_s):
+                        response = await self._client.send(request, stream=True)
+                self.down_since_s = None
+                return response
             except TimeoutError as exc:
                 raise self._translate(exc, f"no response headers within {self.first_byte_timeout_s:g} s") from None
             except httpx.ConnectError as exc:
+                if self.down_since_s is None:
+                    self.down_since_s = time.monotonic()
                 detail = f"{method} {path} at {self.display_url}: {type(exc).__name__}: {exc}"
                 raise UpstreamUnavailable("the backend is unreachable", detail=detail, never_sent=True) from exc
             except httpx.HTTPError as exc:
@@ -216,18 +229,39 @@ class Upstream:
             return exc.detail
         return "the backend answered 503 (loading or busy)" if response.status_code == 503 else None
 
-    async def wait_until_ready(self, deadline_s: float) -> bool:
-        """Probe with backoff (0.1 s doubling to 2 s) until the backend is ready or ``deadline_s``
-        (time.monotonic seconds) passes. True when ready."""
+    async def busy_slots(self) -> int | None:
+        """How many of llama.cpp's slots are processing (``GET /slots``), or None where the backend
+        has no such endpoint or does not answer."""
+        try:
+            response = await self.get("/slots", timeout_s=2.0)
+            slots = response.json() if response.status_code == 200 else None
+        except (RequestError, ValueError):
+            return None
+        if not isinstance(slots, list):
+            return None
+        return sum(1 for slot in slots if isinstance(slot, dict) and slot.get("is_processing"))
+
+    def outage_deadline_s(self, wait_s: float) -> float:
+        """When a request that could not reach the backend stops waiting: ``wait_s`` after the
+        outage began (shared by every request, so the queue behind does not wait ``wait_s`` each)."""
+        start_s = self.down_since_s if self.down_since_s is not None else time.monotonic()
+        return start_s + wait_s
+
+    async def wait_until_ready(self, deadline_s: float, give_up: Callable[[], bool] = lambda: False) -> bool:
+        """Probe with backoff (0.1 s doubling to 2 s) until the backend is ready, ``deadline_s``
+        (time.monotonic seconds) passes or ``give_up()``. True when ready."""
         delay_s = 0.1
-        while True:
+        while not give_up():
             if await self.probe() is None:
+                if self.down_since_s is not None:
+                    self.down_since_s = None
                 return True
             remaining_s = deadline_s - time.monotonic()
             if remaining_s <= 0:
                 return False
             await asyncio.sleep(min(delay_s, remaining_s))
             delay_s = min(2.0, delay_s * 2)
+        return False
 
     async def aclose(self) -> None:
         await self._client.aclose()

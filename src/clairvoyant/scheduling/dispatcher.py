@@ -192,6 +192,11 @@ class Dispatcher:
         self._save_state()
 
     @property
+    def in_flight(self) -> int:
+        """Slots held now."""
+        return len(self._running)
+
+    @property
     def healthy(self) -> bool:
         return bool(self._workers) and not any(t.done() for t in self._workers)
 
