@@ -1,0 +1,167 @@
+"""Memory per waiting request, end to end: the proxy's RSS growth while N requests wait.
+
+Starts `clairvoyant serve` (slots 1, a large max_queue) in front of a backend that accepts and
+never answers, so the first request holds the slot and the rest wait. N clients (raw asyncio
+sockets, each its own connection, a small JSON body) are opened; once /metrics shows N - 1 waiting,
+the proxy's VmRSS is read and compared with its RSS before, after a warm-up of a few hundred waiting
+requests that came and went (so lazy imports and first-use caches are already paid). Prints bytes per waiting
+request, total and less its body (each body is held until dispatch).
+
+    python benchmarks/bench_waiting_memory.py [--n 10000] [--proxy-cmd "python -m clairvoyant.cli serve"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+WARM_UP = 300  # requests
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _hanging_backend() -> tuple[int, threading.Event]:
+    """A backend that reads requests and never answers (GET /health is answered: ready)."""
+    stop = threading.Event()
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+
+    def serve(conn: socket.socket) -> None:
+        data = conn.recv(65536)
+        if data.startswith(b"GET /health"):
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+            conn.close()
+            return
+        stop.wait()
+        conn.close()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return server.getsockname()[1], stop
+
+
+def _rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "What is the capital of France?"}]}).encode()
+
+
+async def _open_clients(port: int, n: int) -> list[asyncio.StreamWriter]:
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
+    )
+    writers = []
+    for start in range(0, n, 500):
+        batch = await asyncio.gather(*(asyncio.open_connection("127.0.0.1", port) for _ in range(min(500, n - start))))
+        for _, writer in batch:
+            writer.write(request)
+            writers.append(writer)
+        await asyncio.sleep(0.05)
+    return writers
+
+
+def _waiting(base: str) -> int:
+    """Requests waiting, from /metrics (not /queue: listing 10,000 entries would itself raise the RSS)."""
+    text = httpx.get(f"{base}/metrics", timeout=60).text
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("clairvoyant_queue_depth{")))
+
+
+async def _phase(base: str, port: int, n: int) -> list[asyncio.StreamWriter]:
+    writers = await _open_clients(port, n)
+    deadline = time.monotonic() + 300
+    while await asyncio.to_thread(_waiting, base) < n - 1:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the requests did not all queue")
+        await asyncio.sleep(0.5)
+    return writers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=10_000)
+    parser.add_argument("--proxy-cmd", default=f"{sys.executable} -m clairvoyant.cli serve")
+    args = parser.parse_args()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    backend_port, stop = _hanging_backend()
+    port = _free_port()
+    env = {**os.environ, "CLAIRVOYANT_UPSTREAM_URL": f"http://127.0.0.1:{backend_port}", "CLAIRVOYANT_PORT": str(port),
+           "CLAIRVOYANT_MAX_QUEUE": str(2 * args.n), "CLAIRVOYANT_MAX_CONNECTIONS": str(2 * args.n + 100),
+           "CLAIRVOYANT_LOG_LEVEL": "warning", "CLAIRVOYANT_SHUTDOWN_GRACE_S": "0",
+           "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}  # fmt: skip
+    proxy = subprocess.Popen(shlex.split(args.proxy_cmd), env=env, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard)))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the proxy did not start")
+            time.sleep(0.2)
+
+        async def run() -> tuple[int, int]:
+            # Warm-up: a few hundred waiting requests, then gone (lazy imports, first-use caches).
+            writers = await _phase(base, port, WARM_UP)
+            for w in writers:
+                w.close()
+            while await asyncio.to_thread(_waiting, base) > 0:
+                await asyncio.sleep(0.5)
+            await asyncio.sleep(2)
+            before = _rss_kb(proxy.pid)
+            writers = await _phase(base, port, args.n)
+            after = _rss_kb(proxy.pid)
+            for w in writers:
+                w.close()
+            return before, after
+
+        before_kb, after_kb = asyncio.run(run())
+    finally:
+        proxy.send_signal(signal.SIGTERM)
+        try:
+            proxy.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proxy.kill()
+        stop.set()
+    per_request = (after_kb - before_kb) * 1024 / args.n
+    print(f"{args.n} waiting requests: proxy RSS {before_kb / 1024:.1f} -> {after_kb / 1024:.1f} MiB; "
+          f"{per_request:.0f} bytes per waiting request, {per_request - len(BODY):.0f} besides its {len(BODY)}-byte body")
+
+
+if __name__ == "__main__":
+    main()
