@@ -39,14 +39,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     keys = [f"cv-key-{i:02d}-abcdefghijklmnopqrstuvwxyz" for i in range(20)]
-    with_keys = AccessControl(_noop, Settings(api_keys=[{"hash": hash_key(k), "tenant": f"t{i}"} for i, k in enumerate(keys)]))
+    with_keys = AccessControl(
+        _noop, Settings(api_keys=[{"hash": hash_key(k), "tenant": f"t{i}"} for i, k in enumerate(keys)])
+    )
     without = AccessControl(_noop, Settings())
     on, off = [], []
     for _ in range(args.rounds):
         off.append(asyncio.run(_time(without, None, args.n)))
         on.append(asyncio.run(_time(with_keys, keys[7], args.n)))
-    print(f"per request, median of {args.rounds} rounds x {args.n}: without keys {statistics.median(off):.2f} us, "
-          f"with a valid key {statistics.median(on):.2f} us, added {statistics.median(on) - statistics.median(off):.2f} us")
+    print(
+        f"per request, median of {args.rounds} rounds x {args.n}: without keys {statistics.median(off):.2f} us, "
+        f"with a valid key {statistics.median(on):.2f} us, added {statistics.median(on) - statistics.median(off):.2f} us"
+    )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,10 @@ from clairvoyant.prediction.features import Prompt  # noqa: E402
 from clairvoyant.prediction.learner import LearnerConfig, OnlineLearner  # noqa: E402
 from clairvoyant.prediction.predictor import OnnxPredictor, Prediction  # noqa: E402
 
-WORDS = ("write explain list why code essay story brief summary detailed python table poem steps "
-         "compare what how translate history science").split()
+WORDS = (
+    "write explain list why code essay story brief summary detailed python table poem steps "
+    "compare what how translate history science"
+).split()
 
 
 def _predictions(predictor: OnnxPredictor, n: int, rng: np.random.Generator) -> list[Prediction]:
@@ -59,9 +61,14 @@ def _predictions(predictor: OnnxPredictor, n: int, rng: np.random.Generator) -> 
 
 def _summary(lags: list[float]) -> dict[str, float]:
     ms = np.array(lags) * 1000
-    return {"ticks": len(ms), "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
-            "p999_ms": float(np.percentile(ms, 99.9)), "max_ms": float(ms.max()),
-            "late_over_1ms_share": float(np.mean(ms > 1.0))}
+    return {
+        "ticks": len(ms),
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "p999_ms": float(np.percentile(ms, 99.9)),
+        "max_ms": float(ms.max()),
+        "late_over_1ms_share": float(np.mean(ms > 1.0)),
+    }
 
 
 class _Refitter:
@@ -97,8 +104,14 @@ class _Refitter:
             self._thread.join()
 
 
-async def _run(seconds: float, learner: OnlineLearner, refitter: _Refitter, traffic: list[Prediction],
-               rng: np.random.Generator, completions_per_s: float) -> dict[str, list[float]]:
+async def _run(
+    seconds: float,
+    learner: OnlineLearner,
+    refitter: _Refitter,
+    traffic: list[Prediction],
+    rng: np.random.Generator,
+    completions_per_s: float,
+) -> dict[str, list[float]]:
     lags: dict[str, list[float]] = {"idle": [], "refitting": []}
     loop = asyncio.get_running_loop()
     i = 0
@@ -126,22 +139,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="seconds of each phase (interleaved)")
     parser.add_argument("--models", type=int, default=17, help="buffers to fill (max_models=16 + 'other')")
     parser.add_argument("--rows", type=int, default=1024, help="observations per buffer (buffer_size)")
-    parser.add_argument("--mode", choices=("worker", "thread", "cadence"), default="worker",
-                        help="worker: the learner's own (niced) worker thread refitting back to back; thread: "
-                             "refit() back to back in a plain thread; cadence: the worker refitting when due "
-                             "(every refit_every=8 observations) at --completions-per-s")
-    parser.add_argument("--completions-per-s", type=float, default=1000.0,
-                        help="completed requests observed per second (default: one per tick)")
-    parser.add_argument("--worker-nice", type=int, default=LearnerConfig().worker_nice,
-                        help="the worker thread's niceness above the process's")
+    parser.add_argument(
+        "--mode",
+        choices=("worker", "thread", "cadence"),
+        default="worker",
+        help="worker: the learner's own (niced) worker thread refitting back to back; thread: "
+        "refit() back to back in a plain thread; cadence: the worker refitting when due "
+        "(every refit_every=8 observations) at --completions-per-s",
+    )
+    parser.add_argument(
+        "--completions-per-s",
+        type=float,
+        default=1000.0,
+        help="completed requests observed per second (default: one per tick)",
+    )
+    parser.add_argument(
+        "--worker-nice",
+        type=int,
+        default=LearnerConfig().worker_nice,
+        help="the worker thread's niceness above the process's",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
     rng = np.random.default_rng(0)
     predictor = OnnxPredictor()
-    config = LearnerConfig(buffer_size=args.rows, max_models=max(args.models - 1, 1),
-                           refit_every=LearnerConfig().refit_every if args.mode == "cadence" else 1,
-                           worker_nice=args.worker_nice)
+    config = LearnerConfig(
+        buffer_size=args.rows,
+        max_models=max(args.models - 1, 1),
+        refit_every=LearnerConfig().refit_every if args.mode == "cadence" else 1,
+        worker_nice=args.worker_nice,
+    )
     learner = OnlineLearner.for_predictor(predictor, config)
     pool = _predictions(predictor, 2000, rng)
     for m in range(args.models):
@@ -157,24 +185,38 @@ def main(argv: list[str] | None = None) -> int:
     refits = learner.refits - refits_before
 
     result = {
-        "mode": args.mode, "completions_per_s": args.completions_per_s, "process_nice": os.getpriority(os.PRIO_PROCESS, 0), "worker_nice": args.worker_nice,
-        "buffers": args.models, "rows_per_buffer": args.rows, "seconds_per_phase": args.seconds,
-        "loadavg_1min_at_end": os.getloadavg()[0], "cpus": os.cpu_count(),
-        "idle": _summary(lags["idle"]), "refitting": _summary(lags["refitting"]),
-        "refits": refits, "last_refit_ms": (learner.last_refit_s or 0.0) * 1000,
+        "mode": args.mode,
+        "completions_per_s": args.completions_per_s,
+        "process_nice": os.getpriority(os.PRIO_PROCESS, 0),
+        "worker_nice": args.worker_nice,
+        "buffers": args.models,
+        "rows_per_buffer": args.rows,
+        "seconds_per_phase": args.seconds,
+        "loadavg_1min_at_end": os.getloadavg()[0],
+        "cpus": os.cpu_count(),
+        "idle": _summary(lags["idle"]),
+        "refitting": _summary(lags["refitting"]),
+        "refits": refits,
+        "last_refit_ms": (learner.last_refit_s or 0.0) * 1000,
         "longest_refit_step_ms": learner.longest_step_s * 1000,
         "longest_refit_step_cpu_ms": learner.longest_step_cpu_s * 1000,
     }
-    print(f"learner: {args.models} buffers x {args.rows} observations; {args.seconds:.0f} s per phase, "
-          f"interleaved in 1 s segments; load average {result['loadavg_1min_at_end']:.2f} on {result['cpus']} CPUs")
+    print(
+        f"learner: {args.models} buffers x {args.rows} observations; {args.seconds:.0f} s per phase, "
+        f"interleaved in 1 s segments; load average {result['loadavg_1min_at_end']:.2f} on {result['cpus']} CPUs"
+    )
     print(f"{'phase':12s} {'ticks':>7s} {'p50 ms':>8s} {'p99 ms':>8s} {'p99.9 ms':>9s} {'max ms':>8s} {'> 1 ms':>8s}")
     for phase in ("idle", "refitting"):
         s = result[phase]
-        print(f"{phase:12s} {s['ticks']:7d} {s['p50_ms']:8.3f} {s['p99_ms']:8.3f} {s['p999_ms']:9.3f} {s['max_ms']:8.3f} "
-              f"{100 * s['late_over_1ms_share']:7.2f}%")
-    print(f"refits ({args.mode}, {args.completions_per_s:g} completions/s): {refits} during {args.seconds:.0f} s; "
-          f"the last took {result['last_refit_ms']:.1f} ms; the longest step between two GIL hand-overs "
-          f"took {result['longest_refit_step_ms']:.3f} ms wall, {result['longest_refit_step_cpu_ms']:.3f} ms CPU")
+        print(
+            f"{phase:12s} {s['ticks']:7d} {s['p50_ms']:8.3f} {s['p99_ms']:8.3f} {s['p999_ms']:9.3f} {s['max_ms']:8.3f} "
+            f"{100 * s['late_over_1ms_share']:7.2f}%"
+        )
+    print(
+        f"refits ({args.mode}, {args.completions_per_s:g} completions/s): {refits} during {args.seconds:.0f} s; "
+        f"the last took {result['last_refit_ms']:.1f} ms; the longest step between two GIL hand-overs "
+        f"took {result['longest_refit_step_ms']:.3f} ms wall, {result['longest_refit_step_cpu_ms']:.3f} ms CPU"
+    )
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -55,20 +55,28 @@ def main(argv: list[str] | None = None) -> int:
         per_seed: dict[str, list[float]] = {"static": [], "learned": [], "full_static": []}
         for seed in args.seeds:
             order = np.random.default_rng(seed).permutation(len(rows))
-            lines = [json.dumps({"prompt": rows[i]["prompt"], "output_tokens": rows[i]["output_tokens"][model],
-                                 "model": model}) for i in order]
+            lines = [
+                json.dumps(
+                    {"prompt": rows[i]["prompt"], "output_tokens": rows[i]["output_tokens"][model], "model": model}
+                )
+                for i in order
+            ]
             lengths = [rows[i]["output_tokens"][model] for i in order]
             static = list(replay_lines(predictor, None, lines))
             learned = list(replay_lines(predictor, OnlineLearner.for_predictor(predictor, config), lines))
             assert not any("error" in r for r in static + learned)
             per_seed["static"].append(_second_half_tau(static, lengths))
             per_seed["learned"].append(_second_half_tau(learned, lengths))
-            per_seed["full_static"].append(kendall_tau_b(np.array([r["score"] for r in static]), np.array(lengths, float)))
+            per_seed["full_static"].append(
+                kendall_tau_b(np.array([r["score"] for r in static]), np.array(lengths, float))
+            )
         figures[model] = per_seed
 
-    print(f"model: {predictor.model_path} (card schema {predictor.card.get('schema', 1)}, "
-          f"{predictor.output.kind}, score {predictor.output.score}); seeds {args.seeds}; "
-          f"refit every {config.refit_every} observations; {len(rows)} lines per replay")
+    print(
+        f"model: {predictor.model_path} (card schema {predictor.card.get('schema', 1)}, "
+        f"{predictor.output.kind}, score {predictor.output.score}); seeds {args.seeds}; "
+        f"refit every {config.refit_every} observations; {len(rows)} lines per replay"
+    )
     print("second-half Kendall tau_b, mean (min..max) over seeds")
     header = f"{'model':28s} {'--no-learn':>22s} {'learning':>22s} {'gain':>22s}"
     print(header)
@@ -90,11 +98,22 @@ def main(argv: list[str] | None = None) -> int:
     met = mean_gain >= TARGET_GAIN and min(gains_by_model) >= TARGET_GAIN
     print(f"target: gain >= +{TARGET_GAIN:.2f} per model and mean: {'MET' if met else 'NOT MET'}")
     if args.json is not None:
-        args.json.write_text(json.dumps({
-            "model": str(predictor.model_path), "onnx_sha256": predictor.onnx_sha256, "seeds": args.seeds,
-            "refit_every": config.refit_every, "lines": len(rows), "per_model": figures,
-            "mean": {"static": float(mean_static), "learned": float(mean_learned), "gain": mean_gain}, "target_met": bool(met),
-        }, indent=2) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {
+                    "model": str(predictor.model_path),
+                    "onnx_sha256": predictor.onnx_sha256,
+                    "seeds": args.seeds,
+                    "refit_every": config.refit_every,
+                    "lines": len(rows),
+                    "per_model": figures,
+                    "mean": {"static": float(mean_static), "learned": float(mean_learned), "gain": mean_gain},
+                    "target_met": bool(met),
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     return 0
 
 

@@ -17,12 +17,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from clairvoyant.prediction.features import Prompt
-from clairvoyant.proxy.feedback import UsageRecorder
-from clairvoyant.prediction.learner import OnlineLearner
 from clairvoyant.metrics import Metrics
+from clairvoyant.prediction.features import Prompt
+from clairvoyant.prediction.learner import OnlineLearner
 from clairvoyant.prediction.predictor import OnnxPredictor
 from clairvoyant.prediction.usage import Usage, UsageTap
+from clairvoyant.proxy.feedback import UsageRecorder
 
 ROOT = Path(__file__).resolve().parents[1]
 SSE_EVENT = (
@@ -59,7 +59,9 @@ def hook_us(requests: int) -> np.ndarray:
     recorder = UsageRecorder(Metrics(), learner)
     rng = np.random.default_rng(0)
     tickets = [
-        SimpleNamespace(prediction=predictor.predict(Prompt(f"Write about topic {i}. " * int(rng.integers(1, 20))), model="m"))
+        SimpleNamespace(
+            prediction=predictor.predict(Prompt(f"Write about topic {i}. " * int(rng.integers(1, 20))), model="m")
+        )
         for i in range(requests)
     ]
     out = np.empty(requests)

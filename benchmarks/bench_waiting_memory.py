@@ -95,7 +95,9 @@ async def _open_clients(port: int, n: int) -> list[asyncio.StreamWriter]:
 def _waiting(base: str) -> int:
     """Requests waiting, from /metrics (not /queue: listing 10,000 entries would itself raise the RSS)."""
     text = httpx.get(f"{base}/metrics", timeout=60).text
-    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("clairvoyant_queue_depth{")))
+    return int(
+        sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("clairvoyant_queue_depth{"))
+    )
 
 
 async def _phase(base: str, port: int, n: int) -> list[asyncio.StreamWriter]:
@@ -121,7 +123,11 @@ def main() -> None:
            "CLAIRVOYANT_MAX_QUEUE": str(2 * args.n), "CLAIRVOYANT_MAX_CONNECTIONS": str(2 * args.n + 100),
            "CLAIRVOYANT_LOG_LEVEL": "warning", "CLAIRVOYANT_SHUTDOWN_GRACE_S": "0",
            "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}  # fmt: skip
-    proxy = subprocess.Popen(shlex.split(args.proxy_cmd), env=env, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard)))
+    proxy = subprocess.Popen(
+        shlex.split(args.proxy_cmd),
+        env=env,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard)),
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -159,8 +165,10 @@ def main() -> None:
             proxy.kill()
         stop.set()
     per_request = (after_kb - before_kb) * 1024 / args.n
-    print(f"{args.n} waiting requests: proxy RSS {before_kb / 1024:.1f} -> {after_kb / 1024:.1f} MiB; "
-          f"{per_request:.0f} bytes per waiting request, {per_request - len(BODY):.0f} besides its {len(BODY)}-byte body")
+    print(
+        f"{args.n} waiting requests: proxy RSS {before_kb / 1024:.1f} -> {after_kb / 1024:.1f} MiB; "
+        f"{per_request:.0f} bytes per waiting request, {per_request - len(BODY):.0f} besides its {len(BODY)}-byte body"
+    )
 
 
 if __name__ == "__main__":

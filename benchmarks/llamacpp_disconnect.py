@@ -57,9 +57,7 @@ def slot0(client: httpx.Client) -> dict[str, Any]:
 
 def rss_kib(pid: int) -> tuple[int, int]:
     """(VmRSS, VmHWM) of ``pid`` in KiB."""
-    fields = dict(
-        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
-    )
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
     return int(fields["VmRSS"].split()[0]), int(fields["VmHWM"].split()[0])
 
 
@@ -181,8 +179,10 @@ def disconnect_section(server: EmbeddedLlamaServer, trials: int, max_tokens: int
                 f"{t.follow_up_s * 1000:>8.0f}ms {t.decodes_after:>14}  {verdict}"
             )
     short = min(max_tokens, 300)
-    print(f"-- (2) the same disconnect while a monitor polls /metrics (max_tokens={short}): "
-          "seconds until idle (tokens decoded in all)")
+    print(
+        f"-- (2) the same disconnect while a monitor polls /metrics (max_tokens={short}): "
+        "seconds until idle (tokens decoded in all)"
+    )
     for poll_s in (0.2, 1.5):
         for mode in ("stream", "non-stream"):
             cells = []
@@ -202,32 +202,42 @@ def basics_section(n_threads: int, reps: int) -> None:
         startups.append(server.startup_s)
         stop_s, _ = timed(server.stop)
         stops.append(stop_s)
-    print(f"startup (Popen -> /health 200): {', '.join(f'{s:.2f}' for s in startups)} s; stop: "
-          f"{', '.join(f'{s:.2f}' for s in stops)} s")
+    print(
+        f"startup (Popen -> /health 200): {', '.join(f'{s:.2f}' for s in startups)} s; stop: "
+        f"{', '.join(f'{s:.2f}' for s in stops)} s"
+    )
 
     with EmbeddedLlamaServer(n_threads=n_threads) as server, httpx.Client(base_url=server.base_url) as client:
         rss0, _ = rss_kib(server.pid or 0)
         one_tok = [timed(lambda: chat(client, FOLLOW_UP, 1))[0] for _ in range(reps)]
-        print(f"1-token request, same prompt (cached prefix): median {statistics.median(one_tok) * 1000:.0f} ms, "
-              f"min {min(one_tok) * 1000:.0f} ms over {reps}")
+        print(
+            f"1-token request, same prompt (cached prefix): median {statistics.median(one_tok) * 1000:.0f} ms, "
+            f"min {min(one_tok) * 1000:.0f} ms over {reps}"
+        )
         alternating = []
         for i in range(reps):
             prompt = FOLLOW_UP if i % 2 else LONG_PROMPT
-            alternating.append(timed(lambda: chat(client, prompt, 1))[0])
-        print(f"1-token request, prompt changes each time (~30 prompt tokens to process): median "
-              f"{statistics.median(alternating) * 1000:.0f} ms")
+            alternating.append(timed(lambda prompt=prompt: chat(client, prompt, 1))[0])
+        print(
+            f"1-token request, prompt changes each time (~30 prompt tokens to process): median "
+            f"{statistics.median(alternating) * 1000:.0f} ms"
+        )
         for n in (256,):
             walls, tps = [], []
             for _ in range(reps // 2 or 1):
-                wall, result = timed(lambda: chat(client, LONG_PROMPT, n))
+                wall, result = timed(lambda n=n: chat(client, LONG_PROMPT, n))
                 assert result["usage"]["completion_tokens"] == n
                 walls.append(wall)
                 tps.append(result["timings"]["predicted_per_second"])
-            print(f"{n}-token forced output: wall median {statistics.median(walls):.2f} s "
-                  f"({n / statistics.median(walls):.0f} tok/s end to end), server-reported generation "
-                  f"{statistics.median(tps):.0f} tok/s")
+            print(
+                f"{n}-token forced output: wall median {statistics.median(walls):.2f} s "
+                f"({n / statistics.median(walls):.0f} tok/s end to end), server-reported generation "
+                f"{statistics.median(tps):.0f} tok/s"
+            )
         rss, hwm = rss_kib(server.pid or 0)
-        print(f"child RSS: {rss0 / 1024:.0f} MiB after start, {rss / 1024:.0f} MiB after the runs (peak {hwm / 1024:.0f} MiB)")
+        print(
+            f"child RSS: {rss0 / 1024:.0f} MiB after start, {rss / 1024:.0f} MiB after the runs (peak {hwm / 1024:.0f} MiB)"
+        )
 
 
 def main() -> None:
@@ -239,13 +249,14 @@ def main() -> None:
     parser.add_argument("--n-threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=10, help="repetitions for the basic latencies")
     args = parser.parse_args()
-    print("load average at start: %.2f %.2f %.2f (figures are contaminated when it exceeds the core count)" % os.getloadavg())
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"load average at start: {load} (figures are contaminated when it exceeds the core count)")
     if args.only != "disconnect":
         basics_section(args.n_threads, args.reps)
     if args.only != "basics":
         with EmbeddedLlamaServer(n_threads=args.n_threads, n_parallel=1) as server:
             disconnect_section(server, args.trials, args.max_tokens, args.disconnect_after)
-    print("load average at end: %.2f %.2f %.2f" % os.getloadavg())
+    print("load average at end: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
 if __name__ == "__main__":

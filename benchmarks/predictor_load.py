@@ -30,11 +30,18 @@ def _gguf() -> str:
 
 
 def _generate_forever(port: int, counter: list[int]) -> None:
-    body = json.dumps({"prompt": "Write a long story about a lighthouse keeper.", "max_tokens": 512,
-                       "ignore_eos": True, "temperature": 0.8}).encode()
+    body = json.dumps(
+        {
+            "prompt": "Write a long story about a lighthouse keeper.",
+            "max_tokens": 512,
+            "ignore_eos": True,
+            "temperature": 0.8,
+        }
+    ).encode()
     while True:
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(request, timeout=120) as response:
                 response.read()
@@ -76,16 +83,21 @@ class LoadProcess:
 
     def __enter__(self) -> LoadProcess:
         nice = self.nice
-        self.proc = subprocess.Popen([sys.executable, __file__, str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=(lambda: os.nice(nice)) if nice else None,
+        )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2) as r:
                     text = r.read().decode()
-                if any(line.startswith("llamacpp:requests_processing") and line.split()[-1] not in ("0", "0.0")
-                       for line in text.splitlines()):
+                if any(
+                    line.startswith("llamacpp:requests_processing") and line.split()[-1] not in ("0", "0.0")
+                    for line in text.splitlines()
+                ):
                     return self
             except OSError:
                 pass

@@ -37,16 +37,26 @@ def main() -> None:
             while not gate.is_set():
                 await asyncio.sleep(0.01)
         tokens = 40 if "[short]" in text else 700
-        return httpx.Response(200, json={"choices": [{"message": {"content": "x"}}], "usage": {"completion_tokens": tokens, "prompt_tokens": 20}})
+        return httpx.Response(
+            200,
+            json={
+                "choices": [{"message": {"content": "x"}}],
+                "usage": {"completion_tokens": tokens, "prompt_tokens": 20},
+            },
+        )
 
     router = respx.MockRouter(base_url="http://upstream.test")
     router.post("/v1/chat/completions").mock(side_effect=backend)
     settings = Settings(upstream_url="http://upstream.test", starvation_timeout_s=600)
     with running_proxy(settings, predictor=MarkerPredictor(), upstream_transport=mock_transport(router)) as base:
+
         def post(text: str, tenant: str, priority: int = 0) -> threading.Thread:
             body = {"model": "llama3.2:1b", "messages": [{"role": "user", "content": text}], "priority": priority}
-            t = threading.Thread(target=httpx.post, args=(f"{base}/v1/chat/completions",),
-                                 kwargs={"json": body, "headers": {"X-Clairvoyant-Tenant": tenant}, "timeout": 60})
+            t = threading.Thread(
+                target=httpx.post,
+                args=(f"{base}/v1/chat/completions",),
+                kwargs={"json": body, "headers": {"X-Clairvoyant-Tenant": tenant}, "timeout": 60},
+            )
             t.start()
             return t
 
@@ -54,17 +64,37 @@ def main() -> None:
             post(text, tenant).join()
         threads = [post("[long] hold", "bob")]
         wait_until(lambda: "[long] hold" in served)
-        for text, tenant, priority in [("[long] x", "bob", 5), ("[short] y", "alice", 0), ("[p=0.5] z", "alice", 0),
-                                       ("[short] w", "bob", 5), ("[p=0.7] v", "carol", 2)]:
+        for text, tenant, priority in [
+            ("[long] x", "bob", 5),
+            ("[short] y", "alice", 0),
+            ("[p=0.5] z", "alice", 0),
+            ("[short] w", "bob", 5),
+            ("[p=0.7] v", "carol", 2),
+        ]:
             threads.append(post(text, tenant, priority))
         wait_until(lambda: len(queue_snapshot(base)["waiting"]) == 5)
         time.sleep(2.5)
         out = ROOT / "docs" / "img" / "ui.png"
         with tempfile.TemporaryDirectory() as profile:
-            subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                            f"--user-data-dir={profile}", "--virtual-time-budget=3000", f"--screenshot={out}",
-                            "--window-size=1280,640", f"{base}/ui/"], check=True, capture_output=True)
+            subprocess.run(
+                [
+                    "chromium",
+                    "--headless",
+                    "--no-sandbox",
+                    "--disable-gpu",
+                    "--no-first-run",
+                    "--disable-background-networking",
+                    "--disable-component-update",
+                    "--disable-sync",
+                    f"--user-data-dir={profile}",
+                    "--virtual-time-budget=3000",
+                    f"--screenshot={out}",
+                    "--window-size=1280,640",
+                    f"{base}/ui/",
+                ],
+                check=True,
+                capture_output=True,
+            )
         gate.set()
         for t in threads:
             t.join(timeout=60)

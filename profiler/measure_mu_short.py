@@ -21,6 +21,8 @@ if __name__ == "__main__":
     try:
         raise SystemExit(mu_short_main())
     except ClairvoyantError as exc:  # e.g. the prompt texts' dataset is not installed
-        print(f"measure_mu_short.py: error: {exc}\n(to calibrate tau after a plain install: clairvoyant calibrate)",
-              file=sys.stderr)
+        print(
+            f"measure_mu_short.py: error: {exc}\n(to calibrate tau after a plain install: clairvoyant calibrate)",
+            file=sys.stderr,
+        )
         raise SystemExit(2) from None

@@ -10,7 +10,9 @@ from clairvoyant.tools.sim import command
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="simulate.py", description=command.__doc__.splitlines()[0] if command.__doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="simulate.py", description=command.__doc__.splitlines()[0] if command.__doc__ else None
+    )
     command.add_arguments(parser)
     return command.run(parser.parse_args(argv))
 

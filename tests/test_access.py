@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import pytest
 import respx
+from proxy_harness import HeldBackend, MarkerPredictor, mock_transport, queue_snapshot, running_proxy, wait_until
 
 from clairvoyant.config import Settings
 from clairvoyant.proxy.access import hash_key
-from proxy_harness import HeldBackend, MarkerPredictor, mock_transport, queue_snapshot, running_proxy, wait_until
 
 UPSTREAM = "http://upstream.test"
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,8 +63,11 @@ def test_the_key_names_the_tenant_and_bounds_the_priority() -> None:
         import threading
 
         def post(key: str, text: str, priority: int) -> None:
-            client.post(f"{base}/v1/chat/completions", json=chat(text, priority=priority),
-                        headers={"Authorization": f"Bearer {key}", "X-Clairvoyant-Tenant": "mallory"})
+            client.post(
+                f"{base}/v1/chat/completions",
+                json=chat(text, priority=priority),
+                headers={"Authorization": f"Bearer {key}", "X-Clairvoyant-Tenant": "mallory"},
+            )
 
         threads = [threading.Thread(target=post, args=a) for a in [(BOB, "[long] holder", 0)]]
         threads[0].start()
@@ -141,13 +144,24 @@ def test_no_key_or_backend_secret_is_logged_even_at_debug(caplog: pytest.LogCapt
 
 
 def test_the_keys_command_prints_a_config_entry_for_a_new_key() -> None:
-    done = subprocess.run([sys.executable, "-m", "clairvoyant.cli", "keys", "add", "--tenant", "team a", "--weight", "3"],
-                          capture_output=True, text=True, check=True, env={"PYTHONPATH": str(ROOT / "src")})
+    done = subprocess.run(
+        [sys.executable, "-m", "clairvoyant.cli", "keys", "add", "--tenant", "team a", "--weight", "3"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONPATH": str(ROOT / "src")},
+    )
     key = done.stdout.splitlines()[1].removeprefix("# ")
     entry = tomllib.loads(done.stdout)["api_keys"][0]
     assert entry["hash"] == hash_key(key) and entry["tenant"] == "team a" and entry["weight"] == 3.0
     assert Settings(api_keys=[entry]).api_keys[0].tenant == "team a"
-    hashed = subprocess.run([sys.executable, "-m", "clairvoyant.cli", "keys", "hash"], input=key + "\n",
-                            capture_output=True, text=True, check=True, env={"PYTHONPATH": str(ROOT / "src")})
+    hashed = subprocess.run(
+        [sys.executable, "-m", "clairvoyant.cli", "keys", "hash"],
+        input=key + "\n",
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONPATH": str(ROOT / "src")},
+    )
     assert hashed.stdout.strip() == entry["hash"]
     assert json.dumps(entry).count(key) == 0  # the config keeps only the hash

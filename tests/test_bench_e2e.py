@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from clairvoyant.config import Settings
 from clairvoyant.tools.bench.client import RequestSpec, send
 from clairvoyant.tools.bench.prompt_set import BenchPrompt
 from clairvoyant.tools.bench.report import write_outputs
 from clairvoyant.tools.bench.runner import CONDITIONS, BenchConfig, proxy_server, run_cells
 from clairvoyant.tools.bench.workload import burst
-from clairvoyant.config import Settings
 
 if TYPE_CHECKING:
     from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
@@ -25,8 +25,10 @@ if TYPE_CHECKING:
 
 def _prompts() -> list[BenchPrompt]:
     texts = {"short": "What is 2 + 2?", "long": "Write a long essay about the history of Rome."}
-    return [BenchPrompt(f"{cls}{i}:0", tokens, cls, len(texts[cls]), "-", text=texts[cls])
-            for i, (cls, tokens) in enumerate([("short", 20), ("short", 40), ("long", 700), ("long", 650)])]
+    return [
+        BenchPrompt(f"{cls}{i}:0", tokens, cls, len(texts[cls]), "-", text=texts[cls])
+        for i, (cls, tokens) in enumerate([("short", 20), ("short", 40), ("long", 700), ("long", 650)])
+    ]
 
 
 def test_burst_through_every_condition_writes_the_right_rows(llama_server: EmbeddedLlamaServer, tmp_path: Path) -> None:
@@ -62,6 +64,7 @@ def test_oracle_field_and_true_length_never_reach_the_backend() -> None:
 
     def backend(request: httpx.Request) -> httpx.Response:
         seen.append(json.loads(request.content))
+
         async def sse() -> AsyncIterator[bytes]:
             yield b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n'
             yield b"data: [DONE]\n\n"
@@ -98,8 +101,15 @@ def test_a_hidden_forced_length_reaches_the_backend_but_not_the_predictor() -> N
 
         return httpx.Response(200, content=answer(), headers={"content-type": "application/json"})
 
-    spec = RequestSpec(index=0, key="k:0", cls="short", answer_tokens=20, n_predict=3, prompt_chars=5,
-                       text="Write a detailed 2000-word essay on the history of the Roman Empire.")
+    spec = RequestSpec(
+        index=0,
+        key="k:0",
+        cls="short",
+        answer_tokens=20,
+        n_predict=3,
+        prompt_chars=5,
+        text="Write a detailed 2000-word essay on the history of the Roman Empire.",
+    )
     settings = Settings(upstream_url="http://backend.invalid", policy="sjf", bench_upstream_fields=True)
     with proxy_server(settings, upstream_transport=httpx.MockTransport(backend)) as url:
         predicted = {}

@@ -51,7 +51,7 @@ def test_round_orders_are_seeded_permutations_that_vary() -> None:
 
 def test_random_order_removes_the_rotations_predecessor_bias() -> None:
     names = ("direct", "bare", "proxy")
-    rotation = [list(names[i % 3:] + names[: i % 3]) for i in range(3000)]  # the old script's order
+    rotation = [list(names[i % 3 :] + names[: i % 3]) for i in range(3000)]  # the old script's order
     rotated = predecessor_counts(rotation)["direct"]
     assert rotated["proxy"] > 1.9 * rotated["bare"]  # direct mostly runs right after the proxy
 
@@ -129,9 +129,16 @@ def test_tree_cpu_seconds_sums_a_process_and_its_descendants_only(tmp_path: Path
 
 def test_proxy_conf_streams_and_keeps_upstream_connections(tmp_path: Path) -> None:
     conf = nginx_proxy_conf(tmp_path, 8081, "http://127.0.0.1:9000/", keepalive=64)
-    for line in ("proxy_buffering off;", "keepalive 64;", "proxy_http_version 1.1;", 'proxy_set_header Connection "";',
-                 "server 127.0.0.1:9000;",
-                 "proxy_next_upstream error timeout non_idempotent;", "listen 127.0.0.1:8081;", "daemon off;"):
+    for line in (
+        "proxy_buffering off;",
+        "keepalive 64;",
+        "proxy_http_version 1.1;",
+        'proxy_set_header Connection "";',
+        "server 127.0.0.1:9000;",
+        "proxy_next_upstream error timeout non_idempotent;",
+        "listen 127.0.0.1:8081;",
+        "daemon off;",
+    ):
         assert line in conf
 
 
@@ -194,7 +201,9 @@ def _start_nginx(prefix: Path, conf_text: str, port: int) -> subprocess.Popen[by
     (prefix / "nginx.conf").write_text(conf_text)
     nginx = _nginx_bin()
     assert nginx is not None
-    proc = subprocess.Popen([nginx, "-p", str(prefix), "-e", str(prefix / "error.log"), "-c", str(prefix / "nginx.conf")])
+    proc = subprocess.Popen(
+        [nginx, "-p", str(prefix), "-e", str(prefix / "error.log"), "-c", str(prefix / "nginx.conf")]
+    )
     for _ in range(100):
         try:
             httpx.get(f"http://127.0.0.1:{port}/", timeout=1)

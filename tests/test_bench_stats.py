@@ -42,10 +42,30 @@ def _rows() -> list[dict[str, object]]:
     for run, scale in ((0, 1.0), (1, 2.0)):
         for condition, factor in (("fcfs", 1.0), ("sjf", 0.5)):
             for base in (10.0, 20.0, 30.0):
-                rows.append({"mode": "burst", "rho": "", "run": run, "condition": condition, "cls": "short",
-                             "ok": True, "e2e_s": base * scale * factor, "ttft_s": 1.0})
-            rows.append({"mode": "burst", "rho": "", "run": run, "condition": condition, "cls": "long",
-                         "ok": False, "e2e_s": None, "ttft_s": None})
+                rows.append(
+                    {
+                        "mode": "burst",
+                        "rho": "",
+                        "run": run,
+                        "condition": condition,
+                        "cls": "short",
+                        "ok": True,
+                        "e2e_s": base * scale * factor,
+                        "ttft_s": 1.0,
+                    }
+                )
+            rows.append(
+                {
+                    "mode": "burst",
+                    "rho": "",
+                    "run": run,
+                    "condition": condition,
+                    "cls": "long",
+                    "ok": False,
+                    "e2e_s": None,
+                    "ttft_s": None,
+                }
+            )
     return rows
 
 

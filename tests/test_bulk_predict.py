@@ -9,13 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from clairvoyant.tools.bulk_predict import LineError, prompt_of_line, score_lines
 from clairvoyant.prediction.features import Prompt
 from clairvoyant.prediction.predictor import OnnxPredictor
+from clairvoyant.tools.bulk_predict import LineError, prompt_of_line, score_lines
 
 FIXTURE = Path(__file__).parent / "fixtures" / "predictor_bulk.jsonl"
 # line number -> expected error fragment, for the fixture's bad lines
-BAD = {3: "not valid JSON", 4: "expected a JSON object", 5: "empty line", 6: "neither", 8: "'messages' must be an array"}
+BAD = {
+    3: "not valid JSON",
+    4: "expected a JSON object",
+    5: "empty line",
+    6: "neither",
+    8: "'messages' must be an array",
+}
 
 
 BASELINE_PATH = Path(__file__).parents[1] / "model" / "baselines" / "rich_v2_3class.onnx"  # a class model
@@ -42,7 +48,9 @@ def test_cli_round_trip_via_subprocess(tmp_path: Path) -> None:
     out = tmp_path / "scores.jsonl"
     proc = subprocess.run(
         [sys.executable, "-m", "clairvoyant", "predict", "--jsonl", str(FIXTURE), "--out", str(out)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 1, proc.stderr  # some lines were errors
     assert "5 of 9 lines could not be scored" in proc.stderr
@@ -90,7 +98,9 @@ def test_score_lines_batches_keep_order_across_batch_boundaries() -> None:
 
 
 def test_prompt_of_line_uses_the_dialect_rules() -> None:
-    p = prompt_of_line(json.dumps({"messages": [{"role": "system", "content": "abc"}, {"role": "user", "content": "hi"}]}))
+    p = prompt_of_line(
+        json.dumps({"messages": [{"role": "system", "content": "abc"}, {"role": "user", "content": "hi"}]})
+    )
     assert p == Prompt("hi", context_chars=5, turns=2, system_chars=3)
     assert prompt_of_line('{"prompt": ["a", "b"]}').instruction == "a\nb"
     with pytest.raises(LineError, match="'prompt' must be"):
@@ -105,17 +115,24 @@ def test_lines_carry_their_model_and_cap_like_proxy_requests() -> None:
     essay = "Write a detailed 2000-word essay on the history of the Roman Empire."
     openai = request_of_line(json.dumps({"model": "m1", "prompt": essay, "max_tokens": 5}))
     assert (openai.model, openai.cap_tokens, openai.endpoint.path) == ("m1", 5, "/v1/completions")
-    ollama = request_of_line(json.dumps({"model": "m2", "prompt": essay, "system": "be brief",
-                                         "options": {"num_predict": 3}}))
+    ollama = request_of_line(
+        json.dumps({"model": "m2", "prompt": essay, "system": "be brief", "options": {"num_predict": 3}})
+    )
     assert (ollama.model, ollama.cap_tokens, ollama.endpoint.path) == ("m2", 3, "/api/generate")
     assert ollama.prompt.system_chars == len("be brief")  # read as Ollama reads /api/generate
     chat = request_of_line(json.dumps({"messages": [{"role": "user", "content": essay}], "options": {}}))
     assert chat.endpoint.path == "/api/chat" and chat.cap_tokens is None and chat.model is None
 
-    results = list(score_lines(OnnxPredictor(), [
-        json.dumps({"prompt": essay}), json.dumps({"prompt": essay, "max_tokens": 5}),
-        json.dumps({"model": "m", "prompt": essay, "options": {"num_predict": 3}}),
-    ]))
+    results = list(
+        score_lines(
+            OnnxPredictor(),
+            [
+                json.dumps({"prompt": essay}),
+                json.dumps({"prompt": essay, "max_tokens": 5}),
+                json.dumps({"model": "m", "prompt": essay, "options": {"num_predict": 3}}),
+            ],
+        )
+    )
     assert results[0]["predicted_tokens"] > 100
     assert results[1]["predicted_tokens"] == 5.0 and results[1]["score"] < results[0]["score"]
     assert results[2]["predicted_tokens"] == 3.0

@@ -105,10 +105,17 @@ def ollama_router(models: list[str], delay_s: float = 0.02, eval_count: int = 7)
         body = json.loads(request.content)
         bodies.append(body)
         time.sleep(delay_s)  # a service time that is not zero
-        return httpx.Response(200, json={
-            "model": body["model"], "message": {"role": "assistant", "content": "Tokyo."}, "done": True,
-            "eval_count": eval_count, "eval_duration": 10_000_000, "prompt_eval_count": 12,
-        })
+        return httpx.Response(
+            200,
+            json={
+                "model": body["model"],
+                "message": {"role": "assistant", "content": "Tokyo."},
+                "done": True,
+                "eval_count": eval_count,
+                "eval_duration": 10_000_000,
+                "prompt_eval_count": 12,
+            },
+        )
 
     router = respx.mock(assert_all_called=False)
     router.get("http://127.0.0.1:11434/api/tags").respond(
@@ -155,9 +162,13 @@ def test_an_openai_server_without_props_gets_the_openai_dialect() -> None:
         router.get("http://gpu:8000/api/tags").respond(404)
         router.get("http://gpu:8000/v1/models").respond(200, json={"object": "list", "data": [{"id": "meta/llama"}]})
         router.get("http://gpu:8000/props").respond(404)
-        chat = router.post("http://gpu:8000/v1/chat/completions").respond(200, json={
-            "choices": [{"message": {"role": "assistant", "content": "Yes."}}], "usage": {"completion_tokens": 2},
-        })
+        chat = router.post("http://gpu:8000/v1/chat/completions").respond(
+            200,
+            json={
+                "choices": [{"message": {"role": "assistant", "content": "Yes."}}],
+                "usage": {"completion_tokens": 2},
+            },
+        )
         cal = measure("http://gpu:8000/", n=2, warmup=1)
     assert (cal.dialect, cal.model, cal.slots, cal.output_tokens) == ("openai", "meta/llama", None, (2, 2))
     assert chat.call_count == 3

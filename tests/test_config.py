@@ -92,7 +92,9 @@ def test_serve_refuses_an_invalid_setting_before_starting() -> None:
 def test_serve_refuses_a_missing_model_before_starting(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "clairvoyant", "serve", "--model", str(tmp_path / "nope.onnx")],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
     assert "nope.onnx" in result.stderr and "not found" in result.stderr
@@ -137,8 +139,12 @@ def test_an_unknown_environment_variable_is_a_warning_naming_the_closest_valid_o
 def test_unknown_environment_variables_ignore_the_other_names_read_on_purpose() -> None:
     from clairvoyant.config import unknown_environment_variables
 
-    environ = {"CLAIRVOYANT_CONFIG": "x.toml", "CLAIRVOYANT_REQUIRE_BACKEND": "1", "HOME": "/root",
-               "CLAIRVOYANT_STARVATION_TIMEOUT": "5"}
+    environ = {
+        "CLAIRVOYANT_CONFIG": "x.toml",
+        "CLAIRVOYANT_REQUIRE_BACKEND": "1",
+        "HOME": "/root",
+        "CLAIRVOYANT_STARVATION_TIMEOUT": "5",
+    }
     assert unknown_environment_variables(environ) == [
         "unknown environment variable CLAIRVOYANT_STARVATION_TIMEOUT (ignored); "
         "did you mean CLAIRVOYANT_STARVATION_TIMEOUT_S?"
@@ -152,7 +158,10 @@ def test_serve_warns_about_an_unknown_variable_and_goes_on_to_the_next_check(tmp
     env = {**os.environ, "CLAIRVOYANT_POLCY": "fcfs"}
     result = subprocess.run(
         [sys.executable, "-m", "clairvoyant", "serve", "--model", str(tmp_path / "nope.onnx")],
-        capture_output=True, text=True, timeout=60, env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
     )
     assert "WARNING clairvoyant.config: unknown environment variable CLAIRVOYANT_POLCY" in result.stderr
     assert "did you mean CLAIRVOYANT_POLICY?" in result.stderr

@@ -31,10 +31,15 @@ def test_table_shows_both_policies_and_the_change() -> None:
 def test_order_table_lists_the_predicted_order_beside_the_truth() -> None:
     from clairvoyant.tools.bench.client import RequestSpec
 
-    specs = [RequestSpec(index=i, key=f"k{i}:0", cls=c, answer_tokens=t, n_predict=t // 4, prompt_chars=3, text="x")
-             for i, (c, t) in enumerate([("long", 700), ("short", 30), ("short", 90)])]
+    specs = [
+        RequestSpec(index=i, key=f"k{i}:0", cls=c, answer_tokens=t, n_predict=t // 4, prompt_chars=3, text="x")
+        for i, (c, t) in enumerate([("long", 700), ("short", 30), ("short", 90)])
+    ]
     table = demo.order_table(specs, [500.0, 40.0, 20.0], {2: 0, 1: 1, 0: 2})
     rows = [line.split() for line in table.splitlines()[1:]]
     # predicted order: request 2 (20), 1 (40), 0 (500); true ranks 2, 1, 3; finished 1st, 2nd, 3rd
-    assert [r[1:] for r in rows] == [["20", "90", "2", "short", "1"], ["40", "30", "1", "short", "2"],
-                                     ["500", "700", "3", "long", "3"]]
+    assert [r[1:] for r in rows] == [
+        ["20", "90", "2", "short", "1"],
+        ["40", "30", "1", "short", "2"],
+        ["500", "700", "3", "long", "3"],
+    ]

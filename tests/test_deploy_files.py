@@ -127,13 +127,18 @@ def test_every_compose_image_is_pinned_and_every_mounted_file_exists() -> None:
 
 
 def test_dockerignore_keeps_the_context_to_what_the_image_needs() -> None:
-    lines = [l.strip() for l in (ROOT / ".dockerignore").read_text().splitlines() if l.strip() and not l.startswith("#")]
+    lines = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     for excluded in (".venv", ".git", "results", "research", "tests", "benchmarks", "profiler/data", "**/__pycache__"):
         assert excluded in lines, excluded
     assert lines.index("**/*.onnx") < lines.index("!model/*.onnx")  # ONNX files only from model/
     # Nothing the Dockerfile copies from the context is ignored.
-    sources = [w for k, a in dockerfile_instructions() if k == "COPY" and not a.startswith("--from")
-               for w in a.split()[:-1]]
+    sources = [
+        w for k, a in dockerfile_instructions() if k == "COPY" and not a.startswith("--from") for w in a.split()[:-1]
+    ]
     assert {"src", "model", "pyproject.toml", "README.md", "LICENSE"} <= set(sources)
     for path in sources:
         assert (ROOT / path).exists(), path
@@ -194,8 +199,9 @@ def test_the_systemd_unit_runs_serve_as_a_dynamic_user_with_an_environment_file(
     assert unit["Install"]["WantedBy"] == "multi-user.target"
     # The example environment file sets only real settings, and keeps state in the unit's StateDirectory.
     env = dict(
-        l.split("=", 1) for l in (ROOT / "deploy" / "clairvoyant.env").read_text().splitlines()
-        if l.strip() and not l.startswith("#")
+        line.split("=", 1)
+        for line in (ROOT / "deploy" / "clairvoyant.env").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
     )
     assert set(env) <= SETTING_ENVS
     assert env["CLAIRVOYANT_LEARNER_STATE_PATH"].startswith(f"/var/lib/{service['StateDirectory']}/")

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, parse_request, prompt_from_body
 from clairvoyant.errors import BadRequest
+from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, parse_request, prompt_from_body
 from clairvoyant.prediction.features import FEATURE_SETS, Prompt
 
 CHAT = SCHEDULED_ENDPOINTS["/v1/chat/completions"]
@@ -21,41 +21,61 @@ def test_all_four_endpoints_are_scheduled() -> None:
 
 
 def test_openai_chat_uses_last_user_turn_and_counts_history_and_system() -> None:
-    body = {"messages": [
-        {"role": "system", "content": "You are terse."},  # 14
-        {"role": "user", "content": "first question"},  # 14
-        {"role": "assistant", "content": "an answer"},  # 9
-        {"role": "user", "content": "Write an essay"},  # 14
-    ]}
+    body = {
+        "messages": [
+            {"role": "system", "content": "You are terse."},  # 14
+            {"role": "user", "content": "first question"},  # 14
+            {"role": "assistant", "content": "an answer"},  # 9
+            {"role": "user", "content": "Write an essay"},  # 14
+        ]
+    }
     p = prompt_from_body(CHAT, body)
     assert p == Prompt("Write an essay", context_chars=14 + 14 + 9 + 14, turns=4, system_chars=14)
 
 
 def test_openai_chat_list_of_parts_joins_text_and_skips_images() -> None:
-    body = {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "Describe"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
-        {"type": "text", "text": "this picture"},
-    ]}]}
+    body = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Describe"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                    {"type": "text", "text": "this picture"},
+                ],
+            }
+        ]
+    }
     p = prompt_from_body(CHAT, body)
     assert p.instruction == "Describe\nthis picture"
     assert p.turns == 1 and p.system_chars == 0
 
 
 def test_openai_chat_developer_role_counts_as_system_and_last_user_wins_even_if_not_last() -> None:
-    body = {"messages": [
-        {"role": "developer", "content": "rules"},
-        {"role": "user", "content": "question"},
-        {"role": "assistant", "content": "partial answer"},  # a prefill after the user turn
-    ]}
+    body = {
+        "messages": [
+            {"role": "developer", "content": "rules"},
+            {"role": "user", "content": "question"},
+            {"role": "assistant", "content": "partial answer"},  # a prefill after the user turn
+        ]
+    }
     p = prompt_from_body(CHAT, body)
     assert p.instruction == "question" and p.system_chars == 5 and p.turns == 3
 
 
 @pytest.mark.parametrize(
     "messages",
-    [[], None, "not a list", [None, 3, "x"], [{"role": "user"}], [{"role": "user", "content": None}],
-     [{"role": "user", "content": {"weird": True}}], [{"content": "no role"}], [{"role": "user", "content": [1, None, {}]}]],
+    [
+        [],
+        None,
+        "not a list",
+        [None, 3, "x"],
+        [{"role": "user"}],
+        [{"role": "user", "content": None}],
+        [{"role": "user", "content": {"weird": True}}],
+        [{"content": "no role"}],
+        [{"role": "user", "content": [1, None, {}]}],
+    ],
 )
 def test_openai_chat_odd_messages_give_an_empty_instruction(messages: object) -> None:
     p = prompt_from_body(CHAT, {"messages": messages})
@@ -77,8 +97,10 @@ def test_openai_completion_string_list_and_token_ids() -> None:
 
 
 def test_ollama_chat_and_generate() -> None:
-    chat = prompt_from_body(OLLAMA_CHAT, {"model": "m", "messages": [
-        {"role": "system", "content": "sys"}, {"role": "user", "content": "hello there"}]})
+    chat = prompt_from_body(
+        OLLAMA_CHAT,
+        {"model": "m", "messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "hello there"}]},
+    )
     assert chat == Prompt("hello there", context_chars=14, turns=2, system_chars=3)
     gen = prompt_from_body(OLLAMA_GENERATE, {"model": "m", "prompt": "Why?", "system": "Be brief"})
     assert gen == Prompt("Why?", context_chars=12, turns=1, system_chars=8)
@@ -94,7 +116,10 @@ def test_ollama_chat_and_generate() -> None:
 def test_odd_text_passes_through_unchanged_for_every_endpoint(text: str) -> None:
     assert prompt_from_body(CHAT, {"messages": [{"role": "user", "content": text}]}).instruction == text
     assert prompt_from_body(COMPLETION, {"prompt": text}).instruction == text
-    assert prompt_from_body(OLLAMA_CHAT, {"model": "m", "messages": [{"role": "user", "content": text}]}).instruction == text
+    assert (
+        prompt_from_body(OLLAMA_CHAT, {"model": "m", "messages": [{"role": "user", "content": text}]}).instruction
+        == text
+    )
     assert prompt_from_body(OLLAMA_GENERATE, {"model": "m", "prompt": text}).context_chars == len(text)
 
 
@@ -124,9 +149,13 @@ def test_proxy_field_removal_survives_a_lone_surrogate() -> None:
 
 
 def test_ollama_context_ids_count_as_history_and_non_object_messages_do_not_count_as_turns() -> None:
-    generate = parse_request(OLLAMA_GENERATE, json.dumps({"model": "m", "prompt": "go on", "context": [1, 2, 3]}).encode())
+    generate = parse_request(
+        OLLAMA_GENERATE, json.dumps({"model": "m", "prompt": "go on", "context": [1, 2, 3]}).encode()
+    )
     assert generate.prompt.total_chars == len("go on") + 4 * 3
-    chat = parse_request(OLLAMA_CHAT, json.dumps({"model": "m", "messages": ["junk", {"role": "user", "content": "hi"}]}).encode())
+    chat = parse_request(
+        OLLAMA_CHAT, json.dumps({"model": "m", "messages": ["junk", {"role": "user", "content": "hi"}]}).encode()
+    )
     assert chat.prompt.turns == 1 and chat.prompt.instruction == "hi"
 
 
@@ -182,5 +211,9 @@ def test_parse_request_reads_the_cap_and_never_refuses_a_cap_of_the_wrong_type()
     assert parse_request(CHAT, json.dumps(chat).encode()).cap_tokens is None
     assert parse_request(CHAT, json.dumps({**chat, "max_tokens": "lots"}).encode()).cap_tokens is None
     assert parse_request(COMPLETION, b'{"prompt": "x", "n_predict": 12, "max_tokens": 40}').cap_tokens == 12
-    assert parse_request(OLLAMA_GENERATE, b'{"model": "m", "prompt": "x", "options": {"num_predict": 9}}').cap_tokens == 9
-    assert parse_request(OLLAMA_CHAT, b'{"model": "m", "messages": [], "options": {"num_predict": -1}}').cap_tokens is None
+    assert (
+        parse_request(OLLAMA_GENERATE, b'{"model": "m", "prompt": "x", "options": {"num_predict": 9}}').cap_tokens == 9
+    )
+    assert (
+        parse_request(OLLAMA_CHAT, b'{"model": "m", "messages": [], "options": {"num_predict": -1}}').cap_tokens is None
+    )

@@ -11,12 +11,12 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
+from proxy_harness import queue_snapshot, running_proxy, wait_until
 
 from clairvoyant.config import Settings
-from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
 from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, prompt_from_body
 from clairvoyant.prediction.predictor import OnnxPredictor
-from proxy_harness import queue_snapshot, running_proxy, wait_until
+from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
 
 SHORT_PROMPTS = [
     "What is the capital of France?",
@@ -75,8 +75,12 @@ def test_non_streaming_chat_round_trip(proxy_url: str) -> None:
 def test_streaming_chat_and_completion_round_trips(proxy_url: str) -> None:
     with OpenAI(base_url=f"{proxy_url}/v1", api_key="sk-unused", max_retries=0, timeout=120) as client:
         stream = client.chat.completions.create(
-            model="smollm2", messages=chat("Count to five."), max_tokens=12, stream=True,
-            stream_options={"include_usage": True}, extra_body=FORCE,
+            model="smollm2",
+            messages=chat("Count to five."),
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=FORCE,
         )
         chunks = list(stream)
         text = client.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=5, extra_body=FORCE)
@@ -138,12 +142,16 @@ def test_a_client_that_leaves_while_queued_is_never_sent(proxy_url: str, llama_s
     async def scenario() -> None:
         async with AsyncOpenAI(base_url=f"{proxy_url}/v1", api_key="sk-unused", max_retries=0, timeout=300) as client:
             holder = asyncio.create_task(
-                client.chat.completions.create(model="smollm2", messages=chat("Tell me a story."), max_tokens=120, extra_body=FORCE)
+                client.chat.completions.create(
+                    model="smollm2", messages=chat("Tell me a story."), max_tokens=120, extra_body=FORCE
+                )
             )
             while not queue_snapshot(proxy_url)["in_flight"]:
                 await asyncio.sleep(0.01)
             leaver = asyncio.create_task(
-                client.chat.completions.create(model="smollm2", messages=chat("What is 2+2?"), max_tokens=37, extra_body=FORCE)
+                client.chat.completions.create(
+                    model="smollm2", messages=chat("What is 2+2?"), max_tokens=37, extra_body=FORCE
+                )
             )
             while len(queue_snapshot(proxy_url)["waiting"]) < 1:
                 await asyncio.sleep(0.01)
@@ -167,7 +175,8 @@ def test_a_client_that_leaves_mid_stream_lets_the_next_request_run(
     before = backend_metric(llama_server, "llamacpp:n_decode_total")
     with httpx.Client(timeout=120) as client:
         with client.stream(
-            "POST", f"{proxy_url}/v1/chat/completions",
+            "POST",
+            f"{proxy_url}/v1/chat/completions",
             json={"messages": chat("Write a very long essay."), "max_tokens": 1500, "stream": True, **FORCE},
         ) as r:
             seen = 0
@@ -203,7 +212,10 @@ def test_a_priority_request_overtakes_queued_normal_ones_and_queue_shows_eta(
                 async def run(tag: str, tokens: int, priority: int | None = None) -> None:
                     extra = {**FORCE, **({"priority": priority} if priority is not None else {})}
                     raw = await client.chat.completions.with_raw_response.create(
-                        model="smollm2", messages=chat(SHORT_PROMPTS[0]), max_tokens=tokens, extra_body=extra,
+                        model="smollm2",
+                        messages=chat(SHORT_PROMPTS[0]),
+                        max_tokens=tokens,
+                        extra_body=extra,
                         extra_headers={"x-request-id": f"e2e-{tag}"},
                     )
                     if tag == "urgent":
@@ -236,5 +248,8 @@ def test_a_priority_request_overtakes_queued_normal_ones_and_queue_shows_eta(
     assert waiting[0]["priority"] == -1 and all(w["priority"] == 0 for w in waiting[1:])
     etas = [w["eta_s"] for w in waiting]
     assert 0 < etas[0] < etas[1] < etas[2] < etas[3]  # in-flight remainder, then each one's predicted seconds
-    assert one == {"request_id": "e2e-normal2", "waiting": True, "position": 3, "eta_s": one["eta_s"]} and one["eta_s"] > etas[2]
+    assert (
+        one == {"request_id": "e2e-normal2", "waiting": True, "position": 3, "eta_s": one["eta_s"]}
+        and one["eta_s"] > etas[2]
+    )
     assert headers["x-clairvoyant-queue-position"] == "0"  # it went straight to the front when it arrived

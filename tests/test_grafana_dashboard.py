@@ -75,7 +75,7 @@ def metric_names(expr: str) -> set[str]:
         raise ValueError(f"unbalanced parentheses in {expr!r}")
     names = set()
     for match in IDENT.finditer(text):
-        word, rest = match.group(0), text[match.end():].lstrip()
+        word, rest = match.group(0), text[match.end() :].lstrip()
         if rest.startswith("(") or word in KEYWORDS:
             continue  # a function or an aggregation, or an operator word
         if re.fullmatch(r"\d+[smhdwy]", word) or match.start() > 0 and text[match.start() - 1].isdigit():
@@ -112,10 +112,15 @@ def test_every_expression_queries_only_exported_metrics() -> None:
 def test_the_dashboard_covers_what_operators_watch() -> None:
     used = set().union(*(metric_names(e) for _, e in dashboard_exprs()))
     required = {
-        "clairvoyant_queue_depth", "clairvoyant_in_flight_requests", "clairvoyant_queue_wait_seconds_bucket",
-        "clairvoyant_time_to_first_byte_seconds_bucket", "clairvoyant_rejections_total",
-        "clairvoyant_starvation_promotions_total", "clairvoyant_upstream_errors_total",
-        "clairvoyant_client_disconnects_total", "clairvoyant_prediction_kendall_tau",
+        "clairvoyant_queue_depth",
+        "clairvoyant_in_flight_requests",
+        "clairvoyant_queue_wait_seconds_bucket",
+        "clairvoyant_time_to_first_byte_seconds_bucket",
+        "clairvoyant_rejections_total",
+        "clairvoyant_starvation_promotions_total",
+        "clairvoyant_upstream_errors_total",
+        "clairvoyant_client_disconnects_total",
+        "clairvoyant_prediction_kendall_tau",
         "clairvoyant_prediction_abs_log_token_error",
     }
     assert required <= used, sorted(required - used)
@@ -142,8 +147,14 @@ def test_panels_use_the_datasource_variable_and_do_not_overlap() -> None:
 @pytest.mark.parametrize(
     ("expr", "expected"),
     [
-        ('sum by (le, predicted_class) (rate(a_bucket{instance=~"$instance", x="y{z}"}[$__rate_interval]))', {"a_bucket"}),
-        ("histogram_quantile(0.95, sum by (le) (rate(b_bucket[5m]))) / on (job) group_left c_total", {"b_bucket", "c_total"}),
+        (
+            'sum by (le, predicted_class) (rate(a_bucket{instance=~"$instance", x="y{z}"}[$__rate_interval]))',
+            {"a_bucket"},
+        ),
+        (
+            "histogram_quantile(0.95, sum by (le) (rate(b_bucket[5m]))) / on (job) group_left c_total",
+            {"b_bucket", "c_total"},
+        ),
         ("rate(d_total[1h:5m] offset 1d) > bool 1e3", {"d_total"}),
         ("max without (model) (e)", {"e"}),
     ],

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from clairvoyant.scheduling.boost import BoostTable
 from clairvoyant.scheduling.job_queue import FairShareQueue, HeapQueue, Job, JobQueue, ScanQueue, StarvationGuard
 from clairvoyant.scheduling.policy import (
     POLICY_NAMES,
@@ -17,10 +18,18 @@ from clairvoyant.scheduling.policy import (
     build_queue,
     make_policy,
 )
-from clairvoyant.scheduling.boost import BoostTable
 
 
-def job(name: str, arrival_s: float, *, score: float = 0.5, predicted_s: float = 1.0, priority: int = 0, tenant: str = "", bucket: int = 0) -> Job[str]:
+def job(
+    name: str,
+    arrival_s: float,
+    *,
+    score: float = 0.5,
+    predicted_s: float = 1.0,
+    priority: int = 0,
+    tenant: str = "",
+    bucket: int = 0,
+) -> Job[str]:
     return Job(name, arrival_s, score=score, predicted_s=predicted_s, priority=priority, tenant=tenant, bucket=bucket)
 
 
@@ -252,7 +261,16 @@ def test_ordered_matches_the_pops() -> None:
     for name in POLICY_NAMES:
         q = build_queue(make_policy(name), starvation_timeout_s=30.0, fair_share=True)
         for i in range(20):
-            q.push(job(f"j{i}", float(i), score=(i * 7 % 10) / 10, predicted_s=1.0 + (i * 3 % 7), tenant="ab"[i % 2], priority=i % 3 - 1))
+            q.push(
+                job(
+                    f"j{i}",
+                    float(i),
+                    score=(i * 7 % 10) / 10,
+                    predicted_s=1.0 + (i * 3 % 7),
+                    tenant="ab"[i % 2],
+                    priority=i % 3 - 1,
+                )
+            )
         expected = [j.payload for j in q.ordered(20.0)]
         assert drain(q, 20.0) == expected, name
 

@@ -19,8 +19,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[1] / "src" / "clairvoyant"
-LAYER = {"errors": 0, "clock": 0, "config": 0, "state_file": 0, "logs": 0, "prediction": 1, "scheduling": 2, "metrics": 2, "proxy": 3,
-         "tools": 4, "cli": 5, "__main__": 5, "__init__": 0}
+LAYER = {
+    "errors": 0,
+    "clock": 0,
+    "config": 0,
+    "state_file": 0,
+    "logs": 0,
+    "prediction": 1,
+    "scheduling": 2,
+    "metrics": 2,
+    "proxy": 3,
+    "tools": 4,
+    "cli": 5,
+    "__main__": 5,
+    "__init__": 0,
+}
 ALLOWED = {("config", "clairvoyant.scheduling.policy")}
 
 
@@ -41,8 +54,7 @@ MODULES = sorted(p for p in ROOT.rglob("*.py"))
 def test_a_module_imports_only_from_its_layer_or_below(path: Path) -> None:
     layer = path.relative_to(ROOT).parts[0].removesuffix(".py")
     assert layer in LAYER, f"{layer} is not a known layer: add it to LAYER and the docstring"
-    upward = [m for m in _imports(path)
-              if LAYER.get(m.split(".")[1], 99) > LAYER[layer] and (layer, m) not in ALLOWED]
+    upward = [m for m in _imports(path) if LAYER.get(m.split(".")[1], 99) > LAYER[layer] and (layer, m) not in ALLOWED]
     assert not upward, f"{path.relative_to(ROOT)} imports upward: {upward}"
 
 

@@ -19,8 +19,9 @@ N_FEATURES = 6
 IDENTITY = PriorIdentity("test_set", tuple(f"f{i}" for i in range(N_FEATURES)), "a" * 64)
 
 
-def _prediction(row: np.ndarray, prior_log: float, model: str | None = "m", cap: int | None = None,
-                correction: float = 0.0) -> Prediction:
+def _prediction(
+    row: np.ndarray, prior_log: float, model: str | None = "m", cap: int | None = None, correction: float = 0.0
+) -> Prediction:
     predicted = math.exp(prior_log + correction)
     if cap is not None:
         predicted = min(predicted, cap)

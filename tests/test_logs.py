@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
 from fake_backend import FakeBackend
 from proxy_harness import wait_until
 
@@ -47,7 +46,7 @@ def _exercise(base: str, port: int) -> None:
     bad = httpx.post(f"{base}/api/chat", content=b'{"messages": [', headers={"X-Request-Id": "bad-1"})
     assert bad.status_code == 400
     with socket.create_connection(("127.0.0.1", port)) as sock:  # aborted upload
-        sock.sendall(b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"m")
+        sock.sendall(b'POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"m')
     with socket.create_connection(("127.0.0.1", port)) as sock:  # headers that never end: 408
         sock.sendall(b"GET /api/tags HTTP/1.1\r\nHost: x\r\n")
         sock.settimeout(10)
@@ -89,5 +88,7 @@ def test_text_logs_carry_the_same_fields(free_port: int) -> None:
     stderr = _run(free_port)
     request_lines = [line for line in stderr.splitlines() if " clairvoyant.requests: request " in line]
     assert len(request_lines) == 5
-    assert any("request_id=sched-1" in line and "status=200" in line and "outcome=completed" in line for line in request_lines)
+    assert any(
+        "request_id=sched-1" in line and "status=200" in line and "outcome=completed" in line for line in request_lines
+    )
     assert SECRET_PROMPT.split()[0] not in stderr and "Traceback" not in stderr

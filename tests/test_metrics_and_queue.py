@@ -6,9 +6,18 @@ import json
 
 import httpx
 import respx
+from proxy_harness import (
+    BackgroundPosts,
+    HeldBackend,
+    MarkerPredictor,
+    metric_value,
+    mock_transport,
+    queue_snapshot,
+    running_proxy,
+    wait_until,
+)
 
 from clairvoyant.config import Settings
-from proxy_harness import BackgroundPosts, HeldBackend, MarkerPredictor, metric_value, mock_transport, queue_snapshot, running_proxy, wait_until
 
 UPSTREAM = "http://upstream.test"
 
@@ -21,7 +30,11 @@ def test_metrics_follow_a_held_queue_and_its_release() -> None:
     with running_proxy(settings, predictor=MarkerPredictor(), upstream_transport=mock_transport(router)) as base:
         threads = [BackgroundPosts(base, "[long] secret holder text")]
         wait_until(lambda: len(backend.order) == 1, what="holder dispatched")
-        threads += [BackgroundPosts(base, "[short] secret s1"), BackgroundPosts(base, "[short] secret s2"), BackgroundPosts(base, "[long] secret l1")]
+        threads += [
+            BackgroundPosts(base, "[short] secret s1"),
+            BackgroundPosts(base, "[short] secret s2"),
+            BackgroundPosts(base, "[long] secret l1"),
+        ]
         wait_until(lambda: len(queue_snapshot(base)["waiting"]) == 3, what="3 waiting")
 
         assert metric_value(base, "clairvoyant_queue_depth", 'predicted_class="short"') == 2
@@ -30,7 +43,10 @@ def test_metrics_follow_a_held_queue_and_its_release() -> None:
         assert metric_value(base, "clairvoyant_starvation_timeout_seconds") == 42
 
         # Rejections by reason: queue full, too large, bad request.
-        assert httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}).status_code == 503
+        assert (
+            httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}).status_code
+            == 503
+        )
         assert httpx.post(f"{base}/v1/chat/completions", content=b"x" * (17 * 1024 * 1024)).status_code == 413
         assert httpx.post(f"{base}/api/chat", json={"messages": []}).status_code == 400
         for reason in ("queue_full", "too_large", "bad_request"):
@@ -56,10 +72,16 @@ def test_metrics_follow_a_held_queue_and_its_release() -> None:
         assert metric_value(base, "clairvoyant_time_to_first_byte_seconds_count", 'predicted_class="long"') == 2
         # 4 served + the one scored and then refused by the full queue.
         assert metric_value(base, "clairvoyant_predictor_seconds_count") == 5
-        assert metric_value(
-            base, "clairvoyant_requests_total", 'dialect="openai",endpoint="/v1/chat/completions",status="200"'
-        ) == 4
-        assert metric_value(
-            base, "clairvoyant_requests_total", 'dialect="openai",endpoint="/v1/chat/completions",status="503"'
-        ) == 1
+        assert (
+            metric_value(
+                base, "clairvoyant_requests_total", 'dialect="openai",endpoint="/v1/chat/completions",status="200"'
+            )
+            == 4
+        )
+        assert (
+            metric_value(
+                base, "clairvoyant_requests_total", 'dialect="openai",endpoint="/v1/chat/completions",status="503"'
+            )
+            == 1
+        )
         assert queue_snapshot(base)["waiting"] == []

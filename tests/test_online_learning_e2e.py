@@ -21,12 +21,12 @@ import httpx
 import numpy as np
 import pytest
 import respx
+from proxy_harness import metric_value, mock_transport, running_proxy, wait_until
 
 from clairvoyant.config import Settings
 from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, parse_request
-from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
 from clairvoyant.prediction.predictor import OnnxPredictor
-from proxy_harness import metric_value, mock_transport, running_proxy, wait_until
+from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
 
 MODEL = "smollm2"  # the name the requests give: the learner's key
 FORCE = {"ignore_eos": True}
@@ -81,7 +81,8 @@ def test_completed_requests_reach_the_learner_with_the_backends_real_counts(
         assert counts == forced  # the premise: the backend produced exactly the forced lengths
         # A natural-length answer: only the backend knows how long it is.
         natural = httpx.post(
-            f"{base}/v1/chat/completions", json={"model": MODEL, "messages": chat("What is 2+2?"), "max_tokens": 64},
+            f"{base}/v1/chat/completions",
+            json={"model": MODEL, "messages": chat("What is 2+2?"), "max_tokens": 64},
             timeout=120,
         ).json()["usage"]["completion_tokens"]
 
@@ -108,7 +109,8 @@ def test_a_restart_keeps_what_was_learned_and_a_corrupt_file_is_refused(
 
     def one_request(base: str, n: int) -> None:
         r = httpx.post(
-            f"{base}/v1/chat/completions", json={"model": MODEL, "messages": chat("Count."), "max_tokens": n, **FORCE},
+            f"{base}/v1/chat/completions",
+            json={"model": MODEL, "messages": chat("Count."), "max_tokens": n, **FORCE},
             timeout=120,
         )
         assert r.json()["usage"]["completion_tokens"] == n
@@ -138,10 +140,23 @@ OLLAMA = "http://ollama.test"
 TRUE_TOKENS = 3  # the deployment's model answers in 3 tokens, whatever the prompt
 PROMPTS = [
     f"{verb} {topic}"
-    for verb in ("Write a detailed essay about", "Explain step by step", "Give me a long story about",
-                 "Write a complete guide to", "Describe in depth")
-    for topic in ("the French Revolution", "compilers", "the immune system", "sourdough baking",
-                  "black holes", "medieval trade routes", "neural networks", "the history of jazz")
+    for verb in (
+        "Write a detailed essay about",
+        "Explain step by step",
+        "Give me a long story about",
+        "Write a complete guide to",
+        "Describe in depth",
+    )
+    for topic in (
+        "the French Revolution",
+        "compilers",
+        "the immune system",
+        "sourdough baking",
+        "black holes",
+        "medieval trade routes",
+        "neural networks",
+        "the history of jazz",
+    )
 ]
 
 
@@ -150,9 +165,18 @@ def short_ollama_backend() -> respx.MockRouter:
 
     def answer(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
-        final = {"model": body["model"], "created_at": "2025-03-14T09:26:53.1Z", "response": "Sure thing.",
-                 "done": True, "done_reason": "stop", "total_duration": 90_000_000, "prompt_eval_count": 12,
-                 "prompt_eval_duration": 20_000_000, "eval_count": TRUE_TOKENS, "eval_duration": 60_000_000}
+        final = {
+            "model": body["model"],
+            "created_at": "2025-03-14T09:26:53.1Z",
+            "response": "Sure thing.",
+            "done": True,
+            "done_reason": "stop",
+            "total_duration": 90_000_000,
+            "prompt_eval_count": 12,
+            "prompt_eval_duration": 20_000_000,
+            "eval_count": TRUE_TOKENS,
+            "eval_duration": 60_000_000,
+        }
         return httpx.Response(200, json=final)
 
     router.post("/api/generate").mock(side_effect=answer)
@@ -160,7 +184,9 @@ def short_ollama_backend() -> respx.MockRouter:
 
 
 def static_tokens(predictor: OnnxPredictor, prompt: str) -> float:
-    parsed = parse_request(SCHEDULED_ENDPOINTS["/api/generate"], json.dumps({"model": "tiny", "prompt": prompt}).encode())
+    parsed = parse_request(
+        SCHEDULED_ENDPOINTS["/api/generate"], json.dumps({"model": "tiny", "prompt": prompt}).encode()
+    )
     saved, predictor.corrector = predictor.corrector, None
     try:
         return predictor.predict(parsed.prompt, model="tiny").predicted_tokens
@@ -182,9 +208,15 @@ def test_a_backend_answering_shorter_than_the_prior_moves_the_predictions_only_w
     probe = "Write a detailed essay about the Roman Empire"
     static = static_tokens(predictor, probe)
     assert static > 30 * TRUE_TOKENS  # the premise: the prior predicts far longer answers
-    settings = Settings(upstream_url=OLLAMA, online_learning=learning, learner_state_path=tmp_path / "s.npz",
-                        learner_save_interval_s=0.2)
-    with running_proxy(settings, predictor=predictor, upstream_transport=mock_transport(short_ollama_backend())) as base:
+    settings = Settings(
+        upstream_url=OLLAMA,
+        online_learning=learning,
+        learner_state_path=tmp_path / "s.npz",
+        learner_save_interval_s=0.2,
+    )
+    with running_proxy(
+        settings, predictor=predictor, upstream_transport=mock_transport(short_ollama_backend())
+    ) as base:
         first = generate(base, probe)
         assert first == pytest.approx(static, abs=0.5)  # nothing learned yet (the header is whole tokens)
         for prompt in PROMPTS:  # 40 observations of 3-token answers
@@ -207,7 +239,9 @@ def test_a_state_path_that_cannot_be_written_is_logged_and_the_proxy_keeps_servi
 ) -> None:
     caplog.set_level(logging.WARNING, logger="clairvoyant")
     settings = Settings(upstream_url=OLLAMA, learner_state_path=tmp_path, learner_save_interval_s=0.1)  # a directory
-    with running_proxy(settings, predictor=predictor, upstream_transport=mock_transport(short_ollama_backend())) as base:
+    with running_proxy(
+        settings, predictor=predictor, upstream_transport=mock_transport(short_ollama_backend())
+    ) as base:
         generate(base, PROMPTS[0])
         wait_until(lambda: any("cannot save state" in r.getMessage() for r in caplog.records), what="a failed save")
         generate(base, PROMPTS[1])  # still serving, still observing

@@ -8,11 +8,11 @@ from typing import Any
 
 import httpx
 import respx
+from proxy_harness import gate_wait, mock_transport, queue_snapshot, running_proxy, wait_until
 
 from clairvoyant.config import Settings
 from clairvoyant.prediction.features import Prompt
 from clairvoyant.prediction.predictor import Prediction
-from proxy_harness import gate_wait, mock_transport, queue_snapshot, running_proxy, wait_until
 
 UPSTREAM = "http://upstream.test"
 
@@ -40,7 +40,9 @@ def test_a_regressor_shows_predicted_tokens_and_no_p_long() -> None:
     router.post("/v1/chat/completions").mock(side_effect=held)
     predictor = RegressorDouble()
     body: dict[str, Any] = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7}
-    with running_proxy(Settings(upstream_url=UPSTREAM), predictor=predictor, upstream_transport=mock_transport(router)) as base:
+    with running_proxy(
+        Settings(upstream_url=UPSTREAM), predictor=predictor, upstream_transport=mock_transport(router)
+    ) as base:
         results: list[httpx.Response] = []
         sender = threading.Thread(target=lambda: results.append(httpx.post(f"{base}/v1/chat/completions", json=body)))
         sender.start()

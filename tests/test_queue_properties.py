@@ -7,9 +7,9 @@ import math
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from clairvoyant.scheduling.boost import BoostTable, bucket_for
 from clairvoyant.scheduling.job_queue import Job, StarvationGuard
 from clairvoyant.scheduling.policy import POLICY_NAMES, BoostPolicy, PolicyParams, build_queue, make_policy
-from clairvoyant.scheduling.boost import BoostTable, bucket_for
 
 # One operation: (kind, time step, score, predicted seconds, priority, tenant)
 op = st.tuples(
@@ -67,7 +67,9 @@ def run(queue, operations, check=None, tick=None):  # type: ignore[no-untyped-de
 
 
 @settings(max_examples=150, deadline=None)
-@given(operations=ops, name=st.sampled_from(POLICY_NAMES), tau=st.sampled_from([math.inf, 5.0, 30.0]), fair=st.booleans())
+@given(
+    operations=ops, name=st.sampled_from(POLICY_NAMES), tau=st.sampled_from([math.inf, 5.0, 30.0]), fair=st.booleans()
+)
 def test_every_job_pops_exactly_once(operations, name, tau, fair) -> None:  # type: ignore[no-untyped-def]
     queue = build_queue(make_policy(name), starvation_timeout_s=tau, fair_share=fair)
     popped, rest, waiting = run(queue, operations)
@@ -76,7 +78,12 @@ def test_every_job_pops_exactly_once(operations, name, tau, fair) -> None:  # ty
 
 
 @settings(max_examples=150, deadline=None)
-@given(operations=ops, name=st.sampled_from(POLICY_NAMES), tau=st.sampled_from([2.0, 5.0, 30.0]), slowdown=st.sampled_from([0.0, 1.0]))
+@given(
+    operations=ops,
+    name=st.sampled_from(POLICY_NAMES),
+    tau=st.sampled_from([2.0, 5.0, 30.0]),
+    slowdown=st.sampled_from([0.0, 1.0]),
+)
 def test_no_later_arrival_passes_an_overdue_job(operations, name, tau, slowdown) -> None:  # type: ignore[no-untyped-def]
     guard = StarvationGuard(make_policy(name).make_queue(), tau, slowdown)
 
@@ -91,8 +98,15 @@ def test_no_later_arrival_passes_an_overdue_job(operations, name, tau, slowdown)
 
 
 @settings(max_examples=200, deadline=None)
-@given(operations=ops, name=st.sampled_from(POLICY_NAMES), tau=st.sampled_from([2.0, 5.0, 30.0]), slowdown=st.sampled_from([0.0, 1.0]))
-def test_under_fair_share_no_later_arrival_of_its_tenant_passes_a_job_past_its_share_bound(operations, name, tau, slowdown) -> None:  # type: ignore[no-untyped-def]
+@given(
+    operations=ops,
+    name=st.sampled_from(POLICY_NAMES),
+    tau=st.sampled_from([2.0, 5.0, 30.0]),
+    slowdown=st.sampled_from([0.0, 1.0]),
+)
+def test_under_fair_share_no_later_arrival_of_its_tenant_passes_a_job_past_its_share_bound(
+    operations, name, tau, slowdown
+) -> None:  # type: ignore[no-untyped-def]
     # The stated bound under fair share, recomputed here from what is waiting: a job is overdue
     # once the share clock (1/k s per second while k tenants have requests waiting) has advanced
     # tau + slowdown x predicted_s since it arrived, at the latest k_max x that in wall seconds
@@ -128,7 +142,10 @@ def test_under_fair_share_no_later_arrival_of_its_tenant_passes_a_job_past_its_s
 
 # Found by hypothesis: a tenant that sends its next request while the last one runs must keep
 # its start tag; were it forgotten, b would go before a forever, one request at a time.
-_ONE_AT_A_TIME = [("push", 0.0, 0.0, 1.0, 0, "a")] * 3 + [("push", 0.0, 0.0, 1.0, 0, "b"), ("pop", 0.0, 0.0, 1.0, 0, "a")] * 3
+_ONE_AT_A_TIME = [("push", 0.0, 0.0, 1.0, 0, "a")] * 3 + [
+    ("push", 0.0, 0.0, 1.0, 0, "b"),
+    ("pop", 0.0, 0.0, 1.0, 0, "a"),
+] * 3
 
 
 @settings(max_examples=200, deadline=None)
@@ -193,7 +210,9 @@ def test_boost_never_lets_a_job_arriving_cap_seconds_later_pass(operations, cap,
 
 
 @settings(max_examples=150, deadline=None)
-@given(operations=ops, name=st.sampled_from(POLICY_NAMES), tau=st.sampled_from([math.inf, 5.0, 30.0]), fair=st.booleans())
+@given(
+    operations=ops, name=st.sampled_from(POLICY_NAMES), tau=st.sampled_from([math.inf, 5.0, 30.0]), fair=st.booleans()
+)
 def test_priority_classes_invert_only_by_the_starvation_bound(operations, name, tau, fair) -> None:  # type: ignore[no-untyped-def]
     def check(job, promoted, waiting, now):  # type: ignore[no-untyped-def]
         best = min(j.priority for j in waiting)

@@ -10,14 +10,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clairvoyant.tools.bulk_predict import score_lines
 from clairvoyant.prediction.learner import LearnerConfig, OnlineLearner
 from clairvoyant.prediction.predictor import OnnxPredictor
+from clairvoyant.tools.bulk_predict import score_lines
 from clairvoyant.tools.replay import replay_lines
 
 TOPICS = "Rome volcanoes jazz tea bridges whales chess glaciers bees satellites".split()
-ASKS = ["What is {t}?", "Write a detailed essay about {t}.", "List 10 facts about {t}.", "Explain {t} briefly.",
-        "Write a poem about {t}.", "Why do people like {t}?"]
+ASKS = [
+    "What is {t}?",
+    "Write a detailed essay about {t}.",
+    "List 10 facts about {t}.",
+    "Explain {t} briefly.",
+    "Write a poem about {t}.",
+    "Why do people like {t}?",
+]
 
 
 def _lines(n: int, seed: int = 0) -> list[dict]:
@@ -37,7 +43,9 @@ def predictor() -> OnnxPredictor:
 
 
 def _replay(predictor: OnnxPredictor, lines: list[dict], learn: bool = True) -> list[dict]:
-    learner = OnlineLearner.for_predictor(predictor, LearnerConfig(refit_every=4, min_observations=16)) if learn else None
+    learner = (
+        OnlineLearner.for_predictor(predictor, LearnerConfig(refit_every=4, min_observations=16)) if learn else None
+    )
     return list(replay_lines(predictor, learner, [json.dumps(line) for line in lines]))
 
 
@@ -74,7 +82,11 @@ def test_no_learn_is_the_static_predictor_and_output_has_the_contract_fields(pre
     classes = {"p_short", "p_medium", "p_long"} if predictor.output.kind == "classifier" else set()
     for r, b in zip(replayed, bulk):
         assert set(r) == {"line", "score", "predicted_tokens"} | classes
-        assert (r["score"], r["predicted_tokens"], r.get("p_long")) == (b["score"], b["predicted_tokens"], b.get("p_long"))
+        assert (r["score"], r["predicted_tokens"], r.get("p_long")) == (
+            b["score"],
+            b["predicted_tokens"],
+            b.get("p_long"),
+        )
     assert predictor.corrector is None  # replay detached its learner
 
 
@@ -96,8 +108,16 @@ def test_caps_models_and_ollama_bodies_are_read_as_the_proxy_reads_them(predicto
 
 
 def test_bad_lines_get_an_error_in_their_place_and_teach_nothing(predictor: OnnxPredictor) -> None:
-    raw = ['{"prompt": "hi", "output_tokens": 3}', "not json", '{"prompt": "hi"}', '{"prompt": "hi", "output_tokens": -2}',
-           '{"output_tokens": 4}', "", '{"prompt": "hi", "output_tokens": "5"}', '{"prompt": "hi", "output_tokens": 4.0}']
+    raw = [
+        '{"prompt": "hi", "output_tokens": 3}',
+        "not json",
+        '{"prompt": "hi"}',
+        '{"prompt": "hi", "output_tokens": -2}',
+        '{"output_tokens": 4}',
+        "",
+        '{"prompt": "hi", "output_tokens": "5"}',
+        '{"prompt": "hi", "output_tokens": 4.0}',
+    ]
     learner = OnlineLearner.for_predictor(predictor)
     out = list(replay_lines(predictor, learner, raw))
     assert [r["line"] for r in out] == list(range(1, 9))
@@ -112,8 +132,12 @@ def test_cli_stdout_is_only_json_lines_and_state_carries_over(tmp_path: Path) ->
     state = tmp_path / "learner.npz"
 
     def run(*extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "clairvoyant", "replay", str(data), *extra],
-                              capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "clairvoyant", "replay", str(data), *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     first = run("--state", str(state))
     assert first.returncode == 1 and "1 of 61 lines were errors" in first.stderr

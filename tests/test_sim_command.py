@@ -40,12 +40,32 @@ def test_run_writes_json_and_csv(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 def test_tau_sweep_and_spectrum_with_plots(tmp_path: Path) -> None:
-    assert run(["tau-sweep", "--n", "200", "--seeds", "2", "--multiples", "1", "3", "--out", str(tmp_path), "--no-progress"]) == 0
+    assert (
+        run(
+            [
+                "tau-sweep",
+                "--n",
+                "200",
+                "--seeds",
+                "2",
+                "--multiples",
+                "1",
+                "3",
+                "--out",
+                str(tmp_path),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     sweep = json.loads((tmp_path / "sim_tau_sweep.json").read_text())
     assert sweep["conditions"][-1]["tau_s"] == "inf"
     assert (tmp_path / "sim_tau_sweep.png").stat().st_size > 10_000
     assert "Short P50" in (tmp_path / "sim_tau_sweep.md").read_text()
-    assert run(["spectrum", "--n", "200", "--seeds", "2", "--rhos", "0.3", "0.8", "--out", str(tmp_path), "--no-progress"]) == 0
+    assert (
+        run(["spectrum", "--n", "200", "--seeds", "2", "--rhos", "0.3", "0.8", "--out", str(tmp_path), "--no-progress"])
+        == 0
+    )
     spec = json.loads((tmp_path / "sim_spectrum.json").read_text())
     assert [p["rho"] for p in spec["points"]] == [0.3, 0.8]
     assert (tmp_path / "sim_spectrum.png").stat().st_size > 10_000
@@ -77,14 +97,30 @@ def test_run_parses_the_guard_and_gamma_of_each_condition(tmp_path: Path) -> Non
     assert run(argv) == 0
     conds = json.loads((out / "sim_run.json").read_text())["conditions"]
     assert [(c["policy"], c["tau_s"], c["starvation_slowdown"]) for c in conds] == [
-        ("fcfs", "inf", 0.0), ("sjf", 1.0, 3.2), ("boost", 25.0, 0.0), ("hrrn", "inf", 0.0), ("sjf", 1.0, 2.56)
+        ("fcfs", "inf", 0.0),
+        ("sjf", 1.0, 3.2),
+        ("boost", 25.0, 0.0),
+        ("hrrn", "inf", 0.0),
+        ("sjf", 1.0, 2.56),
     ]
     assert conds[2]["boost_gamma_per_s"] == 0.02
     assert [c["adaptive_slowdown"] for c in conds] == [False, False, False, False, True]
 
 
 def test_compare_reports_every_policy_and_both_tenants(tmp_path: Path) -> None:
-    argv = ["compare", "--n", "200", "--seeds", "1", "--workloads", "paper", "tenants", "--out", str(tmp_path), "--no-progress"]
+    argv = [
+        "compare",
+        "--n",
+        "200",
+        "--seeds",
+        "1",
+        "--workloads",
+        "paper",
+        "tenants",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+    ]
     assert run(argv) == 0
     data = json.loads((tmp_path / "sim_compare.json").read_text())
     names = [r["name"] for r in data["blocks"][0]["results"]]

@@ -179,7 +179,15 @@ def test_fair_share_with_one_tenant_is_the_plain_guarded_queue(slots: int) -> No
     w = make_workload(7, 600, paper_service(), rho=0.8, slots=slots)
     scores = NoisyScorer(0.8).scores(w, score_stream(7))
     runs = [
-        simulate(w, scores, policy="sjf", starvation_timeout_s=1.0, starvation_slowdown=AdaptiveSlowdown(2.56), slots=slots, fair_share=fair)
+        simulate(
+            w,
+            scores,
+            policy="sjf",
+            starvation_timeout_s=1.0,
+            starvation_slowdown=AdaptiveSlowdown(2.56),
+            slots=slots,
+            fair_share=fair,
+        )
         for fair in (False, True)
     ]
     assert runs[0].promotions > 0  # the guard fires, so its clock matters

@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from clairvoyant.prediction.features import Prompt
-from clairvoyant.tools.sim import NoisyScorer, OracleScorer, PredictorScorer, PromptService, make_workload, paper_service
+from clairvoyant.tools.sim import (
+    NoisyScorer,
+    OracleScorer,
+    PredictorScorer,
+    PromptService,
+    make_workload,
+    paper_service,
+)
 from clairvoyant.tools.sim.predictors import pairwise_accuracy
 from clairvoyant.tools.sim.workload import load_prompts, score_stream
 
@@ -98,7 +105,9 @@ def test_predictor_scorer_needs_prompts() -> None:
 
 def test_bad_prompt_line_names_the_line_not_the_text(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"prompt": "secret words", "output_tokens": 4, "class": "short"}\n{"prompt": "secret", "class": "huge"}\n')
+    path.write_text(
+        '{"prompt": "secret words", "output_tokens": 4, "class": "short"}\n{"prompt": "secret", "class": "huge"}\n'
+    )
     with pytest.raises(ValueError, match=r"bad.jsonl:2") as info:
         load_prompts(path)
     assert "secret" not in str(info.value)

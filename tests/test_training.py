@@ -37,12 +37,19 @@ def test_iter_records_recovers_every_complete_record_of_a_truncated_array() -> N
 def test_chunks_are_merged_in_order_and_pairs_cross_chunk_boundaries() -> None:
     records = [
         {"id": "c1_1", "conversations": [{"from": "gpt", "value": "answer two"}]},
-        {"id": "c1_0", "conversations": [
-            {"from": "system", "value": "sys"},
-            {"from": "human", "value": "question one"}, {"from": "gpt", "value": "answer one"},
-            {"from": "human", "value": "question two"},
-        ]},
-        {"id": "c2_0", "conversations": [{"from": "human", "value": "question one"}, {"from": "gpt", "value": "answer one"}]},
+        {
+            "id": "c1_0",
+            "conversations": [
+                {"from": "system", "value": "sys"},
+                {"from": "human", "value": "question one"},
+                {"from": "gpt", "value": "answer one"},
+                {"from": "human", "value": "question two"},
+            ],
+        },
+        {
+            "id": "c2_0",
+            "conversations": [{"from": "human", "value": "question one"}, {"from": "gpt", "value": "answer one"}],
+        },
     ]
     conversations = merge_chunks(records)
     assert [m["role"] for m in conversations["c1"]] == ["system", "user", "assistant", "user", "assistant"]
@@ -99,7 +106,9 @@ def test_split_is_balanced_stratified_deterministic_and_leak_free() -> None:
     assert again.fingerprint() == split.fingerprint()
     other = build_split(pairs, DataConfig(per_class=100, bounds=ClassBounds(200, 800), seed=8, english_only=False))
     assert other.fingerprint() != split.fingerprint()
-    first_only = build_split(pairs, DataConfig(per_class=60, turns="first", bounds=ClassBounds(200, 800), english_only=False))
+    first_only = build_split(
+        pairs, DataConfig(per_class=60, turns="first", bounds=ClassBounds(200, 800), english_only=False)
+    )
     assert {p.turn for p in first_only.train + first_only.test} == {0}
 
 
@@ -148,7 +157,9 @@ def test_train_and_export_writes_a_model_its_card_and_markdown(tmp_path: Path) -
     from clairvoyant.tools.training.commands_train import train_and_export
     from clairvoyant.tools.training.train import PRESETS, ModelConfig
 
-    split = build_split(_synthetic_pairs(400), DataConfig(per_class=100, bounds=ClassBounds(200, 800), english_only=False))
+    split = build_split(
+        _synthetic_pairs(400), DataConfig(per_class=100, bounds=ClassBounds(200, 800), english_only=False)
+    )
     out = tmp_path / "predictor.onnx"
     card = train_and_export(split, ModelConfig("rich_v1", 5, 2, 0.3, 42), out, preset="test", threads=1)
     assert card["metrics"]["onnx_xgboost_max_abs_diff"] <= 1e-5
@@ -164,7 +175,9 @@ def test_train_and_export_writes_a_model_its_card_and_markdown(tmp_path: Path) -
 def test_training_is_deterministic_for_a_seed() -> None:
     from clairvoyant.tools.training.train import ModelConfig, featurize, fit
 
-    split = build_split(_synthetic_pairs(200), DataConfig(per_class=60, bounds=ClassBounds(200, 800), english_only=False))
+    split = build_split(
+        _synthetic_pairs(200), DataConfig(per_class=60, bounds=ClassBounds(200, 800), english_only=False)
+    )
     x = featurize("paper19", [p.prompt for p in split.train])
     a = fit(x, split.train_labels, ModelConfig("paper19", 5, 3, 0.3, 42), threads=2).predict_proba(x)
     b = fit(x, split.train_labels, ModelConfig("paper19", 5, 3, 0.3, 42), threads=2).predict_proba(x)
@@ -182,7 +195,12 @@ def test_paper_preset_flag_reaches_the_model_config() -> None:
     commands_train.add_arguments(parser)
     data, model = commands_train._configs(parser.parse_args(["--preset", "paper"]))
     assert (model.feature_set, model.n_estimators, model.max_depth, model.learning_rate, model.seed) == (
-        "paper19", 300, 6, 0.1, 42)
+        "paper19",
+        300,
+        6,
+        0.1,
+        42,
+    )
     assert (data.per_class, data.test_fraction) == (2000, 0.2)
     natural, shipped = commands_train._configs(parser.parse_args(["--max-depth", "4"]))
     assert shipped.feature_set == "rich_v3" and shipped.max_depth == 4
@@ -242,7 +260,9 @@ def _natural_pairs(n_conversations: int) -> list[Pair]:
             kind = int(rng.integers(0, 3))
             text = ["say hi briefly", "explain this topic", "write a long detailed essay"][kind] + f" number {c}"
             n_words = int(rng.integers(1, 6) * [3, 40, 300][kind])
-            pairs.append(Pair(f"c{c}", turn, group, Prompt(text, context_chars=len(text), turns=1 + 2 * turn), "word " * n_words))
+            pairs.append(
+                Pair(f"c{c}", turn, group, Prompt(text, context_chars=len(text), turns=1 + 2 * turn), "word " * n_words)
+            )
     return pairs
 
 
@@ -261,7 +281,10 @@ def test_natural_split_is_unbalanced_leak_free_and_deterministic() -> None:
     first = build_natural_split(pairs, NaturalConfig(english_only=False, seed=3, turns="first", max_train_rows=50))
     assert {p.turn for p in first.train + first.test} == {0} and len(first.train) == 50
     flags = [p.conv_id != "c0" for p in pairs]
-    assert "c0" not in {p.conv_id for p in (lambda s: s.train + s.test)(build_natural_split(pairs, NaturalConfig(seed=3), english=flags))}
+    assert "c0" not in {
+        p.conv_id
+        for p in (lambda s: s.train + s.test)(build_natural_split(pairs, NaturalConfig(seed=3), english=flags))
+    }
     np.testing.assert_allclose(split.train_log_tokens, np.log(np.maximum(split.train_lengths, 1)))
 
 
@@ -275,16 +298,30 @@ def test_regressor_train_export_card_and_scorer(tmp_path: Path) -> None:
     out = tmp_path / "predictor.onnx"
     card = train_regressor_and_export(split, RegressorConfig("rich_v2", 20, 2, 0.3, 42), out, preset="test", threads=1)
     stored = json.loads((tmp_path / "predictor.card.json").read_text())
-    assert (stored["schema"], stored["kind"], stored["output"], stored["score"]) == (2, "regressor", "variable", "log_tokens")
+    assert (stored["schema"], stored["kind"], stored["output"], stored["score"]) == (
+        2,
+        "regressor",
+        "variable",
+        "log_tokens",
+    )
     assert "classes" not in stored
     assert stored["calibration"]["method"] == "isotonic"
-    assert np.all(np.diff(stored["calibration"]["score"]) > 0) and np.all(np.diff(stored["calibration"]["log_tokens"]) > 0)
-    assert stored["data"]["split_fingerprint"] == split.fingerprint() and stored["data"]["distribution"].startswith("natural")
+    assert np.all(np.diff(stored["calibration"]["score"]) > 0) and np.all(
+        np.diff(stored["calibration"]["log_tokens"]) > 0
+    )
+    assert stored["data"]["split_fingerprint"] == split.fingerprint() and stored["data"]["distribution"].startswith(
+        "natural"
+    )
     assert card["metrics"]["onnx_xgboost_max_abs_diff"] <= 1e-5
     assert card["metrics"]["held_out_kendall_tau_b"] > 0.5  # the words decide the length here
-    assert "ln(answer" in (tmp_path / "MODEL_CARD.md").read_text() or "natural log" in (tmp_path / "MODEL_CARD.md").read_text()
+    assert (
+        "ln(answer" in (tmp_path / "MODEL_CARD.md").read_text()
+        or "natural log" in (tmp_path / "MODEL_CARD.md").read_text()
+    )
     scorer = ModelScorer(out)
-    raw = scorer.score_prompts([Prompt(t, context_chars=len(t)) for t in ("say hi briefly number 7", "write a long detailed essay number 7")])
+    raw = scorer.score_prompts(
+        [Prompt(t, context_chars=len(t)) for t in ("say hi briefly number 7", "write a long detailed essay number 7")]
+    )
     assert raw[0] < raw[1]
     predicted = np.exp(scorer.predicted_log_tokens(raw))  # true lengths: 3-15 and 300-1500 tokens
     assert predicted[0] < 40 and predicted[1] > 200
@@ -312,7 +349,12 @@ def test_classifier_card_is_schema_2_with_a_calibration(tmp_path: Path) -> None:
     out = tmp_path / "paper.onnx"
     train_and_export(split, ModelConfig("paper19", 5, 2, 0.3, 42), out, preset="paper", threads=1)
     stored = json.loads((tmp_path / "paper.card.json").read_text())
-    assert (stored["schema"], stored["kind"], stored["output"], stored["score"]) == (2, "classifier", "probabilities", "p_long")
+    assert (stored["schema"], stored["kind"], stored["output"], stored["score"]) == (
+        2,
+        "classifier",
+        "probabilities",
+        "p_long",
+    )
     assert stored["classes"] == ["short", "medium", "long"]
     # P(Long) rises with the answer length here, so the map from P(Long) to ln tokens rises too
     assert stored["calibration"]["log_tokens"][-1] - stored["calibration"]["log_tokens"][0] > 1.0
@@ -323,7 +365,13 @@ def test_classifier_card_is_schema_2_with_a_calibration(tmp_path: Path) -> None:
 
 def test_lexicon_fit_score_and_round_trip() -> None:
     from clairvoyant.prediction.features import Lexicon, lexicon_terms, scan_words
-    from clairvoyant.tools.training.lexicon import LexiconConfig, fit_lexicon, out_of_fold_scores, score_terms, terms_of_texts
+    from clairvoyant.tools.training.lexicon import (
+        LexiconConfig,
+        fit_lexicon,
+        out_of_fold_scores,
+        score_terms,
+        terms_of_texts,
+    )
 
     pairs = _natural_pairs(300)
     texts = [p.prompt.instruction for p in pairs]
@@ -361,12 +409,20 @@ def test_evaluate_reports_transfer_per_model_and_the_baselines(tmp_path: Path) -
     balanced = build_split(pairs, DataConfig(per_class=60, bounds=ClassBounds(50, 400), english_only=False))
     train_and_export(balanced, ModelConfig("rich_v2", 5, 2, 0.3, 42), baseline, preset="old", threads=1)
     alpaca = tmp_path / "alpaca.jsonl"  # a synthetic stand-in with the real file's shape
-    rows = [("say hi briefly number 1", 5, 9), ("explain this topic number 2", 120, 200),
-            ("write a long detailed essay number 3", 900, 700), ("say hi briefly number 4", 6, 4)]
-    alpaca.write_text("".join(json.dumps({"prompt": p, "source": "x", "output_tokens": {"m1": a, "m2": b}}) + "\n"
-                              for p, a, b in rows))
-    report = evaluate_model(model, alpaca_eval=alpaca, split=split, baseline_model=baseline, paper_baseline=True,
-                            threads=1)
+    rows = [
+        ("say hi briefly number 1", 5, 9),
+        ("explain this topic number 2", 120, 200),
+        ("write a long detailed essay number 3", 900, 700),
+        ("say hi briefly number 4", 6, 4),
+    ]
+    alpaca.write_text(
+        "".join(
+            json.dumps({"prompt": p, "source": "x", "output_tokens": {"m1": a, "m2": b}}) + "\n" for p, a, b in rows
+        )
+    )
+    report = evaluate_model(
+        model, alpaca_eval=alpaca, split=split, baseline_model=baseline, paper_baseline=True, threads=1
+    )
     s = report["scorers"]
     assert set(s) == {"model", "prompt_length", "paper_preset", "previous_shipped"}
     assert report["split"]["model_trained_on_this_split"]
@@ -376,7 +432,10 @@ def test_evaluate_reports_transfer_per_model_and_the_baselines(tmp_path: Path) -
     assert s["model"]["sharegpt_held_out"]["kendall_tau_b"] > 0.5
     assert "log_tokens_mae" in s["model"]["sharegpt_held_out"]
     json_path, md_path = write_report(model, report)
-    assert "AlpacaEval mean tau_b" in md_path.read_text() and json.loads(json_path.read_text())["model"] == "predictor.onnx"
+    assert (
+        "AlpacaEval mean tau_b" in md_path.read_text()
+        and json.loads(json_path.read_text())["model"] == "predictor.onnx"
+    )
     card = json.loads((tmp_path / "predictor.card.json").read_text())
     assert card["evaluation"]["model_alpaca_eval_mean_kendall_tau_b"] == s["model"]["alpaca_eval"]["mean_kendall_tau_b"]
     skipped = evaluate_model(model, split=split, baseline_model=None, paper_baseline=False)

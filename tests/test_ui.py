@@ -17,9 +17,17 @@ from pathlib import Path
 import httpx
 import pytest
 import respx
+from proxy_harness import (
+    BackgroundPosts,
+    HeldBackend,
+    MarkerPredictor,
+    mock_transport,
+    queue_snapshot,
+    running_proxy,
+    wait_until,
+)
 
 from clairvoyant.config import Settings
-from proxy_harness import BackgroundPosts, HeldBackend, MarkerPredictor, mock_transport, queue_snapshot, running_proxy, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"

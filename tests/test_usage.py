@@ -21,11 +21,11 @@ import pytest
 import respx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from proxy_harness import MarkerPredictor, metric_value, mock_transport, running_proxy
 
 from clairvoyant.config import Settings
-from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
 from clairvoyant.prediction.usage import TAIL_BYTES, Usage, UsageTap
-from proxy_harness import MarkerPredictor, metric_value, mock_transport, running_proxy
+from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ollama"
 NDJSON = "application/x-ndjson"
@@ -70,7 +70,12 @@ def test_ollama_final_counts_are_read_from_the_tail_in_any_chunking(name: str) -
         usage = tap_all(content_type, chunks)
         assert usage.source == "ollama_eval_count"
         assert usage.observed
-        assert (usage.output_tokens, usage.prompt_tokens, usage.model, usage.stream_events) == (output, prompt, model, events)
+        assert (usage.output_tokens, usage.prompt_tokens, usage.model, usage.stream_events) == (
+            output,
+            prompt,
+            model,
+            events,
+        )
         assert usage.generation_s == pytest.approx(generation_s) and usage.prompt_s == pytest.approx(prompt_s)
         assert usage.wall_s == 1.25
         assert usage.seconds_per_output_token == pytest.approx(generation_s / output)
@@ -106,8 +111,15 @@ def test_a_plain_body_without_counts_is_no_observation() -> None:
 
 def test_counts_in_generated_text_are_not_mistaken_for_the_backends() -> None:
     """Generated text that spells a count key is escaped inside its JSON string: never read as a key."""
-    trick = json.dumps({"model": "m", "response": 'say "eval_count": 999999, "usage": {"completion_tokens": 7}', "done": True,
-                        "eval_count": 3, "eval_duration": 3_000_000})
+    trick = json.dumps(
+        {
+            "model": "m",
+            "response": 'say "eval_count": 999999, "usage": {"completion_tokens": 7}',
+            "done": True,
+            "eval_count": 3,
+            "eval_duration": 3_000_000,
+        }
+    )
     usage = tap_all(JSON, [trick.encode()])
     assert (usage.output_tokens, usage.source) == (3, "ollama_eval_count")
     only_trick = json.dumps({"model": "m", "response": '"eval_count": 999999', "done": True})
@@ -132,14 +144,22 @@ CHAT = [{"role": "user", "content": "Name three colours."}]
 # (path, body, expected source, expects a backend-reported generation time)
 LLAMACPP_CASES = {
     "chat": ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 7, **FORCE}, "openai_usage"),
-    "chat_stream": ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 9, "stream": True, **FORCE}, "llamacpp_timings"),
+    "chat_stream": (
+        "/v1/chat/completions",
+        {"messages": CHAT, "max_tokens": 9, "stream": True, **FORCE},
+        "llamacpp_timings",
+    ),
     "chat_stream_usage": (
         "/v1/chat/completions",
         {"messages": CHAT, "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}, **FORCE},
         "openai_usage",
     ),
     "completion": ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 6, **FORCE}, "openai_usage"),
-    "completion_stream": ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 5, "stream": True, **FORCE}, "openai_usage"),
+    "completion_stream": (
+        "/v1/completions",
+        {"prompt": "Once upon a time", "max_tokens": 5, "stream": True, **FORCE},
+        "openai_usage",
+    ),
 }
 
 
@@ -196,7 +216,10 @@ def usage_count(base: str, source: str) -> float:
 
 def test_the_proxy_records_llamacpp_usage_for_streams_and_plain_bodies(llama_server: EmbeddedLlamaServer) -> None:
     settings_ = Settings(upstream_url=llama_server.base_url, online_learning=False)
-    with running_proxy(settings_, predictor=MarkerPredictor()) as base, httpx.Client(base_url=base, timeout=120) as client:
+    with (
+        running_proxy(settings_, predictor=MarkerPredictor()) as base,
+        httpx.Client(base_url=base, timeout=120) as client,
+    ):
         total = 0
         for name, (path, body, _) in LLAMACPP_CASES.items():
             with client.stream("POST", path, json=body) as r:
@@ -213,11 +236,17 @@ def test_the_proxy_records_llamacpp_usage_for_streams_and_plain_bodies(llama_ser
 
 def test_the_proxy_records_ollama_final_counts_from_streams_and_bodies() -> None:
     router = respx.MockRouter(base_url="http://ollama.test")
-    router.post("/api/chat").respond(200, content=(FIXTURES / "chat_stream.ndjson").read_bytes(), headers={"content-type": NDJSON})
-    router.post("/api/generate").respond(200, content=(FIXTURES / "generate.json").read_bytes(), headers={"content-type": JSON})
+    router.post("/api/chat").respond(
+        200, content=(FIXTURES / "chat_stream.ndjson").read_bytes(), headers={"content-type": NDJSON}
+    )
+    router.post("/api/generate").respond(
+        200, content=(FIXTURES / "generate.json").read_bytes(), headers={"content-type": JSON}
+    )
     settings_ = Settings(upstream_url="http://ollama.test", online_learning=False)
     with running_proxy(settings_, predictor=MarkerPredictor(), upstream_transport=mock_transport(router)) as base:
-        chat = httpx.post(f"{base}/api/chat", json={"model": "llama3.2:3b", "messages": [{"role": "user", "content": "hi"}]})
+        chat = httpx.post(
+            f"{base}/api/chat", json={"model": "llama3.2:3b", "messages": [{"role": "user", "content": "hi"}]}
+        )
         generate = httpx.post(f"{base}/api/generate", json={"model": "qwen2.5:7b", "prompt": "hi", "stream": False})
         assert chat.content == (FIXTURES / "chat_stream.ndjson").read_bytes()  # relayed byte for byte
         assert generate.json()["eval_count"] == 12

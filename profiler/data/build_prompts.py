@@ -27,8 +27,12 @@ def main() -> int:
     card = json.loads((Path(__file__).resolve().parents[2] / "model" / "predictor.card.json").read_text())
     data = card["data"]
     config = DataConfig(
-        per_class=data["per_class"], test_fraction=data["test_fraction"], turns=data["turns"],
-        bounds=ClassBounds(**data["bounds"]), seed=data["seed"], english_only=data["english_only"],
+        per_class=data["per_class"],
+        test_fraction=data["test_fraction"],
+        turns=data["turns"],
+        bounds=ClassBounds(**data["bounds"]),
+        seed=data["seed"],
+        english_only=data["english_only"],
     )
     split = build_split(load_pairs(), config, progress=True)
     if split.fingerprint() != data["split_fingerprint"]:
@@ -38,8 +42,14 @@ def main() -> int:
     candidates = {}
     for pair, tokens in [*zip(split.test, split.test_lengths), *zip(split.test_pool, split.test_pool_lengths)]:
         text = pair.prompt.instruction
-        if (pair.turn == 0 and pair.prompt.turns == 1 and pair.prompt.system_chars == 0
-                and 0 < len(text.strip()) and len(text) < MAX_PROMPT_CHARS and pair.key not in train_keys):
+        if (
+            pair.turn == 0
+            and pair.prompt.turns == 1
+            and pair.prompt.system_chars == 0
+            and 0 < len(text.strip())
+            and len(text) < MAX_PROMPT_CHARS
+            and pair.key not in train_keys
+        ):
             candidates[pair.key] = (pair, int(tokens))
     rng = random.Random(SEED)
     rows = []
@@ -54,8 +64,15 @@ def main() -> int:
             if not is_english(pair.prompt.instruction):
                 continue
             text = pair.prompt.instruction
-            rows.append({"key": key, "answer_tokens": tokens, "class": cls, "prompt_chars": len(text),
-                         "sha256_16": prompt_sha(text)})
+            rows.append(
+                {
+                    "key": key,
+                    "answer_tokens": tokens,
+                    "class": cls,
+                    "prompt_chars": len(text),
+                    "sha256_16": prompt_sha(text),
+                }
+            )
             taken += 1
         print(f"{cls}: {taken} of {len(pool)} candidates")
     rows.sort(key=lambda r: (r["class"], r["key"]))

@@ -46,9 +46,17 @@ DisconnectMode = Literal["auto", "drain", "abort"]
 
 # Settings that `clairvoyant serve` also takes as command-line flags (they override everything).
 CLI_FLAGS: dict[str, str] = {
-    "host": "--host", "port": "--port", "upstream_url": "--upstream", "policy": "--policy",
-    "starvation_timeout_s": "--tau", "starvation_slowdown": "--slowdown", "slots": "--slots", "max_queue": "--max-queue",
-    "disconnect_mode": "--disconnect-mode", "model_path": "--model", "log_level": "--log-level",
+    "host": "--host",
+    "port": "--port",
+    "upstream_url": "--upstream",
+    "policy": "--policy",
+    "starvation_timeout_s": "--tau",
+    "starvation_slowdown": "--slowdown",
+    "slots": "--slots",
+    "max_queue": "--max-queue",
+    "disconnect_mode": "--disconnect-mode",
+    "model_path": "--model",
+    "log_level": "--log-level",
     "learner_state_path": "--learner-state",
 }
 
@@ -62,7 +70,9 @@ class ApiKey(BaseModel):
     tenant: str = Field(min_length=1, max_length=128, description="The tenant its requests belong to (fair share).")
     min_priority: int = Field(0, description="Most urgent priority this key may ask for.")
     max_priority: int = Field(10, description="Least urgent priority this key may ask for.")
-    weight: float = Field(1.0, gt=0, description="The tenant's fair-share weight (2 = twice the backend seconds of weight 1).")
+    weight: float = Field(
+        1.0, gt=0, description="The tenant's fair-share weight (2 = twice the backend seconds of weight 1)."
+    )
 
     @model_validator(mode="after")
     def _check_range(self) -> ApiKey:
@@ -112,27 +122,42 @@ class Settings(BaseSettings):
     boost_gamma_per_s: float = Field(
         0.02, gt=0, description="boost: gamma in 1/s; requests shorter than about 1/gamma seconds get a real boost."
     )
-    boost_auto_gamma: bool = Field(False, description="boost: fit gamma online by the fixed-point rule (manual gamma until it has a root).")
+    boost_auto_gamma: bool = Field(
+        False, description="boost: fit gamma online by the fixed-point rule (manual gamma until it has a root)."
+    )
     boost_max_s: float = Field(
-        600.0, gt=0, description="boost: cap on any boost, seconds; within a priority class no later arrival passes a request after this."
+        600.0,
+        gt=0,
+        description="boost: cap on any boost, seconds; within a priority class no later arrival passes a request after this.",
     )
     fair_share: bool = Field(True, description="Share the backend between tenants by predicted service seconds.")
-    tenant_header: str = Field("X-Clairvoyant-Tenant", description="Request header naming the tenant (absent = the default tenant).")
-    priority_header: str = Field(
-        "X-Clairvoyant-Priority", description="Request header with an integer priority (the body field 'priority' wins)."
+    tenant_header: str = Field(
+        "X-Clairvoyant-Tenant", description="Request header naming the tenant (absent = the default tenant)."
     )
-    min_priority: int = Field(0, description="Most urgent priority a client may ask for (lower = sooner); lower values are clamped.")
+    priority_header: str = Field(
+        "X-Clairvoyant-Priority",
+        description="Request header with an integer priority (the body field 'priority' wins).",
+    )
+    min_priority: int = Field(
+        0, description="Most urgent priority a client may ask for (lower = sooner); lower values are clamped."
+    )
     max_priority: int = Field(10, description="Least urgent priority a client may ask for; higher values are clamped.")
-    forward_priority: bool = Field(False, description="Keep the body's 'priority' field when forwarding (vLLM accepts it).")
+    forward_priority: bool = Field(
+        False, description="Keep the body's 'priority' field when forwarding (vLLM accepts it)."
+    )
     service_time_state: Path | None = Field(
         None,
         description="JSON file where the learned service-time model is kept across restarts; unset = beside "
         "learner_state_path (<stem>.service-time.json) when that is set, else memory only.",
     )
-    slots: int = Field(1, ge=1, le=64, description="Requests in flight upstream at once (the backend's parallel slots).")
+    slots: int = Field(
+        1, ge=1, le=64, description="Requests in flight upstream at once (the backend's parallel slots)."
+    )
     max_queue: int = Field(256, ge=1, description="Waiting requests before new ones get 503 with Retry-After.")
     retry_after_s: int = Field(
-        1, ge=1, description="Smallest Retry-After seconds sent with a queue-full 503 (the value is the queue tail's ETA)."
+        1,
+        ge=1,
+        description="Smallest Retry-After seconds sent with a queue-full 503 (the value is the queue tail's ETA).",
     )
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above).")
     connect_timeout_s: float = Field(10.0, gt=0, description="Timeout to connect to the backend (504 when exceeded).")
@@ -143,7 +168,9 @@ class Settings(BaseSettings):
         "model load; a NON-streamed answer's headers come only when it is fully generated, so this also bounds it.",
     )
     read_timeout_s: float | None = Field(
-        None, gt=0, description="Timeout between bytes from the backend once it answers; unset = none (long answers take minutes)."
+        None,
+        gt=0,
+        description="Timeout between bytes from the backend once it answers; unset = none (long answers take minutes).",
     )
     backend_wait_s: float = Field(
         30.0,
@@ -158,9 +185,13 @@ class Settings(BaseSettings):
         "(llama.cpp does not always stop one). See docs/design.md.",
     )
     client_timeout_s: float = Field(
-        30.0, gt=0, description="A client must send its request headers, and then its body, within this many seconds each (408 beyond)."
+        30.0,
+        gt=0,
+        description="A client must send its request headers, and then its body, within this many seconds each (408 beyond).",
     )
-    keep_alive_timeout_s: float = Field(5.0, gt=0, description="An idle client keep-alive connection is closed after this many seconds.")
+    keep_alive_timeout_s: float = Field(
+        5.0, gt=0, description="An idle client keep-alive connection is closed after this many seconds."
+    )
     max_header_bytes: int = Field(
         64 * 1024, ge=1024, description="Largest request line + headers accepted, bytes (431 beyond)."
     )
@@ -190,7 +221,9 @@ class Settings(BaseSettings):
         description="Pass-through paths allowed, as 'METHOD /path' or 'METHOD /prefix/*' ('*' = all); unset = all on "
         "loopback, else inference, model listing and show only (no pull, push, create, copy, delete).",
     )
-    model_path: Path | None = Field(None, description="ONNX predictor model (its .card.json beside it); unset = shipped model.")
+    model_path: Path | None = Field(
+        None, description="ONNX predictor model (its .card.json beside it); unset = shipped model."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_format: Literal["text", "json"] = Field(
         "text", description="Log lines as text (key=value fields) or JSON (one object a line, for Loki or Elastic)."
@@ -312,8 +345,10 @@ def _read_config_file(path: Path) -> dict[str, Any]:
     unknown = sorted(set(data) - set(Settings.model_fields))
     if unknown:
         raise ConfigError(
-            "; ".join(f"config file {path}: unknown setting {key!r}{_did_you_mean(key, Settings.model_fields)}"
-                      for key in unknown)
+            "; ".join(
+                f"config file {path}: unknown setting {key!r}{_did_you_mean(key, Settings.model_fields)}"
+                for key in unknown
+            )
         )
     return data
 
@@ -370,7 +405,5 @@ def settings_reference_markdown() -> str:
     for name, field in Settings.model_fields.items():
         default = "unset" if field.default is None else f"`{field.get_default(call_default_factory=True)}`"
         flag = f"`{flags[name]}`" if name in flags else ""
-        rows.append(
-            f"| `{name}` | `{ENV_PREFIX}{name.upper()}` | {flag} | {default} | {field.description} |"
-        )
+        rows.append(f"| `{name}` | `{ENV_PREFIX}{name.upper()}` | {flag} | {default} | {field.description} |")
     return "\n".join(rows) + "\n"

@@ -38,52 +38,80 @@ class Metrics:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
         self.queue_depth = Gauge(
-            "clairvoyant_queue_depth", "Requests waiting in the scheduling queue, by predicted class.",
-            ["predicted_class"], registry=r,
+            "clairvoyant_queue_depth",
+            "Requests waiting in the scheduling queue, by predicted class.",
+            ["predicted_class"],
+            registry=r,
         )
-        self.in_flight = Gauge("clairvoyant_in_flight_requests", "Scheduled requests holding a backend slot.", registry=r)
+        self.in_flight = Gauge(
+            "clairvoyant_in_flight_requests", "Scheduled requests holding a backend slot.", registry=r
+        )
         self.requests = Counter(
-            "clairvoyant_requests", "Answered requests by endpoint, dialect and HTTP status.",
-            ["endpoint", "dialect", "status"], registry=r,
+            "clairvoyant_requests",
+            "Answered requests by endpoint, dialect and HTTP status.",
+            ["endpoint", "dialect", "status"],
+            registry=r,
         )
         self.rejections = Counter(
-            "clairvoyant_rejections", "Requests refused before queueing, by reason.", ["reason"], registry=r,
+            "clairvoyant_rejections",
+            "Requests refused before queueing, by reason.",
+            ["reason"],
+            registry=r,
         )
         self.starvation_promotions = Counter(
             "clairvoyant_starvation_promotions",
-            "Dispatches decided by the starvation timeout against the score order.", registry=r,
+            "Dispatches decided by the starvation timeout against the score order.",
+            registry=r,
         )
         self.queue_wait = Histogram(
-            "clairvoyant_queue_wait_seconds", "Time from arrival to dispatch, by predicted class.",
-            ["predicted_class"], buckets=LATENCY_BUCKETS, registry=r,
+            "clairvoyant_queue_wait_seconds",
+            "Time from arrival to dispatch, by predicted class.",
+            ["predicted_class"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.end_to_end = Histogram(
-            "clairvoyant_end_to_end_seconds", "Time from arrival to the last byte sent, by predicted class.",
-            ["predicted_class"], buckets=LATENCY_BUCKETS, registry=r,
+            "clairvoyant_end_to_end_seconds",
+            "Time from arrival to the last byte sent, by predicted class.",
+            ["predicted_class"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.ttft = Histogram(
             "clairvoyant_time_to_first_byte_seconds",
             "Time from arrival to the first body byte relayed (TTFT for streams), by predicted class.",
-            ["predicted_class"], buckets=LATENCY_BUCKETS, registry=r,
+            ["predicted_class"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.predictor_latency = Histogram(
-            "clairvoyant_predictor_seconds", "Feature extraction plus model scoring time per request.",
-            buckets=PREDICTOR_BUCKETS, registry=r,
+            "clairvoyant_predictor_seconds",
+            "Feature extraction plus model scoring time per request.",
+            buckets=PREDICTOR_BUCKETS,
+            registry=r,
         )
         self.starvation_timeout = Gauge(
-            "clairvoyant_starvation_timeout_seconds", "Current starvation timeout tau (+Inf when disabled).",
+            "clairvoyant_starvation_timeout_seconds",
+            "Current starvation timeout tau (+Inf when disabled).",
             registry=r,
         )
         self.upstream_errors = Counter(
-            "clairvoyant_upstream_errors", "Backend failures by kind (unavailable, timeout).", ["kind"], registry=r,
+            "clairvoyant_upstream_errors",
+            "Backend failures by kind (unavailable, timeout).",
+            ["kind"],
+            registry=r,
         )
         self.client_rejections = Counter(
-            "clairvoyant_client_rejections", "Client connections cut off by a limit (client_timeout, header_too_large, max_connections).",
-            ["reason"], registry=r,
+            "clairvoyant_client_rejections",
+            "Client connections cut off by a limit (client_timeout, header_too_large, max_connections).",
+            ["reason"],
+            registry=r,
         )
         self.client_disconnects = Counter(
-            "clairvoyant_client_disconnects", "Clients that left before their answer ended, by stage.",
-            ["stage"], registry=r,
+            "clairvoyant_client_disconnects",
+            "Clients that left before their answer ended, by stage.",
+            ["stage"],
+            registry=r,
         )
         # Labelled children resolved once: `.labels()` costs ~20 us, and this is the request path.
         # Creating them also exports zeros, so dashboards see every series from the start.
@@ -101,28 +129,33 @@ class Metrics:
             "clairvoyant_usage_observations",
             "Completed scheduled requests by where their output length came from "
             "(openai_usage, llamacpp_timings, llamacpp_tokens_predicted, ollama_eval_count, stream_events, none).",
-            ["source"], registry=r,
+            ["source"],
+            registry=r,
         )
         self.observed_output_tokens = Histogram(
             "clairvoyant_observed_output_tokens",
             "Output tokens per completed scheduled request, as the backend reported (or the stream counted) them.",
-            buckets=TOKEN_BUCKETS, registry=r,
+            buckets=TOKEN_BUCKETS,
+            registry=r,
         )
         self.prediction_kendall_tau = Gauge(
             "clairvoyant_prediction_kendall_tau",
             "Rolling Kendall tau_b between predicted and observed output tokens (each prediction as made, "
             "before learning its request), by model (the online learner's key: the model the request named).",
-            ["model"], registry=r,
+            ["model"],
+            registry=r,
         )
         self.prediction_log_error = Gauge(
             "clairvoyant_prediction_abs_log_token_error",
             "Rolling mean |ln(predicted tokens) - ln(observed tokens)|, by model.",
-            ["model"], registry=r,
+            ["model"],
+            registry=r,
         )
         self.prediction_window = Gauge(
             "clairvoyant_prediction_quality_window_requests",
             "Observed requests in the rolling prediction-quality window, by model.",
-            ["model"], registry=r,
+            ["model"],
+            registry=r,
         )
         self.usage_by_source = {s: self.usage_observations.labels(s) for s in get_args(UsageSource)}
         self._quality_gauges: dict[str, tuple[Gauge, Gauge, Gauge]] = {}  # model key -> its three gauges

@@ -527,9 +527,7 @@ class FairShareQueue(Generic[T]):
         # An overdue head joins the best class, where fair share still decides: lifting it above
         # every tenant would let a flooding tenant's overdue backlog starve the others. Equal start
         # tags (common when predictions take a few values) go to the tenant with less waiting.
-        _, _, _, _, name, job, promoted, _ = min(
-            heads, key=lambda h: (best if h[1] else h[0], h[2], h[3], h[5].seq)
-        )
+        _, _, _, _, name, job, promoted, _ = min(heads, key=lambda h: (best if h[1] else h[0], h[2], h[3], h[5].seq))
         # A starvation decision if a better class waits anywhere (possibly hidden behind a promotion).
         return name, job, promoted or job.priority > best
 

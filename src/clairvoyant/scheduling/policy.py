@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from clairvoyant.scheduling.job_queue import FairShareQueue, HeapQueue, Job, JobQueue, ScanQueue, StarvationGuard
 from clairvoyant.scheduling.boost import BoostTable
+from clairvoyant.scheduling.job_queue import FairShareQueue, HeapQueue, Job, JobQueue, ScanQueue, StarvationGuard
 from clairvoyant.scheduling.slowdown import SlowdownRule
 
 __all__ = [
@@ -196,4 +196,3 @@ def build_queue(
         return one()
     weights = tenant_weights or {}
     return FairShareQueue(one, weight_of=lambda tenant: weights.get(str(tenant), 1.0))
-

@@ -143,7 +143,9 @@ class ServiceTimeModel:
             if any(len(r.theta) != 3 or len(r.p) != 3 for r in models.values()):
                 raise ValueError("wrong shape")
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            logger.warning("service-time state %s unreadable (%s); starting from the defaults", self.path, type(exc).__name__)
+            logger.warning(
+                "service-time state %s unreadable (%s); starting from the defaults", self.path, type(exc).__name__
+            )
             return False
         self._models = models
         return True

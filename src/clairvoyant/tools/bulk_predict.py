@@ -171,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             sink.flush()
     if errors:
-        print(f"clairvoyant predict: {errors} of {total} lines could not be scored (see their 'error' field)",
-              file=sys.stderr)
+        print(
+            f"clairvoyant predict: {errors} of {total} lines could not be scored (see their 'error' field)",
+            file=sys.stderr,
+        )
     return 1 if errors else 0

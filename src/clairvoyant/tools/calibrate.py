@@ -92,10 +92,17 @@ class Calibration:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", default=DEFAULT_BACKEND,
-                        help=f"the backend's base URL, as for --upstream (default {DEFAULT_BACKEND}, Ollama)")
-    parser.add_argument("--dialect", choices=["auto", "ollama", "openai"], default="auto",
-                        help="auto (default): Ollama if GET /api/tags answers, else OpenAI (/v1/chat/completions)")
+    parser.add_argument(
+        "--backend",
+        default=DEFAULT_BACKEND,
+        help=f"the backend's base URL, as for --upstream (default {DEFAULT_BACKEND}, Ollama)",
+    )
+    parser.add_argument(
+        "--dialect",
+        choices=["auto", "ollama", "openai"],
+        default="auto",
+        help="auto (default): Ollama if GET /api/tags answers, else OpenAI (/v1/chat/completions)",
+    )
     parser.add_argument("--model", default=None, help="model to ask (default: the first one the backend lists)")
     parser.add_argument("--n", type=int, default=10, help="measured requests, one at a time (default 10)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured requests first (default 1: model load)")
@@ -158,8 +165,12 @@ def detect(client: Any, backend: str, dialect: str, model: str | None) -> tuple[
 def _request(dialect: Dialect, model: str, prompt: str) -> tuple[str, dict[str, Any]]:
     messages = [{"role": "user", "content": prompt}]
     if dialect == "ollama":
-        return "/api/chat", {"model": model, "messages": messages, "stream": False,
-                             "options": {"num_predict": MAX_TOKENS}}
+        return "/api/chat", {
+            "model": model,
+            "messages": messages,
+            "stream": False,
+            "options": {"num_predict": MAX_TOKENS},
+        }
     return "/v1/chat/completions", {"model": model, "messages": messages, "stream": False, "max_tokens": MAX_TOKENS}
 
 
@@ -187,8 +198,14 @@ def _one(client: Any, backend: str, dialect: Dialect, model: str, prompt: str) -
 
 
 def measure(
-    backend: str, *, dialect: str = "auto", model: str | None = None, n: int = 10, warmup: int = 1,
-    timeout_s: float = 300.0, progress: Any = None,
+    backend: str,
+    *,
+    dialect: str = "auto",
+    model: str | None = None,
+    n: int = 10,
+    warmup: int = 1,
+    timeout_s: float = 300.0,
+    progress: Any = None,
 ) -> Calibration:
     """Measure ``n`` Short requests one at a time (prompts cycled from ``SHORT_PROMPTS``)."""
     import httpx
@@ -278,8 +295,15 @@ def run(args: argparse.Namespace) -> int:
     def progress(done: int, total: int) -> None:
         print(f"\rmeasured {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
-    cal = measure(args.backend, dialect=args.dialect, model=args.model, n=args.n, warmup=args.warmup,
-                  timeout_s=args.timeout, progress=progress)
+    cal = measure(
+        args.backend,
+        dialect=args.dialect,
+        model=args.model,
+        n=args.n,
+        warmup=args.warmup,
+        timeout_s=args.timeout,
+        progress=progress,
+    )
     print(report(cal))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

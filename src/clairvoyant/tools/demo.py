@@ -24,14 +24,24 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-short", type=int, default=8, help="Short requests in the burst (default 8)")
     parser.add_argument("--n-long", type=int, default=8, help="Long requests in the burst (default 8)")
-    parser.add_argument("--length-scale", type=float, default=0.25,
-                        help="forced output length = ceil(true answer tokens x scale) (default 0.25: a Long "
-                             "request generates ~150-200 tokens, ~3-4 s on one CPU thread)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="CPU threads of the llama.cpp server (default 1: the proxy and the client need the "
-                             "other core; 2 spinning ggml threads on 2 busy cores slow generation 20x)")
+    parser.add_argument(
+        "--length-scale",
+        type=float,
+        default=0.25,
+        help="forced output length = ceil(true answer tokens x scale) (default 0.25: a Long "
+        "request generates ~150-200 tokens, ~3-4 s on one CPU thread)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads of the llama.cpp server (default 1: the proxy and the client need the "
+        "other core; 2 spinning ggml threads on 2 busy cores slow generation 20x)",
+    )
     parser.add_argument("--model-path", type=Path, default=None, help="ONNX predictor (default: the shipped model)")
-    parser.add_argument("--out", type=Path, default=Path("clairvoyant-demo"), help="results directory (default ./clairvoyant-demo)")
+    parser.add_argument(
+        "--out", type=Path, default=Path("clairvoyant-demo"), help="results directory (default ./clairvoyant-demo)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="which prompts are drawn")
 
 
@@ -63,24 +73,28 @@ def order_table(specs: list, predicted_tokens: list[float], sjf_finish_rank: dic
     """
     by_truth = sorted(range(len(specs)), key=lambda i: (specs[i].answer_tokens, i))
     true_rank = {i: r for r, i in enumerate(by_truth)}
-    lines = [f"{'predicted order':>15} {'predicted tokens':>17} {'true tokens':>12} {'true rank':>10} {'class':>6} "
-             f"{'finished (sjf)':>15}"]
+    lines = [
+        f"{'predicted order':>15} {'predicted tokens':>17} {'true tokens':>12} {'true rank':>10} {'class':>6} "
+        f"{'finished (sjf)':>15}"
+    ]
     for place, i in enumerate(sorted(range(len(specs)), key=lambda i: (predicted_tokens[i], i))):
         finished = sjf_finish_rank.get(i)
-        lines.append(f"{place + 1:>15} {predicted_tokens[i]:>17.0f} {specs[i].answer_tokens:>12} "
-                     f"{true_rank[i] + 1:>10} {specs[i].cls:>6} {'-' if finished is None else finished + 1:>15}")
+        lines.append(
+            f"{place + 1:>15} {predicted_tokens[i]:>17.0f} {specs[i].answer_tokens:>12} "
+            f"{true_rank[i] + 1:>10} {specs[i].cls:>6} {'-' if finished is None else finished + 1:>15}"
+        )
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
+    from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, prompt_from_body
+    from clairvoyant.prediction.predictor import OnnxPredictor
     from clairvoyant.tools.bench.commands import backend
     from clairvoyant.tools.bench.prompt_set import PromptSetError, load_prompt_set, resolve
     from clairvoyant.tools.bench.report import write_outputs
     from clairvoyant.tools.bench.runner import BenchConfig, run_cells, run_workload
     from clairvoyant.tools.bench.workload import burst
-    from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, prompt_from_body
     from clairvoyant.tools.embedded_backend import EmbeddedServerError
-    from clairvoyant.prediction.predictor import OnnxPredictor
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
@@ -90,8 +104,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"clairvoyant demo: {exc}", file=sys.stderr)
         return 1
     specs = burst(prompts, n_short=args.n_short, n_long=args.n_long, length_scale=args.length_scale, seed=args.seed)
-    print(f"burst: {args.n_short} Short + {args.n_long} Long real ShareGPT prompts, sent at once; output forced to "
-          f"ceil(true length x {args.length_scale:g}) tokens ({sum(s.n_predict for s in specs)} in all)")
+    print(
+        f"burst: {args.n_short} Short + {args.n_long} Long real ShareGPT prompts, sent at once; output forced to "
+        f"ceil(true length x {args.length_scale:g}) tokens ({sum(s.n_predict for s in specs)} in all)"
+    )
     try:
         with backend(None, threads=args.threads) as (url, label):
             print(f"backend: {label} at {url}")
@@ -102,20 +118,27 @@ def run(args: argparse.Namespace) -> int:
         print(f"clairvoyant demo: {exc}", file=sys.stderr)
         return 1
     failed = [r for r in rows if not r["ok"]]
-    paths = write_outputs(rows, args.out, meta={"demo": vars(args) | {"out": str(args.out), "model_path": str(args.model_path)},
-                                                 "backend_label": label})
+    paths = write_outputs(
+        rows,
+        args.out,
+        meta={"demo": vars(args) | {"out": str(args.out), "model_path": str(args.model_path)}, "backend_label": label},
+    )
     # The proxy's own view of each request (no cap: the forced length is hidden from it).
     predictor = OnnxPredictor(args.model_path)
     chat = SCHEDULED_ENDPOINTS["/v1/chat/completions"]
-    predicted = [predictor.predict(prompt_from_body(chat, {"messages": [{"role": "user", "content": s.text}]}))
-                 .predicted_tokens for s in specs]
+    predicted = [
+        predictor.predict(prompt_from_body(chat, {"messages": [{"role": "user", "content": s.text}]})).predicted_tokens
+        for s in specs
+    ]
     finish = {r["index"]: int(r["finish_rank"]) for r in rows if r["condition"] == "sjf" and r["finish_rank"] != ""}
     print("\nwhat the predictor saw (prompts it never trained on), in the order sjf dispatches them:")
     print(order_table(specs, predicted, finish))
     print()
     print(_table(rows))
-    print(f"\n(change: negative = faster under sjf; one run of {len(specs)} requests per policy, "
-          f"so expect noise - profiler/benchmark.py does >= 3 runs)")
+    print(
+        f"\n(change: negative = faster under sjf; one run of {len(specs)} requests per policy, "
+        f"so expect noise - profiler/benchmark.py does >= 3 runs)"
+    )
     print(f"results: {args.out.resolve()}")
     for name, path in paths.items():
         if name.endswith(".png"):

@@ -34,8 +34,13 @@ def run(args: argparse.Namespace) -> int:
         print(hash_key(key))
         return 0
     key = new_key()
-    entry = ApiKey(hash=hash_key(key), tenant=args.tenant, min_priority=args.min_priority,
-                   max_priority=args.max_priority, weight=args.weight)  # validates the range and weight
+    entry = ApiKey(
+        hash=hash_key(key),
+        tenant=args.tenant,
+        min_priority=args.min_priority,
+        max_priority=args.max_priority,
+        weight=args.weight,
+    )  # validates the range and weight
     print(f"# the key (shown once; give it to the client as Authorization: Bearer KEY):\n# {key}")
     print("[[api_keys]]")
     print(f'hash = "{entry.hash}"')

@@ -47,7 +47,9 @@ def _output_tokens(body: dict[str, Any]) -> int:
     return value
 
 
-def replay_lines(predictor: Any, learner: Any | None, lines: Iterable[str], model_name: str | None = None) -> Iterator[dict[str, Any]]:
+def replay_lines(
+    predictor: Any, learner: Any | None, lines: Iterable[str], model_name: str | None = None
+) -> Iterator[dict[str, Any]]:
     """One result per line, in order: scored first, then learned (``learner`` None: static).
 
     ``predictor`` is an ``OnnxPredictor``; the learner is attached to it as its corrector for the
@@ -66,8 +68,11 @@ def replay_lines(predictor: Any, learner: Any | None, lines: Iterable[str], mode
                 continue
             model = request.model or model_name
             prediction = predictor.predict(request.prompt, model=model, cap_tokens=request.cap_tokens)
-            result: dict[str, Any] = {"line": number, "score": prediction.score,
-                                      "predicted_tokens": prediction.predicted_tokens}
+            result: dict[str, Any] = {
+                "line": number,
+                "score": prediction.score,
+                "predicted_tokens": prediction.predicted_tokens,
+            }
             if prediction.probabilities is not None:
                 result["p_short"], result["p_medium"], result["p_long"] = prediction.probabilities
             yield result
@@ -83,8 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", type=Path, help="JSONL of request bodies with 'output_tokens' ('-' for stdin)")
     parser.add_argument("--no-learn", action="store_true", help="score with the static model (no online learning)")
     parser.add_argument("--model-name", default=None, help="the backend model of lines that name none")
-    parser.add_argument("--state", type=Path, default=None,
-                        help="learner state file: loaded at start if valid, saved at the end")
+    parser.add_argument(
+        "--state", type=Path, default=None, help="learner state file: loaded at start if valid, saved at the end"
+    )
     parser.add_argument("--model", type=Path, default=None, help="ONNX model (default: the shipped model)")
 
 
@@ -104,8 +110,9 @@ def run(args: argparse.Namespace) -> int:
         if learner.refit_due or learner.observed_total:
             learner.refit()  # restored observations
     try:
-        source: IO[str] = sys.stdin if str(args.file) == "-" else args.file.open(
-            "r", encoding="utf-8", errors="replace", newline="")
+        source: IO[str] = (
+            sys.stdin if str(args.file) == "-" else args.file.open("r", encoding="utf-8", errors="replace", newline="")
+        )
     except OSError as exc:
         raise ClairvoyantError(f"cannot read {args.file}: {exc.strerror}") from None
     errors = total = 0

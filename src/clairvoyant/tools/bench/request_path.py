@@ -169,7 +169,9 @@ def nginx_proxy_conf(prefix: Path, port: int, upstream: str, *, workers: int = 1
     server closes some keep-alive connections after a streamed answer without saying so. For that
     retry the (small) request body stays buffered (nginx cannot resend an unbuffered body)."""
     hostport = upstream.removeprefix("http://").rstrip("/")
-    return _nginx_main(prefix, workers) + f"""http {{
+    return (
+        _nginx_main(prefix, workers)
+        + f"""http {{
 {_nginx_http(prefix)}    upstream backend {{
         server {hostport};
         keepalive {keepalive};
@@ -187,13 +189,16 @@ def nginx_proxy_conf(prefix: Path, port: int, upstream: str, *, workers: int = 1
     }}
 }}
 """
+    )
 
 
 def nginx_fixed_answer_conf(prefix: Path, port: int, answer: str, *, workers: int = 1) -> str:
     """An nginx on 127.0.0.1:``port`` answering every request (any method, any path) with ``answer`` as JSON."""
     if "'" in answer or "\\" in answer:
         raise ValueError("the fixed answer must not contain ' or \\ (nginx string quoting)")
-    return _nginx_main(prefix, workers) + f"""http {{
+    return (
+        _nginx_main(prefix, workers)
+        + f"""http {{
 {_nginx_http(prefix)}    server {{
         listen 127.0.0.1:{port};
         default_type application/json;
@@ -203,6 +208,7 @@ def nginx_fixed_answer_conf(prefix: Path, port: int, answer: str, *, workers: in
     }}
 }}
 """
+    )
 
 
 # -- wrk ----------------------------------------------------------------------------------------
@@ -260,7 +266,7 @@ def parse_wrk_output(stdout: str) -> WrkResult:
     """The :class:`WrkResult` of a wrk run's stdout; ValueError if the marker line is missing (wrong script)."""
     for line in stdout.splitlines():
         if line.startswith(WRK_MARKER):
-            raw = json.loads(line[len(WRK_MARKER):])
+            raw = json.loads(line[len(WRK_MARKER) :])
             return WrkResult(
                 requests=int(raw["requests"]),
                 duration_s=raw["duration_us"] / 1e6,

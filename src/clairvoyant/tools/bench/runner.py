@@ -32,7 +32,16 @@ import httpx
 from clairvoyant.tools.bench.client import Dialect, RequestResult, RequestSpec, send
 from clairvoyant.tools.bench.workload import ServiceModel
 
-__all__ = ["CONDITIONS", "BenchConfig", "calibrate", "proxy_server", "wait_idle", "result_rows", "run_cells", "run_workload"]
+__all__ = [
+    "CONDITIONS",
+    "BenchConfig",
+    "calibrate",
+    "proxy_server",
+    "wait_idle",
+    "result_rows",
+    "run_cells",
+    "run_workload",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +76,9 @@ def proxy_server(settings: Any, **app_kwargs: Any) -> Iterator[str]:
     from clairvoyant.proxy.server import build_server
 
     port = _free_port()
-    server = build_server(create_app(settings, **app_kwargs), settings, host="127.0.0.1", port=port, log_level="warning")
+    server = build_server(
+        create_app(settings, **app_kwargs), settings, host="127.0.0.1", port=port, log_level="warning"
+    )
     thread = threading.Thread(target=server.run, name="clairvoyant-bench-proxy", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -113,7 +124,13 @@ def target_for(config: BenchConfig, condition: str) -> Iterator[str]:
 
 
 async def _run(
-    base_url: str, specs: Sequence[RequestSpec], *, dialect: Dialect, model: str, oracle: bool, hide_length: bool,
+    base_url: str,
+    specs: Sequence[RequestSpec],
+    *,
+    dialect: Dialect,
+    model: str,
+    oracle: bool,
+    hide_length: bool,
     on_done: Callable[[RequestResult], None] | None,
 ) -> list[RequestResult]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -125,8 +142,16 @@ async def _run(
             delay = origin + spec.offset_s - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            result = await send(client, base_url, spec, dialect=dialect, model=model, oracle=oracle,
-                                hide_length=hide_length, origin=origin)
+            result = await send(
+                client,
+                base_url,
+                spec,
+                dialect=dialect,
+                model=model,
+                oracle=oracle,
+                hide_length=hide_length,
+                origin=origin,
+            )
             if on_done is not None:
                 on_done(result)
             return result
@@ -135,15 +160,22 @@ async def _run(
 
 
 def run_workload(
-    base_url: str, specs: Sequence[RequestSpec], *, dialect: Dialect = "openai", model: str = "SmolLM2-135M-Instruct",
-    oracle: bool = False, hide_length: bool = False, on_done: Callable[[RequestResult], None] | None = None,
+    base_url: str,
+    specs: Sequence[RequestSpec],
+    *,
+    dialect: Dialect = "openai",
+    model: str = "SmolLM2-135M-Instruct",
+    oracle: bool = False,
+    hide_length: bool = False,
+    on_done: Callable[[RequestResult], None] | None = None,
 ) -> list[RequestResult]:
     """Send ``specs`` at their offsets (all at once for a burst) and wait for every answer.
 
     ``hide_length``: the forced length travels in the proxy's own field, unseen by its predictor
     (for every condition through the proxy; see ``client.build_body``)."""
-    return asyncio.run(_run(base_url, specs, dialect=dialect, model=model, oracle=oracle, hide_length=hide_length,
-                            on_done=on_done))
+    return asyncio.run(
+        _run(base_url, specs, dialect=dialect, model=model, oracle=oracle, hide_length=hide_length, on_done=on_done)
+    )
 
 
 def calibrate(config: BenchConfig, specs: Sequence[RequestSpec]) -> tuple[ServiceModel, list[RequestResult]]:
@@ -159,15 +191,31 @@ def calibrate(config: BenchConfig, specs: Sequence[RequestSpec]) -> tuple[Servic
 
 
 def result_rows(
-    results: Sequence[RequestResult], *, mode: str, rho: float | None, run: int, condition: str, position: int,
+    results: Sequence[RequestResult],
+    *,
+    mode: str,
+    rho: float | None,
+    run: int,
+    condition: str,
+    position: int,
 ) -> list[dict[str, Any]]:
     """Flat CSV/JSON rows; ``position`` is the condition's place in the run's rotated order."""
-    finish_rank = {r.index: i for i, r in enumerate(sorted(
-        (r for r in results if r.done_s is not None), key=lambda r: r.done_s or 0.0))}
+    finish_rank = {
+        r.index: i
+        for i, r in enumerate(sorted((r for r in results if r.done_s is not None), key=lambda r: r.done_s or 0.0))
+    }
     rows = []
     for result in results:
-        row = {"mode": mode, "rho": "" if rho is None else rho, "run": run, "condition": condition,
-               "position": position, **asdict(result), "ok": result.ok, "finish_rank": finish_rank.get(result.index, "")}
+        row = {
+            "mode": mode,
+            "rho": "" if rho is None else rho,
+            "run": run,
+            "condition": condition,
+            "position": position,
+            **asdict(result),
+            "ok": result.ok,
+            "finish_rank": finish_rank.get(result.index, ""),
+        }
         rows.append(row)
     return rows
 
@@ -185,9 +233,12 @@ def wait_idle(backend_url: str, *, timeout_s: float = 120.0, settle_s: float = 0
                 response = client.get(f"{backend_url}/metrics")
                 if response.status_code != 200:
                     break
-                busy = [line for line in response.text.splitlines()
-                        if line.startswith(("llamacpp:requests_processing", "llamacpp:requests_deferred"))
-                        and float(line.rsplit(" ", 1)[-1]) > 0]
+                busy = [
+                    line
+                    for line in response.text.splitlines()
+                    if line.startswith(("llamacpp:requests_processing", "llamacpp:requests_deferred"))
+                    and float(line.rsplit(" ", 1)[-1]) > 0
+                ]
                 if not busy:
                     break
                 time.sleep(0.2)
@@ -220,13 +271,26 @@ def run_cells(
                 bar.set_description(f"{where} run {run} {condition}")
                 wait_idle(config.backend_url)
                 with target_for(config, condition) as url:
-                    results = run_workload(url, specs, dialect=config.dialect, model=config.model,
-                                           oracle=condition == "oracle", hide_length=condition != "direct",
-                                           on_done=lambda _: bar.update(1))
+                    results = run_workload(
+                        url,
+                        specs,
+                        dialect=config.dialect,
+                        model=config.model,
+                        oracle=condition == "oracle",
+                        hide_length=condition != "direct",
+                        on_done=lambda _: bar.update(1),
+                    )
                 failed = [r for r in results if not r.ok]
                 if failed:
-                    logger.warning("%s run %d %s: %d of %d requests failed, first: %s",
-                                   where, run, condition, len(failed), len(results), failed[0].error)
+                    logger.warning(
+                        "%s run %d %s: %d of %d requests failed, first: %s",
+                        where,
+                        run,
+                        condition,
+                        len(failed),
+                        len(results),
+                        failed[0].error,
+                    )
                 rows.extend(result_rows(results, mode=mode, rho=rho, run=run, condition=condition, position=position))
                 if checkpoint is not None:
                     checkpoint(rows)

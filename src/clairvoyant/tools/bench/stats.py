@@ -72,8 +72,13 @@ class CellSummary:
 
     def row(self) -> dict[str, object]:
         out: dict[str, object] = {
-            "mode": self.mode, "rho": "" if self.rho is None else self.rho, "condition": self.condition,
-            "class": self.cls, "runs": self.runs, "n": self.n, "failed": self.failed,
+            "mode": self.mode,
+            "rho": "" if self.rho is None else self.rho,
+            "condition": self.condition,
+            "class": self.cls,
+            "runs": self.runs,
+            "n": self.n,
+            "failed": self.failed,
         }
         for name, (mean, std) in self.stats.items():
             out[f"{name}_mean"] = round(mean, 4)
@@ -106,7 +111,11 @@ def summarize(rows: Iterable[dict[str, object]]) -> list[CellSummary]:
 
 
 def per_run_percentile(
-    rows: Iterable[dict[str, object]], *, metric: str = "e2e", q: float = 50, cls: str = "short",
+    rows: Iterable[dict[str, object]],
+    *,
+    metric: str = "e2e",
+    q: float = 50,
+    cls: str = "short",
 ) -> dict[tuple[str, float | None, str], dict[int, float]]:
     """(mode, rho, condition) -> run -> the ``q``-th percentile of ``metric`` for class ``cls``."""
     values: dict[tuple[str, float | None, str], dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -123,7 +132,11 @@ def per_run_percentile(
 
 
 def paired_reductions(
-    rows: Sequence[dict[str, object]], *, metric: str = "e2e", q: float = 50, cls: str = "short",
+    rows: Sequence[dict[str, object]],
+    *,
+    metric: str = "e2e",
+    q: float = 50,
+    cls: str = "short",
     baseline: str = "fcfs",
 ) -> dict[tuple[str, float | None, str], tuple[float, float, int]]:
     """(mode, rho, condition) -> (mean, std, runs) of the per-run reduction against ``baseline``.
@@ -141,7 +154,9 @@ def paired_reductions(
     return out
 
 
-def realized_utilization(rows: Iterable[dict[str, object]], *, condition: str = "fcfs") -> dict[tuple[str, float | None], tuple[float, float, int]]:
+def realized_utilization(
+    rows: Iterable[dict[str, object]], *, condition: str = "fcfs"
+) -> dict[tuple[str, float | None], tuple[float, float, int]]:
     """(mode, rho) -> (mean, std, runs) of the backend utilisation actually reached under ``condition``.
 
     On a serial backend, a request's service starts at the later of its send and the previous
@@ -150,7 +165,11 @@ def realized_utilization(rows: Iterable[dict[str, object]], *, condition: str = 
     """
     runs: dict[tuple[str, float | None], dict[int, list[dict[str, object]]]] = defaultdict(lambda: defaultdict(list))
     for row in rows:
-        if row["condition"] == condition and row["ok"] in (True, "True", "true", 1) and row.get("done_s") not in (None, ""):
+        if (
+            row["condition"] == condition
+            and row["ok"] in (True, "True", "true", 1)
+            and row.get("done_s") not in (None, "")
+        ):
             rho = row.get("rho")
             runs[(str(row["mode"]), None if rho in (None, "") else float(rho))][int(row["run"])].append(row)  # type: ignore[arg-type, call-overload]
     out = {}

@@ -44,7 +44,12 @@ def _sample(pool: Sequence[BenchPrompt], n: int, rng: random.Random) -> list[Ben
 
 
 def burst(
-    prompts: Sequence[BenchPrompt], *, n_short: int, n_long: int, length_scale: float, seed: int = 0,
+    prompts: Sequence[BenchPrompt],
+    *,
+    n_short: int,
+    n_long: int,
+    length_scale: float,
+    seed: int = 0,
 ) -> list[RequestSpec]:
     """A burst: every request at offset 0, classes interleaved in a seeded random order."""
     rng = random.Random(seed)
@@ -55,11 +60,17 @@ def burst(
     for index, prompt in enumerate(chosen):
         if prompt.text is None:
             raise ValueError(f"prompt {prompt.key} has no text: resolve() the prompt set first")
-        specs.append(RequestSpec(
-            index=index, key=prompt.key, cls=prompt.cls, answer_tokens=prompt.answer_tokens,
-            n_predict=forced_length(prompt.answer_tokens, length_scale), prompt_chars=prompt.prompt_chars,
-            text=prompt.text,
-        ))
+        specs.append(
+            RequestSpec(
+                index=index,
+                key=prompt.key,
+                cls=prompt.cls,
+                answer_tokens=prompt.answer_tokens,
+                n_predict=forced_length(prompt.answer_tokens, length_scale),
+                prompt_chars=prompt.prompt_chars,
+                text=prompt.text,
+            )
+        )
     return specs
 
 
@@ -107,8 +118,14 @@ def with_poisson_arrivals(specs: Sequence[RequestSpec], *, rate_per_s: float, se
 
 
 def poisson(
-    prompts: Sequence[BenchPrompt], *, n_short: int, n_long: int, length_scale: float, rho: float,
-    service: ServiceModel, seed: int = 0,
+    prompts: Sequence[BenchPrompt],
+    *,
+    n_short: int,
+    n_long: int,
+    length_scale: float,
+    rho: float,
+    service: ServiceModel,
+    seed: int = 0,
 ) -> tuple[list[RequestSpec], float]:
     """A Poisson workload at utilisation ``rho``; returns the specs and the arrival rate used."""
     specs = burst(prompts, n_short=n_short, n_long=n_long, length_scale=length_scale, seed=seed)

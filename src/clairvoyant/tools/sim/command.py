@@ -68,9 +68,13 @@ def _condition(text: str) -> tuple[str, float, float, float | None, bool]:
 def _add_workload_flags(p: argparse.ArgumentParser, *, with_rate: bool = True) -> None:
     g = p.add_argument_group("workload")
     if with_rate:
-        g.add_argument("--arrivals", choices=("poisson", "burst"), default="poisson", help="arrival process (default poisson)")
+        g.add_argument(
+            "--arrivals", choices=("poisson", "burst"), default="poisson", help="arrival process (default poisson)"
+        )
         rate = g.add_mutually_exclusive_group()
-        rate.add_argument("--rate", type=float, help="Poisson arrival rate lambda, 1/s (default 0.12 if --rho is not given)")
+        rate.add_argument(
+            "--rate", type=float, help="Poisson arrival rate lambda, 1/s (default 0.12 if --rho is not given)"
+        )
         rate.add_argument("--rho", type=float, help="target utilisation; lambda = rho * slots / E[S]")
     g.add_argument("--n", type=int, default=2000, help="requests per seed (default 2000)")
     g.add_argument("--seeds", type=int, default=5, help="number of seeds (default 5)")
@@ -80,21 +84,43 @@ def _add_workload_flags(p: argparse.ArgumentParser, *, with_rate: bool = True) -
         "--service", choices=("normal", "lognormal", "replay", "prompts"), default="normal",
         help="service-time model (default normal, the paper's)",
     )  # fmt: skip
-    g.add_argument("--short", type=_mean_std, default=(3.5, 0.8), metavar="MEAN,STD", help="Short service s (default 3.5,0.8)")
+    g.add_argument(
+        "--short", type=_mean_std, default=(3.5, 0.8), metavar="MEAN,STD", help="Short service s (default 3.5,0.8)"
+    )
     g.add_argument("--medium", type=_mean_std, default=None, metavar="MEAN,STD", help="Medium service s (default none)")
-    g.add_argument("--long", type=_mean_std, default=(8.9, 2.0), metavar="MEAN,STD", help="Long service s (default 8.9,2.0)")
+    g.add_argument(
+        "--long", type=_mean_std, default=(8.9, 2.0), metavar="MEAN,STD", help="Long service s (default 8.9,2.0)"
+    )
     g.add_argument("--mix", type=_mix, default=None, metavar="C=W,...", help="class mix (default short=0.5,long=0.5)")
-    g.add_argument("--floor", type=float, default=0.05, help="normal draws are clipped at this many seconds (default 0.05)")
+    g.add_argument(
+        "--floor", type=float, default=0.05, help="normal draws are clipped at this many seconds (default 0.05)"
+    )
     g.add_argument("--replay", type=Path, help="measured service times: CSV (class,service_s) or JSON")
-    g.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help=f"prompt JSONL for --service prompts (default {DEFAULT_PROMPTS})")
+    g.add_argument(
+        "--prompts",
+        type=Path,
+        default=DEFAULT_PROMPTS,
+        help=f"prompt JSONL for --service prompts (default {DEFAULT_PROMPTS})",
+    )
     g.add_argument("--c0", type=float, default=0.3, help="prompts cost model: seconds per request (default 0.3)")
-    g.add_argument("--c-tok", type=float, default=0.02, help="prompts cost model: seconds per output token (default 0.02)")
+    g.add_argument(
+        "--c-tok", type=float, default=0.02, help="prompts cost model: seconds per output token (default 0.02)"
+    )
     pr = p.add_argument_group("predictor")
-    pr.add_argument("--predictor", choices=("oracle", "noisy", "label", "onnx"), default="oracle", help="scores (default oracle)")
-    pr.add_argument("--accuracy", type=float, default=0.8, help="noisy: target Short-vs-Long pairwise accuracy; label: fraction of right labels (default 0.8)")
+    pr.add_argument(
+        "--predictor", choices=("oracle", "noisy", "label", "onnx"), default="oracle", help="scores (default oracle)"
+    )
+    pr.add_argument(
+        "--accuracy",
+        type=float,
+        default=0.8,
+        help="noisy: target Short-vs-Long pairwise accuracy; label: fraction of right labels (default 0.8)",
+    )
     pr.add_argument("--model", type=Path, default=None, help="onnx: model path (default: the shipped model)")
     o = p.add_argument_group("output")
-    o.add_argument("--out", type=Path, default=Path("results/sim"), help="directory for JSON/CSV/MD (default results/sim)")
+    o.add_argument(
+        "--out", type=Path, default=Path("results/sim"), help="directory for JSON/CSV/MD (default results/sim)"
+    )
     o.add_argument("--plots", type=Path, default=None, help="directory for PNG plots (default: --out)")
     o.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     o.add_argument("--name", default=None, help="file name stem (default sim_<command>)")
@@ -104,18 +130,32 @@ def _add_workload_flags(p: argparse.ArgumentParser, *, with_rate: bool = True) -
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the simulate sub-subcommands on ``parser``."""
     sub = parser.add_subparsers(dest="sim_command", required=True, metavar="EXPERIMENT")
-    p = sub.add_parser("run", help="run chosen conditions on one workload", description="run chosen conditions on one workload")
+    p = sub.add_parser(
+        "run", help="run chosen conditions on one workload", description="run chosen conditions on one workload"
+    )
     _add_workload_flags(p)
     p.add_argument(
         "--conditions", nargs="+", type=_condition, default=[("fcfs", math.inf, 0.0, None, False), ("sjf", math.inf, 0.0, None, False)],
         metavar="POLICY[:TAU_S[+SLOWDOWN[cv]]][@GAMMA]",
         help="e.g. fcfs sjf:10.5 sjf:inf sjf:1+3.2 sjf:1+2.56cv boost:25@0.02 hrrn (default fcfs sjf:inf)",
     )  # fmt: skip
-    p = sub.add_parser("tau-sweep", help="paper 5.5: starvation timeout sweep", description="paper 5.5: starvation timeout sweep")
+    p = sub.add_parser(
+        "tau-sweep", help="paper 5.5: starvation timeout sweep", description="paper 5.5: starvation timeout sweep"
+    )
     _add_workload_flags(p)
-    p.add_argument("--mu-short", default="3.5", help="mu_short in seconds, or 'fcfs' for the measured FCFS mean Short sojourn (default 3.5)")
-    p.add_argument("--multiples", type=float, nargs="+", default=[0.5, 1, 2, 3, 5, 10], help="tau multiples of mu_short")
-    p = sub.add_parser("spectrum", help="paper Fig. 3: SJF benefit vs utilisation", description="paper Fig. 3: SJF benefit vs utilisation")
+    p.add_argument(
+        "--mu-short",
+        default="3.5",
+        help="mu_short in seconds, or 'fcfs' for the measured FCFS mean Short sojourn (default 3.5)",
+    )
+    p.add_argument(
+        "--multiples", type=float, nargs="+", default=[0.5, 1, 2, 3, 5, 10], help="tau multiples of mu_short"
+    )
+    p = sub.add_parser(
+        "spectrum",
+        help="paper Fig. 3: SJF benefit vs utilisation",
+        description="paper Fig. 3: SJF benefit vs utilisation",
+    )
     _add_workload_flags(p, with_rate=False)
     p.add_argument("--rhos", type=float, nargs="+", default=[0.3, 0.5, 0.6, 0.74, 0.85], help="utilisations")
     p.add_argument("--tau-multiple", type=float, default=3.0, help="tau = this x mu_short (default 3)")
@@ -128,11 +168,18 @@ def _add_compare(sub: Any) -> None:
                        description="every policy on the paper, heavy-tailed and two-tenant workloads")  # fmt: skip
     p.add_argument("--n", type=int, default=2000, help="requests per seed (default 2000)")
     p.add_argument("--seeds", type=int, default=5, help="number of seeds (default 5)")
-    p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help=f"prompt file for the heavy workload (default {DEFAULT_PROMPTS})")
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        default=DEFAULT_PROMPTS,
+        help=f"prompt file for the heavy workload (default {DEFAULT_PROMPTS})",
+    )
     p.add_argument("--model", type=Path, default=None, help="ONNX model for the real predictor (default: shipped)")
     p.add_argument("--c0", type=float, default=0.3, help="heavy workload: seconds per request (default 0.3)")
     p.add_argument("--c-tok", type=float, default=0.02, help="heavy workload: seconds per answer token (default 0.02)")
-    p.add_argument("--workloads", nargs="+", default=["paper", "heavy", "tenants"], choices=["paper", "heavy", "tenants"])
+    p.add_argument(
+        "--workloads", nargs="+", default=["paper", "heavy", "tenants"], choices=["paper", "heavy", "tenants"]
+    )
     p.add_argument("--out", type=Path, default=Path("results/sim"), help="directory for JSON/MD (default results/sim)")
     p.add_argument("--name", default="sim_compare", help="file name stem (default sim_compare)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -140,7 +187,6 @@ def _add_compare(sub: Any) -> None:
 
 def _run_compare(args: argparse.Namespace) -> int:
     from clairvoyant.tools.progress import progress_bar
-
     from clairvoyant.tools.sim import compare, report
 
     prompts = args.prompts if "heavy" in args.workloads else None
@@ -215,7 +261,6 @@ def _mu_short(text: str) -> float | str:
 def run(args: argparse.Namespace) -> int:
     """Run the chosen experiment; write JSON/CSV/MD (+ PNG) files and print the tables. Returns 0."""
     from clairvoyant.tools.progress import progress_bar
-
     from clairvoyant.tools.sim import experiments as ex
     from clairvoyant.tools.sim import report
 
@@ -244,7 +289,11 @@ def run(args: argparse.Namespace) -> int:
 
             conds = [
                 ex.Condition(
-                    _condition_name(p, t, m, g, a), p, t, slowdown=m, adaptive_slowdown=a,
+                    _condition_name(p, t, m, g, a),
+                    p,
+                    t,
+                    slowdown=m,
+                    adaptive_slowdown=a,
                     params=PolicyParams(boost_gamma_per_s=g) if g is not None else PolicyParams(),
                 )  # fmt: skip
                 for p, t, m, g, a in args.conditions
@@ -256,13 +305,17 @@ def run(args: argparse.Namespace) -> int:
             if conds[0].policy == "fcfs":
                 result["change_vs_fcfs"] = ex.changes_vs(results[1:], results[0])
         elif command == "tau-sweep":
-            result = ex.tau_sweep(setup, mu_short_s=_mu_short(args.mu_short), multiples=args.multiples, progress=bar.update)
+            result = ex.tau_sweep(
+                setup, mu_short_s=_mu_short(args.mu_short), multiples=args.multiples, progress=bar.update
+            )
         else:
             result = ex.spectrum(
                 setup, rhos=args.rhos, tau_multiple=args.tau_multiple, mu_short_s=_mu_short(args.mu_short),
                 progress=bar.update,
             )  # fmt: skip
-    result["options"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if not k.startswith("_")}
+    result["options"] = {
+        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if not k.startswith("_")
+    }
     text = _tables(result, report)
     out: Path = args.out
     report.write_json(out / f"{name}.json", result)
@@ -312,12 +365,19 @@ def _accuracy_line(accs: list[Any]) -> list[str]:
     vals = [a for a in accs if a is not None and not math.isnan(a)]
     if not vals:
         return []
-    return [f"achieved Short-vs-Long pairwise ranking accuracy: {min(vals):.4f}" + (f"..{max(vals):.4f}" if len(vals) > 1 else "")]
+    return [
+        f"achieved Short-vs-Long pairwise ranking accuracy: {min(vals):.4f}"
+        + (f"..{max(vals):.4f}" if len(vals) > 1 else "")
+    ]
 
 
 def _setup_line(setup: dict[str, Any]) -> str:
     parts = [f"n={setup.get('n')}", f"seeds={setup.get('seeds')}", f"arrivals={setup.get('arrivals')}"]
     if setup.get("rate_per_s") is not None:
         parts.append(f"lambda={setup['rate_per_s']:.4g}/s rho={setup['rho_nominal']:.3f}")
-    parts += [f"E[S]={setup.get('mean_service_s', math.nan):.3f}s", f"slots={setup.get('slots')}", f"predictor={setup.get('predictor')}"]
+    parts += [
+        f"E[S]={setup.get('mean_service_s', math.nan):.3f}s",
+        f"slots={setup.get('slots')}",
+        f"predictor={setup.get('predictor')}",
+    ]
     return " ".join(parts)

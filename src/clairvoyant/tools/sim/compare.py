@@ -27,7 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from clairvoyant.scheduling.policy import PolicyParams
-from clairvoyant.tools.sim.experiments import Condition, ConditionResult, Setup, paper_service, relative_change, run_conditions
+from clairvoyant.tools.sim.experiments import (
+    Condition,
+    ConditionResult,
+    Setup,
+    paper_service,
+    relative_change,
+    run_conditions,
+)
 from clairvoyant.tools.sim.predictors import LabelScorer, NoisyScorer, OracleScorer, PredictorScorer, Scorer
 from clairvoyant.tools.sim.workload import PromptService, load_prompts
 
@@ -60,7 +67,6 @@ def default_conditions() -> list[Condition]:
         Condition("hrrn", "hrrn"),
         _default_condition(),
     ]
-
 
 
 def _with_fair_share(conditions: Sequence[Condition]) -> list[Condition]:
@@ -98,14 +104,20 @@ def compare(
         service = PromptService(load_prompts(prompts), c0_s, c_tok_s)
         from clairvoyant.prediction.predictor import OnnxPredictor
 
-        scorers: list[Scorer] = [OracleScorer(), NoisyScorer(0.8), PredictorScorer(OnnxPredictor(model), service.records, c0_s=c0_s, c_tok_s=c_tok_s)]
+        scorers: list[Scorer] = [
+            OracleScorer(),
+            NoisyScorer(0.8),
+            PredictorScorer(OnnxPredictor(model), service.records, c0_s=c0_s, c_tok_s=c_tok_s),
+        ]
         d = conditions[-1]  # the default, with predicted seconds from the online service-time model
         learned = replace(d, name=d.name + " learned S", learn_service_time=True)
         for scorer in scorers:
             block("heavy", Setup(service, n, seeds, rho=0.74, scorer=scorer), [*conditions, learned])
     if "tenants" in workloads:
         scorer = LabelScorer(0.8)
-        alone = run_conditions(Setup(paper_service(), n, seeds, "tenants-alone", rho=0.3, scorer=scorer), conditions, progress)
+        alone = run_conditions(
+            Setup(paper_service(), n, seeds, "tenants-alone", rho=0.3, scorer=scorer), conditions, progress
+        )
         block("tenants", Setup(paper_service(), n, seeds, "tenants", rho=0.3, scorer=scorer), _with_fair_share(conditions),
               {"alone": alone})  # fmt: skip
     return {"experiment": "compare", "blocks": blocks}
@@ -155,7 +167,9 @@ def compare_markdown(data: dict[str, Any]) -> str:
                 f"{_cell(r, 'all.wait.max')} | {_change(r, base, 'short.sojourn.p50')} | "
                 f"{_change(r, base, 'long.sojourn.p95')} | {_change(r, base, 'all.sojourn.p99')} |"
             )
-    lines.insert(0, "Sojourn times in seconds (arrival to completion), mean ± std over seeds; changes per seed vs FCFS.")
+    lines.insert(
+        0, "Sojourn times in seconds (arrival to completion), mean ± std over seeds; changes per seed vs FCFS."
+    )
     return "\n".join(lines)
 
 

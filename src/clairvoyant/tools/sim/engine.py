@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.job_queue import Job
 from clairvoyant.scheduling.policy import PolicyParams, SchedulingPolicy, build_queue, make_policy
-from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.service_time import ServiceTimeModel
 from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
 from clairvoyant.tools.sim.workload import Workload
@@ -141,7 +141,9 @@ def simulate(
         while nxt < n and arrival[nxt] <= t:
             if learn:
                 p_s = service_time.predict_s(None, 0, tokens[nxt])  # type: ignore[union-attr,index]
-                job = Job(nxt, arrival[nxt], score[nxt], tokens[nxt], p_s, bucket_for(p_s), None, prio[nxt], tenant[nxt])  # type: ignore[index]
+                job = Job(
+                    nxt, arrival[nxt], score[nxt], tokens[nxt], p_s, bucket_for(p_s), None, prio[nxt], tenant[nxt]
+                )  # type: ignore[index]
             else:
                 job = Job(nxt, arrival[nxt], score[nxt], 0.0, pred[nxt], bucket[nxt], None, prio[nxt], tenant[nxt])
             jobs[nxt] = job

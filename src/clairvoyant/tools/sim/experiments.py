@@ -126,7 +126,7 @@ class Setup:
             "rho_nominal": rate * mean_s / self.slots if self.arrivals == "poisson" else None,
             "slots": self.slots,
             "predictor": self.scorer.name,
-            **({"target_accuracy": getattr(self.scorer, "accuracy")} if hasattr(self.scorer, "accuracy") else {}),
+            **({"target_accuracy": self.scorer.accuracy} if hasattr(self.scorer, "accuracy") else {}),
         }
 
 
@@ -294,7 +294,10 @@ def spectrum(
         mu, measured = _resolve_mu_short(mu_short_s, fcfs)
         sjf_tau, sjf_inf = run_conditions(
             point_setup,
-            [Condition(f"sjf tau={tau_multiple:g}x", "sjf", tau_multiple * mu, tau_multiple), Condition("sjf tau=inf", "sjf")],
+            [
+                Condition(f"sjf tau={tau_multiple:g}x", "sjf", tau_multiple * mu, tau_multiple),
+                Condition("sjf tau=inf", "sjf"),
+            ],
             progress,
         )
         reductions = {}

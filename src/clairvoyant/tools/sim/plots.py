@@ -115,7 +115,9 @@ def plot_spectrum(result: dict[str, Any], path: Path) -> Path:
     ax.set_xlabel("utilisation ρ = λ·E[S]")
     ax.set_ylabel("Short P50 reduction vs FCFS (%)")
     setup = result["setup"]
-    ax.set_title(f"Workload spectrum: n={setup['n']}, {len(setup['seeds'])} seeds, predictor={_predictor(setup)}; mean ± std")
+    ax.set_title(
+        f"Workload spectrum: n={setup['n']}, {len(setup['seeds'])} seeds, predictor={_predictor(setup)}; mean ± std"
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

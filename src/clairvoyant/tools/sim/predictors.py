@@ -67,7 +67,9 @@ def _class_means(workload: Workload) -> np.ndarray:
 
 def _beliefs(score: np.ndarray, predicted_s: np.ndarray) -> Beliefs:
     pred = np.maximum(np.asarray(predicted_s, dtype=np.float64), 1e-3)
-    return Beliefs(np.asarray(score, dtype=np.float64), pred, np.array([bucket_for(float(v)) for v in pred], dtype=np.int64))
+    return Beliefs(
+        np.asarray(score, dtype=np.float64), pred, np.array([bucket_for(float(v)) for v in pred], dtype=np.int64)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +187,10 @@ class PredictorScorer:
             if got is None:
                 prompt: Prompt = self.records[item].prompt
                 prediction = self.predictor.predict(prompt)
-                got = self._cache[item] = (float(prediction.score), float(getattr(prediction, "predicted_tokens", math.nan)))
+                got = self._cache[item] = (
+                    float(prediction.score),
+                    float(getattr(prediction, "predicted_tokens", math.nan)),
+                )
             score[row], tokens[row] = got
         return score, tokens
 

@@ -203,10 +203,15 @@ def spectrum_table(result: Mapping[str, Any]) -> str:
             "| "
             + " | ".join(
                 [
-                    f"{p['rho']:g}", f"{p['rate_per_s']:.4f}", f"{p['tau_s']:.1f}",
-                    _pm(fcfs["summary"], "short.sojourn.p50"), _pm(sjf_tau["summary"], "short.sojourn.p50"),
-                    _pct(r["tau.short.sojourn.p50"]), _pct(r["inf.short.sojourn.p50"]),
-                    _pct(r["tau.short.wait.p50"]), _pct(r["tau.long.sojourn.p95"], -1),
+                    f"{p['rho']:g}",
+                    f"{p['rate_per_s']:.4f}",
+                    f"{p['tau_s']:.1f}",
+                    _pm(fcfs["summary"], "short.sojourn.p50"),
+                    _pm(sjf_tau["summary"], "short.sojourn.p50"),
+                    _pct(r["tau.short.sojourn.p50"]),
+                    _pct(r["inf.short.sojourn.p50"]),
+                    _pct(r["tau.short.wait.p50"]),
+                    _pct(r["tau.long.sojourn.p95"], -1),
                 ]  # fmt: skip
             )
             + " |"
@@ -221,8 +226,14 @@ def summary_rows(experiment: str, conditions: Sequence[Mapping[str, Any]], **ext
         for key, entry in cond["summary"].items():
             rows.append(
                 {
-                    "experiment": experiment, **extra, "condition": cond["name"], "policy": cond["policy"],
-                    "tau_s": cond["tau_s"], "metric": key, "mean": entry["mean"], "std": entry["std"],
+                    "experiment": experiment,
+                    **extra,
+                    "condition": cond["name"],
+                    "policy": cond["policy"],
+                    "tau_s": cond["tau_s"],
+                    "metric": key,
+                    "mean": entry["mean"],
+                    "std": entry["std"],
                     "seeds": len(cond["per_seed"]),
                 }  # fmt: skip
             )
@@ -232,7 +243,14 @@ def summary_rows(experiment: str, conditions: Sequence[Mapping[str, Any]], **ext
 def seed_rows(experiment: str, conditions: Sequence[Mapping[str, Any]], **extra: Any) -> list[dict[str, Any]]:
     """Wide-format CSV rows: one per condition x seed, every metric a column."""
     return [
-        {"experiment": experiment, **extra, "condition": cond["name"], "policy": cond["policy"], "tau_s": cond["tau_s"], **run}
+        {
+            "experiment": experiment,
+            **extra,
+            "condition": cond["name"],
+            "policy": cond["policy"],
+            "tau_s": cond["tau_s"],
+            **run,
+        }
         for cond in conditions
         for run in cond["per_seed"]
     ]

@@ -42,8 +42,12 @@ def isotonic_breakpoints(score: np.ndarray, log_tokens: np.ndarray, *, max_point
         centre, level = float(np.median(score)), float(py[0])
         px, py = np.array([centre - 1.0, centre + 1.0]), np.array([level - 1e-6, level + 1e-6])
     assert np.all(np.diff(px) > 0) and np.all(np.diff(py) > 0)
-    return {"method": "isotonic", "score": [float(v) for v in px], "log_tokens": [float(v) for v in py],
-            "fit_rows": int(len(score))}
+    return {
+        "method": "isotonic",
+        "score": [float(v) for v in px],
+        "log_tokens": [float(v) for v in py],
+        "fit_rows": int(len(score)),
+    }
 
 
 def apply(calibration: dict[str, Any], raw: np.ndarray) -> np.ndarray:

@@ -53,9 +53,12 @@ def render(card: dict[str, Any], model_path: Path) -> str:
             f"P(Short), P(Medium), P(Long) of the answer length, in `{card.get('tokenizer', '?')}` tokens of the "
             f"dataset's reference (ChatGPT) answer: Short < {bounds.get('short_below')}, "
             f"Medium {bounds.get('short_below')}-{(bounds.get('long_from') or 1) - 1}, Long >= {bounds.get('long_from')}. "
-            + ("The scheduler orders requests by ascending P(Long); `predicted_tokens` comes from an isotonic map "
-               "from P(Long) to ln tokens (the card's `calibration`)." if card.get("calibration") else
-               "The scheduler orders requests by ascending P(Long)."),
+            + (
+                "The scheduler orders requests by ascending P(Long); `predicted_tokens` comes from an isotonic map "
+                "from P(Long) to ln tokens (the card's `calibration`)."
+                if card.get("calibration")
+                else "The scheduler orders requests by ascending P(Long)."
+            ),
             "",
         ]
     out = [
@@ -67,14 +70,16 @@ def render(card: dict[str, Any], model_path: Path) -> str:
         "",
         *what,
         "## Identity",
-        *_table({
-            "preset": card.get("preset"),
-            "kind": card.get("kind", "classifier"),
-            "feature set": card.get("feature_set"),
-            "features": len(card.get("feature_names", [])),
-            "onnx sha256": card.get("onnx_sha256"),
-            "onnx size (bytes)": card.get("onnx_bytes"),
-        }),
+        *_table(
+            {
+                "preset": card.get("preset"),
+                "kind": card.get("kind", "classifier"),
+                "feature set": card.get("feature_set"),
+                "features": len(card.get("feature_names", [])),
+                "onnx sha256": card.get("onnx_sha256"),
+                "onnx size (bytes)": card.get("onnx_bytes"),
+            }
+        ),
         "",
         "Feature names, in column order: " + ", ".join(f"`{n}`" for n in card.get("feature_names", [])),
         "",
@@ -88,11 +93,19 @@ def render(card: dict[str, Any], model_path: Path) -> str:
     ]
     lexicon = card.get("lexicon")
     if lexicon:
-        out += ["### lexicon", *_table({k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in lexicon.items()}), ""]
+        out += [
+            "### lexicon",
+            *_table({k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in lexicon.items()}),
+            "",
+        ]
     for section in ("metrics", "evaluation", "latency"):
         values = card.get(section)
         if values:
-            out += [f"### {section}", *_table({k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in values.items()}), ""]
+            out += [
+                f"### {section}",
+                *_table({k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in values.items()}),
+                "",
+            ]
     notes = card.get("notes")
     if notes:
         out += ["## Notes", *[f"- {n}" for n in notes], ""]

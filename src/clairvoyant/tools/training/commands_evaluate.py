@@ -20,10 +20,17 @@ __all__ = ["add_arguments", "run"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_PATH, help="ONNX model (card beside it)")
-    parser.add_argument("--alpaca-eval", type=Path, metavar="PATH",
-                        help="AlpacaEval dev JSONL (prompt + output_tokens per model); without it that section is skipped")
-    parser.add_argument("--baseline-model", type=Path, help="the previous shipped model to compare "
-                        "(default: model/baselines/rich_v2_3class.onnx)")
+    parser.add_argument(
+        "--alpaca-eval",
+        type=Path,
+        metavar="PATH",
+        help="AlpacaEval dev JSONL (prompt + output_tokens per model); without it that section is skipped",
+    )
+    parser.add_argument(
+        "--baseline-model",
+        type=Path,
+        help="the previous shipped model to compare (default: model/baselines/rich_v2_3class.onnx)",
+    )
     parser.add_argument("--no-paper-baseline", action="store_true", help="skip training the paper preset (faster)")
     parser.add_argument("--threads", type=int, default=2, help="xgboost threads for the paper baseline")
 
@@ -37,12 +44,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.alpaca_eval is None:
         logging.getLogger(__name__).info("no --alpaca-eval PATH: the AlpacaEval transfer section is skipped")
-    report = evaluate_model(args.model, alpaca_eval=args.alpaca_eval,
-                            baseline_model=args.baseline_model or BASELINE_MODEL_PATH,
-                            paper_baseline=not args.no_paper_baseline, threads=args.threads)
+    report = evaluate_model(
+        args.model,
+        alpaca_eval=args.alpaca_eval,
+        baseline_model=args.baseline_model or BASELINE_MODEL_PATH,
+        paper_baseline=not args.no_paper_baseline,
+        threads=args.threads,
+    )
     json_path, md_path = write_report(args.model, report)
     m = report["scorers"]["model"]
     alpaca = m.get("alpaca_eval")
-    print(f"wrote {md_path} and {json_path}: ShareGPT held-out tau_b {m['sharegpt_held_out']['kendall_tau_b']:.4f}"
-          + (f", AlpacaEval mean tau_b {alpaca['mean_kendall_tau_b']:.4f}" if alpaca else ", AlpacaEval skipped"))
+    print(
+        f"wrote {md_path} and {json_path}: ShareGPT held-out tau_b {m['sharegpt_held_out']['kendall_tau_b']:.4f}"
+        + (f", AlpacaEval mean tau_b {alpaca['mean_kendall_tau_b']:.4f}" if alpaca else ", AlpacaEval skipped")
+    )
     return 0

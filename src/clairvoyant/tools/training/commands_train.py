@@ -57,9 +57,13 @@ REGRESSOR_NOTES = [
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", choices=("shipped", "paper", "rich_v2_3class"), default="shipped",
-                        help="'shipped' = rich_v3 log-token regressor on the natural mix; 'paper' = paper19, "
-                             "3-class, 300 trees, depth 6, lr 0.1; 'rich_v2_3class' = the previous shipped model")
+    parser.add_argument(
+        "--preset",
+        choices=("shipped", "paper", "rich_v2_3class"),
+        default="shipped",
+        help="'shipped' = rich_v3 log-token regressor on the natural mix; 'paper' = paper19, "
+        "3-class, 300 trees, depth 6, lr 0.1; 'rich_v2_3class' = the previous shipped model",
+    )
     parser.add_argument("--feature-set", help="override the preset's feature set (paper19, rich_v1, rich_v2, rich_v3)")
     parser.add_argument("--n-estimators", type=int, help="boosting rounds (override)")
     parser.add_argument("--max-depth", type=int, help="tree depth (override)")
@@ -83,15 +87,26 @@ def _configs(args: argparse.Namespace) -> tuple[Any, Any]:
     from clairvoyant.tools.training.train import PRESETS, RegressorConfig
 
     model_config = PRESETS[args.preset].with_overrides(
-        feature_set=args.feature_set, n_estimators=args.n_estimators, max_depth=args.max_depth,
-        learning_rate=args.learning_rate, seed=args.seed,
+        feature_set=args.feature_set,
+        n_estimators=args.n_estimators,
+        max_depth=args.max_depth,
+        learning_rate=args.learning_rate,
+        seed=args.seed,
     )
     if isinstance(model_config, RegressorConfig):
-        return NaturalConfig(test_fraction=args.test_fraction, turns=args.turns, seed=args.seed,
-                             english_only=not args.no_english_filter, max_train_rows=args.max_train_rows), model_config
+        return NaturalConfig(
+            test_fraction=args.test_fraction,
+            turns=args.turns,
+            seed=args.seed,
+            english_only=not args.no_english_filter,
+            max_train_rows=args.max_train_rows,
+        ), model_config
     data_config = DataConfig(
-        per_class=args.per_class, test_fraction=args.test_fraction, turns=args.turns,
-        bounds=ClassBounds(args.short_below, args.long_from), seed=args.seed,
+        per_class=args.per_class,
+        test_fraction=args.test_fraction,
+        turns=args.turns,
+        bounds=ClassBounds(args.short_below, args.long_from),
+        seed=args.seed,
         english_only=not args.no_english_filter,
     )
     return data_config, model_config
@@ -103,11 +118,23 @@ def _versions() -> dict[str, str]:
 
     from clairvoyant.tools.training.train import xgboost_version
 
-    return {"xgboost": xgboost_version(), "onnxmltools": onnxmltools.__version__, "onnxruntime": onnxruntime.__version__}
+    return {
+        "xgboost": xgboost_version(),
+        "onnxmltools": onnxmltools.__version__,
+        "onnxruntime": onnxruntime.__version__,
+    }
 
 
-def train_and_export(split: Any, model_config: Any, out: Path, *, preset: str, threads: int = 2,
-                     progress: bool = False, notes: list[str] | None = None) -> dict[str, Any]:
+def train_and_export(
+    split: Any,
+    model_config: Any,
+    out: Path,
+    *,
+    preset: str,
+    threads: int = 2,
+    progress: bool = False,
+    notes: list[str] | None = None,
+) -> dict[str, Any]:
     """Classifier: fit on ``split.train`` (balanced), export to ``out``, check parity, write both cards.
 
     The score is P(Long), calibrated to ln tokens by isotonic regression on the training rows.
@@ -151,16 +178,16 @@ def train_and_export(split: Any, model_config: Any, out: Path, *, preset: str, t
         },
         "hyperparameters": model_config.as_dict(),
         "onnx_bytes": len(model_bytes),
-        "metrics": {
-            "held_out_" + k: v for k, v in held_out.items()
-        } | {"onnx_xgboost_max_abs_diff": parity},
-        "notes": list(notes or []) + [
-            "calibration: isotonic regression from P(Long) to ln(answer tokens) on the balanced training rows"],
+        "metrics": {"held_out_" + k: v for k, v in held_out.items()} | {"onnx_xgboost_max_abs_diff": parity},
+        "notes": list(notes or [])
+        + ["calibration: isotonic regression from P(Long) to ln(answer tokens) on the balanced training rows"],
         "versions": _versions(),
     }
     export.write_card(out, card)
     card_md.write_markdown(out)
-    logger.info("wrote %s (ranking accuracy %.4f on %d held-out rows)", out, held_out["ranking_accuracy"], len(split.test))
+    logger.info(
+        "wrote %s (ranking accuracy %.4f on %d held-out rows)", out, held_out["ranking_accuracy"], len(split.test)
+    )
     return card
 
 
@@ -182,19 +209,38 @@ def lexicon_column_for_training(fs: Any, x_train: Any, split: Any, *, folds: int
     raw = (LEXICON_DIR / RICH_V3_LEXICON).read_bytes()
     meta = json.loads(raw)
     config = LexiconConfig(**{k: meta["config"][k] for k in ("min_rows", "ridge_alpha", "name")})
-    oof = out_of_fold_scores(terms_of_texts([p.prompt.instruction for p in split.train]), split.train_log_tokens,
-                             [p.group for p in split.train], config, folds=folds)
+    oof = out_of_fold_scores(
+        terms_of_texts([p.prompt.instruction for p in split.train]),
+        split.train_log_tokens,
+        [p.group for p in split.train],
+        config,
+        folds=folds,
+    )
     x_train[:, column] = oof.astype(np.float32)
     same_split = meta.get("split_fingerprint") == split.fingerprint()
     if not same_split:
         logger.warning("the shipped lexicon was fit on another training split than this run's")
-    return {"file": f"src/clairvoyant/lexicons/{RICH_V3_LEXICON}", "sha256": hashlib.sha256(raw).hexdigest(),
-            "pinned_sha256": RICH_V3_LEXICON_SHA256, "terms": len(meta["weights"]), "config": meta["config"],
-            "fit_on_this_training_split": same_split, "training_column": f"out-of-fold ({folds} group folds)"}
+    return {
+        "file": f"src/clairvoyant/lexicons/{RICH_V3_LEXICON}",
+        "sha256": hashlib.sha256(raw).hexdigest(),
+        "pinned_sha256": RICH_V3_LEXICON_SHA256,
+        "terms": len(meta["weights"]),
+        "config": meta["config"],
+        "fit_on_this_training_split": same_split,
+        "training_column": f"out-of-fold ({folds} group folds)",
+    }
 
 
-def train_regressor_and_export(split: Any, model_config: Any, out: Path, *, preset: str, threads: int = 2,
-                               progress: bool = False, notes: list[str] | None = None) -> dict[str, Any]:
+def train_regressor_and_export(
+    split: Any,
+    model_config: Any,
+    out: Path,
+    *,
+    preset: str,
+    threads: int = 2,
+    progress: bool = False,
+    notes: list[str] | None = None,
+) -> dict[str, Any]:
     """Regressor: fit ln tokens on ``split.train`` (natural mix), export, check parity, calibrate, write cards."""
     import numpy as np
 
@@ -234,15 +280,21 @@ def train_regressor_and_export(split: Any, model_config: Any, out: Path, *, pres
         "feature_names": list(fs.names),
         "tokenizer": f"{TOKENIZER_NAME} ({TOKENIZER_PACKAGE})",
         "calibration": calib,
-        "data": {**split.config.as_dict(), "train_rows": len(split.train), "test_rows": len(split.test),
-                 "train_first_turn_rows": sum(p.turn == 0 for p in split.train),
-                 "split_fingerprint": split.fingerprint()},
+        "data": {
+            **split.config.as_dict(),
+            "train_rows": len(split.train),
+            "test_rows": len(split.test),
+            "train_first_turn_rows": sum(p.turn == 0 for p in split.train),
+            "split_fingerprint": split.fingerprint(),
+        },
         "hyperparameters": model_config.as_dict(),
         "onnx_bytes": len(model_bytes),
         "metrics": {"held_out_" + k: v for k, v in held_out.items()} | {"onnx_xgboost_max_abs_diff": parity},
-        "notes": list(notes or []) + [
+        "notes": list(notes or [])
+        + [
             "calibration: isotonic regression from the raw score to ln(answer tokens) on the training rows "
-            "(plateaus merged to one point each, at most 200 points)"],
+            "(plateaus merged to one point each, at most 200 points)"
+        ],
         "versions": _versions(),
     }
     if lexicon is not None:
@@ -262,16 +314,26 @@ def run(args: argparse.Namespace) -> int:
     pairs = load_pairs()
     if isinstance(data_config, NaturalConfig):
         split = build_natural_split(pairs, data_config)
-        card = train_regressor_and_export(split, model_config, args.out, preset=args.preset, threads=args.threads,
-                                          progress=progress, notes=REGRESSOR_NOTES)
+        card = train_regressor_and_export(
+            split,
+            model_config,
+            args.out,
+            preset=args.preset,
+            threads=args.threads,
+            progress=progress,
+            notes=REGRESSOR_NOTES,
+        )
         m = card["metrics"]
-        print(f"wrote {args.out}: held-out Kendall tau_b {m['held_out_kendall_tau_b']:.4f} (natural mix, "
-              f"{m['held_out_rows']} rows), pairwise accuracy (>= 2x) {m['held_out_pairwise_accuracy_2x']:.4f}, "
-              f"ONNX/xgboost max |diff| {m['onnx_xgboost_max_abs_diff']:.2e}")
+        print(
+            f"wrote {args.out}: held-out Kendall tau_b {m['held_out_kendall_tau_b']:.4f} (natural mix, "
+            f"{m['held_out_rows']} rows), pairwise accuracy (>= 2x) {m['held_out_pairwise_accuracy_2x']:.4f}, "
+            f"ONNX/xgboost max |diff| {m['onnx_xgboost_max_abs_diff']:.2e}"
+        )
         return 0
     split = build_split(pairs, data_config, progress=progress)
-    card = train_and_export(split, model_config, args.out, preset=args.preset, threads=args.threads,
-                            progress=progress, notes=NOTES)
+    card = train_and_export(
+        split, model_config, args.out, preset=args.preset, threads=args.threads, progress=progress, notes=NOTES
+    )
     m = card["metrics"]
     print(
         f"wrote {args.out}: held-out ranking accuracy {m['held_out_ranking_accuracy']:.4f}, "

@@ -54,9 +54,14 @@ logger = logging.getLogger(__name__)
 
 _CHAT = SCHEDULED_ENDPOINTS["/v1/chat/completions"]
 _ROLES = {
-    "human": "user", "user": "user",
-    "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
-    "assistant": "assistant", "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "system": "system",
 }
 
 
@@ -397,8 +402,9 @@ def log_tokens(lengths: np.ndarray) -> np.ndarray:
     return np.log(np.maximum(np.asarray(lengths, dtype=np.float64), 1.0))
 
 
-def build_natural_split(pairs: Sequence[Pair], config: NaturalConfig, *,
-                        english: Sequence[bool] | None = None) -> NaturalSplit:
+def build_natural_split(
+    pairs: Sequence[Pair], config: NaturalConfig, *, english: Sequence[bool] | None = None
+) -> NaturalSplit:
     """Group-split ``pairs`` without balancing (deterministic). Rows keep the input order.
 
     ``english`` may pass precomputed English flags (one per pair) to skip langdetect.
@@ -406,7 +412,11 @@ def build_natural_split(pairs: Sequence[Pair], config: NaturalConfig, *,
     rows = [p for p in pairs]
     keep = [config.turns == "all" or p.turn == 0 for p in rows]
     if config.english_only:
-        flags = list(english) if english is not None else [k and is_english(p.prompt.instruction) for p, k in zip(rows, keep)]
+        flags = (
+            list(english)
+            if english is not None
+            else [k and is_english(p.prompt.instruction) for p, k in zip(rows, keep)]
+        )
         keep = [k and bool(f) for k, f in zip(keep, flags)]
     kept = [p for p, k in zip(rows, keep) if k]
     lengths = count_tokens([p.answer for p in kept])
@@ -415,5 +425,6 @@ def build_natural_split(pairs: Sequence[Pair], config: NaturalConfig, *,
     if config.max_train_rows is not None and len(train_idx) > config.max_train_rows:
         chosen = np.random.default_rng(config.seed).choice(len(train_idx), config.max_train_rows, replace=False)
         train_idx = train_idx[np.sort(chosen)]
-    return NaturalSplit(config, [kept[i] for i in train_idx], [kept[i] for i in test_idx],
-                        lengths[train_idx], lengths[test_idx])
+    return NaturalSplit(
+        config, [kept[i] for i in train_idx], [kept[i] for i in test_idx], lengths[train_idx], lengths[test_idx]
+    )

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from clairvoyant.prediction.length_classes import LONG_FROM_TOKENS, SHORT_BELOW_TOKENS
 from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, prompt_from_body
 from clairvoyant.prediction.features import Prompt, get_feature_set
+from clairvoyant.prediction.length_classes import LONG_FROM_TOKENS, SHORT_BELOW_TOKENS
 from clairvoyant.prediction.predictor import card_path_for
 from clairvoyant.tools.training import metrics
 from clairvoyant.tools.training.dataset import NaturalConfig, NaturalSplit, build_natural_split, load_pairs
@@ -96,8 +96,10 @@ def load_alpaca_eval(path: Path) -> AlpacaEvalSet:
 
 
 def order_metrics(score: np.ndarray, lengths: np.ndarray) -> dict[str, float]:
-    return {"kendall_tau_b": metrics.kendall_tau(score, lengths),
-            "pairwise_accuracy_2x": metrics.pairwise_accuracy(score, lengths)}
+    return {
+        "kendall_tau_b": metrics.kendall_tau(score, lengths),
+        "pairwise_accuracy_2x": metrics.pairwise_accuracy(score, lengths),
+    }
 
 
 def _alpaca_metrics(score: np.ndarray, alpaca: AlpacaEvalSet) -> dict[str, Any]:
@@ -112,13 +114,23 @@ def _alpaca_metrics(score: np.ndarray, alpaca: AlpacaEvalSet) -> dict[str, Any]:
 def natural_config_from_card(card: dict[str, Any]) -> NaturalConfig:
     """The held-out split that matches the model's training groups (same seed and test fraction)."""
     data = card.get("data", {})
-    return NaturalConfig(test_fraction=float(data.get("test_fraction", 0.2)), turns="all",
-                         seed=int(data.get("seed", 42)), english_only=True)
+    return NaturalConfig(
+        test_fraction=float(data.get("test_fraction", 0.2)),
+        turns="all",
+        seed=int(data.get("seed", 42)),
+        english_only=True,
+    )
 
 
-def evaluate_model(model_path: Path, *, alpaca_eval: Path | None = None, split: NaturalSplit | None = None,
-                   baseline_model: Path | None = BASELINE_MODEL_PATH, paper_baseline: bool = True,
-                   threads: int = 2) -> dict[str, Any]:
+def evaluate_model(
+    model_path: Path,
+    *,
+    alpaca_eval: Path | None = None,
+    split: NaturalSplit | None = None,
+    baseline_model: Path | None = BASELINE_MODEL_PATH,
+    paper_baseline: bool = True,
+    threads: int = 2,
+) -> dict[str, Any]:
     """The transfer report (a JSON-able dict) of the model at ``model_path``."""
     model = ModelScorer(model_path)
     config = natural_config_from_card(model.card)
@@ -145,17 +157,21 @@ def evaluate_model(model_path: Path, *, alpaca_eval: Path | None = None, split: 
     scorers["model"] = section(raw_test, raw_alpaca, f"{model.name}: {model.kind}, score {model.score_meaning}")
     predicted = model.predicted_log_tokens(raw_test)
     if predicted is not None:
-        scorers["model"]["sharegpt_held_out"]["log_tokens_mae"] = float(np.mean(np.abs(predicted - split.test_log_tokens)))
+        scorers["model"]["sharegpt_held_out"]["log_tokens_mae"] = float(
+            np.mean(np.abs(predicted - split.test_log_tokens))
+        )
         if alpaca is not None and raw_alpaca is not None:
             pa = model.predicted_log_tokens(raw_alpaca)
             scorers["model"]["alpaca_eval"]["log_tokens_mae_per_model"] = {
                 m: float(np.mean(np.abs(pa - np.log(np.maximum(alpaca.lengths[:, j], 1)))))
-                for j, m in enumerate(alpaca.models)}
+                for j, m in enumerate(alpaca.models)
+            }
 
     scorers["prompt_length"] = section(
         np.array([len(p.instruction) for p in test_prompts], dtype=np.float64),
         np.array([len(p.instruction) for p in alpaca.prompts], dtype=np.float64) if alpaca else None,
-        "characters of the last user message (longer = later)")
+        "characters of the last user message (longer = later)",
+    )
 
     if paper_baseline:
         paper = PRESETS["paper"]
@@ -166,13 +182,16 @@ def evaluate_model(model_path: Path, *, alpaca_eval: Path | None = None, split: 
             clf.predict_proba(featurize(fs19, test_prompts))[:, 2],
             clf.predict_proba(featurize(fs19, alpaca.prompts))[:, 2] if alpaca else None,
             "paper19, 3-class 300x6 lr 0.1, P(Long), trained here on the same natural training rows "
-            f"(classes {PAPER_BASELINE_BOUNDS.as_dict()})")
+            f"(classes {PAPER_BASELINE_BOUNDS.as_dict()})",
+        )
 
     if baseline_model is not None and Path(baseline_model).is_file():
         base = ModelScorer(Path(baseline_model))
         scorers["previous_shipped"] = section(
-            base.score_prompts(test_prompts), base.score_prompts(alpaca.prompts) if alpaca else None,
-            f"{base.name}: the previous shipped model (rich_v2, balanced 3-class, P(Long))")
+            base.score_prompts(test_prompts),
+            base.score_prompts(alpaca.prompts) if alpaca else None,
+            f"{base.name}: the previous shipped model (rich_v2, balanced 3-class, P(Long))",
+        )
 
     return {
         "model": model.name,
@@ -180,12 +199,23 @@ def evaluate_model(model_path: Path, *, alpaca_eval: Path | None = None, split: 
         "kind": model.kind,
         "score": model.score_meaning,
         "feature_set": model.feature_set.name,
-        "split": {**config.as_dict(), "held_out_rows": len(split.test),
-                  "held_out_first_turn_rows": int(first.sum()), "split_fingerprint": split.fingerprint(),
-                  "model_trained_on_this_split": trained_on_this_split},
-        "alpaca_eval": ({"file": alpaca.path.name, "prompts": len(alpaca.prompts), "models": alpaca.models,
-                         "note": "evaluation only: never trained on, passed by path, never copied"}
-                        if alpaca else {"skipped": "pass --alpaca-eval PATH to measure transfer"}),
+        "split": {
+            **config.as_dict(),
+            "held_out_rows": len(split.test),
+            "held_out_first_turn_rows": int(first.sum()),
+            "split_fingerprint": split.fingerprint(),
+            "model_trained_on_this_split": trained_on_this_split,
+        },
+        "alpaca_eval": (
+            {
+                "file": alpaca.path.name,
+                "prompts": len(alpaca.prompts),
+                "models": alpaca.models,
+                "note": "evaluation only: never trained on, passed by path, never copied",
+            }
+            if alpaca
+            else {"skipped": "pass --alpaca-eval PATH to measure transfer"}
+        ),
         "metric_notes": [
             "Kendall tau_b between the score (lower = sooner) and the true answer tokens (scipy, variant b).",
             "pairwise_accuracy_2x: over every pair whose true lengths differ by >= 2x, the share the score "
@@ -219,33 +249,51 @@ def render_markdown(report: dict[str, Any]) -> str:
     alpaca = report["alpaca_eval"]
     if "skipped" in alpaca:
         lines += [f"AlpacaEval: skipped ({alpaca['skipped']}).", ""]
-        lines += ["| scorer | ShareGPT tau_b | ShareGPT first turns tau_b | ShareGPT pairwise acc (>=2x) |", "|---|---|---|---|"]
+        lines += [
+            "| scorer | ShareGPT tau_b | ShareGPT first turns tau_b | ShareGPT pairwise acc (>=2x) |",
+            "|---|---|---|---|",
+        ]
         for name, e in s.items():
-            lines.append(f"| {name} | {_fmt(e['sharegpt_held_out']['kendall_tau_b'])} | "
-                         f"{_fmt(e['sharegpt_held_out_first_turns']['kendall_tau_b'])} | "
-                         f"{_fmt(e['sharegpt_held_out']['pairwise_accuracy_2x'])} |")
+            lines.append(
+                f"| {name} | {_fmt(e['sharegpt_held_out']['kendall_tau_b'])} | "
+                f"{_fmt(e['sharegpt_held_out_first_turns']['kendall_tau_b'])} | "
+                f"{_fmt(e['sharegpt_held_out']['pairwise_accuracy_2x'])} |"
+            )
     else:
         models = alpaca["models"]
-        lines += [f"AlpacaEval dev: {alpaca['prompts']} instructions x {len(models)} models ({alpaca['note']}).", "",
-                  "| scorer | AlpacaEval mean tau_b | " + " | ".join(f"{m} tau_b" for m in models)
-                  + " | AlpacaEval mean pairwise acc (>=2x) | ShareGPT tau_b | ShareGPT first turns tau_b | ShareGPT pairwise acc (>=2x) |",
-                  "|---|---|" + "---|" * len(models) + "---|---|---|---|"]
+        lines += [
+            f"AlpacaEval dev: {alpaca['prompts']} instructions x {len(models)} models ({alpaca['note']}).",
+            "",
+            "| scorer | AlpacaEval mean tau_b | "
+            + " | ".join(f"{m} tau_b" for m in models)
+            + " | AlpacaEval mean pairwise acc (>=2x) | ShareGPT tau_b | ShareGPT first turns tau_b | ShareGPT pairwise acc (>=2x) |",
+            "|---|---|" + "---|" * len(models) + "---|---|---|---|",
+        ]
         for name, e in s.items():
             a = e["alpaca_eval"]
-            lines.append(f"| {name} | **{_fmt(a['mean_kendall_tau_b'])}** | "
-                         + " | ".join(_fmt(a["per_model"][m]["kendall_tau_b"]) for m in models)
-                         + f" | {_fmt(a['mean_pairwise_accuracy_2x'])} | {_fmt(e['sharegpt_held_out']['kendall_tau_b'])} | "
-                         f"{_fmt(e['sharegpt_held_out_first_turns']['kendall_tau_b'])} | "
-                         f"{_fmt(e['sharegpt_held_out']['pairwise_accuracy_2x'])} |")
+            lines.append(
+                f"| {name} | **{_fmt(a['mean_kendall_tau_b'])}** | "
+                + " | ".join(_fmt(a["per_model"][m]["kendall_tau_b"]) for m in models)
+                + f" | {_fmt(a['mean_pairwise_accuracy_2x'])} | {_fmt(e['sharegpt_held_out']['kendall_tau_b'])} | "
+                f"{_fmt(e['sharegpt_held_out_first_turns']['kendall_tau_b'])} | "
+                f"{_fmt(e['sharegpt_held_out']['pairwise_accuracy_2x'])} |"
+            )
     lines += ["", "## Scorers"] + [f"- **{name}**: {e['note']}" for name, e in s.items()]
     mae = s["model"]["sharegpt_held_out"].get("log_tokens_mae")
     if mae is not None:
-        lines += ["", "## Calibration", f"Mean |ln predicted tokens - ln true tokens| on the ShareGPT held-out rows: {mae:.3f} "
-                  f"(a factor of {np.exp(mae):.2f})."]
+        lines += [
+            "",
+            "## Calibration",
+            f"Mean |ln predicted tokens - ln true tokens| on the ShareGPT held-out rows: {mae:.3f} "
+            f"(a factor of {np.exp(mae):.2f}).",
+        ]
         per = s["model"].get("alpaca_eval", {}).get("log_tokens_mae_per_model")
         if per:
-            lines.append("On AlpacaEval (other models, other length scales: the online learner's job): "
-                         + ", ".join(f"{m} {v:.3f}" for m, v in per.items()) + ".")
+            lines.append(
+                "On AlpacaEval (other models, other length scales: the online learner's job): "
+                + ", ".join(f"{m} {v:.3f}" for m, v in per.items())
+                + "."
+            )
     lines += ["", "## Metrics"] + [f"- {n}" for n in report["metric_notes"]]
     return "\n".join(lines) + "\n"
 

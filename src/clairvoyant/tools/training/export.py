@@ -125,7 +125,12 @@ def write_card(model_path: Path, card: dict[str, Any]) -> Path:
             raise ValueError(f"model card needs {key!r}")
     kind = card.get("kind", "classifier")
     if kind == "classifier":
-        head: dict[str, Any] = {"kind": kind, "output": "probabilities", "score": "p_long", "classes": list(CLASS_NAMES)}
+        head: dict[str, Any] = {
+            "kind": kind,
+            "output": "probabilities",
+            "score": "p_long",
+            "classes": list(CLASS_NAMES),
+        }
     elif kind == "regressor":
         if card.get("score") not in ("log_tokens", "rank") or not card.get("output"):
             raise ValueError("a regressor card needs 'output' and 'score' ('log_tokens' or 'rank')")

@@ -37,9 +37,14 @@ class LexiconConfig:
     name: str = "rich_v3"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"min_rows": self.min_rows, "ridge_alpha": self.ridge_alpha, "name": self.name,
-                "terms": "distinct words and word bigrams of the rich_v2 scan window",
-                "row_vector": "1/sqrt(k) on the k known terms", "target": "ln(answer cl100k tokens, at least 1)"}
+        return {
+            "min_rows": self.min_rows,
+            "ridge_alpha": self.ridge_alpha,
+            "name": self.name,
+            "terms": "distinct words and word bigrams of the rich_v2 scan window",
+            "row_vector": "1/sqrt(k) on the k known terms",
+            "target": "ln(answer cl100k tokens, at least 1)",
+        }
 
 
 def terms_of_texts(texts: Sequence[str]) -> list[set[bytes]]:
@@ -55,7 +60,9 @@ def _design(term_sets: Sequence[set[bytes]], vocabulary: dict[bytes, int]) -> An
         indptr.append(len(indices))
     counts = np.diff(indptr)
     data = np.repeat(1.0 / np.sqrt(np.maximum(counts, 1)), counts)
-    return sp.csr_matrix((data, np.asarray(indices, dtype=np.int64), np.asarray(indptr)), shape=(len(term_sets), len(vocabulary)))
+    return sp.csr_matrix(
+        (data, np.asarray(indices, dtype=np.int64), np.asarray(indptr)), shape=(len(term_sets), len(vocabulary))
+    )
 
 
 def fit_lexicon(term_sets: Sequence[set[bytes]], log_tokens: np.ndarray, config: LexiconConfig) -> Lexicon:
@@ -87,8 +94,13 @@ def score_terms(lexicon: Lexicon, term_sets: Sequence[set[bytes]]) -> np.ndarray
     return out
 
 
-def out_of_fold_scores(term_sets: Sequence[set[bytes]], log_tokens: np.ndarray, groups: Sequence[str],
-                       config: LexiconConfig, folds: int = 5) -> np.ndarray:
+def out_of_fold_scores(
+    term_sets: Sequence[set[bytes]],
+    log_tokens: np.ndarray,
+    groups: Sequence[str],
+    config: LexiconConfig,
+    folds: int = 5,
+) -> np.ndarray:
     """Each row's lexicon score from a lexicon fit on the other folds (whole groups per fold)."""
     from sklearn.model_selection import GroupKFold
 
@@ -114,11 +126,20 @@ def main(argv: list[str] | None = None) -> int:
     data_config = NaturalConfig()
     split = build_natural_split(load_pairs(), data_config)
     config = LexiconConfig(name=args.name)
-    lexicon = fit_lexicon(terms_of_texts([p.prompt.instruction for p in split.train]),
-                          np.log(np.maximum(split.train_lengths, 1)), config)
+    lexicon = fit_lexicon(
+        terms_of_texts([p.prompt.instruction for p in split.train]), np.log(np.maximum(split.train_lengths, 1)), config
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(lexicon.to_json({"config": config.as_dict(), "data": data_config.as_dict(),
-                                         "train_rows": len(split.train), "split_fingerprint": split.fingerprint()}))
+    args.out.write_text(
+        lexicon.to_json(
+            {
+                "config": config.as_dict(),
+                "data": data_config.as_dict(),
+                "train_rows": len(split.train),
+                "split_fingerprint": split.fingerprint(),
+            }
+        )
+    )
     print(f"wrote {args.out}: {len(lexicon.weights)} terms, sha256 {hashlib.sha256(args.out.read_bytes()).hexdigest()}")
     return 0
 

@@ -60,7 +60,12 @@ class RegressorConfig:
     seed: int = 42
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "objective": "reg:squarederror", "target": "ln(answer cl100k tokens)", "tree_method": "hist"}
+        return {
+            **asdict(self),
+            "objective": "reg:squarederror",
+            "target": "ln(answer cl100k tokens)",
+            "tree_method": "hist",
+        }
 
     def with_overrides(self, **overrides: Any) -> RegressorConfig:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
