@@ -145,7 +145,8 @@ class FakeBackend:
         self.port = 0
 
     def start(self) -> FakeBackend:
-        threading.Thread(target=self._run, name="fake-backend", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="fake-backend", daemon=True)
+        self._thread.start()
         self._ready.wait(10)
         return self
 
@@ -156,21 +157,26 @@ class FakeBackend:
     def _run(self) -> None:
         loop = asyncio.new_event_loop()
         self._loop = loop
+        self._stopped = asyncio.Event()
 
         async def serve() -> None:
             self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0, backlog=4096)
             self.port = self._server.sockets[0].getsockname()[1]
             self._ready.set()
-            await self._server.serve_forever()
+            await self._stopped.wait()
+            self._server.close()
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
 
-        try:
-            loop.run_until_complete(serve())
-        except BaseException:  # noqa: BLE001 - stopped
-            pass
+        loop.run_until_complete(serve())
+        loop.close()
 
     def stop(self) -> None:
-        if self._loop is not None and self._server is not None:
-            self._loop.call_soon_threadsafe(self._server.close)
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._stopped.set)
+            self._thread.join(10)
 
     def tags(self, prefix: str) -> Counter[str]:
         return Counter(d.tag for d in list(self.deliveries) if d.tag.startswith(prefix))
