@@ -689,73 +689,149 @@ def llama_body(messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any
     return {"messages": messages, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": False}
 
 
-def llama_decoded(base_url: str) -> float:
-    for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("llamacpp:n_decode_total"):
-            return float(line.split()[1])
-    return float("nan")
+@dataclass
+class LlamaTask:
+    """One task as llama.cpp's server log shows it (seconds on the server's own clock)."""
+
+    task: int
+    launch_s: float
+    release_s: float | None = None
+    context_tokens: int | None = None  # prompt + generated tokens at release (n_tokens)
+    cancelled: bool = False
 
 
-async def hidden_wait(backend_url: str, log_dir: Path, trials: int, long_tokens: int = 300, short_tokens: int = 4) -> list[Row]:
+def _log_seconds(stamp: str) -> float:
+    """llama.cpp's log time stamp ``M.SS.mmm.uuu`` in seconds."""
+    minutes, seconds, millis, micros = (int(x) for x in stamp.split("."))
+    return minutes * 60 + seconds + millis / 1e3 + micros / 1e6
+
+
+def llama_tasks(lines: list[str]) -> list[LlamaTask]:
+    """Tasks in launch order, with release time and generated tokens, from llama.cpp server log lines."""
+    tasks: dict[int, LlamaTask] = {}
+    for line in lines:
+        stamp, _, rest = line.partition(" ")
+        if "cancel task, id_task = " in rest:
+            cancelled = int(rest.rsplit("= ", 1)[1].split()[0])
+            if cancelled in tasks:
+                tasks[cancelled].cancelled = True
+            continue
+        if "| task " not in rest:
+            continue
+        try:
+            when = _log_seconds(stamp)
+            task = int(rest.split("| task ", 1)[1].split(" ", 1)[0])
+        except ValueError:
+            continue
+        if "launch_slot_" in rest:
+            tasks[task] = LlamaTask(task, when)
+        elif task in tasks and "release:" in rest:
+            tasks[task].release_s = when
+            if "n_tokens = " in rest:
+                tasks[task].context_tokens = int(rest.split("n_tokens = ", 1)[1].split(",")[0])
+    return sorted(tasks.values(), key=lambda t: t.launch_s)
+
+
+class MetricsScraper:
+    """GETs the backend's /metrics every ``every_s`` (as a Prometheus scrape would) while running."""
+
+    def __init__(self, base_url: str, every_s: float) -> None:
+        self.base_url, self.every_s = base_url, every_s
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        async with httpx.AsyncClient(timeout=10) as client:
+            while True:
+                await client.get(f"{self.base_url}/metrics")
+                await asyncio.sleep(self.every_s)
+
+    async def __aenter__(self) -> MetricsScraper:
+        self._task = asyncio.ensure_future(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+HIDDEN_CONDITIONS = (("auto", None), ("abort", None), ("abort", 0.5))  # (disconnect_mode, /metrics scrape interval)
+
+
+async def hidden_wait(backend_url: str, backend_log: Path, log_dir: Path, trials: int, long_tokens: int = 300,
+                      short_tokens: int = 4, leave_s: float = 0.5) -> list[Row]:
     proxies = {mode: ProxyProcess(f"disconnect-{mode}", backend_url, log_dir, slots=1, disconnect_mode=mode).start()
                for mode in ("auto", "abort")}
+    samples: dict[tuple[str, float | None], list[dict[str, float]]] = {c: [] for c in HIDDEN_CONDITIONS}
     try:
         async with httpx.AsyncClient(timeout=120) as client:
-            # Baselines, directly on the backend, in this run: the short request's own service and the long one's full time.
-            for _ in range(2):
-                await client.post(f"{backend_url}{CHAT}", json=llama_body(SHORT_PROMPT, short_tokens))
+            # The short request's own service, measured directly on the idle backend in this run.
             own = []
-            for _ in range(5):
+            for i in range(7):
                 started = time.perf_counter()
                 (await client.post(f"{backend_url}{CHAT}", json=llama_body(SHORT_PROMPT, short_tokens))).raise_for_status()
-                own.append(time.perf_counter() - started)
+                if i >= 2:
+                    own.append(time.perf_counter() - started)
             own_s = statistics.median(own)
-            started = time.perf_counter()
-            (await client.post(f"{backend_url}{CHAT}", json=llama_body(LONG_PROMPT, long_tokens))).raise_for_status()
-            long_s = time.perf_counter() - started
+            probe = await client.post(f"{backend_url}{CHAT}", json=llama_body(LONG_PROMPT, 1))
+            long_prompt_tokens = int(probe.json()["timings"]["prompt_n"]) + int(probe.json()["timings"].get("cache_n", 0))
             for proxy in proxies.values():  # warm each proxy's path once
                 (await client.post(f"{proxy.url}{CHAT}", json=llama_body(SHORT_PROMPT, short_tokens))).raise_for_status()
-            samples: dict[str, list[dict[str, float]]] = {"auto": [], "abort": []}
             for trial in range(trials):
-                for mode in (("auto", "abort") if trial % 2 == 0 else ("abort", "auto")):
+                order = HIDDEN_CONDITIONS if trial % 2 == 0 else HIDDEN_CONDITIONS[::-1]
+                for mode, scrape_s in order:
                     url = f"{proxies[mode].url}{CHAT}"
-                    decoded_before = llama_decoded(backend_url)
-                    async with httpx.AsyncClient(timeout=httpx.Timeout(60, read=0.5)) as leaver:
-                        try:
-                            await leaver.post(url, json=llama_body(LONG_PROMPT, long_tokens))
-                            raise RuntimeError("the long request finished before the client left")
-                        except httpx.ReadTimeout:
-                            pass
-                    left = time.perf_counter()
-                    response = await client.post(url, json=llama_body(SHORT_PROMPT, short_tokens))
-                    total_s = time.perf_counter() - left
+                    log_lines_before = len(backend_log.read_text(errors="replace").splitlines())
+                    scraper = MetricsScraper(backend_url, scrape_s) if scrape_s else None
+                    if scraper:
+                        await scraper.__aenter__()
+                    try:
+                        async with httpx.AsyncClient(timeout=httpx.Timeout(60, read=leave_s)) as leaver:
+                            try:
+                                await leaver.post(url, json=llama_body(LONG_PROMPT, long_tokens))
+                                raise RuntimeError("the long request finished before the client left")
+                            except httpx.ReadTimeout:
+                                pass
+                        left = time.perf_counter()
+                        response = await client.post(url, json=llama_body(SHORT_PROMPT, short_tokens))
+                        total_s = time.perf_counter() - left
+                    finally:
+                        if scraper:
+                            await scraper.__aexit__()
                     response.raise_for_status()
                     queue_s = float(response.headers.get("x-clairvoyant-queue-wait-ms") or "nan") / 1000
-                    await asyncio.sleep(0.5)
-                    decoded = llama_decoded(backend_url) - decoded_before
-                    long_decoded = decoded - short_tokens
-                    samples[mode].append({
+                    await asyncio.sleep(0.3)
+                    tasks = llama_tasks(backend_log.read_text(errors="replace").splitlines()[log_lines_before:])
+                    long_task = tasks[0] if tasks else None  # the first task launched in the trial is the long one
+                    busy_s = generated = float("nan")
+                    if long_task is not None and long_task.release_s is not None:
+                        # the client left leave_s after sending; the backend started it within milliseconds
+                        busy_s = long_task.release_s - long_task.launch_s - leave_s
+                        generated = float((long_task.context_tokens or 0) - long_prompt_tokens + 1)
+                    samples[(mode, scrape_s)].append({
                         "total_s": total_s, "queue_wait_s": queue_s, "hidden_s": total_s - queue_s - own_s,
-                        "long_tokens_decoded": long_decoded,
-                        # the backend's real remaining busy time after the client left, from the long request's measured rate
-                        "backend_busy_after_leave_s": max(0.0, long_s * min(1.0, long_decoded / long_tokens) - 0.5),
+                        "long_tokens_generated": generated,
+                        "long_cancelled_by_backend": float(bool(long_task and long_task.cancelled)),
+                        "backend_busy_after_leave_s": busy_s,
                     })
     finally:
         for proxy in proxies.values():
             proxy.stop()
     rows = []
-    for mode in ("auto", "abort"):
-        s = samples[mode]
+    for (mode, scrape_s), s in samples.items():
         med = {k: statistics.median(x[k] for x in s) for k in s[0]}
+        label = f"disconnect_mode={mode}" + (f", backend /metrics scraped every {scrape_s:g} s" if scrape_s else "")
         threshold = max(0.3, 0.1 * med["backend_busy_after_leave_s"])
         ok = med["hidden_s"] <= threshold if mode == "auto" else None
         rows.append(Row(
-            f"4 llama.cpp non-stream left at 0.5 s, disconnect_mode={mode}",
+            f"4 llama.cpp non-stream left at {leave_s:g} s, {label}",
             f"hidden wait <= {threshold:.2f} s (the wait is queue wait)" if mode == "auto" else "(compared: no target)",
-            f"short: total {med['total_s']:.2f} s = queue {med['queue_wait_s']:.2f} + own {own_s:.2f} + hidden {med['hidden_s']:.2f}; "
-            f"backend busy {med['backend_busy_after_leave_s']:.2f} s after leave ({med['long_tokens_decoded']:.0f}/{long_tokens} tok)",
+            f"next short request: total {med['total_s']:.2f} s = queue {med['queue_wait_s']:.2f} + own {own_s:.2f} + hidden "
+            f"{med['hidden_s']:.2f}; backend busy {med['backend_busy_after_leave_s']:.2f} s after the leave "
+            f"({med['long_tokens_generated']:.0f}/{long_tokens} tokens generated)",
             ok,
-            {"trials": s, "median": med, "own_service_s": own_s, "long_full_s": long_s, "own_service_samples_s": own},
+            {"disconnect_mode": mode, "metrics_scrape_s": scrape_s, "trials": s, "median": med, "own_service_s": own_s,
+             "own_service_samples_s": own},
         ))
     return rows
 
@@ -850,8 +926,9 @@ async def run(cases: set[str], log_dir: Path, trials: int) -> list[Row]:
     if "4" in cases:
         from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
 
-        with EmbeddedLlamaServer(n_threads=1) as llama:
-            await step("4", hidden_wait(llama.base_url, log_dir, trials))
+        llama_log = log_dir / "llama-case4.log"
+        with EmbeddedLlamaServer(n_threads=1, log_path=llama_log) as llama:
+            await step("4", hidden_wait(llama.base_url, llama_log, log_dir, trials))
     if "5" in cases:
         await step("5", restart_case(log_dir))
     return rows
