@@ -498,6 +498,48 @@ async def big_header(proxy: ProxyProcess, size: int = 8 * 1024 * 1024) -> Row:
     )
 
 
+async def kept_alive_second_request(proxy: ProxyProcess, timeout_s: float, tries: int = 5) -> Row:
+    """On a kept-alive connection (one request answered), a second request that stalls in its
+    headers, or whose headers are too big: the 408 / 431 must arrive there too."""
+    loop = asyncio.get_running_loop()
+    first = b"GET /healthz HTTP/1.1\r\nHost: bench\r\n\r\n"
+    seconds = {
+        "stalled headers": PARTIAL_HEADERS,
+        "200 KB header": b"GET /healthz HTTP/1.1\r\nHost: bench\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n",
+    }
+    expect = {"stalled headers": 408, "200 KB header": 431}
+    got: dict[str, list[int | None]] = {name: [] for name in seconds}
+    for name, payload in seconds.items():
+        for _ in range(tries):
+            sock = socket.socket()
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("127.0.0.1", proxy.port))
+            await loop.sock_sendall(sock, first)
+            head = b""
+            while not head.endswith(b'{"status":"ok"}'):
+                head += await loop.sock_recv(sock, 65536)
+            try:
+                await loop.sock_sendall(sock, payload)
+            except OSError:
+                pass
+            data = b""
+            try:
+                while chunk := await asyncio.wait_for(loop.sock_recv(sock, 65536), timeout_s + 5):
+                    data += chunk
+            except (ConnectionResetError, TimeoutError):
+                pass
+            sock.close()
+            got[name].append(status_of(data))
+    answered = {name: sum(s == expect[name] for s in statuses) for name, statuses in got.items()}
+    return Row(
+        "1e kept-alive connection, 2nd request stalled / 200 KB header",
+        f"408 and 431 received ({tries} tries each)",
+        ", ".join(f"{name}: {expect[name]} received {answered[name]}/{tries} (got {Counter(got[name]).most_common()})" for name in got),
+        all(n == tries for n in answered.values()),
+        {"statuses": {name: [str(s) for s in v] for name, v in got.items()}},
+    )
+
+
 async def connection_cap(proxy: ProxyProcess, cap: int, extra: int = 10) -> Row:
     """``cap`` idle connections held open, then ``extra`` more: each extra one gets 503 and is closed."""
     loop = asyncio.get_running_loop()
@@ -905,6 +947,7 @@ async def run(cases: set[str], log_dir: Path, trials: int) -> list[Row]:
                 await step("1a", stall_phase(main, "a", PARTIAL_HEADERS, 500, 5.0))
                 await step("1b", stall_phase(main, "b", short_body_request(), 500, 5.0))
                 await step("1c", big_header(main))
+                await step("1e", kept_alive_second_request(main, 5.0))
             if "3" in cases:
                 await step("3", close_after_read(main, backend))
             if "6" in cases:
