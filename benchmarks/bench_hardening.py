@@ -134,15 +134,16 @@ class FakeBackend:
     ``max_tokens`` events ``delay_s`` apart), "close-after-read" (read the request, close 1 s later
     without answering). Every POST it fully read is a ``Delivery`` (tag = the body's "user")."""
 
-    def __init__(self, service_s: float = 0.0, stream_delay_s: float = 0.1) -> None:
+    def __init__(self, service_s: float = 0.0, stream_delay_s: float = 0.1, port: int = 0) -> None:
         self.service_s = service_s
         self.stream_delay_s = stream_delay_s
         self.deliveries: list[Delivery] = []
+        self._writers: set[asyncio.StreamWriter] = set()
         self._connections = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
         self._ready = threading.Event()
-        self.port = 0
+        self.port = port
 
     def start(self) -> FakeBackend:
         self._thread = threading.Thread(target=self._run, name="fake-backend", daemon=True)
@@ -160,15 +161,15 @@ class FakeBackend:
         self._stopped = asyncio.Event()
 
         async def serve() -> None:
-            self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0, backlog=4096)
+            self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, backlog=4096, reuse_address=True)
             self.port = self._server.sockets[0].getsockname()[1]
             self._ready.set()
             await self._stopped.wait()
             self._server.close()
+            for writer in list(self._writers):
+                writer.transport.abort()
             others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in others:
-                task.cancel()
-            await asyncio.gather(*others, return_exceptions=True)
+            await asyncio.wait(others, timeout=2) if others else None
 
         loop.run_until_complete(serve())
         loop.close()
@@ -184,6 +185,7 @@ class FakeBackend:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._connections += 1
         connection, served = self._connections, 0
+        self._writers.add(writer)
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -216,6 +218,7 @@ class FakeBackend:
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
             pass
         finally:
+            self._writers.discard(writer)
             writer.close()
 
     @staticmethod
@@ -878,6 +881,37 @@ async def hidden_wait(backend_url: str, backend_log: Path, log_dir: Path, trials
     return rows
 
 
+async def left_while_backend_down(log_dir: Path, away_s: float = 3.0) -> Row:
+    """A non-streamed request is dispatched while the backend is down; its client leaves after 1 s;
+    the backend comes back ``away_s`` later. Nothing was sent, so nothing should reach the backend."""
+    port = free_port()
+    backend = FakeBackend(port=port).start()
+    proxy = ProxyProcess("left-while-down", backend.base_url, log_dir, slots=1, log_level="info").start()
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            (await client.post(f"{proxy.url}{CHAT}", json=chat_body("c5b-warm"))).raise_for_status()
+        backend.stop()
+        async with httpx.AsyncClient(timeout=httpx.Timeout(10, read=1.0)) as client:
+            try:
+                await client.post(f"{proxy.url}{CHAT}", json=chat_body("c5b-gone"))
+            except httpx.ReadTimeout:
+                pass
+        left = time.monotonic()
+        await asyncio.sleep(away_s - 1.0)
+        backend = FakeBackend(port=port).start()
+        await asyncio.sleep(5.0)
+        got = [d for d in backend.deliveries if d.tag == "c5b-gone"]
+    finally:
+        proxy.stop()
+        backend.stop()
+    return Row(
+        "5b non-stream client left while the backend was down (auto)",
+        "0 deliveries after the backend is back (never sent, nothing to drain)",
+        f"{len(got)} delivery(ies)" + (f", {got[0].at_s - left:.1f} s after the client left" if got else ""),
+        not got, {"deliveries": len(got), "after_leave_s": [d.at_s - left for d in got]},
+    )
+
+
 async def restart_case(log_dir: Path, down_s: float = 10.0, n: int = 10) -> Row:
     from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
 
@@ -974,6 +1008,7 @@ async def run(cases: set[str], log_dir: Path, trials: int) -> list[Row]:
             await step("4", hidden_wait(llama.base_url, llama_log, log_dir, trials))
     if "5" in cases:
         await step("5", restart_case(log_dir))
+        await step("5b", left_while_backend_down(log_dir))
     return rows
 
 
