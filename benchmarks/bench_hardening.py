@@ -196,6 +196,8 @@ class FakeBackend:
                 served += 1
                 if method == "GET":
                     await self._send(writer, 200, b'{"status":"ok"}')
+                    if headers.get("connection", "").lower() == "close":
+                        return
                     continue
                 data = json.loads(body or b"{}")
                 model = str(data.get("model", "fast"))
