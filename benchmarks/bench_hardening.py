@@ -51,6 +51,7 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+PROXY_SRC = [REPO / "src"]  # the package the proxy processes import (--proxy-src: try a patched tree)
 RESULTS_PATH = Path(__file__).with_name("hardening_results.json")
 CHAT = "/v1/chat/completions"
 
@@ -288,7 +289,7 @@ class ProxyProcess:
 
     def start(self) -> ProxyProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CLAIRVOYANT_")}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH", "")]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROXY_SRC[0]), env.get("PYTHONPATH", "")]))
         env.update({f"CLAIRVOYANT_{k.upper()}": str(v) for k, v in self.settings.items()})
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "clairvoyant", "serve"], env=env, stdout=log, stderr=log, cwd=REPO)
@@ -513,28 +514,29 @@ async def kept_alive_second_request(proxy: ProxyProcess, timeout_s: float, tries
         "200 KB header": b"GET /healthz HTTP/1.1\r\nHost: bench\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n",
     }
     expect = {"stalled headers": 408, "200 KB header": 431}
-    got: dict[str, list[int | None]] = {name: [] for name in seconds}
-    for name, payload in seconds.items():
-        for _ in range(tries):
-            sock = socket.socket()
-            sock.setblocking(False)
-            await loop.sock_connect(sock, ("127.0.0.1", proxy.port))
-            await loop.sock_sendall(sock, first)
-            head = b""
-            while not head.endswith(b'{"status":"ok"}'):
-                head += await loop.sock_recv(sock, 65536)
-            try:
-                await loop.sock_sendall(sock, payload)
-            except OSError:
-                pass
-            data = b""
-            try:
-                while chunk := await asyncio.wait_for(loop.sock_recv(sock, 65536), timeout_s + 5):
-                    data += chunk
-            except (ConnectionResetError, TimeoutError):
-                pass
-            sock.close()
-            got[name].append(status_of(data))
+
+    async def one(payload: bytes) -> int | None:
+        sock = socket.socket()
+        sock.setblocking(False)
+        await loop.sock_connect(sock, ("127.0.0.1", proxy.port))
+        await loop.sock_sendall(sock, first)
+        head = b""
+        while not head.endswith(b'{"status":"ok"}'):
+            head += await loop.sock_recv(sock, 65536)
+        try:
+            await loop.sock_sendall(sock, payload)
+        except OSError:
+            pass
+        data = b""
+        try:
+            while chunk := await asyncio.wait_for(loop.sock_recv(sock, 65536), timeout_s + 5):
+                data += chunk
+        except (ConnectionResetError, TimeoutError):
+            pass
+        sock.close()
+        return status_of(data)
+
+    got = {name: list(await asyncio.gather(*(one(payload) for _ in range(tries)))) for name, payload in seconds.items()}
     answered = {name: sum(s == expect[name] for s in statuses) for name, statuses in got.items()}
     return Row(
         "1e kept-alive connection, 2nd request stalled / 200 KB header",
@@ -542,6 +544,30 @@ async def kept_alive_second_request(proxy: ProxyProcess, timeout_s: float, tries
         ", ".join(f"{name}: {expect[name]} received {answered[name]}/{tries} (got {Counter(got[name]).most_common()})" for name in got),
         all(n == tries for n in answered.values()),
         {"statuses": {name: [str(s) for s in v] for name, v in got.items()}},
+    )
+
+
+async def pipelined_behind_stream(backend: FakeBackend, log_dir: Path, timeout_s: float = 1.0, events: int = 30) -> Row:
+    """HTTP pipelining: a 3 s stream, and behind it on the same connection the first bytes of a
+    second request. The second request's deadline must not cut the first one's answer."""
+    proxy = ProxyProcess("pipelined", backend.base_url, log_dir, client_timeout_s=timeout_s).start()
+    try:
+        body = json.dumps(chat_body("c1f-stream", model="slow-stream", stream=True, max_tokens=events)).encode()
+        first = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        result = await raw_exchange(proxy.port, first + b"GET /healthz HTTP/1.1\r\nHost: bench\r\nX-Part: 1",
+                                    wait_s=events * backend.stream_delay_s + timeout_s + 5)
+    finally:
+        proxy.stop()
+    got = result.data.count(b"chat.completion.chunk")
+    complete = b"[DONE]" in result.data
+    took = None if result.closed_s is None else result.closed_s - result.opened_s
+    return Row(
+        f"1f pipelined partial request behind a {events * backend.stream_delay_s:g} s stream (client_timeout_s={timeout_s:g})",
+        "the stream in progress completes ([DONE])",
+        f"stream {'complete' if complete else 'CUT'}: {got}/{events} events, connection closed after "
+        f"{'-' if took is None else f'{took:.2f}'} s",
+        complete, {"events": got, "of": events, "done": complete, "closed_after_s": took},
     )
 
 
@@ -996,6 +1022,7 @@ async def run(cases: set[str], log_dir: Path, trials: int) -> list[Row]:
                 await step("1d", connection_cap(capped, 20))
             finally:
                 capped.stop()
+            await step("1f", pipelined_behind_stream(backend, log_dir))
         backend.stop()
     if "2" in cases:
         backend = FakeBackend(stream_delay_s=0.1).start()
@@ -1020,8 +1047,10 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=2, help="case 4: trials per disconnect mode (default 2)")
     parser.add_argument("--json", type=Path, default=RESULTS_PATH, help=f"results file (default {RESULTS_PATH.name})")
     parser.add_argument("--log-dir", type=Path, help="where the proxies' logs go (default a temporary directory)")
+    parser.add_argument("--proxy-src", type=Path, default=PROXY_SRC[0], help="src/ directory the proxy runs from (default this checkout's)")
     args = parser.parse_args()
     cases = {c.strip() for c in args.cases.split(",") if c.strip()}
+    PROXY_SRC[0] = args.proxy_src.resolve()
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-hardening-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
