@@ -940,6 +940,32 @@ async def left_while_backend_down(log_dir: Path, away_s: float = 3.0) -> Row:
     )
 
 
+async def backend_gone(log_dir: Path, wait_s: float = 2.0, n: int = 5) -> Row:
+    """The backend is down for good (nothing listens), slots 1, backend_wait_s=``wait_s``: each of
+    ``n`` requests sent together should get its 502 about ``wait_s`` after it arrived."""
+    proxy = ProxyProcess("backend-gone", f"http://127.0.0.1:{free_port()}", log_dir, slots=1, backend_wait_s=wait_s).start()
+    try:
+        started = time.monotonic()
+        async with httpx.AsyncClient(timeout=120) as client:
+
+            async def one(i: int) -> tuple[int, float]:
+                response = await client.post(f"{proxy.url}{CHAT}", json=chat_body(f"c5c-{i}"))
+                return response.status_code, time.monotonic() - started
+
+            answers = await asyncio.gather(*(one(i) for i in range(n)))
+    finally:
+        proxy.stop()
+    latest = max(a[1] for a in answers)
+    ok = all(a[0] == 502 for a in answers) and latest <= wait_s + 1.0
+    return Row(
+        f"5c backend down for good, backend_wait_s={wait_s:g}, {n} requests at once (slots 1)",
+        f"each 502 within backend_wait_s + 1 s = {wait_s + 1:g} s of its arrival",
+        "502 at " + ", ".join(f"{a[1]:.1f}" for a in sorted(answers, key=lambda a: a[1])) + " s"
+        + ("" if all(a[0] == 502 for a in answers) else f" (statuses {[a[0] for a in answers]})"),
+        ok, {"answers": answers, "backend_wait_s": wait_s},
+    )
+
+
 async def restart_case(log_dir: Path, down_s: float = 10.0, n: int = 10) -> Row:
     from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
 
@@ -1038,6 +1064,7 @@ async def run(cases: set[str], log_dir: Path, trials: int) -> list[Row]:
     if "5" in cases:
         await step("5", restart_case(log_dir))
         await step("5b", left_while_backend_down(log_dir))
+        await step("5c", backend_gone(log_dir))
     return rows
 
 
