@@ -11,18 +11,24 @@ Cases (each target and its measured figure are printed as a table, PASS/FAIL, an
 1. stalled clients, client_timeout_s=5: 500 connections with partial headers, then 500 with
    headers + a body shorter than its Content-Length; every one closed within client_timeout_s + 1 s
    with a 408; proxy RSS growth; p50 of a small normal request before vs during each stall;
-   an 8 MB header (431); connections beyond max_connections (503).
+   an 8 MB header (431); connections beyond max_connections (503); (1e) the 408 / 431 on a kept-alive
+   connection's second request; (1f) a pipelined partial request behind a stream.
 2. SIGTERM with 1 stream in flight and 50 queued (slots=1): 50 x 503 shutting_down within 1 s,
    the stream completes (grace 8 s) or ends with an error event (grace 1 s), exit within grace + 2 s.
 3. a backend that reads the POST and closes 1 s later: one delivery and one 502, on a fresh and on
    a reused upstream connection.
 4. llama.cpp, non-streamed forced-long request left after 0.5 s, then a short one at once: its
-   queue wait, total and "hidden wait" (total - queue wait - own service), disconnect_mode auto vs abort.
-5. llama.cpp restart (~10 s down) while 10 requests wait (slots=1): all 200, none 502.
+   queue wait, total and "hidden wait" (total - queue wait - own service), disconnect_mode auto vs
+   abort (and abort while the backend's /metrics is scraped every 0.5 s).
+5. llama.cpp restart (~10 s down) while 10 requests wait (slots=1): all 200, none 502; (5b) a
+   non-streamed request whose client left while the backend was down is never sent; (5c) a backend
+   down for good: each waiting request's 502 within backend_wait_s + 1 s.
 6. 1,000 concurrent clients (fast fake backend, slots 8): 0 lost, 0 duplicated, proxy RSS.
+7. an upstream URL with user:password: the password never appears in the proxy's log (log_level info).
 
     PYTHONPATH=src python benchmarks/bench_hardening.py                 # everything, ~3-4 min
-    PYTHONPATH=src python benchmarks/bench_hardening.py --cases 1,3,6   # fake-backend cases only
+    PYTHONPATH=src python benchmarks/bench_hardening.py --cases 1,2,3,6,7   # fake-backend cases only
+    ... --proxy-src /path/to/patched/src   # the same probe against another tree
 
 Timing figures are noisy on a shared 2-core machine; "before/during" latencies are measured in the
 same run, one right after the other.
@@ -750,6 +756,28 @@ async def thousand(proxy: ProxyProcess, backend: FakeBackend, n: int = 1000) -> 
     )
 
 
+async def credentials_in_log(backend: FakeBackend, log_dir: Path) -> Row:
+    """An upstream URL with user:password, the default log level (info), one request and one
+    readiness probe: the password must not appear in the proxy's log."""
+    secret = "s3cret-hbench"
+    url = backend.base_url.replace("http://", f"http://bench:{secret}@")
+    proxy = ProxyProcess("credentials", url, log_dir, log_level="info").start()
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            status = (await client.post(f"{proxy.url}{CHAT}", json=chat_body("c7"))).status_code
+            await client.get(f"{proxy.url}/readyz")
+    finally:
+        proxy.stop()
+    lines = [line for line in proxy.log_path.read_text(errors="replace").splitlines() if secret in line]
+    loggers = Counter(line.split()[3] if len(line.split()) > 3 else "?" for line in lines)
+    return Row(
+        "7 upstream URL with user:password, log_level info",
+        "the password never in the proxy's log",
+        f"request {status}; password in {len(lines)} log line(s)" + (f" (logger {dict(loggers)})" if lines else ""),
+        not lines, {"lines_with_password": len(lines), "loggers": dict(loggers)},
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Cases 4 and 5: the real llama.cpp
 # --------------------------------------------------------------------------------------------
@@ -1027,7 +1055,7 @@ async def run(cases: set[str], log_dir: Path, trials: int) -> list[Row]:
         for row in new:
             print(f"[{time.monotonic() - started:5.1f} s] {row.case}: {'-' if row.ok is None else ('PASS' if row.ok else 'FAIL')} {row.measured}", flush=True)
 
-    if cases & {"1", "3", "6"}:
+    if cases & {"1", "3", "6", "7"}:
         backend = FakeBackend(service_s=0.005).start()
         main = ProxyProcess("main", backend.base_url, log_dir, slots=8, max_queue=2000, client_timeout_s=5).start()
         try:
@@ -1040,6 +1068,8 @@ async def run(cases: set[str], log_dir: Path, trials: int) -> list[Row]:
                 await step("3", close_after_read(main, backend))
             if "6" in cases:
                 await step("6", thousand(main, backend))
+            if "7" in cases:
+                await step("7", credentials_in_log(backend, log_dir))
         finally:
             main.stop()
         if "1" in cases:
@@ -1070,7 +1100,7 @@ async def run(cases: set[str], log_dir: Path, trials: int) -> list[Row]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default="1,2,3,4,5,6", help="comma-separated case numbers (default all)")
+    parser.add_argument("--cases", default="1,2,3,4,5,6,7", help="comma-separated case numbers (default all)")
     parser.add_argument("--trials", type=int, default=2, help="case 4: trials per disconnect mode (default 2)")
     parser.add_argument("--json", type=Path, default=RESULTS_PATH, help=f"results file (default {RESULTS_PATH.name})")
     parser.add_argument("--log-dir", type=Path, help="where the proxies' logs go (default a temporary directory)")
@@ -1087,7 +1117,7 @@ def main() -> int:
     print(f"\n{sum(r.ok is True for r in rows)} PASS, {sum(r.ok is False for r in rows)} FAIL in {took:.0f} s; proxy logs in {log_dir}")
     load = os.getloadavg()
     result = {
-        "command": "PYTHONPATH=src python benchmarks/bench_hardening.py" + ("" if args.cases == "1,2,3,4,5,6" else f" --cases {args.cases}"),
+        "command": "PYTHONPATH=src python benchmarks/bench_hardening.py" + ("" if args.cases == "1,2,3,4,5,6,7" else f" --cases {args.cases}"),
         "seconds": took, "load_average": load,
         "rows": [{"case": r.case, "target": r.target, "measured": r.measured,
                   "verdict": None if r.ok is None else ("PASS" if r.ok else "FAIL"), "figures": r.figures} for r in rows],
