@@ -25,7 +25,7 @@ Cases (each target and its measured figure are printed as a table, PASS/FAIL, an
    down for good: each waiting request's 502 within backend_wait_s + 1 s.
 6. 1,000 concurrent clients (fast fake backend, slots 8): 0 lost, 0 duplicated, proxy RSS.
 7. an upstream URL with user:password: the password never appears in the proxy's log (log_level info).
-8. llama.cpp, 10 back-to-back bursts of 20 short requests (half streamed): no 502.
+8. llama.cpp, 20 back-to-back bursts of 20 short requests (half streamed): no 502.
 
     PYTHONPATH=src python benchmarks/bench_hardening.py                 # everything, ~3-4 min
     PYTHONPATH=src python benchmarks/bench_hardening.py --cases 1,2,3,6,7   # fake-backend cases only
@@ -995,7 +995,7 @@ async def backend_gone(log_dir: Path, wait_s: float = 2.0, n: int = 5) -> Row:
     )
 
 
-async def llama_bursts(backend_url: str, log_dir: Path, bursts: int = 10, size: int = 20) -> Row:
+async def llama_bursts(backend_url: str, log_dir: Path, bursts: int = 20, size: int = 20) -> Row:
     """Back-to-back bursts of short requests (half streamed) through the proxy to llama.cpp: no 502
     (llama.cpp closes some connections right after a streamed answer; a pooled one may be reused first)."""
     proxy = ProxyProcess("bursts", backend_url, log_dir, slots=1).start()
