@@ -27,7 +27,7 @@ Cases (each target and its measured figure are printed as a table, PASS/FAIL, an
 7. an upstream URL with user:password: the password never appears in the proxy's log (log_level info).
 8. llama.cpp, 20 back-to-back bursts of 20 short requests (half streamed): no 502.
 
-    PYTHONPATH=src python benchmarks/bench_hardening.py                 # everything, ~3-4 min
+    PYTHONPATH=src python benchmarks/bench_hardening.py                 # everything, 3-4.5 min
     PYTHONPATH=src python benchmarks/bench_hardening.py --cases 1,2,3,6,7   # fake-backend cases only
     ... --proxy-src /path/to/patched/src   # the same probe against another tree
 
