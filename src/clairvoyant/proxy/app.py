@@ -119,7 +119,7 @@ def create_app(
         try:
             yield
         finally:
-            await dispatcher.stop()
+            await dispatcher.stop(settings.shutdown_grace_s)  # in-flight answers get the grace period, no more
             await learning.stop()  # after the drain: the last requests are learned, then saved
             await upstream.aclose()
 
