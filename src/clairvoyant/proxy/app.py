@@ -15,7 +15,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
@@ -62,7 +61,7 @@ def create_app(
     *,
     predictor: Predictor | None = None,
     clock: Clock | None = None,
-    upstream_transport: httpx.AsyncBaseTransport | None = None,
+    upstream_transport: Any = None,  # an httpx transport (tests; see proxy/upstream.py)
 ) -> FastAPI:
     """Build the proxy app. ``predictor``, ``clock`` and ``upstream_transport`` are for tests."""
     metrics = Metrics()

@@ -35,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -43,7 +42,7 @@ from clairvoyant.prediction.dialects import Dialect, error_body, stream_error_ev
 from clairvoyant.scheduling.dispatcher import Dispatcher, ShuttingDown, Ticket
 from clairvoyant.errors import RequestError, UpstreamTimeout, UpstreamUnavailable
 from clairvoyant.metrics import Metrics
-from clairvoyant.proxy.upstream import Upstream, response_headers
+from clairvoyant.proxy.upstream import Upstream, UpstreamResponse, response_headers
 from clairvoyant.prediction.usage import Usage, UsageTap
 
 __all__ = ["PassthroughResponse", "Relay", "ScheduledResponse", "UpstreamRequest", "error_body"]
@@ -114,7 +113,7 @@ class Relay:
         finally:
             await response.aclose()
 
-    async def _open(self) -> httpx.Response:
+    async def _open(self) -> UpstreamResponse:
         """Open the upstream request. While the backend is down (connection refused) or, for a
         scheduled request, answers 503 (a model loading, its queue full), nothing has been
         generated: wait for its health check, up to ``backend_wait_s`` from the first failure, and
@@ -143,10 +142,11 @@ class Relay:
             logger.info("the backend answered 503 before starting; waiting up to %.0f s for it", deadline_s - time.monotonic())
             await self.upstream.wait_until_ready(deadline_s)
 
-    async def _relay_body(self, response: httpx.Response, send: Send) -> None:
+    async def _relay_body(self, response: UpstreamResponse, send: Send) -> None:
         self.status = response.status_code
-        self._content_type = response.headers.get("content-type", "")
-        headers = response_headers(response.headers) + self.extra_headers()
+        self._content_type = response.header(b"content-type")
+        headers = response_headers(response.raw_headers)
+        headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.extra_headers()]
         read_usage = self.on_usage is not None and 200 <= response.status_code < 300
         tap = UsageTap(self._content_type) if read_usage else None
         if not self.client_gone:
@@ -154,7 +154,7 @@ class Relay:
                 {
                     "type": "http.response.start",
                     "status": response.status_code,
-                    "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers],
+                    "headers": headers,
                 }
             )
         first = True
