@@ -35,8 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Receive, Send
 
 from clairvoyant.prediction.dialects import Dialect, error_body, stream_error_event
 from clairvoyant.scheduling.dispatcher import Dispatcher, ShuttingDown, Ticket
@@ -182,8 +181,8 @@ class Relay:
             # Before the last send: the observation is in once the client has it all.
             self.on_usage(tap.usage(wall_s=self.now() - self._sent_s, request_model=self.model))
         if not self.client_gone:
+            self.outcome = "completed"  # before the last send: a disconnect from now on is not a leaver
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-            self.outcome = "completed"
         else:
             self.outcome = "client_left_streaming"  # drained to the end
 
@@ -219,44 +218,69 @@ class Relay:
         logger.warning("upstream error on %s %s: %s", self.request.method, self.request.path, exc.detail)
 
 
-class _AsgiOnly(Response):
-    """A ``Response`` subclass only so that FastAPI returns it as is; status and headers come
-    from the backend when it answers."""
+class _Exchange:
+    """One request's relay, run in the request's own task, with one watcher task on ``receive``
+    for the client's disconnect (which may cancel the request's task; see ``_client_left``)."""
 
-    def __init__(self) -> None:
-        self.background = None
-        self.status_code = 200
-        self.raw_headers = []
+    relay: Relay
+    _left_cancel: bool = False  # the watcher cancelled the request's task (consumed, not propagated)
+
+    async def _run(self, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.get_running_loop().create_task(self._watch(receive, task))
+        try:
+            await self._serve(send, task)
+        except asyncio.CancelledError:
+            if self._left_cancel and task.uncancel() == 0:
+                return  # our own cancellation: the client is gone
+            raise
+        finally:
+            watcher.cancel()
+
+    async def _watch(self, receive: Receive, task: asyncio.Task[Any]) -> None:
+        await _wait_disconnect(receive)
+        self.relay.client_gone = True
+        if self._client_left():
+            self._left_cancel = True
+            task.cancel()
+
+    async def _serve(self, send: Send, task: asyncio.Task[Any]) -> None:
+        raise NotImplementedError
+
+    def _client_left(self) -> bool:
+        """The client is gone: True to cancel the request's task."""
+        raise NotImplementedError
 
 
-class PassthroughResponse(_AsgiOnly):
+class PassthroughResponse(_Exchange):
     """Unscheduled: relay at once; a client that leaves cancels the relay (no slot to drain for)."""
 
     def __init__(self, relay: Relay) -> None:
-        super().__init__()
         self.relay = relay
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        disconnect = asyncio.ensure_future(_wait_disconnect(receive))
-        relay = asyncio.ensure_future(self.relay.run(send))
+    async def __call__(self, receive: Receive, send: Send) -> None:
         try:
-            done, _ = await asyncio.wait({relay, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-            if relay in done:
-                relay.result()
-            else:
-                self.relay.client_gone = True
-                self.relay.metrics.disconnects_by_stage["streaming"].inc()
+            await self._run(receive, send)
         finally:
-            disconnect.cancel()
-            relay.cancel()
-            await asyncio.gather(relay, return_exceptions=True)
             status = str(self.relay.status) if self.relay.status is not None else "client_closed"
             self.relay.metrics.count_request("passthrough", self.relay.request.dialect.value, status)
 
+    async def _serve(self, send: Send, task: asyncio.Task[Any]) -> None:
+        await self.relay.run(send)
 
-class ScheduledResponse(_AsgiOnly):
-    """Scheduled: ``async with dispatcher.lease(ticket)`` around the relay, in one task whose life
-    is the slot's life."""
+    def _client_left(self) -> bool:
+        if self.relay.outcome != "pending":
+            return False  # already answered in full
+        self.relay.metrics.disconnects_by_stage["streaming"].inc()
+        return True
+
+
+class ScheduledResponse(_Exchange):
+    """Scheduled: ``async with dispatcher.lease(ticket)`` around the relay, in the request's own
+    task, whose life is the slot's life. A relay that drains after its client left keeps running
+    in that task (the server waits for it at shutdown; the dispatcher interrupts it after the
+    grace period)."""
 
     def __init__(
         self,
@@ -271,7 +295,6 @@ class ScheduledResponse(_AsgiOnly):
         backend_wait_s: float = 0.0,
         on_usage: Callable[[Ticket, Usage], None] | None = None,  # a completed answer's usage (the learner)
     ) -> None:
-        super().__init__()
         self.dispatcher = dispatcher
         self.ticket = ticket
         self.metrics = metrics
@@ -285,16 +308,17 @@ class ScheduledResponse(_AsgiOnly):
             upstream, request, metrics, self._own_headers, self._first_byte,
             on_usage=self._record_usage, now=dispatcher.clock.now, model=ticket.model,
             backend_wait_s=backend_wait_s, retry_unavailable=True,
-        )
+        )  # fmt: skip
         self.stage = "queued"  # queued -> relaying -> done
 
-    async def _lifetime(self, send: Send) -> None:
+    async def __call__(self, receive: Receive, send: Send) -> None:
+        await self._run(receive, send)
+
+    async def _serve(self, send: Send, task: asyncio.Task[Any]) -> None:
         """The slot's whole life: wait, relay, release (in the lease)."""
         try:
             async with self.dispatcher.lease(self.ticket) as lease:
                 self.stage = "relaying"
-                task = asyncio.current_task()
-                assert task is not None
                 self.ticket.interrupt = lambda: self.relay.interrupt(task)
                 await self.relay.run(send)
                 finished = self.relay.outcome in ("completed", "client_left_streaming")
@@ -311,28 +335,17 @@ class ScheduledResponse(_AsgiOnly):
             self.stage = "done"
             self._log()
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        disconnect = asyncio.ensure_future(_wait_disconnect(receive))
-        life = self.dispatcher.run_detached(self._lifetime(send), name=f"request-{self.ticket.request_id}")
-        try:
-            done, _ = await asyncio.wait({life, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:  # we are being cancelled ourselves (shutdown)
-            life.cancel()
-            raise
-        finally:
-            disconnect.cancel()
-        if life in done:
-            return
-        self.relay.client_gone = True
+    def _client_left(self) -> bool:
         if self.stage == "queued":
             self.relay.outcome = "client_left_queued"  # the lease withdraws it (and counts it)
-            life.cancel()
-            return
+            return True
+        if self.stage != "relaying" or self.relay.outcome != "pending":
+            return False  # already answered in full
         self.relay.outcome = "client_left_streaming"
         self.metrics.disconnects_by_stage["streaming"].inc()
-        if self.abort_on_leave:
-            life.cancel()  # closes the backend connection, then the lease releases the slot
-        # drain: the task reads the backend's answer to its end (tracked by the dispatcher)
+        # abort: closes the backend connection, then the lease releases the slot; drain: the relay
+        # reads the backend's answer to its end, so the slot is freed when the backend is.
+        return self.abort_on_leave
 
     def _record_usage(self, usage: Usage) -> None:
         self.usage = usage
