@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +33,7 @@ from clairvoyant.proxy.feedback import OnlineLearning
 from clairvoyant.scheduling.job_queue import Job
 from clairvoyant.metrics import CONTENT_TYPE_LATEST, Metrics
 from clairvoyant.scheduling.policy import PolicyParams, build_queue, make_policy
-from clairvoyant.prediction.predictor import OnnxPredictor, Prediction, Predictor
+from clairvoyant.prediction.predictor import OnnxPredictor, Predictor
 from clairvoyant.proxy.responses import PassthroughResponse, Relay, ScheduledResponse, UpstreamRequest
 from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.service_time import ServiceTimeModel
@@ -352,45 +352,60 @@ async def _scheduled(state: ProxyState, scope: Scope, receive: Receive) -> Sched
         keep_priority=settings.forward_priority,
     )  # fmt: skip
 
-    started = time.perf_counter()
-    prediction: Prediction = state.predictor.predict(parsed.prompt, model=parsed.model, cap_tokens=parsed.cap_tokens)
-    state.metrics.predictor_latency.observe(time.perf_counter() - started)
-    score = prediction.score
-    predicted_tokens = prediction.predicted_tokens
-    oracle = parsed.proxy_options.get("output_tokens")
-    if settings.allow_oracle and isinstance(oracle, (int, float)) and not isinstance(oracle, bool):
-        score = predicted_tokens = float(oracle)  # benchmark-only: the true length, the ideal ordering
-        if parsed.cap_tokens is not None:  # the predictor applied the cap itself; the oracle must too
-            predicted_tokens = min(predicted_tokens, float(parsed.cap_tokens))
     forward_body = parsed.forward_body
     bench_fields = parsed.proxy_options.get("upstream")
     if settings.bench_upstream_fields and isinstance(bench_fields, dict):
-        forward_body = with_upstream_fields(forward_body, bench_fields)  # after prediction: never a cap
+        forward_body = with_upstream_fields(forward_body, bench_fields)  # the prediction never sees these
     if settings.log_prompts:
         logger.debug("request_id=%s prompt=%r", request_id, parsed.prompt.instruction[:2000])
 
     prompt_tokens = parsed.prompt.context_chars // 4  # ~4 characters a token until usage says better
-    predicted_s = dispatcher.predicted_s(parsed.model, prompt_tokens, predicted_tokens)
     ticket = Ticket(
         request_id=request_id,
         endpoint=endpoint.path,
         dialect=endpoint.dialect.value,
         model=parsed.model,
-        prediction=prediction,
+        prediction=None,
         prompt_tokens=prompt_tokens,
     )
     job = Job(
         ticket,
         arrival_s,
-        score=score,
-        predicted_tokens=predicted_tokens,
-        predicted_s=predicted_s,
-        bucket=bucket_for(predicted_s),
         cap_tokens=parsed.cap_tokens,
         priority=_clamped_priority(head.priority, parsed.priority, settings),
         tenant=head.tenant[:128],
     )
-    dispatcher.submit(ticket, job)
+
+    def predict() -> None:
+        """The prediction, into the ticket and its job (the queue key, predicted tokens and seconds)."""
+        started = time.perf_counter()
+        prediction = state.predictor.predict(parsed.prompt, model=parsed.model, cap_tokens=parsed.cap_tokens)
+        state.metrics.predictor_latency.observe(time.perf_counter() - started)
+        score = prediction.score
+        predicted_tokens = prediction.predicted_tokens
+        oracle = parsed.proxy_options.get("output_tokens")
+        if settings.allow_oracle and isinstance(oracle, (int, float)) and not isinstance(oracle, bool):
+            score = predicted_tokens = float(oracle)  # benchmark-only: the true length, the ideal ordering
+            if parsed.cap_tokens is not None:  # the predictor applied the cap itself; the oracle must too
+                predicted_tokens = min(predicted_tokens, float(parsed.cap_tokens))
+        ticket.prediction = prediction
+        job.score = score
+        job.predicted_tokens = predicted_tokens
+        job.predicted_s = dispatcher.predicted_s(parsed.model, prompt_tokens, predicted_tokens)
+        job.bucket = bucket_for(job.predicted_s)
+
+    # A free slot and nobody waiting: there is no order to decide, so the request goes now and is
+    # predicted while the backend works (the prediction still feeds the learner and the metrics).
+    predict_later: Callable[[], None] | None = None
+    if dispatcher.dispatch_at_once(ticket, job):
+
+        def predict_later() -> None:
+            predict()
+            dispatcher.observe_wait(ticket)
+
+    else:
+        predict()
+        dispatcher.submit(ticket, job)
     head.forward.append(("x-request-id", request_id))
     upstream_request = UpstreamRequest(
         "POST", endpoint.path, scope["query_string"].decode("latin-1"), head.forward, forward_body,
@@ -406,6 +421,7 @@ async def _scheduled(state: ProxyState, scope: Scope, receive: Receive) -> Sched
         stream=parsed.stream,
         backend_wait_s=settings.backend_wait_s,
         on_usage=state.learning.recorder,
+        predict_later=predict_later,
     )
 
 

@@ -294,7 +294,9 @@ class ScheduledResponse(_Exchange):
         stream: bool = True,  # the client asked for a stream (decides ``auto``)
         backend_wait_s: float = 0.0,
         on_usage: Callable[[Ticket, Usage], None] | None = None,  # a completed answer's usage (the learner)
+        predict_later: Callable[[], None] | None = None,  # dispatched at once: predict while the backend works
     ) -> None:
+        self.predict_later = predict_later
         self.dispatcher = dispatcher
         self.ticket = ticket
         self.metrics = metrics
@@ -320,6 +322,11 @@ class ScheduledResponse(_Exchange):
             async with self.dispatcher.lease(self.ticket) as lease:
                 self.stage = "relaying"
                 self.ticket.interrupt = lambda: self.relay.interrupt(task)
+                if self.predict_later is not None:
+                    # Two loop turns later: after the upstream client's first turn, which writes
+                    # the request (aiohttp writes a body from a task of its own on Python < 3.12).
+                    loop = asyncio.get_running_loop()
+                    loop.call_soon(loop.call_soon, self._predicted)
                 await self.relay.run(send)
                 finished = self.relay.outcome in ("completed", "client_left_streaming")
                 if finished:
@@ -347,6 +354,13 @@ class ScheduledResponse(_Exchange):
         # reads the backend's answer to its end, so the slot is freed when the backend is.
         return self.abort_on_leave
 
+    def _predicted(self) -> Ticket:
+        """The ticket, its prediction made (now, if it was deferred and has not run yet)."""
+        if self.predict_later is not None:
+            predict, self.predict_later = self.predict_later, None
+            predict()
+        return self.ticket
+
     def _record_usage(self, usage: Usage) -> None:
         self.usage = usage
         if self.on_usage is not None:
@@ -356,9 +370,10 @@ class ScheduledResponse(_Exchange):
                 logger.exception("request_id=%s: recording usage failed", self.ticket.request_id)
 
     def _own_headers(self) -> list[tuple[str, str]]:
-        ticket = self.ticket
+        ticket = self._predicted()
         wait = ticket.queue_wait_s()
         prediction = ticket.prediction
+        assert prediction is not None
         headers = [
             ("x-request-id", ticket.request_id),
             ("x-clairvoyant-queue-wait-ms", "" if wait is None else f"{wait * 1000:.1f}"),
@@ -381,7 +396,7 @@ class ScheduledResponse(_Exchange):
         )
 
     def _log(self) -> None:
-        ticket = self.ticket
+        ticket = self._predicted()
         relay = self.relay
         status = str(relay.status) if relay.status is not None else "client_closed"
         self.metrics.count_request(ticket.endpoint, relay.request.dialect.value, status)
@@ -395,7 +410,7 @@ class ScheduledResponse(_Exchange):
             "tenant": ticket.job.tenant or "-",
             "priority": ticket.job.priority,
             "predicted_class": ticket.predicted_class,
-            "predicted_tokens": f"{ticket.prediction.predicted_tokens:.0f}",
+            "predicted_tokens": "-" if ticket.prediction is None else f"{ticket.prediction.predicted_tokens:.0f}",
             "predicted_s": f"{ticket.job.predicted_s:.3f}",
             "queue_wait_ms": "-" if wait is None else f"{wait * 1000:.1f}",
             "service_ms": "-" if service is None else f"{service * 1000:.1f}",
