@@ -404,19 +404,21 @@ class ScheduledResponse(_Exchange):
             return
         wait = ticket.queue_wait_s()
         service = None if ticket.dispatched_s is None else self.dispatcher.clock.now() - ticket.dispatched_s
-        fields: dict[str, Any] = {
-            "request_id": ticket.request_id,
-            "endpoint": ticket.endpoint,
-            "tenant": ticket.job.tenant or "-",
-            "priority": ticket.job.priority,
-            "predicted_class": ticket.predicted_class,
-            "predicted_tokens": "-" if ticket.prediction is None else f"{ticket.prediction.predicted_tokens:.0f}",
-            "predicted_s": f"{ticket.job.predicted_s:.3f}",
-            "queue_wait_ms": "-" if wait is None else f"{wait * 1000:.1f}",
-            "service_ms": "-" if service is None else f"{service * 1000:.1f}",
-            "status": relay.status if relay.status is not None else "-",
-            "outcome": relay.outcome,
-            "output_tokens": "-" if self.usage is None or self.usage.output_tokens is None else self.usage.output_tokens,
-            "usage_source": "-" if self.usage is None else self.usage.source,
-        }
-        logger.info("request %s", " ".join(f"{k}={v}" for k, v in fields.items()))
+        job = ticket.job
+        usage = self.usage
+        logger.info(
+            _LOG_LINE,
+            ticket.request_id, ticket.endpoint, job.tenant or "-", job.priority, ticket.predicted_class,
+            "-" if ticket.prediction is None else f"{ticket.prediction.predicted_tokens:.0f}", f"{job.predicted_s:.3f}",
+            "-" if wait is None else f"{wait * 1000:.1f}", "-" if service is None else f"{service * 1000:.1f}",
+            relay.status if relay.status is not None else "-", relay.outcome,
+            "-" if usage is None or usage.output_tokens is None else usage.output_tokens,
+            "-" if usage is None else usage.source,
+        )  # fmt: skip
+
+
+# One line per scheduled request, formatted only when INFO is on; ids, lengths and times, never text.
+_LOG_LINE = (
+    "request request_id=%s endpoint=%s tenant=%s priority=%s predicted_class=%s predicted_tokens=%s "
+    "predicted_s=%s queue_wait_ms=%s service_ms=%s status=%s outcome=%s output_tokens=%s usage_source=%s"
+)
