@@ -82,6 +82,7 @@ class Ticket:
     queue_position: int | None = None  # set at dispatch: requests dispatched ahead of it while it waited
     ended: bool = False  # withdrawn or released: set exactly once
     interrupt: Callable[[], None] | None = None  # set by its relay once dispatched: end the answer now (shutdown)
+    lent_by: asyncio.Future[None] | None = None  # dispatched at once: the parked idle worker whose slot it holds
 
     @property
     def predicted_class(self) -> str:
@@ -135,8 +136,9 @@ class Dispatcher:
         self.starvation_slowdown = starvation_slowdown
         # Idle workers, each waiting on its own future: an arrival wakes exactly one (an Event
         # would wake every idle worker per request: 63 task switches for nothing at 64 slots).
-        # A worker woken with a ticket serves it (granted by dispatch_at_once); with None, pops the queue.
-        self._idle: deque[tuple[int, asyncio.Future[Ticket | None]]] = deque()  # (slot, its wake-up)
+        # An idle worker's slot may also be lent to a request dispatched at once (dispatch_at_once):
+        # the worker stays parked, and the release hands the slot back without waking it.
+        self._idle: deque[tuple[int, asyncio.Future[None]]] = deque()  # (slot, its wake-up)
         self._workers: list[asyncio.Task[None]] = []
         self._detached: set[asyncio.Task[Any]] = set()
         self._running: dict[int, Ticket] = {}
@@ -239,8 +241,8 @@ class Dispatcher:
             self.queue.push(job)  # through the queue all the same: its tenant accounting, and done() at release
             got = self.queue.pop(self.clock.now())
             assert got is not None and got[0] is job, "an empty queue popped another job"
+            ticket.lent_by = wake  # the worker stays parked: no task switch to grant or to release
             self._grant(slot, ticket, observe_wait=False)
-            wake.set_result(ticket)
             return True
         return False
 
@@ -289,9 +291,26 @@ class Dispatcher:
             if lease is not None and lease.completed and ticket.dispatched_s is not None:
                 self._learn(ticket, self.clock.now() - ticket.dispatched_s, lease.usage)
             if ticket.released is not None and not ticket.released.done():
-                ticket.released.set_result(None)  # the worker frees the slot
+                ticket.released.set_result(None)  # the worker frees the slot (none waits on a lent one)
+            if ticket.lent_by is not None:
+                self._return_lent_slot(ticket, ticket.lent_by)
             return
         ticket.ended = True  # refused (shutting down) or withdrawn by the worker's race: nothing held
+
+    def _return_lent_slot(self, ticket: Ticket, wake: asyncio.Future[None]) -> None:
+        """A slot lent by a parked worker is free again: idle once more, or, when requests wait,
+        its worker is woken to pop the next one."""
+        ticket.lent_by = None
+        assert ticket.slot is not None
+        self._running.pop(ticket.slot, None)
+        self.metrics.in_flight.dec()
+        self.queue.done(ticket.job)
+        if wake.done():  # its worker was cancelled (stopping)
+            return
+        if len(self.queue) > 0:
+            wake.set_result(None)
+        else:
+            self._idle.append((ticket.slot, wake))
 
     def _end_waiting(self, ticket: Ticket) -> None:
         ticket.ended = True
@@ -446,14 +465,12 @@ class Dispatcher:
     async def _dispatch_one(self, slot: int) -> None:
         got = self.queue.pop(self.clock.now())
         if got is None:
-            wake: asyncio.Future[Ticket | None] = asyncio.get_running_loop().create_future()
+            wake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._idle.append((slot, wake))
             try:
-                granted = await wake
+                await wake  # meanwhile its slot may be lent and given back, any number of times
             finally:
                 wake.cancel()  # a no-op once woken; a cancelled one is skipped by _wake_one
-            if granted is not None:  # dispatched at once, on this slot
-                await self._hold(slot, granted)
             return
         job, promoted = got
         ticket = job.payload
