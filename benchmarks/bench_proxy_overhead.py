@@ -49,7 +49,7 @@ BODY = {
     "stream": True,
     "temperature": 0,
 }
-TARGETS = ("direct", "nginx", "bare", "proxy")
+BASE_TARGETS: tuple[str, ...] = ("direct", "nginx", "bare", "proxy")
 METRICS = ("ttfb", "ttft", "total")
 RESULTS = Path(__file__).with_name("proxy_overhead_results.json")
 
@@ -96,8 +96,14 @@ def main() -> int:
         help=f"command of the proxy under test, with {{python}} {{upstream}} {{port}} {{slots}} "
         f"(default: ${servers.PROXY_CMD_ENV} or: {servers.DEFAULT_PROXY_CMD}; slots 1 here)",
     )
+    parser.add_argument(
+        "--baseline-cmd",
+        help="a second proxy command run side by side as target 'baseline' (same placeholders), e.g. an "
+        "earlier commit's `env PYTHONPATH=/tmp/old/src {python} -m clairvoyant.cli serve ...`",
+    )
     parser.add_argument("--json", default=str(RESULTS), help=f"write the figures here (default {RESULTS.name} beside the script)")
     args = parser.parse_args()
+    TARGETS = BASE_TARGETS + (("baseline",) if args.baseline_cmd else ())
     servers.require_tools("nginx")
 
     with contextlib.ExitStack() as stack:
@@ -113,6 +119,9 @@ def main() -> int:
                 servers.proxy_argv(args.proxy_cmd, backend.base_url, ports["proxy"], 1), ports["proxy"],
                 env=servers.proxy_env())).pid,
         }  # fmt: skip
+        if args.baseline_cmd:
+            procs["baseline"] = stack.enter_context(servers.running(
+                servers.proxy_argv(args.baseline_cmd, backend.base_url, ports["baseline"], 1), ports["baseline"])).pid  # fmt: skip
         urls = {"direct": f"{backend.base_url}/v1/chat/completions"}
         urls |= {name: f"http://127.0.0.1:{port}/v1/chat/completions" for name, port in ports.items()}
         samples: dict[str, dict[str, list[float]]] = {m: {t: [] for t in TARGETS} for m in METRICS}
@@ -138,6 +147,7 @@ def main() -> int:
         "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "proxy_argv": servers.proxy_argv(args.proxy_cmd, "UPSTREAM", 0, 1),
+        "baseline_argv": servers.proxy_argv(args.baseline_cmd, "UPSTREAM", 0, 1) if args.baseline_cmd else None,
         "n_rounds": args.n, "order": "random per round", "seed": args.seed, "llama_threads": args.threads,
         "loadavg_before": load_before, "loadavg_after": load_after, "cpus": os.cpu_count(),
         "predecessors": {k: dict(v) for k, v in predecessor_counts(orders).items()},

@@ -54,7 +54,7 @@ ANSWER = json.dumps(
 )  # fmt: skip
 BODY = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "Say OK."}], "max_tokens": 1})
 PATHS = {"POST /v1/chat/completions": ("POST", "/v1/chat/completions", BODY), "GET /v1/models": ("GET", "/v1/models", None)}
-TARGETS = ("backend", "nginx", "bare", "proxy")
+BASE_TARGETS: tuple[str, ...] = ("backend", "nginx", "bare", "proxy")
 RESULTS = Path(__file__).with_name("proxy_throughput_results.json")
 
 
@@ -81,8 +81,14 @@ def main() -> int:
         help=f"command of the proxy under test, with {{python}} {{upstream}} {{port}} {{slots}} "
         f"(default: ${servers.PROXY_CMD_ENV} or: {servers.DEFAULT_PROXY_CMD})",
     )
+    parser.add_argument(
+        "--baseline-cmd",
+        help="a second proxy command run side by side as target 'baseline' (same placeholders), e.g. an "
+        "earlier commit's `env PYTHONPATH=/tmp/old/src {python} -m clairvoyant.cli serve ...`",
+    )
     parser.add_argument("--json", default=str(RESULTS), help=f"write the figures here (default {RESULTS.name} beside the script)")
     args = parser.parse_args()
+    TARGETS = BASE_TARGETS + (("baseline",) if args.baseline_cmd else ())
     servers.require_tools("nginx", "wrk")
 
     ports = {name: servers.free_port() for name in TARGETS}
@@ -99,6 +105,9 @@ def main() -> int:
                 servers.proxy_argv(args.proxy_cmd, backend_url, ports["proxy"], args.slots), ports["proxy"],
                 env=servers.proxy_env())),
         }  # fmt: skip
+        if args.baseline_cmd:
+            procs["baseline"] = stack.enter_context(servers.running(
+                servers.proxy_argv(args.baseline_cmd, backend_url, ports["baseline"], args.slots), ports["baseline"]))  # fmt: skip
         scripts = {}
         for label, (method, _, body) in PATHS.items():
             scripts[label] = Path(tmp) / f"{method.lower()}.lua"
@@ -147,6 +156,7 @@ def main() -> int:
         "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "proxy_argv": servers.proxy_argv(args.proxy_cmd, "UPSTREAM", 0, args.slots),
+        "baseline_argv": servers.proxy_argv(args.baseline_cmd, "UPSTREAM", 0, args.slots) if args.baseline_cmd else None,
         "connections": args.connections, "wrk_threads": args.threads, "duration_s": args.duration,
         "rounds": args.rounds, "nginx_workers": args.nginx_workers, "slots": args.slots,
         "loadavg_before": load_before, "loadavg_after": load_after, "cpus": os.cpu_count(), "paths": {},

@@ -85,6 +85,7 @@ class AccessControl:
 
     def __init__(self, app: ASGIApp, settings: Settings) -> None:
         self.app = app
+        self.state = getattr(app, "state", None)  # the app's state (the server reads the dispatcher from it)
         self.keys: dict[str, Identity] = {k.hash: _identity(k) for k in settings.api_keys}
         self.status_requires_key = settings.status_requires_key
         self.forward_client_key = settings.forward_client_key

@@ -1,8 +1,15 @@
-"""The FastAPI app: lifespan wiring and thin routes.
+"""The proxy's ASGI app: lifespan wiring and thin routes.
 
 Scheduled endpoints (scored, queued, dispatched serially): POST /v1/chat/completions,
 /v1/completions, /api/chat, /api/generate. The proxy's own endpoints: GET /healthz, /readyz,
-/metrics, /queue, /queue/{request_id}, and the live page /ui. Every other path and method passes through to the backend, streamed, unqueued.
+/metrics, /queue, /queue/{request_id}, and the live page /ui. Every other path and method passes through to the
+backend, streamed, unqueued. In front of everything, ``AccessControl`` (proxy/access.py): API keys and the
+pass-through allowlist.
+
+The scheduled and pass-through requests are served as raw ASGI by ``ProxyApp`` (no request
+object, no routing table, no exception middleware: measured, docs/benchmarks.md section 6);
+FastAPI keeps the lifespan and the proxy's own endpoints, where its conveniences cost nothing
+that matters.
 """
 
 from __future__ import annotations
@@ -10,44 +17,46 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
-from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 
 from clairvoyant.clock import Clock, MonotonicClock
 from clairvoyant.config import Settings
 from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, dialect_of_path, error_body, parse_request, with_upstream_fields
 from clairvoyant.scheduling.dispatcher import Dispatcher, Ticket
 from clairvoyant.errors import BadRequest, ClientGone, PayloadTooLarge, QueueFull, RequestError
+from clairvoyant.logs import log_request
 from clairvoyant.proxy.access import AccessControl, Identity, identity_of
 from clairvoyant.proxy.feedback import OnlineLearning
 from clairvoyant.scheduling.job_queue import Job
-from clairvoyant.logs import log_request
 from clairvoyant.metrics import CONTENT_TYPE_LATEST, Metrics
 from clairvoyant.scheduling.policy import PolicyParams, build_queue, make_policy
-from clairvoyant.prediction.predictor import OnnxPredictor, Prediction, Predictor
+from clairvoyant.prediction.predictor import OnnxPredictor, Predictor
 from clairvoyant.proxy.responses import PassthroughResponse, Relay, ScheduledResponse, UpstreamRequest
 from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.service_time import ServiceTimeModel
 from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
 from clairvoyant.proxy.upstream import Upstream
 
-__all__ = ["create_app"]
+__all__ = ["ProxyApp", "create_app"]
 
 logger = logging.getLogger(__name__)
 
 UI_DIR = Path(__file__).with_name("ui")
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _REJECTION_REASONS = {BadRequest: "bad_request", PayloadTooLarge: "too_large", QueueFull: "queue_full"}
-PASSTHROUGH_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+PASSTHROUGH_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+_OWN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/queue"})
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+_ALLOW = ", ".join(sorted(PASSTHROUGH_METHODS)).encode()
 
 
 @dataclass
@@ -67,8 +76,8 @@ def create_app(
     *,
     predictor: Predictor | None = None,
     clock: Clock | None = None,
-    upstream_transport: httpx.AsyncBaseTransport | None = None,
-) -> FastAPI:
+    upstream_transport: Any = None,  # an httpx transport (tests; see proxy/upstream.py)
+) -> AccessControl:
     """Build the proxy app. ``predictor``, ``clock`` and ``upstream_transport`` are for tests."""
     metrics = Metrics()
     clock = clock or MonotonicClock()
@@ -127,26 +136,12 @@ def create_app(
         title="clairvoyant", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     app.state.metrics = metrics
-    app.add_middleware(AccessControl, settings=settings)  # keys and the pass-through allowlist, before anything else
-
-    @app.exception_handler(RequestError)
-    async def request_error(request: Request, exc: RequestError) -> Response:
-        if isinstance(exc, ClientGone):  # nobody to answer: counted and logged once, no traceback
-            metrics.disconnects_by_stage["upload"].inc()
-            metrics.count_request(_endpoint_label(request.url.path), dialect_of_path(request.url.path).value, "client_closed")
-            _log_rejection(request, "client_closed", "client_left_uploading", settings)
-            return Response(status_code=exc.status_code)
-        reason = next((r for cls, r in _REJECTION_REASONS.items() if isinstance(exc, cls)), None)
-        if reason is not None:
-            metrics.rejections_by_reason[reason].inc()
-        _log_rejection(request, exc.status_code, exc.code or "error", settings)
-        return _error_response(request, exc, metrics)
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, exc: Exception) -> Response:
         logger.exception("unexpected error on %s %s", request.method, request.url.path)
-        _log_rejection(request, 500, "internal_error", settings)
-        return _error_response(request, RequestError("internal error in the proxy"), metrics)
+        log_request({"method": request.method, "path": request.url.path, "status": 500, "outcome": "internal_error"})
+        return _error_response(request.url.path, RequestError("internal error in the proxy"), metrics)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -190,10 +185,80 @@ def create_app(
 
     # The live queue page: static files in the package, no build step, no CDN.
     app.mount("/ui/", StaticFiles(directory=UI_DIR, html=True), name="ui")
-    for path in SCHEDULED_ENDPOINTS:
-        app.add_api_route(path, _scheduled, methods=["POST"], include_in_schema=False)
-    app.add_api_route("/{path:path}", _passthrough, methods=PASSTHROUGH_METHODS, include_in_schema=False)
-    return app
+    return AccessControl(ProxyApp(app, metrics), settings)
+
+
+class ProxyApp:
+    """The ASGI entry point. POST to a scheduled endpoint: scheduled; the proxy's own GET
+    endpoints and the lifespan: FastAPI; any other path with a pass-through method: relayed to
+    the backend. Each scheduled or pass-through request runs in the server's task for it, plus
+    one task watching for its client's disconnect (proxy/responses.py)."""
+
+    def __init__(self, api: FastAPI, metrics: Metrics) -> None:
+        self.api = api
+        self.state = api.state  # ``proxy`` (a ProxyState) once the lifespan has run; ``metrics``
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            method = scope["method"]
+            path = scope["path"]
+            if method == "POST" and path in SCHEDULED_ENDPOINTS:
+                return await self._serve(_scheduled, scope, receive, send)
+            if method in PASSTHROUGH_METHODS:
+                if not _is_own_endpoint(method, path):
+                    return await self._serve(_passthrough, scope, receive, send)
+            else:
+                return await _method_not_allowed(send)
+        await self.api(scope, receive, send)
+
+    async def _serve(self, prepare: Any, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            exchange = await prepare(self.state.proxy, scope, receive)
+        except RequestError as exc:
+            await self._refuse(scope, send, exc)
+            return
+        except Exception:
+            logger.exception("unexpected error on %s %s", scope["method"], scope["path"])
+            await _send_error(scope["path"], RequestError("internal error in the proxy"), self.metrics, send)
+            return
+        try:
+            await exchange(receive, send)
+        except Exception:
+            logger.exception("unexpected error on %s %s", scope["method"], scope["path"])
+            if exchange.relay.status is None:  # nothing sent yet: the client can still get a 500
+                await _send_error(scope["path"], RequestError("internal error in the proxy"), self.metrics, send)
+
+    async def _refuse(self, scope: Scope, send: Send, exc: RequestError) -> None:
+        path = scope["path"]
+        if isinstance(exc, ClientGone):  # nobody to answer: counted and logged once, no traceback
+            self.metrics.disconnects_by_stage["upload"].inc()
+            self.metrics.count_request(_endpoint_label(path), dialect_of_path(path).value, "client_closed")
+            _log_rejection(scope, "client_closed", "client_left_uploading")
+            await send({"type": "http.response.start", "status": exc.status_code, "headers": []})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        reason = next((r for cls, r in _REJECTION_REASONS.items() if isinstance(exc, cls)), None)
+        if reason is not None:
+            self.metrics.rejections_by_reason[reason].inc()
+        _log_rejection(scope, exc.status_code, exc.code or "error")
+        await _send_error(path, exc, self.metrics, send)
+
+
+async def _method_not_allowed(send: Send) -> None:
+    body = b'{"detail":"Method Not Allowed"}'
+    headers = [*_JSON_HEADERS, (b"content-length", str(len(body)).encode()), (b"allow", _ALLOW)]
+    await send({"type": "http.response.start", "status": 405, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _is_own_endpoint(method: str, path: str) -> bool:
+    """The proxy's own GET (and HEAD) endpoints: /healthz /readyz /metrics /queue /queue/{id} /ui."""
+    if method != "GET" and method != "HEAD":
+        return False
+    if path in _OWN_PATHS or path == "/ui" or path.startswith("/ui/"):
+        return True
+    return path.startswith("/queue/") and len(path) > 7 and "/" not in path[7:]
 
 
 async def _check_upstream_at_start(upstream: Upstream) -> None:
@@ -206,11 +271,13 @@ async def _check_upstream_at_start(upstream: Upstream) -> None:
         logger.warning("the backend at %s is not ready yet (%s); requests will wait for it", upstream.display_url, problem)
 
 
-def _log_rejection(request: Request, status: int | str, outcome: str, settings: Settings) -> None:
+def _log_rejection(scope: Scope, status: int | str, outcome: str) -> None:
     """The request line of an answer the proxy gave itself (it never reached the queue or the backend)."""
+    request_id = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), "-")
+    identity = identity_of(scope)
     log_request({
-        "request_id": request.headers.get("x-request-id", "-"), "method": request.method, "path": request.url.path,
-        "tenant": request.headers.get(settings.tenant_header, "-")[:128] or "-", "status": status, "outcome": outcome,
+        "request_id": request_id, "method": scope["method"], "path": scope["path"],
+        "tenant": identity.tenant if identity is not None else "-", "status": status, "outcome": outcome,
     })  # fmt: skip
 
 
@@ -218,8 +285,7 @@ def _endpoint_label(path: str) -> str:
     return path if path in SCHEDULED_ENDPOINTS else "passthrough"
 
 
-def _error_response(request: Request, exc: RequestError, metrics: Metrics) -> Response:
-    path = request.url.path
+def _error_response(path: str, exc: RequestError, metrics: Metrics) -> Response:
     dialect = dialect_of_path(path)
     metrics.count_request(_endpoint_label(path), dialect.value, str(exc.status_code))
     return Response(
@@ -227,104 +293,153 @@ def _error_response(request: Request, exc: RequestError, metrics: Metrics) -> Re
     )
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _send_error(path: str, exc: RequestError, metrics: Metrics, send: Send) -> None:
+    dialect = dialect_of_path(path)
+    metrics.count_request(_endpoint_label(path), dialect.value, str(exc.status_code))
+    body = error_body(dialect, exc)
+    headers = [*_JSON_HEADERS, (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
+    await send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class _Head:
+    """The request headers the proxy reads, found in one pass over the ASGI list; ``forward`` is
+    every header as str pairs less the proxy's own (the tenant header may carry an identity)."""
+
+    __slots__ = ("content_length", "request_id", "tenant", "priority", "forward")
+
+    def __init__(self, scope: Scope, settings: Settings | None) -> None:
+        self.content_length = self.request_id = self.tenant = ""
+        self.priority: str | None = None
+        forward: list[tuple[str, str]] = []
+        tenant_header = settings.tenant_header.lower().encode() if settings is not None else None
+        priority_header = settings.priority_header.lower().encode() if settings is not None else None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                self.content_length = value.decode("latin-1")
+            elif name == b"x-request-id":
+                self.request_id = self.request_id or value.decode("latin-1")
+                if settings is not None:
+                    continue
+            elif name == tenant_header:
+                self.tenant = self.tenant or value.decode("latin-1")
+                continue
+            elif name == priority_header:
+                if self.priority is None:
+                    self.priority = value.decode("latin-1")
+                continue
+            forward.append((name.decode("latin-1"), value.decode("latin-1")))
+        self.forward = forward
+
+
+async def _read_body(receive: Receive, declared: str, limit: int) -> bytes:
     """The whole body, or ``PayloadTooLarge``; ``ClientGone`` when the client closes mid-upload.
     (A client that stalls is cut off by the server's body timeout, which ends here as ``ClientGone``.)"""
-    declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
-    body = bytearray()
-    try:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-    except ClientDisconnect:
-        raise ClientGone("the client closed the connection before sending its whole request") from None
-    return bytes(body)
+    message = await receive()
+    if message["type"] == "http.request" and not message.get("more_body", False):
+        body: bytes = message.get("body", b"")  # the whole body in one message: no copy
+        if len(body) > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        return body
+    buffer = bytearray()
+    while True:
+        if message["type"] == "http.disconnect":
+            raise ClientGone("the client closed the connection before sending its whole request")
+        buffer += message.get("body", b"")
+        if len(buffer) > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        if not message.get("more_body", False):
+            return bytes(buffer)
+        message = await receive()
 
 
-def _request_id(request: Request, dispatcher: Dispatcher) -> str:
-    given = request.headers.get("x-request-id", "")
-    return given if _REQUEST_ID_RE.match(given) else dispatcher.new_request_id()
-
-
-def _forward_headers(request: Request, request_id: str, settings: Settings) -> list[tuple[str, str]]:
-    # The proxy's own headers stay here (the tenant header may carry an identity); the request id goes on.
-    own = {"x-request-id", settings.tenant_header.lower(), settings.priority_header.lower()}
-    headers = [(k, v) for k, v in request.headers.items() if k not in own]
-    headers.append(("x-request-id", request_id))
-    return headers
-
-
-def _clamped_priority(request: Request, given: int | None, settings: Settings, identity: Identity | None) -> int:
+def _clamped_priority(header: str | None, given: int | None, settings: Settings, identity: Identity | None) -> int:
     """The body's priority, else the header's, else 0; clamped to [min_priority, max_priority]
     (the API key's range when the request came with one)."""
-    if given is None:
-        header = request.headers.get(settings.priority_header)
-        if header is not None:
-            try:
-                given = int(header.strip())
-            except ValueError:
-                raise BadRequest(f"header {settings.priority_header} must be an integer") from None
+    if given is None and header is not None:
+        try:
+            given = int(header.strip())
+        except ValueError:
+            raise BadRequest(f"header {settings.priority_header} must be an integer") from None
     value = 0 if given is None else given
-    low, high = (settings.min_priority, settings.max_priority) if identity is None else (identity.min_priority, identity.max_priority)
-    return max(low, min(high, value))
+    if identity is None:
+        return max(settings.min_priority, min(settings.max_priority, value))
+    return max(identity.min_priority, min(identity.max_priority, value))
 
 
-async def _scheduled(request: Request) -> ScheduledResponse:
-    state: ProxyState = request.app.state.proxy
+async def _scheduled(state: ProxyState, scope: Scope, receive: Receive) -> ScheduledResponse:
     settings = state.settings
     dispatcher = state.dispatcher
     arrival_s = dispatcher.clock.now()
-    endpoint = SCHEDULED_ENDPOINTS[request.url.path]
-    request_id = _request_id(request, dispatcher)
-    identity = identity_of(request.scope)
+    endpoint = SCHEDULED_ENDPOINTS[scope["path"]]
+    head = _Head(scope, settings)
+    identity = identity_of(scope)
+    request_id = head.request_id if _REQUEST_ID_RE.match(head.request_id) else dispatcher.new_request_id()
     parsed = parse_request(
-        endpoint, await _read_body(request, settings.max_body_bytes), keep_priority=settings.forward_priority
-    )
+        endpoint, await _read_body(receive, head.content_length, settings.max_body_bytes),
+        keep_priority=settings.forward_priority,
+    )  # fmt: skip
 
-    started = time.perf_counter()
-    prediction: Prediction = state.predictor.predict(parsed.prompt, model=parsed.model, cap_tokens=parsed.cap_tokens)
-    state.metrics.predictor_latency.observe(time.perf_counter() - started)
-    score = prediction.score
-    predicted_tokens = prediction.predicted_tokens
-    oracle = parsed.proxy_options.get("output_tokens")
-    if settings.allow_oracle and isinstance(oracle, (int, float)) and not isinstance(oracle, bool):
-        score = predicted_tokens = float(oracle)  # benchmark-only: the true length, the ideal ordering
-        if parsed.cap_tokens is not None:  # the predictor applied the cap itself; the oracle must too
-            predicted_tokens = min(predicted_tokens, float(parsed.cap_tokens))
     forward_body = parsed.forward_body
     bench_fields = parsed.proxy_options.get("upstream")
     if settings.bench_upstream_fields and isinstance(bench_fields, dict):
-        forward_body = with_upstream_fields(forward_body, bench_fields)  # after prediction: never a cap
+        forward_body = with_upstream_fields(forward_body, bench_fields)  # the prediction never sees these
     if settings.log_prompts:
         logger.debug("request_id=%s prompt=%r", request_id, parsed.prompt.instruction[:2000])
 
     prompt_tokens = parsed.prompt.context_chars // 4  # ~4 characters a token until usage says better
-    predicted_s = dispatcher.predicted_s(parsed.model, prompt_tokens, predicted_tokens)
     ticket = Ticket(
         request_id=request_id,
         endpoint=endpoint.path,
         dialect=endpoint.dialect.value,
         model=parsed.model,
-        prediction=prediction,
+        prediction=None,
         prompt_tokens=prompt_tokens,
     )
     job = Job(
         ticket,
         arrival_s,
-        score=score,
-        predicted_tokens=predicted_tokens,
-        predicted_s=predicted_s,
-        bucket=bucket_for(predicted_s),
         cap_tokens=parsed.cap_tokens,
-        priority=_clamped_priority(request, parsed.priority, settings, identity),
-        tenant=identity.tenant if identity is not None else request.headers.get(settings.tenant_header, "")[:128],
+        priority=_clamped_priority(head.priority, parsed.priority, settings, identity),
+        tenant=identity.tenant if identity is not None else head.tenant[:128],
     )
-    dispatcher.submit(ticket, job)
+
+    def predict() -> None:
+        """The prediction, into the ticket and its job (the queue key, predicted tokens and seconds)."""
+        started = time.perf_counter()
+        prediction = state.predictor.predict(parsed.prompt, model=parsed.model, cap_tokens=parsed.cap_tokens)
+        state.metrics.predictor_latency.observe(time.perf_counter() - started)
+        score = prediction.score
+        predicted_tokens = prediction.predicted_tokens
+        oracle = parsed.proxy_options.get("output_tokens")
+        if settings.allow_oracle and isinstance(oracle, (int, float)) and not isinstance(oracle, bool):
+            score = predicted_tokens = float(oracle)  # benchmark-only: the true length, the ideal ordering
+            if parsed.cap_tokens is not None:  # the predictor applied the cap itself; the oracle must too
+                predicted_tokens = min(predicted_tokens, float(parsed.cap_tokens))
+        ticket.prediction = prediction
+        job.score = score
+        job.predicted_tokens = predicted_tokens
+        job.predicted_s = dispatcher.predicted_s(parsed.model, prompt_tokens, predicted_tokens)
+        job.bucket = bucket_for(job.predicted_s)
+
+    # A free slot and nobody waiting: there is no order to decide, so the request goes now and is
+    # predicted while the backend works (the prediction still feeds the learner and the metrics).
+    predict_later: Callable[[], None] | None = None
+    if dispatcher.dispatch_at_once(ticket, job):
+
+        def predict_later() -> None:
+            predict()
+            dispatcher.observe_wait(ticket)
+
+    else:
+        predict()
+        dispatcher.submit(ticket, job)
+    head.forward.append(("x-request-id", request_id))
     upstream_request = UpstreamRequest(
-        "POST", endpoint.path, request.url.query, _forward_headers(request, request_id, settings), forward_body,
+        "POST", endpoint.path, scope["query_string"].decode("latin-1"), head.forward, forward_body,
         endpoint.dialect, close_connection=parsed.stream,
     )  # fmt: skip
     return ScheduledResponse(
@@ -337,15 +452,16 @@ async def _scheduled(request: Request) -> ScheduledResponse:
         stream=parsed.stream,
         backend_wait_s=settings.backend_wait_s,
         on_usage=state.learning.recorder,
+        predict_later=predict_later,
     )
 
 
-async def _passthrough(request: Request) -> PassthroughResponse:
-    state: ProxyState = request.app.state.proxy
-    body = await _read_body(request, state.settings.max_body_bytes)
+async def _passthrough(state: ProxyState, scope: Scope, receive: Receive) -> PassthroughResponse:
+    head = _Head(scope, None)
+    body = await _read_body(receive, head.content_length, state.settings.max_body_bytes)
+    path = scope["path"]
     upstream_request = UpstreamRequest(
-        request.method, request.url.path, request.url.query, list(request.headers.items()), body,
-        dialect_of_path(request.url.path),
+        scope["method"], path, scope["query_string"].decode("latin-1"), head.forward, body, dialect_of_path(path),
     )  # fmt: skip
     return PassthroughResponse(
         Relay(state.upstream, upstream_request, state.metrics, backend_wait_s=state.settings.backend_wait_s)

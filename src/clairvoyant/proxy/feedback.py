@@ -52,8 +52,9 @@ class UsageRecorder:
 
     def __call__(self, ticket: Ticket, usage: Usage) -> None:
         self.metrics.count_usage(usage.source, usage.output_tokens)
-        if self.learner is not None and usage.observed and usage.output_tokens is not None:
-            self.learner.observe(ticket.prediction, usage.output_tokens)
+        prediction = ticket.prediction  # made by now, even when it was deferred past dispatch
+        if self.learner is not None and prediction is not None and usage.observed and usage.output_tokens is not None:
+            self.learner.observe(prediction, usage.output_tokens)
 
 
 def _identity(predictor: Predictor) -> PriorIdentity | None:

@@ -35,16 +35,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import httpx
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Receive, Send
 
 from clairvoyant.prediction.dialects import Dialect, error_body, stream_error_event
 from clairvoyant.scheduling.dispatcher import Dispatcher, ShuttingDown, Ticket
 from clairvoyant.errors import RequestError, UpstreamTimeout, UpstreamUnavailable
 from clairvoyant.logs import REQUEST_LOG, log_request
 from clairvoyant.metrics import Metrics
-from clairvoyant.proxy.upstream import Upstream, response_headers
+from clairvoyant.proxy.upstream import Upstream, UpstreamResponse, response_headers
 from clairvoyant.prediction.usage import Usage, UsageTap
 
 __all__ = ["PassthroughResponse", "Relay", "ScheduledResponse", "UpstreamRequest", "error_body"]
@@ -117,7 +115,7 @@ class Relay:
         finally:
             await response.aclose()
 
-    async def _open(self) -> httpx.Response:
+    async def _open(self) -> UpstreamResponse:
         """Open the upstream request. While the backend is down (connection refused) or, for a
         scheduled request, answers 503 (a model loading, its queue full), nothing has been
         generated: wait for its health check, up to ``backend_wait_s`` from the first failure, and
@@ -152,10 +150,11 @@ class Relay:
             logger.info("the backend answered 503 before starting; waiting up to %.0f s for it", deadline_s - time.monotonic())
             await self.upstream.wait_until_ready(deadline_s, lambda: self.client_gone)
 
-    async def _relay_body(self, response: httpx.Response, send: Send) -> None:
+    async def _relay_body(self, response: UpstreamResponse, send: Send) -> None:
         self.status = response.status_code
-        self._content_type = response.headers.get("content-type", "")
-        headers = response_headers(response.headers) + self.extra_headers()
+        self._content_type = response.header(b"content-type")
+        headers = response_headers(response.raw_headers)
+        headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.extra_headers()]
         read_usage = self.on_usage is not None and 200 <= response.status_code < 300
         tap = UsageTap(self._content_type) if read_usage else None
         if not self.client_gone:
@@ -163,7 +162,7 @@ class Relay:
                 {
                     "type": "http.response.start",
                     "status": response.status_code,
-                    "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers],
+                    "headers": headers,
                 }
             )
         first = True
@@ -191,8 +190,8 @@ class Relay:
             # Before the last send: the observation is in once the client has it all.
             self.on_usage(tap.usage(wall_s=self.now() - self._sent_s, request_model=self.model))
         if not self.client_gone:
+            self.outcome = "completed"  # before the last send: a disconnect from now on is not a leaver
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-            self.outcome = "completed"
         else:
             self.outcome = "client_left_streaming"  # drained to the end
 
@@ -230,38 +229,54 @@ class Relay:
         logger.warning("upstream error on %s %s: %s", self.request.method, self.request.path, exc.detail)
 
 
-class _AsgiOnly(Response):
-    """A ``Response`` subclass only so that FastAPI returns it as is; status and headers come
-    from the backend when it answers."""
+class _Exchange:
+    """One request's relay, run in the request's own task, with one watcher task on ``receive``
+    for the client's disconnect (which may cancel the request's task; see ``_client_left``)."""
 
-    def __init__(self) -> None:
-        self.background = None
-        self.status_code = 200
-        self.raw_headers = []
+    relay: Relay
+    _left_cancel: bool = False  # the watcher cancelled the request's task (consumed, not propagated)
+    _task: asyncio.Task[Any] | None = None  # the request's task (set by _run)
+
+    async def _run(self, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        watcher = asyncio.get_running_loop().create_task(self._watch(receive, task))
+        try:
+            await self._serve(send, task)
+        except asyncio.CancelledError:
+            if self._left_cancel and task.uncancel() == 0:
+                return  # our own cancellation: the client is gone
+            raise
+        finally:
+            watcher.cancel()
+
+    async def _watch(self, receive: Receive, task: asyncio.Task[Any]) -> None:
+        await _wait_disconnect(receive)
+        self.relay.client_gone = True
+        if self._client_left():
+            self._left_cancel = True
+            task.cancel()
+
+    async def _serve(self, send: Send, task: asyncio.Task[Any]) -> None:
+        raise NotImplementedError
+
+    def _client_left(self) -> bool:
+        """The client is gone: True to cancel the request's task."""
+        raise NotImplementedError
 
 
-class PassthroughResponse(_AsgiOnly):
+class PassthroughResponse(_Exchange):
     """Unscheduled: relay at once; a client that leaves cancels the relay (no slot to drain for)."""
 
     def __init__(self, relay: Relay) -> None:
-        super().__init__()
         self.relay = relay
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, receive: Receive, send: Send) -> None:
         started = time.monotonic()
-        disconnect = asyncio.ensure_future(_wait_disconnect(receive))
-        relay = asyncio.ensure_future(self.relay.run(send))
         try:
-            done, _ = await asyncio.wait({relay, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-            if relay in done:
-                relay.result()
-            else:
-                self.relay.client_gone = True
-                self.relay.metrics.disconnects_by_stage["streaming"].inc()
+            await self._run(receive, send)
         finally:
-            disconnect.cancel()
-            relay.cancel()
-            await asyncio.gather(relay, return_exceptions=True)
             status = str(self.relay.status) if self.relay.status is not None else "client_closed"
             self.relay.metrics.count_request("passthrough", self.relay.request.dialect.value, status)
             if REQUEST_LOG.isEnabledFor(logging.INFO):
@@ -273,10 +288,21 @@ class PassthroughResponse(_AsgiOnly):
                     "service_ms": f"{(time.monotonic() - started) * 1000:.1f}",
                 })  # fmt: skip
 
+    async def _serve(self, send: Send, task: asyncio.Task[Any]) -> None:
+        await self.relay.run(send)
 
-class ScheduledResponse(_AsgiOnly):
-    """Scheduled: ``async with dispatcher.lease(ticket)`` around the relay, in one task whose life
-    is the slot's life."""
+    def _client_left(self) -> bool:
+        if self.relay.outcome != "pending":
+            return False  # already answered in full
+        self.relay.metrics.disconnects_by_stage["streaming"].inc()
+        return True
+
+
+class ScheduledResponse(_Exchange):
+    """Scheduled: ``async with dispatcher.lease(ticket)`` around the relay, in the request's own
+    task, whose life is the slot's life. A relay that drains after its client left keeps running
+    in that task (the server waits for it at shutdown; the dispatcher interrupts it after the
+    grace period)."""
 
     def __init__(
         self,
@@ -290,8 +316,9 @@ class ScheduledResponse(_AsgiOnly):
         stream: bool = True,  # the client asked for a stream (decides ``auto``)
         backend_wait_s: float = 0.0,
         on_usage: Callable[[Ticket, Usage], None] | None = None,  # a completed answer's usage (the learner)
+        predict_later: Callable[[], None] | None = None,  # dispatched at once: predict while the backend works
     ) -> None:
-        super().__init__()
+        self.predict_later = predict_later
         self.dispatcher = dispatcher
         self.ticket = ticket
         self.metrics = metrics
@@ -309,17 +336,23 @@ class ScheduledResponse(_AsgiOnly):
             upstream, request, metrics, self._own_headers, self._first_byte,
             on_usage=self._record_usage, now=dispatcher.clock.now, model=ticket.model,
             backend_wait_s=backend_wait_s, retry_unavailable=True,
-        )
+        )  # fmt: skip
         self.stage = "queued"  # queued -> relaying -> done
 
-    async def _lifetime(self, send: Send) -> None:
+    async def __call__(self, receive: Receive, send: Send) -> None:
+        await self._run(receive, send)
+
+    async def _serve(self, send: Send, task: asyncio.Task[Any]) -> None:
         """The slot's whole life: wait, relay, release (in the lease)."""
         try:
             async with self.dispatcher.lease(self.ticket) as lease:
                 self.stage = "relaying"
-                task = asyncio.current_task()
-                assert task is not None
                 self.ticket.interrupt = lambda: self.relay.interrupt(task, "shutdown")
+                if self.predict_later is not None:
+                    # Two loop turns later: after the upstream client's first turn, which writes
+                    # the request (aiohttp writes a body from a task of its own on Python < 3.12).
+                    loop = asyncio.get_running_loop()
+                    loop.call_soon(loop.call_soon, self._predicted)
                 await self.relay.run(send)
                 if self.relay.outcome == "client_left_watching":
                     await self._hold_until_backend_idle()
@@ -337,30 +370,28 @@ class ScheduledResponse(_AsgiOnly):
             self.stage = "done"
             self._log()
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        disconnect = asyncio.ensure_future(_wait_disconnect(receive))
-        life = self.dispatcher.run_detached(self._lifetime(send), name=f"request-{self.ticket.request_id}")
-        try:
-            done, _ = await asyncio.wait({life, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:  # we are being cancelled ourselves (shutdown)
-            life.cancel()
-            raise
-        finally:
-            disconnect.cancel()
-        if life in done:
-            return
-        self.relay.client_gone = True
+    def _client_left(self) -> bool:
         if self.stage == "queued":
             self.relay.outcome = "client_left_queued"  # the lease withdraws it (and counts it)
-            life.cancel()
-            return
+            return True
+        if self.stage != "relaying" or self.relay.outcome != "pending":
+            return False  # already answered in full
         self.relay.outcome = "client_left_streaming"
         self.metrics.disconnects_by_stage["streaming"].inc()
-        if self.mode == "abort":
-            life.cancel()  # closes the backend connection, then the lease releases the slot
-        elif self.mode == "auto":
-            self.relay.interrupt(life, "client_left_watching")  # closes it; the slot waits for /slots
-        # drain: the task reads the backend's answer to its end (tracked by the dispatcher)
+        if self.mode == "auto":
+            assert self._task is not None
+            self.relay.interrupt(self._task, "client_left_watching")  # closes it; the slot waits for /slots
+            return False
+        # abort: closes the backend connection, then the lease releases the slot; drain: the relay
+        # reads the backend's answer to its end, so the slot is freed when the backend is.
+        return self.mode == "abort"
+
+    def _predicted(self) -> Ticket:
+        """The ticket, its prediction made (now, if it was deferred and has not run yet)."""
+        if self.predict_later is not None:
+            predict, self.predict_later = self.predict_later, None
+            predict()
+        return self.ticket
 
     async def _hold_until_backend_idle(self) -> None:
         """Keep the slot until the backend's /slots shows no more busy slots than our other
@@ -383,9 +414,10 @@ class ScheduledResponse(_AsgiOnly):
                 logger.exception("request_id=%s: recording usage failed", self.ticket.request_id)
 
     def _own_headers(self) -> list[tuple[str, str]]:
-        ticket = self.ticket
+        ticket = self._predicted()
         wait = ticket.queue_wait_s()
         prediction = ticket.prediction
+        assert prediction is not None
         headers = [
             ("x-request-id", ticket.request_id),
             ("x-clairvoyant-queue-wait-ms", "" if wait is None else f"{wait * 1000:.1f}"),
@@ -408,7 +440,7 @@ class ScheduledResponse(_AsgiOnly):
         )
 
     def _log(self) -> None:
-        ticket = self.ticket
+        ticket = self._predicted()
         relay = self.relay
         status = str(relay.status) if relay.status is not None else "client_closed"
         self.metrics.count_request(ticket.endpoint, relay.request.dialect.value, status)
@@ -416,19 +448,15 @@ class ScheduledResponse(_AsgiOnly):
             return
         wait = ticket.queue_wait_s()
         service = None if ticket.dispatched_s is None else self.dispatcher.clock.now() - ticket.dispatched_s
-        fields: dict[str, Any] = {
-            "request_id": ticket.request_id,
-            "endpoint": ticket.endpoint,
-            "tenant": ticket.job.tenant or "-",
-            "priority": ticket.job.priority,
-            "predicted_class": ticket.predicted_class,
-            "predicted_tokens": f"{ticket.prediction.predicted_tokens:.0f}",
+        usage = self.usage
+        log_request({
+            "request_id": ticket.request_id, "endpoint": ticket.endpoint, "tenant": ticket.job.tenant or "-",
+            "priority": ticket.job.priority, "predicted_class": ticket.predicted_class,
+            "predicted_tokens": "-" if ticket.prediction is None else f"{ticket.prediction.predicted_tokens:.0f}",
             "predicted_s": f"{ticket.job.predicted_s:.3f}",
             "queue_wait_ms": "-" if wait is None else f"{wait * 1000:.1f}",
             "service_ms": "-" if service is None else f"{service * 1000:.1f}",
-            "status": relay.status if relay.status is not None else "-",
-            "outcome": relay.outcome,
-            "output_tokens": "-" if self.usage is None or self.usage.output_tokens is None else self.usage.output_tokens,
-            "usage_source": "-" if self.usage is None else self.usage.source,
-        }
-        log_request(fields)
+            "status": relay.status if relay.status is not None else "-", "outcome": relay.outcome,
+            "output_tokens": "-" if usage is None or usage.output_tokens is None else usage.output_tokens,
+            "usage_source": "-" if usage is None else usage.source,
+        })  # fmt: skip

@@ -209,6 +209,7 @@ def build_server(app: Any, settings: Settings, *, host: str | None = None, port:
         timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]  # used as call_later seconds
         timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 2,  # backstop: the dispatcher ends answers first
         server_header=False,  # the backend's own Server header is relayed
+        proxy_headers=False,  # nothing reads the client address: no X-Forwarded-* rewrite per request
         date_header=True,
     )
     return ProxyServer(config, grace_s=settings.shutdown_grace_s)

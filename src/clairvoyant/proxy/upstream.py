@@ -1,31 +1,45 @@
 """The HTTP client to the backend (Ollama or llama.cpp's server).
 
-Every httpx exception is translated here into ``UpstreamUnavailable`` (502) or ``UpstreamTimeout``
-(504); nothing above this module sees an httpx error type. Client-facing messages never name the
-backend's address (it may carry credentials); the log detail does, with userinfo redacted.
+``Upstream`` owns the rules; a ``Transport`` only moves bytes and classifies its own failures.
+The production transport is aiohttp's (``AiohttpTransport``): its pool hands out an idle
+connection in O(1), where httpx/httpcore checked every pooled connection's socket on each request
+(~45% of the proxy's CPU at 64 concurrent requests; docs/design.md, "The upstream client").
+Tests may inject an httpx transport (``httpx.MockTransport``), adapted by
+``clairvoyant.proxy.httpx_transport``. No module outside these two sees either client library.
+
+Every transport failure is translated here into ``UpstreamUnavailable`` (502) or
+``UpstreamTimeout`` (504). Client-facing messages never name the backend's address (it may carry
+credentials); the log detail does, with userinfo redacted.
 
 Timeouts: connect ``connect_timeout_s``; the response headers within ``first_byte_timeout_s`` of
 sending (a cold model load, or a whole non-streamed answer); between body bytes ``read_timeout_s``
 (none by default: long answers take minutes).
 
-A request is sent again only when the backend cannot have acted on it (see ``_never_read``):
+A request is sent again only when the backend cannot have acted on it (see ``TransportError``):
 nothing is ever resent after the backend may have read it, so a generation is never duplicated.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextvars
+import errno
+import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any, Literal, Protocol
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-import httpx
+import aiohttp
 
 from clairvoyant.errors import RequestError, UpstreamTimeout, UpstreamUnavailable
 
-__all__ = ["HOP_BY_HOP", "Upstream", "forwardable_headers", "redact_url", "response_headers"]
+__all__ = [
+    "HOP_BY_HOP", "AiohttpTransport", "Transport", "TransportError", "Upstream", "UpstreamResponse",
+    "forwardable_headers", "redact_url", "response_headers",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +57,8 @@ HOP_BY_HOP = frozenset(
         "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host",
     }
 )
+_HOP_BY_HOP_BYTES = frozenset(name.encode() for name in HOP_BY_HOP)
+_RESET_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE})
 
 
 def redact_url(url: str) -> str:
@@ -54,63 +70,199 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"***@{host}"))
 
 
-def forwardable_headers(
-    headers: Iterable[tuple[str, str]], *, keep_content_length: bool = False
-) -> list[tuple[str, str]]:
-    """End-to-end headers only (drops hop-by-hop ones and those named in Connection).
-
-    Request bodies are re-sent by httpx, which sets its own Content-Length; response bodies are
-    relayed byte for byte, so theirs stays valid and is kept.
-    """
-    pairs = [(k, v) for k, v in headers]
-    if not keep_content_length:
-        pairs = [(k, v) for k, v in pairs if k.lower() != "content-length"]
+def forwardable_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """A request's end-to-end headers only: drops hop-by-hop ones, those named in Connection, and
+    Content-Length (the body is re-sent whole and the client library sets its own)."""
+    pairs = [(k, v) for k, v in headers if k.lower() != "content-length"]
     named = {
         token.strip().lower()
         for k, v in pairs
         if k.lower() == "connection"
         for token in v.split(",")
     }
+    if not named:
+        return [(k, v) for k, v in pairs if k.lower() not in HOP_BY_HOP]
     return [(k, v) for k, v in pairs if k.lower() not in HOP_BY_HOP and k.lower() not in named]
 
 
-class _SendTrace:
-    """What httpcore reports of one attempt: a fresh connection, and how far the request got."""
-
-    __slots__ = ("events",)
-
-    def __init__(self) -> None:
-        self.events: set[str] = set()
-
-    async def __call__(self, event: str, info: dict[str, Any]) -> None:
-        self.events.add(event)
-
-    def never_read(self, exc: httpx.HTTPError) -> bool:
-        """True only when the backend provably did not act on the request: it went out on a REUSED
-        connection (a fresh one that fails means the backend is down or broken: no resend), and
-        either it was not fully written, or the backend reset the connection. A reset means the
-        backend closed with our bytes unread in its socket (a clean close after reading would be a
-        FIN, not a reset). A clean close after the request went out is never resent: the backend
-        may have read it and be generating."""
-        traced = "http11.send_request_headers.started" in self.events
-        if not traced or "connection.connect_tcp.started" in self.events:
-            return False  # no trace (a test transport) or a fresh connection: no proof
-        if "http11.send_request_body.complete" not in self.events:
-            return True
-        return _was_reset(exc)
+def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The backend's end-to-end response headers as ASGI pairs (lower-case names), less its Date
+    (the proxy's server sets one; its Server header is off, so the backend's stays the only one).
+    Content-Length is kept: the body is relayed byte for byte."""
+    pairs = [(k.lower(), v) for k, v in raw]
+    named = {
+        token.strip().lower()
+        for k, v in pairs
+        if k == b"connection"
+        for token in v.split(b",")
+    }
+    return [(k, v) for k, v in pairs if k not in _HOP_BY_HOP_BYTES and k not in named and k != b"date"]
 
 
-def _was_reset(exc: BaseException) -> bool:
+class TransportError(Exception):
+    """A transport's failure, classified for ``Upstream``: ``connect`` (the connection could not be
+    opened: nothing was sent), ``timeout``, or ``failed``. ``never_read`` is True only when the
+    backend provably did not act on the request: it went out on a REUSED connection (a fresh one
+    that fails means the backend is down or broken: no resend), and either it was not fully
+    written, or the backend reset the connection. A reset means the backend closed with our bytes
+    unread in its socket (a clean close after reading would be a FIN, not a reset). A clean close
+    after the request went out is never resent: the backend may have read it and be generating."""
+
+    def __init__(self, kind: Literal["connect", "timeout", "failed"], cause: BaseException, *, never_read: bool = False) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.kind = kind
+        self.cause = cause
+        self.never_read = never_read
+
+
+def was_reset(exc: BaseException) -> bool:
+    """Whether ``exc`` (or its cause chain) is a connection reset or a broken pipe."""
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, (ConnectionResetError, BrokenPipeError)):
+            return True
+        if isinstance(seen, OSError) and seen.errno in _RESET_ERRNOS:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
 
 
+class UpstreamResponse:
+    """The backend's status and headers, with the body not yet read. Read it with ``aiter_raw``
+    (raw, undecoded bytes as they arrive; raises ``TransportError``); always ``aclose``."""
+
+    __slots__ = ("status_code", "raw_headers")
+
+    def __init__(self, status_code: int, raw_headers: list[tuple[bytes, bytes]]) -> None:
+        self.status_code = status_code
+        self.raw_headers = raw_headers  # as received; names in the backend's case
+
+    def header(self, name: bytes) -> str:
+        """One header's value ('' when absent); ``name`` in lower case."""
+        for k, v in self.raw_headers:
+            if k.lower() == name:
+                return v.decode("latin-1")
+        return ""
+
+    def aiter_raw(self) -> AsyncIterator[bytes]:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+
+class Transport(Protocol):
+    """Moves one request to the backend. ``send`` raises only ``TransportError``."""
+
+    async def send(
+        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes, *, close_connection: bool
+    ) -> UpstreamResponse: ...
+
+    async def aclose(self) -> None: ...
+
+
+# --- aiohttp ---------------------------------------------------------------------------------
+
+# The attempt in progress in this task: the connector marks it when it opens a fresh connection.
+_attempt: contextvars.ContextVar[list[bool]] = contextvars.ContextVar("clairvoyant_upstream_attempt")
+
+
+class _Connector(aiohttp.TCPConnector):
+    """aiohttp's connector, telling the attempt in progress that it got a FRESH connection (the
+    resend rule needs it; a TraceConfig would also say so, at the cost of ten signal sends per
+    request). Runs in the requesting task, so the context variable is that request's."""
+
+    async def _create_connection(self, req: Any, traces: Any, timeout: Any) -> Any:
+        fresh = _attempt.get(None)
+        if fresh is not None:
+            fresh.append(True)
+        return await super()._create_connection(req, traces, timeout)
+
+
+class _AiohttpResponse(UpstreamResponse):
+    __slots__ = ("_response", "_close")
+
+    def __init__(self, response: aiohttp.ClientResponse, close: bool) -> None:
+        super().__init__(response.status, list(response.raw_headers))
+        self._response = response
+        self._close = close
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        content = self._response.content
+        try:
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    return
+                yield chunk
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            kind: Literal["timeout", "failed"] = "timeout" if isinstance(exc, TimeoutError) else "failed"
+            raise TransportError(kind, exc) from exc
+
+    async def aclose(self) -> None:
+        response = self._response
+        if self._close or not response.content.at_eof():
+            response.close()  # closes the connection: an unread answer (the backend stops generating)
+        else:
+            response.release()  # back to the pool
+
+
+class AiohttpTransport:
+    """One aiohttp session and pool for the backend: unlimited connections, kept alive
+    ``KEEPALIVE_EXPIRY_S``; no cookies, no redirects, no decompression (bodies relayed raw), and
+    no Accept-Encoding or Content-Type of its own (the client's headers say what it accepts)."""
+
+    def __init__(self, *, connect_timeout_s: float, read_timeout_s: float | None) -> None:
+        self._connect_timeout_s = connect_timeout_s
+        self._read_timeout_s = read_timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    def _open_session(self) -> aiohttp.ClientSession:
+        # Made on first use, inside the running loop (aiohttp binds the loop at construction).
+        connector = _Connector(limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_EXPIRY_S)
+        session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None, connect=self._connect_timeout_s, sock_read=self._read_timeout_s),
+            cookie_jar=aiohttp.DummyCookieJar(),
+            auto_decompress=False,
+            skip_auto_headers=("Accept-Encoding", "Content-Type"),
+        )
+        session._retry_connection = False  # the resend rule is Upstream's alone (aiohttp would resend idempotent methods)
+        self._session = session
+        return session
+
+    async def send(
+        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes, *, close_connection: bool
+    ) -> UpstreamResponse:
+        session = self._session or self._open_session()
+        fresh: list[bool] = []
+        token = _attempt.set(fresh)
+        try:
+            response = await session.request(
+                method, url, headers=headers, data=body or None, allow_redirects=False
+            )
+        except aiohttp.ClientConnectorError as exc:
+            raise TransportError("connect", exc) from exc
+        except TimeoutError as exc:
+            raise TransportError("timeout", exc) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            # Not fully written: aiohttp refuses to write to a closing transport (a reset error)
+            # or fails writing the body (an OSError with the socket's errno): both count as resets.
+            raise TransportError("failed", exc, never_read=not fresh and was_reset(exc)) from exc
+        finally:
+            _attempt.reset(token)
+        return _AiohttpResponse(response, close_connection)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+# --- the rules -------------------------------------------------------------------------------
+
+
 class Upstream:
-    """One pooled httpx client for the proxy's lifetime (created in the lifespan, closed on shutdown)."""
+    """The backend, for the proxy's lifetime (created in the lifespan, closed on shutdown)."""
 
     def __init__(
         self,
@@ -120,36 +272,41 @@ class Upstream:
         read_timeout_s: float | None = None,
         first_byte_timeout_s: float | None = None,
         api_key: str | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: Any = None,
     ) -> None:
-        # Credentials in the URL become basic auth: the URL httpx holds (and logs) has none.
+        """``transport``: None (aiohttp), a ``Transport``, or an httpx transport (tests)."""
+        self.display_url = redact_url(base_url.rstrip("/"))
+        # Credentials in the URL become an Authorization header: the URL the client library holds
+        # (and may log) has none. The backend's own key (``api_key``) wins over them.
         parts = urlsplit(base_url.rstrip("/"))
-        auth = None
+        self._authorization: tuple[str, str] | None = None
         if parts.username is not None or parts.password is not None:
-            auth = httpx.BasicAuth(unquote(parts.username or ""), unquote(parts.password or ""))
+            userinfo = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
+            self._authorization = ("Authorization", "Basic " + base64.b64encode(userinfo.encode()).decode())
             parts = parts._replace(netloc=parts.netloc.rsplit("@", 1)[1])
+        if api_key is not None:
+            self._authorization = ("Authorization", f"Bearer {api_key}")
         self.base_url = urlunsplit(parts)
         self.down_since_s: float | None = None  # time.monotonic() of the first refused connection of an outage
-        # The backend's own key replaces whatever Authorization the client sent.
-        self._authorization = None if api_key is None else ("Authorization", f"Bearer {api_key}")
-        self.display_url = redact_url(base_url.rstrip("/"))
         self.first_byte_timeout_s = first_byte_timeout_s
-        timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=connect_timeout_s, pool=None)
-        self._client = httpx.AsyncClient(
-            base_url=self.base_url,
-            auth=auth,
-            timeout=timeout,
-            transport=transport,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=32, keepalive_expiry=KEEPALIVE_EXPIRY_S),
-            follow_redirects=False,
-        )
+        self._transport: Transport
+        if transport is None:
+            self._transport = AiohttpTransport(connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
+        elif hasattr(transport, "handle_async_request"):  # an httpx transport: tests only
+            from clairvoyant.proxy.httpx_transport import HttpxTransport
 
-    def _translate(self, exc: httpx.HTTPError | TimeoutError, what: str) -> RequestError:
-        detail = f"{what} at {self.display_url}: {type(exc).__name__}: {exc}"
-        if isinstance(exc, (httpx.TimeoutException, TimeoutError)):
+            self._transport = HttpxTransport(
+                transport, connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s
+            )
+        else:
+            self._transport = transport
+
+    def _translate(self, exc: BaseException, what: str) -> RequestError:
+        cause = exc.cause if isinstance(exc, TransportError) else exc
+        detail = f"{what} at {self.display_url}: {type(cause).__name__}: {cause}"
+        if isinstance(exc, TimeoutError) or (isinstance(exc, TransportError) and exc.kind == "timeout"):
             return UpstreamTimeout(f"the backend did not answer in time ({what})", detail=detail)
-        kind = "unreachable" if isinstance(exc, httpx.ConnectError) else "failed"
-        return UpstreamUnavailable(f"the backend is {kind} ({type(exc).__name__})", detail=detail)
+        return UpstreamUnavailable(f"the backend is failed ({type(cause).__name__})", detail=detail)
 
     async def open(
         self,
@@ -160,71 +317,66 @@ class Upstream:
         headers: Iterable[tuple[str, str]] = (),
         body: bytes = b"",
         close_connection: bool = False,
-    ) -> httpx.Response:
-        """Send a request and return the response with its body not yet read. Close it with ``close``.
+    ) -> UpstreamResponse:
+        """Send a request and return the response with its body not yet read. Close it with ``aclose``.
 
         ``close_connection`` asks the backend to close the connection after this answer (for
         streamed answers: llama.cpp's server closes its connection after every stream without
         saying so, and a request sent on it in that instant would meet a close it cannot tell
-        from a backend that read it and died).
+        from a backend that read it and died); the proxy closes it too, never pooling it.
 
         Raises ``UpstreamUnavailable`` (``never_sent`` when the connection could not be opened) or
         ``UpstreamTimeout``.
         """
-        url = path + (f"?{query}" if query else "")
+        url = self.base_url + path + (f"?{query}" if query else "")
         forwarded = forwardable_headers(headers)
-        if self._authorization is not None:
+        if self._authorization is not None:  # the backend's own credentials replace the client's
             forwarded = [(k, v) for k, v in forwarded if k.lower() != "authorization"]
             forwarded.append(self._authorization)
         if close_connection:
             forwarded.append(("Connection", "close"))
+        send = self._transport.send
         for attempt in range(UNREAD_RETRIES + 1):
-            trace = _SendTrace()
-            request = self._client.build_request(method, url, headers=forwarded, content=body, extensions={"trace": trace})
             try:
                 if self.first_byte_timeout_s is None:
-                    response = await self._client.send(request, stream=True)
+                    response = await send(method, url, forwarded, body, close_connection=close_connection)
                 else:
                     async with asyncio.timeout(self.first_byte_timeout_s):
-                        response = await self._client.send(request, stream=True)
+                        response = await send(method, url, forwarded, body, close_connection=close_connection)
                 self.down_since_s = None
                 return response
             except TimeoutError as exc:
                 raise self._translate(exc, f"no response headers within {self.first_byte_timeout_s:g} s") from None
-            except httpx.ConnectError as exc:
-                if self.down_since_s is None:
-                    self.down_since_s = time.monotonic()
-                detail = f"{method} {path} at {self.display_url}: {type(exc).__name__}: {exc}"
-                raise UpstreamUnavailable("the backend is unreachable", detail=detail, never_sent=True) from exc
-            except httpx.HTTPError as exc:
-                if attempt < UNREAD_RETRIES and trace.never_read(exc):
+            except TransportError as exc:
+                if exc.kind == "connect":
+                    if self.down_since_s is None:
+                        self.down_since_s = time.monotonic()
+                    detail = f"{method} {path} at {self.display_url}: {type(exc.cause).__name__}: {exc.cause}"
+                    raise UpstreamUnavailable("the backend is unreachable", detail=detail, never_sent=True) from exc
+                if exc.kind == "failed" and attempt < UNREAD_RETRIES and exc.never_read:
                     logger.debug("the backend closed a reused connection without reading (%s); resending", exc)
                     continue
                 raise self._translate(exc, f"{method} {path}") from exc
         raise AssertionError("unreachable")
 
-    async def iter_body(self, response: httpx.Response) -> AsyncIterator[bytes]:
+    async def iter_body(self, response: UpstreamResponse) -> AsyncIterator[bytes]:
         """The raw (undecoded) body as it arrives; errors translated."""
         try:
             async for chunk in response.aiter_raw():
                 yield chunk
-        except httpx.HTTPError as exc:
+        except TransportError as exc:
             raise self._translate(exc, "reading the answer") from exc
-
-    async def get(self, path: str, *, timeout_s: float = 2.0) -> httpx.Response:
-        """A short GET with a total timeout (readiness probes)."""
-        try:
-            headers = [] if self._authorization is None else [self._authorization]
-            return await self._client.get(path, timeout=timeout_s, headers=headers)
-        except httpx.HTTPError as exc:
-            raise self._translate(exc, f"GET {path}") from exc
 
     async def probe(self, timeout_s: float = 2.0) -> str | None:
         """One health check: None when the backend is ready, else why not. Ready = ``/health``
         answers anything but 503 (llama.cpp answers 503 while its model loads; Ollama, which has no
         such path, 404)."""
         try:
-            response = await self.get(HEALTH_PATH, timeout_s=timeout_s)
+            async with asyncio.timeout(timeout_s):
+                response = await self.open("GET", HEALTH_PATH)
+                await response.aclose()
+        except TimeoutError as exc:
+            return self._translate(exc, f"GET {HEALTH_PATH}").detail
         except RequestError as exc:
             return exc.detail
         return "the backend answered 503 (loading or busy)" if response.status_code == 503 else None
@@ -233,9 +385,14 @@ class Upstream:
         """How many of llama.cpp's slots are processing (``GET /slots``), or None where the backend
         has no such endpoint or does not answer."""
         try:
-            response = await self.get("/slots", timeout_s=2.0)
-            slots = response.json() if response.status_code == 200 else None
-        except (RequestError, ValueError):
+            async with asyncio.timeout(2.0):
+                response = await self.open("GET", "/slots")
+                try:
+                    body = b"".join([chunk async for chunk in self.iter_body(response)])
+                finally:
+                    await response.aclose()
+            slots = json.loads(body) if response.status_code == 200 else None
+        except (TimeoutError, RequestError, ValueError):
             return None
         if not isinstance(slots, list):
             return None
@@ -253,8 +410,7 @@ class Upstream:
         delay_s = 0.1
         while not give_up():
             if await self.probe() is None:
-                if self.down_since_s is not None:
-                    self.down_since_s = None
+                self.down_since_s = None
                 return True
             remaining_s = deadline_s - time.monotonic()
             if remaining_s <= 0:
@@ -264,11 +420,4 @@ class Upstream:
         return False
 
     async def aclose(self) -> None:
-        await self._client.aclose()
-
-
-def response_headers(headers: Mapping[str, str] | httpx.Headers) -> list[tuple[str, str]]:
-    """The backend's end-to-end response headers, less its Date (the proxy's server sets one; its
-    Server header is off, so the backend's stays the only one)."""
-    items = headers.multi_items() if isinstance(headers, httpx.Headers) else list(headers.items())
-    return [(k, v) for k, v in forwardable_headers(items, keep_content_length=True) if k.lower() != "date"]
+        await self._transport.aclose()

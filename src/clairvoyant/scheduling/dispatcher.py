@@ -72,7 +72,7 @@ class Ticket:
     endpoint: str  # the scheduled path, e.g. /v1/chat/completions
     dialect: str
     model: str | None
-    prediction: Prediction
+    prediction: Prediction | None  # None only between an at-once dispatch and its prediction (see dispatch_at_once)
     prompt_tokens: int  # estimated prompt tokens (service-time model input)
     job: Job[Ticket] = field(init=False)
     granted: asyncio.Future[int] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -83,10 +83,11 @@ class Ticket:
     queue_position: int | None = None  # set at dispatch: requests dispatched ahead of it while it waited
     ended: bool = False  # withdrawn or released: set exactly once
     interrupt: Callable[[], None] | None = None  # set by its relay once dispatched: end the answer now (shutdown)
+    lent_by: asyncio.Future[None] | None = None  # dispatched at once: the parked idle worker whose slot it holds
 
     @property
     def predicted_class(self) -> str:
-        return self.prediction.predicted_class
+        return "pending" if self.prediction is None else self.prediction.predicted_class
 
     @property
     def arrival_s(self) -> float:
@@ -134,7 +135,11 @@ class Dispatcher:
         self.min_retry_after_s = min_retry_after_s
         self.starvation_timeout_s = starvation_timeout_s
         self.starvation_slowdown = starvation_slowdown
-        self._wakeup = asyncio.Event()
+        # Idle workers, each waiting on its own future: an arrival wakes exactly one (an Event
+        # would wake every idle worker per request: 63 task switches for nothing at 64 slots).
+        # An idle worker's slot may also be lent to a request dispatched at once (dispatch_at_once):
+        # the worker stays parked, and the release hands the slot back without waking it.
+        self._idle: deque[tuple[int, asyncio.Future[None]]] = deque()  # (slot, its wake-up)
         self._workers: list[asyncio.Task[None]] = []
         self._detached: set[asyncio.Task[Any]] = set()
         self._running: dict[int, Ticket] = {}
@@ -226,7 +231,42 @@ class Dispatcher:
         self.metrics.depth_by_class[ticket.predicted_class].inc()
         # O(1) on purpose: ordering the whole queue per arrival would cost O(n log n) at depth n.
         ticket.grants_before_arrival = self._grants
-        self._wakeup.set()
+        self._wake_one()
+
+    def dispatch_at_once(self, ticket: Ticket, job: Job[Ticket]) -> bool:
+        """Grant ``ticket`` a slot now, before its prediction, if a slot is idle and nobody waits
+        (there is no order to decide); False otherwise (then predict and ``submit``). The caller
+        predicts while the backend works, fills in ``job``'s predicted fields and calls
+        ``observe_wait`` (the wait histogram is by predicted class)."""
+        if self._closing or len(self.queue) > 0:
+            return False
+        while self._idle:
+            slot, wake = self._idle.popleft()
+            if wake.done():
+                continue
+            ticket.job = job
+            ticket.grants_before_arrival = self._grants
+            self.queue.push(job)  # through the queue all the same: its tenant accounting, and done() at release
+            got = self.queue.pop(self.clock.now())
+            assert got is not None and got[0] is job, "an empty queue popped another job"
+            ticket.lent_by = wake  # the worker stays parked: no task switch to grant or to release
+            self._grant(slot, ticket, observe_wait=False)
+            return True
+        return False
+
+    def observe_wait(self, ticket: Ticket) -> None:
+        """The queue-wait observation of a ticket dispatched at once, once its class is known."""
+        wait_s = ticket.queue_wait_s()
+        if wait_s is not None:
+            self.metrics.wait_by_class[ticket.predicted_class].observe(wait_s)
+
+    def _wake_one(self) -> None:
+        """Wake one idle worker, if any; it pops the queue's best job when it runs."""
+        while self._idle:
+            _, wake = self._idle.popleft()
+            if not wake.done():
+                wake.set_result(None)
+                return
 
     @asynccontextmanager
     async def lease(self, ticket: Ticket) -> AsyncIterator[Lease]:
@@ -265,9 +305,26 @@ class Dispatcher:
             if completed and ticket.dispatched_s is not None:
                 self._learn(ticket, self.clock.now() - ticket.dispatched_s, usage)
             if ticket.released is not None and not ticket.released.done():
-                ticket.released.set_result(None)  # the worker frees the slot
+                ticket.released.set_result(None)  # the worker frees the slot (none waits on a lent one)
+            if ticket.lent_by is not None:
+                self._return_lent_slot(ticket, ticket.lent_by)
             return
         ticket.ended = True  # refused (shutting down) or withdrawn by the worker's race: nothing held
+
+    def _return_lent_slot(self, ticket: Ticket, wake: asyncio.Future[None]) -> None:
+        """A slot lent by a parked worker is free again: idle once more, or, when requests wait,
+        its worker is woken to pop the next one."""
+        ticket.lent_by = None
+        assert ticket.slot is not None
+        self._running.pop(ticket.slot, None)
+        self.metrics.in_flight.dec()
+        self.queue.done(ticket.job)
+        if wake.done():  # its worker was cancelled (stopping)
+            return
+        if len(self.queue) > 0:
+            wake.set_result(None)
+        else:
+            self._idle.append((ticket.slot, wake))
 
     def _end_waiting(self, ticket: Ticket) -> None:
         ticket.ended = True
@@ -372,7 +429,8 @@ class Dispatcher:
                 "tenant": job.tenant,
                 "priority": job.priority,
                 "predicted_class": ticket.predicted_class,
-                **({} if ticket.prediction.p_long is None else {"p_long": round(ticket.prediction.p_long, 6)}),
+                **({} if ticket.prediction is None or ticket.prediction.p_long is None
+                   else {"p_long": round(ticket.prediction.p_long, 6)}),
                 "score": round(job.score, 6),
                 "predicted_tokens": round(job.predicted_tokens, 1),
                 "predicted_s": round(job.predicted_s, 3),
@@ -433,8 +491,12 @@ class Dispatcher:
     async def _dispatch_one(self, slot: int) -> None:
         got = self.queue.pop(self.clock.now())
         if got is None:
-            self._wakeup.clear()
-            await self._wakeup.wait()
+            wake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._idle.append((slot, wake))
+            try:
+                await wake  # meanwhile its slot may be lent and given back, any number of times
+            finally:
+                wake.cancel()  # a no-op once woken; a cancelled one is skipped by _wake_one
             return
         job, promoted = got
         ticket = job.payload
@@ -446,18 +508,27 @@ class Dispatcher:
             ticket.ended = True
             self.queue.done(job)
             return
+        self._grant(slot, ticket, observe_wait=True)
+        await self._hold(slot, ticket)
+
+    def _grant(self, slot: int, ticket: Ticket, *, observe_wait: bool) -> None:
         ticket.slot = slot
         ticket.released = asyncio.get_running_loop().create_future()
         ticket.dispatched_s = self.clock.now()
         self._running[slot] = ticket
         self.metrics.in_flight.inc()
-        self.metrics.wait_by_class[ticket.predicted_class].observe(ticket.dispatched_s - job.arrival_s)
+        if observe_wait:
+            self.metrics.wait_by_class[ticket.predicted_class].observe(ticket.dispatched_s - ticket.job.arrival_s)
         ticket.queue_position = self._grants - ticket.grants_before_arrival
         self._grants += 1
         ticket.granted.set_result(slot)
+
+    async def _hold(self, slot: int, ticket: Ticket) -> None:
+        """The slot is the ticket's until its lease releases it."""
+        assert ticket.released is not None
         try:
             await ticket.released
         finally:
             self._running.pop(slot, None)
             self.metrics.in_flight.dec()
-            self.queue.done(job)  # its tenant stays active for fair share until here
+            self.queue.done(ticket.job)  # its tenant stays active for fair share until here

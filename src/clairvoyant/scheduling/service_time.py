@@ -49,13 +49,23 @@ class _Rls:
     n: int = 0  # observations so far
 
     def update(self, x: list[float], y: float, lam: float) -> None:
-        p = self.p
-        px = [sum(p[i][k] * x[k] for k in range(3)) for i in range(3)]
-        denom = lam + sum(x[i] * px[i] for i in range(3))
-        gain = [v / denom for v in px]
-        err = y - sum(self.theta[i] * x[i] for i in range(3))
-        self.theta = [self.theta[i] + gain[i] * err for i in range(3)]
-        self.p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(3)] for i in range(3)]
+        # Unrolled 3x3 (it runs once per completed request, on the event loop); the same
+        # operations in the same order as the loops it replaced, so the same floats.
+        (p00, p01, p02), (p10, p11, p12), (p20, p21, p22) = self.p
+        x0, x1, x2 = x
+        px0 = p00 * x0 + p01 * x1 + p02 * x2
+        px1 = p10 * x0 + p11 * x1 + p12 * x2
+        px2 = p20 * x0 + p21 * x1 + p22 * x2
+        denom = lam + (x0 * px0 + x1 * px1 + x2 * px2)
+        g0, g1, g2 = px0 / denom, px1 / denom, px2 / denom
+        t0, t1, t2 = self.theta
+        err = y - (t0 * x0 + t1 * x1 + t2 * x2)
+        self.theta = [t0 + g0 * err, t1 + g1 * err, t2 + g2 * err]
+        self.p = [
+            [(p00 - g0 * px0) / lam, (p01 - g0 * px1) / lam, (p02 - g0 * px2) / lam],
+            [(p10 - g1 * px0) / lam, (p11 - g1 * px1) / lam, (p12 - g1 * px2) / lam],
+            [(p20 - g2 * px0) / lam, (p21 - g2 * px1) / lam, (p22 - g2 * px2) / lam],
+        ]
         self.n += 1
 
 

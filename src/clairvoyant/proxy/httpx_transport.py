@@ -1,0 +1,85 @@
+"""An httpx transport behind ``Upstream`` (tests inject ``httpx.MockTransport`` through
+``create_app(upstream_transport=...)``). The proxy itself serves with aiohttp (upstream.py); the
+rules (resend, timeouts, error translation) are ``Upstream``'s and the same for both: this module
+only moves bytes and classifies httpx's failures as ``TransportError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from clairvoyant.proxy.upstream import KEEPALIVE_EXPIRY_S, TransportError, UpstreamResponse, was_reset
+
+__all__ = ["HttpxTransport"]
+
+
+class _SendTrace:
+    """What httpcore reports of one attempt: a fresh connection, and how far the request got."""
+
+    __slots__ = ("events",)
+
+    def __init__(self) -> None:
+        self.events: set[str] = set()
+
+    async def __call__(self, event: str, info: dict[str, Any]) -> None:
+        self.events.add(event)
+
+    def never_read(self, exc: httpx.HTTPError) -> bool:
+        """``TransportError.never_read``: a reused connection, and not fully written or reset."""
+        traced = "http11.send_request_headers.started" in self.events
+        if not traced or "connection.connect_tcp.started" in self.events:
+            return False  # no trace (a test transport) or a fresh connection: no proof
+        if "http11.send_request_body.complete" not in self.events:
+            return True
+        return was_reset(exc)
+
+
+class _HttpxResponse(UpstreamResponse):
+    __slots__ = ("_response",)
+
+    def __init__(self, response: httpx.Response) -> None:
+        super().__init__(response.status_code, list(response.headers.raw))
+        self._response = response
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._response.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as exc:
+            raise TransportError("timeout" if isinstance(exc, httpx.TimeoutException) else "failed", exc) from exc
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+class HttpxTransport:
+    def __init__(
+        self, transport: httpx.AsyncBaseTransport, *, connect_timeout_s: float, read_timeout_s: float | None
+    ) -> None:
+        timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=connect_timeout_s, pool=None)
+        self._client = httpx.AsyncClient(
+            timeout=timeout,
+            transport=transport,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=32, keepalive_expiry=KEEPALIVE_EXPIRY_S),
+            follow_redirects=False,
+        )
+
+    async def send(
+        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes, *, close_connection: bool
+    ) -> UpstreamResponse:
+        trace = _SendTrace()
+        request = self._client.build_request(method, url, headers=headers, content=body, extensions={"trace": trace})
+        try:
+            return _HttpxResponse(await self._client.send(request, stream=True))
+        except httpx.ConnectError as exc:
+            raise TransportError("connect", exc) from exc
+        except httpx.TimeoutException as exc:
+            raise TransportError("timeout", exc) from exc
+        except httpx.HTTPError as exc:
+            raise TransportError("failed", exc, never_read=trace.never_read(exc)) from exc
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
