@@ -51,6 +51,7 @@ import math
 import re
 import string
 from collections.abc import Callable, Iterable, Sequence
+from itertools import chain, islice
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -444,16 +445,17 @@ def _rich_values(prompt: Prompt, head: int, tail_chars: int, lexicon: Lexicon | 
     history = (context - n_chars - system) if context >= 0 else -system
     history = (history if history < _COUNT_CAP else _COUNT_CAP) if history > 0 else 0
     items, size = _quantity_values(norm) if counts[_QUANTITY_FIELD] else (0.0, 0.0)
+    fences = raw.count(b"```")  # not `b"```" in raw`: bytes.__contains__ first tries the operand as an int
     values: list[float | int] = [
         n_chars // 4,
-        1.0 if (counts[_CODE_FIELD] or b"```" in raw) else 0.0,
+        1.0 if (counts[_CODE_FIELD] or fences) else 0.0,
         1.0 if (counts[_LENGTH_FIELD] and _LENGTH_RE.search(norm) is not None) else 0.0,
         1.0 if (tail and tail[-1] in _QUESTION_MARKS) else 0.0,
-        1.0 if (counts[_FORMAT_FIELD] or (counts[_STEP_FIELD] and _STEP_BY_STEP in norm)) else 0.0,
+        1.0 if (counts[_FORMAT_FIELD] or (counts[_STEP_FIELD] and norm.find(_STEP_BY_STEP) >= 0)) else 0.0,
         sum(map(words.count, CLAUSE_WORDS & hits)) if counts[_CLAUSE_FIELD] else 0.0,
         *_VERB_ROWS[_VERB_OF.get(lead, _OTHER)],
         history, turns, system, history / (turns - 1) if turns > 1 else 0.0,
-        raw.count(b"\n"), raw.count(b"```"),
+        raw.count(b"\n"), fences,
         len(raw) - len(raw.translate(None, _CODE_SYMBOL_BYTES)) + sum(map(raw.count, _CODE_SYMBOL_PAIRS)),
         n_words, items, size,
         *counts[:_N_GROUPS],
@@ -515,7 +517,7 @@ class Lexicon:
 
     def __post_init__(self) -> None:
         # One dict probe per term: words keyed by bytes, bigrams by (w1, w2) tuples, which zip builds
-        # in C (no b" ".join per pair). Words never hold a space, so a key that is not one word or two
+        # in C (no b" ".join per pair). Words never hold a space, so a term that is not one word or two
         # words joined by one space can never match and is left out.
         lookup: dict[bytes | tuple[bytes, ...], float] = {}
         for term, weight in self.weights.items():
@@ -523,6 +525,7 @@ class Lexicon:
             if len(parts) <= 2:
                 lookup[parts[0] if len(parts) == 1 else tuple(parts)] = weight
         object.__setattr__(self, "_get", lookup.get)
+        object.__setattr__(self, "_zero_weights", not all(lookup.values()))
 
     def score_words(self, words: list[bytes]) -> float:
         """intercept + sum of the distinct known terms' weights / sqrt(their number)."""
@@ -531,17 +534,21 @@ class Lexicon:
     def score_window(self, words: list[bytes], distinct: Iterable[bytes]) -> float:
         """``score_words(words)``, given the distinct words of ``words`` (e.g. their set), each once.
 
-        fsum: exact, so the result does not depend on the set's (hash-seeded) iteration order;
-        ``filter(None, ...)`` drops the unknown terms (None) and zero weights, which leave an exact
-        sum unchanged, while the count of known terms still counts zero weights.
+        fsum: exact, so the result does not depend on the set's (hash-seeded) iteration order.
+        ``filter(None, ...)`` keeps the known terms' weights (an unknown term is None); a lexicon
+        with zero weights (the shipped one has none) counts its known terms the slower way.
         """
-        get = self._get  # type: ignore[attr-defined]
-        found = list(map(get, distinct))
-        found += map(get, set(zip(words, words[1:])))
-        known = len(found) - found.count(None)
+        terms = map(self._get, chain(distinct, set(zip(words, islice(words, 1, None)))))  # type: ignore[attr-defined]
+        if self._zero_weights:  # type: ignore[attr-defined]
+            found = list(terms)
+            known = len(found) - found.count(None)
+            found = list(filter(None, found))  # zeros leave the exact sum unchanged
+        else:
+            found = list(filter(None, terms))
+            known = len(found)
         if not known:
             return self.intercept_log_tokens
-        return self.intercept_log_tokens + math.fsum(filter(None, found)) / math.sqrt(known)
+        return self.intercept_log_tokens + math.fsum(found) / math.sqrt(known)
 
     def to_json(self, extra: dict[str, object] | None = None) -> str:
         terms = {t.decode("utf-8", "surrogatepass"): round(w, 6) for t, w in sorted(self.weights.items())}
