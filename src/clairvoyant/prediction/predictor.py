@@ -405,6 +405,10 @@ class OnnxPredictor:
         self._binding.bind_output(self.output.output, "cpu", 0, np.float32, bound_shape, self._out.ctypes.data)
         self._out_flat = self._out.reshape(-1)
         self._row_view = self._row[0]
+        # memoryviews of the two bound buffers: reading them back (tolist, tobytes) without a numpy
+        # call is about 0.25 us cheaper per request, with the same float32 -> float values and bytes
+        self._out_memory = memoryview(self._out_flat)
+        self._row_memory = memoryview(self._row_view)
         # struct packs the feature list straight into the bound buffer: cheaper than numpy's
         # list assignment, and the same float64 -> float32 rounding.
         self._pack_into = struct.Struct(f"={self.feature_set.size}f").pack_into
@@ -423,8 +427,8 @@ class OnnxPredictor:
         with self._lock:
             self._pack_into(self._row, 0, *self._values(prompt))
             self._run_bound()
-            out = self._out_flat.tolist()
-            row = self._row.tobytes()
+            out = self._out_memory.tolist()
+            row = self._row_memory.tobytes()
             raw = out[self._score_column]
             prior = self.calibration.log_tokens_of(raw)
             corrector = self.corrector
