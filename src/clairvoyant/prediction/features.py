@@ -34,7 +34,8 @@ Words: the scanned text is UTF-8 encoded, ASCII-lower-cased, ASCII punctuation e
 turned into spaces, and the result is split on whitespace (so "step-by-step" is three words,
 "what's" is "what" + "s", "c++" and "c#" stay whole). Non-ASCII words never match the English
 keyword sets. Everything runs in C-level str/bytes/set operations (one regex only when a trigger
-word is present), so extraction costs a few microseconds.
+word is present); tests/test_features_reference.py pins every value against the plainer code the
+shipped model was trained with.
 
 Only the first ``SCAN_HEAD_CHARS`` and last ``SCAN_TAIL_CHARS`` characters (rich_v2: 500 and 100)
 are scanned for words,
