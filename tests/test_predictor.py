@@ -363,3 +363,21 @@ def test_a_prediction_stays_well_under_one_kilobyte() -> None:
     size += sum(sys.getsizeof(p) for p in pred.probabilities or ())
     assert size < 700, size
     assert len(pred.feature_row) == 4 * OnnxPredictor().feature_set.size
+
+
+def test_the_bound_run_calls_the_session_directly_and_scores_like_a_plain_run() -> None:
+    import functools
+
+    predictor = OnnxPredictor()
+    run = predictor._run_bound
+    # this onnxruntime has the C session and binding: the per-call capture bookkeeping is skipped
+    assert isinstance(run, functools.partial)
+    assert run.func is not predictor._session.run_with_iobinding
+    assert run.args == (predictor._binding._iobinding, None)
+    prompts = [Prompt("hi"), Prompt("Write a detailed 2000-word essay on Rome."), Prompt(""), Prompt("def f(): pass\n" * 40)]
+    rows = predictor.feature_set.extract_many(prompts)
+    plain = predictor._session.run([predictor.output.output], {predictor._input_name: rows})[0].reshape(-1)
+    for prompt, expected in zip(prompts, plain):
+        prediction = predictor.predict(prompt)
+        assert prediction.score == float(expected)
+        np.testing.assert_array_equal(prediction.features(), predictor.feature_set.extract(prompt))

