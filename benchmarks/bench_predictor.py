@@ -26,8 +26,9 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -54,7 +55,8 @@ def _identity_session() -> tuple[Any, Any]:
     from onnx import TensorProto, helper
 
     graph = helper.make_graph(
-        [helper.make_node("Identity", ["x"], ["y"])], "floor",
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "floor",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])],
     )
@@ -102,7 +104,9 @@ class CardPathTimer:
         self._row = np.zeros((1, self.feature_set.size), dtype=np.float32)
         self._out = np.zeros((1, width), dtype=np.float32)
         self._binding = self._session.io_binding()
-        self._binding.bind_ortvalue_input(self._session.get_inputs()[0].name, ort.OrtValue.ortvalue_from_numpy(self._row))
+        self._binding.bind_ortvalue_input(
+            self._session.get_inputs()[0].name, ort.OrtValue.ortvalue_from_numpy(self._row)
+        )
         self._binding.bind_output(output, "cpu", 0, np.float32, [1, width], self._out.ctypes.data)
         self._run_bound = functools.partial(self._session.run_with_iobinding, self._binding)
         self._pack_into = struct.Struct(f"={self.feature_set.size}f").pack_into
@@ -137,8 +141,13 @@ def _time_each(fn: Callable[[Any], object], items: list[Any]) -> np.ndarray:
 
 
 def _stats(us: np.ndarray) -> dict[str, float]:
-    return {"p50_us": float(np.percentile(us, 50)), "p90_us": float(np.percentile(us, 90)),
-            "p99_us": float(np.percentile(us, 99)), "mean_us": float(us.mean()), "n": int(len(us))}
+    return {
+        "p50_us": float(np.percentile(us, 50)),
+        "p90_us": float(np.percentile(us, 90)),
+        "p99_us": float(np.percentile(us, 99)),
+        "mean_us": float(us.mean()),
+        "n": int(len(us)),
+    }
 
 
 def _phase(predictor: Any, prompts: list[Prompt], floor: tuple[Any, Any]) -> dict[str, Any]:
@@ -167,8 +176,13 @@ def _bench_model(path: Path, prompts: list[Prompt], floor: tuple[Any, Any]) -> d
     except ModelError:  # a card this checkout's predictor does not read yet (e.g. a schema-2 regressor)
         predictor = CardPathTimer(path)
         timed_with = "bench_predictor.CardPathTimer.predict (features + bound ONNX run + calibration)"
-    return {"model": str(path), "feature_set": predictor.feature_set_name, "timed_with": timed_with,
-            "trees": predictor.card.get("hyperparameters", {}), **_phase(predictor, prompts, floor)}
+    return {
+        "model": str(path),
+        "feature_set": predictor.feature_set_name,
+        "timed_with": timed_with,
+        "trees": predictor.card.get("hyperparameters", {}),
+        **_phase(predictor, prompts, floor),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,8 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", type=Path, nargs="*", default=[], help="other models to time alike")
     parser.add_argument("--no-load", action="store_true", help="idle phase only")
     parser.add_argument("--no-card", action="store_true", help="do not write p50/p99 into the model card")
-    parser.add_argument("--load-nice", type=int, nargs="*", default=[0],
-                        help="nice values of the llama.cpp load, one loaded phase each (0 = same priority)")
+    parser.add_argument(
+        "--load-nice",
+        type=int,
+        nargs="*",
+        default=[0],
+        help="nice values of the llama.cpp load, one loaded phase each (0 = same priority)",
+    )
     args = parser.parse_args(argv)
 
     prompts = _prompts(args.requests)
@@ -206,16 +225,21 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.write_text(json.dumps(report, indent=2) + "\n")
     for phase, rows in report["phases"].items():
         for r in rows:
-            print(f"{phase:22s} {Path(r['model']).name:24s} predict p50 {r['predict']['p50_us']:7.1f} us  "
-                  f"p99 {r['predict']['p99_us']:7.1f} us | features p50 {r['features_only']['p50_us']:6.1f} | "
-                  f"onnx p50 {r['onnx_only']['p50_us']:6.1f} | floor p50 {r['floor_identity_run']['p50_us']:5.1f} "
-                  f"(load {r['loadavg_1min_at_start']:.1f})")
+            print(
+                f"{phase:22s} {Path(r['model']).name:24s} predict p50 {r['predict']['p50_us']:7.1f} us  "
+                f"p99 {r['predict']['p99_us']:7.1f} us | features p50 {r['features_only']['p50_us']:6.1f} | "
+                f"onnx p50 {r['onnx_only']['p50_us']:6.1f} | floor p50 {r['floor_identity_run']['p50_us']:5.1f} "
+                f"(load {r['loadavg_1min_at_start']:.1f})"
+            )
     if not args.no_card:
         from clairvoyant.tools.training import card as card_md
         from clairvoyant.tools.training.export import update_card
 
-        latency: dict[str, Any] = {"benchmark": "benchmarks/bench_predictor.py", "requests": len(prompts),
-                                   "paper_go_onnx_reference_ms": 0.029}
+        latency: dict[str, Any] = {
+            "benchmark": "benchmarks/bench_predictor.py",
+            "requests": len(prompts),
+            "paper_go_onnx_reference_ms": 0.029,
+        }
         for phase, rows in report["phases"].items():
             r = rows[0]
             latency[f"{phase}_predict_p50_ms"] = round(r["predict"]["p50_us"] / 1000, 4)

@@ -100,8 +100,19 @@ def _bset(words: str) -> frozenset[bytes]:
 
 # The paper's 13 verb categories, in the paper's column order.
 VERBS: tuple[str, ...] = (
-    "what", "write", "explain", "summarize", "how", "list", "implement",
-    "compare", "describe", "generate", "why", "define", "other",
+    "what",
+    "write",
+    "explain",
+    "summarize",
+    "how",
+    "list",
+    "implement",
+    "compare",
+    "describe",
+    "generate",
+    "why",
+    "define",
+    "other",
 )
 _VERB_INDEX = {v: i for i, v in enumerate(VERBS)}
 _VERB_OF: dict[bytes, int] = {v.encode(): i for i, v in enumerate(VERBS) if v != "other"}
@@ -111,11 +122,39 @@ _OTHER = _VERB_INDEX["other"]
 
 # Openers skipped before the leading verb, matched word by word (longest first).
 _OPENER_PHRASES = (
-    "i would like you to", "i'd like you to", "i want you to", "i need you to",
-    "can you please", "could you please", "would you please", "will you please",
-    "can you", "could you", "would you", "will you", "can u", "could u",
-    "help me", "please", "pls", "plz", "kindly", "hey", "hi", "hello", "ok", "okay",
-    "so", "now", "also", "and", "then", "dear", "chatgpt", "gpt", "assistant",
+    "i would like you to",
+    "i'd like you to",
+    "i want you to",
+    "i need you to",
+    "can you please",
+    "could you please",
+    "would you please",
+    "will you please",
+    "can you",
+    "could you",
+    "would you",
+    "will you",
+    "can u",
+    "could u",
+    "help me",
+    "please",
+    "pls",
+    "plz",
+    "kindly",
+    "hey",
+    "hi",
+    "hello",
+    "ok",
+    "okay",
+    "so",
+    "now",
+    "also",
+    "and",
+    "then",
+    "dear",
+    "chatgpt",
+    "gpt",
+    "assistant",
 )
 _OPENERS: dict[bytes, tuple[tuple[bytes, ...], ...]] = {}
 for _phrase in sorted(_OPENER_PHRASES, key=lambda p: -len(p.split())):
@@ -186,7 +225,9 @@ _LENGTH_RE = re.compile(
 _STEP_BY_STEP = b" step by step "
 
 
-def _scan(text: str, head: int = SCAN_HEAD_CHARS, tail: int = SCAN_TAIL_CHARS) -> tuple[bytes, list[bytes], frozenset[bytes]]:
+def _scan(
+    text: str, head: int = SCAN_HEAD_CHARS, tail: int = SCAN_TAIL_CHARS
+) -> tuple[bytes, list[bytes], frozenset[bytes]]:
     """(lower-cased UTF-8 bytes of the scan window, its words, the set of its words).
 
     Counting ASCII symbols in the bytes equals counting them in the text: UTF-8 multi-byte
@@ -206,7 +247,9 @@ def _norm(words: list[bytes]) -> bytes:
 _QUESTION_MARKS = frozenset("?？")
 
 
-def _paper19_values(text: str, raw: bytes, words: list[bytes], wset: frozenset[bytes], lead: int, tail: str) -> list[float | int]:
+def _paper19_values(
+    text: str, raw: bytes, words: list[bytes], wset: frozenset[bytes], lead: int, tail: str
+) -> list[float | int]:
     """The 19 paper features as a list; ``lead`` is ``_lead_index(words)``, ``tail`` the stripped end."""
     hits = CLAUSE_WORDS & wset
     values = [
@@ -214,7 +257,8 @@ def _paper19_values(text: str, raw: bytes, words: list[bytes], wset: frozenset[b
         0.0 if (CODE_WORDS.isdisjoint(wset) and b"```" not in raw) else 1.0,
         0.0 if (_LENGTH_TRIGGERS.isdisjoint(wset) or _LENGTH_RE.search(_norm(words)) is None) else 1.0,
         1.0 if (tail and tail[-1] in _QUESTION_MARKS) else 0.0,
-        0.0 if (FORMAT_WORDS.isdisjoint(wset) and (_STEP_WORDS.isdisjoint(wset) or _STEP_BY_STEP not in _norm(words)))
+        0.0
+        if (FORMAT_WORDS.isdisjoint(wset) and (_STEP_WORDS.isdisjoint(wset) or _STEP_BY_STEP not in _norm(words)))
         else 1.0,
         sum(map(words.count, hits)) if hits else 0.0,
     ]
@@ -223,7 +267,9 @@ def _paper19_values(text: str, raw: bytes, words: list[bytes], wset: frozenset[b
 
 
 # The 13-column one-hot rows, prebuilt.
-_VERB_ROWS: tuple[list[float | int], ...] = tuple([1.0 if j == i else 0.0 for j in range(len(VERBS))] for i in range(len(VERBS)))
+_VERB_ROWS: tuple[list[float | int], ...] = tuple(
+    [1.0 if j == i else 0.0 for j in range(len(VERBS))] for i in range(len(VERBS))
+)
 _STEP_WORDS = frozenset((b"step",))
 
 
@@ -234,8 +280,12 @@ def _paper19(prompt: Prompt) -> list[float | int]:
 
 
 PAPER19_NAMES: tuple[str, ...] = (
-    "prompt_token_len", "has_code_keyword", "has_length_constraint", "ends_with_question",
-    "has_format_keyword", "clause_count",
+    "prompt_token_len",
+    "has_code_keyword",
+    "has_length_constraint",
+    "ends_with_question",
+    "has_format_keyword",
+    "clause_count",
 ) + tuple(f"verb_{v}" for v in VERBS)
 
 # Feature groups for the drop-one ablation (paper Table 4): group name -> feature names.
@@ -253,41 +303,75 @@ PAPER19_GROUPS: dict[str, tuple[str, ...]] = {
 # rich_v1: word groups (counts of distinct words present)
 
 _RICH_GROUPS: tuple[tuple[str, frozenset[bytes]], ...] = (
-    ("w_longform", _bset(
-        """essay article articles blog post posts story stories report script outline plan chapter
+    (
+        "w_longform",
+        _bset(
+            """essay article articles blog post posts story stories report script outline plan chapter
         chapters book guide tutorial course curriculum lesson lessons proposal letter speech
         presentation slides email newsletter itinerary quiz questions examples website landing
         documentation readme description descriptions paper thesis novel episode scene lyrics
-        song poem agenda schedule syllabus strategy campaign""")),
-    ("w_code", _bset(
-        """code function functions def class python javascript js typescript html css sql api
+        song poem agenda schedule syllabus strategy campaign"""
+        ),
+    ),
+    (
+        "w_code",
+        _bset(
+            """code function functions def class python javascript js typescript html css sql api
         implement algorithm script json node nodejs react database server query component
         program app application backend frontend endpoint java c++ c# golang rust php ruby bash
         regex array method variable print input output error import return unity flutter
-        django flask spring docker kubernetes aws""")),
-    ("w_detail", _bset(
-        """detailed detail details comprehensive complete full thorough elaborate extensive depth
+        django flask spring docker kubernetes aws"""
+        ),
+    ),
+    (
+        "w_detail",
+        _bset(
+            """detailed detail details comprehensive complete full thorough elaborate extensive depth
         expand longer long entire whole every each all steps include including additional more
-        examples""")),
-    ("w_brief", _bset(
-        """brief briefly short shorter concise concisely summary summarize summarise tldr quick
-        quickly simple simply sentence sentences one word yes no only just""")),
+        examples"""
+        ),
+    ),
+    (
+        "w_brief",
+        _bset(
+            """brief briefly short shorter concise concisely summary summarize summarise tldr quick
+        quickly simple simply sentence sentences one word yes no only just"""
+        ),
+    ),
     ("w_continue", _bset("""continue continues finish proceed resume rest keep going further next""")),
-    ("w_chat", _bset(
-        """thanks thank thx great awesome cool nice perfect ok okay hi hello hey good wow lol
-        sure correct right exactly yes no love amazing""")),
+    (
+        "w_chat",
+        _bset(
+            """thanks thank thx great awesome cool nice perfect ok okay hi hello hey good wow lol
+        sure correct right exactly yes no love amazing"""
+        ),
+    ),
     ("w_roleplay", _bset("""act pretend roleplay role imagine simulate persona character game play""")),
-    ("w_reply_constraint", _bset(
-        """reply respond answer say confirm acknowledge understood ready wait remember only""")),
-    ("w_rewrite", _bset(
-        """rewrite rephrase paraphrase improve edit fix correct proofread translate convert shorten
-        polish revise grammar reword""")),
-    ("w_create", _bset(
-        """write create generate make build develop design produce draft compose give provide list
-        show suggest add""")),
-    ("w_question", _bset(
-        """what why how who when where which is are does do did can could should would will was were
-        whats""")),
+    (
+        "w_reply_constraint",
+        _bset("""reply respond answer say confirm acknowledge understood ready wait remember only"""),
+    ),
+    (
+        "w_rewrite",
+        _bset(
+            """rewrite rephrase paraphrase improve edit fix correct proofread translate convert shorten
+        polish revise grammar reword"""
+        ),
+    ),
+    (
+        "w_create",
+        _bset(
+            """write create generate make build develop design produce draft compose give provide list
+        show suggest add"""
+        ),
+    ),
+    (
+        "w_question",
+        _bset(
+            """what why how who when where which is are does do did can could should would will was were
+        whats"""
+        ),
+    ),
     ("w_personal", _bset("""i i'm im me my mine we our she her he him his they them am was were""")),
 )
 
@@ -297,8 +381,16 @@ _CREATE_LEADS = _bset("write create generate make build develop design produce d
 _CONTEXT_LEADS = _bset("i my we our here this the")
 
 _UNIT_WORDS = {  # requested text size: words per unit
-    b"word": 1, b"words": 1, b"sentence": 20, b"sentences": 20, b"line": 10, b"lines": 10,
-    b"paragraph": 120, b"paragraphs": 120, b"page": 450, b"pages": 450,
+    b"word": 1,
+    b"words": 1,
+    b"sentence": 20,
+    b"sentences": 20,
+    b"line": 10,
+    b"lines": 10,
+    b"paragraph": 120,
+    b"paragraphs": 120,
+    b"page": 450,
+    b"pages": 450,
 }
 _ITEM_WORDS = _bset(
     """ideas examples questions tips ways steps points reasons names titles options suggestions
@@ -308,13 +400,32 @@ _ITEM_WORDS = _bset(
 )
 _QUANTITY_TRIGGERS = _ITEM_WORDS | frozenset(_UNIT_WORDS)
 _NUMBER_WORDS = {
-    b"one": 1, b"two": 2, b"three": 3, b"four": 4, b"five": 5, b"six": 6, b"seven": 7, b"eight": 8,
-    b"nine": 9, b"ten": 10, b"eleven": 11, b"twelve": 12, b"fifteen": 15, b"twenty": 20,
-    b"thirty": 30, b"forty": 40, b"fifty": 50, b"hundred": 100, b"a": 1,
+    b"one": 1,
+    b"two": 2,
+    b"three": 3,
+    b"four": 4,
+    b"five": 5,
+    b"six": 6,
+    b"seven": 7,
+    b"eight": 8,
+    b"nine": 9,
+    b"ten": 10,
+    b"eleven": 11,
+    b"twelve": 12,
+    b"fifteen": 15,
+    b"twenty": 20,
+    b"thirty": 30,
+    b"forty": 40,
+    b"fifty": 50,
+    b"hundred": 100,
+    b"a": 1,
 }
 _QUANTITY_RE = re.compile(
-    rb" (\d{1,6}|" + b"|".join(sorted(_NUMBER_WORDS)) + rb") (?:[a-z]+ )?("
-    + b"|".join(sorted(_QUANTITY_TRIGGERS, key=lambda w: (-len(w), w))) + rb")(?= )"
+    rb" (\d{1,6}|"
+    + b"|".join(sorted(_NUMBER_WORDS))
+    + rb") (?:[a-z]+ )?("
+    + b"|".join(sorted(_QUANTITY_TRIGGERS, key=lambda w: (-len(w), w)))
+    + rb")(?= )"
 )
 _QUANTITY_CAP = 100_000.0
 
@@ -389,10 +500,16 @@ def _rich_values(prompt: Prompt, head: int, tail_chars: int, lexicon: Lexicon | 
         for j in _GROUP_INDEX[word]:
             counts[j] += 1.0
     values += (
-        history, turns, system, history / (turns - 1) if turns > 1 else 0.0,
-        raw.count(b"\n"), raw.count(b"```"),
+        history,
+        turns,
+        system,
+        history / (turns - 1) if turns > 1 else 0.0,
+        raw.count(b"\n"),
+        raw.count(b"```"),
         len(raw) - len(raw.translate(None, _CODE_SYMBOL_BYTES)) + sum(map(raw.count, _CODE_SYMBOL_PAIRS)),
-        n_words, items, size,
+        n_words,
+        items,
+        size,
     )
     values += counts
     values += _LEAD_FLAGS.get(words[i], _NO_LEAD_FLAGS) if i < n_words else _NO_LEAD_FLAGS
@@ -420,17 +537,42 @@ _NO_LEAD_FLAGS = (0.0, 0.0, 0.0, 0.0)
 
 
 RICH_V1_EXTRA: tuple[str, ...] = (
-    "history_chars", "turns", "system_chars", "mean_history_message_chars", "line_count",
-    "code_fence_count", "code_symbol_count", "word_count", "requested_items", "requested_words",
-) + tuple(name for name, _ in _RICH_GROUPS) + (
-    "lead_question", "lead_continue", "lead_create", "lead_context", "is_ascii", "ends_with_colon",
-    "quote_count",
+    (
+        "history_chars",
+        "turns",
+        "system_chars",
+        "mean_history_message_chars",
+        "line_count",
+        "code_fence_count",
+        "code_symbol_count",
+        "word_count",
+        "requested_items",
+        "requested_words",
+    )
+    + tuple(name for name, _ in _RICH_GROUPS)
+    + (
+        "lead_question",
+        "lead_continue",
+        "lead_create",
+        "lead_context",
+        "is_ascii",
+        "ends_with_colon",
+        "quote_count",
+    )
 )
 RICH_V1_NAMES: tuple[str, ...] = PAPER19_NAMES + RICH_V1_EXTRA
 RICH_V1_GROUPS: dict[str, tuple[str, ...]] = {
     **PAPER19_GROUPS,
     "conversation": ("history_chars", "turns", "system_chars", "mean_history_message_chars"),
-    "structure": ("line_count", "code_fence_count", "code_symbol_count", "word_count", "ends_with_colon", "quote_count", "is_ascii"),
+    "structure": (
+        "line_count",
+        "code_fence_count",
+        "code_symbol_count",
+        "word_count",
+        "ends_with_colon",
+        "quote_count",
+        "is_ascii",
+    ),
     "requested_quantity": ("requested_items", "requested_words"),
     "word_groups": tuple(name for name, _ in _RICH_GROUPS),
     "lead_word": ("lead_question", "lead_continue", "lead_create", "lead_context"),
@@ -467,8 +609,19 @@ class Lexicon:
 
     def to_json(self, extra: dict[str, object] | None = None) -> str:
         terms = {t.decode("utf-8", "surrogatepass"): round(w, 6) for t, w in sorted(self.weights.items())}
-        return json.dumps({"name": self.name, "intercept_log_tokens": self.intercept_log_tokens,
-                           **(extra or {}), "weights": terms}, ensure_ascii=False, separators=(",", ":")) + "\n"
+        return (
+            json.dumps(
+                {
+                    "name": self.name,
+                    "intercept_log_tokens": self.intercept_log_tokens,
+                    **(extra or {}),
+                    "weights": terms,
+                },
+                ensure_ascii=False,
+                separators=(",", ":"),
+            )
+            + "\n"
+        )
 
     @classmethod
     def from_json(cls, text: str) -> Lexicon:
@@ -503,8 +656,10 @@ def load_lexicon(file_name: str = RICH_V3_LEXICON, sha256: str | None = None) ->
     expected = sha256 if sha256 is not None else RICH_V3_LEXICON_SHA256
     digest = hashlib.sha256(raw).hexdigest()
     if digest != expected:
-        raise RuntimeError(f"lexicon {file_name} has sha256 {digest}, feature set rich_v3 expects {expected}: "
-                           "the file was changed; a new lexicon needs a new feature-set name")
+        raise RuntimeError(
+            f"lexicon {file_name} has sha256 {digest}, feature set rich_v3 expects {expected}: "
+            "the file was changed; a new lexicon needs a new feature-set name"
+        )
     return Lexicon.from_json(raw.decode("utf-8"))
 
 

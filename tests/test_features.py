@@ -29,12 +29,29 @@ def feat(text: str, name: str, fs=P19, **prompt_kw: int) -> float:
 
 def test_paper19_names_are_the_papers_order() -> None:
     assert P19.names[:6] == (
-        "prompt_token_len", "has_code_keyword", "has_length_constraint", "ends_with_question",
-        "has_format_keyword", "clause_count",
+        "prompt_token_len",
+        "has_code_keyword",
+        "has_length_constraint",
+        "ends_with_question",
+        "has_format_keyword",
+        "clause_count",
     )
     assert P19.names[6:] == tuple(f"verb_{v}" for v in VERBS)
-    assert VERBS == ("what", "write", "explain", "summarize", "how", "list", "implement",
-                     "compare", "describe", "generate", "why", "define", "other")
+    assert VERBS == (
+        "what",
+        "write",
+        "explain",
+        "summarize",
+        "how",
+        "list",
+        "implement",
+        "compare",
+        "describe",
+        "generate",
+        "why",
+        "define",
+        "other",
+    )
     assert P19.size == 19
 
 
@@ -126,7 +143,17 @@ def test_prompt_token_len_is_code_points_over_four_everywhere() -> None:
 
 def test_words_split_on_punctuation_but_keep_cpp_and_csharp() -> None:
     assert words_of("Hello, World! step-by-step; c++ c# snake_case what's") == [
-        "hello", "world", "step", "by", "step", "c++", "c#", "snake_case", "what", "s"]
+        "hello",
+        "world",
+        "step",
+        "by",
+        "step",
+        "c++",
+        "c#",
+        "snake_case",
+        "what",
+        "s",
+    ]
 
 
 # ---------------------------------------------------------------------------- rich_v1
@@ -159,8 +186,18 @@ def test_rich_conversation_features_come_from_the_prompt_counts() -> None:
 @pytest.mark.parametrize("fs", list(FEATURE_SETS.values()), ids=lambda fs: fs.name)
 @pytest.mark.parametrize(
     "text",
-    ["", " ", "\x00\x01\x1b[31m\x7f", "\ud800 lone surrogate \udfff", "😀" * 50, "Привет, как дела?",
-     "مرحبا", "a" * 10, "\n" * 1000, "?"],
+    [
+        "",
+        " ",
+        "\x00\x01\x1b[31m\x7f",
+        "\ud800 lone surrogate \udfff",
+        "😀" * 50,
+        "Привет, как дела?",
+        "مرحبا",
+        "a" * 10,
+        "\n" * 1000,
+        "?",
+    ],
 )
 def test_odd_text_never_raises_and_is_finite(fs, text: str) -> None:
     row = fs.extract(Prompt(text, context_chars=-1, turns=0, system_chars=-5))
@@ -198,8 +235,27 @@ def test_extract_into_extract_and_extract_many_agree() -> None:
 
 GOLDEN_PAPER19 = {
     "Write a Python function to reverse a list": [10, 1, 0, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
-    "Can you explain, briefly, why the sky is blue when the sun sets?":
-        [16, 0, 1, 1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+    "Can you explain, briefly, why the sky is blue when the sun sets?": [
+        16,
+        0,
+        1,
+        1,
+        0,
+        1,
+        0,
+        0,
+        1,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+    ],
     "hi": [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1],
 }
 
@@ -214,11 +270,26 @@ def test_golden_rich_v1() -> None:
     row = RICH.extract(Prompt(text, context_chars=len(text) + 300, turns=3, system_chars=100))
     got = {n: float(v) for n, v in zip(RICH.names, row) if v}
     assert got == {
-        "prompt_token_len": 23.0, "has_code_keyword": 1.0, "has_length_constraint": 1.0,
-        "verb_write": 1.0, "history_chars": 200.0, "turns": 3.0, "system_chars": 100.0,
-        "mean_history_message_chars": 100.0, "line_count": 1.0, "code_fence_count": 2.0,
-        "code_symbol_count": 1.0, "word_count": 15.0, "requested_words": 1500.0, "requested_items": 1500.0, "w_longform": 2.0,
-        "w_code": 2.0, "w_detail": 1.0, "w_create": 1.0, "lead_create": 1.0, "is_ascii": 1.0,
+        "prompt_token_len": 23.0,
+        "has_code_keyword": 1.0,
+        "has_length_constraint": 1.0,
+        "verb_write": 1.0,
+        "history_chars": 200.0,
+        "turns": 3.0,
+        "system_chars": 100.0,
+        "mean_history_message_chars": 100.0,
+        "line_count": 1.0,
+        "code_fence_count": 2.0,
+        "code_symbol_count": 1.0,
+        "word_count": 15.0,
+        "requested_words": 1500.0,
+        "requested_items": 1500.0,
+        "w_longform": 2.0,
+        "w_code": 2.0,
+        "w_detail": 1.0,
+        "w_create": 1.0,
+        "lead_create": 1.0,
+        "is_ascii": 1.0,
         "quote_count": 2.0,
     }
 
@@ -237,14 +308,26 @@ def test_rich_v2_is_rich_v1_on_a_600_character_window() -> None:
 
 
 def test_golden_rich_v2_long_prompt() -> None:
-    text = "Please summarize the following article in 3 bullet points:\n" + "The committee met. " * 200 + "What do you think?"
+    text = (
+        "Please summarize the following article in 3 bullet points:\n"
+        + "The committee met. " * 200
+        + "What do you think?"
+    )
     row = RICH2.extract(Prompt(text))
     got = {n: float(v) for n, v in zip(RICH2.names, row) if v}
     assert got == {
-        "prompt_token_len": 969.0, "has_format_keyword": 1.0, "ends_with_question": 1.0, "verb_summarize": 1.0,
-        "turns": 1.0, "line_count": 2.0, "word_count": 96.0, "requested_items": 3.0, "w_brief": 1.0,
+        "prompt_token_len": 969.0,
+        "has_format_keyword": 1.0,
+        "ends_with_question": 1.0,
+        "verb_summarize": 1.0,
+        "turns": 1.0,
+        "line_count": 2.0,
+        "word_count": 96.0,
+        "requested_items": 3.0,
+        "w_brief": 1.0,
         "w_longform": 1.0,
-        "w_question": 2.0, "is_ascii": 1.0,
+        "w_question": 2.0,
+        "is_ascii": 1.0,
     }
 
 

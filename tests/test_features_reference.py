@@ -18,18 +18,61 @@ import pytest
 from clairvoyant.prediction import features
 from clairvoyant.prediction.features import FEATURE_SETS, Prompt, load_lexicon
 
-_UNICODE = ["é", "naïve", "Привет", "мир", "你好", "世界", "مرحبا", "😀", "👍🏽", "ß", "İ", "ﬁ", "e\u0301",
-            "\u200b", "\ufeff", "？", "：", "\ud800", "\udfff", "\x00", "\x1b[31m", "\x7f", "\u2028", "Ⅻ", "²"]
+_UNICODE = [
+    "é",
+    "naïve",
+    "Привет",
+    "мир",
+    "你好",
+    "世界",
+    "مرحبا",
+    "😀",
+    "👍🏽",
+    "ß",
+    "İ",
+    "ﬁ",
+    "e\u0301",
+    "\u200b",
+    "\ufeff",
+    "？",
+    "：",
+    "\ud800",
+    "\udfff",
+    "\x00",
+    "\x1b[31m",
+    "\x7f",
+    "\u2028",
+    "Ⅻ",
+    "²",
+]
 _PUNCT = list(".,;:!?\"'()[]{}<>/\\|-_=+*&^%$#@~`") + ["```", "->", "</", "()", "...", "--", "\n", "\n\n", "\t", "\r\n"]
-_CODE = ["def f(x):\n    return x + 1\n", "for (int i = 0; i < n; i++) { a[i] = i; }", "<div class=\"a\"></div>",
-         "SELECT * FROM t WHERE a = 1;", "x => x * 2", "c++", "c#", "snake_case_name", "```python\nprint(1)\n```"]
+_CODE = [
+    "def f(x):\n    return x + 1\n",
+    "for (int i = 0; i < n; i++) { a[i] = i; }",
+    '<div class="a"></div>',
+    "SELECT * FROM t WHERE a = 1;",
+    "x => x * 2",
+    "c++",
+    "c#",
+    "snake_case_name",
+    "```python\nprint(1)\n```",
+]
 
 
 def _vocabulary() -> list[str]:
     words: set[str] = set(features.VERBS) | {"whats", "summarise", "what's", "step", "by"}
-    for group in (features.CODE_WORDS, features.FORMAT_WORDS, features.CLAUSE_WORDS, features._LENGTH_TRIGGERS,
-                  features._QUANTITY_TRIGGERS, features._QUESTION_LEADS, features._CONTINUE_LEADS,
-                  features._CREATE_LEADS, features._CONTEXT_LEADS, *(g for _, g in features._RICH_GROUPS)):
+    for group in (
+        features.CODE_WORDS,
+        features.FORMAT_WORDS,
+        features.CLAUSE_WORDS,
+        features._LENGTH_TRIGGERS,
+        features._QUANTITY_TRIGGERS,
+        features._QUESTION_LEADS,
+        features._CONTINUE_LEADS,
+        features._CREATE_LEADS,
+        features._CONTEXT_LEADS,
+        *(g for _, g in features._RICH_GROUPS),
+    ):
         words |= {w.decode() for w in group}
     words |= {w.decode() for w in features._NUMBER_WORDS}
     lexicon_terms = sorted(t.decode("utf-8", "surrogatepass") for t in load_lexicon().weights)
@@ -74,16 +117,31 @@ def _synthetic_prompts(n: int) -> list[Prompt]:
         text = glue.join(parts)
         if rng.random() < 0.3:
             text += rng.choice(["?", "？", ":", " ?  \n", "!", ":\n\n", "?" + " " * 300])
-        prompts.append(Prompt(
-            text,
-            context_chars=rng.choice([-1, -1, len(text), len(text) + rng.randint(0, 10**6), 0, 10**15]),
-            turns=rng.choice([1, 1, 0, -3, 2, 7, 10**14]),
-            system_chars=rng.choice([0, 0, -5, 300, 10**13]),
-        ))
+        prompts.append(
+            Prompt(
+                text,
+                context_chars=rng.choice([-1, -1, len(text), len(text) + rng.randint(0, 10**6), 0, 10**15]),
+                turns=rng.choice([1, 1, 0, -3, 2, 7, 10**14]),
+                system_chars=rng.choice([0, 0, -5, 300, 10**13]),
+            )
+        )
         if k % 250 == 0:  # a few huge ones: the scan window and the length columns
             prompts.append(Prompt(text * (1 + 2_000_000 // max(len(text), 1))))
-    prompts += [Prompt(t) for t in ["", " ", "?", "\n" * 1000, "\ud800", "please", "can you please", "I want you to",
-                                    "x " * 20_000 + "python", "Write a 2000-word essay in 3 paragraphs, step by step."]]
+    prompts += [
+        Prompt(t)
+        for t in [
+            "",
+            " ",
+            "?",
+            "\n" * 1000,
+            "\ud800",
+            "please",
+            "can you please",
+            "I want you to",
+            "x " * 20_000 + "python",
+            "Write a 2000-word essay in 3 paragraphs, step by step.",
+        ]
+    ]
     return prompts
 
 
@@ -105,8 +163,9 @@ def _assert_same(prompts: list[Prompt]) -> None:
             got32 = np.array(got, dtype=np.float32).view(np.uint32)
             expected32 = np.array(expected, dtype=np.float32).view(np.uint32)
             np.testing.assert_array_equal(got32, expected32)
-        np.testing.assert_array_equal(fs.extract_many(prompts).view(np.uint32),
-                                      reference.extract_many(prompts).view(np.uint32))
+        np.testing.assert_array_equal(
+            fs.extract_many(prompts).view(np.uint32), reference.extract_many(prompts).view(np.uint32)
+        )
 
 
 def test_fast_extractor_equals_the_reference_on_varied_prompts() -> None:
@@ -115,8 +174,16 @@ def test_fast_extractor_equals_the_reference_on_varied_prompts() -> None:
     # the generator reaches the rare branches: openers, quantities, length words, step by step, clauses
     rich = FEATURE_SETS["rich_v3"]
     rows = rich.extract_many(prompts)
-    for column in ("has_length_constraint", "has_format_keyword", "requested_items", "requested_words",
-                   "clause_count", "lead_continue", "verb_summarize", "ends_with_colon"):
+    for column in (
+        "has_length_constraint",
+        "has_format_keyword",
+        "requested_items",
+        "requested_words",
+        "clause_count",
+        "lead_continue",
+        "verb_summarize",
+        "ends_with_colon",
+    ):
         assert (rows[:, rich.names.index(column)] > 0).sum() > 20, column
     _assert_same(prompts)
 
@@ -136,4 +203,4 @@ def test_lexicon_score_equals_the_reference_formula() -> None:
         assert lexicon.score_words(words) == reference.score_words(words)
         assert odd.score_words(words) == odd_reference.score_words(words)
     words = [b"a", b"b", b"c", b"a", b"b"]
-    assert odd.score_words(words) == odd_reference.score_words(words) == 1.5 + (0.0 + 0.25 - 0.5) / 3 ** 0.5
+    assert odd.score_words(words) == odd_reference.score_words(words) == 1.5 + (0.0 + 0.25 - 0.5) / 3**0.5

@@ -21,10 +21,10 @@ from typing import Any
 
 import httpx
 import pytest
-
-from clairvoyant.config import Settings
 from fake_backend import FakeBackend
 from proxy_harness import MarkerPredictor, metric_value, queue_snapshot, running_proxy, wait_until
+
+from clairvoyant.config import Settings
 
 CHAT = "/v1/chat/completions"
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,7 +122,10 @@ def test_a_request_waits_for_a_backend_that_comes_back() -> None:
 
 
 def test_a_backend_still_loading_its_model_is_waited_for() -> None:
-    with FakeBackend(lambda path, n: "loading" if n < 2 else "ok") as backend, proxy(backend.url, backend_wait_s=10) as base:
+    with (
+        FakeBackend(lambda path, n: "loading" if n < 2 else "ok") as backend,
+        proxy(backend.url, backend_wait_s=10) as base,
+    ):
         r = httpx.post(f"{base}{CHAT}", json=chat(), timeout=15)
     assert r.status_code == 200 and r.json()["n"] == 2
     assert backend.posts(CHAT) == 3  # two 503s (nothing generated), then the answer
@@ -180,7 +183,11 @@ def test_backend_credentials_and_address_never_reach_clients_or_logs(caplog: pyt
 
 def test_an_answer_carries_one_date_and_one_server_header() -> None:
     with FakeBackend(lambda path, n: "ok") as backend, proxy(backend.url) as base:
-        answers = [httpx.post(f"{base}{CHAT}", json=chat()), httpx.get(f"{base}/api/tags"), httpx.get(f"{base}/healthz")]
+        answers = [
+            httpx.post(f"{base}{CHAT}", json=chat()),
+            httpx.get(f"{base}/api/tags"),
+            httpx.get(f"{base}/healthz"),
+        ]
     for r in answers:
         assert len(r.headers.get_list("date")) == 1
     assert [r.headers.get_list("server") for r in answers] == [["fake-backend"], ["fake-backend"], []]
@@ -191,9 +198,10 @@ def test_an_answer_carries_one_date_and_one_server_header() -> None:
 
 @pytest.fixture
 def limited_proxy() -> Any:
-    with FakeBackend(lambda path, n: "ok") as backend, proxy(
-        backend.url, client_timeout_s=0.5, max_header_bytes=4096, keep_alive_timeout_s=0.5
-    ) as base:
+    with (
+        FakeBackend(lambda path, n: "ok") as backend,
+        proxy(backend.url, client_timeout_s=0.5, max_header_bytes=4096, keep_alive_timeout_s=0.5) as base,
+    ):
         yield base
 
 
@@ -254,7 +262,10 @@ def test_an_aborted_upload_is_a_client_disconnect_not_a_500(caplog: pytest.LogCa
 
 
 def test_connections_beyond_the_bound_get_503() -> None:
-    with FakeBackend(lambda path, n: "ok") as backend, proxy(backend.url, max_connections=3, client_timeout_s=30) as base:
+    with (
+        FakeBackend(lambda path, n: "ok") as backend,
+        proxy(backend.url, max_connections=3, client_timeout_s=30) as base,
+    ):
         host, port = base.removeprefix("http://").split(":")
         held = [socket.create_connection((host, int(port))) for _ in range(3)]
         try:

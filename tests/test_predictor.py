@@ -28,6 +28,7 @@ def schema1_model(tmp_path: Path) -> Path:
     card_path_for(dst).write_text(json.dumps({**card, "schema": 1}))
     return dst
 
+
 xgboost = pytest.importorskip("xgboost")
 pytest.importorskip("onnxmltools")
 
@@ -40,7 +41,9 @@ def synthetic_prompts(n: int, seed: int = 0) -> tuple[list[Prompt], np.ndarray]:
     for _ in range(n):
         k = int(rng.integers(1, 40))
         text = " ".join(rng.choice(WORDS, size=k))
-        prompts.append(Prompt(text, context_chars=len(text) + int(rng.integers(0, 3000)), turns=int(rng.integers(1, 6))))
+        prompts.append(
+            Prompt(text, context_chars=len(text) + int(rng.integers(0, 3000)), turns=int(rng.integers(1, 6)))
+        )
         labels.append(0 if k < 10 else (2 if ("essay" in text or "code" in text) and k > 20 else 1))
     return prompts, np.array(labels)
 
@@ -207,9 +210,14 @@ def regressor_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, obj
     path = tmp_path_factory.mktemp("regressor") / "reg.onnx"
     export.write_model(onnx_model.SerializeToString(), path)
     card = {
-        "schema": 2, "kind": "regressor", "output": onnx_model.graph.output[0].name, "score": "log_tokens",
+        "schema": 2,
+        "kind": "regressor",
+        "output": onnx_model.graph.output[0].name,
+        "score": "log_tokens",
         "calibration": {"method": "isotonic", "score": [2.0, 4.0, 6.0, 8.0], "log_tokens": [2.5, 4.0, 6.5, 7.0]},
-        "feature_set": fs.name, "feature_names": list(fs.names), "onnx_sha256": export.sha256_of(path),
+        "feature_set": fs.name,
+        "feature_names": list(fs.names),
+        "onnx_sha256": export.sha256_of(path),
     }
     card_path_for(path).write_text(json.dumps(card))
     return path, reg
@@ -255,11 +263,16 @@ def test_schema1_card_is_a_class_model_with_the_named_stand_in_calibration(schem
     assert "stand-in" in predictor.calibration.method
     pred = predictor.predict(Prompt(ESSAY))
     assert pred.score == pred.p_long
-    assert pred.predicted_tokens == pytest.approx(math.exp(np.interp(pred.p_long, (0, 0.5, 1), np.log([100, 400, 1000]))))
+    assert pred.predicted_tokens == pytest.approx(
+        math.exp(np.interp(pred.p_long, (0, 0.5, 1), np.log([100, 400, 1000])))
+    )
     # one definition of the classes: derived from predicted tokens
     for p in (predictor.predict(Prompt("hi")), pred):
-        expected = "short" if p.predicted_tokens < SHORT_BELOW_TOKENS else (
-            "medium" if p.predicted_tokens < LONG_FROM_TOKENS else "long")
+        expected = (
+            "short"
+            if p.predicted_tokens < SHORT_BELOW_TOKENS
+            else ("medium" if p.predicted_tokens < LONG_FROM_TOKENS else "long")
+        )
         assert p.predicted_class == expected
 
 
@@ -358,8 +371,17 @@ def test_a_prediction_stays_well_under_one_kilobyte() -> None:
 
     pred = OnnxPredictor().predict(Prompt(ESSAY * 50), model="some-backend-model:7b", cap_tokens=512)
     size = sys.getsizeof(pred) + sum(
-        sys.getsizeof(v) for v in (pred.score, pred.predicted_tokens, pred.probabilities, pred.prior_log_tokens,
-                                   pred.feature_row, pred.model, pred.cap_tokens))
+        sys.getsizeof(v)
+        for v in (
+            pred.score,
+            pred.predicted_tokens,
+            pred.probabilities,
+            pred.prior_log_tokens,
+            pred.feature_row,
+            pred.model,
+            pred.cap_tokens,
+        )
+    )
     size += sum(sys.getsizeof(p) for p in pred.probabilities or ())
     assert size < 700, size
     assert len(pred.feature_row) == 4 * OnnxPredictor().feature_set.size
@@ -374,7 +396,12 @@ def test_the_bound_run_calls_the_session_directly_and_scores_like_a_plain_run() 
     assert isinstance(run, functools.partial)
     assert run.func is not predictor._session.run_with_iobinding
     assert run.args == (predictor._binding._iobinding, None)
-    prompts = [Prompt("hi"), Prompt("Write a detailed 2000-word essay on Rome."), Prompt(""), Prompt("def f(): pass\n" * 40)]
+    prompts = [
+        Prompt("hi"),
+        Prompt("Write a detailed 2000-word essay on Rome."),
+        Prompt(""),
+        Prompt("def f(): pass\n" * 40),
+    ]
     rows = predictor.feature_set.extract_many(prompts)
     plain = predictor._session.run([predictor.output.output], {predictor._input_name: rows})[0].reshape(-1)
     for prompt, expected in zip(prompts, plain):

@@ -103,8 +103,11 @@ class PriorIdentity:
         return cls(predictor.feature_set.name, tuple(predictor.feature_set.names), predictor.onnx_sha256)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"feature_set": self.feature_set, "feature_names": list(self.feature_names),
-                "onnx_sha256": self.onnx_sha256}
+        return {
+            "feature_set": self.feature_set,
+            "feature_names": list(self.feature_names),
+            "onnx_sha256": self.onnx_sha256,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,8 +321,14 @@ class _Fitted:
     observations: int  # rows the fit used
 
 
-def _ridge_gcv(gram: np.ndarray, zy: np.ndarray, yy: float, n: int, alpha: float | None = None,
-               around_solve: Callable[[bool], None] = lambda released: None) -> tuple[np.ndarray, float]:
+def _ridge_gcv(
+    gram: np.ndarray,
+    zy: np.ndarray,
+    yy: float,
+    n: int,
+    alpha: float | None = None,
+    around_solve: Callable[[bool], None] = lambda released: None,
+) -> tuple[np.ndarray, float]:
     """Ridge weights of a centred target on standardised, centred columns, given their Gram
     matrix ``Z'Z``, ``Z'y`` and ``y'y`` over ``n`` rows, and the penalty used. Without ``alpha``
     the penalty is picked by generalised cross-validation among ``n * _ALPHA_FACTORS``.
@@ -408,7 +417,11 @@ class OnlineLearner:
         """Record what the backend produced for a request predicted as ``prediction``. O(1).
         Returns False (and records nothing) for an unusable observation: a negative or non-integer
         count, or a prediction without this prior's feature row."""
-        if isinstance(observed_tokens, bool) or not isinstance(observed_tokens, (int, np.integer)) or observed_tokens < 0:
+        if (
+            isinstance(observed_tokens, bool)
+            or not isinstance(observed_tokens, (int, np.integer))
+            or observed_tokens < 0
+        ):
             return False
         if len(prediction.feature_row) != self._row_bytes:
             return False
@@ -478,8 +491,11 @@ class OnlineLearner:
         """Copies of every model's moments (p x p each) and its observation count, under the lock."""
         with self._lock:
             self._new_since_fit = 0
-            return [(key, bucket.moments.copy(), bucket.observations)
-                    for key, bucket in self._buckets.items() if bucket.moments.n]
+            return [
+                (key, bucket.moments.copy(), bucket.observations)
+                for key, bucket in self._buckets.items()
+                if bucket.moments.n
+            ]
 
     def refit(self) -> None:
         """Fit the corrections from the moments and swap them in; then update the rolling quality.
@@ -518,8 +534,9 @@ class OnlineLearner:
                 return None
             return found[0]
 
-        def fit(m: _Moments, key: str, observations: int, offset: np.ndarray | None = None,
-                offset_intercept: float = 0.0) -> tuple[np.ndarray, float]:
+        def fit(
+            m: _Moments, key: str, observations: int, offset: np.ndarray | None = None, offset_intercept: float = 0.0
+        ) -> tuple[np.ndarray, float]:
             """Ridge (with intercept) of the target minus ``z . offset + offset_intercept`` on the
             columns standardised by the pooled std; returns raw-column coefficients and the
             intercept, both shrunk."""
@@ -634,11 +651,16 @@ class OnlineLearner:
                 arrays[f"rows_{i}"], arrays[f"prior_{i}"], arrays[f"observed_{i}"] = bucket.ring.ordered()
                 arrays[f"qpredicted_{i}"], arrays[f"qobserved_{i}"] = bucket.window.ordered()
                 observations.append(bucket.observations)
-        meta = {"format": STATE_FORMAT, "identity": self.identity.as_dict(), "models": keys,
-                "observations": observations, "config": asdict(self.config)}
+        meta = {
+            "format": STATE_FORMAT,
+            "identity": self.identity.as_dict(),
+            "models": keys,
+            "observations": observations,
+            "config": asdict(self.config),
+        }
         arrays["meta"] = np.array(json.dumps(meta))
         with atomic_writer(path, "wb") as fh:
-            np.savez(fh, **arrays)
+            np.savez(fh, **arrays)  # type: ignore[arg-type]  # numpy's stubs read the first ** key as allow_pickle
 
     @classmethod
     def load(cls, path: Path | str, identity: PriorIdentity, config: LearnerConfig | None = None) -> OnlineLearner:
@@ -655,11 +677,19 @@ class OnlineLearner:
             logger.warning("online learner: state file %s refused: %s; starting from the prior", path, exc)
             return cls(identity, config)
         except Exception as exc:  # numpy/zipfile raise many types for a damaged file
-            logger.warning("online learner: state file %s refused: unreadable or corrupt (%s: %s); "
-                           "starting from the prior", path, type(exc).__name__, exc)
+            logger.warning(
+                "online learner: state file %s refused: unreadable or corrupt (%s: %s); starting from the prior",
+                path,
+                type(exc).__name__,
+                exc,
+            )
             return cls(identity, config)
-        logger.info("online learner: restored %d observations of %d models from %s",
-                    learner._observed_total, len(learner._buckets), path)
+        logger.info(
+            "online learner: restored %d observations of %d models from %s",
+            learner._observed_total,
+            len(learner._buckets),
+            path,
+        )
         return learner
 
     def _restore(self, path: Path) -> None:
@@ -675,7 +705,9 @@ class OnlineLearner:
                 raise _Refused("not a learner state file (no metadata)")
             meta = json.loads(str(npz["meta"][()]))
             if not isinstance(meta, dict) or meta.get("format") != STATE_FORMAT:
-                raise _Refused(f"format {meta.get('format') if isinstance(meta, dict) else None!r} is not {STATE_FORMAT!r}")
+                raise _Refused(
+                    f"format {meta.get('format') if isinstance(meta, dict) else None!r} is not {STATE_FORMAT!r}"
+                )
             theirs = meta.get("identity") or {}
             ours = self.identity.as_dict()
             for field in ("feature_set", "feature_names", "onnx_sha256"):

@@ -142,8 +142,12 @@ class Calibration:
         return np.interp(np.asarray(scores, dtype=np.float64), self.score, self.log_tokens)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"method": self.method, "score": list(self.score), "log_tokens": list(self.log_tokens),
-                "stand_in": self.stand_in}
+        return {
+            "method": self.method,
+            "score": list(self.score),
+            "log_tokens": list(self.log_tokens),
+            "stand_in": self.stand_in,
+        }
 
 
 # Schema-1 cards have no calibration. This stand-in is NOT fitted: it puts the class midpoints
@@ -388,7 +392,9 @@ class OnnxPredictor:
         width = out_shape[-1] if len(out_shape) == 2 else 1
         expected_width = len(CLASS_NAMES) if self.output.kind == "classifier" else 1
         if width != expected_width:
-            raise ModelError(f"model {path} output {self.output.output!r} has shape {out_shape}, expected [N, {expected_width}]")
+            raise ModelError(
+                f"model {path} output {self.output.output!r} has shape {out_shape}, expected [N, {expected_width}]"
+            )
         self._output_names = [self.output.output]
         self._is_classifier = self.output.kind == "classifier"
         self._score_column = 2 if self._is_classifier else 0
@@ -407,7 +413,7 @@ class OnnxPredictor:
         self._row_view = self._row[0]
         # memoryviews of the two bound buffers: reading them back (tolist, tobytes) without a numpy
         # call is about 0.25 us cheaper per request, with the same float32 -> float values and bytes
-        self._out_memory = memoryview(self._out_flat)
+        self._out_memory = memoryview(self._out_flat)  # type: ignore[arg-type]  # numpy's stubs omit the buffer protocol
         self._row_memory = memoryview(self._row_view)
         # struct packs the feature list straight into the bound buffer: cheaper than numpy's
         # list assignment, and the same float64 -> float32 rounding.
@@ -425,7 +431,7 @@ class OnnxPredictor:
     def predict(self, prompt: Prompt, *, model: str | None = None, cap_tokens: int | None = None) -> Prediction:
         """The prediction for one request (see the module docstring). Never raises on any Prompt."""
         with self._lock:
-            self._pack_into(self._row, 0, *self._values(prompt))
+            self._pack_into(self._row, 0, *self._values(prompt))  # type: ignore[arg-type]  # a writable buffer
             self._run_bound()
             out = self._out_memory.tolist()
             row = self._row_memory.tobytes()

@@ -54,9 +54,7 @@ UsageSource = Literal[
 # A stream event that carries generated text (or reasoning, or tool-call arguments): one of these
 # keys with a NON-empty string value. OpenAI/llama.cpp chat `content`, completions `text`,
 # Ollama /api/generate `response`, reasoning and thinking deltas, tool-call `arguments` deltas.
-_CONTENT_EVENT = re.compile(
-    rb'"(?:content|text|response|reasoning_content|reasoning|thinking|arguments)"\s*:\s*"(?!")'
-)
+_CONTENT_EVENT = re.compile(rb'"(?:content|text|response|reasoning_content|reasoning|thinking|arguments)"\s*:\s*"(?!")')
 _DECODER = json.JSONDecoder()
 
 
@@ -204,7 +202,9 @@ class UsageTap:
     ) -> Usage:
         prompt_tokens, generation_s, prompt_s = known or (None, None, None)
         if self.is_stream and self._events > 0:
-            return Usage(self._events, prompt_tokens, generation_s, prompt_s, wall_s, model, "stream_events", self._events)
+            return Usage(
+                self._events, prompt_tokens, generation_s, prompt_s, wall_s, model, "stream_events", self._events
+            )
         return Usage(None, prompt_tokens, generation_s, prompt_s, wall_s, model, "none", self._events)
 
 

@@ -166,7 +166,8 @@ def create_app(
 
     @app.get("/queue")
     async def queue_endpoint(request: Request) -> dict[str, Any]:
-        return request.app.state.proxy.dispatcher.snapshot()
+        dispatcher: Dispatcher = request.app.state.proxy.dispatcher
+        return dispatcher.snapshot()
 
     @app.get("/queue/{request_id}")
     async def queue_position(request: Request, request_id: str) -> Response:
