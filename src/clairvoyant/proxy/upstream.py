@@ -325,8 +325,8 @@ class Upstream:
                     return await send(method, url, forwarded, body, close_connection=close_connection)
                 async with asyncio.timeout(self.first_byte_timeout_s):
                     return await send(method, url, forwarded, body, close_connection=close_connection)
-            except TimeoutError as exc:
-                raise self._translate(exc, f"no response headers within {self.first_byte_timeout_s:g} s") from None
+            except TimeoutError as exc:  # the first-byte deadline (transports raise TransportError)
+                raise self._translate(exc, f"no response headers within {self.first_byte_timeout_s} s") from None
             except TransportError as exc:
                 if exc.kind == "connect":
                     detail = f"{method} {path} at {self.display_url}: {type(exc.cause).__name__}: {exc.cause}"
