@@ -7,6 +7,7 @@ load versions of these cases are in benchmarks/bench_hardening.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -86,6 +87,40 @@ def test_a_reused_connection_reset_unread_is_resent_once() -> None:
     assert first.status_code == 200 and second.status_code == 200
     assert second.json() == {"ok": True, "n": 2}  # answered by the resend
     assert backend.resets == 1 and backend.posts(CHAT) == 2
+
+
+def test_a_stream_opens_the_next_backend_connection_ahead_and_the_next_stream_uses_it() -> None:
+    # A stream asks the backend to close (llama.cpp closes after every stream), so the next request
+    # needs a new connection: Upstream opens it while the backend works, and the next request that
+    # needs one goes out on it. Each request still reaches the backend exactly once.
+    from clairvoyant.proxy.upstream import Upstream
+
+    async def scenario(backend: FakeBackend) -> list[bytes]:
+        upstream = Upstream(backend.url)
+        connector = None
+        bodies = []
+        spares = []
+        try:
+            for _ in range(2):
+                response = await upstream.open("POST", CHAT, body=json.dumps(chat(stream=True)).encode(), close_connection=True)
+                bodies.append(b"".join([chunk async for chunk in upstream.iter_body(response)]))
+                await response.aclose()
+                connector = upstream._transport._session.connector  # type: ignore[attr-defined]
+                for _ in range(500):  # the spare opens in the background (polled, never slept on)
+                    if connector._spare is not None:
+                        break
+                    await asyncio.sleep(0.002)
+                spares.append(connector._spare[1])
+        finally:
+            await upstream.aclose()
+        assert spares[0] is not spares[1]  # the second request took the first spare; a new one followed
+        assert connector is not None and connector._spare is None  # closed with the upstream
+        return bodies
+
+    with FakeBackend(lambda path, n: ("stream", 2, 0.0)) as backend:
+        bodies = asyncio.run(scenario(backend))
+    assert bodies[0] == bodies[1] and bodies[0].endswith(b"data: [DONE]\n\n")
+    assert backend.posts(CHAT) == 2 and backend.connections == 3  # first request, two spares
 
 
 # --- a backend that hangs, is down, or is loading --------------------------------------------

@@ -5,13 +5,14 @@ shared: ``PassthroughResponse`` runs it directly; ``ScheduledResponse`` runs it 
 ``async with dispatcher.lease(ticket)``, so the slot is held for exactly the relay's life and given
 back once (the lease is the only place that releases).
 
-The client's disconnect is watched the whole time (``receive`` yields ``http.disconnect``):
+Each runs in the server's task for its request. The client's disconnect is watched the whole time
+by one more task (``receive`` yields ``http.disconnect``), which may cancel the request's task:
 
-- while queued: the scheduled task is cancelled; the lease withdraws the ticket, never sent;
+- while queued: the request's task is cancelled; the lease withdraws the ticket, never sent;
 - while the backend generates: ``abort`` cancels the relay (closing the backend connection;
   llama.cpp stops generating) or ``drain`` lets it read the answer into the void to its end, so the
-  slot is freed only when the backend really is free. The draining task is tracked by the
-  dispatcher.
+  slot is freed only when the backend really is free. The draining relay runs on in the request's
+  task: the server waits for it at shutdown, and the dispatcher interrupts it after the grace period.
 
 Before dispatch a waiting client receives nothing, not even a status line (the status comes from
 the backend). It can see where it stands at ``GET /queue/{request_id}`` (position and ETA; the id is

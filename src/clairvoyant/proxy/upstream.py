@@ -168,15 +168,77 @@ _attempt: contextvars.ContextVar[list[bool]] = contextvars.ContextVar("clairvoya
 
 
 class _Connector(aiohttp.TCPConnector):
-    """aiohttp's connector, telling the attempt in progress that it got a FRESH connection (the
-    resend rule needs it; a TraceConfig would also say so, at the cost of ten signal sends per
-    request). Runs in the requesting task, so the context variable is that request's."""
+    """aiohttp's connector, with two additions.
+
+    It tells the attempt in progress that it got a FRESH connection (the resend rule needs it; a
+    TraceConfig would also say so, at the cost of ten signal sends per request). It runs in the
+    requesting task, so the context variable is that request's.
+
+    It keeps one SPARE connection opened ahead. A request that asks the backend to close
+    (a stream: llama.cpp closes after every stream) always needs a new connection, whose opening
+    cost about 0.4 ms of the proxy's CPU on the critical path (measured: docs/benchmarks.md
+    section 6). So when one is opened, the next is opened in the background while the backend
+    works, and handed to the next request that needs a new connection. A spare is used only while
+    younger than ``KEEPALIVE_EXPIRY_S`` and still connected; it counts as fresh (a failure on it is
+    never resent)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._spare: tuple[float, Any] | None = None  # (time.monotonic() when opened, its protocol)
+        self._spare_task: asyncio.Task[None] | None = None
+
+    async def connect(self, req: Any, traces: Any, timeout: Any) -> Any:
+        conn = await super().connect(req, traces, timeout)
+        if req.headers.get("Connection", "").lower() == "close":
+            # aiohttp pools a connection by the ANSWER's headers only, and llama.cpp closes after
+            # a stream without saying so: never pool one we asked to close.
+            if conn.protocol is not None:
+                conn.protocol.force_close()
+            self._open_spare_later(req, timeout)
+        return conn
 
     async def _create_connection(self, req: Any, traces: Any, timeout: Any) -> Any:
         fresh = _attempt.get(None)
         if fresh is not None:
             fresh.append(True)
-        return await super()._create_connection(req, traces, timeout)
+        proto = self._take_spare()
+        if proto is None:
+            proto = await super()._create_connection(req, traces, timeout)
+        return proto
+
+    def _take_spare(self) -> Any:
+        if self._spare is None:
+            return None
+        opened_s, proto = self._spare
+        self._spare = None
+        if time.monotonic() - opened_s < KEEPALIVE_EXPIRY_S and proto.is_connected() and not proto.should_close:
+            return proto
+        proto.close()
+        return None
+
+    def _open_spare_later(self, req: Any, timeout: Any) -> None:
+        if self.closed or self._spare is not None or (self._spare_task is not None and not self._spare_task.done()):
+            return
+        self._spare_task = asyncio.get_running_loop().create_task(self._open_spare(req, timeout))
+
+    async def _open_spare(self, req: Any, timeout: Any) -> None:
+        try:
+            proto = await super()._create_connection(req, [], timeout)
+        except Exception as exc:  # the next request opens its own (and reports what fails)
+            logger.debug("could not open a spare backend connection: %s", type(exc).__name__)
+            return
+        if self.closed or self._spare is not None:
+            proto.close()
+            return
+        self._spare = (time.monotonic(), proto)
+
+    def _close(self, *args: Any, **kwargs: Any) -> Any:  # under aiohttp's close()
+        if self._spare_task is not None:
+            self._spare_task.cancel()
+        if self._spare is not None:
+            self._spare[1].close()
+            self._spare = None
+        return super()._close(*args, **kwargs)
 
 
 class _AiohttpResponse(UpstreamResponse):
@@ -202,9 +264,9 @@ class _AiohttpResponse(UpstreamResponse):
     async def aclose(self) -> None:
         response = self._response
         if self._close or not response.content.at_eof():
-            response.close()  # closes the connection: an unread answer (the backend stops generating)
+            response.close()  # an unread answer: closes the connection (the backend stops generating)
         else:
-            response.release()  # back to the pool
+            response.release()  # back to the pool (a connection asked to close never is: _Connector)
 
 
 class AiohttpTransport:
@@ -345,8 +407,8 @@ class Upstream:
                         response = await send(method, url, forwarded, body, close_connection=close_connection)
                 self.down_since_s = None
                 return response
-            except TimeoutError as exc:
-                raise self._translate(exc, f"no response headers within {self.first_byte_timeout_s:g} s") from None
+            except TimeoutError as exc:  # the first-byte deadline (transports raise TransportError)
+                raise self._translate(exc, f"no response headers within {self.first_byte_timeout_s} s") from None
             except TransportError as exc:
                 if exc.kind == "connect":
                     if self.down_since_s is None:

@@ -367,7 +367,8 @@ class Dispatcher:
             logger.warning("cannot save the service-time state: %s", exc)
 
     def run_detached(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
-        """Run ``coro`` past its request handler (a relay draining the backend after the client left)."""
+        """Run ``coro`` as a tracked background task (state saves, the start-up backend check):
+        referenced until done, its failure logged, cancelled by ``stop``."""
         task = asyncio.create_task(coro, name=name)
         self._detached.add(task)
         task.add_done_callback(self._detached_done)
