@@ -23,7 +23,7 @@ import json
 import os
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -101,7 +101,9 @@ def main() -> int:
         help="a second proxy command run side by side as target 'baseline' (same placeholders), e.g. an "
         "earlier commit's `env PYTHONPATH=/tmp/old/src {python} -m clairvoyant.cli serve ...`",
     )
-    parser.add_argument("--json", default=str(RESULTS), help=f"write the figures here (default {RESULTS.name} beside the script)")
+    parser.add_argument(
+        "--json", default=str(RESULTS), help=f"write the figures here (default {RESULTS.name} beside the script)"
+    )
     args = parser.parse_args()
     TARGETS = BASE_TARGETS + (("baseline",) if args.baseline_cmd else ())
     servers.require_tools("nginx")
@@ -144,7 +146,7 @@ def main() -> int:
     cpu_ms = {k: (cpu_after[k] - cpu_before[k]) / served[k] * 1000 for k in cpu_after}
 
     result: dict[str, object] = {
-        "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "proxy_argv": servers.proxy_argv(args.proxy_cmd, "UPSTREAM", 0, 1),
         "baseline_argv": servers.proxy_argv(args.baseline_cmd, "UPSTREAM", 0, 1) if args.baseline_cmd else None,

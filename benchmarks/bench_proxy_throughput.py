@@ -25,7 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -53,7 +53,10 @@ ANSWER = json.dumps(
     separators=(",", ":"),
 )  # fmt: skip
 BODY = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "Say OK."}], "max_tokens": 1})
-PATHS = {"POST /v1/chat/completions": ("POST", "/v1/chat/completions", BODY), "GET /v1/models": ("GET", "/v1/models", None)}
+PATHS = {
+    "POST /v1/chat/completions": ("POST", "/v1/chat/completions", BODY),
+    "GET /v1/models": ("GET", "/v1/models", None),
+}
 BASE_TARGETS: tuple[str, ...] = ("backend", "nginx", "bare", "proxy")
 RESULTS = Path(__file__).with_name("proxy_throughput_results.json")
 
@@ -86,7 +89,9 @@ def main() -> int:
         help="a second proxy command run side by side as target 'baseline' (same placeholders), e.g. an "
         "earlier commit's `env PYTHONPATH=/tmp/old/src {python} -m clairvoyant.cli serve ...`",
     )
-    parser.add_argument("--json", default=str(RESULTS), help=f"write the figures here (default {RESULTS.name} beside the script)")
+    parser.add_argument(
+        "--json", default=str(RESULTS), help=f"write the figures here (default {RESULTS.name} beside the script)"
+    )
     args = parser.parse_args()
     TARGETS = BASE_TARGETS + (("baseline",) if args.baseline_cmd else ())
     servers.require_tools("nginx", "wrk")
@@ -153,7 +158,7 @@ def main() -> int:
         load_after = os.getloadavg()
 
     summary: dict[str, object] = {
-        "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "proxy_argv": servers.proxy_argv(args.proxy_cmd, "UPSTREAM", 0, args.slots),
         "baseline_argv": servers.proxy_argv(args.baseline_cmd, "UPSTREAM", 0, args.slots) if args.baseline_cmd else None,
@@ -178,7 +183,9 @@ def main() -> int:
             cpu_text = f"{own:.3f}" if target == "backend" else f"{own:.3f} (+ backend {behind:.3f})"
             table[target] = {**med, "errors": errors, "cpu_ms_per_request": own, "backend_cpu_ms_per_request": behind,
                              "runs": rs}  # fmt: skip
-            print(f"| {target} | {med['requests_per_s']:,.0f} | {med['p50_ms']:.2f} | {med['p99_ms']:.2f} | {errors} | {cpu_text} |")
+            print(
+                f"| {target} | {med['requests_per_s']:,.0f} | {med['p50_ms']:.2f} | {med['p99_ms']:.2f} | {errors} | {cpu_text} |"
+            )
         summary["paths"][label] = table  # type: ignore[index]
     with open(args.json, "w") as fh:
         json.dump(summary, fh, indent=2)

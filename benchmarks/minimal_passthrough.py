@@ -59,7 +59,9 @@ def build(upstream: str) -> FastAPI:
     async def get(path: str, request: Request) -> Response:
         """A buffered GET pass-through (/v1/models, /api/tags), the floor of the proxy's pass-through path."""
         response = await client.get(f"/{path}", params=request.query_params)
-        return Response(response.content, status_code=response.status_code, media_type=response.headers.get("content-type"))
+        return Response(
+            response.content, status_code=response.status_code, media_type=response.headers.get("content-type")
+        )
 
     return app
 

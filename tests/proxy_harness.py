@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 import respx
 
-from clairvoyant.tools.bench.runner import proxy_server as running_proxy  # noqa: F401 (re-exported)
 from clairvoyant.prediction.features import Prompt
 from clairvoyant.prediction.predictor import Prediction
+from clairvoyant.tools.bench.runner import proxy_server as running_proxy  # noqa: F401 (re-exported)
 
 
 class MarkerPredictor:
@@ -63,7 +63,9 @@ def mock_transport(router: respx.MockRouter) -> httpx.MockTransport:
     async def handler(request: httpx.Request) -> httpx.Response:
         response = await router.async_handler(request)
         if response.is_stream_consumed:
-            return httpx.Response(response.status_code, headers=response.headers, stream=httpx.ByteStream(response.content))
+            return httpx.Response(
+                response.status_code, headers=response.headers, stream=httpx.ByteStream(response.content)
+            )
         return response
 
     return httpx.MockTransport(handler)
@@ -105,8 +107,12 @@ class BackgroundPosts(threading.Thread):
         async def post_all() -> list[httpx.Response]:
             async with httpx.AsyncClient(timeout=30) as client:
                 return await asyncio.gather(
-                    *(client.post(f"{self.base}/v1/chat/completions", json={"messages": [{"role": "user", "content": t}]})
-                      for t in self.texts)
+                    *(
+                        client.post(
+                            f"{self.base}/v1/chat/completions", json={"messages": [{"role": "user", "content": t}]}
+                        )
+                        for t in self.texts
+                    )
                 )
 
         self.responses = asyncio.run(post_all())

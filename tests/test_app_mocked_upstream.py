@@ -15,8 +15,6 @@ from typing import Any
 import httpx
 import pytest
 import respx
-
-from clairvoyant.config import Settings
 from proxy_harness import (
     BackgroundPosts,
     HeldBackend,
@@ -28,6 +26,8 @@ from proxy_harness import (
     running_proxy,
     wait_until,
 )
+
+from clairvoyant.config import Settings
 
 UPSTREAM = "http://upstream.test"
 
@@ -59,8 +59,13 @@ def test_openai_chat_non_streaming_round_trip_keeps_body_headers_and_status() ->
         r = httpx.post(
             f"{base}/v1/chat/completions?trace=1",
             content=raw,
-            headers={"Authorization": "Bearer sk-test", "Content-Type": "application/json",
-                     "Connection": "keep-alive, x-hop", "x-hop": "drop-me", "X-Request-Id": "abc-123"},
+            headers={
+                "Authorization": "Bearer sk-test",
+                "Content-Type": "application/json",
+                "Connection": "keep-alive, x-hop",
+                "x-hop": "drop-me",
+                "X-Request-Id": "abc-123",
+            },
         )
     assert r.status_code == 201
     assert r.json()["choices"][0]["message"]["content"] == "hi"
@@ -89,9 +94,10 @@ def test_openai_streaming_passes_chunks_through_as_they_arrive() -> None:
     router.post("/v1/chat/completions").mock(
         return_value=httpx.Response(200, headers={"content-type": "text/event-stream"}, content=sse())
     )
-    with proxy(router) as base, httpx.stream(
-        "POST", f"{base}/v1/chat/completions", json=chat_body("hi", stream=True)
-    ) as r:
+    with (
+        proxy(router) as base,
+        httpx.stream("POST", f"{base}/v1/chat/completions", json=chat_body("hi", stream=True)) as r,
+    ):
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = r.iter_lines()
         first = next(line for line in lines if line)
@@ -105,7 +111,9 @@ def test_proxy_only_field_is_stripped_and_other_fields_kept() -> None:
     router = respx.MockRouter(base_url=UPSTREAM)
     route = router.post("/v1/completions").respond(200, json={"choices": [{"text": "x"}]})
     with proxy(router) as base:
-        r = httpx.post(f"{base}/v1/completions", json={"prompt": "p", "n_predict": 5, "clairvoyant": {"output_tokens": 5}})
+        r = httpx.post(
+            f"{base}/v1/completions", json={"prompt": "p", "n_predict": 5, "clairvoyant": {"output_tokens": 5}}
+        )
     assert r.status_code == 200
     assert json.loads(route.calls.last.request.content) == {"prompt": "p", "n_predict": 5}
 
@@ -118,7 +126,10 @@ def test_proxy_only_field_is_stripped_and_other_fields_kept() -> None:
         (json.dumps({"model": "m"}).encode(), "messages"),
         (json.dumps({"model": "m", "messages": []}).encode(), "messages"),
         (json.dumps({"model": "m", "messages": ["hi"]}).encode(), "messages.0"),
-        (json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}).encode(), "stream"),
+        (
+            json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}).encode(),
+            "stream",
+        ),
     ],
 )
 def test_openai_bad_requests_get_400_in_openai_shape_and_are_never_sent(body: bytes, param: str | None) -> None:
@@ -297,7 +308,8 @@ def test_fcfs_policy_keeps_arrival_order() -> None:
         threads = []
         for text in ["[long] L1", "[short] S1", "[long] L2"]:  # arrive one after another
             threads.append(BackgroundPosts(base, text))
-            wait_until(lambda n=len(threads): len(queue_snapshot(base)["waiting"]) == n, what="queued")
+            queued = len(threads)
+            wait_until(lambda n=queued: len(queue_snapshot(base)["waiting"]) == n, what="queued")
         backend.gate.set()
         for t in [holder, *threads]:
             t.join(10)
@@ -315,14 +327,19 @@ def test_queue_full_answers_503_with_retry_after_in_the_dialect() -> None:
         wait_until(lambda: len(queue_snapshot(base)["waiting"]) == 1, what="second queued")
         tail_eta_s = queue_snapshot(base)["tail_eta_s"]  # the in-flight [long] job's predicted remainder
         full = httpx.post(f"{base}/v1/chat/completions", json=chat_body("[short] c"))
-        full_ollama = httpx.post(f"{base}/api/chat", json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+        full_ollama = httpx.post(
+            f"{base}/api/chat", json={"model": "m", "messages": [{"role": "user", "content": "x"}]}
+        )
         rejected = metric_value(base, "clairvoyant_rejections_total", 'reason="queue_full"')
         backend.gate.set()
         for t in threads:
             t.join(10)
     # Retry-After is the queue tail's ETA (not a constant), never below the configured floor.
     assert tail_eta_s > 3
-    assert full.status_code == 503 and int(full.headers["retry-after"]) in (math.ceil(tail_eta_s), math.ceil(tail_eta_s) - 1)
+    assert full.status_code == 503 and int(full.headers["retry-after"]) in (
+        math.ceil(tail_eta_s),
+        math.ceil(tail_eta_s) - 1,
+    )
     assert full.json()["error"]["code"] == "queue_full"
     assert full_ollama.status_code == 503 and "queue is full" in full_ollama.json()["error"]
     assert rejected == 2

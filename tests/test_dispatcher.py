@@ -8,12 +8,12 @@ import math
 import pytest
 
 from clairvoyant.clock import ManualClock
-from clairvoyant.scheduling.dispatcher import Dispatcher, ShuttingDown, Ticket
 from clairvoyant.errors import QueueFull
-from clairvoyant.scheduling.job_queue import Job
 from clairvoyant.metrics import Metrics
-from clairvoyant.scheduling.policy import build_queue, make_policy
 from clairvoyant.prediction.predictor import Prediction
+from clairvoyant.scheduling.dispatcher import Dispatcher, ShuttingDown, Ticket
+from clairvoyant.scheduling.job_queue import Job
+from clairvoyant.scheduling.policy import build_queue, make_policy
 
 
 def make(slots: int = 1, max_queue: int = 10, policy: str = "fcfs") -> tuple[Dispatcher, ManualClock]:
@@ -140,8 +140,15 @@ def test_the_service_time_state_is_written_every_50_completions_in_a_worker_thre
         clock = ManualClock()
         pol = make_policy("fcfs")
         path = tmp_path / "st.json"
-        d = Dispatcher(build_queue(pol), pol, slots=1, clock=clock, metrics=Metrics(), max_queue=10,
-                       service_time=ServiceTimeModel(path=path))
+        d = Dispatcher(
+            build_queue(pol),
+            pol,
+            slots=1,
+            clock=clock,
+            metrics=Metrics(),
+            max_queue=10,
+            service_time=ServiceTimeModel(path=path),
+        )
         await d.start()
         for i in range(50):
             t = submit(d, f"r{i}", clock.now(), 1.0)

@@ -102,7 +102,9 @@ def test_a_stream_opens_the_next_backend_connection_ahead_and_the_next_stream_us
         spares = []
         try:
             for _ in range(2):
-                response = await upstream.open("POST", CHAT, body=json.dumps(chat(stream=True)).encode(), close_connection=True)
+                response = await upstream.open(
+                    "POST", CHAT, body=json.dumps(chat(stream=True)).encode(), close_connection=True
+                )
                 bodies.append(b"".join([chunk async for chunk in upstream.iter_body(response)]))
                 await response.aclose()
                 connector = upstream._transport._session.connector  # type: ignore[attr-defined]

@@ -77,7 +77,9 @@ def _rules(entries: Iterable[str]) -> tuple[set[tuple[str, str]], list[tuple[str
 def _error(dialect: Dialect, status: int, message: str, code: str) -> bytes:
     if dialect is Dialect.OLLAMA:
         return json.dumps({"error": message}).encode()
-    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}).encode()
+    return json.dumps(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    ).encode()
 
 
 class AccessControl:
@@ -105,16 +107,37 @@ class AccessControl:
             return
         status_path = path.startswith(STATUS_PREFIXES)
         if not status_path and path not in SCHEDULED_ENDPOINTS and not self._allowed(scope["method"], path):
-            await _respond(send, 403, _error(dialect_of_path(path), 403, f"{scope['method']} {path} is not allowed through this proxy", "forbidden"))
+            await _respond(
+                send,
+                403,
+                _error(
+                    dialect_of_path(path),
+                    403,
+                    f"{scope['method']} {path} is not allowed through this proxy",
+                    "forbidden",
+                ),
+            )
             log_request({"method": scope["method"], "path": path, "status": 403, "outcome": "not_allowed"})
             return
         if self.keys and (not status_path or self.status_requires_key):
             presented = _presented_key(scope["headers"])
             identity = self.keys.get(hash_key(presented)) if presented else None
             if identity is None:
-                body = _error(dialect_of_path(path), 401, "a valid API key is required (Authorization: Bearer KEY or X-Api-Key)", "invalid_api_key")
+                body = _error(
+                    dialect_of_path(path),
+                    401,
+                    "a valid API key is required (Authorization: Bearer KEY or X-Api-Key)",
+                    "invalid_api_key",
+                )
                 await _respond(send, 401, body, [(b"www-authenticate", b"Bearer")])
-                log_request({"method": scope["method"], "path": path, "status": 401, "outcome": "missing_key" if not presented else "unknown_key"})
+                log_request(
+                    {
+                        "method": scope["method"],
+                        "path": path,
+                        "status": 401,
+                        "outcome": "missing_key" if not presented else "unknown_key",
+                    }
+                )
                 return
             scope.setdefault("state", {})[IDENTITY_KEY] = identity
             if not self.forward_client_key:

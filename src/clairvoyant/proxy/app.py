@@ -18,9 +18,9 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,21 +30,27 @@ from starlette.types import Receive, Scope, Send
 
 from clairvoyant.clock import Clock, MonotonicClock
 from clairvoyant.config import Settings
-from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, dialect_of_path, error_body, parse_request, with_upstream_fields
-from clairvoyant.scheduling.dispatcher import Dispatcher, Ticket
 from clairvoyant.errors import BadRequest, ClientGone, PayloadTooLarge, QueueFull, RequestError
 from clairvoyant.logs import log_request
+from clairvoyant.metrics import CONTENT_TYPE_LATEST, Metrics
+from clairvoyant.prediction.dialects import (
+    SCHEDULED_ENDPOINTS,
+    dialect_of_path,
+    error_body,
+    parse_request,
+    with_upstream_fields,
+)
+from clairvoyant.prediction.predictor import OnnxPredictor, Predictor
 from clairvoyant.proxy.access import AccessControl, Identity, identity_of
 from clairvoyant.proxy.feedback import OnlineLearning
-from clairvoyant.scheduling.job_queue import Job
-from clairvoyant.metrics import CONTENT_TYPE_LATEST, Metrics
-from clairvoyant.scheduling.policy import PolicyParams, build_queue, make_policy
-from clairvoyant.prediction.predictor import OnnxPredictor, Predictor
 from clairvoyant.proxy.responses import PassthroughResponse, Relay, ScheduledResponse, UpstreamRequest
+from clairvoyant.proxy.upstream import Upstream
 from clairvoyant.scheduling.boost import bucket_for
+from clairvoyant.scheduling.dispatcher import Dispatcher, Ticket
+from clairvoyant.scheduling.job_queue import Job
+from clairvoyant.scheduling.policy import PolicyParams, build_queue, make_policy
 from clairvoyant.scheduling.service_time import ServiceTimeModel
 from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
-from clairvoyant.proxy.upstream import Upstream
 
 __all__ = ["ProxyApp", "create_app"]
 
@@ -121,8 +127,13 @@ def create_app(
         app.state.proxy = ProxyState(settings, loaded, upstream, dispatcher, metrics, learning)
         logger.info(
             "clairvoyant ready: upstream=%s policy=%s tau=%ss+%sxS slots=%d max_queue=%d disconnect_mode=%s",
-            upstream.display_url, settings.policy, settings.starvation_timeout_s, settings.starvation_slowdown, settings.slots,
-            settings.max_queue, settings.disconnect_mode,
+            upstream.display_url,
+            settings.policy,
+            settings.starvation_timeout_s,
+            settings.starvation_slowdown,
+            settings.slots,
+            settings.max_queue,
+            settings.disconnect_mode,
         )
         dispatcher.run_detached(_check_upstream_at_start(upstream), name="upstream-check")
         try:
@@ -132,9 +143,7 @@ def create_app(
             await learning.stop()  # after the drain: the last requests are learned, then saved
             await upstream.aclose()
 
-    app = FastAPI(
-        title="clairvoyant", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
-    )
+    app = FastAPI(title="clairvoyant", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.metrics = metrics
 
     @app.exception_handler(Exception)
@@ -269,7 +278,9 @@ async def _check_upstream_at_start(upstream: Upstream) -> None:
     except Exception as exc:  # a background check must never fail loudly
         problem = repr(exc)
     if problem is not None:
-        logger.warning("the backend at %s is not ready yet (%s); requests will wait for it", upstream.display_url, problem)
+        logger.warning(
+            "the backend at %s is not ready yet (%s); requests will wait for it", upstream.display_url, problem
+        )
 
 
 def _log_rejection(scope: Scope, status: int | str, outcome: str) -> None:

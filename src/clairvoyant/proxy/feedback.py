@@ -29,13 +29,13 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from clairvoyant.config import Settings
-from clairvoyant.prediction.learner import OnlineLearner, PriorIdentity
 from clairvoyant.metrics import Metrics
+from clairvoyant.prediction.learner import OnlineLearner, PriorIdentity
 from clairvoyant.prediction.usage import Usage
 
 if TYPE_CHECKING:
-    from clairvoyant.scheduling.dispatcher import Ticket
     from clairvoyant.prediction.predictor import Predictor
+    from clairvoyant.scheduling.dispatcher import Ticket
 
 __all__ = ["OnlineLearning", "UsageRecorder"]
 
@@ -103,7 +103,8 @@ class OnlineLearning:
             self._saver = asyncio.create_task(self._save_periodically(), name="learner-saver")
         logger.info(
             "online learning on: state file %s, saved every %ss",
-            self.state_path or "none (in memory only)", self.settings.learner_save_interval_s,
+            self.state_path or "none (in memory only)",
+            self.settings.learner_save_interval_s,
         )
 
     async def stop(self) -> None:

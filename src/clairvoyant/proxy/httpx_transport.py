@@ -63,7 +63,9 @@ class HttpxTransport:
         self._client = httpx.AsyncClient(
             timeout=timeout,
             transport=transport,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=32, keepalive_expiry=KEEPALIVE_EXPIRY_S),
+            limits=httpx.Limits(
+                max_connections=None, max_keepalive_connections=32, keepalive_expiry=KEEPALIVE_EXPIRY_S
+            ),
             follow_redirects=False,
         )
 

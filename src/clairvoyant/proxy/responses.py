@@ -38,13 +38,13 @@ from typing import Any, Literal
 
 from starlette.types import Receive, Send
 
-from clairvoyant.prediction.dialects import Dialect, error_body, stream_error_event
-from clairvoyant.scheduling.dispatcher import Dispatcher, ShuttingDown, Ticket
 from clairvoyant.errors import RequestError, UpstreamTimeout, UpstreamUnavailable
 from clairvoyant.logs import REQUEST_LOG, log_request
 from clairvoyant.metrics import Metrics
-from clairvoyant.proxy.upstream import Upstream, UpstreamResponse, response_headers
+from clairvoyant.prediction.dialects import Dialect, error_body, stream_error_event
 from clairvoyant.prediction.usage import Usage, UsageTap
+from clairvoyant.proxy.upstream import Upstream, UpstreamResponse, response_headers
+from clairvoyant.scheduling.dispatcher import Dispatcher, ShuttingDown, Ticket
 
 __all__ = ["PassthroughResponse", "Relay", "ScheduledResponse", "UpstreamRequest", "error_body"]
 
@@ -136,7 +136,9 @@ class Relay:
                 if not exc.never_sent:
                     raise
                 deadline_s = self.upstream.outage_deadline_s(self.backend_wait_s)
-                if time.monotonic() >= deadline_s or not await self.upstream.wait_until_ready(deadline_s, lambda: self.client_gone):
+                if time.monotonic() >= deadline_s or not await self.upstream.wait_until_ready(
+                    deadline_s, lambda: self.client_gone
+                ):
                     if self.client_gone:
                         continue
                     raise
@@ -148,7 +150,9 @@ class Relay:
             if time.monotonic() >= deadline_s:
                 return response  # relayed as it is: the backend's own 503 and reason
             await response.aclose()
-            logger.info("the backend answered 503 before starting; waiting up to %.0f s for it", deadline_s - time.monotonic())
+            logger.info(
+                "the backend answered 503 before starting; waiting up to %.0f s for it", deadline_s - time.monotonic()
+            )
             await self.upstream.wait_until_ready(deadline_s, lambda: self.client_gone)
 
     async def _relay_body(self, response: UpstreamResponse, send: Send) -> None:
@@ -433,7 +437,9 @@ class ScheduledResponse(_Exchange):
         return headers
 
     def _first_byte(self) -> None:
-        self.metrics.ttft_by_class[self.ticket.predicted_class].observe(self.dispatcher.clock.now() - self.ticket.arrival_s)
+        self.metrics.ttft_by_class[self.ticket.predicted_class].observe(
+            self.dispatcher.clock.now() - self.ticket.arrival_s
+        )
 
     def _observe_end(self) -> None:
         self.metrics.end_to_end_by_class[self.ticket.predicted_class].observe(

@@ -37,17 +37,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         field = Settings.model_fields[name]
         default = "unset" if field.default is None else field.default
         parser.add_argument(
-            flag, dest=name, help=f"{field.description} (default {default}; {ENV_PREFIX}{name.upper()})",
+            flag,
+            dest=name,
+            help=f"{field.description} (default {default}; {ENV_PREFIX}{name.upper()})",
             **_flag_type(name),
         )
 
 
 def run(args: argparse.Namespace) -> int:
-    from clairvoyant.proxy.app import create_app
-    from clairvoyant.proxy.server import build_server
     from clairvoyant.config import load_settings
     from clairvoyant.logs import configure_logging
     from clairvoyant.prediction.predictor import OnnxPredictor
+    from clairvoyant.proxy.app import create_app
+    from clairvoyant.proxy.server import build_server
 
     # Logging first, so that the settings' own warnings (unknown CLAIRVOYANT_* variables) are formatted;
     # the level comes from the settings once they are known.
@@ -56,9 +58,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, settings.log_format)
     # Load the model before binding the port: a bad model stops start-up with a clear message.
     predictor = OnnxPredictor(settings.model_path)
-    logging.getLogger(__name__).info(
-        "predictor %s (feature set %s)", predictor.model_path, predictor.feature_set_name
-    )
+    logging.getLogger(__name__).info("predictor %s (feature set %s)", predictor.model_path, predictor.feature_set_name)
     app = create_app(settings, predictor=predictor)
     # Everything imported and loaded so far lives as long as the process: out of the cyclic
     # collector's way, so that its full collections stop rescanning it under load (measured:

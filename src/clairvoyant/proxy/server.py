@@ -103,7 +103,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._header_bytes = 0
         size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
         if size > self.limits.max_header_bytes:
-            self._reject(431, HeadersTooLarge(f"request headers exceed {self.limits.max_header_bytes} bytes"), "header_too_large")
+            self._reject(
+                431, HeadersTooLarge(f"request headers exceed {self.limits.max_header_bytes} bytes"), "header_too_large"
+            )
             return
         self._disarm()
         self._arm()  # the body's deadline (disarmed at once if there is no body)
@@ -132,7 +134,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         what = "headers" if self._in_headers else "body"
-        self._reject(408, RequestTimeout(f"the request {what} did not arrive within {self.limits.client_timeout_s:g} s"), "client_timeout")
+        self._reject(
+            408,
+            RequestTimeout(f"the request {what} did not arrive within {self.limits.client_timeout_s:g} s"),
+            "client_timeout",
+        )
 
     def _path(self) -> str:
         """The request's path so far (for the error's dialect), or "/" before the request line."""
@@ -187,7 +193,9 @@ class ProxyServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def build_server(app: Any, settings: Settings, *, host: str | None = None, port: int | None = None, log_level: str | None = None) -> ProxyServer:
+def build_server(
+    app: Any, settings: Settings, *, host: str | None = None, port: int | None = None, log_level: str | None = None
+) -> ProxyServer:
     """The proxy's uvicorn server for ``app`` (from ``create_app``) with ``settings``' limits."""
     metrics = getattr(getattr(app, "state", None), "metrics", None)
 

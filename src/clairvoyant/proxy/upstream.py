@@ -53,8 +53,17 @@ HEALTH_PATH = "/health"  # llama.cpp: 503 while the model loads; other backends 
 # RFC 9110 7.6.1 hop-by-hop headers, plus those the proxy recomputes itself.
 HOP_BY_HOP = frozenset(
     {
-        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-        "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host",
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
     }
 )
 _HOP_BY_HOP_BYTES = frozenset(name.encode() for name in HOP_BY_HOP)
@@ -74,12 +83,7 @@ def forwardable_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, s
     """A request's end-to-end headers only: drops hop-by-hop ones, those named in Connection, and
     Content-Length (the body is re-sent whole and the client library sets its own)."""
     pairs = [(k, v) for k, v in headers if k.lower() != "content-length"]
-    named = {
-        token.strip().lower()
-        for k, v in pairs
-        if k.lower() == "connection"
-        for token in v.split(",")
-    }
+    named = {token.strip().lower() for k, v in pairs if k.lower() == "connection" for token in v.split(",")}
     if not named:
         return [(k, v) for k, v in pairs if k.lower() not in HOP_BY_HOP]
     return [(k, v) for k, v in pairs if k.lower() not in HOP_BY_HOP and k.lower() not in named]
@@ -90,12 +94,7 @@ def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, by
     (the proxy's server sets one; its Server header is off, so the backend's stays the only one).
     Content-Length is kept: the body is relayed byte for byte."""
     pairs = [(k.lower(), v) for k, v in raw]
-    named = {
-        token.strip().lower()
-        for k, v in pairs
-        if k == b"connection"
-        for token in v.split(b",")
-    }
+    named = {token.strip().lower() for k, v in pairs if k == b"connection" for token in v.split(b",")}
     return [(k, v) for k, v in pairs if k not in _HOP_BY_HOP_BYTES and k not in named and k != b"date"]
 
 
@@ -108,7 +107,9 @@ class TransportError(Exception):
     unread in its socket (a clean close after reading would be a FIN, not a reset). A clean close
     after the request went out is never resent: the backend may have read it and be generating."""
 
-    def __init__(self, kind: Literal["connect", "timeout", "failed"], cause: BaseException, *, never_read: bool = False) -> None:
+    def __init__(
+        self, kind: Literal["connect", "timeout", "failed"], cause: BaseException, *, never_read: bool = False
+    ) -> None:
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.kind = kind
         self.cause = cause
@@ -289,7 +290,9 @@ class AiohttpTransport:
             auto_decompress=False,
             skip_auto_headers=("Accept-Encoding", "Content-Type"),
         )
-        session._retry_connection = False  # the resend rule is Upstream's alone (aiohttp would resend idempotent methods)
+        session._retry_connection = (
+            False  # the resend rule is Upstream's alone (aiohttp would resend idempotent methods)
+        )
         self._session = session
         return session
 
@@ -300,9 +303,7 @@ class AiohttpTransport:
         fresh: list[bool] = []
         token = _attempt.set(fresh)
         try:
-            response = await session.request(
-                method, url, headers=headers, data=body or None, allow_redirects=False
-            )
+            response = await session.request(method, url, headers=headers, data=body or None, allow_redirects=False)
         except aiohttp.ClientConnectorError as exc:
             raise TransportError("connect", exc) from exc
         except TimeoutError as exc:

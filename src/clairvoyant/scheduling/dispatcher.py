@@ -34,13 +34,13 @@ from typing import Any
 
 from clairvoyant.clock import Clock
 from clairvoyant.errors import QueueFull, RequestError
-from clairvoyant.scheduling.job_queue import Job, JobQueue
 from clairvoyant.metrics import Metrics
-from clairvoyant.scheduling.policy import SchedulingPolicy
 from clairvoyant.prediction.predictor import Prediction
+from clairvoyant.prediction.usage import Usage
+from clairvoyant.scheduling.job_queue import Job, JobQueue
+from clairvoyant.scheduling.policy import SchedulingPolicy
 from clairvoyant.scheduling.service_time import ServiceTimeModel, write_state
 from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
-from clairvoyant.prediction.usage import Usage
 
 __all__ = ["Dispatcher", "Lease", "ShuttingDown", "Ticket"]
 
@@ -155,7 +155,9 @@ class Dispatcher:
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        self._workers = [asyncio.create_task(self._worker(slot), name=f"dispatcher-slot-{slot}") for slot in range(self.slots)]
+        self._workers = [
+            asyncio.create_task(self._worker(slot), name=f"dispatcher-slot-{slot}") for slot in range(self.slots)
+        ]
 
     def begin_shutdown(self, grace_s: float) -> None:
         """Refuse new work and every waiting request (503 ``shutting_down`` at once); in-flight
@@ -173,7 +175,12 @@ class Dispatcher:
                 ticket.granted.set_exception(ShuttingDown("the proxy is shutting down; retry"))
                 ticket.granted.exception()  # marked retrieved: a lease that still waits raises it anyway
             refused += 1
-        logger.info("shutting down: refused %d waiting request(s); %d in flight get %.1f s", refused, len(self._running), grace_s)
+        logger.info(
+            "shutting down: refused %d waiting request(s); %d in flight get %.1f s",
+            refused,
+            len(self._running),
+            grace_s,
+        )
         self._grace_timer = asyncio.get_running_loop().call_later(grace_s, self._interrupt_running)
 
     def _interrupt_running(self) -> None:
@@ -300,7 +307,12 @@ class Dispatcher:
             completed = lease is not None and lease.completed
             usage = None if lease is None else lease.usage
             self._recent.append(
-                (ticket, self.clock.now(), "completed" if completed else "ended", None if usage is None else usage.output_tokens)
+                (
+                    ticket,
+                    self.clock.now(),
+                    "completed" if completed else "ended",
+                    None if usage is None else usage.output_tokens,
+                )
             )
             if completed and ticket.dispatched_s is not None:
                 self._learn(ticket, self.clock.now() - ticket.dispatched_s, usage)
@@ -430,8 +442,11 @@ class Dispatcher:
                 "tenant": job.tenant,
                 "priority": job.priority,
                 "predicted_class": ticket.predicted_class,
-                **({} if ticket.prediction is None or ticket.prediction.p_long is None
-                   else {"p_long": round(ticket.prediction.p_long, 6)}),
+                **(
+                    {}
+                    if ticket.prediction is None or ticket.prediction.p_long is None
+                    else {"p_long": round(ticket.prediction.p_long, 6)}
+                ),
                 "score": round(job.score, 6),
                 "predicted_tokens": round(job.predicted_tokens, 1),
                 "predicted_s": round(job.predicted_s, 3),
@@ -443,7 +458,11 @@ class Dispatcher:
             {"position": i, "eta_s": round(eta, 3), **describe(job.payload)} for i, (job, eta) in enumerate(etas)
         ]
         in_flight = [
-            {"slot": slot, **describe(t), "running_s": round(0.0 if t.dispatched_s is None else now - t.dispatched_s, 3)}
+            {
+                "slot": slot,
+                **describe(t),
+                "running_s": round(0.0 if t.dispatched_s is None else now - t.dispatched_s, 3),
+            }
             for slot, t in sorted(self._running.items())
         ]
         return {
