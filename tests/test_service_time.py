@@ -104,3 +104,16 @@ def test_adaptive_slowdown_follows_the_spread_of_service_times() -> None:
     rule.observe(-1.0)
     rule.observe(math.nan)
     assert rule.cv2() == pytest.approx(0.64)
+
+
+def test_identical_requests_do_not_wind_the_fit_up() -> None:
+    # Forgetting with inputs that never vary used to grow the covariance without bound: the
+    # estimate diverged after ~20,000 identical requests and became NaN after ~100,000.
+    model = ServiceTimeModel()
+    for _ in range(150_000):
+        model.observe("m", 12, 1, 0.001)
+    predicted = model.predict_s("m", 12, 1)
+    assert math.isfinite(predicted) and predicted == pytest.approx(0.01, abs=1e-9)  # the 10 ms floor
+    assert all(math.isfinite(v) for v in model.coefficients("m").values())
+    model.observe("m", 500, 300, 6.5)  # and it still learns from a different request
+    assert math.isfinite(model.predict_s("m", 500, 300))

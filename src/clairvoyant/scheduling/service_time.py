@@ -48,7 +48,7 @@ class _Rls:
     p: list[list[float]]  # 3x3 covariance (scaled)
     n: int = 0  # observations so far
 
-    def update(self, x: list[float], y: float, lam: float) -> None:
+    def update(self, x: list[float], y: float, lam: float, max_trace: float) -> None:
         # Unrolled 3x3 (it runs once per completed request, on the event loop); the same
         # operations in the same order as the loops it replaced, so the same floats.
         (p00, p01, p02), (p10, p11, p12), (p20, p21, p22) = self.p
@@ -61,11 +61,19 @@ class _Rls:
         t0, t1, t2 = self.theta
         err = y - (t0 * x0 + t1 * x1 + t2 * x2)
         self.theta = [t0 + g0 * err, t1 + g1 * err, t2 + g2 * err]
-        self.p = [
+        p = [
             [(p00 - g0 * px0) / lam, (p01 - g0 * px1) / lam, (p02 - g0 * px2) / lam],
             [(p10 - g1 * px0) / lam, (p11 - g1 * px1) / lam, (p12 - g1 * px2) / lam],
             [(p20 - g2 * px0) / lam, (p21 - g2 * px1) / lam, (p22 - g2 * px2) / lam],
         ]
+        # Bounded covariance: forgetting divides P by lam every step, so in a direction the inputs
+        # never vary (identical requests) P grows as lam^-n, and the estimate diverges (NaN after
+        # ~100,000 identical requests). Its trace is kept at most the prior's.
+        trace = p[0][0] + p[1][1] + p[2][2]
+        if not trace <= max_trace:
+            scale = max_trace / trace if math.isfinite(trace) and trace > 0 else 0.0
+            p = [[value * scale for value in row] for row in p]
+        self.p = p
         self.n += 1
 
 
@@ -111,7 +119,13 @@ class ServiceTimeModel:
             if len(self._models) >= _MAX_MODELS:
                 return
             rls = self._models[key] = self._fresh()
-        rls.update(self._x(prompt_tokens, output_tokens), duration_s, self.defaults.forgetting)
+        rls.update(self._x(prompt_tokens, output_tokens), duration_s, self.defaults.forgetting, self._max_trace())
+        if not all(math.isfinite(t) for t in rls.theta):  # never serve a broken fit: start again from the defaults
+            self._models[key] = self._fresh()
+
+    def _max_trace(self) -> float:
+        fresh = self._fresh().p
+        return fresh[0][0] + fresh[1][1] + fresh[2][2]
 
     def coefficients(self, model: str | None) -> dict[str, float]:
         """c0_s, c_prompt_s (per token), c_decode_s (per token) and the observation count."""
