@@ -377,11 +377,24 @@ class EmbeddedLlamaServer:
             what = f"was not healthy within {self._startup_timeout_s:g} s (killed)"
         else:
             what = f"exited with code {returncode} during start-up"
+            port = self._requested_port
+            if port is not None and _port_in_use(self._host, port):
+                # Said here too: under load the child can exit before its own log line is written.
+                what += f" ({_BIND_FAILURE_MARKER}: port {port} is in use)"
         where = "" if self._owns_log else f" ({self._log_path})"  # a temporary log is deleted after this
         raise EmbeddedServerError(
             f"llama.cpp server for model {self._active_model} {what}.\n"
             f"--- last lines of its log{where} ---\n{self.log_tail()}"
         )
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False
 
 
 def _read_line(proc: subprocess.Popen[bytes], deadline: float) -> str | None:
