@@ -296,3 +296,18 @@ def test_fair_share_weights_give_a_tenant_its_multiple_of_backend_seconds() -> N
         order.append(got[0].payload[0])
         q.done(got[0])
     assert order.count("g") == 6 and order.count("b") == 3  # two gold seconds for each basic one
+
+
+def test_fair_share_charges_a_job_repriced_after_dispatch_its_true_seconds() -> None:
+    # A job dispatched before its prediction is charged its default at the pop; ``repriced``
+    # charges the rest, so a tenant whose long requests always find the queue empty gains nothing.
+    q = FairShareQueue(lambda: FcfsPolicy().make_queue())
+    early = job("early-long", 0.0, predicted_s=1.0, tenant="a")
+    q.push(early)
+    assert q.pop(0.0)[0] is early  # type: ignore[index]
+    early.predicted_s = 60.0
+    q.repriced(early, 1.0)
+    assert q.tenants["a"] == 60.0
+    q.push(job("a2", 1.0, predicted_s=1.0, tenant="a"))
+    q.push(job("b1", 1.0, predicted_s=1.0, tenant="b"))
+    assert q.pop(1.0)[0].payload == "b1"  # type: ignore[index]  # b starts at the virtual time, a is 60 s ahead

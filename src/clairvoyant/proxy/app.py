@@ -443,8 +443,9 @@ async def _scheduled(state: ProxyState, scope: Scope, receive: Receive) -> Sched
     if dispatcher.dispatch_at_once(ticket, job):
 
         def predict_later() -> None:
+            charged_s = job.predicted_s  # the default its tenant was charged at dispatch
             predict()
-            dispatcher.observe_wait(ticket)
+            dispatcher.predicted_at_once(ticket, charged_s)
 
     else:
         predict()

@@ -261,6 +261,13 @@ class Dispatcher:
             return True
         return False
 
+    def predicted_at_once(self, ticket: Ticket, old_predicted_s: float) -> None:
+        """A ticket dispatched at once has its prediction: charge its tenant's fair share the
+        predicted seconds (it was charged ``old_predicted_s``, the job's default, at dispatch) and
+        observe its queue wait, now that its class is known."""
+        self.queue.repriced(ticket.job, old_predicted_s)
+        self.observe_wait(ticket)
+
     def observe_wait(self, ticket: Ticket) -> None:
         """The queue-wait observation of a ticket dispatched at once, once its class is known."""
         wait_s = ticket.queue_wait_s()

@@ -103,6 +103,11 @@ class JobQueue(Protocol[T]):
         """A job this queue popped has left the backend (finished, failed, or was never run)."""
         ...
 
+    def repriced(self, job: Job[T], old_predicted_s: float) -> None:
+        """A job this queue popped got its predicted seconds after dispatch (dispatched before its
+        prediction): account the difference wherever service is charged."""
+        ...
+
     def ordered(self, now: float) -> list[Job[T]]:
         """Waiting jobs in the order they would go if nothing else arrived (for positions and ETAs)."""
         ...
@@ -162,6 +167,9 @@ class HeapQueue(Generic[T]):
     def done(self, job: Job[T]) -> None:
         pass  # keys are fixed at push: nothing follows a job after its dispatch
 
+    def repriced(self, job: Job[T], old_predicted_s: float) -> None:
+        pass
+
     def ordered(self, now: float) -> list[Job[T]]:
         return [entry[2] for entry in sorted(e for e in self._heap if e[2].waiting)]
 
@@ -208,6 +216,9 @@ class ScanQueue(Generic[T]):
         return head
 
     def done(self, job: Job[T]) -> None:
+        pass
+
+    def repriced(self, job: Job[T], old_predicted_s: float) -> None:
         pass
 
     def ordered(self, now: float) -> list[Job[T]]:
@@ -354,6 +365,9 @@ class StarvationGuard(Generic[T]):
     def done(self, job: Job[T]) -> None:
         self.inner.done(job)
 
+    def repriced(self, job: Job[T], old_predicted_s: float) -> None:
+        self.inner.repriced(job, old_predicted_s)
+
     def ordered(self, now: float) -> list[Job[T]]:
         inner = self.inner.ordered(now)
         self._advance(now)
@@ -494,6 +508,13 @@ class FairShareQueue(Generic[T]):
         if not len(tenant.queue):
             self._emptied(name, tenant)
         return True
+
+    def repriced(self, job: Job[T], old_predicted_s: float) -> None:
+        """Its tenant was charged ``old_predicted_s`` at the pop: charge the true prediction."""
+        name = self.tenant_of(job)
+        tenant = self._tenants.get(name)
+        if tenant is not None and job.seq in tenant.in_flight:
+            tenant.served_s += (job.predicted_s - old_predicted_s) / self.weight_of(name)
 
     def done(self, job: Job[T]) -> None:
         name = self.tenant_of(job)
