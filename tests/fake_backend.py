@@ -4,8 +4,8 @@ reading a request and then dying, resetting, hanging, answering 503. One thread 
 ``script(path, n)`` decides what the n-th request (0-based) for ``path`` gets, after it was read
 in full: ``"ok"`` (200 JSON, kept alive), ``"close"`` (close 0.3 s later without answering: a
 FIN), ``"reset"`` (an immediate RST), ``"hang"`` (never answer), ``"loading"`` (503 like
-llama.cpp loading a model), or ``("stream", n_events, interval_s)`` (an SSE stream ending in
-[DONE]). ``/health`` always answers 200 and closes. Every read request is recorded in
+llama.cpp loading a model), ``("stream", n_events, interval_s)`` (an SSE stream ending in
+[DONE]) or ``("json", value)`` (200 with that JSON). ``/health`` always answers 200 and closes. Every read request is recorded in
 ``delivered`` as (path, body), unless its action was ``reset``: the proxy must treat a reset as
 "never read", and the tests count what the backend would have acted on.
 """
@@ -91,6 +91,8 @@ class FakeBackend:
                     _write(conn, 200, json.dumps({"ok": True, "n": n}).encode())
                 elif action == "loading":
                     _write(conn, 503, b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}')
+                elif isinstance(action, tuple) and action[0] == "json":
+                    _write(conn, 200, json.dumps(action[1]).encode())
                 elif action == "close":
                     time.sleep(0.3)
                     return

@@ -463,3 +463,22 @@ def test_back_to_back_streams_to_llamacpp_never_meet_its_closing_connection(llam
                 statuses.append(r.status_code)
         errors = metric_value(base, "clairvoyant_upstream_errors_total", 'kind="unavailable"')
     assert statuses == [200] * 12 and errors == 0
+
+
+def test_shutdown_during_a_held_slot_ends_it_quietly(caplog: pytest.LogCaptureFixture) -> None:
+    # auto mode: the client of a non-streamed request left, its slot is held while /slots says the
+    # backend is busy; the shutdown's interrupt must end that hold without an error.
+    def script(path: str, n: int) -> Any:
+        return ("json", [{"id": 0, "is_processing": True}]) if path == "/slots" else "hang"
+
+    caplog.set_level(logging.INFO)
+    with FakeBackend(script) as backend:
+        with proxy(backend.url, shutdown_grace_s=0.5) as base:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{base}{CHAT}", json=chat(), timeout=0.5)
+            wait_until(lambda: backend.posts("/slots") >= 1, timeout_s=10, what="the hold polling /slots")
+        assert backend.posts(CHAT) == 1
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+    lines = [r.fields for r in caplog.records if getattr(r, "fields", None)]  # type: ignore[attr-defined]
+    assert [line["outcome"] for line in lines] == ["shutdown"]

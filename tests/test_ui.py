@@ -67,6 +67,7 @@ def test_the_page_shows_the_held_queue_in_dispatch_order() -> None:
         waiting = BackgroundPosts(base, "[p=0.9] late", "[short] quick", "[p=0.5] middle")
         wait_until(lambda: len(queue_snapshot(base)["waiting"]) == 3, what="three waiting")
         queue = queue_snapshot(base)
+        head = httpx.get(f"{base}/queue", params={"limit": 2}).json()
         page = httpx.get(f"{base}/ui/")
         redirect = httpx.get(f"{base}/ui")
         dom = _chromium_run(f"{base}/ui/", "--dump-dom")
@@ -77,6 +78,9 @@ def test_the_page_shows_the_held_queue_in_dispatch_order() -> None:
         waiting.join(timeout=30)
 
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert head["waiting_count"] == 3 and [w["request_id"] for w in head["waiting"]] == [
+        w["request_id"] for w in queue["waiting"][:2]
+    ]  # the page's bounded view: the head of the queue, and the whole count
     assert redirect.status_code in (307, 308) or redirect.url.path == "/ui/"
     expected = [row["request_id"] for row in queue["waiting"]]
     waiting_table = dom.split('id="waiting"', 1)[1].split("</table>", 1)[0]

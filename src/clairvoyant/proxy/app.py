@@ -174,9 +174,12 @@ def create_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/queue")
-    async def queue_endpoint(request: Request) -> dict[str, Any]:
+    async def queue_endpoint(request: Request, limit: int | None = None) -> Response:
+        """``limit``: list only the first waiting requests (the live page asks for 100; the
+        counts and the tail's ETA still cover the whole queue)."""
         dispatcher: Dispatcher = request.app.state.proxy.dispatcher
-        return dispatcher.snapshot()
+        # JSONResponse directly: FastAPI's encoder walks every value, slow for thousands waiting.
+        return JSONResponse(dispatcher.snapshot(limit))
 
     @app.get("/queue/{request_id}")
     async def queue_position(request: Request, request_id: str) -> Response:

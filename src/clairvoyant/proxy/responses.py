@@ -360,7 +360,11 @@ class ScheduledResponse(_Exchange):
                     loop.call_soon(loop.call_soon, self._predicted)
                 await self.relay.run(send)
                 if self.relay.outcome == "client_left_watching":
-                    await self._hold_until_backend_idle()
+                    try:
+                        await self._hold_until_backend_idle()
+                    except asyncio.CancelledError:
+                        if not self.relay._interrupted():  # the shutdown's interrupt ends the hold quietly
+                            raise
                 finished = self.relay.outcome in ("completed", "client_left_streaming")
                 if finished:
                     self._observe_end()

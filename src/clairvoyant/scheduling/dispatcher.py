@@ -435,9 +435,10 @@ class Dispatcher:
         return self._by_id.get(request_id)
 
     # -- introspection ---------------------------------------------------------------------
-    def snapshot(self) -> dict[str, Any]:
-        """The waiting queue in dispatch order with positions and ETAs, what is in flight, and the
-        last finished requests (newest first; ``waited_s`` there is the time it spent queued); no prompt text."""
+    def snapshot(self, limit: int | None = None) -> dict[str, Any]:
+        """The waiting queue in dispatch order with positions and ETAs (the first ``limit`` of
+        ``waiting_count``), what is in flight, and the last finished requests (newest first;
+        ``waited_s`` there is the time it spent queued); no prompt text."""
         now = self.clock.now()
 
         def describe(ticket: Ticket) -> dict[str, Any]:
@@ -461,8 +462,9 @@ class Dispatcher:
             }
 
         etas, tail = self._etas(now)
+        shown = etas if limit is None else etas[: max(0, limit)]
         waiting = [
-            {"position": i, "eta_s": round(eta, 3), **describe(job.payload)} for i, (job, eta) in enumerate(etas)
+            {"position": i, "eta_s": round(eta, 3), **describe(job.payload)} for i, (job, eta) in enumerate(shown)
         ]
         in_flight = [
             {
@@ -489,6 +491,7 @@ class Dispatcher:
                 name or "default": self.service_time.coefficients(name)
                 for name in {None, *(t.model for t in self._running.values())}
             },
+            "waiting_count": len(etas),
             "waiting": waiting,
             "in_flight": in_flight,
             "recent": [

@@ -5,6 +5,7 @@
 const POLL_MS = 1000;
 const QUALITY_EVERY = 5; // polls between /metrics reads
 const TIMELINE_ROWS = 30;
+const WAITING_ROWS = 100; // the page lists the head of the queue; the summary counts all of it
 
 function text(value, digits) {
   if (value === null || value === undefined || value === "") return "–";
@@ -86,7 +87,8 @@ function renderTimeline(queue) {
 
 function render(queue) {
   document.getElementById("summary").textContent =
-    `policy ${queue.policy} · ${queue.in_flight.length}/${queue.slots} slots busy · ${queue.waiting.length} waiting` +
+    `policy ${queue.policy} · ${queue.in_flight.length}/${queue.slots} slots busy · ${queue.waiting_count} waiting` +
+    (queue.waiting_count > queue.waiting.length ? ` (first ${queue.waiting.length} listed)` : "") +
     ` · queue drained in ~${text(queue.tail_eta_s, 1)} s`;
   fillTable("slots", queue.in_flight, [
     (r) => [r.slot], (r) => [r.request_id], classCell, (r) => [text(r.predicted_tokens, 0)],
@@ -111,7 +113,7 @@ let polls = 0;
 async function poll() {
   const status = document.getElementById("status");
   try {
-    const response = await fetch("/queue", { cache: "no-store" });
+    const response = await fetch(`/queue?limit=${WAITING_ROWS}`, { cache: "no-store" });
     if (!response.ok) throw new Error(`/queue answered ${response.status}`);
     render(await response.json());
     if (polls++ % QUALITY_EVERY === 0) {
