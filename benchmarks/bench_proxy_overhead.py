@@ -91,19 +91,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=20, help="untimed rounds first (default 20)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the per-round random order")
     parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads (default 1: stable on shared cores)")
-    parser.add_argument(
-        "--proxy-cmd",
-        help=f"command of the proxy under test, with {{python}} {{upstream}} {{port}} {{slots}} "
-        f"(default: ${servers.PROXY_CMD_ENV} or: {servers.DEFAULT_PROXY_CMD}; slots 1 here)",
-    )
-    parser.add_argument(
-        "--baseline-cmd",
-        help="a second proxy command run side by side as target 'baseline' (same placeholders), e.g. an "
-        "earlier commit's `env PYTHONPATH=/tmp/old/src {python} -m clairvoyant.cli serve ...`",
-    )
-    parser.add_argument(
-        "--json", default=str(RESULTS), help=f"write the figures here (default {RESULTS.name} beside the script)"
-    )
+    servers.add_target_options(parser, RESULTS, slots_note="; slots 1 here")
     args = parser.parse_args()
     TARGETS = BASE_TARGETS + (("baseline",) if args.baseline_cmd else ())
     servers.require_tools("nginx")

@@ -79,19 +79,7 @@ def main() -> int:
     parser.add_argument("--nginx-workers", type=int, default=1, help="worker processes of each nginx (default 1)")
     parser.add_argument("--warmup", type=int, default=1, help="whole seconds of wrk per target and path before timing")
     parser.add_argument("--seed", type=int, default=0, help="seed of the per-round random order")
-    parser.add_argument(
-        "--proxy-cmd",
-        help=f"command of the proxy under test, with {{python}} {{upstream}} {{port}} {{slots}} "
-        f"(default: ${servers.PROXY_CMD_ENV} or: {servers.DEFAULT_PROXY_CMD})",
-    )
-    parser.add_argument(
-        "--baseline-cmd",
-        help="a second proxy command run side by side as target 'baseline' (same placeholders), e.g. an "
-        "earlier commit's `env PYTHONPATH=/tmp/old/src {python} -m clairvoyant.cli serve ...`",
-    )
-    parser.add_argument(
-        "--json", default=str(RESULTS), help=f"write the figures here (default {RESULTS.name} beside the script)"
-    )
+    servers.add_target_options(parser, RESULTS)
     args = parser.parse_args()
     TARGETS = BASE_TARGETS + (("baseline",) if args.baseline_cmd else ())
     servers.require_tools("nginx", "wrk")

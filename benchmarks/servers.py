@@ -6,6 +6,7 @@ directory). Every server is a child process on a free loopback port, stopped by 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
@@ -32,6 +33,23 @@ DEFAULT_PROXY_CMD = (
 )
 PROXY_CMD_ENV = "CLAIRVOYANT_BENCH_PROXY_CMD"
 MISSING_TOOLS_HINT = "apt-get install nginx wrk"
+
+
+def add_target_options(parser: argparse.ArgumentParser, results: Path, *, slots_note: str = "") -> None:
+    """The options both proxy benchmarks take: the proxy under test, a baseline beside it, the results file."""
+    parser.add_argument(
+        "--proxy-cmd",
+        help=f"command of the proxy under test, with {{python}} {{upstream}} {{port}} {{slots}} "
+        f"(default: ${PROXY_CMD_ENV} or: {DEFAULT_PROXY_CMD}{slots_note})",
+    )
+    parser.add_argument(
+        "--baseline-cmd",
+        help="a second proxy command run side by side as target 'baseline' (same placeholders), e.g. an "
+        "earlier commit's `env PYTHONPATH=/tmp/old/src {python} -m clairvoyant.cli serve ...`",
+    )
+    parser.add_argument(
+        "--json", default=str(results), help=f"write the figures here (default {results.name} beside the script)"
+    )
 
 
 def require_tools(*names: str) -> None:

@@ -6,6 +6,7 @@ import json
 import logging
 import subprocess
 import sys
+import threading
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,6 @@ def test_the_key_names_the_tenant_and_bounds_the_priority() -> None:
     router = respx.MockRouter(base_url=UPSTREAM)
     router.post("/v1/chat/completions").mock(side_effect=backend)
     with proxy(router, api_keys=KEYS, starvation_timeout_s=600) as base, httpx.Client(timeout=30) as client:
-        import threading
 
         def post(key: str, text: str, priority: int) -> None:
             client.post(

@@ -5,6 +5,8 @@
     ├── ModelError                   model file or card missing, corrupt or mismatched (start-up)
     └── RequestError                 answered to a client
         ├── BadRequest               400 malformed JSON, missing or ill-typed fields
+        ├── Unauthorized             401 a missing or unknown API key (carries WWW-Authenticate)
+        ├── Forbidden                403 a pass-through path outside the allowlist
         ├── RequestTimeout           408 headers or body not received within client_timeout_s
         ├── PayloadTooLarge          413 body over the configured limit
         ├── HeadersTooLarge          431 request headers over max_header_bytes
@@ -24,11 +26,13 @@ __all__ = [
     "ClientGone",
     "HeadersTooLarge",
     "ConfigError",
+    "Forbidden",
     "ModelError",
     "PayloadTooLarge",
     "QueueFull",
     "RequestError",
     "RequestTimeout",
+    "Unauthorized",
     "UpstreamTimeout",
     "UpstreamUnavailable",
 ]
@@ -66,6 +70,22 @@ class BadRequest(RequestError):
     status_code = 400
     error_type = "invalid_request_error"
     code = "bad_request"
+
+
+class Unauthorized(RequestError):
+    status_code = 401
+    error_type = "invalid_request_error"
+    code = "invalid_api_key"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
+
+
+class Forbidden(RequestError):
+    status_code = 403
+    error_type = "invalid_request_error"
+    code = "forbidden"
 
 
 class RequestTimeout(RequestError):

@@ -20,7 +20,6 @@ A raw ASGI layer in front of the app (cheap: one SHA-256 and one dict lookup per
 from __future__ import annotations
 
 import hashlib
-import json
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -29,8 +28,9 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from clairvoyant.config import ApiKey, Settings
+from clairvoyant.errors import Forbidden, RequestError, Unauthorized
 from clairvoyant.logs import log_request
-from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, Dialect, dialect_of_path
+from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, dialect_of_path, error_body
 
 __all__ = ["DEFAULT_PASSTHROUGH_ALLOW", "AccessControl", "Identity", "hash_key", "identity_of", "new_key"]
 
@@ -74,14 +74,6 @@ def _rules(entries: Iterable[str]) -> tuple[set[tuple[str, str]], list[tuple[str
     return exact, prefixes
 
 
-def _error(dialect: Dialect, status: int, message: str, code: str) -> bytes:
-    if dialect is Dialect.OLLAMA:
-        return json.dumps({"error": message}).encode()
-    return json.dumps(
-        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
-    ).encode()
-
-
 class AccessControl:
     """The ASGI layer described in the module docstring."""
 
@@ -107,37 +99,15 @@ class AccessControl:
             return
         status_path = path.startswith(STATUS_PREFIXES)
         if not status_path and path not in SCHEDULED_ENDPOINTS and not self._allowed(scope["method"], path):
-            await _respond(
-                send,
-                403,
-                _error(
-                    dialect_of_path(path),
-                    403,
-                    f"{scope['method']} {path} is not allowed through this proxy",
-                    "forbidden",
-                ),
-            )
-            log_request({"method": scope["method"], "path": path, "status": 403, "outcome": "not_allowed"})
+            message = f"{scope['method']} {path} is not allowed through this proxy"
+            await _refuse(scope, send, Forbidden(message), "not_allowed")
             return
         if self.keys and (not status_path or self.status_requires_key):
             presented = _presented_key(scope["headers"])
             identity = self.keys.get(hash_key(presented)) if presented else None
             if identity is None:
-                body = _error(
-                    dialect_of_path(path),
-                    401,
-                    "a valid API key is required (Authorization: Bearer KEY or X-Api-Key)",
-                    "invalid_api_key",
-                )
-                await _respond(send, 401, body, [(b"www-authenticate", b"Bearer")])
-                log_request(
-                    {
-                        "method": scope["method"],
-                        "path": path,
-                        "status": 401,
-                        "outcome": "missing_key" if not presented else "unknown_key",
-                    }
-                )
+                error = Unauthorized("a valid API key is required (Authorization: Bearer KEY or X-Api-Key)")
+                await _refuse(scope, send, error, "unknown_key" if presented else "missing_key")
                 return
             scope.setdefault("state", {})[IDENTITY_KEY] = identity
             if not self.forward_client_key:
@@ -163,10 +133,14 @@ def _presented_key(headers: Iterable[tuple[bytes, bytes]]) -> str:
     return ""
 
 
-async def _respond(send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]] | None = None) -> None:
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(extra or [])]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
+async def _refuse(scope: Scope, send: Send, error: RequestError, outcome: str) -> None:
+    """Answer ``error`` in the path's dialect, and its request line."""
+    body = error_body(dialect_of_path(scope["path"]), error)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in error.headers.items()]
+    await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+    log_request({"method": scope["method"], "path": scope["path"], "status": error.status_code, "outcome": outcome})
 
 
 def identity_of(scope: Scope) -> Identity | None:

@@ -106,7 +106,7 @@ class Relay:
                 await self.send_error(send, exc)
             return
         except asyncio.CancelledError:
-            if not self._interrupted():
+            if not self.consume_interrupt():
                 raise
             if not self.client_gone:
                 await self.send_error(send, ShuttingDown("the proxy is shutting down; retry"))
@@ -186,7 +186,7 @@ class Relay:
             await self._end_with_error(send, exc)
             return
         except asyncio.CancelledError:
-            if not self._interrupted():
+            if not self.consume_interrupt():
                 raise
             # the grace period ran out (or the client left): end the answer in its own framing
             await self._end_with_error(send, ShuttingDown("the proxy shut down before the answer was complete"))
@@ -211,7 +211,7 @@ class Relay:
         self._interrupt_requested = outcome
         task.cancel()
 
-    def _interrupted(self) -> bool:
+    def consume_interrupt(self) -> bool:
         """Whether a cancellation is our own ``interrupt`` (then it is consumed, not propagated)."""
         if not self._interrupt_requested:
             return False
@@ -287,7 +287,7 @@ class PassthroughResponse(_Exchange):
             if REQUEST_LOG.isEnabledFor(logging.INFO):
                 request = self.relay.request
                 log_request({
-                    "request_id": dict(request.headers).get("x-request-id", "-"), "method": request.method,
+                    "request_id": next((v for k, v in request.headers if k == "x-request-id"), "-"), "method": request.method,
                     "path": request.path, "status": self.relay.status or "client_closed",
                     "outcome": "passthrough_" + self.relay.outcome,
                     "service_ms": f"{(time.monotonic() - started) * 1000:.1f}",
@@ -333,8 +333,6 @@ class ScheduledResponse(_Exchange):
         # (llama.cpp notices a closed non-streamed request only when nothing else keeps its HTTP
         # thread busy; a stream it stops within ~0.2 s).
         self.mode = "abort" if disconnect_mode == "auto" and stream else disconnect_mode
-        self.upstream = upstream
-        self.stream = stream
         self.on_usage = on_usage
         self.usage: Usage | None = None
         self.relay = Relay(
@@ -363,7 +361,7 @@ class ScheduledResponse(_Exchange):
                     try:
                         await self._hold_until_backend_idle()
                     except asyncio.CancelledError:
-                        if not self.relay._interrupted():  # the shutdown's interrupt ends the hold quietly
+                        if not self.relay.consume_interrupt():  # the shutdown's interrupt ends the hold quietly
                             raise
                 finished = self.relay.outcome in ("completed", "client_left_streaming")
                 if finished:
@@ -410,7 +408,7 @@ class ScheduledResponse(_Exchange):
         deadline_s = time.monotonic() + HOLD_MAX_S
         while time.monotonic() < deadline_s:
             await asyncio.sleep(SLOTS_POLL_S)
-            busy = await self.upstream.busy_slots()
+            busy = await self.relay.upstream.busy_slots()
             if busy is None or busy <= self.dispatcher.in_flight - 1:
                 return
 

@@ -24,6 +24,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 import uvicorn
@@ -48,12 +49,11 @@ class ClientLimits:
 
 
 LINGER_S = 1.0  # seconds a rejected connection is still read (and discarded) before it is closed
-_REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
 
 
 def _raw_response(status: int, body: bytes) -> bytes:
     head = (
-        f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
     )
     return head.encode("ascii") + body
