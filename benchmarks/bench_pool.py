@@ -510,7 +510,11 @@ def judge_kill(k: KillTrial, a_name: str) -> list[Row]:
             f"its answers carry {a_expected}; B had generated {k.b_tokens_before_kill} before the kill, "
             f"its answers carry {sum(a.n_predict for a in answered_b_before)}",
             len(ids) == len(k.answers) and max(ids.values()) == 1 and k.a_tokens_delta == a_expected,
-            {"a_tokens_delta": k.a_tokens_delta, "a_expected": a_expected, "b_tokens_before_kill": k.b_tokens_before_kill},
+            {
+                "a_tokens_delta": k.a_tokens_delta,
+                "a_expected": a_expected,
+                "b_tokens_before_kill": k.b_tokens_before_kill,
+            },
         ),
         Row(
             f"{name}: /queue after",
