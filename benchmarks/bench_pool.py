@@ -378,6 +378,7 @@ class KillTrial:
     a_tokens_delta: float
     answers: list[Answer]
     queue_backends: list[dict[str, Any]]
+    recent: dict[str, int]  # /queue "recent": finished records per request id (the proxy's own history)
     proxy_metrics: list[str]
 
 
@@ -457,6 +458,7 @@ async def kill_trial(
         a_tokens_delta=a_delta,
         answers=answers,
         queue_backends=list(snap.get("backends", [])),
+        recent=dict(Counter(str(e["request_id"]) for e in snap.get("recent", []))),
         proxy_metrics=metrics,
     )
 
@@ -505,11 +507,15 @@ def judge_kill(k: KillTrial, a_name: str) -> list[Row]:
         ),
         Row(
             f"{name}: exactly one answer each, nothing generated twice on A",
-            "each request id answered once; A's tokens_predicted_total delta = forced lengths it answered",
-            f"{len(ids)} ids, max {max(ids.values())} answer(s) each; A generated {k.a_tokens_delta:.0f} tokens, "
+            "each request answered once (client) and finished once (/queue recent); A's tokens_predicted_total delta = forced lengths it answered",
+            f"{len(ids)} ids, max {max(ids.values())} answer(s) each; /queue recent: {len(k.recent)} ids, "
+            f"max {max(k.recent.values(), default=0)} record(s) each; A generated {k.a_tokens_delta:.0f} tokens, "
             f"its answers carry {a_expected}; B had generated {k.b_tokens_before_kill} before the kill, "
             f"its answers carry {sum(a.n_predict for a in answered_b_before)}",
-            len(ids) == len(k.answers) and max(ids.values()) == 1 and k.a_tokens_delta == a_expected,
+            len(ids) == len(k.answers)
+            and max(ids.values()) == 1
+            and k.recent == dict.fromkeys(ids, 1)
+            and k.a_tokens_delta == a_expected,
             {
                 "a_tokens_delta": k.a_tokens_delta,
                 "a_expected": a_expected,
