@@ -371,7 +371,7 @@ class Upstream:
         detail = f"{what} at {self.display_url}: {type(cause).__name__}: {cause}"
         if isinstance(exc, TimeoutError) or (isinstance(exc, TransportError) and exc.kind == "timeout"):
             return UpstreamTimeout(f"the backend did not answer in time ({what})", detail=detail)
-        return UpstreamUnavailable(f"the backend is failed ({type(cause).__name__})", detail=detail)
+        return UpstreamUnavailable(f"the backend failed ({type(cause).__name__})", detail=detail)
 
     async def open(
         self,
