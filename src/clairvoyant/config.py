@@ -49,6 +49,7 @@ CLI_FLAGS: dict[str, str] = {
     "host": "--host",
     "port": "--port",
     "upstream_url": "--upstream",
+    "backends": "--backend",
     "policy": "--policy",
     "starvation_timeout_s": "--tau",
     "starvation_slowdown": "--slowdown",
@@ -81,6 +82,39 @@ class ApiKey(BaseModel):
         return self
 
 
+BackendKind = Literal["auto", "ollama", "llamacpp", "openai", "vllm"]
+
+
+class BackendConfig(BaseModel):
+    """One backend of the pool (``[[backends]]``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str = Field(description="Base URL, e.g. http://127.0.0.1:11434 (user:password@ allowed; never logged).")
+    name: str | None = Field(
+        None,
+        max_length=64,
+        description="Shown in /queue, /readyz, metrics and the X-Clairvoyant-Backend header; default backend-N "
+        "(its place in the list, from 1: names reach clients, addresses must not).",
+    )
+    kind: BackendKind = Field("auto", description="ollama, llamacpp, openai or vllm; auto = asked at start-up.")
+    slots: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="Requests it runs at once; unset = llama.cpp's /props total_slots, else `slots`.",
+    )
+    models: list[str] = Field(default_factory=list, description="Models it serves; empty = any model.")
+    api_key: SecretStr | None = Field(None, description="Its own key, sent as Authorization: Bearer; never logged.")
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return value.rstrip("/")
+
+
 class Settings(BaseSettings):
     """Every setting of the proxy. The README's configuration table is generated from this class."""
 
@@ -90,7 +124,17 @@ class Settings(BaseSettings):
     port: int = Field(8080, ge=0, le=65535, description="Port to listen on.")
     upstream_url: str = Field(
         "http://127.0.0.1:11434",
-        description="Base URL of the backend (Ollama or llama.cpp's server).",
+        description="Base URL of the backend (Ollama or llama.cpp's server): the one-backend shorthand of `backends`.",
+    )
+    backends: list[BackendConfig] = Field(
+        default_factory=list,
+        description="A pool of backends as [[backends]] tables (url, name, kind, slots, models, api_key) or a JSON "
+        "list; requests are routed at dispatch by model, loaded model and predicted work; empty = upstream_url.",
+    )
+    vllm_priority: bool = Field(
+        False,
+        description="Send vLLM backends each request's computed priority (its 'priority' field: client class, then "
+        "predicted tokens) so the engine orders its own batch queue by it; needs vLLM's --scheduling-policy priority.",
     )
     policy: str = Field(
         "sjf",
@@ -263,6 +307,31 @@ class Settings(BaseSettings):
         if self.min_priority > self.max_priority:
             raise ValueError("min_priority must be <= max_priority")
         return self
+
+    @model_validator(mode="after")
+    def _check_backend_names(self) -> Settings:
+        names = [b.name or f"backend-{i}" for i, b in enumerate(self.backends, 1)]
+        if len(set(names)) != len(names):
+            raise ValueError("backends must have distinct names")
+        return self
+
+    @property
+    def pool(self) -> list[BackendConfig]:
+        """The backends: ``backends``, or ``upstream_url`` (with ``upstream_api_key`` and ``slots``) alone."""
+        if self.backends:
+            return [
+                b if b.name else b.model_copy(update={"name": f"backend-{i}"}) for i, b in enumerate(self.backends, 1)
+            ]
+        return [
+            BackendConfig(
+                url=self.upstream_url,
+                name="backend-1",
+                kind="auto",
+                slots=self.slots,
+                models=[],
+                api_key=self.upstream_api_key,
+            )
+        ]
 
     @property
     def service_time_path(self) -> Path | None:

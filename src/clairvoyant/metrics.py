@@ -4,7 +4,7 @@ Labels are low-cardinality by construction: predicted class (3 values), endpoint
 paths or "passthrough"), dialect (2), status code, rejection reason (3), disconnect stage (2),
 usage source (6), and the online learner's model keys (the model a request named: the first 16
 names, then "other", and "default" for none; ``MAX_MODEL_LABELS`` bounds them here too).
-No request ids, users or prompt text ever become labels.
+Backend names come from the configuration. No request ids, users or prompt text ever become labels.
 """
 
 from __future__ import annotations
@@ -45,6 +45,29 @@ class Metrics:
         )
         self.in_flight = Gauge(
             "clairvoyant_in_flight_requests", "Scheduled requests holding a backend slot.", registry=r
+        )
+        # Per backend of the pool (their names come from the configuration: bounded by it).
+        self.backend_in_flight = Gauge(
+            "clairvoyant_backend_in_flight_requests",
+            "Scheduled requests holding a slot of this backend.",
+            ["backend"],
+            registry=r,
+        )
+        self.backend_healthy = Gauge(
+            "clairvoyant_backend_healthy",
+            "1 while this backend's last health check or connection succeeded, else 0.",
+            ["backend"],
+            registry=r,
+        )
+        self.backend_slots = Gauge(
+            "clairvoyant_backend_slots", "Requests this backend runs at once.", ["backend"], registry=r
+        )
+        self.backend_requests = Counter(
+            "clairvoyant_backend_requests",
+            "Requests sent to this backend, scheduled or passed through, by outcome: answered (it sent a status), "
+            "refused (connection refused: nothing sent), failed (no status), failed_mid_answer.",
+            ["backend", "outcome"],
+            registry=r,
         )
         self.requests = Counter(
             "clairvoyant_requests",

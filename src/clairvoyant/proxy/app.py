@@ -14,6 +14,8 @@ that matters.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import re
 import time
@@ -43,7 +45,8 @@ from clairvoyant.prediction.dialects import (
 from clairvoyant.prediction.predictor import OnnxPredictor, Predictor
 from clairvoyant.proxy.access import AccessControl, Identity, identity_of
 from clairvoyant.proxy.feedback import OnlineLearning
-from clairvoyant.proxy.responses import PassthroughResponse, Relay, ScheduledResponse, UpstreamRequest
+from clairvoyant.proxy.pool import BackendPool
+from clairvoyant.proxy.responses import MergedListing, PassthroughResponse, Relay, ScheduledResponse, UpstreamRequest
 from clairvoyant.proxy.upstream import Upstream
 from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.dispatcher import Dispatcher, Ticket
@@ -63,6 +66,8 @@ PASSTHROUGH_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"
 _OWN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/queue"})
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _ALLOW = ", ".join(sorted(PASSTHROUGH_METHODS)).encode()
+MODEL_LISTINGS = frozenset({"/api/tags", "/v1/models"})  # merged across a pool
+MODEL_SNIFF_MAX_BYTES = 64 * 1024  # a pass-through body larger than this is not searched for its model
 
 
 @dataclass
@@ -71,7 +76,7 @@ class ProxyState:
 
     settings: Settings
     predictor: Predictor
-    upstream: Upstream
+    pool: BackendPool
     dispatcher: Dispatcher
     metrics: Metrics
     learning: OnlineLearning  # its recorder is the relay's on_usage: metrics and the online learner
@@ -92,14 +97,8 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # A model that fails to load fails start-up: there is no silent fallback predictor.
         loaded = predictor if predictor is not None else OnnxPredictor(settings.model_path)
-        upstream = Upstream(
-            settings.upstream_url,
-            connect_timeout_s=settings.connect_timeout_s,
-            read_timeout_s=settings.read_timeout_s,
-            first_byte_timeout_s=settings.first_byte_timeout_s,
-            api_key=None if settings.upstream_api_key is None else settings.upstream_api_key.get_secret_value(),
-            transport=upstream_transport,
-        )
+        pool = BackendPool(settings, transport=upstream_transport)
+        await pool.discover()  # a pool's kinds and llama.cpp slots, before the dispatcher counts slots
         policy = make_policy(
             settings.policy,
             PolicyParams(settings.boost_gamma_per_s, settings.boost_auto_gamma, settings.boost_max_s),
@@ -119,29 +118,31 @@ def create_app(
         service_time = ServiceTimeModel(path=settings.service_time_path)
         service_time.load()
         dispatcher = Dispatcher(
-            queue, policy, slots=settings.slots, clock=clock, metrics=metrics, max_queue=settings.max_queue,
+            queue, policy, backends=pool.scheduling_backends(), clock=clock, metrics=metrics, max_queue=settings.max_queue,
             service_time=service_time, min_retry_after_s=settings.retry_after_s,
             starvation_timeout_s=settings.starvation_timeout_s, starvation_slowdown=slowdown,
         )  # fmt: skip
         await dispatcher.start()
-        app.state.proxy = ProxyState(settings, loaded, upstream, dispatcher, metrics, learning)
+        pool.start(dispatcher)
+        app.state.proxy = ProxyState(settings, loaded, pool, dispatcher, metrics, learning)
         logger.info(
-            "clairvoyant ready: upstream=%s policy=%s tau=%ss+%sxS slots=%d max_queue=%d disconnect_mode=%s",
-            upstream.display_url,
+            "clairvoyant ready: backends=%s policy=%s tau=%ss+%sxS slots=%d max_queue=%d disconnect_mode=%s",
+            ", ".join(f"{m.name}={m.upstream.display_url} ({m.kind}, {m.slots} slots)" for m in pool.members),
             settings.policy,
             settings.starvation_timeout_s,
             settings.starvation_slowdown,
-            settings.slots,
+            dispatcher.slots,
             settings.max_queue,
             settings.disconnect_mode,
         )
-        dispatcher.run_detached(_check_upstream_at_start(upstream), name="upstream-check")
+        for member in pool.members:
+            dispatcher.run_detached(_check_upstream_at_start(member.upstream), name=f"upstream-check-{member.name}")
         try:
             yield
         finally:
             await dispatcher.stop(settings.shutdown_grace_s)  # in-flight answers get the grace period, no more
             await learning.stop()  # after the drain: the last requests are learned, then saved
-            await upstream.aclose()
+            await pool.aclose()
 
     app = FastAPI(title="clairvoyant", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.metrics = metrics
@@ -158,13 +159,18 @@ def create_app(
 
     @app.get("/readyz")
     async def readyz(request: Request) -> Response:
+        """Ready while the model is loaded, the dispatcher runs and at least one backend is ready;
+        ``backends`` says which."""
         state: ProxyState = request.app.state.proxy
         checks: dict[str, Any] = {"model_loaded": state.predictor is not None, "dispatcher": state.dispatcher.healthy}
-        problem = await state.upstream.probe()
-        checks["upstream"] = problem is None
-        if problem is not None:
-            checks["upstream_error"] = "the backend is not ready"  # the detail (its address) stays in the log
-            logger.info("readiness: %s", problem)
+        problems = await asyncio.gather(*(m.upstream.probe() for m in state.pool.members))
+        checks["backends"] = {m.name: problem is None for m, problem in zip(state.pool.members, problems, strict=True)}
+        checks["upstream"] = any(problem is None for problem in problems)
+        for member, problem in zip(state.pool.members, problems, strict=True):
+            if problem is not None:
+                logger.info("readiness: backend %s: %s", member.name, problem)
+        if not checks["upstream"]:
+            checks["upstream_error"] = "no backend is ready"  # the details (addresses) stay in the log
         ready = checks["model_loaded"] and checks["dispatcher"] and checks["upstream"]
         return JSONResponse({"status": "ready" if ready else "not_ready", **checks}, status_code=200 if ready else 503)
 
@@ -443,6 +449,7 @@ async def _scheduled(state: ProxyState, scope: Scope, receive: Receive) -> Sched
     # A free slot and nobody waiting: there is no order to decide, so the request goes now and is
     # predicted while the backend works (the prediction still feeds the learner and the metrics).
     predict_later: Callable[[], None] | None = None
+    dispatcher.check_model(parsed.model)  # 404 in the dialect when no backend serves it
     if dispatcher.dispatch_at_once(ticket, job):
 
         def predict_later() -> None:
@@ -459,7 +466,7 @@ async def _scheduled(state: ProxyState, scope: Scope, receive: Receive) -> Sched
         endpoint.dialect, close_connection=parsed.stream,
     )  # fmt: skip
     return ScheduledResponse(
-        upstream=state.upstream,
+        pool=state.pool,
         request=upstream_request,
         metrics=state.metrics,
         dispatcher=dispatcher,
@@ -469,16 +476,47 @@ async def _scheduled(state: ProxyState, scope: Scope, receive: Receive) -> Sched
         backend_wait_s=settings.backend_wait_s,
         on_usage=state.learning.recorder,
         predict_later=predict_later,
+        vllm_priority=settings.vllm_priority,
     )
 
 
-async def _passthrough(state: ProxyState, scope: Scope, receive: Receive) -> PassthroughResponse:
+async def _passthrough(state: ProxyState, scope: Scope, receive: Receive) -> PassthroughResponse | MergedListing:
     head = _Head(scope, None)
     body = await _read_body(receive, head.content_length, state.settings.max_body_bytes)
     path = scope["path"]
+    pool = state.pool
     upstream_request = UpstreamRequest(
         scope["method"], path, scope["query_string"].decode("latin-1"), head.forward, body, dialect_of_path(path),
     )  # fmt: skip
-    return PassthroughResponse(
-        Relay(state.upstream, upstream_request, state.metrics, backend_wait_s=state.settings.backend_wait_s)
-    )
+    if len(pool) == 1:
+        relay = Relay(pool.first, upstream_request, state.metrics, backend_wait_s=state.settings.backend_wait_s)
+        return PassthroughResponse(relay)
+    if scope["method"] == "GET" and path in MODEL_LISTINGS:
+        return MergedListing(pool, upstream_request, state.metrics)
+    # A pool: to a backend serving the model the body names (Ollama's show, embeddings), or to the
+    # first healthy backend; a refused connection tries the next.
+    order = pool.passthrough_order(_model_named(body))
+    tried: list[Upstream] = []
+
+    async def failover(refused: Upstream) -> Upstream | None:
+        pool.refused(refused)
+        tried.append(refused)
+        return next((u for u in order if u not in tried), None)
+
+    relay = Relay(
+        order[0], upstream_request, state.metrics, backend_wait_s=state.settings.backend_wait_s,
+        failover=failover, on_answered=pool.answered, on_broken=pool.check_soon,
+    )  # fmt: skip
+    return PassthroughResponse(relay)
+
+
+def _model_named(body: bytes) -> str | None:
+    """The model a pass-through body names (``model``, or Ollama's older ``name``), if it is a JSON object."""
+    if not body.startswith(b"{") or len(body) > MODEL_SNIFF_MAX_BYTES:
+        return None
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    model = parsed.get("model") or parsed.get("name") if isinstance(parsed, dict) else None
+    return model if isinstance(model, str) else None

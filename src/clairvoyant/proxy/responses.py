@@ -32,8 +32,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from starlette.types import Receive, Send
@@ -41,16 +41,19 @@ from starlette.types import Receive, Send
 from clairvoyant.errors import RequestError, UpstreamTimeout, UpstreamUnavailable
 from clairvoyant.logs import REQUEST_LOG, log_request
 from clairvoyant.metrics import Metrics
-from clairvoyant.prediction.dialects import Dialect, error_body, stream_error_event
+from clairvoyant.prediction.dialects import Dialect, error_body, stream_error_event, with_upstream_fields
 from clairvoyant.prediction.usage import Usage, UsageTap
+from clairvoyant.proxy.pool import BackendPool, merge_model_lists
 from clairvoyant.proxy.upstream import Upstream, UpstreamResponse, response_headers
 from clairvoyant.scheduling.dispatcher import Dispatcher, ShuttingDown, Ticket
 
-__all__ = ["PassthroughResponse", "Relay", "ScheduledResponse", "UpstreamRequest", "error_body"]
+__all__ = ["MergedListing", "PassthroughResponse", "Relay", "ScheduledResponse", "UpstreamRequest", "error_body"]
 
 logger = logging.getLogger(__name__)
 
 SLOTS_POLL_S = 1.5  # seconds between /slots polls while a left client's slot is held (see ScheduledResponse)
+LISTING_TIMEOUT_S = 5.0  # per backend, for a merged model listing
+VLLM_CLASS_STRIDE = 100_000  # vLLM priority = client class x this + predicted tokens (capped below it)
 HOLD_MAX_S = 600.0  # the longest a left client's slot is held waiting for the backend to go idle
 
 
@@ -89,6 +92,11 @@ class Relay:
     model: str | None = None  # the model the request named (usage falls back to it)
     backend_wait_s: float = 0.0  # seconds a not-yet-sent request waits for a backend that is down
     retry_unavailable: bool = False  # also wait and resend when the backend answers 503 (scheduled requests)
+    # The backend refused the connection (nothing was sent): another backend to send it to, or
+    # None to wait for this one (up to backend_wait_s).
+    failover: Callable[[Upstream], Awaitable[Upstream | None]] | None = None
+    on_answered: Callable[[Upstream], None] = lambda upstream: None  # a backend sent a status
+    on_broken: Callable[[Upstream], None] = lambda upstream: None  # a backend failed mid-answer
     status: int | None = None  # sent status, once sent
     outcome: str = "pending"
     client_gone: bool = False
@@ -121,9 +129,9 @@ class Relay:
         scheduled request, answers 503 (a model loading, its queue full), nothing has been
         generated: wait for its health check, up to ``backend_wait_s`` from the first failure, and
         send again."""
-        r = self.request
         unavailable_since_s: float | None = None  # our own first 503 (a loading model)
         while True:
+            r = self.request  # a failover may rewrite it for its new backend
             if self.client_gone:  # left while we waited for the backend: it never had the request
                 self.outcome = "client_left_before_send"
                 raise asyncio.CancelledError
@@ -134,7 +142,15 @@ class Relay:
                 )
             except UpstreamUnavailable as exc:
                 if not exc.never_sent:
+                    self._count_backend("failed")
                     raise
+                self._count_backend("refused")
+                if self.failover is not None:
+                    other = await self.failover(self.upstream)
+                    if other is not None:
+                        logger.info("backend %s refused the connection; sending to %s", self.upstream.name, other.name)
+                        self.upstream = other
+                        continue
                 deadline_s = self.upstream.outage_deadline_s(self.backend_wait_s)
                 if time.monotonic() >= deadline_s or not await self.upstream.wait_until_ready(
                     deadline_s, lambda: self.client_gone
@@ -143,6 +159,11 @@ class Relay:
                         continue
                     raise
                 continue
+            except RequestError:
+                self._count_backend("failed")
+                raise
+            self._count_backend("answered")
+            self.on_answered(self.upstream)
             if response.status_code != 503 or not self.retry_unavailable:
                 return response
             unavailable_since_s = unavailable_since_s or time.monotonic()
@@ -182,6 +203,8 @@ class Relay:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except RequestError as exc:
             self._count_upstream_error(exc)
+            self._count_backend("failed_mid_answer")
+            self.on_broken(self.upstream)
             self.outcome = "upstream_error_mid_body"
             await self._end_with_error(send, exc)
             return
@@ -228,6 +251,9 @@ class Relay:
         headers += [(k.lower().encode(), v.encode()) for k, v in (*exc.headers.items(), *self.extra_headers())]
         await send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def _count_backend(self, outcome: str) -> None:
+        self.metrics.backend_requests.labels(self.upstream.name, outcome).inc()
 
     def _count_upstream_error(self, exc: RequestError) -> None:
         self.metrics.upstream_errors_by_kind["timeout" if isinstance(exc, UpstreamTimeout) else "unavailable"].inc()
@@ -303,6 +329,32 @@ class PassthroughResponse(_Exchange):
         return True
 
 
+class MergedListing(PassthroughResponse):
+    """``GET /api/tags`` or ``/v1/models`` in front of a pool: every backend's list, merged (the
+    first backend's entry wins a model listed twice). Backends that do not answer are left out;
+    none answering is a 502."""
+
+    def __init__(self, pool: BackendPool, request: UpstreamRequest, metrics: Metrics) -> None:
+        super().__init__(Relay(pool.first, request, metrics))
+        self.pool = pool
+
+    async def _serve(self, send: Send, task: asyncio.Task[Any]) -> None:
+        relay = self.relay
+        path = relay.request.path + (f"?{relay.request.query}" if relay.request.query else "")
+        bodies = await asyncio.gather(*(m.upstream.get_json(path, LISTING_TIMEOUT_S) for m in self.pool.members))
+        answered = [body for body in bodies if body is not None]
+        if not answered:
+            relay.outcome = "upstream_error"
+            await relay.send_error(send, UpstreamUnavailable("no backend answered the model listing"))
+            return
+        body = merge_model_lists(relay.request.path, answered)
+        relay.status = 200
+        relay.outcome = "completed"
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
 class ScheduledResponse(_Exchange):
     """Scheduled: ``async with dispatcher.lease(ticket)`` around the relay, in the request's own
     task, whose life is the slot's life. A relay that drains after its client left keeps running
@@ -312,7 +364,7 @@ class ScheduledResponse(_Exchange):
     def __init__(
         self,
         *,
-        upstream: Upstream,
+        pool: BackendPool,
         request: UpstreamRequest,
         metrics: Metrics,
         dispatcher: Dispatcher,
@@ -322,7 +374,11 @@ class ScheduledResponse(_Exchange):
         backend_wait_s: float = 0.0,
         on_usage: Callable[[Ticket, Usage], None] | None = None,  # a completed answer's usage (the learner)
         predict_later: Callable[[], None] | None = None,  # dispatched at once: predict while the backend works
+        vllm_priority: bool = False,  # send a vLLM backend the computed priority (see _bind)
     ) -> None:
+        self.pool = pool
+        self.request = request
+        self.vllm_priority = vllm_priority
         self.predict_later = predict_later
         self.dispatcher = dispatcher
         self.ticket = ticket
@@ -336,9 +392,10 @@ class ScheduledResponse(_Exchange):
         self.on_usage = on_usage
         self.usage: Usage | None = None
         self.relay = Relay(
-            upstream, request, metrics, self._own_headers, self._first_byte,
+            pool.first, request, metrics, self._own_headers, self._first_byte,
             on_usage=self._record_usage, now=dispatcher.clock.now, model=ticket.model,
-            backend_wait_s=backend_wait_s, retry_unavailable=True,
+            backend_wait_s=backend_wait_s, retry_unavailable=True, failover=self._failover,
+            on_answered=pool.answered, on_broken=pool.check_soon,
         )  # fmt: skip
         self.stage = "queued"  # queued -> relaying -> done
 
@@ -349,6 +406,7 @@ class ScheduledResponse(_Exchange):
         """The slot's whole life: wait, relay, release (in the lease)."""
         try:
             async with self.dispatcher.lease(self.ticket) as lease:
+                self._bind(lease.backend)
                 self.stage = "relaying"
                 self.ticket.interrupt = lambda: self.relay.interrupt(task, "shutdown")
                 if self.predict_later is not None:
@@ -393,6 +451,34 @@ class ScheduledResponse(_Exchange):
         # reads the backend's answer to its end, so the slot is freed when the backend is.
         return self.mode == "abort"
 
+    def _bind(self, backend: int) -> None:
+        """Send to the granted backend. A vLLM one (with ``vllm_priority``) gets the request's
+        computed priority in its body: the client's class, then the predicted tokens (lower =
+        sooner, as vLLM's priority scheduling reads it)."""
+        self.relay.upstream = self.pool.members[backend].upstream
+        request = self.request
+        if self.vllm_priority and self.pool.kind_of(backend) == "vllm":
+            ticket = self._predicted()
+            priority = ticket.job.priority * VLLM_CLASS_STRIDE + min(
+                VLLM_CLASS_STRIDE - 1, max(0, round(ticket.job.predicted_tokens))
+            )
+            request = replace(request, body=with_upstream_fields(request.body, {"priority": priority}))
+        self.relay.request = request
+
+    async def _failover(self, refused: Upstream) -> Upstream | None:
+        """The granted backend refused the connection: wait first in line for another healthy
+        backend (the client sees nothing of it), or None when there is none (the relay waits for
+        this one)."""
+        self.pool.refused(refused)
+        if not self.dispatcher.reroute(self.ticket):
+            return None
+        self.stage = "queued"  # a client that leaves now is withdrawn, never sent
+        await self.dispatcher.regranted(self.ticket)
+        self.stage = "relaying"
+        assert self.ticket.backend is not None
+        self._bind(self.ticket.backend)
+        return self.relay.upstream
+
     def _predicted(self) -> Ticket:
         """The ticket, its prediction made (now, if it was deferred and has not run yet)."""
         if self.predict_later is not None:
@@ -409,7 +495,8 @@ class ScheduledResponse(_Exchange):
         while time.monotonic() < deadline_s:
             await asyncio.sleep(SLOTS_POLL_S)
             busy = await self.relay.upstream.busy_slots()
-            if busy is None or busy <= self.dispatcher.in_flight - 1:
+            assert self.ticket.backend is not None
+            if busy is None or busy <= self.dispatcher.in_flight_on(self.ticket.backend) - 1:
                 return
 
     def _record_usage(self, usage: Usage) -> None:
@@ -427,6 +514,7 @@ class ScheduledResponse(_Exchange):
         assert prediction is not None
         headers = [
             ("x-request-id", ticket.request_id),
+            ("x-clairvoyant-backend", self.relay.upstream.name),
             ("x-clairvoyant-queue-wait-ms", "" if wait is None else f"{wait * 1000:.1f}"),
             ("x-clairvoyant-predicted-tokens", f"{prediction.predicted_tokens:.0f}"),
             ("x-clairvoyant-predicted-class", ticket.predicted_class),
@@ -460,6 +548,7 @@ class ScheduledResponse(_Exchange):
         usage = self.usage
         log_request({
             "request_id": ticket.request_id, "endpoint": ticket.endpoint, "tenant": ticket.job.tenant or "-",
+            "backend": "-" if ticket.backend is None else self.relay.upstream.name,
             "priority": ticket.job.priority, "predicted_class": ticket.predicted_class,
             "predicted_tokens": "-" if ticket.prediction is None else f"{ticket.prediction.predicted_tokens:.0f}",
             "predicted_s": f"{ticket.job.predicted_s:.3f}",

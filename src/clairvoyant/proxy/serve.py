@@ -28,6 +28,8 @@ def _flag_type(name: str) -> dict[str, Any]:
         return {"type": float}
     if name == "model_path":
         return {"type": Path}
+    if name == "backends":  # repeated: one URL each (a [[backends]] table says more)
+        return {"action": "append", "metavar": "URL"}
     return {}
 
 
@@ -54,7 +56,10 @@ def run(args: argparse.Namespace) -> int:
     # Logging first, so that the settings' own warnings (unknown CLAIRVOYANT_* variables) are formatted;
     # the level comes from the settings once they are known.
     configure_logging("warning")
-    settings = load_settings(args.config, **{name: getattr(args, name) for name in CLI_FLAGS})
+    flags = {name: getattr(args, name) for name in CLI_FLAGS}
+    if flags["backends"]:
+        flags["backends"] = [{"url": url} for url in flags["backends"]]
+    settings = load_settings(args.config, **flags)
     configure_logging(settings.log_level, settings.log_format)
     # Load the model before binding the port: a bad model stops start-up with a clear message.
     predictor = OnnxPredictor(settings.model_path)

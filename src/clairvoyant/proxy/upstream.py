@@ -336,8 +336,10 @@ class Upstream:
         first_byte_timeout_s: float | None = None,
         api_key: str | None = None,
         transport: Any = None,
+        name: str = "default",
     ) -> None:
         """``transport``: None (aiohttp), a ``Transport``, or an httpx transport (tests)."""
+        self.name = name  # the backend's name in the pool
         self.display_url = redact_url(base_url.rstrip("/"))
         # Credentials in the URL become an Authorization header: the URL the client library holds
         # (and may log) has none. The backend's own key (``api_key``) wins over them.
@@ -369,7 +371,7 @@ class Upstream:
         detail = f"{what} at {self.display_url}: {type(cause).__name__}: {cause}"
         if isinstance(exc, TimeoutError) or (isinstance(exc, TransportError) and exc.kind == "timeout"):
             return UpstreamTimeout(f"the backend did not answer in time ({what})", detail=detail)
-        return UpstreamUnavailable(f"the backend is failed ({type(cause).__name__})", detail=detail)
+        return UpstreamUnavailable(f"the backend failed ({type(cause).__name__})", detail=detail)
 
     async def open(
         self,
@@ -444,19 +446,24 @@ class Upstream:
             return exc.detail
         return "the backend answered 503 (loading or busy)" if response.status_code == 503 else None
 
-    async def busy_slots(self) -> int | None:
-        """How many of llama.cpp's slots are processing (``GET /slots``), or None where the backend
-        has no such endpoint or does not answer."""
+    async def get_json(self, path: str, timeout_s: float = 2.0) -> Any:
+        """``GET path``'s JSON body when it answers 200, else None (unreachable, an error status,
+        not JSON, or no answer within ``timeout_s``)."""
         try:
-            async with asyncio.timeout(2.0):
-                response = await self.open("GET", "/slots")
+            async with asyncio.timeout(timeout_s):
+                response = await self.open("GET", path)
                 try:
                     body = b"".join([chunk async for chunk in self.iter_body(response)])
                 finally:
                     await response.aclose()
-            slots = json.loads(body) if response.status_code == 200 else None
+            return json.loads(body) if response.status_code == 200 else None
         except (TimeoutError, RequestError, ValueError):
             return None
+
+    async def busy_slots(self) -> int | None:
+        """How many of llama.cpp's slots are processing (``GET /slots``), or None where the backend
+        has no such endpoint or does not answer."""
+        slots = await self.get_json("/slots")
         if not isinstance(slots, list):
             return None
         return sum(1 for slot in slots if isinstance(slot, dict) and slot.get("is_processing"))

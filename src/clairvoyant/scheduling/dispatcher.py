@@ -1,4 +1,4 @@
-"""The dispatcher: capacity, one asyncio worker per backend slot, and the lease that holds a slot.
+"""The dispatcher: capacity, routing to the pool's backends, and the lease that holds a (backend, slot).
 
 A scheduled request's life, all of it visible here:
 
@@ -7,12 +7,20 @@ A scheduled request's life, all of it visible here:
         ... relay the backend's answer ...
     (leaving the block)                         withdrawn if still queued, else released, exactly once
 
+Dispatching is one synchronous step, ``_pump``, run when work arrives, a slot frees or a backend
+comes back (coalesced to once per event-loop turn, so a burst that arrives together is ordered by
+the policy before the first of it is dispatched). It takes the policy's next request and routes it
+(scheduling/routing.py) to a backend with a free slot: the route is decided at dispatch, with the
+freshest state. A request whose model only busy backends serve is held back (in the order the
+policy chose it) until one of them frees a slot; it goes before anything still in the queue.
+
 Invariants, each enforced in this file:
-- never more than ``slots`` leases hold a slot; a worker grants a slot only to a waiting ticket;
+- never more leases on a backend than its slots; a slot is granted only to a waiting ticket;
 - every ticket leaves the system exactly once: ``lease.__aexit__`` either withdraws it from the
   queue (client left or cancelled while waiting) or releases its slot, and ``_end`` is idempotent;
-- a worker never dies of an unexpected error (it logs and goes on); detached tasks are strongly
-  referenced and their failures logged.
+- a request whose backend refused the connection (nothing was sent) may be rerouted once per
+  refusal: its slot is given back and it waits first in line for another healthy backend;
+- detached tasks are strongly referenced and their failures logged.
 
 The service-time model and the policy learn from each completed lease (measured service seconds).
 """
@@ -26,7 +34,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,10 +47,11 @@ from clairvoyant.prediction.predictor import Prediction
 from clairvoyant.prediction.usage import Usage
 from clairvoyant.scheduling.job_queue import Job, JobQueue
 from clairvoyant.scheduling.policy import SchedulingPolicy
+from clairvoyant.scheduling.routing import Backend, choose
 from clairvoyant.scheduling.service_time import ServiceTimeModel, write_state
 from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
 
-__all__ = ["Dispatcher", "Lease", "ShuttingDown", "Ticket"]
+__all__ = ["Backend", "Dispatcher", "Lease", "ModelNotServed", "ShuttingDown", "Ticket"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +72,14 @@ class ShuttingDown(RequestError):
 SHUTDOWN_RETRY_AFTER_S = 5  # a restarted proxy is usually back within seconds
 
 
+class ModelNotServed(RequestError):
+    """No backend of the pool lists the request's model."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+
+
 @dataclass(slots=True, eq=False)
 class Ticket:
     """One scheduled request, from arrival to release. Its queue record is ``job``. Slotted and
@@ -75,15 +92,16 @@ class Ticket:
     prediction: Prediction | None  # None only between an at-once dispatch and its prediction (see dispatch_at_once)
     prompt_tokens: int  # estimated prompt tokens (service-time model input)
     job: Job[Ticket] = field(init=False)
+    # The index of the backend granted (a new future when rerouted).
     granted: asyncio.Future[int] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    released: asyncio.Future[None] | None = None  # created at dispatch; set when the slot is given back
-    slot: int | None = None
+    backend: int | None = None  # the granted backend's index in the pool
+    slot: int | None = None  # the granted slot, on that backend
     dispatched_s: float | None = None  # clock seconds when a slot was granted
     grants_before_arrival: int = 0  # the dispatcher's slot grants so far when this ticket was queued
     queue_position: int | None = None  # set at dispatch: requests dispatched ahead of it while it waited
+    held_back: bool = False  # popped by the policy (or rerouted), waiting for a backend that serves it
     ended: bool = False  # withdrawn or released: set exactly once
     interrupt: Callable[[], None] | None = None  # set by its relay once dispatched: end the answer now (shutdown)
-    lent_by: asyncio.Future[None] | None = None  # dispatched at once: the parked idle worker whose slot it holds
 
     @property
     def predicted_class(self) -> str:
@@ -103,9 +121,19 @@ class Lease:
     (only those durations teach the service-time model)."""
 
     ticket: Ticket
-    slot: int
     completed: bool = False
     usage: Usage | None = None  # what the backend reported producing (None: not read)
+
+    @property
+    def backend(self) -> int:
+        """The backend's index in the pool (it changes if the request is rerouted)."""
+        assert self.ticket.backend is not None
+        return self.ticket.backend
+
+    @property
+    def slot(self) -> int:
+        assert self.ticket.slot is not None
+        return self.ticket.slot
 
 
 class Dispatcher:
@@ -114,7 +142,8 @@ class Dispatcher:
         queue: JobQueue[Ticket],
         policy: SchedulingPolicy,
         *,
-        slots: int,
+        slots: int = 1,
+        backends: Sequence[Backend] | None = None,
         clock: Clock,
         metrics: Metrics,
         max_queue: int,
@@ -123,11 +152,13 @@ class Dispatcher:
         starvation_timeout_s: float = math.inf,
         starvation_slowdown: float | AdaptiveSlowdown = 0.0,
     ) -> None:
+        """``backends``: the pool; None = one backend with ``slots`` slots."""
         if slots < 1:
             raise ValueError("slots must be >= 1")
         self.queue = queue
         self.policy = policy
-        self.slots = slots
+        self.backends: list[Backend] = list(backends) if backends else [Backend("default", slots)]
+        self.slots = sum(b.slots for b in self.backends)
         self.clock = clock
         self.metrics = metrics
         self.max_queue = max_queue
@@ -135,14 +166,10 @@ class Dispatcher:
         self.min_retry_after_s = min_retry_after_s
         self.starvation_timeout_s = starvation_timeout_s
         self.starvation_slowdown = starvation_slowdown
-        # Idle workers, each waiting on its own future: an arrival wakes exactly one (an Event
-        # would wake every idle worker per request: 63 task switches for nothing at 64 slots).
-        # An idle worker's slot may also be lent to a request dispatched at once (dispatch_at_once):
-        # the worker stays parked, and the release hands the slot back without waking it.
-        self._idle: deque[tuple[int, asyncio.Future[None]]] = deque()  # (slot, its wake-up)
-        self._workers: list[asyncio.Task[None]] = []
+        self._held_back: deque[Ticket] = deque()  # chosen (or rerouted), waiting for a backend: first in line
+        self._pump_scheduled = False
+        self._started = False
         self._detached: set[asyncio.Task[Any]] = set()
-        self._running: dict[int, Ticket] = {}
         self._by_id: dict[str, Ticket] = {}  # waiting tickets by request id (for /queue/{id})
         self._closing = False
         self._grace_timer: asyncio.TimerHandle | None = None
@@ -152,12 +179,15 @@ class Dispatcher:
         # (ticket, ended clock seconds, outcome, output tokens or None), newest last
         self._recent: deque[tuple[Ticket, float, str, int | None]] = deque(maxlen=RECENT_REQUESTS)
         metrics.starvation_timeout.set(starvation_timeout_s)
+        for backend in self.backends:
+            metrics.backend_healthy.labels(backend.name).set(1 if backend.healthy else 0)
+            metrics.backend_in_flight.labels(backend.name).set(0)
+            metrics.backend_slots.labels(backend.name).set(backend.slots)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        self._workers = [
-            asyncio.create_task(self._worker(slot), name=f"dispatcher-slot-{slot}") for slot in range(self.slots)
-        ]
+        self._started = True
+        self._schedule_pump()
 
     def begin_shutdown(self, grace_s: float) -> None:
         """Refuse new work and every waiting request (503 ``shutting_down`` at once); in-flight
@@ -167,24 +197,31 @@ class Dispatcher:
             return
         self._closing = True
         refused = 0
+        while self._held_back:
+            self._refuse(self._held_back.popleft())
+            refused += 1
         while (got := self.queue.pop(math.inf)) is not None:
-            self.queue.done(got[0])  # refused: it never reaches the backend
-            ticket = got[0].payload
-            self._end_waiting(ticket)
-            if not ticket.granted.done():
-                ticket.granted.set_exception(ShuttingDown("the proxy is shutting down; retry"))
-                ticket.granted.exception()  # marked retrieved: a lease that still waits raises it anyway
+            self._refuse(got[0].payload)
             refused += 1
         logger.info(
             "shutting down: refused %d waiting request(s); %d in flight get %.1f s",
             refused,
-            len(self._running),
+            self.in_flight,
             grace_s,
         )
         self._grace_timer = asyncio.get_running_loop().call_later(grace_s, self._interrupt_running)
 
+    def _refuse(self, ticket: Ticket) -> None:
+        """A waiting ticket (popped or held back) that will never reach a backend: shutting down."""
+        ticket.held_back = False
+        self.queue.done(ticket.job)
+        self._end_waiting(ticket)
+        if not ticket.granted.done():
+            ticket.granted.set_exception(ShuttingDown("the proxy is shutting down; retry"))
+            ticket.granted.exception()  # marked retrieved: a lease that still waits raises it anyway
+
     def _interrupt_running(self) -> None:
-        for ticket in list(self._running.values()):
+        for ticket in self._all_running():
             if ticket.interrupt is not None:
                 logger.warning("request_id=%s: shutdown grace period over; ending its answer", ticket.request_id)
                 ticket.interrupt()
@@ -193,24 +230,89 @@ class Dispatcher:
         """Refuse new work, let in-flight requests finish for up to ``timeout_s``, then cancel."""
         self.begin_shutdown(timeout_s)
         deadline = time.monotonic() + timeout_s
-        while (self._running or self._detached) and time.monotonic() < deadline:
+        while (self.in_flight or self._detached) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self._grace_timer is not None:
             self._grace_timer.cancel()
-        for task in [*self._workers, *self._detached]:
+        for task in list(self._detached):
             task.cancel()
-        await asyncio.gather(*self._workers, *self._detached, return_exceptions=True)
-        self._workers.clear()
+        await asyncio.gather(*self._detached, return_exceptions=True)
+        self._started = False
         self._save_state()
 
     @property
     def in_flight(self) -> int:
-        """Slots held now."""
-        return len(self._running)
+        """Slots held now, on every backend."""
+        return sum(len(b.running) for b in self.backends)
+
+    def in_flight_on(self, backend: int) -> int:
+        return len(self.backends[backend].running)
+
+    def _all_running(self) -> list[Ticket]:
+        return [t for b in self.backends for t in b.running.values()]
 
     @property
     def healthy(self) -> bool:
-        return bool(self._workers) and not any(t.done() for t in self._workers)
+        return self._started
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a slot: in the queue or held back."""
+        return len(self.queue) + len(self._held_back)
+
+    # -- backends --------------------------------------------------------------------------
+    def set_health(self, backend: int, healthy: bool, loaded: Sequence[str] | None = None) -> None:
+        """What a health check (or a refused connection) found; ``loaded``: the models it has
+        loaded now, when it says (Ollama /api/ps)."""
+        record = self.backends[backend]
+        if loaded is not None:
+            record.loaded = tuple(loaded)
+        if record.healthy != healthy:
+            record.healthy = healthy
+            self.metrics.backend_healthy.labels(record.name).set(1 if healthy else 0)
+            logger.log(
+                logging.INFO if healthy else logging.WARNING,
+                "backend %s is %s",
+                record.name,
+                "healthy again" if healthy else "unhealthy: skipped while another backend serves its requests",
+            )
+            if healthy:
+                self._schedule_pump()
+
+    def check_model(self, model: str | None) -> None:
+        """Raise ``ModelNotServed`` when no backend of the pool serves ``model``."""
+        if not any(b.serves(model) for b in self.backends):
+            raise ModelNotServed(f"the model {model!r} is not served by any backend of this proxy", param="model")
+
+    def _remaining_s(self, backend: Backend) -> float:
+        """Predicted seconds of work left on ``backend`` (its in-flight requests' remainders)."""
+        now = self.clock.now()
+        total = 0.0
+        for t in backend.running.values():
+            running_s = 0.0 if t.dispatched_s is None else now - t.dispatched_s
+            total += max(0.0, t.job.predicted_s - running_s)
+        return total
+
+    def _route(self, ticket: Ticket) -> int | None:
+        return choose(self.backends, ticket.model, self._remaining_s)
+
+    def reroute(self, ticket: Ticket) -> bool:
+        """The ticket's backend refused the connection: nothing was sent. Mark that backend
+        unhealthy; when another backend serving the ticket's model is healthy, give the slot back
+        and put the ticket first in line for that one (``ticket.granted`` is a new future: await it),
+        and return True. Otherwise False: the ticket keeps its slot (the caller waits for its
+        backend to come back)."""
+        assert ticket.backend is not None and ticket.slot is not None
+        self.set_health(ticket.backend, False)
+        if self._closing or not any(b.healthy and b.serves(ticket.model) for b in self.backends):
+            return False
+        self._free_slot(ticket)
+        ticket.backend = ticket.slot = None
+        ticket.granted = asyncio.get_running_loop().create_future()
+        ticket.held_back = True
+        self._held_back.appendleft(ticket)
+        self._schedule_pump()
+        return True
 
     # -- requests --------------------------------------------------------------------------
     def predicted_s(self, model: str | None, prompt_tokens: float, output_tokens: float) -> float:
@@ -220,12 +322,14 @@ class Dispatcher:
     def submit(self, ticket: Ticket, job: Job[Ticket]) -> None:
         """Queue a ticket with its job record.
 
-        Raises ``ShuttingDown`` after ``stop`` and ``QueueFull`` at capacity, with a Retry-After
-        computed from the predicted time until the queue's tail is dispatched.
+        Raises ``ShuttingDown`` after ``stop``, ``ModelNotServed`` when no backend serves its model,
+        and ``QueueFull`` at capacity, with a Retry-After computed from the predicted time until
+        the queue's tail is dispatched.
         """
         if self._closing:
             raise ShuttingDown("the proxy is shutting down; retry")
-        if len(self.queue) >= self.max_queue:
+        self.check_model(ticket.model)
+        if self.waiting >= self.max_queue:
             tail_eta_s = self._etas(self.clock.now())[1]
             retry = max(self.min_retry_after_s, min(3600, math.ceil(tail_eta_s)))
             raise QueueFull(
@@ -238,28 +342,25 @@ class Dispatcher:
         self.metrics.depth_by_class[ticket.predicted_class].inc()
         # O(1) on purpose: ordering the whole queue per arrival would cost O(n log n) at depth n.
         ticket.grants_before_arrival = self._grants
-        self._wake_one()
+        self._schedule_pump()
 
     def dispatch_at_once(self, ticket: Ticket, job: Job[Ticket]) -> bool:
-        """Grant ``ticket`` a slot now, before its prediction, if a slot is idle and nobody waits
-        (there is no order to decide); False otherwise (then predict and ``submit``). The caller
-        predicts while the backend works, fills in ``job``'s predicted fields and calls
-        ``observe_wait`` (the wait histogram is by predicted class)."""
-        if self._closing or len(self.queue) > 0:
+        """Grant ``ticket`` a slot now, before its prediction, if a backend for it has a free
+        slot and nobody waits (there is no order to decide); False otherwise (then predict and
+        ``submit``). The caller predicts while the backend works, fills in ``job``'s predicted
+        fields and calls ``predicted_at_once``."""
+        if self._closing or not self._started or self.waiting > 0:
             return False
-        while self._idle:
-            slot, wake = self._idle.popleft()
-            if wake.done():
-                continue
-            ticket.job = job
-            ticket.grants_before_arrival = self._grants
-            self.queue.push(job)  # through the queue all the same: its tenant accounting, and done() at release
-            got = self.queue.pop(self.clock.now())
-            assert got is not None and got[0] is job, "an empty queue popped another job"
-            ticket.lent_by = wake  # the worker stays parked: no task switch to grant or to release
-            self._grant(slot, ticket, observe_wait=False)
-            return True
-        return False
+        backend = self._route(ticket)
+        if backend is None:
+            return False
+        ticket.job = job
+        ticket.grants_before_arrival = self._grants
+        self.queue.push(job)  # through the queue all the same: its tenant accounting, and done() at release
+        got = self.queue.pop(self.clock.now())
+        assert got is not None and got[0] is job, "an empty queue popped another job"
+        self._grant(backend, ticket, observe_wait=False)
+        return True
 
     def predicted_at_once(self, ticket: Ticket, old_predicted_s: float) -> None:
         """A ticket dispatched at once has its prediction: charge its tenant's fair share the
@@ -274,14 +375,6 @@ class Dispatcher:
         if wait_s is not None:
             self.metrics.wait_by_class[ticket.predicted_class].observe(wait_s)
 
-    def _wake_one(self) -> None:
-        """Wake one idle worker, if any; it pops the queue's best job when it runs."""
-        while self._idle:
-            _, wake = self._idle.popleft()
-            if not wake.done():
-                wake.set_result(None)
-                return
-
     @asynccontextmanager
     async def lease(self, ticket: Ticket) -> AsyncIterator[Lease]:
         """Wait for the ticket's turn, hold its slot for the block, then give it back exactly once.
@@ -291,17 +384,25 @@ class Dispatcher:
         """
         lease: Lease | None = None
         try:
-            slot = await asyncio.shield(ticket.granted)
-            lease = Lease(ticket, slot)
+            await asyncio.shield(ticket.granted)
+            lease = Lease(ticket)
             yield lease
         finally:
             self._end(ticket, lease)
 
+    async def regranted(self, ticket: Ticket) -> None:
+        """After ``reroute``: wait for the new grant (cancel-safe: the lease's exit withdraws it)."""
+        await asyncio.shield(ticket.granted)
+
     def _end(self, ticket: Ticket, lease: Lease | None) -> None:
-        """The single exit of every ticket: withdraw it if still queued, else release its slot."""
+        """The single exit of every ticket: withdraw it if still waiting, else release its slot."""
         if ticket.ended:
             return
-        if ticket.job.waiting and self.queue.remove(ticket.job):
+        if ticket.held_back or (ticket.job.waiting and self.queue.remove(ticket.job)):
+            if ticket.held_back:  # popped already (or rerouted): out of the line, and done for its queue
+                ticket.held_back = False
+                self._held_back.remove(ticket)
+                self.queue.done(ticket.job)
             self._end_waiting(ticket)
             self.metrics.disconnects_by_stage["queued"].inc()
             self._recent.append((ticket, self.clock.now(), "left_queued", None))
@@ -323,32 +424,25 @@ class Dispatcher:
             )
             if completed and ticket.dispatched_s is not None:
                 self._learn(ticket, self.clock.now() - ticket.dispatched_s, usage)
-            if ticket.released is not None and not ticket.released.done():
-                ticket.released.set_result(None)  # the worker frees the slot (none waits on a lent one)
-            if ticket.lent_by is not None:
-                self._return_lent_slot(ticket, ticket.lent_by)
+            self._free_slot(ticket)
+            self.queue.done(ticket.job)  # its tenant stays active for fair share until here
+            self._schedule_pump()
             return
-        ticket.ended = True  # refused (shutting down) or withdrawn by the worker's race: nothing held
+        ticket.ended = True  # refused (shutting down): nothing held
 
-    def _return_lent_slot(self, ticket: Ticket, wake: asyncio.Future[None]) -> None:
-        """A slot lent by a parked worker is free again: idle once more, or, when requests wait,
-        its worker is woken to pop the next one."""
-        ticket.lent_by = None
-        assert ticket.slot is not None
-        self._running.pop(ticket.slot, None)
-        self.metrics.in_flight.dec()
-        self.queue.done(ticket.job)
-        if wake.done():  # its worker was cancelled (stopping)
-            return
-        if len(self.queue) > 0:
-            wake.set_result(None)
-        else:
-            self._idle.append((ticket.slot, wake))
+    def _free_slot(self, ticket: Ticket) -> None:
+        assert ticket.backend is not None and ticket.slot is not None
+        backend = self.backends[ticket.backend]
+        if backend.running.pop(ticket.slot, None) is not None:
+            backend.free.append(ticket.slot)
+            self.metrics.in_flight.dec()
+            self.metrics.backend_in_flight.labels(backend.name).dec()
 
     def _end_waiting(self, ticket: Ticket) -> None:
         ticket.ended = True
         self._by_id.pop(ticket.request_id, None)
-        self.metrics.depth_by_class[ticket.predicted_class].dec()
+        if ticket.dispatched_s is None:  # a rerouted ticket left the depth gauge at its first grant
+            self.metrics.depth_by_class[ticket.predicted_class].dec()
 
     def _learn(self, ticket: Ticket, service_s: float, usage: Usage | None) -> None:
         # The slot's measured seconds against the inputs the model predicts from: the prompt's
@@ -386,8 +480,8 @@ class Dispatcher:
             logger.warning("cannot save the service-time state: %s", exc)
 
     def run_detached(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
-        """Run ``coro`` as a tracked background task (state saves, the start-up backend check):
-        referenced until done, its failure logged, cancelled by ``stop``."""
+        """Run ``coro`` as a tracked background task (state saves, health checks): referenced
+        until done, its failure logged, cancelled by ``stop``."""
         task = asyncio.create_task(coro, name=name)
         self._detached.add(task)
         task.add_done_callback(self._detached_done)
@@ -401,22 +495,91 @@ class Dispatcher:
     def new_request_id(self) -> str:
         return f"cv-{time.time_ns():x}-{next(self._ids)}"
 
+    # -- dispatch ----------------------------------------------------------------------------
+    def _schedule_pump(self) -> None:
+        """Dispatch what can go, once, at the end of this event-loop turn."""
+        if not self._pump_scheduled and self._started:
+            self._pump_scheduled = True
+            asyncio.get_running_loop().call_soon(self._pump)
+
+    def _pump(self) -> None:
+        """Grant free slots: first to held-back tickets (chosen earlier), then in the policy's
+        order; a popped ticket no free backend can take is held back."""
+        self._pump_scheduled = False
+        if self._closing:
+            return
+        try:
+            if self._held_back:
+                for ticket in list(self._held_back):
+                    if not any(b.free for b in self.backends):
+                        return
+                    backend = self._route(ticket)
+                    if backend is not None:
+                        self._held_back.remove(ticket)
+                        ticket.held_back = False
+                        self._grant(backend, ticket, observe_wait=ticket.dispatched_s is None)
+            now = self.clock.now()
+            while any(b.free for b in self.backends):
+                got = self.queue.pop(now)
+                if got is None:
+                    return
+                job, promoted = got
+                ticket = job.payload
+                if promoted:
+                    self.metrics.starvation_promotions.inc()
+                if ticket.granted.done():  # cancelled in between: nothing to run
+                    self._end_waiting(ticket)
+                    self.queue.done(job)
+                    continue
+                backend = self._route(ticket)
+                if backend is None:
+                    ticket.held_back = True  # its backends are busy: first in line for them
+                    self._held_back.append(ticket)
+                    continue
+                self._grant(backend, ticket, observe_wait=True)
+        except Exception:  # dispatching must never stop: log, and try again next turn
+            logger.exception("dispatcher: unexpected error")
+
+    def _grant(self, index: int, ticket: Ticket, *, observe_wait: bool) -> None:
+        backend = self.backends[index]
+        slot = backend.free.pop()
+        if ticket.dispatched_s is None:  # the first grant (a reroute keeps its queue wait and position)
+            self._by_id.pop(ticket.request_id, None)
+            if observe_wait:
+                self.metrics.depth_by_class[ticket.predicted_class].dec()
+            ticket.dispatched_s = self.clock.now()
+            if observe_wait:
+                self.metrics.wait_by_class[ticket.predicted_class].observe(ticket.dispatched_s - ticket.job.arrival_s)
+            ticket.queue_position = self._grants - ticket.grants_before_arrival
+        ticket.backend = index
+        ticket.slot = slot
+        backend.running[slot] = ticket
+        self.metrics.in_flight.inc()
+        self.metrics.backend_in_flight.labels(backend.name).inc()
+        self._grants += 1
+        ticket.granted.set_result(index)
+
     # -- positions and ETAs -------------------------------------------------------------------
     def _slot_free_in_s(self, now: float) -> list[float]:
-        """Predicted seconds until each slot is free: in-flight remainders (never below 0), idle 0."""
-        free = [0.0] * self.slots
-        for slot, t in self._running.items():
-            running_s = 0.0 if t.dispatched_s is None else now - t.dispatched_s
-            free[slot] = max(0.0, t.job.predicted_s - running_s)
-        return free
+        """Predicted seconds until each slot of a healthy backend (of every backend, when none is
+        healthy) is free: in-flight remainders (never below 0), idle 0."""
+        usable = [b for b in self.backends if b.healthy] or self.backends
+        free: list[float] = []
+        for backend in usable:
+            free += [0.0] * len(backend.free)
+            for t in backend.running.values():
+                running_s = 0.0 if t.dispatched_s is None else now - t.dispatched_s
+                free.append(max(0.0, t.job.predicted_s - running_s))
+        return free or [0.0]
 
     def _etas(self, now: float) -> tuple[list[tuple[Job[Ticket], float]], float]:
-        """Waiting jobs in dispatch order with the predicted seconds until each is dispatched, and
-        the predicted seconds until the tail is dispatched."""
+        """Waiting jobs in dispatch order (held back first) with the predicted seconds until each
+        is dispatched, and the predicted seconds until the tail is dispatched. The pool's slots
+        are taken as interchangeable (a model served by only some backends may wait longer)."""
         free = self._slot_free_in_s(now)
         heapq.heapify(free)
         out = []
-        for job in self.queue.ordered(now):
+        for job in itertools.chain((t.job for t in self._held_back), self.queue.ordered(now)):
             start = heapq.heappop(free)
             out.append((job, start))
             heapq.heappush(free, start + job.predicted_s)
@@ -437,8 +600,8 @@ class Dispatcher:
     # -- introspection ---------------------------------------------------------------------
     def snapshot(self, limit: int | None = None) -> dict[str, Any]:
         """The waiting queue in dispatch order with positions and ETAs (the first ``limit`` of
-        ``waiting_count``), what is in flight, and the last finished requests (newest first;
-        ``waited_s`` there is the time it spent queued); no prompt text."""
+        ``waiting_count``), what is in flight on each backend, the backends, and the last finished
+        requests (newest first; ``waited_s`` there is the time it spent queued); no prompt text."""
         now = self.clock.now()
 
         def describe(ticket: Ticket) -> dict[str, Any]:
@@ -461,6 +624,9 @@ class Dispatcher:
                 "waited_s": round(now - job.arrival_s, 3),
             }
 
+        def backend_name(ticket: Ticket) -> str | None:
+            return None if ticket.backend is None else self.backends[ticket.backend].name
+
         etas, tail = self._etas(now)
         shown = etas if limit is None else etas[: max(0, limit)]
         waiting = [
@@ -468,11 +634,13 @@ class Dispatcher:
         ]
         in_flight = [
             {
+                "backend": backend.name,
                 "slot": slot,
                 **describe(t),
                 "running_s": round(0.0 if t.dispatched_s is None else now - t.dispatched_s, 3),
             }
-            for slot, t in sorted(self._running.items())
+            for backend in self.backends
+            for slot, t in sorted(backend.running.items())
         ]
         return {
             "policy": self.policy.name,
@@ -489,14 +657,28 @@ class Dispatcher:
             "tail_eta_s": round(tail, 3),
             "service_time": {
                 name or "default": self.service_time.coefficients(name)
-                for name in {None, *(t.model for t in self._running.values())}
+                for name in {None, *(t.model for t in self._all_running())}
             },
+            "backends": [
+                {
+                    "name": b.name,
+                    **b.info,
+                    "slots": b.slots,
+                    "in_flight": len(b.running),
+                    "healthy": b.healthy,
+                    "models": list(b.models),
+                    "loaded_models": list(b.loaded),
+                    "remaining_s": round(self._remaining_s(b), 3),
+                }
+                for b in self.backends
+            ],
             "waiting_count": len(etas),
             "waiting": waiting,
             "in_flight": in_flight,
             "recent": [
                 {
                     **describe(t),
+                    "backend": backend_name(t),
                     "outcome": outcome,
                     "output_tokens": output_tokens,
                     "waited_s": round((ended_s if t.dispatched_s is None else t.dispatched_s) - t.job.arrival_s, 3),
@@ -506,59 +688,3 @@ class Dispatcher:
                 for t, ended_s, outcome, output_tokens in reversed(self._recent)
             ],
         }
-
-    # -- workers ---------------------------------------------------------------------------
-    async def _worker(self, slot: int) -> None:
-        while True:
-            try:
-                await self._dispatch_one(slot)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a worker must never die: log and keep serving
-                logger.exception("dispatcher slot %d: unexpected error", slot)
-                await asyncio.sleep(0.01)
-
-    async def _dispatch_one(self, slot: int) -> None:
-        got = self.queue.pop(self.clock.now())
-        if got is None:
-            wake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._idle.append((slot, wake))
-            try:
-                await wake  # meanwhile its slot may be lent and given back, any number of times
-            finally:
-                wake.cancel()  # a no-op once woken; a cancelled one is skipped by _wake_one
-            return
-        job, promoted = got
-        ticket = job.payload
-        self._by_id.pop(ticket.request_id, None)
-        self.metrics.depth_by_class[ticket.predicted_class].dec()
-        if promoted:
-            self.metrics.starvation_promotions.inc()
-        if ticket.granted.done():  # cancelled in between: nothing to run
-            ticket.ended = True
-            self.queue.done(job)
-            return
-        self._grant(slot, ticket, observe_wait=True)
-        await self._hold(slot, ticket)
-
-    def _grant(self, slot: int, ticket: Ticket, *, observe_wait: bool) -> None:
-        ticket.slot = slot
-        ticket.released = asyncio.get_running_loop().create_future()
-        ticket.dispatched_s = self.clock.now()
-        self._running[slot] = ticket
-        self.metrics.in_flight.inc()
-        if observe_wait:
-            self.metrics.wait_by_class[ticket.predicted_class].observe(ticket.dispatched_s - ticket.job.arrival_s)
-        ticket.queue_position = self._grants - ticket.grants_before_arrival
-        self._grants += 1
-        ticket.granted.set_result(slot)
-
-    async def _hold(self, slot: int, ticket: Ticket) -> None:
-        """The slot is the ticket's until its lease releases it."""
-        assert ticket.released is not None
-        try:
-            await ticket.released
-        finally:
-            self._running.pop(slot, None)
-            self.metrics.in_flight.dec()
-            self.queue.done(ticket.job)  # its tenant stays active for fair share until here

@@ -1,0 +1,227 @@
+"""The pool of backends: one ``Upstream`` each, what each backend is, and the health checks that
+keep the dispatcher's routing records (scheduling/routing.py) current.
+
+At start-up each backend of a pool is asked what it is (kind ``auto``): llama.cpp answers
+``/props`` (with its ``total_slots``, used when ``slots`` is not configured), Ollama ``/api/version``,
+vLLM ``/version``; anything else is an OpenAI-compatible server. With more than one backend, a
+monitor task per backend then checks ``/health`` every ``HEALTH_INTERVAL_S`` (an unhealthy one with
+backoff from ``RETRY_START_S`` to ``RETRY_MAX_S``) and, for Ollama, which models are loaded
+(``/api/ps``: routing prefers a backend that has the model loaded). A refused connection marks a
+backend unhealthy at once and wakes its monitor; any answer marks it healthy again.
+
+With one backend (the ``upstream_url`` shorthand) nothing is asked and nothing is polled: a
+request that finds it down waits for it (``backend_wait_s``), as before the pool existed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from clairvoyant.config import BackendConfig, Settings
+from clairvoyant.proxy.upstream import Upstream
+from clairvoyant.scheduling.dispatcher import Dispatcher
+from clairvoyant.scheduling.routing import Backend, same_model
+
+__all__ = ["BackendPool", "PoolMember", "merge_model_lists"]
+
+logger = logging.getLogger(__name__)
+
+HEALTH_INTERVAL_S = 5.0  # between checks of a healthy backend
+RETRY_START_S = 0.5  # first re-check of an unhealthy backend; doubles up to RETRY_MAX_S
+RETRY_MAX_S = 10.0
+DISCOVERY_TIMEOUT_S = 3.0  # per question asked of a backend at start-up
+
+
+@dataclass(eq=False)
+class PoolMember:
+    config: BackendConfig
+    name: str
+    upstream: Upstream
+    kind: str  # ollama | llamacpp | openai | vllm, or auto while unknown (not reached yet)
+    slots: int
+    checked: asyncio.Event = field(default_factory=asyncio.Event)  # set to cut the monitor's sleep short
+
+
+class BackendPool:
+    def __init__(self, settings: Settings, *, transport: Any = None) -> None:
+        """``transport``: tests' injected transport, shared by every backend."""
+        self.settings = settings
+        self.members: list[PoolMember] = []
+        for config in settings.pool:
+            name = config.name or "backend-1"  # settings.pool names every backend
+            upstream = Upstream(
+                config.url,
+                connect_timeout_s=settings.connect_timeout_s,
+                read_timeout_s=settings.read_timeout_s,
+                first_byte_timeout_s=settings.first_byte_timeout_s,
+                api_key=None if config.api_key is None else config.api_key.get_secret_value(),
+                transport=transport,
+                name=name,
+            )
+            slots = config.slots or settings.slots
+            self.members.append(PoolMember(config, name, upstream, config.kind, slots))
+        self.dispatcher: Dispatcher | None = None
+        self._monitors: list[asyncio.Task[None]] = []
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    @property
+    def first(self) -> Upstream:
+        return self.members[0].upstream
+
+    # -- start-up ----------------------------------------------------------------------------
+    async def discover(self) -> None:
+        """Ask each backend of a pool what it is (kind, slots), all at once. A backend that does
+        not answer keeps its configured slots (or ``slots``) and is asked again once it does."""
+        if len(self.members) == 1 and not self.settings.vllm_priority:
+            return  # one backend: nothing to route, nothing to ask
+        await asyncio.gather(*(self._discover(m) for m in self.members))
+
+    async def _discover(self, member: PoolMember) -> bool:
+        """True once the member's kind is known."""
+        if member.kind != "auto" and (member.kind != "llamacpp" or member.config.slots is not None):
+            return True
+        props = await member.upstream.get_json("/props", DISCOVERY_TIMEOUT_S)
+        if isinstance(props, dict) and ("total_slots" in props or "default_generation_settings" in props):
+            member.kind = "llamacpp"
+            total = props.get("total_slots")
+            if member.config.slots is None and isinstance(total, int) and total >= 1:
+                if self.dispatcher is None:
+                    member.slots = total
+                elif total != member.slots:
+                    logger.warning(
+                        "backend %s has %d slots; the proxy uses %d until restarted", member.name, total, member.slots
+                    )
+            return True
+        if member.kind != "auto":
+            return True
+        version = await member.upstream.get_json("/api/version", DISCOVERY_TIMEOUT_S)
+        if isinstance(version, dict) and "version" in version:
+            member.kind = "ollama"
+            return True
+        version = await member.upstream.get_json("/version", DISCOVERY_TIMEOUT_S)
+        if isinstance(version, dict) and "version" in version:
+            member.kind = "vllm"
+            return True
+        if await member.upstream.probe(DISCOVERY_TIMEOUT_S) is None:
+            member.kind = "openai"  # it answers, but none of the above: an OpenAI-compatible server
+            return True
+        return False
+
+    def scheduling_backends(self) -> list[Backend]:
+        """The dispatcher's routing records, one per member, in configuration order."""
+        return [
+            Backend(
+                m.name,
+                m.slots,
+                models=tuple(m.config.models),
+                info={"url": m.upstream.display_url, "kind": m.kind},
+            )
+            for m in self.members
+        ]
+
+    def start(self, dispatcher: Dispatcher) -> None:
+        """Keep the dispatcher's records current: one monitor per backend (a pool only)."""
+        self.dispatcher = dispatcher
+        if len(self.members) < 2:
+            return
+        for index in range(len(self.members)):
+            self._monitors.append(dispatcher.run_detached(self._monitor(index), name=f"backend-monitor-{index}"))
+
+    async def _monitor(self, index: int) -> None:
+        member = self.members[index]
+        retry_s = RETRY_START_S
+        while True:
+            healthy = await member.upstream.probe() is None
+            loaded: list[str] | None = None
+            if healthy:
+                retry_s = RETRY_START_S
+                if member.kind == "auto":
+                    await self._discover(member)
+                if member.kind == "ollama":
+                    loaded = await self._loaded_models(member)
+            self._set(index, healthy, loaded)
+            member.checked.clear()
+            wait_s = HEALTH_INTERVAL_S if healthy else retry_s
+            if not healthy:
+                retry_s = min(RETRY_MAX_S, retry_s * 2)
+            try:
+                await asyncio.wait_for(member.checked.wait(), wait_s)
+            except TimeoutError:
+                pass
+
+    @staticmethod
+    async def _loaded_models(member: PoolMember) -> list[str] | None:
+        ps = await member.upstream.get_json("/api/ps")
+        if not isinstance(ps, dict) or not isinstance(ps.get("models"), list):
+            return None
+        return [str(m.get("name") or m.get("model")) for m in ps["models"] if isinstance(m, dict)]
+
+    def _set(self, index: int, healthy: bool, loaded: list[str] | None = None) -> None:
+        if self.dispatcher is not None:
+            self.dispatcher.set_health(index, healthy, loaded)
+            self.dispatcher.backends[index].info["kind"] = self.members[index].kind
+
+    # -- what requests report ------------------------------------------------------------------
+    def index_of(self, upstream: Upstream) -> int:
+        return next(i for i, m in enumerate(self.members) if m.upstream is upstream)
+
+    def refused(self, upstream: Upstream) -> None:
+        """A connection to this backend was refused: unhealthy now, checked again soon."""
+        index = self.index_of(upstream)
+        self._set(index, False)
+        self.members[index].checked.set()
+
+    def answered(self, upstream: Upstream) -> None:
+        """This backend answered a request: healthy (cheap when it already was)."""
+        if self.dispatcher is not None:
+            index = self.index_of(upstream)
+            if not self.dispatcher.backends[index].healthy:
+                self._set(index, True)
+
+    def check_soon(self, upstream: Upstream) -> None:
+        """Something failed mid-answer: have its monitor check it now."""
+        self.members[self.index_of(upstream)].checked.set()
+
+    # -- pass-through --------------------------------------------------------------------------
+    def passthrough_order(self, model: str | None) -> list[Upstream]:
+        """Where a pass-through request for ``model`` (None: it names none) may go, best first:
+        healthy backends that serve it, those with it loaded first, in configuration order; then
+        the unhealthy ones (tried last: the request waits for one of them)."""
+        backends = self.dispatcher.backends if self.dispatcher is not None else self.scheduling_backends()
+        serving = [i for i, b in enumerate(backends) if b.serves(model)] or list(range(len(backends)))
+        serving.sort(key=lambda i: (not backends[i].healthy, not backends[i].has_loaded(model), i))
+        return [self.members[i].upstream for i in serving]
+
+    def kind_of(self, index: int) -> str:
+        return self.members[index].kind
+
+    async def aclose(self) -> None:
+        for task in self._monitors:
+            task.cancel()
+        await asyncio.gather(*self._monitors, return_exceptions=True)
+        await asyncio.gather(*(m.upstream.aclose() for m in self.members))
+
+
+def merge_model_lists(path: str, bodies: Iterable[Any]) -> bytes:
+    """One model listing from the backends' own: Ollama ``/api/tags`` (``models``, by ``name``) or
+    OpenAI ``/v1/models`` (``data``, by ``id``); the first backend's entry wins a duplicate."""
+    ollama = path == "/api/tags"
+    list_key, id_key = ("models", "name") if ollama else ("data", "id")
+    merged: list[Any] = []
+    seen: list[str] = []
+    for body in bodies:
+        entries = body.get(list_key) if isinstance(body, dict) else None
+        for entry in entries if isinstance(entries, list) else []:
+            ident = entry.get(id_key) if isinstance(entry, dict) else None
+            if isinstance(ident, str) and not any(same_model(ident, s) for s in seen):
+                seen.append(ident)
+                merged.append(entry)
+    out: dict[str, Any] = {"models": merged} if ollama else {"object": "list", "data": merged}
+    return json.dumps(out).encode()

@@ -1,0 +1,72 @@
+"""Routing: which backend of the pool serves a request, decided at dispatch from the freshest state.
+
+The dispatcher keeps one ``Backend`` record per backend (its slots, the models it serves, its
+health and loaded models, which the proxy's health checks keep current) and calls ``choose`` when
+a request's turn comes. The rule, in order:
+
+1. only backends that serve the request's model (an empty model list serves any model) and have
+   a free slot;
+2. healthy ones; an unhealthy backend is chosen only when no backend serving the model is healthy
+   (then the request waits there for it to come back, up to ``backend_wait_s``, as with one
+   backend). A healthy backend that is merely busy is worth waiting for: ``choose`` returns None;
+3. one that already has the model loaded (Ollama ``/api/ps``), to avoid a reload stall;
+4. the least predicted remaining seconds of work per slot (in-flight requests' predicted seconds
+   less what they have run, never below 0);
+5. the earlier backend in the configuration.
+
+No I/O here: the records are plain data, so the rule is tested with explicit states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Backend", "choose", "same_model"]
+
+
+def same_model(a: str, b: str) -> bool:
+    """Model names as backends spell them: Ollama's ``llama3.2`` is ``llama3.2:latest``."""
+    return a == b or a.removesuffix(":latest") == b.removesuffix(":latest")
+
+
+@dataclass(slots=True, eq=False)
+class Backend:
+    """The dispatcher's view of one backend."""
+
+    name: str  # as shown in /queue, metrics and the X-Clairvoyant-Backend header
+    slots: int  # requests it runs at once
+    models: tuple[str, ...] = ()  # the models it serves; empty = any
+    healthy: bool = True  # its last health check (or connection) succeeded
+    loaded: tuple[str, ...] = ()  # models loaded now (Ollama /api/ps); empty = unknown or none
+    info: dict[str, Any] = field(default_factory=dict)  # shown in /queue as is (url, kind)
+    running: dict[int, Any] = field(default_factory=dict)  # slot -> the ticket holding it
+    free: list[int] = field(default_factory=list)  # free slot numbers
+
+    def __post_init__(self) -> None:
+        if self.slots < 1:
+            raise ValueError(f"backend {self.name}: slots must be >= 1")
+        self.free = list(range(self.slots - 1, -1, -1))  # popped from the end: slot 0 first
+
+    def serves(self, model: str | None) -> bool:
+        return not self.models or model is None or any(same_model(model, m) for m in self.models)
+
+    def has_loaded(self, model: str | None) -> bool:
+        return model is not None and any(same_model(model, m) for m in self.loaded)
+
+
+def choose(backends: Sequence[Backend], model: str | None, remaining_s: Callable[[Backend], float]) -> int | None:
+    """The index of the backend to dispatch a request for ``model`` to now, or None to wait (see
+    the module's rule). ``remaining_s(backend)``: its predicted seconds of work left."""
+    serving = [i for i, b in enumerate(backends) if b.serves(model)]
+    if not serving:
+        return None
+    any_healthy = any(backends[i].healthy for i in serving)
+    candidates = [i for i in serving if backends[i].free and (backends[i].healthy or not any_healthy)]
+    if not candidates:
+        return None
+    return min(
+        candidates,
+        key=lambda i: (not backends[i].has_loaded(model), remaining_s(backends[i]) / backends[i].slots, i),
+    )
