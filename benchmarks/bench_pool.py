@@ -89,6 +89,8 @@ class Answer:
     e2e_s: float | None = None  # from the send to the end of the answer (any outcome)
     done_s: float | None = None  # end of the answer, after the workload start
     error: str | None = None  # the error body / event / exception, shortened
+    predicted_tokens: float | None = None  # X-Clairvoyant-Predicted-Tokens
+    queue_wait_s: float | None = None  # X-Clairvoyant-Queue-Wait-Ms / 1000
 
     @property
     def complete(self) -> bool:
@@ -143,6 +145,10 @@ async def send(
         ) as response:
             answer.status = response.status_code
             answer.backend = response.headers.get(BACKEND_HEADER)
+            predicted = response.headers.get("x-clairvoyant-predicted-tokens")
+            wait_ms = response.headers.get("x-clairvoyant-queue-wait-ms")
+            answer.predicted_tokens = float(predicted) if predicted else None
+            answer.queue_wait_s = float(wait_ms) / 1000 if wait_ms else None
             raw = (await response.aread()).decode("utf-8", "replace")
         if answer.status != 200:
             answer.outcome, answer.error = "http_error", raw[:300]
@@ -180,17 +186,16 @@ def llama_metric(base_url: str, name: str) -> float:
     raise RuntimeError(f"{name} not in {base_url}/metrics")
 
 
-def backend_name(url: str) -> str:
-    """The name the pool gives a backend by default (host:port)."""
-    return url.removeprefix("http://").removeprefix("https://").rstrip("/")
+NAMES = ("A", "B")  # the pool's backend names (X-Clairvoyant-Backend, /queue), in list order
 
 
 def start_proxy(name: str, urls: Sequence[str], log_dir: Path, **settings: Any) -> ProxyProcess:
-    """One backend: ``--upstream`` as today (``slots=1``). Several: ``CLAIRVOYANT_BACKENDS``."""
+    """One backend: ``upstream_url`` as before the pool (``slots=1``). Several: ``CLAIRVOYANT_BACKENDS``
+    named A, B (slots from llama.cpp's /props: 1 each)."""
     common: dict[str, Any] = {"bench_upstream_fields": True, "max_queue": 10_000, **settings}
     if len(urls) == 1:
         return ProxyProcess(name, urls[0], log_dir, slots=1, **common).start()
-    backends = json.dumps([{"url": url} for url in urls])
+    backends = json.dumps([{"url": url, "name": n} for url, n in zip(urls, NAMES)])
     return ProxyProcess(name, urls[0], log_dir, backends=backends, **common).start()
 
 
@@ -391,7 +396,7 @@ async def kill_trial(
     victim = EmbeddedLlamaServer(n_threads=1, log_path=log_dir / f"llama-victim-{trial}.log")
     await asyncio.to_thread(victim.start)
     b_url = victim.base_url
-    b_name = backend_name(b_url)
+    b_name = NAMES[1]
     await asyncio.to_thread(wait_idle, a_url)
     a_before = llama_metric(a_url, "llamacpp:tokens_predicted_total")
     proxy = start_proxy(f"kill-{trial}", [a_url, b_url], log_dir)
@@ -471,7 +476,7 @@ def judge_kill(k: KillTrial, a_name: str) -> list[Row]:
     by_id = {a.request_id: a for a in k.answers}
     victim = by_id[k.victim_request]
     others = [a for a in k.answers if a.request_id != k.victim_request]
-    b_name = next((b["name"] for b in k.queue_backends if b.get("name") != a_name), "B")
+    b_name = NAMES[1]
     if victim.stream:
         victim_ok = victim.status == 200 and victim.outcome == "error_event"
         expected = 'a final data: {"error": ...} event after a 200'
@@ -541,7 +546,7 @@ async def kill_part(
     for trial in range(trials):
         k = await kill_trial(trial, prompts, a_url, log_dir, n=n)
         results.append(k)
-        new = judge_kill(k, backend_name(a_url))
+        new = judge_kill(k, NAMES[0])
         rows.extend(new)
         for row in new:
             print(f"  {row.case}: {'PASS' if row.ok else 'FAIL'} {row.measured}", flush=True)
