@@ -27,7 +27,7 @@ Parts (targets and measured figures are printed as a table and written to
   whose ``X-Clairvoyant-Backend`` names A (so nothing was generated twice there); ``/queue`` shows
   B unhealthy and A healthy.
 
-    PYTHONPATH=src python benchmarks/bench_pool.py                          # both parts, ~5-6 min
+    PYTHONPATH=src python benchmarks/bench_pool.py                          # both parts, ~4 min
     PYTHONPATH=src python benchmarks/bench_pool.py --parts burst --reps 1 --conditions one   # before the pool exists
     ... --proxy-src /path/to/other/src                                      # the same probe against another tree
 
