@@ -18,8 +18,9 @@ Parts (targets and measured figures are printed as a table and written to
   both fed the identical workload (seed = rep). Targets: median pool wall time <= 60% of the median
   one-backend wall time; median Short P50 (pool) <= median Short P50 (one).
 * ``kill``: the pool under a burst of 8 Short + 8 Long (same forcing and mix, seed 100 + trial); once
-  3 requests have completed and backend B has a request in flight for >= 0.3 s (trial 0: a streamed
-  one, trial 1: a non-streamed one; any one after 15 s), B's process gets SIGKILL. Targets: that
+  3 requests have completed and backend B has a request in flight for >= 0.3 s and at most half its
+  expected time (0.3 s + 30 tokens/s; even trials: a streamed one, odd trials: a non-streamed one;
+  any one after 15 s), B's process gets SIGKILL. Targets: that
   request ends with the dialect's error (streamed: a final ``data: {"error": ...}`` event after a
   200; non-streamed: a 502 with an OpenAI error body); every other request is answered 200 with its
   full forced length; none is answered by B after the kill; every request gets exactly one answer;
@@ -402,6 +403,7 @@ async def kill_trial(
     proxy = start_proxy(f"kill-{trial}", [a_url, b_url], log_dir)
     specs = burst_specs(prompts, 100 + trial, n, n)
     streams = {f"kill{trial}-{spec.index}": stream for spec, stream in tagged(specs)}
+    lengths = {f"kill{trial}-{spec.index}": spec.n_predict for spec in specs}
     killed_at: float | None = None
     victim_request: str | None = None
     b_tokens: float | None = None
@@ -422,19 +424,26 @@ async def kill_trial(
                     done = sum(t.done() for t in tasks)
                     if done < after:
                         continue
+                    try:  # before the snapshot: nothing slow between the snapshot and the kill
+                        b_tokens = llama_metric(b_url, "llamacpp:tokens_predicted_total")
+                    except (httpx.HTTPError, RuntimeError):
+                        b_tokens = None
                     snap = (await poller.get(f"{proxy.url}/queue")).json()
                     on_b = [
                         e
                         for e in snap.get("in_flight", [])
                         if e.get("backend") == b_name and e.get("running_s", 0) >= 0.3
                     ]
-                    fits = [e for e in on_b if streams.get(e["request_id"]) == wanted_stream]
+                    # Mid-generation: at most half its expected time gone (0.3 s + 30 tokens/s), so it
+                    # cannot finish between this snapshot and the kill.
+                    fits = [
+                        e
+                        for e in on_b
+                        if streams.get(e["request_id"]) == wanted_stream
+                        and e["running_s"] <= 0.5 * (0.3 + lengths[e["request_id"]] / 30)
+                    ]
                     pick = fits or (on_b if time.perf_counter() > deadline else [])
                     if pick:
-                        try:
-                            b_tokens = llama_metric(b_url, "llamacpp:tokens_predicted_total")
-                        except (httpx.HTTPError, RuntimeError):
-                            b_tokens = None
                         assert victim.pid is not None
                         os.kill(victim.pid, signal.SIGKILL)
                         killed_at = time.perf_counter() - origin
@@ -477,7 +486,10 @@ def judge_kill(k: KillTrial, a_name: str) -> list[Row]:
     victim = by_id[k.victim_request]
     others = [a for a in k.answers if a.request_id != k.victim_request]
     b_name = NAMES[1]
-    if victim.stream:
+    if victim.complete:
+        expected = "(the harness's race: it finished before the kill landed; trial inconclusive)"
+        victim_ok = False
+    elif victim.stream:
         victim_ok = victim.status == 200 and victim.outcome == "error_event"
         expected = 'a final data: {"error": ...} event after a 200'
     else:
