@@ -132,7 +132,10 @@ class BackendPool:
         if len(self.members) < 2:
             return
         for index in range(len(self.members)):
-            self._monitors.append(dispatcher.run_detached(self._monitor(index), name=f"backend-monitor-{index}"))
+            # Not the dispatcher's detached tasks (its drain waits for those): cancelled by aclose.
+            task = asyncio.create_task(self._monitor(index), name=f"backend-monitor-{index}")
+            task.add_done_callback(_log_failure)
+            self._monitors.append(task)
 
     async def _monitor(self, index: int) -> None:
         member = self.members[index]
@@ -207,6 +210,11 @@ class BackendPool:
             task.cancel()
         await asyncio.gather(*self._monitors, return_exceptions=True)
         await asyncio.gather(*(m.upstream.aclose() for m in self.members))
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("%s failed", task.get_name(), exc_info=task.exception())
 
 
 def merge_model_lists(path: str, bodies: Iterable[Any]) -> bytes:
