@@ -4,13 +4,12 @@ native API cannot run here; two real llama.cpp servers are in test_pool_e2e.py).
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import respx
-from proxy_harness import MarkerPredictor, gate_wait, metric_value, mock_transport, queue_snapshot, running_proxy
+from proxy_harness import MarkerPredictor, metric_value, mock_transport, queue_snapshot, running_proxy
 
 from clairvoyant.config import Settings
 
