@@ -178,3 +178,14 @@ def test_vllm_backends_get_the_computed_priority_and_each_backend_its_own_key() 
     assert long["priority"] == round(tokens[1]) and tokens[1] > tokens[0]
     assert host_b == "b.test" and "priority" not in to_b  # not a vLLM backend: nothing added
     assert auth_a == "Bearer key-a" and auth_b is None  # each backend's own key, the client's none
+
+
+def test_kinds_and_llamacpp_slots_are_asked_of_each_backend_at_start_up() -> None:
+    router = respx.MockRouter(assert_all_called=False)
+    router.get(f"{A}/props").respond(200, json={"total_slots": 4, "default_generation_settings": {}})
+    router.get(f"{B}/props").respond(404)
+    router.get(f"{B}/api/version").respond(200, json={"version": "0.13.5"})
+    router.get(f"{B}/api/ps").respond(200, json={"models": []})
+    with pool_proxy(router, [{"url": A}, {"url": B}]) as base:
+        backends = queue_snapshot(base)["backends"]
+    assert [(b["kind"], b["slots"]) for b in backends] == [("llamacpp", 4), ("ollama", 1)]

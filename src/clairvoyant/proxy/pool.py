@@ -9,8 +9,9 @@ backoff from ``RETRY_START_S`` to ``RETRY_MAX_S``) and, for Ollama, which models
 (``/api/ps``: routing prefers a backend that has the model loaded). A refused connection marks a
 backend unhealthy at once and wakes its monitor; any answer marks it healthy again.
 
-With one backend (the ``upstream_url`` shorthand) nothing is asked and nothing is polled: a
-request that finds it down waits for it (``backend_wait_s``), as before the pool existed.
+With the ``upstream_url`` shorthand nothing is asked (its slots are ``slots``), and with one
+backend nothing is polled: a request that finds it down waits for it (``backend_wait_s``), as
+before the pool existed.
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ class BackendPool:
     async def discover(self) -> None:
         """Ask each backend of a pool what it is (kind, slots), all at once. A backend that does
         not answer keeps its configured slots (or ``slots``) and is asked again once it does."""
-        if len(self.members) == 1 and not self.settings.vllm_priority:
-            return  # one backend: nothing to route, nothing to ask
+        if not self.settings.backends and not self.settings.vllm_priority:
+            return  # the upstream_url shorthand: its slots are `slots`, and nothing to route
         await asyncio.gather(*(self._discover(m) for m in self.members))
 
     async def _discover(self, member: PoolMember) -> bool:
