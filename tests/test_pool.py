@@ -25,6 +25,17 @@ def pool_proxy(router: respx.MockRouter, backends: list[dict[str, Any]], **setti
     )
 
 
+def down_once_it_refused(router: respx.MockRouter, url: str, refused: respx.Route) -> None:
+    """The backend's /health: up at start-up, down once it has refused a request (as a killed one is)."""
+
+    def health(request: httpx.Request) -> httpx.Response:
+        if refused.called:
+            raise httpx.ConnectError("refused")
+        return httpx.Response(200, json={"status": "ok"})
+
+    router.get(f"{url}/health", name=f"health-{url}").mock(side_effect=health)
+
+
 def chat(text: str, model: str = "m", **extra: Any) -> dict[str, Any]:
     return {"model": model, "messages": [{"role": "user", "content": text}], **extra}
 
@@ -37,12 +48,7 @@ def test_a_refused_backend_is_skipped_and_its_request_served_by_the_other() -> N
     router = respx.MockRouter(assert_all_called=False)
     refused = router.post(f"{A}/v1/chat/completions").mock(side_effect=httpx.ConnectError("refused"))
 
-    def a_health(request: httpx.Request) -> httpx.Response:  # up at start-up; down once it refused a request
-        if refused.called:
-            raise httpx.ConnectError("refused")
-        return httpx.Response(200, json={"status": "ok"})
-
-    router.get(f"{A}/health", name=f"health-{A}").mock(side_effect=a_health)
+    down_once_it_refused(router, A, refused)
     served = router.post(f"{B}/v1/chat/completions").respond(200, json={"served_by": "b"})
     with pool_proxy(router, openai_backends()) as base:
         answers = [httpx.post(f"{base}/v1/chat/completions", json=chat(f"q{i}")) for i in range(3)]
@@ -126,12 +132,7 @@ def test_a_passthrough_request_fails_over_before_its_first_byte() -> None:
     router = respx.MockRouter(assert_all_called=False)
     refused = router.get(f"{A}/props").mock(side_effect=httpx.ConnectError("refused"))
 
-    def a_health(request: httpx.Request) -> httpx.Response:  # up at start-up; down once it refused a request
-        if refused.called:
-            raise httpx.ConnectError("refused")
-        return httpx.Response(200, json={"status": "ok"})
-
-    router.get(f"{A}/health", name=f"health-{A}").mock(side_effect=a_health)
+    down_once_it_refused(router, A, refused)
     router.get(f"{B}/props").respond(200, json={"from": "b"})
     with pool_proxy(router, openai_backends()) as base:
         r = httpx.get(f"{base}/props")
