@@ -90,7 +90,7 @@ def test_requests_go_only_to_backends_that_serve_their_model_and_unknown_models_
         {"url": B, "kind": "ollama", "slots": 1, "models": ["qwen2.5:7b"]},
     ]
     router.get(f"{A}/api/ps").respond(200, json={"models": []})
-    router.get(f"{B}/api/ps").respond(200, json={"models": [{"name": "qwen2.5:7b"}]})
+    router.get(f"{B}/api/ps").respond(200, json={"models": [{"name": "qwen2.5:7b"}, {"name": "phi3:mini"}]})
     with pool_proxy(router, backends) as base:
         qwen = httpx.post(f"{base}/api/chat", json=chat("x", model="qwen2.5:7b", stream=False))
         llama = httpx.post(f"{base}/api/chat", json=chat("x", model="llama3:latest", stream=False))
@@ -100,7 +100,8 @@ def test_requests_go_only_to_backends_that_serve_their_model_and_unknown_models_
     assert qwen.json()["from"] == "b" and llama.json()["from"] == "a"
     assert unknown.status_code == 404 and "mistral" in unknown.json()["error"]  # Ollama's error shape
     assert openai_unknown.status_code == 404 and openai_unknown.json()["error"]["code"] == "model_not_found"
-    assert loaded == {"backend-1": [], "backend-2": ["qwen2.5:7b"]}  # from each backend's /api/ps
+    # b's from its /api/ps; a's: the model just sent to it, until its next /api/ps
+    assert loaded == {"backend-1": ["llama3:latest"], "backend-2": ["qwen2.5:7b", "phi3:mini"]}
 
 
 def test_model_listings_are_merged_across_the_pool_and_passthrough_follows_the_model() -> None:

@@ -67,3 +67,13 @@ def test_slots_are_granted_from_zero_and_zero_slots_is_refused() -> None:
     assert [backend.free.pop() for _ in range(3)] == [0, 1, 2]
     with pytest.raises(ValueError, match="slots"):
         Backend("z", 0)
+
+
+def test_a_model_sent_to_an_on_demand_backend_counts_as_loaded_there_until_it_says_otherwise() -> None:
+    backends = pool(Backend("a", 1, tracks_loaded=True), Backend("b", 1, tracks_loaded=True))
+    backends[1].sent("llama3")
+    assert choose(backends, "llama3", no_work) == 1  # follows the model, though a is first and idle
+    assert choose(backends, "qwen", no_work) == 0
+    plain = Backend("c", 1)  # llama.cpp serves the model it was started with: nothing to track
+    plain.sent("llama3")
+    assert plain.loaded == ()

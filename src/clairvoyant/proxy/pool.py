@@ -122,6 +122,7 @@ class BackendPool:
                 m.name,
                 m.slots,
                 models=tuple(m.config.models),
+                tracks_loaded=m.kind == "ollama",
                 info={"url": m.upstream.display_url, "kind": m.kind},
             )
             for m in self.members
@@ -170,7 +171,9 @@ class BackendPool:
     def _set(self, index: int, healthy: bool, loaded: list[str] | None = None) -> None:
         if self.dispatcher is not None:
             self.dispatcher.set_health(index, healthy, loaded)
-            self.dispatcher.backends[index].info["kind"] = self.members[index].kind
+            record = self.dispatcher.backends[index]
+            record.info["kind"] = self.members[index].kind  # discovered late, if it was down at start-up
+            record.tracks_loaded = self.members[index].kind == "ollama"
 
     # -- what requests report ------------------------------------------------------------------
     def index_of(self, upstream: Upstream) -> int:

@@ -554,6 +554,7 @@ class Dispatcher:
         ticket.backend = index
         ticket.slot = slot
         backend.running[slot] = ticket
+        backend.sent(ticket.model)
         self.metrics.in_flight.inc()
         self.metrics.backend_in_flight.labels(backend.name).inc()
         self._grants += 1
