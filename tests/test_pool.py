@@ -4,12 +4,22 @@ native API cannot run here; two real llama.cpp servers are in test_pool_e2e.py).
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import respx
-from proxy_harness import MarkerPredictor, metric_value, mock_transport, queue_snapshot, running_proxy
+from proxy_harness import (
+    BackgroundPosts,
+    MarkerPredictor,
+    gate_wait,
+    metric_value,
+    mock_transport,
+    queue_snapshot,
+    running_proxy,
+    wait_until,
+)
 
 from clairvoyant.config import Settings
 
@@ -191,3 +201,39 @@ def test_kinds_and_llamacpp_slots_are_asked_of_each_backend_at_start_up() -> Non
     with pool_proxy(router, [{"url": A}, {"url": B}]) as base:
         backends = queue_snapshot(base)["backends"]
     assert [(b["kind"], b["slots"]) for b in backends] == [("llamacpp", 4), ("ollama", 1)]
+
+
+def test_a_backend_whose_answer_broke_gets_no_more_requests_until_its_health_check_passes() -> None:
+    router = respx.MockRouter(assert_all_called=False)
+    break_a, free_b, b_generating = threading.Event(), threading.Event(), threading.Event()
+
+    async def broken() -> AsyncIterator[bytes]:
+        yield b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
+        await gate_wait(break_a)
+        raise httpx.ReadError("connection reset")
+
+    async def b_answer(request: httpx.Request) -> httpx.Response:
+        b_generating.set()  # (respx records a call only once it is answered)
+        await gate_wait(free_b)
+        return httpx.Response(200, json={"served_by": "b"})
+
+    dies = router.post(f"{A}/v1/chat/completions").respond(
+        200, headers={"content-type": "text/event-stream"}, content=broken()
+    )
+    down_once_it_refused(router, A, dies)  # a died with that answer: its /health is refused from then on
+    served = router.post(f"{B}/v1/chat/completions").mock(side_effect=b_answer)
+    with pool_proxy(router, openai_backends()) as base:
+        on_a = BackgroundPosts(base, "[long] a")
+        wait_until(lambda: dies.called, what="a generating")
+        on_b = BackgroundPosts(base, "[long] b")
+        wait_until(b_generating.is_set, what="b generating")
+        queued = BackgroundPosts(base, "[short] next")
+        wait_until(lambda: len(queue_snapshot(base)["waiting"]) == 1, what="one queued")
+        break_a.set()  # a's answer breaks: its slot frees while a request waits
+        on_a.join()
+        free_b.set()
+        on_b.join()
+        queued.join()
+    assert on_a.responses[0].headers["x-clairvoyant-backend"] == "backend-1" and '"error"' in on_a.responses[0].text
+    assert queued.responses[0].headers["x-clairvoyant-backend"] == "backend-2"  # not the suspect a
+    assert dies.call_count == 1 and served.call_count == 2

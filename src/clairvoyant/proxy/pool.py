@@ -192,9 +192,15 @@ class BackendPool:
             if not self.dispatcher.backends[index].healthy:
                 self._set(index, True)
 
-    def check_soon(self, upstream: Upstream) -> None:
-        """Something failed mid-answer: have its monitor check it now."""
-        self.members[self.index_of(upstream)].checked.set()
+    def broken(self, upstream: Upstream) -> None:
+        """An answer from this backend broke off (it may have died): in a pool it gets no more
+        requests until its monitor, woken now, finds it healthy; the request that broke is never
+        sent elsewhere (it may have been generating)."""
+        if len(self.members) < 2:
+            return  # one backend: nowhere else to send the next request; its relay waits for it
+        index = self.index_of(upstream)
+        self._set(index, False)
+        self.members[index].checked.set()
 
     # -- pass-through --------------------------------------------------------------------------
     def passthrough_order(self, model: str | None) -> list[Upstream]:

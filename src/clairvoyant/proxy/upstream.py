@@ -101,9 +101,10 @@ def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, by
 class TransportError(Exception):
     """A transport's failure, classified for ``Upstream``: ``connect`` (the connection could not be
     opened: nothing was sent), ``timeout``, or ``failed``. ``never_read`` is True only when the
-    backend provably did not act on the request: it went out on a REUSED connection (a fresh one
-    that fails means the backend is down or broken: no resend), and either it was not fully
-    written, or the backend reset the connection. A reset means the backend closed with our bytes
+    backend provably did not act on the request: it went out on a connection the backend had
+    accepted before (REUSED, or a SPARE opened ahead and never used; a freshly opened one that
+    fails means the backend is down or broken: no resend), and either it was not fully written,
+    or the backend reset the connection. A reset means the backend closed with our bytes
     unread in its socket (a clean close after reading would be a FIN, not a reset). A clean close
     after the request went out is never resent: the backend may have read it and be generating."""
 
@@ -164,8 +165,9 @@ class Transport(Protocol):
 
 # --- aiohttp ---------------------------------------------------------------------------------
 
-# The attempt in progress in this task: the connector marks it when it opens a fresh connection.
-_attempt: contextvars.ContextVar[list[bool]] = contextvars.ContextVar("clairvoyant_upstream_attempt")
+# The attempt in progress in this task: the connector marks it "fresh" when it opens a new
+# connection for it, "spare" when it hands it the spare (opened earlier, never used).
+_attempt: contextvars.ContextVar[list[str]] = contextvars.ContextVar("clairvoyant_upstream_attempt")
 
 
 class _Connector(aiohttp.TCPConnector):
@@ -180,8 +182,9 @@ class _Connector(aiohttp.TCPConnector):
     cost about 0.4 ms of the proxy's CPU on the critical path (measured: docs/benchmarks.md
     section 6). So when one is opened, the next is opened in the background while the backend
     works, and handed to the next request that needs a new connection. A spare is used only while
-    younger than ``KEEPALIVE_EXPIRY_S`` and still connected; it counts as fresh (a failure on it is
-    never resent)."""
+    younger than ``KEEPALIVE_EXPIRY_S`` and still connected. A reset on it is resent like one on a
+    reused connection: the backend accepted it before and never had a request on it (a backend
+    killed meanwhile resets it, and the event loop may not have seen that before it is used)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -199,10 +202,10 @@ class _Connector(aiohttp.TCPConnector):
         return conn
 
     async def _create_connection(self, req: Any, traces: Any, timeout: Any) -> Any:
-        fresh = _attempt.get(None)
-        if fresh is not None:
-            fresh.append(True)
+        attempt = _attempt.get(None)
         proto = self._take_spare()
+        if attempt is not None:
+            attempt.append("fresh" if proto is None else "spare")
         if proto is None:
             proto = await super()._create_connection(req, traces, timeout)
         return proto
@@ -300,8 +303,8 @@ class AiohttpTransport:
         self, method: str, url: str, headers: list[tuple[str, str]], body: bytes, *, close_connection: bool
     ) -> UpstreamResponse:
         session = self._session or self._open_session()
-        fresh: list[bool] = []
-        token = _attempt.set(fresh)
+        opened: list[str] = []  # the connections the connector opened for this attempt
+        token = _attempt.set(opened)
         try:
             response = await session.request(method, url, headers=headers, data=body or None, allow_redirects=False)
         except aiohttp.ClientConnectorError as exc:
@@ -311,7 +314,8 @@ class AiohttpTransport:
         except (aiohttp.ClientError, OSError) as exc:
             # Not fully written: aiohttp refuses to write to a closing transport (a reset error)
             # or fails writing the body (an OSError with the socket's errno): both count as resets.
-            raise TransportError("failed", exc, never_read=not fresh and was_reset(exc)) from exc
+            never_read = "fresh" not in opened and was_reset(exc)  # reused, or the unused spare
+            raise TransportError("failed", exc, never_read=never_read) from exc
         finally:
             _attempt.reset(token)
         return _AiohttpResponse(response, close_connection)
