@@ -261,7 +261,7 @@ def test_a_request_for_a_busy_backends_model_does_not_block_another_models_reque
 
 def test_a_refused_connection_reroutes_the_request_first_in_line_to_a_healthy_backend() -> None:
     async def scenario() -> None:
-        d, _ = make_pool(Backend("a", 1), Backend("b", 1))
+        d, clock = make_pool(Backend("a", 1), Backend("b", 1))
         await d.start()
         first, second = submit_for(d, "r1", None), submit_for(d, "r2", None)
         await settle()
@@ -273,11 +273,13 @@ def test_a_refused_connection_reroutes_the_request_first_in_line_to_a_healthy_ba
         assert not d.backends[0].healthy and first.held_back
         await settle()
         assert not queued.granted.done()  # a's free slot is not used while b is healthy
+        clock.advance(2.0)
         async with d.lease(second):
             pass
         await d.regranted(first)
         assert first.backend == 1 and not queued.granted.done()  # the rerouted one before r3
         assert first.queue_position == 0  # its queue position is from its first grant
+        assert first.queue_wait_s() == 2.0  # its wait for b is queue wait, not service time
         d.set_health(0, True)
         await settle()
         assert queued.backend == 0
