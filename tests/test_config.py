@@ -195,3 +195,53 @@ def test_a_bad_value_in_the_config_file_is_blamed_on_the_file_and_key(
         load_settings(config)
     with pytest.raises(ConfigError, match=r"invalid setting slots \(flag --slots\)"):
         load_settings(config, slots=0)
+
+
+def test_a_pool_of_backends_from_a_file_the_environment_or_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "pool.toml"
+    config.write_text(
+        '[[backends]]\nurl = "http://gpu:11434/"\nkind = "ollama"\nmodels = ["llama3"]\n\n'
+        '[[backends]]\nurl = "http://laptop:8080"\nname = "laptop"\nslots = 2\napi_key = "sk-backend"\n'
+    )
+    s = load_settings(config)
+    assert [(b.name, b.url, b.kind, b.slots, b.models) for b in s.pool] == [
+        ("backend-1", "http://gpu:11434", "ollama", None, ["llama3"]),
+        ("laptop", "http://laptop:8080", "auto", 2, []),
+    ]
+    assert "sk-backend" not in repr(s.pool)  # a secret, never printed
+    monkeypatch.setenv("CLAIRVOYANT_BACKENDS", '[{"url": "http://env-a:1"}, {"url": "http://env-b:2"}]')
+    assert [b.url for b in load_settings(config).pool] == ["http://env-a:1", "http://env-b:2"]
+    from_flags = load_settings(None, backends=[{"url": "http://flag:3"}])
+    assert [(b.name, b.url) for b in from_flags.pool] == [("backend-1", "http://flag:3")]
+
+
+def test_without_backends_the_upstream_url_is_the_one_backend() -> None:
+    s = load_settings(None, upstream_url="http://one:5/", slots=3)
+    assert [(b.name, b.url, b.slots) for b in s.pool] == [("backend-1", "http://one:5", 3)]
+
+
+@pytest.mark.parametrize(
+    ("backends", "message"),
+    [
+        ([{"url": "gpu:1"}], "http://"),
+        ([{"url": "http://a:1", "name": "x"}, {"url": "http://b:1", "name": "x"}], "distinct names"),
+        ([{"url": "http://a:1", "kind": "tgi"}], "backends.0.kind"),
+        ([{"url": "http://a:1", "slots": 0}], "backends.0.slots"),
+    ],
+)
+def test_bad_backends_are_refused_naming_the_setting(backends: list[dict[str, object]], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_settings(None, backends=backends)
+
+
+def test_serve_takes_repeated_backend_flags() -> None:
+    import argparse
+
+    from clairvoyant.proxy.serve import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--backend", "http://a:1", "--backend", "http://b:2"])
+    assert args.backends == ["http://a:1", "http://b:2"]

@@ -81,7 +81,8 @@ def test_compose_wires_clairvoyant_to_a_healthy_serial_ollama() -> None:
     assert proxy["environment"]["CLAIRVOYANT_UPSTREAM_URL"] == "http://ollama:11434"
     assert set(proxy["environment"]) <= SETTING_ENVS
     assert str(proxy["environment"]["CLAIRVOYANT_SLOTS"]) == str(ollama["environment"]["OLLAMA_NUM_PARALLEL"])
-    assert "8080:8080" in proxy["ports"]
+    assert proxy["ports"] == ["127.0.0.1:8080:8080"]  # loopback only unless the user changes it
+    assert all(port.startswith("127.0.0.1:") for svc in compose["services"].values() for port in svc.get("ports", []))
     assert proxy["build"] == "."
 
 

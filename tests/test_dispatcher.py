@@ -193,3 +193,137 @@ def test_an_idle_slot_with_nobody_waiting_is_granted_at_once_before_the_predicti
         await d.stop()
 
     asyncio.run(scenario())
+
+
+# --- a pool of backends -------------------------------------------------------------------------
+
+from clairvoyant.scheduling.dispatcher import Backend, ModelNotServed  # noqa: E402
+
+
+def make_pool(*backends: Backend, policy: str = "fcfs") -> tuple[Dispatcher, ManualClock]:
+    clock = ManualClock()
+    pol = make_policy(policy)
+    d = Dispatcher(build_queue(pol), pol, backends=list(backends), clock=clock, metrics=Metrics(), max_queue=50)
+    return d, clock
+
+
+def submit_for(d: Dispatcher, name: str, model: str | None, predicted_s: float = 1.0, arrival_s: float = 0.0) -> Ticket:
+    t = Ticket(name, "/v1/chat/completions", "openai", model, Prediction.from_probabilities(0.5, 0.3, 0.2), 10)
+    d.submit(t, Job(t, arrival_s, predicted_s=predicted_s, predicted_tokens=50.0))
+    return t
+
+
+def test_a_pool_sends_each_request_to_the_backend_with_the_least_predicted_work() -> None:
+    async def scenario() -> None:
+        d, _ = make_pool(Backend("a", 1), Backend("b", 2))
+        await d.start()
+        long = submit_for(d, "long", None, predicted_s=30.0)
+        await settle()
+        assert long.backend == 0  # all idle: the first backend
+        first, second = submit_for(d, "s1", None, 2.0), submit_for(d, "s2", None, 2.0)
+        await settle()
+        assert (first.backend, second.backend) == (1, 1)  # a is busy; b has two slots
+        assert d.snapshot()["backends"][1]["in_flight"] == 2 and d.in_flight_on(0) == 1
+        third = submit_for(d, "s3", None, 2.0)
+        await settle()
+        assert not third.granted.done()  # every slot of the pool is held
+        async with d.lease(first):
+            pass
+        await settle()
+        assert third.backend == 1 and third.slot == first.slot
+        await d.stop(timeout_s=0.01)
+
+    asyncio.run(scenario())
+
+
+def test_a_request_for_a_busy_backends_model_does_not_block_another_models_request() -> None:
+    async def scenario() -> None:
+        d, _ = make_pool(Backend("a", 1, models=("llama3",)), Backend("b", 1, models=("qwen",)))
+        await d.start()
+        running = submit_for(d, "l1", "llama3")
+        await settle()
+        waiting = submit_for(d, "l2", "llama3")  # first in line, but only for a
+        other = submit_for(d, "q1", "qwen")
+        await settle()
+        assert running.backend == 0 and other.backend == 1 and not waiting.granted.done()
+        assert waiting.held_back and d.waiting == 1
+        assert [w["request_id"] for w in d.snapshot()["waiting"]] == ["l2"]
+        with pytest.raises(ModelNotServed):
+            submit_for(d, "m1", "mistral")
+        async with d.lease(running):
+            pass
+        await settle()
+        assert waiting.backend == 0 and not waiting.held_back
+        await d.stop(timeout_s=0.01)
+
+    asyncio.run(scenario())
+
+
+def test_a_refused_connection_reroutes_the_request_first_in_line_to_a_healthy_backend() -> None:
+    async def scenario() -> None:
+        d, clock = make_pool(Backend("a", 1), Backend("b", 1))
+        await d.start()
+        first, second = submit_for(d, "r1", None), submit_for(d, "r2", None)
+        await settle()
+        assert (first.backend, second.backend) == (0, 1)
+        queued = submit_for(d, "r3", None)
+        lease = d.lease(first)
+        await lease.__aenter__()
+        assert d.reroute(first)  # a refused: r1 gives its slot back and waits first in line
+        assert not d.backends[0].healthy and first.held_back
+        await settle()
+        assert not queued.granted.done()  # a's free slot is not used while b is healthy
+        clock.advance(2.0)
+        async with d.lease(second):
+            pass
+        await d.regranted(first)
+        assert first.backend == 1 and not queued.granted.done()  # the rerouted one before r3
+        assert first.queue_position == 0  # its queue position is from its first grant
+        assert first.queue_wait_s() == 2.0  # its wait for b is queue wait, not service time
+        d.set_health(0, True)
+        await settle()
+        assert queued.backend == 0
+        await lease.__aexit__(None, None, None)
+        await d.stop(timeout_s=0.01)
+
+    asyncio.run(scenario())
+
+
+def test_a_reroute_with_no_other_healthy_backend_keeps_the_slot() -> None:
+    async def scenario() -> None:
+        d, _ = make_pool(Backend("a", 1), Backend("b", 1, models=("other",)))
+        await d.start()
+        t = submit_for(d, "r1", "m")
+        await settle()
+        assert not d.reroute(t)  # b does not serve m: r1 waits for a where it is
+        assert t.backend == 0 and d.in_flight_on(0) == 1 and not d.backends[0].healthy
+        await d.stop(timeout_s=0.01)
+
+    asyncio.run(scenario())
+
+
+def test_a_client_leaving_while_held_back_or_rerouted_is_withdrawn_and_its_slot_reused() -> None:
+    async def scenario() -> None:
+        d, _ = make_pool(Backend("a", 1, models=("m",)))
+        await d.start()
+        holder = submit_for(d, "h", "m")
+        await settle()
+        held = submit_for(d, "w", "m")
+        await settle()
+        task = asyncio.create_task(_hold(d, held))
+        await settle()
+        task.cancel()
+        await settle()
+        assert held.ended and not held.held_back and d.waiting == 0
+        assert d.snapshot()["recent"][0]["outcome"] == "left_queued"
+        async with d.lease(holder):
+            pass
+        assert d.in_flight == 0
+        await d.stop(timeout_s=0.01)
+
+    asyncio.run(scenario())
+
+
+async def _hold(d: Dispatcher, t: Ticket) -> None:
+    async with d.lease(t):
+        await asyncio.sleep(10)

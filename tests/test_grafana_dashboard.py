@@ -122,6 +122,9 @@ def test_the_dashboard_covers_what_operators_watch() -> None:
         "clairvoyant_client_disconnects_total",
         "clairvoyant_prediction_kendall_tau",
         "clairvoyant_prediction_abs_log_token_error",
+        "clairvoyant_backend_in_flight_requests",
+        "clairvoyant_backend_healthy",
+        "clairvoyant_backend_requests_total",
     }
     assert required <= used, sorted(required - used)
     # Waits and TTFT are shown per predicted class, not only in total.

@@ -125,6 +125,38 @@ def test_a_stream_opens_the_next_backend_connection_ahead_and_the_next_stream_us
     assert backend.posts(CHAT) == 2 and backend.connections == 3  # first request, two spares
 
 
+def test_a_reset_on_the_unused_spare_connection_is_resent_like_one_on_a_reused_connection() -> None:
+    # A backend killed after the spare was opened resets it; the event loop may not have seen that
+    # yet when the spare is handed out. The backend never had a request on it: resend, do not 502.
+    from clairvoyant.proxy.upstream import Upstream
+
+    async def scenario(backend: FakeBackend) -> bytes:
+        upstream = Upstream(backend.url)
+        try:
+            body = json.dumps(chat(stream=True)).encode()
+            first = await upstream.open("POST", CHAT, body=body, close_connection=True)
+            assert b"[DONE]" in b"".join([chunk async for chunk in upstream.iter_body(first)])
+            await first.aclose()
+            connector = upstream._transport._session.connector  # type: ignore[attr-defined]
+            for _ in range(500):  # the spare opens in the background (polled, never slept on)
+                if connector._spare is not None:
+                    break
+                await asyncio.sleep(0.002)
+            assert connector._spare is not None
+            second = await upstream.open("POST", CHAT, body=body, close_connection=True)  # on the spare: reset
+            answer = b"".join([chunk async for chunk in upstream.iter_body(second)])
+            await second.aclose()
+            return answer
+        finally:
+            await upstream.aclose()
+
+    actions = iter(["stream", "reset", "stream"])
+    with FakeBackend(lambda path, n: ("stream", 2, 0.0) if next(actions) == "stream" else "reset") as backend:
+        answer = asyncio.run(scenario(backend))
+    assert answer.endswith(b"data: [DONE]\n\n")
+    assert backend.resets == 1 and backend.posts(CHAT) == 2  # the reset one was never acted on
+
+
 # --- a backend that hangs, is down, or is loading --------------------------------------------
 
 

@@ -82,6 +82,13 @@ class ApiKey(BaseModel):
         return self
 
 
+def http_url(value: str) -> str:
+    """A backend's base URL: http(s), without a trailing slash."""
+    if not value.startswith(("http://", "https://")):
+        raise ValueError("must start with http:// or https://")
+    return value.rstrip("/")
+
+
 BackendKind = Literal["auto", "ollama", "llamacpp", "openai", "vllm"]
 
 
@@ -107,12 +114,7 @@ class BackendConfig(BaseModel):
     models: list[str] = Field(default_factory=list, description="Models it serves; empty = any model.")
     api_key: SecretStr | None = Field(None, description="Its own key, sent as Authorization: Bearer; never logged.")
 
-    @field_validator("url")
-    @classmethod
-    def _check_url(cls, value: str) -> str:
-        if not value.startswith(("http://", "https://")):
-            raise ValueError("must start with http:// or https://")
-        return value.rstrip("/")
+    _check_url = field_validator("url")(http_url)
 
 
 class Settings(BaseSettings):
@@ -295,12 +297,7 @@ class Settings(BaseSettings):
         300.0, gt=0, description="Seconds between saves of the learner's state (it is also saved at shutdown)."
     )
 
-    @field_validator("upstream_url")
-    @classmethod
-    def _check_url(cls, value: str) -> str:
-        if not value.startswith(("http://", "https://")):
-            raise ValueError("must start with http:// or https://")
-        return value.rstrip("/")
+    _check_url = field_validator("upstream_url")(http_url)
 
     @model_validator(mode="after")
     def _check_priority_range(self) -> Settings:

@@ -505,7 +505,7 @@ async def _passthrough(state: ProxyState, scope: Scope, receive: Receive) -> Pas
 
     relay = Relay(
         order[0], upstream_request, state.metrics, backend_wait_s=state.settings.backend_wait_s,
-        failover=failover, on_answered=pool.answered, on_broken=pool.check_soon,
+        failover=failover, on_answered=pool.answered, on_broken=pool.broken,
     )  # fmt: skip
     return PassthroughResponse(relay)
 

@@ -17,7 +17,7 @@ __all__ = ["HttpxTransport"]
 
 
 class _SendTrace:
-    """What httpcore reports of one attempt: a fresh connection, and how far the request got."""
+    """What httpcore reports of one attempt: how far the request got."""
 
     __slots__ = ("events",)
 
@@ -28,10 +28,9 @@ class _SendTrace:
         self.events.add(event)
 
     def never_read(self, exc: httpx.HTTPError) -> bool:
-        """``TransportError.never_read``: a reused connection, and not fully written or reset."""
-        traced = "http11.send_request_headers.started" in self.events
-        if not traced or "connection.connect_tcp.started" in self.events:
-            return False  # no trace (a test transport) or a fresh connection: no proof
+        """``TransportError.never_read``: not fully written, or reset."""
+        if "http11.send_request_headers.started" not in self.events:
+            return False  # no trace (a test transport): no proof
         if "http11.send_request_body.complete" not in self.events:
             return True
         return was_reset(exc)

@@ -9,8 +9,9 @@ backoff from ``RETRY_START_S`` to ``RETRY_MAX_S``) and, for Ollama, which models
 (``/api/ps``: routing prefers a backend that has the model loaded). A refused connection marks a
 backend unhealthy at once and wakes its monitor; any answer marks it healthy again.
 
-With one backend (the ``upstream_url`` shorthand) nothing is asked and nothing is polled: a
-request that finds it down waits for it (``backend_wait_s``), as before the pool existed.
+With the ``upstream_url`` shorthand nothing is asked (its slots are ``slots``), and with one
+backend nothing is polled: a request that finds it down waits for it (``backend_wait_s``), as
+before the pool existed.
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ class BackendPool:
     async def discover(self) -> None:
         """Ask each backend of a pool what it is (kind, slots), all at once. A backend that does
         not answer keeps its configured slots (or ``slots``) and is asked again once it does."""
-        if len(self.members) == 1 and not self.settings.vllm_priority:
-            return  # one backend: nothing to route, nothing to ask
+        if not self.settings.backends and not self.settings.vllm_priority:
+            return  # the upstream_url shorthand: its slots are `slots`, and nothing to route
         await asyncio.gather(*(self._discover(m) for m in self.members))
 
     async def _discover(self, member: PoolMember) -> bool:
@@ -121,6 +122,7 @@ class BackendPool:
                 m.name,
                 m.slots,
                 models=tuple(m.config.models),
+                tracks_loaded=m.kind == "ollama",
                 info={"url": m.upstream.display_url, "kind": m.kind},
             )
             for m in self.members
@@ -132,7 +134,10 @@ class BackendPool:
         if len(self.members) < 2:
             return
         for index in range(len(self.members)):
-            self._monitors.append(dispatcher.run_detached(self._monitor(index), name=f"backend-monitor-{index}"))
+            # Not the dispatcher's detached tasks (its drain waits for those): cancelled by aclose.
+            task = asyncio.create_task(self._monitor(index), name=f"backend-monitor-{index}")
+            task.add_done_callback(_log_failure)
+            self._monitors.append(task)
 
     async def _monitor(self, index: int) -> None:
         member = self.members[index]
@@ -166,7 +171,9 @@ class BackendPool:
     def _set(self, index: int, healthy: bool, loaded: list[str] | None = None) -> None:
         if self.dispatcher is not None:
             self.dispatcher.set_health(index, healthy, loaded)
-            self.dispatcher.backends[index].info["kind"] = self.members[index].kind
+            record = self.dispatcher.backends[index]
+            record.info["kind"] = self.members[index].kind  # discovered late, if it was down at start-up
+            record.tracks_loaded = self.members[index].kind == "ollama"
 
     # -- what requests report ------------------------------------------------------------------
     def index_of(self, upstream: Upstream) -> int:
@@ -185,9 +192,15 @@ class BackendPool:
             if not self.dispatcher.backends[index].healthy:
                 self._set(index, True)
 
-    def check_soon(self, upstream: Upstream) -> None:
-        """Something failed mid-answer: have its monitor check it now."""
-        self.members[self.index_of(upstream)].checked.set()
+    def broken(self, upstream: Upstream) -> None:
+        """An answer from this backend broke off (it may have died): in a pool it gets no more
+        requests until its monitor, woken now, finds it healthy; the request that broke is never
+        sent elsewhere (it may have been generating)."""
+        if len(self.members) < 2:
+            return  # one backend: nowhere else to send the next request; its relay waits for it
+        index = self.index_of(upstream)
+        self._set(index, False)
+        self.members[index].checked.set()
 
     # -- pass-through --------------------------------------------------------------------------
     def passthrough_order(self, model: str | None) -> list[Upstream]:
@@ -207,6 +220,11 @@ class BackendPool:
             task.cancel()
         await asyncio.gather(*self._monitors, return_exceptions=True)
         await asyncio.gather(*(m.upstream.aclose() for m in self.members))
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("%s failed", task.get_name(), exc_info=task.exception())
 
 
 def merge_model_lists(path: str, bodies: Iterable[Any]) -> bytes:

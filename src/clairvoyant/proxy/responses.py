@@ -96,7 +96,7 @@ class Relay:
     # None to wait for this one (up to backend_wait_s).
     failover: Callable[[Upstream], Awaitable[Upstream | None]] | None = None
     on_answered: Callable[[Upstream], None] = lambda upstream: None  # a backend sent a status
-    on_broken: Callable[[Upstream], None] = lambda upstream: None  # a backend failed mid-answer
+    on_broken: Callable[[Upstream], None] = lambda upstream: None  # a backend failed after the request was sent
     status: int | None = None  # sent status, once sent
     outcome: str = "pending"
     client_gone: bool = False
@@ -143,6 +143,7 @@ class Relay:
             except UpstreamUnavailable as exc:
                 if not exc.never_sent:
                     self._count_backend("failed")
+                    self.on_broken(self.upstream)
                     raise
                 self._count_backend("refused")
                 if self.failover is not None:
@@ -161,6 +162,7 @@ class Relay:
                 continue
             except RequestError:
                 self._count_backend("failed")
+                self.on_broken(self.upstream)
                 raise
             self._count_backend("answered")
             self.on_answered(self.upstream)
@@ -395,7 +397,7 @@ class ScheduledResponse(_Exchange):
             pool.first, request, metrics, self._own_headers, self._first_byte,
             on_usage=self._record_usage, now=dispatcher.clock.now, model=ticket.model,
             backend_wait_s=backend_wait_s, retry_unavailable=True, failover=self._failover,
-            on_answered=pool.answered, on_broken=pool.check_soon,
+            on_answered=pool.answered, on_broken=pool.broken,
         )  # fmt: skip
         self.stage = "queued"  # queued -> relaying -> done
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextvars
 import errno
 import json
 import logging
@@ -101,11 +100,13 @@ def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, by
 class TransportError(Exception):
     """A transport's failure, classified for ``Upstream``: ``connect`` (the connection could not be
     opened: nothing was sent), ``timeout``, or ``failed``. ``never_read`` is True only when the
-    backend provably did not act on the request: it went out on a REUSED connection (a fresh one
-    that fails means the backend is down or broken: no resend), and either it was not fully
-    written, or the backend reset the connection. A reset means the backend closed with our bytes
-    unread in its socket (a clean close after reading would be a FIN, not a reset). A clean close
-    after the request went out is never resent: the backend may have read it and be generating."""
+    backend provably did not act on the request: it was not fully written, or the backend reset
+    the connection before answering. A reset means the backend closed with our bytes unread in its
+    socket (a socket closed after reading everything sends a FIN, not a reset), and a backend
+    cannot act on a request it has not read whole. This holds on any connection: a reused one the
+    backend had closed, the spare opened ahead, or a new one accepted by a backend that was dying.
+    A clean close after the request went out is never resent: the backend may have read it and be
+    generating."""
 
     def __init__(
         self, kind: Literal["connect", "timeout", "failed"], cause: BaseException, *, never_read: bool = False
@@ -164,24 +165,16 @@ class Transport(Protocol):
 
 # --- aiohttp ---------------------------------------------------------------------------------
 
-# The attempt in progress in this task: the connector marks it when it opens a fresh connection.
-_attempt: contextvars.ContextVar[list[bool]] = contextvars.ContextVar("clairvoyant_upstream_attempt")
-
 
 class _Connector(aiohttp.TCPConnector):
-    """aiohttp's connector, with two additions.
-
-    It tells the attempt in progress that it got a FRESH connection (the resend rule needs it; a
-    TraceConfig would also say so, at the cost of ten signal sends per request). It runs in the
-    requesting task, so the context variable is that request's.
-
-    It keeps one SPARE connection opened ahead. A request that asks the backend to close
+    """aiohttp's connector, which never pools a connection it asked to close, and keeps one SPARE
+    connection opened ahead. A request that asks the backend to close
     (a stream: llama.cpp closes after every stream) always needs a new connection, whose opening
     cost about 0.4 ms of the proxy's CPU on the critical path (measured: docs/benchmarks.md
     section 6). So when one is opened, the next is opened in the background while the backend
     works, and handed to the next request that needs a new connection. A spare is used only while
-    younger than ``KEEPALIVE_EXPIRY_S`` and still connected; it counts as fresh (a failure on it is
-    never resent)."""
+    younger than ``KEEPALIVE_EXPIRY_S`` and still connected (a backend killed meanwhile resets it,
+    and the event loop may not have seen that yet: the reset is resent like any other)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -199,9 +192,6 @@ class _Connector(aiohttp.TCPConnector):
         return conn
 
     async def _create_connection(self, req: Any, traces: Any, timeout: Any) -> Any:
-        fresh = _attempt.get(None)
-        if fresh is not None:
-            fresh.append(True)
         proto = self._take_spare()
         if proto is None:
             proto = await super()._create_connection(req, traces, timeout)
@@ -300,8 +290,6 @@ class AiohttpTransport:
         self, method: str, url: str, headers: list[tuple[str, str]], body: bytes, *, close_connection: bool
     ) -> UpstreamResponse:
         session = self._session or self._open_session()
-        fresh: list[bool] = []
-        token = _attempt.set(fresh)
         try:
             response = await session.request(method, url, headers=headers, data=body or None, allow_redirects=False)
         except aiohttp.ClientConnectorError as exc:
@@ -311,9 +299,7 @@ class AiohttpTransport:
         except (aiohttp.ClientError, OSError) as exc:
             # Not fully written: aiohttp refuses to write to a closing transport (a reset error)
             # or fails writing the body (an OSError with the socket's errno): both count as resets.
-            raise TransportError("failed", exc, never_read=not fresh and was_reset(exc)) from exc
-        finally:
-            _attempt.reset(token)
+            raise TransportError("failed", exc, never_read=was_reset(exc)) from exc
         return _AiohttpResponse(response, close_connection)
 
     async def aclose(self) -> None:
@@ -371,7 +357,7 @@ class Upstream:
         detail = f"{what} at {self.display_url}: {type(cause).__name__}: {cause}"
         if isinstance(exc, TimeoutError) or (isinstance(exc, TransportError) and exc.kind == "timeout"):
             return UpstreamTimeout(f"the backend did not answer in time ({what})", detail=detail)
-        return UpstreamUnavailable(f"the backend failed ({type(cause).__name__})", detail=detail)
+        return UpstreamUnavailable(f"the backend failed ({what})", detail=detail)  # its cause in the log only
 
     async def open(
         self,

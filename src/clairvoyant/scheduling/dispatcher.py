@@ -517,7 +517,7 @@ class Dispatcher:
                     if backend is not None:
                         self._held_back.remove(ticket)
                         ticket.held_back = False
-                        self._grant(backend, ticket, observe_wait=ticket.dispatched_s is None)
+                        self._grant(backend, ticket, observe_wait=True)
             now = self.clock.now()
             while any(b.free for b in self.backends):
                 got = self.queue.pop(now)
@@ -543,17 +543,20 @@ class Dispatcher:
     def _grant(self, index: int, ticket: Ticket, *, observe_wait: bool) -> None:
         backend = self.backends[index]
         slot = backend.free.pop()
-        if ticket.dispatched_s is None:  # the first grant (a reroute keeps its queue wait and position)
+        first = ticket.dispatched_s is None  # a reroute's grant is not its first: counted once
+        # Service starts now: a rerouted request's wait for its second backend is queue wait (its
+        # header and the wait figures), not service time (the service-time model learns from it).
+        ticket.dispatched_s = self.clock.now()
+        if first:
             self._by_id.pop(ticket.request_id, None)
             if observe_wait:
                 self.metrics.depth_by_class[ticket.predicted_class].dec()
-            ticket.dispatched_s = self.clock.now()
-            if observe_wait:
                 self.metrics.wait_by_class[ticket.predicted_class].observe(ticket.dispatched_s - ticket.job.arrival_s)
             ticket.queue_position = self._grants - ticket.grants_before_arrival
         ticket.backend = index
         ticket.slot = slot
         backend.running[slot] = ticket
+        backend.sent(ticket.model)
         self.metrics.in_flight.inc()
         self.metrics.backend_in_flight.labels(backend.name).inc()
         self._grants += 1

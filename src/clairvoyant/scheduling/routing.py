@@ -40,6 +40,7 @@ class Backend:
     models: tuple[str, ...] = ()  # the models it serves; empty = any
     healthy: bool = True  # its last health check (or connection) succeeded
     loaded: tuple[str, ...] = ()  # models loaded now (Ollama /api/ps); empty = unknown or none
+    tracks_loaded: bool = False  # it loads models on demand (Ollama): a model sent to it counts as loaded
     info: dict[str, Any] = field(default_factory=dict)  # shown in /queue as is (url, kind)
     running: dict[int, Any] = field(default_factory=dict)  # slot -> the ticket holding it
     free: list[int] = field(default_factory=list)  # free slot numbers
@@ -54,6 +55,12 @@ class Backend:
 
     def has_loaded(self, model: str | None) -> bool:
         return model is not None and any(same_model(model, m) for m in self.loaded)
+
+    def sent(self, model: str | None) -> None:
+        """A request for ``model`` was dispatched here: a backend that loads on demand has it loaded
+        from now on, until its next /api/ps says otherwise (so the next request for it follows)."""
+        if self.tracks_loaded and model is not None and not self.has_loaded(model):
+            self.loaded = (*self.loaded, model)
 
 
 def choose(backends: Sequence[Backend], model: str | None, remaining_s: Callable[[Backend], float]) -> int | None:

@@ -89,9 +89,13 @@ function render(queue) {
   document.getElementById("summary").textContent =
     `policy ${queue.policy} · ${queue.in_flight.length}/${queue.slots} slots busy · ${queue.waiting_count} waiting` +
     (queue.waiting_count > queue.waiting.length ? ` (first ${queue.waiting.length} listed)` : "") +
-    ` · queue drained in ~${text(queue.tail_eta_s, 1)} s`;
+    ` · queue drained in ~${text(queue.tail_eta_s, 1)} s` +
+    ((queue.backends || []).length > 1
+      ? " · " + queue.backends.map((b) => `${b.name} ${b.healthy ? `${b.in_flight}/${b.slots}` : "down"}`).join(", ")
+      : "");
+  const pool = (queue.backends || []).length > 1;
   fillTable("slots", queue.in_flight, [
-    (r) => [r.slot], (r) => [r.request_id], classCell, (r) => [text(r.predicted_tokens, 0)],
+    (r) => [pool ? `${r.backend} #${r.slot}` : r.slot], (r) => [r.request_id], classCell, (r) => [text(r.predicted_tokens, 0)],
     (r) => [text(r.predicted_s, 1)], (r) => [text(r.running_s, 1)], (r) => [r.tenant || "default"], (r) => [r.priority],
   ], "all slots idle");
   fillTable("waiting", queue.waiting, [

@@ -1,0 +1,79 @@
+"""Routing at dispatch (scheduling/routing.py), from explicit states: model, health, loaded model, load."""
+
+from __future__ import annotations
+
+import pytest
+
+from clairvoyant.scheduling.routing import Backend, choose, same_model
+
+
+def pool(*backends: Backend) -> list[Backend]:
+    return list(backends)
+
+
+def busy(backend: Backend) -> Backend:
+    backend.free.clear()
+    return backend
+
+
+def no_work(backend: Backend) -> float:
+    return 0.0
+
+
+def test_only_backends_that_serve_the_model_are_chosen() -> None:
+    backends = pool(Backend("a", 1, models=("llama3",)), Backend("b", 1, models=("qwen",)), Backend("c", 1))
+    assert choose(backends, "qwen", no_work) == 1
+    assert choose(backends, "llama3", no_work) == 0
+    assert choose(backends, "mistral", no_work) == 2  # c lists no models: it serves any
+    assert choose(backends[:2], "mistral", no_work) is None
+    assert choose(backends, None, no_work) == 0  # a request naming no model: any backend
+
+
+def test_a_busy_backend_that_serves_the_model_is_waited_for_not_another_models_backend() -> None:
+    backends = pool(busy(Backend("a", 1, models=("llama3",))), Backend("b", 1, models=("qwen",)))
+    assert choose(backends, "llama3", no_work) is None
+
+
+def test_an_unhealthy_backend_is_skipped_while_a_healthy_one_serves_the_model() -> None:
+    backends = pool(Backend("a", 1, healthy=False), Backend("b", 1))
+    assert choose(backends, "m", no_work) == 1
+    busy(backends[1])
+    assert choose(backends, "m", no_work) is None  # wait for the healthy one, not the dead one
+    backends[1].healthy = False
+    assert choose(backends, "m", no_work) == 0  # none healthy: it waits at a backend for it to come back
+
+
+def test_a_backend_with_the_model_loaded_goes_first_then_the_least_work_per_slot() -> None:
+    backends = pool(Backend("a", 1), Backend("b", 1, loaded=("llama3:latest",)), Backend("c", 4))
+    work = {"a": 0.0, "b": 30.0, "c": 8.0}
+    assert choose(backends, "llama3", lambda b: work[b.name]) == 1  # loaded wins over idle
+    assert choose(backends, "qwen", lambda b: work[b.name]) == 0  # a has no work
+    work["a"] = 3.0
+    assert choose(backends, "qwen", lambda b: work[b.name]) == 2  # 8 s over 4 slots < 3 s on one
+    work["c"] = 12.0
+    assert choose(backends, "qwen", lambda b: work[b.name]) == 0  # ties on 3 s/slot: the earlier backend
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [("llama3", "llama3:latest", True), ("llama3:8b", "llama3", False), ("qwen", "qwen", True)],
+)
+def test_ollama_model_names_match_with_and_without_latest(a: str, b: str, same: bool) -> None:
+    assert same_model(a, b) is same
+
+
+def test_slots_are_granted_from_zero_and_zero_slots_is_refused() -> None:
+    backend = Backend("a", 3)
+    assert [backend.free.pop() for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="slots"):
+        Backend("z", 0)
+
+
+def test_a_model_sent_to_an_on_demand_backend_counts_as_loaded_there_until_it_says_otherwise() -> None:
+    backends = pool(Backend("a", 1, tracks_loaded=True), Backend("b", 1, tracks_loaded=True))
+    backends[1].sent("llama3")
+    assert choose(backends, "llama3", no_work) == 1  # follows the model, though a is first and idle
+    assert choose(backends, "qwen", no_work) == 0
+    plain = Backend("c", 1)  # llama.cpp serves the model it was started with: nothing to track
+    plain.sent("llama3")
+    assert plain.loaded == ()
