@@ -32,10 +32,7 @@ BACKEND_HEADER = "x-clairvoyant-backend"
 SHORT = 8  # tokens of each queued request
 HOLDER = 80  # tokens of the request that keeps the survivor busy through the kill (~2 s)
 VICTIM = 400  # tokens of the request killed mid-generation (~10 s: it never finishes on its own)
-# A pool proxy's shutdown waits the whole shutdown_grace_s even when idle (its health monitors are
-# tasks Dispatcher.stop waits for); 1 s instead of 8 keeps the file fast. Nothing here is shut down
-# with an answer in flight.
-QUICK_EXIT: dict[str, Any] = {"shutdown_grace_s": 1, "log_level": "warning"}
+QUIET: dict[str, Any] = {"log_level": "warning"}
 
 
 @contextlib.contextmanager
@@ -138,7 +135,7 @@ def test_a_burst_is_spread_over_both_backends_and_each_request_answered_once_in_
     with two_llama_servers() as (a, b):
         names = {"backend-1": a, "backend-2": b}  # the default names: backend-N, N its place in the list
         before = {name: tokens_predicted(server) for name, server in names.items()}
-        settings = Settings(backends=[{"url": a.base_url}, {"url": b.base_url}], **QUICK_EXIT)
+        settings = Settings(backends=[{"url": a.base_url}, {"url": b.base_url}], **QUIET)
         with running_proxy(settings) as url:
 
             async def burst() -> list[Answer]:
@@ -190,7 +187,7 @@ def after_kill(request: pytest.FixtureRequest, require_embedded_backend: None) -
         settings = Settings(
             backends=[{"url": a.base_url, "name": "alpha"}, {"url": b.base_url, "name": "beta"}],
             backend_wait_s=5,  # bounds the test if a dead backend were waited for instead of skipped
-            **QUICK_EXIT,
+            **QUIET,
         )
         with running_proxy(settings) as url:
 
