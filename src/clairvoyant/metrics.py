@@ -69,6 +69,7 @@ class Metrics:
             ["backend", "outcome"],
             registry=r,
         )
+        self._backend_outcomes: dict[tuple[str, str], Counter] = {}
         self.requests = Counter(
             "clairvoyant_requests",
             "Answered requests by endpoint, dialect and HTTP status.",
@@ -188,6 +189,13 @@ class Metrics:
         child = self._requests_children.get(key)
         if child is None:  # bounded: a handful of endpoints x 2 dialects x status codes
             child = self._requests_children[key] = self.requests.labels(*key)
+        child.inc()
+
+    def count_backend_request(self, backend: str, outcome: str) -> None:
+        key = (backend, outcome)
+        child = self._backend_outcomes.get(key)
+        if child is None:  # bounded: the configured backends x 4 outcomes
+            child = self._backend_outcomes[key] = self.backend_requests.labels(*key)
         child.inc()
 
     def count_usage(self, source: str, output_tokens: int | None) -> None:

@@ -66,6 +66,7 @@ class BackendPool:
             )
             slots = config.slots or settings.slots
             self.members.append(PoolMember(config, name, upstream, config.kind, slots))
+        self._index = {id(m.upstream): i for i, m in enumerate(self.members)}  # members live as long as the pool
         self.dispatcher: Dispatcher | None = None
         self._monitors: list[asyncio.Task[None]] = []
 
@@ -177,7 +178,7 @@ class BackendPool:
 
     # -- what requests report ------------------------------------------------------------------
     def index_of(self, upstream: Upstream) -> int:
-        return next(i for i, m in enumerate(self.members) if m.upstream is upstream)
+        return self._index[id(upstream)]
 
     def refused(self, upstream: Upstream) -> None:
         """A connection to this backend was refused: unhealthy now, checked again soon."""

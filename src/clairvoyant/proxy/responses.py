@@ -255,7 +255,7 @@ class Relay:
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
     def _count_backend(self, outcome: str) -> None:
-        self.metrics.backend_requests.labels(self.upstream.name, outcome).inc()
+        self.metrics.count_backend_request(self.upstream.name, outcome)
 
     def _count_upstream_error(self, exc: RequestError) -> None:
         self.metrics.upstream_errors_by_kind["timeout" if isinstance(exc, UpstreamTimeout) else "unavailable"].inc()

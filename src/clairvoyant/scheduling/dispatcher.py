@@ -179,6 +179,8 @@ class Dispatcher:
         # (ticket, ended clock seconds, outcome, output tokens or None), newest last
         self._recent: deque[tuple[Ticket, float, str, int | None]] = deque(maxlen=RECENT_REQUESTS)
         metrics.starvation_timeout.set(starvation_timeout_s)
+        # Each backend's in-flight gauge, looked up once (a labels() lookup per request costs µs).
+        self._in_flight_gauges = [metrics.backend_in_flight.labels(b.name) for b in self.backends]
         for backend in self.backends:
             metrics.backend_healthy.labels(backend.name).set(1 if backend.healthy else 0)
             metrics.backend_in_flight.labels(backend.name).set(0)
@@ -426,7 +428,8 @@ class Dispatcher:
                 self._learn(ticket, self.clock.now() - ticket.dispatched_s, usage)
             self._free_slot(ticket)
             self.queue.done(ticket.job)  # its tenant stays active for fair share until here
-            self._schedule_pump()
+            if self.waiting:
+                self._schedule_pump()
             return
         ticket.ended = True  # refused (shutting down): nothing held
 
@@ -436,7 +439,7 @@ class Dispatcher:
         if backend.running.pop(ticket.slot, None) is not None:
             backend.free.append(ticket.slot)
             self.metrics.in_flight.dec()
-            self.metrics.backend_in_flight.labels(backend.name).dec()
+            self._in_flight_gauges[ticket.backend].dec()
 
     def _end_waiting(self, ticket: Ticket) -> None:
         ticket.ended = True
@@ -558,7 +561,7 @@ class Dispatcher:
         backend.running[slot] = ticket
         backend.sent(ticket.model)
         self.metrics.in_flight.inc()
-        self.metrics.backend_in_flight.labels(backend.name).inc()
+        self._in_flight_gauges[index].inc()
         self._grants += 1
         ticket.granted.set_result(index)
 

@@ -71,8 +71,8 @@ def choose(backends: Sequence[Backend], model: str | None, remaining_s: Callable
         return None
     any_healthy = any(backends[i].healthy for i in serving)
     candidates = [i for i in serving if backends[i].free and (backends[i].healthy or not any_healthy)]
-    if not candidates:
-        return None
+    if len(candidates) < 2:
+        return candidates[0] if candidates else None  # (one backend: no work summed per request)
     return min(
         candidates,
         key=lambda i: (not backends[i].has_loaded(model), remaining_s(backends[i]) / backends[i].slots, i),
