@@ -3,7 +3,9 @@
 Scheduled endpoints (scored, queued, dispatched serially): POST /v1/chat/completions,
 /v1/completions, /api/chat, /api/generate. The proxy's own endpoints: GET /healthz, /readyz,
 /metrics, /queue, /queue/{request_id}, and the live page /ui. Every other path and method passes through to the
-backend, streamed, unqueued. In front of everything, ``AccessControl`` (proxy/access.py): API keys and the
+backend, streamed, unqueued. With a pool of backends (proxy/pool.py), a scheduled request's backend is chosen
+at dispatch; a pass-through one goes to a backend serving the model its body names, and the model
+listings are merged. In front of everything, ``AccessControl`` (proxy/access.py): API keys and the
 pass-through allowlist.
 
 The scheduled and pass-through requests are served as raw ASGI by ``ProxyApp`` (no request

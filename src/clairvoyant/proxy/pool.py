@@ -36,6 +36,7 @@ HEALTH_INTERVAL_S = 5.0  # between checks of a healthy backend
 RETRY_START_S = 0.5  # first re-check of an unhealthy backend; doubles up to RETRY_MAX_S
 RETRY_MAX_S = 10.0
 DISCOVERY_TIMEOUT_S = 3.0  # per question asked of a backend at start-up
+DISCOVERY_TOTAL_S = 5.0  # for all of them: start-up goes on without the answers missing by then
 
 
 @dataclass(eq=False)
@@ -83,7 +84,12 @@ class BackendPool:
         not answer keeps its configured slots (or ``slots``) and is asked again once it does."""
         if not self.settings.backends and not self.settings.vllm_priority:
             return  # the upstream_url shorthand: its slots are `slots`, and nothing to route
-        await asyncio.gather(*(self._discover(m) for m in self.members))
+        try:  # a black-holed address must not hold start-up: unanswered ones are asked again later
+            async with asyncio.timeout(DISCOVERY_TOTAL_S):
+                await asyncio.gather(*(self._discover(m) for m in self.members))
+        except TimeoutError:
+            unknown = [m.name for m in self.members if m.kind == "auto"]
+            logger.warning("backends %s did not say what they are within %.0f s", ", ".join(unknown), DISCOVERY_TOTAL_S)
 
     async def _discover(self, member: PoolMember) -> bool:
         """True once the member's kind is known."""
