@@ -327,3 +327,29 @@ def test_a_client_leaving_while_held_back_or_rerouted_is_withdrawn_and_its_slot_
 async def _hold(d: Dispatcher, t: Ticket) -> None:
     async with d.lease(t):
         await asyncio.sleep(10)
+
+
+def test_shutdown_refuses_held_back_and_rerouted_tickets_with_shutting_down() -> None:
+    async def scenario() -> None:
+        d, _ = make_pool(Backend("a", 1, models=("m",)), Backend("b", 1, models=("n",)))
+        await d.start()
+        running = submit_for(d, "run", "m")
+        await settle()
+        held = submit_for(d, "held", "m")  # a is busy: held back
+        rerouted = submit_for(d, "moved", "n")
+        await settle()
+        assert held.held_back and rerouted.backend == 1
+        lease = d.lease(rerouted)
+        await lease.__aenter__()
+        assert d.reroute(rerouted) is False  # b refused and a does not serve n: it keeps its slot
+        d.begin_shutdown(0.01)
+        with pytest.raises(ShuttingDown):
+            async with d.lease(held):
+                pass
+        assert held.ended and d.waiting == 0
+        await lease.__aexit__(None, None, None)
+        async with d.lease(running):
+            pass
+        await d.stop(timeout_s=0.01)
+
+    asyncio.run(scenario())

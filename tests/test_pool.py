@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import pytest
 import respx
 from proxy_harness import (
     BackgroundPosts,
@@ -237,3 +238,31 @@ def test_a_backend_whose_answer_broke_gets_no_more_requests_until_its_health_che
     assert on_a.responses[0].headers["x-clairvoyant-backend"] == "backend-1" and '"error"' in on_a.responses[0].text
     assert queued.responses[0].headers["x-clairvoyant-backend"] == "backend-2"  # not the suspect a
     assert dies.call_count == 1 and served.call_count == 2
+
+
+def test_a_client_that_leaves_while_its_request_waits_for_another_backend_is_never_sent() -> None:
+    router = respx.MockRouter(assert_all_called=False)
+    release_b, b_busy = threading.Event(), threading.Event()
+    refused = router.post(f"{A}/v1/chat/completions").mock(side_effect=httpx.ConnectError("refused"))
+    bodies_at_b: list[str] = []
+
+    async def b_answer(request: httpx.Request) -> httpx.Response:
+        bodies_at_b.append(json.loads(request.content)["messages"][-1]["content"])
+        b_busy.set()
+        await gate_wait(release_b)
+        return httpx.Response(200, json={"served_by": "b"})
+
+    router.post(f"{B}/v1/chat/completions").mock(side_effect=b_answer)
+    # a's /health stays up (it refuses only the chat path), so a is chosen again for the next request
+    with pool_proxy(router, openai_backends()) as base:
+        first = BackgroundPosts(base, "first")
+        wait_until(b_busy.is_set, what="the first rerouted to b")
+        wait_until(lambda: queue_snapshot(base)["backends"][0]["healthy"], what="a healthy again")
+        with pytest.raises(httpx.ReadTimeout):  # refused by a, then waits for the busy b; its client leaves
+            httpx.post(f"{base}/v1/chat/completions", json=chat("leaver"), timeout=1.0)
+        wait_until(lambda: queue_snapshot(base)["recent"], what="the leaver's record")
+        recent = queue_snapshot(base)["recent"]
+        release_b.set()
+        first.join()
+    assert refused.call_count == 2 and bodies_at_b == ["first"]  # the leaver never reached b
+    assert recent[0]["outcome"] == "left_queued" and first.responses[0].json() == {"served_by": "b"}

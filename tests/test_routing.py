@@ -77,3 +77,11 @@ def test_a_model_sent_to_an_on_demand_backend_counts_as_loaded_there_until_it_sa
     plain = Backend("c", 1)  # llama.cpp serves the model it was started with: nothing to track
     plain.sent("llama3")
     assert plain.loaded == ()
+
+
+def test_a_backend_that_refused_the_request_is_avoided_while_another_serves_its_model() -> None:
+    backends = pool(Backend("a", 1, models=("m",)), Backend("b", 1, models=("m",)), Backend("c", 1, models=("other",)))
+    busy(backends[1])
+    assert choose(backends, "m", no_work, avoid=(0,)) is None  # wait for b rather than a again
+    assert choose(backends, "m", no_work) == 0
+    assert choose(backends, "other", no_work, avoid=(2,)) == 2  # nobody else serves it: c again

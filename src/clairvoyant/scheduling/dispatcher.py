@@ -100,6 +100,7 @@ class Ticket:
     grants_before_arrival: int = 0  # the dispatcher's slot grants so far when this ticket was queued
     queue_position: int | None = None  # set at dispatch: requests dispatched ahead of it while it waited
     held_back: bool = False  # popped by the policy (or rerouted), waiting for a backend that serves it
+    refused_by: tuple[int, ...] = ()  # backends that refused its connection (routing avoids them)
     ended: bool = False  # withdrawn or released: set exactly once
     interrupt: Callable[[], None] | None = None  # set by its relay once dispatched: end the answer now (shutdown)
 
@@ -296,7 +297,7 @@ class Dispatcher:
         return total
 
     def _route(self, ticket: Ticket) -> int | None:
-        return choose(self.backends, ticket.model, self._remaining_s)
+        return choose(self.backends, ticket.model, self._remaining_s, ticket.refused_by)
 
     def reroute(self, ticket: Ticket) -> bool:
         """The ticket's backend refused the connection: nothing was sent. Mark that backend
@@ -306,8 +307,10 @@ class Dispatcher:
         backend to come back)."""
         assert ticket.backend is not None and ticket.slot is not None
         self.set_health(ticket.backend, False)
-        if self._closing or not any(b.healthy and b.serves(ticket.model) for b in self.backends):
+        others = [b for i, b in enumerate(self.backends) if i != ticket.backend and b.serves(ticket.model)]
+        if self._closing or not any(b.healthy for b in others):
             return False
+        ticket.refused_by = (*ticket.refused_by, ticket.backend)
         self._free_slot(ticket)
         ticket.backend = ticket.slot = None
         ticket.granted = asyncio.get_running_loop().create_future()

@@ -63,10 +63,19 @@ class Backend:
             self.loaded = (*self.loaded, model)
 
 
-def choose(backends: Sequence[Backend], model: str | None, remaining_s: Callable[[Backend], float]) -> int | None:
+def choose(
+    backends: Sequence[Backend],
+    model: str | None,
+    remaining_s: Callable[[Backend], float],
+    avoid: Sequence[int] = (),
+) -> int | None:
     """The index of the backend to dispatch a request for ``model`` to now, or None to wait (see
-    the module's rule). ``remaining_s(backend)``: its predicted seconds of work left."""
+    the module's rule). ``remaining_s(backend)``: its predicted seconds of work left. ``avoid``:
+    backends that refused this request already; they are left out while another serves the model
+    (a backend that answers its health check but refuses requests must not bounce it forever)."""
     serving = [i for i, b in enumerate(backends) if b.serves(model)]
+    if avoid:
+        serving = [i for i in serving if i not in avoid] or serving
     if not serving:
         return None
     any_healthy = any(backends[i].healthy for i in serving)
