@@ -90,3 +90,27 @@ def test_the_page_shows_the_held_queue_in_dispatch_order() -> None:
     assert re.findall(r'<tr data-request-id="([^"]+)"', slots_table) == [queue["in_flight"][0]["request_id"]]
     assert "holder" not in dom and "quick" not in dom  # no prompt text, ever
     assert (ARTIFACTS / "ui.png").stat().st_size > 10_000
+
+
+def test_with_a_pool_the_page_shows_each_backend_and_where_each_request_runs() -> None:
+    backend = HeldBackend()
+    router = respx.MockRouter(assert_all_called=False)
+    a, b = "http://a.test", "http://b.test"
+    router.post(f"{a}/v1/chat/completions").mock(side_effect=backend)
+    router.get(f"{a}/health").respond(200, json={"status": "ok"})
+    router.get(f"{b}/health").mock(side_effect=httpx.ConnectError("refused"))  # b is down
+    settings = Settings(
+        backends=[{"url": a, "kind": "openai", "slots": 1}, {"url": b, "kind": "openai", "slots": 1}],
+        starvation_timeout_s=600,
+    )
+    with running_proxy(settings, predictor=MarkerPredictor(), upstream_transport=mock_transport(router)) as base:
+        holder = BackgroundPosts(base, "[long] holder")
+        wait_until(lambda: backend.order == ["[long] holder"], what="the holder at backend a")
+        wait_until(lambda: not queue_snapshot(base)["backends"][1]["healthy"], what="b seen down")
+        dom = _chromium_run(f"{base}/ui/", "--dump-dom")
+        backend.gate.set()
+        holder.join(timeout=30)
+    summary = dom.split('id="summary">', 1)[1].split("</span>", 1)[0]
+    assert "backend-1 1/1" in summary and "backend-2 down" in summary
+    slots_table = dom.split('id="slots"', 1)[1].split("</table>", 1)[0]
+    assert "backend-1 #0" in slots_table
