@@ -353,3 +353,23 @@ def test_shutdown_refuses_held_back_and_rerouted_tickets_with_shutting_down() ->
         await d.stop(timeout_s=0.01)
 
     asyncio.run(scenario())
+
+
+def test_the_pool_learns_a_backends_slowness_and_routes_around_it() -> None:
+    async def scenario() -> None:
+        d, clock = make_pool(Backend("slow", 1), Backend("fast", 1))
+        await d.start()
+        first = submit_for(d, "s0", None, predicted_s=1.0)
+        await settle()
+        assert first.backend == 0  # both idle and alike so far: the first
+        async with d.lease(first) as lease:
+            clock.advance(4.0)  # it took 4 s for a predicted 1 s
+            lease.completed = True
+        assert d.backends[0].slowness == pytest.approx(1.3) and d.backends[1].slowness == 1.0
+        nxt = submit_for(d, "s1", None, predicted_s=1.0)
+        await settle()
+        assert nxt.backend == 1  # both idle: the one that will finish it sooner
+        assert d.snapshot()["backends"][0]["slowness"] == 1.3
+        await d.stop(timeout_s=0.01)
+
+    asyncio.run(scenario())

@@ -85,3 +85,23 @@ def test_a_backend_that_refused_the_request_is_avoided_while_another_serves_its_
     assert choose(backends, "m", no_work, avoid=(0,)) is None  # wait for b rather than a again
     assert choose(backends, "m", no_work) == 0
     assert choose(backends, "other", no_work, avoid=(2,)) == 2  # nobody else serves it: c again
+
+
+def test_a_slower_backend_gets_a_request_only_when_it_would_finish_it_sooner() -> None:
+    gpu, laptop = Backend("gpu", 1, slowness=1.0), Backend("laptop", 1, slowness=4.0)
+    work = {"gpu": 30.0, "laptop": 0.0}  # the gpu has 30 s of work in flight, the laptop none
+    assert choose(pool(gpu, laptop), "m", lambda b: work[b.name], own_s=5.0) == 1  # 30 + 5 > 0 + 20
+    assert choose(pool(gpu, laptop), "m", lambda b: work[b.name], own_s=20.0) == 0  # 30 + 20 < 0 + 80
+    work["gpu"] = 0.0
+    assert choose(pool(laptop, gpu), "m", lambda b: work[b.name], own_s=1.0) == 1  # idle both: the faster
+
+
+def test_a_backends_slowness_follows_its_measured_service_seconds_and_ignores_outliers() -> None:
+    backend = Backend("laptop", 1)
+    for _ in range(40):
+        backend.observe_service(predicted_s=2.0, measured_s=8.0)
+    assert backend.slowness == pytest.approx(4.0, rel=0.05)
+    backend.observe_service(predicted_s=1.0, measured_s=1000.0)  # one wild sample counts as 10x
+    assert backend.slowness == pytest.approx(4.0 + 0.1 * (10.0 - 4.0), rel=0.05)
+    backend.observe_service(predicted_s=0.0, measured_s=3.0)  # nothing predicted: nothing learned
+    assert backend.slowness == pytest.approx(4.6, rel=0.05)

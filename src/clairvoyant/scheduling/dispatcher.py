@@ -288,16 +288,18 @@ class Dispatcher:
             raise ModelNotServed(f"the model {model!r} is not served by any backend of this proxy", param="model")
 
     def _remaining_s(self, backend: Backend) -> float:
-        """Predicted seconds of work left on ``backend`` (its in-flight requests' remainders)."""
+        """Predicted seconds of work left on ``backend`` (its in-flight requests' remainders, at its
+        measured slowness)."""
         now = self.clock.now()
         total = 0.0
+        slowness = backend.slowness
         for t in backend.running.values():
             running_s = 0.0 if t.dispatched_s is None else now - t.dispatched_s
-            total += max(0.0, t.job.predicted_s - running_s)
+            total += max(0.0, t.job.predicted_s * slowness - running_s)
         return total
 
     def _route(self, ticket: Ticket) -> int | None:
-        return choose(self.backends, ticket.model, self._remaining_s, ticket.refused_by)
+        return choose(self.backends, ticket.model, self._remaining_s, ticket.refused_by, ticket.job.predicted_s)
 
     def reroute(self, ticket: Ticket) -> bool:
         """The ticket's backend refused the connection: nothing was sent. Mark that backend
@@ -356,10 +358,10 @@ class Dispatcher:
         fields and calls ``predicted_at_once``."""
         if self._closing or not self._started or self.waiting > 0:
             return False
+        ticket.job = job
         backend = self._route(ticket)
         if backend is None:
             return False
-        ticket.job = job
         ticket.grants_before_arrival = self._grants
         self.queue.push(job)  # through the queue all the same: its tenant accounting, and done() at release
         got = self.queue.pop(self.clock.now())
@@ -461,6 +463,8 @@ class Dispatcher:
         if usage is not None and usage.prompt_tokens is not None:
             prompt_tokens = usage.prompt_tokens
         self.service_time.observe(ticket.model, prompt_tokens, round(job.predicted_tokens), service_s)
+        if ticket.backend is not None:
+            self.backends[ticket.backend].observe_service(job.predicted_s, service_s)
         self.policy.observe(job, service_s)
         if isinstance(self.starvation_slowdown, AdaptiveSlowdown):
             self.starvation_slowdown.observe(service_s)
@@ -678,6 +682,7 @@ class Dispatcher:
                     "models": list(b.models),
                     "loaded_models": list(b.loaded),
                     "remaining_s": round(self._remaining_s(b), 3),
+                    "slowness": round(b.slowness, 3),  # measured / predicted service seconds
                 }
                 for b in self.backends
             ],

@@ -10,8 +10,11 @@ a request's turn comes. The rule, in order:
    (then the request waits there for it to come back, up to ``backend_wait_s``, as with one
    backend). A healthy backend that is merely busy is worth waiting for: ``choose`` returns None;
 3. one that already has the model loaded (Ollama ``/api/ps``), to avoid a reload stall;
-4. the least predicted remaining seconds of work per slot (in-flight requests' predicted seconds
-   less what they have run, never below 0);
+4. the earliest predicted finish: the predicted seconds of work left per slot (in-flight requests'
+   predicted seconds less what they have run, never below 0) plus the request's own predicted
+   seconds, both scaled by the backend's measured slowness (its measured over predicted service
+   seconds, learned per backend), so a laptop beside a GPU box gets a request only when it would
+   finish it sooner;
 5. the earlier backend in the configuration.
 
 No I/O here: the records are plain data, so the rule is tested with explicit states.
@@ -24,6 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Backend", "choose", "same_model"]
+
+SLOWNESS_WEIGHT = 0.1  # of each new sample in a backend's moving slowness (about the last 10 requests)
+SLOWNESS_MAX = 10.0  # one sample counts at most 10x slower (or faster) than predicted
 
 
 def same_model(a: str, b: str) -> bool:
@@ -41,6 +47,7 @@ class Backend:
     healthy: bool = True  # its last health check (or connection) succeeded
     loaded: tuple[str, ...] = ()  # models loaded now (Ollama /api/ps); empty = unknown or none
     tracks_loaded: bool = False  # it loads models on demand (Ollama): a model sent to it counts as loaded
+    slowness: float = 1.0  # measured / predicted service seconds here (moving average); 1 = as predicted
     info: dict[str, Any] = field(default_factory=dict)  # shown in /queue as is (url, kind)
     running: dict[int, Any] = field(default_factory=dict)  # slot -> the ticket holding it
     free: list[int] = field(default_factory=list)  # free slot numbers
@@ -56,6 +63,12 @@ class Backend:
     def has_loaded(self, model: str | None) -> bool:
         return model is not None and any(same_model(model, m) for m in self.loaded)
 
+    def observe_service(self, predicted_s: float, measured_s: float) -> None:
+        """A request served here took ``measured_s`` against ``predicted_s`` predicted."""
+        if predicted_s > 0 and measured_s > 0:
+            sample = min(SLOWNESS_MAX, max(1 / SLOWNESS_MAX, measured_s / predicted_s))
+            self.slowness += SLOWNESS_WEIGHT * (sample - self.slowness)
+
     def sent(self, model: str | None) -> None:
         """A request for ``model`` was dispatched here: a backend that loads on demand has it loaded
         from now on, until its next /api/ps says otherwise (so the next request for it follows)."""
@@ -68,11 +81,13 @@ def choose(
     model: str | None,
     remaining_s: Callable[[Backend], float],
     avoid: Sequence[int] = (),
+    own_s: float = 0.0,
 ) -> int | None:
     """The index of the backend to dispatch a request for ``model`` to now, or None to wait (see
     the module's rule). ``remaining_s(backend)``: its predicted seconds of work left. ``avoid``:
     backends that refused this request already; they are left out while another serves the model
-    (a backend that answers its health check but refuses requests must not bounce it forever)."""
+    (a backend that answers its health check but refuses requests must not bounce it forever).
+    ``own_s``: the request's own predicted seconds."""
     serving = [i for i, b in enumerate(backends) if b.serves(model)]
     if avoid:
         serving = [i for i in serving if i not in avoid] or serving
@@ -84,5 +99,9 @@ def choose(
         return candidates[0] if candidates else None  # (one backend: no work summed per request)
     return min(
         candidates,
-        key=lambda i: (not backends[i].has_loaded(model), remaining_s(backends[i]) / backends[i].slots, i),
+        key=lambda i: (
+            not backends[i].has_loaded(model),
+            remaining_s(backends[i]) / backends[i].slots + own_s * backends[i].slowness,
+            i,
+        ),
     )
