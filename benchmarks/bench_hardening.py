@@ -122,6 +122,11 @@ class Row:
     ok: bool | None  # None: a figure stated, no target
     figures: dict[str, Any] = field(default_factory=dict)
 
+    def as_json(self) -> dict[str, Any]:
+        verdict = None if self.ok is None else ("PASS" if self.ok else "FAIL")
+        return {"case": self.case, "target": self.target, "measured": self.measured, "verdict": verdict,
+                "figures": self.figures}  # fmt: skip
+
 
 # --------------------------------------------------------------------------------------------
 # A fake backend: plain asyncio HTTP/1.1 in a thread, behaviour chosen by the body's "model"
@@ -1307,16 +1312,7 @@ def main() -> int:
         + ("" if args.cases == "1,2,3,4,5,6,7,8" else f" --cases {args.cases}"),
         "seconds": took,
         "load_average": load,
-        "rows": [
-            {
-                "case": r.case,
-                "target": r.target,
-                "measured": r.measured,
-                "verdict": None if r.ok is None else ("PASS" if r.ok else "FAIL"),
-                "figures": r.figures,
-            }
-            for r in rows
-        ],
+        "rows": [r.as_json() for r in rows],
     }
     args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
     return 0 if all(r.ok is not False for r in rows) else 1

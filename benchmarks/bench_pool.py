@@ -631,16 +631,7 @@ def main() -> int:
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "length_scale": LENGTH_SCALE,
-        "rows": [
-            {
-                "case": r.case,
-                "target": r.target,
-                "measured": r.measured,
-                "verdict": None if r.ok is None else ("PASS" if r.ok else "FAIL"),
-                "figures": r.figures,
-            }
-            for r in rows
-        ],
+        "rows": [r.as_json() for r in rows],
         "raw": raw,
     }
     args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")

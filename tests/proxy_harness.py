@@ -8,6 +8,7 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -54,6 +55,15 @@ async def gate_wait(gate: threading.Event) -> None:
     """Await a threading.Event from the server's loop without blocking it."""
     while not gate.is_set():
         await asyncio.sleep(0.002)
+
+
+async def broken_sse(gate: threading.Event | None = None) -> AsyncIterator[bytes]:
+    """A backend's event stream that sends one event, then (once ``gate`` is set, if given) dies
+    with a connection reset."""
+    yield b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
+    if gate is not None:
+        await gate_wait(gate)
+    raise httpx.ReadError("connection reset")
 
 
 def mock_transport(router: respx.MockRouter) -> httpx.MockTransport:

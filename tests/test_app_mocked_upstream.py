@@ -19,6 +19,7 @@ from proxy_harness import (
     BackgroundPosts,
     HeldBackend,
     MarkerPredictor,
+    broken_sse,
     gate_wait,
     metric_value,
     mock_transport,
@@ -186,12 +187,8 @@ def test_upstream_down_is_502_and_timeout_504_in_each_dialect() -> None:
 def test_upstream_dying_mid_stream_ends_the_sse_with_an_error_event() -> None:
     router = respx.MockRouter(base_url=UPSTREAM)
 
-    async def broken() -> AsyncIterator[bytes]:
-        yield b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
-        raise httpx.ReadError("connection reset")
-
     router.post("/v1/chat/completions").mock(
-        return_value=httpx.Response(200, headers={"content-type": "text/event-stream"}, content=broken())
+        return_value=httpx.Response(200, headers={"content-type": "text/event-stream"}, content=broken_sse())
     )
     with proxy(router) as base:
         r = httpx.post(f"{base}/v1/chat/completions", json=chat_body("hi", stream=True))

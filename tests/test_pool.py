@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -14,6 +13,7 @@ import respx
 from proxy_harness import (
     BackgroundPosts,
     MarkerPredictor,
+    broken_sse,
     gate_wait,
     metric_value,
     mock_transport,
@@ -76,12 +76,8 @@ def test_a_refused_backend_is_skipped_and_its_request_served_by_the_other() -> N
 def test_nothing_is_resent_after_the_first_byte_the_stream_ends_with_an_error() -> None:
     router = respx.MockRouter(assert_all_called=False)
 
-    async def broken() -> AsyncIterator[bytes]:
-        yield b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
-        raise httpx.ReadError("connection reset")
-
     first = router.post(f"{A}/v1/chat/completions").respond(
-        200, headers={"content-type": "text/event-stream"}, content=broken()
+        200, headers={"content-type": "text/event-stream"}, content=broken_sse()
     )
     second = router.post(f"{B}/v1/chat/completions").respond(200, json={"served_by": "b"})
     with pool_proxy(router, openai_backends()) as base:
@@ -208,18 +204,13 @@ def test_a_backend_whose_answer_broke_gets_no_more_requests_until_its_health_che
     router = respx.MockRouter(assert_all_called=False)
     break_a, free_b, b_generating = threading.Event(), threading.Event(), threading.Event()
 
-    async def broken() -> AsyncIterator[bytes]:
-        yield b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
-        await gate_wait(break_a)
-        raise httpx.ReadError("connection reset")
-
     async def b_answer(request: httpx.Request) -> httpx.Response:
         b_generating.set()  # (respx records a call only once it is answered)
         await gate_wait(free_b)
         return httpx.Response(200, json={"served_by": "b"})
 
     dies = router.post(f"{A}/v1/chat/completions").respond(
-        200, headers={"content-type": "text/event-stream"}, content=broken()
+        200, headers={"content-type": "text/event-stream"}, content=broken_sse(break_a)
     )
     down_once_it_refused(router, A, dies)  # a died with that answer: its /health is refused from then on
     served = router.post(f"{B}/v1/chat/completions").mock(side_effect=b_answer)

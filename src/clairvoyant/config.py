@@ -307,7 +307,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_backend_names(self) -> Settings:
-        names = [b.name or f"backend-{i}" for i, b in enumerate(self.backends, 1)]
+        names = [b.name for b in self.pool]
         if len(set(names)) != len(names):
             raise ValueError("backends must have distinct names")
         return self

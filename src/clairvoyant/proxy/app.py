@@ -451,7 +451,6 @@ async def _scheduled(state: ProxyState, scope: Scope, receive: Receive) -> Sched
     # A free slot and nobody waiting: there is no order to decide, so the request goes now and is
     # predicted while the backend works (the prediction still feeds the learner and the metrics).
     predict_later: Callable[[], None] | None = None
-    dispatcher.check_model(parsed.model)  # 404 in the dialect when no backend serves it
     if dispatcher.dispatch_at_once(ticket, job):
 
         def predict_later() -> None:

@@ -91,10 +91,10 @@ class BackendPool:
             unknown = [m.name for m in self.members if m.kind == "auto"]
             logger.warning("backends %s did not say what they are within %.0f s", ", ".join(unknown), DISCOVERY_TOTAL_S)
 
-    async def _discover(self, member: PoolMember) -> bool:
-        """True once the member's kind is known."""
+    async def _discover(self, member: PoolMember) -> None:
+        """Ask the member what it is, unless its kind is known (and, for llama.cpp, its slots configured)."""
         if member.kind != "auto" and (member.kind != "llamacpp" or member.config.slots is not None):
-            return True
+            return
         props = await member.upstream.get_json("/props", DISCOVERY_TIMEOUT_S)
         if isinstance(props, dict) and ("total_slots" in props or "default_generation_settings" in props):
             member.kind = "llamacpp"
@@ -106,21 +106,19 @@ class BackendPool:
                     logger.warning(
                         "backend %s has %d slots; the proxy uses %d until restarted", member.name, total, member.slots
                     )
-            return True
+            return
         if member.kind != "auto":
-            return True
+            return
         version = await member.upstream.get_json("/api/version", DISCOVERY_TIMEOUT_S)
         if isinstance(version, dict) and "version" in version:
             member.kind = "ollama"
-            return True
+            return
         version = await member.upstream.get_json("/version", DISCOVERY_TIMEOUT_S)
         if isinstance(version, dict) and "version" in version:
             member.kind = "vllm"
-            return True
+            return
         if await member.upstream.probe(DISCOVERY_TIMEOUT_S) is None:
             member.kind = "openai"  # it answers, but none of the above: an OpenAI-compatible server
-            return True
-        return False
 
     def scheduling_backends(self) -> list[Backend]:
         """The dispatcher's routing records, one per member, in configuration order."""

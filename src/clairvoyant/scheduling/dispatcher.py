@@ -282,7 +282,7 @@ class Dispatcher:
             if healthy:
                 self._schedule_pump()
 
-    def check_model(self, model: str | None) -> None:
+    def _check_model(self, model: str | None) -> None:
         """Raise ``ModelNotServed`` when no backend of the pool serves ``model``."""
         if not any(b.serves(model) for b in self.backends):
             raise ModelNotServed(f"the model {model!r} is not served by any backend of this proxy", param="model")
@@ -335,7 +335,7 @@ class Dispatcher:
         """
         if self._closing:
             raise ShuttingDown("the proxy is shutting down; retry")
-        self.check_model(ticket.model)
+        self._check_model(ticket.model)
         if self.waiting >= self.max_queue:
             tail_eta_s = self._etas(self.clock.now())[1]
             retry = max(self.min_retry_after_s, min(3600, math.ceil(tail_eta_s)))
