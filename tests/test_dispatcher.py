@@ -373,3 +373,38 @@ def test_the_pool_learns_a_backends_slowness_and_routes_around_it() -> None:
         await d.stop(timeout_s=0.01)
 
     asyncio.run(scenario())
+
+
+def test_repredicted_reorders_a_waiting_ticket_and_moves_its_class_gauge() -> None:
+    """The encoder's second opinion: a waiting ticket takes its new prediction and the queue puts it
+    where the new score says; a ticket already running is left alone."""
+
+    async def scenario() -> None:
+        d, _ = make(policy="sjf")
+        await d.start()
+        running = submit(d, "run", 0.0, 1.0)
+        held = d.lease(running)
+        await held.__aenter__()
+        waiting = {}
+        for name, p_long in (("x", 0.2), ("y", 0.5), ("z", 0.9)):
+            t = Ticket(
+                name, "/v1/chat/completions", "openai", None, Prediction.from_probabilities(0.6, 0.2, p_long), 10
+            )
+            d.submit(t, Job(t, 1.0, score=p_long, predicted_tokens=50.0))
+            waiting[name] = t
+        assert [j.payload.request_id for j in d.queue.ordered(1.0)] == ["x", "y", "z"]
+        depth = d.metrics.depth_by_class
+        before = {c: depth[c]._value.get() for c in depth}
+        short = Prediction.from_probabilities(0.9, 0.1, 0.0)  # P(Long) 0: first in line, class Short
+        assert d.repredicted(waiting["z"], short)
+        assert [j.payload.request_id for j in d.queue.ordered(1.0)] == ["z", "x", "y"]
+        assert waiting["z"].prediction is short and waiting["z"].job.score == 0.0
+        assert waiting["z"].job.predicted_tokens == short.predicted_tokens
+        assert (before["long"], before["short"]) == (1, 1)  # z counted Long while it waited; x Short
+        assert (depth["long"]._value.get(), depth["short"]._value.get()) == (0, 2)
+        assert not d.repredicted(running, short)  # running: not waiting, nothing changes
+        assert running.prediction is not short
+        await held.__aexit__(None, None, None)
+        await d.stop()
+
+    asyncio.run(scenario())

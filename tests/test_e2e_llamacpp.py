@@ -253,3 +253,55 @@ def test_a_priority_request_overtakes_queued_normal_ones_and_queue_shows_eta(
         and one["eta_s"] > etas[2]
     )
     assert headers["x-clairvoyant-queue-position"] == "0"  # it went straight to the front when it arrived
+
+
+def test_waiting_requests_are_refined_by_the_encoder_and_reordered(
+    llama_server: EmbeddedLlamaServer, predictor: OnnxPredictor
+) -> None:
+    """A request that waits gets the encoder's second opinion: /queue shows exactly the blend of the
+    lexical prediction and the encoder's, and the queue order follows it. The answers' lengths are
+    forced upstream after prediction, so no cap hides the predictions."""
+    from proxy_harness import metric_value
+
+    from clairvoyant.prediction.encoder import EncoderModel
+
+    encoder = EncoderModel()
+    settings = Settings(
+        upstream_url=llama_server.base_url, starvation_timeout_s=600, bench_upstream_fields=True, online_learning=False
+    )
+    texts = {"essay": LONG_PROMPTS[0], "fact": SHORT_PROMPTS[1]}
+    with running_proxy(settings, predictor=predictor) as url:
+
+        async def scenario() -> dict:
+            async with AsyncOpenAI(base_url=f"{url}/v1", api_key="sk-unused", max_retries=0, timeout=300) as client:
+
+                async def run(tag: str, text: str, tokens: int) -> None:
+                    await client.chat.completions.create(
+                        model="smollm2",
+                        messages=chat(text),
+                        extra_body={"clairvoyant": {"upstream": {"max_tokens": tokens, **FORCE}}},
+                        extra_headers={"x-request-id": f"enc-{tag}"},
+                    )
+
+                holder = asyncio.create_task(run("holder", SHORT_PROMPTS[0], 200))
+                while not queue_snapshot(url)["in_flight"]:
+                    await asyncio.sleep(0.01)
+                tasks = [asyncio.create_task(run(tag, text, 2)) for tag, text in texts.items()]
+                deadline = time.monotonic() + 20
+                while metric_value(url, "clairvoyant_encoder_requests_total", 'outcome="refined"') < 2:
+                    assert time.monotonic() < deadline and not holder.done(), "the waiting requests were not refined"
+                    await asyncio.sleep(0.01)
+                snapshot = queue_snapshot(url)
+                await asyncio.gather(holder, *tasks)
+            return snapshot
+
+        snapshot = asyncio.run(scenario())
+    waiting = {w["request_id"].removeprefix("enc-"): w for w in snapshot["waiting"]}
+    assert set(waiting) == set(texts)
+    for tag, text in texts.items():
+        prompt = prompt_from_body(SCHEDULED_ENDPOINTS["/v1/chat/completions"], {"messages": chat(text)})
+        lexical = predictor.predict(prompt, model="smollm2")
+        refined = predictor.refined(lexical, encoder.log_tokens(text), encoder.blend_weight)
+        assert waiting[tag]["predicted_tokens"] == pytest.approx(round(refined.predicted_tokens, 1), abs=0.06)
+        assert waiting[tag]["predicted_tokens"] != pytest.approx(round(lexical.predicted_tokens, 1), abs=0.06)
+    assert [w["request_id"] for w in snapshot["waiting"]] == ["enc-fact", "enc-essay"]

@@ -311,3 +311,44 @@ def test_fair_share_charges_a_job_repriced_after_dispatch_its_true_seconds() -> 
     q.push(job("a2", 1.0, predicted_s=1.0, tenant="a"))
     q.push(job("b1", 1.0, predicted_s=1.0, tenant="b"))
     assert q.pop(1.0)[0].payload == "b1"  # type: ignore[index]  # b starts at the virtual time, a is 60 s ahead
+
+
+@pytest.mark.parametrize("fair_share", [False, True])
+def test_rekeyed_job_moves_to_its_new_place_and_keeps_its_deadline(fair_share: bool) -> None:
+    """A second opinion re-keys a waiting job: it goes by its new score, through the guard and fair
+    share alike, and the starvation deadline promised at push does not move."""
+    q = build_queue(SjfPolicy(), starvation_timeout_s=100.0, starvation_slowdown=2.0, fair_share=fair_share)
+    jobs = {name: job(name, float(i), score=score, predicted_s=3.0) for i, (name, score) in enumerate(
+        [("a", 0.2), ("b", 0.5), ("c", 0.8)])}  # fmt: skip
+    for j in jobs.values():
+        q.push(j)
+    deadline = jobs["c"].deadline_s
+    assert [j.payload for j in q.ordered(10.0)] == ["a", "b", "c"]
+    jobs["c"].score = 0.1  # the encoder says c is the shortest
+    jobs["c"].predicted_s = 30.0
+    q.rekeyed(jobs["c"])
+    assert jobs["c"].deadline_s == deadline
+    assert [j.payload for j in q.ordered(10.0)] == ["c", "a", "b"]
+    assert drain(q, now=10.0) == ["c", "a", "b"]
+
+
+def test_rekeyed_is_a_no_op_for_a_job_not_waiting() -> None:
+    q = SjfPolicy().make_queue()
+    a, b = job("a", 0.0, score=0.2), job("b", 1.0, score=0.5)
+    q.push(a)
+    q.push(b)
+    assert q.pop(2.0) == (a, False)
+    a.score = 0.9
+    q.rekeyed(a)  # already popped: nothing to move, nothing duplicated
+    assert len(q) == 1
+    assert drain(q, now=2.0) == ["b"]
+
+
+def test_rekeyed_in_a_scan_queue_ranks_by_the_new_fields() -> None:
+    q = HrrnPolicy().make_queue()
+    short, long_ = job("short", 0.0, predicted_s=1.0), job("long", 0.0, predicted_s=10.0)
+    q.push(long_)
+    q.push(short)
+    short.predicted_s = 100.0
+    q.rekeyed(short)
+    assert drain(q, now=5.0) == ["long", "short"]

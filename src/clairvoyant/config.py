@@ -270,6 +270,17 @@ class Settings(BaseSettings):
     model_path: Path | None = Field(
         None, description="ONNX predictor model (its .card.json beside it); unset = shipped model."
     )
+    encoder: bool = Field(
+        True,
+        description="Refine the prediction of a request that waits with the shipped MiniLM encoder, on one background "
+        "thread (milliseconds per request; a request that finds a free slot is never encoded). Off: lexical only.",
+    )
+    encoder_path: Path | None = Field(
+        None, description="The encoder's card (encoder.card.json, its files beside it); unset = the shipped encoder."
+    )
+    encoder_max_pending: int = Field(
+        256, ge=1, description="Waiting requests queued for the encoder at most; beyond it they keep the lexical one."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_format: Literal["text", "json"] = Field(
         "text", description="Log lines as text (key=value fields) or JSON (one object a line, for Loki or Elastic)."

@@ -27,6 +27,8 @@ CLASSES = CLASS_NAMES  # one definition, in length_classes
 # Seconds: from a cached 1-token answer to a 30-minute queue.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
 PREDICTOR_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.01)
+# The encoder per waiting request: ~3 ms idle to ~100 ms on a loaded CPU.
+ENCODER_BUCKETS = (1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 # Output tokens per answer: from a one-word reply to a long essay.
 TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 200, 256, 400, 600, 800, 1024, 1600, 2048, 4096, 8192)
 # Model labels published, at most (the learner bounds its keys already: this is a second fence).
@@ -179,6 +181,19 @@ class Metrics:
             "clairvoyant_prediction_quality_window_requests",
             "Observed requests in the rolling prediction-quality window, by model.",
             ["model"],
+            registry=r,
+        )
+        self.encoder_latency = Histogram(
+            "clairvoyant_encoder_seconds",
+            "The encoder's time per waiting request it refines (on its own thread, never the event loop).",
+            buckets=ENCODER_BUCKETS,
+            registry=r,
+        )
+        self.encoder_requests = Counter(
+            "clairvoyant_encoder_requests",
+            "Waiting requests handed to the encoder, by outcome (refined: re-keyed in the queue; late: dispatched "
+            "before its result; skipped: dispatched before its turn; dropped: the encoder's queue was full).",
+            ["outcome"],
             registry=r,
         )
         self.usage_by_source = {s: self.usage_observations.labels(s) for s in get_args(UsageSource)}

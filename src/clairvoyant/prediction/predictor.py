@@ -442,9 +442,27 @@ class OnnxPredictor:
         probabilities = (out[0], out[1], out[2]) if self._is_classifier else None
         return self._prediction(raw, prior, correction, probabilities, row, model, cap_tokens)
 
+    def refined(self, prediction: Prediction, encoder_log_tokens: float, weight: float) -> Prediction:
+        """``prediction`` with a second opinion blended into its prior, in log tokens:
+        prior + ``weight`` x (``encoder_log_tokens`` - prior); then the learned correction and the
+        cap, as in ``predict``. Thread-safe (reads no shared buffer): the encoder's thread calls it."""
+        prior = prediction.prior_log_tokens + weight * (encoder_log_tokens - prediction.prior_log_tokens)
+        corrector = self.corrector
+        row = prediction.features()
+        correction = 0.0 if corrector is None or not len(row) else corrector.correction(prediction.model, row, prior)
+        return self._prediction(
+            None,
+            prior,
+            correction,
+            prediction.probabilities,
+            prediction.feature_row,
+            prediction.model,
+            prediction.cap_tokens,
+        )
+
     def _prediction(
         self,
-        raw: float,
+        raw: float | None,
         prior_log_tokens: float,
         correction: float,
         probabilities: tuple[float, float, float] | None,
@@ -453,7 +471,7 @@ class OnnxPredictor:
         cap_tokens: int | None,
     ) -> Prediction:
         calibration = self.calibration
-        if correction:
+        if correction or raw is None:  # no raw score of its own: a corrected or refined prior
             predicted_log = prior_log_tokens + correction
             score = calibration.score_of_extended(predicted_log)
         else:

@@ -44,6 +44,7 @@ from clairvoyant.prediction.dialects import (
     parse_request,
     with_upstream_fields,
 )
+from clairvoyant.prediction.encoder import EncoderModel, Refiner
 from clairvoyant.prediction.predictor import OnnxPredictor, Predictor
 from clairvoyant.proxy.access import AccessControl, Identity, identity_of
 from clairvoyant.proxy.feedback import OnlineLearning
@@ -82,6 +83,41 @@ class ProxyState:
     dispatcher: Dispatcher
     metrics: Metrics
     learning: OnlineLearning  # its recorder is the relay's on_usage: metrics and the online learner
+    refiner: Refiner | None = None  # the encoder's second opinion for waiting requests (None: off)
+
+
+def _start_refiner(
+    settings: Settings, predictor: Predictor, dispatcher: Dispatcher, metrics: Metrics
+) -> Refiner | None:
+    """The encoder's second opinion for requests that wait (``prediction/encoder.py``), when it
+    applies: it refines a regressor's log tokens, so a class model (``--preset paper``) or a test
+    double runs without it. A broken encoder fails start-up, like a broken predictor."""
+    if not settings.encoder:
+        return None
+    if not isinstance(predictor, OnnxPredictor) or predictor.output.kind != "regressor":
+        logger.info("encoder off: it refines a regressor's log tokens, and this predictor is not one")
+        return None
+    encoder = EncoderModel(settings.encoder_path)
+    weight = encoder.blend_weight
+    outcomes = {
+        name: metrics.encoder_requests.labels(name) for name in ("refined", "late", "skipped", "dropped", "failed")
+    }
+
+    def deliver(ticket: Ticket, encoder_log_tokens: float) -> None:
+        prediction = ticket.prediction
+        if prediction is not None and ticket.job.waiting and not ticket.ended:
+            if dispatcher.repredicted(ticket, predictor.refined(prediction, encoder_log_tokens, weight)):
+                outcomes["refined"].inc()
+                return
+        outcomes["late"].inc()  # dispatched or withdrawn while it was being encoded
+
+    refiner = Refiner(
+        encoder, deliver, max_pending=settings.encoder_max_pending,
+        observe_seconds=metrics.encoder_latency.observe, count=lambda outcome: outcomes[outcome].inc(),
+    )  # fmt: skip
+    refiner.start(asyncio.get_running_loop())
+    logger.info("encoder on: blend weight %.2f, %d word pieces", weight, encoder.card.max_word_pieces)
+    return refiner
 
 
 def create_app(
@@ -126,7 +162,8 @@ def create_app(
         )  # fmt: skip
         await dispatcher.start()
         pool.start(dispatcher)
-        app.state.proxy = ProxyState(settings, loaded, pool, dispatcher, metrics, learning)
+        refiner = _start_refiner(settings, loaded, dispatcher, metrics)
+        app.state.proxy = ProxyState(settings, loaded, pool, dispatcher, metrics, learning, refiner)
         logger.info(
             "clairvoyant ready: backends=%s policy=%s tau=%ss+%sxS slots=%d max_queue=%d disconnect_mode=%s",
             ", ".join(f"{m.name}={m.upstream.display_url} ({m.kind}, {m.slots} slots)" for m in pool.members),
@@ -142,6 +179,8 @@ def create_app(
         try:
             yield
         finally:
+            if refiner is not None:
+                refiner.stop()
             await dispatcher.stop(settings.shutdown_grace_s)  # in-flight answers get the grace period, no more
             await learning.stop()  # after the drain: the last requests are learned, then saved
             await pool.aclose()
@@ -461,6 +500,13 @@ async def _scheduled(state: ProxyState, scope: Scope, receive: Receive) -> Sched
     else:
         predict()
         dispatcher.submit(ticket, job)
+        refiner = state.refiner
+        if (
+            refiner is not None
+            and job.waiting
+            and not (settings.allow_oracle and "output_tokens" in parsed.proxy_options)
+        ):
+            refiner.want(ticket, parsed.prompt.instruction, lambda: job.waiting)  # a plain read, from its thread
     head.forward.append(("x-request-id", request_id))
     upstream_request = UpstreamRequest(
         "POST", endpoint.path, scope["query_string"].decode("latin-1"), head.forward, forward_body,

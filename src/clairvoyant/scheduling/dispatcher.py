@@ -45,6 +45,7 @@ from clairvoyant.errors import QueueFull, RequestError
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.predictor import Prediction
 from clairvoyant.prediction.usage import Usage
+from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.job_queue import Job, JobQueue
 from clairvoyant.scheduling.policy import SchedulingPolicy
 from clairvoyant.scheduling.routing import Backend, choose
@@ -375,6 +376,25 @@ class Dispatcher:
         observe its queue wait, now that its class is known."""
         self.queue.repriced(ticket.job, old_predicted_s)
         self.observe_wait(ticket)
+
+    def repredicted(self, ticket: Ticket, prediction: Prediction) -> bool:
+        """A waiting ticket's prediction was refined (the encoder's second opinion, see
+        ``prediction.encoder``): its job takes the new key, tokens and seconds, and the queue
+        re-orders it. False (nothing changes) if it is no longer waiting in the queue."""
+        job = ticket.job
+        if ticket.ended or not job.waiting or ticket.prediction is None:
+            return False
+        old_class = ticket.predicted_class
+        ticket.prediction = prediction
+        job.score = prediction.score
+        job.predicted_tokens = prediction.predicted_tokens
+        job.predicted_s = self.predicted_s(ticket.model, ticket.prompt_tokens, prediction.predicted_tokens)
+        job.bucket = bucket_for(job.predicted_s)
+        self.queue.rekeyed(job)
+        if ticket.predicted_class != old_class:
+            self.metrics.depth_by_class[old_class].dec()
+            self.metrics.depth_by_class[ticket.predicted_class].inc()
+        return True
 
     def observe_wait(self, ticket: Ticket) -> None:
         """The queue-wait observation of a ticket dispatched at once, once its class is known."""

@@ -2,10 +2,11 @@
 
 Every queue here has the same small interface (``JobQueue``):
 
-    push(job)            queue a job (its key, if any, is computed now and never again)
+    push(job)            queue a job (its key, if any, is computed now, and again only at rekeyed)
     remove(job) -> bool  withdraw a waiting job (its client left); False if it was not waiting
     pop(now)  -> (job, promoted) | None    the next job to dispatch at ``now``
     done(job)            a popped job has left the backend (finished, failed, or never ran)
+    rekeyed(job)         a waiting job's prediction changed: order it by its new fields
     peek(now) -> (job, promoted) | None    what ``pop(now)`` would return, without removing it
     len(q), iter(q)      waiting jobs (iteration order unspecified; ``ordered(now)`` is dispatch order)
 
@@ -108,6 +109,11 @@ class JobQueue(Protocol[T]):
         prediction): account the difference wherever service is charged."""
         ...
 
+    def rekeyed(self, job: Job[T]) -> None:
+        """A waiting job's prediction changed (a second opinion came while it waited): order it by
+        its new fields from now on. Its starvation deadline stays the one fixed at push."""
+        ...
+
     def ordered(self, now: float) -> list[Job[T]]:
         """Waiting jobs in the order they would go if nothing else arrived (for positions and ETAs)."""
         ...
@@ -170,6 +176,18 @@ class HeapQueue(Generic[T]):
     def repriced(self, job: Job[T], old_predicted_s: float) -> None:
         pass
 
+    def rekeyed(self, job: Job[T]) -> None:
+        if not job.waiting:
+            return
+        heap = self._heap
+        # O(n): a job is re-keyed at most once (the encoder's pace), and a lazy second entry
+        # would need a version on every entry. heapify restores the order around the new key.
+        for i, entry in enumerate(heap):
+            if entry[2] is job:
+                heap[i] = (self.key(job), job.seq, job)
+                heapq.heapify(heap)
+                return
+
     def ordered(self, now: float) -> list[Job[T]]:
         return [entry[2] for entry in sorted(e for e in self._heap if e[2].waiting)]
 
@@ -220,6 +238,9 @@ class ScanQueue(Generic[T]):
 
     def repriced(self, job: Job[T], old_predicted_s: float) -> None:
         pass
+
+    def rekeyed(self, job: Job[T]) -> None:
+        pass  # ranks are computed at each pop from the job's current fields
 
     def ordered(self, now: float) -> list[Job[T]]:
         rank = self.rank
@@ -368,6 +389,9 @@ class StarvationGuard(Generic[T]):
     def repriced(self, job: Job[T], old_predicted_s: float) -> None:
         self.inner.repriced(job, old_predicted_s)
 
+    def rekeyed(self, job: Job[T]) -> None:
+        self.inner.rekeyed(job)  # the deadline stays: the bound promised at arrival holds
+
     def ordered(self, now: float) -> list[Job[T]]:
         inner = self.inner.ordered(now)
         self._advance(now)
@@ -515,6 +539,11 @@ class FairShareQueue(Generic[T]):
         tenant = self._tenants.get(name)
         if tenant is not None and job.seq in tenant.in_flight:
             tenant.served_s += (job.predicted_s - old_predicted_s) / self.weight_of(name)
+
+    def rekeyed(self, job: Job[T]) -> None:
+        tenant = self._tenants.get(self.tenant_of(job))
+        if tenant is not None:
+            tenant.queue.rekeyed(job)  # tenants are charged at the pop, from the job's fields then
 
     def done(self, job: Job[T]) -> None:
         name = self.tenant_of(job)

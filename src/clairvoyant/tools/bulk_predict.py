@@ -96,8 +96,9 @@ def request_of_line(line: str) -> LineRequest:
     )
 
 
-def score_lines(predictor: Any, lines: Iterable[str]) -> Iterator[dict[str, Any]]:
-    """One result dict per input line, in order (scored in batches of 512 through one ONNX call)."""
+def score_lines(predictor: Any, lines: Iterable[str], encoder: Any | None = None) -> Iterator[dict[str, Any]]:
+    """One result dict per input line, in order (scored in batches of 512 through one ONNX call).
+    ``encoder`` (an ``EncoderModel``): each prediction refined by it, as for a request that waits."""
     batch: list[tuple[int, LineRequest | str]] = []
 
     def flush() -> Iterator[dict[str, Any]]:
@@ -113,7 +114,12 @@ def score_lines(predictor: Any, lines: Iterable[str]) -> Iterator[dict[str, Any]
         )
         for number, item in batch:
             if isinstance(item, LineRequest):
-                yield {"line": number, **next(predictions).as_dict()}
+                prediction = next(predictions)
+                if encoder is not None:
+                    prediction = predictor.refined(
+                        prediction, encoder.log_tokens(item.prompt.instruction), encoder.blend_weight
+                    )
+                yield {"line": number, **prediction.as_dict()}
             else:
                 yield {"line": number, "error": item}
         batch.clear()
@@ -133,6 +139,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jsonl", required=True, type=Path, help="input file ('-' for stdin)")
     parser.add_argument("--model", type=Path, default=None, help="ONNX model (default: the shipped model)")
     parser.add_argument("--out", type=Path, default=None, help="output file (default: stdout)")
+    parser.add_argument(
+        "--no-encoder", action="store_true", help="lexical predictions only (default: refined by the shipped encoder)"
+    )
 
 
 def _open_input(path: Path) -> IO[str]:
@@ -148,9 +157,11 @@ def run(args: argparse.Namespace) -> int:
     ``ClairvoyantError`` if the input file cannot be read.
     """
     from clairvoyant.errors import ClairvoyantError
+    from clairvoyant.prediction.encoder import encoder_for
     from clairvoyant.prediction.predictor import OnnxPredictor
 
     predictor = OnnxPredictor(args.model)
+    encoder = None if args.no_encoder else encoder_for(predictor)
     errors = total = 0
     try:
         source = _open_input(args.jsonl)
@@ -161,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         with source:
             # splitlines semantics of a text file: one record per '\n'-terminated line
             lines = (line.rstrip("\r\n") for line in source)
-            for result in score_lines(predictor, lines):
+            for result in score_lines(predictor, lines, encoder):
                 total += 1
                 errors += "error" in result
                 sink.write(json.dumps(result) + "\n")

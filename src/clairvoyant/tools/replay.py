@@ -15,7 +15,8 @@ Output, one JSON line per input line, in order, and nothing else on stdout::
     {"line": 1, "score": ..., "predicted_tokens": ..., "p_short": ..., "p_medium": ..., "p_long": ...}
 
 (p_* only for a class model). A bad line gets ``{"line": N, "error": "..."}`` in its place and
-teaches nothing. ``--no-learn`` scores with the static prior (and ignores ``--state``). ``--state
+teaches nothing. Every line is refined by the shipped encoder, as the proxy refines a request that
+waits, unless ``--no-encoder`` (or the model is a class model). ``--no-learn`` scores with the static prior (and ignores ``--state``). ``--state
 FILE`` starts from a saved learner state (refused with a log line if corrupt or made for another
 model: the replay then starts from the prior) and saves the final state to FILE, atomically,
 replacing a refused one. Exit status: 0 if every line was used, 1 if some were errors.
@@ -48,12 +49,18 @@ def _output_tokens(body: dict[str, Any]) -> int:
 
 
 def replay_lines(
-    predictor: Any, learner: Any | None, lines: Iterable[str], model_name: str | None = None
+    predictor: Any,
+    learner: Any | None,
+    lines: Iterable[str],
+    model_name: str | None = None,
+    encoder: Any | None = None,
 ) -> Iterator[dict[str, Any]]:
     """One result per line, in order: scored first, then learned (``learner`` None: static).
 
     ``predictor`` is an ``OnnxPredictor``; the learner is attached to it as its corrector for the
     duration (and detached afterwards). ``model_name``: the model of lines that name none.
+    ``encoder`` (an ``EncoderModel``): each line is refined by it, as the proxy refines a request
+    that waits (replay orders every line, so every line is one that waits).
     """
     previous = predictor.corrector
     predictor.corrector = learner
@@ -68,6 +75,10 @@ def replay_lines(
                 continue
             model = request.model or model_name
             prediction = predictor.predict(request.prompt, model=model, cap_tokens=request.cap_tokens)
+            if encoder is not None:
+                prediction = predictor.refined(
+                    prediction, encoder.log_tokens(request.prompt.instruction), encoder.blend_weight
+                )
             result: dict[str, Any] = {
                 "line": number,
                 "score": prediction.score,
@@ -92,17 +103,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--state", type=Path, default=None, help="learner state file: loaded at start if valid, saved at the end"
     )
     parser.add_argument("--model", type=Path, default=None, help="ONNX model (default: the shipped model)")
+    parser.add_argument(
+        "--no-encoder", action="store_true", help="lexical predictions only (default: refined by the shipped encoder)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Replay ``args.file``; 0 if every line was used, 1 if any was an error. Raises ``ModelError``
     if the model cannot be loaded and ``ClairvoyantError`` if the input cannot be read."""
     from clairvoyant.errors import ClairvoyantError
+    from clairvoyant.prediction.encoder import encoder_for
     from clairvoyant.prediction.learner import OnlineLearner, PriorIdentity
     from clairvoyant.prediction.predictor import OnnxPredictor
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="clairvoyant replay: %(message)s")
     predictor = OnnxPredictor(args.model)
+    encoder = None if args.no_encoder else encoder_for(predictor)
     learner = None
     if not args.no_learn:
         identity = PriorIdentity.of(predictor)
@@ -118,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     errors = total = 0
     with source:
         lines = (line.rstrip("\r\n") for line in source)
-        for result in replay_lines(predictor, learner, lines, args.model_name):
+        for result in replay_lines(predictor, learner, lines, args.model_name, encoder):
             total += 1
             errors += "error" in result
             sys.stdout.write(json.dumps(result) + "\n")

@@ -13,6 +13,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from clairvoyant.prediction.encoder import DEFAULT_ENCODER_CARD
 from clairvoyant.prediction.predictor import DEFAULT_MODEL_PATH
 
 __all__ = ["add_arguments", "run"]
@@ -31,6 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         help="the previous shipped model to compare (default: model/baselines/rich_v2_3class.onnx)",
     )
+    parser.add_argument(
+        "--encoder",
+        type=Path,
+        default=DEFAULT_ENCODER_CARD,
+        help="encoder card to report the model refined by it, as waiting requests are served (default: the shipped one)",
+    )
+    parser.add_argument("--no-encoder", action="store_true", help="skip the encoder rows")
     parser.add_argument("--no-paper-baseline", action="store_true", help="skip training the paper preset (faster)")
     parser.add_argument("--threads", type=int, default=2, help="xgboost threads for the paper baseline")
 
@@ -50,12 +58,17 @@ def run(args: argparse.Namespace) -> int:
         baseline_model=args.baseline_model or BASELINE_MODEL_PATH,
         paper_baseline=not args.no_paper_baseline,
         threads=args.threads,
+        encoder=None if args.no_encoder or not args.encoder.is_file() else args.encoder,
     )
     json_path, md_path = write_report(args.model, report)
-    m = report["scorers"]["model"]
-    alpaca = m.get("alpaca_eval")
-    print(
-        f"wrote {md_path} and {json_path}: ShareGPT held-out tau_b {m['sharegpt_held_out']['kendall_tau_b']:.4f}"
-        + (f", AlpacaEval mean tau_b {alpaca['mean_kendall_tau_b']:.4f}" if alpaca else ", AlpacaEval skipped")
-    )
+    print(f"wrote {md_path} and {json_path}")
+    for name in ("model", "model_with_encoder"):
+        m = report["scorers"].get(name)
+        if m is None:
+            continue
+        alpaca = m.get("alpaca_eval")
+        print(
+            f"{name}: ShareGPT held-out tau_b {m['sharegpt_held_out']['kendall_tau_b']:.4f}"
+            + (f", AlpacaEval mean tau_b {alpaca['mean_kendall_tau_b']:.4f}" if alpaca else ", AlpacaEval skipped")
+        )
     return 0

@@ -130,8 +130,10 @@ def evaluate_model(
     baseline_model: Path | None = BASELINE_MODEL_PATH,
     paper_baseline: bool = True,
     threads: int = 2,
+    encoder: Path | None = None,
 ) -> dict[str, Any]:
-    """The transfer report (a JSON-able dict) of the model at ``model_path``."""
+    """The transfer report (a JSON-able dict) of the model at ``model_path``; with ``encoder`` (an
+    encoder card) also the model refined by the encoder, as a waiting request is served."""
     model = ModelScorer(model_path)
     config = natural_config_from_card(model.card)
     if split is None:
@@ -166,6 +168,36 @@ def evaluate_model(
                 m: float(np.mean(np.abs(pa - np.log(np.maximum(alpaca.lengths[:, j], 1)))))
                 for j, m in enumerate(alpaca.models)
             }
+
+    if encoder is not None and predicted is not None:
+        from clairvoyant.prediction.encoder import EncoderModel
+
+        enc = EncoderModel(encoder)
+        w = enc.blend_weight
+
+        def refined(prior: np.ndarray, prompts: list[Prompt]) -> np.ndarray:
+            return prior + w * (enc.log_tokens_many([p.instruction for p in prompts]) - prior)
+
+        served_test = refined(predicted, test_prompts)
+        served_alpaca = (
+            refined(model.predicted_log_tokens(raw_alpaca), alpaca.prompts)
+            if alpaca and raw_alpaca is not None
+            else None
+        )  # type: ignore[arg-type]
+        scorers["model_with_encoder"] = section(
+            served_test,
+            served_alpaca,
+            f"{model.name} refined by the encoder {encoder.name} as a waiting request is served: "
+            f"prior + {w:g} x (encoder ln tokens - prior), on the calibrated ln-token scale",
+        )
+        scorers["encoder_alone"] = section(
+            enc.log_tokens_many([p.instruction for p in test_prompts]),
+            enc.log_tokens_many([p.instruction for p in alpaca.prompts]) if alpaca else None,
+            "the encoder's ln tokens alone (its text: the last user turn's first word pieces)",
+        )
+        scorers["model_with_encoder"]["sharegpt_held_out"]["log_tokens_mae"] = float(
+            np.mean(np.abs(served_test - split.test_log_tokens))
+        )
 
     scorers["prompt_length"] = section(
         np.array([len(p.instruction) for p in test_prompts], dtype=np.float64),

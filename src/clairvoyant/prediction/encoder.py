@@ -1,0 +1,257 @@
+"""A second opinion for requests that wait: a fine-tuned MiniLM encoder of the instruction.
+
+The lexical predictor (``predictor.OnnxPredictor``) scores every request in tens of microseconds.
+The encoder reads the same instruction (the last user turn, its first ``max_word_pieces`` word
+pieces) with a small transformer fine-tuned on ShareGPT answer lengths, and ranks prompts unlike
+the training data better (``model/MODEL_CARD.md`` gives both figures). It costs milliseconds, so
+it never stands in a request's way:
+
+- a request that finds a free slot is never encoded (there is no order to decide);
+- a request that waits is handed to ``Refiner``, one background thread; when its turn comes and
+  it is still waiting, the encoder's log tokens are blended into its prediction and the queue
+  re-keys it (``Dispatcher.repredicted``). A request dispatched meanwhile is skipped.
+
+Blend, in log tokens (``blend_weight`` w from the encoder's card):
+
+    refined prior = lexical prior + w x (encoder log tokens - lexical prior)
+
+then the learned correction and the request's cap apply exactly as to a lexical prediction
+(``OnnxPredictor.refined``). Serving needs onnxruntime and ``tokenizers`` only: no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clairvoyant.errors import ModelError
+
+__all__ = ["DEFAULT_ENCODER_CARD", "EncoderCard", "EncoderModel", "Refiner", "encoder_for"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ENCODER_CARD = Path(__file__).resolve().parent.parent / "model" / "encoder.card.json"
+
+# The instruction is cut before tokenizing: the encoder reads at most max_word_pieces word pieces,
+# which never need more than about 6 characters each; the cut bounds both the work and what a
+# pending request holds.
+_CHARS_PER_WORD_PIECE = 8
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderCard:
+    """What the encoder's card promises (``encoder.card.json``)."""
+
+    onnx_path: Path
+    onnx_sha256: str
+    tokenizer_path: Path
+    tokenizer_sha256: str
+    max_word_pieces: int  # the instruction's first N word pieces are read (the training cut)
+    blend_weight: float  # w in [0, 1]: the encoder's share of the refined prior, in log tokens
+    output: str  # the graph's output: standardised log tokens
+    output_mean: float  # ln tokens = output_mean + output_std x output (the training's standardisation)
+    output_std: float
+    raw: dict[str, Any]  # the whole card (training, metrics), for reports
+
+    @classmethod
+    def load(cls, card_path: Path) -> EncoderCard:
+        try:
+            raw = json.loads(card_path.read_text())
+            card = cls(
+                onnx_path=card_path.parent / raw["onnx_file"],
+                onnx_sha256=str(raw["onnx_sha256"]),
+                tokenizer_path=card_path.parent / raw["tokenizer_file"],
+                tokenizer_sha256=str(raw["tokenizer_sha256"]),
+                max_word_pieces=int(raw["max_word_pieces"]),
+                blend_weight=float(raw["blend_weight"]),
+                output=str(raw.get("output", "log_tokens")),
+                output_mean=float(raw.get("output_mean_log_tokens", 0.0)),
+                output_std=float(raw.get("output_std_log_tokens", 1.0)),
+                raw=raw,
+            )
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelError(f"encoder card {card_path} is unreadable: {exc}") from exc
+        if not 0.0 <= card.blend_weight <= 1.0:
+            raise ModelError(f"encoder card {card_path}: blend_weight {card.blend_weight} is not in [0, 1]")
+        if card.max_word_pieces < 8:
+            raise ModelError(f"encoder card {card_path}: max_word_pieces {card.max_word_pieces} is below 8")
+        return card
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class EncoderModel:
+    """The encoder: instruction text -> predicted ln(answer tokens), on one onnxruntime thread."""
+
+    def __init__(self, card_path: Path | str | None = None) -> None:
+        import onnxruntime as ort  # imported here: importing this module stays cheap
+        from tokenizers import Tokenizer
+
+        path = Path(card_path) if card_path is not None else DEFAULT_ENCODER_CARD
+        if not path.is_file():
+            raise ModelError(f"encoder card {path} not found")
+        self.card = EncoderCard.load(path)
+        for file, sha in (
+            (self.card.onnx_path, self.card.onnx_sha256),
+            (self.card.tokenizer_path, self.card.tokenizer_sha256),
+        ):
+            if not file.is_file():
+                raise ModelError(f"encoder file {file} not found")
+            if _sha256(file) != sha:
+                raise ModelError(f"encoder file {file} does not match the sha256 in its card")
+        self.tokenizer = Tokenizer.from_file(str(self.card.tokenizer_path))
+        self.tokenizer.enable_truncation(self.card.max_word_pieces)
+        self.tokenizer.no_padding()
+        options = ort.SessionOptions()
+        # One thread: the backend generates on the same cores (see OnnxPredictor).
+        options.intra_op_num_threads = 1
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        try:
+            self._session = ort.InferenceSession(str(self.card.onnx_path), options, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own untyped errors
+            raise ModelError(f"cannot load encoder {self.card.onnx_path}: {exc}") from exc
+        names = {o.name for o in self._session.get_outputs()}
+        if self.card.output not in names:
+            raise ModelError(f"encoder {self.card.onnx_path} has no {self.card.output!r} output (has {sorted(names)})")
+        self._max_chars = self.card.max_word_pieces * _CHARS_PER_WORD_PIECE
+        self.log_tokens("warm up")  # first-run allocations, and proof that the graph runs
+
+    @property
+    def blend_weight(self) -> float:
+        return self.card.blend_weight
+
+    def clip(self, text: str) -> str:
+        """The part of ``text`` the encoder can read (what a pending request keeps), as valid
+        UTF-8: the tokenizer refuses lone surrogates, which JSON bodies can carry."""
+        return text[: self._max_chars].encode("utf-8", "replace").decode("utf-8")
+
+    def log_tokens(self, text: str) -> float:
+        """Predicted ln(answer tokens) for one instruction."""
+        encoding = self.tokenizer.encode(self.clip(text))
+        ids = np.asarray([encoding.ids], dtype=np.int64)
+        mask = np.asarray([encoding.attention_mask], dtype=np.int64)
+        out = self._session.run([self.card.output], {"input_ids": ids, "attention_mask": mask})[0]
+        return self.card.output_mean + self.card.output_std * float(np.asarray(out).reshape(-1)[0])
+
+    def log_tokens_many(self, texts: Sequence[str]) -> np.ndarray:
+        """``log_tokens`` for each instruction, one at a time: batching would pad, and a quantized
+        graph scales its activations over the whole batch, padding included, so a padded batch
+        does not give the served values."""
+        return np.fromiter((self.log_tokens(t) for t in texts), dtype=np.float64, count=len(texts))
+
+
+@dataclass(slots=True)
+class _Pending:
+    key: Any  # the caller's handle (the dispatcher's ticket)
+    text: str  # the clipped instruction
+    still_wanted: Callable[[], bool]  # read from the worker thread: a plain attribute read
+
+
+class Refiner:
+    """One background thread that encodes waiting requests, newest last, and hands each result
+    back on the event loop: ``deliver(key, encoder_log_tokens)``.
+
+    Bounded: at most ``max_pending`` requests wait for the encoder; a request beyond that keeps
+    its lexical prediction (outcome ``dropped``). A request no longer waiting when its turn comes
+    is skipped without encoding (``skipped``). The event loop never waits for the encoder.
+    """
+
+    def __init__(
+        self,
+        encoder: EncoderModel,
+        deliver: Callable[[Any, float], None],
+        *,
+        max_pending: int = 256,
+        observe_seconds: Callable[[float], None] | None = None,
+        count: Callable[[str], None] | None = None,
+    ) -> None:
+        self.encoder = encoder
+        self.deliver = deliver
+        self.observe_seconds = observe_seconds  # the encoder's seconds per request (from its thread)
+        self.count = count  # an outcome: skipped, dropped or failed (from either thread)
+        self._pending: queue.Queue[_Pending | None] = queue.Queue(maxsize=max_pending)
+        self._loop: Any = None
+        self._thread: threading.Thread | None = None
+        self.encoded = 0  # results handed back to the loop
+
+    def start(self, loop: Any) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="clairvoyant-encoder", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self._thread is None:
+            return
+        while True:  # make room for the sentinel: what is pending now is not worth encoding
+            try:
+                self._pending.get_nowait()
+            except queue.Empty:
+                break
+        self._pending.put(None)
+        self._thread.join(timeout_s)
+        self._thread = None
+
+    def want(self, key: Any, text: str, still_wanted: Callable[[], bool]) -> bool:
+        """Ask for ``key``'s second opinion (from the event loop). False if it was not taken."""
+        if self._thread is None:
+            return False
+        try:
+            self._pending.put_nowait(_Pending(key, self.encoder.clip(text), still_wanted))
+        except queue.Full:
+            self._count("dropped")
+            return False
+        return True
+
+    def _count(self, outcome: str) -> None:
+        if self.count is not None:
+            self.count(outcome)
+
+    def _run(self) -> None:
+        while True:
+            item = self._pending.get()
+            if item is None:
+                return
+            if not item.still_wanted():
+                self._count("skipped")
+                continue
+            started = time.perf_counter()
+            try:
+                value = self.encoder.log_tokens(item.text)
+            except Exception:  # never let one request end the thread
+                self._count("failed")
+                logger.exception("encoder failed on one request; it keeps its lexical prediction")
+                continue
+            if self.observe_seconds is not None:
+                self.observe_seconds(time.perf_counter() - started)
+            self.encoded += 1
+            try:
+                self._loop.call_soon_threadsafe(self.deliver, item.key, value)
+            except RuntimeError:  # the loop closed under us (shutdown)
+                return
+
+
+def encoder_for(predictor: Any, card_path: Path | None = None) -> EncoderModel | None:
+    """The encoder that refines ``predictor``'s predictions, or None where it does not apply: a
+    class model (``--preset paper``) has no log-token prior to blend into."""
+    output = getattr(predictor, "output", None)
+    if output is None or output.kind != "regressor":
+        return None
+    return EncoderModel(card_path)
