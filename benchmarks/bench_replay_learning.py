@@ -19,16 +19,32 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from clairvoyant.prediction.encoder import encoder_for  # noqa: E402
 from clairvoyant.prediction.learner import LearnerConfig, OnlineLearner, kendall_tau_b  # noqa: E402
 from clairvoyant.prediction.predictor import OnnxPredictor  # noqa: E402
 from clairvoyant.tools.replay import replay_lines  # noqa: E402
 
 TARGET_GAIN = 0.05
+
+
+class _Memo:
+    """The encoder's value per text, computed once: every replay scores the same 406 prompts."""
+
+    def __init__(self, encoder: Any) -> None:
+        self.encoder = encoder
+        self.blend_weight = encoder.blend_weight
+        self._values: dict[str, float] = {}
+
+    def log_tokens(self, text: str) -> float:
+        if text not in self._values:
+            self._values[text] = self.encoder.log_tokens(text)
+        return self._values[text]
 
 
 def _second_half_tau(results: list[dict], lengths: list[int]) -> float:
@@ -44,11 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--refit-every", type=int, default=LearnerConfig().refit_every)
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    parser.add_argument("--no-encoder", action="store_true", help="lexical predictions only (as `replay --no-encoder`)")
     args = parser.parse_args(argv)
 
     rows = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()]
     models = list(rows[0]["output_tokens"])
     predictor = OnnxPredictor(args.model)
+    encoder = None if args.no_encoder else _Memo(encoder_for(predictor))
     config = LearnerConfig(refit_every=args.refit_every)
     figures: dict[str, dict[str, list[float]]] = {}
     for model in models:
@@ -62,8 +80,10 @@ def main(argv: list[str] | None = None) -> int:
                 for i in order
             ]
             lengths = [rows[i]["output_tokens"][model] for i in order]
-            static = list(replay_lines(predictor, None, lines))
-            learned = list(replay_lines(predictor, OnlineLearner.for_predictor(predictor, config), lines))
+            static = list(replay_lines(predictor, None, lines, encoder=encoder))
+            learned = list(
+                replay_lines(predictor, OnlineLearner.for_predictor(predictor, config), lines, encoder=encoder)
+            )
             assert not any("error" in r for r in static + learned)
             per_seed["static"].append(_second_half_tau(static, lengths))
             per_seed["learned"].append(_second_half_tau(learned, lengths))
@@ -75,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model: {predictor.model_path} (card schema {predictor.card.get('schema', 1)}, "
         f"{predictor.output.kind}, score {predictor.output.score}); seeds {args.seeds}; "
-        f"refit every {config.refit_every} observations; {len(rows)} lines per replay"
+        f"refit every {config.refit_every} observations; {len(rows)} lines per replay; "
+        + ("lexical only" if encoder is None else f"refined by the encoder (blend weight {encoder.blend_weight:g})")
     )
     print("second-half Kendall tau_b, mean (min..max) over seeds")
     header = f"{'model':28s} {'--no-learn':>22s} {'learning':>22s} {'gain':>22s}"
@@ -103,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "model": str(predictor.model_path),
                     "onnx_sha256": predictor.onnx_sha256,
+                    "encoder": None if encoder is None else encoder.encoder.card.raw.get("onnx_sha256"),
                     "seeds": args.seeds,
                     "refit_every": config.refit_every,
                     "lines": len(rows),

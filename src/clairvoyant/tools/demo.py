@@ -88,6 +88,7 @@ def order_table(specs: list, predicted_tokens: list[float], sjf_finish_rank: dic
 
 def run(args: argparse.Namespace) -> int:
     from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, prompt_from_body
+    from clairvoyant.prediction.encoder import encoder_for
     from clairvoyant.prediction.predictor import OnnxPredictor
     from clairvoyant.tools.bench.commands import backend
     from clairvoyant.tools.bench.prompt_set import PromptSetError, load_prompt_set, resolve
@@ -123,13 +124,19 @@ def run(args: argparse.Namespace) -> int:
         args.out,
         meta={"demo": vars(args) | {"out": str(args.out), "model_path": str(args.model_path)}, "backend_label": label},
     )
-    # The proxy's own view of each request (no cap: the forced length is hidden from it).
+    # The proxy's own view of each request (no cap: the forced length is hidden from it), refined by
+    # the encoder as the proxy refines a request that waits (all but the burst's first one).
     predictor = OnnxPredictor(args.model_path)
+    encoder = encoder_for(predictor)
     chat = SCHEDULED_ENDPOINTS["/v1/chat/completions"]
-    predicted = [
-        predictor.predict(prompt_from_body(chat, {"messages": [{"role": "user", "content": s.text}]})).predicted_tokens
-        for s in specs
-    ]
+
+    def seen(text: str) -> float:
+        prediction = predictor.predict(prompt_from_body(chat, {"messages": [{"role": "user", "content": text}]}))
+        if encoder is not None:
+            prediction = predictor.refined(prediction, encoder.log_tokens(text), encoder.blend_weight)
+        return prediction.predicted_tokens
+
+    predicted = [seen(s.text) for s in specs]
     finish = {r["index"]: int(r["finish_rank"]) for r in rows if r["condition"] == "sjf" and r["finish_rank"] != ""}
     print("\nwhat the predictor saw (prompts it never trained on), in the order sjf dispatches them:")
     print(order_table(specs, predicted, finish))

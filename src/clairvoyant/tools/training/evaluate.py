@@ -174,16 +174,14 @@ def evaluate_model(
 
         enc = EncoderModel(encoder)
         w = enc.blend_weight
-
-        def refined(prior: np.ndarray, prompts: list[Prompt]) -> np.ndarray:
-            return prior + w * (enc.log_tokens_many([p.instruction for p in prompts]) - prior)
-
-        served_test = refined(predicted, test_prompts)
-        served_alpaca = (
-            refined(model.predicted_log_tokens(raw_alpaca), alpaca.prompts)
-            if alpaca and raw_alpaca is not None
-            else None
-        )  # type: ignore[arg-type]
+        enc_test = enc.log_tokens_many([p.instruction for p in test_prompts])
+        enc_alpaca = enc.log_tokens_many([p.instruction for p in alpaca.prompts]) if alpaca else None
+        served_test = predicted + w * (enc_test - predicted)
+        served_alpaca = None
+        if enc_alpaca is not None and raw_alpaca is not None:
+            prior_alpaca = model.predicted_log_tokens(raw_alpaca)
+            assert prior_alpaca is not None
+            served_alpaca = prior_alpaca + w * (enc_alpaca - prior_alpaca)
         scorers["model_with_encoder"] = section(
             served_test,
             served_alpaca,
@@ -191,9 +189,7 @@ def evaluate_model(
             f"prior + {w:g} x (encoder ln tokens - prior), on the calibrated ln-token scale",
         )
         scorers["encoder_alone"] = section(
-            enc.log_tokens_many([p.instruction for p in test_prompts]),
-            enc.log_tokens_many([p.instruction for p in alpaca.prompts]) if alpaca else None,
-            "the encoder's ln tokens alone (its text: the last user turn's first word pieces)",
+            enc_test, enc_alpaca, "the encoder's ln tokens alone (its text: the last user turn's first word pieces)"
         )
         scorers["model_with_encoder"]["sharegpt_held_out"]["log_tokens_mae"] = float(
             np.mean(np.abs(served_test - split.test_log_tokens))
