@@ -39,11 +39,13 @@ class _Memo:
     def __init__(self, encoder: Any) -> None:
         self.encoder = encoder
         self.blend_weight = encoder.blend_weight
-        self._values: dict[str, float] = {}
+        self.components = encoder.components
+        self.card = encoder.card
+        self._values: dict[str, tuple[float, bytes]] = {}
 
-    def log_tokens(self, text: str) -> float:
+    def encode(self, text: str) -> tuple[float, bytes]:
         if text not in self._values:
-            self._values[text] = self.encoder.log_tokens(text)
+            self._values[text] = self.encoder.encode(text)
         return self._values[text]
 
 
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             lengths = [rows[i]["output_tokens"][model] for i in order]
             static = list(replay_lines(predictor, None, lines, encoder=encoder))
             learned = list(
-                replay_lines(predictor, OnlineLearner.for_predictor(predictor, config), lines, encoder=encoder)
+                replay_lines(predictor, OnlineLearner.for_predictor(predictor, config, encoder), lines, encoder=encoder)
             )
             assert not any("error" in r for r in static + learned)
             per_seed["static"].append(_second_half_tau(static, lengths))
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "model": str(predictor.model_path),
                     "onnx_sha256": predictor.onnx_sha256,
-                    "encoder": None if encoder is None else encoder.encoder.card.raw.get("onnx_sha256"),
+                    "encoder": None if encoder is None else encoder.card.onnx_sha256,
                     "seeds": args.seeds,
                     "refit_every": config.refit_every,
                     "lines": len(rows),

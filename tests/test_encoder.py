@@ -116,8 +116,9 @@ def test_the_refiner_encodes_only_what_still_waits_and_drops_past_its_bound(enco
         outcomes: list[str] = []
         got_one = asyncio.Event()
 
-        def deliver(key: str, value: float) -> None:
+        def deliver(key: str, value: float, components: bytes) -> None:
             delivered.append((key, value))
+            assert len(components) == 4 * encoder.components
             got_one.set()
 
         gate = threading.Event()

@@ -312,3 +312,62 @@ def test_the_moments_track_the_ring_buffer_exactly_through_evictions() -> None:
     assert bucket.moments.s_zy == pytest.approx(design.T @ target, rel=1e-9, abs=1e-9)
     assert bucket.moments.s_z == pytest.approx(design.sum(axis=0), rel=1e-9)
     assert bucket.moments.s_yy == pytest.approx(float(target @ target), rel=1e-9)
+
+
+ENCODED = PriorIdentity(IDENTITY.feature_set, IDENTITY.feature_names, IDENTITY.onnx_sha256, ("c0", "c1"), "e" * 64)
+
+
+def _encoded_world(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Count features plus two signed encoder components; the truth depends on component 0, which
+    the prior does not see (the per-deployment signal only the encoder's columns carry)."""
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 4, size=(n, N_FEATURES)).astype(np.float32)
+    components = rng.normal(0, 1, size=(n, 2)).astype(np.float32)
+    truth = 5.0 + 0.6 * components[:, 0] + rng.normal(0, 0.2, n)
+    prior = 5.0 + rng.normal(0, 0.2, n)
+    return np.concatenate([counts, components], axis=1), prior, truth
+
+
+def test_the_encoders_components_are_learned_signed_and_a_lexical_row_reads_them_as_zero() -> None:
+    rows, prior, truth = _encoded_world(400)
+    test_rows, test_prior, test_truth = _encoded_world(300, seed=1)
+    learner = OnlineLearner(ENCODED)
+    assert learner.n_features == N_FEATURES + 2
+    _learn(learner, rows, prior, truth)
+    after = _corrected(learner, test_rows, test_prior)
+    # a negative component must lower the prediction: log1p would have flattened it
+    assert kendall_tau_b(after, test_truth) > kendall_tau_b(test_prior, test_truth) + 0.3
+    lexical = test_rows[0, :N_FEATURES]
+    with_zeros = np.concatenate([lexical, np.zeros(2, dtype=np.float32)])
+    assert learner.correction("m", lexical, 5.0) == pytest.approx(learner.correction("m", with_zeros, 5.0), abs=1e-6)
+    # a lexical prediction (dispatched at once, never encoded) is counted for quality, not learned
+    before = learner.observed_total
+    assert learner.observe(_prediction(lexical, 5.0), 150)
+    assert learner.observed_total == before + 1 and not learner.refit_due
+
+
+def test_a_state_file_without_the_encoders_columns_is_refused_by_a_learner_with_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "learner.npz"
+    _trained().save(path)  # made before the encoder: no component columns
+    with caplog.at_level(logging.WARNING, logger="clairvoyant.prediction.learner"):
+        learner = OnlineLearner.load(path, ENCODED)
+    assert learner.observed_total == 0 and "component_names" in caplog.text
+    rows, prior, truth = _encoded_world(64)
+    encoded = OnlineLearner(ENCODED)
+    _learn(encoded, rows, prior, truth)
+    encoded.save(path)
+    restored = OnlineLearner.load(path, ENCODED)
+    assert restored.observed_total == 64
+    restored.refit()
+    assert restored.correction("m", rows[0], float(prior[0])) == pytest.approx(
+        encoded.correction("m", rows[0], float(prior[0]))
+    )
+    other_encoder = PriorIdentity(
+        ENCODED.feature_set, ENCODED.feature_names, ENCODED.onnx_sha256, ENCODED.component_names, "f" * 64
+    )
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="clairvoyant.prediction.learner"):
+        assert OnlineLearner.load(path, other_encoder).observed_total == 0
+    assert "encoder_sha256" in caplog.text

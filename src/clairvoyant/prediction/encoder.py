@@ -128,9 +128,20 @@ class EncoderModel:
             self._session = ort.InferenceSession(str(self.card.onnx_path), options, providers=["CPUExecutionProvider"])
         except Exception as exc:  # onnxruntime raises its own untyped errors
             raise ModelError(f"cannot load encoder {self.card.onnx_path}: {exc}") from exc
-        names = {o.name for o in self._session.get_outputs()}
-        if self.card.output not in names:
-            raise ModelError(f"encoder {self.card.onnx_path} has no {self.card.output!r} output (has {sorted(names)})")
+        outputs = {o.name: o for o in self._session.get_outputs()}
+        if self.card.output not in outputs:
+            raise ModelError(
+                f"encoder {self.card.onnx_path} has no {self.card.output!r} output (has {sorted(outputs)})"
+            )
+        # The online learner's columns (research/add_components.py): the embedding's top principal
+        # components over ShareGPT training prompts. 0 = a graph without them.
+        self.components = 0
+        if "components" in outputs:
+            width = outputs["components"].shape[-1]
+            if not isinstance(width, int) or width < 1:
+                raise ModelError(f"encoder {self.card.onnx_path}: its components output has no fixed width")
+            self.components = width
+        self._both = [self.card.output, "components"] if self.components else [self.card.output]
         self._max_chars = self.card.max_word_pieces * _CHARS_PER_WORD_PIECE
         self.log_tokens("warm up")  # first-run allocations, and proof that the graph runs
 
@@ -143,13 +154,20 @@ class EncoderModel:
         UTF-8: the tokenizer refuses lone surrogates, which JSON bodies can carry."""
         return text[: self._max_chars].encode("utf-8", "replace").decode("utf-8")
 
-    def log_tokens(self, text: str) -> float:
-        """Predicted ln(answer tokens) for one instruction."""
+    def encode(self, text: str) -> tuple[float, bytes]:
+        """Predicted ln(answer tokens) for one instruction, and its components for the online
+        learner (float32 bytes; empty for a graph without them)."""
         encoding = self.tokenizer.encode(self.clip(text))
         ids = np.asarray([encoding.ids], dtype=np.int64)
         mask = np.asarray([encoding.attention_mask], dtype=np.int64)
-        out = self._session.run([self.card.output], {"input_ids": ids, "attention_mask": mask})[0]
-        return self.card.output_mean + self.card.output_std * float(np.asarray(out).reshape(-1)[0])
+        out = self._session.run(self._both, {"input_ids": ids, "attention_mask": mask})
+        value = self.card.output_mean + self.card.output_std * float(np.asarray(out[0]).reshape(-1)[0])
+        components = np.asarray(out[1], dtype=np.float32).reshape(-1).tobytes() if self.components else b""
+        return value, components
+
+    def log_tokens(self, text: str) -> float:
+        """Predicted ln(answer tokens) for one instruction."""
+        return self.encode(text)[0]
 
     def log_tokens_many(self, texts: Sequence[str]) -> np.ndarray:
         """``log_tokens`` for each instruction, one at a time: batching would pad, and a quantized
@@ -163,11 +181,12 @@ class _Pending:
     key: Any  # the caller's handle (the dispatcher's ticket)
     text: str  # the clipped instruction
     still_wanted: Callable[[], bool]  # read from the worker thread: a plain attribute read
+    deliver: Callable[[Any, float, bytes], None]  # called on the event loop with the result
 
 
 class Refiner:
     """One background thread that encodes waiting requests, newest last, and hands each result
-    back on the event loop: ``deliver(key, encoder_log_tokens)``.
+    back on the event loop: ``deliver(key, encoder_log_tokens, components)``.
 
     Bounded: at most ``max_pending`` requests wait for the encoder; a request beyond that keeps
     its lexical prediction (outcome ``dropped``). A request no longer waiting when its turn comes
@@ -177,7 +196,7 @@ class Refiner:
     def __init__(
         self,
         encoder: EncoderModel,
-        deliver: Callable[[Any, float], None],
+        deliver: Callable[[Any, float, bytes], None],
         *,
         max_pending: int = 256,
         observe_seconds: Callable[[float], None] | None = None,
@@ -211,10 +230,19 @@ class Refiner:
 
     def want(self, key: Any, text: str, still_wanted: Callable[[], bool]) -> bool:
         """Ask for ``key``'s second opinion (from the event loop). False if it was not taken."""
+        return self._put(_Pending(key, self.encoder.clip(text), still_wanted, self.deliver))
+
+    def encode_later(self, text: str, then: Callable[[float, bytes], None]) -> bool:
+        """Encode ``text`` when the thread is free and call ``then(log_tokens, components)`` on the
+        event loop: for the learner, which needs the components of a request that never waited.
+        False if it was not taken."""
+        return self._put(_Pending(None, self.encoder.clip(text), _always, lambda _, v, c: then(v, c)))
+
+    def _put(self, item: _Pending) -> bool:
         if self._thread is None:
             return False
         try:
-            self._pending.put_nowait(_Pending(key, self.encoder.clip(text), still_wanted))
+            self._pending.put_nowait(item)
         except queue.Full:
             self._count("dropped")
             return False
@@ -234,7 +262,7 @@ class Refiner:
                 continue
             started = time.perf_counter()
             try:
-                value = self.encoder.log_tokens(item.text)
+                value, components = self.encoder.encode(item.text)
             except Exception:  # never let one request end the thread
                 self._count("failed")
                 logger.exception("encoder failed on one request; it keeps its lexical prediction")
@@ -243,9 +271,13 @@ class Refiner:
                 self.observe_seconds(time.perf_counter() - started)
             self.encoded += 1
             try:
-                self._loop.call_soon_threadsafe(self.deliver, item.key, value)
+                self._loop.call_soon_threadsafe(item.deliver, item.key, value, components)
             except RuntimeError:  # the loop closed under us (shutdown)
                 return
+
+
+def _always() -> bool:
+    return True
 
 
 def encoder_for(predictor: Any, card_path: Path | None = None) -> EncoderModel | None:

@@ -94,19 +94,37 @@ class PriorIdentity:
     """What a learner's observations are tied to: the prior's log tokens and feature rows."""
 
     feature_set: str
-    feature_names: tuple[str, ...]
+    feature_names: tuple[str, ...]  # count features: the design reads log1p of each
     onnx_sha256: str
+    # The encoder's components, appended to a refined prediction's row and read as they are (signed);
+    # empty without an encoder. Its sha ties the columns to the graph that made them.
+    component_names: tuple[str, ...] = ()
+    encoder_sha256: str = ""
 
     @classmethod
-    def of(cls, predictor: Any) -> PriorIdentity:
-        """The identity of an ``OnnxPredictor``."""
-        return cls(predictor.feature_set.name, tuple(predictor.feature_set.names), predictor.onnx_sha256)
+    def of(cls, predictor: Any, encoder: Any | None = None) -> PriorIdentity:
+        """The identity of an ``OnnxPredictor`` (and of the encoder refining it, if any: then a row
+        is the features followed by the encoder's components)."""
+        components: tuple[str, ...] = ()
+        encoder_sha = ""
+        if encoder is not None and encoder.components:
+            components = tuple(f"encoder_component_{i}" for i in range(encoder.components))
+            encoder_sha = encoder.card.onnx_sha256
+        return cls(
+            predictor.feature_set.name,
+            tuple(predictor.feature_set.names),
+            predictor.onnx_sha256,
+            components,
+            encoder_sha,
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "feature_set": self.feature_set,
             "feature_names": list(self.feature_names),
             "onnx_sha256": self.onnx_sha256,
+            "component_names": list(self.component_names),
+            "encoder_sha256": self.encoder_sha256,
         }
 
 
@@ -241,12 +259,16 @@ class _Moments:
         self.s_yy = 0.0
 
     @staticmethod
-    def design(row: np.ndarray, prior: float) -> np.ndarray:
-        """[prior, log1p(max(row, 0))] in float64 (features are counts: >= 0 by contract)."""
+    def design(row: np.ndarray, prior: float, counts: int | None = None) -> np.ndarray:
+        """[prior, log1p(max(row[:counts], 0)), row[counts:]] in float64: the first ``counts``
+        columns (all by default) are count features (>= 0 by contract), the rest the encoder's
+        signed components."""
+        if counts is None:
+            counts = len(row)
         z = np.empty(len(row) + 1)
         z[0] = prior
-        tail = z[1:]
-        tail[:] = row
+        z[1:] = row
+        tail = z[1 : counts + 1]
         np.maximum(tail, 0.0, out=tail)
         np.log1p(tail, out=tail)
         return z
@@ -286,20 +308,22 @@ class _Moments:
 
 
 class _Bucket:
-    __slots__ = ("moments", "observations", "ring", "window")
+    __slots__ = ("counts", "moments", "observations", "ring", "window")
 
-    def __init__(self, config: LearnerConfig, n_features: int) -> None:
+    def __init__(self, config: LearnerConfig, n_features: int, counts: int) -> None:
         self.ring = _Ring(config.buffer_size, n_features)
         self.window = _Window(config.quality_window)
         self.moments = _Moments(n_features + 1)
+        self.counts = counts  # leading count columns (log1p in the design)
         self.observations = 0  # ever observed (censored ones included)
 
     def learn(self, row: np.ndarray, prior: float, observed: float) -> None:
         """Keep an uncensored observation in the ring and the moments (evicting the oldest)."""
-        z = _Moments.design(row, prior)
+        z = _Moments.design(row, prior, self.counts)
         if self.ring.full:
             old_row, old_prior, old_observed = self.ring.oldest()
-            self.moments.update(z, observed - prior, _Moments.design(old_row, old_prior), old_observed - old_prior)
+            old_z = _Moments.design(old_row, old_prior, self.counts)
+            self.moments.update(z, observed - prior, old_z, old_observed - old_prior)
         else:
             self.moments.update(z, observed - prior)
         self.ring.append(row, prior, observed)
@@ -307,7 +331,8 @@ class _Bucket:
 
 @dataclass(frozen=True, slots=True)
 class _Linear:
-    """correction = weights . log1p(row) + prior_weight * prior_log_tokens + intercept."""
+    """correction = weights[:counts] . log1p(row[:counts]) + weights[counts:] . row[counts:]
+    + prior_weight * prior_log_tokens + intercept (a row without components: their mean, 0)."""
 
     weights: np.ndarray  # float32 [n_features]
     prior_weight: float
@@ -365,7 +390,8 @@ class OnlineLearner:
     def __init__(self, identity: PriorIdentity, config: LearnerConfig | None = None) -> None:
         self.identity = identity
         self.config = config or LearnerConfig()
-        self.n_features = len(identity.feature_names)
+        self.n_counts = len(identity.feature_names)  # count columns; then the encoder's components
+        self.n_features = self.n_counts + len(identity.component_names)
         self._row_bytes = 4 * self.n_features
         self._buckets: dict[str, _Bucket] = {}
         self._lock = threading.Lock()  # guards _buckets and the counters below
@@ -390,8 +416,8 @@ class OnlineLearner:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def for_predictor(cls, predictor: Any, config: LearnerConfig | None = None) -> OnlineLearner:
-        return cls(PriorIdentity.of(predictor), config)
+    def for_predictor(cls, predictor: Any, config: LearnerConfig | None = None, encoder: Any = None) -> OnlineLearner:
+        return cls(PriorIdentity.of(predictor, encoder), config)
 
     # -- the request path ----------------------------------------------------------------------
     def _key(self, model: str | None) -> str:
@@ -410,7 +436,14 @@ class OnlineLearner:
             else:
                 linear = fitted.global_
         # features are counts (>= 0), so log1p(row) is the design's log1p(max(row, 0)), one call cheaper
-        value = float(np.dot(linear.weights, np.log1p(row))) + linear.prior_weight * prior_log_tokens + linear.intercept
+        counts = self.n_counts
+        if len(row) == counts:  # a lexical row (no encoder's components): each component at 0, its mean
+            dot = float(np.dot(linear.weights[:counts], np.log1p(row)))
+        else:
+            dot = float(
+                np.dot(linear.weights[:counts], np.log1p(row[:counts])) + np.dot(linear.weights[counts:], row[counts:])
+            )
+        value = dot + linear.prior_weight * prior_log_tokens + linear.intercept
         return value if math.isfinite(value) else 0.0
 
     def observe(self, prediction: Prediction, observed_tokens: int) -> bool:
@@ -423,8 +456,10 @@ class OnlineLearner:
             or observed_tokens < 0
         ):
             return False
-        if len(prediction.feature_row) != self._row_bytes:
+        row_bytes = len(prediction.feature_row)
+        if row_bytes != self._row_bytes and row_bytes != 4 * self.n_counts:
             return False
+        learnable = row_bytes == self._row_bytes  # a lexical row under an encoder's learner: quality only
         observed_log = log_tokens(int(observed_tokens))
         cap = prediction.cap_tokens
         censored = cap is not None and observed_tokens >= cap
@@ -436,12 +471,12 @@ class OnlineLearner:
                     key = OTHER_MODEL
                 bucket = self._buckets.get(key)
                 if bucket is None:
-                    bucket = self._buckets[key] = _Bucket(self.config, self.n_features)
+                    bucket = self._buckets[key] = _Bucket(self.config, self.n_features, self.n_counts)
             bucket.window.append(prediction.predicted_log_tokens, observed_log)
             bucket.observations += 1
             self._observed_total += 1
             self._new_since_quality += 1
-            if not censored:
+            if not censored and learnable:
                 row = np.frombuffer(prediction.feature_row, dtype=np.float32)
                 bucket.learn(row, prediction.prior_log_tokens, observed_log)
                 self._new_since_fit += 1
@@ -710,9 +745,10 @@ class OnlineLearner:
                 )
             theirs = meta.get("identity") or {}
             ours = self.identity.as_dict()
-            for field in ("feature_set", "feature_names", "onnx_sha256"):
+            theirs = {"component_names": [], "encoder_sha256": "", **theirs}  # files from before the encoder
+            for field in ("feature_set", "feature_names", "onnx_sha256", "component_names", "encoder_sha256"):
                 if theirs.get(field) != ours[field]:
-                    shown = theirs.get(field) if field != "feature_names" else "a different list"
+                    shown = theirs.get(field) if not field.endswith("_names") else "a different list"
                     raise _Refused(f"made for another prior: its {field} is {shown!r}, the loaded model's differs")
             keys = meta.get("models")
             counts = meta.get("observations")
@@ -727,7 +763,7 @@ class OnlineLearner:
                     raise _Refused(f"model {i}: arrays of inconsistent shapes")
                 if not (np.isfinite(rows).all() and np.isfinite(prior).all() and np.isfinite(observed).all()):
                     raise _Refused(f"model {i}: non-finite values")
-                bucket = _Bucket(cfg, self.n_features)
+                bucket = _Bucket(cfg, self.n_features, self.n_counts)
                 for j in range(max(0, n - cfg.buffer_size), n):
                     bucket.learn(rows[j], float(prior[j]), float(observed[j]))
                 for j in range(max(0, len(observed_q) - cfg.quality_window), len(observed_q)):

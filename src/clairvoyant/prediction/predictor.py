@@ -442,22 +442,21 @@ class OnnxPredictor:
         probabilities = (out[0], out[1], out[2]) if self._is_classifier else None
         return self._prediction(raw, prior, correction, probabilities, row, model, cap_tokens)
 
-    def refined(self, prediction: Prediction, encoder_log_tokens: float, weight: float) -> Prediction:
+    def refined(
+        self, prediction: Prediction, encoder_log_tokens: float, weight: float, components: bytes = b""
+    ) -> Prediction:
         """``prediction`` with a second opinion blended into its prior, in log tokens:
         prior + ``weight`` x (``encoder_log_tokens`` - prior); then the learned correction and the
-        cap, as in ``predict``. Thread-safe (reads no shared buffer): the encoder's thread calls it."""
+        cap, as in ``predict``. ``components`` (the encoder's, float32 bytes) are appended to the
+        feature row: the learner's correction and its observation read them. Reads no shared buffer."""
         prior = prediction.prior_log_tokens + weight * (encoder_log_tokens - prediction.prior_log_tokens)
+        feature_row = prediction.feature_row + components
         corrector = self.corrector
-        row = prediction.features()
-        correction = 0.0 if corrector is None or not len(row) else corrector.correction(prediction.model, row, prior)
+        correction = 0.0
+        if corrector is not None and feature_row:
+            correction = corrector.correction(prediction.model, np.frombuffer(feature_row, dtype=np.float32), prior)
         return self._prediction(
-            None,
-            prior,
-            correction,
-            prediction.probabilities,
-            prediction.feature_row,
-            prediction.model,
-            prediction.cap_tokens,
+            None, prior, correction, prediction.probabilities, feature_row, prediction.model, prediction.cap_tokens
         )
 
     def _prediction(

@@ -44,7 +44,7 @@ from clairvoyant.prediction.dialects import (
     parse_request,
     with_upstream_fields,
 )
-from clairvoyant.prediction.encoder import EncoderModel, Refiner
+from clairvoyant.prediction.encoder import EncoderModel, Refiner, encoder_for
 from clairvoyant.prediction.predictor import OnnxPredictor, Predictor
 from clairvoyant.proxy.access import AccessControl, Identity, identity_of
 from clairvoyant.proxy.feedback import OnlineLearning
@@ -86,27 +86,33 @@ class ProxyState:
     refiner: Refiner | None = None  # the encoder's second opinion for waiting requests (None: off)
 
 
-def _start_refiner(
-    settings: Settings, predictor: Predictor, dispatcher: Dispatcher, metrics: Metrics
-) -> Refiner | None:
-    """The encoder's second opinion for requests that wait (``prediction/encoder.py``), when it
-    applies: it refines a regressor's log tokens, so a class model (``--preset paper``) or a test
-    double runs without it. A broken encoder fails start-up, like a broken predictor."""
+def _load_encoder(settings: Settings, predictor: Predictor) -> EncoderModel | None:
+    """The encoder that refines waiting requests (``prediction/encoder.py``), when it applies: it
+    refines a regressor's log tokens, so a class model (``--preset paper``) or a test double runs
+    without it. A broken encoder fails start-up, like a broken predictor."""
     if not settings.encoder:
         return None
-    if not isinstance(predictor, OnnxPredictor) or predictor.output.kind != "regressor":
+    encoder = encoder_for(predictor, settings.encoder_path) if isinstance(predictor, OnnxPredictor) else None
+    if encoder is None:
         logger.info("encoder off: it refines a regressor's log tokens, and this predictor is not one")
-        return None
-    encoder = EncoderModel(settings.encoder_path)
+    return encoder
+
+
+def _start_refiner(
+    settings: Settings, predictor: Predictor, encoder: EncoderModel, dispatcher: Dispatcher, metrics: Metrics
+) -> Refiner:
+    """The encoder's thread: each waiting request's second opinion, re-keyed in the queue."""
+    assert isinstance(predictor, OnnxPredictor)
     weight = encoder.blend_weight
     outcomes = {
         name: metrics.encoder_requests.labels(name) for name in ("refined", "late", "skipped", "dropped", "failed")
     }
 
-    def deliver(ticket: Ticket, encoder_log_tokens: float) -> None:
+    def deliver(ticket: Ticket, encoder_log_tokens: float, components: bytes) -> None:
         prediction = ticket.prediction
         if prediction is not None and ticket.job.waiting and not ticket.ended:
-            if dispatcher.repredicted(ticket, predictor.refined(prediction, encoder_log_tokens, weight)):
+            refined = predictor.refined(prediction, encoder_log_tokens, weight, components)
+            if dispatcher.repredicted(ticket, refined):
                 outcomes["refined"].inc()
                 return
         outcomes["late"].inc()  # dispatched or withdrawn while it was being encoded
@@ -116,7 +122,10 @@ def _start_refiner(
         observe_seconds=metrics.encoder_latency.observe, count=lambda outcome: outcomes[outcome].inc(),
     )  # fmt: skip
     refiner.start(asyncio.get_running_loop())
-    logger.info("encoder on: blend weight %.2f, %d word pieces", weight, encoder.card.max_word_pieces)
+    logger.info(
+        "encoder on: blend weight %.2f, %d word pieces, %d components for the learner",
+        weight, encoder.card.max_word_pieces, encoder.components,
+    )  # fmt: skip
     return refiner
 
 
@@ -141,7 +150,8 @@ def create_app(
             settings.policy,
             PolicyParams(settings.boost_gamma_per_s, settings.boost_auto_gamma, settings.boost_max_s),
         )
-        learning = OnlineLearning(settings, loaded, metrics)
+        encoder = _load_encoder(settings, loaded)
+        learning = OnlineLearning(settings, loaded, metrics, encoder)
         await learning.start()
         slowdown: float | AdaptiveSlowdown = settings.starvation_slowdown
         if settings.starvation_slowdown_adaptive:
@@ -162,7 +172,8 @@ def create_app(
         )  # fmt: skip
         await dispatcher.start()
         pool.start(dispatcher)
-        refiner = _start_refiner(settings, loaded, dispatcher, metrics)
+        refiner = None if encoder is None else _start_refiner(settings, loaded, encoder, dispatcher, metrics)
+        learning.recorder.refiner = refiner
         app.state.proxy = ProxyState(settings, loaded, pool, dispatcher, metrics, learning, refiner)
         logger.info(
             "clairvoyant ready: backends=%s policy=%s tau=%ss+%sxS slots=%d max_queue=%d disconnect_mode=%s",
@@ -491,6 +502,8 @@ async def _scheduled(state: ProxyState, scope: Scope, receive: Receive) -> Sched
     # predicted while the backend works (the prediction still feeds the learner and the metrics).
     predict_later: Callable[[], None] | None = None
     if dispatcher.dispatch_at_once(ticket, job):
+        if state.refiner is not None:  # the learner encodes it once it completes (see feedback.py)
+            ticket.instruction = state.refiner.encoder.clip(parsed.prompt.instruction)
 
         def predict_later() -> None:
             charged_s = job.predicted_s  # the default its tenant was charged at dispatch

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from clairvoyant.config import Settings
@@ -34,6 +35,7 @@ from clairvoyant.prediction.learner import OnlineLearner, PriorIdentity
 from clairvoyant.prediction.usage import Usage
 
 if TYPE_CHECKING:
+    from clairvoyant.prediction.encoder import Refiner
     from clairvoyant.prediction.predictor import Predictor
     from clairvoyant.scheduling.dispatcher import Ticket
 
@@ -49,28 +51,47 @@ class UsageRecorder:
     def __init__(self, metrics: Metrics, learner: OnlineLearner | None = None) -> None:
         self.metrics = metrics
         self.learner = learner
+        self.refiner: Refiner | None = None  # the encoder's thread, when the learner reads its components
 
     def __call__(self, ticket: Ticket, usage: Usage) -> None:
         self.metrics.count_usage(usage.source, usage.output_tokens)
         prediction = ticket.prediction  # made by now, even when it was deferred past dispatch
-        if self.learner is not None and prediction is not None and usage.observed and usage.output_tokens is not None:
-            self.learner.observe(prediction, usage.output_tokens)
+        learner = self.learner
+        tokens = usage.output_tokens
+        if learner is None or prediction is None or not usage.observed or tokens is None:
+            return
+        refiner = self.refiner
+        if (
+            refiner is not None
+            and ticket.instruction is not None
+            and learner.n_features > learner.n_counts
+            and len(prediction.feature_row) == 4 * learner.n_counts
+        ):
+            # Dispatched at once, so never encoded: the encoder's thread adds its components first
+            # (a few ms later, off the loop), then the learner observes it as if it had waited.
+            def observe_encoded(_log_tokens: float, components: bytes) -> None:
+                learner.observe(replace(prediction, feature_row=prediction.feature_row + components), tokens)
+
+            if refiner.encode_later(ticket.instruction, observe_encoded):
+                return
+        learner.observe(prediction, tokens)
 
 
-def _identity(predictor: Predictor) -> PriorIdentity | None:
+def _identity(predictor: Predictor, encoder: Any = None) -> PriorIdentity | None:
     """The prior a learner is tied to, or None for a predictor without one (a test double)."""
     if not all(hasattr(predictor, name) for name in ("feature_set", "onnx_sha256", "corrector")):
         return None
-    return PriorIdentity.of(predictor)
+    return PriorIdentity.of(predictor, encoder)
 
 
 class OnlineLearning:
     """The learner's lifecycle in the proxy (see the module docstring). ``learner`` is None when the
     predictor has no prior identity."""
 
-    def __init__(self, settings: Settings, predictor: Predictor, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, predictor: Predictor, metrics: Metrics, encoder: Any = None) -> None:
         self.settings = settings
         self.predictor = predictor
+        self.encoder = encoder  # refines waiting requests: its components join the learner's rows
         self.metrics = metrics
         self.learning = settings.online_learning
         self.state_path = settings.learner_state_path if settings.online_learning else None
@@ -82,7 +103,7 @@ class OnlineLearning:
         self._quality_total = -1  # learner.observed_total when the quality gauges were last refreshed
 
     async def start(self) -> None:
-        identity = _identity(self.predictor)
+        identity = _identity(self.predictor, self.encoder)
         if identity is None:
             logger.info("online learning: the predictor has no prior identity; usage is recorded in metrics only")
             return

@@ -104,6 +104,9 @@ class Ticket:
     refused_by: tuple[int, ...] = ()  # backends that refused its connection (routing avoids them)
     ended: bool = False  # withdrawn or released: set exactly once
     interrupt: Callable[[], None] | None = None  # set by its relay once dispatched: end the answer now (shutdown)
+    # Dispatched at once with an encoder on: its clipped instruction, which the learner's encoder
+    # pass reads after it completes (a waiting request's components come with its refinement).
+    instruction: str | None = None
 
     @property
     def predicted_class(self) -> str:

@@ -76,9 +76,8 @@ def replay_lines(
             model = request.model or model_name
             prediction = predictor.predict(request.prompt, model=model, cap_tokens=request.cap_tokens)
             if encoder is not None:
-                prediction = predictor.refined(
-                    prediction, encoder.log_tokens(request.prompt.instruction), encoder.blend_weight
-                )
+                encoder_log_tokens, components = encoder.encode(request.prompt.instruction)
+                prediction = predictor.refined(prediction, encoder_log_tokens, encoder.blend_weight, components)
             result: dict[str, Any] = {
                 "line": number,
                 "score": prediction.score,
@@ -121,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     encoder = None if args.no_encoder else encoder_for(predictor)
     learner = None
     if not args.no_learn:
-        identity = PriorIdentity.of(predictor)
+        identity = PriorIdentity.of(predictor, encoder)
         learner = OnlineLearner.load(args.state, identity) if args.state is not None else OnlineLearner(identity)
         if learner.refit_due or learner.observed_total:
             learner.refit()  # restored observations
