@@ -34,6 +34,7 @@ USER clairvoyant
 ENV CLAIRVOYANT_HOST=0.0.0.0 \
     CLAIRVOYANT_PORT=8080 \
     CLAIRVOYANT_MODEL_PATH=/app/model/predictor.onnx \
+    CLAIRVOYANT_ENCODER_PATH=/app/model/encoder.card.json \
     CLAIRVOYANT_UPSTREAM_URL=http://ollama:11434
 EXPOSE 8080
 

@@ -42,7 +42,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from clairvoyant.prediction.features import Prompt  # noqa: E402
-from clairvoyant.prediction.learner import LearnerConfig, OnlineLearner  # noqa: E402
+from clairvoyant.prediction.learner import LearnerConfig, OnlineLearner, PriorIdentity  # noqa: E402
 from clairvoyant.prediction.predictor import OnnxPredictor, Prediction  # noqa: E402
 
 WORDS = (
@@ -160,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         help="the worker thread's niceness above the process's",
     )
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--components", type=int, default=16, help="encoder components per row, as the proxy learns with the encoder on"
+    )
     args = parser.parse_args(argv)
 
     rng = np.random.default_rng(0)
@@ -170,8 +173,15 @@ def main(argv: list[str] | None = None) -> int:
         refit_every=LearnerConfig().refit_every if args.mode == "cadence" else 1,
         worker_nice=args.worker_nice,
     )
-    learner = OnlineLearner.for_predictor(predictor, config)
-    pool = _predictions(predictor, 2000, rng)
+    identity = PriorIdentity.of(predictor)
+    identity = replace(
+        identity, component_names=tuple(f"c{i}" for i in range(args.components)), encoder_sha256="e" * 64
+    )
+    learner = OnlineLearner(identity, config)
+    pool = [
+        replace(p, feature_row=p.feature_row + rng.normal(0, 1, args.components).astype(np.float32).tobytes())
+        for p in _predictions(predictor, 2000, rng)
+    ]
     for m in range(args.models):
         for _ in range(args.rows):
             p = pool[int(rng.integers(len(pool)))]
@@ -190,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         "process_nice": os.getpriority(os.PRIO_PROCESS, 0),
         "worker_nice": args.worker_nice,
         "buffers": args.models,
+        "encoder_components": args.components,
         "rows_per_buffer": args.rows,
         "seconds_per_phase": args.seconds,
         "loadavg_1min_at_end": os.getloadavg()[0],

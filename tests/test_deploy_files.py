@@ -98,6 +98,12 @@ def test_the_package_carries_the_shipped_model() -> None:
     assert DEFAULT_MODEL_PATH.resolve() == (ROOT / "model" / "predictor.onnx").resolve()
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert {"model/predictor.onnx", "model/predictor.card.json"} <= set(package_data["clairvoyant"])
+    from clairvoyant.prediction.encoder import DEFAULT_ENCODER_CARD
+
+    card = json.loads(DEFAULT_ENCODER_CARD.read_text())
+    encoder_files = {"model/encoder.card.json", f"model/{card['onnx_file']}", f"model/{card['tokenizer_file']}"}
+    assert encoder_files <= set(package_data["clairvoyant"])
+    assert DEFAULT_ENCODER_CARD.resolve() == (ROOT / "model" / "encoder.card.json").resolve()
 
 
 def test_every_compose_image_is_pinned_and_every_mounted_file_exists() -> None:
