@@ -3,6 +3,7 @@ rows it has NOT seen, CPU only, for a fixed wall-time budget.
 
 Rows: the English training-side later turns that ft2 did not draw (its draw is replayed with the same seed), plus
 the 6,710 English first turns once more (a second pass: first turns look like AlpacaEval prompts), shuffled.
+If the budget outlasts these rows, further passes go over every English training-side row (43,151).
 Never AlpacaEval: its 406 prompts and 600 held-out ShareGPT first turns are only SCORED every --eval-every steps,
 and the best-by-AlpacaEval checkpoint is kept under --out (model.pt + trajectory.json).
 
