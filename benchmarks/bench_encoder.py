@@ -1,0 +1,80 @@
+"""The encoder's cost per waiting request, idle and under llama.cpp load (issue 8: "state its cost").
+
+    python benchmarks/bench_encoder.py [--requests 400] [--load-nice 0 10] [--json FILE]
+
+Times ``EncoderModel.encode(instruction)`` (tokenize + one onnxruntime run on one thread, the
+components included), as the proxy's encoder thread runs it, over real ShareGPT instructions
+(bench_predictor's prompts), one at a time. Phases: idle, then with a real llama.cpp server
+generating continuously on the same cores (``predictor_load.LoadProcess``), at each ``--load-nice``.
+The lexical predictor is timed beside it in the same phases, for the ratio. Prints p50/p99 in ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from bench_predictor import _prompts  # noqa: E402
+from predictor_load import LoadProcess  # noqa: E402
+
+from clairvoyant.prediction.encoder import EncoderModel  # noqa: E402
+from clairvoyant.prediction.predictor import OnnxPredictor  # noqa: E402
+
+
+def _phase(encoder: EncoderModel, predictor: OnnxPredictor, prompts: list) -> dict[str, float]:
+    enc, lex = [], []
+    for prompt in prompts:
+        started = time.perf_counter()
+        encoder.encode(prompt.instruction)
+        enc.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        predictor.predict(prompt)
+        lex.append(time.perf_counter() - started)
+    e, x = np.array(enc) * 1e3, np.array(lex) * 1e3
+    return {
+        "encoder_p50_ms": float(np.percentile(e, 50)),
+        "encoder_p99_ms": float(np.percentile(e, 99)),
+        "lexical_p50_ms": float(np.percentile(x, 50)),
+        "lexical_p99_ms": float(np.percentile(x, 99)),
+        "loadavg_1min": os.getloadavg()[0],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--load-nice", type=int, nargs="*", default=[0])
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    encoder, predictor = EncoderModel(), OnnxPredictor()
+    prompts = _prompts(args.requests)
+    for prompt in prompts[:20]:  # warm up
+        encoder.encode(prompt.instruction)
+    phases = {"idle": _phase(encoder, predictor, prompts)}
+    for nice in args.load_nice:
+        with LoadProcess(nice=nice):
+            phases[f"llama.cpp load, backend nice {nice}"] = _phase(encoder, predictor, prompts)
+    print(f"encoder {encoder.card.onnx_path.name} ({encoder.card.onnx_path.stat().st_size / 1e6:.1f} MB), "
+          f"{len(prompts)} ShareGPT instructions, one at a time, 1 thread")  # fmt: skip
+    print(f"{'phase':36s} {'encoder p50':>12s} {'p99':>9s} {'lexical p50':>12s} {'p99':>9s} {'ratio p50':>10s}")
+    for name, p in phases.items():
+        print(
+            f"{name:36s} {p['encoder_p50_ms']:10.2f}ms {p['encoder_p99_ms']:7.1f}ms {p['lexical_p50_ms'] * 1e3:10.1f}us "
+            f"{p['lexical_p99_ms'] * 1e3:7.0f}us {p['encoder_p50_ms'] / p['lexical_p50_ms']:9.0f}x"
+        )
+    if args.json is not None:
+        args.json.write_text(json.dumps({"encoder_sha256": encoder.card.onnx_sha256, "phases": phases}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
