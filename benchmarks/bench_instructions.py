@@ -98,7 +98,9 @@ def main() -> int:
 
     def render(prefix: Path) -> str:
         conf = nginx_fixed_answer_conf(prefix, backend_port, SSE if args.stream else ANSWER)
-        return conf.replace("default_type application/json;", "default_type text/event-stream;") if args.stream else conf
+        return (
+            conf.replace("default_type application/json;", "default_type text/event-stream;") if args.stream else conf
+        )
 
     with tempfile.TemporaryDirectory(prefix="bench-callgrind-") as tmp, servers.nginx(render, backend_port):
         upstream = f"http://127.0.0.1:{backend_port}"
@@ -106,7 +108,9 @@ def main() -> int:
             counts = dict(zip(builds, pool.map(lambda kv: measure(*kv, args, upstream, Path(tmp)), builds.items())))
     first = next(iter(counts.values()))
     for name, count in counts.items():
-        print(f"{name:12s} {count:12,.0f} instructions per request  ({(count / first - 1) * 100:+.1f}% vs {next(iter(counts))})")
+        print(
+            f"{name:12s} {count:12,.0f} instructions per request  ({(count / first - 1) * 100:+.1f}% vs {next(iter(counts))})"
+        )
     print(json.dumps({"stream": args.stream, "log_level": args.log_level, "n": args.n, "per_request": counts}))
     return 0
 

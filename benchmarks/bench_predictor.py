@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         "requests": len(prompts),
         "prompt_chars": {"p50": float(np.percentile(chars, 50)), "p99": float(np.percentile(chars, 99))},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-        "gc": "enabled (as in the proxy)" + ("" if args.no_gc_freeze else ", start-up heap frozen (as in clairvoyant serve)"),
+        "gc": "enabled (as in the proxy)"
+        + ("" if args.no_gc_freeze else ", start-up heap frozen (as in clairvoyant serve)"),
         "phases": {},
     }
     models = [args.model, *args.compare]

@@ -46,7 +46,7 @@ class TextFormatter(logging.Formatter):
             self._second_text = time.strftime(self.default_time_format, self.converter(record.created))
             self._second = second
         record.message = message = str(record.msg)
-        record.asctime = asctime = self.default_msec_format % (self._second_text, record.msecs)
+        record.asctime = asctime = (self.default_msec_format or "%s,%03d") % (self._second_text, record.msecs)
         pairs = [f"{k}={'-' if v is None else v}" for k, v in fields.items()]
         return f"{asctime} {record.levelname} {record.name}: {message} {' '.join(pairs)}"
 

@@ -554,13 +554,13 @@ class _KeywordTable:
     packed int (keyword bytes, plus the lexicon count and weight for rich_v3), a word pair
     ``(w1, w2)`` to its packed lexicon count and weight."""
 
-    terms: dict[bytes | tuple[bytes, bytes], int]
+    terms: dict[bytes | tuple[bytes, ...], int]
     lexicon: bool = False  # True: look up word pairs and append the lexicon column
     scale: int = 1  # 2**scale_bits: the weight sum is (total >> _WEIGHT_SHIFT) / scale
     intercept: float = 0.0
 
 
-_PLAIN_TABLE = _KeywordTable(dict(_KEYWORD_FIELDS))
+_PLAIN_TABLE = _KeywordTable({word: packed for word, packed in _KEYWORD_FIELDS.items()})
 
 
 _COUNT_CAP = 1e12  # keeps every value finite in float32 whatever a hand-built Prompt carries
@@ -575,9 +575,7 @@ def _rich(head: int, tail: int) -> Callable[[Prompt], list[float | int]]:
     return values
 
 
-def _rich_values(
-    prompt: Prompt, head: int, tail_chars: int, table: _KeywordTable = _PLAIN_TABLE
-) -> list[float | int]:
+def _rich_values(prompt: Prompt, head: int, tail_chars: int, table: _KeywordTable = _PLAIN_TABLE) -> list[float | int]:
     """rich_v1 (and, with a lexicon ``table``, rich_v3) on the given scan window, in one pass of
     C-level operations: ``_paper19_values``, the word-group loops and the lexicon folded into the
     keyword tables above (tests/test_features_reference.py pins it value for value against the
@@ -823,10 +821,10 @@ def _lexicon_table(lexicon: Lexicon, fields: dict[bytes, int] = _KEYWORD_FIELDS)
         ratios[term] = weight.as_integer_ratio()  # (n, 2**k)
     scale_bits = max((d.bit_length() - 1 for _, d in ratios.values()), default=0)
     one = 1 << _COUNT_SHIFT
-    terms: dict[bytes | tuple[bytes, bytes], int] = dict(fields)  # type: ignore[arg-type]
+    terms: dict[bytes | tuple[bytes, ...], int] = {word: packed for word, packed in fields.items()}
     for term, (n, d) in ratios.items():
         packed = one + ((n << (scale_bits - (d.bit_length() - 1))) << _WEIGHT_SHIFT)
-        terms[term] = terms.get(term, 0) + packed  # type: ignore[index,call-overload]
+        terms[term] = terms.get(term, 0) + packed
     return _KeywordTable(terms, True, 1 << scale_bits, lexicon.intercept_log_tokens)
 
 
