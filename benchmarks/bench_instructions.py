@@ -4,13 +4,14 @@ On 2 shared cores, wall-clock and CPU-time figures move by 20% between runs, so 
 be seen in them. User-space instructions per request are nearly deterministic (two runs of one
 build differ by ~0.3%): each build runs under callgrind behind the same fixed-answer nginx
 backend, gets ``--warm`` untimed requests, then its counters are zeroed (``callgrind_control -z``),
-``--n`` requests are sent one at a time (the scheduled POST /v1/chat/completions, or with
-``--stream`` a streamed one with an SSE answer), and the counters are dumped. Kernel work (the
+``--n`` requests are sent one at a time (the scheduled POST /v1/chat/completions, with
+``--stream`` a streamed one with an SSE answer, with ``--get`` the pass-through GET /v1/models), and
+the counters are dumped. Kernel work (the
 socket system calls) is not counted; cache misses are not either. Python runs ~50x slower under
 valgrind: a build takes 2-3 minutes, mostly start-up.
 
     python benchmarks/bench_instructions.py --build new=src --build base=/tmp/wt-base/src
-        [--stream] [--log-level warning] [--n 200] [--warm 50] [--parallel 2]
+        [--stream | --get] [--log-level warning] [--n 200] [--warm 50] [--parallel 2]
 
 ``--build NAME=PYTHONPATH`` names a source tree (an earlier commit: `git worktree add /tmp/wt-base
 <commit>`). Needs valgrind and nginx (apt-get install valgrind nginx). Not a timed test.
@@ -67,7 +68,10 @@ def measure(name: str, pythonpath: str, args: argparse.Namespace, upstream: str,
             async def send(n: int) -> None:
                 async with httpx.AsyncClient(timeout=120) as client:
                     for _ in range(n):
-                        response = await client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body)
+                        if args.get:
+                            response = await client.get(f"http://127.0.0.1:{port}/v1/models")
+                        else:
+                            response = await client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body)
                         if response.status_code != 200:
                             raise RuntimeError(f"{name}: status {response.status_code}")
 
@@ -86,7 +90,8 @@ def measure(name: str, pythonpath: str, args: argparse.Namespace, upstream: str,
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--build", action="append", required=True, metavar="NAME=PYTHONPATH")
-    parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--stream", action="store_true", help="a streamed request (SSE answer)")
+    parser.add_argument("--get", action="store_true", help="the pass-through GET /v1/models instead")
     parser.add_argument("--log-level", default="warning")
     parser.add_argument("--n", type=int, default=200)
     parser.add_argument("--warm", type=int, default=50)
@@ -111,7 +116,7 @@ def main() -> int:
         print(
             f"{name:12s} {count:12,.0f} instructions per request  ({(count / first - 1) * 100:+.1f}% vs {next(iter(counts))})"
         )
-    print(json.dumps({"stream": args.stream, "log_level": args.log_level, "n": args.n, "per_request": counts}))
+    print(json.dumps({"stream": args.stream, "get": args.get, "log_level": args.log_level, "n": args.n, "per_request": counts}))
     return 0
 
 
