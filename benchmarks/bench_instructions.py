@@ -116,7 +116,11 @@ def main() -> int:
         print(
             f"{name:12s} {count:12,.0f} instructions per request  ({(count / first - 1) * 100:+.1f}% vs {next(iter(counts))})"
         )
-    print(json.dumps({"stream": args.stream, "get": args.get, "log_level": args.log_level, "n": args.n, "per_request": counts}))
+    print(
+        json.dumps(
+            {"stream": args.stream, "get": args.get, "log_level": args.log_level, "n": args.n, "per_request": counts}
+        )
+    )
     return 0
 
 
