@@ -1,7 +1,7 @@
 """Per-request predictor overhead: features + ONNX, one request at a time, real ShareGPT prompts.
 
     python benchmarks/bench_predictor.py [--model model/predictor.onnx] [--requests 12000]
-        [--no-load] [--compare OTHER.onnx ...] [--no-card]
+        [--no-load] [--compare OTHER.onnx ...] [--no-card] [--no-gc-freeze] [--json OUT.json]
 
 Phases: idle, then with a real llama.cpp server (xllamacpp + SmolLM2-135M, 2 threads) generating
 continuously in a background process on the same cores (optionally also with the backend at a
@@ -11,6 +11,11 @@ ONNX run alone, plus the floor: ``run_with_iobinding`` of a one-node Identity ON
 cost of calling ONNX Runtime from Python). A first, separately reported pass touches every
 prompt once (as the proxy's JSON parsing does) before the timed passes. Prompts are the proxy's own Prompts (history included)
 for every user turn of ShareGPT, shuffled with seed 0. p50 and p99 go into the model card.
+
+The cyclic garbage collector stays on, as in the proxy, and the heap built before the timed phases
+(the predictor, the loaded prompts) is frozen out of its way with ``gc.freeze()``, as
+``clairvoyant serve`` freezes its start-up heap; ``--no-gc-freeze`` times without the freeze (the
+setting of every run before issue 12's session 17).
 
 Not a timed test: numbers depend on the machine and its neighbours; the JSON result records the
 load average at the start of each phase.
@@ -199,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         default=[0],
         help="nice values of the llama.cpp load, one loaded phase each (0 = same priority)",
     )
+    parser.add_argument("--no-gc-freeze", action="store_true", help="do not gc.freeze() the start-up heap")
+    parser.add_argument("--json", type=Path, default=RESULTS, help=f"result file (default {RESULTS.name})")
     args = parser.parse_args(argv)
 
     prompts = _prompts(args.requests)
@@ -208,11 +215,14 @@ def main(argv: list[str] | None = None) -> int:
         "requests": len(prompts),
         "prompt_chars": {"p50": float(np.percentile(chars, 50)), "p99": float(np.percentile(chars, 99))},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-        "gc": "enabled (as in the proxy)",
+        "gc": "enabled (as in the proxy)"
+        + ("" if args.no_gc_freeze else ", start-up heap frozen (as in clairvoyant serve)"),
         "phases": {},
     }
     models = [args.model, *args.compare]
     gc.collect()
+    if not args.no_gc_freeze:
+        gc.freeze()
     report["phases"]["idle"] = [_bench_model(m, prompts, floor) for m in models]
     if not args.no_load:
         from predictor_load import LoadProcess
@@ -222,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(2.0)
                 name = "under_llamacpp_load" + (f"_nice{nice}" if nice else "")
                 report["phases"][name] = [_bench_model(m, prompts, floor) for m in models]
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
     for phase, rows in report["phases"].items():
         for r in rows:
             print(

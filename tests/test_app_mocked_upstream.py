@@ -538,3 +538,31 @@ def test_priority_is_forwarded_when_configured() -> None:
     assert r.status_code == 200
     assert json.loads(route.calls.last.request.content)["priority"] == 2
     assert r.headers["x-clairvoyant-queue-position"] == "0"
+
+
+def test_the_server_reports_disconnects_itself_no_watcher_task_per_request() -> None:
+    # Under the proxy's own server, a request's handler is told of its client's disconnect by the
+    # protocol (proxy.server.watch_disconnect): no task per request waits on receive().
+    from clairvoyant.proxy.server import watch_disconnect
+
+    assert watch_disconnect(lambda: None, lambda: None) is False  # any other server: the caller watches
+    seen: list[list[str]] = []
+    backend = HeldBackend()
+
+    async def recording(request: httpx.Request) -> httpx.Response:
+        seen.append(sorted(t.get_coro().__qualname__ for t in asyncio.all_tasks()))  # type: ignore[union-attr]
+        return await backend(request)
+
+    router = respx.MockRouter(base_url=UPSTREAM)
+    router.post("/v1/chat/completions").mock(side_effect=recording)
+    with proxy(router) as base:
+        holder = BackgroundPosts(base, "[long] holder")
+        wait_until(lambda: backend.order == ["[long] holder"], what="holder at the backend")
+        waiting = BackgroundPosts(base, "[short] waits")
+        wait_until(lambda: len(queue_snapshot(base)["waiting"]) == 1, what="queued")
+        backend.gate.set()
+        holder.join(10)
+        waiting.join(10)
+    assert [r.status_code for r in holder.responses + waiting.responses] == [200, 200]
+    assert len(seen) == 2 and all("RequestResponseCycle.run_asgi" in names for names in seen)
+    assert not any(name.endswith("_watch") for names in seen for name in names)

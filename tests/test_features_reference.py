@@ -204,3 +204,19 @@ def test_lexicon_score_equals_the_reference_formula() -> None:
         assert odd.score_words(words) == odd_reference.score_words(words)
     words = [b"a", b"b", b"c", b"a", b"b"]
     assert odd.score_words(words) == odd_reference.score_words(words) == 1.5 + (0.0 + 0.25 - 0.5) / 3**0.5
+
+
+def test_the_folded_lexicon_column_equals_the_lexicons_own_score() -> None:
+    # rich_v3 adds the lexicon's weights as exact scaled integers inside the keyword sum; the column
+    # must be Lexicon.score_window's fsum formula bit for bit, also for zero, negative and tiny weights
+    odd = features.Lexicon(
+        "t", 1.5, {b"a": 0.0, b"a b": 0.25, b"b  c": 9.0, b" c": 9.0, b"c": -0.5, b"essay": 1e-300, b"write": -3.3}
+    )
+    tables = [features._lexicon_table(odd), features._rich_v3_table()]
+    lexicons = [odd, load_lexicon()]
+    prompts = _synthetic_prompts(300) + [Prompt("a b c a b"), Prompt("write an essay"), Prompt("")]
+    for table, lexicon in zip(tables, lexicons):
+        for prompt in prompts:
+            row = features._rich_values(prompt, features.RICH_V2_HEAD_CHARS, features.RICH_V2_TAIL_CHARS, table)
+            assert row[:-1] == FEATURE_SETS["rich_v2"].values(prompt)
+            assert row[-1] == lexicon.score_words(features.scan_words(prompt.instruction))

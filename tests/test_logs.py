@@ -92,3 +92,24 @@ def test_text_logs_carry_the_same_fields(free_port: int) -> None:
         "request_id=sched-1" in line and "status=200" in line and "outcome=completed" in line for line in request_lines
     )
     assert SECRET_PROMPT.split()[0] not in stderr and "Traceback" not in stderr
+
+
+def test_the_text_request_line_is_loggings_own_format_plus_the_fields() -> None:
+    # TextFormatter builds request lines directly (timestamp seconds cached): the text must be what
+    # logging.Formatter(TEXT_FORMAT) gives, then the fields, for any time, including second edges.
+    import logging
+
+    from clairvoyant.logs import TEXT_FORMAT, TextFormatter
+
+    fast, plain = TextFormatter(), logging.Formatter(TEXT_FORMAT)
+    logger = logging.getLogger("clairvoyant.requests")
+    fields = {"request_id": "cv-1", "tenant": None, "status": 200, "service_ms": "1.5"}
+    tail = "request_id=cv-1 tenant=- status=200 service_ms=1.5"
+    for created in (1_700_000_000.0, 1_700_000_000.9995, 1_700_000_001.0004, 1_700_000_001.5, 1_000_000_000.25):
+        records = [logger.makeRecord(logger.name, logging.INFO, "f", 1, "request", None, None, extra={"fields": fields})
+                   for _ in range(2)]  # fmt: skip
+        for record in records:
+            record.created, record.msecs = created, int((created - int(created)) * 1000) + 0.0
+        assert fast.format(records[0]) == plain.format(records[1]) + " " + tail
+    other = logger.makeRecord(logger.name, logging.WARNING, "f", 1, "%s left", ("x",), None)
+    assert fast.format(other).endswith(" WARNING clairvoyant.requests: x left")

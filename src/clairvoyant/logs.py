@@ -28,8 +28,27 @@ def log_request(fields: dict[str, Any]) -> None:
 
 
 class TextFormatter(logging.Formatter):
+    """``TEXT_FORMAT``, then the fields as ``key=value``. A request line (fields, no exception) is
+    built directly, with the timestamp's seconds formatted once per second: the same text as
+    ``logging.Formatter`` makes, at about half the cost (one such line per request)."""
+
     def __init__(self) -> None:
         super().__init__(TEXT_FORMAT)
+        self._second = -1
+        self._second_text = ""
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = getattr(record, "fields", None)
+        if not fields or record.exc_info or record.exc_text or record.stack_info or record.args:
+            return super().format(record)
+        second = int(record.created)
+        if second != self._second:  # formatTime's "%Y-%m-%d %H:%M:%S" part, made once per second
+            self._second_text = time.strftime(self.default_time_format, self.converter(record.created))
+            self._second = second
+        record.message = message = str(record.msg)
+        record.asctime = asctime = (self.default_msec_format or "%s,%03d") % (self._second_text, record.msecs)
+        pairs = [f"{k}={'-' if v is None else v}" for k, v in fields.items()]
+        return f"{asctime} {record.levelname} {record.name}: {message} {' '.join(pairs)}"
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
         line = super().formatMessage(record)
@@ -59,6 +78,8 @@ def configure_logging(level: str, log_format: LogFormat = "text") -> None:
     """Install the one handler on the root logger (uvicorn's loggers propagate to it)."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
+    # No format here reads the thread, process or multiprocessing names: not looked up per record.
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -6,7 +6,9 @@ shared: ``PassthroughResponse`` runs it directly; ``ScheduledResponse`` runs it 
 back once (the lease is the only place that releases).
 
 Each runs in the server's task for its request. The client's disconnect is watched the whole time
-by one more task (``receive`` yields ``http.disconnect``), which may cancel the request's task:
+(the proxy's server calls back from its protocol: ``proxy.server.watch_disconnect``; under any
+other ASGI server one more task waits for ``receive`` to yield ``http.disconnect``), which may
+cancel the request's task:
 
 - while queued: the request's task is cancelled; the lease withdraws the ticket, never sent;
 - while the backend generates: ``abort`` cancels the relay (closing the backend connection;
@@ -44,6 +46,7 @@ from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.dialects import Dialect, error_body, stream_error_event, with_upstream_fields
 from clairvoyant.prediction.usage import Usage, UsageTap
 from clairvoyant.proxy.pool import BackendPool, merge_model_lists
+from clairvoyant.proxy.server import unwatch_disconnect, watch_disconnect
 from clairvoyant.proxy.upstream import Upstream, UpstreamResponse, response_headers
 from clairvoyant.scheduling.dispatcher import Dispatcher, ShuttingDown, Ticket
 
@@ -263,18 +266,22 @@ class Relay:
 
 
 class _Exchange:
-    """One request's relay, run in the request's own task, with one watcher task on ``receive``
-    for the client's disconnect (which may cancel the request's task; see ``_client_left``)."""
+    """One request's relay, run in the request's own task, told of the client's disconnect by the
+    server (or, under another ASGI server, by a watcher task on ``receive``), which may cancel the
+    request's task; see ``_client_left``."""
 
     relay: Relay
-    _left_cancel: bool = False  # the watcher cancelled the request's task (consumed, not propagated)
+    _left_cancel: bool = False  # the disconnect cancelled the request's task (consumed, not propagated)
     _task: asyncio.Task[Any] | None = None  # the request's task (set by _run)
 
     async def _run(self, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._task = task
-        watcher = asyncio.get_running_loop().create_task(self._watch(receive, task))
+        on_disconnect = self._disconnected
+        watcher = None
+        if not watch_disconnect(receive, on_disconnect):  # not the proxy's own server: watch receive
+            watcher = asyncio.get_running_loop().create_task(self._watch(receive))
         try:
             await self._serve(send, task)
         except asyncio.CancelledError:
@@ -282,14 +289,21 @@ class _Exchange:
                 return  # our own cancellation: the client is gone
             raise
         finally:
-            watcher.cancel()
+            if watcher is None:
+                unwatch_disconnect(receive, on_disconnect)
+            else:
+                watcher.cancel()
 
-    async def _watch(self, receive: Receive, task: asyncio.Task[Any]) -> None:
+    async def _watch(self, receive: Receive) -> None:
         await _wait_disconnect(receive)
+        self._disconnected()
+
+    def _disconnected(self) -> None:
         self.relay.client_gone = True
         if self._client_left():
             self._left_cancel = True
-            task.cancel()
+            assert self._task is not None
+            self._task.cancel()
 
     async def _serve(self, send: Send, task: asyncio.Task[Any]) -> None:
         raise NotImplementedError
@@ -401,8 +415,8 @@ class ScheduledResponse(_Exchange):
         )  # fmt: skip
         self.stage = "queued"  # queued -> relaying -> done
 
-    async def __call__(self, receive: Receive, send: Send) -> None:
-        await self._run(receive, send)
+    # the exchange itself: no coroutine layer of its own (each costs a frame per waiting request)
+    __call__ = _Exchange._run
 
     async def _serve(self, send: Send, task: asyncio.Task[Any]) -> None:
         """The slot's whole life: wait, relay, release (in the lease)."""
