@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from clairvoyant.errors import ModelError
+from clairvoyant.prediction.predictor import single_threaded_session
 
 __all__ = ["DEFAULT_ENCODER_CARD", "EncoderCard", "EncoderModel", "Refiner", "encoder_for"]
 
@@ -100,8 +101,7 @@ class EncoderModel:
     """The encoder: instruction text -> predicted ln(answer tokens), on one onnxruntime thread."""
 
     def __init__(self, card_path: Path | str | None = None) -> None:
-        import onnxruntime as ort  # imported here: importing this module stays cheap
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # imported here: importing this module stays cheap
 
         path = Path(card_path) if card_path is not None else DEFAULT_ENCODER_CARD
         if not path.is_file():
@@ -118,16 +118,7 @@ class EncoderModel:
         self.tokenizer = Tokenizer.from_file(str(self.card.tokenizer_path))
         self.tokenizer.enable_truncation(self.card.max_word_pieces)
         self.tokenizer.no_padding()
-        options = ort.SessionOptions()
-        # One thread: the backend generates on the same cores (see OnnxPredictor).
-        options.intra_op_num_threads = 1
-        options.inter_op_num_threads = 1
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        try:
-            self._session = ort.InferenceSession(str(self.card.onnx_path), options, providers=["CPUExecutionProvider"])
-        except Exception as exc:  # onnxruntime raises its own untyped errors
-            raise ModelError(f"cannot load encoder {self.card.onnx_path}: {exc}") from exc
+        self._session = single_threaded_session(self.card.onnx_path, "encoder")
         outputs = {o.name: o for o in self._session.get_outputs()}
         if self.card.output not in outputs:
             raise ModelError(
