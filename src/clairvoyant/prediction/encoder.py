@@ -21,7 +21,6 @@ then the learned correction and the request's cap apply exactly as to a lexical 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import queue
@@ -35,9 +34,9 @@ from typing import Any
 import numpy as np
 
 from clairvoyant.errors import ModelError
-from clairvoyant.prediction.predictor import single_threaded_session
+from clairvoyant.prediction.predictor import OnnxPredictor, Prediction, file_sha256, single_threaded_session
 
-__all__ = ["DEFAULT_ENCODER_CARD", "EncoderCard", "EncoderModel", "Refiner", "encoder_for"]
+__all__ = ["DEFAULT_ENCODER_CARD", "EncoderCard", "EncoderModel", "Refiner", "encoder_for", "refined_by"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +58,7 @@ class EncoderCard:
     tokenizer_sha256: str
     max_word_pieces: int  # the instruction's first N word pieces are read (the training cut)
     blend_weight: float  # w in [0, 1]: the encoder's share of the refined prior, in log tokens
-    output: str  # the graph's output: standardised log tokens
-    output_mean: float  # ln tokens = output_mean + output_std x output (the training's standardisation)
-    output_std: float
+    output: str  # the graph's ln(answer tokens) output
     raw: dict[str, Any]  # the whole card (training, metrics), for reports
 
     @classmethod
@@ -76,8 +73,6 @@ class EncoderCard:
                 max_word_pieces=int(raw["max_word_pieces"]),
                 blend_weight=float(raw["blend_weight"]),
                 output=str(raw.get("output", "log_tokens")),
-                output_mean=float(raw.get("output_mean_log_tokens", 0.0)),
-                output_std=float(raw.get("output_std_log_tokens", 1.0)),
                 raw=raw,
             )
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -87,14 +82,6 @@ class EncoderCard:
         if card.max_word_pieces < 8:
             raise ModelError(f"encoder card {card_path}: max_word_pieces {card.max_word_pieces} is below 8")
         return card
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class EncoderModel:
@@ -113,7 +100,7 @@ class EncoderModel:
         ):
             if not file.is_file():
                 raise ModelError(f"encoder file {file} not found")
-            if _sha256(file) != sha:
+            if file_sha256(file) != sha:
                 raise ModelError(f"encoder file {file} does not match the sha256 in its card")
         self.tokenizer = Tokenizer.from_file(str(self.card.tokenizer_path))
         self.tokenizer.enable_truncation(self.card.max_word_pieces)
@@ -152,7 +139,7 @@ class EncoderModel:
         ids = np.asarray([encoding.ids], dtype=np.int64)
         mask = np.asarray([encoding.attention_mask], dtype=np.int64)
         out = self._session.run(self._both, {"input_ids": ids, "attention_mask": mask})
-        value = self.card.output_mean + self.card.output_std * float(np.asarray(out[0]).reshape(-1)[0])
+        value = float(np.asarray(out[0]).reshape(-1)[0])
         components = np.asarray(out[1], dtype=np.float32).reshape(-1).tobytes() if self.components else b""
         return value, components
 
@@ -200,7 +187,6 @@ class Refiner:
         self._pending: queue.Queue[_Pending | None] = queue.Queue(maxsize=max_pending)
         self._loop: Any = None
         self._thread: threading.Thread | None = None
-        self.encoded = 0  # results handed back to the loop
 
     def start(self, loop: Any) -> None:
         self._loop = loop
@@ -260,7 +246,6 @@ class Refiner:
                 continue
             if self.observe_seconds is not None:
                 self.observe_seconds(time.perf_counter() - started)
-            self.encoded += 1
             try:
                 self._loop.call_soon_threadsafe(item.deliver, item.key, value, components)
             except RuntimeError:  # the loop closed under us (shutdown)
@@ -278,3 +263,10 @@ def encoder_for(predictor: Any, card_path: Path | None = None) -> EncoderModel |
     if output is None or output.kind != "regressor":
         return None
     return EncoderModel(card_path)
+
+
+def refined_by(encoder: Any, predictor: OnnxPredictor, prediction: Prediction, text: str) -> Prediction:
+    """``prediction`` refined by ``encoder``'s opinion of ``text`` at once, as the proxy refines a
+    request that waits (for the offline commands: replay, predict, demo)."""
+    encoder_log_tokens, components = encoder.encode(text)
+    return predictor.refined(prediction, encoder_log_tokens, encoder.blend_weight, components)

@@ -294,7 +294,8 @@ def card_path_for(model_path: Path) -> Path:
     return model_path.with_suffix(".card.json")
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The hex sha256 of a file, read in 1 MiB chunks (model files are tens of MB)."""
     digest = hashlib.sha256()
     with path.open("rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -368,7 +369,7 @@ def _check_card(card: dict[str, Any], model_path: Path) -> FeatureSet:
     expected_sha = card.get("onnx_sha256")
     if not isinstance(expected_sha, str):
         raise ModelError(f"model {model_path} card has no 'onnx_sha256': cannot tell it describes this file")
-    if expected_sha != _sha256(model_path):
+    if expected_sha != file_sha256(model_path):
         raise ModelError(
             f"model {model_path} does not match the sha256 in its card {card_path_for(model_path)}: "
             "the file was replaced or the card belongs to another model"

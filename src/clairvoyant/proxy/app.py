@@ -173,7 +173,8 @@ def create_app(
         await dispatcher.start()
         pool.start(dispatcher)
         refiner = None if encoder is None else _start_refiner(settings, loaded, encoder, dispatcher, metrics)
-        learning.recorder.refiner = refiner
+        if settings.online_learning:  # the learner's encoder pass for requests that never waited
+            learning.recorder.refiner = refiner
         app.state.proxy = ProxyState(settings, loaded, pool, dispatcher, metrics, learning, refiner)
         logger.info(
             "clairvoyant ready: backends=%s policy=%s tau=%ss+%sxS slots=%d max_queue=%d disconnect_mode=%s",
@@ -502,8 +503,8 @@ async def _scheduled(state: ProxyState, scope: Scope, receive: Receive) -> Sched
     # predicted while the backend works (the prediction still feeds the learner and the metrics).
     predict_later: Callable[[], None] | None = None
     if dispatcher.dispatch_at_once(ticket, job):
-        if state.refiner is not None:  # the learner encodes it once it completes (see feedback.py)
-            ticket.instruction = state.refiner.encoder.clip(parsed.prompt.instruction)
+        if state.learning.recorder.refiner is not None:  # the learner encodes it once it completes
+            ticket.instruction = parsed.prompt.instruction  # a reference; clipped when it is queued
 
         def predict_later() -> None:
             charged_s = job.predicted_s  # the default its tenant was charged at dispatch

@@ -104,8 +104,8 @@ class Ticket:
     refused_by: tuple[int, ...] = ()  # backends that refused its connection (routing avoids them)
     ended: bool = False  # withdrawn or released: set exactly once
     interrupt: Callable[[], None] | None = None  # set by its relay once dispatched: end the answer now (shutdown)
-    # Dispatched at once with an encoder on: its clipped instruction, which the learner's encoder
-    # pass reads after it completes (a waiting request's components come with its refinement).
+    # Dispatched at once while learning with an encoder: its instruction, which the learner's
+    # encoder pass reads after it completes (a waiting request's components come with its refinement).
     instruction: str | None = None
 
     @property

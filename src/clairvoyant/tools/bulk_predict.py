@@ -99,6 +99,8 @@ def request_of_line(line: str) -> LineRequest:
 def score_lines(predictor: Any, lines: Iterable[str], encoder: Any | None = None) -> Iterator[dict[str, Any]]:
     """One result dict per input line, in order (scored in batches of 512 through one ONNX call).
     ``encoder`` (an ``EncoderModel``): each prediction refined by it, as for a request that waits."""
+    from clairvoyant.prediction.encoder import refined_by
+
     batch: list[tuple[int, LineRequest | str]] = []
 
     def flush() -> Iterator[dict[str, Any]]:
@@ -116,9 +118,7 @@ def score_lines(predictor: Any, lines: Iterable[str], encoder: Any | None = None
             if isinstance(item, LineRequest):
                 prediction = next(predictions)
                 if encoder is not None:
-                    prediction = predictor.refined(
-                        prediction, encoder.log_tokens(item.prompt.instruction), encoder.blend_weight
-                    )
+                    prediction = refined_by(encoder, predictor, prediction, item.prompt.instruction)
                 yield {"line": number, **prediction.as_dict()}
             else:
                 yield {"line": number, "error": item}

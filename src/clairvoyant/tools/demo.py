@@ -88,7 +88,7 @@ def order_table(specs: list, predicted_tokens: list[float], sjf_finish_rank: dic
 
 def run(args: argparse.Namespace) -> int:
     from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, prompt_from_body
-    from clairvoyant.prediction.encoder import encoder_for
+    from clairvoyant.prediction.encoder import encoder_for, refined_by
     from clairvoyant.prediction.predictor import OnnxPredictor
     from clairvoyant.tools.bench.commands import backend
     from clairvoyant.tools.bench.prompt_set import PromptSetError, load_prompt_set, resolve
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     def seen(text: str) -> float:
         prediction = predictor.predict(prompt_from_body(chat, {"messages": [{"role": "user", "content": text}]}))
         if encoder is not None:
-            prediction = predictor.refined(prediction, encoder.log_tokens(text), encoder.blend_weight)
+            prediction = refined_by(encoder, predictor, prediction, text)
         return prediction.predicted_tokens
 
     predicted = [seen(s.text) for s in specs]

@@ -62,6 +62,8 @@ def replay_lines(
     ``encoder`` (an ``EncoderModel``): each line is refined by it, as the proxy refines a request
     that waits (replay orders every line, so every line is one that waits).
     """
+    from clairvoyant.prediction.encoder import refined_by
+
     previous = predictor.corrector
     predictor.corrector = learner
     try:
@@ -76,8 +78,7 @@ def replay_lines(
             model = request.model or model_name
             prediction = predictor.predict(request.prompt, model=model, cap_tokens=request.cap_tokens)
             if encoder is not None:
-                encoder_log_tokens, components = encoder.encode(request.prompt.instruction)
-                prediction = predictor.refined(prediction, encoder_log_tokens, encoder.blend_weight, components)
+                prediction = refined_by(encoder, predictor, prediction, request.prompt.instruction)
             result: dict[str, Any] = {
                 "line": number,
                 "score": prediction.score,
