@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from clairvoyant.errors import ModelError
-from clairvoyant.prediction.encoder import DEFAULT_ENCODER_CARD, EncoderModel, Refiner
+from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, prompt_from_body
+from clairvoyant.prediction.encoder import DEFAULT_ENCODER_CARD, EncoderModel, Refiner, encoder_for, refined_by
 from clairvoyant.prediction.features import Prompt
-from clairvoyant.prediction.predictor import OnnxPredictor
+from clairvoyant.prediction.predictor import BlendWeights, OnnxPredictor
 
 ESSAY = "Write a detailed 2000-word essay on the causes and consequences of the fall of the Roman Empire."
 SHORT = "What is the capital of France? Answer in one word."
@@ -38,6 +39,7 @@ def _copy_card(tmp_path: Path, **changes: Any) -> Path:
     for key in ("onnx_file", "tokenizer_file"):
         shutil.copy(DEFAULT_ENCODER_CARD.parent / card[key], tmp_path / card[key])
     card.update(changes)
+    card = {k: v for k, v in card.items() if v is not None}  # None: leave the field out
     path = tmp_path / "encoder.card.json"
     path.write_text(json.dumps(card))
     return path
@@ -65,6 +67,7 @@ def test_the_encoder_reads_only_its_word_pieces(encoder: EncoderModel) -> None:
     [
         ({"onnx_sha256": "0" * 64}, "does not match the sha256"),
         ({"blend_weight": 1.5}, "is not in \\[0, 1\\]"),
+        ({"blend_weight_with_history": -0.1}, "blend_weight_with_history -0.1 is not in \\[0, 1\\]"),
         ({"max_word_pieces": 2}, "below 8"),
         ({"onnx_file": "missing.onnx"}, "not found"),
     ],
@@ -108,6 +111,71 @@ def test_refined_blends_in_log_tokens_then_corrects_then_caps(predictor: OnnxPre
     corrected = learned.refined(lexical, 7.0, 0.5)
     assert corrector.priors[-1] == pytest.approx(half.prior_log_tokens)  # the correction sees the refined prior
     assert corrected.predicted_tokens == pytest.approx(2.0 * half.predicted_tokens)
+
+
+CHAT = SCHEDULED_ENDPOINTS["/v1/chat/completions"]
+
+
+def _chat(*messages: tuple[str, str]) -> Prompt:
+    return prompt_from_body(CHAT, {"messages": [{"role": r, "content": c} for r, c in messages]})
+
+
+def test_refined_weighs_the_encoder_by_whether_the_request_has_history(predictor: OnnxPredictor) -> None:
+    weights = BlendWeights(first=0.8, later=0.2)
+    single = _chat(("user", SHORT))
+    with_system = _chat(("system", "You are a helpful assistant."), ("user", SHORT))
+    later = _chat(("user", ESSAY), ("assistant", "Rome fell slowly."), ("user", SHORT))
+    completion = prompt_from_body(SCHEDULED_ENDPOINTS["/v1/completions"], {"prompt": SHORT})
+    for prompt, w in ((single, 0.8), (with_system, 0.8), (completion, 0.8), (later, 0.2)):
+        lexical = predictor.predict(prompt)
+        assert predictor.history_chars(lexical) == (len("Rome fell slowly.") + len(ESSAY) if w == 0.2 else 0.0)
+        refined = predictor.refined(lexical, 7.0, weights)
+        prior = lexical.prior_log_tokens
+        assert refined.prior_log_tokens == pytest.approx(prior + w * (7.0 - prior)), prompt
+        # a float is one weight for every request
+        assert predictor.refined(lexical, 7.0, 0.5).prior_log_tokens == pytest.approx(prior + 0.5 * (7.0 - prior))
+    with pytest.raises(ValueError, match="in \\[0, 1\\]"):
+        BlendWeights(0.5, 1.2)
+
+
+def test_the_encoders_card_gives_the_weights_by_turn_and_refined_by_uses_them(
+    tmp_path: Path, predictor: OnnxPredictor
+) -> None:
+    old = EncoderModel(_copy_card(tmp_path, blend_weight=0.7, blend_weight_with_history=None))
+    assert old.blend_weights == BlendWeights(0.7, 0.7)  # a card from before: one weight for every turn
+    turn_aware = EncoderModel(_copy_card(tmp_path, blend_weight=0.7, blend_weight_with_history=0.1))
+    assert turn_aware.blend_weights == BlendWeights(0.7, 0.1)
+    later = _chat(("user", ESSAY), ("assistant", "Rome fell slowly."), ("user", SHORT))
+    lexical = predictor.predict(later)
+    encoder_ln = turn_aware.log_tokens(later.instruction)
+    refined = refined_by(turn_aware, predictor, lexical, later.instruction)
+    prior = lexical.prior_log_tokens
+    assert refined.prior_log_tokens == pytest.approx(prior + 0.1 * (encoder_ln - prior))
+
+    class _NoHistoryColumn:  # a regressor whose feature set cannot tell turns apart
+        output = predictor.output
+        history_column = None
+
+    with pytest.raises(ModelError, match="history_chars"):
+        encoder_for(_NoHistoryColumn(), _copy_card(tmp_path, blend_weight=0.7, blend_weight_with_history=0.1))
+    assert encoder_for(_NoHistoryColumn(), _copy_card(tmp_path, blend_weight=0.7, blend_weight_with_history=0.7))
+
+
+def test_evaluate_applies_the_served_rule(predictor: OnnxPredictor, encoder: EncoderModel) -> None:
+    """`clairvoyant evaluate` blends each prompt with the weight the proxy would use for it."""
+    from clairvoyant.tools.training.evaluate import blend_weights_of
+    from clairvoyant.tools.training.scoring import ModelScorer
+
+    weights = BlendWeights(first=0.9, later=0.3)
+    prompts = [
+        _chat(("user", SHORT)),
+        _chat(("system", "Be brief."), ("user", ESSAY)),
+        _chat(("user", SHORT), ("assistant", "Paris."), ("user", ESSAY)),
+        Prompt(ESSAY, context_chars=len(ESSAY) + 400, turns=1),  # e.g. Ollama's context ids
+    ]
+    got = blend_weights_of(weights, ModelScorer(predictor.model_path), prompts)
+    served = [weights.for_history(predictor.history_chars(predictor.predict(p))) for p in prompts]
+    assert got.tolist() == served == [0.9, 0.9, 0.3, 0.3]
 
 
 def test_the_refiner_encodes_only_what_still_waits_and_drops_past_its_bound(encoder: EncoderModel) -> None:

@@ -11,12 +11,15 @@ it never stands in a request's way:
   it is still waiting, the encoder's log tokens are blended into its prediction and the queue
   re-keys it (``Dispatcher.repredicted``). A request dispatched meanwhile is skipped.
 
-Blend, in log tokens (``blend_weight`` w from the encoder's card):
+Blend, in log tokens (w from the encoder's card, by turn: ``predictor.BlendWeights``):
 
     refined prior = lexical prior + w x (encoder log tokens - lexical prior)
+    w = blend_weight_with_history  if the request has conversation history (history_chars > 0)
+        blend_weight               otherwise (a single-turn request)
 
-then the learned correction and the request's cap apply exactly as to a lexical prediction
-(``OnnxPredictor.refined``). Serving needs onnxruntime and ``tokenizers`` only: no torch.
+The encoder reads only the last user turn; the lexical model also reads the history, so the
+encoder's opinion counts for less once there is history it cannot see. The learned correction and
+the request's cap then apply exactly as to a lexical prediction (``OnnxPredictor.refined``). Serving needs onnxruntime and ``tokenizers`` only: no torch.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from clairvoyant.errors import ModelError
-from clairvoyant.prediction.predictor import OnnxPredictor, Prediction, file_sha256, single_threaded_session
+from clairvoyant.prediction.predictor import BlendWeights, OnnxPredictor, Prediction, file_sha256, single_threaded_session
 
 __all__ = ["DEFAULT_ENCODER_CARD", "EncoderCard", "EncoderModel", "Refiner", "encoder_for", "refined_by"]
 
@@ -57,7 +60,8 @@ class EncoderCard:
     tokenizer_path: Path
     tokenizer_sha256: str
     max_word_pieces: int  # the instruction's first N word pieces are read (the training cut)
-    blend_weight: float  # w in [0, 1]: the encoder's share of the refined prior, in log tokens
+    blend_weight: float  # w in [0, 1]: the encoder's share of a single-turn request's refined prior
+    blend_weight_with_history: float  # w in [0, 1] for a request with conversation history
     output: str  # the graph's ln(answer tokens) output
     raw: dict[str, Any]  # the whole card (training, metrics), for reports
 
@@ -72,16 +76,23 @@ class EncoderCard:
                 tokenizer_sha256=str(raw["tokenizer_sha256"]),
                 max_word_pieces=int(raw["max_word_pieces"]),
                 blend_weight=float(raw["blend_weight"]),
+                # a card from before the turn-aware blend: one weight for every request
+                blend_weight_with_history=float(raw.get("blend_weight_with_history", raw["blend_weight"])),
                 output=str(raw.get("output", "log_tokens")),
                 raw=raw,
             )
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ModelError(f"encoder card {card_path} is unreadable: {exc}") from exc
-        if not 0.0 <= card.blend_weight <= 1.0:
-            raise ModelError(f"encoder card {card_path}: blend_weight {card.blend_weight} is not in [0, 1]")
+        for name in ("blend_weight", "blend_weight_with_history"):
+            if not 0.0 <= getattr(card, name) <= 1.0:
+                raise ModelError(f"encoder card {card_path}: {name} {getattr(card, name)} is not in [0, 1]")
         if card.max_word_pieces < 8:
             raise ModelError(f"encoder card {card_path}: max_word_pieces {card.max_word_pieces} is below 8")
         return card
+
+    @property
+    def blend_weights(self) -> BlendWeights:
+        return BlendWeights(self.blend_weight, self.blend_weight_with_history)
 
 
 class EncoderModel:
@@ -124,7 +135,14 @@ class EncoderModel:
         self.log_tokens("warm up")  # first-run allocations, and proof that the graph runs
 
     @property
+    def blend_weights(self) -> BlendWeights:
+        """The blend's weights by turn (``OnnxPredictor.refined`` picks one per request)."""
+        return self.card.blend_weights
+
+    @property
     def blend_weight(self) -> float:
+        """The weight for a single-turn request only (what the proxy's start-up line shows); refine
+        with ``blend_weights``."""
         return self.card.blend_weight
 
     def clip(self, text: str) -> str:
@@ -262,11 +280,18 @@ def encoder_for(predictor: Any, card_path: Path | None = None) -> EncoderModel |
     output = getattr(predictor, "output", None)
     if output is None or output.kind != "regressor":
         return None
-    return EncoderModel(card_path)
+    encoder = EncoderModel(card_path)
+    weights = encoder.blend_weights
+    if weights.first != weights.later and getattr(predictor, "history_column", None) is None:
+        raise ModelError(
+            f"encoder {encoder.card.onnx_path}: its blend weights differ by turn, and the predictor's feature set "
+            "has no history_chars column to tell turns apart"
+        )
+    return encoder
 
 
 def refined_by(encoder: Any, predictor: OnnxPredictor, prediction: Prediction, text: str) -> Prediction:
     """``prediction`` refined by ``encoder``'s opinion of ``text`` at once, as the proxy refines a
     request that waits (for the offline commands: replay, predict, demo)."""
     encoder_log_tokens, components = encoder.encode(text)
-    return predictor.refined(prediction, encoder_log_tokens, encoder.blend_weight, components)
+    return predictor.refined(prediction, encoder_log_tokens, encoder.blend_weights, components)
