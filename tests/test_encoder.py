@@ -56,10 +56,36 @@ def test_the_shipped_encoder_orders_an_essay_after_a_one_word_answer(encoder: En
 def test_the_encoder_reads_only_its_word_pieces(encoder: EncoderModel) -> None:
     tail = " Then list every emperor with a one-page biography each." * 200
     clipped = encoder.clip(ESSAY + tail)
-    assert len(clipped) == encoder.card.max_word_pieces * 8
+    assert len(clipped) <= 2 * encoder.card.max_word_pieces * 8 + 1 and encoder.clip(clipped) == clipped
     assert encoder.log_tokens(ESSAY + tail) == encoder.log_tokens(clipped)
+    assert len(encoder.word_pieces(ESSAY + tail)) == encoder.card.max_word_pieces
     assert math.isfinite(encoder.log_tokens("\x00\ud83d lone surrogate"))  # JSON allows it; the tokenizer does not
     assert math.isfinite(encoder.log_tokens(""))
+
+
+def test_a_long_instruction_is_read_by_its_head_and_its_tail(tmp_path: Path, encoder: EncoderModel) -> None:
+    """The shipped card reads a long instruction's first and last word pieces: the request that
+    ends a long pasted text counts; the middle does not. A card without tail_word_pieces (before)
+    reads the first pieces only."""
+    card = encoder.card
+    assert card.tail_word_pieces > 0
+    head_pieces = card.max_word_pieces - 2 - card.tail_word_pieces
+    pasted = "The quarterly report lists revenue, costs and the staff of each office in detail. " * 60
+    ask_short = " Answer yes or no: is the report about finance?"
+    ask_long = " Rewrite the whole report as a detailed essay of at least 2000 words."
+    short, long = encoder.word_pieces(pasted + ask_short), encoder.word_pieces(pasted + ask_long)
+    cls, sep = short[0], short[-1]
+    whole = encoder.tokenizer.encode(pasted + ask_long).ids
+    assert long == whole[: 1 + head_pieces] + whole[-1 - card.tail_word_pieces :] and long[-1] == sep
+    assert encoder.log_tokens(pasted + ask_long) > encoder.log_tokens(pasted + ask_short)  # the tail is read
+    other_middle = pasted[:1000] + "Lorem ipsum dolor sit amet. " * 40 + pasted[-1000:] + ask_long
+    assert encoder.word_pieces(other_middle) == long and cls == long[0]  # the middle is not
+    huge = pasted * 20 + ask_long  # beyond the clip: the same head and tail pieces
+    assert encoder.word_pieces(huge) == long
+    first_only = EncoderModel(_copy_card(tmp_path, tail_word_pieces=None))
+    assert first_only.card.tail_word_pieces == 0
+    assert first_only.word_pieces(pasted + ask_long) == whole[: card.max_word_pieces - 1] + [sep]
+    assert first_only.log_tokens(pasted + ask_long) == first_only.log_tokens(pasted + ask_short)
 
 
 @pytest.mark.parametrize(
@@ -69,6 +95,7 @@ def test_the_encoder_reads_only_its_word_pieces(encoder: EncoderModel) -> None:
         ({"blend_weight": 1.5}, "is not in \\[0, 1\\]"),
         ({"blend_weight_with_history": -0.1}, "blend_weight_with_history -0.1 is not in \\[0, 1\\]"),
         ({"max_word_pieces": 2}, "below 8"),
+        ({"tail_word_pieces": 121}, "tail_word_pieces 121 is not in"),
         ({"onnx_file": "missing.onnx"}, "not found"),
     ],
 )

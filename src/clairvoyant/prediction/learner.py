@@ -104,6 +104,9 @@ class PriorIdentity:
     # residuals a learner stores, so a state learned under other weights is refused. Empty without
     # an encoder.
     blend_weights: tuple[float, ...] = ()
+    # How the encoder reads a long instruction (its last N word pieces after the first ones; 0: the
+    # first pieces only): the components and the encoder's opinion of a long prompt depend on it.
+    encoder_tail_word_pieces: int = 0
 
     @classmethod
     def of(cls, predictor: Any, encoder: Any | None = None) -> PriorIdentity:
@@ -112,8 +115,10 @@ class PriorIdentity:
         components: tuple[str, ...] = ()
         encoder_sha = ""
         weights: tuple[float, ...] = ()
+        tail = 0
         if encoder is not None:
             weights = tuple(encoder.blend_weights.as_list())
+            tail = encoder.card.tail_word_pieces
             encoder_sha = encoder.card.onnx_sha256
             if encoder.components:
                 components = tuple(f"encoder_component_{i}" for i in range(encoder.components))
@@ -124,6 +129,7 @@ class PriorIdentity:
             components,
             encoder_sha,
             weights,
+            tail,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -134,6 +140,7 @@ class PriorIdentity:
             "component_names": list(self.component_names),
             "encoder_sha256": self.encoder_sha256,
             "blend_weights": list(self.blend_weights),
+            "encoder_tail_word_pieces": self.encoder_tail_word_pieces,
         }
 
 
@@ -756,9 +763,13 @@ class OnlineLearner:
             ours = self.identity.as_dict()
             # files from before the encoder, and from before the turn-aware blend (their weights are not
             # recorded: refused whenever an encoder refines the prior now)
-            theirs = {"component_names": [], "encoder_sha256": "", "blend_weights": [], **theirs}
+            theirs = {
+                "component_names": [], "encoder_sha256": "", "blend_weights": [], "encoder_tail_word_pieces": 0,
+                **theirs,
+            }  # fmt: skip
             for field in (
-                "feature_set", "feature_names", "onnx_sha256", "component_names", "encoder_sha256", "blend_weights"
+                "feature_set", "feature_names", "onnx_sha256", "component_names", "encoder_sha256", "blend_weights",
+                "encoder_tail_word_pieces",
             ):  # fmt: skip
                 if theirs.get(field) != ours[field]:
                     shown = theirs.get(field) if not field.endswith("_names") else "a different list"
