@@ -374,7 +374,9 @@ def test_a_state_file_without_the_encoders_columns_is_refused_by_a_learner_with_
     assert "encoder_sha256" in caplog.text
 
 
-def test_a_state_learned_under_another_blend_or_reading_is_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_state_learned_under_another_blend_or_reading_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The refined prior (and so every stored residual) depends on the encoder's blend weights by
     turn and on how it reads a long prompt: a state learned under others, or before they were
     recorded, starts from the prior."""

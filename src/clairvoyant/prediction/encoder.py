@@ -38,7 +38,13 @@ from typing import Any
 import numpy as np
 
 from clairvoyant.errors import ModelError
-from clairvoyant.prediction.predictor import BlendWeights, OnnxPredictor, Prediction, file_sha256, single_threaded_session
+from clairvoyant.prediction.predictor import (
+    BlendWeights,
+    OnnxPredictor,
+    Prediction,
+    file_sha256,
+    single_threaded_session,
+)
 
 __all__ = ["DEFAULT_ENCODER_CARD", "EncoderCard", "EncoderModel", "Refiner", "encoder_for", "refined_by"]
 
@@ -93,8 +99,7 @@ class EncoderCard:
             raise ModelError(f"encoder card {card_path}: max_word_pieces {card.max_word_pieces} is below 8")
         if not 0 <= card.tail_word_pieces <= card.max_word_pieces - 8:
             raise ModelError(
-                f"encoder card {card_path}: tail_word_pieces {card.tail_word_pieces} is not in "
-                f"[0, max_word_pieces - 8]"
+                f"encoder card {card_path}: tail_word_pieces {card.tail_word_pieces} is not in [0, max_word_pieces - 8]"
             )
         return card
 
