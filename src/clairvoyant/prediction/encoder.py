@@ -3,9 +3,9 @@
 The lexical predictor (``predictor.OnnxPredictor``) scores every request in tens of microseconds.
 The encoder reads the same instruction (the last user turn: all of it up to ``max_word_pieces``
 word pieces; a longer one as its first pieces and its last ``tail_word_pieces``, where a long
-pasted text usually ends with the actual request) with a small transformer fine-tuned on ShareGPT answer lengths, and ranks prompts unlike
-the training data better (``model/MODEL_CARD.md`` gives both figures). It costs milliseconds, so
-it never stands in a request's way:
+pasted text usually ends with the actual request) with a small transformer fine-tuned on ShareGPT
+answer lengths, and ranks prompts unlike the training data better (``model/MODEL_CARD.md`` gives
+both figures). It costs milliseconds, so it never stands in a request's way:
 
 - a request that finds a free slot is never encoded (there is no order to decide);
 - a request that waits is handed to ``Refiner``, one background thread; when its turn comes and
@@ -20,7 +20,8 @@ Blend, in log tokens (w from the encoder's card, by turn: ``predictor.BlendWeigh
 
 The encoder reads only the last user turn; the lexical model also reads the history, so the
 encoder's opinion counts for less once there is history it cannot see. The learned correction and
-the request's cap then apply exactly as to a lexical prediction (``OnnxPredictor.refined``). Serving needs onnxruntime and ``tokenizers`` only: no torch.
+the request's cap then apply exactly as to a lexical prediction (``OnnxPredictor.refined``).
+Serving needs onnxruntime and ``tokenizers`` only: no torch.
 """
 
 from __future__ import annotations
@@ -167,7 +168,8 @@ class EncoderModel:
         """The part of ``text`` the encoder can read (what a pending request keeps), as valid
         UTF-8: the tokenizer refuses lone surrogates, which JSON bodies can carry. With a tail: the
         whole text up to twice the head's character bound, else its first and last characters
-        joined by a space (``clip(clip(t)) == clip(t)``; the join falls in the pieces not read)."""
+        joined by a space (``clip(clip(t)) == clip(t)``; in ordinary text each half holds far more than
+        its share of word pieces, so the join falls in the pieces not read)."""
         cut = self._max_chars
         if self._tail and len(text) > 2 * cut:
             text = text[:cut] + " " + text[-cut:]
