@@ -39,6 +39,7 @@ class _Memo:
     def __init__(self, encoder: Any) -> None:
         self.encoder = encoder
         self.blend_weight = encoder.blend_weight
+        self.blend_weights = encoder.blend_weights
         self.components = encoder.components
         self.card = encoder.card
         self._values: dict[str, tuple[float, bytes]] = {}
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         f"model: {predictor.model_path} (card schema {predictor.card.get('schema', 1)}, "
         f"{predictor.output.kind}, score {predictor.output.score}); seeds {args.seeds}; "
         f"refit every {config.refit_every} observations; {len(rows)} lines per replay; "
-        + ("lexical only" if encoder is None else f"refined by the encoder (blend weight {encoder.blend_weight:g})")
+        + ("lexical only" if encoder is None else f"refined by the encoder (blend weights {encoder.blend_weights})")
     )
     print("second-half Kendall tau_b, mean (min..max) over seeds")
     header = f"{'model':28s} {'--no-learn':>22s} {'learning':>22s} {'gain':>22s}"

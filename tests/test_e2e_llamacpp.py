@@ -259,7 +259,8 @@ def test_waiting_requests_are_refined_by_the_encoder_and_reordered(
     llama_server: EmbeddedLlamaServer, predictor: OnnxPredictor
 ) -> None:
     """A request that waits gets the encoder's second opinion: /queue shows exactly the blend of the
-    lexical prediction and the encoder's, and the queue order follows it. The answers' lengths are
+    lexical prediction and the encoder's, with the weight for its turn (the essay comes after an
+    earlier exchange, the fact alone), and the queue order follows it. The answers' lengths are
     forced upstream after prediction, so no cap hides the predictions."""
     from proxy_harness import metric_value
 
@@ -270,23 +271,29 @@ def test_waiting_requests_are_refined_by_the_encoder_and_reordered(
         upstream_url=llama_server.base_url, starvation_timeout_s=600, bench_upstream_fields=True, online_learning=False
     )
     texts = {"essay": LONG_PROMPTS[0], "fact": SHORT_PROMPTS[1]}
+    history = [
+        {"role": "user", "content": "I am reading about Roman history this week."},
+        {"role": "assistant", "content": "Happy to help with that."},
+    ]
+    messages = {"essay": history + chat(texts["essay"]), "fact": chat(texts["fact"])}
+    assert encoder.blend_weights.first != encoder.blend_weights.later  # else the turn would not show
     with running_proxy(settings, predictor=predictor) as url:
 
         async def scenario() -> dict:
             async with AsyncOpenAI(base_url=f"{url}/v1", api_key="sk-unused", max_retries=0, timeout=300) as client:
 
-                async def run(tag: str, text: str, tokens: int) -> None:
+                async def run(tag: str, turns: list[dict], tokens: int) -> None:
                     await client.chat.completions.create(
                         model="smollm2",
-                        messages=chat(text),
+                        messages=turns,
                         extra_body={"clairvoyant": {"upstream": {"max_tokens": tokens, **FORCE}}},
                         extra_headers={"x-request-id": f"enc-{tag}"},
                     )
 
-                holder = asyncio.create_task(run("holder", SHORT_PROMPTS[0], 200))
+                holder = asyncio.create_task(run("holder", chat(SHORT_PROMPTS[0]), 200))
                 while not queue_snapshot(url)["in_flight"]:
                     await asyncio.sleep(0.01)
-                tasks = [asyncio.create_task(run(tag, text, 2)) for tag, text in texts.items()]
+                tasks = [asyncio.create_task(run(tag, turns, 2)) for tag, turns in messages.items()]
                 deadline = time.monotonic() + 20
                 while metric_value(url, "clairvoyant_encoder_requests_total", 'outcome="refined"') < 2:
                     assert time.monotonic() < deadline and not holder.done(), "the waiting requests were not refined"
@@ -299,9 +306,15 @@ def test_waiting_requests_are_refined_by_the_encoder_and_reordered(
     waiting = {w["request_id"].removeprefix("enc-"): w for w in snapshot["waiting"]}
     assert set(waiting) == set(texts)
     for tag, text in texts.items():
-        prompt = prompt_from_body(SCHEDULED_ENDPOINTS["/v1/chat/completions"], {"messages": chat(text)})
+        prompt = prompt_from_body(SCHEDULED_ENDPOINTS["/v1/chat/completions"], {"messages": messages[tag]})
         lexical = predictor.predict(prompt, model="smollm2")
-        refined = predictor.refined(lexical, encoder.log_tokens(text), encoder.blend_weight)
+        refined = predictor.refined(lexical, encoder.log_tokens(text), encoder.blend_weights)
+        weight = encoder.blend_weights.later if tag == "essay" else encoder.blend_weights.first
+        prior = lexical.prior_log_tokens
+        assert refined.prior_log_tokens == pytest.approx(prior + weight * (encoder.log_tokens(text) - prior))
+        single = predictor.refined(lexical, encoder.log_tokens(text), encoder.blend_weights.first)
+        if tag == "essay":  # one weight for every turn would show another number
+            assert waiting[tag]["predicted_tokens"] != pytest.approx(round(single.predicted_tokens, 1), abs=0.06)
         assert waiting[tag]["predicted_tokens"] == pytest.approx(round(refined.predicted_tokens, 1), abs=0.06)
         assert waiting[tag]["predicted_tokens"] != pytest.approx(round(lexical.predicted_tokens, 1), abs=0.06)
     assert [w["request_id"] for w in snapshot["waiting"]] == ["enc-fact", "enc-essay"]

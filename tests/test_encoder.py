@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from clairvoyant.errors import ModelError
-from clairvoyant.prediction.encoder import DEFAULT_ENCODER_CARD, EncoderModel, Refiner
+from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, prompt_from_body
+from clairvoyant.prediction.encoder import DEFAULT_ENCODER_CARD, EncoderModel, Refiner, encoder_for, refined_by
 from clairvoyant.prediction.features import Prompt
-from clairvoyant.prediction.predictor import OnnxPredictor
+from clairvoyant.prediction.predictor import BlendWeights, OnnxPredictor
 
 ESSAY = "Write a detailed 2000-word essay on the causes and consequences of the fall of the Roman Empire."
 SHORT = "What is the capital of France? Answer in one word."
@@ -38,6 +39,7 @@ def _copy_card(tmp_path: Path, **changes: Any) -> Path:
     for key in ("onnx_file", "tokenizer_file"):
         shutil.copy(DEFAULT_ENCODER_CARD.parent / card[key], tmp_path / card[key])
     card.update(changes)
+    card = {k: v for k, v in card.items() if v is not None}  # None: leave the field out
     path = tmp_path / "encoder.card.json"
     path.write_text(json.dumps(card))
     return path
@@ -54,10 +56,36 @@ def test_the_shipped_encoder_orders_an_essay_after_a_one_word_answer(encoder: En
 def test_the_encoder_reads_only_its_word_pieces(encoder: EncoderModel) -> None:
     tail = " Then list every emperor with a one-page biography each." * 200
     clipped = encoder.clip(ESSAY + tail)
-    assert len(clipped) == encoder.card.max_word_pieces * 8
+    assert len(clipped) <= 2 * encoder.card.max_word_pieces * 8 + 1 and encoder.clip(clipped) == clipped
     assert encoder.log_tokens(ESSAY + tail) == encoder.log_tokens(clipped)
+    assert len(encoder.word_pieces(ESSAY + tail)) == encoder.card.max_word_pieces
     assert math.isfinite(encoder.log_tokens("\x00\ud83d lone surrogate"))  # JSON allows it; the tokenizer does not
     assert math.isfinite(encoder.log_tokens(""))
+
+
+def test_a_long_instruction_is_read_by_its_head_and_its_tail(tmp_path: Path, encoder: EncoderModel) -> None:
+    """The shipped card reads a long instruction's first and last word pieces: the request that
+    ends a long pasted text counts; the middle does not. A card without tail_word_pieces (before)
+    reads the first pieces only."""
+    card = encoder.card
+    assert card.tail_word_pieces > 0
+    head_pieces = card.max_word_pieces - 2 - card.tail_word_pieces
+    pasted = "The quarterly report lists revenue, costs and the staff of each office in detail. " * 60
+    ask_short = " Answer yes or no: is the report about finance?"
+    ask_long = " Rewrite the whole report as a detailed essay of at least 2000 words."
+    short, long = encoder.word_pieces(pasted + ask_short), encoder.word_pieces(pasted + ask_long)
+    cls, sep = short[0], short[-1]
+    whole = encoder.tokenizer.encode(pasted + ask_long).ids
+    assert long == whole[: 1 + head_pieces] + whole[-1 - card.tail_word_pieces :] and long[-1] == sep
+    assert encoder.log_tokens(pasted + ask_long) > encoder.log_tokens(pasted + ask_short)  # the tail is read
+    other_middle = pasted[:1000] + "Lorem ipsum dolor sit amet. " * 40 + pasted[-1000:] + ask_long
+    assert encoder.word_pieces(other_middle) == long and cls == long[0]  # the middle is not
+    huge = pasted * 20 + ask_long  # beyond the clip: the same head and tail pieces
+    assert encoder.word_pieces(huge) == long
+    first_only = EncoderModel(_copy_card(tmp_path, tail_word_pieces=None))
+    assert first_only.card.tail_word_pieces == 0
+    assert first_only.word_pieces(pasted + ask_long) == whole[: card.max_word_pieces - 1] + [sep]
+    assert first_only.log_tokens(pasted + ask_long) == first_only.log_tokens(pasted + ask_short)
 
 
 @pytest.mark.parametrize(
@@ -65,7 +93,9 @@ def test_the_encoder_reads_only_its_word_pieces(encoder: EncoderModel) -> None:
     [
         ({"onnx_sha256": "0" * 64}, "does not match the sha256"),
         ({"blend_weight": 1.5}, "is not in \\[0, 1\\]"),
+        ({"blend_weight_with_history": -0.1}, "blend_weight_with_history -0.1 is not in \\[0, 1\\]"),
         ({"max_word_pieces": 2}, "below 8"),
+        ({"tail_word_pieces": 121}, "tail_word_pieces 121 is not in"),
         ({"onnx_file": "missing.onnx"}, "not found"),
     ],
 )
@@ -108,6 +138,71 @@ def test_refined_blends_in_log_tokens_then_corrects_then_caps(predictor: OnnxPre
     corrected = learned.refined(lexical, 7.0, 0.5)
     assert corrector.priors[-1] == pytest.approx(half.prior_log_tokens)  # the correction sees the refined prior
     assert corrected.predicted_tokens == pytest.approx(2.0 * half.predicted_tokens)
+
+
+CHAT = SCHEDULED_ENDPOINTS["/v1/chat/completions"]
+
+
+def _chat(*messages: tuple[str, str]) -> Prompt:
+    return prompt_from_body(CHAT, {"messages": [{"role": r, "content": c} for r, c in messages]})
+
+
+def test_refined_weighs_the_encoder_by_whether_the_request_has_history(predictor: OnnxPredictor) -> None:
+    weights = BlendWeights(first=0.8, later=0.2)
+    single = _chat(("user", SHORT))
+    with_system = _chat(("system", "You are a helpful assistant."), ("user", SHORT))
+    later = _chat(("user", ESSAY), ("assistant", "Rome fell slowly."), ("user", SHORT))
+    completion = prompt_from_body(SCHEDULED_ENDPOINTS["/v1/completions"], {"prompt": SHORT})
+    for prompt, w in ((single, 0.8), (with_system, 0.8), (completion, 0.8), (later, 0.2)):
+        lexical = predictor.predict(prompt)
+        assert predictor.history_chars(lexical) == (len("Rome fell slowly.") + len(ESSAY) if w == 0.2 else 0.0)
+        refined = predictor.refined(lexical, 7.0, weights)
+        prior = lexical.prior_log_tokens
+        assert refined.prior_log_tokens == pytest.approx(prior + w * (7.0 - prior)), prompt
+        # a float is one weight for every request
+        assert predictor.refined(lexical, 7.0, 0.5).prior_log_tokens == pytest.approx(prior + 0.5 * (7.0 - prior))
+    with pytest.raises(ValueError, match="in \\[0, 1\\]"):
+        BlendWeights(0.5, 1.2)
+
+
+def test_the_encoders_card_gives_the_weights_by_turn_and_refined_by_uses_them(
+    tmp_path: Path, predictor: OnnxPredictor
+) -> None:
+    old = EncoderModel(_copy_card(tmp_path, blend_weight=0.7, blend_weight_with_history=None))
+    assert old.blend_weights == BlendWeights(0.7, 0.7)  # a card from before: one weight for every turn
+    turn_aware = EncoderModel(_copy_card(tmp_path, blend_weight=0.7, blend_weight_with_history=0.1))
+    assert turn_aware.blend_weights == BlendWeights(0.7, 0.1)
+    later = _chat(("user", ESSAY), ("assistant", "Rome fell slowly."), ("user", SHORT))
+    lexical = predictor.predict(later)
+    encoder_ln = turn_aware.log_tokens(later.instruction)
+    refined = refined_by(turn_aware, predictor, lexical, later.instruction)
+    prior = lexical.prior_log_tokens
+    assert refined.prior_log_tokens == pytest.approx(prior + 0.1 * (encoder_ln - prior))
+
+    class _NoHistoryColumn:  # a regressor whose feature set cannot tell turns apart
+        output = predictor.output
+        history_column = None
+
+    with pytest.raises(ModelError, match="history_chars"):
+        encoder_for(_NoHistoryColumn(), _copy_card(tmp_path, blend_weight=0.7, blend_weight_with_history=0.1))
+    assert encoder_for(_NoHistoryColumn(), _copy_card(tmp_path, blend_weight=0.7, blend_weight_with_history=0.7))
+
+
+def test_evaluate_applies_the_served_rule(predictor: OnnxPredictor, encoder: EncoderModel) -> None:
+    """`clairvoyant evaluate` blends each prompt with the weight the proxy would use for it."""
+    from clairvoyant.tools.training.evaluate import blend_weights_of
+    from clairvoyant.tools.training.scoring import ModelScorer
+
+    weights = BlendWeights(first=0.9, later=0.3)
+    prompts = [
+        _chat(("user", SHORT)),
+        _chat(("system", "Be brief."), ("user", ESSAY)),
+        _chat(("user", SHORT), ("assistant", "Paris."), ("user", ESSAY)),
+        Prompt(ESSAY, context_chars=len(ESSAY) + 400, turns=1),  # e.g. Ollama's context ids
+    ]
+    got = blend_weights_of(weights, ModelScorer(predictor.model_path), prompts)
+    served = [weights.for_history(predictor.history_chars(predictor.predict(p))) for p in prompts]
+    assert got.tolist() == served == [0.9, 0.9, 0.3, 0.3]
 
 
 def test_the_refiner_encodes_only_what_still_waits_and_drops_past_its_bound(encoder: EncoderModel) -> None:

@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -371,3 +372,32 @@ def test_a_state_file_without_the_encoders_columns_is_refused_by_a_learner_with_
     with caplog.at_level(logging.WARNING, logger="clairvoyant.prediction.learner"):
         assert OnlineLearner.load(path, other_encoder).observed_total == 0
     assert "encoder_sha256" in caplog.text
+
+
+def test_a_state_learned_under_another_blend_or_reading_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The refined prior (and so every stored residual) depends on the encoder's blend weights by
+    turn and on how it reads a long prompt: a state learned under others, or before they were
+    recorded, starts from the prior."""
+    path = tmp_path / "learner.npz"
+    rows, prior, truth = _encoded_world(64)
+    weighted = replace(ENCODED, blend_weights=(0.6, 0.6))
+    learner = OnlineLearner(weighted)
+    _learn(learner, rows, prior, truth)
+    learner.save(path)
+    assert OnlineLearner.load(path, weighted).observed_total == 64
+    for other, field in (
+        (replace(ENCODED, blend_weights=(0.6, 0.3)), "blend_weights"),
+        (ENCODED, "blend_weights"),
+        (replace(weighted, encoder_tail_word_pieces=62), "encoder_tail_word_pieces"),  # reads long prompts otherwise
+    ):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="clairvoyant.prediction.learner"):
+            assert OnlineLearner.load(path, other).observed_total == 0
+        assert field in caplog.text
+    OnlineLearner(ENCODED).save(path)  # no weights recorded, as in a file from before they were
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="clairvoyant.prediction.learner"):
+        assert OnlineLearner.load(path, weighted).observed_total == 0
+    assert "blend_weights" in caplog.text

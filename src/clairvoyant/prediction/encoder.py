@@ -1,22 +1,27 @@
 """A second opinion for requests that wait: a fine-tuned MiniLM encoder of the instruction.
 
 The lexical predictor (``predictor.OnnxPredictor``) scores every request in tens of microseconds.
-The encoder reads the same instruction (the last user turn, its first ``max_word_pieces`` word
-pieces) with a small transformer fine-tuned on ShareGPT answer lengths, and ranks prompts unlike
-the training data better (``model/MODEL_CARD.md`` gives both figures). It costs milliseconds, so
-it never stands in a request's way:
+The encoder reads the same instruction (the last user turn: all of it up to ``max_word_pieces``
+word pieces; a longer one as its first pieces and its last ``tail_word_pieces``, where a long
+pasted text usually ends with the actual request) with a small transformer fine-tuned on ShareGPT
+answer lengths, and ranks prompts unlike the training data better (``model/MODEL_CARD.md`` gives
+both figures). It costs milliseconds, so it never stands in a request's way:
 
 - a request that finds a free slot is never encoded (there is no order to decide);
 - a request that waits is handed to ``Refiner``, one background thread; when its turn comes and
   it is still waiting, the encoder's log tokens are blended into its prediction and the queue
   re-keys it (``Dispatcher.repredicted``). A request dispatched meanwhile is skipped.
 
-Blend, in log tokens (``blend_weight`` w from the encoder's card):
+Blend, in log tokens (w from the encoder's card, by turn: ``predictor.BlendWeights``):
 
     refined prior = lexical prior + w x (encoder log tokens - lexical prior)
+    w = blend_weight_with_history  if the request has conversation history (history_chars > 0)
+        blend_weight               otherwise (a single-turn request)
 
-then the learned correction and the request's cap apply exactly as to a lexical prediction
-(``OnnxPredictor.refined``). Serving needs onnxruntime and ``tokenizers`` only: no torch.
+The encoder reads only the last user turn; the lexical model also reads the history, so the
+encoder's opinion counts for less once there is history it cannot see. The learned correction and
+the request's cap then apply exactly as to a lexical prediction (``OnnxPredictor.refined``).
+Serving needs onnxruntime and ``tokenizers`` only: no torch.
 """
 
 from __future__ import annotations
@@ -34,7 +39,13 @@ from typing import Any
 import numpy as np
 
 from clairvoyant.errors import ModelError
-from clairvoyant.prediction.predictor import OnnxPredictor, Prediction, file_sha256, single_threaded_session
+from clairvoyant.prediction.predictor import (
+    BlendWeights,
+    OnnxPredictor,
+    Prediction,
+    file_sha256,
+    single_threaded_session,
+)
 
 __all__ = ["DEFAULT_ENCODER_CARD", "EncoderCard", "EncoderModel", "Refiner", "encoder_for", "refined_by"]
 
@@ -56,8 +67,10 @@ class EncoderCard:
     onnx_sha256: str
     tokenizer_path: Path
     tokenizer_sha256: str
-    max_word_pieces: int  # the instruction's first N word pieces are read (the training cut)
-    blend_weight: float  # w in [0, 1]: the encoder's share of the refined prior, in log tokens
+    max_word_pieces: int  # word pieces read at most, [CLS] and [SEP] included (the training cut)
+    tail_word_pieces: int  # a longer instruction: its last N pieces are read after its first ones (0: first only)
+    blend_weight: float  # w in [0, 1]: the encoder's share of a single-turn request's refined prior
+    blend_weight_with_history: float  # w in [0, 1] for a request with conversation history
     output: str  # the graph's ln(answer tokens) output
     raw: dict[str, Any]  # the whole card (training, metrics), for reports
 
@@ -71,17 +84,29 @@ class EncoderCard:
                 tokenizer_path=card_path.parent / raw["tokenizer_file"],
                 tokenizer_sha256=str(raw["tokenizer_sha256"]),
                 max_word_pieces=int(raw["max_word_pieces"]),
+                tail_word_pieces=int(raw.get("tail_word_pieces", 0)),  # a card from before: first pieces only
                 blend_weight=float(raw["blend_weight"]),
+                # a card from before the turn-aware blend: one weight for every request
+                blend_weight_with_history=float(raw.get("blend_weight_with_history", raw["blend_weight"])),
                 output=str(raw.get("output", "log_tokens")),
                 raw=raw,
             )
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ModelError(f"encoder card {card_path} is unreadable: {exc}") from exc
-        if not 0.0 <= card.blend_weight <= 1.0:
-            raise ModelError(f"encoder card {card_path}: blend_weight {card.blend_weight} is not in [0, 1]")
+        for name in ("blend_weight", "blend_weight_with_history"):
+            if not 0.0 <= getattr(card, name) <= 1.0:
+                raise ModelError(f"encoder card {card_path}: {name} {getattr(card, name)} is not in [0, 1]")
         if card.max_word_pieces < 8:
             raise ModelError(f"encoder card {card_path}: max_word_pieces {card.max_word_pieces} is below 8")
+        if not 0 <= card.tail_word_pieces <= card.max_word_pieces - 8:
+            raise ModelError(
+                f"encoder card {card_path}: tail_word_pieces {card.tail_word_pieces} is not in [0, max_word_pieces - 8]"
+            )
         return card
+
+    @property
+    def blend_weights(self) -> BlendWeights:
+        return BlendWeights(self.blend_weight, self.blend_weight_with_history)
 
 
 class EncoderModel:
@@ -103,7 +128,12 @@ class EncoderModel:
             if file_sha256(file) != sha:
                 raise ModelError(f"encoder file {file} does not match the sha256 in its card")
         self.tokenizer = Tokenizer.from_file(str(self.card.tokenizer_path))
-        self.tokenizer.enable_truncation(self.card.max_word_pieces)
+        self._tail = self.card.tail_word_pieces
+        self._head = self.card.max_word_pieces - 2 - self._tail  # after [CLS], before the tail and [SEP]
+        if self._tail:
+            self.tokenizer.no_truncation()  # the pieces are cut in encode(); clip() bounds the text
+        else:
+            self.tokenizer.enable_truncation(self.card.max_word_pieces)
         self.tokenizer.no_padding()
         self._session = single_threaded_session(self.card.onnx_path, "encoder")
         outputs = {o.name: o for o in self._session.get_outputs()}
@@ -124,20 +154,43 @@ class EncoderModel:
         self.log_tokens("warm up")  # first-run allocations, and proof that the graph runs
 
     @property
+    def blend_weights(self) -> BlendWeights:
+        """The blend's weights by turn (``OnnxPredictor.refined`` picks one per request)."""
+        return self.card.blend_weights
+
+    @property
     def blend_weight(self) -> float:
+        """The weight for a single-turn request only (what the proxy's start-up line shows); refine
+        with ``blend_weights``."""
         return self.card.blend_weight
 
     def clip(self, text: str) -> str:
         """The part of ``text`` the encoder can read (what a pending request keeps), as valid
-        UTF-8: the tokenizer refuses lone surrogates, which JSON bodies can carry."""
-        return text[: self._max_chars].encode("utf-8", "replace").decode("utf-8")
+        UTF-8: the tokenizer refuses lone surrogates, which JSON bodies can carry. With a tail: the
+        whole text up to twice the head's character bound, else its first and last characters
+        joined by a space (``clip(clip(t)) == clip(t)``; in ordinary text each half holds far more than
+        its share of word pieces, so the join falls in the pieces not read)."""
+        cut = self._max_chars
+        if self._tail and len(text) > 2 * cut:
+            text = text[:cut] + " " + text[-cut:]
+        elif not self._tail:
+            text = text[:cut]
+        return text.encode("utf-8", "replace").decode("utf-8")
+
+    def word_pieces(self, text: str) -> list[int]:
+        """The word-piece ids the encoder reads for ``text``: [CLS], the pieces, [SEP]; a text
+        longer than ``max_word_pieces`` as its first pieces and its last ``tail_word_pieces``."""
+        ids = self.tokenizer.encode(self.clip(text)).ids
+        if self._tail and len(ids) > self.card.max_word_pieces:
+            ids = ids[: 1 + self._head] + ids[-1 - self._tail :]
+        return ids
 
     def encode(self, text: str) -> tuple[float, bytes]:
         """Predicted ln(answer tokens) for one instruction, and its components for the online
         learner (float32 bytes; empty for a graph without them)."""
-        encoding = self.tokenizer.encode(self.clip(text))
-        ids = np.asarray([encoding.ids], dtype=np.int64)
-        mask = np.asarray([encoding.attention_mask], dtype=np.int64)
+        pieces = self.word_pieces(text)
+        ids = np.asarray([pieces], dtype=np.int64)
+        mask = np.ones_like(ids)
         out = self._session.run(self._both, {"input_ids": ids, "attention_mask": mask})
         value = float(np.asarray(out[0]).reshape(-1)[0])
         components = np.asarray(out[1], dtype=np.float32).reshape(-1).tobytes() if self.components else b""
@@ -262,11 +315,18 @@ def encoder_for(predictor: Any, card_path: Path | None = None) -> EncoderModel |
     output = getattr(predictor, "output", None)
     if output is None or output.kind != "regressor":
         return None
-    return EncoderModel(card_path)
+    encoder = EncoderModel(card_path)
+    weights = encoder.blend_weights
+    if weights.first != weights.later and getattr(predictor, "history_column", None) is None:
+        raise ModelError(
+            f"encoder {encoder.card.onnx_path}: its blend weights differ by turn, and the predictor's feature set "
+            "has no history_chars column to tell turns apart"
+        )
+    return encoder
 
 
 def refined_by(encoder: Any, predictor: OnnxPredictor, prediction: Prediction, text: str) -> Prediction:
     """``prediction`` refined by ``encoder``'s opinion of ``text`` at once, as the proxy refines a
     request that waits (for the offline commands: replay, predict, demo)."""
     encoder_log_tokens, components = encoder.encode(text)
-    return predictor.refined(prediction, encoder_log_tokens, encoder.blend_weight, components)
+    return predictor.refined(prediction, encoder_log_tokens, encoder.blend_weights, components)

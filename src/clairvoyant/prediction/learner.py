@@ -100,6 +100,13 @@ class PriorIdentity:
     # empty without an encoder. Its sha ties the columns to the graph that made them.
     component_names: tuple[str, ...] = ()
     encoder_sha256: str = ""
+    # The encoder's blend weights (single-turn, with history): they define the refined prior whose
+    # residuals a learner stores, so a state learned under other weights is refused. Empty without
+    # an encoder.
+    blend_weights: tuple[float, ...] = ()
+    # How the encoder reads a long instruction (its last N word pieces after the first ones; 0: the
+    # first pieces only): the components and the encoder's opinion of a long prompt depend on it.
+    encoder_tail_word_pieces: int = 0
 
     @classmethod
     def of(cls, predictor: Any, encoder: Any | None = None) -> PriorIdentity:
@@ -107,15 +114,22 @@ class PriorIdentity:
         is the features followed by the encoder's components)."""
         components: tuple[str, ...] = ()
         encoder_sha = ""
-        if encoder is not None and encoder.components:
-            components = tuple(f"encoder_component_{i}" for i in range(encoder.components))
+        weights: tuple[float, ...] = ()
+        tail = 0
+        if encoder is not None:
+            weights = tuple(encoder.blend_weights.as_list())
+            tail = encoder.card.tail_word_pieces
             encoder_sha = encoder.card.onnx_sha256
+            if encoder.components:
+                components = tuple(f"encoder_component_{i}" for i in range(encoder.components))
         return cls(
             predictor.feature_set.name,
             tuple(predictor.feature_set.names),
             predictor.onnx_sha256,
             components,
             encoder_sha,
+            weights,
+            tail,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -125,6 +139,8 @@ class PriorIdentity:
             "onnx_sha256": self.onnx_sha256,
             "component_names": list(self.component_names),
             "encoder_sha256": self.encoder_sha256,
+            "blend_weights": list(self.blend_weights),
+            "encoder_tail_word_pieces": self.encoder_tail_word_pieces,
         }
 
 
@@ -745,8 +761,16 @@ class OnlineLearner:
                 )
             theirs = meta.get("identity") or {}
             ours = self.identity.as_dict()
-            theirs = {"component_names": [], "encoder_sha256": "", **theirs}  # files from before the encoder
-            for field in ("feature_set", "feature_names", "onnx_sha256", "component_names", "encoder_sha256"):
+            # files from before the encoder, and from before the turn-aware blend (their weights are not
+            # recorded: refused whenever an encoder refines the prior now)
+            theirs = {
+                "component_names": [], "encoder_sha256": "", "blend_weights": [], "encoder_tail_word_pieces": 0,
+                **theirs,
+            }  # fmt: skip
+            for field in (
+                "feature_set", "feature_names", "onnx_sha256", "component_names", "encoder_sha256", "blend_weights",
+                "encoder_tail_word_pieces",
+            ):  # fmt: skip
                 if theirs.get(field) != ours[field]:
                     shown = theirs.get(field) if not field.endswith("_names") else "a different list"
                     raise _Refused(f"made for another prior: its {field} is {shown!r}, the loaded model's differs")

@@ -54,6 +54,7 @@ __all__ = [
     "CLASS_NAMES",
     "DEFAULT_MODEL_PATH",
     "STAND_IN_P_LONG_CALIBRATION",
+    "BlendWeights",
     "Calibration",
     "Corrector",
     "ModelOutput",
@@ -159,6 +160,32 @@ STAND_IN_P_LONG_CALIBRATION = Calibration(
     method="stand-in: class midpoints on the P(Long) axis (schema-1 card, not fitted)",
     stand_in=True,
 )
+
+
+@dataclass(frozen=True, slots=True)
+class BlendWeights:
+    """How much a second opinion (the encoder's ln tokens) counts in a refined prior, by turn.
+
+    The encoder reads only the request's instruction (its last user turn); the lexical model also
+    sees the conversation before it. So the weight depends on whether there is one: a request with
+    conversation history (``history_chars`` > 0 in its feature row: characters of earlier messages,
+    system prompts excluded) gets ``later``, any other request ``first``. This is the one rule:
+    ``OnnxPredictor.refined`` applies it when serving, ``clairvoyant evaluate`` when measuring.
+    """
+
+    first: float  # in [0, 1]: a request without conversation history (a single-turn request)
+    later: float  # in [0, 1]: a request with earlier messages the encoder does not read
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.first <= 1.0 and 0.0 <= self.later <= 1.0):
+            raise ValueError(f"blend weights must be in [0, 1], got first {self.first}, later {self.later}")
+
+    def for_history(self, history_chars: float) -> float:
+        """The weight for a request whose feature row has ``history_chars``."""
+        return self.later if history_chars > 0 else self.first
+
+    def as_list(self) -> list[float]:
+        return [self.first, self.later]
 
 
 @dataclass(frozen=True, slots=True)
@@ -470,6 +497,9 @@ class OnnxPredictor:
         # struct packs the feature list straight into the bound buffer: cheaper than numpy's
         # list assignment, and the same float64 -> float32 rounding.
         self._pack_into = struct.Struct(f"={self.feature_set.size}f").pack_into
+        # where a feature row keeps history_chars (BlendWeights' rule); None: this feature set has none
+        names = self.feature_set.names
+        self.history_column: int | None = names.index("history_chars") if "history_chars" in names else None
         self._values = self.feature_set.values
         self._run_bound = _bound_runner(self._session, self._binding)
         self._lock = threading.Lock()
@@ -494,13 +524,28 @@ class OnnxPredictor:
         probabilities = (out[0], out[1], out[2]) if self._is_classifier else None
         return self._prediction(raw, prior, correction, probabilities, row, model, cap_tokens)
 
+    def history_chars(self, prediction: Prediction) -> float:
+        """The ``history_chars`` feature of ``prediction``'s row (0.0 if the row or the column is
+        missing: a feature set without it cannot tell turns apart, see ``encoder.encoder_for``)."""
+        column = self.history_column
+        if column is None or len(prediction.feature_row) < 4 * (column + 1):
+            return 0.0
+        return float(struct.unpack_from("=f", prediction.feature_row, 4 * column)[0])
+
     def refined(
-        self, prediction: Prediction, encoder_log_tokens: float, weight: float, components: bytes = b""
+        self,
+        prediction: Prediction,
+        encoder_log_tokens: float,
+        weights: BlendWeights | float,
+        components: bytes = b"",
     ) -> Prediction:
         """``prediction`` with a second opinion blended into its prior, in log tokens:
-        prior + ``weight`` x (``encoder_log_tokens`` - prior); then the learned correction and the
-        cap, as in ``predict``. ``components`` (the encoder's, float32 bytes) are appended to the
-        feature row: the learner's correction and its observation read them. Reads no shared buffer."""
+        prior + w x (``encoder_log_tokens`` - prior), w = ``weights.for_history`` of the
+        prediction's own feature row (a float: the same w for every request); then the learned
+        correction and the cap, as in ``predict``. ``components`` (the encoder's, float32 bytes) are
+        appended to the feature row: the learner's correction and its observation read them. Reads
+        no shared buffer."""
+        weight = weights if isinstance(weights, float | int) else weights.for_history(self.history_chars(prediction))
         prior = prediction.prior_log_tokens + weight * (encoder_log_tokens - prediction.prior_log_tokens)
         feature_row = prediction.feature_row + components
         corrector = self.corrector

@@ -111,7 +111,7 @@ def _start_refiner(
     def deliver(ticket: Ticket, encoder_log_tokens: float, components: bytes) -> None:
         prediction = ticket.prediction
         if prediction is not None and ticket.job.waiting and not ticket.ended:
-            refined = predictor.refined(prediction, encoder_log_tokens, weight, components)
+            refined = predictor.refined(prediction, encoder_log_tokens, encoder.blend_weights, components)
             if dispatcher.repredicted(ticket, refined):
                 outcomes["refined"].inc()
                 return

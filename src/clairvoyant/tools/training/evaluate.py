@@ -26,7 +26,7 @@ import numpy as np
 from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, prompt_from_body
 from clairvoyant.prediction.features import Prompt, get_feature_set
 from clairvoyant.prediction.length_classes import LONG_FROM_TOKENS, SHORT_BELOW_TOKENS
-from clairvoyant.prediction.predictor import card_path_for
+from clairvoyant.prediction.predictor import BlendWeights, card_path_for
 from clairvoyant.tools.training import metrics
 from clairvoyant.tools.training.dataset import NaturalConfig, NaturalSplit, build_natural_split, load_pairs
 from clairvoyant.tools.training.labels import ClassBounds
@@ -111,6 +111,18 @@ def _alpaca_metrics(score: np.ndarray, alpaca: AlpacaEvalSet) -> dict[str, Any]:
     }
 
 
+def blend_weights_of(weights: BlendWeights, model: ModelScorer, prompts: list[Prompt]) -> np.ndarray:
+    """Each prompt's blend weight by ``BlendWeights.for_history`` of its own feature row's
+    ``history_chars``: the rule ``OnnxPredictor.refined`` applies when serving."""
+    column = model.feature_set.names.index("history_chars") if "history_chars" in model.feature_set.names else None
+    if column is None:
+        if weights.first != weights.later:
+            raise ValueError(f"{model.name}: feature set {model.feature_set.name} has no history_chars column")
+        return np.full(len(prompts), weights.first)
+    history = model.features(prompts)[:, column]
+    return np.array([weights.for_history(float(h)) for h in history], dtype=np.float64)
+
+
 def natural_config_from_card(card: dict[str, Any]) -> NaturalConfig:
     """The held-out split that matches the model's training groups (same seed and test fraction)."""
     data = card.get("data", {})
@@ -148,6 +160,7 @@ def evaluate_model(
             "note": note,
             "sharegpt_held_out": order_metrics(score_held_out, split.test_lengths),
             "sharegpt_held_out_first_turns": order_metrics(score_held_out[first], split.test_lengths[first]),
+            "sharegpt_held_out_later_turns": order_metrics(score_held_out[~first], split.test_lengths[~first]),
         }
         if alpaca is not None and score_alpaca is not None:
             entry["alpaca_eval"] = _alpaca_metrics(score_alpaca, alpaca)
@@ -173,20 +186,24 @@ def evaluate_model(
         from clairvoyant.prediction.encoder import EncoderModel
 
         enc = EncoderModel(encoder)
-        w = enc.blend_weight
+        weights = enc.blend_weights
         enc_test = enc.log_tokens_many([p.instruction for p in test_prompts])
         enc_alpaca = enc.log_tokens_many([p.instruction for p in alpaca.prompts]) if alpaca else None
-        served_test = predicted + w * (enc_test - predicted)
+        w_test = blend_weights_of(weights, model, test_prompts)
+        served_test = predicted + w_test * (enc_test - predicted)
         served_alpaca = None
         if enc_alpaca is not None and raw_alpaca is not None:
             prior_alpaca = model.predicted_log_tokens(raw_alpaca)
             assert prior_alpaca is not None
-            served_alpaca = prior_alpaca + w * (enc_alpaca - prior_alpaca)
+            w_alpaca = blend_weights_of(weights, model, alpaca.prompts)
+            served_alpaca = prior_alpaca + w_alpaca * (enc_alpaca - prior_alpaca)
         scorers["model_with_encoder"] = section(
             served_test,
             served_alpaca,
             f"{model.name} refined by the encoder {encoder.name} as a waiting request is served: "
-            f"prior + {w:g} x (encoder ln tokens - prior), on the calibrated ln-token scale",
+            f"prior + w x (encoder ln tokens - prior), on the calibrated ln-token scale; w {weights.first:g} "
+            f"for a request without conversation history, {weights.later:g} for one with it "
+            "(its feature row's history_chars > 0)",
         )
         scorers["encoder_alone"] = section(
             enc_test, enc_alpaca, "the encoder's ln tokens alone (its text: the last user turn's first word pieces)"
@@ -278,13 +295,15 @@ def render_markdown(report: dict[str, Any]) -> str:
     if "skipped" in alpaca:
         lines += [f"AlpacaEval: skipped ({alpaca['skipped']}).", ""]
         lines += [
-            "| scorer | ShareGPT tau_b | ShareGPT first turns tau_b | ShareGPT pairwise acc (>=2x) |",
-            "|---|---|---|---|",
+            "| scorer | ShareGPT tau_b | ShareGPT first turns tau_b | ShareGPT later turns tau_b | "
+            "ShareGPT pairwise acc (>=2x) |",
+            "|---|---|---|---|---|",
         ]
         for name, e in s.items():
             lines.append(
                 f"| {name} | {_fmt(e['sharegpt_held_out']['kendall_tau_b'])} | "
                 f"{_fmt(e['sharegpt_held_out_first_turns']['kendall_tau_b'])} | "
+                f"{_fmt(e['sharegpt_held_out_later_turns']['kendall_tau_b'])} | "
                 f"{_fmt(e['sharegpt_held_out']['pairwise_accuracy_2x'])} |"
             )
     else:
@@ -294,8 +313,9 @@ def render_markdown(report: dict[str, Any]) -> str:
             "",
             "| scorer | AlpacaEval mean tau_b | "
             + " | ".join(f"{m} tau_b" for m in models)
-            + " | AlpacaEval mean pairwise acc (>=2x) | ShareGPT tau_b | ShareGPT first turns tau_b | ShareGPT pairwise acc (>=2x) |",
-            "|---|---|" + "---|" * len(models) + "---|---|---|---|",
+            + " | AlpacaEval mean pairwise acc (>=2x) | ShareGPT tau_b | ShareGPT first turns tau_b | "
+            "ShareGPT later turns tau_b | ShareGPT pairwise acc (>=2x) |",
+            "|---|---|" + "---|" * len(models) + "---|---|---|---|---|",
         ]
         for name, e in s.items():
             a = e["alpaca_eval"]
@@ -304,6 +324,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                 + " | ".join(_fmt(a["per_model"][m]["kendall_tau_b"]) for m in models)
                 + f" | {_fmt(a['mean_pairwise_accuracy_2x'])} | {_fmt(e['sharegpt_held_out']['kendall_tau_b'])} | "
                 f"{_fmt(e['sharegpt_held_out_first_turns']['kendall_tau_b'])} | "
+                f"{_fmt(e['sharegpt_held_out_later_turns']['kendall_tau_b'])} | "
                 f"{_fmt(e['sharegpt_held_out']['pairwise_accuracy_2x'])} |"
             )
     lines += ["", "## Scorers"] + [f"- **{name}**: {e['note']}" for name, e in s.items()]
