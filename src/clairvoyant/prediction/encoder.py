@@ -158,12 +158,6 @@ class EncoderModel:
         """The blend's weights by turn (``OnnxPredictor.refined`` picks one per request)."""
         return self.card.blend_weights
 
-    @property
-    def blend_weight(self) -> float:
-        """The weight for a single-turn request only (what the proxy's start-up line shows); refine
-        with ``blend_weights``."""
-        return self.card.blend_weight
-
     def clip(self, text: str) -> str:
         """The part of ``text`` the encoder can read (what a pending request keeps), as valid
         UTF-8: the tokenizer refuses lone surrogates, which JSON bodies can carry. With a tail: the

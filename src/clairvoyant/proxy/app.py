@@ -103,7 +103,7 @@ def _start_refiner(
 ) -> Refiner:
     """The encoder's thread: each waiting request's second opinion, re-keyed in the queue."""
     assert isinstance(predictor, OnnxPredictor)
-    weight = encoder.blend_weight
+    weights = encoder.blend_weights
     outcomes = {
         name: metrics.encoder_requests.labels(name) for name in ("refined", "late", "skipped", "dropped", "failed")
     }
@@ -111,7 +111,7 @@ def _start_refiner(
     def deliver(ticket: Ticket, encoder_log_tokens: float, components: bytes) -> None:
         prediction = ticket.prediction
         if prediction is not None and ticket.job.waiting and not ticket.ended:
-            refined = predictor.refined(prediction, encoder_log_tokens, encoder.blend_weights, components)
+            refined = predictor.refined(prediction, encoder_log_tokens, weights, components)
             if dispatcher.repredicted(ticket, refined):
                 outcomes["refined"].inc()
                 return
@@ -123,8 +123,8 @@ def _start_refiner(
     )  # fmt: skip
     refiner.start(asyncio.get_running_loop())
     logger.info(
-        "encoder on: blend weight %.2f, %d word pieces, %d components for the learner",
-        weight, encoder.card.max_word_pieces, encoder.components,
+        "encoder on: blend weight %.2f single-turn, %.2f with history, %d word pieces, %d components for the learner",
+        weights.first, weights.later, encoder.card.max_word_pieces, encoder.components,
     )  # fmt: skip
     return refiner
 
