@@ -4,6 +4,7 @@ the blend into a prediction, and the background refiner, all on the real ONNX en
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import shutil
@@ -16,7 +17,14 @@ import pytest
 
 from clairvoyant.errors import ModelError
 from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, prompt_from_body
-from clairvoyant.prediction.encoder import DEFAULT_ENCODER_CARD, EncoderModel, Refiner, encoder_for, refined_by
+from clairvoyant.prediction.encoder import (
+    DEFAULT_ENCODER_CARD,
+    LEARNING_MAX_PENDING,
+    EncoderModel,
+    Refiner,
+    encoder_for,
+    refined_by,
+)
 from clairvoyant.prediction.features import Prompt
 from clairvoyant.prediction.predictor import BlendWeights, OnnxPredictor
 
@@ -226,7 +234,7 @@ def test_the_refiner_encodes_only_what_still_waits_and_drops_past_its_bound(enco
         refiner.start(asyncio.get_running_loop())
         assert refiner.want("first", ESSAY, blocked)
         for _ in range(200):  # until the worker has taken "first" off the queue
-            if refiner._pending.empty():
+            if refiner.pending == 0:
                 break
             await asyncio.sleep(0.01)
         assert refiner.want("gone", SHORT, lambda: False)  # dispatched before its turn
@@ -234,7 +242,7 @@ def test_the_refiner_encodes_only_what_still_waits_and_drops_past_its_bound(enco
         gate.set()
         await asyncio.wait_for(got_one.wait(), 10.0)
         for _ in range(200):  # until the worker has taken "gone" too
-            if refiner._pending.empty():
+            if refiner.pending == 0:
                 break
             await asyncio.sleep(0.01)
         assert refiner.want("second", SHORT, lambda: True)
@@ -246,5 +254,90 @@ def test_the_refiner_encodes_only_what_still_waits_and_drops_past_its_bound(enco
         assert [k for k, _ in delivered] == ["first", "second"]
         assert delivered[0][1] == encoder.log_tokens(ESSAY)
         assert sorted(outcomes) == ["dropped", "skipped"]
+
+    asyncio.run(scenario())
+
+
+def test_the_refiner_serves_waiting_requests_before_the_learner_and_keeps_the_learner_to_its_share(
+    encoder: EncoderModel,
+) -> None:
+    """A learning encode never goes before a waiting request, and after one learning encode of t
+    seconds the next waits t x (1 / share - 1): with share 0.001, about 1,000 x t (seconds here),
+    while waiting requests are still served at once."""
+
+    async def scenario() -> None:
+        order: list[str] = []
+        outcomes: list[str] = []
+        arrived = asyncio.Event()
+
+        def deliver(key: str, value: float, components: bytes) -> None:
+            order.append(key)
+            arrived.set()
+
+        def learned(name: str) -> Any:
+            def then(value: float, components: bytes) -> None:
+                assert len(components) == 4 * encoder.components
+                order.append(name)
+                arrived.set()
+
+            return then
+
+        gate = threading.Event()
+
+        def blocked() -> bool:
+            gate.wait(10.0)  # holds the worker while both queues fill
+            return True
+
+        async def until(count: int) -> None:
+            for _ in range(1000):
+                if len(order) >= count:
+                    return
+                arrived.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(arrived.wait(), 0.01)
+            raise AssertionError(f"only {order} delivered")
+
+        refiner = Refiner(encoder, deliver, max_pending=4, learning_share=0.001, count=outcomes.append)
+        refiner.start(asyncio.get_running_loop())
+        assert refiner.want("held", SHORT, blocked)
+        for _ in range(200):
+            if refiner.pending == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert refiner.encode_later(ESSAY, learned("learn-1"))
+        assert refiner.encode_later(SHORT, learned("learn-2"))
+        assert refiner.want("waiting", ESSAY, lambda: True)  # handed over after both learning items
+        gate.set()
+        await until(3)
+        assert order == ["held", "waiting", "learn-1"]
+        # learn-1 took milliseconds, so learn-2 rests for seconds; a waiting request does not
+        assert refiner.want("waiting-2", SHORT, lambda: True)
+        await until(4)
+        assert order == ["held", "waiting", "learn-1", "waiting-2"]
+        assert refiner.pending == 1  # learn-2, resting
+        refiner.stop()
+        assert outcomes == ["learning"]
+
+    asyncio.run(scenario())
+
+
+def test_the_learners_encodes_are_bounded_apart_from_waiting_requests(encoder: EncoderModel) -> None:
+    async def scenario() -> None:
+        outcomes: list[str] = []
+        refiner = Refiner(encoder, lambda *_: None, max_pending=1, learning_share=0.001, count=outcomes.append)
+        assert not refiner.encode_later(SHORT, lambda v, c: None)  # not started: nothing is taken
+        gate = threading.Event()
+        refiner.start(asyncio.get_running_loop())
+        assert refiner.want("held", SHORT, lambda: gate.wait(10.0))
+        for _ in range(200):
+            if refiner.pending == 0:
+                break
+            await asyncio.sleep(0.01)
+        taken = [refiner.encode_later(SHORT, lambda v, c: None) for _ in range(LEARNING_MAX_PENDING + 2)]
+        assert taken == [True] * LEARNING_MAX_PENDING + [False, False]
+        assert refiner.want("waiting", SHORT, lambda: True)  # the learner's backlog takes no waiting room
+        assert outcomes == ["learning_dropped", "learning_dropped"]
+        gate.set()
+        refiner.stop()
 
     asyncio.run(scenario())

@@ -191,8 +191,10 @@ class Metrics:
         )
         self.encoder_requests = Counter(
             "clairvoyant_encoder_requests",
-            "Waiting requests handed to the encoder, by outcome (refined: re-keyed in the queue; late: dispatched "
-            "before its result; skipped: dispatched before its turn; dropped: the encoder's queue was full).",
+            "Requests handed to the encoder, by outcome. Waiting requests: refined (re-keyed in the queue), late "
+            "(dispatched before its result), skipped (dispatched before its turn), dropped (the encoder's queue was "
+            "full), failed. Completed requests encoded for the online learner: learning, or learning_dropped (over "
+            "its share of the encoder's time; the learner counts the request for its quality figures only).",
             ["outcome"],
             registry=r,
         )

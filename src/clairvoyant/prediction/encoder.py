@@ -7,7 +7,9 @@ pasted text usually ends with the actual request) with a small transformer fine-
 answer lengths, and ranks prompts unlike the training data better (``model/MODEL_CARD.md`` gives
 both figures). It costs milliseconds, so it never stands in a request's way:
 
-- a request that finds a free slot is never encoded (there is no order to decide);
+- a request that finds a free slot is never refined (there is no order to decide); with online
+  learning on it is encoded after it completes, for the learner, within ``LEARNING_SHARE`` of
+  the thread's time (``Refiner.encode_later``);
 - a request that waits is handed to ``Refiner``, one background thread; when its turn comes and
   it is still waiting, the encoder's log tokens are blended into its prediction and the queue
   re-keys it (``Dispatcher.repredicted``). A request dispatched meanwhile is skipped.
@@ -28,9 +30,9 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -209,13 +211,26 @@ class _Pending:
     deliver: Callable[[Any, float, bytes], None]  # called on the event loop with the result
 
 
+# The learner's encodes (requests that completed without waiting) may take at most this share of
+# one core, so a fast backend's completions (thousands a second against a cache) never make the
+# encoder a second busy core; at an LLM's pace (a few completions a second) it never binds.
+LEARNING_SHARE = 0.25
+LEARNING_MAX_PENDING = 64  # completed requests waiting to be encoded for the learner
+
+
 class Refiner:
-    """One background thread that encodes waiting requests, newest last, and hands each result
+    """One background thread that encodes waiting requests, oldest first, and hands each result
     back on the event loop: ``deliver(key, encoder_log_tokens, components)``.
 
     Bounded: at most ``max_pending`` requests wait for the encoder; a request beyond that keeps
     its lexical prediction (outcome ``dropped``). A request no longer waiting when its turn comes
     is skipped without encoding (``skipped``). The event loop never waits for the encoder.
+
+    It also encodes completed requests for the online learner (``encode_later``), with less right:
+    only when no waiting request is pending, at most ``learning_share`` of the thread's time
+    (after a learning encode of t seconds, the next starts t x (1 / share - 1) later), and at most
+    ``LEARNING_MAX_PENDING`` at once (beyond: ``learning_dropped``; the learner then counts the
+    request for its quality figures only). Encoded for the learner: ``learning``.
     """
 
     def __init__(
@@ -224,63 +239,93 @@ class Refiner:
         deliver: Callable[[Any, float, bytes], None],
         *,
         max_pending: int = 256,
+        learning_share: float = LEARNING_SHARE,
         observe_seconds: Callable[[float], None] | None = None,
         count: Callable[[str], None] | None = None,
     ) -> None:
+        if not 0.0 < learning_share <= 1.0:
+            raise ValueError(f"learning_share must be in (0, 1], got {learning_share}")
         self.encoder = encoder
         self.deliver = deliver
         self.observe_seconds = observe_seconds  # the encoder's seconds per request (from its thread)
-        self.count = count  # an outcome: skipped, dropped or failed (from either thread)
-        self._pending: queue.Queue[_Pending | None] = queue.Queue(maxsize=max_pending)
+        self.count = count  # an outcome: skipped, dropped, failed, learning... (from either thread)
+        self.max_pending = max_pending
+        self._idle_per_busy = 1.0 / learning_share - 1.0  # seconds of rest per second of learning
+        self._waiting: deque[_Pending] = deque()  # waiting requests: served first
+        self._learning: deque[_Pending] = deque()  # completed requests, for the learner
+        self._learning_after_s = 0.0  # time.monotonic() before which no learning encode starts
+        self._wake = threading.Condition()
+        self._stopping = False
         self._loop: Any = None
         self._thread: threading.Thread | None = None
 
     def start(self, loop: Any) -> None:
         self._loop = loop
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="clairvoyant-encoder", daemon=True)
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         if self._thread is None:
             return
-        while True:  # make room for the sentinel: what is pending now is not worth encoding
-            try:
-                self._pending.get_nowait()
-            except queue.Empty:
-                break
-        self._pending.put(None)
+        with self._wake:  # what is pending now is not worth encoding
+            self._stopping = True
+            self._waiting.clear()
+            self._learning.clear()
+            self._wake.notify()
         self._thread.join(timeout_s)
         self._thread = None
 
+    @property
+    def pending(self) -> int:
+        """Requests handed over and not yet taken by the thread (both kinds)."""
+        return len(self._waiting) + len(self._learning)
+
     def want(self, key: Any, text: str, still_wanted: Callable[[], bool]) -> bool:
         """Ask for ``key``'s second opinion (from the event loop). False if it was not taken."""
-        return self._put(_Pending(key, self.encoder.clip(text), still_wanted, self.deliver))
+        item = _Pending(key, self.encoder.clip(text), still_wanted, self.deliver)
+        return self._put(self._waiting, self.max_pending, item, "dropped")
 
     def encode_later(self, text: str, then: Callable[[float, bytes], None]) -> bool:
-        """Encode ``text`` when the thread is free and call ``then(log_tokens, components)`` on the
-        event loop: for the learner, which needs the components of a request that never waited.
-        False if it was not taken."""
-        return self._put(_Pending(None, self.encoder.clip(text), _always, lambda _, v, c: then(v, c)))
+        """Encode ``text`` when the thread has time to spare and call ``then(log_tokens,
+        components)`` on the event loop: for the learner, which needs the components of a request
+        that never waited. False if it was not taken."""
+        item = _Pending(None, self.encoder.clip(text), _always, lambda _, v, c: then(v, c))
+        return self._put(self._learning, LEARNING_MAX_PENDING, item, "learning_dropped")
 
-    def _put(self, item: _Pending) -> bool:
+    def _put(self, pending: deque[_Pending], bound: int, item: _Pending, refused: str) -> bool:
         if self._thread is None:
             return False
-        try:
-            self._pending.put_nowait(item)
-        except queue.Full:
-            self._count("dropped")
-            return False
+        with self._wake:
+            if len(pending) >= bound:
+                self._count(refused)
+                return False
+            pending.append(item)
+            self._wake.notify()
         return True
 
     def _count(self, outcome: str) -> None:
         if self.count is not None:
             self.count(outcome)
 
+    def _next(self) -> tuple[_Pending, bool] | None:
+        """The next item and whether it is the learner's; None once stopped."""
+        with self._wake:
+            while not self._stopping:
+                if self._waiting:
+                    return self._waiting.popleft(), False
+                if self._learning:
+                    rest_s = self._learning_after_s - time.monotonic()
+                    if rest_s <= 0:
+                        return self._learning.popleft(), True
+                    self._wake.wait(rest_s)
+                else:
+                    self._wake.wait()
+            return None
+
     def _run(self) -> None:
-        while True:
-            item = self._pending.get()
-            if item is None:
-                return
+        while (taken := self._next()) is not None:
+            item, learning = taken
             if not item.still_wanted():
                 self._count("skipped")
                 continue
@@ -291,8 +336,12 @@ class Refiner:
                 self._count("failed")
                 logger.exception("encoder failed on one request; it keeps its lexical prediction")
                 continue
+            elapsed_s = time.perf_counter() - started
+            if learning:
+                self._learning_after_s = time.monotonic() + elapsed_s * self._idle_per_busy
+                self._count("learning")
             if self.observe_seconds is not None:
-                self.observe_seconds(time.perf_counter() - started)
+                self.observe_seconds(elapsed_s)
             try:
                 self._loop.call_soon_threadsafe(item.deliver, item.key, value, components)
             except RuntimeError:  # the loop closed under us (shutdown)

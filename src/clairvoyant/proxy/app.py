@@ -105,7 +105,8 @@ def _start_refiner(
     assert isinstance(predictor, OnnxPredictor)
     weights = encoder.blend_weights
     outcomes = {
-        name: metrics.encoder_requests.labels(name) for name in ("refined", "late", "skipped", "dropped", "failed")
+        name: metrics.encoder_requests.labels(name)
+        for name in ("refined", "late", "skipped", "dropped", "failed", "learning", "learning_dropped")
     }
 
     def deliver(ticket: Ticket, encoder_log_tokens: float, components: bytes) -> None:

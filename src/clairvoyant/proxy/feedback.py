@@ -68,7 +68,8 @@ class UsageRecorder:
             and len(prediction.feature_row) == 4 * learner.n_counts
         ):
             # Dispatched at once, so never encoded: the encoder's thread adds its components first
-            # (a few ms later, off the loop), then the learner observes it as if it had waited.
+            # (a few ms later, off the loop, within its learning share), then the learner observes
+            # it as if it had waited. Not taken: a lexical row, counted for quality only.
             def observe_encoded(_log_tokens: float, components: bytes) -> None:
                 learner.observe(replace(prediction, feature_row=prediction.feature_row + components), tokens)
 
