@@ -102,7 +102,7 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = False  # the backend keeps the connection alive after this answer
         self.written = True  # the request is all in the kernel's hands
         self.received = 0  # bytes of this exchange's answer received
-        self.head_bytes = 0  # bytes received before the head was complete
+        self.head_bytes = 0  # the head's bytes parsed so far (headers of 1xx answers included)
         self.head_done = False
         self.head_only = False  # a HEAD request: the answer has no body whatever its headers say
         self.informational = False  # parsing a 1xx answer (skipped)
@@ -149,8 +149,7 @@ class _Connection(asyncio.Protocol):
             self.fail("failed", exc)
             return
         if not self.head_done:
-            self.head_bytes += len(data)
-            if self.head_bytes > MAX_HEAD_BYTES:
+            if self.received > MAX_HEAD_BYTES:  # one header still growing inside the parser
                 self.fail("failed", ValueError(f"the answer's head exceeds {MAX_HEAD_BYTES} bytes"))
         elif self.swap_parser:  # after a HEAD answer the parser still expects its announced body
             self.swap_parser = False
@@ -186,6 +185,9 @@ class _Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self.head_done:  # after the head: a chunked body's trailers, dropped
             self.headers.append((name, value))
+            self.head_bytes += len(name) + len(value) + 4
+            if self.head_bytes > MAX_HEAD_BYTES:
+                raise ValueError(f"the answer's head exceeds {MAX_HEAD_BYTES} bytes")
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
@@ -442,7 +444,7 @@ class _Pool:
         if self._addresses is not None and self._addresses[0] > now_s:
             return self._addresses[1]
         infos = await self.loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
-        addresses = list(dict.fromkeys((family, sockaddr[0]) for family, _, _, _, sockaddr in infos))
+        addresses = list(dict.fromkeys((int(family), str(sockaddr[0])) for family, _, _, _, sockaddr in infos))
         self._addresses = (now_s + DNS_TTL_S, addresses)
         return addresses
 
