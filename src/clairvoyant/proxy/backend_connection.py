@@ -608,3 +608,4 @@ class ProtocolTransport:
         for pool, _ in self._pools.values():
             pool.close()
         self._pools.clear()
+        await asyncio.sleep(0)  # one loop turn: the closed transports' connection_lost callbacks run
