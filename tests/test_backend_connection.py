@@ -202,6 +202,34 @@ def test_a_head_beyond_the_limit_fails() -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-packet", "two-packets"])
+def test_bytes_after_the_answer_keep_the_answer_and_close_the_connection(split: bool) -> None:
+    async def handler(server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        while await server.read_request(reader) is not None:
+            writer.write(OK)
+            if split:
+                await writer.drain()
+                await asyncio.sleep(0.05)  # not an ordering: either arrival must give the same result
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nextra")
+
+    async def scenario() -> None:
+        async with serving(handler) as server:
+            client = transport()
+            try:
+                response = await client.send("GET", server.url, [], b"", close_connection=False)
+                if split:
+                    await poll(lambda: server.closed == 1 or client.pool(server.url).live == set())
+                body = b"".join([chunk async for chunk in response.aiter_raw()])
+                await response.aclose()
+                assert body == b"ok" and client.pool(server.url).idle == []
+                assert await read_all(client, server.url) == (200, b"ok")
+            finally:
+                await client.aclose()
+            assert server.connections == 2  # the first connection was never reused
+
+    asyncio.run(scenario())
+
+
 # --- faults: what may be resent ---------------------------------------------------------------
 
 

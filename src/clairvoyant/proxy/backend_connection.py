@@ -134,7 +134,7 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.answer is None and self.head_waiter is None:
-            self.close()  # bytes nobody asked for (on an idle connection): not ours to read
+            self.close()  # bytes on an idle connection: nobody asked for them
             return
         self.received += len(data)
         if self.read_timeout_s is not None:
@@ -180,6 +180,8 @@ class _Connection(asyncio.Protocol):
 
     # --- httptools callbacks ---------------------------------------------------------------------
     def on_message_begin(self) -> None:
+        if self.complete:  # a second answer to one request: the connection is not to be trusted
+            raise ValueError("the backend sent more than one answer")
         self.headers = []
 
     def on_header(self, name: bytes, value: bytes) -> None:
