@@ -439,6 +439,35 @@ def test_a_slow_reader_pauses_the_backend_and_reading_resumes_when_it_takes_the_
     asyncio.run(scenario())
 
 
+def test_time_paused_for_a_slow_reader_is_not_a_read_timeout() -> None:
+    total = 4 * 1024 * 1024
+
+    async def handler(server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total)
+        writer.write(b"y" * total)
+        await writer.drain()
+
+    async def scenario() -> int:
+        async with serving(handler) as server:
+            client = ProtocolTransport(connect_timeout_s=5.0, read_timeout_s=0.1)
+            try:
+                response = await client.send("GET", server.url, [], b"", close_connection=False)
+                conn = client.pool(server.url).live.copy().pop()
+                await poll(lambda: conn.paused)
+                await asyncio.sleep(0.5)  # the reader is slow: five read timeouts pass while paused
+                assert conn.error is None and not conn.lost
+                received = 0
+                async for chunk in response.aiter_raw():
+                    received += len(chunk)
+                await response.aclose()
+            finally:
+                await client.aclose()
+            return received
+
+    assert asyncio.run(scenario()) == total
+
+
 def test_closing_an_unread_answer_closes_the_connection() -> None:
     async def handler(server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
         await server.read_request(reader)
