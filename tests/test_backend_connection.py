@@ -544,7 +544,7 @@ def test_an_https_backend(tmp_path: Path) -> None:
 
 
 def test_streams_from_llama_cpp_relay_whole_and_the_next_goes_out_on_the_spare(llama_server: Any) -> None:
-    body = b'{"messages":[{"role":"user","content":"Say hi"}],"max_tokens":4,"stream":true,"ignore_eos":true}'
+    body = b'{"messages":[{"role":"user","content":"Say hi"}],"max_tokens":4,"stream":true,"ignore_eos":true,"temperature":0}'
 
     async def scenario() -> None:
         upstream = Upstream(llama_server.base_url)
@@ -569,6 +569,7 @@ def test_streams_from_llama_cpp_relay_whole_and_the_next_goes_out_on_the_spare(l
             await upstream.aclose()
         for answer in answers:
             events = [line for line in answer.split(b"\n") if line.startswith(b"data: ")]
-            assert events[-1] == b"data: [DONE]" and len(events) >= 5  # 4 tokens, a finish, [DONE]
+            # the whole stream: its last chunk says why it ended (4 tokens: "length"), then [DONE]
+            assert events[-1] == b"data: [DONE]" and b'"finish_reason":"length"' in events[-2]
 
     asyncio.run(scenario())
