@@ -107,16 +107,16 @@ def test_a_stream_opens_the_next_backend_connection_ahead_and_the_next_stream_us
                 )
                 bodies.append(b"".join([chunk async for chunk in upstream.iter_body(response)]))
                 await response.aclose()
-                connector = upstream._transport._session.connector  # type: ignore[attr-defined]
+                connector = upstream._transport.pool(backend.url)  # type: ignore[attr-defined]
                 for _ in range(500):  # the spare opens in the background (polled, never slept on)
-                    if connector._spare is not None:
+                    if connector.spare is not None:
                         break
                     await asyncio.sleep(0.002)
-                spares.append(connector._spare[1])
+                spares.append(connector.spare)
         finally:
             await upstream.aclose()
         assert spares[0] is not spares[1]  # the second request took the first spare; a new one followed
-        assert connector is not None and connector._spare is None  # closed with the upstream
+        assert connector is not None and connector.spare is None  # closed with the upstream
         return bodies
 
     with FakeBackend(lambda path, n: ("stream", 2, 0.0)) as backend:
@@ -137,12 +137,12 @@ def test_a_reset_on_the_unused_spare_connection_is_resent_like_one_on_a_reused_c
             first = await upstream.open("POST", CHAT, body=body, close_connection=True)
             assert b"[DONE]" in b"".join([chunk async for chunk in upstream.iter_body(first)])
             await first.aclose()
-            connector = upstream._transport._session.connector  # type: ignore[attr-defined]
+            connector = upstream._transport.pool(backend.url)  # type: ignore[attr-defined]
             for _ in range(500):  # the spare opens in the background (polled, never slept on)
-                if connector._spare is not None:
+                if connector.spare is not None:
                     break
                 await asyncio.sleep(0.002)
-            assert connector._spare is not None
+            assert connector.spare is not None
             second = await upstream.open("POST", CHAT, body=body, close_connection=True)  # on the spare: reset
             answer = b"".join([chunk async for chunk in upstream.iter_body(second)])
             await second.aclose()

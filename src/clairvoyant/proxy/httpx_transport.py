@@ -1,7 +1,8 @@
 """An httpx transport behind ``Upstream`` (tests inject ``httpx.MockTransport`` through
-``create_app(upstream_transport=...)``). The proxy itself serves with aiohttp (upstream.py); the
-rules (resend, timeouts, error translation) are ``Upstream``'s and the same for both: this module
-only moves bytes and classifies httpx's failures as ``TransportError``.
+``create_app(upstream_transport=...)``). The proxy itself serves with its own client
+(backend_connection.py); the rules (resend, timeouts, error translation) are ``Upstream``'s and
+the same for both: this module only moves bytes and classifies httpx's failures as
+``TransportError``.
 """
 
 from __future__ import annotations

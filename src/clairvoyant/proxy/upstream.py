@@ -1,11 +1,12 @@
 """The HTTP client to the backend (Ollama or llama.cpp's server).
 
 ``Upstream`` owns the rules; a ``Transport`` only moves bytes and classifies its own failures.
-The production transport is aiohttp's (``AiohttpTransport``): its pool hands out an idle
-connection in O(1), where httpx/httpcore checked every pooled connection's socket on each request
-(~45% of the proxy's CPU at 64 concurrent requests; docs/design.md, "The upstream client").
-Tests may inject an httpx transport (``httpx.MockTransport``), adapted by
-``clairvoyant.proxy.httpx_transport``. No module outside these two sees either client library.
+The production transport is the proxy's own HTTP/1.1 client on asyncio Protocols
+(``clairvoyant.proxy.backend_connection``): an O(1) pool of keep-alive connections per backend and
+httptools' parser, with no task per request (it replaced aiohttp, which had replaced httpx:
+docs/design.md, "The upstream client"). Tests may inject an httpx transport
+(``httpx.MockTransport``), adapted by ``clairvoyant.proxy.httpx_transport``. No module outside
+those two sees a client library.
 
 Every transport failure is translated here into ``UpstreamUnavailable`` (502) or
 ``UpstreamTimeout`` (504). Client-facing messages never name the backend's address (it may carry
@@ -31,12 +32,10 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, Literal, Protocol
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-import aiohttp
-
 from clairvoyant.errors import RequestError, UpstreamTimeout, UpstreamUnavailable
 
 __all__ = [
-    "HOP_BY_HOP", "AiohttpTransport", "Transport", "TransportError", "Upstream", "UpstreamResponse",
+    "HOP_BY_HOP", "Transport", "TransportError", "Upstream", "UpstreamResponse",
     "forwardable_headers", "redact_url", "response_headers",
 ]  # fmt: skip
 
@@ -163,150 +162,6 @@ class Transport(Protocol):
     async def aclose(self) -> None: ...
 
 
-# --- aiohttp ---------------------------------------------------------------------------------
-
-
-class _Connector(aiohttp.TCPConnector):
-    """aiohttp's connector, which never pools a connection it asked to close, and keeps one SPARE
-    connection opened ahead. A request that asks the backend to close
-    (a stream: llama.cpp closes after every stream) always needs a new connection, whose opening
-    cost about 0.4 ms of the proxy's CPU on the critical path (measured: docs/benchmarks.md
-    section 6). So when one is opened, the next is opened in the background while the backend
-    works, and handed to the next request that needs a new connection. A spare is used only while
-    younger than ``KEEPALIVE_EXPIRY_S`` and still connected (a backend killed meanwhile resets it,
-    and the event loop may not have seen that yet: the reset is resent like any other)."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._spare: tuple[float, Any] | None = None  # (time.monotonic() when opened, its protocol)
-        self._spare_task: asyncio.Task[None] | None = None
-
-    async def connect(self, req: Any, traces: Any, timeout: Any) -> Any:
-        conn = await super().connect(req, traces, timeout)
-        if req.headers.get("Connection", "").lower() == "close":
-            # aiohttp pools a connection by the ANSWER's headers only, and llama.cpp closes after
-            # a stream without saying so: never pool one we asked to close.
-            if conn.protocol is not None:
-                conn.protocol.force_close()
-            self._open_spare_later(req, timeout)
-        return conn
-
-    async def _create_connection(self, req: Any, traces: Any, timeout: Any) -> Any:
-        proto = self._take_spare()
-        if proto is None:
-            proto = await super()._create_connection(req, traces, timeout)
-        return proto
-
-    def _take_spare(self) -> Any:
-        if self._spare is None:
-            return None
-        opened_s, proto = self._spare
-        self._spare = None
-        if time.monotonic() - opened_s < KEEPALIVE_EXPIRY_S and proto.is_connected() and not proto.should_close:
-            return proto
-        proto.close()
-        return None
-
-    def _open_spare_later(self, req: Any, timeout: Any) -> None:
-        if self.closed or self._spare is not None or (self._spare_task is not None and not self._spare_task.done()):
-            return
-        self._spare_task = asyncio.get_running_loop().create_task(self._open_spare(req, timeout))
-
-    async def _open_spare(self, req: Any, timeout: Any) -> None:
-        try:
-            proto = await super()._create_connection(req, [], timeout)
-        except Exception as exc:  # the next request opens its own (and reports what fails)
-            logger.debug("could not open a spare backend connection: %s", type(exc).__name__)
-            return
-        if self.closed or self._spare is not None:
-            proto.close()
-            return
-        self._spare = (time.monotonic(), proto)
-
-    def _close(self, *args: Any, **kwargs: Any) -> Any:  # under aiohttp's close()
-        if self._spare_task is not None:
-            self._spare_task.cancel()
-        if self._spare is not None:
-            self._spare[1].close()
-            self._spare = None
-        return super()._close(*args, **kwargs)
-
-
-class _AiohttpResponse(UpstreamResponse):
-    __slots__ = ("_response", "_close")
-
-    def __init__(self, response: aiohttp.ClientResponse, close: bool) -> None:
-        super().__init__(response.status, list(response.raw_headers))
-        self._response = response
-        self._close = close
-
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
-        content = self._response.content
-        try:
-            while True:
-                chunk = await content.readany()
-                if not chunk:
-                    return
-                yield chunk
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            kind: Literal["timeout", "failed"] = "timeout" if isinstance(exc, TimeoutError) else "failed"
-            raise TransportError(kind, exc) from exc
-
-    async def aclose(self) -> None:
-        response = self._response
-        if self._close or not response.content.at_eof():
-            response.close()  # an unread answer: closes the connection (the backend stops generating)
-        else:
-            response.release()  # back to the pool (a connection asked to close never is: _Connector)
-
-
-class AiohttpTransport:
-    """One aiohttp session and pool for the backend: unlimited connections, kept alive
-    ``KEEPALIVE_EXPIRY_S``; no cookies, no redirects, no decompression (bodies relayed raw), and
-    no Accept-Encoding or Content-Type of its own (the client's headers say what it accepts)."""
-
-    def __init__(self, *, connect_timeout_s: float, read_timeout_s: float | None) -> None:
-        self._connect_timeout_s = connect_timeout_s
-        self._read_timeout_s = read_timeout_s
-        self._session: aiohttp.ClientSession | None = None
-
-    def _open_session(self) -> aiohttp.ClientSession:
-        # Made on first use, inside the running loop (aiohttp binds the loop at construction).
-        connector = _Connector(limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_EXPIRY_S)
-        session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None, connect=self._connect_timeout_s, sock_read=self._read_timeout_s),
-            cookie_jar=aiohttp.DummyCookieJar(),
-            auto_decompress=False,
-            skip_auto_headers=("Accept-Encoding", "Content-Type"),
-        )
-        session._retry_connection = (
-            False  # the resend rule is Upstream's alone (aiohttp would resend idempotent methods)
-        )
-        self._session = session
-        return session
-
-    async def send(
-        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes, *, close_connection: bool
-    ) -> UpstreamResponse:
-        session = self._session or self._open_session()
-        try:
-            response = await session.request(method, url, headers=headers, data=body or None, allow_redirects=False)
-        except aiohttp.ClientConnectorError as exc:
-            raise TransportError("connect", exc) from exc
-        except TimeoutError as exc:
-            raise TransportError("timeout", exc) from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            # Not fully written: aiohttp refuses to write to a closing transport (a reset error)
-            # or fails writing the body (an OSError with the socket's errno): both count as resets.
-            raise TransportError("failed", exc, never_read=was_reset(exc)) from exc
-        return _AiohttpResponse(response, close_connection)
-
-    async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-
-
 # --- the rules -------------------------------------------------------------------------------
 
 
@@ -324,7 +179,8 @@ class Upstream:
         transport: Any = None,
         name: str = "default",
     ) -> None:
-        """``transport``: None (aiohttp), a ``Transport``, or an httpx transport (tests)."""
+        """``transport``: None (``backend_connection.ProtocolTransport``), a ``Transport``, or an
+        httpx transport (tests)."""
         self.name = name  # the backend's name in the pool
         self.display_url = redact_url(base_url.rstrip("/"))
         # Credentials in the URL become an Authorization header: the URL the client library holds
@@ -342,7 +198,9 @@ class Upstream:
         self.first_byte_timeout_s = first_byte_timeout_s
         self._transport: Transport
         if transport is None:
-            self._transport = AiohttpTransport(connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
+            from clairvoyant.proxy.backend_connection import ProtocolTransport  # it builds on this module
+
+            self._transport = ProtocolTransport(connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
         elif hasattr(transport, "handle_async_request"):  # an httpx transport: tests only
             from clairvoyant.proxy.httpx_transport import HttpxTransport
 
