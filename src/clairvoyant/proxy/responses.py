@@ -426,10 +426,9 @@ class ScheduledResponse(_Exchange):
                 self.stage = "relaying"
                 self.ticket.interrupt = lambda: self.relay.interrupt(task, "shutdown")
                 if self.predict_later is not None:
-                    # Two loop turns later: after the upstream client's first turn, which writes
-                    # the request (aiohttp writes a body from a task of its own on Python < 3.12).
-                    loop = asyncio.get_running_loop()
-                    loop.call_soon(loop.call_soon, self._predicted)
+                    # After this task's step, in which the backend client writes the request on a
+                    # pooled connection (backend_connection.py writes in send, no task of its own)
+                    asyncio.get_running_loop().call_soon(self._predicted)
                 await self.relay.run(send)
                 if self.relay.outcome == "client_left_watching":
                     try:
