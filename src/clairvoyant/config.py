@@ -273,7 +273,8 @@ class Settings(BaseSettings):
     encoder: bool = Field(
         True,
         description="Refine the prediction of a request that waits with the shipped MiniLM encoder, on one background "
-        "thread (milliseconds per request; a request that finds a free slot is never encoded). Off: lexical only.",
+        "thread (milliseconds per request; a request that finds a free slot is never refined; the learner's encodes of "
+        "completed requests take at most a quarter of that thread). Off: lexical only.",
     )
     encoder_path: Path | None = Field(
         None, description="The encoder's card (encoder.card.json, its files beside it); unset = the shipped encoder."
