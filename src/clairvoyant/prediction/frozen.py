@@ -47,6 +47,6 @@ def fast_init(cls: C) -> C:
     init = namespace["__init__"]
     init.__qualname__ = f"{cls.__qualname__}.__init__"
     init.__module__ = cls.__module__
-    init.__doc__ = cls.__init__.__doc__
+    init.__doc__ = cls.__dict__["__init__"].__doc__
     setattr(cls, "__init__", init)  # noqa: B010 - a class attribute, not an instance one
     return cls

@@ -586,9 +586,7 @@ class FairShareQueue(Generic[T]):
             else:  # a guard that promoted nothing returned its inner queue's own peek
                 inner_head = head
             best_here = min(job.priority, inner_head[0].priority) if inner_head is not None else job.priority
-            heads.append(
-                (job.priority, overdue, tenant.served_s, len(queue), name, job, promoted, best_here, head)
-            )
+            heads.append((job.priority, overdue, tenant.served_s, len(queue), name, job, promoted, best_here, head))
         if not heads:
             return None
         if len(heads) == 1:  # one tenant waiting: the min below is that head, its own class the best
