@@ -33,6 +33,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from clairvoyant.prediction.frozen import fast_init
+
 __all__ = ["TAIL_BYTES", "Usage", "UsageSource", "UsageTap"]
 
 # The end of a body kept for reading the counts (at most twice this is held between trims).
@@ -58,6 +60,7 @@ _CONTENT_EVENT = re.compile(rb'"(?:content|text|response|reasoning_content|reaso
 _DECODER = json.JSONDecoder()
 
 
+@fast_init  # once per request: slot setters, not object.__setattr__ (prediction/frozen.py)
 @dataclass(frozen=True, slots=True)
 class Usage:
     """One completed request as the backend served it. ``None`` = the backend did not say."""
@@ -124,21 +127,27 @@ class UsageTap:
             self._count_events(chunk)
 
     def _count_events(self, chunk: bytes) -> None:
+        # Runs for every chunk of a stream (a token each, from llama.cpp): the per-line work is
+        # inlined (no method call a line); the same lines are searched within the same prefix.
         lines = chunk.split(b"\n")
+        partial = self._partial
+        room = _EVENT_PREFIX_BYTES - len(partial)
         if len(lines) == 1:
-            self._extend_partial(chunk)
+            if room > 0:
+                partial += chunk[:room]
             return
-        self._extend_partial(lines[0])
-        self._count_line(bytes(self._partial))
-        for line in lines[1:-1]:
-            self._count_line(line)
-        self._partial.clear()
-        self._extend_partial(lines[-1])
-
-    def _extend_partial(self, piece: bytes) -> None:
-        room = _EVENT_PREFIX_BYTES - len(self._partial)
         if room > 0:
-            self._partial += piece[:room]
+            partial += lines[0][:room]  # the line an earlier chunk began ends here
+        search = _CONTENT_EVENT.search
+        events = self._events
+        if search(partial, 0, _EVENT_PREFIX_BYTES) is not None:
+            events += 1
+        for line in lines[1:-1]:
+            if search(line, 0, _EVENT_PREFIX_BYTES) is not None:
+                events += 1
+        self._events = events
+        partial.clear()
+        partial += lines[-1][:_EVENT_PREFIX_BYTES]
 
     def _count_line(self, line: bytes) -> None:
         if _CONTENT_EVENT.search(line, 0, _EVENT_PREFIX_BYTES) is not None:

@@ -336,13 +336,18 @@ class StarvationGuard(Generic[T]):
             heapq.heappop(overdue)
 
     def _compact(self) -> None:
+        # Runs at every pop and removal: the inner queue's length is read only when a heap is
+        # large enough to be compacted at all.
+        pending, overdue = self._pending, self._overdue
+        if len(pending) <= 64 and len(overdue) <= 64:
+            return
         live = len(self.inner)
-        for name in ("_pending", "_overdue"):
-            heap = getattr(self, name)
-            if len(heap) > 64 and len(heap) > 2 * live:
-                heap = [e for e in heap if e[2].waiting]
-                heapq.heapify(heap)
-                setattr(self, name, heap)
+        if len(pending) > 64 and len(pending) > 2 * live:
+            self._pending = pending = [e for e in pending if e[2].waiting]
+            heapq.heapify(pending)
+        if len(overdue) > 64 and len(overdue) > 2 * live:
+            self._overdue = overdue = [e for e in overdue if e[2].waiting]
+            heapq.heapify(overdue)
 
     def _promotion(self, head: Job[T], now: float) -> Job[T] | None:
         """The oldest overdue job if it arrived strictly before ``head``; of a same-instant group,
@@ -375,6 +380,11 @@ class StarvationGuard(Generic[T]):
         head = self.peek(now)
         if head is None:
             return None
+        return self.take(head, now)
+
+    def take(self, head: tuple[Job[T], bool], now: float) -> tuple[Job[T], bool]:
+        """``pop(now)`` when ``head`` is what ``peek(now)`` has just returned, nothing changed since:
+        the same removal without a second peek (``FairShareQueue`` peeks every tenant to choose)."""
         job, promoted = head
         if promoted:
             self.inner.remove(job)
@@ -555,31 +565,44 @@ class FairShareQueue(Generic[T]):
         if not tenant.in_flight and not len(tenant.queue):
             del self._tenants[name]
 
-    def _choose(self, now: float) -> tuple[Hashable, Job[T], bool] | None:
+    def _choose(self, now: float) -> tuple[Hashable, Job[T], bool, tuple[Job[T], bool]] | None:
+        """The tenant to serve, its head job, whether a starvation rule chose it, and its queue's
+        ``peek(now)`` (for ``StarvationGuard.take``)."""
         heads = []
         for name, tenant in self._tenants.items():
-            head = tenant.queue.peek(now)
+            queue = tenant.queue
+            head = queue.peek(now)
             if head is None:
                 continue
             job, promoted = head
-            is_overdue = getattr(tenant.queue, "is_overdue", None)
+            is_overdue = getattr(queue, "is_overdue", None)
             overdue = promoted or (is_overdue is not None and is_overdue(job, now))
             # The tenant's best class, even when a promotion hides it behind an older job.
-            inner = getattr(tenant.queue, "inner", None)
-            inner_head = inner.peek(now) if inner is not None else None
+            inner = getattr(queue, "inner", None)
+            if inner is None:
+                inner_head = None
+            elif promoted or not isinstance(queue, StarvationGuard):
+                inner_head = inner.peek(now)
+            else:  # a guard that promoted nothing returned its inner queue's own peek
+                inner_head = head
             best_here = min(job.priority, inner_head[0].priority) if inner_head is not None else job.priority
-            heads.append((job.priority, overdue, tenant.served_s, len(tenant.queue), name, job, promoted, best_here))
+            heads.append((job.priority, overdue, tenant.served_s, len(queue), name, job, promoted, best_here, head))
         if not heads:
             return None
+        if len(heads) == 1:  # one tenant waiting: the min below is that head, its own class the best
+            only = heads[0]
+            return only[4], only[5], only[6] or only[5].priority > only[7], only[8]
         # The best class waiting anywhere, including one hidden behind a tenant's own promotion: a
         # head that is not overdue never goes before it.
         best = min(h[7] for h in heads)
         # An overdue head joins the best class, where fair share still decides: lifting it above
         # every tenant would let a flooding tenant's overdue backlog starve the others. Equal start
         # tags (common when predictions take a few values) go to the tenant with less waiting.
-        _, _, _, _, name, job, promoted, _ = min(heads, key=lambda h: (best if h[1] else h[0], h[2], h[3], h[5].seq))
+        _, _, _, _, name, job, promoted, _, head = min(
+            heads, key=lambda h: (best if h[1] else h[0], h[2], h[3], h[5].seq)
+        )
         # A starvation decision if a better class waits anywhere (possibly hidden behind a promotion).
-        return name, job, promoted or job.priority > best
+        return name, job, promoted or job.priority > best, head
 
     def peek(self, now: float) -> tuple[Job[T], bool] | None:
         chosen = self._choose(now)
@@ -590,9 +613,10 @@ class FairShareQueue(Generic[T]):
         chosen = self._choose(now)
         if chosen is None:
             return None
-        name, _, lifted = chosen
+        name, _, lifted, head = chosen
         tenant = self._tenants[name]
-        got = tenant.queue.pop(now)
+        queue = tenant.queue
+        got = queue.take(head, now) if isinstance(queue, StarvationGuard) else queue.pop(now)
         assert got is not None
         job, promoted = got[0], got[1] or lifted
         self._virtual_s = tenant.served_s

@@ -84,6 +84,8 @@ class ServiceTimeModel:
     defaults: ServiceTimeDefaults = field(default_factory=ServiceTimeDefaults)
     path: Path | None = None  # state file; None = in memory only
     _models: dict[str, _Rls] = field(default_factory=dict)
+    # (defaults, the trace of their fresh covariance): computed once per defaults, not per observation
+    _trace: tuple[ServiceTimeDefaults, float] | None = field(default=None, init=False, repr=False, compare=False)
 
     # Feature scales keep the RLS well conditioned: tokens in thousands.
     _SCALE = (1.0, 1e-3, 1e-3)
@@ -120,12 +122,16 @@ class ServiceTimeModel:
                 return
             rls = self._models[key] = self._fresh()
         rls.update(self._x(prompt_tokens, output_tokens), duration_s, self.defaults.forgetting, self._max_trace())
-        if not all(math.isfinite(t) for t in rls.theta):  # never serve a broken fit: start again from the defaults
-            self._models[key] = self._fresh()
+        t0, t1, t2 = rls.theta
+        if not (math.isfinite(t0) and math.isfinite(t1) and math.isfinite(t2)):
+            self._models[key] = self._fresh()  # never serve a broken fit: start again from the defaults
 
     def _max_trace(self) -> float:
-        fresh = self._fresh().p
-        return fresh[0][0] + fresh[1][1] + fresh[2][2]
+        trace = self._trace
+        if trace is None or trace[0] is not self.defaults:
+            fresh = self._fresh().p
+            trace = self._trace = (self.defaults, fresh[0][0] + fresh[1][1] + fresh[2][2])
+        return trace[1]
 
     def coefficients(self, model: str | None) -> dict[str, float]:
         """c0_s, c_prompt_s (per token), c_decode_s (per token) and the observation count."""
