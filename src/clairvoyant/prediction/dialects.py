@@ -30,7 +30,6 @@ from typing import Any
 
 from clairvoyant.errors import BadRequest, RequestError
 from clairvoyant.prediction.features import Prompt
-from clairvoyant.prediction.frozen import fast_init
 
 __all__ = [
     "PROXY_FIELD",
@@ -80,7 +79,6 @@ def dialect_of_path(path: str) -> Dialect:
     return Dialect.OLLAMA if path.startswith("/api/") else Dialect.OPENAI
 
 
-@fast_init  # once per request: slot setters, not object.__setattr__ (prediction/frozen.py)
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
     """A scheduled request body, read once."""

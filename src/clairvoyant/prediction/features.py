@@ -58,8 +58,6 @@ from pathlib import Path
 
 import numpy as np
 
-from clairvoyant.prediction.frozen import fast_init
-
 __all__ = [
     "FEATURE_SETS",
     "SCAN_HEAD_CHARS",
@@ -87,7 +85,6 @@ RICH_V2_HEAD_CHARS = 500
 RICH_V2_TAIL_CHARS = 100
 
 
-@fast_init  # once per request: slot setters, not object.__setattr__ (prediction/frozen.py)
 @dataclass(frozen=True, slots=True)
 class Prompt:
     """What a request is featurized from (built by ``clairvoyant.prediction.dialects``).

@@ -33,8 +33,6 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from clairvoyant.prediction.frozen import fast_init
-
 __all__ = ["TAIL_BYTES", "Usage", "UsageSource", "UsageTap"]
 
 # The end of a body kept for reading the counts (at most twice this is held between trims).
@@ -60,7 +58,6 @@ _CONTENT_EVENT = re.compile(rb'"(?:content|text|response|reasoning_content|reaso
 _DECODER = json.JSONDecoder()
 
 
-@fast_init  # once per request: slot setters, not object.__setattr__ (prediction/frozen.py)
 @dataclass(frozen=True, slots=True)
 class Usage:
     """One completed request as the backend served it. ``None`` = the backend did not say."""

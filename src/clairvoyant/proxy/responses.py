@@ -44,7 +44,6 @@ from clairvoyant.errors import RequestError, UpstreamTimeout, UpstreamUnavailabl
 from clairvoyant.logs import REQUEST_LOG, log_request
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.dialects import Dialect, error_body, stream_error_event, with_upstream_fields
-from clairvoyant.prediction.frozen import fast_init
 from clairvoyant.prediction.usage import Usage, UsageTap
 from clairvoyant.proxy.pool import BackendPool, merge_model_lists
 from clairvoyant.proxy.server import unwatch_disconnect, watch_disconnect
@@ -61,7 +60,6 @@ VLLM_CLASS_STRIDE = 100_000  # vLLM priority = client class x this + predicted t
 HOLD_MAX_S = 600.0  # the longest a left client's slot is held waiting for the backend to go idle
 
 
-@fast_init  # once per request: slot setters, not object.__setattr__ (prediction/frozen.py)
 @dataclass(frozen=True, slots=True)
 class UpstreamRequest:
     """What to send to the backend."""
