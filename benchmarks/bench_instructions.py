@@ -28,8 +28,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -48,6 +50,32 @@ def _instructions(totals_file: str) -> int:
     raise RuntimeError(f"no totals in {totals_file}")
 
 
+def drive(
+    proc: subprocess.Popen[Any],
+    port: int,
+    request: Callable[[httpx.AsyncClient], Awaitable[httpx.Response]],
+    *,
+    warm: int,
+    n: int,
+) -> None:
+    """Drive a server running under callgrind: once it answers /healthz, ``warm`` untimed requests
+    one at a time, its counters zeroed, ``n`` counted requests, its counters dumped."""
+    servers.wait_http(f"http://127.0.0.1:{port}/healthz", proc, timeout_s=900)
+
+    async def send(count: int) -> None:
+        async with httpx.AsyncClient(timeout=120) as client:
+            for _ in range(count):
+                response = await request(client)
+                if response.status_code != 200:
+                    raise RuntimeError(f"status {response.status_code}")
+
+    asyncio.run(send(warm))
+    time.sleep(1.0)
+    subprocess.run(["callgrind_control", "-z", str(proc.pid)], check=True, capture_output=True)
+    asyncio.run(send(n))
+    subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True, capture_output=True)
+
+
 def measure(name: str, pythonpath: str, args: argparse.Namespace, upstream: str, out_dir: Path) -> float:
     """Instructions per request of one build."""
     port = servers.free_port()
@@ -63,23 +91,14 @@ def measure(name: str, pythonpath: str, args: argparse.Namespace, upstream: str,
     with open(out_dir / f"{name}.log", "w") as log:
         proc = subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": pythonpath}, stdout=log, stderr=log)
         try:
-            servers.wait_http(f"http://127.0.0.1:{port}/healthz", proc, timeout_s=900)
+            base = f"http://127.0.0.1:{port}"
 
-            async def send(n: int) -> None:
-                async with httpx.AsyncClient(timeout=120) as client:
-                    for _ in range(n):
-                        if args.get:
-                            response = await client.get(f"http://127.0.0.1:{port}/v1/models")
-                        else:
-                            response = await client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body)
-                        if response.status_code != 200:
-                            raise RuntimeError(f"{name}: status {response.status_code}")
+            async def request(client: httpx.AsyncClient) -> httpx.Response:
+                if args.get:
+                    return await client.get(f"{base}/v1/models")
+                return await client.post(f"{base}/v1/chat/completions", json=body)
 
-            asyncio.run(send(args.warm))
-            time.sleep(1.0)
-            subprocess.run(["callgrind_control", "-z", str(proc.pid)], check=True, capture_output=True)
-            asyncio.run(send(args.n))
-            subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True, capture_output=True)
+            drive(proc, port, request, warm=args.warm, n=args.n)
         finally:
             proc.terminate()
             proc.wait(120)

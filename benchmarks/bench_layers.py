@@ -222,29 +222,18 @@ def measure_client(pythonpath: str, upstream: str, args: argparse.Namespace, out
 def measure_http(argv: list[str], port: int, pythonpath: str, args: argparse.Namespace, out: Path) -> dict[str, int]:
     """A server under callgrind, driven one request at a time as bench_instructions.py does."""
     import httpx
-    import servers
+    from bench_instructions import drive
+
+    data = body(args.stream)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+
+    async def request(client: httpx.AsyncClient) -> httpx.Response:
+        return await client.post(url, content=data, headers={"content-type": "application/json"})
 
     with open(f"{out}.log", "w") as log:
         proc = callgrind(argv, out, {"PYTHONPATH": pythonpath}, stdout=log, stderr=log)
         try:
-            servers.wait_http(f"http://127.0.0.1:{port}/healthz", proc, timeout_s=900)
-            data = body(args.stream)
-
-            async def send(n: int) -> None:
-                async with httpx.AsyncClient(timeout=120) as client:
-                    for _ in range(n):
-                        response = await client.post(
-                            f"http://127.0.0.1:{port}/v1/chat/completions", content=data,
-                            headers={"content-type": "application/json"},
-                        )  # fmt: skip
-                        if response.status_code != 200:
-                            raise RuntimeError(f"status {response.status_code}")
-
-            asyncio.run(send(args.warm))
-            time.sleep(1.0)
-            subprocess.run(["callgrind_control", "-z", str(proc.pid)], check=True, capture_output=True)
-            asyncio.run(send(args.n))
-            subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True, capture_output=True)
+            drive(proc, port, request, warm=args.warm, n=args.n)
         finally:
             proc.terminate()
             proc.wait(120)
