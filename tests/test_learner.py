@@ -487,11 +487,11 @@ def test_a_refit_step_holds_at_most_one_solve_and_a_block_of_the_quality(monkeyp
     # GCV searches for the global fit and each model's: 13 penalties each, one 7 x 7 system at a time
     assert solves == ["solve (7, 7)"] * 3 * len(learner_module._ALPHA_FACTORS)
     assert not any(a.startswith("solve") and b.startswith("solve") for a, b in zip(events, events[1:]))
-    # the quality, after the last solve: per model, the window's copy, its tau in 256 / 64 = 4 blocks
-    # (3 hand-overs between them), the result; then the swap of the quality
+    # after the last solve: the end of the fit; then the quality: per model, the window's copy, its tau
+    # in 256 / 64 = 4 blocks (3 hand-overs between them), the result; then the swap of the quality
     assert learner.quality()["a"].observations == learner.quality()["b"].observations == 256
     last_solve = max(i for i, e in enumerate(events) if e.startswith("solve"))
-    assert events[last_solve + 1 :] == ["yield"] * (2 * (1 + 3 + 1) + 1)
+    assert events[last_solve + 1 :] == ["yield"] * (1 + 2 * (1 + 3 + 1) + 1)
 
 
 def test_kendall_tau_b_in_blocks_is_the_same_tau() -> None:
