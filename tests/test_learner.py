@@ -417,7 +417,8 @@ def _fit_trace() -> list[dict[str, dict[str, list[float]]]]:
     enough to evict: the fitted corrections (global and per model) and the GCV penalties in use after
     every 12th refit."""
     rng = np.random.default_rng(7)
-    learner = OnlineLearner(TRACE_IDENTITY, LearnerConfig(buffer_size=200, refit_every=8))
+    # the penalty grid of 40b1676 (GCV free down to 0.001 x n)
+    learner = OnlineLearner(TRACE_IDENTITY, LearnerConfig(buffer_size=200, refit_every=8, min_penalty_factor=1e-3))
     fits = []
     for i in range(960):
         model = ("a", "b", "c")[int(rng.integers(3))]
@@ -484,8 +485,9 @@ def test_a_refit_step_holds_at_most_one_solve_and_a_block_of_the_quality(monkeyp
     monkeypatch.setattr(learner_module.np.linalg, "solve", solve)
     learner.refit()
     solves = [e for e in events if e.startswith("solve")]
-    # GCV searches for the global fit and each model's: 13 penalties each, one 7 x 7 system at a time
-    assert solves == ["solve (7, 7)"] * 3 * len(learner_module._ALPHA_FACTORS)
+    # GCV searches for the global fit and each model's: 7 penalties each (1 to 1000 x n), one 7 x 7
+    # system at a time
+    assert solves == ["solve (7, 7)"] * 3 * 7
     assert not any(a.startswith("solve") and b.startswith("solve") for a, b in zip(events, events[1:]))
     # after the last solve: the end of the fit; then the quality: per model, the window's copy, its tau
     # in 256 / 64 = 4 blocks (3 hand-overs between them), the result; then the swap of the quality
@@ -502,3 +504,19 @@ def test_kendall_tau_b_in_blocks_is_the_same_tau() -> None:
     assert kendall_tau_b(x, y, 64, lambda: calls.append(1)) == whole
     assert len(calls) == 4  # 5 blocks of at most 64 rows, the calls between them
     assert kendall_tau_b(x, y, 1000, lambda: calls.append(1)) == whole and len(calls) == 4
+
+
+def test_gcv_never_chooses_a_penalty_below_min_penalty_factor_times_the_observations() -> None:
+    """A strong, clean signal makes GCV want almost no penalty: free (0.001 x n) it takes less than
+    n; the default floor keeps it at n or more, and the floor moves the fit."""
+    rows, prior, truth = _world(200)
+    truth = truth + 2.0 * np.log1p(rows[:, 2])  # a strong signal the prior misses
+    free = OnlineLearner(IDENTITY, LearnerConfig(refit_every=10_000, min_penalty_factor=1e-3))
+    floored = OnlineLearner(IDENTITY, LearnerConfig(refit_every=10_000))
+    _learn(free, rows, prior, truth)
+    _learn(floored, rows, prior, truth)
+    assert free._penalties["\x00global"][0] < 0.5 * 200
+    assert floored._penalties["\x00global"][0] >= 1.0 * 200
+    assert abs(free.correction("m", rows[0], float(prior[0])) - floored.correction("m", rows[0], float(prior[0]))) > 1e-3
+    with pytest.raises(ValueError):
+        LearnerConfig(min_penalty_factor=0.0)
