@@ -1,7 +1,8 @@
 """Online learning on AlpacaEval dev: second-half Kendall tau_b with learning minus --no-learn.
 
     nice -n 10 python benchmarks/bench_replay_learning.py --data /work/shared/data/alpaca_eval_dev.jsonl \
-        [--model model/predictor.onnx] [--seeds 0 1 2 3 4] [--json benchmarks/replay_learning_results.json]
+        [--sharegpt] [--setting min_penalty_factor=0.001] [--model model/predictor.onnx] [--seeds 0 1 2 3 4] \
+        [--json benchmarks/replay_learning_results.json]
 
 For each of the file's four models, its lines become replay lines (``{"prompt", "output_tokens":
 that model's length, "model"}``), shuffled in a seeded random order, and are replayed through

@@ -420,7 +420,7 @@ def _fit_trace() -> list[dict[str, dict[str, list[float]]]]:
     # the penalty grid of 40b1676 (GCV free down to 0.001 x n)
     learner = OnlineLearner(TRACE_IDENTITY, LearnerConfig(buffer_size=200, refit_every=8, min_penalty_factor=1e-3))
     fits = []
-    for i in range(960):
+    for _ in range(960):
         model = ("a", "b", "c")[int(rng.integers(3))]
         counts = rng.integers(0, 20, 8).astype(np.float32)
         components = rng.normal(0, 1, 4).astype(np.float32)
@@ -517,6 +517,8 @@ def test_gcv_never_chooses_a_penalty_below_min_penalty_factor_times_the_observat
     _learn(floored, rows, prior, truth)
     assert free._penalties["\x00global"][0] < 0.5 * 200
     assert floored._penalties["\x00global"][0] >= 1.0 * 200
-    assert abs(free.correction("m", rows[0], float(prior[0])) - floored.correction("m", rows[0], float(prior[0]))) > 1e-3
+    assert (
+        abs(free.correction("m", rows[0], float(prior[0])) - floored.correction("m", rows[0], float(prior[0]))) > 1e-3
+    )
     with pytest.raises(ValueError):
         LearnerConfig(min_penalty_factor=0.0)

@@ -9,11 +9,12 @@ a correction in log tokens that ``OnnxPredictor`` adds to the prior's calibrated
 The correction: a ridge regression of (observed - prior) log tokens on the standardised
 [prior log tokens, log1p(feature row)], with the ridge penalty chosen by generalised
 cross-validation, so that with few or uninformative observations it shrinks to zero by itself.
-The penalty is at least ``min_penalty_factor`` (1) x the observations: on standardised columns
-(Gram eigenvalues of order n) that halves, at least, the least-squares weight of every direction.
+The penalty is at least ``min_penalty_factor`` (1) x the observations n: on standardised columns
+(a column's own sum of squares is n) that shrinks the least-squares weight of every direction whose
+Gram eigenvalue is n or less by half or more.
 GCV picks the penalty that predicts log tokens best, and left free (down to 0.001 x n) it undershoots
 what ORDERS best: with 65 columns and 16-100 observations it chose near-interpolating fits that
-took the replay's Kendall tau on lines 17-100 from the prior's 0.33-0.46 down to 0.21-0.33 on
+took the replay's Kendall tau on lines 17-100 from the prior's 0.33-0.43 down to 0.21-0.33 on
 AlpacaEval's four models, and from 0.46 to 0.30 on held-out ShareGPT; with the floor, 0.32-0.42
 and 0.43, and a slightly better second half (docs/benchmarks.md, section 14).
 The mean correction is shrunk toward zero too (``intercept_prior_observations`` pseudo-observations).
@@ -42,19 +43,23 @@ priority (``worker_nice``).
 
 What bounds a step (the refit's hold on the GIL, which the event loop's thread waits for): the
 refit is cut into units, and between two units it hands the GIL over (``_yield``: a 0.1 ms sleep)
-once the step has run ``refit_step_s`` (0.05 ms) of wall time. A step is therefore at most
+once the step has run ``refit_step_s`` (0.15 ms) of wall time. A step is therefore at most
 ``refit_step_s`` plus one unit, and the units are: copying one model's moments (under the lock that
 ``observe`` takes), adding one model's into the pool, the pooled mean and scales, one fit's
 residual moments, its centred Gram matrix, ONE ``np.linalg.solve`` of one p x p system (the GCV
-search solves each of its 13 penalties in its own unit, with ``[Z'y, I]`` as right-hand sides: the
+search solves each of its penalties in its own unit, with ``[Z'y, I]`` as right-hand sides: the
 weights and the inverse's trace; a known penalty, one right-hand side), and one block of 64 rows of
 the rolling quality's tau pair matrices (``kendall_tau_b(..., block)``, 4 blocks for a window of
-256). Each is O(p^3) or O(64 x window) numpy work on arrays of at most p x (p + 1), about 0.05 ms
-CPU here (0.18 ms for the largest, a search's solve, on a busy core), so a step stays near
-0.1-0.3 ms CPU however many models the learner holds (the bound does not grow with the models, the
-rows or the refit cadence; it grows with p^3). The units compute what the refit computed in larger
-pieces before, in the same order, with the same LAPACK calls: the same penalties and coefficients
-(tests/test_learner.py replays a fixed trace against the fit of the stacked solve).
+256). Each is O(p^3) or O(64 x window) numpy work on arrays of at most p x (p + 1): 0.01-0.1 ms
+CPU here, up to about 0.2 ms on a busy core (a search's solve). So a step stays under about
+0.35 ms CPU however many models the learner holds: the bound does not grow with the models, the
+rows or the refit cadence, only with p^3. A smaller ``refit_step_s`` gives shorter steps but more
+hand-overs, and each costs the refit CPU (a sleeping thread comes back to cold caches): 0.05 ms
+made a refit ~40% dearer; 0.15 ms hands over about as often as the refit did before it was cut
+(22-24 times for 17 models). The units
+compute what the refit computed in larger pieces before, in the same order, with the same LAPACK
+calls: the same penalties and coefficients (tests/test_learner.py replays a fixed trace against
+the fit of the stacked solve).
 See benchmarks/bench_learner_refit.py for the measured loop lag.
 
 Rolling quality per model (``quality()``): Kendall tau_b and mean |log-token error| between the
@@ -183,7 +188,7 @@ class LearnerConfig:
     worker_nice: int = 10  # the worker thread's niceness above the process's (Linux: per thread)
     # wall seconds of refit work after which the worker hands the GIL to the event loop at the next
     # unit boundary (see the module docstring); 0: after every unit
-    refit_step_s: float = 0.00005
+    refit_step_s: float = 0.00015
 
     def __post_init__(self) -> None:
         if min(self.buffer_size, self.refit_every, self.min_observations, self.max_models, self.quality_window) < 1:
@@ -476,7 +481,6 @@ class OnlineLearner:
         # the longest refit step between two GIL hand-overs (see _yield), in wall and CPU seconds
         self.longest_step_s = 0.0
         self.longest_step_cpu_s = 0.0
-        self.handovers = 0  # GIL hand-overs (steps ended) by refits and quality updates, ever
         self._step = threading.local()  # per thread: .started (wall, None between refits), .cpu_started
         self._due = threading.Event()
         self._stopping = False
@@ -584,7 +588,6 @@ class OnlineLearner:
         if getattr(step, "started", None) is not None:
             self.longest_step_s = max(self.longest_step_s, now - step.started)
             self.longest_step_cpu_s = max(self.longest_step_cpu_s, cpu_now - step.cpu_started)
-            self.handovers += 1
         if threading.current_thread() is self._thread:
             time.sleep(0.0001)
         step.started, step.cpu_started = time.perf_counter(), time.thread_time()
