@@ -55,7 +55,7 @@ CPU here, up to about 0.2 ms on a busy core (a search's solve). So a step stays 
 0.35 ms CPU however many models the learner holds: the bound does not grow with the models, the
 rows or the refit cadence, only with p^3. A smaller ``refit_step_s`` gives shorter steps but more
 hand-overs, and each costs the refit CPU (a sleeping thread comes back to cold caches): 0.05 ms
-made a refit ~40% dearer; 0.15 ms hands over about as often as the refit did before it was cut
+made a refit 30-40% dearer; 0.15 ms hands over about as often as the refit did before it was cut
 (22-24 times for 17 models). The units
 compute what the refit computed in larger pieces before, in the same order, with the same LAPACK
 calls: the same penalties and coefficients (tests/test_learner.py replays a fixed trace against
