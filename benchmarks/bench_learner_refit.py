@@ -59,6 +59,31 @@ def _predictions(predictor: OnnxPredictor, n: int, rng: np.random.Generator) -> 
     return out
 
 
+class _TimedLearner(OnlineLearner):
+    """The learner, with each refit's wall and CPU (its thread's) seconds recorded, and every step's
+    CPU seconds (the learner itself keeps only the longest: on a busy VM one step can be charged a
+    preemption's CPU time, so the distribution says more than its maximum)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.refit_wall_s: list[float] = []
+        self.refit_cpu_s: list[float] = []
+        self.step_cpu_s: list[float] = []
+
+    def _yield(self, *args: object, **kwargs: object) -> None:
+        # (an older learner's _yield took gil_released=True after a GIL-free solve: not a step)
+        released = bool(args[0]) if args else bool(kwargs.get("gil_released", False))
+        if getattr(self._step, "started", None) is not None and not released:
+            self.step_cpu_s.append(time.thread_time() - self._step.cpu_started)
+        super()._yield(*args, **kwargs)  # type: ignore[arg-type]
+
+    def refit(self) -> None:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        super().refit()
+        self.refit_wall_s.append(time.perf_counter() - wall)
+        self.refit_cpu_s.append(time.thread_time() - cpu)
+
+
 def _summary(lags: list[float]) -> dict[str, float]:
     ms = np.array(lags) * 1000
     return {
@@ -159,6 +184,12 @@ def main(argv: list[str] | None = None) -> int:
         default=LearnerConfig().worker_nice,
         help="the worker thread's niceness above the process's",
     )
+    parser.add_argument(
+        "--refit-step-s",
+        type=float,
+        default=LearnerConfig().refit_step_s,
+        help="the learner's refit_step_s: refit work between two GIL hand-overs",
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
         "--components", type=int, default=16, help="encoder components per row, as the proxy learns with the encoder on"
@@ -172,12 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         max_models=max(args.models - 1, 1),
         refit_every=LearnerConfig().refit_every if args.mode == "cadence" else 1,
         worker_nice=args.worker_nice,
+        refit_step_s=args.refit_step_s,
     )
     identity = PriorIdentity.of(predictor)
     identity = replace(
         identity, component_names=tuple(f"c{i}" for i in range(args.components)), encoder_sha256="e" * 64
     )
-    learner = OnlineLearner(identity, config)
+    learner = _TimedLearner(identity, config)
     pool = [
         replace(p, feature_row=p.feature_row + rng.normal(0, 1, args.components).astype(np.float32).tobytes())
         for p in _predictions(predictor, 2000, rng)
@@ -189,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     traffic = [replace(p, model="model-0") for p in pool[:256]]
     learner.refit()  # warm up
     learner.longest_step_s = learner.longest_step_cpu_s = 0.0
+    learner.refit_wall_s.clear()
+    learner.refit_cpu_s.clear()
+    learner.step_cpu_s.clear()
     refitter = _Refitter(learner, args.mode)
     refits_before = learner.refits
     lags = asyncio.run(_run(args.seconds, learner, refitter, traffic, rng, args.completions_per_s))
@@ -199,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "completions_per_s": args.completions_per_s,
         "process_nice": os.getpriority(os.PRIO_PROCESS, 0),
         "worker_nice": args.worker_nice,
+        "refit_step_s": args.refit_step_s,
         "buffers": args.models,
         "encoder_components": args.components,
         "rows_per_buffer": args.rows,
@@ -209,8 +245,16 @@ def main(argv: list[str] | None = None) -> int:
         "refitting": _summary(lags["refitting"]),
         "refits": refits,
         "last_refit_ms": (learner.last_refit_s or 0.0) * 1000,
+        # a whole refit (fit and quality, its hand-overs' sleeps included), median over the phase
+        "refit_wall_ms_p50": float(np.median(learner.refit_wall_s)) * 1000,
+        "refit_cpu_ms_p50": float(np.median(learner.refit_cpu_s)) * 1000,
         "longest_refit_step_ms": learner.longest_step_s * 1000,
         "longest_refit_step_cpu_ms": learner.longest_step_cpu_s * 1000,
+        "refit_steps": len(learner.step_cpu_s),
+        "refit_step_cpu_ms": {
+            q: float(np.percentile(learner.step_cpu_s, float(q[1:].replace("_", ".")))) * 1000
+            for q in ("p50", "p99", "p99_9", "p99_99")
+        },
     }
     print(
         f"learner: {args.models} buffers x {args.rows} observations; {args.seconds:.0f} s per phase, "
@@ -225,8 +269,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(
         f"refits ({args.mode}, {args.completions_per_s:g} completions/s): {refits} during {args.seconds:.0f} s; "
-        f"the last took {result['last_refit_ms']:.1f} ms; the longest step between two GIL hand-overs "
+        f"a refit took {result['refit_wall_ms_p50']:.1f} ms wall, {result['refit_cpu_ms_p50']:.2f} ms CPU (p50); "
+        f"the longest step between two GIL hand-overs "
         f"took {result['longest_refit_step_ms']:.3f} ms wall, {result['longest_refit_step_cpu_ms']:.3f} ms CPU"
+    )
+    q = result["refit_step_cpu_ms"]
+    print(
+        f"{len(learner.step_cpu_s)} steps, CPU ms: p50 {q['p50']:.3f}, p99 {q['p99']:.3f}, p99.9 {q['p99_9']:.3f}, "
+        f"p99.99 {q['p99_99']:.3f}"
     )
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

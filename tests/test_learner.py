@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -401,3 +402,123 @@ def test_a_state_learned_under_another_blend_or_reading_is_refused(
     with caplog.at_level(logging.WARNING, logger="clairvoyant.prediction.learner"):
         assert OnlineLearner.load(path, weighted).observed_total == 0
     assert "blend_weights" in caplog.text
+
+
+# -- the refit's steps ---------------------------------------------------------------------------
+TRACE_IDENTITY = PriorIdentity(
+    "test_set", tuple(f"f{i}" for i in range(8)), "a" * 64, tuple(f"c{i}" for i in range(4)), "e" * 64
+)
+FIT_TRACE = Path(__file__).parent / "fixtures" / "learner" / "fit_trace.json"
+
+
+def _fit_trace() -> list[dict[str, dict[str, list[float]]]]:
+    """A fixed trace of three models' observations (8 count features and 4 signed components, a biased
+    prior, model-dependent truths), refit every 8 observations as the worker does, with a buffer small
+    enough to evict: the fitted corrections (global and per model) and the GCV penalties in use after
+    every 12th refit."""
+    rng = np.random.default_rng(7)
+    # the penalty grid of 40b1676 (GCV free down to 0.001 x n)
+    learner = OnlineLearner(TRACE_IDENTITY, LearnerConfig(buffer_size=200, refit_every=8, min_penalty_factor=1e-3))
+    fits = []
+    for _ in range(960):
+        model = ("a", "b", "c")[int(rng.integers(3))]
+        counts = rng.integers(0, 20, 8).astype(np.float32)
+        components = rng.normal(0, 1, 4).astype(np.float32)
+        prior = 5.0 + 0.2 * np.log1p(counts[1]) + rng.normal(0, 0.3)
+        truth = 4.0 + 0.5 * np.log1p(counts[0]) + 0.3 * components[0] + {"a": 0.0, "b": 0.8, "c": -0.5}[model]
+        truth += 0.4 * components[1] * (model == "c") + rng.normal(0, 0.4)
+        row = np.concatenate([counts, components])
+        learner.observe(_prediction(row, float(prior), model), max(1, int(round(math.exp(truth)))))
+        if learner.refit_due:
+            learner.refit()
+            if learner.refits % 12 == 0:
+                fitted = learner._fitted
+                assert fitted is not None
+                linears = [("global", fitted.global_), *sorted(fitted.by_model.items())]
+                fits.append(
+                    {
+                        "coefficients": {
+                            key: [*linear.weights.tolist(), linear.prior_weight, linear.intercept]
+                            for key, linear in linears
+                        },
+                        "penalties": {key.strip("\x00"): [alpha] for key, (alpha, _) in learner._penalties.items()},
+                    }
+                )
+    return fits
+
+
+def test_the_refit_in_small_steps_fits_what_the_stacked_solve_fitted() -> None:
+    """The fixture was written by the learner before its refit was cut into one solve per penalty and
+    per step (40b1676): the same trace must give the same penalties and coefficients."""
+    expected = json.loads(FIT_TRACE.read_text())["fits"]
+    got = _fit_trace()
+    assert len(got) == len(expected) == 10
+    assert set(got[-1]["coefficients"]) == {"global", "a", "b", "c"}
+    for mine, theirs in zip(got, expected):
+        assert mine["penalties"] == theirs["penalties"]
+        assert mine["coefficients"].keys() == theirs["coefficients"].keys()
+        for key, coefficients in theirs["coefficients"].items():
+            np.testing.assert_allclose(mine["coefficients"][key], coefficients, rtol=0, atol=1e-12)
+
+
+def test_a_refit_step_holds_at_most_one_solve_and_a_block_of_the_quality(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``refit_step_s`` = 0 every unit is its own step: each solve is one p x p system, two never
+    share a step, and the quality's tau over a window of 256 comes in blocks of 64 rows."""
+    from clairvoyant.prediction import learner as learner_module
+
+    events: list[str] = []
+    real_solve = np.linalg.solve
+
+    def solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        events.append(f"solve {a.shape}")
+        return real_solve(a, b)
+
+    class Spy(OnlineLearner):
+        def _yield(self) -> None:
+            events.append("yield")
+            super()._yield()
+
+    rows, prior, truth = _world(600)
+    learner = Spy(IDENTITY, LearnerConfig(refit_every=10_000, refit_step_s=0.0))
+    for i, (row, p, t) in enumerate(zip(rows, prior, truth)):
+        learner.observe(_prediction(row, float(p), "ab"[i % 2]), int(round(math.exp(t))))
+    monkeypatch.setattr(learner_module.np.linalg, "solve", solve)
+    learner.refit()
+    solves = [e for e in events if e.startswith("solve")]
+    # GCV searches for the global fit and each model's: 7 penalties each (1 to 1000 x n), one 7 x 7
+    # system at a time
+    assert solves == ["solve (7, 7)"] * 3 * 7
+    assert not any(a.startswith("solve") and b.startswith("solve") for a, b in zip(events, events[1:]))
+    # after the last solve: the end of the fit; then the quality: per model, the window's copy, its tau
+    # in 256 / 64 = 4 blocks (3 hand-overs between them), the result; then the swap of the quality
+    assert learner.quality()["a"].observations == learner.quality()["b"].observations == 256
+    last_solve = max(i for i, e in enumerate(events) if e.startswith("solve"))
+    assert events[last_solve + 1 :] == ["yield"] * (1 + 2 * (1 + 3 + 1) + 1)
+
+
+def test_kendall_tau_b_in_blocks_is_the_same_tau() -> None:
+    rng = np.random.default_rng(3)
+    x, y = rng.integers(0, 12, 257).astype(float), rng.integers(0, 30, 257).astype(float)
+    calls: list[int] = []
+    whole = kendall_tau_b(x, y)
+    assert kendall_tau_b(x, y, 64, lambda: calls.append(1)) == whole
+    assert len(calls) == 4  # 5 blocks of at most 64 rows, the calls between them
+    assert kendall_tau_b(x, y, 1000, lambda: calls.append(1)) == whole and len(calls) == 4
+
+
+def test_gcv_never_chooses_a_penalty_below_min_penalty_factor_times_the_observations() -> None:
+    """A strong, clean signal makes GCV want almost no penalty: free (0.001 x n) it takes less than
+    n; the default floor keeps it at n or more, and the floor moves the fit."""
+    rows, prior, truth = _world(200)
+    truth = truth + 2.0 * np.log1p(rows[:, 2])  # a strong signal the prior misses
+    free = OnlineLearner(IDENTITY, LearnerConfig(refit_every=10_000, min_penalty_factor=1e-3))
+    floored = OnlineLearner(IDENTITY, LearnerConfig(refit_every=10_000))
+    _learn(free, rows, prior, truth)
+    _learn(floored, rows, prior, truth)
+    assert free._penalties["\x00global"][0] < 0.5 * 200
+    assert floored._penalties["\x00global"][0] >= 1.0 * 200
+    assert (
+        abs(free.correction("m", rows[0], float(prior[0])) - floored.correction("m", rows[0], float(prior[0]))) > 1e-3
+    )
+    with pytest.raises(ValueError):
+        LearnerConfig(min_penalty_factor=0.0)

@@ -9,6 +9,14 @@ a correction in log tokens that ``OnnxPredictor`` adds to the prior's calibrated
 The correction: a ridge regression of (observed - prior) log tokens on the standardised
 [prior log tokens, log1p(feature row)], with the ridge penalty chosen by generalised
 cross-validation, so that with few or uninformative observations it shrinks to zero by itself.
+The penalty is at least ``min_penalty_factor`` (1) x the observations n: on standardised columns
+(a column's own sum of squares is n) that shrinks the least-squares weight of every direction whose
+Gram eigenvalue is n or less by half or more.
+GCV picks the penalty that predicts log tokens best, and left free (down to 0.001 x n) it undershoots
+what ORDERS best: with 65 columns and 16-100 observations it chose near-interpolating fits that
+took the replay's Kendall tau on lines 17-100 from the prior's 0.33-0.43 down to 0.21-0.33 on
+AlpacaEval's four models, and from 0.46 to 0.30 on held-out ShareGPT; with the floor, 0.32-0.42
+and 0.43, and a slightly better second half (docs/benchmarks.md, section 14).
 The mean correction is shrunk toward zero too (``intercept_prior_observations`` pseudo-observations).
 First a global correction over every model's observations; then, for a model with
 ``min_model_observations`` of its own, a correction of the global one's residuals on top.
@@ -28,10 +36,30 @@ Refits run in a background thread (``start``/``stop``), never on the event loop,
 ``refit_every`` new observations have arrived; the fitted coefficients are swapped in as one
 immutable object, so ``correction`` (the request path) reads them without a lock. ``refit()``
 can also be called directly (replay, tests). A refit never touches the rows: each observation
-updates its model's sufficient statistics (p x p moments, p = features + 1), so a refit solves a
-few small systems per model (about a millisecond each) and sleeps briefly between models to hand
-the GIL to the event loop; the GCV search for a model's penalty runs again only once a quarter of
-its buffer is new; the worker thread runs at a lower CPU priority (``worker_nice``).
+updates its model's sufficient statistics (p x p moments, p = features + 1: 65 with the encoder's
+components), so a refit solves small p x p systems, a few per model; the GCV search for a fit's
+penalty runs again only once a quarter of its buffer is new; the worker thread runs at a lower CPU
+priority (``worker_nice``).
+
+What bounds a step (the refit's hold on the GIL, which the event loop's thread waits for): the
+refit is cut into units, and between two units it hands the GIL over (``_yield``: a 0.1 ms sleep)
+once the step has run ``refit_step_s`` (0.15 ms) of wall time. A step is therefore at most
+``refit_step_s`` plus one unit, and the units are: copying one model's moments (under the lock that
+``observe`` takes), adding one model's into the pool, the pooled mean and scales, one fit's
+residual moments, its centred Gram matrix, ONE ``np.linalg.solve`` of one p x p system (the GCV
+search solves each of its penalties in its own unit, with ``[Z'y, I]`` as right-hand sides: the
+weights and the inverse's trace; a known penalty, one right-hand side), and one block of 64 rows of
+the rolling quality's tau pair matrices (``kendall_tau_b(..., block)``, 4 blocks for a window of
+256). Each is O(p^3) or O(64 x window) numpy work on arrays of at most p x (p + 1): 0.01-0.1 ms
+CPU here, up to about 0.2 ms on a busy core (a search's solve). So a step stays under about
+0.35 ms CPU however many models the learner holds: the bound does not grow with the models, the
+rows or the refit cadence, only with p^3. A smaller ``refit_step_s`` gives shorter steps but more
+hand-overs, and each costs the refit CPU (a sleeping thread comes back to cold caches): 0.05 ms
+made a refit 30-40% dearer; 0.15 ms hands over about as often as the refit did before it was cut
+(22-24 times for 17 models). The units
+compute what the refit computed in larger pieces before, in the same order, with the same LAPACK
+calls: the same penalties and coefficients (tests/test_learner.py replays a fixed trace against
+the fit of the stacked solve).
 See benchmarks/bench_learner_refit.py for the measured loop lag.
 
 Rolling quality per model (``quality()``): Kendall tau_b and mean |log-token error| between the
@@ -87,6 +115,7 @@ OTHER_MODEL = "other"  # the shared key of models beyond max_models
 # Ridge penalties tried by GCV, relative to the number of observations (features are standardised,
 # so the Gram matrix's eigenvalues are of order n).
 _ALPHA_FACTORS = 10.0 ** np.linspace(-3, 3, 13)
+_TAU_BLOCK = 64  # rows of the rolling quality's pair matrices per unit of work (window 256: 4 units)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,13 +182,23 @@ class LearnerConfig:
     max_models: int = 16  # models with their own buffer; the rest share OTHER_MODEL
     quality_window: int = 256  # observed requests per model in the rolling quality
     intercept_prior_observations: float = 16.0  # pseudo-observations shrinking the mean correction to 0
+    # the smallest ridge penalty GCV may choose, per observation (the grid runs 1e-3 to 1e3 in
+    # half decades); see the module docstring
+    min_penalty_factor: float = 1.0
     worker_nice: int = 10  # the worker thread's niceness above the process's (Linux: per thread)
+    # wall seconds of refit work after which the worker hands the GIL to the event loop at the next
+    # unit boundary (see the module docstring); 0: after every unit
+    refit_step_s: float = 0.00015
 
     def __post_init__(self) -> None:
         if min(self.buffer_size, self.refit_every, self.min_observations, self.max_models, self.quality_window) < 1:
             raise ValueError(f"learner settings must be >= 1: {self}")
         if self.min_observations < 2 or self.min_model_observations < 2:
             raise ValueError("min_observations and min_model_observations must be >= 2")
+        if not _ALPHA_FACTORS[0] <= self.min_penalty_factor * (1 + 1e-9) <= _ALPHA_FACTORS[-1] * (1 + 1e-9):
+            raise ValueError(f"min_penalty_factor must be in [1e-3, 1e3]: {self.min_penalty_factor}")
+        if not self.refit_step_s >= 0:
+            raise ValueError(f"refit_step_s must be >= 0: {self.refit_step_s}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,21 +211,32 @@ class ModelQuality:
     mean_abs_log_error: float  # mean |predicted - observed| natural-log tokens; NaN when empty
 
 
-def kendall_tau_b(x: np.ndarray, y: np.ndarray) -> float:
+def kendall_tau_b(
+    x: np.ndarray, y: np.ndarray, block: int = 0, between_blocks: Callable[[], None] = lambda: None
+) -> float:
     """Kendall's tau_b of two equally long arrays, O(n^2) in numpy on boolean pair matrices (n is a
-    few hundred here: about 0.1 ms for 256). NaN when undefined."""
+    few hundred here: about 0.2 ms for 256). NaN when undefined. ``block`` > 0: the pair matrices
+    are built ``block`` rows at a time, with ``between_blocks()`` called between two blocks (the
+    learner's refit hands the GIL over there); the counts, and so the result, are the same."""
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
-    if len(x) < 2:
+    n = len(x)
+    if n < 2:
         return math.nan
-    x_greater = x[:, None] > x[None, :]
-    y_greater = y[:, None] > y[None, :]
-    y_less = y[:, None] < y[None, :]
-    # over ordered pairs (i, j) with x_i > x_j: concordant if y_i > y_j, discordant if y_i < y_j
-    concordant = np.count_nonzero(x_greater & y_greater)
-    discordant = np.count_nonzero(x_greater & y_less)
-    untied_x = np.count_nonzero(x_greater)  # untied pairs in x, each counted once
-    untied_y = np.count_nonzero(y_greater)
+    block = block if block > 0 else n
+    concordant = discordant = untied_x = untied_y = 0
+    for start in range(0, n, block):
+        if start:
+            between_blocks()
+        rows = slice(start, start + block)
+        x_greater = x[rows, None] > x[None, :]
+        y_greater = y[rows, None] > y[None, :]
+        y_less = y[rows, None] < y[None, :]
+        # over ordered pairs (i, j) with x_i > x_j: concordant if y_i > y_j, discordant if y_i < y_j
+        concordant += int(np.count_nonzero(x_greater & y_greater))
+        discordant += int(np.count_nonzero(x_greater & y_less))
+        untied_x += int(np.count_nonzero(x_greater))  # untied pairs in x, each counted once
+        untied_y += int(np.count_nonzero(y_greater))
     if untied_x == 0 or untied_y == 0:
         return math.nan
     return (concordant - discordant) / math.sqrt(float(untied_x) * float(untied_y))
@@ -368,35 +418,40 @@ def _ridge_gcv(
     yy: float,
     n: int,
     alpha: float | None = None,
-    around_solve: Callable[[bool], None] = lambda released: None,
+    between_solves: Callable[[], None] = lambda: None,
+    factors: np.ndarray = _ALPHA_FACTORS,
 ) -> tuple[np.ndarray, float]:
     """Ridge weights of a centred target on standardised, centred columns, given their Gram
     matrix ``Z'Z``, ``Z'y`` and ``y'y`` over ``n`` rows, and the penalty used. Without ``alpha``
-    the penalty is picked by generalised cross-validation among ``n * _ALPHA_FACTORS``.
+    the penalty is picked by generalised cross-validation among ``n * factors``: the first
+    penalty of the lowest GCV score (every score infinite: the first penalty).
 
-    The penalties are tried in ONE stacked ``np.linalg.solve`` (LU on p x p): ``eigh`` would be
-    neater, but OpenBLAS may run it multi-threaded, and on cores busy generating it then takes
-    15 ms instead of 0.3 ms. ``around_solve(False)`` is called before the solve and
-    ``around_solve(True)`` after it (the solve releases the GIL: the refit's yield points).
+    One ``np.linalg.solve`` (LU on p x p, right-hand sides ``[Z'y, I]``: the weights and the
+    inverse whose trace gives the degrees of freedom) per penalty tried, with ``between_solves()``
+    called before each: the refit hands the GIL over there, so a step holds at most one p x p
+    solve (``eigh`` once for every penalty would be neater, but OpenBLAS may run it multi-threaded,
+    and on cores busy generating it then takes 15 ms instead of 0.3 ms). Each solve is the one the
+    stacked solve of every penalty made before (LAPACK solves a stack one matrix at a time), so the
+    weights and the choice are the same.
     """
     p = len(zy)
     eye = np.eye(p)
     if alpha is not None:  # a penalty chosen earlier: one p x p solve
         return np.linalg.solve(gram + alpha * eye, zy), alpha
-    alphas = n * _ALPHA_FACTORS
-    systems = gram[None, :, :] + alphas[:, None, None] * eye[None, :, :]
-    rhs = np.broadcast_to(np.concatenate([zy[:, None], eye], axis=1), (len(alphas), p, p + 1))
-    around_solve(False)
-    solved = np.linalg.solve(systems, rhs)  # numpy's LAPACK calls release the GIL
-    around_solve(True)
-    weights = solved[:, :, 0]  # [A, p]
-    inverse_trace = np.trace(solved[:, :, 1:], axis1=1, axis2=2)
-    dof = p - alphas * inverse_trace  # trace of the hat matrix
-    rss = yy - 2.0 * (weights @ zy) + np.sum((weights @ gram) * weights, axis=1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        gcv = np.where(n - dof > 0.5, n * rss / (n - dof) ** 2, np.inf)
-    best = int(np.argmin(gcv))
-    return weights[best], float(alphas[best])
+    rhs = np.concatenate([zy[:, None], eye], axis=1)
+    best_weights: np.ndarray | None = None
+    best_alpha, best_gcv = 0.0, math.inf
+    for candidate in n * factors:
+        between_solves()
+        solved = np.linalg.solve(gram + candidate * eye, rhs)
+        weights = solved[:, 0]
+        dof = p - candidate * float(np.trace(solved[:, 1:]))  # trace of the hat matrix
+        rss = yy - 2.0 * float(weights @ zy) + float((weights @ gram) @ weights)
+        gcv = n * rss / (n - dof) ** 2 if n - dof > 0.5 else math.inf
+        if best_weights is None or gcv < best_gcv:
+            best_weights, best_alpha, best_gcv = weights, float(candidate), gcv
+    assert best_weights is not None  # factors is not empty
+    return best_weights, best_alpha
 
 
 class OnlineLearner:
@@ -523,43 +578,55 @@ class OnlineLearner:
             return list(self._buckets)
 
     # -- fitting -------------------------------------------------------------------------------
-    def _yield(self, gil_released: bool = False) -> None:
-        """Between two steps of a refit in the worker thread: sleep 0.1 ms, which hands the GIL to
-        the event loop's thread if it waits for it (without a blocking call, a waiting thread may
-        wait the interpreter's whole 5 ms switch interval). Records the longest stretch between
-        two yields (``longest_step_s``): the most a refit can hold the GIL against the loop.
-        ``gil_released``: the step was one call that released the GIL (not counted)."""
+    def _yield(self) -> None:
+        """End a step of a refit: in the worker thread, sleep 0.1 ms, which hands the GIL to the
+        event loop's thread if it waits for it (without a blocking call, a waiting thread may wait
+        the interpreter's whole 5 ms switch interval). Records the longest step (``longest_step_s``,
+        ``longest_step_cpu_s``): the most a refit has held the GIL against the loop."""
         now, cpu_now = time.perf_counter(), time.thread_time()
         step = self._step
-        if getattr(step, "started", None) is not None and not gil_released:
+        if getattr(step, "started", None) is not None:
             self.longest_step_s = max(self.longest_step_s, now - step.started)
             self.longest_step_cpu_s = max(self.longest_step_cpu_s, cpu_now - step.cpu_started)
         if threading.current_thread() is self._thread:
             time.sleep(0.0001)
         step.started, step.cpu_started = time.perf_counter(), time.thread_time()
 
+    def _unit_done(self) -> None:
+        """Between two units of refit work: end the step (``_yield``) once it has run
+        ``refit_step_s``, so that a step is at most that plus one unit."""
+        started = getattr(self._step, "started", None)
+        if started is None or time.perf_counter() - started >= self.config.refit_step_s:
+            self._yield()
+
     def _snapshot(self) -> list[tuple[str, _Moments, int]]:
-        """Copies of every model's moments (p x p each) and its observation count, under the lock."""
+        """Copies of every model's moments (p x p each) and its observation count: one model per
+        hold of the lock, one unit each (the event loop's ``observe`` waits for the lock)."""
         with self._lock:
             self._new_since_fit = 0
-            return [
-                (key, bucket.moments.copy(), bucket.observations)
-                for key, bucket in self._buckets.items()
-                if bucket.moments.n
-            ]
+            keys = list(self._buckets)
+        data = []
+        for key in keys:
+            with self._lock:
+                bucket = self._buckets[key]
+                if bucket.moments.n:
+                    data.append((key, bucket.moments.copy(), bucket.observations))
+            self._unit_done()
+        return data
 
     def refit(self) -> None:
         """Fit the corrections from the moments and swap them in; then update the rolling quality.
-        Blocking, about a millisecond per model: call it from the worker thread or offline. It
-        sleeps briefly between models so that the event loop's thread gets the GIL."""
+        Blocking, about 0.2 ms of work per model: call it from the worker thread or offline. In the
+        worker thread it sleeps briefly every ``refit_step_s`` of work so that the event loop's
+        thread gets the GIL."""
         with self._refit_lock:
             started = self._step.started = time.perf_counter()
             self._step.cpu_started = time.thread_time()
             data = self._snapshot()
             total = sum(m.n for _, m, _ in data)
             if total >= self.config.min_observations:
-                self._yield()
                 self._fitted = self._fit(data)
+                self._unit_done()
             self.last_refit_s = time.perf_counter() - started
             self.refits += 1
             self.update_quality()
@@ -569,13 +636,17 @@ class OnlineLearner:
         pooled = _Moments(self.n_features + 1)
         for _, moments, _ in data:
             pooled += moments
+            self._unit_done()
         n = pooled.n
         mean = pooled.s_z / n
         covariance = pooled.s_zz / n - np.outer(mean, mean)
         std = np.sqrt(np.clip(np.diag(covariance), 0.0, None))
         used = std > 1e-6
+        all_used = bool(used.all())
         scale = std[used]
         outer_scale = np.outer(scale, scale)
+        factors = _ALPHA_FACTORS[_ALPHA_FACTORS >= cfg.min_penalty_factor * (1 - 1e-9)]
+        self._unit_done()
 
         def penalty(key: str, observations: int, n: int) -> float | None:
             """The penalty chosen for ``key`` earlier, or None (search again): GCV runs again once
@@ -599,12 +670,15 @@ class OnlineLearner:
                 s_y = m.s_y - zc - k * b
                 s_zy = m.s_zy - m.s_zz @ c - m.s_z * b
                 s_yy = m.s_yy - 2 * (c @ m.s_zy) - 2 * b * m.s_y + c @ m.s_zz @ c + 2 * b * zc + k * b * b
+                self._unit_done()
             z_mean = m.s_z / k
             y_mean = s_y / k
-            gram = (m.s_zz - k * np.outer(z_mean, z_mean))[np.ix_(used, used)] / outer_scale
+            centred = m.s_zz - k * np.outer(z_mean, z_mean)
+            gram = (centred if all_used else centred[np.ix_(used, used)]) / outer_scale
             zy = (s_zy - k * z_mean * y_mean)[used] / scale
             yy = max(s_yy - k * y_mean * y_mean, 0.0)
-            weights, alpha = _ridge_gcv(gram, zy, yy, k, penalty(key, observations, k), self._yield)
+            self._unit_done()
+            weights, alpha = _ridge_gcv(gram, zy, yy, k, penalty(key, observations, k), self._unit_done, factors)
             if key not in self._penalties or self._penalties[key][0] != alpha:
                 self._penalties[key] = (alpha, observations)
             coef = np.zeros(self.n_features + 1)
@@ -616,12 +690,11 @@ class OnlineLearner:
             return _Linear(coef[1:].astype(np.float32), float(coef[0]), float(intercept))
 
         global_coef, global_intercept = fit(pooled, _GLOBAL, sum(o for _, _, o in data))
-        self._yield()
         by_model: dict[str, _Linear] = {}
         if len(data) > 1:  # with one model the global fit is already that model's
             for key, moments, observations in data:
                 if moments.n >= cfg.min_model_observations:
-                    self._yield()
+                    self._unit_done()
                     coef, intercept = fit(moments, key, observations, global_coef, global_intercept)
                     by_model[key] = linear(global_coef + coef, global_intercept + intercept)
         return _Fitted(linear(global_coef, global_intercept), by_model, n)
@@ -646,9 +719,11 @@ class OnlineLearner:
                     continue
                 self._quality_at[key] = bucket.observations
                 predicted, observed = bucket.window.ordered()
-            self._yield()
+            self._unit_done()
             mae = float(np.mean(np.abs(predicted - observed))) if len(observed) else math.nan
-            quality[key] = ModelQuality(key, len(observed), kendall_tau_b(predicted, observed), mae)
+            tau = kendall_tau_b(predicted, observed, _TAU_BLOCK, self._unit_done)
+            quality[key] = ModelQuality(key, len(observed), tau, mae)
+            self._unit_done()
         self._quality = quality
         self._yield()
         self._step.started = None
