@@ -68,16 +68,28 @@ def load_embeddings() -> dict[str, np.ndarray]:
     return out
 
 
-def load_meta(e: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def split_rows() -> np.ndarray:
+    """load_pairs() indices of the natural split's training rows then its held-out rows (knn_embed.py's order),
+    from the session-18 caches (build_natural_split runs langdetect over every pair: minutes)."""
+    s = np.load("/tmp/turn/scores.npz")
+    return np.concatenate([np.load("/tmp/turn/oof.npz")["rows"], s["rows"][s["kind"] == 3]])
+
+
+def load_meta(e: dict[str, np.ndarray] | None) -> dict[str, np.ndarray]:
     """Per train/held-out row: group id, turn, history_chars (the blend rule's column), tokens, censored flag. Cached."""
     path = KNN / "meta.npz"
     if path.is_file():
-        return dict(np.load(path))
+        meta = dict(np.load(path))
+        if e is not None:
+            assert np.array_equal(meta["rows"], e["rows"][e["part"] < 2])
+        return meta
     from clairvoyant.tools.training.dataset import load_pairs
     from clairvoyant.tools.training.scoring import ModelScorer
 
     pairs = load_pairs()
-    rows = e["rows"][e["part"] < 2]
+    rows = split_rows()
+    if e is not None:
+        assert np.array_equal(rows, e["rows"][e["part"] < 2])
     by_key = {p.key: p for p in pairs}
     groups = np.unique([pairs[i].group for i in rows], return_inverse=True)[1]
     nxt = [by_key.get(f"{pairs[i].conv_id}:{pairs[i].turn + 1}") for i in rows]
@@ -95,20 +107,23 @@ def load_meta(e: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def neighbours(q: np.ndarray, mem: np.ndarray, q_group: np.ndarray | None, mem_group: np.ndarray,
-               kmax: int = max(KS)) -> tuple[np.ndarray, np.ndarray]:
-    """Top-kmax memory indices and cosines per query, best first; same-group memory rows excluded if q_group given."""
-    idx = np.zeros((len(q), kmax), np.int64)
-    sim = np.zeros((len(q), kmax), np.float32)
+               masks: dict[str, np.ndarray], kmax: int = max(KS)) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per memory (a column mask over mem): top-kmax memory indices (into mem) and cosines per query, best first;
+    memory rows of the query's own group excluded if q_group is given. One mat-mul shared by every memory."""
+    res = {name: (np.zeros((len(q), kmax), np.int64), np.zeros((len(q), kmax), np.float32)) for name in masks}
     for c in range(0, len(q), 1000):
         s = q[c : c + 1000] @ mem.T
         if q_group is not None:
             s[q_group[c : c + 1000, None] == mem_group[None, :]] = -np.inf
-        top = np.argpartition(-s, kmax, axis=1)[:, :kmax]
-        ts = np.take_along_axis(s, top, 1)
-        o = np.argsort(-ts, axis=1)
-        idx[c : c + 1000] = np.take_along_axis(top, o, 1)
-        sim[c : c + 1000] = np.take_along_axis(ts, o, 1)
-    return idx, sim
+        for name, mask in masks.items():
+            cols = np.flatnonzero(mask)
+            sm = s[:, cols]
+            top = np.argpartition(-sm, kmax, axis=1)[:, :kmax]
+            ts = np.take_along_axis(sm, top, 1)
+            o = np.argsort(-ts, axis=1)
+            res[name][0][c : c + 1000] = cols[np.take_along_axis(top, o, 1)]
+            res[name][1][c : c + 1000] = np.take_along_axis(ts, o, 1)
+    return res
 
 
 def knn_score(idx: np.ndarray, sim: np.ndarray, labels: np.ndarray, k: int, weighting: str) -> np.ndarray:
@@ -156,12 +171,13 @@ class Setup:
             mask &= ~self.mem_censored
         return mask
 
-    def query_neighbours(self, q_pos: np.ndarray | None, q_unit: np.ndarray, mask: np.ndarray,
-                         exclude_group: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        cols = np.flatnonzero(mask)
+    def query_neighbours(self, q_pos: np.ndarray | None, q_unit: np.ndarray,
+                         exclude_group: bool) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Neighbours in every memory: {"all", "first", "all-uncensored", "first-uncensored"}."""
+        masks = {f"{mem}{'-uncensored' if drop else ''}": self.memory_mask(mem, drop)
+                 for drop in (False, True) for mem in MEMORIES}
         qg = self.mem_group[q_pos] if exclude_group else None
-        idx, sim = neighbours(q_unit, self.mem_unit[cols], qg, self.mem_group[cols])
-        return idx, sim, self.mem_y[cols]
+        return neighbours(q_unit, self.mem_unit, qg, self.mem_group, masks)
 
 
 def phase_fit(su: Setup) -> dict:
@@ -173,9 +189,12 @@ def phase_fit(su: Setup) -> dict:
         out[f"{rows_name}_refined_tau"] = tau(ref, tt)
         print(f"## {rows_name}: {len(qi)} rows; refined prior (OOF lexical) tau_b {out[f'{rows_name}_refined_tau']:.4f}",
               flush=True)
+        started = time.perf_counter()
+        nb = su.query_neighbours(qi, su.mem_unit[qi], True)
+        print(f"  (neighbours: {time.perf_counter() - started:.0f} s)", flush=True)
+        labels = su.mem_y
         for memory, drop in (("all", False), ("first", False), ("all", True), ("first", True)):
-            started = time.perf_counter()
-            idx, sim, labels = su.query_neighbours(qi, su.mem_unit[qi], su.memory_mask(memory, drop), True)
+            idx, sim = nb[f"{memory}{'-uncensored' if drop else ''}"]
             for k in KS:
                 for wt in WEIGHTINGS:
                     kn = knn_score(idx, sim, labels, k, wt)
@@ -189,7 +208,6 @@ def phase_fit(su: Setup) -> dict:
                     print(f"| {name} | kNN alone {taus[1.0]:.4f} | best v {best} -> {taus[best]:.4f} "
                           f"(+{taus[best] - taus[0.0]:.4f}) | MSE-optimal v {v_mse:.3f} | "
                           + " ".join(f"{v}:{taus[v]:.4f}" for v in V_GRID[:11:2]), flush=True)
-            print(f"  ({memory}, drop censored {drop}: {time.perf_counter() - started:.0f} s)", flush=True)
     fit = out["grid"]["fit"]
     main_names = [n for n in fit if "uncensored" not in n]
     pick = max(main_names, key=lambda n: fit[n]["tau_best"])
@@ -240,10 +258,12 @@ def phase_eval(su: Setup, fitted: dict) -> dict:
     print(line("shipped refined prior", base), flush=True)
     scores: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     pick = fitted["pick"]
+    h_nb = su.query_neighbours(None, e["unit"][held], False)
+    a_nb = su.query_neighbours(None, e["unit"][al], False)
+    labels = su.mem_y
     for memory, drop in (("all", False), ("first", False), ("all", True), ("first", True)):
-        mask = su.memory_mask(memory, drop)
-        hi, hs, labels = su.query_neighbours(None, e["unit"][held], mask, False)
-        ai, as_, _ = su.query_neighbours(None, e["unit"][al], mask, False)
+        hi, hs = h_nb[f"{memory}{'-uncensored' if drop else ''}"]
+        ai, as_ = a_nb[f"{memory}{'-uncensored' if drop else ''}"]
         for k in KS:
             for wt in WEIGHTINGS:
                 name = f"{memory}{'-uncensored' if drop else ''}/k{k}/{wt}"
@@ -289,8 +309,12 @@ def phase_eval(su: Setup, fitted: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--phase", choices=("fit", "eval"), required=True)
+    parser.add_argument("--phase", choices=("meta", "fit", "eval"), required=True)
     args = parser.parse_args()
+    if args.phase == "meta":
+        m = load_meta(None)
+        print(f"{len(m['rows'])} rows; censored (next turn asks to continue) {int(m['censored'].sum())}")
+        return
     su = Setup()
     if args.phase == "fit":
         out = phase_fit(su)
