@@ -15,7 +15,7 @@ from proxy_harness import queue_snapshot, running_proxy, wait_until
 
 from clairvoyant.config import Settings
 from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, prompt_from_body
-from clairvoyant.prediction.predictor import OnnxPredictor
+from clairvoyant.prediction.predictor import BlendWeights, OnnxPredictor
 from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
 
 SHORT_PROMPTS = [
@@ -308,13 +308,19 @@ def test_waiting_requests_are_refined_by_the_encoder_and_reordered(
     for tag, text in texts.items():
         prompt = prompt_from_body(SCHEDULED_ENDPOINTS["/v1/chat/completions"], {"messages": messages[tag]})
         lexical = predictor.predict(prompt, model="smollm2")
-        refined = predictor.refined(lexical, encoder.log_tokens(text), encoder.blend_weights)
+        value, _, knn = encoder.opinion(text)
+        assert knn is not None  # the shipped card blends its kNN in
+        refined = predictor.refined(lexical, value, encoder.blend_weights, b"", knn)
         weight = encoder.blend_weights.later if tag == "essay" else encoder.blend_weights.first
         prior = lexical.prior_log_tokens
-        assert refined.prior_log_tokens == pytest.approx(prior + weight * (encoder.log_tokens(text) - prior))
-        single = predictor.refined(lexical, encoder.log_tokens(text), encoder.blend_weights.first)
+        blend = prior + weight * (value - prior)
+        assert refined.prior_log_tokens == pytest.approx(blend + encoder.blend_weights.knn * (knn - blend))
+        first, knn_weight = encoder.blend_weights.first, encoder.blend_weights.knn
+        single = predictor.refined(lexical, value, BlendWeights(first, first, knn_weight), b"", knn)
         if tag == "essay":  # one weight for every turn would show another number
             assert waiting[tag]["predicted_tokens"] != pytest.approx(round(single.predicted_tokens, 1), abs=0.06)
+        without_knn = predictor.refined(lexical, value, encoder.blend_weights)
+        assert waiting[tag]["predicted_tokens"] != pytest.approx(round(without_knn.predicted_tokens, 1), abs=0.06)
         assert waiting[tag]["predicted_tokens"] == pytest.approx(round(refined.predicted_tokens, 1), abs=0.06)
         assert waiting[tag]["predicted_tokens"] != pytest.approx(round(lexical.predicted_tokens, 1), abs=0.06)
     assert [w["request_id"] for w in snapshot["waiting"]] == ["enc-fact", "enc-essay"]

@@ -28,6 +28,7 @@ from clairvoyant.prediction.encoder import (
 from clairvoyant.prediction.features import Prompt
 from clairvoyant.prediction.predictor import BlendWeights, OnnxPredictor
 
+_SHIPPED_KNN: dict[str, Any] = json.loads(DEFAULT_ENCODER_CARD.read_text())["knn"]
 ESSAY = "Write a detailed 2000-word essay on the causes and consequences of the fall of the Roman Empire."
 SHORT = "What is the capital of France? Answer in one word."
 
@@ -44,8 +45,10 @@ def predictor() -> OnnxPredictor:
 
 def _copy_card(tmp_path: Path, **changes: Any) -> Path:
     card = json.loads(DEFAULT_ENCODER_CARD.read_text())
-    for key in ("onnx_file", "tokenizer_file"):
-        shutil.copy(DEFAULT_ENCODER_CARD.parent / card[key], tmp_path / card[key])
+    files = [card[key] for key in ("onnx_file", "tokenizer_file")] + ([card["knn"]["file"]] if "knn" in card else [])
+    for name in files:
+        if not (tmp_path / name).exists():  # the kNN graph is 17 MB: a link would do, a copy is safer
+            shutil.copy(DEFAULT_ENCODER_CARD.parent / name, tmp_path / name)
     card.update(changes)
     card = {k: v for k, v in card.items() if v is not None}  # None: leave the field out
     path = tmp_path / "encoder.card.json"
@@ -105,6 +108,10 @@ def test_a_long_instruction_is_read_by_its_head_and_its_tail(tmp_path: Path, enc
         ({"max_word_pieces": 2}, "below 8"),
         ({"tail_word_pieces": 121}, "tail_word_pieces 121 is not in"),
         ({"onnx_file": "missing.onnx"}, "not found"),
+        ({"knn": {**_SHIPPED_KNN, "sha256": "0" * 64}}, "encoder.knn.onnx does not match the sha256"),
+        ({"knn": {**_SHIPPED_KNN, "file": "missing.knn.onnx"}}, "missing.knn.onnx not found"),
+        ({"knn": {**_SHIPPED_KNN, "blend_weight": 1.2}}, "knn_weight 1.2 is not in \\[0, 1\\]"),
+        ({"knn": {"file": "encoder.knn.onnx"}}, "unreadable"),
     ],
 )
 def test_a_bad_card_is_refused(tmp_path: Path, changes: dict[str, Any], message: str) -> None:
@@ -176,9 +183,10 @@ def test_refined_weighs_the_encoder_by_whether_the_request_has_history(predictor
 def test_the_encoders_card_gives_the_weights_by_turn_and_refined_by_uses_them(
     tmp_path: Path, predictor: OnnxPredictor
 ) -> None:
-    old = EncoderModel(_copy_card(tmp_path, blend_weight=0.7, blend_weight_with_history=None))
+    # cards from before the kNN (its own test: test_refined_by_uses_the_cards_knn_...)
+    old = EncoderModel(_copy_card(tmp_path, blend_weight=0.7, blend_weight_with_history=None, knn=None))
     assert old.blend_weights == BlendWeights(0.7, 0.7)  # a card from before: one weight for every turn
-    turn_aware = EncoderModel(_copy_card(tmp_path, blend_weight=0.7, blend_weight_with_history=0.1))
+    turn_aware = EncoderModel(_copy_card(tmp_path, blend_weight=0.7, blend_weight_with_history=0.1, knn=None))
     assert turn_aware.blend_weights == BlendWeights(0.7, 0.1)
     later = _chat(("user", ESSAY), ("assistant", "Rome fell slowly."), ("user", SHORT))
     lexical = predictor.predict(later)
@@ -215,12 +223,12 @@ def test_evaluate_applies_the_served_rule(predictor: OnnxPredictor, encoder: Enc
 
 def test_the_refiner_encodes_only_what_still_waits_and_drops_past_its_bound(encoder: EncoderModel) -> None:
     async def scenario() -> None:
-        delivered: list[tuple[str, float]] = []
+        delivered: list[tuple[str, float, float | None]] = []
         outcomes: list[str] = []
         got_one = asyncio.Event()
 
-        def deliver(key: str, value: float, components: bytes) -> None:
-            delivered.append((key, value))
+        def deliver(key: str, value: float, components: bytes, knn: float | None) -> None:
+            delivered.append((key, value, knn))
             assert len(components) == 4 * encoder.components
             got_one.set()
 
@@ -251,8 +259,9 @@ def test_the_refiner_encodes_only_what_still_waits_and_drops_past_its_bound(enco
                 break
             await asyncio.sleep(0.01)
         refiner.stop()
-        assert [k for k, _ in delivered] == ["first", "second"]
+        assert [k for k, _, _ in delivered] == ["first", "second"]
         assert delivered[0][1] == encoder.log_tokens(ESSAY)
+        assert delivered[0][2] == encoder.opinion(ESSAY)[2] is not None  # a waiting request gets the kNN too
         assert sorted(outcomes) == ["dropped", "skipped"]
 
     asyncio.run(scenario())
@@ -270,7 +279,7 @@ def test_the_refiner_serves_waiting_requests_before_the_learner_and_keeps_the_le
         outcomes: list[str] = []
         arrived = asyncio.Event()
 
-        def deliver(key: str, value: float, components: bytes) -> None:
+        def deliver(key: str, value: float, components: bytes, knn: float | None) -> None:
             order.append(key)
             arrived.set()
 
@@ -341,3 +350,114 @@ def test_the_learners_encodes_are_bounded_apart_from_waiting_requests(encoder: E
         refiner.stop()
 
     asyncio.run(scenario())
+
+
+def _knn_reference(encoder: EncoderModel, embeddings: np.ndarray) -> np.ndarray:
+    """The kNN in numpy from the graph's own initializers: unit query, cosine with the memory (its
+    int8 rows dequantised), top 16, weights max(cos, 0) + 1e-9, weighted mean of the labels."""
+    import onnx
+    from onnx import numpy_helper
+
+    assert encoder.card.knn_path is not None
+    inits = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(encoder.card.knn_path)).graph.initializer}
+    assert not inits["memory_zero_point"].any()  # symmetric per-channel int8: zero points 0
+    memory = inits["memory_quantized"].astype(np.float32) * inits["memory_scale"][None, :]  # a scale per memory row
+    labels = inits["labels"]
+    assert memory.shape == (384, 43151) and labels.shape == (43151,)
+    unit = embeddings / np.linalg.norm(embeddings, axis=1, keepdims=True)
+    cos = unit @ memory
+    top = np.argsort(-cos, axis=1)[:, :16]
+    w = np.maximum(np.take_along_axis(cos, top, axis=1), 0.0) + 1e-9
+    return (w * labels[top]).sum(axis=1) / w.sum(axis=1)
+
+
+def test_the_knn_graph_is_the_top_16_cosine_weighted_mean_of_its_memory(encoder: EncoderModel) -> None:
+    texts = [
+        ESSAY,
+        SHORT,
+        "Translate 'good morning' into German.",
+        "Write a Python function that parses a CSV file and returns the rows as dictionaries, with tests.",
+        "Summarise the plot of Hamlet in three sentences.",
+        "List twenty creative names for a coffee shop.",
+    ]
+    embeddings = []
+    for text in texts:
+        ids = np.asarray([encoder.word_pieces(text)], dtype=np.int64)
+        out = encoder._session.run(["embedding"], {"input_ids": ids, "attention_mask": np.ones_like(ids)})
+        embeddings.append(np.asarray(out[0], dtype=np.float32).reshape(-1))
+    reference = _knn_reference(encoder, np.array(embeddings))
+    served = np.array([encoder.opinion(t)[2] for t in texts])
+    # the graph also rounds the query to 8 bits (dynamic quantisation): 1e-4 apart here. (A text repeated
+    # many times in the memory, such as "continue", has tied rows at the 16th place, and which of them
+    # enter then moves its mean by up to about 0.14: research/RESULTS.md section h. None of these does.)
+    assert np.abs(served - reference).max() < 0.01
+    assert reference.max() - reference.min() > 1.0  # the queries' neighbours differ: not a constant
+    assert served[0] > served[1] + 1.0  # the essay's neighbours wrote longer answers than the one-word question's
+
+
+def test_refined_blends_the_knn_after_the_encoder_with_its_own_weight(predictor: OnnxPredictor) -> None:
+    weights = BlendWeights(first=0.6, later=0.45, knn=0.15)
+    lexical = predictor.predict(Prompt(SHORT), model="m")
+    prior = lexical.prior_log_tokens
+    refined = prior + 0.6 * (7.0 - prior)
+    with_knn = predictor.refined(lexical, 7.0, weights, b"", 3.0)
+    assert with_knn.prior_log_tokens == pytest.approx(refined + 0.15 * (3.0 - refined))
+    assert with_knn.score < predictor.refined(lexical, 7.0, weights).score  # shorter neighbours: sooner
+    # no kNN value (an encoder without one), or a weight of 0: the encoder's blend alone
+    assert predictor.refined(lexical, 7.0, weights).prior_log_tokens == pytest.approx(refined)
+    assert predictor.refined(lexical, 7.0, BlendWeights(0.6, 0.45), b"", 3.0).prior_log_tokens == pytest.approx(refined)
+    # evaluate's arrays go through the same function
+    blended = BlendWeights.blend(
+        np.array([prior, prior]), np.array([7.0, 7.0]), np.array([0.6, 0.6]), np.array([3.0, 7.0]), 0.15
+    )
+    assert blended[0] == pytest.approx(with_knn.prior_log_tokens)
+    assert blended[1] == pytest.approx(refined + 0.15 * (7.0 - refined))
+    capped = predictor.refined(predictor.predict(Prompt(SHORT), cap_tokens=20), 7.0, weights, b"", 9.0)
+    assert capped.predicted_tokens == 20.0  # the cap still applies last
+    with pytest.raises(ValueError, match="knn 1.5"):
+        BlendWeights(0.6, 0.45, 1.5)
+
+
+def test_refined_by_uses_the_cards_knn_and_a_card_without_one_works_as_before(
+    tmp_path: Path, predictor: OnnxPredictor, encoder: EncoderModel
+) -> None:
+    assert encoder.has_knn and encoder.blend_weights == BlendWeights(0.6, 0.45, 0.15)  # the shipped card
+    prompt = _chat(("user", ESSAY))
+    lexical = predictor.predict(prompt)
+    value, _, knn = encoder.opinion(ESSAY)
+    assert knn is not None and value == encoder.log_tokens(ESSAY)
+    refined = refined_by(encoder, predictor, lexical, ESSAY)
+    expected = BlendWeights.blend(lexical.prior_log_tokens, value, 0.6, knn, 0.15)
+    assert refined.prior_log_tokens == pytest.approx(expected)
+    assert refined.prior_log_tokens != pytest.approx(BlendWeights.blend(lexical.prior_log_tokens, value, 0.6))
+    plain = EncoderModel(_copy_card(tmp_path, knn=None))
+    assert not plain.has_knn and plain.blend_weights == BlendWeights(0.6, 0.45)
+    assert plain.opinion(ESSAY)[2] is None and plain.opinion(ESSAY)[0] == value
+    assert refined_by(plain, predictor, lexical, ESSAY).prior_log_tokens == pytest.approx(
+        BlendWeights.blend(lexical.prior_log_tokens, value, 0.6)
+    )
+    many, knns = encoder.opinions_many([ESSAY, SHORT])
+    assert many.tolist() == [value, encoder.log_tokens(SHORT)] and knns is not None and knns[0] == knn
+    assert plain.opinions_many([ESSAY])[1] is None
+
+
+def test_the_learners_identity_changes_with_the_knn_and_refuses_a_state_learned_without_it(
+    tmp_path: Path, predictor: OnnxPredictor, encoder: EncoderModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from clairvoyant.prediction.learner import OnlineLearner, PriorIdentity
+
+    with_knn = PriorIdentity.of(predictor, encoder)
+    assert with_knn.knn_sha256 == _SHIPPED_KNN["sha256"] and with_knn.blend_weights == (0.6, 0.45, 0.15)
+    plain = PriorIdentity.of(predictor, EncoderModel(_copy_card(tmp_path, knn=None)))
+    assert plain.knn_sha256 == "" and plain.blend_weights == (0.6, 0.45)
+    reweighted = PriorIdentity.of(
+        predictor, EncoderModel(_copy_card(tmp_path, knn={**_SHIPPED_KNN, "blend_weight": 0.3}))
+    )
+    assert len({with_knn, plain, reweighted}) == 3
+    path = tmp_path / "learner.npz"
+    OnlineLearner(plain).save(path)
+    with caplog.at_level(logging.WARNING, logger="clairvoyant.prediction.learner"):
+        assert OnlineLearner.load(path, with_knn).observed_total == 0
+    assert "refused" in caplog.text and "blend_weights" in caplog.text

@@ -392,6 +392,8 @@ def test_a_state_learned_under_another_blend_or_reading_is_refused(
         (replace(ENCODED, blend_weights=(0.6, 0.3)), "blend_weights"),
         (ENCODED, "blend_weights"),
         (replace(weighted, encoder_tail_word_pieces=62), "encoder_tail_word_pieces"),  # reads long prompts otherwise
+        (replace(weighted, knn_sha256="k" * 64), "knn_sha256"),  # a kNN blended in now, none then
+        (replace(weighted, blend_weights=(0.6, 0.6, 0.15)), "blend_weights"),  # the kNN's weight
     ):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="clairvoyant.prediction.learner"):

@@ -21,8 +21,18 @@ Blend, in log tokens (w from the encoder's card, by turn: ``predictor.BlendWeigh
         blend_weight               otherwise (a single-turn request)
 
 The encoder reads only the last user turn; the lexical model also reads the history, so the
-encoder's opinion counts for less once there is history it cannot see. The learned correction and
-the request's cap then apply exactly as to a lexical prediction (``OnnxPredictor.refined``).
+encoder's opinion counts for less once there is history it cannot see.
+
+A card with a ``knn`` block adds a third opinion for the same waiting requests, on the same thread
+right after the encoder: the cosine-weighted mean ln tokens of the 16 training-side ShareGPT
+instructions nearest to the request's pooled embedding (``encoder.knn.onnx``: research/RESULTS.md
+section h), blended in with the card's weight v for every request:
+
+    final prior = refined prior + v x (kNN log tokens - refined prior)
+
+(``BlendWeights.blend``). The learner's after-completion encodes need only the components and never
+run it. The learned correction and the request's cap then apply exactly as to a lexical prediction
+(``OnnxPredictor.refined``).
 Serving needs onnxruntime and ``tokenizers`` only: no torch.
 """
 
@@ -75,6 +85,10 @@ class EncoderCard:
     blend_weight_with_history: float  # w in [0, 1] for a request with conversation history
     output: str  # the graph's ln(answer tokens) output
     raw: dict[str, Any]  # the whole card (training, metrics), for reports
+    # The kNN graph (the card's "knn" block): embedding -> its neighbours' ln tokens. None: no kNN.
+    knn_path: Path | None = None
+    knn_sha256: str = ""
+    knn_weight: float = 0.0  # v in [0, 1]: the kNN's share of the final prior (0 without a kNN)
 
     @classmethod
     def load(cls, card_path: Path) -> EncoderCard:
@@ -92,10 +106,11 @@ class EncoderCard:
                 blend_weight_with_history=float(raw.get("blend_weight_with_history", raw["blend_weight"])),
                 output=str(raw.get("output", "log_tokens")),
                 raw=raw,
+                **_knn_fields(card_path, raw.get("knn")),
             )
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ModelError(f"encoder card {card_path} is unreadable: {exc}") from exc
-        for name in ("blend_weight", "blend_weight_with_history"):
+        for name in ("blend_weight", "blend_weight_with_history", "knn_weight"):
             if not 0.0 <= getattr(card, name) <= 1.0:
                 raise ModelError(f"encoder card {card_path}: {name} {getattr(card, name)} is not in [0, 1]")
         if card.max_word_pieces < 8:
@@ -108,7 +123,18 @@ class EncoderCard:
 
     @property
     def blend_weights(self) -> BlendWeights:
-        return BlendWeights(self.blend_weight, self.blend_weight_with_history)
+        return BlendWeights(self.blend_weight, self.blend_weight_with_history, self.knn_weight)
+
+
+def _knn_fields(card_path: Path, block: Any) -> dict[str, Any]:
+    """EncoderCard's kNN fields from the card's ``knn`` block (absent: none)."""
+    if block is None:
+        return {}
+    return {
+        "knn_path": card_path.parent / str(block["file"]),
+        "knn_sha256": str(block["sha256"]),
+        "knn_weight": float(block["blend_weight"]),
+    }
 
 
 class EncoderModel:
@@ -121,10 +147,10 @@ class EncoderModel:
         if not path.is_file():
             raise ModelError(f"encoder card {path} not found")
         self.card = EncoderCard.load(path)
-        for file, sha in (
-            (self.card.onnx_path, self.card.onnx_sha256),
-            (self.card.tokenizer_path, self.card.tokenizer_sha256),
-        ):
+        files = [(self.card.onnx_path, self.card.onnx_sha256), (self.card.tokenizer_path, self.card.tokenizer_sha256)]
+        if self.card.knn_path is not None:
+            files.append((self.card.knn_path, self.card.knn_sha256))
+        for file, sha in files:
             if not file.is_file():
                 raise ModelError(f"encoder file {file} not found")
             if file_sha256(file) != sha:
@@ -152,8 +178,21 @@ class EncoderModel:
                 raise ModelError(f"encoder {self.card.onnx_path}: its components output has no fixed width")
             self.components = width
         self._both = [self.card.output, "components"] if self.components else [self.card.output]
+        # The kNN (the card's knn block): a second session on this thread, fed the pooled embedding.
+        self._knn: Any = None
+        if self.card.knn_path is not None:
+            if "embedding" not in outputs:
+                raise ModelError(f"encoder {self.card.onnx_path} has no 'embedding' output for its kNN")
+            self._knn = single_threaded_session(self.card.knn_path, "encoder kNN")
+            names = ([i.name for i in self._knn.get_inputs()], [o.name for o in self._knn.get_outputs()])
+            if names != (["embedding"], ["knn_log_tokens"]):
+                raise ModelError(
+                    f"encoder kNN {self.card.knn_path} takes {names[0]} and gives {names[1]}, "
+                    "not ['embedding'] -> ['knn_log_tokens']"
+                )
+        self._all = [*self._both, "embedding"]
         self._max_chars = self.card.max_word_pieces * _CHARS_PER_WORD_PIECE
-        self.log_tokens("warm up")  # first-run allocations, and proof that the graph runs
+        self.opinion("warm up")  # first-run allocations, and proof that the graphs run
 
     @property
     def blend_weights(self) -> BlendWeights:
@@ -192,9 +231,37 @@ class EncoderModel:
         components = np.asarray(out[1], dtype=np.float32).reshape(-1).tobytes() if self.components else b""
         return value, components
 
+    @property
+    def has_knn(self) -> bool:
+        return self._knn is not None
+
+    def opinion(self, text: str) -> tuple[float, bytes, float | None]:
+        """``encode``, and the kNN's ln tokens from the same run's pooled embedding (None without a
+        kNN): what a waiting request is refined with."""
+        if self._knn is None:
+            value, components = self.encode(text)
+            return value, components, None
+        pieces = self.word_pieces(text)
+        ids = np.asarray([pieces], dtype=np.int64)
+        out = self._session.run(self._all, {"input_ids": ids, "attention_mask": np.ones_like(ids)})
+        value = float(np.asarray(out[0]).reshape(-1)[0])
+        components = np.asarray(out[1], dtype=np.float32).reshape(-1).tobytes() if self.components else b""
+        embedding = np.asarray(out[-1], dtype=np.float32).reshape(1, -1)
+        knn = float(self._knn.run(None, {"embedding": embedding})[0].reshape(-1)[0])
+        return value, components, knn
+
     def log_tokens(self, text: str) -> float:
         """Predicted ln(answer tokens) for one instruction."""
         return self.encode(text)[0]
+
+    def opinions_many(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray | None]:
+        """The encoder's and the kNN's ln tokens for each instruction (the kNN's None without one),
+        one at a time like ``log_tokens_many``: the kNN graph's int8 MatMul also scales its input
+        over the whole batch."""
+        values = [self.opinion(t) for t in texts]
+        encoder = np.array([v[0] for v in values], dtype=np.float64)
+        knn = np.array([v[2] for v in values], dtype=np.float64) if self._knn is not None else None
+        return encoder, knn
 
     def log_tokens_many(self, texts: Sequence[str]) -> np.ndarray:
         """``log_tokens`` for each instruction, one at a time: batching would pad, and a quantized
@@ -208,7 +275,7 @@ class _Pending:
     key: Any  # the caller's handle (the dispatcher's ticket)
     text: str  # the clipped instruction
     still_wanted: Callable[[], bool]  # read from the worker thread: a plain attribute read
-    deliver: Callable[[Any, float, bytes], None]  # called on the event loop with the result
+    deliver: Callable[[Any, float, bytes, float | None], None]  # on the event loop: value, components, kNN
 
 
 # The learner's encodes (requests that completed without waiting) may take at most this share of
@@ -220,7 +287,8 @@ LEARNING_MAX_PENDING = 64  # completed requests waiting to be encoded for the le
 
 class Refiner:
     """One background thread that encodes waiting requests, oldest first, and hands each result
-    back on the event loop: ``deliver(key, encoder_log_tokens, components)``.
+    back on the event loop: ``deliver(key, encoder_log_tokens, components, knn_log_tokens)`` (the
+    kNN's ln tokens: None for an encoder without one).
 
     Bounded: at most ``max_pending`` requests wait for the encoder; a request beyond that keeps
     its lexical prediction (outcome ``dropped``). A request no longer waiting when its turn comes
@@ -236,7 +304,7 @@ class Refiner:
     def __init__(
         self,
         encoder: EncoderModel,
-        deliver: Callable[[Any, float, bytes], None],
+        deliver: Callable[[Any, float, bytes, float | None], None],
         *,
         max_pending: int = 256,
         learning_share: float = LEARNING_SHARE,
@@ -290,7 +358,7 @@ class Refiner:
         """Encode ``text`` when the thread has time to spare and call ``then(log_tokens,
         components)`` on the event loop: for the learner, which needs the components of a request
         that never waited. False if it was not taken."""
-        item = _Pending(None, self.encoder.clip(text), _always, lambda _, v, c: then(v, c))
+        item = _Pending(None, self.encoder.clip(text), _always, lambda _, v, c, __: then(v, c))
         return self._put(self._learning, LEARNING_MAX_PENDING, item, "learning_dropped")
 
     def _put(self, pending: deque[_Pending], bound: int, item: _Pending, refused: str) -> bool:
@@ -331,7 +399,11 @@ class Refiner:
                 continue
             started = time.perf_counter()
             try:
-                value, components = self.encoder.encode(item.text)
+                if learning:  # the learner needs the components only: no kNN
+                    value, components = self.encoder.encode(item.text)
+                    knn = None
+                else:
+                    value, components, knn = self.encoder.opinion(item.text)
             except Exception:  # never let one request end the thread
                 self._count("failed")
                 logger.exception("encoder failed on one request; it keeps its lexical prediction")
@@ -343,7 +415,7 @@ class Refiner:
             if self.observe_seconds is not None:
                 self.observe_seconds(elapsed_s)
             try:
-                self._loop.call_soon_threadsafe(item.deliver, item.key, value, components)
+                self._loop.call_soon_threadsafe(item.deliver, item.key, value, components, knn)
             except RuntimeError:  # the loop closed under us (shutdown)
                 return
 
@@ -369,7 +441,7 @@ def encoder_for(predictor: Any, card_path: Path | None = None) -> EncoderModel |
 
 
 def refined_by(encoder: Any, predictor: OnnxPredictor, prediction: Prediction, text: str) -> Prediction:
-    """``prediction`` refined by ``encoder``'s opinion of ``text`` at once, as the proxy refines a
-    request that waits (for the offline commands: replay, predict, demo)."""
-    encoder_log_tokens, components = encoder.encode(text)
-    return predictor.refined(prediction, encoder_log_tokens, encoder.blend_weights, components)
+    """``prediction`` refined by ``encoder``'s opinion of ``text`` (and its kNN's) at once, as the
+    proxy refines a request that waits (for the offline commands: replay, predict, demo)."""
+    encoder_log_tokens, components, knn_log_tokens = encoder.opinion(text)
+    return predictor.refined(prediction, encoder_log_tokens, encoder.blend_weights, components, knn_log_tokens)

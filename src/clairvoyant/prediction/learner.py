@@ -136,6 +136,8 @@ class PriorIdentity:
     # How the encoder reads a long instruction (its last N word pieces after the first ones; 0: the
     # first pieces only): the components and the encoder's opinion of a long prompt depend on it.
     encoder_tail_word_pieces: int = 0
+    # The kNN graph blended into the refined prior ("" without one; its weight is in blend_weights).
+    knn_sha256: str = ""
 
     @classmethod
     def of(cls, predictor: Any, encoder: Any | None = None) -> PriorIdentity:
@@ -159,6 +161,7 @@ class PriorIdentity:
             encoder_sha,
             weights,
             tail,
+            getattr(encoder.card, "knn_sha256", "") if encoder is not None else "",
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -170,6 +173,7 @@ class PriorIdentity:
             "encoder_sha256": self.encoder_sha256,
             "blend_weights": list(self.blend_weights),
             "encoder_tail_word_pieces": self.encoder_tail_word_pieces,
+            "knn_sha256": self.knn_sha256,
         }
 
 
@@ -840,11 +844,11 @@ class OnlineLearner:
             # recorded: refused whenever an encoder refines the prior now)
             theirs = {
                 "component_names": [], "encoder_sha256": "", "blend_weights": [], "encoder_tail_word_pieces": 0,
-                **theirs,
+                "knn_sha256": "", **theirs,
             }  # fmt: skip
             for field in (
                 "feature_set", "feature_names", "onnx_sha256", "component_names", "encoder_sha256", "blend_weights",
-                "encoder_tail_word_pieces",
+                "encoder_tail_word_pieces", "knn_sha256",
             ):  # fmt: skip
                 if theirs.get(field) != ours[field]:
                     shown = theirs.get(field) if not field.endswith("_names") else "a different list"

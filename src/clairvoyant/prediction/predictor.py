@@ -164,7 +164,8 @@ STAND_IN_P_LONG_CALIBRATION = Calibration(
 
 @dataclass(frozen=True, slots=True)
 class BlendWeights:
-    """How much a second opinion (the encoder's ln tokens) counts in a refined prior, by turn.
+    """How much a second opinion (the encoder's ln tokens) counts in a refined prior, by turn, and
+    how much a third (the kNN's, ``knn``) counts in the result, for every request.
 
     The encoder reads only the request's instruction (its last user turn); the lexical model also
     sees the conversation before it. So the weight depends on whether there is one: a request with
@@ -175,17 +176,33 @@ class BlendWeights:
 
     first: float  # in [0, 1]: a request without conversation history (a single-turn request)
     later: float  # in [0, 1]: a request with earlier messages the encoder does not read
+    knn: float = 0.0  # v in [0, 1]: the kNN's share of the final prior, any turn (0: no kNN)
 
     def __post_init__(self) -> None:
-        if not (0.0 <= self.first <= 1.0 and 0.0 <= self.later <= 1.0):
-            raise ValueError(f"blend weights must be in [0, 1], got first {self.first}, later {self.later}")
+        if not (0.0 <= self.first <= 1.0 and 0.0 <= self.later <= 1.0 and 0.0 <= self.knn <= 1.0):
+            raise ValueError(
+                f"blend weights must be in [0, 1], got first {self.first}, later {self.later}, knn {self.knn}"
+            )
+
+    @staticmethod
+    def blend(
+        prior: Any, encoder_log_tokens: Any, weight: Any, knn_log_tokens: Any = None, knn_weight: float = 0.0
+    ) -> Any:
+        """The refined prior, in ln tokens (floats, or numpy arrays elementwise: one formula for
+        serving and ``clairvoyant evaluate``): refined = prior + weight x (encoder - prior); then,
+        with a kNN value, refined + knn_weight x (knn - refined)."""
+        refined = prior + weight * (encoder_log_tokens - prior)
+        if knn_log_tokens is None or not knn_weight:
+            return refined
+        return refined + knn_weight * (knn_log_tokens - refined)
 
     def for_history(self, history_chars: float) -> float:
         """The weight for a request whose feature row has ``history_chars``."""
         return self.later if history_chars > 0 else self.first
 
     def as_list(self) -> list[float]:
-        return [self.first, self.later]
+        """[first, later], and knn when there is one (the learner's prior identity records it)."""
+        return [self.first, self.later, self.knn] if self.knn else [self.first, self.later]
 
 
 @dataclass(frozen=True, slots=True)
@@ -538,15 +555,20 @@ class OnnxPredictor:
         encoder_log_tokens: float,
         weights: BlendWeights | float,
         components: bytes = b"",
+        knn_log_tokens: float | None = None,
     ) -> Prediction:
         """``prediction`` with a second opinion blended into its prior, in log tokens:
         prior + w x (``encoder_log_tokens`` - prior), w = ``weights.for_history`` of the
-        prediction's own feature row (a float: the same w for every request); then the learned
-        correction and the cap, as in ``predict``. ``components`` (the encoder's, float32 bytes) are
-        appended to the feature row: the learner's correction and its observation read them. Reads
-        no shared buffer."""
-        weight = weights if isinstance(weights, float | int) else weights.for_history(self.history_chars(prediction))
-        prior = prediction.prior_log_tokens + weight * (encoder_log_tokens - prediction.prior_log_tokens)
+        prediction's own feature row (a float: the same w for every request); with
+        ``knn_log_tokens``, that + ``weights.knn`` x (knn - that) (``BlendWeights.blend``); then the
+        learned correction and the cap, as in ``predict``. ``components`` (the encoder's, float32
+        bytes) are appended to the feature row: the learner's correction and its observation read
+        them. Reads no shared buffer."""
+        if isinstance(weights, float | int):
+            weight, knn_weight = weights, 0.0
+        else:
+            weight, knn_weight = weights.for_history(self.history_chars(prediction)), weights.knn
+        prior = BlendWeights.blend(prediction.prior_log_tokens, encoder_log_tokens, weight, knn_log_tokens, knn_weight)
         feature_row = prediction.feature_row + components
         corrector = self.corrector
         correction = 0.0

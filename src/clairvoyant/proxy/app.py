@@ -109,10 +109,10 @@ def _start_refiner(
         for name in ("refined", "late", "skipped", "dropped", "failed", "learning", "learning_dropped")
     }
 
-    def deliver(ticket: Ticket, encoder_log_tokens: float, components: bytes) -> None:
+    def deliver(ticket: Ticket, encoder_log_tokens: float, components: bytes, knn_log_tokens: float | None) -> None:
         prediction = ticket.prediction
         if prediction is not None and ticket.job.waiting and not ticket.ended:
-            refined = predictor.refined(prediction, encoder_log_tokens, weights, components)
+            refined = predictor.refined(prediction, encoder_log_tokens, weights, components, knn_log_tokens)
             if dispatcher.repredicted(ticket, refined):
                 outcomes["refined"].inc()
                 return
@@ -124,8 +124,8 @@ def _start_refiner(
     )  # fmt: skip
     refiner.start(asyncio.get_running_loop())
     logger.info(
-        "encoder on: blend weight %.2f single-turn, %.2f with history, %d word pieces, %d components for the learner",
-        weights.first, weights.later, encoder.card.max_word_pieces, encoder.components,
+        "encoder on: blend weight %.2f single-turn, %.2f with history, kNN %.2f, %d word pieces, %d components "
+        "for the learner", weights.first, weights.later, weights.knn, encoder.card.max_word_pieces, encoder.components,
     )  # fmt: skip
     return refiner
 

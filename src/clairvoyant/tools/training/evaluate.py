@@ -187,24 +187,43 @@ def evaluate_model(
 
         enc = EncoderModel(encoder)
         weights = enc.blend_weights
-        enc_test = enc.log_tokens_many([p.instruction for p in test_prompts])
-        enc_alpaca = enc.log_tokens_many([p.instruction for p in alpaca.prompts]) if alpaca else None
+        enc_test, knn_test = enc.opinions_many([p.instruction for p in test_prompts])
+        enc_alpaca, knn_alpaca = enc.opinions_many([p.instruction for p in alpaca.prompts]) if alpaca else (None, None)
         w_test = blend_weights_of(weights, model, test_prompts)
-        served_test = predicted + w_test * (enc_test - predicted)
+        # the served formula (BlendWeights.blend, as OnnxPredictor.refined applies it)
+        served_test = BlendWeights.blend(predicted, enc_test, w_test, knn_test, weights.knn)
         served_alpaca = None
         if enc_alpaca is not None and raw_alpaca is not None:
             prior_alpaca = model.predicted_log_tokens(raw_alpaca)
             assert prior_alpaca is not None
             w_alpaca = blend_weights_of(weights, model, alpaca.prompts)
-            served_alpaca = prior_alpaca + w_alpaca * (enc_alpaca - prior_alpaca)
+            served_alpaca = BlendWeights.blend(prior_alpaca, enc_alpaca, w_alpaca, knn_alpaca, weights.knn)
+        knn_note = (
+            f"; then + v x (kNN ln tokens - that), v {weights.knn:g} for every request (the card's knn block: "
+            f"the 16 nearest of {enc.card.raw['knn'].get('rows', '?')} training-side ShareGPT instructions "
+            "in the encoder's embedding space, cosine-weighted)"
+            if knn_test is not None
+            else ""
+        )
         scorers["model_with_encoder"] = section(
             served_test,
             served_alpaca,
             f"{model.name} refined by the encoder {encoder.name} as a waiting request is served: "
             f"prior + w x (encoder ln tokens - prior), on the calibrated ln-token scale; w {weights.first:g} "
             f"for a request without conversation history, {weights.later:g} for one with it "
-            "(its feature row's history_chars > 0)",
+            f"(its feature row's history_chars > 0){knn_note}",
         )
+        if knn_test is not None:
+            without = BlendWeights.blend(predicted, enc_test, w_test)
+            without_alpaca = None
+            if served_alpaca is not None and enc_alpaca is not None and prior_alpaca is not None:
+                without_alpaca = BlendWeights.blend(prior_alpaca, enc_alpaca, w_alpaca)
+            scorers["model_with_encoder_without_knn"] = section(
+                without, without_alpaca, "model_with_encoder without its kNN term (the refined prior before it)"
+            )
+            scorers["knn_alone"] = section(
+                knn_test, knn_alpaca, "the kNN's ln tokens alone (cosine-weighted mean of the 16 nearest training rows)"
+            )
         scorers["encoder_alone"] = section(
             enc_test, enc_alpaca, "the encoder's ln tokens alone (its text: the last user turn's first word pieces)"
         )
