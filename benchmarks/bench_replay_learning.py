@@ -53,11 +53,17 @@ class _Memo:
         self.components = encoder.components
         self.card = encoder.card
         self._values: dict[str, tuple[float, bytes]] = {}
+        self._opinions: dict[str, tuple[float, bytes, float | None]] = {}
 
     def encode(self, text: str) -> tuple[float, bytes]:
         if text not in self._values:
             self._values[text] = self.encoder.encode(text)
         return self._values[text]
+
+    def opinion(self, text: str) -> tuple[float, bytes, float | None]:
+        if text not in self._opinions:
+            self._opinions[text] = self.encoder.opinion(text)
+        return self._opinions[text]
 
 
 SHAREGPT = "ShareGPT held-out"
