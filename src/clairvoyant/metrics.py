@@ -39,7 +39,15 @@ from clairvoyant.prediction.usage import UsageSource
 if TYPE_CHECKING:
     from clairvoyant.prediction.learner import ModelQuality
 
-__all__ = ["CONTENT_TYPE_LATEST", "MAX_MODEL_LABELS", "Metrics"]
+__all__ = [
+    "CONTENT_TYPE_LATEST",
+    "MAX_MODEL_LABELS",
+    "CounterChild",
+    "Family",
+    "GaugeChild",
+    "HistogramChild",
+    "Metrics",
+]
 
 CLASSES = CLASS_NAMES  # one definition, in length_classes
 # Seconds: from a cached 1-token answer to a 30-minute queue.
