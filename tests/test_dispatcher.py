@@ -394,14 +394,14 @@ def test_repredicted_reorders_a_waiting_ticket_and_moves_its_class_gauge() -> No
             waiting[name] = t
         assert [j.payload.request_id for j in d.queue.ordered(1.0)] == ["x", "y", "z"]
         depth = d.metrics.depth_by_class
-        before = {c: depth[c]._value.get() for c in depth}
+        before = {c: depth[c].value for c in depth}
         short = Prediction.from_probabilities(0.9, 0.1, 0.0)  # P(Long) 0: first in line, class Short
         assert d.repredicted(waiting["z"], short)
         assert [j.payload.request_id for j in d.queue.ordered(1.0)] == ["z", "x", "y"]
         assert waiting["z"].prediction is short and waiting["z"].job.score == 0.0
         assert waiting["z"].job.predicted_tokens == short.predicted_tokens
         assert (before["long"], before["short"]) == (1, 1)  # z counted Long while it waited; x Short
-        assert (depth["long"]._value.get(), depth["short"]._value.get()) == (0, 2)
+        assert (depth["long"].value, depth["short"].value) == (0, 2)
         assert not d.repredicted(running, short)  # running: not waiting, nothing changes
         assert running.prediction is not short
         await held.__aexit__(None, None, None)

@@ -5,15 +5,33 @@ paths or "passthrough"), dialect (2), status code, rejection reason (3), disconn
 usage source (6), and the online learner's model keys (the model a request named: the first 16
 names, then "other", and "default" for none; ``MAX_MODEL_LABELS`` bounds them here too).
 Backend names come from the configuration. No request ids, users or prompt text ever become labels.
+
+Recording is plain Python state (issue 12): a counter or gauge child is one float, a histogram child
+a list of bucket counts and a sum, updated on the event loop with no lock and no call into
+prometheus_client (whose per-update path was 3-4 frames and a lock: ~6.7k instructions a counter
+update, ~9.5k an observation). One ``prometheus_client`` Collector reads them when /metrics is
+scraped and yields the same families, names, HELP, labels, bucket bounds, ``_created`` samples and
+values as prometheus_client's own Counter, Gauge and Histogram would. These children are not
+thread-safe: only the event loop updates them. The encoder's two metrics are updated from its
+thread too, so they stay prometheus_client objects (with their lock), exported by the same Collector
+in their place.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, get_args
+import math
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, get_args
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import prometheus_client.metrics
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 from clairvoyant.prediction.length_classes import CLASS_NAMES
 from clairvoyant.prediction.usage import UsageSource
@@ -21,7 +39,15 @@ from clairvoyant.prediction.usage import UsageSource
 if TYPE_CHECKING:
     from clairvoyant.prediction.learner import ModelQuality
 
-__all__ = ["CONTENT_TYPE_LATEST", "MAX_MODEL_LABELS", "Metrics"]
+__all__ = [
+    "CONTENT_TYPE_LATEST",
+    "MAX_MODEL_LABELS",
+    "CounterChild",
+    "Family",
+    "GaugeChild",
+    "HistogramChild",
+    "Metrics",
+]
 
 CLASSES = CLASS_NAMES  # one definition, in length_classes
 # Seconds: from a cached 1-token answer to a 30-minute queue.
@@ -35,109 +61,238 @@ TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 200, 256, 400, 600, 800, 1024, 1600, 204
 MAX_MODEL_LABELS = 32
 
 
+class CounterChild:
+    """One counter series: a float and the time it was created (its ``_created`` sample)."""
+
+    __slots__ = ("created", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class GaugeChild:
+    """One gauge series: a float."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1.0) -> None:
+        self.value -= amount
+
+    def set(self, value: float) -> None:
+        self.value = float(value)
+
+
+class HistogramChild:
+    """One histogram series: a count per bucket (not cumulative; the last bucket is +Inf), their sum
+    and the time it was created. An observation lands in the first bucket whose bound is >= it, as in
+    prometheus_client (a NaN, which no caller observes, would land in the first bucket here)."""
+
+    __slots__ = ("bounds", "counts", "created", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, amount: float) -> None:
+        self.counts[bisect_left(self.bounds, amount)] += 1
+        self.sum += amount
+
+
+C = TypeVar("C", CounterChild, GaugeChild, HistogramChild)
+
+
+class Family(Generic[C]):
+    """One metric: its name, HELP, label names and children by label values (insertion order, as
+    prometheus_client exports them). ``labels()`` has prometheus_client's signature and is for set-up
+    and rare paths; the request path keeps the child it returns."""
+
+    __slots__ = ("children", "documentation", "labelnames", "make", "name", "type")
+
+    def __init__(
+        self, type_: str, name: str, documentation: str, labelnames: Iterable[str], make: Callable[[], C]
+    ) -> None:
+        self.type = type_
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self.make: Callable[[], C] = make
+        self.children: dict[tuple[str, ...], C] = {}
+        if not self.labelnames:  # an unlabelled metric is its one child, exported from the start
+            self.children[()] = make()
+
+    def labels(self, *values: object) -> C:
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name}: {len(self.labelnames)} label values expected, got {len(values)}")
+        key = tuple(str(v) for v in values)
+        child = self.children.get(key)
+        if child is None:
+            child = self.children[key] = self.make()
+        return child
+
+    def collect(self) -> Metric:
+        created = prometheus_client.metrics._use_created  # the switch prometheus_client's own metrics obey
+        names = self.labelnames
+        if self.type == "gauge":
+            gauge = GaugeMetricFamily(self.name, self.documentation, labels=names)
+            for values, child in self.children.items():
+                assert isinstance(child, GaugeChild)
+                gauge.add_metric(values, child.value)
+            return gauge
+        if self.type == "counter":
+            counter = CounterMetricFamily(self.name, self.documentation, labels=names)
+            for values, child in self.children.items():
+                assert isinstance(child, CounterChild)
+                counter.add_metric(values, child.value, created=child.created if created else None)
+            return counter
+        histogram = HistogramMetricFamily(self.name, self.documentation, labels=names)
+        for values, child in self.children.items():
+            assert isinstance(child, HistogramChild)
+            cumulative, buckets = 0.0, []
+            for le, count in zip(_bucket_labels(child.bounds), child.counts):
+                cumulative += count
+                buckets.append((le, cumulative))
+            histogram.add_metric(values, buckets, child.sum)
+            if created:  # HistogramMetricFamily has no _created of its own; prometheus_client's is the last sample
+                histogram.samples.append(Sample(self.name + "_created", dict(zip(names, values)), child.created, None))
+        return histogram
+
+
+_BUCKET_LABELS: dict[tuple[float, ...], list[str]] = {}
+
+
+def _bucket_labels(bounds: tuple[float, ...]) -> list[str]:
+    labels = _BUCKET_LABELS.get(bounds)
+    if labels is None:
+        labels = _BUCKET_LABELS[bounds] = [floatToGoString(b) for b in bounds]  # type: ignore[no-untyped-call]
+    return labels
+
+
+def _bounds(buckets: Iterable[float]) -> tuple[float, ...]:
+    """prometheus_client's bucket bounds: floats, sorted as given, +Inf appended if missing."""
+    bounds = [float(b) for b in buckets]
+    if bounds != sorted(bounds):
+        raise ValueError("buckets not in sorted order")
+    if not bounds or bounds[-1] != math.inf:
+        bounds.append(math.inf)
+    return tuple(bounds)
+
+
+class _Exporter(Collector):
+    """Every metric of one ``Metrics``, in the order they were declared, read at scrape time."""
+
+    def __init__(self, metrics: list[Family[Any] | Counter | Histogram]) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.metrics:
+            if isinstance(metric, Family):
+                yield metric.collect()
+            else:  # a prometheus_client metric, updated from another thread too
+                yield from metric.collect()
+
+
 class Metrics:
+    """The proxy's metrics. Attributes are the plain families (``labels()``) and the children the
+    request path updates (``inc``/``dec``/``set``/``observe``); ``render()`` is the exposition."""
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.queue_depth = Gauge(
+        self._exported: list[Family[Any] | Counter | Histogram] = []  # in declaration order
+        self.queue_depth = self._gauge(
             "clairvoyant_queue_depth",
             "Requests waiting in the scheduling queue, by predicted class.",
             ["predicted_class"],
-            registry=r,
         )
-        self.in_flight = Gauge(
-            "clairvoyant_in_flight_requests", "Scheduled requests holding a backend slot.", registry=r
-        )
+        self.in_flight = self._gauge(
+            "clairvoyant_in_flight_requests", "Scheduled requests holding a backend slot."
+        ).labels()
         # Per backend of the pool (their names come from the configuration: bounded by it).
-        self.backend_in_flight = Gauge(
+        self.backend_in_flight = self._gauge(
             "clairvoyant_backend_in_flight_requests",
             "Scheduled requests holding a slot of this backend.",
             ["backend"],
-            registry=r,
         )
-        self.backend_healthy = Gauge(
+        self.backend_healthy = self._gauge(
             "clairvoyant_backend_healthy",
             "1 while this backend's last health check or connection succeeded, else 0.",
             ["backend"],
-            registry=r,
         )
-        self.backend_slots = Gauge(
-            "clairvoyant_backend_slots", "Requests this backend runs at once.", ["backend"], registry=r
+        self.backend_slots = self._gauge(
+            "clairvoyant_backend_slots", "Requests this backend runs at once.", ["backend"]
         )
-        self.backend_requests = Counter(
+        self.backend_requests = self._counter(
             "clairvoyant_backend_requests",
             "Requests sent to this backend, scheduled or passed through, by outcome: answered (it sent a status), "
             "refused (connection refused: nothing sent), failed (no status), failed_mid_answer.",
             ["backend", "outcome"],
-            registry=r,
         )
-        self._backend_outcomes: dict[tuple[str, str], Counter] = {}
-        self.requests = Counter(
+        self.requests = self._counter(
             "clairvoyant_requests",
             "Answered requests by endpoint, dialect and HTTP status.",
             ["endpoint", "dialect", "status"],
-            registry=r,
         )
-        self.rejections = Counter(
+        self.rejections = self._counter(
             "clairvoyant_rejections",
             "Requests refused before queueing, by reason.",
             ["reason"],
-            registry=r,
         )
-        self.starvation_promotions = Counter(
+        self.starvation_promotions = self._counter(
             "clairvoyant_starvation_promotions",
             "Dispatches decided by the starvation timeout against the score order.",
-            registry=r,
-        )
-        self.queue_wait = Histogram(
+        ).labels()
+        self.queue_wait = self._histogram(
             "clairvoyant_queue_wait_seconds",
             "Time from arrival to dispatch, by predicted class.",
             ["predicted_class"],
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.end_to_end = Histogram(
+        self.end_to_end = self._histogram(
             "clairvoyant_end_to_end_seconds",
             "Time from arrival to the last byte sent, by predicted class.",
             ["predicted_class"],
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.ttft = Histogram(
+        self.ttft = self._histogram(
             "clairvoyant_time_to_first_byte_seconds",
             "Time from arrival to the first body byte relayed (TTFT for streams), by predicted class.",
             ["predicted_class"],
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.predictor_latency = Histogram(
+        self.predictor_latency = self._histogram(
             "clairvoyant_predictor_seconds",
             "Feature extraction plus model scoring time per request.",
             buckets=PREDICTOR_BUCKETS,
-            registry=r,
-        )
-        self.starvation_timeout = Gauge(
+        ).labels()
+        self.starvation_timeout = self._gauge(
             "clairvoyant_starvation_timeout_seconds",
             "Current starvation timeout tau (+Inf when disabled).",
-            registry=r,
-        )
-        self.upstream_errors = Counter(
+        ).labels()
+        self.upstream_errors = self._counter(
             "clairvoyant_upstream_errors",
             "Backend failures by kind (unavailable, timeout).",
             ["kind"],
-            registry=r,
         )
-        self.client_rejections = Counter(
+        self.client_rejections = self._counter(
             "clairvoyant_client_rejections",
             "Client connections cut off by a limit (client_timeout, header_too_large, max_connections).",
             ["reason"],
-            registry=r,
         )
-        self.client_disconnects = Counter(
+        self.client_disconnects = self._counter(
             "clairvoyant_client_disconnects",
             "Clients that left before their answer ended, by stage.",
             ["stage"],
-            registry=r,
         )
         # Labelled children resolved once: `.labels()` costs ~20 us, and this is the request path.
         # Creating them also exports zeros, so dashboards see every series from the start.
@@ -148,46 +303,42 @@ class Metrics:
         self.rejections_by_reason = {r: self.rejections.labels(r) for r in ("queue_full", "too_large", "bad_request")}
         self.disconnects_by_stage = {s: self.client_disconnects.labels(s) for s in ("upload", "queued", "streaming")}
         self.upstream_errors_by_kind = {k: self.upstream_errors.labels(k) for k in ("unavailable", "timeout")}
-        self._requests_children: dict[tuple[str, str, str], Counter] = {}
 
         # Closed loop: what the backend really produced, and how well it was predicted.
-        self.usage_observations = Counter(
+        self.usage_observations = self._counter(
             "clairvoyant_usage_observations",
             "Completed scheduled requests by where their output length came from "
             "(openai_usage, llamacpp_timings, llamacpp_tokens_predicted, ollama_eval_count, stream_events, none).",
             ["source"],
-            registry=r,
         )
-        self.observed_output_tokens = Histogram(
+        self.observed_output_tokens = self._histogram(
             "clairvoyant_observed_output_tokens",
             "Output tokens per completed scheduled request, as the backend reported (or the stream counted) them.",
             buckets=TOKEN_BUCKETS,
-            registry=r,
-        )
-        self.prediction_kendall_tau = Gauge(
+        ).labels()
+        self.prediction_kendall_tau = self._gauge(
             "clairvoyant_prediction_kendall_tau",
             "Rolling Kendall tau_b between predicted and observed output tokens (each prediction as made, "
             "before learning its request), by model (the online learner's key: the model the request named).",
             ["model"],
-            registry=r,
         )
-        self.prediction_log_error = Gauge(
+        self.prediction_log_error = self._gauge(
             "clairvoyant_prediction_abs_log_token_error",
             "Rolling mean |ln(predicted tokens) - ln(observed tokens)|, by model.",
             ["model"],
-            registry=r,
         )
-        self.prediction_window = Gauge(
+        self.prediction_window = self._gauge(
             "clairvoyant_prediction_quality_window_requests",
             "Observed requests in the rolling prediction-quality window, by model.",
             ["model"],
-            registry=r,
         )
+        # Updated from the encoder's thread too: prometheus_client's own (locked) metrics, registered
+        # nowhere themselves; the exporter collects them in their place.
         self.encoder_latency = Histogram(
             "clairvoyant_encoder_seconds",
             "The encoder's time per waiting request it refines (on its own thread, never the event loop).",
             buckets=ENCODER_BUCKETS,
-            registry=r,
+            registry=None,
         )
         self.encoder_requests = Counter(
             "clairvoyant_encoder_requests",
@@ -196,24 +347,44 @@ class Metrics:
             "full), failed. Completed requests encoded for the online learner: learning, or learning_dropped (over "
             "its share of the encoder's time; the learner counts the request for its quality figures only).",
             ["outcome"],
-            registry=r,
+            registry=None,
         )
+        self._exported += [self.encoder_latency, self.encoder_requests]
         self.usage_by_source = {s: self.usage_observations.labels(s) for s in get_args(UsageSource)}
-        self._quality_gauges: dict[str, tuple[Gauge, Gauge, Gauge]] = {}  # model key -> its three gauges
+        self._quality_gauges: dict[str, tuple[GaugeChild, GaugeChild, GaugeChild]] = {}  # model key -> its 3 gauges
+        self.registry.register(_Exporter(self._exported))
+
+    def _counter(self, name: str, documentation: str, labelnames: Iterable[str] = ()) -> Family[CounterChild]:
+        family = Family("counter", name, documentation, labelnames, CounterChild)
+        self._exported.append(family)
+        return family
+
+    def _gauge(self, name: str, documentation: str, labelnames: Iterable[str] = ()) -> Family[GaugeChild]:
+        family = Family("gauge", name, documentation, labelnames, GaugeChild)
+        self._exported.append(family)
+        return family
+
+    def _histogram(
+        self, name: str, documentation: str, labelnames: Iterable[str] = (), *, buckets: Iterable[float]
+    ) -> Family[HistogramChild]:
+        bounds = _bounds(buckets)
+        family = Family("histogram", name, documentation, labelnames, lambda: HistogramChild(bounds))
+        self._exported.append(family)
+        return family
 
     def count_request(self, endpoint: str, dialect: str, status: str) -> None:
         key = (endpoint, dialect, status)
-        child = self._requests_children.get(key)
+        child = self.requests.children.get(key)
         if child is None:  # bounded: a handful of endpoints x 2 dialects x status codes
-            child = self._requests_children[key] = self.requests.labels(*key)
-        child.inc()
+            child = self.requests.labels(*key)
+        child.value += 1.0
 
     def count_backend_request(self, backend: str, outcome: str) -> None:
         key = (backend, outcome)
-        child = self._backend_outcomes.get(key)
+        child = self.backend_requests.children.get(key)
         if child is None:  # bounded: the configured backends x 4 outcomes
-            child = self._backend_outcomes[key] = self.backend_requests.labels(*key)
-        child.inc()
+            child = self.backend_requests.labels(*key)
+        child.value += 1.0
 
     def count_usage(self, source: str, output_tokens: int | None) -> None:
         """One completed scheduled request's usage record (see ``clairvoyant.prediction.usage``)."""

@@ -29,6 +29,7 @@ it is never logged.
 from __future__ import annotations
 
 import json
+import json.scanner
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -55,7 +56,10 @@ UsageSource = Literal[
 # keys with a NON-empty string value. OpenAI/llama.cpp chat `content`, completions `text`,
 # Ollama /api/generate `response`, reasoning and thinking deltas, tool-call `arguments` deltas.
 _CONTENT_EVENT = re.compile(rb'"(?:content|text|response|reasoning_content|reasoning|thinking|arguments)"\s*:\s*"(?!")')
-_DECODER = json.JSONDecoder()
+# A default decoder's scanner (what its ``scan_once`` is), called directly: ``raw_decode`` is a
+# Python frame around it that turns its StopIteration into a ValueError; ``_last_value`` catches both.
+_SCAN = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]  # typeshed: the context is any decoder
+_WHITESPACE = " \t\r\n"
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,19 +160,23 @@ class UsageTap:
             self._count_line(bytes(self._partial))
             self._partial.clear()
         try:
-            tail = self._tail[-self._tail_bytes :].decode("utf-8", errors="replace")
-            return self._read(tail, wall_s, request_model)
+            body = self._tail
+            if len(body) > self._tail_bytes:
+                body = body[-self._tail_bytes :]
+            return self._read(body.decode("utf-8", errors="replace"), wall_s, request_model)
         except Exception:  # noqa: BLE001 - an odd body must never become an error for the client
             return self._fallback(wall_s, request_model, None)
 
     # -- reading the tail ----------------------------------------------------------------------
     def _read(self, tail: str, wall_s: float, request_model: str | None) -> Usage:
-        usage = _last_value(tail, "usage")
-        timings = _last_value(tail, "timings")
-        usage = usage if isinstance(usage, dict) else {}
-        timings = timings if isinstance(timings, dict) else {}
-        eval_count = _last_value(tail, "eval_count")
-        model = _last_value(tail, "model")
+        usage = _last_value(tail, '"usage"')
+        timings = _last_value(tail, '"timings"')
+        if type(usage) is not dict:
+            usage = {}
+        if type(timings) is not dict:
+            timings = {}
+        eval_count = _count(_last_value(tail, '"eval_count"'))
+        model = _last_value(tail, '"model"')
         model = model if isinstance(model, str) and model else request_model
 
         output: int | None = None
@@ -185,16 +193,16 @@ class UsageTap:
             output, source = n, "openai_usage"
         elif (n := _count(timings.get("predicted_n"))) is not None:
             output, source = n, "llamacpp_timings"
-        elif (n := _count(_last_value(tail, "tokens_predicted"))) is not None:
+        elif (n := _count(_last_value(tail, '"tokens_predicted"'))) is not None:
             output, source = n, "llamacpp_tokens_predicted"
-        elif (n := _count(eval_count)) is not None:
-            output, source = n, "ollama_eval_count"
+        elif eval_count is not None:
+            output, source = eval_count, "ollama_eval_count"
 
-        if _count(eval_count) is not None:  # Ollama: durations in nanoseconds
-            generation_s = generation_s if generation_s is not None else _ns(_last_value(tail, "eval_duration"))
-            prompt_s = prompt_s if prompt_s is not None else _ns(_last_value(tail, "prompt_eval_duration"))
+        if eval_count is not None:  # Ollama: durations in nanoseconds
+            generation_s = generation_s if generation_s is not None else _ns(_last_value(tail, '"eval_duration"'))
+            prompt_s = prompt_s if prompt_s is not None else _ns(_last_value(tail, '"prompt_eval_duration"'))
             if prompt_tokens is None:
-                prompt_tokens = _count(_last_value(tail, "prompt_eval_count"))
+                prompt_tokens = _count(_last_value(tail, '"prompt_eval_count"'))
 
         if output is None:
             return self._fallback(wall_s, model, (prompt_tokens, generation_s, prompt_s))
@@ -214,31 +222,33 @@ class UsageTap:
         return Usage(None, prompt_tokens, generation_s, prompt_s, wall_s, model, "none", self._events)
 
 
-def _last_value(tail: str, key: str) -> Any:
-    """The JSON value of the LAST ``"key":`` in the tail whose value decodes, else None."""
-    needle = f'"{key}"'
-    end = len(tail)
+def _last_value(tail: str, needle: str) -> Any:
+    """The JSON value of the LAST ``needle`` (a quoted key, ``'"usage"'``) in the tail that is a key
+    (a ``:`` follows it) whose value decodes, else None."""
+    size = len(tail)
+    end = size
     while (at := tail.rfind(needle, 0, end)) >= 0:
         end = at
         rest = at + len(needle)
-        while rest < len(tail) and tail[rest] in " \t\r\n":
+        while rest < size and tail[rest] in _WHITESPACE:
             rest += 1
-        if rest >= len(tail) or tail[rest] != ":":  # a string value, not a key
+        if rest >= size or tail[rest] != ":":  # a string value, not a key
             continue
         rest += 1
-        while rest < len(tail) and tail[rest] in " \t\r\n":
+        while rest < size and tail[rest] in _WHITESPACE:
             rest += 1
         try:
-            value, _ = _DECODER.raw_decode(tail, rest)
-        except ValueError:
+            return _SCAN(tail, rest)[0]
+        except (StopIteration, ValueError):  # nothing decodable there (json's raw_decode: ValueError)
             continue
-        return value
     return None
 
 
 def _count(value: Any) -> int | None:
     """A non-negative integer count, else None (bools, floats with fractions, negatives refused)."""
-    if isinstance(value, bool):
+    if type(value) is int:  # what JSON gives (a bool's type is bool)
+        return value if value >= 0 else None
+    if value is None or isinstance(value, bool):
         return None
     if isinstance(value, int) and value >= 0:
         return value
@@ -248,6 +258,8 @@ def _count(value: Any) -> int | None:
 
 
 def _ms(value: Any) -> float | None:
+    if value is None:
+        return None
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
         return float(value) / 1000.0
     return None

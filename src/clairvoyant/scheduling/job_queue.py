@@ -40,6 +40,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import operator
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
@@ -195,6 +196,14 @@ class HeapQueue(Generic[T]):
         """The job's place in this queue's order (lower = sooner)."""
         return self.key(job), job.seq
 
+    def reset(self) -> bool:
+        """With no job waiting, drop the entries removed jobs left behind: the queue is as new.
+        False (and nothing changed) if a job is waiting."""
+        if self._live:
+            return False
+        self._heap.clear()
+        return True
+
 
 class ScanQueue(Generic[T]):
     """Priorities that change with time: ``rank(job, now)`` is evaluated for every waiting job at
@@ -249,6 +258,10 @@ class ScanQueue(Generic[T]):
     def sort_key(self, job: Job[T], now: float) -> tuple[Any, int]:
         """The job's place in this queue's order at ``now`` (lower = sooner)."""
         return self.rank(job, now), job.seq
+
+    def reset(self) -> bool:
+        """True if no job is waiting: the queue is then as new (it keeps nothing else)."""
+        return not self._jobs
 
 
 class StarvationGuard(Generic[T]):
@@ -396,6 +409,17 @@ class StarvationGuard(Generic[T]):
     def done(self, job: Job[T]) -> None:
         self.inner.done(job)
 
+    def reset(self) -> bool:
+        """With no job waiting, drop the entries popped and removed jobs left in both heaps and
+        reset the inner queue: the guard is then as new (same timeout, slowdown and clock). False
+        (and nothing changed) if a job is waiting or the inner queue cannot be reset."""
+        inner_reset = getattr(self.inner, "reset", None)
+        if len(self.inner) or inner_reset is None or not inner_reset():
+            return False
+        self._pending.clear()
+        self._overdue.clear()
+        return True
+
     def repriced(self, job: Job[T], old_predicted_s: float) -> None:
         self.inner.repriced(job, old_predicted_s)
 
@@ -429,7 +453,27 @@ class StarvationGuard(Generic[T]):
 class _Tenant(Generic[T]):
     queue: JobQueue[T]
     served_s: float  # start tag of its next job: predicted service seconds received while active (virtual time)
+    weight: float  # weight_of(its name), read when it became active
     in_flight: set[int] = field(default_factory=set)  # seqs of its popped jobs not yet done: active until empty
+    waiting: int = 0  # its jobs waiting: len(queue), kept here (len() of a guard is two Python calls)
+
+
+# Retired tenants kept for reuse, at most (a request that finds the backend idle activates its
+# tenant and retires it at done: reusing its emptied queues saves building them per request).
+_SPARE_TENANTS = 8
+
+
+def _best_class(queue: JobQueue[T], head: tuple[Job[T], bool], now: float) -> int:
+    """The best priority class waiting in one tenant's queue whose ``peek(now)`` is ``head``, even
+    when a promotion hides it behind an older job."""
+    inner = getattr(queue, "inner", None)
+    if inner is None:
+        return head[0].priority
+    if head[1] or not isinstance(queue, StarvationGuard):
+        inner_head = inner.peek(now)
+    else:  # a guard that promoted nothing returned its inner queue's own peek
+        inner_head = head
+    return min(head[0].priority, inner_head[0].priority) if inner_head is not None else head[0].priority
 
 
 class FairShareQueue(Generic[T]):
@@ -446,6 +490,11 @@ class FairShareQueue(Generic[T]):
     behind another tenant's backlog. A tenant whose request is still in service keeps its tag
     (at least the virtual time): sending the next request while the last one runs buys no place.
     With one tenant this is exactly its inner queue.
+
+    ``make_queue`` must build equal empty queues at every call (``build_queue``'s does): a retired
+    tenant's queue that can ``reset()`` itself to as-new is kept (up to ``_SPARE_TENANTS``) and
+    given to the next tenant that becomes active instead of a new one. ``weight_of`` is read once
+    per activation.
 
     Each tenant's ``StarvationGuard`` runs on the share clock (``share_clock_s``): wall seconds
     divided by the number of tenants with requests waiting, so the guard bounds waiting *within* a
@@ -469,11 +518,12 @@ class FairShareQueue(Generic[T]):
         weight_of: Callable[[Hashable], float] | None = None,
     ) -> None:
         self.make_queue = make_queue
-        self.tenant_of = tenant_of or (lambda job: job.tenant)
+        self.tenant_of: Callable[[Job[T]], Hashable] = tenant_of or operator.attrgetter("tenant")
         # A tenant of weight w is charged predicted_s / w: it gets w times the backend seconds of a
         # weight-1 tenant (weighted fair queuing). The share clock still divides by the count.
         self.weight_of = weight_of or (lambda tenant: 1.0)
         self._tenants: dict[Hashable, _Tenant[T]] = {}  # active tenants (waiting or in service)
+        self._spare: list[_Tenant[T]] = []  # retired tenants whose queues were reset to as-new
         self._waiting_tenants = 0  # active tenants with a request waiting (k of the share clock)
         self._live = 0
         self._virtual_s = 0.0  # start tag of the last dispatched job
@@ -517,21 +567,40 @@ class FairShareQueue(Generic[T]):
         name = self.tenant_of(job)
         tenant = self._tenants.get(name)
         if tenant is None:
-            queue = self.make_queue()
-            if isinstance(queue, StarvationGuard):
-                queue.clock = self.share_clock_s
-            tenant = self._tenants[name] = _Tenant(queue, self._virtual_s)
-        if not len(tenant.queue):
+            tenant = self._tenants[name] = self._activate(name)
+        if not tenant.waiting:
             self._waiting_tenants += 1
             tenant.served_s = max(tenant.served_s, self._virtual_s)  # in service only: keeps its tag
         tenant.queue.push(job)
+        tenant.waiting += 1
         self._live += 1
+
+    def _activate(self, name: Hashable) -> _Tenant[T]:
+        """A tenant that becomes active: a spare one's queues (as new), else new ones."""
+        weight = self.weight_of(name)
+        if self._spare:
+            tenant = self._spare.pop()
+            tenant.served_s = self._virtual_s
+            tenant.weight = weight
+            return tenant
+        queue = self.make_queue()
+        if isinstance(queue, StarvationGuard):
+            queue.clock = self.share_clock_s
+        return _Tenant(queue, self._virtual_s, weight)
+
+    def _retire(self, name: Hashable, tenant: _Tenant[T]) -> None:
+        """``tenant`` has nothing waiting and nothing in service: no longer active."""
+        del self._tenants[name]
+        if len(self._spare) < _SPARE_TENANTS:
+            reset = getattr(tenant.queue, "reset", None)
+            if reset is not None and reset():
+                self._spare.append(tenant)  # in_flight is empty, waiting 0
 
     def _emptied(self, name: Hashable, tenant: _Tenant[T]) -> None:
         """``tenant``'s last waiting job left the queue."""
         self._waiting_tenants -= 1
         if not tenant.in_flight:
-            del self._tenants[name]
+            self._retire(name, tenant)
 
     def remove(self, job: Job[T]) -> bool:
         name = self.tenant_of(job)
@@ -539,7 +608,8 @@ class FairShareQueue(Generic[T]):
         if tenant is None or not tenant.queue.remove(job):
             return False
         self._live -= 1
-        if not len(tenant.queue):
+        tenant.waiting -= 1
+        if not tenant.waiting:
             self._emptied(name, tenant)
         return True
 
@@ -548,7 +618,7 @@ class FairShareQueue(Generic[T]):
         name = self.tenant_of(job)
         tenant = self._tenants.get(name)
         if tenant is not None and job.seq in tenant.in_flight:
-            tenant.served_s += (job.predicted_s - old_predicted_s) / self.weight_of(name)
+            tenant.served_s += (job.predicted_s - old_predicted_s) / tenant.weight
 
     def rekeyed(self, job: Job[T]) -> None:
         tenant = self._tenants.get(self.tenant_of(job))
@@ -562,12 +632,19 @@ class FairShareQueue(Generic[T]):
             return  # not one of ours in service (or reported twice)
         tenant.queue.done(job)
         tenant.in_flight.discard(job.seq)
-        if not tenant.in_flight and not len(tenant.queue):
-            del self._tenants[name]
+        if not tenant.in_flight and not tenant.waiting:
+            self._retire(name, tenant)
 
     def _choose(self, now: float) -> tuple[Hashable, Job[T], bool, tuple[Job[T], bool]] | None:
         """The tenant to serve, its head job, whether a starvation rule chose it, and its queue's
         ``peek(now)`` (for ``StarvationGuard.take``)."""
+        if self._waiting_tenants == 1:  # one tenant waiting: its head, its own class the best
+            for name, tenant in self._tenants.items():  # usually just this one
+                if tenant.waiting:
+                    head = tenant.queue.peek(now)
+                    assert head is not None
+                    job, promoted = head
+                    return name, job, promoted or job.priority > _best_class(tenant.queue, head, now), head
         heads = []
         for name, tenant in self._tenants.items():
             queue = tenant.queue
@@ -577,21 +654,10 @@ class FairShareQueue(Generic[T]):
             job, promoted = head
             is_overdue = getattr(queue, "is_overdue", None)
             overdue = promoted or (is_overdue is not None and is_overdue(job, now))
-            # The tenant's best class, even when a promotion hides it behind an older job.
-            inner = getattr(queue, "inner", None)
-            if inner is None:
-                inner_head = None
-            elif promoted or not isinstance(queue, StarvationGuard):
-                inner_head = inner.peek(now)
-            else:  # a guard that promoted nothing returned its inner queue's own peek
-                inner_head = head
-            best_here = min(job.priority, inner_head[0].priority) if inner_head is not None else job.priority
-            heads.append((job.priority, overdue, tenant.served_s, len(queue), name, job, promoted, best_here, head))
+            best_here = _best_class(queue, head, now)
+            heads.append((job.priority, overdue, tenant.served_s, tenant.waiting, name, job, promoted, best_here, head))
         if not heads:
             return None
-        if len(heads) == 1:  # one tenant waiting: the min below is that head, its own class the best
-            only = heads[0]
-            return only[4], only[5], only[6] or only[5].priority > only[7], only[8]
         # The best class waiting anywhere, including one hidden behind a tenant's own promotion: a
         # head that is not overdue never goes before it.
         best = min(h[7] for h in heads)
@@ -620,10 +686,11 @@ class FairShareQueue(Generic[T]):
         assert got is not None
         job, promoted = got[0], got[1] or lifted
         self._virtual_s = tenant.served_s
-        tenant.served_s += job.predicted_s / self.weight_of(name)
+        tenant.served_s += job.predicted_s / tenant.weight
         tenant.in_flight.add(job.seq)
         self._live -= 1
-        if not len(tenant.queue):
+        tenant.waiting -= 1
+        if not tenant.waiting:
             self._emptied(name, tenant)
         return job, promoted
 
