@@ -239,4 +239,3 @@ def test_fast_extractor_equals_the_reference_on_the_benchmark_prompts() -> None:
         fast, reference = FEATURE_SETS[name].values, ref.FEATURE_SETS[name].values
         bad = [i for i, p in enumerate(prompts) if fast(p) != reference(p)]
         assert not bad, (name, bad[:5])
-
