@@ -225,7 +225,9 @@ def evaluate_model(
                 knn_test, knn_alpaca, "the kNN's ln tokens alone (cosine-weighted mean of the 16 nearest training rows)"
             )
         scorers["encoder_alone"] = section(
-            enc_test, enc_alpaca, "the encoder's ln tokens alone (its text: the last user turn's first word pieces)"
+            enc_test,
+            enc_alpaca,
+            "the encoder's ln tokens alone (its text: the last user turn, as the card reads it: a long one's head and tail word pieces)",
         )
         scorers["model_with_encoder"]["sharegpt_held_out"]["log_tokens_mae"] = float(
             np.mean(np.abs(served_test - split.test_log_tokens))
