@@ -11,7 +11,7 @@ from clairvoyant.clock import ManualClock
 from clairvoyant.errors import QueueFull
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.predictor import Prediction
-from clairvoyant.scheduling.dispatcher import Dispatcher, ShuttingDown, Ticket
+from clairvoyant.scheduling.dispatcher import OVERRUN_REMAINDER, Dispatcher, ShuttingDown, Ticket
 from clairvoyant.scheduling.job_queue import Job
 from clairvoyant.scheduling.policy import build_queue, make_policy
 
@@ -85,6 +85,27 @@ def test_queue_full_retry_after_is_the_tail_eta() -> None:
             submit(d, "w3", 3.0, 1.0)
         assert info.value.headers == {"Retry-After": str(math.ceil(11.0))}
         assert d.where(d.waiting_ticket("w2")) == (1, pytest.approx(11.0))  # type: ignore[arg-type]
+        await lease.__aexit__(None, None, None)
+        await d.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_waiting_behind_an_overrun_one_never_has_an_eta_of_0() -> None:
+    # Seen under load: the holder ran past its predicted seconds and the first waiter's ETA read 0.0
+    # while the holder still held the only slot.
+    async def scenario() -> None:
+        d, clock = make()
+        await d.start()
+        running = submit(d, "run", 0.0, 10.0)
+        lease = d.lease(running)
+        await lease.__aenter__()
+        clock.advance(12.0)  # 2 s past its prediction, still running
+        submit(d, "w1", 12.0, 4.0)
+        submit(d, "w2", 12.0, 6.0)
+        etas = [round(eta, 6) for _, eta in d._etas(clock.now())[0]]
+        assert OVERRUN_REMAINDER == 0.1 and etas == [1.0, 5.0]  # a tenth of its 10 s, then w1's 4 s
+        assert d.snapshot()["waiting"][0]["eta_s"] > 0
         await lease.__aexit__(None, None, None)
         await d.stop()
 

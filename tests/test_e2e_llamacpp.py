@@ -222,26 +222,36 @@ def test_a_priority_request_overtakes_queued_normal_ones_and_queue_shows_eta(
                         headers.update(raw.headers)
                     finished.append(tag)
 
-                holder = asyncio.create_task(run("holder", 160))
-                while not queue_snapshot(url)["in_flight"]:
-                    await asyncio.sleep(0.01)
+                # The holder streams until the test closes it (then the proxy aborts it and frees
+                # the slot), so however slowly a loaded machine fills the queue, it is still running.
+                holder = await client.chat.completions.create(
+                    model="smollm2",
+                    messages=chat(SHORT_PROMPTS[0]),
+                    max_tokens=1500,
+                    extra_body=FORCE,
+                    extra_headers={"x-request-id": "e2e-holder"},
+                    stream=True,
+                )
+                await anext(aiter(holder))  # generating
                 tasks = []
                 for i in range(3):
                     tasks.append(asyncio.create_task(run(f"normal{i}", 4)))
                     while len(queue_snapshot(url)["waiting"]) < i + 1:
                         await asyncio.sleep(0.005)
                 tasks.append(asyncio.create_task(run("urgent", 4, priority=-1)))
-                while len(queue_snapshot(url)["waiting"]) < 4 and not holder.done():
+                while len(queue_snapshot(url)["waiting"]) < 4:
                     await asyncio.sleep(0.005)
                 snapshot = queue_snapshot(url)
                 one = httpx.get(f"{url}/queue/e2e-normal2").json()
-                assert not holder.done(), "the holder finished before the queue filled; make it longer"
-                await asyncio.gather(holder, *tasks)
+                await holder.close()
+                finished.append("holder")
+                await asyncio.gather(*tasks)
             return finished, snapshot, one, headers
 
         finished, snapshot, one, headers = asyncio.run(scenario())
     assert finished[:2] == ["holder", "urgent"], finished
     assert finished[2:] == ["normal0", "normal1", "normal2"], finished
+    assert [t["request_id"] for t in snapshot["in_flight"]] == ["e2e-holder"]
     waiting = snapshot["waiting"]
     assert [w["request_id"] for w in waiting] == ["e2e-urgent", "e2e-normal0", "e2e-normal1", "e2e-normal2"]
     assert [w["position"] for w in waiting] == [0, 1, 2, 3]

@@ -57,6 +57,9 @@ logger = logging.getLogger(__name__)
 
 _SAVE_EVERY = 50  # service-time observations between state-file writes
 RECENT_REQUESTS = 100  # finished requests kept for /queue's timeline (the live page)
+# An in-flight request past its predicted seconds still holds its slot: its remainder is taken as
+# this fraction of its prediction (not 0, which would tell the requests behind it "now").
+OVERRUN_REMAINDER = 0.1
 
 
 class ShuttingDown(RequestError):
@@ -591,14 +594,15 @@ class Dispatcher:
     # -- positions and ETAs -------------------------------------------------------------------
     def _slot_free_in_s(self, now: float) -> list[float]:
         """Predicted seconds until each slot of a healthy backend (of every backend, when none is
-        healthy) is free: in-flight remainders (never below 0), idle 0."""
+        healthy) is free: in-flight remainders (never below OVERRUN_REMAINDER of the request's
+        prediction: a busy slot is never free now), idle 0."""
         usable = [b for b in self.backends if b.healthy] or self.backends
         free: list[float] = []
         for backend in usable:
             free += [0.0] * len(backend.free)
             for t in backend.running.values():
                 running_s = 0.0 if t.dispatched_s is None else now - t.dispatched_s
-                free.append(max(0.0, t.job.predicted_s - running_s))
+                free.append(max(t.job.predicted_s - running_s, OVERRUN_REMAINDER * t.job.predicted_s))
         return free or [0.0]
 
     def _etas(self, now: float) -> tuple[list[tuple[Job[Ticket], float]], float]:
