@@ -35,11 +35,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from clairvoyant.prediction.encoder import encoder_for, refined_by  # noqa: E402
+from clairvoyant.prediction.encoder import encoder_for  # noqa: E402
 from clairvoyant.prediction.features import Prompt  # noqa: E402
 from clairvoyant.prediction.learner import LearnerConfig, OnlineLearner, kendall_tau_b  # noqa: E402
 from clairvoyant.prediction.predictor import OnnxPredictor  # noqa: E402
-from clairvoyant.tools.replay import replay_lines  # noqa: E402
+from clairvoyant.tools.replay import replay_lines, score_then_learn  # noqa: E402
 
 TARGET_GAIN = 0.05
 
@@ -101,14 +101,8 @@ def _replay_prompts(
     results = []
     try:
         for prompt, observed in zip(prompts, lengths):
-            prediction = predictor.predict(prompt, model=SHAREGPT)
-            if encoder is not None:
-                prediction = refined_by(encoder, predictor, prediction, prompt.instruction)
+            prediction = score_then_learn(predictor, learner, encoder, prompt, observed, SHAREGPT)
             results.append({"score": prediction.score})
-            if learner is not None:
-                learner.observe(prediction, observed)
-                if learner.refit_due:
-                    learner.refit()
     finally:
         predictor.corrector = previous
     return results

@@ -223,13 +223,17 @@ class EncoderModel:
     def encode(self, text: str) -> tuple[float, bytes]:
         """Predicted ln(answer tokens) for one instruction, and its components for the online
         learner (float32 bytes; empty for a graph without them)."""
-        pieces = self.word_pieces(text)
-        ids = np.asarray([pieces], dtype=np.int64)
-        mask = np.ones_like(ids)
-        out = self._session.run(self._both, {"input_ids": ids, "attention_mask": mask})
+        value, components, _ = self._run(text, self._both)
+        return value, components
+
+    def _run(self, text: str, outputs: list[str]) -> tuple[float, bytes, list[Any]]:
+        """One run of the graph on ``text``'s word pieces: its ln tokens, its components (float32
+        bytes; empty for a graph without them) and every output asked for."""
+        ids = np.asarray([self.word_pieces(text)], dtype=np.int64)
+        out = self._session.run(outputs, {"input_ids": ids, "attention_mask": np.ones_like(ids)})
         value = float(np.asarray(out[0]).reshape(-1)[0])
         components = np.asarray(out[1], dtype=np.float32).reshape(-1).tobytes() if self.components else b""
-        return value, components
+        return value, components, out
 
     @property
     def has_knn(self) -> bool:
@@ -241,11 +245,7 @@ class EncoderModel:
         if self._knn is None:
             value, components = self.encode(text)
             return value, components, None
-        pieces = self.word_pieces(text)
-        ids = np.asarray([pieces], dtype=np.int64)
-        out = self._session.run(self._all, {"input_ids": ids, "attention_mask": np.ones_like(ids)})
-        value = float(np.asarray(out[0]).reshape(-1)[0])
-        components = np.asarray(out[1], dtype=np.float32).reshape(-1).tobytes() if self.components else b""
+        value, components, out = self._run(text, self._all)
         embedding = np.asarray(out[-1], dtype=np.float32).reshape(1, -1)
         knn = float(self._knn.run(None, {"embedding": embedding})[0].reshape(-1)[0])
         return value, components, knn

@@ -840,16 +840,10 @@ class OnlineLearner:
                 )
             theirs = meta.get("identity") or {}
             ours = self.identity.as_dict()
-            # files from before the encoder, and from before the turn-aware blend (their weights are not
-            # recorded: refused whenever an encoder refines the prior now)
-            theirs = {
-                "component_names": [], "encoder_sha256": "", "blend_weights": [], "encoder_tail_word_pieces": 0,
-                "knn_sha256": "", **theirs,
-            }  # fmt: skip
-            for field in (
-                "feature_set", "feature_names", "onnx_sha256", "component_names", "encoder_sha256", "blend_weights",
-                "encoder_tail_word_pieces", "knn_sha256",
-            ):  # fmt: skip
+            # A file from before a field was recorded (the encoder, the turn-aware blend, the kNN) has
+            # that field's default: refused whenever the loaded prior has more than the default.
+            theirs = {**PriorIdentity("", (), "").as_dict(), **theirs}
+            for field in ours:
                 if theirs.get(field) != ours[field]:
                     shown = theirs.get(field) if not field.endswith("_names") else "a different list"
                     raise _Refused(f"made for another prior: its {field} is {shown!r}, the loaded model's differs")

@@ -34,7 +34,7 @@ from typing import IO, Any
 
 from clairvoyant.tools.bulk_predict import LineError, request_of_line
 
-__all__ = ["add_arguments", "replay_lines", "run"]
+__all__ = ["add_arguments", "replay_lines", "run", "score_then_learn"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,30 @@ def _output_tokens(body: dict[str, Any]) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise LineError("'output_tokens' must be a non-negative integer")
     return value
+
+
+def score_then_learn(
+    predictor: Any,
+    learner: Any | None,
+    encoder: Any | None,
+    prompt: Any,
+    observed: int,
+    model: str | None,
+    cap_tokens: int | None = None,
+) -> Any:
+    """One request as the proxy handles it: scored with the learner's current correction (refined
+    by ``encoder`` if given, as a waiting request is), then its observed length learned and a refit
+    made if due. Returns the prediction as it was made, before its own length was learned."""
+    from clairvoyant.prediction.encoder import refined_by
+
+    prediction = predictor.predict(prompt, model=model, cap_tokens=cap_tokens)
+    if encoder is not None:
+        prediction = refined_by(encoder, predictor, prediction, prompt.instruction)
+    if learner is not None:
+        learner.observe(prediction, observed)
+        if learner.refit_due:
+            learner.refit()
+    return prediction
 
 
 def replay_lines(
@@ -62,8 +86,6 @@ def replay_lines(
     ``encoder`` (an ``EncoderModel``): each line is refined by it, as the proxy refines a request
     that waits (replay orders every line, so every line is one that waits).
     """
-    from clairvoyant.prediction.encoder import refined_by
-
     previous = predictor.corrector
     predictor.corrector = learner
     try:
@@ -76,9 +98,9 @@ def replay_lines(
                 yield {"line": number, "error": str(exc)}
                 continue
             model = request.model or model_name
-            prediction = predictor.predict(request.prompt, model=model, cap_tokens=request.cap_tokens)
-            if encoder is not None:
-                prediction = refined_by(encoder, predictor, prediction, request.prompt.instruction)
+            prediction = score_then_learn(
+                predictor, learner, encoder, request.prompt, observed, model, request.cap_tokens
+            )
             result: dict[str, Any] = {
                 "line": number,
                 "score": prediction.score,
@@ -87,10 +109,6 @@ def replay_lines(
             if prediction.probabilities is not None:
                 result["p_short"], result["p_medium"], result["p_long"] = prediction.probabilities
             yield result
-            if learner is not None:
-                learner.observe(prediction, observed)
-                if learner.refit_due:
-                    learner.refit()
     finally:
         predictor.corrector = previous
 
