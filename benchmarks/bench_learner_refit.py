@@ -1,6 +1,6 @@
 """Does a learner refit block the event loop? Loop lag of a 1 ms ticker while refits run in a thread.
 
-    python benchmarks/bench_learner_refit.py [--seconds 20] [--models 17] [--rows 1024] [--mode worker]
+    python benchmarks/bench_learner_refit.py [--seconds 20] [--models 17] [--rows 1024] [--mode process]
 
 (Run it WITHOUT nice: the ticker is light, and it is the event loop being measured; the learner's
 worker thread lowers its own priority by ``worker_nice`` = 10, as in the proxy. On a machine shared
@@ -17,8 +17,14 @@ load of the machine's other tenants drifts equally over both):
   observations: 16 models + "other" by default, the learner's memory bound), the worst case (the
   proxy refits once per ``refit_every`` observations). ``--mode worker`` uses the learner's own
   worker thread (``start``/``stop``, niced); ``--mode thread`` calls ``refit()`` in a plain thread;
-  ``--mode cadence`` runs the worker as the proxy does, refitting every ``refit_every`` = 8
-  observations, with ``--completions-per-s`` completed requests a second.
+  ``--mode cadence`` runs the worker as the proxy did before, refitting every ``refit_every`` = 8
+  observations, with ``--completions-per-s`` completed requests a second; ``--mode process`` is
+  the proxy today: the learner in its own process (``LearnerProcess``), refitting back to back, and
+  paused with SIGSTOP in the idle segments (the loop sends it the same observations in both, so
+  only the child's refitting differs).
+
+For the process mode it also prints what the loop itself spends on learning: each ``observe``
+(pickle and pipe write) and the longest handling of a message from the child (a fit, a quality).
 
 Prints p50, p99, p99.9 and max lag of each, and the refit durations. Target (issue 8): a refit
 never blocks the event loop for more than 1 ms. The rows are real feature rows of varied
@@ -31,11 +37,14 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -43,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from clairvoyant.prediction.features import Prompt  # noqa: E402
 from clairvoyant.prediction.learner import LearnerConfig, OnlineLearner, PriorIdentity  # noqa: E402
+from clairvoyant.prediction.learner_process import LearnerProcess  # noqa: E402
 from clairvoyant.prediction.predictor import OnnxPredictor, Prediction  # noqa: E402
 
 WORDS = (
@@ -137,7 +147,7 @@ async def _run(
     rng: np.random.Generator,
     completions_per_s: float,
 ) -> dict[str, list[float]]:
-    lags: dict[str, list[float]] = {"idle": [], "refitting": []}
+    lags: dict[str, list[float]] = {"idle": [], "refitting": [], "observe": []}
     loop = asyncio.get_running_loop()
     i = 0
     next_completion = loop.time()
@@ -151,12 +161,80 @@ async def _run(
             await asyncio.sleep(0.001)
             lags[phase].append(time.perf_counter() - before - 0.001)
             if loop.time() >= next_completion:  # a completed request
-                learner.observe(traffic[i % len(traffic)], int(rng.integers(1, 2000)))
+                tokens = int(rng.integers(1, 2000))
+                started = time.perf_counter()
+                learner.observe(traffic[i % len(traffic)], tokens)
+                lags["observe"].append(time.perf_counter() - started)
                 i += 1
                 next_completion += 1.0 / completions_per_s
         if phase == "refitting":
             refitter.off()
     return lags
+
+
+class _TimedProcess(LearnerProcess):
+    """The proxy's side of the learner's process, with the loop's time on each of its callbacks
+    recorded: a batch of observations sent (``_flush``), a message from the child read."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.flush_s: list[float] = []
+        self.receive_s: list[float] = []
+
+    def _flush(self) -> None:
+        started = time.perf_counter()
+        super()._flush()
+        self.flush_s.append(time.perf_counter() - started)
+
+    async def _read(self, process: Any) -> None:
+        # the reader's time per message: pickle.loads and the swap-in, timed around _receive
+        receive = self._receive
+
+        def timed(message: tuple[Any, ...]) -> None:
+            started = time.perf_counter()
+            receive(message)
+            self.receive_s.append(time.perf_counter() - started)
+
+        self._receive = timed  # type: ignore[method-assign]
+        await super()._read(process)
+
+
+class _Paused:
+    """The learner's process, refitting (SIGCONT) or stopped (SIGSTOP) per segment."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def on(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+    def off(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+
+
+async def _run_process(
+    seconds: float,
+    learner: _TimedLearner,
+    traffic: list[Prediction],
+    rng: np.random.Generator,
+    completions_per_s: float,
+    state: Path,
+) -> tuple[dict[str, list[float]], _TimedProcess]:
+    learner.save(state)
+    remote = _TimedProcess(learner.identity, learner.config, state)
+    if not await remote.start():
+        raise SystemExit("the learner's process did not start")
+    assert remote.pid is not None
+    while remote.refits == 0:  # the restored buffers' first fit: the child is warm
+        await asyncio.sleep(0.01)
+    paused = _Paused(remote.pid)
+    paused.off()
+    try:
+        lags = await _run(seconds, remote, paused, traffic, rng, completions_per_s)  # type: ignore[arg-type]
+    finally:
+        paused.on()
+        await remote.stop()
+    return lags, remote
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,9 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=1024, help="observations per buffer (buffer_size)")
     parser.add_argument(
         "--mode",
-        choices=("worker", "thread", "cadence"),
-        default="worker",
-        help="worker: the learner's own (niced) worker thread refitting back to back; thread: "
+        choices=("process", "worker", "thread", "cadence"),
+        default="process",
+        help="process: the learner's own process (the proxy's), refitting back to back; "
+        "worker: the learner's (niced) worker thread refitting back to back; thread: "
         "refit() back to back in a plain thread; cadence: the worker refitting when due "
         "(every refit_every=8 observations) at --completions-per-s",
     )
@@ -224,12 +303,21 @@ def main(argv: list[str] | None = None) -> int:
     learner.refit_wall_s.clear()
     learner.refit_cpu_s.clear()
     learner.step_cpu_s.clear()
-    refitter = _Refitter(learner, args.mode)
-    refits_before = learner.refits
-    lags = asyncio.run(_run(args.seconds, learner, refitter, traffic, rng, args.completions_per_s))
-    refits = learner.refits - refits_before
+    remote: _TimedProcess | None = None
+    if args.mode == "process":
+        with tempfile.TemporaryDirectory() as tmp:
+            lags, remote = asyncio.run(
+                _run_process(args.seconds, learner, traffic, rng, args.completions_per_s, Path(tmp) / "state.npz")
+            )
+        refits = remote.refits
+    else:
+        refitter = _Refitter(learner, args.mode)
+        refits_before = learner.refits
+        lags = asyncio.run(_run(args.seconds, learner, refitter, traffic, rng, args.completions_per_s))
+        refits = learner.refits - refits_before
 
-    result = {
+    observe_us = np.array(lags["observe"]) * 1e6
+    result: dict[str, object] = {
         "mode": args.mode,
         "completions_per_s": args.completions_per_s,
         "process_nice": os.getpriority(os.PRIO_PROCESS, 0),
@@ -244,17 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         "idle": _summary(lags["idle"]),
         "refitting": _summary(lags["refitting"]),
         "refits": refits,
-        "last_refit_ms": (learner.last_refit_s or 0.0) * 1000,
-        # a whole refit (fit and quality, its hand-overs' sleeps included), median over the phase
-        "refit_wall_ms_p50": float(np.median(learner.refit_wall_s)) * 1000,
-        "refit_cpu_ms_p50": float(np.median(learner.refit_cpu_s)) * 1000,
-        "longest_refit_step_ms": learner.longest_step_s * 1000,
-        "longest_refit_step_cpu_ms": learner.longest_step_cpu_s * 1000,
-        "refit_steps": len(learner.step_cpu_s),
-        "refit_step_cpu_ms": {
-            q: float(np.percentile(learner.step_cpu_s, float(q[1:].replace("_", ".")))) * 1000
-            for q in ("p50", "p99", "p99_9", "p99_99")
-        },
+        # the loop's own share of learning: one observe (in the process mode: pickle + pipe write)
+        "observe_us": {q: float(np.percentile(observe_us, v)) for q, v in (("p50", 50), ("p99", 99), ("max", 100))},
     }
     print(
         f"learner: {args.models} buffers x {args.rows} observations; {args.seconds:.0f} s per phase, "
@@ -262,22 +341,70 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"{'phase':12s} {'ticks':>7s} {'p50 ms':>8s} {'p99 ms':>8s} {'p99.9 ms':>9s} {'max ms':>8s} {'> 1 ms':>8s}")
     for phase in ("idle", "refitting"):
-        s = result[phase]
+        row = _summary(lags[phase])
         print(
-            f"{phase:12s} {s['ticks']:7d} {s['p50_ms']:8.3f} {s['p99_ms']:8.3f} {s['p999_ms']:9.3f} {s['max_ms']:8.3f} "
-            f"{100 * s['late_over_1ms_share']:7.2f}%"
+            f"{phase:12s} {row['ticks']:7d} {row['p50_ms']:8.3f} {row['p99_ms']:8.3f} {row['p999_ms']:9.3f} "
+            f"{row['max_ms']:8.3f} {100 * row['late_over_1ms_share']:7.2f}%"
         )
-    print(
-        f"refits ({args.mode}, {args.completions_per_s:g} completions/s): {refits} during {args.seconds:.0f} s; "
-        f"a refit took {result['refit_wall_ms_p50']:.1f} ms wall, {result['refit_cpu_ms_p50']:.2f} ms CPU (p50); "
-        f"the longest step between two GIL hand-overs "
-        f"took {result['longest_refit_step_ms']:.3f} ms wall, {result['longest_refit_step_cpu_ms']:.3f} ms CPU"
-    )
-    q = result["refit_step_cpu_ms"]
-    print(
-        f"{len(learner.step_cpu_s)} steps, CPU ms: p50 {q['p50']:.3f}, p99 {q['p99']:.3f}, p99.9 {q['p99_9']:.3f}, "
-        f"p99.99 {q['p99_99']:.3f}"
-    )
+    o = result["observe_us"]
+    assert isinstance(o, dict)
+    print(f"observe on the loop, us: p50 {o['p50']:.1f}, p99 {o['p99']:.1f}, max {o['max']:.1f}")
+    if remote is not None:
+
+        def _us(values: list[float]) -> dict[str, float]:
+            us = np.array(values or [0.0]) * 1e6
+            return {
+                "n": len(values),
+                "p50": float(np.median(us)),
+                "p99": float(np.percentile(us, 99)),
+                "max": float(us.max()),
+            }
+
+        result["last_refit_ms"] = (remote.last_refit_s or 0.0) * 1000
+        result["flush_us"] = _us(remote.flush_s)
+        result["receive_us"] = _us(remote.receive_s)
+        result["dropped_observations"] = remote.dropped
+        print(
+            f"refits (process, {args.completions_per_s:g} completions/s): {refits} in the refitting segments and the "
+            f"warm-up; the last took {result['last_refit_ms']:.1f} ms in the child; observations dropped: {remote.dropped}"
+        )
+        for name, key in (
+            ("a batch of observations sent", "flush_us"),
+            ("a message from the child read", "receive_us"),
+        ):
+            v = result[key]
+            assert isinstance(v, dict)
+            print(
+                f"the loop's time on {name}, us: n {v['n']}, p50 {v['p50']:.1f}, p99 {v['p99']:.1f}, max {v['max']:.1f}"
+            )
+    else:
+        result.update(
+            {
+                "last_refit_ms": (learner.last_refit_s or 0.0) * 1000,
+                # a whole refit (fit and quality, its hand-overs' sleeps included), median over the phase
+                "refit_wall_ms_p50": float(np.median(learner.refit_wall_s)) * 1000,
+                "refit_cpu_ms_p50": float(np.median(learner.refit_cpu_s)) * 1000,
+                "longest_refit_step_ms": learner.longest_step_s * 1000,
+                "longest_refit_step_cpu_ms": learner.longest_step_cpu_s * 1000,
+                "refit_steps": len(learner.step_cpu_s),
+                "refit_step_cpu_ms": {
+                    q: float(np.percentile(learner.step_cpu_s, float(q[1:].replace("_", ".")))) * 1000
+                    for q in ("p50", "p99", "p99_9", "p99_99")
+                },
+            }
+        )
+        print(
+            f"refits ({args.mode}, {args.completions_per_s:g} completions/s): {refits} during {args.seconds:.0f} s; "
+            f"a refit took {result['refit_wall_ms_p50']:.1f} ms wall, {result['refit_cpu_ms_p50']:.2f} ms CPU (p50); "
+            f"the longest step between two GIL hand-overs "
+            f"took {result['longest_refit_step_ms']:.3f} ms wall, {result['longest_refit_step_cpu_ms']:.3f} ms CPU"
+        )
+        q = result["refit_step_cpu_ms"]
+        assert isinstance(q, dict)
+        print(
+            f"{len(learner.step_cpu_s)} steps, CPU ms: p50 {q['p50']:.3f}, p99 {q['p99']:.3f}, "
+            f"p99.9 {q['p99_9']:.3f}, p99.99 {q['p99_99']:.3f}"
+        )
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -122,6 +122,11 @@ def test_a_stream_opens_the_next_backend_connection_ahead_and_the_next_stream_us
 
     with FakeBackend(lambda path, n: ("stream", 2, 0.0)) as backend:
         bodies = asyncio.run(scenario(backend))
+        # The second spare is connected once the kernel has completed its handshake, which can be
+        # before the backend's thread has accepted it: wait for the backend to count it.
+        deadline = time.monotonic() + 5
+        while backend.connections < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
     assert bodies[0] == bodies[1] and bodies[0].endswith(b"data: [DONE]\n\n")
     assert backend.posts(CHAT) == 2 and backend.connections == 3  # first request, two spares
 

@@ -86,7 +86,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -99,6 +99,7 @@ from clairvoyant.state_file import atomic_writer
 __all__ = [
     "DEFAULT_MODEL",
     "OTHER_MODEL",
+    "FittedCorrection",
     "LearnerConfig",
     "ModelQuality",
     "OnlineLearner",
@@ -410,10 +411,57 @@ class _Linear:
 
 
 @dataclass(frozen=True, slots=True)
-class _Fitted:
+class FittedCorrection:
     global_: _Linear
     by_model: dict[str, _Linear]  # global + the model's own correction
     observations: int  # rows the fit used
+    n_counts: int  # the rows' count columns; the encoder's components follow them
+
+    def packed(self) -> tuple[tuple[str, ...], bytes, tuple[float, ...], tuple[float, ...], int, int]:
+        """The fit as plain values, cheap to pickle (one process sends it to another): the model
+        keys, every weight row (the global fit's first) as float32 bytes, the prior weights, the
+        intercepts, the observations and the count columns."""
+        linears = [self.global_, *self.by_model.values()]
+        return (
+            tuple(self.by_model),
+            np.stack([linear.weights for linear in linears]).astype(np.float32).tobytes(),
+            tuple(linear.prior_weight for linear in linears),
+            tuple(linear.intercept for linear in linears),
+            self.observations,
+            self.n_counts,
+        )
+
+    @classmethod
+    def unpacked(
+        cls, packed: tuple[tuple[str, ...], bytes, tuple[float, ...], tuple[float, ...], int, int]
+    ) -> FittedCorrection:
+        """The fit ``packed`` describes (its weights are views of one array)."""
+        keys, weights, prior_weights, intercepts, observations, n_counts = packed
+        rows = np.frombuffer(weights, dtype=np.float32).reshape(len(prior_weights), -1)
+        linears = [_Linear(rows[i], prior_weights[i], intercepts[i]) for i in range(len(prior_weights))]
+        return cls(linears[0], dict(zip(keys, linears[1:])), observations, n_counts)
+
+    def correction(
+        self, key: str, known: Collection[str], max_models: int, row: np.ndarray, prior_log_tokens: float
+    ) -> float:
+        """The correction for model ``key``; ``known``: the model keys with a buffer (a key beyond
+        ``max_models`` of them is corrected as ``OTHER_MODEL``). Never raises on a finite row."""
+        linear = self.by_model.get(key)
+        if linear is None:
+            if key not in known and len(known) >= max_models:
+                linear = self.by_model.get(OTHER_MODEL, self.global_)
+            else:
+                linear = self.global_
+        # features are counts (>= 0), so log1p(row) is the design's log1p(max(row, 0)), one call cheaper
+        counts = self.n_counts
+        if len(row) == counts:  # a lexical row (no encoder's components): each component at 0, its mean
+            dot = float(np.dot(linear.weights[:counts], np.log1p(row)))
+        else:
+            dot = float(
+                np.dot(linear.weights[:counts], np.log1p(row[:counts])) + np.dot(linear.weights[counts:], row[counts:])
+            )
+        value = dot + linear.prior_weight * prior_log_tokens + linear.intercept
+        return value if math.isfinite(value) else 0.0
 
 
 def _ridge_gcv(
@@ -475,7 +523,7 @@ class OnlineLearner:
         self._new_since_fit = 0
         self._new_since_quality = 0
         self._observed_total = 0
-        self._fitted: _Fitted | None = None  # swapped whole by refit; read without a lock
+        self._fitted: FittedCorrection | None = None  # swapped whole by refit; read without a lock
         # per fit (model key or _GLOBAL): (GCV penalty, observations when it was searched); refit only
         self._penalties: dict[str, tuple[float, int]] = {}
         self._quality: dict[str, ModelQuality] = {}
@@ -503,28 +551,11 @@ class OnlineLearner:
         fitted = self._fitted
         if fitted is None:
             return 0.0
-        key = self._key(model)
-        linear = fitted.by_model.get(key)
-        if linear is None:
-            if key not in self._buckets and len(self._buckets) >= self.config.max_models:
-                linear = fitted.by_model.get(OTHER_MODEL, fitted.global_)
-            else:
-                linear = fitted.global_
-        # features are counts (>= 0), so log1p(row) is the design's log1p(max(row, 0)), one call cheaper
-        counts = self.n_counts
-        if len(row) == counts:  # a lexical row (no encoder's components): each component at 0, its mean
-            dot = float(np.dot(linear.weights[:counts], np.log1p(row)))
-        else:
-            dot = float(
-                np.dot(linear.weights[:counts], np.log1p(row[:counts])) + np.dot(linear.weights[counts:], row[counts:])
-            )
-        value = dot + linear.prior_weight * prior_log_tokens + linear.intercept
-        return value if math.isfinite(value) else 0.0
+        return fitted.correction(self._key(model), self._buckets, self.config.max_models, row, prior_log_tokens)
 
-    def observe(self, prediction: Prediction, observed_tokens: int) -> bool:
-        """Record what the backend produced for a request predicted as ``prediction``. O(1).
-        Returns False (and records nothing) for an unusable observation: a negative or non-integer
-        count, or a prediction without this prior's feature row."""
+    def accepts(self, prediction: Prediction, observed_tokens: int) -> bool:
+        """Whether ``observe`` would record this: a count that is a non-negative integer, and a
+        prediction with this prior's feature row (lexical or with the encoder's components)."""
         if (
             isinstance(observed_tokens, bool)
             or not isinstance(observed_tokens, (int, np.integer))
@@ -532,9 +563,17 @@ class OnlineLearner:
         ):
             return False
         row_bytes = len(prediction.feature_row)
-        if row_bytes != self._row_bytes and row_bytes != 4 * self.n_counts:
+        return row_bytes == self._row_bytes or row_bytes == 4 * self.n_counts
+
+    def observe(self, prediction: Prediction, observed_tokens: int) -> bool:
+        """Record what the backend produced for a request predicted as ``prediction``. O(1).
+        Returns False (and records nothing) for an unusable observation: a negative or non-integer
+        count, or a prediction without this prior's feature row."""
+        if not self.accepts(prediction, observed_tokens):
             return False
-        learnable = row_bytes == self._row_bytes  # a lexical row under an encoder's learner: quality only
+        learnable = (
+            len(prediction.feature_row) == self._row_bytes
+        )  # a lexical row under an encoder's learner: quality only
         observed_log = log_tokens(int(observed_tokens))
         cap = prediction.cap_tokens
         censored = cap is not None and observed_tokens >= cap
@@ -566,8 +605,18 @@ class OnlineLearner:
         return self._new_since_fit >= self.config.refit_every
 
     @property
+    def unfitted(self) -> int:
+        """Observations learned since the last refit started."""
+        return self._new_since_fit
+
+    @property
     def fitted(self) -> bool:
         return self._fitted is not None
+
+    @property
+    def current_fit(self) -> FittedCorrection | None:
+        """The correction in use (immutable; swapped whole by each refit)."""
+        return self._fitted
 
     @property
     def observed_total(self) -> int:
@@ -635,7 +684,7 @@ class OnlineLearner:
             self.refits += 1
             self.update_quality()
 
-    def _fit(self, data: list[tuple[str, _Moments, int]]) -> _Fitted:
+    def _fit(self, data: list[tuple[str, _Moments, int]]) -> FittedCorrection:
         cfg = self.config
         pooled = _Moments(self.n_features + 1)
         for _, moments, _ in data:
@@ -701,7 +750,7 @@ class OnlineLearner:
                     self._unit_done()
                     coef, intercept = fit(moments, key, observations, global_coef, global_intercept)
                     by_model[key] = linear(global_coef + coef, global_intercept + intercept)
-        return _Fitted(linear(global_coef, global_intercept), by_model, n)
+        return FittedCorrection(linear(global_coef, global_intercept), by_model, n, self.n_counts)
 
     def update_quality(self) -> None:
         """Recompute the rolling quality of the models observed since the last update

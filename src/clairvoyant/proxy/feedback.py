@@ -2,19 +2,19 @@
 the online learner (``clairvoyant.prediction.learner``), and the learner's correction back into the predictor.
 
 - ``UsageRecorder`` is the relay's ``on_usage`` hook. It runs on the event loop once per completed
-  scheduled request and does O(1) work: a counter, a histogram, and the learner's ``observe``
-  (rows into bounded ring buffers; refits run in the learner's own thread, never here).
-- ``OnlineLearning`` is the learner's life in the proxy, built by the lifespan: load the state file
-  at start, attach the learner to the predictor as its corrector, start its refit thread, save the
-  state every ``learner_save_interval_s`` and at shutdown. Loading, saving and stopping the thread
-  run in worker threads (``asyncio.to_thread``), never on the event loop.
+  scheduled request and does O(1) work: a counter, a histogram, and the learner's ``observe`` (the
+  observation sent to the learner's process; refits run there, never here).
+- ``OnlineLearning`` is the learner's life in the proxy, built by the lifespan: start the learner's
+  process (``clairvoyant.prediction.learner_process``), which loads the state file; attach it to the
+  predictor as its corrector; have it save the state every ``learner_save_interval_s`` and at
+  shutdown. Loading, fitting and saving all happen in that process, never on the event loop.
 
 The learner learns only from ``Usage`` records, which the relay reads from the BACKEND's answer
 (its reported token counts, else its counted stream events): nothing a client sends (the request
 body, its proxy field, its headers) can become an observed length.
 
 With ``online_learning = false`` the predictor stays the static shipped model: no corrector, no
-refit thread, no state file read or written. Completed requests are still observed, only so that
+refits, no state file read or written. Completed requests are still observed, only so that
 /metrics shows the static model's rolling prediction quality (the learner's quality windows);
 nothing learned from them is ever used.
 
@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from clairvoyant.config import Settings
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.learner import OnlineLearner, PriorIdentity
+from clairvoyant.prediction.learner_process import LearnerProcess, LearnerUnavailable
 from clairvoyant.prediction.usage import Usage
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ class UsageRecorder:
     """Counts each completed request's usage and, when there is a learner, lets it observe the
     backend's length. ``learner=None``: metrics only."""
 
-    def __init__(self, metrics: Metrics, learner: OnlineLearner | None = None) -> None:
+    def __init__(self, metrics: Metrics, learner: OnlineLearner | LearnerProcess | None = None) -> None:
         self.metrics = metrics
         self.learner = learner
         self.refiner: Refiner | None = None  # the encoder's thread, when the learner reads its components
@@ -96,7 +97,7 @@ class OnlineLearning:
         self.metrics = metrics
         self.learning = settings.online_learning
         self.state_path = settings.learner_state_path if settings.online_learning else None
-        self.learner: OnlineLearner | None = None
+        self.learner: LearnerProcess | None = None
         self.recorder = UsageRecorder(metrics)
         self._saver: asyncio.Task[None] | None = None
         self._previous_corrector: Any = None  # restored at stop: a predictor may outlive one app
@@ -108,44 +109,46 @@ class OnlineLearning:
         if identity is None:
             logger.info("online learning: the predictor has no prior identity; usage is recorded in metrics only")
             return
-        if self.state_path is not None:
-            self.learner = await asyncio.to_thread(OnlineLearner.load, self.state_path, identity)
-        else:
-            self.learner = OnlineLearner(identity)
-        self._saved_total = self.learner.observed_total
-        self.recorder.learner = self.learner
+        learner = LearnerProcess(identity, state_path=self.state_path, fit=self.learning)
+        if not await learner.start():  # logged: the proxy serves with the static model
+            return
+        self.learner = learner
+        self._saved_total = learner.observed_total
+        self.recorder.learner = learner
         if not self.learning:
             logger.info("online learning off: the static model predicts; its quality is still measured")
             return
         predictor: Any = self.predictor
         self._previous_corrector = predictor.corrector
-        predictor.corrector = self.learner
-        self.learner.start()  # its own thread: refits restored observations, then whenever due
+        predictor.corrector = learner
         if self.state_path is not None:
             self._saver = asyncio.create_task(self._save_periodically(), name="learner-saver")
         logger.info(
-            "online learning on: state file %s, saved every %ss",
+            "online learning on: learner process %s, state file %s, saved every %ss",
+            learner.pid,
             self.state_path or "none (in memory only)",
             self.settings.learner_save_interval_s,
         )
 
     async def stop(self) -> None:
-        """Stop saving and refitting, then save once more. Call after the dispatcher has drained."""
+        """Stop saving, save once more, and stop the learner's process. Call after the dispatcher
+        has drained."""
         if self._saver is not None:
             self._saver.cancel()
             await asyncio.gather(self._saver, return_exceptions=True)
             self._saver = None
         learner = self.learner
-        if learner is None or not self.learning:
+        if learner is None:
             return
-        predictor: Any = self.predictor
-        predictor.corrector = self._previous_corrector
-        await asyncio.to_thread(learner.stop)
-        await self.save()
+        if self.learning:
+            predictor: Any = self.predictor
+            predictor.corrector = self._previous_corrector
+            await self.save()
+        await learner.stop()
 
     async def save(self) -> bool:
-        """Save the state now (in a worker thread) if there is a state file and anything new.
-        True if saved. A failed save is logged, never raised: the proxy keeps serving."""
+        """Have the learner's process save the state now if there is a state file and anything
+        new. True if saved. A failed save is logged, never raised: the proxy keeps serving."""
         learner = self.learner
         if learner is None or self.state_path is None or not self.learning:
             return False
@@ -153,9 +156,9 @@ class OnlineLearning:
         if total == self._saved_total:
             return False
         try:
-            await asyncio.to_thread(learner.save, self.state_path)
-        except Exception as exc:  # disk full, permissions, a path that is a directory...: keep serving
-            logger.warning("online learner: cannot save state to %s: %s: %s", self.state_path, type(exc).__name__, exc)
+            await learner.save()
+        except (OSError, LearnerUnavailable, TimeoutError) as exc:  # disk full, permissions, no process...
+            logger.warning("online learner: cannot save state to %s: %s", self.state_path, exc)
             return False
         self._saved_total = total
         return True
@@ -166,13 +169,16 @@ class OnlineLearning:
             await self.save()
 
     async def refresh_quality(self) -> None:
-        """Bring the quality gauges up to date (before /metrics renders). The rolling quality is
-        recomputed in a worker thread only if requests were observed since the last refresh."""
+        """Bring the quality gauges up to date (before /metrics renders). The learner's process
+        recomputes the rolling quality only if requests were observed since the last refresh."""
         learner = self.learner
         if learner is None:
             return
         total = learner.observed_total
         if total != self._quality_total:
-            await asyncio.to_thread(learner.update_quality)
-            self._quality_total = total
+            try:
+                await learner.update_quality(timeout_s=2.0)
+                self._quality_total = total
+            except (LearnerUnavailable, TimeoutError):  # shown as last computed
+                pass
         self.metrics.set_prediction_quality(learner.quality())

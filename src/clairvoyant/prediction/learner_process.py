@@ -1,0 +1,498 @@
+"""The online learner in its own process, so that a refit never holds the event loop's GIL.
+
+Why a process: a refit in a thread of the proxy holds the interpreter lock in steps of at most
+``refit_step_s`` of work, but on a shared machine the OS may preempt the thread while it holds the
+lock, and the event loop then waits for the whole preemption. On this project's 2-core host, idle,
+steps of 0.45-0.95 ms of CPU took 3.0-3.7 ms of wall time (docs/benchmarks.md, section 18). A child
+process has its own interpreter: nothing it does, or suffers, holds the loop's lock.
+
+The parent side, ``LearnerProcess``, lives on the event loop and does three small things:
+
+- ``observe``: checks the observation as ``OnlineLearner.observe`` would (``accepts``) and keeps it
+  for the next batch, about a microsecond. Every ``FLUSH_S`` the batch goes down the child's stdin
+  as one pickle of plain tuples (~0.2 KB and 0.2 us an observation; the dataclass would be 4 us).
+  Never a wait: the pipe's transport buffers, and past ``max_backlog_bytes`` an observation is
+  dropped and counted (only if the child stalls). The child does not sleep on the pipe but polls it
+  every ``POLL_S``: a write that wakes a process waiting on the pipe cost the loop ~0.1 ms here
+  (the wake-up is the writer's), a write nobody waits for a few microseconds;
+- ``correction``: the request path's read of the last fit the child sent (``FittedCorrection``,
+  immutable, swapped whole), exactly ``OnlineLearner.correction``'s arithmetic;
+- ``quality``/``save``/``stop``: requests to the child, awaited (``asyncio``), never blocking.
+
+The child (``python -m clairvoyant.prediction.learner_process``) owns an ``OnlineLearner``: it loads
+the state file (a refused file is logged exactly as in-process), takes the observations, refits
+whenever ``refit_every`` new ones have arrived, sends each new fit and the rolling quality back,
+and saves the state when asked. It runs at ``worker_nice`` above the proxy, ignores SIGINT (a
+terminal's Ctrl-C reaches the whole process group; the proxy asks it to save, then to stop) and exits
+when its stdin closes, so it never outlives the proxy. Its log lines come back as frames and are
+logged by the proxy under the child's logger names, in the proxy's format.
+
+Frames, both ways: a 4-byte big-endian length, then a pickle (trusted: the proxy's own child).
+Down: ``("init", identity, config, state_path, fit, quiet_refit_s)`` then ``("observe",
+[(each field of the Prediction..., tokens), ...])``, ``("quality", id)``, ``("save", id)``, ``("stop", id)``. Up:
+``("log", logger, level, message)``, ``("ready", observed_total)``, ``("fit", packed fit,
+model_keys, refit_s)`` (``FittedCorrection.packed``: plain values, ~20 us to read against ~150 us
+for the pickled dataclasses and arrays), ``("quality", quality)`` (only when asked), ``("done", id,
+error)``.
+
+If the child dies (killed, out of memory), the proxy logs it, keeps predicting with the last fit,
+drops observations until a new child is up, and starts one again (``respawn_after_s`` later), which
+restores the last saved state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import signal
+import struct
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clairvoyant.prediction.learner import (
+    DEFAULT_MODEL,
+    FittedCorrection,
+    LearnerConfig,
+    ModelQuality,
+    OnlineLearner,
+    PriorIdentity,
+)
+from clairvoyant.prediction.predictor import Prediction
+
+__all__ = ["LearnerProcess", "LearnerUnavailable"]
+
+logger = logging.getLogger(__name__)
+
+_LENGTH = struct.Struct(">I")
+MAX_BACKLOG_BYTES = 4 << 20  # bytes of observations waiting for the child before new ones are dropped
+FLUSH_S = 0.05  # seconds an observation may wait to be sent with the next ones
+POLL_S = 0.02  # seconds the child sleeps between two looks at its pipe when it has nothing to do
+
+
+class LearnerUnavailable(RuntimeError):
+    """The learner's process is not running (it could not start, or died, or was stopped)."""
+
+
+def _frame(message: tuple[Any, ...]) -> bytes:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LENGTH.pack(len(payload)) + payload
+
+
+class LearnerProcess:
+    """The proxy's side of a learner running in a child process (see the module docstring).
+    Use from one event loop: ``await start()``, then ``observe``/``correction`` from the loop's
+    callbacks, ``await save()`` / ``update_quality()``, and ``await stop()``."""
+
+    def __init__(
+        self,
+        identity: PriorIdentity,
+        config: LearnerConfig | None = None,
+        state_path: Path | None = None,
+        *,
+        fit: bool = True,
+        quiet_refit_s: float = 5.0,  # seconds after which fewer than refit_every new observations are fitted
+        max_backlog_bytes: int = MAX_BACKLOG_BYTES,
+        respawn_after_s: float = 10.0,
+    ) -> None:
+        self.identity = identity
+        self.config = config or LearnerConfig()
+        self.state_path = state_path
+        self.fit = fit  # False: observe for the quality figures only (online_learning = false)
+        self.quiet_refit_s = quiet_refit_s
+        self.max_backlog_bytes = max_backlog_bytes
+        self.respawn_after_s = respawn_after_s
+        self.n_counts = len(identity.feature_names)
+        self.n_features = self.n_counts + len(identity.component_names)
+        self._checker = OnlineLearner(identity, self.config)  # its ``accepts`` only: never observes
+        self._fit: FittedCorrection | None = None
+        self._batch: list[tuple[Any, ...]] = []  # observations not yet sent: _fields(prediction) + (tokens,)
+        self._flush_handle: asyncio.TimerHandle | None = None
+        self._models: frozenset[str] = frozenset()  # the child's model keys at its last fit
+        self._quality: dict[str, ModelQuality] = {}
+        self.observed_total = 0  # restored + accepted here (the child may not have taken them yet)
+        self.dropped = 0  # observations not sent: no child, or its backlog was full
+        self.refits = 0  # fits received
+        self.last_refit_s: float | None = None  # seconds the child's last refit took
+        self.pid: int | None = None
+        self._process: asyncio.subprocess.Process | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._replies: dict[int, asyncio.Future[str | None]] = {}
+        self._next_id = 0
+        self._ready: asyncio.Future[int] | None = None
+        self._stopping = False
+        self._respawn: asyncio.TimerHandle | None = None
+
+    # -- life ------------------------------------------------------------------------------------
+    async def start(self, timeout_s: float = 60.0) -> bool:
+        """Start the child and wait until it has loaded the state file. False (logged) if it could
+        not start: the proxy then predicts with the prior and learns nothing."""
+        self._stopping = False
+        try:
+            total = await asyncio.wait_for(self._spawn(), timeout_s)
+        except Exception as exc:  # no interpreter, a broken install, a child that hangs...
+            logger.error("online learner: its process did not start (%s: %s); learning is off", type(exc).__name__, exc)
+            await self._kill()
+            return False
+        self.observed_total = total
+        return True
+
+    async def _spawn(self) -> int:
+        package_root = str(Path(__file__).resolve().parents[2])  # the clairvoyant this proxy runs
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        env.setdefault("OPENBLAS_NUM_THREADS", "1")  # p x p solves: one core is plenty, and leaves one
+        self._process = process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            __name__,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env=env,
+        )
+        self.pid = process.pid
+        loop = asyncio.get_running_loop()
+        self._ready = loop.create_future()
+        self._reader = loop.create_task(self._read(process), name="learner-process-reader")
+        init = ("init", self.identity, self.config, self.state_path, self.fit, self.quiet_refit_s)
+        self._write(_frame(init))
+        return await self._ready
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the child to stop and wait for it (it saves nothing by itself: ``save`` first)."""
+        self._stopping = True
+        if self._respawn is not None:
+            self._respawn.cancel()
+            self._respawn = None
+        try:
+            await self._request("stop", timeout_s)
+        except (LearnerUnavailable, TimeoutError):
+            pass
+        await self._kill(timeout_s)
+
+    async def _kill(self, timeout_s: float = 5.0) -> None:
+        process = self._process
+        if process is not None:
+            if process.stdin is not None:
+                process.stdin.close()  # the child exits when its stdin closes
+            try:
+                await asyncio.wait_for(process.wait(), timeout_s)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+        if self._reader is not None:
+            await asyncio.gather(self._reader, return_exceptions=True)
+            self._reader = None
+
+    # -- the request path ------------------------------------------------------------------------
+    def correction(self, model: str | None, row: np.ndarray, prior_log_tokens: float) -> float:
+        """``OnlineLearner.correction`` on the last fit the child sent (0.0 before the first)."""
+        fit = self._fit
+        if fit is None:
+            return 0.0
+        return fit.correction(model or DEFAULT_MODEL, self._models, self.config.max_models, row, prior_log_tokens)
+
+    def observe(self, prediction: Prediction, observed_tokens: int) -> bool:
+        """Send an observation to the child. False, as ``OnlineLearner.observe``, for an unusable
+        one; an observation that cannot be sent (no child, a full backlog) counts in ``dropped``."""
+        if not self._checker.accepts(prediction, observed_tokens):
+            return False
+        self.observed_total += 1
+        if not self.running:
+            self.dropped += 1
+            return True
+        p = prediction  # its fields as a plain tuple: pickled 15x faster than the dataclass
+        self._batch.append(
+            (
+                p.score,
+                p.predicted_tokens,
+                p.probabilities,
+                p.prior_log_tokens,
+                p.feature_row,
+                p.model,
+                p.cap_tokens,
+                int(observed_tokens),
+            )
+        )
+        if self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_later(FLUSH_S, self._flush)
+        return True
+
+    def _flush(self) -> None:
+        """Send the batch of observations (one write), unless the child is gone or backed up."""
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        batch, self._batch = self._batch, []
+        if not batch:
+            return
+        process = self._process
+        stdin = None if process is None or process.returncode is not None else process.stdin
+        if stdin is None or stdin.is_closing() or stdin.transport.get_write_buffer_size() > self.max_backlog_bytes:
+            self.dropped += len(batch)
+            return
+        stdin.write(_frame(("observe", batch)))
+
+    # -- reading ---------------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        """Whether a child is up (False between a child's death and its successor's start)."""
+        return self._process is not None and self._process.returncode is None
+
+    @property
+    def fitted(self) -> bool:
+        return self._fit is not None
+
+    def quality(self) -> Mapping[str, ModelQuality]:
+        """Rolling quality per model key, as the child last computed it."""
+        return self._quality
+
+    async def update_quality(self, timeout_s: float = 5.0) -> None:
+        """Have the child bring the rolling quality up to date with what it was sent."""
+        await self._request("quality", timeout_s)
+
+    async def save(self, timeout_s: float = 60.0) -> None:
+        """Have the child write the state file (atomically). Raises OSError with the child's reason
+        if it could not, LearnerUnavailable if there is no child."""
+        error = await self._request("save", timeout_s)
+        if error is not None:
+            raise OSError(error)
+
+    # -- the pipe --------------------------------------------------------------------------------
+    async def _request(self, kind: str, timeout_s: float) -> str | None:
+        process = self._process
+        if process is None or process.returncode is not None or process.stdin is None or process.stdin.is_closing():
+            raise LearnerUnavailable("the online learner's process is not running")
+        self._next_id += 1
+        request_id = self._next_id
+        reply: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self._replies[request_id] = reply
+        try:
+            self._flush()  # what was observed before the request is in the child's answer
+            self._write(_frame((kind, request_id)))
+            return await asyncio.wait_for(reply, timeout_s)
+        finally:
+            self._replies.pop(request_id, None)
+
+    def _write(self, frame: bytes) -> None:
+        process = self._process
+        if process is None or process.stdin is None:
+            raise LearnerUnavailable("the online learner's process is not running")
+        process.stdin.write(frame)
+
+    async def _read(self, process: asyncio.subprocess.Process) -> None:
+        stdout = process.stdout
+        assert stdout is not None
+        try:
+            while True:
+                header = await stdout.readexactly(_LENGTH.size)
+                payload = await stdout.readexactly(_LENGTH.unpack(header)[0])
+                self._receive(pickle.loads(payload))
+        except asyncio.IncompleteReadError:
+            pass  # the child closed its stdout: it exited
+        except Exception:  # a frame we cannot read: the child is not one we understand; end it
+            logger.exception("online learner: unreadable message from its process")
+            process.kill()
+        code = await process.wait()
+        self._gone(process, code)
+
+    def _receive(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "fit":
+            _, packed, models, refit_s = message
+            self._fit, self._models = FittedCorrection.unpacked(packed), frozenset(models)
+            self.last_refit_s = refit_s
+            self.refits += 1
+        elif kind == "quality":
+            self._quality = message[1]
+        elif kind == "done":
+            reply = self._replies.get(message[1])
+            if reply is not None and not reply.done():
+                reply.set_result(message[2])
+        elif kind == "log":
+            _, name, level, text = message
+            logging.getLogger(name).log(level, "%s", text)
+        elif kind == "ready":
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(message[1])
+
+    def _gone(self, process: asyncio.subprocess.Process, code: int) -> None:
+        """The child exited: fail what waits for it; unless stopping, start another later."""
+        error = LearnerUnavailable(f"the online learner's process exited with code {code}")
+        for reply in self._replies.values():
+            if not reply.done():
+                reply.set_exception(error)
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(error)
+        if self._stopping or process is not self._process:
+            return
+        self._process = None
+        delay_s = self.respawn_after_s  # a child that keeps dying is started at most this often
+        logger.error(
+            "online learner: its process (pid %s) exited with code %s; predictions keep the last fit, "
+            "observations are dropped until it is started again in %.0f s (from the last saved state)",
+            process.pid,
+            code,
+            delay_s,
+        )
+        self._respawn = asyncio.get_running_loop().call_later(delay_s, self._start_again)
+
+    def _start_again(self) -> None:
+        self._respawn = None
+        if self._stopping:
+            return
+
+        async def again() -> None:
+            if await self.start():
+                logger.info("online learner: its process is running again (pid %s)", self.pid)
+
+        asyncio.get_running_loop().create_task(again(), name="learner-process-respawn")
+
+
+# -- the child ---------------------------------------------------------------------------------------
+class _FrameLogHandler(logging.Handler):
+    """Sends the child's log lines to the proxy, which logs them in its own format."""
+
+    def __init__(self, send: Any) -> None:
+        super().__init__(logging.DEBUG)
+        self._send = send
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+            if record.exc_info:
+                text += "\n" + logging.Formatter().formatException(record.exc_info)
+            self._send(("log", record.name, record.levelno, text))
+        except Exception:  # a log line must never end the child
+            self.handleError(record)
+
+
+class _Child:
+    def __init__(self, read_fd: int, write_fd: int) -> None:
+        self._read_fd, self._write_fd = read_fd, write_fd
+        self._buffer = bytearray()
+        self._eof = False
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        frame = _frame(message)
+        view = memoryview(frame)
+        while view:
+            written = os.write(self._write_fd, view)
+            view = view[written:]
+
+    def _read_available(self) -> list[tuple[Any, ...]]:
+        """The complete frames in the pipe now (never waits: the fd is non-blocking)."""
+        while not self._eof:
+            try:
+                chunk = os.read(self._read_fd, 1 << 20)
+            except BlockingIOError:
+                break
+            if not chunk:
+                self._eof = True
+            self._buffer += chunk
+        messages: list[tuple[Any, ...]] = []
+        while len(self._buffer) >= _LENGTH.size:
+            size = _LENGTH.unpack_from(self._buffer)[0]
+            if len(self._buffer) < _LENGTH.size + size:
+                break
+            messages.append(pickle.loads(bytes(self._buffer[_LENGTH.size : _LENGTH.size + size])))
+            del self._buffer[: _LENGTH.size + size]
+        return messages
+
+    def run(self) -> None:
+        os.set_blocking(self._read_fd, False)
+        init: list[tuple[Any, ...]] = []
+        while not init and not self._eof:
+            time.sleep(0.001)  # the proxy writes the init frame as it starts the child
+            init = self._read_available()
+        if not init or init[0][0] != "init":
+            return
+        _, identity, config, state_path, fit, quiet_refit_s = init[0]
+        _lower_priority(config.worker_nice)
+        learner = OnlineLearner.load(state_path, identity, config) if state_path else OnlineLearner(identity, config)
+        self.send(("ready", learner.observed_total))
+        if fit and learner.unfitted:
+            self._refit(learner)  # restored observations: fitted at once
+        pending = init[1:]
+        quiet_until: float | None = None  # when observations fewer than refit_every are fitted anyway
+        while True:
+            for message in pending:
+                kind = message[0]
+                if kind == "observe":
+                    for *fields, tokens in message[1]:
+                        learner.observe(Prediction(*fields), tokens)
+                elif kind == "quality":
+                    learner.update_quality()  # only the models observed since the last update
+                    self.send(("quality", dict(learner.quality())))
+                    self.send(("done", message[1], None))
+                elif kind == "save":
+                    self.send(("done", message[1], self._save(learner, state_path)))
+                elif kind == "stop":
+                    self.send(("done", message[1], None))
+                    return
+            if self._eof:
+                return
+            refitted = False
+            if fit and learner.unfitted:
+                now = time.monotonic()
+                if quiet_until is None:
+                    quiet_until = now + quiet_refit_s
+                if learner.refit_due or now >= quiet_until:
+                    self._refit(learner)  # and the rolling quality, sent when asked
+                    quiet_until, refitted = None, True
+            if not pending and not refitted:
+                time.sleep(POLL_S)
+            pending = self._read_available()
+
+    def _refit(self, learner: OnlineLearner) -> None:
+        try:
+            learner.refit()
+        except Exception:  # a failed refit must not end learning; the old fit stays
+            logger.exception("online learner: refit failed; keeping the previous correction")
+            return
+        fit = learner.current_fit
+        if fit is not None:
+            self.send(("fit", fit.packed(), learner.models(), learner.last_refit_s))
+
+    @staticmethod
+    def _save(learner: OnlineLearner, state_path: Path | None) -> str | None:
+        if state_path is None:
+            return None
+        try:
+            learner.save(state_path)
+        except Exception as exc:  # disk full, permissions, a directory...: the proxy logs it
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+
+def _lower_priority(increment: int) -> None:
+    """The refits yield the cores to the proxy and the backend (Linux niceness). Best effort."""
+    try:
+        os.nice(increment)
+    except OSError:
+        pass
+
+
+def main() -> None:
+    """The child's entry point (``python -m clairvoyant.prediction.learner_process``)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the proxy's to handle
+    write_fd = os.dup(1)
+    os.dup2(2, 1)  # a stray print() must not corrupt the frames
+    child = _Child(0, write_fd)
+    root = logging.getLogger()
+    root.handlers[:] = [_FrameLogHandler(child.send)]
+    root.setLevel(logging.INFO)
+    try:
+        child.run()
+    except (BrokenPipeError, KeyboardInterrupt):
+        pass
+
+
+if __name__ == "__main__":
+    main()

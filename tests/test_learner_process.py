@@ -1,0 +1,192 @@
+"""The online learner in its own process (``clairvoyant.prediction.learner_process``): the same fit
+as in-process, the state file through the child, a child that dies, a child that cannot save."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clairvoyant.prediction.learner import LearnerConfig, OnlineLearner, PriorIdentity
+from clairvoyant.prediction.learner_process import LearnerProcess, LearnerUnavailable
+from clairvoyant.prediction.predictor import Prediction
+
+N_FEATURES = 6
+IDENTITY = PriorIdentity("test_set", tuple(f"f{i}" for i in range(N_FEATURES)), "a" * 64)
+
+
+def _prediction(row: np.ndarray, prior_log: float, model: str = "m") -> Prediction:
+    return Prediction(prior_log, math.exp(prior_log), None, prior_log, row.astype(np.float32).tobytes(), model, None)
+
+
+def _world(n: int, seed: int = 0) -> list[tuple[Prediction, int]]:
+    """Observations whose prior is biased (x e^1.5) and blind to feature 0."""
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, 4, size=(n, N_FEATURES)).astype(np.float32)
+    truth = 4.0 + 0.8 * np.log1p(rows[:, 0]) + rng.normal(0, 0.2, n)
+    prior = 5.5 + rng.normal(0, 0.2, n)
+    return [(_prediction(r, float(p)), int(round(math.exp(t)))) for r, p, t in zip(rows, prior, truth)]
+
+
+async def _until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.01)
+    assert condition(), what
+
+
+def test_the_child_fits_exactly_what_the_learner_fits_in_process() -> None:
+    observations = _world(200)
+    config = LearnerConfig(refit_every=200)  # one refit, once all 200 have arrived
+    local = OnlineLearner(IDENTITY, config)
+    for prediction, tokens in observations:
+        local.observe(prediction, tokens)
+    local.refit()
+    probes = [p for p, _ in _world(50, seed=1)]
+    expected = [local.correction("m", np.frombuffer(p.feature_row, np.float32), p.prior_log_tokens) for p in probes]
+    assert max(abs(v) for v in expected) > 0.5  # the premise: a large correction was learned
+
+    async def run() -> list[float]:
+        remote = LearnerProcess(IDENTITY, config)
+        assert await remote.start()
+        try:
+            assert remote.correction("m", np.zeros(N_FEATURES, np.float32), 5.0) == 0.0  # nothing learned yet
+            for prediction, tokens in observations:
+                assert remote.observe(prediction, tokens)
+            await _until(lambda: remote.refits >= 1, "a fit from the child")
+            return [
+                remote.correction("m", np.frombuffer(p.feature_row, np.float32), p.prior_log_tokens) for p in probes
+            ]
+        finally:
+            await remote.stop()
+
+    assert asyncio.run(run()) == expected  # the same floats: the same code on the same data
+
+
+def test_unusable_observations_are_refused_before_they_are_sent() -> None:
+    remote = LearnerProcess(IDENTITY)  # never started: a refusal needs no child
+    prediction, _ = _world(1)[0]
+    assert not remote.observe(prediction, -1)
+    assert not remote.observe(prediction, True)  # type: ignore[arg-type]  # a bool is not a count
+    assert not remote.observe(Prediction(5.0, 148.0, None, 5.0, b"\x00" * 12, "m", None), 10)  # another prior's row
+    assert remote.observed_total == 0 and remote.dropped == 0
+    assert remote.observe(prediction, 10)  # usable, but there is no child to take it: counted as dropped
+    assert remote.observed_total == 1 and remote.dropped == 1
+
+
+def test_the_state_file_round_trips_through_the_child_and_a_corrupt_one_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = tmp_path / "learner.npz"
+    observations = _world(40)
+
+    async def learn_and_save() -> None:
+        remote = LearnerProcess(IDENTITY, state_path=state)
+        assert await remote.start() and remote.observed_total == 0
+        for prediction, tokens in observations:
+            remote.observe(prediction, tokens)
+        await remote.save()
+        await remote.stop()
+
+    async def restored() -> tuple[int, int]:
+        remote = LearnerProcess(IDENTITY, state_path=state)
+        assert await remote.start()
+        try:
+            await remote.update_quality()
+            quality = remote.quality().get("m")
+            return remote.observed_total, 0 if quality is None else quality.observations
+        finally:
+            await remote.stop()
+
+    asyncio.run(learn_and_save())
+    assert asyncio.run(restored()) == (40, 40)
+
+    state.write_bytes(b"PK\x03\x04 not a learner state")
+    caplog.set_level(logging.WARNING, logger="clairvoyant.prediction.learner")
+    assert asyncio.run(restored()) == (0, 0)  # the prior: nothing restored
+    refused = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert (
+        len(refused) == 1
+        and refused[0].name == "clairvoyant.prediction.learner"
+        and str(state) in refused[0].getMessage()
+    )
+
+
+def test_a_failed_save_raises_the_childs_reason_and_the_child_keeps_learning(tmp_path: Path) -> None:
+    async def run() -> None:
+        remote = LearnerProcess(IDENTITY, state_path=tmp_path)  # a directory: it cannot be written over
+        assert await remote.start()
+        try:
+            prediction, tokens = _world(1)[0]
+            remote.observe(prediction, tokens)
+            with pytest.raises(OSError, match="Error"):
+                await remote.save()
+            remote.observe(prediction, tokens)
+            await remote.update_quality()
+            assert remote.quality()["m"].observations == 2
+        finally:
+            await remote.stop()
+
+    asyncio.run(run())
+
+
+def test_a_killed_child_is_started_again_from_the_saved_state_and_the_last_fit_is_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = tmp_path / "learner.npz"
+    observations = _world(40)
+    probe = observations[0][0]
+    row = np.frombuffer(probe.feature_row, np.float32)
+    caplog.set_level(logging.INFO, logger="clairvoyant.prediction.learner_process")
+
+    async def run() -> None:
+        remote = LearnerProcess(IDENTITY, LearnerConfig(refit_every=8), state, respawn_after_s=1.0)
+        assert await remote.start()
+        try:
+            for prediction, tokens in observations:
+                remote.observe(prediction, tokens)
+            await remote.save()
+            await _until(lambda: remote.refits >= 1, "a fit")
+            learned = remote.correction("m", row, probe.prior_log_tokens)
+            assert learned != 0.0
+            first = remote.pid
+            assert first is not None
+            os.kill(first, signal.SIGKILL)
+            await _until(lambda: not remote.running, "the death noticed")
+            assert remote.correction("m", row, probe.prior_log_tokens) == learned  # the last fit is kept
+            assert remote.observe(*observations[1]) and remote.dropped == 1  # nobody to take it
+            with pytest.raises(LearnerUnavailable):
+                await remote.save()
+            await _until(lambda: remote.running and remote.pid != first, "a new child")
+            await _until(lambda: remote.observed_total == 40, "the saved state restored")
+            await remote.update_quality()
+            assert remote.quality()["m"].observations == 40
+        finally:
+            await remote.stop()
+
+    asyncio.run(run())
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("exited with code -9" in m for m in messages)
+    assert any("running again" in m for m in messages)
+
+
+def test_the_child_ignores_ctrl_c_and_exits_when_asked() -> None:
+    async def run() -> int | None:
+        remote = LearnerProcess(IDENTITY)
+        assert await remote.start()
+        assert remote.pid is not None
+        os.kill(remote.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole process group
+        await asyncio.sleep(0.2)
+        await remote.update_quality()  # still answering
+        await remote.stop()
+        assert remote._process is not None
+        return remote._process.returncode
+
+    assert asyncio.run(run()) == 0
