@@ -193,6 +193,10 @@ class LearnerConfig:
     # wall seconds of refit work after which the worker hands the GIL to the event loop at the next
     # unit boundary (see the module docstring); 0: after every unit
     refit_step_s: float = 0.00015
+    # The residual kNN on the encoder's embedding (see the module docstring): the neighbours read (0: off)
+    # and the shrinkage pseudo-weight lambda, in cosine units (research/study_residual_knn.py picked 16 and 16).
+    knn_neighbours: int = 16
+    knn_shrinkage: float = 16.0
 
     def __post_init__(self) -> None:
         if min(self.buffer_size, self.refit_every, self.min_observations, self.max_models, self.quality_window) < 1:
@@ -203,6 +207,8 @@ class LearnerConfig:
             raise ValueError(f"min_penalty_factor must be in [1e-3, 1e3]: {self.min_penalty_factor}")
         if not self.refit_step_s >= 0:
             raise ValueError(f"refit_step_s must be >= 0: {self.refit_step_s}")
+        if self.knn_neighbours < 0 or not 0 <= self.knn_shrinkage < math.inf:
+            raise ValueError(f"knn_neighbours and knn_shrinkage must be >= 0 and finite: {self}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,6 +316,57 @@ class _Window:
         return self.predicted[idx], self.observed[idx]
 
 
+class _ResidualKnn:
+    """One model's residual kNN: a ring of the last ``capacity`` observations' unit embeddings and
+    their residuals (observed - (prior + the linear correction at observe time) ln tokens).
+    Appended under the learner's lock, read without it: the arrays are allocated once and never
+    replaced, and ``count`` grows only after a row is written, so a reader sees whole rows (one
+    being overwritten may be a neighbour of either age)."""
+
+    __slots__ = ("count", "next", "residual", "unit")
+
+    def __init__(self, capacity: int, width: int) -> None:
+        self.unit = np.zeros((capacity, width), dtype=np.float32)
+        self.residual = np.zeros(capacity, dtype=np.float64)
+        self.count = 0
+        self.next = 0
+
+    def append(self, unit: np.ndarray, residual: float) -> None:
+        i = self.next
+        self.unit[i] = unit
+        self.residual[i] = residual
+        self.next = (i + 1) % len(self.residual)
+        self.count = min(self.count + 1, len(self.residual))
+
+    def correction(self, unit: np.ndarray, neighbours: int, shrinkage: float) -> float:
+        """sum w_j r_j / (sum w_j + shrinkage) over the ``neighbours`` nearest rows by cosine,
+        w_j = max(cos_j, 0); 0.0 with an empty memory. One 1 x d by d x count mat-vec."""
+        n = self.count
+        if n == 0 or neighbours == 0:
+            return 0.0
+        cos = self.unit[:n] @ unit
+        if n > neighbours:
+            top = np.argpartition(-cos, neighbours - 1)[:neighbours]
+            cos, residual = cos[top], self.residual[top]
+        else:
+            residual = self.residual[:n]
+        weights = np.maximum(cos, 0.0).astype(np.float64)
+        return float(weights @ residual / (weights.sum() + shrinkage))
+
+    def ordered(self) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the kept rows, oldest first."""
+        idx = (np.arange(self.count) + (self.next if self.count == len(self.residual) else 0)) % len(self.residual)
+        return self.unit[idx], self.residual[idx]
+
+
+def _unit(embedding: np.ndarray) -> np.ndarray | None:
+    """``embedding`` scaled to unit length (float32), or None if it has no finite direction."""
+    norm = float(np.linalg.norm(embedding))
+    if not (norm > 0.0 and math.isfinite(norm)):
+        return None
+    return (embedding / norm).astype(np.float32)
+
+
 class _Moments:
     """Sufficient statistics of the regression over a ring buffer's observations, kept up to date
     by each observation (add the new one, subtract the evicted one): a refit then works on p x p
@@ -378,7 +435,7 @@ class _Moments:
 
 
 class _Bucket:
-    __slots__ = ("counts", "moments", "observations", "ring", "window")
+    __slots__ = ("counts", "knn", "moments", "observations", "ring", "window")
 
     def __init__(self, config: LearnerConfig, n_features: int, counts: int) -> None:
         self.ring = _Ring(config.buffer_size, n_features)
@@ -386,6 +443,7 @@ class _Bucket:
         self.moments = _Moments(n_features + 1)
         self.counts = counts  # leading count columns (log1p in the design)
         self.observations = 0  # ever observed (censored ones included)
+        self.knn: _ResidualKnn | None = None  # allocated at the first embedding observed (kNN on)
 
     def learn(self, row: np.ndarray, prior: float, observed: float) -> None:
         """Keep an uncensored observation in the ring and the moments (evicting the oldest)."""
@@ -499,7 +557,32 @@ class OnlineLearner:
         return model if model else DEFAULT_MODEL
 
     def correction(self, model: str | None, row: np.ndarray, prior_log_tokens: float) -> float:
-        """Log tokens to add to the prior's (0.0 before the first fit). Lock-free; never raises."""
+        """Log tokens to add to the prior's: the linear correction (0.0 before the first fit) plus,
+        for a row that carries the encoder's embedding after its columns, the residual kNN's.
+        Lock-free; never raises."""
+        value = self._linear_correction(model, row, prior_log_tokens)
+        if len(row) > self.n_features and self.config.knn_neighbours:
+            value += self._knn_correction(model, row[self.n_features :])
+        return value
+
+    def _knn_correction(self, model: str | None, embedding: np.ndarray) -> float:
+        """The residual kNN's log tokens for a request of ``model`` (0.0 without a memory)."""
+        key = self._key(model)
+        bucket = self._buckets.get(key)
+        if bucket is None and len(self._buckets) >= self.config.max_models:
+            bucket = self._buckets.get(OTHER_MODEL)
+        knn = None if bucket is None else bucket.knn
+        if knn is None or knn.unit.shape[1] != len(embedding):
+            return 0.0
+        unit = _unit(embedding)
+        if unit is None:
+            return 0.0
+        value = knn.correction(unit, self.config.knn_neighbours, self.config.knn_shrinkage)
+        return value if math.isfinite(value) else 0.0
+
+    def _linear_correction(self, model: str | None, row: np.ndarray, prior_log_tokens: float) -> float:
+        """The ridge correction alone (0.0 before the first fit); reads the row's first
+        ``n_features`` columns."""
         fitted = self._fitted
         if fitted is None:
             return 0.0
@@ -516,7 +599,8 @@ class OnlineLearner:
             dot = float(np.dot(linear.weights[:counts], np.log1p(row)))
         else:
             dot = float(
-                np.dot(linear.weights[:counts], np.log1p(row[:counts])) + np.dot(linear.weights[counts:], row[counts:])
+                np.dot(linear.weights[:counts], np.log1p(row[:counts]))
+                + np.dot(linear.weights[counts:], row[counts : self.n_features])
             )
         value = dot + linear.prior_weight * prior_log_tokens + linear.intercept
         return value if math.isfinite(value) else 0.0
@@ -524,7 +608,8 @@ class OnlineLearner:
     def observe(self, prediction: Prediction, observed_tokens: int) -> bool:
         """Record what the backend produced for a request predicted as ``prediction``. O(1).
         Returns False (and records nothing) for an unusable observation: a negative or non-integer
-        count, or a prediction without this prior's feature row."""
+        count, or a prediction without this prior's feature row. A row may carry the encoder's
+        embedding after its columns: with the kNN on, its residual joins the model's kNN memory."""
         if (
             isinstance(observed_tokens, bool)
             or not isinstance(observed_tokens, (int, np.integer))
@@ -532,9 +617,9 @@ class OnlineLearner:
         ):
             return False
         row_bytes = len(prediction.feature_row)
-        if row_bytes != self._row_bytes and row_bytes != 4 * self.n_counts:
+        if row_bytes % 4 or (row_bytes < self._row_bytes and row_bytes != 4 * self.n_counts):
             return False
-        learnable = row_bytes == self._row_bytes  # a lexical row under an encoder's learner: quality only
+        learnable = row_bytes >= self._row_bytes  # a lexical row under an encoder's learner: quality only
         observed_log = log_tokens(int(observed_tokens))
         cap = prediction.cap_tokens
         censored = cap is not None and observed_tokens >= cap
@@ -552,13 +637,29 @@ class OnlineLearner:
             self._observed_total += 1
             self._new_since_quality += 1
             if not censored and learnable:
-                row = np.frombuffer(prediction.feature_row, dtype=np.float32)
-                bucket.learn(row, prediction.prior_log_tokens, observed_log)
+                full = np.frombuffer(prediction.feature_row, dtype=np.float32)
+                bucket.learn(full[: self.n_features], prediction.prior_log_tokens, observed_log)
                 self._new_since_fit += 1
+                if len(full) > self.n_features and self.config.knn_neighbours:
+                    self._remember(bucket, prediction.model, full, prediction.prior_log_tokens, observed_log)
             due = self._new_since_fit >= self.config.refit_every
         if due:
             self._due.set()
         return True
+
+    def _remember(self, bucket: _Bucket, model: str | None, row: np.ndarray, prior: float, observed: float) -> None:
+        """Add an observation's unit embedding and its residual after the linear correction in
+        force now to its model's kNN memory (under the lock; about 10 us)."""
+        unit = _unit(row[self.n_features :])
+        if unit is None:
+            return
+        if bucket.knn is None:
+            bucket.knn = _ResidualKnn(self.config.buffer_size, len(unit))
+        elif bucket.knn.unit.shape[1] != len(unit):  # another embedding's width: not comparable
+            return
+        residual = observed - (prior + self._linear_correction(model, row, prior))
+        if math.isfinite(residual):
+            bucket.knn.append(unit, residual)
 
     # -- reading -------------------------------------------------------------------------------
     @property
@@ -780,6 +881,8 @@ class OnlineLearner:
                 bucket = self._buckets[key]
                 arrays[f"rows_{i}"], arrays[f"prior_{i}"], arrays[f"observed_{i}"] = bucket.ring.ordered()
                 arrays[f"qpredicted_{i}"], arrays[f"qobserved_{i}"] = bucket.window.ordered()
+                if bucket.knn is not None and bucket.knn.count:
+                    arrays[f"knn_unit_{i}"], arrays[f"knn_residual_{i}"] = bucket.knn.ordered()
                 observations.append(bucket.observations)
         meta = {
             "format": STATE_FORMAT,
@@ -865,11 +968,28 @@ class OnlineLearner:
                     bucket.learn(rows[j], float(prior[j]), float(observed[j]))
                 for j in range(max(0, len(observed_q) - cfg.quality_window), len(observed_q)):
                     bucket.window.append(float(predicted_q[j]), float(observed_q[j]))
+                if f"knn_unit_{i}" in npz.files:  # a file from before the kNN has none: an empty memory
+                    bucket.knn = _restored_knn(npz, i, cfg.buffer_size)
                 bucket.observations = int(counts[i])
                 self._buckets[str(key)] = bucket
                 self._observed_total += bucket.observations
                 self._new_since_fit += bucket.ring.count
                 self._new_since_quality += bucket.window.count
+
+
+def _restored_knn(npz: Any, i: int, capacity: int) -> _ResidualKnn:
+    """Model ``i``'s kNN memory from a state file (its last ``capacity`` rows); _Refused if damaged."""
+    if f"knn_residual_{i}" not in npz.files:
+        raise _Refused(f"model {i}: kNN embeddings without residuals")
+    unit, residual = npz[f"knn_unit_{i}"], npz[f"knn_residual_{i}"]
+    if unit.ndim != 2 or unit.shape[1] < 1 or residual.shape != (len(unit),):
+        raise _Refused(f"model {i}: kNN arrays of inconsistent shapes")
+    if not (np.isfinite(unit).all() and np.isfinite(residual).all()):
+        raise _Refused(f"model {i}: non-finite kNN values")
+    knn = _ResidualKnn(capacity, unit.shape[1])
+    for j in range(max(0, len(unit) - capacity), len(unit)):
+        knn.append(unit[j], float(residual[j]))
+    return knn
 
 
 def _lower_thread_priority(increment: int) -> None:
