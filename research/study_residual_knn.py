@@ -43,7 +43,7 @@ PRE-REGISTERED (this docstring is committed before any AlpacaEval figure of the 
     PYTHONPATH=src nice -n 10 /work/main/.venv/bin/python research/study_residual_knn.py \
         --data /work/shared/data/alpaca_eval_dev.jsonl --seeds 0 1 2 3 4 --sharegpt --json /tmp/gemma/s04.json
     ... --seeds 5 6 7 8 9 10 11 12 13 14 --sharegpt --only K,LAMBDA --json /tmp/gemma/s514.json
-    ... --cost      (the kNN's cost per prediction: 1 x 384 by 384 x 1024, top-k, weighted sum)
+    ... --cost      (the served learner's cost per correction and per observe, with and without the kNN)
 """
 
 from __future__ import annotations
@@ -167,28 +167,44 @@ def second_half_tau(scores: list[float], lengths: list[int]) -> float:
 
 
 def cost(repeats: int) -> None:
-    """Per prediction: one 1 x 384 by 384 x 1024 mat-vec, top-k (argpartition) and the weighted sum; fp32 and fp16
-    stores; one BLAS thread is what the encoder's thread would get (OPENBLAS_NUM_THREADS is not forced here)."""
+    """The served learner's cost per call, where it runs (the event loop): ``correction`` of a refined row (counts,
+    components, then the 384-d embedding) with a full kNN memory (1024 rows), and ``observe`` of such a row, by the
+    shipped learner (kNN on) and by one with the kNN off (``knn_neighbours=0``: the linear correction alone), fed
+    the same rows. Interleaved, one call of each kind per round, so the memory is as cold as between two requests;
+    synthetic rows."""
+    predictor = OnnxPredictor(None)
+    encoder = encoder_for(predictor)
+    on = OnlineLearner.for_predictor(predictor, LearnerConfig(), encoder)
+    off = OnlineLearner.for_predictor(predictor, LearnerConfig(knn_neighbours=0), encoder)
     rng = np.random.default_rng(0)
-    for dtype in (np.float32, np.float16):
-        unit = rng.standard_normal((BOUND, 384)).astype(np.float32)
-        unit /= np.linalg.norm(unit, axis=1, keepdims=True)
-        store = unit.astype(dtype)
-        residual = rng.standard_normal(BOUND)
-        query = unit[0].astype(np.float32)
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            cos = store @ query.astype(dtype) if dtype is np.float32 else store.astype(np.float32) @ query
-            top = np.argpartition(-cos, 16)[:16]
-            w = np.maximum(cos[top], 0.0)
-            _ = float(w @ residual[top] / (w.sum() + 4.0))
-            times.append(time.perf_counter() - t)
-        t = np.array(times) * 1e6
-        print(
-            f"store {np.dtype(dtype).name}: {store.nbytes / 1e6:.2f} MB per model; per prediction p50 "
-            f"{np.median(t):.1f} us, p99 {np.percentile(t, 99):.1f} us ({repeats} runs)"
-        )
+    width = on.n_features + encoder.embedding_width
+    rows = rng.gamma(1.0, 3.0, size=(BOUND + repeats, width)).astype(np.float32)
+    rows[:, on.n_counts :] = rng.normal(0, 1, size=(len(rows), width - on.n_counts))
+    from clairvoyant.prediction.predictor import Prediction
+
+    predictions = [Prediction(5.0, 150.0, None, 5.0, row.tobytes(), "m", None) for row in rows]
+    for learner in (on, off):  # a full memory and a fitted correction
+        for p in predictions[:BOUND]:
+            learner.observe(p, int(rng.integers(10, 1000)))
+        learner.refit()
+    assert on._buckets["m"].knn.count == BOUND and off._buckets["m"].knn is None
+    times: dict[str, list[float]] = {"correction, kNN off": [], "correction, kNN on": [],
+                                     "observe, kNN off": [], "observe, kNN on": []}  # fmt: skip
+    clock = time.perf_counter
+    for i in range(BOUND, BOUND + repeats):
+        for name, learner in (("off", off), ("on", on)):
+            t = clock()
+            learner.correction("m", rows[i], 5.0)
+            times[f"correction, kNN {name}"].append(clock() - t)
+        for name, learner in (("off", off), ("on", on)):
+            t = clock()
+            learner.observe(predictions[i], 100)
+            times[f"observe, kNN {name}"].append(clock() - t)
+    for name, values in times.items():
+        t = np.array(values) * 1e6
+        print(f"{name:22s} p50 {np.median(t):7.1f} us  p99 {np.percentile(t, 99):7.1f} us  ({repeats} calls)")
+    knn = on._buckets["m"].knn
+    print(f"kNN memory per model: {knn.unit.nbytes / 1e6:.2f} MB embeddings (float32) + {knn.residual.nbytes} B")
 
 
 def main() -> int:

@@ -22,6 +22,24 @@ First a global correction over every model's observations; then, for a model wit
 ``min_model_observations`` of its own, a correction of the global one's residuals on top.
 No fit is made before ``min_observations``: until then predictions are the prior's.
 
+On top of that linear correction, a residual kNN (``knn_neighbours`` k, 16; 0: off) for what no column
+carries linearly: a request refined by the encoder carries the encoder's pooled embedding after its
+columns (``EncoderModel.encode``), and each model keeps the unit embeddings of its last ``buffer_size``
+uncensored observations with their residuals r = observed - (prior + the linear correction in force
+when observed) ln tokens. A prediction adds
+
+    sum_{j in the k nearest by cosine} w_j r_j / (sum_j w_j + ``knn_shrinkage``),  w_j = max(cos_j, 0)
+
+so few or far neighbours add about nothing. Residuals after the linear correction, not after the
+prior: the kNN adds to that correction, so it must model what the correction leaves (a model's
+mean shift, counted twice and scaled by each query's neighbourhood, would become ranking noise).
+Picked by a pre-registered study (research/study_residual_knn.py, research/RESULTS.md section i):
+k 16, shrinkage 16 raised the replay's second-half gain of the weakest AlpacaEval model from +0.048
+to +0.058 (seeds 0-4) and +0.037 to +0.041 (seeds 5-14). Its cost is on the request path of a
+refined (waiting) request: one 1 x 384 by 384 x 1024 mat-vec over the model's memory, 0.07-0.11 ms
+with the memory out of cache; memory 1.6 MB per model (float32), allocated at its first embedding.
+A row without the embedding (a lexical prediction) gets the linear correction only.
+
 Observations: ``observe(prediction, observed_tokens)`` is O(1), 20-40 us (a row copied into the
 model's ring buffer of ``buffer_size`` observations, a rank-2 update of its p x p sufficient
 statistics for the one added and the one evicted, two floats into its quality window) and is what the
@@ -30,7 +48,7 @@ chunks): never with anything the client sent. A prediction capped by the request
 whose answer reached the cap is censored: it counts for the rolling quality, not for the fit. The
 per-model key is the model the REQUEST named (``Prediction.model``), the only name known when
 predicting; the first ``max_models`` names get their own buffer, later ones share ``OTHER_MODEL``.
-Memory is bounded: (max_models + 1) x buffer_size rows.
+Memory is bounded: (max_models + 1) x buffer_size rows (and as many kNN embeddings).
 
 Refits run in a background thread (``start``/``stop``), never on the event loop, whenever
 ``refit_every`` new observations have arrived; the fitted coefficients are swapped in as one
