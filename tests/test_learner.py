@@ -568,7 +568,7 @@ def test_the_residual_knn_learns_a_local_signal_that_no_linear_column_carries() 
     assert off.models() == ["m"] and off._buckets["m"].knn is None  # off: no memory kept
 
 
-def test_the_knn_correction_is_the_shrunk_weighted_mean_of_the_nearest_residuals() -> None:
+def test_the_knn_correction_is_the_shrunk_weighted_mean_of_the_nearest_residuals(tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
     config = LearnerConfig(knn_neighbours=5, knn_shrinkage=2.0, buffer_size=10)
     learner = OnlineLearner(ENCODED, config)
@@ -589,6 +589,16 @@ def test_the_knn_correction_is_the_shrunk_weighted_mean_of_the_nearest_residuals
         row = np.concatenate([rows[0, : N_FEATURES + 2], query]).astype(np.float32)
         assert learner.correction("m", row, 5.0) == pytest.approx(expected, rel=1e-5, abs=1e-9)
         assert learner.correction("unseen-model", row, 5.0) == 0.0  # each model its own memory
+    # a full ring saved and restored evicts the same rows next: its order (oldest first) survives
+    learner.save(tmp_path / "learner.npz")
+    restored = OnlineLearner.load(tmp_path / "learner.npz", ENCODED, config)
+    more = _embedded(rng.normal(1, 1, size=(4, N_FEATURES + 2)), rng.normal(0, 1, size=(4, 8)))
+    for row in more:
+        for each in (learner, restored):
+            each.observe(_prediction(row, 5.0), 7)
+    for query in rng.normal(0, 1, size=(5, 8)):
+        row = np.concatenate([rows[0, : N_FEATURES + 2], query]).astype(np.float32)
+        assert restored.correction("m", row, 5.0) == pytest.approx(learner.correction("m", row, 5.0), rel=1e-9)
 
 
 def test_the_knn_stores_residuals_after_the_linear_correction_and_skips_censored_answers() -> None:
