@@ -598,7 +598,7 @@ def test_the_knn_correction_is_the_shrunk_weighted_mean_of_the_nearest_residuals
             each.observe(_prediction(row, 5.0), 7)
     for query in rng.normal(0, 1, size=(5, 8)):
         row = np.concatenate([rows[0, : N_FEATURES + 2], query]).astype(np.float32)
-        assert restored.correction("m", row, 5.0) == pytest.approx(learner.correction("m", row, 5.0), rel=1e-9)
+        assert restored.correction("m", row, 5.0) == pytest.approx(learner.correction("m", row, 5.0), rel=1e-6)  # float32 cosines
 
 
 def test_the_knn_stores_residuals_after_the_linear_correction_and_skips_censored_answers() -> None:
