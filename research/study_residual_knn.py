@@ -269,7 +269,9 @@ def main() -> int:
     print(f"pick rule (highest per-model minimum, ties by mean) among the grid: {pick}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"seeds": args.seeds, "taus": taus, "summary": summary, "pick": pick}, indent=1))
+        args.json.write_text(
+            json.dumps({"seeds": args.seeds, "taus": taus, "summary": summary, "pick": pick}, indent=1)
+        )
     return 0
 
 

@@ -536,9 +536,9 @@ def _clustered_world(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.
     """Encoded rows whose columns carry nothing, embeddings in two tight clusters, and a truth that
     is the prior + 0.8 in cluster A and - 0.8 in cluster B: a local signal no linear column sees."""
     rng = np.random.default_rng(seed)
-    rows = np.concatenate(
-        [rng.integers(0, 4, size=(n, N_FEATURES)), rng.normal(0, 1, size=(n, 2))], axis=1
-    ).astype(np.float32)
+    rows = np.concatenate([rng.integers(0, 4, size=(n, N_FEATURES)), rng.normal(0, 1, size=(n, 2))], axis=1).astype(
+        np.float32
+    )
     cluster = rng.integers(0, 2, n)
     centres = np.array([[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
     embeddings = 3.0 * centres[cluster] + rng.normal(0, 0.1, size=(n, 4))  # any length: the learner normalises
@@ -598,7 +598,9 @@ def test_the_knn_correction_is_the_shrunk_weighted_mean_of_the_nearest_residuals
             each.observe(_prediction(row, 5.0), 7)
     for query in rng.normal(0, 1, size=(5, 8)):
         row = np.concatenate([rows[0, : N_FEATURES + 2], query]).astype(np.float32)
-        assert restored.correction("m", row, 5.0) == pytest.approx(learner.correction("m", row, 5.0), rel=1e-6)  # float32 cosines
+        assert restored.correction("m", row, 5.0) == pytest.approx(
+            learner.correction("m", row, 5.0), rel=1e-6
+        )  # float32 cosines
 
 
 def test_the_knn_stores_residuals_after_the_linear_correction_and_skips_censored_answers() -> None:
@@ -672,7 +674,7 @@ def test_a_refined_prediction_carries_the_embedding_to_the_learners_knn() -> Non
     predictor.corrector = learner
     try:
         essay = "Write a detailed essay about the history of the printing press."
-        for i in range(3):  # this deployment answers this prompt in 3 tokens
+        for _ in range(3):  # this deployment answers this prompt in 3 tokens
             prediction = refined_by(encoder, predictor, predictor.predict(Prompt(essay), model="m"), essay)
             assert len(prediction.feature_row) == 4 * (learner.n_features + encoder.embedding_width)
             learner.observe(prediction, 3)
