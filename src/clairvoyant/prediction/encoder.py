@@ -31,7 +31,8 @@ section h), blended in with the card's weight v for every request:
     final prior = refined prior + v x (kNN log tokens - refined prior)
 
 (``BlendWeights.blend``). The learner's after-completion encodes need only the components and the
-pooled embedding (the learner's residual kNN memory), from the same run, and never run the kNN graph. The learned correction and the request's cap then apply exactly as to a lexical prediction
+pooled embedding (the key of the learner's residual kNN), from the same run, and never run the kNN
+graph. The learned correction and the request's cap then apply exactly as to a lexical prediction
 (``OnnxPredictor.refined``).
 Serving needs onnxruntime and ``tokenizers`` only: no torch.
 """

@@ -662,7 +662,7 @@ class OnlineLearner:
 
     def _remember(self, bucket: _Bucket, model: str | None, row: np.ndarray, prior: float, observed: float) -> None:
         """Add an observation's unit embedding and its residual after the linear correction in
-        force now to its model's kNN memory (under the lock; about 10 us)."""
+        force now to its model's kNN memory (under the lock; a few us)."""
         unit = _unit(row[self.n_features :])
         if unit is None:
             return
