@@ -161,9 +161,12 @@ def replay(
     return scores
 
 
+WINDOW: tuple[int, int] | None = None  # --lines A B: a diagnostic window of lines instead of the second half
+
+
 def second_half_tau(scores: list[float], lengths: list[int]) -> float:
-    half = len(scores) // 2
-    return kendall_tau_b(np.array(scores[half:]), np.array(lengths[half:], dtype=float))
+    start, stop = WINDOW if WINDOW is not None else (len(scores) // 2, len(scores))
+    return kendall_tau_b(np.array(scores[start:stop]), np.array(lengths[start:stop], dtype=float))
 
 
 def cost(repeats: int) -> None:
@@ -214,11 +217,14 @@ def main() -> int:
     parser.add_argument("--sharegpt", action="store_true")
     parser.add_argument("--only", default=None, help="one grid point K,LAMBDA (the confirmation run)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--lines", type=int, nargs=2, default=None, help="diagnostic: tau over lines [A, B) instead")
     parser.add_argument("--cost", type=int, nargs="?", const=3000, default=None)
     args = parser.parse_args()
     if args.cost:
         cost(args.cost)
         return 0
+    global WINDOW
+    WINDOW = tuple(args.lines) if args.lines else None
     grid = GRID
     if args.only:
         k, lam = args.only.split(",")
@@ -245,7 +251,9 @@ def main() -> int:
         print(f"# {model} done at {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
 
     names = ["main"] + [f"{k},{lam:g}" for k, lam in grid]
-    print(f"seeds {args.seeds}; gain = second-half tau_b minus --no-learn; per model: mean over seeds (min over seeds)")
+    print(
+        f"seeds {args.seeds}; lines {WINDOW or 'second half'}; gain = tau_b minus --no-learn; per model: mean over seeds (min over seeds)"
+    )
     header = f"{'variant':10s}" + "".join(f"{m[:18]:>22s}" for m in models) + f"{'min model':>11s}{'mean':>8s}"
     if args.sharegpt:
         header += f"{'ShareGPT':>22s}"
