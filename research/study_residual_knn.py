@@ -134,7 +134,8 @@ def replay(
     grid: list[tuple[int, float]],
 ) -> dict[str, list[float]]:
     """One learner pass: the static, the learner's and every grid point's scores per line, scored before learning."""
-    learner = OnlineLearner.for_predictor(predictor, LearnerConfig(), memo.encoder)
+    # the learner alone (its own kNN off: this study computes the variant itself, for every grid point at once)
+    learner = OnlineLearner.for_predictor(predictor, LearnerConfig(knn_neighbours=0), memo.encoder)
     memory = ResidualMemory(memo.dim)
     calibration = predictor.calibration
     previous = predictor.corrector
