@@ -229,7 +229,9 @@ def test_the_refiner_encodes_only_what_still_waits_and_drops_past_its_bound(enco
 
         def deliver(key: str, value: float, components: bytes, knn: float | None) -> None:
             delivered.append((key, value, knn))
-            assert len(components) == 4 * encoder.components
+            # the learner's columns: the components, then the pooled embedding (its residual kNN)
+            assert encoder.embedding_width == 384
+            assert len(components) == 4 * (encoder.components + encoder.embedding_width)
             got_one.set()
 
         gate = threading.Event()
@@ -285,7 +287,7 @@ def test_the_refiner_serves_waiting_requests_before_the_learner_and_keeps_the_le
 
         def learned(name: str) -> Any:
             def then(value: float, components: bytes) -> None:
-                assert len(components) == 4 * encoder.components
+                assert len(components) == 4 * (encoder.components + encoder.embedding_width)
                 order.append(name)
                 arrived.set()
 

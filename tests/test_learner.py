@@ -524,3 +524,163 @@ def test_gcv_never_chooses_a_penalty_below_min_penalty_factor_times_the_observat
     )
     with pytest.raises(ValueError):
         LearnerConfig(min_penalty_factor=0.0)
+
+
+# -- the residual kNN on the encoder's embedding ---------------------------------------------------
+def _embedded(rows: np.ndarray, embeddings: np.ndarray) -> np.ndarray:
+    """Rows as a refined prediction carries them: the learner's columns, then the encoder's embedding."""
+    return np.concatenate([rows, embeddings], axis=1).astype(np.float32)
+
+
+def _clustered_world(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Encoded rows whose columns carry nothing, embeddings in two tight clusters, and a truth that
+    is the prior + 0.8 in cluster A and - 0.8 in cluster B: a local signal no linear column sees."""
+    rng = np.random.default_rng(seed)
+    rows = np.concatenate([rng.integers(0, 4, size=(n, N_FEATURES)), rng.normal(0, 1, size=(n, 2))], axis=1).astype(
+        np.float32
+    )
+    cluster = rng.integers(0, 2, n)
+    centres = np.array([[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
+    embeddings = 3.0 * centres[cluster] + rng.normal(0, 0.1, size=(n, 4))  # any length: the learner normalises
+    prior = 5.0 + rng.normal(0, 0.3, n)
+    truth = prior + np.where(cluster == 0, 0.8, -0.8) + rng.normal(0, 0.05, n)
+    return _embedded(rows, embeddings), prior, truth, cluster
+
+
+def test_the_residual_knn_learns_a_local_signal_that_no_linear_column_carries() -> None:
+    rows, prior, truth, _ = _clustered_world(300)
+    test_rows, test_prior, test_truth, cluster = _clustered_world(100, seed=1)
+    learner = OnlineLearner(ENCODED)
+    off = OnlineLearner(ENCODED, LearnerConfig(knn_neighbours=0))
+    _learn(learner, rows, prior, truth)
+    _learn(off, rows, prior, truth)
+    knn = _corrected(learner, test_rows, test_prior) - test_prior
+    linear = _corrected(off, test_rows, test_prior) - test_prior
+    # 16 neighbours at cosine ~1 and a shrinkage of 16: about half of the clusters' +-0.8 each
+    assert knn[cluster == 0].min() > 0.2 and knn[cluster == 1].max() < -0.2
+    assert knn[cluster == 0].mean() - knn[cluster == 1].mean() > 0.6
+    assert np.abs(linear).max() < 0.15  # the linear correction cannot tell the clusters apart
+    assert kendall_tau_b(test_prior + knn, test_truth) > kendall_tau_b(test_prior + linear, test_truth) + 0.3
+    # a row without the embedding (a lexical or unencoded one) gets the linear correction only
+    assert learner.correction("m", test_rows[0, : learner.n_features], 5.0) == pytest.approx(
+        off.correction("m", test_rows[0], 5.0)
+    )
+    assert off.models() == ["m"] and off._buckets["m"].knn is None  # off: no memory kept
+
+
+def test_the_knn_correction_is_the_shrunk_weighted_mean_of_the_nearest_residuals(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    config = LearnerConfig(knn_neighbours=5, knn_shrinkage=2.0, buffer_size=10)
+    learner = OnlineLearner(ENCODED, config)
+    rows = _embedded(rng.normal(1, 1, size=(14, N_FEATURES + 2)), rng.normal(0, 1, size=(14, 8)))
+    prior = rng.normal(5, 0.5, 14)
+    observed = rng.integers(20, 2000, 14)
+    for row, p, t in zip(rows, prior, observed):  # 14 < min_observations: no fit, residual = observed - prior
+        learner.observe(_prediction(row, float(p)), int(t))
+    assert not learner.fitted
+    kept = slice(4, 14)  # the bound: the 10 most recent
+    unit = rows[kept, N_FEATURES + 2 :] / np.linalg.norm(rows[kept, N_FEATURES + 2 :], axis=1, keepdims=True)
+    residual = np.log(observed[kept]) - prior[kept]
+    for query in rng.normal(0, 1, size=(5, 8)):
+        cos = unit @ (query / np.linalg.norm(query))
+        top = np.argsort(-cos)[:5]
+        w = np.maximum(cos[top], 0.0)
+        expected = float(w @ residual[top] / (w.sum() + 2.0))
+        row = np.concatenate([rows[0, : N_FEATURES + 2], query]).astype(np.float32)
+        assert learner.correction("m", row, 5.0) == pytest.approx(expected, rel=1e-5, abs=1e-9)
+        assert learner.correction("unseen-model", row, 5.0) == 0.0  # each model its own memory
+    # a full ring saved and restored evicts the same rows next: its order (oldest first) survives
+    learner.save(tmp_path / "learner.npz")
+    restored = OnlineLearner.load(tmp_path / "learner.npz", ENCODED, config)
+    more = _embedded(rng.normal(1, 1, size=(4, N_FEATURES + 2)), rng.normal(0, 1, size=(4, 8)))
+    for row in more:
+        for each in (learner, restored):
+            each.observe(_prediction(row, 5.0), 7)
+    for query in rng.normal(0, 1, size=(5, 8)):
+        row = np.concatenate([rows[0, : N_FEATURES + 2], query]).astype(np.float32)
+        assert restored.correction("m", row, 5.0) == pytest.approx(
+            learner.correction("m", row, 5.0), rel=1e-6
+        )  # float32 cosines
+
+
+def test_the_knn_stores_residuals_after_the_linear_correction_and_skips_censored_answers() -> None:
+    """A deployment whose answers are all e^1 longer than the prior: the linear correction takes
+    the shift, so the kNN's residuals are near 0 and it adds little on top (residuals from the
+    prior alone would add about half the shift again)."""
+    rng = np.random.default_rng(5)
+    n = 400
+    rows = _embedded(
+        np.concatenate([rng.integers(0, 4, size=(n, N_FEATURES)), rng.normal(0, 1, size=(n, 2))], axis=1),
+        rng.normal(0, 1, size=(n, 16)),
+    )
+    prior = 5.0 + rng.normal(0, 0.3, n)
+    learner = OnlineLearner(ENCODED)
+    for row, p in zip(rows, prior):
+        learner.observe(_prediction(row, float(p)), int(round(math.exp(p + 1.0))))
+        if learner.refit_due:
+            learner.refit()
+    memory = learner._buckets["m"].knn
+    assert memory is not None and memory.count == n
+    assert abs(float(np.mean(memory.residual[100:n]))) < 0.1  # after the fit: the shift is the linear part's
+    assert float(np.mean(memory.residual[:8])) > 0.9  # before the first fit: the prior's residuals
+    query = _embedded(rows[:1, : N_FEATURES + 2], rng.normal(0, 1, size=(1, 16)))[0]
+    assert abs(learner.correction("m", query, 5.0) - learner.correction("m", query[: N_FEATURES + 2], 5.0)) < 0.1
+    before = memory.count, memory.next
+    assert learner.observe(_prediction(rows[0], 5.0, cap=10), 10)  # reached its cap: censored
+    assert (memory.count, memory.next) == before
+
+
+def test_the_knn_memory_survives_a_restart_and_an_old_or_damaged_file_is_handled(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    rows, prior, truth, _ = _clustered_world(120)
+    learner = OnlineLearner(ENCODED)
+    _learn(learner, rows, prior, truth)
+    path = tmp_path / "learner.npz"
+    learner.save(path)
+    restored = OnlineLearner.load(path, ENCODED)
+    restored.refit()
+    test_rows, test_prior, _, _ = _clustered_world(20, seed=2)
+    assert _corrected(restored, test_rows, test_prior) == pytest.approx(_corrected(learner, test_rows, test_prior))
+    knn = _corrected(learner, test_rows, test_prior) - _corrected(learner, test_rows[:, : N_FEATURES + 2], test_prior)
+    assert np.abs(knn).min() > 0.2  # the memory is what was restored, not an empty one
+    # a file from before the kNN (or saved with it off) restores the linear part with an empty memory
+    old = OnlineLearner(ENCODED, LearnerConfig(knn_neighbours=0))
+    _learn(old, rows, prior, truth)
+    old.save(path)
+    upgraded = OnlineLearner.load(path, ENCODED)
+    upgraded.refit()
+    assert upgraded.observed_total == 120 and upgraded._buckets["m"].knn is None
+    assert upgraded.correction("m", test_rows[0], 5.0) == pytest.approx(old.correction("m", test_rows[0], 5.0))
+    # damaged kNN arrays: refused with one line, like any damaged file
+    learner.save(path)
+    with np.load(path) as npz:
+        arrays = {name: npz[name] for name in npz.files}
+    arrays["knn_residual_0"] = arrays["knn_residual_0"][:-1]
+    with path.open("wb") as fh:
+        np.savez(fh, **arrays)
+    with caplog.at_level(logging.WARNING, logger="clairvoyant.prediction.learner"):
+        assert OnlineLearner.load(path, ENCODED).observed_total == 0
+    assert len(caplog.records) == 1 and "kNN arrays of inconsistent shapes" in caplog.text
+
+
+def test_a_refined_prediction_carries_the_embedding_to_the_learners_knn() -> None:
+    from clairvoyant.prediction.encoder import encoder_for, refined_by
+
+    predictor = OnnxPredictor()
+    encoder = encoder_for(predictor)
+    assert encoder is not None
+    learner = OnlineLearner.for_predictor(predictor, None, encoder)
+    predictor.corrector = learner
+    try:
+        essay = "Write a detailed essay about the history of the printing press."
+        for _ in range(3):  # this deployment answers this prompt in 3 tokens
+            prediction = refined_by(encoder, predictor, predictor.predict(Prompt(essay), model="m"), essay)
+            assert len(prediction.feature_row) == 4 * (learner.n_features + encoder.embedding_width)
+            learner.observe(prediction, 3)
+        corrected = refined_by(encoder, predictor, predictor.predict(Prompt(essay), model="m"), essay)
+        # 3 neighbours at cosine 1: 3 / (3 + 16) of the residual, before any linear fit
+        residual = math.log(3) - corrected.prior_log_tokens
+        assert corrected.predicted_log_tokens - corrected.prior_log_tokens == pytest.approx(residual * 3 / 19, abs=1e-4)
+    finally:
+        predictor.corrector = None

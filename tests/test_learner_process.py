@@ -9,6 +9,7 @@ import math
 import os
 import signal
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -26,13 +27,25 @@ def _prediction(row: np.ndarray, prior_log: float, model: str = "m") -> Predicti
     return Prediction(prior_log, math.exp(prior_log), None, prior_log, row.astype(np.float32).tobytes(), model, None)
 
 
-def _world(n: int, seed: int = 0) -> list[tuple[Prediction, int]]:
-    """Observations whose prior is biased (x e^1.5) and blind to feature 0."""
+def _world(n: int, seed: int = 0, embedding: int = 0) -> list[tuple[Prediction, int]]:
+    """Observations whose prior is biased (x e^1.5) and blind to feature 0; with ``embedding``
+    dimensions after the columns (the encoder's, for the residual kNN), on which the truth
+    also depends."""
     rng = np.random.default_rng(seed)
     rows = rng.integers(0, 4, size=(n, N_FEATURES)).astype(np.float32)
+    vectors = rng.normal(0, 1, size=(n, embedding)).astype(np.float32)
     truth = 4.0 + 0.8 * np.log1p(rows[:, 0]) + rng.normal(0, 0.2, n)
+    if embedding:
+        truth += 0.5 * np.sign(vectors[:, 0])
     prior = 5.5 + rng.normal(0, 0.2, n)
-    return [(_prediction(r, float(p)), int(round(math.exp(t)))) for r, p, t in zip(rows, prior, truth)]
+    return [
+        (_prediction(np.concatenate([r, v]), float(p)), int(round(math.exp(t))))
+        for r, v, p, t in zip(rows, vectors, prior, truth)
+    ]
+
+
+def _corrections(learner: OnlineLearner | LearnerProcess, probes: list[Prediction]) -> list[float]:
+    return [learner.correction("m", np.frombuffer(p.feature_row, np.float32), p.prior_log_tokens) for p in probes]
 
 
 async def _until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
@@ -42,28 +55,32 @@ async def _until(condition: Callable[[], bool], what: str, timeout_s: float = 30
     assert condition(), what
 
 
-def test_the_child_fits_exactly_what_the_learner_fits_in_process() -> None:
-    observations = _world(200)
+@pytest.mark.parametrize("embedding", [0, 8])
+def test_the_proxy_corrects_exactly_as_the_learner_does_in_process(embedding: int) -> None:
+    # 0: the linear correction the child fits; 8: plus the residual kNN on rows with an embedding,
+    # whose memory the proxy's side keeps.
+    observations = _world(200, embedding=embedding)
     config = LearnerConfig(refit_every=200)  # one refit, once all 200 have arrived
     local = OnlineLearner(IDENTITY, config)
     for prediction, tokens in observations:
         local.observe(prediction, tokens)
     local.refit()
-    probes = [p for p, _ in _world(50, seed=1)]
-    expected = [local.correction("m", np.frombuffer(p.feature_row, np.float32), p.prior_log_tokens) for p in probes]
+    probes = [p for p, _ in _world(50, seed=1, embedding=embedding)]
+    expected = _corrections(local, probes)
     assert max(abs(v) for v in expected) > 0.5  # the premise: a large correction was learned
+    if embedding:  # the premise: the kNN's part is not nothing
+        linear_only = _corrections(local, [replace(p, feature_row=p.feature_row[: 4 * N_FEATURES]) for p in probes])
+        assert max(abs(a - b) for a, b in zip(expected, linear_only)) > 0.05
 
     async def run() -> list[float]:
         remote = LearnerProcess(IDENTITY, config)
         assert await remote.start()
         try:
-            assert remote.correction("m", np.zeros(N_FEATURES, np.float32), 5.0) == 0.0  # nothing learned yet
+            assert _corrections(remote, probes[:1]) == [0.0]  # nothing learned yet
             for prediction, tokens in observations:
                 assert remote.observe(prediction, tokens)
             await _until(lambda: remote.refits >= 1, "a fit from the child")
-            return [
-                remote.correction("m", np.frombuffer(p.feature_row, np.float32), p.prior_log_tokens) for p in probes
-            ]
+            return _corrections(remote, probes)
         finally:
             await remote.stop()
 
@@ -85,32 +102,44 @@ def test_the_state_file_round_trips_through_the_child_and_a_corrupt_one_is_refus
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     state = tmp_path / "learner.npz"
-    observations = _world(40)
+    observations = _world(40, embedding=8)
+    probes = [p for p, _ in _world(20, seed=1, embedding=8)]
 
-    async def learn_and_save() -> None:
+    async def learn_and_save() -> list[float]:
         remote = LearnerProcess(IDENTITY, state_path=state)
         assert await remote.start() and remote.observed_total == 0
         for prediction, tokens in observations:
             remote.observe(prediction, tokens)
         await remote.save()
+        await _until(lambda: remote.refits >= 1, "a fit")
+        learned = _corrections(remote, probes)
         await remote.stop()
+        return learned
 
-    async def restored() -> tuple[int, int]:
+    async def restored() -> tuple[int, int, list[float]]:
         remote = LearnerProcess(IDENTITY, state_path=state)
         assert await remote.start()
         try:
+            await _until(lambda: remote.refits >= 1 or remote.observed_total == 0, "the restored fit")
             await remote.update_quality()
             quality = remote.quality().get("m")
-            return remote.observed_total, 0 if quality is None else quality.observations
+            observed = 0 if quality is None else quality.observations
+            return remote.observed_total, observed, _corrections(remote, probes)
         finally:
             await remote.stop()
 
-    asyncio.run(learn_and_save())
-    assert asyncio.run(restored()) == (40, 40)
+    learned = asyncio.run(learn_and_save())
+    assert any(abs(v) > 0.1 for v in learned)
+    # The restored fit and kNN memory correct as before (a restart refits the same observations;
+    # the kNN's memory comes back from the file through the child, float32 cosines alike).
+    total, observed, again = asyncio.run(restored())
+    assert (total, observed) == (40, 40)
+    assert np.allclose(again, learned, rtol=1e-6, atol=1e-9)
 
     state.write_bytes(b"PK\x03\x04 not a learner state")
     caplog.set_level(logging.WARNING, logger="clairvoyant.prediction.learner")
-    assert asyncio.run(restored()) == (0, 0)  # the prior: nothing restored
+    total, observed, corrections = asyncio.run(restored())
+    assert (total, observed) == (0, 0) and corrections == [0.0] * len(probes)  # the prior: nothing restored
     refused = [r for r in caplog.records if "refused" in r.getMessage()]
     assert (
         len(refused) == 1

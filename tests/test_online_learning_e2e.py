@@ -99,6 +99,12 @@ def test_completed_requests_reach_the_learner_with_the_backends_real_counts(
     # Forced answers reached their cap (censored): they rank, but are not fitted; a natural one is.
     expected_fitted = [natural] if natural < 64 else []
     assert np.allclose(fitted, expected_fitted)
+    # Dispatched at once, it was encoded after it completed: its embedding joined the kNN memory too.
+    with np.load(state, allow_pickle=False) as npz:
+        i = json.loads(str(npz["meta"][()]))["models"].index(MODEL)
+        units = npz[f"knn_unit_{i}"] if f"knn_unit_{i}" in npz.files else np.zeros((0, 384))
+        assert units.shape == (len(expected_fitted), 384)
+        assert np.allclose(np.linalg.norm(units, axis=1), 1.0, atol=1e-5)
 
 
 def test_a_restart_keeps_what_was_learned_and_a_corrupt_file_is_refused(

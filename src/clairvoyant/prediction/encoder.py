@@ -30,8 +30,9 @@ section h), blended in with the card's weight v for every request:
 
     final prior = refined prior + v x (kNN log tokens - refined prior)
 
-(``BlendWeights.blend``). The learner's after-completion encodes need only the components and never
-run it. The learned correction and the request's cap then apply exactly as to a lexical prediction
+(``BlendWeights.blend``). The learner's after-completion encodes need only the components and the
+pooled embedding (the key of the learner's residual kNN), from the same run, and never run the kNN
+graph. The learned correction and the request's cap then apply exactly as to a lexical prediction
 (``OnnxPredictor.refined``).
 Serving needs onnxruntime and ``tokenizers`` only: no torch.
 """
@@ -177,7 +178,17 @@ class EncoderModel:
             if not isinstance(width, int) or width < 1:
                 raise ModelError(f"encoder {self.card.onnx_path}: its components output has no fixed width")
             self.components = width
+        # The learner's residual kNN reads the pooled embedding (same run): it follows the components in
+        # the bytes ``encode`` and ``opinion`` return. 0 = a graph without it (or without components).
+        self.embedding_width = 0
+        if self.components and "embedding" in outputs:
+            width = outputs["embedding"].shape[-1]
+            if not isinstance(width, int) or width < 1:
+                raise ModelError(f"encoder {self.card.onnx_path}: its embedding output has no fixed width")
+            self.embedding_width = width
         self._both = [self.card.output, "components"] if self.components else [self.card.output]
+        if self.embedding_width:
+            self._both.append("embedding")
         # The kNN (the card's knn block): a second session on this thread, fed the pooled embedding.
         self._knn: Any = None
         if self.card.knn_path is not None:
@@ -190,7 +201,7 @@ class EncoderModel:
                     f"encoder kNN {self.card.knn_path} takes {names[0]} and gives {names[1]}, "
                     "not ['embedding'] -> ['knn_log_tokens']"
                 )
-        self._all = [*self._both, "embedding"]
+        self._all = self._both if self.embedding_width else [*self._both, "embedding"]  # the embedding last
         self._max_chars = self.card.max_word_pieces * _CHARS_PER_WORD_PIECE
         self.opinion("warm up")  # first-run allocations, and proof that the graphs run
 
@@ -221,18 +232,23 @@ class EncoderModel:
         return ids
 
     def encode(self, text: str) -> tuple[float, bytes]:
-        """Predicted ln(answer tokens) for one instruction, and its components for the online
-        learner (float32 bytes; empty for a graph without them)."""
+        """Predicted ln(answer tokens) for one instruction, and the online learner's columns: its
+        components, then its pooled embedding (``embedding_width`` floats, for the learner's
+        residual kNN) as float32 bytes; empty for a graph without components."""
         value, components, _ = self._run(text, self._both)
         return value, components
 
     def _run(self, text: str, outputs: list[str]) -> tuple[float, bytes, list[Any]]:
-        """One run of the graph on ``text``'s word pieces: its ln tokens, its components (float32
-        bytes; empty for a graph without them) and every output asked for."""
+        """One run of the graph on ``text``'s word pieces: its ln tokens, the learner's columns
+        (``encode``) and every output asked for."""
         ids = np.asarray([self.word_pieces(text)], dtype=np.int64)
         out = self._session.run(outputs, {"input_ids": ids, "attention_mask": np.ones_like(ids)})
         value = float(np.asarray(out[0]).reshape(-1)[0])
-        components = np.asarray(out[1], dtype=np.float32).reshape(-1).tobytes() if self.components else b""
+        components = b""
+        if self.components:
+            components = np.asarray(out[1], dtype=np.float32).reshape(-1).tobytes()
+            if self.embedding_width:
+                components += np.asarray(out[2], dtype=np.float32).reshape(-1).tobytes()
         return value, components, out
 
     @property
@@ -399,7 +415,7 @@ class Refiner:
                 continue
             started = time.perf_counter()
             try:
-                if learning:  # the learner needs the components only: no kNN
+                if learning:  # the learner needs its columns only (components, embedding): no kNN graph
                     value, components = self.encoder.encode(item.text)
                     knn = None
                 else:

@@ -22,6 +22,24 @@ First a global correction over every model's observations; then, for a model wit
 ``min_model_observations`` of its own, a correction of the global one's residuals on top.
 No fit is made before ``min_observations``: until then predictions are the prior's.
 
+On top of that linear correction, a residual kNN (``knn_neighbours`` k, 16; 0: off) for what no column
+carries linearly: a request refined by the encoder carries the encoder's pooled embedding after its
+columns (``EncoderModel.encode``), and each model keeps the unit embeddings of its last ``buffer_size``
+uncensored observations with their residuals r = observed - (prior + the linear correction in force
+when observed) ln tokens. A prediction adds
+
+    sum_{j in the k nearest by cosine} w_j r_j / (sum_j w_j + ``knn_shrinkage``),  w_j = max(cos_j, 0)
+
+so few or far neighbours add about nothing. Residuals after the linear correction, not after the
+prior: the kNN adds to that correction, so it must model what the correction leaves (a model's
+mean shift, counted twice and scaled by each query's neighbourhood, would become ranking noise).
+Picked by a pre-registered study (research/study_residual_knn.py, research/RESULTS.md section i):
+k 16, shrinkage 16 raised the replay's second-half gain of the weakest AlpacaEval model from +0.048
+to +0.058 (seeds 0-4) and +0.037 to +0.041 (seeds 5-14). Its cost is on the request path of a
+refined (waiting) request: one 1 x 384 by 384 x 1024 mat-vec over the model's memory, 0.07-0.11 ms
+with the memory out of cache; memory 1.6 MB per model (float32), allocated at its first embedding.
+A row without the embedding (a lexical prediction) gets the linear correction only.
+
 Observations: ``observe(prediction, observed_tokens)`` is O(1), 20-40 us (a row copied into the
 model's ring buffer of ``buffer_size`` observations, a rank-2 update of its p x p sufficient
 statistics for the one added and the one evicted, two floats into its quality window) and is what the
@@ -30,7 +48,7 @@ chunks): never with anything the client sent. A prediction capped by the request
 whose answer reached the cap is censored: it counts for the rolling quality, not for the fit. The
 per-model key is the model the REQUEST named (``Prediction.model``), the only name known when
 predicting; the first ``max_models`` names get their own buffer, later ones share ``OTHER_MODEL``.
-Memory is bounded: (max_models + 1) x buffer_size rows.
+Memory is bounded: (max_models + 1) x buffer_size rows (and as many kNN embeddings).
 
 Refits run in a background thread (``start``/``stop``), never on the event loop, whenever
 ``refit_every`` new observations have arrived; the fitted coefficients are swapped in as one
@@ -104,6 +122,7 @@ __all__ = [
     "ModelQuality",
     "OnlineLearner",
     "PriorIdentity",
+    "ResidualKnn",
     "kendall_tau_b",
 ]
 
@@ -194,6 +213,10 @@ class LearnerConfig:
     # wall seconds of refit work after which the worker hands the GIL to the event loop at the next
     # unit boundary (see the module docstring); 0: after every unit
     refit_step_s: float = 0.00015
+    # The residual kNN on the encoder's embedding (see the module docstring): the neighbours read (0: off)
+    # and the shrinkage pseudo-weight lambda, in cosine units (research/study_residual_knn.py picked 16 and 16).
+    knn_neighbours: int = 16
+    knn_shrinkage: float = 16.0
 
     def __post_init__(self) -> None:
         if min(self.buffer_size, self.refit_every, self.min_observations, self.max_models, self.quality_window) < 1:
@@ -204,6 +227,8 @@ class LearnerConfig:
             raise ValueError(f"min_penalty_factor must be in [1e-3, 1e3]: {self.min_penalty_factor}")
         if not self.refit_step_s >= 0:
             raise ValueError(f"refit_step_s must be >= 0: {self.refit_step_s}")
+        if self.knn_neighbours < 0 or not 0 <= self.knn_shrinkage < math.inf:
+            raise ValueError(f"knn_neighbours and knn_shrinkage must be >= 0 and finite: {self}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,6 +336,69 @@ class _Window:
         return self.predicted[idx], self.observed[idx]
 
 
+class ResidualKnn:
+    """One model's residual kNN: a ring of the last ``capacity`` observations' unit embeddings and
+    their residuals (observed - (prior + the linear correction at observe time) ln tokens).
+    Appended under the learner's lock, read without it: the arrays are allocated once and never
+    replaced, and ``count`` grows only after a row is written, so a reader sees whole rows (one
+    being overwritten may be a neighbour of either age)."""
+
+    __slots__ = ("count", "next", "residual", "unit")
+
+    def __init__(self, capacity: int, width: int) -> None:
+        self.unit = np.zeros((capacity, width), dtype=np.float32)
+        self.residual = np.zeros(capacity, dtype=np.float64)
+        self.count = 0
+        self.next = 0
+
+    def append(self, unit: np.ndarray, residual: float) -> None:
+        i = self.next
+        self.unit[i] = unit
+        self.residual[i] = residual
+        self.next = (i + 1) % len(self.residual)
+        self.count = min(self.count + 1, len(self.residual))
+
+    def ordered(self) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the unit embeddings and residuals, oldest first."""
+        count, start = self.count, self.next
+        unit, residual = self.unit[:count].copy(), self.residual[:count].copy()  # memcpy: ~0.2 ms
+        order = (np.arange(count) + (start if count == len(self.residual) else 0)) % count
+        return unit[order], residual[order]
+
+    @classmethod
+    def filled(cls, capacity: int, unit: np.ndarray, residual: np.ndarray) -> ResidualKnn:
+        """A memory holding the last ``capacity`` of these rows (oldest first), as if appended."""
+        knn = cls(capacity, unit.shape[1])
+        n = min(len(unit), capacity)
+        knn.unit[:n] = unit[len(unit) - n :]
+        knn.residual[:n] = residual[len(unit) - n :]
+        knn.count, knn.next = n, n % capacity
+        return knn
+
+    def correction(self, unit: np.ndarray, neighbours: int, shrinkage: float) -> float:
+        """sum w_j r_j / (sum w_j + shrinkage) over the ``neighbours`` nearest rows by cosine,
+        w_j = max(cos_j, 0); 0.0 with an empty memory. One 1 x d by d x count mat-vec."""
+        n = self.count
+        if n == 0 or neighbours == 0:
+            return 0.0
+        cos = self.unit[:n] @ unit
+        if n > neighbours:
+            top = np.argpartition(-cos, neighbours - 1)[:neighbours]
+            cos, residual = cos[top], self.residual[top]
+        else:
+            residual = self.residual[:n]
+        weights = np.maximum(cos, 0.0).astype(np.float64)
+        return float(weights @ residual / (weights.sum() + shrinkage))
+
+
+def unit_vector(embedding: np.ndarray) -> np.ndarray | None:
+    """``embedding`` scaled to unit length (float32), or None if it has no finite direction."""
+    norm = float(np.linalg.norm(embedding))
+    if not (norm > 0.0 and math.isfinite(norm)):
+        return None
+    return (embedding / norm).astype(np.float32)
+
+
 class _Moments:
     """Sufficient statistics of the regression over a ring buffer's observations, kept up to date
     by each observation (add the new one, subtract the evicted one): a refit then works on p x p
@@ -379,7 +467,7 @@ class _Moments:
 
 
 class _Bucket:
-    __slots__ = ("counts", "moments", "observations", "ring", "window")
+    __slots__ = ("counts", "knn", "moments", "observations", "ring", "window")
 
     def __init__(self, config: LearnerConfig, n_features: int, counts: int) -> None:
         self.ring = _Ring(config.buffer_size, n_features)
@@ -387,6 +475,7 @@ class _Bucket:
         self.moments = _Moments(n_features + 1)
         self.counts = counts  # leading count columns (log1p in the design)
         self.observations = 0  # ever observed (censored ones included)
+        self.knn: ResidualKnn | None = None  # allocated at the first embedding observed (kNN on)
 
     def learn(self, row: np.ndarray, prior: float, observed: float) -> None:
         """Keep an uncensored observation in the ring and the moments (evicting the oldest)."""
@@ -457,8 +546,9 @@ class FittedCorrection:
         if len(row) == counts:  # a lexical row (no encoder's components): each component at 0, its mean
             dot = float(np.dot(linear.weights[:counts], np.log1p(row)))
         else:
-            dot = float(
-                np.dot(linear.weights[:counts], np.log1p(row[:counts])) + np.dot(linear.weights[counts:], row[counts:])
+            dot = float(  # the encoder's components; an embedding after them is the kNN's
+                np.dot(linear.weights[:counts], np.log1p(row[:counts]))
+                + np.dot(linear.weights[counts:], row[counts : len(linear.weights)])
             )
         value = dot + linear.prior_weight * prior_log_tokens + linear.intercept
         return value if math.isfinite(value) else 0.0
@@ -547,7 +637,32 @@ class OnlineLearner:
         return model if model else DEFAULT_MODEL
 
     def correction(self, model: str | None, row: np.ndarray, prior_log_tokens: float) -> float:
-        """Log tokens to add to the prior's (0.0 before the first fit). Lock-free; never raises."""
+        """Log tokens to add to the prior's: the linear correction (0.0 before the first fit) plus,
+        for a row that carries the encoder's embedding after its columns, the residual kNN's.
+        Lock-free; never raises."""
+        value = self._linear_correction(model, row, prior_log_tokens)
+        if len(row) > self.n_features and self.config.knn_neighbours:
+            value += self._knn_correction(model, row[self.n_features :])
+        return value
+
+    def _knn_correction(self, model: str | None, embedding: np.ndarray) -> float:
+        """The residual kNN's log tokens for a request of ``model`` (0.0 without a memory)."""
+        key = self._key(model)
+        bucket = self._buckets.get(key)
+        if bucket is None and len(self._buckets) >= self.config.max_models:
+            bucket = self._buckets.get(OTHER_MODEL)
+        knn = None if bucket is None else bucket.knn
+        if knn is None or knn.unit.shape[1] != len(embedding):
+            return 0.0
+        unit = unit_vector(embedding)
+        if unit is None:
+            return 0.0
+        value = knn.correction(unit, self.config.knn_neighbours, self.config.knn_shrinkage)
+        return value if math.isfinite(value) else 0.0
+
+    def _linear_correction(self, model: str | None, row: np.ndarray, prior_log_tokens: float) -> float:
+        """The ridge correction alone (0.0 before the first fit); reads the row's first
+        ``n_features`` columns."""
         fitted = self._fitted
         if fitted is None:
             return 0.0
@@ -555,7 +670,8 @@ class OnlineLearner:
 
     def accepts(self, prediction: Prediction, observed_tokens: int) -> bool:
         """Whether ``observe`` would record this: a count that is a non-negative integer, and a
-        prediction with this prior's feature row (lexical or with the encoder's components)."""
+        prediction with this prior's feature row (lexical, or with the encoder's components and
+        possibly its embedding after them)."""
         if (
             isinstance(observed_tokens, bool)
             or not isinstance(observed_tokens, (int, np.integer))
@@ -563,17 +679,17 @@ class OnlineLearner:
         ):
             return False
         row_bytes = len(prediction.feature_row)
-        return row_bytes == self._row_bytes or row_bytes == 4 * self.n_counts
+        return not row_bytes % 4 and (row_bytes >= self._row_bytes or row_bytes == 4 * self.n_counts)
 
-    def observe(self, prediction: Prediction, observed_tokens: int) -> bool:
+    def observe(self, prediction: Prediction, observed_tokens: int, knn_residual: float | None = None) -> bool:
         """Record what the backend produced for a request predicted as ``prediction``. O(1).
         Returns False (and records nothing) for an unusable observation: a negative or non-integer
-        count, or a prediction without this prior's feature row."""
+        count, or a prediction without this prior's feature row. A row may carry the encoder's
+        embedding after its columns: with the kNN on, its residual joins the model's kNN memory
+        (``knn_residual``: the residual the proxy computed when it observed it, else now's)."""
         if not self.accepts(prediction, observed_tokens):
             return False
-        learnable = (
-            len(prediction.feature_row) == self._row_bytes
-        )  # a lexical row under an encoder's learner: quality only
+        learnable = len(prediction.feature_row) >= self._row_bytes  # a lexical row: quality only
         observed_log = log_tokens(int(observed_tokens))
         cap = prediction.cap_tokens
         censored = cap is not None and observed_tokens >= cap
@@ -591,15 +707,50 @@ class OnlineLearner:
             self._observed_total += 1
             self._new_since_quality += 1
             if not censored and learnable:
-                row = np.frombuffer(prediction.feature_row, dtype=np.float32)
-                bucket.learn(row, prediction.prior_log_tokens, observed_log)
+                full = np.frombuffer(prediction.feature_row, dtype=np.float32)
+                bucket.learn(full[: self.n_features], prediction.prior_log_tokens, observed_log)
                 self._new_since_fit += 1
+                if len(full) > self.n_features and self.config.knn_neighbours:
+                    self._remember(
+                        bucket, prediction.model, full, prediction.prior_log_tokens, observed_log, knn_residual
+                    )
             due = self._new_since_fit >= self.config.refit_every
         if due:
             self._due.set()
         return True
 
+    def _remember(
+        self,
+        bucket: _Bucket,
+        model: str | None,
+        row: np.ndarray,
+        prior: float,
+        observed: float,
+        residual: float | None = None,
+    ) -> None:
+        """Add an observation's unit embedding and its residual after the linear correction in
+        force now to its model's kNN memory (under the lock; a few us)."""
+        unit = unit_vector(row[self.n_features :])
+        if unit is None:
+            return
+        if bucket.knn is None:
+            bucket.knn = ResidualKnn(self.config.buffer_size, len(unit))
+        elif bucket.knn.unit.shape[1] != len(unit):  # another embedding's width: not comparable
+            return
+        if residual is None:
+            residual = observed - (prior + self._linear_correction(model, row, prior))
+        if math.isfinite(residual):
+            bucket.knn.append(unit, residual)
+
     # -- reading -------------------------------------------------------------------------------
+    def knn_memory(self, key: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """Model ``key``'s kNN memory (unit embeddings, residuals; oldest first), copied under one
+        hold of the lock; None if it has none."""
+        with self._lock:
+            bucket = self._buckets.get(key)
+            knn = None if bucket is None else bucket.knn
+            return None if knn is None or not knn.count else knn.ordered()
+
     @property
     def refit_due(self) -> bool:
         return self._new_since_fit >= self.config.refit_every
@@ -830,6 +981,10 @@ class OnlineLearner:
                 arrays[f"rows_{i}"], arrays[f"prior_{i}"], arrays[f"observed_{i}"] = bucket.ring.ordered()
                 arrays[f"qpredicted_{i}"], arrays[f"qobserved_{i}"] = bucket.window.ordered()
                 observations.append(bucket.observations)
+        for i, key in enumerate(keys):  # the kNN memories (1.5 MB each): one model per hold of the lock
+            memory = self.knn_memory(key)
+            if memory is not None:
+                arrays[f"knn_unit_{i}"], arrays[f"knn_residual_{i}"] = memory
         meta = {
             "format": STATE_FORMAT,
             "identity": self.identity.as_dict(),
@@ -914,11 +1069,25 @@ class OnlineLearner:
                     bucket.learn(rows[j], float(prior[j]), float(observed[j]))
                 for j in range(max(0, len(observed_q) - cfg.quality_window), len(observed_q)):
                     bucket.window.append(float(predicted_q[j]), float(observed_q[j]))
+                if f"knn_unit_{i}" in npz.files:  # a file from before the kNN has none: an empty memory
+                    bucket.knn = _restored_knn(npz, i, cfg.buffer_size)
                 bucket.observations = int(counts[i])
                 self._buckets[str(key)] = bucket
                 self._observed_total += bucket.observations
                 self._new_since_fit += bucket.ring.count
                 self._new_since_quality += bucket.window.count
+
+
+def _restored_knn(npz: Any, i: int, capacity: int) -> ResidualKnn:
+    """Model ``i``'s kNN memory from a state file (its last ``capacity`` rows); _Refused if damaged."""
+    if f"knn_residual_{i}" not in npz.files:
+        raise _Refused(f"model {i}: kNN embeddings without residuals")
+    unit, residual = npz[f"knn_unit_{i}"], npz[f"knn_residual_{i}"]
+    if unit.ndim != 2 or unit.shape[1] < 1 or residual.shape != (len(unit),):
+        raise _Refused(f"model {i}: kNN arrays of inconsistent shapes")
+    if not (np.isfinite(unit).all() and np.isfinite(residual).all()):
+        raise _Refused(f"model {i}: non-finite kNN values")
+    return ResidualKnn.filled(capacity, unit.astype(np.float32), residual.astype(np.float64))
 
 
 def _lower_thread_priority(increment: int) -> None:

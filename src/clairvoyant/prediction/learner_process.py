@@ -16,7 +16,11 @@ The parent side, ``LearnerProcess``, lives on the event loop and does three smal
   every ``POLL_S``: a write that wakes a process waiting on the pipe cost the loop ~0.1 ms here
   (the wake-up is the writer's), a write nobody waits for a few microseconds;
 - ``correction``: the request path's read of the last fit the child sent (``FittedCorrection``,
-  immutable, swapped whole), exactly ``OnlineLearner.correction``'s arithmetic;
+  immutable, swapped whole), plus the residual kNN's for a row with the encoder's embedding:
+  exactly ``OnlineLearner.correction``'s arithmetic. The kNN memories live here, where the
+  correction reads them: ``observe`` computes an observation's residual with the fit in force (as
+  in-process) and appends it, and sends the residual with the observation so that the child's
+  copy, which the state file keeps, is the same; the child sends its restored copy at start;
 - ``quality``/``save``/``stop``: requests to the child, awaited (``asyncio``), never blocking.
 
 The child (``python -m clairvoyant.prediction.learner_process``) owns an ``OnlineLearner``: it loads
@@ -29,11 +33,11 @@ logged by the proxy under the child's logger names, in the proxy's format.
 
 Frames, both ways: a 4-byte big-endian length, then a pickle (trusted: the proxy's own child).
 Down: ``("init", identity, config, state_path, fit, quiet_refit_s)`` then ``("observe",
-[(each field of the Prediction..., tokens), ...])``, ``("quality", id)``, ``("save", id)``, ``("stop", id)``. Up:
-``("log", logger, level, message)``, ``("ready", observed_total)``, ``("fit", packed fit,
-model_keys, refit_s)`` (``FittedCorrection.packed``: plain values, ~20 us to read against ~150 us
-for the pickled dataclasses and arrays), ``("quality", quality)`` (only when asked), ``("done", id,
-error)``.
+[(each field of the Prediction..., tokens, kNN residual or None), ...])``, ``("quality", id)``,
+``("save", id)``, ``("stop", id)``. Up: ``("log", logger, level, message)``, ``("ready",
+observed_total, model_keys, kNN memories)``, ``("fit", packed fit, refit_s)``
+(``FittedCorrection.packed``: plain values, ~20 us to read against ~150 us for the pickled
+dataclasses and arrays), ``("quality", quality)`` (only when asked), ``("done", id, error)``.
 
 If the child dies (killed, out of memory), the proxy logs it, keeps predicting with the last fit,
 drops observations until a new child is up, and starts one again (``respawn_after_s`` later), which
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import pickle
 import signal
@@ -58,13 +63,16 @@ import numpy as np
 
 from clairvoyant.prediction.learner import (
     DEFAULT_MODEL,
+    OTHER_MODEL,
     FittedCorrection,
     LearnerConfig,
     ModelQuality,
     OnlineLearner,
     PriorIdentity,
+    ResidualKnn,
+    unit_vector,
 )
-from clairvoyant.prediction.predictor import Prediction
+from clairvoyant.prediction.predictor import Prediction, log_tokens
 
 __all__ = ["LearnerProcess", "LearnerUnavailable"]
 
@@ -112,9 +120,10 @@ class LearnerProcess:
         self.n_features = self.n_counts + len(identity.component_names)
         self._checker = OnlineLearner(identity, self.config)  # its ``accepts`` only: never observes
         self._fit: FittedCorrection | None = None
+        self._keys: dict[str, None] = {}  # the model keys with a buffer, as the child assigns them
+        self._knn: dict[str, ResidualKnn] = {}  # per model key: the residual kNN's memory
         self._batch: list[tuple[Any, ...]] = []  # observations not yet sent: _fields(prediction) + (tokens,)
         self._flush_handle: asyncio.TimerHandle | None = None
-        self._models: frozenset[str] = frozenset()  # the child's model keys at its last fit
         self._quality: dict[str, ModelQuality] = {}
         self.observed_total = 0  # restored + accepted here (the child may not have taken them yet)
         self.dropped = 0  # observations not sent: no child, or its backlog was full
@@ -135,12 +144,11 @@ class LearnerProcess:
         not start: the proxy then predicts with the prior and learns nothing."""
         self._stopping = False
         try:
-            total = await asyncio.wait_for(self._spawn(), timeout_s)
+            await asyncio.wait_for(self._spawn(), timeout_s)
         except Exception as exc:  # no interpreter, a broken install, a child that hangs...
             logger.error("online learner: its process did not start (%s: %s); learning is off", type(exc).__name__, exc)
             await self._kill()
             return False
-        self.observed_total = total
         return True
 
     async def _spawn(self) -> int:
@@ -194,9 +202,17 @@ class LearnerProcess:
     def correction(self, model: str | None, row: np.ndarray, prior_log_tokens: float) -> float:
         """``OnlineLearner.correction`` on the last fit the child sent (0.0 before the first)."""
         fit = self._fit
-        if fit is None:
-            return 0.0
-        return fit.correction(model or DEFAULT_MODEL, self._models, self.config.max_models, row, prior_log_tokens)
+        key = model or DEFAULT_MODEL
+        value = 0.0 if fit is None else fit.correction(key, self._keys, self.config.max_models, row, prior_log_tokens)
+        if len(row) > self.n_features and self._knn:
+            knn = self._knn.get(key)
+            if knn is None and key not in self._keys and len(self._keys) >= self.config.max_models:
+                knn = self._knn.get(OTHER_MODEL)
+            unit = None if knn is None else unit_vector(row[self.n_features :])
+            if knn is not None and unit is not None and knn.unit.shape[1] == len(unit):
+                nearest = knn.correction(unit, self.config.knn_neighbours, self.config.knn_shrinkage)
+                value += nearest if math.isfinite(nearest) else 0.0
+        return value
 
     def observe(self, prediction: Prediction, observed_tokens: int) -> bool:
         """Send an observation to the child. False, as ``OnlineLearner.observe``, for an unusable
@@ -204,6 +220,8 @@ class LearnerProcess:
         if not self._checker.accepts(prediction, observed_tokens):
             return False
         self.observed_total += 1
+        key = self._bucket_key(prediction.model)
+        residual = self._remember(key, prediction, observed_tokens)
         if not self.running:
             self.dropped += 1
             return True
@@ -218,11 +236,52 @@ class LearnerProcess:
                 p.model,
                 p.cap_tokens,
                 int(observed_tokens),
+                residual,
             )
         )
         if self._flush_handle is None:
             self._flush_handle = asyncio.get_running_loop().call_later(FLUSH_S, self._flush)
         return True
+
+    def _bucket_key(self, model: str | None) -> str:
+        """The buffer the child puts this model's observation in (``OnlineLearner.observe``'s rule)."""
+        key = model or DEFAULT_MODEL
+        if key not in self._keys:
+            if len(self._keys) >= self.config.max_models:
+                key = OTHER_MODEL
+            self._keys.setdefault(key, None)
+        return key
+
+    def _remember(self, key: str, prediction: Prediction, observed_tokens: int) -> float | None:
+        """The residual kNN's part of ``OnlineLearner.observe``: an uncensored observation whose row
+        carries the embedding joins its model's memory, with its residual after the linear
+        correction in force now. Returns that residual (None: nothing remembered)."""
+        row_bytes = len(prediction.feature_row)
+        cap = prediction.cap_tokens
+        if (
+            not self.config.knn_neighbours
+            or row_bytes <= 4 * self.n_features
+            or (cap is not None and observed_tokens >= cap)
+        ):
+            return None
+        row = np.frombuffer(prediction.feature_row, dtype=np.float32)
+        unit = unit_vector(row[self.n_features :])
+        if unit is None:
+            return None
+        knn = self._knn.get(key)
+        if knn is None:
+            knn = self._knn[key] = ResidualKnn(self.config.buffer_size, len(unit))
+        elif knn.unit.shape[1] != len(unit):  # another embedding's width: not comparable
+            return None
+        prior = prediction.prior_log_tokens
+        fit = self._fit
+        model = prediction.model or DEFAULT_MODEL  # the fit's key, as in-process
+        linear = 0.0 if fit is None else fit.correction(model, self._keys, self.config.max_models, row, prior)
+        residual = log_tokens(int(observed_tokens)) - (prior + linear)
+        if not math.isfinite(residual):
+            return None
+        knn.append(unit, residual)
+        return residual
 
     def _flush(self) -> None:
         """Send the batch of observations (one write), unless the child is gone or backed up."""
@@ -305,8 +364,8 @@ class LearnerProcess:
     def _receive(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == "fit":
-            _, packed, models, refit_s = message
-            self._fit, self._models = FittedCorrection.unpacked(packed), frozenset(models)
+            _, packed, refit_s = message
+            self._fit = FittedCorrection.unpacked(packed)
             self.last_refit_s = refit_s
             self.refits += 1
         elif kind == "quality":
@@ -319,8 +378,17 @@ class LearnerProcess:
             _, name, level, text = message
             logging.getLogger(name).log(level, "%s", text)
         elif kind == "ready":
+            _, total, keys, memories = message
+            self.observed_total = total
+            self._keys = dict.fromkeys(keys)
+            self._knn = {
+                key: ResidualKnn.filled(
+                    self.config.buffer_size, np.frombuffer(unit, np.float32).reshape(n, -1), np.frombuffer(residual)
+                )
+                for key, n, unit, residual in memories
+            }
             if self._ready is not None and not self._ready.done():
-                self._ready.set_result(message[1])
+                self._ready.set_result(total)
 
     def _gone(self, process: asyncio.subprocess.Process, code: int) -> None:
         """The child exited: fail what waits for it; unless stopping, start another later."""
@@ -416,7 +484,12 @@ class _Child:
         _, identity, config, state_path, fit, quiet_refit_s = init[0]
         _lower_priority(config.worker_nice)
         learner = OnlineLearner.load(state_path, identity, config) if state_path else OnlineLearner(identity, config)
-        self.send(("ready", learner.observed_total))
+        memories = []
+        for key in learner.models():
+            memory = learner.knn_memory(key)
+            if memory is not None:
+                memories.append((key, len(memory[1]), memory[0].tobytes(), memory[1].tobytes()))
+        self.send(("ready", learner.observed_total, learner.models(), memories))
         if fit and learner.unfitted:
             self._refit(learner)  # restored observations: fitted at once
         pending = init[1:]
@@ -425,8 +498,8 @@ class _Child:
             for message in pending:
                 kind = message[0]
                 if kind == "observe":
-                    for *fields, tokens in message[1]:
-                        learner.observe(Prediction(*fields), tokens)
+                    for *fields, tokens, residual in message[1]:
+                        learner.observe(Prediction(*fields), tokens, residual)
                 elif kind == "quality":
                     learner.update_quality()  # only the models observed since the last update
                     self.send(("quality", dict(learner.quality())))
@@ -458,7 +531,7 @@ class _Child:
             return
         fit = learner.current_fit
         if fit is not None:
-            self.send(("fit", fit.packed(), learner.models(), learner.last_refit_s))
+            self.send(("fit", fit.packed(), learner.last_refit_s))
 
     @staticmethod
     def _save(learner: OnlineLearner, state_path: Path | None) -> str | None:

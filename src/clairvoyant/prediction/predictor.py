@@ -208,7 +208,8 @@ class BlendWeights:
 @dataclass(frozen=True, slots=True)
 class Prediction:
     """One request's prediction. Compact on purpose (a waiting request carries it): about 0.4 KB
-    with the 48-feature row.
+    with the 48-feature row; once refined by the encoder its row also carries the encoder's 16
+    components and 384-d embedding (the learner's columns and its residual kNN's key): about 2 KB.
 
     score: the queue key, unitless, lower = sooner; for one model monotone in predicted tokens.
     predicted_tokens: calibrated output tokens, after the learned correction and the cap.
