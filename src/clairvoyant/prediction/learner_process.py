@@ -1,9 +1,9 @@
 """The online learner in its own process, so that a refit never holds the event loop's GIL.
 
-Why a process: a refit in a thread of the proxy holds the interpreter lock in steps of at most
-``refit_step_s`` of work, but on a shared machine the OS may preempt the thread while it holds the
-lock, and the event loop then waits for the whole preemption. On this project's 2-core host, idle,
-steps of 0.45-0.95 ms of CPU took 3.0-3.7 ms of wall time (docs/benchmarks.md, section 18). A child
+Why a process: a refit in a thread of the proxy (session 19's design) held the interpreter lock
+in steps of at most 0.15 ms of work, but on a shared machine the OS may preempt the thread while it
+holds the lock, and the event loop then waits for the whole preemption. On this project's 2-core
+host, steps of 0.4-1.7 ms of CPU took 5-30 ms of wall time (docs/benchmarks.md, section 18). A child
 process has its own interpreter: nothing it does, or suffers, holds the loop's lock.
 
 The parent side, ``LearnerProcess``, lives on the event loop and does three small things:
