@@ -442,11 +442,10 @@ def test_the_refit_in_small_steps_fits_what_the_stacked_solve_fitted() -> None:
 def test_kendall_tau_b_in_blocks_is_the_same_tau() -> None:
     rng = np.random.default_rng(3)
     x, y = rng.integers(0, 12, 257).astype(float), rng.integers(0, 30, 257).astype(float)
-    calls: list[int] = []
     whole = kendall_tau_b(x, y)
-    assert kendall_tau_b(x, y, 64, lambda: calls.append(1)) == whole
-    assert len(calls) == 4  # 5 blocks of at most 64 rows, the calls between them
-    assert kendall_tau_b(x, y, 1000, lambda: calls.append(1)) == whole and len(calls) == 4
+    assert -1 < whole < 1 and whole != 0
+    assert kendall_tau_b(x, y, 64) == whole  # 5 blocks of at most 64 rows
+    assert kendall_tau_b(x, y, 1000) == whole
 
 
 def test_gcv_never_chooses_a_penalty_below_min_penalty_factor_times_the_observations() -> None:
