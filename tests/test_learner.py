@@ -6,7 +6,6 @@ import json
 import logging
 import math
 import os
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -252,29 +251,6 @@ def test_a_failed_save_leaves_the_previous_file_whole(tmp_path: Path, monkeypatc
     assert os.listdir(tmp_path) == ["learner.npz"]
 
 
-# --------------------------------------------------------------------------------------------
-# The worker thread
-
-
-def test_the_worker_refits_in_the_background_when_due() -> None:
-    rows, prior, truth = _world(64)
-    learner = OnlineLearner(IDENTITY, LearnerConfig(refit_every=8, min_observations=16))
-    learner.start(quality_interval_s=0.05)
-    try:
-        for row, p, t in zip(rows, prior, truth):
-            learner.observe(_prediction(row, float(p)), int(round(math.exp(t))))
-        deadline = time.monotonic() + 10
-        while not (learner.fitted and learner.quality().get("m") and learner.quality()["m"].observations == 64):
-            assert time.monotonic() < deadline, "the worker never refitted"
-            time.sleep(0.01)
-        learned = _corrected(learner, rows, prior) - prior
-        assert np.mean(learned) == pytest.approx(np.mean(truth - prior), abs=0.2)  # it learned the bias
-        assert learner.last_refit_s is not None
-    finally:
-        learner.stop()
-    assert learner._thread is None
-
-
 def test_the_learner_and_replay_import_no_training_dependency() -> None:
     import json
     import subprocess
@@ -463,49 +439,13 @@ def test_the_refit_in_small_steps_fits_what_the_stacked_solve_fitted() -> None:
             np.testing.assert_allclose(mine["coefficients"][key], coefficients, rtol=0, atol=1e-12)
 
 
-def test_a_refit_step_holds_at_most_one_solve_and_a_block_of_the_quality(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``refit_step_s`` = 0 every unit is its own step: each solve is one p x p system, two never
-    share a step, and the quality's tau over a window of 256 comes in blocks of 64 rows."""
-    from clairvoyant.prediction import learner as learner_module
-
-    events: list[str] = []
-    real_solve = np.linalg.solve
-
-    def solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        events.append(f"solve {a.shape}")
-        return real_solve(a, b)
-
-    class Spy(OnlineLearner):
-        def _yield(self) -> None:
-            events.append("yield")
-            super()._yield()
-
-    rows, prior, truth = _world(600)
-    learner = Spy(IDENTITY, LearnerConfig(refit_every=10_000, refit_step_s=0.0))
-    for i, (row, p, t) in enumerate(zip(rows, prior, truth)):
-        learner.observe(_prediction(row, float(p), "ab"[i % 2]), int(round(math.exp(t))))
-    monkeypatch.setattr(learner_module.np.linalg, "solve", solve)
-    learner.refit()
-    solves = [e for e in events if e.startswith("solve")]
-    # GCV searches for the global fit and each model's: 7 penalties each (1 to 1000 x n), one 7 x 7
-    # system at a time
-    assert solves == ["solve (7, 7)"] * 3 * 7
-    assert not any(a.startswith("solve") and b.startswith("solve") for a, b in zip(events, events[1:]))
-    # after the last solve: the end of the fit; then the quality: per model, the window's copy, its tau
-    # in 256 / 64 = 4 blocks (3 hand-overs between them), the result; then the swap of the quality
-    assert learner.quality()["a"].observations == learner.quality()["b"].observations == 256
-    last_solve = max(i for i, e in enumerate(events) if e.startswith("solve"))
-    assert events[last_solve + 1 :] == ["yield"] * (1 + 2 * (1 + 3 + 1) + 1)
-
-
 def test_kendall_tau_b_in_blocks_is_the_same_tau() -> None:
     rng = np.random.default_rng(3)
     x, y = rng.integers(0, 12, 257).astype(float), rng.integers(0, 30, 257).astype(float)
-    calls: list[int] = []
     whole = kendall_tau_b(x, y)
-    assert kendall_tau_b(x, y, 64, lambda: calls.append(1)) == whole
-    assert len(calls) == 4  # 5 blocks of at most 64 rows, the calls between them
-    assert kendall_tau_b(x, y, 1000, lambda: calls.append(1)) == whole and len(calls) == 4
+    assert -1 < whole < 1 and whole != 0
+    assert kendall_tau_b(x, y, 64) == whole  # 5 blocks of at most 64 rows
+    assert kendall_tau_b(x, y, 1000) == whole
 
 
 def test_gcv_never_chooses_a_penalty_below_min_penalty_factor_times_the_observations() -> None:

@@ -50,40 +50,22 @@ per-model key is the model the REQUEST named (``Prediction.model``), the only na
 predicting; the first ``max_models`` names get their own buffer, later ones share ``OTHER_MODEL``.
 Memory is bounded: (max_models + 1) x buffer_size rows (and as many kNN embeddings).
 
-Refits run in a background thread (``start``/``stop``), never on the event loop, whenever
-``refit_every`` new observations have arrived; the fitted coefficients are swapped in as one
-immutable object, so ``correction`` (the request path) reads them without a lock. ``refit()``
-can also be called directly (replay, tests). A refit never touches the rows: each observation
-updates its model's sufficient statistics (p x p moments, p = features + 1: 65 with the encoder's
-components), so a refit solves small p x p systems, a few per model; the GCV search for a fit's
-penalty runs again only once a quarter of its buffer is new; the worker thread runs at a lower CPU
-priority (``worker_nice``).
-
-What bounds a step (the refit's hold on the GIL, which the event loop's thread waits for): the
-refit is cut into units, and between two units it hands the GIL over (``_yield``: a 0.1 ms sleep)
-once the step has run ``refit_step_s`` (0.15 ms) of wall time. A step is therefore at most
-``refit_step_s`` plus one unit, and the units are: copying one model's moments (under the lock that
-``observe`` takes), adding one model's into the pool, the pooled mean and scales, one fit's
-residual moments, its centred Gram matrix, ONE ``np.linalg.solve`` of one p x p system (the GCV
-search solves each of its penalties in its own unit, with ``[Z'y, I]`` as right-hand sides: the
-weights and the inverse's trace; a known penalty, one right-hand side), and one block of 64 rows of
-the rolling quality's tau pair matrices (``kendall_tau_b(..., block)``, 4 blocks for a window of
-256). Each is O(p^3) or O(64 x window) numpy work on arrays of at most p x (p + 1): 0.01-0.1 ms
-CPU here, up to about 0.2 ms on a busy core (a search's solve). So a step stays under about
-0.35 ms CPU however many models the learner holds: the bound does not grow with the models, the
-rows or the refit cadence, only with p^3. A smaller ``refit_step_s`` gives shorter steps but more
-hand-overs, and each costs the refit CPU (a sleeping thread comes back to cold caches): 0.05 ms
-made a refit 30-40% dearer; 0.15 ms hands over about as often as the refit did before it was cut
-(22-24 times for 17 models). The units
-compute what the refit computed in larger pieces before, in the same order, with the same LAPACK
-calls: the same penalties and coefficients (tests/test_learner.py replays a fixed trace against
-the fit of the stacked solve).
-See benchmarks/bench_learner_refit.py for the measured loop lag.
+Refits: ``refit()`` fits the corrections and swaps them in as one immutable object, so
+``correction`` (the request path) reads them without a lock; ``refit_due`` says when
+``refit_every`` new observations have arrived. It is synchronous: in the proxy the learner lives in
+its own process (``clairvoyant.prediction.learner_process``), which refits whenever due, so no refit
+ever holds the event loop's interpreter; ``clairvoyant replay`` calls it in line. A refit never
+touches the rows: each observation updates its model's sufficient statistics (p x p moments, p =
+features + 1: 65 with the encoder's components), so a refit solves small p x p systems, a few per
+model (one ``np.linalg.solve`` per GCV penalty, with ``[Z'y, I]`` as right-hand sides: the weights
+and the inverse's trace); the GCV search for a fit's penalty runs again only once a quarter of its
+buffer is new. The same penalties and coefficients as the stacked solve of earlier versions
+(tests/test_learner.py replays a fixed trace against it).
 
 Rolling quality per model (``quality()``): Kendall tau_b and mean |log-token error| between the
 predictions as they were made (before their own observation was learned) and the observed
-lengths, over the last ``quality_window`` observed requests; computed by the worker thread after
-each refit (or by ``update_quality()``), so reading it costs a dict lookup.
+lengths, over the last ``quality_window`` observed requests; computed after each refit (or by
+``update_quality()``), so reading it costs a dict lookup.
 
 Persistence: ``save(path)`` writes the buffers and quality windows atomically (a temporary file in
 the same directory, fsync, then ``os.replace``), so a crash leaves the old file or the new one,
@@ -101,10 +83,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -209,10 +190,7 @@ class LearnerConfig:
     # the smallest ridge penalty GCV may choose, per observation (the grid runs 1e-3 to 1e3 in
     # half decades); see the module docstring
     min_penalty_factor: float = 1.0
-    worker_nice: int = 10  # the worker thread's niceness above the process's (Linux: per thread)
-    # wall seconds of refit work after which the worker hands the GIL to the event loop at the next
-    # unit boundary (see the module docstring); 0: after every unit
-    refit_step_s: float = 0.00015
+    worker_nice: int = 10  # the learner process's niceness above the proxy's
     # The residual kNN on the encoder's embedding (see the module docstring): the neighbours read (0: off)
     # and the shrinkage pseudo-weight lambda, in cosine units (research/study_residual_knn.py picked 16 and 16).
     knn_neighbours: int = 16
@@ -225,8 +203,6 @@ class LearnerConfig:
             raise ValueError("min_observations and min_model_observations must be >= 2")
         if not _ALPHA_FACTORS[0] <= self.min_penalty_factor * (1 + 1e-9) <= _ALPHA_FACTORS[-1] * (1 + 1e-9):
             raise ValueError(f"min_penalty_factor must be in [1e-3, 1e3]: {self.min_penalty_factor}")
-        if not self.refit_step_s >= 0:
-            raise ValueError(f"refit_step_s must be >= 0: {self.refit_step_s}")
         if self.knn_neighbours < 0 or not 0 <= self.knn_shrinkage < math.inf:
             raise ValueError(f"knn_neighbours and knn_shrinkage must be >= 0 and finite: {self}")
 
@@ -241,13 +217,10 @@ class ModelQuality:
     mean_abs_log_error: float  # mean |predicted - observed| natural-log tokens; NaN when empty
 
 
-def kendall_tau_b(
-    x: np.ndarray, y: np.ndarray, block: int = 0, between_blocks: Callable[[], None] = lambda: None
-) -> float:
+def kendall_tau_b(x: np.ndarray, y: np.ndarray, block: int = 0) -> float:
     """Kendall's tau_b of two equally long arrays, O(n^2) in numpy on boolean pair matrices (n is a
     few hundred here: about 0.2 ms for 256). NaN when undefined. ``block`` > 0: the pair matrices
-    are built ``block`` rows at a time, with ``between_blocks()`` called between two blocks (the
-    learner's refit hands the GIL over there); the counts, and so the result, are the same."""
+    are built ``block`` rows at a time (less memory); the counts, and so the result, are the same."""
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
     n = len(x)
@@ -256,8 +229,6 @@ def kendall_tau_b(
     block = block if block > 0 else n
     concordant = discordant = untied_x = untied_y = 0
     for start in range(0, n, block):
-        if start:
-            between_blocks()
         rows = slice(start, start + block)
         x_greater = x[rows, None] > x[None, :]
         y_greater = y[rows, None] > y[None, :]
@@ -560,7 +531,6 @@ def _ridge_gcv(
     yy: float,
     n: int,
     alpha: float | None = None,
-    between_solves: Callable[[], None] = lambda: None,
     factors: np.ndarray = _ALPHA_FACTORS,
 ) -> tuple[np.ndarray, float]:
     """Ridge weights of a centred target on standardised, centred columns, given their Gram
@@ -569,12 +539,11 @@ def _ridge_gcv(
     penalty of the lowest GCV score (every score infinite: the first penalty).
 
     One ``np.linalg.solve`` (LU on p x p, right-hand sides ``[Z'y, I]``: the weights and the
-    inverse whose trace gives the degrees of freedom) per penalty tried, with ``between_solves()``
-    called before each: the refit hands the GIL over there, so a step holds at most one p x p
-    solve (``eigh`` once for every penalty would be neater, but OpenBLAS may run it multi-threaded,
-    and on cores busy generating it then takes 15 ms instead of 0.3 ms). Each solve is the one the
-    stacked solve of every penalty made before (LAPACK solves a stack one matrix at a time), so the
-    weights and the choice are the same.
+    inverse whose trace gives the degrees of freedom) per penalty tried (``eigh`` once for every
+    penalty would be neater, but OpenBLAS may run it multi-threaded, and on cores busy generating it
+    then takes 15 ms instead of 0.3 ms). Each solve is the one the stacked solve of every penalty
+    made before (LAPACK solves a stack one matrix at a time), so the weights and the choice are the
+    same.
     """
     p = len(zy)
     eye = np.eye(p)
@@ -584,7 +553,6 @@ def _ridge_gcv(
     best_weights: np.ndarray | None = None
     best_alpha, best_gcv = 0.0, math.inf
     for candidate in n * factors:
-        between_solves()
         solved = np.linalg.solve(gram + candidate * eye, rhs)
         weights = solved[:, 0]
         dof = p - candidate * float(np.trace(solved[:, 1:]))  # trace of the hat matrix
@@ -597,8 +565,9 @@ def _ridge_gcv(
 
 
 class OnlineLearner:
-    """See the module docstring. Thread-safe: ``observe`` from the event loop, ``refit`` and
-    ``save`` from a worker thread, ``correction`` and ``quality`` from anywhere."""
+    """See the module docstring. Thread-safe (the rows and counters are guarded by a lock, the fit
+    and quality are swapped whole), though the proxy's learner process and replay use it from one
+    thread."""
 
     def __init__(self, identity: PriorIdentity, config: LearnerConfig | None = None) -> None:
         self.identity = identity
@@ -620,13 +589,6 @@ class OnlineLearner:
         self._quality_at: dict[str, int] = {}  # each model's observation count when its quality was computed
         self.last_refit_s: float | None = None  # seconds the last refit took
         self.refits = 0  # refits completed (with or without enough observations to fit)
-        # the longest refit step between two GIL hand-overs (see _yield), in wall and CPU seconds
-        self.longest_step_s = 0.0
-        self.longest_step_cpu_s = 0.0
-        self._step = threading.local()  # per thread: .started (wall, None between refits), .cpu_started
-        self._due = threading.Event()
-        self._stopping = False
-        self._thread: threading.Thread | None = None
 
     @classmethod
     def for_predictor(cls, predictor: Any, config: LearnerConfig | None = None, encoder: Any = None) -> OnlineLearner:
@@ -714,9 +676,6 @@ class OnlineLearner:
                     self._remember(
                         bucket, prediction.model, full, prediction.prior_log_tokens, observed_log, knn_residual
                     )
-            due = self._new_since_fit >= self.config.refit_every
-        if due:
-            self._due.set()
         return True
 
     def _remember(
@@ -782,30 +741,9 @@ class OnlineLearner:
             return list(self._buckets)
 
     # -- fitting -------------------------------------------------------------------------------
-    def _yield(self) -> None:
-        """End a step of a refit: in the worker thread, sleep 0.1 ms, which hands the GIL to the
-        event loop's thread if it waits for it (without a blocking call, a waiting thread may wait
-        the interpreter's whole 5 ms switch interval). Records the longest step (``longest_step_s``,
-        ``longest_step_cpu_s``): the most a refit has held the GIL against the loop."""
-        now, cpu_now = time.perf_counter(), time.thread_time()
-        step = self._step
-        if getattr(step, "started", None) is not None:
-            self.longest_step_s = max(self.longest_step_s, now - step.started)
-            self.longest_step_cpu_s = max(self.longest_step_cpu_s, cpu_now - step.cpu_started)
-        if threading.current_thread() is self._thread:
-            time.sleep(0.0001)
-        step.started, step.cpu_started = time.perf_counter(), time.thread_time()
-
-    def _unit_done(self) -> None:
-        """Between two units of refit work: end the step (``_yield``) once it has run
-        ``refit_step_s``, so that a step is at most that plus one unit."""
-        started = getattr(self._step, "started", None)
-        if started is None or time.perf_counter() - started >= self.config.refit_step_s:
-            self._yield()
-
     def _snapshot(self) -> list[tuple[str, _Moments, int]]:
-        """Copies of every model's moments (p x p each) and its observation count: one model per
-        hold of the lock, one unit each (the event loop's ``observe`` waits for the lock)."""
+        """Copies of every model's moments (p x p each) and its observation count, one model per
+        hold of the lock."""
         with self._lock:
             self._new_since_fit = 0
             keys = list(self._buckets)
@@ -815,22 +753,18 @@ class OnlineLearner:
                 bucket = self._buckets[key]
                 if bucket.moments.n:
                     data.append((key, bucket.moments.copy(), bucket.observations))
-            self._unit_done()
         return data
 
     def refit(self) -> None:
         """Fit the corrections from the moments and swap them in; then update the rolling quality.
-        Blocking, about 0.2 ms of work per model: call it from the worker thread or offline. In the
-        worker thread it sleeps briefly every ``refit_step_s`` of work so that the event loop's
-        thread gets the GIL."""
+        Blocking, about 0.2 ms of work per model: never on an event loop (the proxy runs it in the
+        learner's process)."""
         with self._refit_lock:
-            started = self._step.started = time.perf_counter()
-            self._step.cpu_started = time.thread_time()
+            started = time.perf_counter()
             data = self._snapshot()
             total = sum(m.n for _, m, _ in data)
             if total >= self.config.min_observations:
                 self._fitted = self._fit(data)
-                self._unit_done()
             self.last_refit_s = time.perf_counter() - started
             self.refits += 1
             self.update_quality()
@@ -840,7 +774,6 @@ class OnlineLearner:
         pooled = _Moments(self.n_features + 1)
         for _, moments, _ in data:
             pooled += moments
-            self._unit_done()
         n = pooled.n
         mean = pooled.s_z / n
         covariance = pooled.s_zz / n - np.outer(mean, mean)
@@ -850,7 +783,6 @@ class OnlineLearner:
         scale = std[used]
         outer_scale = np.outer(scale, scale)
         factors = _ALPHA_FACTORS[_ALPHA_FACTORS >= cfg.min_penalty_factor * (1 - 1e-9)]
-        self._unit_done()
 
         def penalty(key: str, observations: int, n: int) -> float | None:
             """The penalty chosen for ``key`` earlier, or None (search again): GCV runs again once
@@ -874,15 +806,13 @@ class OnlineLearner:
                 s_y = m.s_y - zc - k * b
                 s_zy = m.s_zy - m.s_zz @ c - m.s_z * b
                 s_yy = m.s_yy - 2 * (c @ m.s_zy) - 2 * b * m.s_y + c @ m.s_zz @ c + 2 * b * zc + k * b * b
-                self._unit_done()
             z_mean = m.s_z / k
             y_mean = s_y / k
             centred = m.s_zz - k * np.outer(z_mean, z_mean)
             gram = (centred if all_used else centred[np.ix_(used, used)]) / outer_scale
             zy = (s_zy - k * z_mean * y_mean)[used] / scale
             yy = max(s_yy - k * y_mean * y_mean, 0.0)
-            self._unit_done()
-            weights, alpha = _ridge_gcv(gram, zy, yy, k, penalty(key, observations, k), self._unit_done, factors)
+            weights, alpha = _ridge_gcv(gram, zy, yy, k, penalty(key, observations, k), factors)
             if key not in self._penalties or self._penalties[key][0] != alpha:
                 self._penalties[key] = (alpha, observations)
             coef = np.zeros(self.n_features + 1)
@@ -898,7 +828,6 @@ class OnlineLearner:
         if len(data) > 1:  # with one model the global fit is already that model's
             for key, moments, observations in data:
                 if moments.n >= cfg.min_model_observations:
-                    self._unit_done()
                     coef, intercept = fit(moments, key, observations, global_coef, global_intercept)
                     by_model[key] = linear(global_coef + coef, global_intercept + intercept)
         return FittedCorrection(linear(global_coef, global_intercept), by_model, n, self.n_counts)
@@ -906,12 +835,10 @@ class OnlineLearner:
     def update_quality(self) -> None:
         """Recompute the rolling quality of the models observed since the last update
         (O(window^2) each, about 0.2 ms for 256; off the event loop)."""
-        with self._quality_lock:  # the worker's refit and a /metrics refresh may both call this
+        with self._quality_lock:
             self._update_quality()
 
     def _update_quality(self) -> None:
-        if getattr(self._step, "started", None) is None:
-            self._step.started, self._step.cpu_started = time.perf_counter(), time.thread_time()
         with self._lock:
             keys = list(self._buckets)
             self._new_since_quality = 0
@@ -923,50 +850,10 @@ class OnlineLearner:
                     continue
                 self._quality_at[key] = bucket.observations
                 predicted, observed = bucket.window.ordered()
-            self._unit_done()
             mae = float(np.mean(np.abs(predicted - observed))) if len(observed) else math.nan
-            tau = kendall_tau_b(predicted, observed, _TAU_BLOCK, self._unit_done)
+            tau = kendall_tau_b(predicted, observed, _TAU_BLOCK)
             quality[key] = ModelQuality(key, len(observed), tau, mae)
-            self._unit_done()
         self._quality = quality
-        self._yield()
-        self._step.started = None
-
-    # -- the worker thread ---------------------------------------------------------------------
-    def start(self, quality_interval_s: float = 5.0) -> None:
-        """Start the background worker: refits when due, else refreshes the quality every
-        ``quality_interval_s`` if anything was observed. Idempotent."""
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stopping = False
-        if self._new_since_fit > 0:
-            self._due.set()  # restored observations: fit them now
-
-        def run() -> None:
-            _lower_thread_priority(self.config.worker_nice)
-            while not self._stopping:
-                self._due.wait(timeout=quality_interval_s)
-                self._due.clear()
-                if self._stopping:
-                    break
-                try:
-                    if self._new_since_fit > 0:  # due, or quiet traffic that has waited an interval
-                        self.refit()
-                    elif self._new_since_quality:
-                        self.update_quality()
-                except Exception:  # a failed refit must not end learning; the old fit stays
-                    logger.exception("online learner: refit failed; keeping the previous correction")
-
-        self._thread = threading.Thread(target=run, name="clairvoyant-learner", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop the worker (waits for a refit in progress, up to ``timeout_s``)."""
-        self._stopping = True
-        self._due.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
 
     # -- persistence ---------------------------------------------------------------------------
     def save(self, path: Path | str) -> None:
@@ -1088,18 +975,6 @@ def _restored_knn(npz: Any, i: int, capacity: int) -> ResidualKnn:
     if not (np.isfinite(unit).all() and np.isfinite(residual).all()):
         raise _Refused(f"model {i}: non-finite kNN values")
     return ResidualKnn.filled(capacity, unit.astype(np.float32), residual.astype(np.float64))
-
-
-def _lower_thread_priority(increment: int) -> None:
-    """Raise the calling thread's niceness by ``increment`` (Linux nice values are per thread), so
-    that a refit yields the cores to the event loop and to the backend. Best effort."""
-    if increment <= 0 or not hasattr(os, "setpriority"):
-        return
-    try:
-        thread_id = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, thread_id, min(19, os.getpriority(os.PRIO_PROCESS, thread_id) + increment))
-    except OSError as exc:
-        logger.debug("online learner: cannot lower the worker's priority: %s", exc)
 
 
 class _Refused(ValueError):

@@ -1,9 +1,9 @@
 """The online learner in its own process, so that a refit never holds the event loop's GIL.
 
-Why a process: a refit in a thread of the proxy holds the interpreter lock in steps of at most
-``refit_step_s`` of work, but on a shared machine the OS may preempt the thread while it holds the
-lock, and the event loop then waits for the whole preemption. On this project's 2-core host, idle,
-steps of 0.45-0.95 ms of CPU took 3.0-3.7 ms of wall time (docs/benchmarks.md, section 18). A child
+Why a process: a refit in a thread of the proxy (session 19's design) held the interpreter lock
+in steps of at most 0.15 ms of work, but on a shared machine the OS may preempt the thread while it
+holds the lock, and the event loop then waits for the whole preemption. On this project's 2-core
+host, steps of 0.4-1.7 ms of CPU took 5-30 ms of wall time (docs/benchmarks.md, section 18). A child
 process has its own interpreter: nothing it does, or suffers, holds the loop's lock.
 
 The parent side, ``LearnerProcess``, lives on the event loop and does three small things:
@@ -12,9 +12,11 @@ The parent side, ``LearnerProcess``, lives on the event loop and does three smal
   for the next batch, about a microsecond. Every ``FLUSH_S`` the batch goes down the child's stdin
   as one pickle of plain tuples (~0.2 KB and 0.2 us an observation; the dataclass would be 4 us).
   Never a wait: the pipe's transport buffers, and past ``max_backlog_bytes`` an observation is
-  dropped and counted (only if the child stalls). The child does not sleep on the pipe but polls it
-  every ``POLL_S``: a write that wakes a process waiting on the pipe cost the loop ~0.1 ms here
-  (the wake-up is the writer's), a write nobody waits for a few microseconds;
+  dropped and counted (only if the child stalls). While traffic flows the child does not sleep on
+  the pipe but polls it every ``POLL_S``: a write that wakes a process waiting on the pipe cost the
+  loop ~0.1 ms here (the wake-up is the writer's), a write nobody waits for a few microseconds.
+  After ``IDLE_AFTER_S`` without a message it sleeps on the pipe (no CPU while the proxy is idle),
+  and the first write after that pays one wake-up;
 - ``correction``: the request path's read of the last fit the child sent (``FittedCorrection``,
   immutable, swapped whole), plus the residual kNN's for a row with the encoder's embedding:
   exactly ``OnlineLearner.correction``'s arithmetic. The kNN memories live here, where the
@@ -51,6 +53,7 @@ import logging
 import math
 import os
 import pickle
+import select
 import signal
 import struct
 import sys
@@ -81,7 +84,8 @@ logger = logging.getLogger(__name__)
 _LENGTH = struct.Struct(">I")
 MAX_BACKLOG_BYTES = 4 << 20  # bytes of observations waiting for the child before new ones are dropped
 FLUSH_S = 0.05  # seconds an observation may wait to be sent with the next ones
-POLL_S = 0.02  # seconds the child sleeps between two looks at its pipe when it has nothing to do
+POLL_S = 0.02  # seconds the child sleeps between two looks at its pipe while traffic flows
+IDLE_AFTER_S = 1.0  # seconds without a message after which the child sleeps on the pipe instead
 
 
 class LearnerUnavailable(RuntimeError):
@@ -494,6 +498,7 @@ class _Child:
             self._refit(learner)  # restored observations: fitted at once
         pending = init[1:]
         quiet_until: float | None = None  # when observations fewer than refit_every are fitted anyway
+        quiet_since = time.monotonic()  # the last time anything arrived or was fitted
         while True:
             for message in pending:
                 kind = message[0]
@@ -519,8 +524,13 @@ class _Child:
                 if learner.refit_due or now >= quiet_until:
                     self._refit(learner)  # and the rolling quality, sent when asked
                     quiet_until, refitted = None, True
-            if not pending and not refitted:
+            if pending or refitted:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since < IDLE_AFTER_S:
                 time.sleep(POLL_S)
+            else:  # idle: sleep on the pipe; the next write pays one wake-up, not 50 polls a second
+                timeout_s = None if quiet_until is None else max(0.0, quiet_until - time.monotonic())
+                select.select([self._read_fd], [], [], timeout_s)
             pending = self._read_available()
 
     def _refit(self, learner: OnlineLearner) -> None:

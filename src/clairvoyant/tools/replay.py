@@ -8,7 +8,7 @@ taken in file order, and each one is handled exactly as the proxy handles a requ
 1. it is scored with the learner's current correction (its own length not yet learned);
 2. its length is observed (``OnlineLearner.observe``, censored if it reached the request's cap);
 3. when a refit is due (every ``refit_every`` observations) the learner refits before the next
-   line: the proxy's worker thread does the same between requests, a few milliseconds later.
+   line: the proxy's learner process does the same between requests, a few milliseconds later.
 
 Output, one JSON line per input line, in order, and nothing else on stdout::
 
