@@ -9,8 +9,9 @@ An asyncio loop runs a ticker that sleeps 1 ms and records how late it woke (the
 calls ``LearnerProcess.observe`` ``--completions-per-s`` times a second, as the proxy does on the
 event loop at each completed request. The learner's process (the proxy's: ``LearnerProcess``) holds
 ``--models`` full buffers of ``--rows`` observations (16 models + "other" by default, the
-learner's memory bound, restored from a state file) and refits whenever due (``refit_every`` = 1:
-once per batch of observations, the most it can). Refitting alternates with idle in 1-second
+learner's memory bound, restored from a state file) and refits whenever due (``refit_every`` = 1
+and no ``min_refit_interval_s``: once per batch of observations, the most it can; the proxy refits
+at most once a second). Refitting alternates with idle in 1-second
 segments (A/B interleaved, so that the load of the machine's other tenants drifts equally over
 both); in the idle ones the child is stopped (SIGSTOP) and the loop sends it the same
 observations, so only the child's refitting differs.
@@ -154,7 +155,7 @@ async def _run_process(
     state: Path,
 ) -> tuple[dict[str, list[float]], _TimedProcess]:
     learner.save(state)
-    remote = _TimedProcess(learner.identity, learner.config, state)
+    remote = _TimedProcess(learner.identity, learner.config, state, min_refit_interval_s=0.0)
     if not await remote.start():
         raise SystemExit("the learner's process did not start")
     assert remote.pid is not None

@@ -396,6 +396,29 @@ def test_the_pool_learns_a_backends_slowness_and_routes_around_it() -> None:
     asyncio.run(scenario())
 
 
+def test_a_backend_whose_request_overran_its_prediction_is_not_routed_to_as_if_idle() -> None:
+    """An in-flight request past its predicted seconds still occupies its backend: routing counts
+    a tenth of its prediction (as the ETAs do), so an idle backend is preferred to it."""
+
+    async def scenario() -> None:
+        d, clock = make_pool(Backend("a", 2), Backend("b", 2))
+        await d.start()
+        long = submit_for(d, "long", None, predicted_s=10.0)
+        await settle()
+        assert long.backend == 0  # both idle: the first
+        lease = d.lease(long)
+        await lease.__aenter__()
+        clock.advance(30.0)  # it runs on, 20 s past its prediction
+        assert d._remaining_s(d.backends[0]) == pytest.approx(OVERRUN_REMAINDER * 10.0)
+        nxt = submit_for(d, "next", None, predicted_s=1.0)
+        await settle()
+        assert nxt.backend == 1  # a's generation still runs; b is idle
+        await lease.__aexit__(None, None, None)
+        await d.stop(timeout_s=0.01)
+
+    asyncio.run(scenario())
+
+
 def test_repredicted_reorders_a_waiting_ticket_and_moves_its_class_gauge() -> None:
     """The encoder's second opinion: a waiting ticket takes its new prediction and the queue puts it
     where the new score says; a ticket already running is left alone."""

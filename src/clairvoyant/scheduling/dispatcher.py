@@ -62,6 +62,14 @@ RECENT_REQUESTS = 100  # finished requests kept for /queue's timeline (the live 
 OVERRUN_REMAINDER = 0.1
 
 
+def remainder_s(ticket: Ticket, now: float, slowness: float = 1.0) -> float:
+    """Predicted seconds an in-flight request still holds its slot: its predicted seconds (at the
+    backend's slowness) less what it has run, never below ``OVERRUN_REMAINDER`` of them."""
+    predicted_s = ticket.job.predicted_s * slowness
+    running_s = 0.0 if ticket.dispatched_s is None else now - ticket.dispatched_s
+    return max(predicted_s - running_s, OVERRUN_REMAINDER * predicted_s)
+
+
 class ShuttingDown(RequestError):
     status_code = 503
     error_type = "server_error"
@@ -295,14 +303,10 @@ class Dispatcher:
 
     def _remaining_s(self, backend: Backend) -> float:
         """Predicted seconds of work left on ``backend`` (its in-flight requests' remainders, at its
-        measured slowness)."""
+        measured slowness; one that overran its prediction still counts: ``remainder_s``)."""
         now = self.clock.now()
-        total = 0.0
         slowness = backend.slowness
-        for t in backend.running.values():
-            running_s = 0.0 if t.dispatched_s is None else now - t.dispatched_s
-            total += max(0.0, t.job.predicted_s * slowness - running_s)
-        return total
+        return sum(remainder_s(t, now, slowness) for t in backend.running.values())
 
     def _route(self, ticket: Ticket) -> int | None:
         return choose(self.backends, ticket.model, self._remaining_s, ticket.refused_by, ticket.job.predicted_s)
@@ -600,9 +604,7 @@ class Dispatcher:
         free: list[float] = []
         for backend in usable:
             free += [0.0] * len(backend.free)
-            for t in backend.running.values():
-                running_s = 0.0 if t.dispatched_s is None else now - t.dispatched_s
-                free.append(max(t.job.predicted_s - running_s, OVERRUN_REMAINDER * t.job.predicted_s))
+            free += [remainder_s(t, now) for t in backend.running.values()]
         return free or [0.0]
 
     def _etas(self, now: float) -> tuple[list[tuple[Job[Ticket], float]], float]:

@@ -11,7 +11,9 @@ a request's turn comes. The rule, in order:
    backend). A healthy backend that is merely busy is worth waiting for: ``choose`` returns None;
 3. one that already has the model loaded (Ollama ``/api/ps``), to avoid a reload stall;
 4. the earliest predicted finish: the predicted seconds of work left per slot (in-flight requests'
-   predicted seconds less what they have run, never below 0) plus the request's own predicted
+   predicted seconds less what they have run, never below a tenth of them: a request that overran
+   its prediction still occupies its backend, which must not look as free as an idle one) plus the
+   request's own predicted
    seconds, both scaled by the backend's measured slowness (its measured over predicted service
    seconds, learned per backend), so a laptop beside a GPU box gets a request only when it would
    finish it sooner;
