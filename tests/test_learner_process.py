@@ -219,3 +219,41 @@ def test_the_child_ignores_ctrl_c_and_exits_when_asked() -> None:
         return remote._process.returncode
 
     assert asyncio.run(run()) == 0
+
+
+def test_a_child_that_cannot_start_is_reported_and_not_started_again(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import clairvoyant.prediction.learner_process as learner_process
+
+    monkeypatch.setattr(learner_process.sys, "executable", "false")  # exits at once, before "ready"
+    caplog.set_level(logging.ERROR, logger="clairvoyant.prediction.learner_process")
+
+    async def run() -> None:
+        remote = LearnerProcess(IDENTITY, respawn_after_s=0.05)
+        assert not await remote.start()
+        await asyncio.sleep(0.3)  # six respawn delays: none is scheduled
+        assert remote._respawn is None and not remote.running
+        prediction, tokens = _world(1)[0]
+        assert remote.observe(prediction, tokens) and remote.dropped == 1  # the proxy serves on, unlearning
+        await remote.stop()
+
+    asyncio.run(run())
+    errors = [r.getMessage() for r in caplog.records]
+    assert len(errors) == 1 and "did not start" in errors[0]
+
+
+def test_with_learning_off_the_proxys_side_keeps_no_knn_memory() -> None:
+    async def run() -> int:
+        remote = LearnerProcess(IDENTITY, fit=False)
+        assert await remote.start()
+        try:
+            for prediction, tokens in _world(20, embedding=8):
+                remote.observe(prediction, tokens)
+            await remote.update_quality()
+            assert remote.quality()["m"].observations == 20  # the quality is still measured
+            return len(remote._knn)
+        finally:
+            await remote.stop()
+
+    assert asyncio.run(run()) == 0

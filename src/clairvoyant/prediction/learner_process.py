@@ -57,6 +57,7 @@ import struct
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +115,8 @@ class LearnerProcess:
         respawn_after_s: float = 10.0,
     ) -> None:
         self.identity = identity
-        self.config = config or LearnerConfig()
+        # Learning off: the child measures the quality only, and nothing reads a kNN memory
+        self.config = (config or LearnerConfig()) if fit else replace(config or LearnerConfig(), knn_neighbours=0)
         self.state_path = state_path
         self.fit = fit  # False: observe for the quality figures only (online_learning = false)
         self.quiet_refit_s = quiet_refit_s
@@ -404,14 +406,17 @@ class LearnerProcess:
                 self._ready.set_result(total)
 
     def _gone(self, process: asyncio.subprocess.Process, code: int) -> None:
-        """The child exited: fail what waits for it; unless stopping, start another later."""
+        """The child exited: fail what waits for it; unless stopping, or it never came up (``start``
+        says so and gives up), start another later."""
         error = LearnerUnavailable(f"the online learner's process exited with code {code}")
         for reply in self._replies.values():
             if not reply.done():
                 reply.set_exception(error)
-        if self._ready is not None and not self._ready.done():
-            self._ready.set_exception(error)
-        if self._stopping or process is not self._process:
+        ready = self._ready
+        came_up = ready is not None and ready.done() and not ready.cancelled() and ready.exception() is None
+        if ready is not None and not ready.done():
+            ready.set_exception(error)
+        if self._stopping or process is not self._process or not came_up:
             return
         self._process = None
         delay_s = self.respawn_after_s  # a child that keeps dying is started at most this often
