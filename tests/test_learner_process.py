@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.learner import LearnerConfig, OnlineLearner, PriorIdentity
 from clairvoyant.prediction.learner_process import LearnerProcess, LearnerUnavailable
 from clairvoyant.prediction.predictor import Prediction
@@ -193,6 +194,11 @@ def test_a_killed_child_is_started_again_from_the_saved_state_and_the_last_fit_i
             assert remote.observe(*observations[1]) and remote.dropped == 1  # nobody to take it
             with pytest.raises(LearnerUnavailable):
                 await remote.save()
+            metrics = Metrics()
+            metrics.set_learner(remote.running, remote.refits, remote.dropped)
+            shown = metrics.render().decode()
+            assert "clairvoyant_learner_up 0.0" in shown
+            assert "clairvoyant_learner_dropped_observations_total 1.0" in shown
             await _until(lambda: remote.running and remote.pid != first, "a new child")
             await _until(lambda: remote.observed_total == 40, "the saved state restored")
             await remote.update_quality()

@@ -233,6 +233,9 @@ def test_a_backend_answering_shorter_than_the_prior_moves_the_predictions_only_w
             wait_until(lambda: generate(base, probe) < static / 4, timeout_s=30, what="the learned correction")
             learned = generate(base, probe)
             assert abs(math.log(learned) - math.log(TRUE_TOKENS)) < abs(math.log(static) - math.log(TRUE_TOKENS)) / 2
+            assert metric_value(base, "clairvoyant_learner_up") == 1.0
+            assert metric_value(base, "clairvoyant_learner_refits_total") >= 1
+            assert metric_value(base, "clairvoyant_learner_dropped_observations_total") == 0
             wait_until((tmp_path / "s.npz").exists, timeout_s=15, what="a periodic save")
         else:
             assert generate(base, probe) == pytest.approx(static, abs=0.5)  # the static model, unchanged

@@ -332,6 +332,20 @@ class Metrics:
             "Observed requests in the rolling prediction-quality window, by model.",
             ["model"],
         )
+        # The online learner's process (clairvoyant.prediction.learner_process), as last seen at a scrape
+        self.learner_up = self._gauge(
+            "clairvoyant_learner_up",
+            "1 while the online learner's process runs; 0 if it could not start, or died and is not yet running "
+            "again (its last fit keeps correcting predictions meanwhile).",
+        ).labels()
+        self.learner_refits = self._counter(
+            "clairvoyant_learner_refits",
+            "Fits the online learner's process has sent since the proxy started.",
+        ).labels()
+        self.learner_dropped = self._counter(
+            "clairvoyant_learner_dropped_observations",
+            "Completed requests the online learner never received: its process was not running, or was backed up.",
+        ).labels()
         # Updated from the encoder's thread too: prometheus_client's own (locked) metrics, registered
         # nowhere themselves; the exporter collects them in their place.
         self.encoder_latency = Histogram(
@@ -408,6 +422,12 @@ class Metrics:
             tau.set(q.kendall_tau_b)
             error.set(q.mean_abs_log_error)
             window.set(q.observations)
+
+    def set_learner(self, running: bool, refits: int, dropped: int) -> None:
+        """Publish the online learner's process state (its totals, read at a scrape)."""
+        self.learner_up.set(1.0 if running else 0.0)
+        self.learner_refits.value = float(refits)
+        self.learner_dropped.value = float(dropped)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

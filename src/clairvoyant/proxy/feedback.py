@@ -182,3 +182,4 @@ class OnlineLearning:
             except (LearnerUnavailable, TimeoutError):  # shown as last computed
                 pass
         self.metrics.set_prediction_quality(learner.quality())
+        self.metrics.set_learner(learner.running, learner.refits, learner.dropped)
