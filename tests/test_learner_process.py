@@ -212,12 +212,13 @@ def test_a_killed_child_is_started_again_from_the_saved_state_and_the_last_fit_i
     assert any("running again" in m for m in messages)
 
 
-def test_the_child_ignores_ctrl_c_and_exits_when_asked() -> None:
+def test_the_child_ignores_ctrl_c_and_sigterm_and_exits_when_asked() -> None:
     async def run() -> int | None:
         remote = LearnerProcess(IDENTITY)
         assert await remote.start()
         assert remote.pid is not None
         os.kill(remote.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole process group
+        os.kill(remote.pid, signal.SIGTERM)  # and systemd's stop, every process of the unit
         await asyncio.sleep(0.2)
         await remote.update_quality()  # still answering
         await remote.stop()

@@ -14,6 +14,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -138,6 +142,49 @@ def test_a_restart_keeps_what_was_learned_and_a_corrupt_file_is_refused(
         one_request(base, 3)  # the proxy serves, starting from the prior
         assert quality_window(base) == 1
     assert np.allclose(state_observations(state, MODEL)[0], [3])  # a fresh state replaced the corrupt one
+
+
+def test_a_sigterm_to_the_whole_process_group_still_saves_what_was_learned(
+    llama_server: EmbeddedLlamaServer, tmp_path: Path, free_port: int
+) -> None:
+    # systemd's default KillMode signals every process of the unit, the learner's too: the learner
+    # must leave its exit to the proxy, which saves the state at shutdown, then stops it.
+    state = tmp_path / "learner.npz"
+    env = {
+        **os.environ,
+        "CLAIRVOYANT_UPSTREAM_URL": llama_server.base_url,
+        "CLAIRVOYANT_PORT": str(free_port),
+        "CLAIRVOYANT_LEARNER_STATE_PATH": str(state),
+        "CLAIRVOYANT_LOG_LEVEL": "warning",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"),
+    }
+    process = subprocess.Popen([sys.executable, "-m", "clairvoyant.cli", "serve"], env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{free_port}"
+    try:
+        wait_until(lambda: _answers(base), timeout_s=60, what="the proxy to start")
+        for n in (4, 7):
+            r = httpx.post(
+                f"{base}/v1/chat/completions",
+                json={"model": MODEL, "messages": chat("Count."), "max_tokens": n, **FORCE},
+                timeout=120,
+            )
+            assert r.json()["usage"]["completion_tokens"] == n
+        wait_until(lambda: quality_window(base) == 2, what="both observed by the learner")
+        os.killpg(process.pid, signal.SIGTERM)  # the proxy and its learner alike
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert state.exists()  # saved at shutdown (the periodic save is every 300 s)
+    assert np.allclose(state_observations(state, MODEL)[0], [4, 7])
+
+
+def _answers(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 # --- many requests: a respx-mocked Ollama backend -------------------------------------------------

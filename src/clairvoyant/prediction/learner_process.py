@@ -26,8 +26,9 @@ The parent side, ``LearnerProcess``, lives on the event loop and does three smal
 The child (``python -m clairvoyant.prediction.learner_process``) owns an ``OnlineLearner``: it loads
 the state file (a refused file is logged exactly as in-process), takes the observations, refits
 once ``refit_every`` new ones have arrived (at most once per ``MIN_REFIT_INTERVAL_S``), sends each new fit back,
-and saves the state when asked. It runs at ``worker_nice`` above the proxy, ignores SIGINT (a
-terminal's Ctrl-C reaches the whole process group; the proxy asks it to save, then to stop) and exits
+and saves the state when asked. It runs at ``worker_nice`` above the proxy, ignores SIGINT and
+SIGTERM (a terminal's Ctrl-C, and systemd's stop, reach the whole process group; the proxy asks it to
+save, then to stop) and exits
 when its stdin closes, so it never outlives the proxy. Its log lines come back as frames and are
 logged by the proxy under the child's logger names, in the proxy's format.
 
@@ -578,7 +579,11 @@ def _lower_priority(increment: int) -> None:
 
 def main() -> None:
     """The child's entry point (``python -m clairvoyant.prediction.learner_process``)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the proxy's to handle
+    # Ctrl-C reaches the terminal's whole process group, and systemd's default KillMode sends SIGTERM
+    # to every process of the unit: both are the proxy's to handle. It saves the state through this
+    # process, then asks it to stop; if the proxy dies instead, stdin closes and this process exits.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     write_fd = os.dup(1)
     os.dup2(2, 1)  # a stray print() must not corrupt the frames
     child = _Child(0, write_fd)
