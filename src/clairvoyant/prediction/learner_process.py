@@ -130,7 +130,7 @@ class LearnerProcess:
         self._fit: FittedCorrection | None = None
         self._keys: dict[str, None] = {}  # the model keys with a buffer, as the child assigns them
         self._knn: dict[str, ResidualKnn] = {}  # per model key: the residual kNN's memory
-        self._batch: list[tuple[Any, ...]] = []  # observations not yet sent: _fields(prediction) + (tokens,)
+        self._batch: list[tuple[Any, ...]] = []  # not yet sent: (the Prediction's fields..., tokens, kNN residual)
         self._flush_handle: asyncio.TimerHandle | None = None
         self._quality: dict[str, ModelQuality] = {}
         self.observed_total = 0  # restored + accepted here (the child may not have taken them yet)
