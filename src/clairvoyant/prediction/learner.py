@@ -346,11 +346,24 @@ class ResidualKnn:
         knn.count, knn.next = n, n % capacity
         return knn
 
-    def correction(self, unit: np.ndarray, neighbours: int, shrinkage: float) -> float:
-        """sum w_j r_j / (sum w_j + shrinkage) over the ``neighbours`` nearest rows by cosine,
-        w_j = max(cos_j, 0); 0.0 with an empty memory. One 1 x d by d x count mat-vec."""
+    def remember(self, embedding: np.ndarray, residual: float) -> None:
+        """Append ``embedding``'s unit vector with ``residual``; nothing for an embedding of another
+        width (not comparable), without a direction, or a residual that is not finite."""
+        if len(embedding) != self.unit.shape[1] or not math.isfinite(residual):
+            return
+        unit = unit_vector(embedding)
+        if unit is not None:
+            self.append(unit, residual)
+
+    def correction(self, embedding: np.ndarray, neighbours: int, shrinkage: float) -> float:
+        """sum w_j r_j / (sum w_j + shrinkage) over the ``neighbours`` nearest rows by cosine to
+        ``embedding``, w_j = max(cos_j, 0); 0.0 with an empty memory, or an embedding of another
+        width or without a direction. One 1 x d by d x count mat-vec."""
         n = self.count
-        if n == 0 or neighbours == 0:
+        if n == 0 or neighbours == 0 or len(embedding) != self.unit.shape[1]:
+            return 0.0
+        unit = unit_vector(embedding)
+        if unit is None:
             return 0.0
         cos = self.unit[:n] @ unit
         if n > neighbours:
@@ -359,7 +372,25 @@ class ResidualKnn:
         else:
             residual = self.residual[:n]
         weights = np.maximum(cos, 0.0).astype(np.float64)
-        return float(weights @ residual / (weights.sum() + shrinkage))
+        value = float(weights @ residual / (weights.sum() + shrinkage))
+        return value if math.isfinite(value) else 0.0
+
+
+def bucket_key(model: str | None, known: Collection[str], max_models: int) -> str:
+    """The buffer a model's observations go to, given the keys that have one (``known``): its own
+    while fewer than ``max_models`` have one, else ``OTHER_MODEL``."""
+    key = model or DEFAULT_MODEL
+    return key if key in known or len(known) < max_models else OTHER_MODEL
+
+
+def usable_observation(prediction: Prediction, observed_tokens: int, n_counts: int, n_features: int) -> bool:
+    """Whether ``OnlineLearner.observe`` records this: a count that is a non-negative integer, and
+    a prediction with the prior's feature row (``n_counts`` lexical columns, or ``n_features`` with
+    the encoder's components and possibly its embedding after them)."""
+    if isinstance(observed_tokens, bool) or not isinstance(observed_tokens, (int, np.integer)) or observed_tokens < 0:
+        return False
+    row_bytes = len(prediction.feature_row)
+    return not row_bytes % 4 and (row_bytes >= 4 * n_features or row_bytes == 4 * n_counts)
 
 
 def unit_vector(embedding: np.ndarray) -> np.ndarray | None:
@@ -505,13 +536,9 @@ class FittedCorrection:
         self, key: str, known: Collection[str], max_models: int, row: np.ndarray, prior_log_tokens: float
     ) -> float:
         """The correction for model ``key``; ``known``: the model keys with a buffer (a key beyond
-        ``max_models`` of them is corrected as ``OTHER_MODEL``). Never raises on a finite row."""
-        linear = self.by_model.get(key)
-        if linear is None:
-            if key not in known and len(known) >= max_models:
-                linear = self.by_model.get(OTHER_MODEL, self.global_)
-            else:
-                linear = self.global_
+        ``max_models`` of them is corrected as ``OTHER_MODEL``, ``bucket_key``). Never raises on a
+        finite row."""
+        linear = self.by_model.get(bucket_key(key, known, max_models), self.global_)
         # features are counts (>= 0), so log1p(row) is the design's log1p(max(row, 0)), one call cheaper
         counts = self.n_counts
         if len(row) == counts:  # a lexical row (no encoder's components): each component at 0, its mean
@@ -609,18 +636,9 @@ class OnlineLearner:
 
     def _knn_correction(self, model: str | None, embedding: np.ndarray) -> float:
         """The residual kNN's log tokens for a request of ``model`` (0.0 without a memory)."""
-        key = self._key(model)
-        bucket = self._buckets.get(key)
-        if bucket is None and len(self._buckets) >= self.config.max_models:
-            bucket = self._buckets.get(OTHER_MODEL)
+        bucket = self._buckets.get(bucket_key(model, self._buckets, self.config.max_models))
         knn = None if bucket is None else bucket.knn
-        if knn is None or knn.unit.shape[1] != len(embedding):
-            return 0.0
-        unit = unit_vector(embedding)
-        if unit is None:
-            return 0.0
-        value = knn.correction(unit, self.config.knn_neighbours, self.config.knn_shrinkage)
-        return value if math.isfinite(value) else 0.0
+        return 0.0 if knn is None else knn.correction(embedding, self.config.knn_neighbours, self.config.knn_shrinkage)
 
     def _linear_correction(self, model: str | None, row: np.ndarray, prior_log_tokens: float) -> float:
         """The ridge correction alone (0.0 before the first fit); reads the row's first
@@ -630,40 +648,23 @@ class OnlineLearner:
             return 0.0
         return fitted.correction(self._key(model), self._buckets, self.config.max_models, row, prior_log_tokens)
 
-    def accepts(self, prediction: Prediction, observed_tokens: int) -> bool:
-        """Whether ``observe`` would record this: a count that is a non-negative integer, and a
-        prediction with this prior's feature row (lexical, or with the encoder's components and
-        possibly its embedding after them)."""
-        if (
-            isinstance(observed_tokens, bool)
-            or not isinstance(observed_tokens, (int, np.integer))
-            or observed_tokens < 0
-        ):
-            return False
-        row_bytes = len(prediction.feature_row)
-        return not row_bytes % 4 and (row_bytes >= self._row_bytes or row_bytes == 4 * self.n_counts)
-
     def observe(self, prediction: Prediction, observed_tokens: int, knn_residual: float | None = None) -> bool:
         """Record what the backend produced for a request predicted as ``prediction``. O(1).
         Returns False (and records nothing) for an unusable observation: a negative or non-integer
         count, or a prediction without this prior's feature row. A row may carry the encoder's
         embedding after its columns: with the kNN on, its residual joins the model's kNN memory
         (``knn_residual``: the residual the proxy computed when it observed it, else now's)."""
-        if not self.accepts(prediction, observed_tokens):
+        if not usable_observation(prediction, observed_tokens, self.n_counts, self.n_features):
             return False
         learnable = len(prediction.feature_row) >= self._row_bytes  # a lexical row: quality only
         observed_log = log_tokens(int(observed_tokens))
         cap = prediction.cap_tokens
         censored = cap is not None and observed_tokens >= cap
-        key = self._key(prediction.model)
         with self._lock:
+            key = bucket_key(prediction.model, self._buckets, self.config.max_models)
             bucket = self._buckets.get(key)
             if bucket is None:
-                if len(self._buckets) >= self.config.max_models:
-                    key = OTHER_MODEL
-                bucket = self._buckets.get(key)
-                if bucket is None:
-                    bucket = self._buckets[key] = _Bucket(self.config, self.n_features, self.n_counts)
+                bucket = self._buckets[key] = _Bucket(self.config, self.n_features, self.n_counts)
             bucket.window.append(prediction.predicted_log_tokens, observed_log)
             bucket.observations += 1
             self._observed_total += 1
@@ -689,17 +690,12 @@ class OnlineLearner:
     ) -> None:
         """Add an observation's unit embedding and its residual after the linear correction in
         force now to its model's kNN memory (under the lock; a few us)."""
-        unit = unit_vector(row[self.n_features :])
-        if unit is None:
-            return
+        embedding = row[self.n_features :]
         if bucket.knn is None:
-            bucket.knn = ResidualKnn(self.config.buffer_size, len(unit))
-        elif bucket.knn.unit.shape[1] != len(unit):  # another embedding's width: not comparable
-            return
+            bucket.knn = ResidualKnn(self.config.buffer_size, len(embedding))
         if residual is None:
             residual = observed - (prior + self._linear_correction(model, row, prior))
-        if math.isfinite(residual):
-            bucket.knn.append(unit, residual)
+        bucket.knn.remember(embedding, residual)
 
     # -- reading -------------------------------------------------------------------------------
     def knn_memory(self, key: str) -> tuple[np.ndarray, np.ndarray] | None:

@@ -8,7 +8,7 @@ process has its own interpreter: nothing it does, or suffers, holds the loop's l
 
 The parent side, ``LearnerProcess``, lives on the event loop and does three small things:
 
-- ``observe``: checks the observation as ``OnlineLearner.observe`` would (``accepts``) and keeps it
+- ``observe``: checks the observation as ``OnlineLearner.observe`` would (``usable_observation``) and keeps it
   for the next batch, about a microsecond. Every ``FLUSH_S`` the batch goes down the child's stdin
   as one pickle of plain tuples (~0.2 KB and 0.2 us an observation; the dataclass would be 4 us).
   Never a wait: the pipe's transport buffers, and past ``max_backlog_bytes`` an observation is
@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import pickle
 import select
@@ -66,14 +65,14 @@ import numpy as np
 
 from clairvoyant.prediction.learner import (
     DEFAULT_MODEL,
-    OTHER_MODEL,
     FittedCorrection,
     LearnerConfig,
     ModelQuality,
     OnlineLearner,
     PriorIdentity,
     ResidualKnn,
-    unit_vector,
+    bucket_key,
+    usable_observation,
 )
 from clairvoyant.prediction.predictor import Prediction, log_tokens
 
@@ -126,7 +125,6 @@ class LearnerProcess:
         self.respawn_after_s = respawn_after_s
         self.n_counts = len(identity.feature_names)
         self.n_features = self.n_counts + len(identity.component_names)
-        self._checker = OnlineLearner(identity, self.config)  # its ``accepts`` only: never observes
         self._fit: FittedCorrection | None = None
         self._keys: dict[str, None] = {}  # the model keys with a buffer, as the child assigns them
         self._knn: dict[str, ResidualKnn] = {}  # per model key: the residual kNN's memory
@@ -217,28 +215,24 @@ class LearnerProcess:
     # -- the request path ------------------------------------------------------------------------
     def correction(self, model: str | None, row: np.ndarray, prior_log_tokens: float) -> float:
         """``OnlineLearner.correction`` on the last fit the child sent (0.0 before the first)."""
-        fit = self._fit
+        fit, cfg = self._fit, self.config
         key = model or DEFAULT_MODEL
-        value = 0.0 if fit is None else fit.correction(key, self._keys, self.config.max_models, row, prior_log_tokens)
+        value = 0.0 if fit is None else fit.correction(key, self._keys, cfg.max_models, row, prior_log_tokens)
         if len(row) > self.n_features and self._knn:
-            knn = self._knn.get(key)
-            if knn is None and key not in self._keys and len(self._keys) >= self.config.max_models:
-                knn = self._knn.get(OTHER_MODEL)
-            unit = None if knn is None else unit_vector(row[self.n_features :])
-            if knn is not None and unit is not None and knn.unit.shape[1] == len(unit):
-                nearest = knn.correction(unit, self.config.knn_neighbours, self.config.knn_shrinkage)
-                value += nearest if math.isfinite(nearest) else 0.0
+            knn = self._knn.get(bucket_key(key, self._keys, cfg.max_models))
+            if knn is not None:
+                value += knn.correction(row[self.n_features :], cfg.knn_neighbours, cfg.knn_shrinkage)
         return value
 
     def observe(self, prediction: Prediction, observed_tokens: int) -> bool:
         """Send an observation to the child. False, as ``OnlineLearner.observe``, for an unusable
         one; an observation that cannot be sent (no child, a full backlog) counts in ``dropped``."""
-        if not self._checker.accepts(prediction, observed_tokens):
+        if not usable_observation(prediction, observed_tokens, self.n_counts, self.n_features):
             return False
         self.observed_total += 1
         key = self._bucket_key(prediction.model)
         residual = self._remember(key, prediction, observed_tokens)
-        if not self.running:
+        if self._stdin() is None:
             self.dropped += 1
             return True
         p = prediction  # its fields as a plain tuple: pickled 15x faster than the dataclass
@@ -261,17 +255,14 @@ class LearnerProcess:
 
     def _bucket_key(self, model: str | None) -> str:
         """The buffer the child puts this model's observation in (``OnlineLearner.observe``'s rule)."""
-        key = model or DEFAULT_MODEL
-        if key not in self._keys:
-            if len(self._keys) >= self.config.max_models:
-                key = OTHER_MODEL
-            self._keys.setdefault(key, None)
+        key = bucket_key(model, self._keys, self.config.max_models)
+        self._keys.setdefault(key, None)
         return key
 
     def _remember(self, key: str, prediction: Prediction, observed_tokens: int) -> float | None:
         """The residual kNN's part of ``OnlineLearner.observe``: an uncensored observation whose row
         carries the embedding joins its model's memory, with its residual after the linear
-        correction in force now. Returns that residual (None: nothing remembered)."""
+        correction in force now. Returns that residual (None: no embedding, or the kNN is off)."""
         row_bytes = len(prediction.feature_row)
         cap = prediction.cap_tokens
         if (
@@ -281,22 +272,16 @@ class LearnerProcess:
         ):
             return None
         row = np.frombuffer(prediction.feature_row, dtype=np.float32)
-        unit = unit_vector(row[self.n_features :])
-        if unit is None:
-            return None
+        embedding = row[self.n_features :]
         knn = self._knn.get(key)
         if knn is None:
-            knn = self._knn[key] = ResidualKnn(self.config.buffer_size, len(unit))
-        elif knn.unit.shape[1] != len(unit):  # another embedding's width: not comparable
-            return None
+            knn = self._knn[key] = ResidualKnn(self.config.buffer_size, len(embedding))
         prior = prediction.prior_log_tokens
         fit = self._fit
         model = prediction.model or DEFAULT_MODEL  # the fit's key, as in-process
         linear = 0.0 if fit is None else fit.correction(model, self._keys, self.config.max_models, row, prior)
         residual = log_tokens(int(observed_tokens)) - (prior + linear)
-        if not math.isfinite(residual):
-            return None
-        knn.append(unit, residual)
+        knn.remember(embedding, residual)  # the child's copy gets the same residual (or refuses it alike)
         return residual
 
     def _flush(self) -> None:
@@ -307,9 +292,8 @@ class LearnerProcess:
         batch, self._batch = self._batch, []
         if not batch:
             return
-        process = self._process
-        stdin = None if process is None or process.returncode is not None else process.stdin
-        if stdin is None or stdin.is_closing() or stdin.transport.get_write_buffer_size() > self.max_backlog_bytes:
+        stdin = self._stdin()
+        if stdin is None or stdin.transport.get_write_buffer_size() > self.max_backlog_bytes:
             self.dropped += len(batch)
             return
         stdin.write(_frame(("observe", batch)))
@@ -319,10 +303,6 @@ class LearnerProcess:
     def running(self) -> bool:
         """Whether a child is up (False between a child's death and its successor's start)."""
         return self._process is not None and self._process.returncode is None
-
-    @property
-    def fitted(self) -> bool:
-        return self._fit is not None
 
     def quality(self) -> Mapping[str, ModelQuality]:
         """Rolling quality per model key, as the child last computed it."""
@@ -340,10 +320,14 @@ class LearnerProcess:
             raise OSError(error)
 
     # -- the pipe --------------------------------------------------------------------------------
-    async def _request(self, kind: str, timeout_s: float) -> str | None:
+    def _stdin(self) -> asyncio.StreamWriter | None:
+        """The child's stdin, if a child runs and it is open."""
         process = self._process
         if process is None or process.returncode is not None or process.stdin is None or process.stdin.is_closing():
-            raise LearnerUnavailable("the online learner's process is not running")
+            return None
+        return process.stdin
+
+    async def _request(self, kind: str, timeout_s: float) -> str | None:
         self._next_id += 1
         request_id = self._next_id
         reply: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
@@ -356,10 +340,10 @@ class LearnerProcess:
             self._replies.pop(request_id, None)
 
     def _write(self, frame: bytes) -> None:
-        process = self._process
-        if process is None or process.stdin is None:
+        stdin = self._stdin()
+        if stdin is None:
             raise LearnerUnavailable("the online learner's process is not running")
-        process.stdin.write(frame)
+        stdin.write(frame)
 
     async def _read(self, process: asyncio.subprocess.Process) -> None:
         stdout = process.stdout

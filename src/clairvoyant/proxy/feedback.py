@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from clairvoyant.config import Settings
 from clairvoyant.metrics import Metrics
-from clairvoyant.prediction.learner import OnlineLearner, PriorIdentity
+from clairvoyant.prediction.learner import PriorIdentity
 from clairvoyant.prediction.learner_process import LearnerProcess, LearnerUnavailable
 from clairvoyant.prediction.usage import Usage
 
@@ -49,7 +49,7 @@ class UsageRecorder:
     """Counts each completed request's usage and, when there is a learner, lets it observe the
     backend's length. ``learner=None``: metrics only."""
 
-    def __init__(self, metrics: Metrics, learner: OnlineLearner | LearnerProcess | None = None) -> None:
+    def __init__(self, metrics: Metrics, learner: LearnerProcess | None = None) -> None:
         self.metrics = metrics
         self.learner = learner
         self.refiner: Refiner | None = None  # the encoder's thread, when the learner reads its components

@@ -13,10 +13,9 @@ a request's turn comes. The rule, in order:
 4. the earliest predicted finish: the predicted seconds of work left per slot (in-flight requests'
    predicted seconds less what they have run, never below a tenth of them: a request that overran
    its prediction still occupies its backend, which must not look as free as an idle one) plus the
-   request's own predicted
-   seconds, both scaled by the backend's measured slowness (its measured over predicted service
-   seconds, learned per backend), so a laptop beside a GPU box gets a request only when it would
-   finish it sooner;
+   request's own predicted seconds, both scaled by the backend's measured slowness (its measured
+   over predicted service seconds, learned per backend), so a laptop beside a GPU box gets a
+   request only when it would finish it sooner;
 5. the earlier backend in the configuration.
 
 No I/O here: the records are plain data, so the rule is tested with explicit states.
