@@ -13,11 +13,16 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /build
-COPY pyproject.toml README.md LICENSE ./
+COPY pyproject.toml setup.py README.md LICENSE ./
 COPY src ./src
 COPY model ./model
+# gcc builds the feature extractor's term sum (setup.py; optional, so without it the install still works, slower).
+# Build stage only: the runtime stage gets the compiled module, not the compiler.
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends gcc libc6-dev >/dev/null \
+    && rm -rf /var/lib/apt/lists/*
 # Serving dependencies only: no extras (training, llama.cpp, tqdm).
-RUN python -m venv /opt/clairvoyant && /opt/clairvoyant/bin/pip install .
+RUN python -m venv /opt/clairvoyant && /opt/clairvoyant/bin/pip install . \
+    && /opt/clairvoyant/bin/python -c "import clairvoyant.prediction._term_sum"
 
 FROM ${PYTHON_IMAGE} AS runtime
 ENV PYTHONDONTWRITEBYTECODE=1 \

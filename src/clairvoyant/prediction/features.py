@@ -52,11 +52,16 @@ import math
 import re
 import string
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain, islice
 from pathlib import Path
 
 import numpy as np
+
+try:  # the compiled term sum (prediction/_term_sum.c), built by `pip install`; else the same sum in Python
+    from clairvoyant.prediction import _term_sum
+except ImportError:  # pragma: no cover - installed where no C compiler was found
+    _term_sum = None  # type: ignore[assignment]
 
 __all__ = [
     "FEATURE_SETS",
@@ -558,6 +563,22 @@ class _KeywordTable:
     lexicon: bool = False  # True: look up word pairs and append the lexicon column
     scale: int = 1  # 2**scale_bits: the weight sum is (total >> _WEIGHT_SHIFT) / scale
     intercept: float = 0.0
+    compiled: object = field(init=False, repr=False, compare=False)  # _term_sum's table, or None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "compiled", _compiled_table(self.terms))
+
+
+def _compiled_table(terms: dict[bytes | tuple[bytes, ...], int]) -> object:
+    """``terms`` for the compiled sum (None without it), each value as fixed-width two's-complement
+    limbs: a window's sum adds fewer than 2**63 values below 2**bits in magnitude, so 65 more bits
+    never overflow."""
+    if _term_sum is None:
+        return None
+    bits = max((abs(v).bit_length() for v in terms.values()), default=0)
+    limbs = (bits + 65 + 63) // 64
+    values = [v.to_bytes(8 * limbs, "little", signed=True) for v in terms.values()]
+    return _term_sum.compile_terms(list(terms), values, limbs)
 
 
 _PLAIN_TABLE = _KeywordTable({word: packed for word, packed in _KEYWORD_FIELDS.items()})
@@ -575,6 +596,30 @@ def _rich(head: int, tail: int) -> Callable[[Prompt], list[float | int]]:
     return values
 
 
+def _python_term_total(words: list[bytes], table: _KeywordTable) -> int:
+    """The packed sum of the table's values over the distinct words of ``words`` that are terms and,
+    with a lexicon, over its distinct adjacent word pairs that are terms (no term packs to 0)."""
+    terms = table.terms
+    total: int = sum(filter(None, map(terms.get, frozenset(words))))
+    if table.lexicon and len(words) > 1:
+        # the distinct pairs that are lexicon terms (zip reuses its tuple for the others)
+        pairs = terms.keys() & zip(words, islice(words, 1, None))
+        if pairs:
+            total += sum(map(terms.__getitem__, pairs))
+    return total
+
+
+def _term_total(words: list[bytes], table: _KeywordTable) -> int:
+    """``_python_term_total``, by the compiled sum when it is built (the same int: the tests compare).
+    ``_rich_values`` has it inlined."""
+    if table.compiled is None:
+        return _python_term_total(words, table)
+    return int.from_bytes(_term_sum.term_sum(table.compiled, words, table.lexicon), "little", signed=True)
+
+
+_COMPILED_SUM = None if _term_sum is None else _term_sum.term_sum
+
+
 def _rich_values(prompt: Prompt, head: int, tail_chars: int, table: _KeywordTable = _PLAIN_TABLE) -> list[float | int]:
     """rich_v1 (and, with a lexicon ``table``, rich_v3) on the given scan window, in one pass of
     C-level operations: ``_paper19_values``, the word-group loops and the lexicon folded into the
@@ -585,16 +630,13 @@ def _rich_values(prompt: Prompt, head: int, tail_chars: int, table: _KeywordTabl
     window = text if n_chars <= head + tail_chars else text[:head] + "\n" + text[-tail_chars:]
     raw = window.encode("utf-8", "surrogatepass").lower()
     words = raw.translate(_WORD_TABLE).split()
-    wset = frozenset(words)
     n_words = len(words)
-    terms = table.terms
-    total = sum(filter(None, map(terms.get, wset)))  # no term packs to 0
-    lexicon = table.lexicon
-    if lexicon and n_words > 1:
-        # the distinct pairs that are lexicon terms (zip reuses its tuple for the others)
-        pairs = terms.keys() & zip(words, islice(words, 1, None))
-        if pairs:
-            total += sum(map(terms.__getitem__, pairs))
+    compiled = table.compiled  # _term_total, inlined
+    total = (
+        _python_term_total(words, table)
+        if compiled is None or _COMPILED_SUM is None
+        else int.from_bytes(_COMPILED_SUM(compiled, words, table.lexicon), "little", signed=True)
+    )
     counts = (total & _FIELDS_MASK).to_bytes(_N_FIELDS, "little") if total else _NO_KEYWORDS
     # _lead_index, with its common case (no opener) inlined
     i = 0 if (not n_words or words[0] not in _OPENERS) else _lead_index(words)
@@ -616,7 +658,7 @@ def _rich_values(prompt: Prompt, head: int, tail_chars: int, table: _KeywordTabl
         1.0 if (counts[_LENGTH_FIELD] and _LENGTH_SEARCH(norm) is not None) else 0.0,
         1.0 if (tail and tail[-1] in _QUESTION_MARKS) else 0.0,
         1.0 if (counts[_FORMAT_FIELD] or (counts[_STEP_FIELD] and norm.find(_STEP_BY_STEP) >= 0)) else 0.0,
-        sum(map(words.count, CLAUSE_WORDS & wset)) if counts[_CLAUSE_FIELD] else 0.0,
+        sum(map(words.count, CLAUSE_WORDS.intersection(words))) if counts[_CLAUSE_FIELD] else 0.0,
         *_VERB_ROWS[_VERB_OF.get(lead, _OTHER)],
         history,
         turns,
@@ -634,7 +676,7 @@ def _rich_values(prompt: Prompt, head: int, tail_chars: int, table: _KeywordTabl
         1.0 if tail.endswith(":") else 0.0,
         raw.count(b'"'),
     ]
-    if lexicon:  # Lexicon.score_window, exactly (see _lexicon_table)
+    if table.lexicon:  # Lexicon.score_window, exactly (see _lexicon_table)
         known = (total >> _COUNT_SHIFT) & _COUNT_MASK
         values.append(
             table.intercept + (total >> _WEIGHT_SHIFT) / table.scale / math.sqrt(known) if known else table.intercept
