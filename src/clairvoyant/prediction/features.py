@@ -34,8 +34,10 @@ Words: the scanned text is UTF-8 encoded, ASCII-lower-cased, ASCII punctuation e
 turned into spaces, and the result is split on whitespace (so "step-by-step" is three words,
 "what's" is "what" + "s", "c++" and "c#" stay whole). Non-ASCII words never match the English
 keyword sets. Everything runs in C-level str/bytes/set operations (one regex only when a trigger
-word is present); tests/test_features_reference.py pins every value against the plainer code the
-shipped model was trained with.
+word is present); the keyword and lexicon sum over the window's words and word pairs runs in a small
+C extension (``_term_sum.c``) where one was built, else the same sum in Python.
+tests/test_features_reference.py pins every value against the plainer code the shipped model was
+trained with.
 
 Only the first ``SCAN_HEAD_CHARS`` and last ``SCAN_TAIL_CHARS`` characters (rich_v2: 500 and 100)
 are scanned for words,
@@ -67,6 +69,7 @@ __all__ = [
     "FEATURE_SETS",
     "SCAN_HEAD_CHARS",
     "SCAN_TAIL_CHARS",
+    "TERM_SUM",
     "VERBS",
     "FeatureSet",
     "Prompt",
@@ -618,6 +621,7 @@ def _term_total(words: list[bytes], table: _KeywordTable) -> int:
 
 
 _COMPILED_SUM = None if _term_sum is None else _term_sum.term_sum
+TERM_SUM = "compiled" if _term_sum is not None else "python"  # which term sum extracts features (start-up log)
 
 
 def _rich_values(prompt: Prompt, head: int, tail_chars: int, table: _KeywordTable = _PLAIN_TABLE) -> list[float | int]:

@@ -45,6 +45,7 @@ from clairvoyant.prediction.dialects import (
     with_upstream_fields,
 )
 from clairvoyant.prediction.encoder import EncoderModel, Refiner, encoder_for
+from clairvoyant.prediction.features import TERM_SUM
 from clairvoyant.prediction.predictor import OnnxPredictor, Predictor
 from clairvoyant.proxy.access import AccessControl, Identity, identity_of
 from clairvoyant.proxy.feedback import OnlineLearning
@@ -178,7 +179,8 @@ def create_app(
             learning.recorder.refiner = refiner
         app.state.proxy = ProxyState(settings, loaded, pool, dispatcher, metrics, learning, refiner)
         logger.info(
-            "clairvoyant ready: backends=%s policy=%s tau=%ss+%sxS slots=%d max_queue=%d disconnect_mode=%s",
+            "clairvoyant ready: backends=%s policy=%s tau=%ss+%sxS slots=%d max_queue=%d disconnect_mode=%s "
+            "term_sum=%s",
             ", ".join(f"{m.name}={m.upstream.display_url} ({m.kind}, {m.slots} slots)" for m in pool.members),
             settings.policy,
             settings.starvation_timeout_s,
@@ -186,6 +188,7 @@ def create_app(
             dispatcher.slots,
             settings.max_queue,
             settings.disconnect_mode,
+            TERM_SUM,
         )
         for member in pool.members:
             dispatcher.run_detached(_check_upstream_at_start(member.upstream), name=f"upstream-check-{member.name}")
