@@ -452,3 +452,65 @@ def test_repredicted_reorders_a_waiting_ticket_and_moves_its_class_gauge() -> No
         await d.stop()
 
     asyncio.run(scenario())
+
+
+def _pool(*backends: Backend) -> tuple[Dispatcher, ManualClock]:
+    clock = ManualClock()
+    pol = make_policy("fcfs")
+    d = Dispatcher(build_queue(pol), pol, backends=backends, clock=clock, metrics=Metrics(), max_queue=10)
+    return d, clock
+
+
+def _modelled(d: Dispatcher, name: str, predicted_s: float, model: str | None) -> Ticket:
+    t = Ticket(name, "/v1/chat/completions", "openai", model, Prediction.from_probabilities(0.5, 0.3, 0.2), 10)
+    d.submit(t, Job(t, 0.0, predicted_s=predicted_s, predicted_tokens=50.0))
+    return t
+
+
+def test_pool_etas_play_each_backend_at_its_own_speed() -> None:
+    # A GPU box (as predicted) and a laptop measured 3x slower, one slot each, both busy with 4 s
+    # predicted: the GPU frees at 4 s, the laptop at 12 s (3 x 4). Played forward, each 2 s waiter
+    # takes the first slot to free: the GPU at 4, 6, 8, 10, then the GPU or the laptop at 12. With
+    # the slots taken alike (before), the laptop read free at 4 and the ETAs 4, 4, 6, 6, 8.
+    async def scenario() -> None:
+        gpu, laptop = Backend("gpu", 1), Backend("laptop", 1, slowness=3.0)
+        d, clock = _pool(gpu, laptop)
+        await d.start()
+        leases = []
+        for name in ("run-a", "run-b"):
+            lease = d.lease(_modelled(d, name, 4.0, None))
+            await lease.__aenter__()
+            leases.append(lease)
+        assert {t.backend for t in (*gpu.running.values(), *laptop.running.values())} == {0, 1}
+        for name in ("w1", "w2", "w3", "w4", "w5"):
+            _modelled(d, name, 2.0, None)
+        etas = [round(eta, 6) for _, eta in d._etas(clock.now())[0]]
+        assert etas == [4.0, 6.0, 8.0, 10.0, 12.0]  # the laptop's slot (3 x 4 s) frees at 12
+        assert d._etas(clock.now())[1] == pytest.approx(12.0)
+        for lease in leases:
+            await lease.__aexit__(None, None, None)
+        await d.stop()
+
+    asyncio.run(scenario())
+
+
+def test_pool_etas_wait_for_the_backends_that_serve_the_model() -> None:
+    # Only the big box serves "big"; the small box is idle. A "big" request waits for the big box.
+    async def scenario() -> None:
+        small, big = Backend("small", 1, models=("small",)), Backend("big", 1, models=("big",))
+        d, clock = _pool(small, big)
+        await d.start()
+        lease = d.lease(_modelled(d, "run", 5.0, "big"))
+        await lease.__aenter__()
+        _modelled(d, "w-big", 3.0, "big")
+        _modelled(d, "w-small", 3.0, "small")
+        _modelled(d, "w-big2", 1.0, "big")
+        by_name = {j.payload.request_id: round(eta, 6) for j, eta in d._etas(clock.now())[0]}
+        assert by_name == {"w-big": 5.0, "w-small": 0.0, "w-big2": 8.0}
+        big.healthy = False  # a model whose only backend is down still waits for it, not for "small"
+        by_name = {j.payload.request_id: round(eta, 6) for j, eta in d._etas(clock.now())[0]}
+        assert by_name["w-big"] == 5.0 and by_name["w-small"] == 0.0
+        await lease.__aexit__(None, None, None)
+        await d.stop()
+
+    asyncio.run(scenario())

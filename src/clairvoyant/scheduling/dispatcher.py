@@ -596,29 +596,44 @@ class Dispatcher:
         ticket.granted.set_result(index)
 
     # -- positions and ETAs -------------------------------------------------------------------
-    def _slot_free_in_s(self, now: float) -> list[float]:
-        """Predicted seconds until each slot of a healthy backend (of every backend, when none is
-        healthy) is free: in-flight remainders (never below OVERRUN_REMAINDER of the request's
-        prediction: a busy slot is never free now), idle 0."""
-        usable = [b for b in self.backends if b.healthy] or self.backends
-        free: list[float] = []
-        for backend in usable:
-            free += [0.0] * len(backend.free)
-            free += [remainder_s(t, now) for t in backend.running.values()]
-        return free or [0.0]
+    def _slot_free_in_s(self, now: float) -> list[list[float]]:
+        """Per backend, a heap of the predicted seconds until each of its slots is free: in-flight
+        remainders at the backend's measured slowness (never below ``OVERRUN_REMAINDER`` of the
+        request's prediction: a busy slot is never free now), idle 0."""
+        heaps = []
+        for backend in self.backends:
+            slowness = backend.slowness
+            free = [0.0] * len(backend.free) + [remainder_s(t, now, slowness) for t in backend.running.values()]
+            heapq.heapify(free)
+            heaps.append(free)
+        return heaps
 
     def _etas(self, now: float) -> tuple[list[tuple[Job[Ticket], float]], float]:
         """Waiting jobs in dispatch order (held back first) with the predicted seconds until each
-        is dispatched, and the predicted seconds until the tail is dispatched. The pool's slots
-        are taken as interchangeable (a model served by only some backends may wait longer)."""
-        free = self._slot_free_in_s(now)
-        heapq.heapify(free)
+        is dispatched, and the predicted seconds until the last of them is dispatched (the first
+        slot to free, with nobody waiting).
+
+        The dispatch is played forward as routing does it: each job, in order, takes the first slot
+        to free among the backends that serve its model (the healthy ones, or all of them when none
+        is healthy), and holds it for its predicted seconds times that backend's measured slowness.
+        Routing's model-loaded preference and its ties are not played: an ETA is an estimate."""
+        heaps = self._slot_free_in_s(now)
+        healthy = [i for i, b in enumerate(self.backends) if b.healthy]
+        usable = healthy or list(range(len(self.backends)))
+        by_model: dict[str | None, list[int]] = {}
         out = []
         for job in itertools.chain((t.job for t in self._held_back), self.queue.ordered(now)):
-            start = heapq.heappop(free)
+            model = job.payload.model
+            choices = by_model.get(model)
+            if choices is None:
+                serving = [i for i, b in enumerate(self.backends) if b.serves(model)]
+                choices = [i for i in serving if i in healthy] or serving or usable
+                by_model[model] = choices
+            index = min(choices, key=lambda i: heaps[i][0])
+            start = heapq.heappop(heaps[index])
             out.append((job, start))
-            heapq.heappush(free, start + job.predicted_s)
-        tail = out[-1][1] if out else min(free)
+            heapq.heappush(heaps[index], start + job.predicted_s * self.backends[index].slowness)
+        tail = max(eta for _, eta in out) if out else min(heaps[i][0] for i in usable)
         return out, tail
 
     def where(self, ticket: Ticket, now: float | None = None) -> tuple[int, float] | None:
