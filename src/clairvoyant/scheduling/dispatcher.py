@@ -620,19 +620,21 @@ class Dispatcher:
         heaps = self._slot_free_in_s(now)
         healthy = [i for i, b in enumerate(self.backends) if b.healthy]
         usable = healthy or list(range(len(self.backends)))
-        by_model: dict[str | None, list[int]] = {}
+        # per model: (heap, slowness) of each backend it may take
+        by_model: dict[str | None, list[tuple[list[float], float]]] = {}
         out = []
+        heapreplace = heapq.heapreplace
         for job in itertools.chain((t.job for t in self._held_back), self.queue.ordered(now)):
             model = job.payload.model
             choices = by_model.get(model)
             if choices is None:
                 serving = [i for i, b in enumerate(self.backends) if b.serves(model)]
-                choices = [i for i in serving if i in healthy] or serving or usable
-                by_model[model] = choices
-            index = min(choices, key=lambda i: heaps[i][0])
-            start = heapq.heappop(heaps[index])
+                chosen = [i for i in serving if i in healthy] or serving or usable
+                choices = by_model[model] = [(heaps[i], self.backends[i].slowness) for i in chosen]
+            heap, slowness = choices[0] if len(choices) == 1 else min(choices, key=lambda c: c[0][0])
+            start = heap[0]
+            heapreplace(heap, start + job.predicted_s * slowness)  # its slot, busy until it is done
             out.append((job, start))
-            heapq.heappush(heaps[index], start + job.predicted_s * self.backends[index].slowness)
         tail = max(eta for _, eta in out) if out else min(heaps[i][0] for i in usable)
         return out, tail
 
