@@ -46,3 +46,133 @@ PRE-REGISTERED (this docstring is committed before any AlpacaEval figure of the 
         --seeds 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 --json /tmp/qwen/clip_s014.json
     ... --seeds 30 31 ... 59 --sharegpt --only C --json /tmp/qwen/clip_s3059.json
 """
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "research"))
+
+from bench_replay_learning import SHAREGPT, _sharegpt_turns  # noqa: E402
+from study_residual_knn import Memo  # noqa: E402
+
+from clairvoyant.prediction.encoder import encoder_for  # noqa: E402
+from clairvoyant.prediction.features import Prompt  # noqa: E402
+from clairvoyant.prediction.learner import LearnerConfig, OnlineLearner, kendall_tau_b  # noqa: E402
+from clairvoyant.prediction.predictor import OnnxPredictor  # noqa: E402
+from clairvoyant.tools.bulk_predict import request_of_line  # noqa: E402
+
+GRID = (0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0)
+
+
+def replays(
+    predictor: OnnxPredictor, memo: Memo, prompts: list[Prompt], lengths: list[int], model: str, clips: list[float]
+) -> dict[str, list[float]]:
+    """The static scores and, per clip (inf: main), one learner pass's scores, each line scored before it is learned
+    (``score_then_learn``'s steps; the lexical prediction and the encoder's opinion computed once for all passes)."""
+    lexical = [predictor.predict(p, model=model) for p in prompts]
+    opinions = [memo.get(p.instruction)[:3] for p in prompts]
+    weights = memo.encoder.blend_weights
+    scores: dict[str, list[float]] = {}
+    predictor.corrector = None
+    scores["static"] = [predictor.refined(lx, v, weights, c, k).score for lx, (v, c, k) in zip(lexical, opinions)]
+    for clip in clips:
+        learner = OnlineLearner.for_predictor(predictor, LearnerConfig(residual_clip=clip), memo.encoder)
+        predictor.corrector = learner
+        out = scores[name_of(clip)] = []
+        try:
+            for lx, (v, c, k), observed in zip(lexical, opinions, lengths):
+                prediction = predictor.refined(lx, v, weights, c, k)
+                out.append(prediction.score)
+                learner.observe(prediction, observed)
+                if learner.refit_due:
+                    learner.refit()
+        finally:
+            predictor.corrector = None
+    return scores
+
+
+def name_of(clip: float) -> str:
+    return "main" if clip == math.inf else f"c={clip:g}"
+
+
+def second_half_tau(scores: list[float], lengths: list[int]) -> float:
+    h = len(scores) // 2
+    return kendall_tau_b(np.array(scores[h:]), np.array(lengths[h:], dtype=float))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=Path("/work/shared/data/alpaca_eval_dev.jsonl"))
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(15)))
+    parser.add_argument("--sharegpt", action="store_true")
+    parser.add_argument("--only", type=float, default=None, help="one clip c (the confirmation run)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    clips = [math.inf] + ([args.only] if args.only is not None else list(GRID))
+    rows = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()]
+    models = list(rows[0]["output_tokens"])
+    predictor = OnnxPredictor(None)
+    memo = Memo(encoder_for(predictor))
+    taus: dict[str, dict[str, list[float]]] = {}
+    started = time.perf_counter()
+    for model in models + ([SHAREGPT] if args.sharegpt else []):
+        per: dict[str, list[float]] = {}
+        for seed in args.seeds:
+            if model == SHAREGPT:
+                prompts, lengths = _sharegpt_turns(len(rows), seed)
+            else:
+                order = np.random.default_rng(seed).permutation(len(rows))
+                prompts = [request_of_line(json.dumps({"prompt": rows[i]["prompt"]})).prompt for i in order]
+                lengths = [int(rows[i]["output_tokens"][model]) for i in order]
+            for name, values in replays(predictor, memo, prompts, lengths, model, clips).items():
+                per.setdefault(name, []).append(second_half_tau(values, lengths))
+        taus[model] = per
+        print(f"# {model} done at {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+
+    names = [name_of(c) for c in clips]
+    print(f"seeds {args.seeds}; gain = second-half tau_b minus --no-learn; per model: mean over seeds (min over seeds)")
+    header = f"{'variant':8s}" + "".join(f"{m[:18]:>22s}" for m in models) + f"{'min model':>11s}{'mean':>8s}"
+    print(header + (f"{'ShareGPT':>22s}" if args.sharegpt else ""))
+    summary = {}
+    for name in names:
+        gains = {m: np.array(taus[m][name]) - np.array(taus[m]["static"]) for m in models}
+        means = [float(gains[m].mean()) for m in models]
+        line = f"{name:8s}" + "".join(f"{gains[m].mean():+.3f} ({gains[m].min():+.3f}){'':5s}" for m in models)
+        line += f"{min(means):+11.3f}{np.mean(means):+8.3f}"
+        entry: dict[str, Any] = {"per_model_mean": dict(zip(models, means)), "min_model": min(means)}
+        entry["mean"] = float(np.mean(means))
+        if name != "main":  # paired by seed against main
+            entry["seeds_up_vs_main"] = {
+                m: int(np.sum(np.array(taus[m][name]) > np.array(taus[m]["main"]))) for m in models
+            }
+        if args.sharegpt:
+            g = np.array(taus[SHAREGPT][name]) - np.array(taus[SHAREGPT]["static"])
+            line += f"{g.mean():+12.3f} ({g.min():+.3f})"
+            entry["sharegpt"] = float(g.mean())
+        summary[name] = entry
+        print(line)
+    for name in names[1:]:
+        print(f"{name}: seeds up vs main, per model: {summary[name]['seeds_up_vs_main']} of {len(args.seeds)}")
+    candidates = names[1:]
+    pick = max(candidates, key=lambda n: (round(summary[n]["min_model"], 3), summary[n]["mean"]))
+    print(f"pick rule (highest per-model minimum, ties by mean) among {candidates}: {pick}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"seeds": args.seeds, "taus": taus, "summary": summary, "pick": pick}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

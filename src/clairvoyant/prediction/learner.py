@@ -104,6 +104,7 @@ __all__ = [
     "OnlineLearner",
     "PriorIdentity",
     "ResidualKnn",
+    "clipped_residual",
     "kendall_tau_b",
 ]
 
@@ -195,6 +196,9 @@ class LearnerConfig:
     # and the shrinkage pseudo-weight lambda, in cosine units (research/study_residual_knn.py picked 16 and 16).
     knn_neighbours: int = 16
     knn_shrinkage: float = 16.0
+    # The residual clip c, ln tokens (inf: off): an observation whose residual after the linear correction
+    # in force is beyond +-c is learned as if it were c off, by the ridge and by the kNN (module docstring).
+    residual_clip: float = math.inf
 
     def __post_init__(self) -> None:
         if min(self.buffer_size, self.refit_every, self.min_observations, self.max_models, self.quality_window) < 1:
@@ -205,6 +209,8 @@ class LearnerConfig:
             raise ValueError(f"min_penalty_factor must be in [1e-3, 1e3]: {self.min_penalty_factor}")
         if self.knn_neighbours < 0 or not 0 <= self.knn_shrinkage < math.inf:
             raise ValueError(f"knn_neighbours and knn_shrinkage must be >= 0 and finite: {self}")
+        if not self.residual_clip > 0:
+            raise ValueError(f"residual_clip must be > 0 (inf: off): {self.residual_clip}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -391,6 +397,12 @@ def usable_observation(prediction: Prediction, observed_tokens: int, n_counts: i
         return False
     row_bytes = len(prediction.feature_row)
     return not row_bytes % 4 and (row_bytes >= 4 * n_features or row_bytes == 4 * n_counts)
+
+
+def clipped_residual(residual: float, clip: float) -> float:
+    """``residual`` clipped to [-clip, clip] (``clip`` inf: unchanged); one that is not finite is
+    returned as it is (and refused where it would be learned)."""
+    return residual if abs(residual) <= clip or not math.isfinite(residual) else math.copysign(clip, residual)
 
 
 def unit_vector(embedding: np.ndarray) -> np.ndarray | None:
@@ -671,12 +683,16 @@ class OnlineLearner:
             self._new_since_quality += 1
             if not censored and learnable:
                 full = np.frombuffer(prediction.feature_row, dtype=np.float32)
-                bucket.learn(full[: self.n_features], prediction.prior_log_tokens, observed_log)
+                prior = prediction.prior_log_tokens
+                clip = self.config.residual_clip
+                target = observed_log
+                if clip < math.inf:  # Huber's pseudo-observation: the fit's expectation + the clipped residual
+                    expected = prior + self._linear_correction(prediction.model, full, prior)
+                    target = expected + clipped_residual(observed_log - expected, clip)
+                bucket.learn(full[: self.n_features], prior, target)
                 self._new_since_fit += 1
                 if len(full) > self.n_features and self.config.knn_neighbours:
-                    self._remember(
-                        bucket, prediction.model, full, prediction.prior_log_tokens, observed_log, knn_residual
-                    )
+                    self._remember(bucket, prediction.model, full, prior, observed_log, knn_residual)
         return True
 
     def _remember(
@@ -695,7 +711,7 @@ class OnlineLearner:
             bucket.knn = ResidualKnn(self.config.buffer_size, len(embedding))
         if residual is None:
             residual = observed - (prior + self._linear_correction(model, row, prior))
-        bucket.knn.remember(embedding, residual)
+        bucket.knn.remember(embedding, clipped_residual(residual, self.config.residual_clip))
 
     # -- reading -------------------------------------------------------------------------------
     def knn_memory(self, key: str) -> tuple[np.ndarray, np.ndarray] | None:
