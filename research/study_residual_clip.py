@@ -45,6 +45,30 @@ PRE-REGISTERED (this docstring is committed before any AlpacaEval figure of the 
     PYTHONPATH=src nice -n 10 /work/main/.venv/bin/python research/study_residual_clip.py \
         --seeds 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 --json /tmp/qwen/clip_s014.json
     ... --seeds 30 31 ... 59 --sharegpt --only C --json /tmp/qwen/clip_s3059.json
+
+OUTCOME OF THE ABOVE (research/residual_clip_seeds0-14.log, residual_clip_seeds30-59.log): the pick c = 1 met its
+ship rule on seeds 30-59 (min model +0.054 -> +0.058, mean +0.072 -> +0.075, ShareGPT -0.013 -> -0.005). BUT the
+pseudo-observation is kept as it was clipped, against the fit in force THEN (the prior alone before the first
+fit): a deployment whose model is far (> c) from the prior has its first observations clipped toward the prior
+and they pull the fit back until evicted. tests/test_learner.py's biased prior (x e^1.5, 400 observations, one
+refit) then keeps 0.37 of mean |error| instead of < 0.3; with a refit every 8 and a bias of e^2.5 / e^4 the error
+after 100 observations is 0.54 / 1.72 against main's 0.34 / 0.49. Learning a biased prior is a requirement of issue 8,
+so this variant is NOT shipped as it stands.
+
+FOLLOW-UP, PRE-REGISTERED before any AlpacaEval figure of it (it is registered AFTER the figures above, with the same
+grid and rules, which is why it is confirmed on seeds that nobody has used, 60-89): the same Huber
+pseudo-target, but made AT EACH REFIT against the fit in force then, over the rows the ring keeps (one IRLS step per
+refit; the ring keeps the raw observations, so nothing clipped is kept; the first fit is unclipped). The Gram
+matrix still comes from the moments; only the target's sums (sum y*, Z'y*, y*'y*) are recomputed from the rows, one
+1024 x 65 pass per model. The kNN memory's residual is clipped at observe time as above (the kNN is a memory, not a fit).
+- grid: the same 9 values of c; `--at refit`.
+- pick rule: the same, on seeds 0-14.
+- confirmation, no re-picking: seeds 60-89 (never used by anyone), the pick vs main in the same run, plus ShareGPT;
+  seeds 30-59 are reported too (seen once, by the variant above).
+- ship rule: on seeds 60-89 the per-model minimum rises over main, the mean does not drop, ShareGPT drops by no more
+  than 0.003, AND tests/test_learner.py's biased-prior test passes unchanged. Else nothing ships.
+
+    ... --at refit --seeds 0 ... 14 ;  ... --at refit --seeds 60 ... 89 --sharegpt --only C ; the same for 30 ... 59
 """
 
 from __future__ import annotations
@@ -74,6 +98,7 @@ from clairvoyant.prediction.predictor import OnnxPredictor  # noqa: E402
 from clairvoyant.tools.bulk_predict import request_of_line  # noqa: E402
 
 GRID = (0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0)
+CLIP_AT = "observe"  # --at
 
 
 def replays(
@@ -88,7 +113,8 @@ def replays(
     predictor.corrector = None
     scores["static"] = [predictor.refined(lx, v, weights, c, k).score for lx, (v, c, k) in zip(lexical, opinions)]
     for clip in clips:
-        learner = OnlineLearner.for_predictor(predictor, LearnerConfig(residual_clip=clip), memo.encoder)
+        config = LearnerConfig(residual_clip=clip, residual_clip_at=CLIP_AT)
+        learner = OnlineLearner.for_predictor(predictor, config, memo.encoder)
         predictor.corrector = learner
         out = scores[name_of(clip)] = []
         try:
@@ -119,7 +145,10 @@ def main() -> int:
     parser.add_argument("--sharegpt", action="store_true")
     parser.add_argument("--only", type=float, default=None, help="one clip c (the confirmation run)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--at", choices=("observe", "refit"), default="observe", help="where the clip is made")
     args = parser.parse_args()
+    global CLIP_AT
+    CLIP_AT = args.at
     clips = [math.inf] + ([args.only] if args.only is not None else list(GRID))
     rows = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()]
     models = list(rows[0]["output_tokens"])
@@ -142,7 +171,7 @@ def main() -> int:
         print(f"# {model} done at {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
 
     names = [name_of(c) for c in clips]
-    print(f"seeds {args.seeds}; gain = second-half tau_b minus --no-learn; per model: mean over seeds (min over seeds)")
+    print(f"clip made at {args.at}; seeds {args.seeds}; gain = second-half tau_b minus --no-learn; per model: mean over seeds (min over seeds)")
     header = f"{'variant':8s}" + "".join(f"{m[:18]:>22s}" for m in models) + f"{'min model':>11s}{'mean':>8s}"
     print(header + (f"{'ShareGPT':>22s}" if args.sharegpt else ""))
     summary = {}

@@ -198,7 +198,8 @@ class LearnerConfig:
     knn_shrinkage: float = 16.0
     # The residual clip c, ln tokens (inf: off): an observation whose residual after the linear correction
     # in force is beyond +-c is learned as if it were c off, by the ridge and by the kNN (module docstring).
-    residual_clip: float = math.inf
+    residual_clip: float = 1.0
+    residual_clip_at: str = "observe"  # STUDY ONLY: "observe" (pseudo-observation kept) or "refit" (re-clipped)
 
     def __post_init__(self) -> None:
         if min(self.buffer_size, self.refit_every, self.min_observations, self.max_models, self.quality_window) < 1:
@@ -686,7 +687,7 @@ class OnlineLearner:
                 prior = prediction.prior_log_tokens
                 clip = self.config.residual_clip
                 target = observed_log
-                if clip < math.inf:  # Huber's pseudo-observation: the fit's expectation + the clipped residual
+                if clip < math.inf and self.config.residual_clip_at == "observe":  # Huber's pseudo-observation: the fit's expectation + the clipped residual
                     expected = prior + self._linear_correction(prediction.model, full, prior)
                     target = expected + clipped_residual(observed_log - expected, clip)
                 bucket.learn(full[: self.n_features], prior, target)
@@ -760,11 +761,18 @@ class OnlineLearner:
             self._new_since_fit = 0
             keys = list(self._buckets)
         data = []
+        fitted, clip = self._fitted, self.config.residual_clip
+        reclip = fitted is not None and clip < math.inf and self.config.residual_clip_at == "refit"
         for key in keys:
             with self._lock:
                 bucket = self._buckets[key]
-                if bucket.moments.n:
-                    data.append((key, bucket.moments.copy(), bucket.observations))
+                if not bucket.moments.n:
+                    continue
+                moments = bucket.moments.copy()
+                kept = bucket.ring.ordered() if reclip else None
+            if kept is not None and fitted is not None:
+                _clip_target(moments, *kept, fitted.by_model.get(key, fitted.global_), self.n_counts, clip)
+            data.append((key, moments, bucket.observations))
         return data
 
     def refit(self) -> None:
@@ -987,6 +995,28 @@ def _restored_knn(npz: Any, i: int, capacity: int) -> ResidualKnn:
     if not (np.isfinite(unit).all() and np.isfinite(residual).all()):
         raise _Refused(f"model {i}: non-finite kNN values")
     return ResidualKnn.filled(capacity, unit.astype(np.float32), residual.astype(np.float64))
+
+
+def _clip_target(
+    moments: _Moments,
+    rows: np.ndarray,
+    prior: np.ndarray,
+    observed: np.ndarray,
+    linear: _Linear,
+    counts: int,
+    clip: float,
+) -> None:
+    """Replace the target's sums in ``moments`` (the rows' own) by those of Huber's pseudo-target
+    y* = yhat + clip(y - yhat, -clip, clip), yhat = ``linear``'s correction of each row."""
+    z = np.empty((len(rows), rows.shape[1] + 1))
+    z[:, 0] = prior
+    z[:, 1:] = rows
+    np.log1p(np.maximum(z[:, 1 : counts + 1], 0.0), out=z[:, 1 : counts + 1])
+    expected = z[:, 1:] @ linear.weights.astype(np.float64) + linear.prior_weight * prior + linear.intercept
+    target = expected + np.clip(observed - prior - expected, -clip, clip)
+    moments.s_y = float(target.sum())
+    moments.s_zy = z.T @ target
+    moments.s_yy = float(target @ target)
 
 
 class _Refused(ValueError):
