@@ -69,6 +69,11 @@ matrix still comes from the moments; only the target's sums (sum y*, Z'y*, y*'y*
   than 0.003, AND tests/test_learner.py's biased-prior test passes unchanged. Else nothing ships.
 
     ... --at refit --seeds 0 ... 14 ;  ... --at refit --seeds 60 ... 89 --sharegpt --only C ; the same for 30 ... 59
+
+OUTCOME (research/residual_clip_refit_seeds*.log): the pick rule picked c = 1 on seeds 0-14 (min model +0.046 ->
++0.054, mean +0.065 -> +0.068). Seeds 60-89: min model +0.050 -> +0.057, mean +0.073 -> +0.076, ShareGPT -0.011 ->
+-0.005; the biased-prior test passes unchanged: SHIPPED (LearnerConfig.residual_clip = 1.0). Seeds 30-59: +0.054 ->
++0.058, +0.072 -> +0.074, ShareGPT -0.013 -> -0.006. The "observe" runs above need commit 6889062 (`--at observe`).
 """
 
 from __future__ import annotations
@@ -113,7 +118,7 @@ def replays(
     predictor.corrector = None
     scores["static"] = [predictor.refined(lx, v, weights, c, k).score for lx, (v, c, k) in zip(lexical, opinions)]
     for clip in clips:
-        config = LearnerConfig(residual_clip=clip, residual_clip_at=CLIP_AT)
+        config = LearnerConfig(residual_clip=clip)
         learner = OnlineLearner.for_predictor(predictor, config, memo.encoder)
         predictor.corrector = learner
         out = scores[name_of(clip)] = []
@@ -145,7 +150,8 @@ def main() -> int:
     parser.add_argument("--sharegpt", action="store_true")
     parser.add_argument("--only", type=float, default=None, help="one clip c (the confirmation run)")
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--at", choices=("observe", "refit"), default="observe", help="where the clip is made")
+    # "observe" (the first variant) ran at commit 6889062 of branch qwen; its code is gone (not shipped)
+    parser.add_argument("--at", choices=("refit",), default="refit", help="where the clip is made")
     args = parser.parse_args()
     global CLIP_AT
     CLIP_AT = args.at

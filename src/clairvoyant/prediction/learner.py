@@ -199,7 +199,6 @@ class LearnerConfig:
     # The residual clip c, ln tokens (inf: off): an observation whose residual after the linear correction
     # in force is beyond +-c is learned as if it were c off, by the ridge and by the kNN (module docstring).
     residual_clip: float = 1.0
-    residual_clip_at: str = "observe"  # STUDY ONLY: "observe" (pseudo-observation kept) or "refit" (re-clipped)
 
     def __post_init__(self) -> None:
         if min(self.buffer_size, self.refit_every, self.min_observations, self.max_models, self.quality_window) < 1:
@@ -623,6 +622,11 @@ class OnlineLearner:
         self._new_since_quality = 0
         self._observed_total = 0
         self._fitted: FittedCorrection | None = None  # swapped whole by refit; read without a lock
+        # The fit the residual clip of the fit in force was made against (None: an unclipped fit), saved
+        # in the state file; a restored learner's first refit clips against it (_restored_center), so
+        # that it refits what the saved learner had fitted.
+        self._center: FittedCorrection | None = None
+        self._restored_center: FittedCorrection | None = None
         # per fit (model key or _GLOBAL): (GCV penalty, observations when it was searched); refit only
         self._penalties: dict[str, tuple[float, int]] = {}
         self._quality: dict[str, ModelQuality] = {}
@@ -685,12 +689,7 @@ class OnlineLearner:
             if not censored and learnable:
                 full = np.frombuffer(prediction.feature_row, dtype=np.float32)
                 prior = prediction.prior_log_tokens
-                clip = self.config.residual_clip
-                target = observed_log
-                if clip < math.inf and self.config.residual_clip_at == "observe":  # Huber's pseudo-observation: the fit's expectation + the clipped residual
-                    expected = prior + self._linear_correction(prediction.model, full, prior)
-                    target = expected + clipped_residual(observed_log - expected, clip)
-                bucket.learn(full[: self.n_features], prior, target)
+                bucket.learn(full[: self.n_features], prior, observed_log)
                 self._new_since_fit += 1
                 if len(full) > self.n_features and self.config.knn_neighbours:
                     self._remember(bucket, prediction.model, full, prior, observed_log, knn_residual)
@@ -754,15 +753,18 @@ class OnlineLearner:
             return list(self._buckets)
 
     # -- fitting -------------------------------------------------------------------------------
-    def _snapshot(self) -> list[tuple[str, _Moments, int]]:
+    def _snapshot(self) -> tuple[list[tuple[str, _Moments, int]], FittedCorrection | None]:
         """Copies of every model's moments (p x p each) and its observation count, one model per
-        hold of the lock."""
+        hold of the lock; with the residual clip on and a fit in force (or restored as the last
+        fit's center), the target's sums are those of the clipped target against that fit (also
+        returned: the center of the fit about to be made; None: unclipped)."""
         with self._lock:
             self._new_since_fit = 0
             keys = list(self._buckets)
         data = []
-        fitted, clip = self._fitted, self.config.residual_clip
-        reclip = fitted is not None and clip < math.inf and self.config.residual_clip_at == "refit"
+        center = self._fitted if self._fitted is not None else self._restored_center
+        clip = self.config.residual_clip
+        reclip = center is not None and clip < math.inf
         for key in keys:
             with self._lock:
                 bucket = self._buckets[key]
@@ -770,10 +772,10 @@ class OnlineLearner:
                     continue
                 moments = bucket.moments.copy()
                 kept = bucket.ring.ordered() if reclip else None
-            if kept is not None and fitted is not None:
-                _clip_target(moments, *kept, fitted.by_model.get(key, fitted.global_), self.n_counts, clip)
+            if kept is not None and center is not None:
+                _clip_target(moments, *kept, center.by_model.get(key, center.global_), self.n_counts, clip)
             data.append((key, moments, bucket.observations))
-        return data
+        return data, (center if reclip else None)
 
     def refit(self) -> None:
         """Fit the corrections from the moments and swap them in; then update the rolling quality.
@@ -781,10 +783,11 @@ class OnlineLearner:
         learner's process)."""
         with self._refit_lock:
             started = time.perf_counter()
-            data = self._snapshot()
+            data, center = self._snapshot()
             total = sum(m.n for _, m, _ in data)
             if total >= self.config.min_observations:
                 self._fitted = self._fit(data)
+                self._center = center
             self.last_refit_s = time.perf_counter() - started
             self.refits += 1
             self.update_quality()
@@ -899,6 +902,16 @@ class OnlineLearner:
             "observations": observations,
             "config": asdict(self.config),
         }
+        center = self._center
+        if center is not None:  # the fit the fit in force clipped its target against (see refit)
+            center_keys, weights, prior_weights, intercepts, center_n, _ = center.packed()
+            meta["clip_center"] = {
+                "models": list(center_keys),
+                "prior_weights": list(prior_weights),
+                "intercepts": list(intercepts),
+                "observations": center_n,
+            }
+            arrays["clip_center_weights"] = np.frombuffer(weights, dtype=np.float32).reshape(len(prior_weights), -1)
         arrays["meta"] = np.array(json.dumps(meta))
         with atomic_writer(path, "wb") as fh:
             np.savez(fh, **arrays)  # type: ignore[arg-type]  # numpy's stubs read the first ** key as allow_pickle
@@ -962,6 +975,7 @@ class OnlineLearner:
             counts = meta.get("observations")
             if not isinstance(keys, list) or not isinstance(counts, list) or len(keys) != len(counts):
                 raise _Refused("metadata lists no models")
+            self._restored_center = self._restored_clip_center(npz, meta.get("clip_center"))
             cfg = self.config
             for i, key in enumerate(keys[: cfg.max_models + 1]):
                 rows, prior, observed = npz[f"rows_{i}"], npz[f"prior_{i}"], npz[f"observed_{i}"]
@@ -983,6 +997,27 @@ class OnlineLearner:
                 self._observed_total += bucket.observations
                 self._new_since_fit += bucket.ring.count
                 self._new_since_quality += bucket.window.count
+
+
+    def _restored_clip_center(self, npz: Any, meta: Any) -> FittedCorrection | None:
+        """The saved fit's clip center (None: the file has none, e.g. from before the clip); _Refused if damaged."""
+        if meta is None:
+            return None
+        try:
+            keys = tuple(str(k) for k in meta["models"])
+            prior_weights = tuple(float(w) for w in meta["prior_weights"])
+            intercepts = tuple(float(b) for b in meta["intercepts"])
+            observations = int(meta["observations"])
+            weights = np.asarray(npz["clip_center_weights"], dtype=np.float32)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _Refused(f"a damaged clip center ({type(exc).__name__})") from exc
+        fits = len(prior_weights)
+        if fits != len(keys) + 1 or len(intercepts) != fits or weights.shape != (fits, self.n_features):
+            raise _Refused("a clip center of inconsistent shapes")
+        if not (np.isfinite(weights).all() and np.isfinite(prior_weights).all() and np.isfinite(intercepts).all()):
+            raise _Refused("a clip center with non-finite values")
+        packed = (keys, weights.tobytes(), prior_weights, intercepts, observations, self.n_counts)
+        return FittedCorrection.unpacked(packed)
 
 
 def _restored_knn(npz: Any, i: int, capacity: int) -> ResidualKnn:
