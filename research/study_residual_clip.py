@@ -143,6 +143,49 @@ def second_half_tau(scores: list[float], lengths: list[int]) -> float:
     return kendall_tau_b(np.array(scores[h:]), np.array(lengths[h:], dtype=float))
 
 
+def cost(models: int, refits: int) -> None:
+    """CPU seconds of one refit (``OnlineLearner.refit``, the child's work) with the clip off and on, interleaved:
+    ``models`` full buffers (1024 rows of the shipped prior's 48 counts + 16 components; synthetic rows), each refit
+    after 8 new observations (a GCV search once a quarter of a buffer is new, as served). Single-threaded BLAS is
+    not forced: the child runs with the machine's defaults."""
+    predictor = OnnxPredictor(None)
+    encoder = encoder_for(predictor)
+    from clairvoyant.prediction.predictor import Prediction
+
+    rng = np.random.default_rng(0)
+    learners = {clip: OnlineLearner.for_predictor(predictor, LearnerConfig(residual_clip=clip), encoder) for clip in
+                (math.inf, 1.0)}  # fmt: skip
+    width = next(iter(learners.values())).n_features
+    counts = next(iter(learners.values())).n_counts
+
+    def observation(model: int) -> tuple[Prediction, int]:
+        row = rng.gamma(1.0, 3.0, size=width).astype(np.float32)
+        row[counts:] = rng.normal(0, 1, size=width - counts)
+        return Prediction(5.0, 150.0, None, float(rng.normal(5, 0.5)), row.tobytes(), f"m{model}"), int(rng.integers(1, 2000))
+
+    for _ in range(1024):
+        for model in range(models):
+            prediction, tokens = observation(model)
+            for learner in learners.values():
+                learner.observe(prediction, tokens)
+    for learner in learners.values():
+        learner.refit()
+        learner.refit()  # a fit in force: the next refits clip against it
+    times: dict[float, list[float]] = {clip: [] for clip in learners}
+    for _ in range(refits):
+        batch = [observation(int(rng.integers(models))) for _ in range(8)]
+        for clip, learner in learners.items():
+            for prediction, tokens in batch:
+                learner.observe(prediction, tokens)
+            started = time.process_time()
+            learner.refit()
+            times[clip].append(time.process_time() - started)
+    for clip, values in times.items():
+        t = np.array(values) * 1e3
+        print(f"clip {clip:g}: refit of {models} full models, CPU ms p50 {np.median(t):.2f} p90 "
+              f"{np.percentile(t, 90):.2f} max {t.max():.2f} ({refits} refits)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=Path("/work/shared/data/alpaca_eval_dev.jsonl"))
@@ -152,7 +195,11 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     # "observe" (the first variant) ran at commit 6889062 of branch qwen; its code is gone (not shipped)
     parser.add_argument("--at", choices=("refit",), default="refit", help="where the clip is made")
+    parser.add_argument("--cost", type=int, nargs="?", const=17, default=None, help="refit CPU cost for N models")
     args = parser.parse_args()
+    if args.cost:
+        cost(args.cost, 200)
+        return 0
     global CLIP_AT
     CLIP_AT = args.at
     clips = [math.inf] + ([args.only] if args.only is not None else list(GRID))

@@ -22,6 +22,20 @@ First a global correction over every model's observations; then, for a model wit
 ``min_model_observations`` of its own, a correction of the global one's residuals on top.
 No fit is made before ``min_observations``: until then predictions are the prior's.
 
+The target is clipped (``residual_clip`` c, 1 ln token; inf: off), Huber's pseudo-observation: at each refit,
+with yhat the correction in force (the last fit; the model's own, else the global one), every kept row's target
+y = observed - prior becomes yhat + clip(y - yhat, -c, c), so an answer more than e^c (2.7x) longer or shorter
+than expected counts as if it were e^c off. Why: a few answers of 1-13 tokens to prompts that look like any other
+(Qwen1.5 on AlpacaEval: 5% of its residuals carry 55% of their squares) pulled the squared-loss fit, which is
+ranking noise for every other request. Made at each refit over the ring's RAW rows (only the target's sums,
+sum y*, Z'y* and y*'y*, are recomputed: one pass of ``buffer_size`` x p per model; the Gram matrix still comes
+from the moments), so nothing clipped is kept: the first fit is unclipped, each refit one more iteration, and a
+prior far (> c) from a model's lengths is still learned as fast (a clip kept as observed would hold the first
+observations toward the prior until evicted). Picked by a pre-registered study (research/study_residual_clip.py,
+research/RESULTS.md section j): replay second-half gain of the weakest model +0.050 -> +0.057 on never-used
+seeds 60-89 (mean +0.073 -> +0.076, ShareGPT held-out -0.011 -> -0.005). The fit a refit clipped against is
+saved with the state (``clip_center``), so a restored learner's first refit makes the fit the saved one had.
+
 On top of that linear correction, a residual kNN (``knn_neighbours`` k, 16; 0: off) for what no column
 carries linearly: a request refined by the encoder carries the encoder's pooled embedding after its
 columns (``EncoderModel.encode``), and each model keeps the unit embeddings of its last ``buffer_size``
@@ -29,6 +43,8 @@ uncensored observations with their residuals r = observed - (prior + the linear 
 when observed) ln tokens. A prediction adds
 
     sum_{j in the k nearest by cosine} w_j r_j / (sum_j w_j + ``knn_shrinkage``),  w_j = max(cos_j, 0)
+
+(each r_j clipped to +-``residual_clip`` when remembered: the kNN is a memory, re-clipping it would cost a pass)
 
 so few or far neighbours add about nothing. Residuals after the linear correction, not after the
 prior: the kNN adds to that correction, so it must model what the correction leaves (a model's
@@ -55,12 +71,15 @@ Refits: ``refit()`` fits the corrections and swaps them in as one immutable obje
 ``refit_every`` new observations have arrived. It is synchronous: in the proxy the learner lives in
 its own process (``clairvoyant.prediction.learner_process``), which refits whenever due, so no refit
 ever holds the event loop's interpreter; ``clairvoyant replay`` calls it in line. A refit never
-touches the rows: each observation updates its model's sufficient statistics (p x p moments, p =
-features + 1: 65 with the encoder's components), so a refit solves small p x p systems, a few per
+builds a Gram matrix from the rows: each observation updates its model's sufficient statistics (p x p
+moments, p = features + 1: 65 with the encoder's components), so a refit solves small p x p systems, a few per
 model (one ``np.linalg.solve`` per GCV penalty, with ``[Z'y, I]`` as right-hand sides: the weights
 and the inverse's trace); the GCV search for a fit's penalty runs again only once a quarter of its
-buffer is new. The same penalties and coefficients as the stacked solve of earlier versions
-(tests/test_learner.py replays a fixed trace against it).
+buffer is new. With the residual clip on, the target's sums are recomputed from the rows (one
+matrix-vector product per model): a refit of 17 full models takes 9.5 ms of CPU (p50) instead of 3.9
+(research/study_residual_clip.py --cost), and the child refits at most once a second. Unclipped, the
+same penalties and coefficients as the stacked solve of earlier versions (tests/test_learner.py replays
+a fixed trace against it).
 
 Rolling quality per model (``quality()``): Kendall tau_b and mean |log-token error| between the
 predictions as they were made (before their own observation was learned) and the observed
@@ -197,7 +216,8 @@ class LearnerConfig:
     knn_neighbours: int = 16
     knn_shrinkage: float = 16.0
     # The residual clip c, ln tokens (inf: off): an observation whose residual after the linear correction
-    # in force is beyond +-c is learned as if it were c off, by the ridge and by the kNN (module docstring).
+    # in force is beyond +-c is learned as if it were c off, by the ridge (re-clipped at each refit) and by
+    # the kNN (clipped when remembered); research/study_residual_clip.py picked 1 (module docstring).
     residual_clip: float = 1.0
 
     def __post_init__(self) -> None:
