@@ -669,7 +669,9 @@ def test_the_clip_is_made_at_each_refit_against_the_fit_in_force() -> None:
     assert not np.allclose(first, second)  # the second fit's target was clipped
 
 
-def test_a_state_file_keeps_the_clip_center_and_an_old_one_loads_without(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_state_file_keeps_the_clip_center_and_an_old_one_loads_without(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     # 112 observations: the last refit searched its GCV penalty (16, 48, 80, 112), as the restored one's
     # first does (the penalty cache is not saved)
     rows, prior, _, observed = _outlier_world(112, seed=6)

@@ -1018,7 +1018,6 @@ class OnlineLearner:
                 self._new_since_fit += bucket.ring.count
                 self._new_since_quality += bucket.window.count
 
-
     def _restored_clip_center(self, npz: Any, meta: Any) -> FittedCorrection | None:
         """The saved fit's clip center (None: the file has none, e.g. from before the clip); _Refused if damaged."""
         if meta is None:
