@@ -395,8 +395,9 @@ def _fit_trace() -> list[dict[str, dict[str, list[float]]]]:
     enough to evict: the fitted corrections (global and per model) and the GCV penalties in use after
     every 12th refit."""
     rng = np.random.default_rng(7)
-    # the penalty grid of 40b1676 (GCV free down to 0.001 x n)
-    learner = OnlineLearner(TRACE_IDENTITY, LearnerConfig(buffer_size=200, refit_every=8, min_penalty_factor=1e-3))
+    # the penalty grid of 40b1676 (GCV free down to 0.001 x n), and no residual clip (the fixture's learner had none)
+    config = LearnerConfig(buffer_size=200, refit_every=8, min_penalty_factor=1e-3, residual_clip=math.inf)
+    learner = OnlineLearner(TRACE_IDENTITY, config)
     fits = []
     for _ in range(960):
         model = ("a", "b", "c")[int(rng.integers(3))]
@@ -510,7 +511,7 @@ def test_the_residual_knn_learns_a_local_signal_that_no_linear_column_carries() 
 
 def test_the_knn_correction_is_the_shrunk_weighted_mean_of_the_nearest_residuals(tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
-    config = LearnerConfig(knn_neighbours=5, knn_shrinkage=2.0, buffer_size=10)
+    config = LearnerConfig(knn_neighbours=5, knn_shrinkage=2.0, buffer_size=10, residual_clip=math.inf)  # raw residuals
     learner = OnlineLearner(ENCODED, config)
     rows = _embedded(rng.normal(1, 1, size=(14, N_FEATURES + 2)), rng.normal(0, 1, size=(14, 8)))
     prior = rng.normal(5, 0.5, 14)
@@ -619,8 +620,98 @@ def test_a_refined_prediction_carries_the_embedding_to_the_learners_knn() -> Non
             assert len(prediction.feature_row) == 4 * (learner.n_features + encoder.embedding_width)
             learner.observe(prediction, 3)
         corrected = refined_by(encoder, predictor, predictor.predict(Prompt(essay), model="m"), essay)
-        # 3 neighbours at cosine 1: 3 / (3 + 16) of the residual, before any linear fit
-        residual = math.log(3) - corrected.prior_log_tokens
+        # 3 neighbours at cosine 1: 3 / (3 + 16) of the residual, before any linear fit; the residual
+        # (about -4 ln tokens) is clipped to -1 (LearnerConfig.residual_clip)
+        residual = max(math.log(3) - corrected.prior_log_tokens, -LearnerConfig().residual_clip)
+        assert residual == -1.0
         assert corrected.predicted_log_tokens - corrected.prior_log_tokens == pytest.approx(residual * 3 / 19, abs=1e-4)
     finally:
         predictor.corrector = None
+
+
+def _outlier_world(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``_world``'s rows, prior and truth, and the observed log tokens: the truth, except that one answer in
+    twelve is a one-token reply (ln 0, 3-6 below the truth) whatever the prompt (the replay's Qwen1.5 has such)."""
+    rows, prior, truth = _world(n, seed)
+    observed = truth.copy()
+    observed[np.random.default_rng(seed + 100).random(n) < 1 / 12] = 0.0
+    return rows, prior, truth, observed
+
+
+def test_the_residual_clip_keeps_one_token_replies_from_pulling_the_fit() -> None:
+    rows, prior, _, observed = _outlier_world(600, seed=4)
+    test_rows, test_prior, test_truth, _ = _outlier_world(300, seed=5)
+    errors = {}
+    for clip in (math.inf, LearnerConfig().residual_clip):
+        learner = OnlineLearner(IDENTITY, LearnerConfig(residual_clip=clip))
+        for row, p, t in zip(rows, prior, observed):  # refit every 8, as served
+            learner.observe(_prediction(row, float(p)), int(round(math.exp(t))))
+            if learner.refit_due:
+                learner.refit()
+        errors[clip] = float(np.median(np.abs(_corrected(learner, test_rows, test_prior) - test_truth)))
+    # unclipped, the squared loss follows the one-token replies down (by about 1/12 x 4.5 ln tokens: 0.33 of
+    # median error here); clipped at 1, the typical answer is predicted closer (0.22)
+    assert errors[math.inf] > 0.3 and errors[LearnerConfig().residual_clip] < errors[math.inf] - 0.08
+
+
+def test_the_clip_is_made_at_each_refit_against_the_fit_in_force() -> None:
+    """Nothing clipped is kept: a refit over the same rows clips them against the newer fit, so a
+    learner that saw a large shift before its first fit still learns all of it."""
+    rows, prior, truth = _world(200)
+    learner = OnlineLearner(IDENTITY, LearnerConfig(residual_clip=0.5))
+    for row, p, t in zip(rows, prior, truth):  # a prior 1.5 ln tokens too long, one refit at the end
+        learner.observe(_prediction(row, float(p)), int(round(math.exp(t))))
+    learner.refit()  # the first fit: nothing to clip against, unclipped
+    first = _corrected(learner, rows, prior)
+    learner.refit()  # the same rows, now clipped at 0.5 around the first fit: few move
+    second = _corrected(learner, rows, prior)
+    assert np.mean(np.abs(first - truth)) < 0.3 and np.mean(np.abs(second - truth)) < 0.3
+    assert not np.allclose(first, second)  # the second fit's target was clipped
+
+
+def test_a_state_file_keeps_the_clip_center_and_an_old_one_loads_without(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 112 observations: the last refit searched its GCV penalty (16, 48, 80, 112), as the restored one's
+    # first does (the penalty cache is not saved)
+    rows, prior, _, observed = _outlier_world(112, seed=6)
+    learner = OnlineLearner(IDENTITY)
+    for row, p, t in zip(rows, prior, observed):
+        learner.observe(_prediction(row, float(p)), int(round(math.exp(t))))
+        if learner.refit_due:
+            learner.refit()
+    path = tmp_path / "learner.npz"
+    learner.save(path)
+    restored = OnlineLearner.load(path, IDENTITY)
+    restored.refit()  # clipped against the saved center: the same fit as the saved learner's
+    assert _corrected(restored, rows, prior) == pytest.approx(_corrected(learner, rows, prior), abs=1e-9)
+    # a file from before the clip (no center) loads; its first refit is unclipped, so it differs
+    with np.load(path) as npz:
+        arrays = {name: npz[name] for name in npz.files if name != "clip_center_weights"}
+    meta = json.loads(str(arrays["meta"][()]))
+    old = {k: v for k, v in meta.items() if k != "clip_center"}
+    arrays["meta"] = np.array(json.dumps(old))
+    with path.open("wb") as fh:
+        np.savez(fh, **arrays)
+    before = OnlineLearner.load(path, IDENTITY)
+    assert before.observed_total == learner.observed_total
+    before.refit()
+    assert not np.allclose(_corrected(before, rows, prior), _corrected(learner, rows, prior), atol=1e-6)
+    # a damaged center refuses the file, in one line
+    meta["clip_center"]["intercepts"] = meta["clip_center"]["intercepts"][:-1]
+    arrays["meta"] = np.array(json.dumps(meta))
+    arrays["clip_center_weights"] = np.zeros((1, N_FEATURES), np.float32)
+    with path.open("wb") as fh:
+        np.savez(fh, **arrays)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="clairvoyant.prediction.learner"):
+        assert OnlineLearner.load(path, IDENTITY).observed_total == 0
+    assert len(caplog.records) == 1 and "clip center" in caplog.text
+
+
+def test_clipped_residual() -> None:
+    from clairvoyant.prediction.learner import clipped_residual
+
+    assert clipped_residual(-4.2, 1.0) == -1.0 and clipped_residual(2.5, 1.0) == 1.0
+    assert clipped_residual(0.3, 1.0) == 0.3 and clipped_residual(-9.0, math.inf) == -9.0
+    assert math.isnan(clipped_residual(math.nan, 1.0)) and clipped_residual(math.inf, 1.0) == math.inf

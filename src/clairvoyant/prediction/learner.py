@@ -22,6 +22,20 @@ First a global correction over every model's observations; then, for a model wit
 ``min_model_observations`` of its own, a correction of the global one's residuals on top.
 No fit is made before ``min_observations``: until then predictions are the prior's.
 
+The target is clipped (``residual_clip`` c, 1 ln token; inf: off), Huber's pseudo-observation: at each refit,
+with yhat the correction in force (the last fit; the model's own, else the global one), every kept row's target
+y = observed - prior becomes yhat + clip(y - yhat, -c, c), so an answer more than e^c (2.7x) longer or shorter
+than expected counts as if it were e^c off. Why: a few answers of 1-13 tokens to prompts that look like any other
+(Qwen1.5 on AlpacaEval: 5% of its residuals carry 55% of their squares) pulled the squared-loss fit, which is
+ranking noise for every other request. Made at each refit over the ring's RAW rows (only the target's sums,
+sum y*, Z'y* and y*'y*, are recomputed: one pass of ``buffer_size`` x p per model; the Gram matrix still comes
+from the moments), so nothing clipped is kept: the first fit is unclipped, each refit one more iteration, and a
+prior far (> c) from a model's lengths is still learned as fast (a clip kept as observed would hold the first
+observations toward the prior until evicted). Picked by a pre-registered study (research/study_residual_clip.py,
+research/RESULTS.md section j): replay second-half gain of the weakest model +0.050 -> +0.057 on never-used
+seeds 60-89 (mean +0.073 -> +0.076, ShareGPT held-out -0.011 -> -0.005). The fit a refit clipped against is
+saved with the state (``clip_center``), so a restored learner's first refit makes the fit the saved one had.
+
 On top of that linear correction, a residual kNN (``knn_neighbours`` k, 16; 0: off) for what no column
 carries linearly: a request refined by the encoder carries the encoder's pooled embedding after its
 columns (``EncoderModel.encode``), and each model keeps the unit embeddings of its last ``buffer_size``
@@ -29,6 +43,8 @@ uncensored observations with their residuals r = observed - (prior + the linear 
 when observed) ln tokens. A prediction adds
 
     sum_{j in the k nearest by cosine} w_j r_j / (sum_j w_j + ``knn_shrinkage``),  w_j = max(cos_j, 0)
+
+(each r_j clipped to +-``residual_clip`` when remembered: the kNN is a memory, re-clipping it would cost a pass)
 
 so few or far neighbours add about nothing. Residuals after the linear correction, not after the
 prior: the kNN adds to that correction, so it must model what the correction leaves (a model's
@@ -55,12 +71,15 @@ Refits: ``refit()`` fits the corrections and swaps them in as one immutable obje
 ``refit_every`` new observations have arrived. It is synchronous: in the proxy the learner lives in
 its own process (``clairvoyant.prediction.learner_process``), which refits whenever due, so no refit
 ever holds the event loop's interpreter; ``clairvoyant replay`` calls it in line. A refit never
-touches the rows: each observation updates its model's sufficient statistics (p x p moments, p =
-features + 1: 65 with the encoder's components), so a refit solves small p x p systems, a few per
+builds a Gram matrix from the rows: each observation updates its model's sufficient statistics (p x p
+moments, p = features + 1: 65 with the encoder's components), so a refit solves small p x p systems, a few per
 model (one ``np.linalg.solve`` per GCV penalty, with ``[Z'y, I]`` as right-hand sides: the weights
 and the inverse's trace); the GCV search for a fit's penalty runs again only once a quarter of its
-buffer is new. The same penalties and coefficients as the stacked solve of earlier versions
-(tests/test_learner.py replays a fixed trace against it).
+buffer is new. With the residual clip on, the target's sums are recomputed from the rows (one
+matrix-vector product per model): a refit of 17 full models takes 9.5 ms of CPU (p50) instead of 3.9
+(research/study_residual_clip.py --cost), and the child refits at most once a second. Unclipped, the
+same penalties and coefficients as the stacked solve of earlier versions (tests/test_learner.py replays
+a fixed trace against it).
 
 Rolling quality per model (``quality()``): Kendall tau_b and mean |log-token error| between the
 predictions as they were made (before their own observation was learned) and the observed
@@ -104,6 +123,7 @@ __all__ = [
     "OnlineLearner",
     "PriorIdentity",
     "ResidualKnn",
+    "clipped_residual",
     "kendall_tau_b",
 ]
 
@@ -195,6 +215,10 @@ class LearnerConfig:
     # and the shrinkage pseudo-weight lambda, in cosine units (research/study_residual_knn.py picked 16 and 16).
     knn_neighbours: int = 16
     knn_shrinkage: float = 16.0
+    # The residual clip c, ln tokens (inf: off): an observation whose residual after the linear correction
+    # in force is beyond +-c is learned as if it were c off, by the ridge (re-clipped at each refit) and by
+    # the kNN (clipped when remembered); research/study_residual_clip.py picked 1 (module docstring).
+    residual_clip: float = 1.0
 
     def __post_init__(self) -> None:
         if min(self.buffer_size, self.refit_every, self.min_observations, self.max_models, self.quality_window) < 1:
@@ -205,6 +229,8 @@ class LearnerConfig:
             raise ValueError(f"min_penalty_factor must be in [1e-3, 1e3]: {self.min_penalty_factor}")
         if self.knn_neighbours < 0 or not 0 <= self.knn_shrinkage < math.inf:
             raise ValueError(f"knn_neighbours and knn_shrinkage must be >= 0 and finite: {self}")
+        if not self.residual_clip > 0:
+            raise ValueError(f"residual_clip must be > 0 (inf: off): {self.residual_clip}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -391,6 +417,12 @@ def usable_observation(prediction: Prediction, observed_tokens: int, n_counts: i
         return False
     row_bytes = len(prediction.feature_row)
     return not row_bytes % 4 and (row_bytes >= 4 * n_features or row_bytes == 4 * n_counts)
+
+
+def clipped_residual(residual: float, clip: float) -> float:
+    """``residual`` clipped to [-clip, clip] (``clip`` inf: unchanged); one that is not finite is
+    returned as it is (and refused where it would be learned)."""
+    return residual if abs(residual) <= clip or not math.isfinite(residual) else math.copysign(clip, residual)
 
 
 def unit_vector(embedding: np.ndarray) -> np.ndarray | None:
@@ -610,6 +642,11 @@ class OnlineLearner:
         self._new_since_quality = 0
         self._observed_total = 0
         self._fitted: FittedCorrection | None = None  # swapped whole by refit; read without a lock
+        # The fit the residual clip of the fit in force was made against (None: an unclipped fit), saved
+        # in the state file; a restored learner's first refit clips against it (_restored_center), so
+        # that it refits what the saved learner had fitted.
+        self._center: FittedCorrection | None = None
+        self._restored_center: FittedCorrection | None = None
         # per fit (model key or _GLOBAL): (GCV penalty, observations when it was searched); refit only
         self._penalties: dict[str, tuple[float, int]] = {}
         self._quality: dict[str, ModelQuality] = {}
@@ -671,12 +708,11 @@ class OnlineLearner:
             self._new_since_quality += 1
             if not censored and learnable:
                 full = np.frombuffer(prediction.feature_row, dtype=np.float32)
-                bucket.learn(full[: self.n_features], prediction.prior_log_tokens, observed_log)
+                prior = prediction.prior_log_tokens
+                bucket.learn(full[: self.n_features], prior, observed_log)
                 self._new_since_fit += 1
                 if len(full) > self.n_features and self.config.knn_neighbours:
-                    self._remember(
-                        bucket, prediction.model, full, prediction.prior_log_tokens, observed_log, knn_residual
-                    )
+                    self._remember(bucket, prediction.model, full, prior, observed_log, knn_residual)
         return True
 
     def _remember(
@@ -695,7 +731,7 @@ class OnlineLearner:
             bucket.knn = ResidualKnn(self.config.buffer_size, len(embedding))
         if residual is None:
             residual = observed - (prior + self._linear_correction(model, row, prior))
-        bucket.knn.remember(embedding, residual)
+        bucket.knn.remember(embedding, clipped_residual(residual, self.config.residual_clip))
 
     # -- reading -------------------------------------------------------------------------------
     def knn_memory(self, key: str) -> tuple[np.ndarray, np.ndarray] | None:
@@ -737,30 +773,41 @@ class OnlineLearner:
             return list(self._buckets)
 
     # -- fitting -------------------------------------------------------------------------------
-    def _snapshot(self) -> list[tuple[str, _Moments, int]]:
+    def _snapshot(self) -> tuple[list[tuple[str, _Moments, int]], FittedCorrection | None]:
         """Copies of every model's moments (p x p each) and its observation count, one model per
-        hold of the lock."""
+        hold of the lock; with the residual clip on and a fit in force (or restored as the last
+        fit's center), the target's sums are those of the clipped target against that fit (also
+        returned: the center of the fit about to be made; None: unclipped)."""
         with self._lock:
             self._new_since_fit = 0
             keys = list(self._buckets)
         data = []
+        center = self._fitted if self._fitted is not None else self._restored_center
+        clip = self.config.residual_clip
+        reclip = center is not None and clip < math.inf
         for key in keys:
             with self._lock:
                 bucket = self._buckets[key]
-                if bucket.moments.n:
-                    data.append((key, bucket.moments.copy(), bucket.observations))
-        return data
+                if not bucket.moments.n:
+                    continue
+                moments = bucket.moments.copy()
+                kept = bucket.ring.ordered() if reclip else None
+            if kept is not None and center is not None:
+                _clip_target(moments, *kept, center.by_model.get(key, center.global_), self.n_counts, clip)
+            data.append((key, moments, bucket.observations))
+        return data, (center if reclip else None)
 
     def refit(self) -> None:
         """Fit the corrections from the moments and swap them in; then update the rolling quality.
-        Blocking, about 0.2 ms of work per model: never on an event loop (the proxy runs it in the
-        learner's process)."""
+        Blocking, about 0.2 ms of work per model (0.5 with the residual clip: the target's sums from
+        the rows): never on an event loop (the proxy runs it in the learner's process)."""
         with self._refit_lock:
             started = time.perf_counter()
-            data = self._snapshot()
+            data, center = self._snapshot()
             total = sum(m.n for _, m, _ in data)
             if total >= self.config.min_observations:
                 self._fitted = self._fit(data)
+                self._center = center
             self.last_refit_s = time.perf_counter() - started
             self.refits += 1
             self.update_quality()
@@ -875,6 +922,16 @@ class OnlineLearner:
             "observations": observations,
             "config": asdict(self.config),
         }
+        center = self._center
+        if center is not None:  # the fit the fit in force clipped its target against (see refit)
+            center_keys, weights, prior_weights, intercepts, center_n, _ = center.packed()
+            meta["clip_center"] = {
+                "models": list(center_keys),
+                "prior_weights": list(prior_weights),
+                "intercepts": list(intercepts),
+                "observations": center_n,
+            }
+            arrays["clip_center_weights"] = np.frombuffer(weights, dtype=np.float32).reshape(len(prior_weights), -1)
         arrays["meta"] = np.array(json.dumps(meta))
         with atomic_writer(path, "wb") as fh:
             np.savez(fh, **arrays)  # type: ignore[arg-type]  # numpy's stubs read the first ** key as allow_pickle
@@ -938,6 +995,7 @@ class OnlineLearner:
             counts = meta.get("observations")
             if not isinstance(keys, list) or not isinstance(counts, list) or len(keys) != len(counts):
                 raise _Refused("metadata lists no models")
+            self._restored_center = self._restored_clip_center(npz, meta.get("clip_center"))
             cfg = self.config
             for i, key in enumerate(keys[: cfg.max_models + 1]):
                 rows, prior, observed = npz[f"rows_{i}"], npz[f"prior_{i}"], npz[f"observed_{i}"]
@@ -960,6 +1018,26 @@ class OnlineLearner:
                 self._new_since_fit += bucket.ring.count
                 self._new_since_quality += bucket.window.count
 
+    def _restored_clip_center(self, npz: Any, meta: Any) -> FittedCorrection | None:
+        """The saved fit's clip center (None: the file has none, e.g. from before the clip); _Refused if damaged."""
+        if meta is None:
+            return None
+        try:
+            keys = tuple(str(k) for k in meta["models"])
+            prior_weights = tuple(float(w) for w in meta["prior_weights"])
+            intercepts = tuple(float(b) for b in meta["intercepts"])
+            observations = int(meta["observations"])
+            weights = np.asarray(npz["clip_center_weights"], dtype=np.float32)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _Refused(f"a damaged clip center ({type(exc).__name__})") from exc
+        fits = len(prior_weights)
+        if fits != len(keys) + 1 or len(intercepts) != fits or weights.shape != (fits, self.n_features):
+            raise _Refused("a clip center of inconsistent shapes")
+        if not (np.isfinite(weights).all() and np.isfinite(prior_weights).all() and np.isfinite(intercepts).all()):
+            raise _Refused("a clip center with non-finite values")
+        packed = (keys, weights.tobytes(), prior_weights, intercepts, observations, self.n_counts)
+        return FittedCorrection.unpacked(packed)
+
 
 def _restored_knn(npz: Any, i: int, capacity: int) -> ResidualKnn:
     """Model ``i``'s kNN memory from a state file (its last ``capacity`` rows); _Refused if damaged."""
@@ -971,6 +1049,28 @@ def _restored_knn(npz: Any, i: int, capacity: int) -> ResidualKnn:
     if not (np.isfinite(unit).all() and np.isfinite(residual).all()):
         raise _Refused(f"model {i}: non-finite kNN values")
     return ResidualKnn.filled(capacity, unit.astype(np.float32), residual.astype(np.float64))
+
+
+def _clip_target(
+    moments: _Moments,
+    rows: np.ndarray,
+    prior: np.ndarray,
+    observed: np.ndarray,
+    linear: _Linear,
+    counts: int,
+    clip: float,
+) -> None:
+    """Replace the target's sums in ``moments`` (the rows' own) by those of Huber's pseudo-target
+    y* = yhat + clip(y - yhat, -clip, clip), yhat = ``linear``'s correction of each row."""
+    z = np.empty((len(rows), rows.shape[1] + 1))
+    z[:, 0] = prior
+    z[:, 1:] = rows
+    np.log1p(np.maximum(z[:, 1 : counts + 1], 0.0), out=z[:, 1 : counts + 1])
+    expected = z[:, 1:] @ linear.weights.astype(np.float64) + linear.prior_weight * prior + linear.intercept
+    target = expected + np.clip(observed - prior - expected, -clip, clip)
+    moments.s_y = float(target.sum())
+    moments.s_zy = z.T @ target
+    moments.s_yy = float(target @ target)
 
 
 class _Refused(ValueError):

@@ -72,6 +72,7 @@ from clairvoyant.prediction.learner import (
     PriorIdentity,
     ResidualKnn,
     bucket_key,
+    clipped_residual,
     usable_observation,
 )
 from clairvoyant.prediction.predictor import Prediction, log_tokens
@@ -280,7 +281,7 @@ class LearnerProcess:
         fit = self._fit
         model = prediction.model or DEFAULT_MODEL  # the fit's key, as in-process
         linear = 0.0 if fit is None else fit.correction(model, self._keys, self.config.max_models, row, prior)
-        residual = log_tokens(int(observed_tokens)) - (prior + linear)
+        residual = clipped_residual(log_tokens(int(observed_tokens)) - (prior + linear), self.config.residual_clip)
         knn.remember(embedding, residual)  # the child's copy gets the same residual (or refuses it alike)
         return residual
 
