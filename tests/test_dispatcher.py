@@ -514,3 +514,32 @@ def test_pool_etas_wait_for_the_backends_that_serve_the_model() -> None:
         await d.stop()
 
     asyncio.run(scenario())
+
+
+def test_resize_frees_new_slots_at_once_and_never_reuses_a_removed_busy_one() -> None:
+    async def scenario() -> None:
+        backend = Backend("b", 2)
+        d, _ = _pool(backend)
+        await d.start()
+        leases = [d.lease(_modelled(d, name, 1.0, None)) for name in ("r0", "r1")]
+        for lease in leases:
+            await lease.__aenter__()
+        waiting = _modelled(d, "w", 1.0, None)
+        await settle()
+        assert waiting.slot is None and sorted(backend.running) == [0, 1]
+        d.resize(0, 3)  # slot 2 appears: the waiting request gets it
+        await settle()
+        assert waiting.slot == 2 and d.slots == 3
+        waited = d.lease(waiting)
+        await waited.__aenter__()  # granted already: returns at once
+        d.resize(0, 1)  # slots 1 and 2 go; their requests run on
+        await leases[1].__aexit__(None, None, None)  # r1 ends on slot 1: not freed for reuse
+        await waited.__aexit__(None, None, None)  # w ends on slot 2: nor that
+        assert backend.free == [] and backend.slots == 1
+        await leases[0].__aexit__(None, None, None)  # r0 ends on slot 0: free again
+        assert backend.free == [0] and d.slots == 1
+        with pytest.raises(ValueError):
+            d.resize(0, 0)
+        await d.stop()
+
+    asyncio.run(scenario())

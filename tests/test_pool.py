@@ -200,6 +200,21 @@ def test_kinds_and_llamacpp_slots_are_asked_of_each_backend_at_start_up() -> Non
     assert [(b["kind"], b["slots"]) for b in backends] == [("llamacpp", 4), ("ollama", 1)]
 
 
+def test_a_llamacpp_backend_down_at_start_up_gets_its_slots_once_it_answers() -> None:
+    # b (configured as llama.cpp, slots unset) does not answer /props at start-up, so the proxy
+    # starts it with `slots` (1); its first health check that passes asks again and finds 3.
+    router = respx.MockRouter(assert_all_called=False)
+    router.get(f"{A}/props").respond(200, json={"total_slots": 2, "default_generation_settings": {}})
+    b_props = router.get(f"{B}/props")
+    b_props.side_effect = [httpx.ConnectError("refused"), httpx.Response(200, json={"total_slots": 3})]
+    with pool_proxy(router, [{"url": A}, {"url": B, "kind": "llamacpp"}]) as base:
+        wait_until(lambda: queue_snapshot(base)["backends"][1]["slots"] == 3, what="b resized")
+        snapshot = queue_snapshot(base)
+        assert metric_value(base, "clairvoyant_backend_slots", 'backend="backend-2"') == 3
+    assert [(b["kind"], b["slots"]) for b in snapshot["backends"]] == [("llamacpp", 2), ("llamacpp", 3)]
+    assert snapshot["slots"] == 5 and b_props.call_count == 2  # asked once more, then known
+
+
 def test_a_backend_whose_answer_broke_gets_no_more_requests_until_its_health_check_passes() -> None:
     router = respx.MockRouter(assert_all_called=False)
     break_a, free_b, b_generating = threading.Event(), threading.Event(), threading.Event()

@@ -47,6 +47,7 @@ class PoolMember:
     kind: str  # ollama | llamacpp | openai | vllm, or auto while unknown (not reached yet)
     slots: int
     checked: asyncio.Event = field(default_factory=asyncio.Event)  # set to cut the monitor's sleep short
+    slots_known: bool = False  # slots configured, or llama.cpp's total_slots read
 
 
 class BackendPool:
@@ -66,7 +67,9 @@ class BackendPool:
                 name=name,
             )
             slots = config.slots or settings.slots
-            self.members.append(PoolMember(config, name, upstream, config.kind, slots))
+            member = PoolMember(config, name, upstream, config.kind, slots)
+            member.slots_known = config.slots is not None or config.kind not in ("auto", "llamacpp")
+            self.members.append(member)
         self._index = {id(m.upstream): i for i, m in enumerate(self.members)}  # members live as long as the pool
         self.dispatcher: Dispatcher | None = None
         self._monitors: list[asyncio.Task[None]] = []
@@ -92,33 +95,37 @@ class BackendPool:
             logger.warning("backends %s did not say what they are within %.0f s", ", ".join(unknown), DISCOVERY_TOTAL_S)
 
     async def _discover(self, member: PoolMember) -> None:
-        """Ask the member what it is, unless its kind is known (and, for llama.cpp, its slots configured)."""
-        if member.kind != "auto" and (member.kind != "llamacpp" or member.config.slots is not None):
+        """Ask the member what it is and, for llama.cpp, its slots, unless both are known. A llama.cpp
+        backend that was down at start-up and has other slots than assumed is resized when it answers."""
+        if member.kind != "auto" and member.slots_known:
             return
         props = await member.upstream.get_json("/props", DISCOVERY_TIMEOUT_S)
         if isinstance(props, dict) and ("total_slots" in props or "default_generation_settings" in props):
             member.kind = "llamacpp"
+            member.slots_known = True  # (a llama.cpp too old to say keeps ``slots``)
             total = props.get("total_slots")
             if member.config.slots is None and isinstance(total, int) and total >= 1:
-                if self.dispatcher is None:
-                    member.slots = total
-                elif total != member.slots:
-                    logger.warning(
-                        "backend %s has %d slots; the proxy uses %d until restarted", member.name, total, member.slots
-                    )
+                if total != member.slots and self.dispatcher is not None:  # down at start-up: found late
+                    self.dispatcher.resize(self.members.index(member), total)
+                member.slots = total
             return
-        if member.kind != "auto":
-            return
-        version = await member.upstream.get_json("/api/version", DISCOVERY_TIMEOUT_S)
+        if member.kind == "auto":
+            member.kind = await self._kind_of(member.upstream)
+        # answered, and not as llama.cpp: its slots are ``slots`` (a llama.cpp whose /props did not answer is asked again)
+        member.slots_known = member.kind not in ("auto", "llamacpp")
+
+    @staticmethod
+    async def _kind_of(upstream: Upstream) -> str:
+        """ollama, vllm or openai by what the backend answers, or auto if it does not answer."""
+        version = await upstream.get_json("/api/version", DISCOVERY_TIMEOUT_S)
         if isinstance(version, dict) and "version" in version:
-            member.kind = "ollama"
-            return
-        version = await member.upstream.get_json("/version", DISCOVERY_TIMEOUT_S)
+            return "ollama"
+        version = await upstream.get_json("/version", DISCOVERY_TIMEOUT_S)
         if isinstance(version, dict) and "version" in version:
-            member.kind = "vllm"
-            return
-        if await member.upstream.probe(DISCOVERY_TIMEOUT_S) is None:
-            member.kind = "openai"  # it answers, but none of the above: an OpenAI-compatible server
+            return "vllm"
+        if await upstream.probe(DISCOVERY_TIMEOUT_S) is None:
+            return "openai"  # it answers, but none of the above: an OpenAI-compatible server
+        return "auto"
 
     def scheduling_backends(self) -> list[Backend]:
         """The dispatcher's routing records, one per member, in configuration order."""
@@ -152,7 +159,7 @@ class BackendPool:
             loaded: list[str] | None = None
             if healthy:
                 retry_s = RETRY_START_S
-                if member.kind == "auto":
+                if member.kind == "auto" or not member.slots_known:
                     await self._discover(member)
                 if member.kind == "ollama":
                     loaded = await self._loaded_models(member)

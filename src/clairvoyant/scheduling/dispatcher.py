@@ -296,6 +296,26 @@ class Dispatcher:
             if healthy:
                 self._schedule_pump()
 
+    def resize(self, backend: int, slots: int) -> None:
+        """The backend runs ``slots`` requests at once from now on (learned after start-up, e.g.
+        llama.cpp's ``total_slots`` once a backend that was down answers). New slots are free at
+        once; a removed slot that is busy is not reused when its request ends."""
+        if slots < 1:
+            raise ValueError("slots must be >= 1")
+        record = self.backends[backend]
+        old = record.slots
+        if slots == old:
+            return
+        record.slots = slots
+        if slots > old:
+            record.free[:0] = range(slots - 1, old - 1, -1)  # popped from the end: the old ones first
+        else:
+            record.free = [slot for slot in record.free if slot < slots]
+        self.slots = sum(b.slots for b in self.backends)
+        self.metrics.backend_slots.labels(record.name).set(slots)
+        logger.info("backend %s runs %d requests at once (was %d)", record.name, slots, old)
+        self._schedule_pump()
+
     def _check_model(self, model: str | None) -> None:
         """Raise ``ModelNotServed`` when no backend of the pool serves ``model``."""
         if not any(b.serves(model) for b in self.backends):
@@ -465,7 +485,8 @@ class Dispatcher:
         assert ticket.backend is not None and ticket.slot is not None
         backend = self.backends[ticket.backend]
         if backend.running.pop(ticket.slot, None) is not None:
-            backend.free.append(ticket.slot)
+            if ticket.slot < backend.slots:  # not a slot ``resize`` removed
+                backend.free.append(ticket.slot)
             self.metrics.in_flight.dec()
             self._in_flight_gauges[ticket.backend].dec()
 
