@@ -157,3 +157,15 @@ def test_the_encoders_metrics_stay_prometheus_clients() -> None:
     assert isinstance(metrics.encoder_requests, Counter) and isinstance(metrics.encoder_latency, Histogram)
     metrics.encoder_requests.labels("learning").inc()
     assert 'clairvoyant_encoder_requests_total{outcome="learning"} 1.0\n' in metrics.render().decode()
+
+
+def test_every_exported_family_is_documented_in_the_readme() -> None:
+    # The README's metric table (and its pool section) is what operators build dashboards from: a new
+    # family must be named there, as it is exported (counters with their _total).
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    documented = set(re.findall(r"`(clairvoyant_[a-z_]+)", readme))
+    exported = set()
+    for family in Metrics().registry.collect():
+        exported.add(family.name + ("_total" if family.type == "counter" else ""))
+    assert exported - documented == set()
+    assert {name for name in documented if name.startswith("clairvoyant_")} - exported == set()
