@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 
 import pytest
@@ -543,3 +544,15 @@ def test_resize_frees_new_slots_at_once_and_never_reuses_a_removed_busy_one() ->
         await d.stop()
 
     asyncio.run(scenario())
+
+
+def test_the_unhealthy_log_line_says_where_requests_go(caplog: pytest.LogCaptureFixture) -> None:
+    single, _ = make()
+    pool, _ = make_pool(Backend("a", 1), Backend("b", 1))
+    with caplog.at_level(logging.WARNING, logger="clairvoyant.scheduling.dispatcher"):
+        single.set_health(0, False)
+        pool.set_health(0, False)
+    assert [r.getMessage() for r in caplog.records] == [
+        "backend default is unhealthy: its requests wait for it",
+        "backend a is unhealthy: skipped while another backend serves its requests",
+    ]

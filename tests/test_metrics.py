@@ -18,8 +18,12 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from clairvoyant.clock import ManualClock
 from clairvoyant.metrics import CounterChild, Family, GaugeChild, HistogramChild, Metrics
 from clairvoyant.prediction.learner import ModelQuality
+from clairvoyant.scheduling.dispatcher import Dispatcher
+from clairvoyant.scheduling.policy import build_queue, make_policy
+from clairvoyant.scheduling.routing import Backend
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "metrics_40b1676.txt"
 CREATED = re.compile(r"^(\S+_created(?:\{[^}]*\})?) \S+$", re.MULTILINE)
@@ -61,6 +65,10 @@ def drive(m: Metrics) -> str:
 
 
 LATER_FAMILIES = ("clairvoyant_learner_",)  # added after 40b1676: not in its exposition
+# exported at 0 from the start since 40b1676 (drive() never counts these two reasons)
+LATER_SERIES = re.compile(
+    r'clairvoyant_client_rejections_(total|created)\{reason="(header_too_large|max_connections)"\}'
+)
 
 
 def test_the_proxys_traffic_renders_as_it_did_on_prometheus_client() -> None:
@@ -69,6 +77,8 @@ def test_the_proxys_traffic_renders_as_it_did_on_prometheus_client() -> None:
         line for line in rendered.splitlines() if re.match(rf"(# (HELP|TYPE) )?({'|'.join(LATER_FAMILIES)})", line)
     ]
     assert len(later) == 3 + 2 * 6  # learner_up (HELP, TYPE, sample); two counters, each _total and _created
+    later += [line for line in rendered.splitlines() if LATER_SERIES.match(line)]
+    assert len(later) == 3 + 2 * 6 + 2 * 2
     kept = "".join(line + "\n" for line in rendered.splitlines() if line not in later)
     assert kept == FIXTURE.read_text()
 
@@ -169,3 +179,23 @@ def test_every_exported_family_is_documented_in_the_readme() -> None:
         exported.add(family.name + ("_total" if family.type == "counter" else ""))
     assert exported - documented == set()
     assert {name for name in documented if name.startswith("clairvoyant_")} - exported == set()
+
+
+def test_series_known_at_start_are_exported_at_zero_before_any_event() -> None:
+    """An alert on rate(...{outcome="failed"}) or a dashboard must see the series before the first
+    failure: every configured backend's outcomes and every client-limit reason are there at 0."""
+    metrics = Metrics()
+    policy = make_policy("fcfs")
+    Dispatcher(build_queue(policy), policy, backends=[Backend("gpu-a", 1), Backend("gpu-b", 2)], metrics=metrics,
+               max_queue=4, clock=ManualClock())  # fmt: skip
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+    }
+    for backend in ("gpu-a", "gpu-b"):
+        for outcome in ("answered", "refused", "failed", "failed_mid_answer"):
+            key = ("clairvoyant_backend_requests_total", (("backend", backend), ("outcome", outcome)))
+            assert samples[key] == 0.0
+    for reason in ("client_timeout", "header_too_large", "max_connections"):
+        assert samples[("clairvoyant_client_rejections_total", (("reason", reason),))] == 0.0

@@ -56,6 +56,9 @@ PREDICTOR_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.01)
 # The encoder per waiting request: ~3 ms idle to ~100 ms on a loaded CPU.
 ENCODER_BUCKETS = (1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 # Output tokens per answer: from a one-word reply to a long essay.
+# The label values a family can take that are known before any event: exported at 0 from the start.
+BACKEND_OUTCOMES = ("answered", "refused", "failed", "failed_mid_answer")
+CLIENT_REJECTION_REASONS = ("client_timeout", "header_too_large", "max_connections")
 TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 200, 256, 400, 600, 800, 1024, 1600, 2048, 4096, 8192)
 # Model labels published, at most (the learner bounds its keys already: this is a second fence).
 MAX_MODEL_LABELS = 32
@@ -303,6 +306,8 @@ class Metrics:
         self.rejections_by_reason = {r: self.rejections.labels(r) for r in ("queue_full", "too_large", "bad_request")}
         self.disconnects_by_stage = {s: self.client_disconnects.labels(s) for s in ("upload", "queued", "streaming")}
         self.upstream_errors_by_kind = {k: self.upstream_errors.labels(k) for k in ("unavailable", "timeout")}
+        for reason in CLIENT_REJECTION_REASONS:
+            self.client_rejections.labels(reason)
 
         # Closed loop: what the backend really produced, and how well it was predicted.
         self.usage_observations = self._counter(
@@ -392,6 +397,12 @@ class Metrics:
         if child is None:  # bounded: a handful of endpoints x 2 dialects x status codes
             child = self.requests.labels(*key)
         child.value += 1.0
+
+    def declare_backend(self, backend: str) -> None:
+        """Export a configured backend's request counters at 0, one per outcome, so a dashboard's rate()
+        and an alert on failures see the series before the first failure."""
+        for outcome in BACKEND_OUTCOMES:
+            self.backend_requests.labels(backend, outcome)
 
     def count_backend_request(self, backend: str, outcome: str) -> None:
         key = (backend, outcome)

@@ -200,6 +200,7 @@ class Dispatcher:
             metrics.backend_healthy.labels(backend.name).set(1 if backend.healthy else 0)
             metrics.backend_in_flight.labels(backend.name).set(0)
             metrics.backend_slots.labels(backend.name).set(backend.slots)
+            metrics.declare_backend(backend.name)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -291,7 +292,11 @@ class Dispatcher:
                 logging.INFO if healthy else logging.WARNING,
                 "backend %s is %s",
                 record.name,
-                "healthy again" if healthy else "unhealthy: skipped while another backend serves its requests",
+                "healthy again"
+                if healthy
+                else "unhealthy: skipped while another backend serves its requests"
+                if len(self.backends) > 1
+                else "unhealthy: its requests wait for it",
             )
             if healthy:
                 self._schedule_pump()
