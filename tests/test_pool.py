@@ -215,6 +215,23 @@ def test_a_llamacpp_backend_down_at_start_up_gets_its_slots_once_it_answers() ->
     assert snapshot["slots"] == 5 and b_props.call_count == 2  # asked once more, then known
 
 
+def test_a_llamacpp_backend_back_after_a_failure_is_asked_its_slots_again() -> None:
+    # a was restarted with another -np: it refused a request, and /props now says 4 slots, not 2.
+    router = respx.MockRouter(assert_all_called=False)
+    a_props = router.get(f"{A}/props")
+    a_props.side_effect = [httpx.Response(200, json={"total_slots": n}) for n in (2, 4)]
+    router.get(f"{B}/props").respond(200, json={"total_slots": 1})
+    router.post(f"{A}/v1/chat/completions").mock(side_effect=httpx.ConnectError("refused"))
+    router.post(f"{B}/v1/chat/completions").respond(200, json={"served_by": "b"})
+    with pool_proxy(router, [{"url": A, "kind": "llamacpp"}, {"url": B, "kind": "llamacpp"}]) as base:
+        assert [b["slots"] for b in queue_snapshot(base)["backends"]] == [2, 1]
+        answer = httpx.post(f"{base}/v1/chat/completions", json=chat("q"))  # refused by a: a is checked now
+        wait_until(lambda: queue_snapshot(base)["backends"][0]["slots"] == 4, what="a resized")
+        snapshot = queue_snapshot(base)
+    assert answer.headers["x-clairvoyant-backend"] == "backend-2"
+    assert snapshot["slots"] == 5 and a_props.call_count == 2
+
+
 def test_a_backend_whose_answer_broke_gets_no_more_requests_until_its_health_check_passes() -> None:
     router = respx.MockRouter(assert_all_called=False)
     break_a, free_b, b_generating = threading.Event(), threading.Event(), threading.Event()

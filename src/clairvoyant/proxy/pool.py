@@ -7,7 +7,9 @@ vLLM ``/version``; anything else is an OpenAI-compatible server. With more than 
 monitor task per backend then checks ``/health`` every ``HEALTH_INTERVAL_S`` (an unhealthy one with
 backoff from ``RETRY_START_S`` to ``RETRY_MAX_S``) and, for Ollama, which models are loaded
 (``/api/ps``: routing prefers a backend that has the model loaded). A refused connection marks a
-backend unhealthy at once and wakes its monitor; any answer marks it healthy again.
+backend unhealthy at once and wakes its monitor; any answer marks it healthy again. A llama.cpp
+backend without configured slots is asked ``/props`` again when its health check passes after a
+failure (it may have been restarted with another ``-np``), and resized to what it says.
 
 With the ``upstream_url`` shorthand nothing is asked (its slots are ``slots``), and with one
 backend nothing is polled: a request that finds it down waits for it (``backend_wait_s``), as
@@ -105,7 +107,7 @@ class BackendPool:
             member.slots_known = True  # (a llama.cpp too old to say keeps ``slots``)
             total = props.get("total_slots")
             if member.config.slots is None and isinstance(total, int) and total >= 1:
-                if total != member.slots and self.dispatcher is not None:  # down at start-up: found late
+                if total != member.slots and self.dispatcher is not None:  # down at start-up, or restarted
                     self.dispatcher.resize(self.members.index(member), total)
                 member.slots = total
             return
@@ -159,6 +161,8 @@ class BackendPool:
             loaded: list[str] | None = None
             if healthy:
                 retry_s = RETRY_START_S
+                if self._back_after_failure(index) and member.kind == "llamacpp" and member.config.slots is None:
+                    member.slots_known = False  # it may have been restarted with another -np: ask /props again
                 if member.kind == "auto" or not member.slots_known:
                     await self._discover(member)
                 if member.kind == "ollama":
@@ -172,6 +176,9 @@ class BackendPool:
                 await asyncio.wait_for(member.checked.wait(), wait_s)
             except TimeoutError:
                 pass
+
+    def _back_after_failure(self, index: int) -> bool:
+        return self.dispatcher is not None and not self.dispatcher.backends[index].healthy
 
     @staticmethod
     async def _loaded_models(member: PoolMember) -> list[str] | None:
