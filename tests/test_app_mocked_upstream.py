@@ -540,12 +540,10 @@ def test_priority_is_forwarded_when_configured() -> None:
     assert r.headers["x-clairvoyant-queue-position"] == "0"
 
 
-def test_the_server_reports_disconnects_itself_no_watcher_task_per_request() -> None:
-    # Under the proxy's own server, a request's handler is told of its client's disconnect by the
-    # protocol (proxy.server.watch_disconnect): no task per request waits on receive().
-    from clairvoyant.proxy.server import watch_disconnect
-
-    assert watch_disconnect(lambda: None, lambda: None) is False  # any other server: the caller watches
+def test_a_waiting_request_holds_no_task_and_a_running_one_holds_one() -> None:
+    # The proxy's own connections (proxy/connection.py) serve scheduled requests without ASGI: a
+    # request that waits for a slot is a record beside its ticket (no task, no coroutine), and the
+    # grant starts the one task that relays it; its client's disconnect comes from the connection.
     seen: list[list[str]] = []
     backend = HeldBackend()
 
@@ -564,5 +562,8 @@ def test_the_server_reports_disconnects_itself_no_watcher_task_per_request() -> 
         holder.join(10)
         waiting.join(10)
     assert [r.status_code for r in holder.responses + waiting.responses] == [200, 200]
-    assert len(seen) == 2 and all("RequestResponseCycle.run_asgi" in names for names in seen)
-    assert not any(name.endswith("_watch") for names in seen for name in names)
+    # At the holder's send the other request had not arrived; at the second one's, the holder's
+    # task had ended: each time exactly one scheduled exchange runs, and no ASGI cycle at all.
+    assert len(seen) == 2
+    assert [names.count("ScheduledExchange.run") for names in seen] == [1, 1]
+    assert not any("run_asgi" in name or name.endswith("_watch") for names in seen for name in names)

@@ -244,6 +244,11 @@ class Settings(BaseSettings):
     max_connections: int = Field(
         2048, ge=1, description="Open client connections at most; a connection beyond gets 503 and is closed."
     )
+    park_waiting: bool = Field(
+        True,
+        description="Hold a waiting request's client connection as a bare file descriptor, watched for the client "
+        "leaving, instead of a live connection (~0.3 KB instead of ~2 KB a request; Linux only: elsewhere it stays live).",
+    )
     shutdown_grace_s: float = Field(
         8.0,
         ge=0,

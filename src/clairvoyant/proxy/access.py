@@ -1,13 +1,14 @@
 """Who may use the proxy, and for what: API keys that name a tenant and a priority range, and the
 allowlist of pass-through paths.
 
-A raw ASGI layer in front of the app (cheap: one SHA-256 and one dict lookup per request):
+Checked for every request (cheap: one SHA-256 and one dict lookup), by ``AccessControl.admit``:
 
 - **Keys** (``api_keys``; off when none are configured, the localhost default). A key arrives as
   ``Authorization: Bearer KEY`` or ``X-Api-Key: KEY`` (llama-server's two forms). It is stored
   only as ``sha256:<hex>`` of its text; keys are random (``clairvoyant keys add``), so a plain hash
   is enough. A missing or unknown key is 401 in the dialect's error shape. The accepted key's
-  ``Identity`` (tenant, priority range, fair-share weight) goes to the app in ``scope["state"]``.
+  ``Identity`` (tenant, priority range, fair-share weight) goes with the request (for the ASGI
+  app, in ``scope["state"]``).
   The client's key is removed before anything is forwarded unless ``forward_client_key``.
 - **The pass-through allowlist** (``passthrough_allow``): which other paths and methods reach the
   backend. Unset: every path while the proxy listens on loopback only, else
@@ -32,7 +33,7 @@ from clairvoyant.errors import Forbidden, RequestError, Unauthorized
 from clairvoyant.logs import log_request
 from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, dialect_of_path, error_body
 
-__all__ = ["DEFAULT_PASSTHROUGH_ALLOW", "AccessControl", "Identity", "hash_key", "identity_of", "new_key"]
+__all__ = ["DEFAULT_PASSTHROUGH_ALLOW", "AccessControl", "Denied", "Identity", "hash_key", "identity_of", "new_key"]
 
 # "METHOD /path" exact, or "METHOD /prefix/*"; "*" as the method allows any.
 DEFAULT_PASSTHROUGH_ALLOW = (
@@ -74,8 +75,18 @@ def _rules(entries: Iterable[str]) -> tuple[set[tuple[str, str]], list[tuple[str
     return exact, prefixes
 
 
+class Denied(Exception):
+    """A request access control refuses: ``error`` is its answer, ``outcome`` its log line's."""
+
+    def __init__(self, error: RequestError, outcome: str) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.outcome = outcome
+
+
 class AccessControl:
-    """The ASGI layer described in the module docstring."""
+    """The rules described in the module docstring: ``admit`` for the requests the proxy serves
+    itself (scheduled and pass-through), and an ASGI layer in front of the app (its own endpoints)."""
 
     def __init__(self, app: ASGIApp, settings: Settings) -> None:
         self.app = app
@@ -89,29 +100,39 @@ class AccessControl:
         self.allow_all = allow is None or "*" in allow
         self.exact, self.prefixes = _rules(allow or ())
 
+    def admit(
+        self, method: str, path: str, headers: list[tuple[bytes, bytes]]
+    ) -> tuple[Identity | None, list[tuple[bytes, bytes]]]:
+        """The identity of the key presented (None: keys are off, or the path is open) and the
+        headers to go on with (the client's key removed unless ``forward_client_key``).
+        Raises ``Denied``: 403 outside the allowlist, 401 without a valid key."""
+        if path in OPEN_PATHS:
+            return None, headers
+        status_path = path.startswith(STATUS_PREFIXES)
+        if not status_path and path not in SCHEDULED_ENDPOINTS and not self._allowed(method, path):
+            raise Denied(Forbidden(f"{method} {path} is not allowed through this proxy"), "not_allowed")
+        if not self.keys or (status_path and not self.status_requires_key):
+            return None, headers
+        presented = _presented_key(headers)
+        identity = self.keys.get(hash_key(presented)) if presented else None
+        if identity is None:
+            error = Unauthorized("a valid API key is required (Authorization: Bearer KEY or X-Api-Key)")
+            raise Denied(error, "unknown_key" if presented else "missing_key")
+        if not self.forward_client_key:
+            headers = [(k, v) for k, v in headers if k not in (b"authorization", b"x-api-key")]
+        return identity, headers
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path: str = scope["path"]
-        if path in OPEN_PATHS:
-            await self.app(scope, receive, send)
+        try:
+            identity, scope["headers"] = self.admit(scope["method"], scope["path"], scope["headers"])
+        except Denied as denied:
+            await _refuse(scope, send, denied.error, denied.outcome)
             return
-        status_path = path.startswith(STATUS_PREFIXES)
-        if not status_path and path not in SCHEDULED_ENDPOINTS and not self._allowed(scope["method"], path):
-            message = f"{scope['method']} {path} is not allowed through this proxy"
-            await _refuse(scope, send, Forbidden(message), "not_allowed")
-            return
-        if self.keys and (not status_path or self.status_requires_key):
-            presented = _presented_key(scope["headers"])
-            identity = self.keys.get(hash_key(presented)) if presented else None
-            if identity is None:
-                error = Unauthorized("a valid API key is required (Authorization: Bearer KEY or X-Api-Key)")
-                await _refuse(scope, send, error, "unknown_key" if presented else "missing_key")
-                return
+        if identity is not None:
             scope.setdefault("state", {})[IDENTITY_KEY] = identity
-            if not self.forward_client_key:
-                scope["headers"] = [(k, v) for k, v in scope["headers"] if k not in (b"authorization", b"x-api-key")]
         await self.app(scope, receive, send)
 
     def _allowed(self, method: str, path: str) -> bool:

@@ -21,20 +21,20 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
+from fastapi import Request as ApiRequest
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
-from starlette.types import Receive, Scope, Send
 
 from clairvoyant.clock import Clock, MonotonicClock
 from clairvoyant.config import Settings
-from clairvoyant.errors import BadRequest, ClientGone, PayloadTooLarge, QueueFull, RequestError
+from clairvoyant.errors import BadRequest, PayloadTooLarge, QueueFull, RequestError
 from clairvoyant.logs import log_request
 from clairvoyant.metrics import CONTENT_TYPE_LATEST, Metrics
 from clairvoyant.prediction.dialects import (
@@ -47,11 +47,21 @@ from clairvoyant.prediction.dialects import (
 from clairvoyant.prediction.encoder import EncoderModel, Refiner, encoder_for
 from clairvoyant.prediction.features import TERM_SUM
 from clairvoyant.prediction.predictor import OnnxPredictor, Predictor
-from clairvoyant.proxy.access import AccessControl, Identity, identity_of
+from clairvoyant.proxy.access import AccessControl, Denied, Identity
+from clairvoyant.proxy.connection import ASGI, NATIVE, HttpConnection, Request
 from clairvoyant.proxy.feedback import OnlineLearning
+from clairvoyant.proxy.parking import ParkingLot
 from clairvoyant.proxy.pool import BackendPool
-from clairvoyant.proxy.responses import MergedListing, PassthroughResponse, Relay, ScheduledResponse, UpstreamRequest
-from clairvoyant.proxy.upstream import Upstream
+from clairvoyant.proxy.responses import (
+    MergedListing,
+    Passthrough,
+    Relay,
+    ScheduledExchange,
+    Scheduling,
+    UpstreamRequest,
+    error_headers,
+)
+from clairvoyant.proxy.upstream import Upstream, forwardable_headers
 from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.dispatcher import Dispatcher, Ticket
 from clairvoyant.scheduling.job_queue import Job
@@ -84,7 +94,20 @@ class ProxyState:
     dispatcher: Dispatcher
     metrics: Metrics
     learning: OnlineLearning  # its recorder is the relay's on_usage: metrics and the online learner
+    scheduling: Scheduling  # what every scheduled exchange shares
+    parking: ParkingLot | None  # where waiting requests' connections wait (None: kept live)
     refiner: Refiner | None = None  # the encoder's second opinion for waiting requests (None: off)
+
+    # The request headers that are the proxy's own (request id, tenant, priority): read, not forwarded.
+    own_headers: tuple[bytes, bytes, bytes] = field(init=False)
+
+    def __post_init__(self) -> None:
+        settings = self.settings
+        self.own_headers = (
+            b"x-request-id",
+            settings.tenant_header.lower().encode(),
+            settings.priority_header.lower().encode(),
+        )
 
 
 def _load_encoder(settings: Settings, predictor: Predictor) -> EncoderModel | None:
@@ -137,8 +160,8 @@ def create_app(
     predictor: Predictor | None = None,
     clock: Clock | None = None,
     upstream_transport: Any = None,  # an httpx transport (tests; see proxy/upstream.py)
-) -> AccessControl:
-    """Build the proxy app. ``predictor``, ``clock`` and ``upstream_transport`` are for tests."""
+) -> ProxyApp:
+    """Build the proxy (served by ``server.build_server``). ``predictor``, ``clock`` and ``upstream_transport`` are for tests."""
     metrics = Metrics()
     clock = clock or MonotonicClock()
 
@@ -177,7 +200,16 @@ def create_app(
         refiner = None if encoder is None else _start_refiner(settings, loaded, encoder, dispatcher, metrics)
         if settings.online_learning:  # the learner's encoder pass for requests that never waited
             learning.recorder.refiner = refiner
-        app.state.proxy = ProxyState(settings, loaded, pool, dispatcher, metrics, learning, refiner)
+        scheduling = Scheduling(
+            pool, metrics, dispatcher, settings.disconnect_mode, settings.backend_wait_s,
+            learning.recorder, settings.vllm_priority,
+        )  # fmt: skip
+        parking = ParkingLot(asyncio.get_running_loop(), _parked_client_left) if settings.park_waiting else None
+        if parking is not None and not parking.enabled:
+            parking = None
+        app.state.proxy = ProxyState(
+            settings, loaded, pool, dispatcher, metrics, learning, scheduling, parking, refiner
+        )
         logger.info(
             "clairvoyant ready: backends=%s policy=%s tau=%ss+%sxS slots=%d max_queue=%d disconnect_mode=%s "
             "term_sum=%s",
@@ -195,6 +227,8 @@ def create_app(
         try:
             yield
         finally:
+            if parking is not None:
+                parking.close()
             if refiner is not None:
                 refiner.stop()
             await dispatcher.stop(settings.shutdown_grace_s)  # in-flight answers get the grace period, no more
@@ -205,7 +239,7 @@ def create_app(
     app.state.metrics = metrics
 
     @app.exception_handler(Exception)
-    async def unexpected_error(request: Request, exc: Exception) -> Response:
+    async def unexpected_error(request: ApiRequest, exc: Exception) -> Response:
         logger.exception("unexpected error on %s %s", request.method, request.url.path)
         log_request({"method": request.method, "path": request.url.path, "status": 500, "outcome": "internal_error"})
         return _error_response(request.url.path, RequestError("internal error in the proxy"), metrics)
@@ -215,7 +249,7 @@ def create_app(
         return {"status": "ok"}
 
     @app.get("/readyz")
-    async def readyz(request: Request) -> Response:
+    async def readyz(request: ApiRequest) -> Response:
         """Ready while the model is loaded, the dispatcher runs and at least one backend is ready;
         ``backends`` says which."""
         state: ProxyState = request.app.state.proxy
@@ -232,12 +266,12 @@ def create_app(
         return JSONResponse({"status": "ready" if ready else "not_ready", **checks}, status_code=200 if ready else 503)
 
     @app.get("/metrics")
-    async def metrics_endpoint(request: Request) -> Response:
+    async def metrics_endpoint(request: ApiRequest) -> Response:
         await request.app.state.proxy.learning.refresh_quality()
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/queue")
-    async def queue_endpoint(request: Request, limit: int | None = None) -> Response:
+    async def queue_endpoint(request: ApiRequest, limit: int | None = None) -> Response:
         """``limit``: list only the first waiting requests (the live page asks for 100; the
         counts and the tail's ETA still cover the whole queue)."""
         dispatcher: Dispatcher = request.app.state.proxy.dispatcher
@@ -245,7 +279,7 @@ def create_app(
         return JSONResponse(dispatcher.snapshot(limit))
 
     @app.get("/queue/{request_id}")
-    async def queue_position(request: Request, request_id: str) -> Response:
+    async def queue_position(request: ApiRequest, request_id: str) -> Response:
         """Where one waiting request stands: position in dispatch order and ETA in seconds."""
         dispatcher: Dispatcher = request.app.state.proxy.dispatcher
         ticket = dispatcher.waiting_ticket(request_id)
@@ -261,71 +295,79 @@ def create_app(
 
     # The live queue page: static files in the package, no build step, no CDN.
     app.mount("/ui/", StaticFiles(directory=UI_DIR, html=True), name="ui")
-    return AccessControl(ProxyApp(app, metrics), settings)
+    return ProxyApp(app, AccessControl(app, settings), metrics)
+
+
+def _parked_client_left(exchange: object) -> None:
+    """The parking lot saw a waiting request's client leave."""
+    assert isinstance(exchange, ScheduledExchange)
+    exchange.client_left()
 
 
 class ProxyApp:
-    """The ASGI entry point. POST to a scheduled endpoint: scheduled; the proxy's own GET
-    endpoints and the lifespan: FastAPI; any other path with a pass-through method: relayed to
-    the backend. Each scheduled or pass-through request runs in the server's task for it, plus
-    one task watching for its client's disconnect (proxy/responses.py)."""
+    """What the proxy's connections serve (``connection.Site``). A POST to a scheduled endpoint is
+    scheduled; any other path with a pass-through method is relayed to the backend; both are
+    served here, with no ASGI in between (``serve``). The proxy's own GET endpoints and the
+    lifespan are FastAPI's, behind access control (``asgi``)."""
 
-    def __init__(self, api: FastAPI, metrics: Metrics) -> None:
+    def __init__(self, api: FastAPI, access: AccessControl, metrics: Metrics) -> None:
         self.api = api
+        self.access = access
+        self.asgi = access  # the ASGI app: access control in front of FastAPI (own endpoints, lifespan)
         self.state = api.state  # ``proxy`` (a ProxyState) once the lifespan has run; ``metrics``
         self.metrics = metrics
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            method = scope["method"]
-            path = scope["path"]
+    @property
+    def parking(self) -> ParkingLot | None:
+        proxy: ProxyState | None = getattr(self.state, "proxy", None)
+        return None if proxy is None else proxy.parking
+
+    def route(self, method: str, path: str) -> int:
+        if method in PASSTHROUGH_METHODS and _is_own_endpoint(method, path):
+            return ASGI
+        return NATIVE
+
+    def serve(self, conn: HttpConnection, request: Request) -> None:
+        method = request.method
+        path = request.path
+        try:
             if method == "POST" and path in SCHEDULED_ENDPOINTS:
-                return await self._serve(_scheduled, scope, receive, send)
-            if method in PASSTHROUGH_METHODS:
-                if not _is_own_endpoint(method, path):
-                    return await self._serve(_passthrough, scope, receive, send)
+                _scheduled(self.state.proxy, self.access, conn, request)
+            elif method in PASSTHROUGH_METHODS:
+                _passthrough(self.state.proxy, self.access, conn, request)
             else:
-                return await _method_not_allowed(send)
-        await self.api(scope, receive, send)
-
-    async def _serve(self, prepare: Any, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            exchange = await prepare(self.state.proxy, scope, receive)
+                body = b'{"detail":"Method Not Allowed"}'
+                conn.respond(405, [*_JSON_HEADERS, (b"allow", _ALLOW)], body)
+        except Denied as denied:
+            _log_rejection(request, None, denied.error.status_code, denied.outcome)
+            self._send_error(conn, path, denied.error)
         except RequestError as exc:
-            await self._refuse(scope, send, exc)
-            return
-        except Exception:
-            logger.exception("unexpected error on %s %s", scope["method"], scope["path"])
-            await _send_error(scope["path"], RequestError("internal error in the proxy"), self.metrics, send)
-            return
-        try:
-            await exchange(receive, send)
-        except Exception:
-            logger.exception("unexpected error on %s %s", scope["method"], scope["path"])
-            if exchange.relay.status is None:  # nothing sent yet: the client can still get a 500
-                await _send_error(scope["path"], RequestError("internal error in the proxy"), self.metrics, send)
+            self._refuse(conn, request, exc)
 
-    async def _refuse(self, scope: Scope, send: Send, exc: RequestError) -> None:
-        path = scope["path"]
-        if isinstance(exc, ClientGone):  # nobody to answer: counted and logged once, no traceback
-            self.metrics.disconnects_by_stage["upload"].inc()
-            self.metrics.count_request(_endpoint_label(path), dialect_of_path(path).value, "client_closed")
-            _log_rejection(scope, "client_closed", "client_left_uploading")
-            await send({"type": "http.response.start", "status": exc.status_code, "headers": []})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return
+    def upload_lost(self, request: Request) -> None:
+        """Nobody to answer: counted and logged once, no traceback."""
+        path = request.path
+        self.metrics.disconnects_by_stage["upload"].inc()
+        self.metrics.count_request(_endpoint_label(path), dialect_of_path(path).value, "client_closed")
+        _log_rejection(request, None, "client_closed", "client_left_uploading")
+
+    def too_large(self, request: Request, error: RequestError) -> None:
+        self.metrics.rejections_by_reason["too_large"].inc()
+        _log_rejection(request, None, error.status_code, error.code or "error")
+        path = request.path
+        self.metrics.count_request(_endpoint_label(path), dialect_of_path(path).value, str(error.status_code))
+
+    def _refuse(self, conn: HttpConnection, request: Request, exc: RequestError) -> None:
         reason = next((r for cls, r in _REJECTION_REASONS.items() if isinstance(exc, cls)), None)
         if reason is not None:
             self.metrics.rejections_by_reason[reason].inc()
-        _log_rejection(scope, exc.status_code, exc.code or "error")
-        await _send_error(path, exc, self.metrics, send)
+        _log_rejection(request, None, exc.status_code, exc.code or "error")
+        self._send_error(conn, request.path, exc)
 
-
-async def _method_not_allowed(send: Send) -> None:
-    body = b'{"detail":"Method Not Allowed"}'
-    headers = [*_JSON_HEADERS, (b"content-length", str(len(body)).encode()), (b"allow", _ALLOW)]
-    await send({"type": "http.response.start", "status": 405, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    def _send_error(self, conn: HttpConnection, path: str, exc: RequestError) -> None:
+        dialect = dialect_of_path(path)
+        self.metrics.count_request(_endpoint_label(path), dialect.value, str(exc.status_code))
+        conn.respond(exc.status_code, error_headers(exc), error_body(dialect, exc))
 
 
 def _is_own_endpoint(method: str, path: str) -> bool:
@@ -349,12 +391,11 @@ async def _check_upstream_at_start(upstream: Upstream) -> None:
         )
 
 
-def _log_rejection(scope: Scope, status: int | str, outcome: str) -> None:
+def _log_rejection(request: Request, identity: Identity | None, status: int | str, outcome: str) -> None:
     """The request line of an answer the proxy gave itself (it never reached the queue or the backend)."""
-    request_id = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), "-")
-    identity = identity_of(scope)
+    request_id = next((v.decode("latin-1") for k, v in request.headers if k == b"x-request-id"), "-")
     log_request({
-        "request_id": request_id, "method": scope["method"], "path": scope["path"],
+        "request_id": request_id, "method": request.method, "path": request.path,
         "tenant": identity.tenant if identity is not None else "-", "status": status, "outcome": outcome,
     })  # fmt: skip
 
@@ -371,67 +412,33 @@ def _error_response(path: str, exc: RequestError, metrics: Metrics) -> Response:
     )
 
 
-async def _send_error(path: str, exc: RequestError, metrics: Metrics, send: Send) -> None:
-    dialect = dialect_of_path(path)
-    metrics.count_request(_endpoint_label(path), dialect.value, str(exc.status_code))
-    body = error_body(dialect, exc)
-    headers = [*_JSON_HEADERS, (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
-    await send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
 class _Head:
-    """The request headers the proxy reads, found in one pass over the ASGI list; ``forward`` is
-    every header as str pairs less the proxy's own (the tenant header may carry an identity)."""
+    """The request headers the proxy reads, found in one pass; ``forward`` is every end-to-end
+    header (``upstream.forwardable_headers``) less the proxy's own (the tenant header may carry an
+    identity), as the client sent them (names in lower case)."""
 
-    __slots__ = ("content_length", "request_id", "tenant", "priority", "forward")
+    __slots__ = ("request_id", "tenant", "priority", "forward")
 
-    def __init__(self, scope: Scope, settings: Settings | None) -> None:
-        self.content_length = self.request_id = self.tenant = ""
+    def __init__(self, headers: list[tuple[bytes, bytes]], own: tuple[bytes, bytes, bytes] | None) -> None:
+        """``own``: the proxy's own header names (request id, tenant, priority), or None to keep them."""
+        self.request_id = self.tenant = ""
         self.priority: str | None = None
-        forward: list[tuple[str, str]] = []
-        tenant_header = settings.tenant_header.lower().encode() if settings is not None else None
-        priority_header = settings.priority_header.lower().encode() if settings is not None else None
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                self.content_length = value.decode("latin-1")
+        forward = forwardable_headers(headers)
+        if own is None:
+            self.forward = forward
+            return
+        kept = []
+        for pair in forward:
+            name = pair[0]
+            if name not in own:
+                kept.append(pair)
             elif name == b"x-request-id":
-                self.request_id = self.request_id or value.decode("latin-1")
-                if settings is not None:
-                    continue
-            elif name == tenant_header:
-                self.tenant = self.tenant or value.decode("latin-1")
-                continue
-            elif name == priority_header:
-                if self.priority is None:
-                    self.priority = value.decode("latin-1")
-                continue
-            forward.append((name.decode("latin-1"), value.decode("latin-1")))
-        self.forward = forward
-
-
-async def _read_body(receive: Receive, declared: str, limit: int) -> bytes:
-    """The whole body, or ``PayloadTooLarge``; ``ClientGone`` when the client closes mid-upload.
-    (A client that stalls is cut off by the server's body timeout, which ends here as ``ClientGone``.)"""
-    if declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
-    message = await receive()
-    if message["type"] == "http.request" and not message.get("more_body", False):
-        body: bytes = message.get("body", b"")  # the whole body in one message: no copy
-        if len(body) > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        return body
-    buffer = bytearray()
-    while True:
-        if message["type"] == "http.disconnect":
-            raise ClientGone("the client closed the connection before sending its whole request")
-        buffer += message.get("body", b"")
-        if len(buffer) > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        if not message.get("more_body", False):
-            return bytes(buffer)
-        message = await receive()
+                self.request_id = self.request_id or pair[1].decode("latin-1")
+            elif name == own[1]:
+                self.tenant = self.tenant or pair[1].decode("latin-1")
+            elif self.priority is None:
+                self.priority = pair[1].decode("latin-1")
+        self.forward = kept
 
 
 def _clamped_priority(header: str | None, given: int | None, settings: Settings, identity: Identity | None) -> int:
@@ -448,18 +455,17 @@ def _clamped_priority(header: str | None, given: int | None, settings: Settings,
     return max(identity.min_priority, min(identity.max_priority, value))
 
 
-async def _scheduled(state: ProxyState, scope: Scope, receive: Receive) -> ScheduledResponse:
+def _scheduled(state: ProxyState, access: AccessControl, conn: HttpConnection, request: Request) -> None:
+    """Parse, predict and queue (or dispatch at once) a scheduled request; its exchange answers it
+    when it is granted a slot. Raises ``RequestError`` (``Denied``) for what is refused at once."""
     settings = state.settings
     dispatcher = state.dispatcher
     arrival_s = dispatcher.clock.now()
-    endpoint = SCHEDULED_ENDPOINTS[scope["path"]]
-    head = _Head(scope, settings)
-    identity = identity_of(scope)
+    endpoint = SCHEDULED_ENDPOINTS[request.path]
+    identity, headers = access.admit(request.method, request.path, request.headers)
+    head = _Head(headers, state.own_headers)
     request_id = head.request_id if _REQUEST_ID_RE.match(head.request_id) else dispatcher.new_request_id()
-    parsed = parse_request(
-        endpoint, await _read_body(receive, head.content_length, settings.max_body_bytes),
-        keep_priority=settings.forward_priority,
-    )  # fmt: skip
+    parsed = parse_request(endpoint, request.body, keep_priority=settings.forward_priority)
 
     forward_body = parsed.forward_body
     bench_fields = parsed.proxy_options.get("upstream")
@@ -503,9 +509,13 @@ async def _scheduled(state: ProxyState, scope: Scope, receive: Receive) -> Sched
         job.predicted_s = dispatcher.predicted_s(parsed.model, prompt_tokens, predicted_tokens)
         job.bucket = bucket_for(job.predicted_s)
 
+    head.forward.append((b"x-request-id", request_id.encode("latin-1")))
+    upstream_request = UpstreamRequest(
+        "POST", endpoint.path, request.query.decode("latin-1"), head.forward, forward_body,
+        endpoint.dialect, close_connection=parsed.stream,
+    )  # fmt: skip
     # A free slot and nobody waiting: there is no order to decide, so the request goes now and is
     # predicted while the backend works (the prediction still feeds the learner and the metrics).
-    predict_later: Callable[[], None] | None = None
     if dispatcher.dispatch_at_once(ticket, job):
         if state.learning.recorder.refiner is not None:  # the learner encodes it once it completes
             ticket.instruction = parsed.prompt.instruction  # a reference; clipped when it is queued
@@ -515,49 +525,35 @@ async def _scheduled(state: ProxyState, scope: Scope, receive: Receive) -> Sched
             predict()
             dispatcher.predicted_at_once(ticket, charged_s)
 
-    else:
-        predict()
-        dispatcher.submit(ticket, job)
-        refiner = state.refiner
-        if (
-            refiner is not None
-            and job.waiting
-            and not (settings.allow_oracle and "output_tokens" in parsed.proxy_options)
-        ):
-            refiner.want(ticket, parsed.prompt.instruction, lambda: job.waiting)  # a plain read, from its thread
-    head.forward.append(("x-request-id", request_id))
-    upstream_request = UpstreamRequest(
-        "POST", endpoint.path, scope["query_string"].decode("latin-1"), head.forward, forward_body,
-        endpoint.dialect, close_connection=parsed.stream,
-    )  # fmt: skip
-    return ScheduledResponse(
-        pool=state.pool,
-        request=upstream_request,
-        metrics=state.metrics,
-        dispatcher=dispatcher,
-        ticket=ticket,
-        disconnect_mode=settings.disconnect_mode,
-        stream=parsed.stream,
-        backend_wait_s=settings.backend_wait_s,
-        on_usage=state.learning.recorder,
-        predict_later=predict_later,
-        vllm_priority=settings.vllm_priority,
-    )
+        exchange = ScheduledExchange(
+            state.scheduling, ticket, conn, upstream_request, stream=parsed.stream, predict_later=predict_later
+        )
+        exchange.start_now()
+        return
+    predict()
+    dispatcher.submit(ticket, job)
+    refiner = state.refiner
+    if refiner is not None and job.waiting and not (settings.allow_oracle and "output_tokens" in parsed.proxy_options):
+        refiner.want(ticket, parsed.prompt.instruction, lambda: job.waiting)  # a plain read, from its thread
+    ScheduledExchange(state.scheduling, ticket, conn, upstream_request, stream=parsed.stream).wait(state.parking)
 
 
-async def _passthrough(state: ProxyState, scope: Scope, receive: Receive) -> PassthroughResponse | MergedListing:
-    head = _Head(scope, None)
-    body = await _read_body(receive, head.content_length, state.settings.max_body_bytes)
-    path = scope["path"]
+def _passthrough(state: ProxyState, access: AccessControl, conn: HttpConnection, request: Request) -> None:
+    _, headers = access.admit(request.method, request.path, request.headers)
+    head = _Head(headers, None)
+    body = request.body
+    path = request.path
     pool = state.pool
     upstream_request = UpstreamRequest(
-        scope["method"], path, scope["query_string"].decode("latin-1"), head.forward, body, dialect_of_path(path),
+        request.method, path, request.query.decode("latin-1"), head.forward, body, dialect_of_path(path),
     )  # fmt: skip
     if len(pool) == 1:
         relay = Relay(pool.first, upstream_request, state.metrics, backend_wait_s=state.settings.backend_wait_s)
-        return PassthroughResponse(relay)
-    if scope["method"] == "GET" and path in MODEL_LISTINGS:
-        return MergedListing(pool, upstream_request, state.metrics)
+        Passthrough(relay, conn).start()
+        return
+    if request.method == "GET" and path in MODEL_LISTINGS:
+        MergedListing(pool, upstream_request, state.metrics, conn).start()
+        return
     # A pool: to a backend serving the model the body names (Ollama's show, embeddings), or to the
     # first healthy backend; a refused connection tries the next.
     order = pool.passthrough_order(_model_named(body))
@@ -572,7 +568,7 @@ async def _passthrough(state: ProxyState, scope: Scope, receive: Receive) -> Pas
         order[0], upstream_request, state.metrics, backend_wait_s=state.settings.backend_wait_s,
         failover=failover, on_answered=pool.answered, on_broken=pool.broken,
     )  # fmt: skip
-    return PassthroughResponse(relay)
+    Passthrough(relay, conn).start()
 
 
 def _model_named(body: bytes) -> str | None:

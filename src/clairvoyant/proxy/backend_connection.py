@@ -70,6 +70,13 @@ _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # a Content-Length even whe
 _UNSAFE_TARGET = re.compile(r"[^A-Za-z0-9\-._~/:@!$&'()*+,;=%?]")
 
 
+def _text_bytes(text: str) -> bytes:
+    try:
+        return text.encode("latin-1")
+    except UnicodeEncodeError:  # a configured credential or host name beyond latin-1
+        return text.encode()
+
+
 class _Closed(ConnectionError):
     """The backend closed the connection (a FIN) before the answer was complete."""
 
@@ -334,6 +341,14 @@ class _Answer(UpstreamResponse):
         self._conn: _Connection | None = conn
         self._reuse = True  # set False when the request asked the backend to close
 
+    def ready(self) -> bytes:
+        conn = self._conn
+        return conn.take() if conn is not None and conn.chunks else b""
+
+    def complete(self) -> bool:
+        conn = self._conn
+        return conn is not None and conn.complete and not conn.chunks and conn.error is None
+
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         conn = self._conn
         while conn is not None:
@@ -574,23 +589,28 @@ class ProtocolTransport:
         return entry
 
     async def send(
-        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes, *, close_connection: bool
+        self,
+        method: str,
+        url: str,
+        headers: list[tuple[bytes, bytes]] | list[tuple[str, str]],
+        body: bytes,
+        *,
+        close_connection: bool,
     ) -> UpstreamResponse:
+        """``headers``: bytes pairs as the client sent them (str pairs are encoded, latin-1)."""
         (pool, host), target = self._origin(url)
         if _UNSAFE_TARGET.search(target) is not None:
             target = quote(target, safe="/:@!$&'()*+,;=%?~")
-        lines = [f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n"]
-        lines += [f"{name}: {value}\r\n" for name, value in headers]
+        parts = [_text_bytes(f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n")]
+        for name, value in headers:
+            if isinstance(name, str):
+                parts += (_text_bytes(name), b": ", _text_bytes(str(value)), b"\r\n")
+            elif isinstance(value, bytes):
+                parts += (name, b": ", value, b"\r\n")
         if body or method in _BODY_METHODS:
-            lines.append(f"Content-Length: {len(body)}\r\n")
-        lines.append("\r\n")
-        head = "".join(lines)
-        try:
-            data = head.encode("latin-1")
-        except UnicodeEncodeError:  # a configured credential or host name beyond latin-1
-            data = head.encode()
-        if body:
-            data += body
+            parts.append(b"Content-Length: %d\r\n" % len(body))
+        parts += (b"\r\n", body)
+        data = b"".join(parts)
         conn = pool.take()
         if conn is None:
             conn = await pool.open()

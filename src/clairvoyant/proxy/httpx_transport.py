@@ -70,7 +70,7 @@ class HttpxTransport:
         )
 
     async def send(
-        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes, *, close_connection: bool
+        self, method: str, url: str, headers: list[tuple[bytes, bytes]], body: bytes, *, close_connection: bool
     ) -> UpstreamResponse:
         trace = _SendTrace()
         request = self._client.build_request(method, url, headers=headers, content=body, extensions={"trace": trace})

@@ -1,20 +1,21 @@
-"""The ASGI responses: a plain relay of the backend's answer, and a scheduled one that waits first.
+"""Answers: the relay of a backend's answer to a client connection, and the exchanges around it.
 
-``Relay`` opens the upstream request and relays status, headers and body as they arrive. It is
-shared: ``PassthroughResponse`` runs it directly; ``ScheduledResponse`` runs it inside
-``async with dispatcher.lease(ticket)``, so the slot is held for exactly the relay's life and given
-back once (the lease is the only place that releases).
+``Relay`` opens the upstream request and relays status, headers and body as they arrive, through
+the client's ``HttpConnection`` (proxy/connection.py). It is shared: ``Passthrough`` runs it at
+once; ``ScheduledExchange`` runs it once the dispatcher grants the request a slot, and gives the
+slot back exactly once (``Dispatcher.end``).
 
-Each runs in the server's task for its request. The client's disconnect is watched the whole time
-(the proxy's server calls back from its protocol: ``proxy.server.watch_disconnect``; under any
-other ASGI server one more task waits for ``receive`` to yield ``http.disconnect``), which may
-cancel the request's task:
+A scheduled request that must wait holds no task and no coroutine: the exchange is a record
+beside its ticket, its connection parked (a bare file descriptor, proxy/parking.py) when it can
+be. The grant starts the one task that resumes the connection, relays and releases. The client's
+disconnect reaches the exchange from its connection (``client_left``) or, parked, from the
+parking lot:
 
-- while queued: the request's task is cancelled; the lease withdraws the ticket, never sent;
+- while queued: the ticket is withdrawn, never sent;
 - while the backend generates: ``abort`` cancels the relay (closing the backend connection;
   llama.cpp stops generating) or ``drain`` lets it read the answer into the void to its end, so the
-  slot is freed only when the backend really is free. The draining relay runs on in the request's
-  task: the server waits for it at shutdown, and the dispatcher interrupts it after the grace period.
+  slot is freed only when the backend really is free; ``auto`` aborts, and for a non-streamed
+  request then holds the slot until llama.cpp's ``/slots`` shows the backend idle.
 
 Before dispatch a waiting client receives nothing, not even a status line (the status comes from
 the backend). It can see where it stands at ``GET /queue/{request_id}`` (position and ETA; the id is
@@ -22,7 +23,7 @@ its ``X-Request-Id`` header or the one the proxy assigns). At dispatch the respo
 ``X-Clairvoyant-Queue-Position`` (requests dispatched ahead of it while it waited) and the measured wait.
 
 Once the status line is sent it cannot change: a backend failure after that point ends a stream
-with one final error event in the dialect's framing, or truncates a plain body.
+with one final error event in the dialect's framing, or cuts a plain body short.
 
 A scheduled answer that the backend completes (2xx, relayed or drained to its end) is read by a
 ``UsageTap`` as it passes, without buffering, and its ``Usage`` (what the backend really produced)
@@ -38,26 +39,28 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from starlette.types import Receive, Send
-
 from clairvoyant.errors import RequestError, UpstreamTimeout, UpstreamUnavailable
 from clairvoyant.logs import REQUEST_LOG, log_request
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.dialects import Dialect, error_body, stream_error_event, with_upstream_fields
 from clairvoyant.prediction.usage import Usage, UsageTap
+from clairvoyant.proxy.connection import HttpConnection, resume_connection
 from clairvoyant.proxy.pool import BackendPool, merge_model_lists
-from clairvoyant.proxy.server import unwatch_disconnect, watch_disconnect
 from clairvoyant.proxy.upstream import Upstream, UpstreamResponse, response_headers
 from clairvoyant.scheduling.dispatcher import Dispatcher, ShuttingDown, Ticket
 
-__all__ = ["MergedListing", "PassthroughResponse", "Relay", "ScheduledResponse", "UpstreamRequest", "error_body"]
+__all__ = [
+    "MergedListing", "Passthrough", "Relay", "ScheduledExchange", "Scheduling", "UpstreamRequest", "error_body",
+    "rendered_error",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
-SLOTS_POLL_S = 1.5  # seconds between /slots polls while a left client's slot is held (see ScheduledResponse)
+SLOTS_POLL_S = 1.5  # seconds between /slots polls while a left client's slot is held (see ScheduledExchange)
 LISTING_TIMEOUT_S = 5.0  # per backend, for a merged model listing
 VLLM_CLASS_STRIDE = 100_000  # vLLM priority = client class x this + predicted tokens (capped below it)
 HOLD_MAX_S = 600.0  # the longest a left client's slot is held waiting for the backend to go idle
+_JSON = (b"content-type", b"application/json")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,27 +70,50 @@ class UpstreamRequest:
     method: str
     path: str
     query: str
-    headers: list[tuple[str, str]]
+    headers: list[tuple[bytes, bytes]]  # the client's end-to-end headers, names in lower case
     body: bytes
     dialect: Dialect
     close_connection: bool = False  # ask the backend to close after answering (streams: see Upstream.open)
 
 
-async def _wait_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
+def error_headers(exc: RequestError, extra: list[tuple[bytes, bytes]] | None = None) -> list[tuple[bytes, bytes]]:
+    """An error answer's headers (its Content-Length comes with ``respond``)."""
+    headers = [_JSON]
+    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
+    if extra:
+        headers += extra
+    return headers
+
+
+def rendered_error(dialect: Dialect, exc: RequestError, date: list[tuple[bytes, bytes]]) -> bytes:
+    """A whole error answer as bytes, closing the connection (for a parked client: no connection
+    object to write through)."""
+    body = error_body(dialect, exc)
+    lines = [f"HTTP/1.1 {exc.status_code} {_phrase(exc.status_code)}\r\n".encode("latin-1")]
+    for name, value in [*date, *error_headers(exc)]:
+        lines += (name, b": ", value, b"\r\n")
+    lines += (b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body), body)
+    return b"".join(lines)
+
+
+def _phrase(status: int) -> str:
+    from http import HTTPStatus
+
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return ""
 
 
 @dataclass(eq=False)
 class Relay:
-    """Open the upstream request and relay its answer to ``send`` (nothing once the client is gone)."""
+    """Open the upstream request and relay its answer to the client's connection (nothing once
+    the client is gone)."""
 
     upstream: Upstream
     request: UpstreamRequest
     metrics: Metrics
-    extra_headers: Callable[[], list[tuple[str, str]]] = lambda: []
+    extra_headers: Callable[[], list[tuple[bytes, bytes]]] = lambda: []  # the proxy's own, lower-case names
     on_first_byte: Callable[[], None] = lambda: None
     # Called once with what the backend produced, when a 2xx answer has fully arrived (None: not read).
     on_usage: Callable[[Usage], None] | None = None
@@ -107,23 +133,23 @@ class Relay:
     _sent_s: float = field(default=0.0, repr=False)  # clock seconds when the request went upstream
     _interrupt_requested: str = field(default="", repr=False)  # the outcome an interrupt ends the relay with
 
-    async def run(self, send: Send) -> None:
+    async def run(self, out: HttpConnection) -> None:
         try:
             response = await self._open()
         except RequestError as exc:
             self._count_upstream_error(exc)
             self.outcome = "upstream_error"
             if not self.client_gone:
-                await self.send_error(send, exc)
+                self.send_error(out, exc)
             return
         except asyncio.CancelledError:
             if not self.consume_interrupt():
                 raise
             if not self.client_gone:
-                await self.send_error(send, ShuttingDown("the proxy is shutting down; retry"))
+                self.send_error(out, ShuttingDown("the proxy is shutting down; retry"))
             return
         try:
-            await self._relay_body(response, send)
+            await self._relay_body(response, out)
         finally:
             await response.aclose()
 
@@ -181,22 +207,30 @@ class Relay:
             )
             await self.upstream.wait_until_ready(deadline_s, lambda: self.client_gone)
 
-    async def _relay_body(self, response: UpstreamResponse, send: Send) -> None:
-        self.status = response.status_code
+    async def _relay_body(self, response: UpstreamResponse, out: HttpConnection) -> None:
+        self.status = status = response.status_code
         self._content_type = response.header(b"content-type")
         headers = response_headers(response.raw_headers)
-        headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.extra_headers()]
-        read_usage = self.on_usage is not None and 200 <= response.status_code < 300
-        tap = UsageTap(self._content_type) if read_usage else None
+        headers += self.extra_headers()
+        tap = UsageTap(self._content_type) if self.on_usage is not None and 200 <= status < 300 else None
+        # What the backend sent with its head goes out with ours, in one write; an answer already
+        # whole (a JSON answer) goes out whole.
+        ready = response.ready()
+        if ready:
+            self.on_first_byte()
+            if tap is not None:
+                tap.feed(ready)
+        if response.complete():
+            self._usage(tap)
+            self.outcome = "completed" if not self.client_gone else "client_left_streaming"
+            if not self.client_gone:
+                out.start(status, headers, ready, end=True)
+            return
         if not self.client_gone:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": response.status_code,
-                    "headers": headers,
-                }
-            )
-        first = True
+            out.start(status, headers, ready)
+            if not ready:
+                out.flush()  # the head now: a stream's first token may be seconds away
+        first = not ready
         try:
             async for chunk in self.upstream.iter_body(response):
                 if chunk and first:
@@ -205,33 +239,42 @@ class Relay:
                 if tap is not None:
                     tap.feed(chunk)
                 if not self.client_gone:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    out.write(chunk)
+                    if out.paused:
+                        await out.drain()
         except RequestError as exc:
             self._count_upstream_error(exc)
             self._count_backend("failed_mid_answer")
             self.on_broken(self.upstream)
             self.outcome = "upstream_error_mid_body"
-            await self._end_with_error(send, exc)
+            self._end_with_error(out, exc)
             return
         except asyncio.CancelledError:
             if not self.consume_interrupt():
                 raise
             # the grace period ran out (or the client left): end the answer in its own framing
-            await self._end_with_error(send, ShuttingDown("the proxy shut down before the answer was complete"))
+            self._end_with_error(out, ShuttingDown("the proxy shut down before the answer was complete"))
             return
-        if tap is not None and self.on_usage is not None:
-            # Before the last send: the observation is in once the client has it all.
-            self.on_usage(tap.usage(wall_s=self.now() - self._sent_s, request_model=self.model))
+        self._usage(tap)
         if not self.client_gone:
-            self.outcome = "completed"  # before the last send: a disconnect from now on is not a leaver
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            self.outcome = "completed"  # before the last bytes: a disconnect from now on is not a leaver
+            out.finish()
         else:
             self.outcome = "client_left_streaming"  # drained to the end
 
-    async def _end_with_error(self, send: Send, exc: RequestError) -> None:
-        if not self.client_gone:
-            event = stream_error_event(self.request.dialect, self._content_type, exc)
-            await send({"type": "http.response.body", "body": event, "more_body": False})
+    def _usage(self, tap: UsageTap | None) -> None:
+        """Before the last bytes go out: the observation is in once the client has it all."""
+        if tap is not None and self.on_usage is not None:
+            self.on_usage(tap.usage(wall_s=self.now() - self._sent_s, request_model=self.model))
+
+    def _end_with_error(self, out: HttpConnection, exc: RequestError) -> None:
+        if self.client_gone:
+            return
+        event = stream_error_event(self.request.dialect, self._content_type, exc)
+        if event and out.chunked:
+            out.finish(event)
+        else:
+            out.cut()  # a plain or fixed-length body: cut short
 
     def interrupt(self, task: asyncio.Task[Any], outcome: str) -> None:
         """End this relay now (``task`` runs it): the answer so far ends with an error event, and
@@ -249,13 +292,9 @@ class Relay:
         self.outcome = self._interrupt_requested
         return True
 
-    async def send_error(self, send: Send, exc: RequestError) -> None:
-        body = error_body(self.request.dialect, exc)
+    def send_error(self, out: HttpConnection, exc: RequestError) -> None:
         self.status = exc.status_code
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        headers += [(k.lower().encode(), v.encode()) for k, v in (*exc.headers.items(), *self.extra_headers())]
-        await send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        out.respond(exc.status_code, error_headers(exc, self.extra_headers()), error_body(self.request.dialect, exc))
 
     def _count_backend(self, outcome: str) -> None:
         self.metrics.count_backend_request(self.upstream.name, outcome)
@@ -265,233 +304,355 @@ class Relay:
         logger.warning("upstream error on %s %s: %s", self.request.method, self.request.path, exc.detail)
 
 
-class _Exchange:
-    """One request's relay, run in the request's own task, told of the client's disconnect by the
-    server (or, under another ASGI server, by a watcher task on ``receive``), which may cancel the
-    request's task; see ``_client_left``."""
+class _Running:
+    """An answer relayed in its own task, which a client's leaving may cancel (``_left``)."""
 
-    relay: Relay
-    _left_cancel: bool = False  # the disconnect cancelled the request's task (consumed, not propagated)
-    _task: asyncio.Task[Any] | None = None  # the request's task (set by _run)
+    __slots__ = ("task", "left_cancel")
 
-    async def _run(self, receive: Receive, send: Send) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._task = task
-        on_disconnect = self._disconnected
-        watcher = None
-        if not watch_disconnect(receive, on_disconnect):  # not the proxy's own server: watch receive
-            watcher = asyncio.get_running_loop().create_task(self._watch(receive))
-        try:
-            await self._serve(send, task)
-        except asyncio.CancelledError:
-            if self._left_cancel and task.uncancel() == 0:
-                return  # our own cancellation: the client is gone
-            raise
-        finally:
-            if watcher is None:
-                unwatch_disconnect(receive, on_disconnect)
-            else:
-                watcher.cancel()
+    def __init__(self) -> None:
+        self.task: asyncio.Task[Any] | None = None
+        self.left_cancel = False  # the disconnect cancelled the task (consumed, not propagated)
 
-    async def _watch(self, receive: Receive) -> None:
-        await _wait_disconnect(receive)
-        self._disconnected()
+    def _cancel_for_leaving(self) -> None:
+        if self.task is not None:
+            self.left_cancel = True
+            self.task.cancel()
 
-    def _disconnected(self) -> None:
-        self.relay.client_gone = True
-        if self._client_left():
-            self._left_cancel = True
-            assert self._task is not None
-            self._task.cancel()
-
-    async def _serve(self, send: Send, task: asyncio.Task[Any]) -> None:
-        raise NotImplementedError
-
-    def _client_left(self) -> bool:
-        """The client is gone: True to cancel the request's task."""
-        raise NotImplementedError
+    def _consume_leaving(self) -> bool:
+        """In the task, on CancelledError: whether it was our own cancellation (then consumed)."""
+        task = self.task
+        return self.left_cancel and task is not None and task.uncancel() == 0
 
 
-class PassthroughResponse(_Exchange):
+class Passthrough(_Running):
     """Unscheduled: relay at once; a client that leaves cancels the relay (no slot to drain for)."""
 
-    def __init__(self, relay: Relay) -> None:
-        self.relay = relay
+    __slots__ = ("relay", "out")
 
-    async def __call__(self, receive: Receive, send: Send) -> None:
+    def __init__(self, relay: Relay, out: HttpConnection) -> None:
+        super().__init__()
+        self.relay = relay
+        self.out = out
+
+    def start(self) -> None:
+        self.out.listener = self
+        self.task = self.out.run_task(self.run(), name="passthrough")
+
+    async def run(self) -> None:
         started = time.monotonic()
         try:
-            await self._run(receive, send)
+            await self._serve()
+        except asyncio.CancelledError:
+            if not self._consume_leaving():
+                raise
         finally:
-            status = str(self.relay.status) if self.relay.status is not None else "client_closed"
-            self.relay.metrics.count_request("passthrough", self.relay.request.dialect.value, status)
+            relay = self.relay
+            status = str(relay.status) if relay.status is not None else "client_closed"
+            relay.metrics.count_request("passthrough", relay.request.dialect.value, status)
             if REQUEST_LOG.isEnabledFor(logging.INFO):
-                request = self.relay.request
+                request = relay.request
                 log_request({
-                    "request_id": next((v for k, v in request.headers if k == "x-request-id"), "-"), "method": request.method,
-                    "path": request.path, "status": self.relay.status or "client_closed",
-                    "outcome": "passthrough_" + self.relay.outcome,
+                    "request_id": next((v.decode("latin-1") for k, v in request.headers if k == b"x-request-id"), "-"),
+                    "method": request.method,
+                    "path": request.path, "status": relay.status or "client_closed", "outcome": "passthrough_" + relay.outcome,
                     "service_ms": f"{(time.monotonic() - started) * 1000:.1f}",
                 })  # fmt: skip
 
-    async def _serve(self, send: Send, task: asyncio.Task[Any]) -> None:
-        await self.relay.run(send)
+    async def _serve(self) -> None:
+        await self.relay.run(self.out)
 
-    def _client_left(self) -> bool:
+    def client_left(self) -> None:
+        self.relay.client_gone = True
         if self.relay.outcome != "pending":
-            return False  # already answered in full
+            return  # already answered in full
         self.relay.metrics.disconnects_by_stage["streaming"].inc()
-        return True
+        self._cancel_for_leaving()
 
 
-class MergedListing(PassthroughResponse):
+class MergedListing(Passthrough):
     """``GET /api/tags`` or ``/v1/models`` in front of a pool: every backend's list, merged (the
     first backend's entry wins a model listed twice). Backends that do not answer are left out;
     none answering is a 502."""
 
-    def __init__(self, pool: BackendPool, request: UpstreamRequest, metrics: Metrics) -> None:
-        super().__init__(Relay(pool.first, request, metrics))
+    __slots__ = ("pool",)
+
+    def __init__(self, pool: BackendPool, request: UpstreamRequest, metrics: Metrics, out: HttpConnection) -> None:
+        super().__init__(Relay(pool.first, request, metrics), out)
         self.pool = pool
 
-    async def _serve(self, send: Send, task: asyncio.Task[Any]) -> None:
+    async def _serve(self) -> None:
         relay = self.relay
         path = relay.request.path + (f"?{relay.request.query}" if relay.request.query else "")
         bodies = await asyncio.gather(*(m.upstream.get_json(path, LISTING_TIMEOUT_S) for m in self.pool.members))
         answered = [body for body in bodies if body is not None]
         if not answered:
             relay.outcome = "upstream_error"
-            await relay.send_error(send, UpstreamUnavailable("no backend answered the model listing"))
+            relay.send_error(self.out, UpstreamUnavailable("no backend answered the model listing"))
             return
         body = merge_model_lists(relay.request.path, answered)
         relay.status = 200
         relay.outcome = "completed"
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        self.out.respond(200, [_JSON], body)
 
 
-class ScheduledResponse(_Exchange):
-    """Scheduled: ``async with dispatcher.lease(ticket)`` around the relay, in the request's own
-    task, whose life is the slot's life. A relay that drains after its client left keeps running
-    in that task (the server waits for it at shutdown; the dispatcher interrupts it after the
-    grace period)."""
+@dataclass(frozen=True, slots=True, eq=False)
+class Scheduling:
+    """What every scheduled exchange shares (built once, in the lifespan)."""
+
+    pool: BackendPool
+    metrics: Metrics
+    dispatcher: Dispatcher
+    disconnect_mode: Literal["auto", "drain", "abort"]
+    backend_wait_s: float
+    on_usage: Callable[[Ticket, Usage], None] | None  # a completed answer's usage (the learner)
+    vllm_priority: bool  # send a vLLM backend the computed priority (see ScheduledExchange._bind)
+
+
+class ScheduledExchange(_Running):
+    """A scheduled request from its arrival to its slot's release.
+
+    Waiting, it is this record and its ticket; its client is its live connection or, parked, a
+    file descriptor (``client``). The grant (``ticket.granted``) starts the task that resumes a
+    parked connection, relays the backend's answer and gives the slot back (``Dispatcher.end``):
+    exactly once, whatever happens. A relay that drains after its client left keeps running in
+    that task (the server waits for it at shutdown; the dispatcher interrupts it after the grace
+    period)."""
+
+    __slots__ = (
+        "shared", "ticket", "client", "context", "server", "request", "predict_later", "relay", "stage", "usage", "mode",
+    )  # fmt: skip
 
     def __init__(
         self,
-        *,
-        pool: BackendPool,
-        request: UpstreamRequest,
-        metrics: Metrics,
-        dispatcher: Dispatcher,
+        shared: Scheduling,
         ticket: Ticket,
-        disconnect_mode: Literal["auto", "drain", "abort"] = "auto",
-        stream: bool = True,  # the client asked for a stream (decides ``auto``)
-        backend_wait_s: float = 0.0,
-        on_usage: Callable[[Ticket, Usage], None] | None = None,  # a completed answer's usage (the learner)
+        out: HttpConnection,
+        request: UpstreamRequest,
+        *,
+        stream: bool,  # the client asked for a stream (decides ``auto``)
         predict_later: Callable[[], None] | None = None,  # dispatched at once: predict while the backend works
-        vllm_priority: bool = False,  # send a vLLM backend the computed priority (see _bind)
     ) -> None:
-        self.pool = pool
-        self.request = request
-        self.vllm_priority = vllm_priority
-        self.predict_later = predict_later
-        self.dispatcher = dispatcher
+        super().__init__()
+        self.shared = shared
         self.ticket = ticket
-        self.metrics = metrics
+        self.client: HttpConnection | int = out  # the connection, or its parked file descriptor
+        self.context = out.response_context  # to frame the answer on a resumed connection
+        self.server = out.shared  # what resumes a parked connection (the connection itself is dropped)
+        self.request = request
+        self.predict_later = predict_later
+        self.relay: Relay | None = None  # made at the grant
+        self.stage = "queued"  # queued -> relaying -> done
+        self.usage: Usage | None = None
         # What a client's leaving does (docs/design.md, "Disconnects"): abort closes the backend
         # connection and frees the slot; drain reads the answer to its end; auto aborts, and for a
         # non-streamed request then holds the slot until llama.cpp's /slots shows the backend idle
         # (llama.cpp notices a closed non-streamed request only when nothing else keeps its HTTP
         # thread busy; a stream it stops within ~0.2 s).
-        self.mode = "abort" if disconnect_mode == "auto" and stream else disconnect_mode
-        self.on_usage = on_usage
-        self.usage: Usage | None = None
-        self.relay = Relay(
-            pool.first, request, metrics, self._own_headers, self._first_byte,
-            on_usage=self._record_usage, now=dispatcher.clock.now, model=ticket.model,
-            backend_wait_s=backend_wait_s, retry_unavailable=True, failover=self._failover,
+        mode = shared.disconnect_mode
+        self.mode = "abort" if mode == "auto" and stream else mode
+
+    # --- arrival ---------------------------------------------------------------------------------
+    def start_now(self) -> None:
+        """Granted at arrival (a free slot, nobody waiting): relay at once."""
+        out = self.client
+        assert isinstance(out, HttpConnection)
+        out.listener = self
+        self.task = out.run_task(self.run(), name="scheduled")
+
+    def wait(self, parking: Any) -> None:
+        """Queued: start when granted. The connection is parked while it waits, when it can be."""
+        out = self.client
+        assert isinstance(out, HttpConnection)
+        out.listener = self
+        self.ticket.granted.add_done_callback(self._granted)
+        if parking is not None:
+            fd = out.park(self)
+            if fd is not None:
+                self.client = fd
+
+    def _granted(self, granted: asyncio.Future[int]) -> None:
+        if self.stage != "queued" or granted.cancelled():
+            return  # withdrawn (its client left)
+        error = granted.exception()
+        if error is not None:  # refused while waiting (shutting down)
+            self.stage = "done"
+            self._refuse(error if isinstance(error, RequestError) else ShuttingDown(str(error)))
+            return
+        tasks = self.server.server_state.tasks
+        task = self.task = asyncio.get_running_loop().create_task(self.run(), name="scheduled")
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    def _refuse(self, error: RequestError) -> None:
+        self.relay = self._make_relay()
+        self.relay.outcome = "refused"
+        self.relay.status = error.status_code
+        client = self.client
+        if isinstance(client, int):
+            server = self.server
+            server.parking.refuse(
+                client, rendered_error(self.request.dialect, error, server.server_state.default_headers)
+            )
+        else:
+            client.listener = None
+            self.relay.send_error(client, error)
+        self._log()
+
+    # --- the slot's life -------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Resume the client's connection, relay, give the slot back (once, whatever happens)."""
+        ticket = self.ticket
+        dispatcher = self.shared.dispatcher
+        relay = self.relay = self.relay or self._make_relay()
+        completed = False
+        try:
+            if self.stage != "queued":
+                return  # left between the grant and this task's first step: the slot is given back already
+            out = await self._connection()
+            if out is None:
+                return
+            task = self.task
+            assert task is not None
+            self._bind(ticket.backend if ticket.backend is not None else 0)
+            self.stage = "relaying"
+            ticket.interrupt = lambda: relay.interrupt(task, "shutdown")
+            if self.predict_later is not None:
+                # After this task's step, in which the backend client writes the request on a
+                # pooled connection (backend_connection.py writes in send, no task of its own)
+                asyncio.get_running_loop().call_soon(self._predicted)
+            await relay.run(out)
+            if relay.outcome == "client_left_watching":
+                try:
+                    await self._hold_until_backend_idle()
+                except asyncio.CancelledError:
+                    if not relay.consume_interrupt():  # the shutdown's interrupt ends the hold quietly
+                        raise
+            finished = relay.outcome in ("completed", "client_left_streaming")
+            if finished:
+                self._observe_end()
+            # Only whole successful answers teach the service-time model.
+            completed = finished and relay.status is not None and relay.status < 400
+        except asyncio.CancelledError:
+            if not self._consume_leaving():
+                raise
+        except Exception:  # a bug: logged, the client answered or cut, the slot given back below
+            logger.exception("request_id=%s: unexpected error", ticket.request_id)
+            relay.outcome = "internal_error"
+            client = self.client
+            if isinstance(client, HttpConnection) and client.busy:
+                if client.out_started:
+                    client.cut()
+                else:
+                    relay.send_error(client, RequestError("internal error in the proxy"))
+        finally:
+            if self.stage != "done":
+                self.stage = "done"
+                dispatcher.end(ticket, completed=completed, usage=self.usage)
+                self._log()
+
+    async def _connection(self) -> HttpConnection | None:
+        """The client's connection, resumed if parked; None (and the slot given back) if the
+        client left meanwhile."""
+        client = self.client
+        if isinstance(client, HttpConnection):
+            if client.gone:
+                self._left_queued()
+                return None
+            return client
+        try:
+            out = await resume_connection(self.server, client, self.context)
+        except OSError:
+            self._left_queued()
+            return None
+        self.client = out
+        if out.gone:  # closed as it came back
+            self._left_queued()
+            return None
+        out.listener = self
+        return out
+
+    def client_left(self) -> None:
+        """The client is gone (its connection told, or the parking lot did)."""
+        relay = self.relay
+        if self.stage == "queued":
+            self._left_queued()
+            if self.task is not None:
+                self._cancel_for_leaving()
+            return
+        if self.stage == "rerouted" and relay is not None:  # waiting again, first in line: withdrawn
+            relay.client_gone = True
+            relay.outcome = "client_left_queued"
+            self._cancel_for_leaving()
+            return
+        if self.stage != "relaying" or relay is None:
+            return
+        relay.client_gone = True
+        if relay.outcome != "pending":
+            return  # already answered in full
+        relay.outcome = "client_left_streaming"
+        self.shared.metrics.disconnects_by_stage["streaming"].inc()
+        if self.mode == "auto":
+            assert self.task is not None
+            relay.interrupt(self.task, "client_left_watching")  # closes it; the slot waits for /slots
+        elif self.mode == "abort":
+            self._cancel_for_leaving()  # closes the backend connection, then the slot is given back
+        # drain: the relay reads the backend's answer to its end, so the slot is freed when the backend is
+
+    def _left_queued(self) -> None:
+        """Left before anything was sent: withdrawn (or its fresh slot given back), logged once."""
+        if self.stage == "done":
+            return
+        self.stage = "done"
+        relay = self.relay = self.relay or self._make_relay()
+        relay.client_gone = True
+        relay.outcome = "client_left_queued"
+        self.shared.dispatcher.end(self.ticket)  # withdrawn if waiting (counted there), else released
+        self._log()
+
+    def _make_relay(self) -> Relay:
+        shared = self.shared
+        pool = shared.pool
+        return Relay(
+            pool.first, self.request, shared.metrics, self._own_headers, self._first_byte,
+            on_usage=self._record_usage, now=shared.dispatcher.clock.now, model=self.ticket.model,
+            backend_wait_s=shared.backend_wait_s, retry_unavailable=True, failover=self._failover,
             on_answered=pool.answered, on_broken=pool.broken,
         )  # fmt: skip
-        self.stage = "queued"  # queued -> relaying -> done
-
-    # the exchange itself: no coroutine layer of its own (each costs a frame per waiting request)
-    __call__ = _Exchange._run
-
-    async def _serve(self, send: Send, task: asyncio.Task[Any]) -> None:
-        """The slot's whole life: wait, relay, release (in the lease)."""
-        try:
-            async with self.dispatcher.lease(self.ticket) as lease:
-                self._bind(lease.backend)
-                self.stage = "relaying"
-                self.ticket.interrupt = lambda: self.relay.interrupt(task, "shutdown")
-                if self.predict_later is not None:
-                    # After this task's step, in which the backend client writes the request on a
-                    # pooled connection (backend_connection.py writes in send, no task of its own)
-                    asyncio.get_running_loop().call_soon(self._predicted)
-                await self.relay.run(send)
-                if self.relay.outcome == "client_left_watching":
-                    try:
-                        await self._hold_until_backend_idle()
-                    except asyncio.CancelledError:
-                        if not self.relay.consume_interrupt():  # the shutdown's interrupt ends the hold quietly
-                            raise
-                finished = self.relay.outcome in ("completed", "client_left_streaming")
-                if finished:
-                    self._observe_end()
-                # Only whole successful answers teach the service-time model.
-                lease.completed = finished and self.relay.status is not None and self.relay.status < 400
-                lease.usage = self.usage
-        except RequestError as exc:  # refused while waiting (shutting down)
-            self.relay.outcome = "refused"
-            if not self.relay.client_gone:
-                await self.relay.send_error(send, exc)
-        finally:
-            self.stage = "done"
-            self._log()
-
-    def _client_left(self) -> bool:
-        if self.stage == "queued":
-            self.relay.outcome = "client_left_queued"  # the lease withdraws it (and counts it)
-            return True
-        if self.stage != "relaying" or self.relay.outcome != "pending":
-            return False  # already answered in full
-        self.relay.outcome = "client_left_streaming"
-        self.metrics.disconnects_by_stage["streaming"].inc()
-        if self.mode == "auto":
-            assert self._task is not None
-            self.relay.interrupt(self._task, "client_left_watching")  # closes it; the slot waits for /slots
-            return False
-        # abort: closes the backend connection, then the lease releases the slot; drain: the relay
-        # reads the backend's answer to its end, so the slot is freed when the backend is.
-        return self.mode == "abort"
 
     def _bind(self, backend: int) -> None:
         """Send to the granted backend. A vLLM one (with ``vllm_priority``) gets the request's
         computed priority in its body: the client's class, then the predicted tokens (lower =
         sooner, as vLLM's priority scheduling reads it)."""
-        self.relay.upstream = self.pool.members[backend].upstream
+        relay = self.relay
+        assert relay is not None
+        shared = self.shared
+        relay.upstream = shared.pool.members[backend].upstream
         request = self.request
-        if self.vllm_priority and self.pool.kind_of(backend) == "vllm":
+        if shared.vllm_priority and shared.pool.kind_of(backend) == "vllm":
             ticket = self._predicted()
             priority = ticket.job.priority * VLLM_CLASS_STRIDE + min(
                 VLLM_CLASS_STRIDE - 1, max(0, round(ticket.job.predicted_tokens))
             )
             request = replace(request, body=with_upstream_fields(request.body, {"priority": priority}))
-        self.relay.request = request
+        relay.request = request
 
     async def _failover(self, refused: Upstream) -> Upstream | None:
         """The granted backend refused the connection: wait first in line for another healthy
         backend (the client sees nothing of it), or None when there is none (the relay waits for
         this one)."""
-        self.pool.refused(refused)
-        if not self.dispatcher.reroute(self.ticket):
+        shared = self.shared
+        shared.pool.refused(refused)
+        if not shared.dispatcher.reroute(self.ticket):
             return None
-        self.stage = "queued"  # a client that leaves now is withdrawn, never sent
-        await self.dispatcher.regranted(self.ticket)
-        self.stage = "relaying"
+        self.stage = "rerouted"  # a client that leaves now cancels the task: the slot's exit withdraws it
+        try:
+            await shared.dispatcher.regranted(self.ticket)
+        finally:
+            if self.stage == "rerouted":
+                self.stage = "relaying"
         assert self.ticket.backend is not None
         self._bind(self.ticket.backend)
+        assert self.relay is not None
         return self.relay.upstream
 
     def _predicted(self) -> Ticket:
@@ -506,64 +667,70 @@ class ScheduledResponse(_Exchange):
         requests in flight, polled every SLOTS_POLL_S (a poll more often than llama.cpp's 1 s
         disconnect check would keep it from noticing), for at most HOLD_MAX_S. A backend without
         /slots (Ollama, vLLM: they stop on disconnect) releases at once."""
+        relay = self.relay
+        assert relay is not None
         deadline_s = time.monotonic() + HOLD_MAX_S
         while time.monotonic() < deadline_s:
             await asyncio.sleep(SLOTS_POLL_S)
-            busy = await self.relay.upstream.busy_slots()
+            busy = await relay.upstream.busy_slots()
             assert self.ticket.backend is not None
-            if busy is None or busy <= self.dispatcher.in_flight_on(self.ticket.backend) - 1:
+            if busy is None or busy <= self.shared.dispatcher.in_flight_on(self.ticket.backend) - 1:
                 return
 
     def _record_usage(self, usage: Usage) -> None:
         self.usage = usage
-        if self.on_usage is not None:
+        on_usage = self.shared.on_usage
+        if on_usage is not None:
             try:
-                self.on_usage(self.ticket, usage)
+                on_usage(self.ticket, usage)
             except Exception:  # the answer is already relayed: a failing observer must not break it
                 logger.exception("request_id=%s: recording usage failed", self.ticket.request_id)
 
-    def _own_headers(self) -> list[tuple[str, str]]:
+    def _own_headers(self) -> list[tuple[bytes, bytes]]:
         ticket = self._predicted()
         wait = ticket.queue_wait_s()
         prediction = ticket.prediction
-        assert prediction is not None
+        assert prediction is not None and self.relay is not None
         headers = [
-            ("x-request-id", ticket.request_id),
-            ("x-clairvoyant-backend", self.relay.upstream.name),
-            ("x-clairvoyant-queue-wait-ms", "" if wait is None else f"{wait * 1000:.1f}"),
-            ("x-clairvoyant-predicted-tokens", f"{prediction.predicted_tokens:.0f}"),
-            ("x-clairvoyant-predicted-class", ticket.predicted_class),
-            ("x-clairvoyant-predicted-s", f"{ticket.job.predicted_s:.3f}"),
+            (b"x-request-id", ticket.request_id.encode("latin-1")),
+            (b"x-clairvoyant-backend", self.relay.upstream.name.encode("latin-1")),
+            (b"x-clairvoyant-queue-wait-ms", b"" if wait is None else b"%.1f" % (wait * 1000)),
+            (b"x-clairvoyant-predicted-tokens", b"%.0f" % prediction.predicted_tokens),
+            (b"x-clairvoyant-predicted-class", ticket.predicted_class.encode()),
+            (b"x-clairvoyant-predicted-s", b"%.3f" % ticket.job.predicted_s),
         ]
         if prediction.p_long is not None:  # class models only
-            headers.append(("x-clairvoyant-p-long", f"{prediction.p_long:.4f}"))
+            headers.append((b"x-clairvoyant-p-long", b"%.4f" % prediction.p_long))
         if ticket.queue_position is not None:
-            headers.append(("x-clairvoyant-queue-position", str(ticket.queue_position)))
+            headers.append((b"x-clairvoyant-queue-position", b"%d" % ticket.queue_position))
         return headers
 
     def _first_byte(self) -> None:
-        self.metrics.ttft_by_class[self.ticket.predicted_class].observe(
-            self.dispatcher.clock.now() - self.ticket.arrival_s
+        self.shared.metrics.ttft_by_class[self.ticket.predicted_class].observe(
+            self.shared.dispatcher.clock.now() - self.ticket.arrival_s
         )
 
     def _observe_end(self) -> None:
-        self.metrics.end_to_end_by_class[self.ticket.predicted_class].observe(
-            self.dispatcher.clock.now() - self.ticket.arrival_s
+        self.shared.metrics.end_to_end_by_class[self.ticket.predicted_class].observe(
+            self.shared.dispatcher.clock.now() - self.ticket.arrival_s
         )
 
     def _log(self) -> None:
         ticket = self._predicted()
         relay = self.relay
+        assert relay is not None
         status = str(relay.status) if relay.status is not None else "client_closed"
-        self.metrics.count_request(ticket.endpoint, relay.request.dialect.value, status)
+        metrics = self.shared.metrics
+        metrics.count_request(ticket.endpoint, relay.request.dialect.value, status)
         if not REQUEST_LOG.isEnabledFor(logging.INFO):
             return
         wait = ticket.queue_wait_s()
-        service = None if ticket.dispatched_s is None else self.dispatcher.clock.now() - ticket.dispatched_s
+        clock = self.shared.dispatcher.clock
+        service = None if ticket.dispatched_s is None else clock.now() - ticket.dispatched_s
         usage = self.usage
         log_request({
             "request_id": ticket.request_id, "endpoint": ticket.endpoint, "tenant": ticket.job.tenant or "-",
-            "backend": "-" if ticket.backend is None else self.relay.upstream.name,
+            "backend": "-" if ticket.backend is None else relay.upstream.name,
             "priority": ticket.job.priority, "predicted_class": ticket.predicted_class,
             "predicted_tokens": "-" if ticket.prediction is None else f"{ticket.prediction.predicted_tokens:.0f}",
             "predicted_s": f"{ticket.job.predicted_s:.3f}",

@@ -51,21 +51,28 @@ HEALTH_PATH = "/health"  # llama.cpp: 503 while the model loads; other backends 
 # RFC 9110 7.6.1 hop-by-hop headers, plus those the proxy recomputes itself.
 HOP_BY_HOP = frozenset(
     {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-        "host",
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"trailers",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
     }
 )
-_HOP_BY_HOP_BYTES = frozenset(name.encode() for name in HOP_BY_HOP)
+_NOT_FORWARDED = HOP_BY_HOP | {b"content-length"}  # the body is sent whole, with our own length
 _RESET_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE})
+
+
+def _header_bytes(text: str) -> bytes:
+    try:
+        return text.encode("latin-1")
+    except UnicodeEncodeError:  # a configured credential beyond latin-1
+        return text.encode()
 
 
 def redact_url(url: str) -> str:
@@ -77,23 +84,39 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"***@{host}"))
 
 
-def forwardable_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
-    """A request's end-to-end headers only: drops hop-by-hop ones, those named in Connection, and
-    Content-Length (the body is re-sent whole and the client library sets its own)."""
-    pairs = [(k, v) for k, v in headers if k.lower() != "content-length"]
-    named = {token.strip().lower() for k, v in pairs if k.lower() == "connection" for token in v.split(",")}
-    if not named:
-        return [(k, v) for k, v in pairs if k.lower() not in HOP_BY_HOP]
-    return [(k, v) for k, v in pairs if k.lower() not in HOP_BY_HOP and k.lower() not in named]
+def forwardable_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """A request's end-to-end headers only, names in lower case: drops hop-by-hop ones, those
+    named in Connection, and Content-Length (the body is re-sent whole, with its own length)."""
+    out = []
+    named: list[bytes] | None = None
+    for name, value in headers:
+        name = name.lower()
+        if name in _NOT_FORWARDED:
+            if name == b"connection":
+                named = (named or []) + [token.strip().lower() for token in value.split(b",")]
+            continue
+        out.append((name, value))
+    if named:
+        return [(k, v) for k, v in out if k not in named]
+    return out
 
 
 def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """The backend's end-to-end response headers as ASGI pairs (lower-case names), less its Date
-    (the proxy's server sets one; its Server header is off, so the backend's stays the only one).
+    """The backend's end-to-end response headers (lower-case names), less its Date (the proxy's
+    server sets one; its Server header is off, so the backend's stays the only one).
     Content-Length is kept: the body is relayed byte for byte."""
-    pairs = [(k.lower(), v) for k, v in raw]
-    named = {token.strip().lower() for k, v in pairs if k == b"connection" for token in v.split(b",")}
-    return [(k, v) for k, v in pairs if k not in _HOP_BY_HOP_BYTES and k not in named and k != b"date"]
+    out = []
+    named: list[bytes] | None = None
+    for name, value in raw:
+        name = name.lower()
+        if name in HOP_BY_HOP or name == b"date":
+            if name == b"connection":
+                named = (named or []) + [token.strip().lower() for token in value.split(b",")]
+            continue
+        out.append((name, value))
+    if named:
+        return [(k, v) for k, v in out if k not in named]
+    return out
 
 
 class TransportError(Exception):
@@ -145,6 +168,15 @@ class UpstreamResponse:
                 return v.decode("latin-1")
         return ""
 
+    def ready(self) -> bytes:
+        """Body bytes already received, taken now without waiting (b"" when none): the relay sends
+        them with the head, in one write."""
+        return b""
+
+    def complete(self) -> bool:
+        """Whether the whole body has been received and taken (by ``ready``): nothing more to read."""
+        return False
+
     def aiter_raw(self) -> AsyncIterator[bytes]:
         raise NotImplementedError
 
@@ -156,7 +188,7 @@ class Transport(Protocol):
     """Moves one request to the backend. ``send`` raises only ``TransportError``."""
 
     async def send(
-        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes, *, close_connection: bool
+        self, method: str, url: str, headers: list[tuple[bytes, bytes]], body: bytes, *, close_connection: bool
     ) -> UpstreamResponse: ...
 
     async def aclose(self) -> None: ...
@@ -186,13 +218,13 @@ class Upstream:
         # Credentials in the URL become an Authorization header: the URL the client library holds
         # (and may log) has none. The backend's own key (``api_key``) wins over them.
         parts = urlsplit(base_url.rstrip("/"))
-        self._authorization: tuple[str, str] | None = None
+        self._authorization: tuple[bytes, bytes] | None = None
         if parts.username is not None or parts.password is not None:
             userinfo = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
-            self._authorization = ("Authorization", "Basic " + base64.b64encode(userinfo.encode()).decode())
+            self._authorization = (b"authorization", b"Basic " + base64.b64encode(userinfo.encode()))
             parts = parts._replace(netloc=parts.netloc.rsplit("@", 1)[1])
         if api_key is not None:
-            self._authorization = ("Authorization", f"Bearer {api_key}")
+            self._authorization = (b"authorization", b"Bearer " + _header_bytes(api_key))
         self.base_url = urlunsplit(parts)
         self.down_since_s: float | None = None  # time.monotonic() of the first refused connection of an outage
         self.first_byte_timeout_s = first_byte_timeout_s
@@ -223,7 +255,7 @@ class Upstream:
         path: str,
         *,
         query: str = "",
-        headers: Iterable[tuple[str, str]] = (),
+        headers: Iterable[tuple[bytes, bytes]] = (),
         body: bytes = b"",
         close_connection: bool = False,
     ) -> UpstreamResponse:
@@ -240,10 +272,10 @@ class Upstream:
         url = self.base_url + path + (f"?{query}" if query else "")
         forwarded = forwardable_headers(headers)
         if self._authorization is not None:  # the backend's own credentials replace the client's
-            forwarded = [(k, v) for k, v in forwarded if k.lower() != "authorization"]
+            forwarded = [(k, v) for k, v in forwarded if k != b"authorization"]
             forwarded.append(self._authorization)
         if close_connection:
-            forwarded.append(("Connection", "close"))
+            forwarded.append((b"connection", b"close"))
         send = self._transport.send
         for attempt in range(UNREAD_RETRIES + 1):
             try:

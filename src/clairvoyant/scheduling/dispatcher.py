@@ -445,6 +445,12 @@ class Dispatcher:
         """
         return _LeaseScope(self, ticket)
 
+    def end(self, ticket: Ticket, *, completed: bool = False, usage: Usage | None = None) -> None:
+        """A ticket's one exit, for a caller that does not hold it in ``lease``: withdraw it if it
+        still waits, else give its slot back (``completed``: its answer ended normally; only those
+        teach the service-time model). Idempotent."""
+        self._end(ticket, Lease(ticket, completed, usage) if completed or usage is not None else None)
+
     async def regranted(self, ticket: Ticket) -> None:
         """After ``reroute``: wait for the new grant (cancel-safe: the lease's exit withdraws it)."""
         await asyncio.shield(ticket.granted)
