@@ -55,7 +55,13 @@ from urllib.parse import quote
 
 import httptools
 
-from clairvoyant.proxy.upstream import KEEPALIVE_EXPIRY_S, TransportError, UpstreamResponse, was_reset
+from clairvoyant.proxy.upstream import (
+    KEEPALIVE_EXPIRY_S,
+    FirstByteTimeout,
+    TransportError,
+    UpstreamResponse,
+    was_reset,
+)
 
 __all__ = ["HIGH_WATER_BYTES", "MAX_HEAD_BYTES", "ProtocolTransport"]
 
@@ -64,6 +70,7 @@ logger = logging.getLogger(__name__)
 MAX_HEAD_BYTES = 64 * 1024  # an answer's status line and headers (aiohttp: 8,190 a line, 128 headers)
 HIGH_WATER_BYTES = 64 * 1024  # an answer's bytes buffered for the caller before the backend is paused
 DNS_TTL_S = 10.0  # a backend's name is resolved again after this long (aiohttp's default cache)
+HEAD_TICK_S = 0.1  # seconds between a pool's checks of its first-byte deadlines (none per request)
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # a Content-Length even when empty
 # What may stand in a request target as it is; anything else is percent-encoded (a decoded ASGI
 # path may hold spaces or non-ASCII characters, which aiohttp's URL quoting encoded too).
@@ -89,7 +96,7 @@ class _Connection(asyncio.Protocol):
         "pool", "loop", "transport", "parser", "lost", "idle_since_s", "answer", "head_waiter",
         "body_waiter", "chunks", "buffered", "complete", "error", "keep_alive", "written",
         "received", "head_bytes", "head_done", "head_only", "informational", "headers", "paused",
-        "read_timeout_s", "last_read_s", "timer", "swap_parser",
+        "read_timeout_s", "last_read_s", "timer", "swap_parser", "head_deadline_s",
     )  # fmt: skip
 
     def __init__(self, pool: _Pool) -> None:
@@ -119,6 +126,7 @@ class _Connection(asyncio.Protocol):
         self.last_read_s = 0.0
         self.timer: asyncio.TimerHandle | None = None
         self.swap_parser = False
+        self.head_deadline_s = 0.0  # loop seconds by which the answer's head must come (in pool.heads)
 
     # --- asyncio.Protocol ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -207,6 +215,7 @@ class _Connection(asyncio.Protocol):
         waiter = self.head_waiter
         answer = self.answer = _Answer(status, self.headers, self)
         self.head_waiter = None
+        self.pool.heads.discard(self)
         if self.head_only:
             self.complete = True
             self.keep_alive = self.parser.should_keep_alive()
@@ -374,7 +383,7 @@ class _Pool:
 
     __slots__ = (
         "loop", "scheme", "host", "port", "ssl", "connect_timeout_s", "read_timeout_s", "keepalive_expiry_s",
-        "idle", "live", "spare", "spare_task", "sweeper", "closed", "_addresses",
+        "idle", "live", "spare", "spare_task", "sweeper", "closed", "_addresses", "heads", "head_ticker",
     )  # fmt: skip
 
     def __init__(
@@ -403,6 +412,27 @@ class _Pool:
         self.sweeper: asyncio.TimerHandle | None = None
         self.closed = False
         self._addresses: tuple[float, list[tuple[int, str]]] | None = None  # (expiry, (family, address))
+        self.heads: set[_Connection] = set()  # waiting for an answer's head, with a first-byte deadline
+        self.head_ticker: asyncio.TimerHandle | None = None
+
+    def await_head(self, conn: _Connection, timeout_s: float) -> None:
+        """Fail ``conn``'s exchange (``timeout``, a ``FirstByteTimeout``) unless its answer's head
+        comes within ``timeout_s``: checked every ``HEAD_TICK_S`` by one timer for the pool, not
+        one per request (so it fires up to that late)."""
+        conn.head_deadline_s = self.loop.time() + timeout_s
+        self.heads.add(conn)
+        if self.head_ticker is None:
+            self.head_ticker = self.loop.call_later(HEAD_TICK_S, self._check_heads)
+
+    def _check_heads(self) -> None:
+        now_s = self.loop.time()
+        for conn in list(self.heads):
+            if conn.head_waiter is None:  # answered, failed or closed
+                self.heads.discard(conn)
+            elif now_s >= conn.head_deadline_s:
+                self.heads.discard(conn)
+                conn.fail("timeout", FirstByteTimeout("no response headers from the backend in time"))
+        self.head_ticker = self.loop.call_later(HEAD_TICK_S, self._check_heads) if self.heads else None
 
     def take(self) -> _Connection | None:
         """An idle connection (the most recently pooled), else the spare, else None."""
@@ -520,6 +550,9 @@ class _Pool:
         if self.sweeper is not None:
             self.sweeper.cancel()
             self.sweeper = None
+        if self.head_ticker is not None:
+            self.head_ticker.cancel()
+            self.head_ticker = None
         for conn in list(self.live):
             conn.close()
         self.idle.clear()
@@ -596,6 +629,7 @@ class ProtocolTransport:
         body: bytes,
         *,
         close_connection: bool,
+        first_byte_timeout_s: float | None = None,
     ) -> UpstreamResponse:
         """``headers``: bytes pairs as the client sent them (str pairs are encoded, latin-1)."""
         (pool, host), target = self._origin(url)
@@ -617,6 +651,8 @@ class ProtocolTransport:
         if close_connection:
             pool.open_spare_later()
         waiter = conn.start(data, method == "HEAD")
+        if first_byte_timeout_s is not None:
+            pool.await_head(conn, first_byte_timeout_s)
         try:
             answer = await waiter
         except asyncio.CancelledError:  # the first-byte deadline, or the client left: the backend stops

@@ -341,12 +341,15 @@ class HttpConnection(asyncio.Protocol):
         if self.rejected:
             return
         self.in_head = False
-        self.header_bytes = 0
         url = self.url
-        size = len(url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
-        if size > self.shared.limits.max_header_bytes:
-            self._too_large_head()
-            return
+        # The bytes read so far bound the head's size from above: its exact size is needed only
+        # when they are over the limit (a read that also carried body bytes).
+        if self.header_bytes > self.shared.limits.max_header_bytes:
+            size = len(url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+            if size > self.shared.limits.max_header_bytes:
+                self._too_large_head()
+                return
+        self.header_bytes = 0
         parser = self.parser
         raw_path, _, query = url.partition(b"?")
         if raw_path[:1] != b"/":  # an absolute-form target (http://host/path) or "*"
@@ -393,6 +396,7 @@ class HttpConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._disarm()
+        self.in_head = True  # what comes next is a head: its bytes count toward max_header_bytes
         request = self.request
         if self.rejected or request is None:
             return

@@ -7,12 +7,19 @@ the same for both: this module only moves bytes and classifies httpx's failures 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 
-from clairvoyant.proxy.upstream import KEEPALIVE_EXPIRY_S, TransportError, UpstreamResponse, was_reset
+from clairvoyant.proxy.upstream import (
+    KEEPALIVE_EXPIRY_S,
+    FirstByteTimeout,
+    TransportError,
+    UpstreamResponse,
+    was_reset,
+)
 
 __all__ = ["HttpxTransport"]
 
@@ -70,12 +77,22 @@ class HttpxTransport:
         )
 
     async def send(
-        self, method: str, url: str, headers: list[tuple[bytes, bytes]], body: bytes, *, close_connection: bool
+        self,
+        method: str,
+        url: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        *,
+        close_connection: bool,
+        first_byte_timeout_s: float | None = None,
     ) -> UpstreamResponse:
         trace = _SendTrace()
         request = self._client.build_request(method, url, headers=headers, content=body, extensions={"trace": trace})
         try:
-            return _HttpxResponse(await self._client.send(request, stream=True))
+            async with asyncio.timeout(first_byte_timeout_s):
+                return _HttpxResponse(await self._client.send(request, stream=True))
+        except TimeoutError as exc:
+            raise TransportError("timeout", FirstByteTimeout(f"no answer within {first_byte_timeout_s} s")) from exc
         except httpx.ConnectError as exc:
             raise TransportError("connect", exc) from exc
         except httpx.TimeoutException as exc:

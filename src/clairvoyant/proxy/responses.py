@@ -105,7 +105,7 @@ def _phrase(status: int) -> str:
         return ""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Relay:
     """Open the upstream request and relay its answer to the client's connection (nothing once
     the client is gone)."""
@@ -508,7 +508,8 @@ class ScheduledExchange(_Running):
         try:
             if self.stage != "queued":
                 return  # left between the grant and this task's first step: the slot is given back already
-            out = await self._connection()
+            client = self.client
+            out = client if isinstance(client, HttpConnection) and not client.gone else await self._connection()
             if out is None:
                 return
             task = self.task

@@ -35,7 +35,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from clairvoyant.errors import RequestError, UpstreamTimeout, UpstreamUnavailable
 
 __all__ = [
-    "HOP_BY_HOP", "Transport", "TransportError", "Upstream", "UpstreamResponse",
+    "HOP_BY_HOP", "FirstByteTimeout", "Transport", "TransportError", "Upstream", "UpstreamResponse",
     "forwardable_headers", "redact_url", "response_headers",
 ]  # fmt: skip
 
@@ -119,6 +119,10 @@ def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, by
     return out
 
 
+class FirstByteTimeout(TimeoutError):
+    """No answer's head within the first-byte deadline (a transport's ``TransportError`` cause)."""
+
+
 class TransportError(Exception):
     """A transport's failure, classified for ``Upstream``: ``connect`` (the connection could not be
     opened: nothing was sent), ``timeout``, or ``failed``. ``never_read`` is True only when the
@@ -188,8 +192,18 @@ class Transport(Protocol):
     """Moves one request to the backend. ``send`` raises only ``TransportError``."""
 
     async def send(
-        self, method: str, url: str, headers: list[tuple[bytes, bytes]], body: bytes, *, close_connection: bool
-    ) -> UpstreamResponse: ...
+        self,
+        method: str,
+        url: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        *,
+        close_connection: bool,
+        first_byte_timeout_s: float | None = None,
+    ) -> UpstreamResponse:
+        """Raises ``TransportError``; ``timeout`` with a ``FirstByteTimeout`` cause when no answer's
+        head came within ``first_byte_timeout_s`` of sending."""
+        ...
 
     async def aclose(self) -> None: ...
 
@@ -277,18 +291,18 @@ class Upstream:
         if close_connection:
             forwarded.append((b"connection", b"close"))
         send = self._transport.send
+        first_byte_timeout_s = self.first_byte_timeout_s
         for attempt in range(UNREAD_RETRIES + 1):
             try:
-                if self.first_byte_timeout_s is None:
-                    response = await send(method, url, forwarded, body, close_connection=close_connection)
-                else:
-                    async with asyncio.timeout(self.first_byte_timeout_s):
-                        response = await send(method, url, forwarded, body, close_connection=close_connection)
+                response = await send(
+                    method, url, forwarded, body, close_connection=close_connection,
+                    first_byte_timeout_s=first_byte_timeout_s,
+                )  # fmt: skip
                 self.down_since_s = None
                 return response
-            except TimeoutError as exc:  # the first-byte deadline (transports raise TransportError)
-                raise self._translate(exc, f"no response headers within {self.first_byte_timeout_s} s") from None
             except TransportError as exc:
+                if isinstance(exc.cause, FirstByteTimeout):  # the deadline the transport keeps for us
+                    raise self._translate(exc, f"no response headers within {first_byte_timeout_s} s") from None
                 if exc.kind == "connect":
                     if self.down_since_s is None:
                         self.down_since_s = time.monotonic()
