@@ -374,6 +374,9 @@ class Refiner:
         """Encode ``text`` when the thread has time to spare and call ``then(log_tokens,
         components)`` on the event loop: for the learner, which needs the components of a request
         that never waited. False if it was not taken."""
+        if len(self._learning) >= LEARNING_MAX_PENDING:  # full (read without the lock: _put checks again)
+            self._count("learning_dropped")  # under load, most are: not worth clipping the text first
+            return False
         item = _Pending(None, self.encoder.clip(text), _always, lambda _, v, c, __: then(v, c))
         return self._put(self._learning, LEARNING_MAX_PENDING, item, "learning_dropped")
 

@@ -280,11 +280,14 @@ class Upstream:
         saying so, and a request sent on it in that instant would meet a close it cannot tell
         from a backend that read it and died); the proxy closes it too, never pooling it.
 
+        ``headers``: the end-to-end headers to forward (``forwardable_headers``: names in lower
+        case, no hop-by-hop ones, no Content-Length).
+
         Raises ``UpstreamUnavailable`` (``never_sent`` when the connection could not be opened) or
         ``UpstreamTimeout``.
         """
         url = self.base_url + path + (f"?{query}" if query else "")
-        forwarded = forwardable_headers(headers)
+        forwarded = list(headers)
         if self._authorization is not None:  # the backend's own credentials replace the client's
             forwarded = [(k, v) for k, v in forwarded if k != b"authorization"]
             forwarded.append(self._authorization)
