@@ -95,7 +95,7 @@ class ProxyState:
     metrics: Metrics
     learning: OnlineLearning  # its recorder is the relay's on_usage: metrics and the online learner
     scheduling: Scheduling  # what every scheduled exchange shares
-    parking: ParkingLot | None  # where waiting requests' connections wait (None: kept live)
+    parking: ParkingLot[ScheduledExchange] | None  # where waiting requests' connections wait (None: kept live)
     refiner: Refiner | None = None  # the encoder's second opinion for waiting requests (None: off)
 
     # The request headers that are the proxy's own (request id, tenant, priority): read, not forwarded.
@@ -298,9 +298,8 @@ def create_app(
     return ProxyApp(app, AccessControl(app, settings), metrics)
 
 
-def _parked_client_left(exchange: object) -> None:
+def _parked_client_left(exchange: ScheduledExchange) -> None:
     """The parking lot saw a waiting request's client leave."""
-    assert isinstance(exchange, ScheduledExchange)
     exchange.client_left()
 
 
@@ -318,7 +317,7 @@ class ProxyApp:
         self.metrics = metrics
 
     @property
-    def parking(self) -> ParkingLot | None:
+    def parking(self) -> ParkingLot[ScheduledExchange] | None:
         proxy: ProxyState | None = getattr(self.state, "proxy", None)
         return None if proxy is None else proxy.parking
 

@@ -187,7 +187,7 @@ class HttpConnection(asyncio.Protocol):
     limits: ClientLimits
 
     __slots__ = (
-        "loop", "shared", "transport", "parser", "url", "headers", "header_bytes", "in_head", "request",
+        "loop", "shared", "transport", "parser", "url", "headers", "header_bytes", "head_size", "in_head", "request",
         "body", "body_bytes", "kind", "expires_s", "expiry", "pipeline", "busy", "listener", "gone",
         "rejected", "parked", "read_paused", "write_paused", "drain_waiter", "keep_alive", "head_only",
         "http11", "chunked", "no_body", "remaining", "out_started", "head", "resumed", "upgraded",
@@ -213,7 +213,8 @@ class HttpConnection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
-        self.header_bytes = 0  # bytes of the head read so far (counted per read)
+        self.header_bytes = 0  # bytes read since the head began (counted per read: bounds a head that never ends)
+        self.head_size = 0  # the head's own bytes (request line and headers), counted as it is parsed
         self.in_head = True  # reading a request line and headers (not a body)
         self.request: Request | None = None  # the request being read
         self.body: list[bytes] = []
@@ -327,6 +328,7 @@ class HttpConnection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self.url = b""
         self.headers = []
+        self.head_size = 0
         self.in_head = True
         if self.expiry == _NOTHING:  # a kept-alive connection's next request: its first byte starts the clock
             self._arm()
@@ -336,19 +338,16 @@ class HttpConnection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name.lower(), value))
+        self.head_size += len(name) + len(value) + 4
 
     def on_headers_complete(self) -> None:
         if self.rejected:
             return
         self.in_head = False
         url = self.url
-        # The bytes read so far bound the head's size from above: its exact size is needed only
-        # when they are over the limit (a read that also carried body bytes).
-        if self.header_bytes > self.shared.limits.max_header_bytes:
-            size = len(url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
-            if size > self.shared.limits.max_header_bytes:
-                self._too_large_head()
-                return
+        if self.head_size + len(url) > self.shared.limits.max_header_bytes:
+            self._too_large_head()
+            return
         self.header_bytes = 0
         parser = self.parser
         raw_path, _, query = url.partition(b"?")
@@ -382,7 +381,7 @@ class HttpConnection(asyncio.Protocol):
                     return
             elif name == b"expect" and value.lower() == b"100-continue":
                 expect_continue = True
-        if expect_continue and not self.busy and not self.pipeline:
+        if expect_continue and version != "1.0" and not self.busy and not self.pipeline:  # RFC 9110 10.1.1
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
@@ -658,8 +657,7 @@ class HttpConnection(asyncio.Protocol):
             f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n"
         ).encode("latin-1")
-        date = b"".join(name + b": " + value + b"\r\n" for name, value in self.shared.server_state.default_headers)
-        self.transport.write(head + date + b"\r\n" + body)
+        self.transport.write(head + self._date_lines() + b"\r\n" + body)
         self._linger()
 
     def _bad_request(self) -> None:
@@ -669,13 +667,18 @@ class HttpConnection(asyncio.Protocol):
         logger.warning("Invalid HTTP request received.")
         if not self.busy:
             self.transport.write(
-                b"HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain; charset=utf-8\r\n"
-                b"content-length: %d\r\nconnection: close\r\n\r\n%b" % (len(_BAD_REQUEST), _BAD_REQUEST)
+                b"HTTP/1.1 400 Bad Request\r\n%bcontent-type: text/plain; charset=utf-8\r\n"
+                b"content-length: %d\r\nconnection: close\r\n\r\n%b"
+                % (self._date_lines(), len(_BAD_REQUEST), _BAD_REQUEST)
             )
             self._linger()
         else:
             self.keep_alive = False
             self.pipeline.clear()
+
+    def _date_lines(self) -> bytes:
+        """The server's default headers (its Date) as header lines."""
+        return b"".join(name + b": " + value + b"\r\n" for name, value in self.shared.server_state.default_headers)
 
     def _linger(self) -> None:
         """End our side now, discard what the client still sends, close fully a little later:
@@ -748,7 +751,8 @@ class _AsgiCycle:
             "server": tuple(server[:2]) if isinstance(server, tuple) else None,
             "client": tuple(client[:2]) if isinstance(client, tuple) else None,
             "scheme": "http",
-            "method": request.method,
+            # HEAD is GET without a body (RFC 9110 9.3.2): the app answers GET, the connection drops the body
+            "method": "GET" if request.method == "HEAD" else request.method,
             "root_path": "",
             "path": request.path,
             "raw_path": request.raw_path,
