@@ -413,31 +413,21 @@ def _error_response(path: str, exc: RequestError, metrics: Metrics) -> Response:
 
 class _Head:
     """The request headers the proxy reads, found in one pass; ``forward`` is every end-to-end
-    header (``upstream.forwardable_headers``) less the proxy's own (the tenant header may carry an
-    identity), as the client sent them (names in lower case)."""
+    header (``upstream.forwardable_headers``) as header lines, less the proxy's own (the tenant
+    header may carry an identity) and the Authorization (``authorization``)."""
 
-    __slots__ = ("request_id", "tenant", "priority", "forward")
+    __slots__ = ("request_id", "tenant", "priority", "forward", "authorization")
 
     def __init__(self, headers: list[tuple[bytes, bytes]], own: tuple[bytes, bytes, bytes] | None) -> None:
         """``own``: the proxy's own header names (request id, tenant, priority), or None to keep them."""
+        self.forward, self.authorization, dropped = forwardable_headers(headers, own or ())
         self.request_id = self.tenant = ""
         self.priority: str | None = None
-        forward = forwardable_headers(headers)
-        if own is None:
-            self.forward = forward
-            return
-        kept = []
-        for pair in forward:
-            name = pair[0]
-            if name not in own:
-                kept.append(pair)
-            elif name == b"x-request-id":
-                self.request_id = self.request_id or pair[1].decode("latin-1")
-            elif name == own[1]:
-                self.tenant = self.tenant or pair[1].decode("latin-1")
-            elif self.priority is None:
-                self.priority = pair[1].decode("latin-1")
-        self.forward = kept
+        if dropped and own is not None:
+            self.request_id = dropped.get(b"x-request-id", b"").decode("latin-1")
+            self.tenant = dropped.get(own[1], b"").decode("latin-1")
+            priority = dropped.get(own[2])
+            self.priority = None if priority is None else priority.decode("latin-1")
 
 
 def _clamped_priority(header: str | None, given: int | None, settings: Settings, identity: Identity | None) -> int:
@@ -508,11 +498,6 @@ def _scheduled(state: ProxyState, access: AccessControl, conn: HttpConnection, r
         job.predicted_s = dispatcher.predicted_s(parsed.model, prompt_tokens, predicted_tokens)
         job.bucket = bucket_for(job.predicted_s)
 
-    head.forward.append((b"x-request-id", request_id.encode("latin-1")))
-    upstream_request = UpstreamRequest(
-        "POST", endpoint.path, request.query.decode("latin-1"), head.forward, forward_body,
-        endpoint.dialect, close_connection=parsed.stream,
-    )  # fmt: skip
     # A free slot and nobody waiting: there is no order to decide, so the request goes now and is
     # predicted while the backend works (the prediction still feeds the learner and the metrics).
     if dispatcher.dispatch_at_once(ticket, job):
@@ -524,17 +509,20 @@ def _scheduled(state: ProxyState, access: AccessControl, conn: HttpConnection, r
             predict()
             dispatcher.predicted_at_once(ticket, charged_s)
 
-        exchange = ScheduledExchange(
-            state.scheduling, ticket, conn, upstream_request, stream=parsed.stream, predict_later=predict_later
-        )
-        exchange.start_now()
+        ScheduledExchange(
+            state.scheduling, ticket, conn, headers=head.forward, body=forward_body, query=request.query.decode("latin-1"),
+            authorization=head.authorization, stream=parsed.stream, predict_later=predict_later,
+        ).start_now()  # fmt: skip
         return
     predict()
     dispatcher.submit(ticket, job)
     refiner = state.refiner
     if refiner is not None and job.waiting and not (settings.allow_oracle and "output_tokens" in parsed.proxy_options):
         refiner.want(ticket, parsed.prompt.instruction, lambda: job.waiting)  # a plain read, from its thread
-    ScheduledExchange(state.scheduling, ticket, conn, upstream_request, stream=parsed.stream).wait(state.parking)
+    ScheduledExchange(
+        state.scheduling, ticket, conn, headers=head.forward, body=forward_body, query=request.query.decode("latin-1"),
+        authorization=head.authorization, stream=parsed.stream,
+    ).wait(state.parking)  # fmt: skip
 
 
 def _passthrough(state: ProxyState, access: AccessControl, conn: HttpConnection, request: Request) -> None:
@@ -545,6 +533,7 @@ def _passthrough(state: ProxyState, access: AccessControl, conn: HttpConnection,
     pool = state.pool
     upstream_request = UpstreamRequest(
         request.method, path, request.query.decode("latin-1"), head.forward, body, dialect_of_path(path),
+        authorization=head.authorization,
     )  # fmt: skip
     if len(pool) == 1:
         relay = Relay(pool.first, upstream_request, state.metrics, backend_wait_s=state.settings.backend_wait_s)

@@ -625,22 +625,22 @@ class ProtocolTransport:
         self,
         method: str,
         url: str,
-        headers: list[tuple[bytes, bytes]] | list[tuple[str, str]],
+        headers: bytes | list[tuple[str, str]],
         body: bytes,
         *,
         close_connection: bool,
         first_byte_timeout_s: float | None = None,
     ) -> UpstreamResponse:
-        """``headers``: bytes pairs as the client sent them (str pairs are encoded, latin-1)."""
+        """``headers``: header lines written as they are, or (name, value) pairs (encoded latin-1)."""
         (pool, host), target = self._origin(url)
         if _UNSAFE_TARGET.search(target) is not None:
             target = quote(target, safe="/:@!$&'()*+,;=%?~")
         parts = [_text_bytes(f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n")]
-        for name, value in headers:
-            if isinstance(name, str):
-                parts += (_text_bytes(name), b": ", _text_bytes(str(value)), b"\r\n")
-            elif isinstance(value, bytes):
-                parts += (name, b": ", value, b"\r\n")
+        if isinstance(headers, bytes):
+            parts.append(headers)
+        else:
+            for name, value in headers:
+                parts += (_text_bytes(name), b": ", _text_bytes(value), b"\r\n")
         if body or method in _BODY_METHODS:
             parts.append(b"Content-Length: %d\r\n" % len(body))
         parts += (b"\r\n", body)

@@ -80,14 +80,15 @@ class HttpxTransport:
         self,
         method: str,
         url: str,
-        headers: list[tuple[bytes, bytes]],
+        headers: bytes,
         body: bytes,
         *,
         close_connection: bool,
         first_byte_timeout_s: float | None = None,
     ) -> UpstreamResponse:
         trace = _SendTrace()
-        request = self._client.build_request(method, url, headers=headers, content=body, extensions={"trace": trace})
+        pairs = [(name, value) for name, _, value in (line.partition(b": ") for line in headers.split(b"\r\n") if line)]
+        request = self._client.build_request(method, url, headers=pairs, content=body, extensions={"trace": trace})
         try:
             async with asyncio.timeout(first_byte_timeout_s):
                 return _HttpxResponse(await self._client.send(request, stream=True))

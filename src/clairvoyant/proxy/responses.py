@@ -46,8 +46,8 @@ from clairvoyant.prediction.dialects import Dialect, error_body, stream_error_ev
 from clairvoyant.prediction.usage import Usage, UsageTap
 from clairvoyant.proxy.connection import HttpConnection, resume_connection
 from clairvoyant.proxy.pool import BackendPool, merge_model_lists
-from clairvoyant.proxy.upstream import Upstream, UpstreamResponse, response_headers
-from clairvoyant.scheduling.dispatcher import Dispatcher, ShuttingDown, Ticket
+from clairvoyant.proxy.upstream import Upstream, UpstreamResponse, header_value, response_headers
+from clairvoyant.scheduling.dispatcher import REFUSED, WITHDRAWN, Dispatcher, ShuttingDown, Ticket
 
 __all__ = [
     "MergedListing", "Passthrough", "Relay", "ScheduledExchange", "Scheduling", "UpstreamRequest", "error_body",
@@ -61,6 +61,8 @@ LISTING_TIMEOUT_S = 5.0  # per backend, for a merged model listing
 VLLM_CLASS_STRIDE = 100_000  # vLLM priority = client class x this + predicted tokens (capped below it)
 HOLD_MAX_S = 600.0  # the longest a left client's slot is held waiting for the backend to go idle
 _JSON = (b"content-type", b"application/json")
+_CONTEXT = 3  # ScheduledExchange.flags: the bits of connection.response_context
+_STREAM = 4  # ScheduledExchange.flags: the client asked for a stream
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,10 +72,11 @@ class UpstreamRequest:
     method: str
     path: str
     query: str
-    headers: list[tuple[bytes, bytes]]  # the client's end-to-end headers, names in lower case
+    headers: bytes  # the client's end-to-end header lines (upstream.forwardable_headers)
     body: bytes
     dialect: Dialect
     close_connection: bool = False  # ask the backend to close after answering (streams: see Upstream.open)
+    authorization: bytes | None = None  # the client's Authorization value, if any (see Upstream.open)
 
 
 def error_headers(exc: RequestError, extra: list[tuple[bytes, bytes]] | None = None) -> list[tuple[bytes, bytes]]:
@@ -167,8 +170,9 @@ class Relay:
             self._sent_s = self.now()
             try:
                 response = await self.upstream.open(
-                    r.method, r.path, query=r.query, headers=r.headers, body=r.body, close_connection=r.close_connection
-                )
+                    r.method, r.path, query=r.query, headers=r.headers, authorization=r.authorization, body=r.body,
+                    close_connection=r.close_connection,
+                )  # fmt: skip
             except UpstreamUnavailable as exc:
                 if not exc.never_sent:
                     self._count_backend("failed")
@@ -352,7 +356,7 @@ class Passthrough(_Running):
             if REQUEST_LOG.isEnabledFor(logging.INFO):
                 request = relay.request
                 log_request({
-                    "request_id": next((v.decode("latin-1") for k, v in request.headers if k == b"x-request-id"), "-"),
+                    "request_id": (header_value(request.headers, b"x-request-id") or b"-").decode("latin-1"),
                     "method": request.method,
                     "path": request.path, "status": relay.status or "client_closed", "outcome": "passthrough_" + relay.outcome,
                     "service_ms": f"{(time.monotonic() - started) * 1000:.1f}",
@@ -412,14 +416,17 @@ class ScheduledExchange(_Running):
     """A scheduled request from its arrival to its slot's release.
 
     Waiting, it is this record and its ticket; its client is its live connection or, parked, a
-    file descriptor (``client``). The grant (``ticket.granted``) starts the task that resumes a
+    file descriptor (``client``). The grant (``wait_ended``) starts the task that resumes a
     parked connection, relays the backend's answer and gives the slot back (``Dispatcher.end``):
     exactly once, whatever happens. A relay that drains after its client left keeps running in
     that task (the server waits for it at shutdown; the dispatcher interrupts it after the grace
     period)."""
 
+    # Lean on purpose: a waiting request is this record, its ticket and its body (no request
+    # object until the grant: ``upstream_request``).
     __slots__ = (
-        "shared", "ticket", "client", "context", "server", "request", "predict_later", "relay", "stage", "usage", "mode",
+        "shared", "ticket", "client", "server", "flags", "headers", "body", "query", "authorization", "predict_later",
+        "relay", "stage", "usage",
     )  # fmt: skip
 
     def __init__(
@@ -427,29 +434,48 @@ class ScheduledExchange(_Running):
         shared: Scheduling,
         ticket: Ticket,
         out: HttpConnection,
-        request: UpstreamRequest,
         *,
-        stream: bool,  # the client asked for a stream (decides ``auto``)
+        headers: bytes,  # the end-to-end header lines to forward (the request id's is added at the grant)
+        body: bytes,  # the body to forward
+        query: str = "",
+        authorization: bytes | None = None,  # the client's (see Upstream.open)
+        stream: bool,  # the client asked for a stream (decides ``auto``, asks the backend to close)
         predict_later: Callable[[], None] | None = None,  # dispatched at once: predict while the backend works
     ) -> None:
         super().__init__()
         self.shared = shared
         self.ticket = ticket
         self.client: HttpConnection | int = out  # the connection, or its parked file descriptor
-        self.context = out.response_context  # to frame the answer on a resumed connection
         self.server = out.shared  # what resumes a parked connection (the connection itself is dropped)
-        self.request = request
+        # The answer's framing on a resumed connection (connection.response_context), and the stream bit
+        self.flags = out.response_context | (_STREAM if stream else 0)
+        self.headers = headers
+        self.body = body
+        self.query = query
+        self.authorization = authorization
         self.predict_later = predict_later
         self.relay: Relay | None = None  # made at the grant
         self.stage = "queued"  # queued -> relaying -> done
         self.usage: Usage | None = None
-        # What a client's leaving does (docs/design.md, "Disconnects"): abort closes the backend
-        # connection and frees the slot; drain reads the answer to its end; auto aborts, and for a
-        # non-streamed request then holds the slot until llama.cpp's /slots shows the backend idle
-        # (llama.cpp notices a closed non-streamed request only when nothing else keeps its HTTP
-        # thread busy; a stream it stops within ~0.2 s).
-        mode = shared.disconnect_mode
-        self.mode = "abort" if mode == "auto" and stream else mode
+
+    @property
+    def mode(self) -> str:
+        """What the client's leaving does (docs/design.md, "Disconnects"): abort closes the backend
+        connection and frees the slot; drain reads the answer to its end; auto aborts, and for a
+        non-streamed request then holds the slot until llama.cpp's /slots shows the backend idle
+        (llama.cpp notices a closed non-streamed request only when nothing else keeps its HTTP
+        thread busy; a stream it stops within ~0.2 s)."""
+        mode = self.shared.disconnect_mode
+        return "abort" if mode == "auto" and self.flags & _STREAM else mode
+
+    def upstream_request(self) -> UpstreamRequest:
+        """What goes to the backend: the client's request, with its request id."""
+        ticket = self.ticket
+        headers = self.headers + b"x-request-id: %b\r\n" % ticket.request_id.encode()
+        return UpstreamRequest(
+            "POST", ticket.endpoint, self.query, headers, self.body, Dialect(ticket.dialect),
+            bool(self.flags & _STREAM), self.authorization,
+        )  # fmt: skip
 
     # --- arrival ---------------------------------------------------------------------------------
     def start_now(self) -> None:
@@ -464,19 +490,19 @@ class ScheduledExchange(_Running):
         out = self.client
         assert isinstance(out, HttpConnection)
         out.listener = self
-        self.ticket.granted.add_done_callback(self._granted)
+        self.ticket.waiter = self
         if parking is not None:
             fd = out.park(self)
             if fd is not None:
                 self.client = fd
 
-    def _granted(self, granted: asyncio.Future[int]) -> None:
-        if self.stage != "queued" or granted.cancelled():
-            return  # withdrawn (its client left)
-        error = granted.exception()
-        if error is not None:  # refused while waiting (shutting down)
+    def wait_ended(self, ticket: Ticket) -> None:
+        """The dispatcher ended the ticket's wait (``Waiter``): start the relay, or answer the refusal."""
+        if self.stage != "queued" or ticket.wait == WITHDRAWN:
+            return  # withdrawn (its client left), or a reroute's second grant (awaited in the task)
+        if ticket.wait == REFUSED:  # shutting down
             self.stage = "done"
-            self._refuse(error if isinstance(error, RequestError) else ShuttingDown(str(error)))
+            self._refuse(ticket.refusal or ShuttingDown("the proxy is shutting down; retry"))
             return
         tasks = self.server.server_state.tasks
         task = self.task = asyncio.get_running_loop().create_task(self.run(), name="scheduled")
@@ -491,7 +517,7 @@ class ScheduledExchange(_Running):
         if isinstance(client, int):
             server = self.server
             server.parking.refuse(
-                client, rendered_error(self.request.dialect, error, server.server_state.default_headers)
+                client, rendered_error(Dialect(self.ticket.dialect), error, server.server_state.default_headers)
             )
         else:
             client.listener = None
@@ -561,7 +587,7 @@ class ScheduledExchange(_Running):
                 return None
             return client
         try:
-            out = await resume_connection(self.server, client, self.context)
+            out = await resume_connection(self.server, client, self.flags & _CONTEXT)
         except OSError:
             self._left_queued()
             return None
@@ -614,7 +640,7 @@ class ScheduledExchange(_Running):
         shared = self.shared
         pool = shared.pool
         return Relay(
-            pool.first, self.request, shared.metrics, self._own_headers, self._first_byte,
+            pool.first, self.upstream_request(), shared.metrics, self._own_headers, self._first_byte,
             on_usage=self._record_usage, now=shared.dispatcher.clock.now, model=self.ticket.model,
             backend_wait_s=shared.backend_wait_s, retry_unavailable=True, failover=self._failover,
             on_answered=pool.answered, on_broken=pool.broken,
@@ -628,7 +654,7 @@ class ScheduledExchange(_Running):
         assert relay is not None
         shared = self.shared
         relay.upstream = shared.pool.members[backend].upstream
-        request = self.request
+        request = relay.request
         if shared.vllm_priority and shared.pool.kind_of(backend) == "vllm":
             ticket = self._predicted()
             priority = ticket.job.priority * VLLM_CLASS_STRIDE + min(

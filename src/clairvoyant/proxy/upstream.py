@@ -28,7 +28,7 @@ import errno
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Container, Iterable
 from typing import Any, Literal, Protocol
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -36,7 +36,7 @@ from clairvoyant.errors import RequestError, UpstreamTimeout, UpstreamUnavailabl
 
 __all__ = [
     "HOP_BY_HOP", "FirstByteTimeout", "Transport", "TransportError", "Upstream", "UpstreamResponse",
-    "forwardable_headers", "redact_url", "response_headers",
+    "forwardable_headers", "header_value", "redact_url", "response_headers",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -84,21 +84,49 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"***@{host}"))
 
 
-def forwardable_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """A request's end-to-end headers only, names in lower case: drops hop-by-hop ones, those
+def forwardable_headers(
+    headers: Iterable[tuple[bytes, bytes]], drop: Container[bytes] = ()
+) -> tuple[bytes, bytes | None, dict[bytes, bytes]]:
+    """A request's end-to-end headers rendered as header lines (``name: value\\r\\n``, names in
+    lower case: what the backend client writes as they are), its Authorization value (None:
+    none; kept apart, a backend's own credentials replace it), and the first value of each header
+    in ``drop`` (the proxy's own: read, not forwarded). Dropped too: hop-by-hop headers, those
     named in Connection, and Content-Length (the body is re-sent whole, with its own length)."""
-    out = []
+    kept = []
+    dropped: dict[bytes, bytes] = {}
+    authorization: bytes | None = None
     named: list[bytes] | None = None
     for name, value in headers:
         name = name.lower()
         if name in _NOT_FORWARDED:
             if name == b"connection":
                 named = (named or []) + [token.strip().lower() for token in value.split(b",")]
-            continue
-        out.append((name, value))
+        elif name in drop:
+            dropped.setdefault(name, value)
+        elif name == b"authorization":
+            authorization = value if authorization is None else authorization
+        else:
+            kept.append((name, value))
     if named:
-        return [(k, v) for k, v in out if k not in named]
-    return out
+        kept = [(k, v) for k, v in kept if k not in named]
+        if b"authorization" in named:
+            authorization = None
+    return b"".join([b"%b: %b\r\n" % pair for pair in kept]), authorization, dropped
+
+
+def _rendered(pairs: Iterable[tuple[str, str]]) -> bytes:
+    return b"".join([b"%b: %b\r\n" % (_header_bytes(name), _header_bytes(value)) for name, value in pairs])
+
+
+def header_value(lines: bytes, name: bytes) -> bytes | None:
+    """The value of header ``name`` (lower case) in rendered header lines, or None."""
+    at = lines.find(name + b": ")
+    while at > 0 and lines[at - 1 : at] != b"\n":  # not at a line's start: part of another line
+        at = lines.find(name + b": ", at + 1)
+    if at < 0:
+        return None
+    start = at + len(name) + 2
+    return lines[start : lines.find(b"\r\n", start)]
 
 
 def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -195,14 +223,15 @@ class Transport(Protocol):
         self,
         method: str,
         url: str,
-        headers: list[tuple[bytes, bytes]],
+        headers: bytes,
         body: bytes,
         *,
         close_connection: bool,
         first_byte_timeout_s: float | None = None,
     ) -> UpstreamResponse:
-        """Raises ``TransportError``; ``timeout`` with a ``FirstByteTimeout`` cause when no answer's
-        head came within ``first_byte_timeout_s`` of sending."""
+        """``headers``: header lines, written as they are (Host and Content-Length are the
+        transport's). Raises ``TransportError``; ``timeout`` with a ``FirstByteTimeout`` cause when
+        no answer's head came within ``first_byte_timeout_s`` of sending."""
         ...
 
     async def aclose(self) -> None: ...
@@ -232,13 +261,13 @@ class Upstream:
         # Credentials in the URL become an Authorization header: the URL the client library holds
         # (and may log) has none. The backend's own key (``api_key``) wins over them.
         parts = urlsplit(base_url.rstrip("/"))
-        self._authorization: tuple[bytes, bytes] | None = None
+        self._authorization: bytes | None = None  # the backend's own Authorization value
         if parts.username is not None or parts.password is not None:
             userinfo = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
-            self._authorization = (b"authorization", b"Basic " + base64.b64encode(userinfo.encode()))
+            self._authorization = b"Basic " + base64.b64encode(userinfo.encode())
             parts = parts._replace(netloc=parts.netloc.rsplit("@", 1)[1])
         if api_key is not None:
-            self._authorization = (b"authorization", b"Bearer " + _header_bytes(api_key))
+            self._authorization = b"Bearer " + _header_bytes(api_key)
         self.base_url = urlunsplit(parts)
         self.down_since_s: float | None = None  # time.monotonic() of the first refused connection of an outage
         self.first_byte_timeout_s = first_byte_timeout_s
@@ -269,7 +298,8 @@ class Upstream:
         path: str,
         *,
         query: str = "",
-        headers: Iterable[tuple[bytes, bytes]] = (),
+        headers: bytes | Iterable[tuple[str, str]] = b"",
+        authorization: bytes | None = None,
         body: bytes = b"",
         close_connection: bool = False,
     ) -> UpstreamResponse:
@@ -280,19 +310,21 @@ class Upstream:
         saying so, and a request sent on it in that instant would meet a close it cannot tell
         from a backend that read it and died); the proxy closes it too, never pooling it.
 
-        ``headers``: the end-to-end headers to forward (``forwardable_headers``: names in lower
-        case, no hop-by-hop ones, no Content-Length).
+        ``headers``: the end-to-end header lines to forward (``forwardable_headers``: no
+        hop-by-hop ones, no Content-Length, no Authorization), or (name, value) pairs of such
+        headers; ``authorization``: the client's, sent unless the backend has credentials of its own.
 
         Raises ``UpstreamUnavailable`` (``never_sent`` when the connection could not be opened) or
         ``UpstreamTimeout``.
         """
         url = self.base_url + path + (f"?{query}" if query else "")
-        forwarded = list(headers)
+        forwarded = headers if isinstance(headers, bytes) else _rendered(headers)
         if self._authorization is not None:  # the backend's own credentials replace the client's
-            forwarded = [(k, v) for k, v in forwarded if k != b"authorization"]
-            forwarded.append(self._authorization)
+            forwarded += b"authorization: %b\r\n" % self._authorization
+        elif authorization is not None:
+            forwarded += b"authorization: %b\r\n" % authorization
         if close_connection:
-            forwarded.append((b"connection", b"close"))
+            forwarded += b"connection: close\r\n"
         send = self._transport.send
         first_byte_timeout_s = self.first_byte_timeout_s
         for attempt in range(UNREAD_RETRIES + 1):

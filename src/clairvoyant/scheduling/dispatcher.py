@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from clairvoyant.clock import Clock
 from clairvoyant.errors import QueueFull, RequestError
@@ -51,7 +51,10 @@ from clairvoyant.scheduling.routing import Backend, choose
 from clairvoyant.scheduling.service_time import ServiceTimeModel, write_state
 from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
 
-__all__ = ["Backend", "Dispatcher", "Lease", "ModelNotServed", "ShuttingDown", "Ticket"]
+__all__ = [
+    "GRANTED", "REFUSED", "WAITING", "WITHDRAWN", "Backend", "Dispatcher", "Lease", "ModelNotServed", "ShuttingDown",
+    "Ticket", "Waiter",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +94,26 @@ class ModelNotServed(RequestError):
     code = "model_not_found"
 
 
+WAITING, GRANTED, WITHDRAWN, REFUSED = 0, 1, 2, 3  # how a ticket's wait for a slot ended (Ticket.wait)
+
+
+class Waiter(Protocol):
+    """Told when a ticket's wait for a slot ends (``Ticket.wait``), on the event loop. A ticket
+    waiting with a waiter holds no task and no future."""
+
+    def wait_ended(self, ticket: Ticket) -> None: ...
+
+
+def _settle(future: asyncio.Future[int], ticket: Ticket) -> None:
+    if ticket.wait == GRANTED:
+        future.set_result(-1 if ticket.backend is None else ticket.backend)
+    elif ticket.wait == REFUSED:
+        future.set_exception(ticket.refusal or ShuttingDown("the proxy is shutting down; retry"))
+        future.exception()  # marked retrieved: a lease that still waits raises it anyway
+    else:
+        future.cancel()
+
+
 @dataclass(slots=True, eq=False)
 class Ticket:
     """One scheduled request, from arrival to release. Its queue record is ``job``. Slotted and
@@ -103,8 +126,11 @@ class Ticket:
     prediction: Prediction | None  # None only between an at-once dispatch and its prediction (see dispatch_at_once)
     prompt_tokens: int  # estimated prompt tokens (service-time model input)
     job: Job[Ticket] = field(init=False)
-    # The index of the backend granted (a new future when rerouted).
-    granted: asyncio.Future[int] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    # How its wait for a slot ended: WAITING (or waiting again, rerouted), GRANTED, WITHDRAWN or REFUSED.
+    wait: int = WAITING
+    waiter: Waiter | None = None  # told when the wait ends (the proxy's exchange: no task waits)
+    refusal: RequestError | None = None  # why it was REFUSED
+    _future: asyncio.Future[int] | None = None  # ``granted``, made on first use
     backend: int | None = None  # the granted backend's index in the pool
     slot: int | None = None  # the granted slot, on that backend
     dispatched_s: float | None = None  # clock seconds when a slot was granted
@@ -117,6 +143,27 @@ class Ticket:
     # Dispatched at once while learning with an encoder: its instruction, which the learner's
     # encoder pass reads after it completes (a waiting request's components come with its refinement).
     instruction: str | None = None
+
+    @property
+    def granted(self) -> asyncio.Future[int]:
+        """The wait as a future (made on first use, for ``await``): the granted backend's index,
+        the refusal (``ShuttingDown``), or cancelled when withdrawn. A new one after ``reroute``."""
+        future = self._future
+        if future is None:
+            future = self._future = asyncio.get_running_loop().create_future()
+            if self.wait != WAITING:
+                _settle(future, self)
+        return future
+
+    def end_wait(self, outcome: int, refusal: RequestError | None = None) -> None:
+        """The wait ends with ``outcome`` (GRANTED, WITHDRAWN or REFUSED): the future, if one was
+        made, is settled and the waiter told, at once."""
+        self.wait = outcome
+        self.refusal = refusal
+        if self._future is not None and not self._future.done():
+            _settle(self._future, self)
+        if self.waiter is not None:
+            self.waiter.wait_ended(self)
 
     @property
     def predicted_class(self) -> str:
@@ -234,9 +281,8 @@ class Dispatcher:
         ticket.held_back = False
         self.queue.done(ticket.job)
         self._end_waiting(ticket)
-        if not ticket.granted.done():
-            ticket.granted.set_exception(ShuttingDown("the proxy is shutting down; retry"))
-            ticket.granted.exception()  # marked retrieved: a lease that still waits raises it anyway
+        if ticket.wait == WAITING:
+            ticket.end_wait(REFUSED, ShuttingDown("the proxy is shutting down; retry"))
 
     def _interrupt_running(self) -> None:
         for ticket in self._all_running():
@@ -339,7 +385,7 @@ class Dispatcher:
     def reroute(self, ticket: Ticket) -> bool:
         """The ticket's backend refused the connection: nothing was sent. Mark that backend
         unhealthy; when another backend serving the ticket's model is healthy, give the slot back
-        and put the ticket first in line for that one (``ticket.granted`` is a new future: await it),
+        and put the ticket first in line for that one (it waits again: await ``regranted``),
         and return True. Otherwise False: the ticket keeps its slot (the caller waits for its
         backend to come back)."""
         assert ticket.backend is not None and ticket.slot is not None
@@ -350,7 +396,8 @@ class Dispatcher:
         ticket.refused_by = (*ticket.refused_by, ticket.backend)
         self._free_slot(ticket)
         ticket.backend = ticket.slot = None
-        ticket.granted = asyncio.get_running_loop().create_future()
+        ticket.wait = WAITING
+        ticket._future = None  # a new wait
         ticket.held_back = True
         self._held_back.appendleft(ticket)
         self._schedule_pump()
@@ -467,11 +514,10 @@ class Dispatcher:
             self._end_waiting(ticket)
             self.metrics.disconnects_by_stage["queued"].inc()
             self._recent.append((ticket, self.clock.now(), "left_queued", None))
-            if not ticket.granted.done():
-                ticket.granted.cancel()
+            if ticket.wait == WAITING:
+                ticket.end_wait(WITHDRAWN)
             return
-        granted = ticket.granted
-        if granted.done() and not granted.cancelled() and granted.exception() is None:
+        if ticket.wait == GRANTED:
             ticket.ended = True
             completed = lease is not None and lease.completed
             usage = None if lease is None else lease.usage
@@ -592,7 +638,7 @@ class Dispatcher:
                 ticket = job.payload
                 if promoted:
                     self.metrics.starvation_promotions.inc()
-                if ticket.granted.done():  # cancelled in between: nothing to run
+                if ticket.wait != WAITING:  # withdrawn in between: nothing to run
                     self._end_waiting(ticket)
                     self.queue.done(job)
                     continue
@@ -625,7 +671,7 @@ class Dispatcher:
         self.metrics.in_flight.inc()
         self._in_flight_gauges[index].inc()
         self._grants += 1
-        ticket.granted.set_result(index)
+        ticket.end_wait(GRANTED)
 
     # -- positions and ETAs -------------------------------------------------------------------
     def _slot_free_in_s(self, now: float) -> list[list[float]]:

@@ -129,23 +129,28 @@ Rank = Callable[[Job[Any], float], Any]  # (job, now) -> comparable; lower goes 
 
 
 class HeapQueue(Generic[T]):
-    """Keys fixed at push: a min-heap of ``(key, seq, job)``."""
+    """Keys fixed at push: a min-heap of ``(key, seq, job)``, a tuple key flattened into the entry
+    (``(*key, seq, job)``: the same order, one tuple a waiting job instead of two)."""
 
     def __init__(self, key: Key) -> None:
         self.key = key
-        self._heap: list[tuple[Any, int, Job[T]]] = []
+        self._heap: list[tuple[Any, ...]] = []  # (*key, seq, job)
         self._live = 0
 
     def __len__(self) -> int:
         return self._live
 
     def __iter__(self) -> Iterator[Job[T]]:
-        return (entry[2] for entry in self._heap if entry[2].waiting)
+        return (entry[-1] for entry in self._heap if entry[-1].waiting)
 
     def push(self, job: Job[T]) -> None:
         job.waiting = True
-        heapq.heappush(self._heap, (self.key(job), job.seq, job))
+        heapq.heappush(self._heap, self._entry(job))
         self._live += 1
+
+    def _entry(self, job: Job[T]) -> tuple[Any, ...]:
+        key = self.key(job)
+        return (*key, job.seq, job) if type(key) is tuple else (key, job.seq, job)
 
     def remove(self, job: Job[T]) -> bool:
         if not job.waiting:
@@ -153,15 +158,15 @@ class HeapQueue(Generic[T]):
         job.waiting = False  # lazily dropped when it surfaces
         self._live -= 1
         if len(self._heap) > 64 and len(self._heap) > 2 * self._live:
-            self._heap = [entry for entry in self._heap if entry[2].waiting]
+            self._heap = [entry for entry in self._heap if entry[-1].waiting]
             heapq.heapify(self._heap)
         return True
 
     def peek(self, now: float) -> tuple[Job[T], bool] | None:
         heap = self._heap
-        while heap and not heap[0][2].waiting:
+        while heap and not heap[0][-1].waiting:
             heapq.heappop(heap)
-        return (heap[0][2], False) if heap else None
+        return (heap[0][-1], False) if heap else None
 
     def pop(self, now: float) -> tuple[Job[T], bool] | None:
         head = self.peek(now)
@@ -184,13 +189,13 @@ class HeapQueue(Generic[T]):
         # O(n): a job is re-keyed at most once (the encoder's pace), and a lazy second entry
         # would need a version on every entry. heapify restores the order around the new key.
         for i, entry in enumerate(heap):
-            if entry[2] is job:
-                heap[i] = (self.key(job), job.seq, job)
+            if entry[-1] is job:
+                heap[i] = self._entry(job)
                 heapq.heapify(heap)
                 return
 
     def ordered(self, now: float) -> list[Job[T]]:
-        return [entry[2] for entry in sorted(e for e in self._heap if e[2].waiting)]
+        return [entry[-1] for entry in sorted(e for e in self._heap if e[-1].waiting)]
 
     def sort_key(self, job: Job[T], now: float) -> tuple[Any, int]:
         """The job's place in this queue's order (lower = sooner)."""
