@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import random
+from typing import Any
 
 import pytest
 
@@ -352,3 +354,65 @@ def test_rekeyed_in_a_scan_queue_ranks_by_the_new_fields() -> None:
     short.predicted_s = 100.0
     q.rekeyed(short)
     assert drain(q, now=5.0) == ["long", "short"]
+
+
+def _at_once_run(seed: int, *, take_now: bool) -> list[Any]:
+    """Random arrivals, pops, completions and re-pricings; an arrival that finds nothing waiting is
+    dispatched at once (as the dispatcher does), by ``take_now`` or by push then pop. What the queue
+    says after each step."""
+    rng = random.Random(seed)
+    name = POLICY_NAMES[seed % len(POLICY_NAMES)]
+    q = build_queue(
+        make_policy(name),
+        starvation_timeout_s=rng.choice([math.inf, 0.5, 2.0]),
+        starvation_slowdown=rng.choice([0.0, 1.5]),
+        fair_share=rng.random() < 0.7,
+        tenant_weights=rng.choice([None, {"a": 2.0}]),
+    )
+    now, n, out = 0.0, 0, []
+    running: list[Job[int]] = []
+    for _ in range(rng.randint(5, 120)):
+        now += rng.choice([0.0, 0.1, 0.7, 3.0])
+        op = rng.random()
+        if op < 0.45:
+            job = Job(n, now, score=rng.random(), predicted_s=rng.choice([0.1, 1.0, 5.0]), priority=rng.choice([0, 1]))
+            job.tenant = rng.choice(["", "a", "b"])
+            n += 1
+            if len(q) == 0 and rng.random() < 0.7:  # a free slot and nobody waiting
+                if take_now:
+                    q.take_now(job, now)
+                else:
+                    q.push(job)
+                    got = q.pop(now)
+                    assert got is not None and got[0] is job
+                running.append(job)
+                out.append(("at once", job.payload, job.waiting))
+            else:
+                q.push(job)
+        elif op < 0.7:
+            got = q.pop(now)
+            out.append(None if got is None else (got[0].payload, got[1]))
+            if got is not None:
+                running.append(got[0])
+        elif running:
+            j = running.pop(rng.randrange(len(running)))
+            if rng.random() < 0.3:
+                old = j.predicted_s
+                j.predicted_s = rng.choice([0.2, 4.0])
+                q.repriced(j, old)
+            q.done(j)
+        tags = sorted(q.tenants.items(), key=str) if isinstance(q, FairShareQueue) else None
+        out.append((len(q), [j.payload for j in q.ordered(now)], tags))
+    return out
+
+
+def test_take_now_leaves_the_queue_as_push_then_pop() -> None:
+    for seed in range(400):
+        assert _at_once_run(seed, take_now=True) == _at_once_run(seed, take_now=False), seed
+
+
+def test_take_now_refuses_a_fair_share_queue_with_jobs_waiting() -> None:
+    q = build_queue(make_policy("sjf"), fair_share=True)
+    q.push(Job("waits", 0.0))
+    with pytest.raises(RuntimeError):
+        q.take_now(Job("late", 1.0), 1.0)

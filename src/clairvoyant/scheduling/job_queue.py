@@ -101,6 +101,11 @@ class JobQueue(Protocol[T]):
         """What ``pop(now)`` would return, without removing it."""
         ...
 
+    def take_now(self, job: Job[T], now: float) -> None:
+        """``push(job)`` then ``pop(now)``, which gives ``job``, when no job waits: the same state,
+        without the work (a request that finds a slot free and nobody waiting)."""
+        ...
+
     def done(self, job: Job[T]) -> None:
         """A job this queue popped has left the backend (finished, failed, or was never run)."""
         ...
@@ -147,6 +152,9 @@ class HeapQueue(Generic[T]):
         job.waiting = True
         heapq.heappush(self._heap, self._entry(job))
         self._live += 1
+
+    def take_now(self, job: Job[T], now: float) -> None:
+        job.waiting = False  # pushed and popped: the heap is as it was
 
     def _entry(self, job: Job[T]) -> tuple[Any, ...]:
         key = self.key(job)
@@ -234,6 +242,9 @@ class ScanQueue(Generic[T]):
         job.waiting = False
         del self._jobs[job.seq]
         return True
+
+    def take_now(self, job: Job[T], now: float) -> None:
+        job.waiting = False
 
     def peek(self, now: float) -> tuple[Job[T], bool] | None:
         if not self._jobs:
@@ -337,6 +348,11 @@ class StarvationGuard(Generic[T]):
         self.inner.push(job)
         if not math.isinf(self.timeout_s):
             heapq.heappush(self._pending, (job.deadline_s, job.seq, job))
+
+    def take_now(self, job: Job[T], now: float) -> None:
+        # push's deadline, as if it had waited; no deadline entry (it would only linger, popped)
+        job.deadline_s = self._clock_s(job.arrival_s) + self.timeout_s + self.slowdown_now() * job.predicted_s
+        self.inner.take_now(job, now)
 
     def remove(self, job: Job[T]) -> bool:
         removed = self.inner.remove(job)
@@ -579,6 +595,22 @@ class FairShareQueue(Generic[T]):
         tenant.queue.push(job)
         tenant.waiting += 1
         self._live += 1
+
+    def take_now(self, job: Job[T], now: float) -> None:
+        """``push`` then ``pop``: the tenant active, charged from the virtual time, the job in service."""
+        if self._live:
+            raise RuntimeError("take_now while jobs wait: push and pop instead")
+        self._tick(job.arrival_s)  # push's tick, then pop's: no tenant was waiting in between but this one
+        self._tick(now)
+        name = self.tenant_of(job)
+        tenant = self._tenants.get(name)
+        if tenant is None:
+            tenant = self._tenants[name] = self._activate(name)
+        tenant.served_s = max(tenant.served_s, self._virtual_s)  # in service only: keeps its tag
+        tenant.queue.take_now(job, now)
+        self._virtual_s = tenant.served_s
+        tenant.served_s += job.predicted_s / tenant.weight
+        tenant.in_flight.add(job.seq)
 
     def _activate(self, name: Hashable) -> _Tenant[T]:
         """A tenant that becomes active: a spare one's queues (as new), else new ones."""

@@ -127,6 +127,10 @@ class _NotingHeap(HeapQueue[Any]):
         self.table.note_arrival(job.arrival_s)
         super().push(job)
 
+    def take_now(self, job: Job[Any], now: float) -> None:
+        self.table.note_arrival(job.arrival_s)
+        super().take_now(job, now)
+
 
 @dataclass(slots=True)
 class HrrnPolicy:
