@@ -15,8 +15,7 @@ class Clock(Protocol):
 
 
 class MonotonicClock:
-    def now(self) -> float:
-        return time.monotonic()
+    now = staticmethod(time.monotonic)  # the C function itself: no Python frame per reading (several a request)
 
 
 class ManualClock:

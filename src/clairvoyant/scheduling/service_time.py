@@ -107,9 +107,10 @@ class ServiceTimeModel:
     def predict_s(self, model: str | None, prompt_tokens: float, output_tokens: float) -> float:
         """Predicted service seconds (never below 10 ms)."""
         rls = self._get(model)
-        theta = rls.theta if rls is not None else self._fresh().theta
-        x = self._x(prompt_tokens, output_tokens)
-        return max(_MIN_SERVICE_S, sum(theta[i] * x[i] for i in range(3)))
+        t0, t1, t2 = rls.theta if rls is not None else self._fresh().theta
+        _, x1, x2 = self._x(prompt_tokens, output_tokens)
+        # t0 * 1.0 + ...: the sum of theta . x in the order sum() took it, so the same float
+        return max(_MIN_SERVICE_S, t0 * 1.0 + t1 * x1 + t2 * x2)
 
     def observe(self, model: str | None, prompt_tokens: int, output_tokens: int, duration_s: float) -> None:
         """A completed request: its token counts and how long the backend took, in seconds."""
