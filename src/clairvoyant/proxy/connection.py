@@ -441,14 +441,24 @@ class HttpConnection(asyncio.Protocol):
         return task
 
     # --- writing an answer -----------------------------------------------------------------------
-    def start(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes = b"", *, end: bool = False) -> None:
+    def start(
+        self,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes = b"",
+        *,
+        end: bool = False,
+        lines: bytes = b"",
+        length: int = -1,
+    ) -> None:
         """The answer's status line and headers (names in lower case), and its first body bytes if
         they are at hand: written together, now when there is a body or ``end``, else at the first
-        ``write`` or ``flush``. ``end``: ``body`` is the whole answer. Headers the connection owns
-        (Date, Connection, Transfer-Encoding) must not be among ``headers``."""
+        ``write`` or ``flush``. ``end``: ``body`` is the whole answer. ``lines``: more headers,
+        rendered (``name: value\\r\\n`` each), with ``length`` their Content-Length (-1: none).
+        Headers the connection owns (Date, Connection, Transfer-Encoding) must not be among them."""
         self.out_started = True
         self.chunked = False
-        self.remaining = -1
+        self.remaining = length
         self.no_body = self.head_only or status in _NO_BODY_STATUSES or status < 200
         parts = [_STATUS_LINES.get(status) or f"HTTP/1.1 {status} \r\n".encode()]
         for name, value in self.shared.server_state.default_headers:
@@ -457,6 +467,8 @@ class HttpConnection(asyncio.Protocol):
             if name == b"content-length":
                 self.remaining = int(value) if value.isdigit() else -1
             parts += (name, b": ", value, b"\r\n")
+        if lines:
+            parts.append(lines)
         if not self.no_body and self.remaining < 0:
             if end:  # the whole body is here: give it a length
                 self.remaining = len(body)
@@ -514,10 +526,10 @@ class HttpConnection(asyncio.Protocol):
                 self.transport.write(head + data if head else data)
         self._answered()
 
-    def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        """A whole answer at once (with its Content-Length)."""
+    def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes, lines: bytes = b"") -> None:
+        """A whole answer at once (with its Content-Length); ``lines`` as in ``start``."""
         if self.busy:
-            self.start(status, [*headers, (b"content-length", str(len(body)).encode())], body, end=True)
+            self.start(status, headers, body, end=True, lines=lines)
 
     def cut(self) -> None:
         """End a broken answer: close the connection (the client sees it cut short)."""

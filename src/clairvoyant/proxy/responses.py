@@ -61,6 +61,10 @@ LISTING_TIMEOUT_S = 5.0  # per backend, for a merged model listing
 VLLM_CLASS_STRIDE = 100_000  # vLLM priority = client class x this + predicted tokens (capped below it)
 HOLD_MAX_S = 600.0  # the longest a left client's slot is held waiting for the backend to go idle
 _JSON = (b"content-type", b"application/json")
+_OWN_HEADERS = (
+    b"x-request-id: %b\r\nx-clairvoyant-backend: %b\r\nx-clairvoyant-queue-wait-ms: %b\r\n"
+    b"x-clairvoyant-predicted-tokens: %.0f\r\nx-clairvoyant-predicted-class: %b\r\nx-clairvoyant-predicted-s: %.3f\r\n"
+)  # a scheduled answer's own headers (ScheduledExchange._own_headers)
 _CONTEXT = 3  # ScheduledExchange.flags: the bits of connection.response_context
 _STREAM = 4  # ScheduledExchange.flags: the client asked for a stream
 
@@ -79,12 +83,10 @@ class UpstreamRequest:
     authorization: bytes | None = None  # the client's Authorization value, if any (see Upstream.open)
 
 
-def error_headers(exc: RequestError, extra: list[tuple[bytes, bytes]] | None = None) -> list[tuple[bytes, bytes]]:
+def error_headers(exc: RequestError) -> list[tuple[bytes, bytes]]:
     """An error answer's headers (its Content-Length comes with ``respond``)."""
     headers = [_JSON]
     headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
-    if extra:
-        headers += extra
     return headers
 
 
@@ -116,7 +118,7 @@ class Relay:
     upstream: Upstream
     request: UpstreamRequest
     metrics: Metrics
-    extra_headers: Callable[[], list[tuple[bytes, bytes]]] = lambda: []  # the proxy's own, lower-case names
+    extra_headers: Callable[[], bytes] = lambda: b""  # the proxy's own, as header lines
     on_first_byte: Callable[[], None] = lambda: None
     # Called once with what the backend produced, when a 2xx answer has fully arrived (None: not read).
     on_usage: Callable[[Usage], None] | None = None
@@ -214,8 +216,8 @@ class Relay:
     async def _relay_body(self, response: UpstreamResponse, out: HttpConnection) -> None:
         self.status = status = response.status_code
         self._content_type = response.header(b"content-type")
-        headers = response_headers(response.raw_headers)
-        headers += self.extra_headers()
+        lines, length = response_headers(response.raw_headers)
+        lines += self.extra_headers()
         tap = UsageTap(self._content_type) if self.on_usage is not None and 200 <= status < 300 else None
         # What the backend sent with its head goes out with ours, in one write; an answer already
         # whole (a JSON answer) goes out whole.
@@ -228,10 +230,10 @@ class Relay:
             self._usage(tap)
             self.outcome = "completed" if not self.client_gone else "client_left_streaming"
             if not self.client_gone:
-                out.start(status, headers, ready, end=True)
+                out.start(status, [], ready, end=True, lines=lines, length=length)
             return
         if not self.client_gone:
-            out.start(status, headers, ready)
+            out.start(status, [], ready, lines=lines, length=length)
             if not ready:
                 out.flush()  # the head now: a stream's first token may be seconds away
         first = not ready
@@ -298,7 +300,7 @@ class Relay:
 
     def send_error(self, out: HttpConnection, exc: RequestError) -> None:
         self.status = exc.status_code
-        out.respond(exc.status_code, error_headers(exc, self.extra_headers()), error_body(self.request.dialect, exc))
+        out.respond(exc.status_code, error_headers(exc), error_body(self.request.dialect, exc), self.extra_headers())
 
     def _count_backend(self, outcome: str) -> None:
         self.metrics.count_backend_request(self.upstream.name, outcome)
@@ -713,24 +715,21 @@ class ScheduledExchange(_Running):
             except Exception:  # the answer is already relayed: a failing observer must not break it
                 logger.exception("request_id=%s: recording usage failed", self.ticket.request_id)
 
-    def _own_headers(self) -> list[tuple[bytes, bytes]]:
+    def _own_headers(self) -> bytes:
         ticket = self._predicted()
-        wait = ticket.queue_wait_s()
         prediction = ticket.prediction
         assert prediction is not None and self.relay is not None
-        headers = [
-            (b"x-request-id", ticket.request_id.encode("latin-1")),
-            (b"x-clairvoyant-backend", self.relay.upstream.name.encode("latin-1")),
-            (b"x-clairvoyant-queue-wait-ms", b"" if wait is None else b"%.1f" % (wait * 1000)),
-            (b"x-clairvoyant-predicted-tokens", b"%.0f" % prediction.predicted_tokens),
-            (b"x-clairvoyant-predicted-class", ticket.predicted_class.encode()),
-            (b"x-clairvoyant-predicted-s", b"%.3f" % ticket.job.predicted_s),
-        ]
-        if prediction.p_long is not None:  # class models only
-            headers.append((b"x-clairvoyant-p-long", b"%.4f" % prediction.p_long))
+        wait = ticket.queue_wait_s()
+        lines = _OWN_HEADERS % (
+            ticket.request_id.encode(), self.relay.upstream.name.encode("latin-1"),
+            b"" if wait is None else b"%.1f" % (wait * 1000), prediction.predicted_tokens,
+            prediction.predicted_class.encode(), ticket.job.predicted_s,
+        )  # fmt: skip
+        if prediction.probabilities is not None:  # class models only
+            lines += b"x-clairvoyant-p-long: %.4f\r\n" % prediction.probabilities[2]
         if ticket.queue_position is not None:
-            headers.append((b"x-clairvoyant-queue-position", b"%d" % ticket.queue_position))
-        return headers
+            lines += b"x-clairvoyant-queue-position: %d\r\n" % ticket.queue_position
+        return lines
 
     def _first_byte(self) -> None:
         self.shared.metrics.ttft_by_class[self.ticket.predicted_class].observe(

@@ -129,22 +129,27 @@ def header_value(lines: bytes, name: bytes) -> bytes | None:
     return lines[start : lines.find(b"\r\n", start)]
 
 
-def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """The backend's end-to-end response headers (lower-case names), less its Date (the proxy's
-    server sets one; its Server header is off, so the backend's stays the only one).
-    Content-Length is kept: the body is relayed byte for byte."""
+def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> tuple[bytes, int]:
+    """The backend's end-to-end response headers as header lines (lower-case names), less its Date
+    (the proxy's server sets one; its Server header is off, so the backend's stays the only one),
+    and its Content-Length (-1: none). Content-Length is kept: the body is relayed byte for byte."""
     out = []
     named: list[bytes] | None = None
+    length = -1
     for name, value in raw:
         name = name.lower()
         if name in HOP_BY_HOP or name == b"date":
             if name == b"connection":
                 named = (named or []) + [token.strip().lower() for token in value.split(b",")]
             continue
+        if name == b"content-length":
+            length = int(value) if value.isdigit() else -1
         out.append((name, value))
     if named:
-        return [(k, v) for k, v in out if k not in named]
-    return out
+        out = [(k, v) for k, v in out if k not in named]
+        if b"content-length" in named:
+            length = -1
+    return b"".join([b"%b: %b\r\n" % pair for pair in out]), length
 
 
 class FirstByteTimeout(TimeoutError):
