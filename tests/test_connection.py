@@ -588,3 +588,35 @@ def test_a_client_that_leaves_while_queued_is_withdrawn_and_never_sent() -> None
     assert after.status == 200 and after.json() == {"ok": True, "n": 1}  # the leaver took no turn
     assert delivered_texts(backend) == ["held", "after"]
     assert snapshot["waiting"] == [] and snapshot["in_flight"] == []
+
+
+@pytest.mark.parametrize("park", [True, False])
+def test_a_waiting_request_is_parked_and_its_answer_comes_on_the_resumed_connection(park: bool) -> None:
+    # park_waiting: the waiting client's connection is a bare fd in the parking lot (counted by
+    # clairvoyant_parked_connections), resumed at its grant; off, it stays a live connection.
+    held = threading.Event()
+    release = threading.Event()
+
+    def script(path: str, n: int) -> Any:
+        if path == CHAT and n == 0:
+            held.set()
+            release.wait(READ_TIMEOUT_S)
+        return "ok"
+
+    with FakeBackend(script) as backend, serve(backend, slots=1, park_waiting=park) as base:
+        with RawClient(base) as first, RawClient(base) as waiter:
+            first.send(request("POST", CHAT, chat_body("held")))
+            wait_until(held.is_set, what="the first request at the backend")
+            waiter.send(request("POST", CHAT, chat_body("waits"), headers=("X-Request-Id: waits",)))
+            wait_until(lambda: len(queue_snapshot(base)["waiting"]) == 1, what="the second request waiting")
+            parked = metric_value(base, "clairvoyant_parked_connections")
+            release.set()
+            assert first.read_answer().status == 200
+            answer = waiter.read_answer()
+            waiter.send(request("GET", "/healthz"))  # the resumed connection is kept alive
+            again = waiter.read_answer()
+        after = metric_value(base, "clairvoyant_parked_connections")
+    assert parked == (1 if park else 0) and after == 0
+    assert answer.status == 200 and answer.json() == {"ok": True, "n": 1}
+    assert answer.values("x-request-id") == ["waits"] and float(answer.values("x-clairvoyant-queue-wait-ms")[0]) > 0
+    assert again.status == 200

@@ -337,6 +337,11 @@ class Metrics:
             "Observed requests in the rolling prediction-quality window, by model.",
             ["model"],
         )
+        self.parked_connections = self._gauge(
+            "clairvoyant_parked_connections",
+            "Waiting requests whose client connection is parked: a bare file descriptor, watched for the client "
+            "leaving, until the request is dispatched (set at each scrape).",
+        ).labels()
         # The online learner's process (clairvoyant.prediction.learner_process), as last seen at a scrape
         self.learner_up = self._gauge(
             "clairvoyant_learner_up",

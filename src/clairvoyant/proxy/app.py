@@ -267,7 +267,9 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics_endpoint(request: ApiRequest) -> Response:
-        await request.app.state.proxy.learning.refresh_quality()
+        state: ProxyState = request.app.state.proxy
+        await state.learning.refresh_quality()
+        metrics.parked_connections.set(len(state.parking) if state.parking is not None else 0)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/queue")
