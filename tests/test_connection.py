@@ -620,3 +620,33 @@ def test_a_waiting_request_is_parked_and_its_answer_comes_on_the_resumed_connect
     assert answer.status == 200 and answer.json() == {"ok": True, "n": 1}
     assert answer.values("x-request-id") == ["waits"] and float(answer.values("x-clairvoyant-queue-wait-ms")[0]) > 0
     assert again.status == 200
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_request_pipelined_behind_a_waiting_one_is_not_lost(whole: bool) -> None:
+    # The waiting request's connection may not be parked with the next request's bytes already read
+    # (they were taken from the socket): the next request, whole or in part, is answered after it.
+    held = threading.Event()
+    release = threading.Event()
+
+    def script(path: str, n: int) -> Any:
+        if path == CHAT and n == 0:
+            held.set()
+            release.wait(READ_TIMEOUT_S)
+        return "ok"
+
+    with FakeBackend(script) as backend, serve(backend, slots=1) as base:
+        with RawClient(base) as first, RawClient(base) as client:
+            first.send(request("POST", CHAT, chat_body("held")))
+            wait_until(held.is_set, what="the first request at the backend")
+            second = request("GET", "/healthz")
+            client.send(request("POST", CHAT, chat_body("waits")) + (second if whole else second[:10]))
+            wait_until(lambda: len(queue_snapshot(base)["waiting"]) == 1, what="the POST waiting")
+            if not whole:
+                client.send(second[10:])
+            release.set()
+            assert first.read_answer().status == 200
+            waited = client.read_answer()
+            pipelined = client.read_answer()
+    assert waited.status == 200 and waited.json() == {"ok": True, "n": 1}
+    assert pipelined.status == 200 and pipelined.json() == {"status": "ok"}

@@ -56,6 +56,7 @@ __all__ = [
     "ClientLimits",
     "HttpConnection",
     "Listener",
+    "Parker",
     "Request",
     "Site",
 ]
@@ -115,6 +116,12 @@ class Listener(Protocol):
     """Who is told that the client of the running answer left (once, from the loop)."""
 
     def client_left(self) -> None: ...
+
+
+class Parker(Protocol):
+    """Who parks a connection (``HttpConnection.park_when_read``): told its handle once parked."""
+
+    def parked(self, fd: int) -> None: ...
 
 
 class Site(Protocol):
@@ -190,7 +197,8 @@ class HttpConnection(asyncio.Protocol):
         "loop", "shared", "transport", "parser", "url", "headers", "header_bytes", "head_size", "in_head", "request",
         "body", "body_bytes", "kind", "expires_s", "expiry", "pipeline", "busy", "listener", "gone",
         "rejected", "parked", "read_paused", "write_paused", "drain_waiter", "keep_alive", "head_only",
-        "http11", "chunked", "no_body", "remaining", "out_started", "head", "resumed", "upgraded",
+        "http11", "chunked", "no_body", "remaining", "out_started", "head", "resumed", "upgraded", "in_message",
+        "park_owner",
     )  # fmt: skip
 
     def __init__(
@@ -245,6 +253,8 @@ class HttpConnection(asyncio.Protocol):
         self.head = b""  # the status line and headers, held until the first body bytes or flush()
         self.resumed = resumed
         self.upgraded = False  # the parser stopped at an Upgrade: the connection ends after this answer
+        self.in_message = False  # the parser is inside a request (from its first byte to its end)
+        self.park_owner: Parker | None = None  # asked to park once the read in progress is parsed
         if resumed is not None:
             self.busy = True
             self.keep_alive = bool(resumed & _KEEP_ALIVE)
@@ -314,11 +324,18 @@ class HttpConnection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self.upgraded = True  # no protocol switch here: answer this request, then close
+            # No protocol switch here: the request is answered as plain HTTP, then the connection ends
+            self.upgraded = True
+            self.keep_alive = False
+            if not self.busy and not self.transport.is_closing():
+                self.gone = True
+                self.transport.close()
         except httptools.HttpParserError:
             if not self.rejected:
                 self._bad_request()
             return
+        if self.park_owner is not None:  # the whole read is parsed: nothing of it would be lost now
+            self._park()
         # Counted per read, so a read that also carries body bytes may overcount: only a head still
         # incomplete after it is refused.
         if self.in_head and self.header_bytes > self.shared.limits.max_header_bytes and not self.rejected:
@@ -326,6 +343,7 @@ class HttpConnection(asyncio.Protocol):
 
     # --- parser callbacks ------------------------------------------------------------------------
     def on_message_begin(self) -> None:
+        self.in_message = True
         self.url = b""
         self.headers = []
         self.head_size = 0
@@ -394,6 +412,7 @@ class HttpConnection(asyncio.Protocol):
             self._reject(413, PayloadTooLarge(f"request body exceeds the limit of {limit} bytes"), "too_large")
 
     def on_message_complete(self) -> None:
+        self.in_message = False
         self._disarm()
         self.in_head = True  # what comes next is a head: its bytes count toward max_header_bytes
         request = self.request
@@ -579,28 +598,35 @@ class HttpConnection(asyncio.Protocol):
     def _serve_pipelined(self, kind: int, request: Request) -> None:
         if not self.gone and not self.busy:
             self._dispatch(kind, request)
+            if self.park_owner is not None:  # no read in progress: park now, if nothing else was read
+                self._park()
             if not self.busy and not self.pipeline:
                 self._resume_reading()
 
     # --- parking ---------------------------------------------------------------------------------
-    def park(self, owner: object) -> int | None:
-        """Give this connection up to the parking lot while its request waits for a slot: the
-        handle (a file descriptor) to resume it with, or None when it stays live (no lot, a
-        pipelined request or part of one already read, TLS...). ``owner`` is what the lot reports
-        leaving (``ParkingLot``'s on_left)."""
+    def park_when_read(self, owner: Parker) -> None:
+        """Give this connection up to the parking lot while its request waits for a slot, once the
+        read in progress is parsed (bytes after the request in it were taken from the socket: they
+        would be lost with the transport). ``owner.parked(fd)`` gets the handle to resume it with;
+        the connection stays live (and nothing is called) when something of a next request was
+        read, or the lot refuses (no lot, TLS...). ``owner`` is what the lot reports leaving."""
+        self.park_owner = owner
+
+    def _park(self) -> None:
+        owner, self.park_owner = self.park_owner, None
         lot = self.shared.parking
-        if lot is None or not self.busy or self.pipeline or self.request is not None or self.gone:
-            return None
+        if owner is None or lot is None or not self.busy or self.pipeline or self.in_message or self.gone:
+            return
         if self.out_started or self.transport.is_closing():
-            return None
+            return
         self.parked = True  # before the transport lets go: its connection_lost is not a disconnect
         fd: int | None = lot.park(self.transport, owner)
         if fd is None:
             self.parked = False
-            return None
+            return
         self.listener = None
         self.expiry = _NOTHING
-        return fd
+        owner.parked(fd)
 
     @property
     def response_context(self) -> int:

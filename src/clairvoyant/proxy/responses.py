@@ -494,12 +494,17 @@ class ScheduledExchange(_Running):
         out.listener = self
         self.ticket.waiter = self
         if parking is not None:
-            fd = out.park(self)
-            if fd is not None:
-                self.client = fd
+            out.park_when_read(self)
+
+    def parked(self, fd: int) -> None:
+        """Its connection is parked (``HttpConnection.park_when_read``): resumed through ``fd``."""
+        self.client = fd
 
     def wait_ended(self, ticket: Ticket) -> None:
         """The dispatcher ended the ticket's wait (``Waiter``): start the relay, or answer the refusal."""
+        client = self.client
+        if isinstance(client, HttpConnection):
+            client.park_owner = None  # its wait is over: never parked from now on
         if self.stage != "queued" or ticket.wait == WITHDRAWN:
             return  # withdrawn (its client left), or a reroute's second grant (awaited in the task)
         if ticket.wait == REFUSED:  # shutting down
