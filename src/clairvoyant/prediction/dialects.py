@@ -79,9 +79,9 @@ def dialect_of_path(path: str) -> Dialect:
     return Dialect.OLLAMA if path.startswith("/api/") else Dialect.OPENAI
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass sets each field through object.__setattr__ (one a request)
 class ParsedRequest:
-    """A scheduled request body, read once."""
+    """A scheduled request body, read once. Not changed after it is made."""
 
     endpoint: Endpoint
     prompt: Prompt

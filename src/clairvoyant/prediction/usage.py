@@ -62,9 +62,10 @@ _SCAN = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type] 
 _WHITESPACE = " \t\r\n"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass sets each field through object.__setattr__ (one a request)
 class Usage:
-    """One completed request as the backend served it. ``None`` = the backend did not say."""
+    """One completed request as the backend served it. ``None`` = the backend did not say. Not
+    changed after it is made."""
 
     output_tokens: int | None  # generated tokens (None: unknown, not an observation)
     prompt_tokens: int | None  # tokens of the prompt as the backend counted them (cached ones included)

@@ -69,9 +69,9 @@ _CONTEXT = 3  # ScheduledExchange.flags: the bits of connection.response_context
 _STREAM = 4  # ScheduledExchange.flags: the client asked for a stream
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass sets each field through object.__setattr__ (one a request)
 class UpstreamRequest:
-    """What to send to the backend."""
+    """What to send to the backend. Not changed after it is made (``dataclasses.replace`` makes another)."""
 
     method: str
     path: str
