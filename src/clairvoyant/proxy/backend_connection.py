@@ -70,6 +70,7 @@ logger = logging.getLogger(__name__)
 MAX_HEAD_BYTES = 64 * 1024  # an answer's status line and headers (aiohttp: 8,190 a line, 128 headers)
 HIGH_WATER_BYTES = 64 * 1024  # an answer's bytes buffered for the caller before the backend is paused
 DNS_TTL_S = 10.0  # a backend's name is resolved again after this long (aiohttp's default cache)
+_DETACHED_PARSER = httptools.HttpResponseParser(object())  # a closed connection's: bound to nothing, never fed
 HEAD_TICK_S = 0.1  # seconds between a pool's checks of its first-byte deadlines (none per request)
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # a Content-Length even when empty
 # What may stand in a request target as it is; anything else is percent-encoded (a decoded ASGI
@@ -176,6 +177,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self.pool.forget(self)
+        self.parser = _DETACHED_PARSER  # it holds this protocol: freed now, not by a collection of the cycle
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None

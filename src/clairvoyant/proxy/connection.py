@@ -74,6 +74,7 @@ _CHUNKED = b"transfer-encoding: chunked\r\n"
 _BAD_REQUEST = b"Invalid HTTP request received."
 _KEEP_ALIVE, _HTTP11 = 1, 2  # response_context bits
 _NOTHING, _READING, _IDLE = 0, 1, 2  # what a connection's expires_s is for
+_DETACHED_PARSER = httptools.HttpRequestParser(object())  # a closed connection's: bound to nothing, never fed
 TICK_S = 0.25  # seconds between the server's checks of its connections' deadlines
 
 
@@ -288,6 +289,10 @@ class HttpConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.shared.server_state.connections.discard(self)
         self.expiry = _NOTHING
+        # The parser holds this protocol (its callbacks): drop it, so the pair is freed by its
+        # reference counts now rather than by a later collection of the cycle (a parked
+        # connection's protocol is dropped right here).
+        self.parser = _DETACHED_PARSER
         if self.parked:
             return  # the parking lot holds the connection: this transport only let go of it
         self.gone = True
