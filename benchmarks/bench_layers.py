@@ -94,11 +94,15 @@ def run_client(upstream_url: str, stream: bool) -> None:
 
 
 def run_server(port: int) -> None:
-    """The proxy's server with a raw ASGI app answering the fixed JSON (no product, no client)."""
+    """The proxy's server answering the fixed JSON itself (no product, no client). Builds whose
+    ``build_server`` takes an ASGI app (before the proxy's own connection, 2026-11-26) get a raw
+    ASGI app; later ones a minimal site that the connection serves directly."""
+    import inspect
+
     from profile_request_path import ANSWER
 
     from clairvoyant.config import Settings
-    from clairvoyant.proxy.server import build_server
+    from clairvoyant.proxy import server
 
     answer = ANSWER.encode()
     start = {"type": "http.response.start", "status": 200,
@@ -124,8 +128,29 @@ def run_server(port: int) -> None:
         await send(start)
         await send({"type": "http.response.body", "body": answer})
 
+    class FixedSite:
+        """What the proxy's connection serves: every request answered the fixed JSON, as the app does."""
+
+        asgi = staticmethod(app)  # the lifespan
+        parking = None
+        metrics = None
+
+        def route(self, method: str, path: str) -> int:
+            return 0  # connection.NATIVE
+
+        def serve(self, conn: Any, request: Any) -> None:
+            body = b"ok" if request.path == "/healthz" else answer
+            conn.respond(200, [(b"content-type", b"application/json")], body)
+
+        def upload_lost(self, request: Any) -> None:
+            pass
+
+        def too_large(self, request: Any, error: Any) -> None:
+            pass
+
+    site: Any = FixedSite() if "connection" in inspect.getsource(server) else app
     settings = Settings(upstream_url="http://127.0.0.1:9", port=port, log_level="warning")
-    build_server(app, settings, host="127.0.0.1", port=port, log_level="warning").run()
+    server.build_server(site, settings, host="127.0.0.1", port=port, log_level="warning").run()
 
 
 # --- the driver --------------------------------------------------------------------------------
