@@ -555,15 +555,24 @@ def test_a_400_carries_exactly_one_date(site: Site) -> None:
 # --- a client that leaves while its request waits ------------------------------------------------
 
 
-def test_a_client_that_leaves_while_queued_is_withdrawn_and_never_sent() -> None:
-    held = threading.Event()  # the first request is at the backend
-    release = threading.Event()
+class HoldFirstChat:
+    """A FakeBackend script that holds the first chat request until ``release`` is set (``held``:
+    it is at the backend); everything else is answered at once."""
 
-    def script(path: str, n: int) -> Any:
+    def __init__(self) -> None:
+        self.held = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, path: str, n: int) -> Any:
         if path == CHAT and n == 0:
-            held.set()
-            release.wait(READ_TIMEOUT_S)  # the backend holds the first request until released
+            self.held.set()
+            self.release.wait(READ_TIMEOUT_S)
         return "ok"
+
+
+def test_a_client_that_leaves_while_queued_is_withdrawn_and_never_sent() -> None:
+    script = HoldFirstChat()
+    held, release = script.held, script.release
 
     with FakeBackend(script) as backend, serve(backend, slots=1) as base:
         before = metric_value(base, "clairvoyant_client_disconnects_total", 'stage="queued"')
@@ -594,14 +603,8 @@ def test_a_client_that_leaves_while_queued_is_withdrawn_and_never_sent() -> None
 def test_a_waiting_request_is_parked_and_its_answer_comes_on_the_resumed_connection(park: bool) -> None:
     # park_waiting: the waiting client's connection is a bare fd in the parking lot (counted by
     # clairvoyant_parked_connections), resumed at its grant; off, it stays a live connection.
-    held = threading.Event()
-    release = threading.Event()
-
-    def script(path: str, n: int) -> Any:
-        if path == CHAT and n == 0:
-            held.set()
-            release.wait(READ_TIMEOUT_S)
-        return "ok"
+    script = HoldFirstChat()
+    held, release = script.held, script.release
 
     with FakeBackend(script) as backend, serve(backend, slots=1, park_waiting=park) as base:
         with RawClient(base) as first, RawClient(base) as waiter:
@@ -626,14 +629,8 @@ def test_a_waiting_request_is_parked_and_its_answer_comes_on_the_resumed_connect
 def test_a_request_pipelined_behind_a_waiting_one_is_not_lost(whole: bool) -> None:
     # The waiting request's connection may not be parked with the next request's bytes already read
     # (they were taken from the socket): the next request, whole or in part, is answered after it.
-    held = threading.Event()
-    release = threading.Event()
-
-    def script(path: str, n: int) -> Any:
-        if path == CHAT and n == 0:
-            held.set()
-            release.wait(READ_TIMEOUT_S)
-        return "ok"
+    script = HoldFirstChat()
+    held, release = script.held, script.release
 
     with FakeBackend(script) as backend, serve(backend, slots=1) as base:
         with RawClient(base) as first, RawClient(base) as client:

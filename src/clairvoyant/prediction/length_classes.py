@@ -22,8 +22,5 @@ def class_index_of_tokens(tokens: float) -> int:
 
 
 def class_of_tokens(tokens: float) -> str:
-    """The class name of an answer of ``tokens`` output tokens (``class_index_of_tokens``'s rule,
-    inlined: it is read several times a request)."""
-    if tokens < SHORT_BELOW_TOKENS:
-        return "short"
-    return "medium" if tokens < LONG_FROM_TOKENS else "long"
+    """The class name of an answer of ``tokens`` output tokens."""
+    return CLASS_NAMES[class_index_of_tokens(tokens)]

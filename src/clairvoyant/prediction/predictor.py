@@ -48,7 +48,7 @@ import numpy as np
 
 from clairvoyant.errors import ModelError
 from clairvoyant.prediction.features import FEATURE_SETS, FeatureSet, Prompt
-from clairvoyant.prediction.length_classes import CLASS_NAMES, LONG_FROM_TOKENS, SHORT_BELOW_TOKENS
+from clairvoyant.prediction.length_classes import CLASS_NAMES, class_of_tokens
 
 __all__ = [
     "CLASS_NAMES",
@@ -244,11 +244,7 @@ class Prediction:
 
     @property
     def predicted_class(self) -> str:
-        # class_of_tokens inlined: read several times a request (headers, metrics, the log line)
-        tokens = self.predicted_tokens
-        if tokens < SHORT_BELOW_TOKENS:
-            return "short"
-        return "medium" if tokens < LONG_FROM_TOKENS else "long"
+        return class_of_tokens(self.predicted_tokens)
 
     @property
     def predicted_log_tokens(self) -> float:

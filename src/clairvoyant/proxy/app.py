@@ -332,38 +332,45 @@ class ProxyApp:
         method = request.method
         path = request.path
         try:
-            if method == "POST" and path in SCHEDULED_ENDPOINTS:
-                _scheduled(self.state.proxy, self.access, conn, request)
-            elif method in PASSTHROUGH_METHODS:
-                _passthrough(self.state.proxy, self.access, conn, request)
-            else:
-                body = b'{"detail":"Method Not Allowed"}'
-                conn.respond(405, [*_JSON_HEADERS, (b"allow", _ALLOW)], body)
+            identity, headers = self.access.admit(method, path, request.headers)
         except Denied as denied:
             _log_rejection(request, None, denied.error.status_code, denied.outcome)
             self._send_error(conn, path, denied.error)
+            return
+        try:
+            if method == "POST" and path in SCHEDULED_ENDPOINTS:
+                _scheduled(self.state.proxy, identity, headers, conn, request)
+            elif method in PASSTHROUGH_METHODS:
+                _passthrough(self.state.proxy, headers, conn, request)
+            else:
+                body = b'{"detail":"Method Not Allowed"}'
+                conn.respond(405, [*_JSON_HEADERS, (b"allow", _ALLOW)], body)
         except RequestError as exc:
-            self._refuse(conn, request, exc)
+            reason = next((r for cls, r in _REJECTION_REASONS.items() if isinstance(exc, cls)), None)
+            if reason is not None:
+                self.metrics.rejections_by_reason[reason].inc()
+            _log_rejection(request, identity, exc.status_code, exc.code or "error")
+            self._send_error(conn, path, exc)
 
     def upload_lost(self, request: Request) -> None:
         """Nobody to answer: counted and logged once, no traceback."""
         path = request.path
         self.metrics.disconnects_by_stage["upload"].inc()
         self.metrics.count_request(_endpoint_label(path), dialect_of_path(path).value, "client_closed")
-        _log_rejection(request, None, "client_closed", "client_left_uploading")
+        _log_rejection(request, self._identity(request), "client_closed", "client_left_uploading")
 
     def too_large(self, request: Request, error: RequestError) -> None:
         self.metrics.rejections_by_reason["too_large"].inc()
-        _log_rejection(request, None, error.status_code, error.code or "error")
+        _log_rejection(request, self._identity(request), error.status_code, error.code or "error")
         path = request.path
         self.metrics.count_request(_endpoint_label(path), dialect_of_path(path).value, str(error.status_code))
 
-    def _refuse(self, conn: HttpConnection, request: Request, exc: RequestError) -> None:
-        reason = next((r for cls, r in _REJECTION_REASONS.items() if isinstance(exc, cls)), None)
-        if reason is not None:
-            self.metrics.rejections_by_reason[reason].inc()
-        _log_rejection(request, None, exc.status_code, exc.code or "error")
-        self._send_error(conn, request.path, exc)
+    def _identity(self, request: Request) -> Identity | None:
+        """Whose request it is, for its log line (None: keys off, or none valid)."""
+        try:
+            return self.access.admit(request.method, request.path, request.headers)[0]
+        except Denied:
+            return None
 
     def _send_error(self, conn: HttpConnection, path: str, exc: RequestError) -> None:
         dialect = dialect_of_path(path)
@@ -446,14 +453,20 @@ def _clamped_priority(header: str | None, given: int | None, settings: Settings,
     return max(identity.min_priority, min(identity.max_priority, value))
 
 
-def _scheduled(state: ProxyState, access: AccessControl, conn: HttpConnection, request: Request) -> None:
-    """Parse, predict and queue (or dispatch at once) a scheduled request; its exchange answers it
-    when it is granted a slot. Raises ``RequestError`` (``Denied``) for what is refused at once."""
+def _scheduled(
+    state: ProxyState,
+    identity: Identity | None,
+    headers: list[tuple[bytes, bytes]],
+    conn: HttpConnection,
+    request: Request,
+) -> None:
+    """Parse, predict and queue (or dispatch at once) a scheduled request admitted with
+    ``identity`` and ``headers`` (``AccessControl.admit``); its exchange answers it when it is
+    granted a slot. Raises ``RequestError`` for what is refused at once."""
     settings = state.settings
     dispatcher = state.dispatcher
     arrival_s = dispatcher.clock.now()
     endpoint = SCHEDULED_ENDPOINTS[request.path]
-    identity, headers = access.admit(request.method, request.path, request.headers)
     head = _Head(headers, state.own_headers)
     request_id = head.request_id if _REQUEST_ID_RE.match(head.request_id) else dispatcher.new_request_id()
     parsed = parse_request(endpoint, request.body, keep_priority=settings.forward_priority)
@@ -527,8 +540,8 @@ def _scheduled(state: ProxyState, access: AccessControl, conn: HttpConnection, r
     ).wait(state.parking)  # fmt: skip
 
 
-def _passthrough(state: ProxyState, access: AccessControl, conn: HttpConnection, request: Request) -> None:
-    _, headers = access.admit(request.method, request.path, request.headers)
+def _passthrough(state: ProxyState, headers: list[tuple[bytes, bytes]], conn: HttpConnection, request: Request) -> None:
+    """Relay a pass-through request admitted with ``headers`` (``AccessControl.admit``)."""
     head = _Head(headers, None)
     body = request.body
     path = request.path

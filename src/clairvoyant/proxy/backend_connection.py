@@ -60,6 +60,8 @@ from clairvoyant.proxy.upstream import (
     FirstByteTimeout,
     TransportError,
     UpstreamResponse,
+    header_bytes,
+    rendered_headers,
     was_reset,
 )
 
@@ -76,13 +78,6 @@ _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # a Content-Length even whe
 # What may stand in a request target as it is; anything else is percent-encoded (a decoded ASGI
 # path may hold spaces or non-ASCII characters, which aiohttp's URL quoting encoded too).
 _UNSAFE_TARGET = re.compile(r"[^A-Za-z0-9\-._~/:@!$&'()*+,;=%?]")
-
-
-def _text_bytes(text: str) -> bytes:
-    try:
-        return text.encode("latin-1")
-    except UnicodeEncodeError:  # a configured credential or host name beyond latin-1
-        return text.encode()
 
 
 class _Closed(ConnectionError):
@@ -637,12 +632,10 @@ class ProtocolTransport:
         (pool, host), target = self._origin(url)
         if _UNSAFE_TARGET.search(target) is not None:
             target = quote(target, safe="/:@!$&'()*+,;=%?~")
-        parts = [_text_bytes(f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n")]
-        if isinstance(headers, bytes):
-            parts.append(headers)
-        else:
-            for name, value in headers:
-                parts += (_text_bytes(name), b": ", _text_bytes(value), b"\r\n")
+        parts = [
+            header_bytes(f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n"),
+            headers if isinstance(headers, bytes) else rendered_headers(headers),
+        ]
         if body or method in _BODY_METHODS:
             parts.append(b"Content-Length: %d\r\n" % len(body))
         parts += (b"\r\n", body)

@@ -44,14 +44,13 @@ from clairvoyant.logs import REQUEST_LOG, log_request
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.dialects import Dialect, error_body, stream_error_event, with_upstream_fields
 from clairvoyant.prediction.usage import Usage, UsageTap
-from clairvoyant.proxy.connection import HttpConnection, resume_connection
+from clairvoyant.proxy.connection import HttpConnection, closing_answer, resume_connection
 from clairvoyant.proxy.pool import BackendPool, merge_model_lists
 from clairvoyant.proxy.upstream import Upstream, UpstreamResponse, header_value, response_headers
 from clairvoyant.scheduling.dispatcher import REFUSED, WITHDRAWN, Dispatcher, ShuttingDown, Ticket
 
 __all__ = [
     "MergedListing", "Passthrough", "Relay", "ScheduledExchange", "Scheduling", "UpstreamRequest", "error_body",
-    "rendered_error",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -88,26 +87,6 @@ def error_headers(exc: RequestError) -> list[tuple[bytes, bytes]]:
     headers = [_JSON]
     headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
     return headers
-
-
-def rendered_error(dialect: Dialect, exc: RequestError, date: list[tuple[bytes, bytes]]) -> bytes:
-    """A whole error answer as bytes, closing the connection (for a parked client: no connection
-    object to write through)."""
-    body = error_body(dialect, exc)
-    lines = [f"HTTP/1.1 {exc.status_code} {_phrase(exc.status_code)}\r\n".encode("latin-1")]
-    for name, value in [*date, *error_headers(exc)]:
-        lines += (name, b": ", value, b"\r\n")
-    lines += (b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body), body)
-    return b"".join(lines)
-
-
-def _phrase(status: int) -> str:
-    from http import HTTPStatus
-
-    try:
-        return HTTPStatus(status).phrase
-    except ValueError:
-        return ""
 
 
 @dataclass(eq=False, slots=True)
@@ -311,7 +290,7 @@ class Relay:
 
 
 class _Running:
-    """An answer relayed in its own task, which a client's leaving may cancel (``_left``)."""
+    """An answer relayed in its own task, which a client's leaving may cancel (``_cancel_for_leaving``)."""
 
     __slots__ = ("task", "left_cancel")
 
@@ -342,7 +321,7 @@ class Passthrough(_Running):
 
     def start(self) -> None:
         self.out.listener = self
-        self.task = self.out.run_task(self.run(), name="passthrough")
+        self.task = self.out.shared.run_task(self.run(), name="passthrough")
 
     async def run(self) -> None:
         started = time.monotonic()
@@ -485,7 +464,7 @@ class ScheduledExchange(_Running):
         out = self.client
         assert isinstance(out, HttpConnection)
         out.listener = self
-        self.task = out.run_task(self.run(), name="scheduled")
+        self.task = out.shared.run_task(self.run(), name="scheduled")
 
     def wait(self, parking: Any) -> None:
         """Queued: start when granted. The connection is parked while it waits, when it can be."""
@@ -511,10 +490,7 @@ class ScheduledExchange(_Running):
             self.stage = "done"
             self._refuse(ticket.refusal or ShuttingDown("the proxy is shutting down; retry"))
             return
-        tasks = self.server.server_state.tasks
-        task = self.task = asyncio.get_running_loop().create_task(self.run(), name="scheduled")
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+        self.task = self.server.run_task(self.run(), name="scheduled")
 
     def _refuse(self, error: RequestError) -> None:
         self.relay = self._make_relay()
@@ -523,8 +499,9 @@ class ScheduledExchange(_Running):
         client = self.client
         if isinstance(client, int):
             server = self.server
+            body = error_body(Dialect(self.ticket.dialect), error)
             server.parking.refuse(
-                client, rendered_error(Dialect(self.ticket.dialect), error, server.server_state.default_headers)
+                client, closing_answer(error.status_code, error_headers(error), body, server.server_state)
             )
         else:
             client.listener = None
@@ -542,8 +519,9 @@ class ScheduledExchange(_Running):
             if self.stage != "queued":
                 return  # left between the grant and this task's first step: the slot is given back already
             client = self.client
-            out = client if isinstance(client, HttpConnection) and not client.gone else await self._connection()
-            if out is None:
+            out = client if isinstance(client, HttpConnection) else await self._resume(client)
+            if out is None or out.gone:  # left before anything was sent: its slot is given back
+                self._left_queued()
                 return
             task = self.task
             assert task is not None
@@ -584,24 +562,13 @@ class ScheduledExchange(_Running):
                 dispatcher.end(ticket, completed=completed, usage=self.usage)
                 self._log()
 
-    async def _connection(self) -> HttpConnection | None:
-        """The client's connection, resumed if parked; None (and the slot given back) if the
-        client left meanwhile."""
-        client = self.client
-        if isinstance(client, HttpConnection):
-            if client.gone:
-                self._left_queued()
-                return None
-            return client
+    async def _resume(self, fd: int) -> HttpConnection | None:
+        """The parked connection, live again (None: its client is gone)."""
         try:
-            out = await resume_connection(self.server, client, self.flags & _CONTEXT)
+            out = await resume_connection(self.server, fd, self.flags & _CONTEXT)
         except OSError:
-            self._left_queued()
             return None
         self.client = out
-        if out.gone:  # closed as it came back
-            self._left_queued()
-            return None
         out.listener = self
         return out
 

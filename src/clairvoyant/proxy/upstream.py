@@ -36,7 +36,7 @@ from clairvoyant.errors import RequestError, UpstreamTimeout, UpstreamUnavailabl
 
 __all__ = [
     "HOP_BY_HOP", "FirstByteTimeout", "Transport", "TransportError", "Upstream", "UpstreamResponse",
-    "forwardable_headers", "header_value", "redact_url", "response_headers",
+    "forwardable_headers", "header_bytes", "header_value", "redact_url", "rendered_headers", "response_headers",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -68,11 +68,18 @@ _NOT_FORWARDED = HOP_BY_HOP | {b"content-length"}  # the body is sent whole, wit
 _RESET_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE})
 
 
-def _header_bytes(text: str) -> bytes:
+def header_bytes(text: str) -> bytes:
+    """A header's (or request line's) text as bytes: latin-1, UTF-8 beyond it (a configured
+    credential or host name)."""
     try:
         return text.encode("latin-1")
-    except UnicodeEncodeError:  # a configured credential beyond latin-1
+    except UnicodeEncodeError:
         return text.encode()
+
+
+def _connection_tokens(value: bytes) -> list[bytes]:
+    """The header names a Connection header lists (hop-by-hop for this message too)."""
+    return [token.strip().lower() for token in value.split(b",")]
 
 
 def redact_url(url: str) -> str:
@@ -100,7 +107,7 @@ def forwardable_headers(
         name = name.lower()
         if name in _NOT_FORWARDED:
             if name == b"connection":
-                named = (named or []) + [token.strip().lower() for token in value.split(b",")]
+                named = (named or []) + _connection_tokens(value)
         elif name in drop:
             dropped.setdefault(name, value)
         elif name == b"authorization":
@@ -114,8 +121,9 @@ def forwardable_headers(
     return b"".join([b"%b: %b\r\n" % pair for pair in kept]), authorization, dropped
 
 
-def _rendered(pairs: Iterable[tuple[str, str]]) -> bytes:
-    return b"".join([b"%b: %b\r\n" % (_header_bytes(name), _header_bytes(value)) for name, value in pairs])
+def rendered_headers(pairs: Iterable[tuple[str, str]]) -> bytes:
+    """(name, value) pairs of text as header lines."""
+    return b"".join([b"%b: %b\r\n" % (header_bytes(name), header_bytes(value)) for name, value in pairs])
 
 
 def header_value(lines: bytes, name: bytes) -> bytes | None:
@@ -140,7 +148,7 @@ def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> tuple[bytes, int]:
         name = name.lower()
         if name in HOP_BY_HOP or name == b"date":
             if name == b"connection":
-                named = (named or []) + [token.strip().lower() for token in value.split(b",")]
+                named = (named or []) + _connection_tokens(value)
             continue
         if name == b"content-length":
             length = int(value) if value.isdigit() else -1
@@ -272,7 +280,7 @@ class Upstream:
             self._authorization = b"Basic " + base64.b64encode(userinfo.encode())
             parts = parts._replace(netloc=parts.netloc.rsplit("@", 1)[1])
         if api_key is not None:
-            self._authorization = b"Bearer " + _header_bytes(api_key)
+            self._authorization = b"Bearer " + header_bytes(api_key)
         self.base_url = urlunsplit(parts)
         self.down_since_s: float | None = None  # time.monotonic() of the first refused connection of an outage
         self.first_byte_timeout_s = first_byte_timeout_s
@@ -323,7 +331,7 @@ class Upstream:
         ``UpstreamTimeout``.
         """
         url = self.base_url + path + (f"?{query}" if query else "")
-        forwarded = headers if isinstance(headers, bytes) else _rendered(headers)
+        forwarded = headers if isinstance(headers, bytes) else rendered_headers(headers)
         if self._authorization is not None:  # the backend's own credentials replace the client's
             forwarded += b"authorization: %b\r\n" % self._authorization
         elif authorization is not None:

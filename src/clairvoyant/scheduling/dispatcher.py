@@ -155,6 +155,11 @@ class Ticket:
                 _settle(future, self)
         return future
 
+    def wait_again(self) -> None:
+        """Rerouted: a new wait (a new future for ``granted``; the waiter is told again)."""
+        self.wait = WAITING
+        self._future = None
+
     def end_wait(self, outcome: int, refusal: RequestError | None = None) -> None:
         """The wait ends with ``outcome`` (GRANTED, WITHDRAWN or REFUSED): the future, if one was
         made, is settled and the waiter told, at once."""
@@ -396,8 +401,7 @@ class Dispatcher:
         ticket.refused_by = (*ticket.refused_by, ticket.backend)
         self._free_slot(ticket)
         ticket.backend = ticket.slot = None
-        ticket.wait = WAITING
-        ticket._future = None  # a new wait
+        ticket.wait_again()
         ticket.held_back = True
         self._held_back.appendleft(ticket)
         self._schedule_pump()
