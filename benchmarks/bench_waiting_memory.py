@@ -25,11 +25,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 WARM_UP = 300  # requests
+BATCH_REFINED = 200  # --refined: clients a batch, within the encoder's queue (256 by default)
 
 
 def _free_port() -> int:
@@ -77,18 +79,23 @@ def _rss_kb(pid: int) -> int:
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "What is the capital of France?"}]}).encode()
 
 
-async def _open_clients(port: int, n: int) -> list[asyncio.StreamWriter]:
+async def _open_clients(port: int, n: int, batch_done: Any = None) -> list[asyncio.StreamWriter]:
+    """``n`` clients, 500 at a time (``BATCH_REFINED`` at a time, each batch awaited with
+    ``batch_done(sent)`` before the next, when given)."""
     request = (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
     )
+    step = 500 if batch_done is None else BATCH_REFINED
     writers = []
-    for start in range(0, n, 500):
-        batch = await asyncio.gather(*(asyncio.open_connection("127.0.0.1", port) for _ in range(min(500, n - start))))
+    for start in range(0, n, step):
+        batch = await asyncio.gather(*(asyncio.open_connection("127.0.0.1", port) for _ in range(min(step, n - start))))
         for _, writer in batch:
             writer.write(request)
             writers.append(writer)
         await asyncio.sleep(0.05)
+        if batch_done is not None:
+            await batch_done(len(writers))
     return writers
 
 
@@ -100,19 +107,51 @@ def _waiting(base: str) -> int:
     )
 
 
-async def _phase(base: str, port: int, n: int) -> list[asyncio.StreamWriter]:
-    writers = await _open_clients(port, n)
+def _encoder_outcomes(base: str) -> dict[str, float]:
+    """The encoder's requests by outcome, from /metrics."""
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{base}/metrics", timeout=60).text.splitlines():
+        if line.startswith("clairvoyant_encoder_requests_total{"):
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            out[outcome] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def _phase(base: str, port: int, n: int, refined: bool = False) -> list[asyncio.StreamWriter]:
+    before = await asyncio.to_thread(_encoder_outcomes, base)
+    outcomes = before
+
+    async def encoded(sent: int) -> None:
+        """Every waiting request sent so far has its second opinion (refined, or counted otherwise)."""
+        nonlocal outcomes
+        deadline = time.monotonic() + 300
+        while True:
+            outcomes = await asyncio.to_thread(_encoder_outcomes, base)
+            done = sum(outcomes.get(k, 0.0) - before.get(k, 0.0) for k in ("refined", "late", "dropped", "failed"))
+            if done >= sent - 1:  # the first holds the slot: never encoded
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the encoder did not finish: {outcomes}")
+            await asyncio.sleep(0.2)
+
+    writers = await _open_clients(port, n, encoded if refined else None)
     deadline = time.monotonic() + 300
     while await asyncio.to_thread(_waiting, base) < n - 1:
         if time.monotonic() > deadline:
             raise RuntimeError("the requests did not all queue")
         await asyncio.sleep(0.5)
+    if refined:
+        got = outcomes.get("refined", 0.0) - before.get("refined", 0.0)
+        print(f"refined by the encoder: {got:.0f} of {n - 1} waiting; outcomes {outcomes}", file=sys.stderr)
     return writers
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=10_000)
+    parser.add_argument(
+        "--refined", action="store_true", help="measure once the encoder has refined every waiting request"
+    )
     parser.add_argument("--proxy-cmd", default=f"{sys.executable} -m clairvoyant.cli serve")
     args = parser.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -150,7 +189,7 @@ def main() -> None:
                 await asyncio.sleep(0.5)
             await asyncio.sleep(2)
             before = _rss_kb(proxy.pid)
-            writers = await _phase(base, port, args.n)
+            writers = await _phase(base, port, args.n, refined=args.refined)
             after = _rss_kb(proxy.pid)
             for w in writers:
                 w.close()
@@ -166,7 +205,7 @@ def main() -> None:
         stop.set()
     per_request = (after_kb - before_kb) * 1024 / args.n
     print(
-        f"{args.n} waiting requests: proxy RSS {before_kb / 1024:.1f} -> {after_kb / 1024:.1f} MiB; "
+        f"{args.n} waiting requests{' (all refined)' if args.refined else ''}: proxy RSS {before_kb / 1024:.1f} -> {after_kb / 1024:.1f} MiB; "
         f"{per_request:.0f} bytes per waiting request, {per_request - len(BODY):.0f} besides its {len(BODY)}-byte body"
     )
 

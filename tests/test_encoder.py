@@ -9,6 +9,7 @@ import json
 import math
 import shutil
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,28 @@ def test_refined_blends_in_log_tokens_then_corrects_then_caps(predictor: OnnxPre
     corrected = learned.refined(lexical, 7.0, 0.5)
     assert corrector.priors[-1] == pytest.approx(half.prior_log_tokens)  # the correction sees the refined prior
     assert corrected.predicted_tokens == pytest.approx(2.0 * half.predicted_tokens)
+
+
+def test_a_rowless_prediction_is_refined_from_the_row_it_is_given(predictor: OnnxPredictor) -> None:
+    """A queued request waits without its feature row (proxy/app.py): refined with the row the
+    encoder's queue kept, it gets the same key, prior and correction as with its own row. The
+    bare row is the one predict gives (the learner re-derives it after completion)."""
+    later = _chat(("user", ESSAY), ("assistant", "Rome fell slowly."), ("user", SHORT))
+    corrector = _ConstantCorrector(math.log(2.0))
+    learned = OnnxPredictor(predictor.model_path, corrector=corrector)
+    weights = BlendWeights(first=0.8, later=0.2)  # the weight reads history_chars from the row
+    for prompt in (Prompt(SHORT), later):
+        full = learned.predict(prompt, model="m")
+        assert learned.feature_row(prompt) == full.feature_row
+        rowless = replace(full, feature_row=b"")
+        components = np.arange(4, dtype=np.float32).tobytes()
+        expected = learned.refined(full, 7.0, weights, components)
+        got = learned.refined(rowless, 7.0, weights, components, row=full.feature_row)
+        assert got == expected and got.feature_row == full.feature_row + components
+        without = learned.refined(rowless, 7.0, weights, components)  # no row: no history, no lexical columns
+        assert without.feature_row == components
+        if prompt is later:
+            assert without.prior_log_tokens != expected.prior_log_tokens  # the first turn's weight instead
 
 
 CHAT = SCHEDULED_ENDPOINTS["/v1/chat/completions"]

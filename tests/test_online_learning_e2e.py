@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -109,6 +110,45 @@ def test_completed_requests_reach_the_learner_with_the_backends_real_counts(
         units = npz[f"knn_unit_{i}"] if f"knn_unit_{i}" in npz.files else np.zeros((0, 384))
         assert units.shape == (len(expected_fitted), 384)
         assert np.allclose(np.linalg.norm(units, axis=1), 1.0, atol=1e-5)
+
+
+def test_a_request_that_waited_is_learned_from_its_body_like_one_dispatched_at_once(
+    llama_server: EmbeddedLlamaServer, predictor: OnnxPredictor, tmp_path: Path
+) -> None:
+    """A queued request waits without its feature row (proxy/app.py): after it completes, the
+    learner gets the row again from its body, and the encoder's columns and embedding: it is fitted
+    and joins the kNN memory exactly as a request dispatched at once does."""
+    state = tmp_path / "learner.npz"
+    settings = Settings(upstream_url=llama_server.base_url, learner_state_path=state, starvation_timeout_s=600)
+    held_tokens = 400  # long enough to still hold the slot when the question arrives
+    holder = {"model": MODEL, "messages": chat("Count slowly."), "max_tokens": held_tokens, **FORCE, "stream": True}
+    question = {"model": MODEL, "messages": chat("What is 3+3?"), "max_tokens": 64}
+    with running_proxy(settings, predictor=predictor) as base, httpx.Client(timeout=120) as client:
+        with client.stream("POST", f"{base}/v1/chat/completions", json=holder) as held:
+            chunks = held.iter_raw()
+            next(chunks)  # the first byte: it holds the only slot
+            with ThreadPoolExecutor(1) as pool:
+                asked = pool.submit(client.post, f"{base}/v1/chat/completions", json=question)
+                wait_until(lambda: httpx.get(f"{base}/queue").json()["waiting_count"] == 1, 10, "the question to wait")
+                for _ in chunks:  # the holder's answer to its end: the question goes next
+                    pass
+                answer = asked.result()
+        natural = answer.json()["usage"]["completion_tokens"]
+        assert float(answer.headers["x-clairvoyant-queue-wait-ms"]) > 0  # the premise: it waited
+        wait_until(lambda: quality_window(base) == 2, 30, "both observations")
+    seen, fitted = state_observations(state, MODEL)
+    assert np.allclose(seen, [held_tokens, natural])
+    expected = [natural] if natural < 64 else []  # the holder reached its cap: censored, not fitted
+    assert np.allclose(fitted, expected)
+    with np.load(state, allow_pickle=False) as npz:
+        i = json.loads(str(npz["meta"][()]))["models"].index(MODEL)
+        units = npz[f"knn_unit_{i}"] if f"knn_unit_{i}" in npz.files else np.zeros((0, 384))
+        rows = npz[f"rows_{i}"] if f"rows_{i}" in npz.files else None
+    assert units.shape == (len(expected), 384)  # its embedding, from the encoder after it completed
+    if expected and rows is not None:  # its lexical columns: the row the predictor gives its prompt
+        prompt = parse_request(SCHEDULED_ENDPOINTS["/v1/chat/completions"], json.dumps(question).encode()).prompt
+        lexical = np.frombuffer(predictor.feature_row(prompt), dtype=np.float32)
+        assert np.allclose(rows[-1][: len(lexical)], lexical)
 
 
 def test_a_restart_keeps_what_was_learned_and_a_corrupt_file_is_refused(

@@ -207,9 +207,11 @@ class BlendWeights:
 
 @dataclass(frozen=True, slots=True)
 class Prediction:
-    """One request's prediction. Compact on purpose (a waiting request carries it): about 0.4 KB
-    with the 48-feature row; once refined by the encoder its row also carries the encoder's 16
-    components and 384-d embedding (the learner's columns and its residual kNN's key): about 2 KB.
+    """One request's prediction. Compact on purpose (a waiting request carries it): about 0.2 KB,
+    and 0.2 KB more with the 48-feature row. A queued request's carries no row while it waits
+    (``proxy/app.py``: the learner re-derives it from the body after completion); a row with the
+    encoder's 16 components and 384-d embedding after it (the learner's columns and its residual
+    kNN's key) is about 1.8 KB.
 
     score: the queue key, unitless, lower = sooner; for one model monotone in predicted tokens.
     predicted_tokens: calibrated output tokens, after the learned correction and the cap.
@@ -514,7 +516,9 @@ class OnnxPredictor:
         self._row_memory = memoryview(self._row_view)
         # struct packs the feature list straight into the bound buffer: cheaper than numpy's
         # list assignment, and the same float64 -> float32 rounding.
-        self._pack_into = struct.Struct(f"={self.feature_set.size}f").pack_into
+        packer = struct.Struct(f"={self.feature_set.size}f")
+        self._pack_into = packer.pack_into
+        self._pack = packer.pack
         # where a feature row keeps history_chars (BlendWeights' rule); None: this feature set has none
         names = self.feature_set.names
         self.history_column: int | None = names.index("history_chars") if "history_chars" in names else None
@@ -542,13 +546,20 @@ class OnnxPredictor:
         probabilities = (out[0], out[1], out[2]) if self._is_classifier else None
         return self._prediction(raw, prior, correction, probabilities, row, model, cap_tokens)
 
-    def history_chars(self, prediction: Prediction) -> float:
-        """The ``history_chars`` feature of ``prediction``'s row (0.0 if the row or the column is
-        missing: a feature set without it cannot tell turns apart, see ``encoder.encoder_for``)."""
+    def feature_row(self, prompt: Prompt) -> bytes:
+        """``prompt``'s feature row, float32 bytes: the ``feature_row`` ``predict`` gives it (the
+        same values, packed the same way), without running the model. Reads no shared buffer."""
+        return self._pack(*self._values(prompt))
+
+    def history_chars(self, prediction: Prediction, row: bytes | None = None) -> float:
+        """The ``history_chars`` feature of ``row`` (default: ``prediction``'s row); 0.0 if the row
+        or the column is missing: a feature set without it cannot tell turns apart, see
+        ``encoder.encoder_for``."""
         column = self.history_column
-        if column is None or len(prediction.feature_row) < 4 * (column + 1):
+        row = prediction.feature_row if row is None else row
+        if column is None or len(row) < 4 * (column + 1):
             return 0.0
-        return float(struct.unpack_from("=f", prediction.feature_row, 4 * column)[0])
+        return float(struct.unpack_from("=f", row, 4 * column)[0])
 
     def refined(
         self,
@@ -557,6 +568,8 @@ class OnnxPredictor:
         weights: BlendWeights | float,
         components: bytes = b"",
         knn_log_tokens: float | None = None,
+        *,
+        row: bytes | None = None,
     ) -> Prediction:
         """``prediction`` with a second opinion blended into its prior, in log tokens:
         prior + w x (``encoder_log_tokens`` - prior), w = ``weights.for_history`` of the
@@ -564,13 +577,15 @@ class OnnxPredictor:
         ``knn_log_tokens``, that + ``weights.knn`` x (knn - that) (``BlendWeights.blend``); then the
         learned correction and the cap, as in ``predict``. ``components`` (the encoder's, float32
         bytes) are appended to the feature row: the learner's correction and its observation read
-        them. Reads no shared buffer."""
+        them. ``row``: the lexical row to read instead of the prediction's own (a queued request's
+        prediction carries none). Reads no shared buffer."""
+        row = prediction.feature_row if row is None else row
         if isinstance(weights, float | int):
             weight, knn_weight = weights, 0.0
         else:
-            weight, knn_weight = weights.for_history(self.history_chars(prediction)), weights.knn
+            weight, knn_weight = weights.for_history(self.history_chars(prediction, row)), weights.knn
         prior = BlendWeights.blend(prediction.prior_log_tokens, encoder_log_tokens, weight, knn_log_tokens, knn_weight)
-        feature_row = prediction.feature_row + components
+        feature_row = row + components
         corrector = self.corrector
         correction = 0.0
         if corrector is not None and feature_row:

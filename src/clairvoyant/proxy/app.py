@@ -23,7 +23,7 @@ import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -133,11 +133,15 @@ def _start_refiner(
         for name in ("refined", "late", "skipped", "dropped", "failed", "learning", "learning_dropped")
     }
 
-    def deliver(ticket: Ticket, encoder_log_tokens: float, components: bytes, knn_log_tokens: float | None) -> None:
+    def deliver(
+        waiting: tuple[Ticket, bytes], encoder_log_tokens: float, components: bytes, knn_log_tokens: float | None
+    ) -> None:
+        ticket, row = waiting  # its lexical row, kept by the encoder's queue until now
         prediction = ticket.prediction
         if prediction is not None and ticket.job.waiting and not ticket.ended:
-            refined = predictor.refined(prediction, encoder_log_tokens, weights, components, knn_log_tokens)
-            if dispatcher.repredicted(ticket, refined):
+            refined = predictor.refined(prediction, encoder_log_tokens, weights, components, knn_log_tokens, row=row)
+            # Re-keyed without its row: the learner re-derives row and components after completion.
+            if dispatcher.repredicted(ticket, replace(refined, feature_row=b"")):
                 outcomes["refined"].inc()
                 return
         outcomes["late"].inc()  # dispatched or withdrawn while it was being encoded
@@ -530,10 +534,16 @@ def _scheduled(
         ).start_now()  # fmt: skip
         return
     predict()
+    # It waits without its feature row (0.2 KB of 1 KB): the learner re-derives the row from the
+    # body after completion (feedback.UsageRecorder), and the encoder's queue keeps it until then.
+    prediction = ticket.prediction
+    assert prediction is not None
+    row = prediction.feature_row
+    ticket.prediction = replace(prediction, feature_row=b"")
     dispatcher.submit(ticket, job)
     refiner = state.refiner
     if refiner is not None and job.waiting and not (settings.allow_oracle and "output_tokens" in parsed.proxy_options):
-        refiner.want(ticket, parsed.prompt.instruction, lambda: job.waiting)  # a plain read, from its thread
+        refiner.want((ticket, row), parsed.prompt.instruction, lambda: job.waiting)  # a plain read, from its thread
     ScheduledExchange(
         state.scheduling, ticket, conn, headers=head.forward, body=forward_body, query=request.query.decode("latin-1"),
         authorization=head.authorization, stream=parsed.stream,

@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from clairvoyant.config import Settings
+from clairvoyant.errors import RequestError
 from clairvoyant.metrics import Metrics
+from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, parse_request
 from clairvoyant.prediction.learner import PriorIdentity
 from clairvoyant.prediction.learner_process import LearnerProcess, LearnerUnavailable
 from clairvoyant.prediction.usage import Usage
@@ -53,28 +56,40 @@ class UsageRecorder:
         self.metrics = metrics
         self.learner = learner
         self.refiner: Refiner | None = None  # the encoder's thread, when the learner reads its components
+        # A body's feature row and instruction (None: not a scheduled body), for a prediction that
+        # carries no row (it waited: see proxy/app.py). None: such a request is counted only.
+        self.rederive: Callable[[str, bytes], tuple[bytes, str] | None] | None = None
 
-    def __call__(self, ticket: Ticket, usage: Usage) -> None:
+    def __call__(self, ticket: Ticket, usage: Usage, body: bytes = b"") -> None:
         self.metrics.count_usage(usage.source, usage.output_tokens)
         prediction = ticket.prediction  # made by now, even when it was deferred past dispatch
         learner = self.learner
         tokens = usage.output_tokens
         if learner is None or prediction is None or not usage.observed or tokens is None:
             return
+        instruction = ticket.instruction
+        if not prediction.feature_row and self.rederive is not None:
+            derived = self.rederive(ticket.endpoint, body)  # it waited: its row, again, from its body
+            if derived is not None:
+                row, instruction = derived
+                prediction = replace(prediction, feature_row=row)
         refiner = self.refiner
         if (
             refiner is not None
-            and ticket.instruction is not None
+            and instruction is not None
             and learner.n_features > learner.n_counts
             and len(prediction.feature_row) == 4 * learner.n_counts
         ):
-            # Dispatched at once, so never encoded: the encoder's thread adds its components first
-            # (a few ms later, off the loop, within its learning share), then the learner observes
-            # it as if it had waited. Not taken: a lexical row, counted for quality only.
-            def observe_encoded(_log_tokens: float, components: bytes) -> None:
-                learner.observe(replace(prediction, feature_row=prediction.feature_row + components), tokens)
+            # Its row has no encoder columns (dispatched at once, or waited: a waiting request keeps
+            # none): the encoder's thread adds its components first (a few ms later, off the loop,
+            # within its learning share), then the learner observes it. Not taken: a lexical row,
+            # counted for quality only.
+            lexical = prediction
 
-            if refiner.encode_later(ticket.instruction, observe_encoded):
+            def observe_encoded(_log_tokens: float, components: bytes) -> None:
+                learner.observe(replace(lexical, feature_row=lexical.feature_row + components), tokens)
+
+            if refiner.encode_later(instruction, observe_encoded):
                 return
         learner.observe(prediction, tokens)
 
@@ -84,6 +99,25 @@ def _identity(predictor: Predictor, encoder: Any = None) -> PriorIdentity | None
     if not all(hasattr(predictor, name) for name in ("feature_set", "onnx_sha256", "corrector")):
         return None
     return PriorIdentity.of(predictor, encoder)
+
+
+def _rederiver(predictor: Any) -> Callable[[str, bytes], tuple[bytes, str] | None] | None:
+    """``UsageRecorder.rederive`` for ``predictor`` (None if it cannot give a bare feature row)."""
+    feature_row = getattr(predictor, "feature_row", None)
+    if feature_row is None:
+        return None
+
+    def rederive(path: str, body: bytes) -> tuple[bytes, str] | None:
+        endpoint = SCHEDULED_ENDPOINTS.get(path)
+        if endpoint is None:
+            return None
+        try:
+            prompt = parse_request(endpoint, body).prompt
+        except RequestError:  # the body it was queued with parsed once; one rewritten since may not
+            return None
+        return feature_row(prompt), prompt.instruction
+
+    return rederive
 
 
 class OnlineLearning:
@@ -115,6 +149,7 @@ class OnlineLearning:
         self.learner = learner
         self._saved_total = learner.observed_total
         self.recorder.learner = learner
+        self.recorder.rederive = _rederiver(self.predictor)
         if not self.learning:
             logger.info("online learning off: the static model predicts; its quality is still measured")
             return

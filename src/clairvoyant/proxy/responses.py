@@ -389,7 +389,7 @@ class Scheduling:
     dispatcher: Dispatcher
     disconnect_mode: Literal["auto", "drain", "abort"]
     backend_wait_s: float
-    on_usage: Callable[[Ticket, Usage], None] | None  # a completed answer's usage (the learner)
+    on_usage: Callable[[Ticket, Usage, bytes], None] | None  # a completed answer's usage and its body (the learner)
     vllm_priority: bool  # send a vLLM backend the computed priority (see ScheduledExchange._bind)
 
 
@@ -683,7 +683,7 @@ class ScheduledExchange(_Running):
         on_usage = self.shared.on_usage
         if on_usage is not None:
             try:
-                on_usage(self.ticket, usage)
+                on_usage(self.ticket, usage, self.body)
             except Exception:  # the answer is already relayed: a failing observer must not break it
                 logger.exception("request_id=%s: recording usage failed", self.ticket.request_id)
 
