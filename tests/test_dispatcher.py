@@ -12,7 +12,7 @@ from clairvoyant.clock import ManualClock
 from clairvoyant.errors import QueueFull
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.predictor import Prediction
-from clairvoyant.scheduling.dispatcher import OVERRUN_REMAINDER, Dispatcher, ShuttingDown, Ticket
+from clairvoyant.scheduling.dispatcher import ID_PREFIX, OVERRUN_REMAINDER, Dispatcher, ShuttingDown, Ticket
 from clairvoyant.scheduling.job_queue import Job
 from clairvoyant.scheduling.policy import build_queue, make_policy
 
@@ -86,6 +86,33 @@ def test_queue_full_retry_after_is_the_tail_eta() -> None:
             submit(d, "w3", 3.0, 1.0)
         assert info.value.headers == {"Retry-After": str(math.ceil(11.0))}
         assert d.where(d.waiting_ticket("w2")) == (1, pytest.approx(11.0))  # type: ignore[arg-type]
+        await lease.__aexit__(None, None, None)
+        await d.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_made_request_id_is_read_from_the_seq_and_found_while_it_waits() -> None:
+    """A ticket without a client id holds no id string: ``cv-<start>-<seq>`` is made when read, and
+    /queue/{id} finds it by its seq (a scan: no index); a client's id is found as given, even one
+    shaped like ours."""
+
+    async def scenario() -> None:
+        d, _ = make(max_queue=5)
+        await d.start()
+        running = submit(d, "run", 0.0, 10.0)
+        lease = d.lease(running)
+        await lease.__aenter__()
+        made = submit(d, "", 1.0, 1.0)
+        assert made.request_id == f"{ID_PREFIX}{made.job.seq}"
+        mimic = submit(d, f"{ID_PREFIX}{made.job.seq + 10_000}", 1.0, 2.0)  # a client's id in our form
+        assert d.waiting_ticket(made.request_id) is made
+        assert d.waiting_ticket(mimic.request_id) is mimic
+        assert d.waiting_ticket(f"{ID_PREFIX}{running.job.seq}") is None  # not waiting
+        assert d.waiting_ticket(f"{ID_PREFIX}{made.job.seq}x") is None
+        assert d.waiting_ticket(f"cv-0-{made.job.seq}") is None  # another process's id
+        d.end(made)  # withdrawn
+        assert d.waiting_ticket(made.request_id) is None
         await lease.__aexit__(None, None, None)
         await d.stop()
 

@@ -370,14 +370,18 @@ class Refiner:
         item = _Pending(key, self.encoder.clip(text), still_wanted, self.deliver)
         return self._put(self._waiting, self.max_pending, item, "dropped")
 
-    def encode_later(self, text: str, then: Callable[[float, bytes], None]) -> bool:
+    def encode_later(self, text: str | Callable[[], str | None], then: Callable[[float, bytes], None]) -> bool:
         """Encode ``text`` when the thread has time to spare and call ``then(log_tokens,
-        components)`` on the event loop: for the learner, which needs the components of a request
-        that never waited. False if it was not taken."""
+        components)`` on the event loop: for the learner, which needs the components of a completed
+        request (none keeps them: see proxy/feedback.py). ``text`` may be a function, called only
+        when there is room (None: nothing to encode). False if it was not taken."""
         if len(self._learning) >= LEARNING_MAX_PENDING:  # full (read without the lock: _put checks again)
-            self._count("learning_dropped")  # under load, most are: not worth clipping the text first
+            self._count("learning_dropped")  # under load, most are: not worth finding the text first
             return False
-        item = _Pending(None, self.encoder.clip(text), _always, lambda _, v, c, __: then(v, c))
+        found = text() if callable(text) else text
+        if found is None:
+            return False
+        item = _Pending(None, self.encoder.clip(found), _always, lambda _, v, c, __: then(v, c))
         return self._put(self._learning, LEARNING_MAX_PENDING, item, "learning_dropped")
 
     def _put(self, pending: deque[_Pending], bound: int, item: _Pending, refused: str) -> bool:

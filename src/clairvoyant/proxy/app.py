@@ -82,6 +82,11 @@ _JSON_HEADERS = [(b"content-type", b"application/json")]
 _ALLOW = ", ".join(sorted(PASSTHROUGH_METHODS)).encode()
 MODEL_LISTINGS = frozenset({"/api/tags", "/v1/models"})  # merged across a pool
 MODEL_SNIFF_MAX_BYTES = 64 * 1024  # a pass-through body larger than this is not searched for its model
+# Header blocks a waiting request forwards, shared by the requests that carry the same one (a
+# client sends the same headers with every request: 65 bytes a waiting request in the memory
+# benchmark). Bounded: cleared when full, so a client varying its headers costs nothing lasting.
+_HEADER_BLOCKS: dict[bytes, bytes] = {}
+_HEADER_BLOCKS_MAX = 1024
 
 
 @dataclass
@@ -443,6 +448,16 @@ class _Head:
             self.priority = None if priority is None else priority.decode("latin-1")
 
 
+def _shared_header_block(block: bytes) -> bytes:
+    """``block``, or an equal one already held (see ``_HEADER_BLOCKS``)."""
+    shared = _HEADER_BLOCKS.get(block)
+    if shared is None:
+        if len(_HEADER_BLOCKS) >= _HEADER_BLOCKS_MAX:
+            _HEADER_BLOCKS.clear()
+        shared = _HEADER_BLOCKS[block] = block
+    return shared
+
+
 def _clamped_priority(header: str | None, given: int | None, settings: Settings, identity: Identity | None) -> int:
     """The body's priority, else the header's, else 0; clamped to [min_priority, max_priority]
     (the API key's range when the request came with one)."""
@@ -472,19 +487,16 @@ def _scheduled(
     arrival_s = dispatcher.clock.now()
     endpoint = SCHEDULED_ENDPOINTS[request.path]
     head = _Head(headers, state.own_headers)
-    request_id = head.request_id if _REQUEST_ID_RE.match(head.request_id) else dispatcher.new_request_id()
+    given_id = head.request_id if _REQUEST_ID_RE.match(head.request_id) else ""  # "": made from its seq
     parsed = parse_request(endpoint, request.body, keep_priority=settings.forward_priority)
 
     forward_body = parsed.forward_body
     bench_fields = parsed.proxy_options.get("upstream")
     if settings.bench_upstream_fields and isinstance(bench_fields, dict):
         forward_body = with_upstream_fields(forward_body, bench_fields)  # the prediction never sees these
-    if settings.log_prompts:
-        logger.debug("request_id=%s prompt=%r", request_id, parsed.prompt.instruction[:2000])
-
     prompt_tokens = parsed.prompt.context_chars // 4  # ~4 characters a token until usage says better
     ticket = Ticket(
-        request_id=request_id,
+        given_id=given_id,
         endpoint=endpoint.path,
         dialect=endpoint.dialect.value,
         model=parsed.model,
@@ -498,6 +510,9 @@ def _scheduled(
         priority=_clamped_priority(head.priority, parsed.priority, settings, identity),
         tenant=identity.tenant if identity is not None else head.tenant[:128],
     )
+    ticket.job = job  # its request id is made from the job's seq
+    if settings.log_prompts:
+        logger.debug("request_id=%s prompt=%r", ticket.request_id, parsed.prompt.instruction[:2000])
 
     def predict() -> None:
         """The prediction, into the ticket and its job (the queue key, predicted tokens and seconds)."""
@@ -520,8 +535,6 @@ def _scheduled(
     # A free slot and nobody waiting: there is no order to decide, so the request goes now and is
     # predicted while the backend works (the prediction still feeds the learner and the metrics).
     if dispatcher.dispatch_at_once(ticket, job):
-        if state.learning.recorder.refiner is not None:  # the learner encodes it once it completes
-            ticket.instruction = parsed.prompt.instruction  # a reference; clipped when it is queued
 
         def predict_later() -> None:
             charged_s = job.predicted_s  # the default its tenant was charged at dispatch
@@ -545,8 +558,8 @@ def _scheduled(
     if refiner is not None and job.waiting and not (settings.allow_oracle and "output_tokens" in parsed.proxy_options):
         refiner.want((ticket, row), parsed.prompt.instruction, lambda: job.waiting)  # a plain read, from its thread
     ScheduledExchange(
-        state.scheduling, ticket, conn, headers=head.forward, body=forward_body, query=request.query.decode("latin-1"),
-        authorization=head.authorization, stream=parsed.stream,
+        state.scheduling, ticket, conn, headers=_shared_header_block(head.forward), body=forward_body,
+        query=request.query.decode("latin-1"), authorization=head.authorization, stream=parsed.stream,
     ).wait(state.parking)  # fmt: skip
 
 

@@ -61,30 +61,36 @@ class UsageRecorder:
         self.rederive: Callable[[str, bytes], tuple[bytes, str] | None] | None = None
 
     def __call__(self, ticket: Ticket, usage: Usage, body: bytes = b"") -> None:
+        """``usage`` of ``ticket``'s answer; ``body``: the request body it was sent with."""
         self.metrics.count_usage(usage.source, usage.output_tokens)
         prediction = ticket.prediction  # made by now, even when it was deferred past dispatch
         learner = self.learner
         tokens = usage.output_tokens
         if learner is None or prediction is None or not usage.observed or tokens is None:
             return
-        instruction = ticket.instruction
-        if not prediction.feature_row and self.rederive is not None:
-            derived = self.rederive(ticket.endpoint, body)  # it waited: its row, again, from its body
+        rederive = self.rederive
+        derived: tuple[bytes, str] | None = None
+        if not prediction.feature_row and rederive is not None:
+            derived = rederive(ticket.endpoint, body)  # it waited: a waiting request keeps no row
             if derived is not None:
-                row, instruction = derived
-                prediction = replace(prediction, feature_row=row)
+                prediction = replace(prediction, feature_row=derived[0])
         refiner = self.refiner
         if (
             refiner is not None
-            and instruction is not None
+            and rederive is not None
             and learner.n_features > learner.n_counts
             and len(prediction.feature_row) == 4 * learner.n_counts
         ):
-            # Its row has no encoder columns (dispatched at once, or waited: a waiting request keeps
-            # none): the encoder's thread adds its components first (a few ms later, off the loop,
-            # within its learning share), then the learner observes it. Not taken: a lexical row,
-            # counted for quality only.
+            # Its row has no encoder columns (none is kept past a request's wait, and one dispatched
+            # at once was never encoded): the encoder's thread adds them first (a few ms later, off
+            # the loop, within its learning share), then the learner observes it. Not taken: a
+            # lexical row, counted for quality only. The instruction is read from the body again
+            # only when the encoder takes it.
             lexical = prediction
+
+            def instruction() -> str | None:
+                got = derived or rederive(ticket.endpoint, body)
+                return None if got is None else got[1]
 
             def observe_encoded(_log_tokens: float, components: bytes) -> None:
                 learner.observe(replace(lexical, feature_row=lexical.feature_row + components), tokens)

@@ -47,7 +47,7 @@ import os
 import select
 import socket
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 __all__ = ["ParkingLot"]
 
@@ -60,13 +60,15 @@ ProtocolT = TypeVar("ProtocolT", bound=asyncio.Protocol)
 # (getattr: the name exists on Linux only, where the lot is enabled; 0x2000 is its Linux value.)
 _WATCH: int = getattr(select, "EPOLLRDHUP", 0x2000)
 _PARKABLE_FAMILIES = (socket.AF_INET, socket.AF_INET6, socket.AF_UNIX)  # what connect_accepted_socket takes
+_FREE = object()  # an fd's place in the owners list when it is not parked
 _DRAIN_BYTES = 64 * 1024  # bytes read and dropped before a refused fd is closed (see refuse)
 
 
 class ParkingLot(Generic[OwnerT]):
     """Waiting client connections held as bare file descriptors, watched for the client leaving.
 
-    Per parked connection the lot keeps one dict entry ``fd -> owner`` (the fd is the handle);
+    Per parked connection the lot keeps its owner at the fd's index in one list (the fd is the
+    handle; fds are small dense ints, and a list slot is 8 bytes where a dict entry is ~46);
     nothing else, and no per-connection callback or object. Every method runs on the loop's thread.
     """
 
@@ -79,7 +81,8 @@ class ParkingLot(Generic[OwnerT]):
         """
         self._loop = loop
         self._on_left = on_left
-        self._owners: dict[int, OwnerT] = {}  # parked fd -> the caller's owner
+        self._owners: list[Any] = []  # at a parked fd's index: the caller's owner (else _FREE)
+        self._parked = 0  # fds parked now
         # fds released while _on_ready runs: a later event of the same batch naming one of them is
         # stale (its number may already belong to a connection parked by a callback).
         self._batch: set[int] | None = None
@@ -97,7 +100,7 @@ class ParkingLot(Generic[OwnerT]):
 
     def __len__(self) -> int:
         """Connections parked now."""
-        return len(self._owners)
+        return self._parked
 
     def park(self, transport: asyncio.Transport, owner: OwnerT) -> int | None:
         """Detach the connection from ``transport``: dup its socket's fd, abort the transport, watch
@@ -130,7 +133,11 @@ class ParkingLot(Generic[OwnerT]):
             os.close(fd)
             logger.warning("cannot park a connection: epoll register failed (%s)", exc)
             return None
-        self._owners[fd] = owner
+        owners = self._owners
+        if fd >= len(owners):
+            owners.extend([_FREE] * (fd + 1 - len(owners)))
+        owners[fd] = owner
+        self._parked += 1
         transport.abort()  # closes the transport's own fd (after removing it from the loop's epoll)
         return fd
 
@@ -146,7 +153,7 @@ class ParkingLot(Generic[OwnerT]):
         ``fd`` is not parked (the client left, or it was resumed, refused or discarded); OSError
         or the protocol factory's exception when the loop cannot take the connection.
         """
-        if fd not in self._owners:
+        if not self._is_parked(fd):
             raise ConnectionError(f"fd {fd} is not parked (its client left, or it was released)")
         self._release(fd)
         try:
@@ -174,7 +181,7 @@ class ParkingLot(Generic[OwnerT]):
         closing a socket with unread bytes sends a reset, which can destroy the answer at the
         client before it is read. Does nothing when ``fd`` is not parked.
         """
-        if fd not in self._owners:
+        if not self._is_parked(fd):
             return
         self._release(fd)
         try:
@@ -200,7 +207,7 @@ class ParkingLot(Generic[OwnerT]):
     def discard(self, fd: int) -> None:
         """Stop watching ``fd`` and close it (no answer, no ``on_left``). Does nothing when ``fd``
         is not parked."""
-        if fd in self._owners:
+        if self._is_parked(fd):
             self._release(fd)
             os.close(fd)
 
@@ -214,16 +221,22 @@ class ParkingLot(Generic[OwnerT]):
         if epoll is not None:
             self._loop.remove_reader(epoll.fileno())  # False, not an error, on a closed loop
             epoll.close()  # drops every registration at once: no EPOLL_CTL_DEL per fd
-        owners = self._owners
+        parked = [fd for fd, owner in enumerate(self._owners) if owner is not _FREE]
         if self._batch is not None:
-            self._batch.update(owners)
-        for fd in owners:
+            self._batch.update(parked)
+        for fd in parked:
             os.close(fd)
-        owners.clear()  # clear(), not a new dict: frees the table
+        self._owners = []
+        self._parked = 0
+
+    def _is_parked(self, fd: int) -> bool:
+        owners = self._owners
+        return 0 <= fd < len(owners) and owners[fd] is not _FREE
 
     def _release(self, fd: int) -> None:
         """Forget a parked ``fd`` and stop watching it; the caller then closes or hands it over."""
-        del self._owners[fd]
+        self._owners[fd] = _FREE
+        self._parked -= 1
         if self._batch is not None:
             self._batch.add(fd)
         assert self._epoll is not None  # an fd is only ever parked with an epoll
@@ -247,7 +260,7 @@ class ParkingLot(Generic[OwnerT]):
         self._batch = batch
         try:
             for fd, _mask in events:
-                if fd in batch or fd not in self._owners:
+                if fd in batch or not self._is_parked(fd):
                     continue  # released by a callback of this batch (the number may be reused)
                 owner = self._owners[fd]
                 self._release(fd)

@@ -464,6 +464,7 @@ class ScheduledExchange(_Running):
         out = self.client
         assert isinstance(out, HttpConnection)
         out.listener = self
+        self.ticket.waiter = self  # (granted already: only interrupted, or told of a reroute's grant)
         self.task = out.shared.run_task(self.run(), name="scheduled")
 
     def wait(self, parking: Any) -> None:
@@ -474,6 +475,14 @@ class ScheduledExchange(_Running):
         self.ticket.waiter = self
         if parking is not None:
             out.park_when_read(self)
+
+    def interrupt(self) -> bool:
+        """``Waiter.interrupt``: the shutdown's grace period is over; end the answer being relayed."""
+        relay, task = self.relay, self.task
+        if self.stage not in ("relaying", "rerouted") or relay is None or task is None:
+            return False
+        relay.interrupt(task, "shutdown")
+        return True
 
     def parked(self, fd: int) -> None:
         """Its connection is parked (``HttpConnection.park_when_read``): resumed through ``fd``."""
@@ -523,11 +532,8 @@ class ScheduledExchange(_Running):
             if out is None or out.gone:  # left before anything was sent: its slot is given back
                 self._left_queued()
                 return
-            task = self.task
-            assert task is not None
             self._bind(ticket.backend if ticket.backend is not None else 0)
             self.stage = "relaying"
-            ticket.interrupt = lambda: relay.interrupt(task, "shutdown")
             if self.predict_later is not None:
                 # After this task's step, in which the backend client writes the request on a
                 # pooled connection (backend_connection.py writes in send, no task of its own)

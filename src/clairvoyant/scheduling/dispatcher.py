@@ -34,7 +34,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -52,13 +52,16 @@ from clairvoyant.scheduling.service_time import ServiceTimeModel, write_state
 from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
 
 __all__ = [
-    "GRANTED", "REFUSED", "WAITING", "WITHDRAWN", "Backend", "Dispatcher", "Lease", "ModelNotServed", "ShuttingDown",
-    "Ticket", "Waiter",
+    "GRANTED", "ID_PREFIX", "REFUSED", "WAITING", "WITHDRAWN", "Backend", "Dispatcher", "Lease", "ModelNotServed",
+    "ShuttingDown", "Ticket", "Waiter",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
 _SAVE_EVERY = 50  # service-time observations between state-file writes
+# Made request ids start with this: the process's start (hex ns) makes them unique across restarts,
+# the job's seq (process-wide arrival order) within one (``Ticket.request_id``).
+ID_PREFIX = f"cv-{time.time_ns():x}-"
 RECENT_REQUESTS = 100  # finished requests kept for /queue's timeline (the live page)
 # An in-flight request past its predicted seconds still holds its slot: its remainder is taken as
 # this fraction of its prediction (not 0, which would tell the requests behind it "now").
@@ -103,6 +106,11 @@ class Waiter(Protocol):
 
     def wait_ended(self, ticket: Ticket) -> None: ...
 
+    def interrupt(self) -> bool:
+        """End the answer being relayed now (the shutdown's grace period is over). False if there
+        is none (not dispatched yet, or over)."""
+        ...
+
 
 def _settle(future: asyncio.Future[int], ticket: Ticket) -> None:
     if ticket.wait == GRANTED:
@@ -119,7 +127,7 @@ class Ticket:
     """One scheduled request, from arrival to release. Its queue record is ``job``. Slotted and
     lean: thousands may wait (``bench/queue_cost.py`` measures the bytes per waiting request)."""
 
-    request_id: str
+    given_id: str  # the client's X-Request-Id; "" = one made from its arrival number (``request_id``)
     endpoint: str  # the scheduled path, e.g. /v1/chat/completions
     dialect: str
     model: str | None
@@ -139,10 +147,6 @@ class Ticket:
     held_back: bool = False  # popped by the policy (or rerouted), waiting for a backend that serves it
     refused_by: tuple[int, ...] = ()  # backends that refused its connection (routing avoids them)
     ended: bool = False  # withdrawn or released: set exactly once
-    interrupt: Callable[[], None] | None = None  # set by its relay once dispatched: end the answer now (shutdown)
-    # Dispatched at once while learning with an encoder: its instruction, which the learner's
-    # encoder pass reads after it completes (a waiting request's components come with its refinement).
-    instruction: str | None = None
 
     @property
     def granted(self) -> asyncio.Future[int]:
@@ -169,6 +173,12 @@ class Ticket:
             _settle(self._future, self)
         if self.waiter is not None:
             self.waiter.wait_ended(self)
+
+    @property
+    def request_id(self) -> str:
+        """The client's X-Request-Id, else ``cv-<this process's start, hex ns>-<its job's seq>``:
+        made when read, so that a waiting request holds no string for it (its job must be set)."""
+        return self.given_id or f"{ID_PREFIX}{self.job.seq}"
 
     @property
     def predicted_class(self) -> str:
@@ -237,10 +247,8 @@ class Dispatcher:
         self._pump_scheduled = False
         self._started = False
         self._detached: set[asyncio.Task[Any]] = set()
-        self._by_id: dict[str, Ticket] = {}  # waiting tickets by request id (for /queue/{id})
         self._closing = False
         self._grace_timer: asyncio.TimerHandle | None = None
-        self._ids = itertools.count()
         self._observed = 0
         self._grants = 0  # slots granted so far (a ticket's queue position is a difference of these)
         # (ticket, ended clock seconds, outcome, output tokens or None), newest last
@@ -291,9 +299,8 @@ class Dispatcher:
 
     def _interrupt_running(self) -> None:
         for ticket in self._all_running():
-            if ticket.interrupt is not None:
-                logger.warning("request_id=%s: shutdown grace period over; ending its answer", ticket.request_id)
-                ticket.interrupt()
+            if ticket.waiter is not None and ticket.waiter.interrupt():
+                logger.warning("request_id=%s: shutdown grace period over; ended its answer", ticket.request_id)
 
     async def stop(self, timeout_s: float = 5.0) -> None:
         """Refuse new work, let in-flight requests finish for up to ``timeout_s``, then cancel."""
@@ -431,7 +438,6 @@ class Dispatcher:
             )
         ticket.job = job
         self.queue.push(job)
-        self._by_id[ticket.request_id] = ticket
         self.metrics.depth_by_class[ticket.predicted_class].inc()
         # O(1) on purpose: ordering the whole queue per arrival would cost O(n log n) at depth n.
         ticket.grants_before_arrival = self._grants
@@ -553,7 +559,6 @@ class Dispatcher:
 
     def _end_waiting(self, ticket: Ticket) -> None:
         ticket.ended = True
-        self._by_id.pop(ticket.request_id, None)
         if ticket.dispatched_s is None:  # a rerouted ticket left the depth gauge at its first grant
             self.metrics.depth_by_class[ticket.predicted_class].dec()
 
@@ -606,9 +611,6 @@ class Dispatcher:
         self._detached.discard(task)
         if not task.cancelled() and task.exception() is not None:
             logger.error("detached task %s failed", task.get_name(), exc_info=task.exception())
-
-    def new_request_id(self) -> str:
-        return f"cv-{time.time_ns():x}-{next(self._ids)}"
 
     # -- dispatch ----------------------------------------------------------------------------
     def _schedule_pump(self) -> None:
@@ -663,7 +665,6 @@ class Dispatcher:
         # header and the wait figures), not service time (the service-time model learns from it).
         ticket.dispatched_s = self.clock.now()
         if first:
-            self._by_id.pop(ticket.request_id, None)
             if observe_wait:
                 self.metrics.depth_by_class[ticket.predicted_class].dec()
                 self.metrics.wait_by_class[ticket.predicted_class].observe(ticket.dispatched_s - ticket.job.arrival_s)
@@ -729,7 +730,14 @@ class Dispatcher:
         return None
 
     def waiting_ticket(self, request_id: str) -> Ticket | None:
-        return self._by_id.get(request_id)
+        """The waiting ticket with ``request_id``, or None. A scan, not an index: an index would
+        cost every waiting request ~46 bytes, and where it stands (``where``) is O(waiting) anyway."""
+        made = request_id[len(ID_PREFIX) :] if request_id.startswith(ID_PREFIX) else ""
+        seq = int(made) if made.isdigit() else -1  # a made id names its job's seq
+        for ticket in itertools.chain(self._held_back, (job.payload for job in self.queue)):
+            if ticket.given_id == request_id if ticket.given_id else ticket.job.seq == seq:
+                return ticket
+        return None
 
     # -- introspection ---------------------------------------------------------------------
     def snapshot(self, limit: int | None = None) -> dict[str, Any]:
