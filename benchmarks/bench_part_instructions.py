@@ -60,9 +60,7 @@ def usage_sse():
 def counter(): metrics.count_request("/v1/chat/completions", "openai", "200")
 def histogram(): metrics.ttft_by_class["short"].observe(0.01)
 def ticket_job():
-    ticket = Ticket(given_id="r", endpoint="/v1/chat/completions", dialect="openai", model="m", prediction=None,
-                    prompt_tokens=3)
-    Job(ticket, 1.0, cap_tokens=None, priority=0, tenant="")
+    Ticket("r", "/v1/chat/completions", "openai", "m", None, 3, 1.0, cap_tokens=None, priority=0, tenant="")
 def relay():
     Relay(None, request, metrics, list, list, on_usage=list, now=list, model="m", retry_unavailable=True,
           failover=list, on_answered=list, on_broken=list)

@@ -13,7 +13,6 @@ from clairvoyant.errors import QueueFull
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.predictor import Prediction
 from clairvoyant.scheduling.dispatcher import ID_PREFIX, OVERRUN_REMAINDER, Dispatcher, ShuttingDown, Ticket
-from clairvoyant.scheduling.job_queue import Job
 from clairvoyant.scheduling.policy import build_queue, make_policy
 
 
@@ -25,8 +24,18 @@ def make(slots: int = 1, max_queue: int = 10, policy: str = "fcfs") -> tuple[Dis
 
 
 def submit(d: Dispatcher, name: str, arrival_s: float, predicted_s: float) -> Ticket:
-    t = Ticket(name, "/v1/chat/completions", "openai", None, Prediction.from_probabilities(0.5, 0.3, 0.2), 10)
-    d.submit(t, Job(t, arrival_s, predicted_s=predicted_s, predicted_tokens=50.0))
+    t = Ticket(
+        name,
+        "/v1/chat/completions",
+        "openai",
+        None,
+        Prediction.from_probabilities(0.5, 0.3, 0.2),
+        10,
+        arrival_s,
+        predicted_s=predicted_s,
+        predicted_tokens=50.0,
+    )
+    d.submit(t)
     return t
 
 
@@ -220,15 +229,15 @@ def test_an_idle_slot_with_nobody_waiting_is_granted_at_once_before_the_predicti
         d, clock = make(slots=2)
         await d.start()
         first = Ticket("a", "/v1/chat/completions", "openai", None, None, 10)
-        assert d.dispatch_at_once(first, Job(first, 0.0))
+        assert d.dispatch_at_once(first)
         assert first.granted.done() and first.prediction is None and first.queue_position == 0
         assert d.snapshot()["in_flight"][0]["predicted_class"] == "pending"
         # one slot left, still nobody waiting: the next goes at once too; then none is idle
         second = Ticket("b", "/v1/chat/completions", "openai", None, None, 10)
-        assert d.dispatch_at_once(second, Job(second, 0.0))
+        assert d.dispatch_at_once(second)
         third = submit(d, "c", 0.0, 1.0)
         fourth = Ticket("d", "/v1/chat/completions", "openai", None, None, 10)
-        assert not d.dispatch_at_once(fourth, Job(fourth, 0.0))  # a slot-less arrival waits its turn
+        assert not d.dispatch_at_once(fourth)  # a slot-less arrival waits its turn
         assert not third.granted.done()
         first.prediction = Prediction.from_probabilities(0.5, 0.3, 0.2)
         async with d.lease(first):
@@ -257,8 +266,18 @@ def make_pool(*backends: Backend, policy: str = "fcfs") -> tuple[Dispatcher, Man
 
 
 def submit_for(d: Dispatcher, name: str, model: str | None, predicted_s: float = 1.0, arrival_s: float = 0.0) -> Ticket:
-    t = Ticket(name, "/v1/chat/completions", "openai", model, Prediction.from_probabilities(0.5, 0.3, 0.2), 10)
-    d.submit(t, Job(t, arrival_s, predicted_s=predicted_s, predicted_tokens=50.0))
+    t = Ticket(
+        name,
+        "/v1/chat/completions",
+        "openai",
+        model,
+        Prediction.from_probabilities(0.5, 0.3, 0.2),
+        10,
+        arrival_s,
+        predicted_s=predicted_s,
+        predicted_tokens=50.0,
+    )
+    d.submit(t)
     return t
 
 
@@ -459,10 +478,11 @@ def test_repredicted_reorders_a_waiting_ticket_and_moves_its_class_gauge() -> No
         await held.__aenter__()
         waiting = {}
         for name, p_long in (("x", 0.2), ("y", 0.5), ("z", 0.9)):
+            prediction = Prediction.from_probabilities(0.6, 0.2, p_long)
             t = Ticket(
-                name, "/v1/chat/completions", "openai", None, Prediction.from_probabilities(0.6, 0.2, p_long), 10
+                name, "/v1/chat/completions", "openai", None, prediction, 10, 1.0, score=p_long, predicted_tokens=50.0
             )
-            d.submit(t, Job(t, 1.0, score=p_long, predicted_tokens=50.0))
+            d.submit(t)
             waiting[name] = t
         assert [j.payload.request_id for j in d.queue.ordered(1.0)] == ["x", "y", "z"]
         depth = d.metrics.depth_by_class
@@ -490,8 +510,18 @@ def _pool(*backends: Backend) -> tuple[Dispatcher, ManualClock]:
 
 
 def _modelled(d: Dispatcher, name: str, predicted_s: float, model: str | None) -> Ticket:
-    t = Ticket(name, "/v1/chat/completions", "openai", model, Prediction.from_probabilities(0.5, 0.3, 0.2), 10)
-    d.submit(t, Job(t, 0.0, predicted_s=predicted_s, predicted_tokens=50.0))
+    t = Ticket(
+        name,
+        "/v1/chat/completions",
+        "openai",
+        model,
+        Prediction.from_probabilities(0.5, 0.3, 0.2),
+        10,
+        0.0,
+        predicted_s=predicted_s,
+        predicted_tokens=50.0,
+    )
+    d.submit(t)
     return t
 
 

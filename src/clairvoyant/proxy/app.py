@@ -64,7 +64,6 @@ from clairvoyant.proxy.responses import (
 from clairvoyant.proxy.upstream import Upstream, forwardable_headers
 from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.dispatcher import Dispatcher, Ticket
-from clairvoyant.scheduling.job_queue import Job
 from clairvoyant.scheduling.policy import PolicyParams, build_queue, make_policy
 from clairvoyant.scheduling.service_time import ServiceTimeModel
 from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
@@ -143,7 +142,7 @@ def _start_refiner(
     ) -> None:
         ticket, row = waiting  # its lexical row, kept by the encoder's queue until now
         prediction = ticket.prediction
-        if prediction is not None and ticket.job.waiting and not ticket.ended:
+        if prediction is not None and ticket.waiting and not ticket.ended:
             refined = predictor.refined(prediction, encoder_log_tokens, weights, components, knn_log_tokens, row=row)
             # Re-keyed without its row: the learner re-derives row and components after completion.
             if dispatcher.repredicted(ticket, replace(refined, feature_row=b"")):
@@ -496,26 +495,16 @@ def _scheduled(
         forward_body = with_upstream_fields(forward_body, bench_fields)  # the prediction never sees these
     prompt_tokens = parsed.prompt.context_chars // 4  # ~4 characters a token until usage says better
     ticket = Ticket(
-        given_id=given_id,
-        endpoint=endpoint.path,
-        dialect=endpoint.dialect.value,
-        model=parsed.model,
-        prediction=None,
-        prompt_tokens=prompt_tokens,
-    )
-    job = Job(
-        ticket,
-        arrival_s,
+        given_id, endpoint.path, endpoint.dialect.value, parsed.model, None, prompt_tokens, arrival_s,
         cap_tokens=parsed.cap_tokens,
         priority=_clamped_priority(head.priority, parsed.priority, settings, identity),
         tenant=identity.tenant if identity is not None else head.tenant[:128],
-    )
-    ticket.job = job  # its request id is made from the job's seq
+    )  # fmt: skip
     if settings.log_prompts:
         logger.debug("request_id=%s prompt=%r", ticket.request_id, parsed.prompt.instruction[:2000])
 
     def predict() -> None:
-        """The prediction, into the ticket and its job (the queue key, predicted tokens and seconds)."""
+        """The prediction, into the ticket (its queue key, predicted tokens and seconds)."""
         started = time.perf_counter()
         prediction = state.predictor.predict(parsed.prompt, model=parsed.model, cap_tokens=parsed.cap_tokens)
         state.metrics.predictor_latency.observe(time.perf_counter() - started)
@@ -527,17 +516,17 @@ def _scheduled(
             if parsed.cap_tokens is not None:  # the predictor applied the cap itself; the oracle must too
                 predicted_tokens = min(predicted_tokens, float(parsed.cap_tokens))
         ticket.prediction = prediction
-        job.score = score
-        job.predicted_tokens = predicted_tokens
-        job.predicted_s = dispatcher.predicted_s(parsed.model, prompt_tokens, predicted_tokens)
-        job.bucket = bucket_for(job.predicted_s)
+        ticket.score = score
+        ticket.predicted_tokens = predicted_tokens
+        ticket.predicted_s = predicted_s = dispatcher.predicted_s(parsed.model, prompt_tokens, predicted_tokens)
+        ticket.bucket = bucket_for(predicted_s)
 
     # A free slot and nobody waiting: there is no order to decide, so the request goes now and is
     # predicted while the backend works (the prediction still feeds the learner and the metrics).
-    if dispatcher.dispatch_at_once(ticket, job):
+    if dispatcher.dispatch_at_once(ticket):
 
         def predict_later() -> None:
-            charged_s = job.predicted_s  # the default its tenant was charged at dispatch
+            charged_s = ticket.predicted_s  # the default its tenant was charged at dispatch
             predict()
             dispatcher.predicted_at_once(ticket, charged_s)
 
@@ -553,10 +542,10 @@ def _scheduled(
     assert prediction is not None
     row = prediction.feature_row
     ticket.prediction = replace(prediction, feature_row=b"")
-    dispatcher.submit(ticket, job)
+    dispatcher.submit(ticket)
     refiner = state.refiner
-    if refiner is not None and job.waiting and not (settings.allow_oracle and "output_tokens" in parsed.proxy_options):
-        refiner.want((ticket, row), parsed.prompt.instruction, lambda: job.waiting)  # a plain read, from its thread
+    if refiner is not None and ticket.waiting and not (settings.allow_oracle and "output_tokens" in parsed.proxy_options):
+        refiner.want((ticket, row), parsed.prompt.instruction, lambda: ticket.waiting)  # a plain read, from its thread
     ScheduledExchange(
         state.scheduling, ticket, conn, headers=_shared_header_block(head.forward), body=forward_body,
         query=request.query.decode("latin-1"), authorization=head.authorization, stream=parsed.stream,

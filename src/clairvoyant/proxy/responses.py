@@ -637,8 +637,8 @@ class ScheduledExchange(_Running):
         request = relay.request
         if shared.vllm_priority and shared.pool.kind_of(backend) == "vllm":
             ticket = self._predicted()
-            priority = ticket.job.priority * VLLM_CLASS_STRIDE + min(
-                VLLM_CLASS_STRIDE - 1, max(0, round(ticket.job.predicted_tokens))
+            priority = ticket.priority * VLLM_CLASS_STRIDE + min(
+                VLLM_CLASS_STRIDE - 1, max(0, round(ticket.predicted_tokens))
             )
             request = replace(request, body=with_upstream_fields(request.body, {"priority": priority}))
         relay.request = request
@@ -701,7 +701,7 @@ class ScheduledExchange(_Running):
         lines = _OWN_HEADERS % (
             ticket.request_id.encode(), self.relay.upstream.name.encode("latin-1"),
             b"" if wait is None else b"%.1f" % (wait * 1000), prediction.predicted_tokens,
-            prediction.predicted_class.encode(), ticket.job.predicted_s,
+            prediction.predicted_class.encode(), ticket.predicted_s,
         )  # fmt: skip
         if prediction.probabilities is not None:  # class models only
             lines += b"x-clairvoyant-p-long: %.4f\r\n" % prediction.probabilities[2]
@@ -733,11 +733,11 @@ class ScheduledExchange(_Running):
         service = None if ticket.dispatched_s is None else clock.now() - ticket.dispatched_s
         usage = self.usage
         log_request({
-            "request_id": ticket.request_id, "endpoint": ticket.endpoint, "tenant": ticket.job.tenant or "-",
+            "request_id": ticket.request_id, "endpoint": ticket.endpoint, "tenant": ticket.tenant or "-",
             "backend": "-" if ticket.backend is None else relay.upstream.name,
-            "priority": ticket.job.priority, "predicted_class": ticket.predicted_class,
+            "priority": ticket.priority, "predicted_class": ticket.predicted_class,
             "predicted_tokens": "-" if ticket.prediction is None else f"{ticket.prediction.predicted_tokens:.0f}",
-            "predicted_s": f"{ticket.job.predicted_s:.3f}",
+            "predicted_s": f"{ticket.predicted_s:.3f}",
             "queue_wait_ms": "-" if wait is None else f"{wait * 1000:.1f}",
             "service_ms": "-" if service is None else f"{service * 1000:.1f}",
             "status": relay.status if relay.status is not None else "-", "outcome": relay.outcome,

@@ -35,7 +35,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -71,7 +71,7 @@ OVERRUN_REMAINDER = 0.1
 def remainder_s(ticket: Ticket, now: float, slowness: float = 1.0) -> float:
     """Predicted seconds an in-flight request still holds its slot: its predicted seconds (at the
     backend's slowness) less what it has run, never below ``OVERRUN_REMAINDER`` of them."""
-    predicted_s = ticket.job.predicted_s * slowness
+    predicted_s = ticket.predicted_s * slowness
     running_s = 0.0 if ticket.dispatched_s is None else now - ticket.dispatched_s
     return max(predicted_s - running_s, OVERRUN_REMAINDER * predicted_s)
 
@@ -122,31 +122,63 @@ def _settle(future: asyncio.Future[int], ticket: Ticket) -> None:
         future.cancel()
 
 
-@dataclass(slots=True, eq=False)
-class Ticket:
-    """One scheduled request, from arrival to release. Its queue record is ``job``. Slotted and
-    lean: thousands may wait (``bench/queue_cost.py`` measures the bytes per waiting request)."""
+class Ticket(Job["Ticket"]):
+    """One scheduled request, from arrival to release, and its own queue record: a ``Job`` whose
+    payload is itself (one object a waiting request, not two). Slotted and lean: thousands may
+    wait (benchmarks/bench_waiting_memory.py measures the bytes per waiting request)."""
 
-    given_id: str  # the client's X-Request-Id; "" = one made from its arrival number (``request_id``)
-    endpoint: str  # the scheduled path, e.g. /v1/chat/completions
-    dialect: str
-    model: str | None
-    prediction: Prediction | None  # None only between an at-once dispatch and its prediction (see dispatch_at_once)
-    prompt_tokens: int  # estimated prompt tokens (service-time model input)
-    job: Job[Ticket] = field(init=False)
-    # How its wait for a slot ended: WAITING (or waiting again, rerouted), GRANTED, WITHDRAWN or REFUSED.
-    wait: int = WAITING
-    waiter: Waiter | None = None  # told when the wait ends (the proxy's exchange: no task waits)
-    refusal: RequestError | None = None  # why it was REFUSED
-    _future: asyncio.Future[int] | None = None  # ``granted``, made on first use
-    backend: int | None = None  # the granted backend's index in the pool
-    slot: int | None = None  # the granted slot, on that backend
-    dispatched_s: float | None = None  # clock seconds when a slot was granted
-    grants_before_arrival: int = 0  # the dispatcher's slot grants so far when this ticket was queued
-    queue_position: int | None = None  # set at dispatch: requests dispatched ahead of it while it waited
-    held_back: bool = False  # popped by the policy (or rerouted), waiting for a backend that serves it
-    refused_by: tuple[int, ...] = ()  # backends that refused its connection (routing avoids them)
-    ended: bool = False  # withdrawn or released: set exactly once
+    __slots__ = (
+        "given_id", "endpoint", "dialect", "model", "prediction", "prompt_tokens", "wait", "waiter", "refusal",
+        "_future", "backend", "slot", "dispatched_s", "grants_before_arrival", "queue_position", "held_back",
+        "refused_by", "ended",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        given_id: str,  # the client's X-Request-Id; "" = one made from its seq (``request_id``)
+        endpoint: str,  # the scheduled path, e.g. /v1/chat/completions
+        dialect: str,
+        model: str | None,
+        prediction: Prediction | None,  # None only between an at-once dispatch and its prediction
+        prompt_tokens: int,  # estimated prompt tokens (service-time model input)
+        arrival_s: float = 0.0,  # clock seconds when it arrived
+        *,
+        score: float = 0.0,
+        predicted_tokens: float = 0.0,
+        predicted_s: float = 1.0,
+        bucket: int = 0,
+        cap_tokens: int | None = None,
+        priority: int = 0,
+        tenant: str = "",
+    ) -> None:
+        Job.__init__(self, self, arrival_s, score, predicted_tokens, predicted_s, bucket, cap_tokens, priority, tenant)
+        self.given_id = given_id
+        self.endpoint = endpoint
+        self.dialect = dialect
+        self.model = model
+        self.prediction = prediction
+        self.prompt_tokens = prompt_tokens
+        # How its wait for a slot ended: WAITING (or waiting again, rerouted), GRANTED, WITHDRAWN or REFUSED.
+        self.wait = WAITING
+        self.waiter: Waiter | None = None  # told when the wait ends (the proxy's exchange: no task waits)
+        self.refusal: RequestError | None = None  # why it was REFUSED
+        self._future: asyncio.Future[int] | None = None  # ``granted``, made on first use
+        self.backend: int | None = None  # the granted backend's index in the pool
+        self.slot: int | None = None  # the granted slot, on that backend
+        self.dispatched_s: float | None = None  # clock seconds when a slot was granted
+        self.grants_before_arrival = 0  # the dispatcher's slot grants so far when this ticket was queued
+        self.queue_position: int | None = None  # set at dispatch: requests dispatched ahead of it while it waited
+        self.held_back = False  # popped by the policy (or rerouted), waiting for a backend that serves it
+        self.refused_by: tuple[int, ...] = ()  # backends that refused its connection (routing avoids them)
+        self.ended = False  # withdrawn or released: set exactly once
+
+    def __repr__(self) -> str:
+        return f"Ticket({self.request_id!r}, wait={self.wait}, waiting={self.waiting})"
+
+    @property
+    def job(self) -> Ticket:
+        """Its queue record: itself."""
+        return self
 
     @property
     def granted(self) -> asyncio.Future[int]:
@@ -177,19 +209,15 @@ class Ticket:
     @property
     def request_id(self) -> str:
         """The client's X-Request-Id, else ``cv-<this process's start, hex ns>-<its job's seq>``:
-        made when read, so that a waiting request holds no string for it (its job must be set)."""
-        return self.given_id or f"{ID_PREFIX}{self.job.seq}"
+        made when read, so that a waiting request holds no string for it."""
+        return self.given_id or f"{ID_PREFIX}{self.seq}"
 
     @property
     def predicted_class(self) -> str:
         return "pending" if self.prediction is None else self.prediction.predicted_class
 
-    @property
-    def arrival_s(self) -> float:
-        return self.job.arrival_s
-
     def queue_wait_s(self) -> float | None:
-        return None if self.dispatched_s is None else self.dispatched_s - self.job.arrival_s
+        return None if self.dispatched_s is None else self.dispatched_s - self.arrival_s
 
 
 @dataclass(slots=True)
@@ -292,7 +320,7 @@ class Dispatcher:
     def _refuse(self, ticket: Ticket) -> None:
         """A waiting ticket (popped or held back) that will never reach a backend: shutting down."""
         ticket.held_back = False
-        self.queue.done(ticket.job)
+        self.queue.done(ticket)
         self._end_waiting(ticket)
         if ticket.wait == WAITING:
             ticket.end_wait(REFUSED, ShuttingDown("the proxy is shutting down; retry"))
@@ -392,7 +420,7 @@ class Dispatcher:
         return sum(remainder_s(t, now, slowness) for t in backend.running.values())
 
     def _route(self, ticket: Ticket) -> int | None:
-        return choose(self.backends, ticket.model, self._remaining_s, ticket.refused_by, ticket.job.predicted_s)
+        return choose(self.backends, ticket.model, self._remaining_s, ticket.refused_by, ticket.predicted_s)
 
     def reroute(self, ticket: Ticket) -> bool:
         """The ticket's backend refused the connection: nothing was sent. Mark that backend
@@ -419,8 +447,8 @@ class Dispatcher:
         """Predicted service seconds of a request (the service-time model)."""
         return self.service_time.predict_s(model, prompt_tokens, output_tokens)
 
-    def submit(self, ticket: Ticket, job: Job[Ticket]) -> None:
-        """Queue a ticket with its job record.
+    def submit(self, ticket: Ticket) -> None:
+        """Queue a ticket (its own job record, its predicted fields filled in).
 
         Raises ``ShuttingDown`` after ``stop``, ``ModelNotServed`` when no backend serves its model,
         and ``QueueFull`` at capacity, with a Retry-After computed from the predicted time until
@@ -436,28 +464,26 @@ class Dispatcher:
                 f"the scheduling queue is full ({self.max_queue} requests waiting); retry later",
                 retry_after_s=retry,
             )
-        ticket.job = job
-        self.queue.push(job)
+        self.queue.push(ticket)
         self.metrics.depth_by_class[ticket.predicted_class].inc()
         # O(1) on purpose: ordering the whole queue per arrival would cost O(n log n) at depth n.
         ticket.grants_before_arrival = self._grants
         self._schedule_pump()
 
-    def dispatch_at_once(self, ticket: Ticket, job: Job[Ticket]) -> bool:
+    def dispatch_at_once(self, ticket: Ticket) -> bool:
         """Grant ``ticket`` a slot now, before its prediction, if a backend for it has a free
         slot and nobody waits (there is no order to decide); False otherwise (then predict and
-        ``submit``). The caller predicts while the backend works, fills in ``job``'s predicted
+        ``submit``). The caller predicts while the backend works, fills in the ticket's predicted
         fields and calls ``predicted_at_once``."""
         if self._closing or not self._started or self.waiting > 0:
             return False
-        ticket.job = job
         backend = self._route(ticket)
         if backend is None:
             return False
         ticket.grants_before_arrival = self._grants
         # Through the queue all the same (its tenant accounting, and done() at release): pushed and
         # popped at once, which take_now does without the heaps.
-        self.queue.take_now(job, self.clock.now())
+        self.queue.take_now(ticket, self.clock.now())
         self._grant(backend, ticket, observe_wait=False)
         return True
 
@@ -465,14 +491,14 @@ class Dispatcher:
         """A ticket dispatched at once has its prediction: charge its tenant's fair share the
         predicted seconds (it was charged ``old_predicted_s``, the job's default, at dispatch) and
         observe its queue wait, now that its class is known."""
-        self.queue.repriced(ticket.job, old_predicted_s)
+        self.queue.repriced(ticket, old_predicted_s)
         self.observe_wait(ticket)
 
     def repredicted(self, ticket: Ticket, prediction: Prediction) -> bool:
         """A waiting ticket's prediction was refined (the encoder's second opinion, see
         ``prediction.encoder``): its job takes the new key, tokens and seconds, and the queue
         re-orders it. False (nothing changes) if it is no longer waiting in the queue."""
-        job = ticket.job
+        job = ticket  # its queue record
         if ticket.ended or not job.waiting or ticket.prediction is None:
             return False
         old_class = ticket.predicted_class
@@ -516,11 +542,11 @@ class Dispatcher:
         """The single exit of every ticket: withdraw it if still waiting, else release its slot."""
         if ticket.ended:
             return
-        if ticket.held_back or (ticket.job.waiting and self.queue.remove(ticket.job)):
+        if ticket.held_back or (ticket.waiting and self.queue.remove(ticket)):
             if ticket.held_back:  # popped already (or rerouted): out of the line, and done for its queue
                 ticket.held_back = False
                 self._held_back.remove(ticket)
-                self.queue.done(ticket.job)
+                self.queue.done(ticket)
             self._end_waiting(ticket)
             self.metrics.disconnects_by_stage["queued"].inc()
             self._recent.append((ticket, self.clock.now(), "left_queued", None))
@@ -542,7 +568,7 @@ class Dispatcher:
             if completed and ticket.dispatched_s is not None:
                 self._learn(ticket, self.clock.now() - ticket.dispatched_s, usage)
             self._free_slot(ticket)
-            self.queue.done(ticket.job)  # its tenant stays active for fair share until here
+            self.queue.done(ticket)  # its tenant stays active for fair share until here
             if self.waiting:
                 self._schedule_pump()
             return
@@ -568,7 +594,7 @@ class Dispatcher:
         # on predicted rather than produced output tokens makes predicted seconds the conditional
         # mean of the slot time: the predictor's tokens are a median (log-space regression), and
         # seconds must add up to an ETA. The produced tokens teach the length learner instead.
-        job = ticket.job
+        job = ticket  # its queue record
         prompt_tokens = ticket.prompt_tokens
         if usage is not None and usage.prompt_tokens is not None:
             prompt_tokens = usage.prompt_tokens
@@ -667,7 +693,7 @@ class Dispatcher:
         if first:
             if observe_wait:
                 self.metrics.depth_by_class[ticket.predicted_class].dec()
-                self.metrics.wait_by_class[ticket.predicted_class].observe(ticket.dispatched_s - ticket.job.arrival_s)
+                self.metrics.wait_by_class[ticket.predicted_class].observe(ticket.dispatched_s - ticket.arrival_s)
             ticket.queue_position = self._grants - ticket.grants_before_arrival
         ticket.backend = index
         ticket.slot = slot
@@ -707,7 +733,7 @@ class Dispatcher:
         by_model: dict[str | None, list[tuple[list[float], float]]] = {}
         out = []
         heapreplace = heapq.heapreplace
-        for job in itertools.chain((t.job for t in self._held_back), self.queue.ordered(now)):
+        for job in itertools.chain(self._held_back, self.queue.ordered(now)):
             model = job.payload.model
             choices = by_model.get(model)
             if choices is None:
@@ -725,7 +751,7 @@ class Dispatcher:
         """(position in dispatch order, predicted seconds until dispatch) of a waiting ticket."""
         now = self.clock.now() if now is None else now
         for position, (job, eta) in enumerate(self._etas(now)[0]):
-            if job is ticket.job:
+            if job is ticket:
                 return position, eta
         return None
 
@@ -735,7 +761,7 @@ class Dispatcher:
         made = request_id[len(ID_PREFIX) :] if request_id.startswith(ID_PREFIX) else ""
         seq = int(made) if made.isdigit() else -1  # a made id names its job's seq
         for ticket in itertools.chain(self._held_back, (job.payload for job in self.queue)):
-            if ticket.given_id == request_id if ticket.given_id else ticket.job.seq == seq:
+            if ticket.given_id == request_id if ticket.given_id else ticket.seq == seq:
                 return ticket
         return None
 
@@ -747,7 +773,7 @@ class Dispatcher:
         now = self.clock.now()
 
         def describe(ticket: Ticket) -> dict[str, Any]:
-            job = ticket.job
+            job = ticket  # its queue record
             return {
                 "request_id": ticket.request_id,
                 "endpoint": ticket.endpoint,
@@ -824,7 +850,7 @@ class Dispatcher:
                     "backend": backend_name(t),
                     "outcome": outcome,
                     "output_tokens": output_tokens,
-                    "waited_s": round((ended_s if t.dispatched_s is None else t.dispatched_s) - t.job.arrival_s, 3),
+                    "waited_s": round((ended_s if t.dispatched_s is None else t.dispatched_s) - t.arrival_s, 3),
                     "service_s": None if t.dispatched_s is None else round(ended_s - t.dispatched_s, 3),
                     "ended_ago_s": round(now - ended_s, 3),
                 }

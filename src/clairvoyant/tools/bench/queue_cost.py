@@ -92,12 +92,14 @@ def measure_memory_bytes(depth: int) -> tuple[float, float]:
                 "model",
                 Prediction.from_probabilities(0.2, 0.3, 0.5),
                 120,
+                float(i),
+                score=0.5,
+                predicted_tokens=300.0,
+                predicted_s=6.0,
+                bucket=bucket_for(6.0),
+                tenant="a",
             )
-            job = Job(
-                t, float(i), score=0.5, predicted_tokens=300.0, predicted_s=6.0, bucket=bucket_for(6.0), tenant="a"
-            )
-            t.job = job
-            q.push(job)
+            q.push(t)
             keep.append(t)
         used = (tracemalloc.get_traced_memory()[0] - start) / depth
         tracemalloc.stop()
