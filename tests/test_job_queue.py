@@ -137,6 +137,29 @@ def test_guard_promotes_the_longest_waiting_only_after_tau() -> None:
     assert q.pop(10.5) is None
 
 
+def test_guard_heap_orders_jobs_by_deadline_and_a_job_pushed_again_keeps_only_its_new_deadline() -> None:
+    """The deadline heap holds the jobs themselves (``Job.__lt__``: deadline, then seq). A job
+    pushed again while its first entry lingers (removed, not yet surfaced) is overdue at its new
+    deadline: its old place must neither promote it early nor corrupt the heap."""
+    a, b, c = job("a", 0.0), job("b", 0.0), job("c", 0.0)
+    a.deadline_s, b.deadline_s, c.deadline_s = 2.0, 1.0, 1.0
+    assert sorted([a, b, c]) == [b, c, a]  # c ties b's deadline and arrived after it
+    q = StarvationGuard(SjfPolicy().make_queue(), 10.0)
+    again = job("again", 0.0, score=0.9)
+    q.push(again)  # deadline 10
+    q.remove(again)
+    again.arrival_s = 20.0
+    q.push(again)  # deadline 30: its entry for 10 is gone
+    better = job("better", 25.0, score=0.1)
+    q.push(better)
+    assert q.pop(26.0) == (better, False)  # past 10, before 30: not overdue
+    assert q.pop(26.0) == (again, False)
+    for i in range(200):  # the heap still pops in deadline order under churn
+        q.push(job(f"j{i}", 30.0 + i, score=random.random()))
+    heap = q._pending
+    assert len(heap) >= 200 and all(not heap[i] < heap[(i - 1) // 2] for i in range(1, len(heap)))  # a heap
+
+
 def test_guard_keeps_a_burst_in_policy_order() -> None:
     # Everyone arrived at t=0: all are overdue at t=100 but equally old, so SJF order stays.
     q = StarvationGuard(SjfPolicy().make_queue(), 1.0)
