@@ -544,7 +544,11 @@ def _scheduled(
     ticket.prediction = replace(prediction, feature_row=b"")
     dispatcher.submit(ticket)
     refiner = state.refiner
-    if refiner is not None and ticket.waiting and not (settings.allow_oracle and "output_tokens" in parsed.proxy_options):
+    if (
+        refiner is not None
+        and ticket.waiting
+        and not (settings.allow_oracle and "output_tokens" in parsed.proxy_options)
+    ):
         refiner.want((ticket, row), parsed.prompt.instruction, lambda: ticket.waiting)  # a plain read, from its thread
     ScheduledExchange(
         state.scheduling, ticket, conn, headers=_shared_header_block(head.forward), body=forward_body,
