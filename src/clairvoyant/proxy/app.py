@@ -53,6 +53,7 @@ from clairvoyant.proxy.feedback import OnlineLearning
 from clairvoyant.proxy.parking import ParkingLot
 from clairvoyant.proxy.pool import BackendPool
 from clairvoyant.proxy.responses import (
+    AtOnceExchange,
     MergedListing,
     Passthrough,
     Relay,
@@ -530,10 +531,10 @@ def _scheduled(
             predict()
             dispatcher.predicted_at_once(ticket, charged_s)
 
-        ScheduledExchange(
+        AtOnceExchange(
             state.scheduling, ticket, conn, headers=head.forward, body=forward_body, query=request.query.decode("latin-1"),
             authorization=head.authorization, stream=parsed.stream, predict_later=predict_later,
-        ).start_now()  # fmt: skip
+        ).start()  # fmt: skip
         return
     predict()
     # It waits without its feature row (0.2 KB of 1 KB): the learner re-derives the row from the

@@ -50,7 +50,8 @@ from clairvoyant.proxy.upstream import Upstream, UpstreamResponse, header_value,
 from clairvoyant.scheduling.dispatcher import REFUSED, WITHDRAWN, Dispatcher, ShuttingDown, Ticket
 
 __all__ = [
-    "MergedListing", "Passthrough", "Relay", "ScheduledExchange", "Scheduling", "UpstreamRequest", "error_body",
+    "AtOnceExchange", "MergedListing", "Passthrough", "Relay", "ScheduledExchange", "Scheduling", "UpstreamRequest",
+    "error_body",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class Relay:
     on_answered: Callable[[Upstream], None] = lambda upstream: None  # a backend sent a status
     on_broken: Callable[[Upstream], None] = lambda upstream: None  # a backend failed after the request was sent
     status: int | None = None  # sent status, once sent
+    usage: Usage | None = None  # what the backend produced, once read (see on_usage)
     outcome: str = "pending"
     client_gone: bool = False
     _content_type: str = field(default="", repr=False)
@@ -250,7 +252,8 @@ class Relay:
     def _usage(self, tap: UsageTap | None) -> None:
         """Before the last bytes go out: the observation is in once the client has it all."""
         if tap is not None and self.on_usage is not None:
-            self.on_usage(tap.usage(wall_s=self.now() - self._sent_s, request_model=self.model))
+            self.usage = tap.usage(wall_s=self.now() - self._sent_s, request_model=self.model)
+            self.on_usage(self.usage)
 
     def _end_with_error(self, out: HttpConnection, exc: RequestError) -> None:
         if self.client_gone:
@@ -406,8 +409,7 @@ class ScheduledExchange(_Running):
     # Lean on purpose: a waiting request is this record, its ticket and its body (no request
     # object until the grant: ``upstream_request``).
     __slots__ = (
-        "shared", "ticket", "client", "server", "flags", "headers", "body", "query", "authorization", "predict_later",
-        "relay", "stage", "usage",
+        "shared", "ticket", "client", "server", "flags", "headers", "body", "query", "authorization", "relay", "stage",
     )  # fmt: skip
 
     def __init__(
@@ -421,7 +423,6 @@ class ScheduledExchange(_Running):
         query: str = "",
         authorization: bytes | None = None,  # the client's (see Upstream.open)
         stream: bool,  # the client asked for a stream (decides ``auto``, asks the backend to close)
-        predict_later: Callable[[], None] | None = None,  # dispatched at once: predict while the backend works
     ) -> None:
         super().__init__()
         self.shared = shared
@@ -434,10 +435,10 @@ class ScheduledExchange(_Running):
         self.body = body
         self.query = query
         self.authorization = authorization
-        self.predict_later = predict_later
         self.relay: Relay | None = None  # made at the grant
         self.stage = "queued"  # queued -> relaying -> done
-        self.usage: Usage | None = None
+
+    predict_later: Callable[[], None] | None = None  # only an exchange granted at arrival has one (AtOnceExchange)
 
     @property
     def mode(self) -> str:
@@ -459,14 +460,6 @@ class ScheduledExchange(_Running):
         )  # fmt: skip
 
     # --- arrival ---------------------------------------------------------------------------------
-    def start_now(self) -> None:
-        """Granted at arrival (a free slot, nobody waiting): relay at once."""
-        out = self.client
-        assert isinstance(out, HttpConnection)
-        out.listener = self
-        self.ticket.waiter = self  # (granted already: only interrupted, or told of a reroute's grant)
-        self.task = out.shared.run_task(self.run(), name="scheduled")
-
     def wait(self, parking: Any) -> None:
         """Queued: start when granted. The connection is parked while it waits, when it can be."""
         out = self.client
@@ -565,7 +558,7 @@ class ScheduledExchange(_Running):
         finally:
             if self.stage != "done":
                 self.stage = "done"
-                dispatcher.end(ticket, completed=completed, usage=self.usage)
+                dispatcher.end(ticket, completed=completed, usage=relay.usage)
                 self._log()
 
     async def _resume(self, fd: int) -> HttpConnection | None:
@@ -663,10 +656,7 @@ class ScheduledExchange(_Running):
         return self.relay.upstream
 
     def _predicted(self) -> Ticket:
-        """The ticket, its prediction made (now, if it was deferred and has not run yet)."""
-        if self.predict_later is not None:
-            predict, self.predict_later = self.predict_later, None
-            predict()
+        """The ticket, its prediction made (``AtOnceExchange`` makes a deferred one now)."""
         return self.ticket
 
     async def _hold_until_backend_idle(self) -> None:
@@ -685,7 +675,6 @@ class ScheduledExchange(_Running):
                 return
 
     def _record_usage(self, usage: Usage) -> None:
-        self.usage = usage
         on_usage = self.shared.on_usage
         if on_usage is not None:
             try:
@@ -731,7 +720,7 @@ class ScheduledExchange(_Running):
         wait = ticket.queue_wait_s()
         clock = self.shared.dispatcher.clock
         service = None if ticket.dispatched_s is None else clock.now() - ticket.dispatched_s
-        usage = self.usage
+        usage = relay.usage
         log_request({
             "request_id": ticket.request_id, "endpoint": ticket.endpoint, "tenant": ticket.tenant or "-",
             "backend": "-" if ticket.backend is None else relay.upstream.name,
@@ -744,3 +733,31 @@ class ScheduledExchange(_Running):
             "output_tokens": "-" if usage is None or usage.output_tokens is None else usage.output_tokens,
             "usage_source": "-" if usage is None else usage.source,
         })  # fmt: skip
+
+
+class AtOnceExchange(ScheduledExchange):
+    """A scheduled request granted a slot at arrival (a free slot, nobody waiting): it relays at
+    once and is predicted while the backend works (``predict_later``, run once after the request
+    is written, or when the prediction is first needed)."""
+
+    __slots__ = ("predict_later",)
+
+    def __init__(self, *args: Any, predict_later: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.predict_later: Callable[[], None] | None = predict_later
+
+    def _predicted(self) -> Ticket:
+        """The ticket, its prediction made (now, if it has not run yet)."""
+        predict = self.predict_later
+        if predict is not None:
+            self.predict_later = None
+            predict()
+        return self.ticket
+
+    def start(self) -> None:
+        """Granted at arrival (a free slot, nobody waiting): relay at once."""
+        out = self.client
+        assert isinstance(out, HttpConnection)
+        out.listener = self
+        self.ticket.waiter = self  # (granted already: only interrupted, or told of a reroute's grant)
+        self.task = out.shared.run_task(self.run(), name="scheduled")
