@@ -217,3 +217,13 @@ def test_parse_request_reads_the_cap_and_never_refuses_a_cap_of_the_wrong_type()
     assert (
         parse_request(OLLAMA_CHAT, b'{"model": "m", "messages": [], "options": {"num_predict": -1}}').cap_tokens is None
     )
+
+
+def test_requests_naming_one_model_share_its_name() -> None:
+    """A waiting request holds its model's name: requests that name the same model share one
+    string (interned), not a copy each."""
+    chat = SCHEDULED_ENDPOINTS["/v1/chat/completions"]
+    name = "".join(["llama3.2:3b-", "instruct-q4_K_M"])  # built at run time: not a constant already interned
+    bodies = [json.dumps({"model": name, "messages": [{"role": "user", "content": f"q{i}"}]}).encode() for i in (1, 2)]
+    first, second = (parse_request(chat, body).model for body in bodies)
+    assert first == second == name and first is second

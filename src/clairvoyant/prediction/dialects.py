@@ -24,6 +24,7 @@ is not JSON, or lacks a field the endpoint requires, is refused with ``BadReques
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -249,7 +250,8 @@ def parse_request(endpoint: Endpoint, raw: bytes, *, keep_priority: bool = False
         endpoint=endpoint,
         prompt=prompt_from_body(endpoint, body),
         stream=endpoint.stream_default if stream is None else bool(stream),
-        model=model if isinstance(model, str) else None,
+        # interned: the requests that name one model share its name (a waiting request holds it)
+        model=sys.intern(model) if isinstance(model, str) else None,
         forward_body=forward,
         proxy_options=proxy_options,
         cap_tokens=cap_tokens_from_body(endpoint.dialect, body),
