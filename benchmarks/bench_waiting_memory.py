@@ -77,15 +77,30 @@ def _rss_kb(pid: int) -> int:
 
 
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "What is the capital of France?"}]}).encode()
+HEADERS = b"Host: x\r\nContent-Type: application/json\r\n"
+# --sdk: what the OpenAI Python SDK sends (its headers, a Bearer key, a real model name)
+SDK_BODY = json.dumps(
+    {
+        "model": "llama3.2:3b-instruct-q4_K_M",
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    }
+).encode()
+SDK_HEADERS = (
+    b"Host: 127.0.0.1:8080\r\nAccept-Encoding: gzip, deflate\r\nConnection: keep-alive\r\nAccept: application/json\r\n"
+    b"Content-Type: application/json\r\nUser-Agent: OpenAI/Python 1.54.4\r\nX-Stainless-Lang: python\r\n"
+    b"X-Stainless-Package-Version: 1.54.4\r\nX-Stainless-OS: Linux\r\nX-Stainless-Arch: x64\r\n"
+    b"X-Stainless-Runtime: CPython\r\nX-Stainless-Runtime-Version: 3.11.7\r\n"
+    b"Authorization: Bearer sk-local-0123456789abcdef0123456789abcdef\r\nX-Stainless-Async: false\r\n"
+    b"x-stainless-retry-count: 0\r\n"
+)
+CLIENT = {"headers": HEADERS, "body": BODY}  # the request every client sends (--sdk: SDK_HEADERS, SDK_BODY)
 
 
 async def _open_clients(port: int, n: int, batch_done: Any = None) -> list[asyncio.StreamWriter]:
     """``n`` clients, 500 at a time (``BATCH_REFINED`` at a time, each batch awaited with
     ``batch_done(sent)`` before the next, when given)."""
-    request = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
-    )
+    headers, body = CLIENT["headers"], CLIENT["body"]
+    request = b"POST /v1/chat/completions HTTP/1.1\r\n%bContent-Length: %d\r\n\r\n%b" % (headers, len(body), body)
     step = 500 if batch_done is None else BATCH_REFINED
     writers = []
     for start in range(0, n, step):
@@ -150,10 +165,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=10_000)
     parser.add_argument(
+        "--sdk", action="store_true", help="send the OpenAI Python SDK's headers, a Bearer key and a real model name"
+    )
+    parser.add_argument(
         "--refined", action="store_true", help="measure once the encoder has refined every waiting request"
     )
     parser.add_argument("--proxy-cmd", default=f"{sys.executable} -m clairvoyant.cli serve")
     args = parser.parse_args()
+    if args.sdk:
+        CLIENT.update(headers=SDK_HEADERS, body=SDK_BODY)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     backend_port, stop = _hanging_backend()
@@ -206,7 +226,8 @@ def main() -> None:
     per_request = (after_kb - before_kb) * 1024 / args.n
     print(
         f"{args.n} waiting requests{' (all refined)' if args.refined else ''}: proxy RSS {before_kb / 1024:.1f} -> {after_kb / 1024:.1f} MiB; "
-        f"{per_request:.0f} bytes per waiting request, {per_request - len(BODY):.0f} besides its {len(BODY)}-byte body"
+        f"{per_request:.0f} bytes per waiting request, {per_request - len(CLIENT['body']):.0f} besides its "
+        f"{len(CLIENT['body'])}-byte body{' (OpenAI SDK headers)' if args.sdk else ''}"
     )
 
 

@@ -82,9 +82,10 @@ _JSON_HEADERS = [(b"content-type", b"application/json")]
 _ALLOW = ", ".join(sorted(PASSTHROUGH_METHODS)).encode()
 MODEL_LISTINGS = frozenset({"/api/tags", "/v1/models"})  # merged across a pool
 MODEL_SNIFF_MAX_BYTES = 64 * 1024  # a pass-through body larger than this is not searched for its model
-# Header blocks a waiting request forwards, shared by the requests that carry the same one (a
-# client sends the same headers with every request: 65 bytes a waiting request in the memory
-# benchmark). Bounded: cleared when full, so a client varying its headers costs nothing lasting.
+# Header blocks and Authorization values a waiting request forwards, shared by the requests that
+# carry the same one (a client sends the same headers and key with every request: ~200 bytes a
+# waiting request from the OpenAI SDK). Bounded: cleared when full, so a client varying its headers
+# costs nothing lasting; a key stays no longer than that (the process holds it anyway meanwhile).
 _HEADER_BLOCKS: dict[bytes, bytes] = {}
 _HEADER_BLOCKS_MAX = 1024
 
@@ -449,7 +450,8 @@ class _Head:
 
 
 def _shared_header_block(block: bytes) -> bytes:
-    """``block``, or an equal one already held (see ``_HEADER_BLOCKS``)."""
+    """``block`` (header lines or an Authorization value), or an equal one already held (see
+    ``_HEADER_BLOCKS``)."""
     shared = _HEADER_BLOCKS.get(block)
     if shared is None:
         if len(_HEADER_BLOCKS) >= _HEADER_BLOCKS_MAX:
@@ -553,7 +555,8 @@ def _scheduled(
         refiner.want((ticket, row), parsed.prompt.instruction, lambda: ticket.waiting)  # a plain read, from its thread
     ScheduledExchange(
         state.scheduling, ticket, conn, headers=_shared_header_block(head.forward), body=forward_body,
-        query=request.query.decode("latin-1"), authorization=head.authorization, stream=parsed.stream,
+        query=request.query.decode("latin-1"), stream=parsed.stream,
+        authorization=None if head.authorization is None else _shared_header_block(head.authorization),
     ).wait(state.parking)  # fmt: skip
 
 
