@@ -24,19 +24,7 @@ def make(slots: int = 1, max_queue: int = 10, policy: str = "fcfs") -> tuple[Dis
 
 
 def submit(d: Dispatcher, name: str, arrival_s: float, predicted_s: float) -> Ticket:
-    t = Ticket(
-        name,
-        "/v1/chat/completions",
-        "openai",
-        None,
-        Prediction.from_probabilities(0.5, 0.3, 0.2),
-        10,
-        arrival_s,
-        predicted_s=predicted_s,
-        predicted_tokens=50.0,
-    )
-    d.submit(t)
-    return t
+    return submit_for(d, name, None, predicted_s, arrival_s)
 
 
 async def settle() -> None:
@@ -510,19 +498,7 @@ def _pool(*backends: Backend) -> tuple[Dispatcher, ManualClock]:
 
 
 def _modelled(d: Dispatcher, name: str, predicted_s: float, model: str | None) -> Ticket:
-    t = Ticket(
-        name,
-        "/v1/chat/completions",
-        "openai",
-        model,
-        Prediction.from_probabilities(0.5, 0.3, 0.2),
-        10,
-        0.0,
-        predicted_s=predicted_s,
-        predicted_tokens=50.0,
-    )
-    d.submit(t)
-    return t
+    return submit_for(d, name, model, predicted_s)
 
 
 def test_pool_etas_play_each_backend_at_its_own_speed() -> None:
