@@ -7,8 +7,9 @@ two tenants) is filled to a depth n, then timed in steady state: one dispatch de
 one arrival (``push``) and the dispatched job's end (``done``), so the depth stays n. Heap
 policies should grow like log n, the scan queue (hrrn) like n. Memory: ``tracemalloc`` over n
 waiting requests, per request, for the queue record alone (``Job`` and its queue entries) and for
-the proxy's whole waiting request (``Ticket`` with its future and event, the ``Prediction`` and
-the ``Job``). Request bodies are not counted: a waiting request also holds its body (the bytes the client sent) until dispatch.
+the proxy's ticket (its own queue record) with its ``Prediction`` and entries. Not counted: the
+proxy's exchange record and parked fd, and the body (benchmarks/bench_waiting_memory.py measures
+the whole waiting request end to end).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def measure_dispatch_us(name: str, depth: int, ops: int, seed: int = 0, wrapped:
 
 
 def measure_memory_bytes(depth: int) -> tuple[float, float]:
-    """Bytes per waiting request: (queue record and entries, the proxy's whole waiting request)."""
+    """Bytes per waiting request: (queue record and entries, the proxy's ticket, prediction and entries)."""
     rng = random.Random(1)
     gc.collect()
     tracemalloc.start()
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     depth = max(args.depths)
     queue_b, proxy_b = measure_memory_bytes(depth)
     print(f"\nmemory per waiting request at n={depth}: queue record and entries {queue_b:.0f} B; "
-          f"proxy's whole waiting request (ticket, its future, prediction, job, entries) {proxy_b:.0f} B; "
+          f"proxy's ticket (its own queue record), prediction and entries {proxy_b:.0f} B; "
           "request bodies not included")  # fmt: skip
     return 0
 
