@@ -535,8 +535,8 @@ def _scheduled(
 
         AtOnceExchange(
             state.scheduling, ticket, conn, headers=head.forward, body=forward_body, query=request.query.decode("latin-1"),
-            authorization=head.authorization, stream=parsed.stream, predict_later=predict_later,
-        ).start()  # fmt: skip
+            authorization=head.authorization, stream=parsed.stream,
+        ).start(predict_later)  # fmt: skip
         return
     predict()
     # It waits without its feature row (0.2 KB of 1 KB): the learner re-derives the row from the

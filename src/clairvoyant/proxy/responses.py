@@ -742,9 +742,7 @@ class AtOnceExchange(ScheduledExchange):
 
     __slots__ = ("predict_later",)
 
-    def __init__(self, *args: Any, predict_later: Callable[[], None], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.predict_later: Callable[[], None] | None = predict_later
+    predict_later: Callable[[], None] | None  # set by ``start``; None once run
 
     def _predicted(self) -> Ticket:
         """The ticket, its prediction made (now, if it has not run yet)."""
@@ -754,8 +752,10 @@ class AtOnceExchange(ScheduledExchange):
             predict()
         return self.ticket
 
-    def start(self) -> None:
-        """Granted at arrival (a free slot, nobody waiting): relay at once."""
+    def start(self, predict_later: Callable[[], None]) -> None:
+        """Granted at arrival (a free slot, nobody waiting): relay at once; ``predict_later`` makes
+        its prediction while the backend works."""
+        self.predict_later = predict_later
         out = self.client
         assert isinstance(out, HttpConnection)
         out.listener = self
