@@ -101,13 +101,13 @@ def test_a_made_request_id_is_read_from_the_seq_and_found_while_it_waits() -> No
         lease = d.lease(running)
         await lease.__aenter__()
         made = submit(d, "", 1.0, 1.0)
-        assert made.request_id == f"{ID_PREFIX}{made.job.seq}"
-        mimic = submit(d, f"{ID_PREFIX}{made.job.seq + 10_000}", 1.0, 2.0)  # a client's id in our form
+        assert made.request_id == f"{ID_PREFIX}{made.seq}"
+        mimic = submit(d, f"{ID_PREFIX}{made.seq + 10_000}", 1.0, 2.0)  # a client's id in our form
         assert d.waiting_ticket(made.request_id) is made
         assert d.waiting_ticket(mimic.request_id) is mimic
-        assert d.waiting_ticket(f"{ID_PREFIX}{running.job.seq}") is None  # not waiting
-        assert d.waiting_ticket(f"{ID_PREFIX}{made.job.seq}x") is None
-        assert d.waiting_ticket(f"cv-0-{made.job.seq}") is None  # another process's id
+        assert d.waiting_ticket(f"{ID_PREFIX}{running.seq}") is None  # not waiting
+        assert d.waiting_ticket(f"{ID_PREFIX}{made.seq}x") is None
+        assert d.waiting_ticket(f"cv-0-{made.seq}") is None  # another process's id
         d.end(made)  # withdrawn
         assert d.waiting_ticket(made.request_id) is None
         await lease.__aexit__(None, None, None)
@@ -478,8 +478,8 @@ def test_repredicted_reorders_a_waiting_ticket_and_moves_its_class_gauge() -> No
         short = Prediction.from_probabilities(0.9, 0.1, 0.0)  # P(Long) 0: first in line, class Short
         assert d.repredicted(waiting["z"], short)
         assert [j.payload.request_id for j in d.queue.ordered(1.0)] == ["z", "x", "y"]
-        assert waiting["z"].prediction is short and waiting["z"].job.score == 0.0
-        assert waiting["z"].job.predicted_tokens == short.predicted_tokens
+        assert waiting["z"].prediction is short and waiting["z"].score == 0.0
+        assert waiting["z"].predicted_tokens == short.predicted_tokens
         assert (before["long"], before["short"]) == (1, 1)  # z counted Long while it waited; x Short
         assert (depth["long"].value, depth["short"].value) == (0, 2)
         assert not d.repredicted(running, short)  # running: not waiting, nothing changes

@@ -34,6 +34,7 @@ from clairvoyant.config import Settings
 from clairvoyant.errors import RequestError
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, parse_request
+from clairvoyant.prediction.features import Prompt
 from clairvoyant.prediction.learner import PriorIdentity
 from clairvoyant.prediction.learner_process import LearnerProcess, LearnerUnavailable
 from clairvoyant.prediction.usage import Usage
@@ -56,9 +57,9 @@ class UsageRecorder:
         self.metrics = metrics
         self.learner = learner
         self.refiner: Refiner | None = None  # the encoder's thread, when the learner reads its components
-        # A body's feature row and instruction (None: not a scheduled body), for a prediction that
-        # carries no row (it waited: see proxy/app.py). None: such a request is counted only.
-        self.rederive: Callable[[str, bytes], tuple[bytes, str] | None] | None = None
+        # A prompt's feature row, for a prediction that carries none (it waited: see proxy/app.py);
+        # None: such a request is counted only.
+        self.feature_row: Callable[[Prompt], bytes] | None = None
 
     def __call__(self, ticket: Ticket, usage: Usage, body: bytes = b"") -> None:
         """``usage`` of ``ticket``'s answer; ``body``: the request body it was sent with."""
@@ -68,29 +69,31 @@ class UsageRecorder:
         tokens = usage.output_tokens
         if learner is None or prediction is None or not usage.observed or tokens is None:
             return
-        rederive = self.rederive
-        derived: tuple[bytes, str] | None = None
-        if not prediction.feature_row and rederive is not None:
-            derived = rederive(ticket.endpoint, body)  # it waited: a waiting request keeps no row
-            if derived is not None:
-                prediction = replace(prediction, feature_row=derived[0])
+        feature_row = self.feature_row
+        if feature_row is None:
+            learner.observe(prediction, tokens)
+            return
+        prompt: Prompt | None = None
+        if not prediction.feature_row:  # it waited: a waiting request keeps no row
+            prompt = _prompt_of(ticket.endpoint, body)
+            if prompt is not None:
+                prediction = replace(prediction, feature_row=feature_row(prompt))
         refiner = self.refiner
         if (
             refiner is not None
-            and rederive is not None
             and learner.n_features > learner.n_counts
             and len(prediction.feature_row) == 4 * learner.n_counts
         ):
             # Its row has no encoder columns (none is kept past a request's wait, and one dispatched
             # at once was never encoded): the encoder's thread adds them first (a few ms later, off
             # the loop, within its learning share), then the learner observes it. Not taken: a
-            # lexical row, counted for quality only. The instruction is read from the body again
-            # only when the encoder takes it.
+            # lexical row, counted for quality only. The body is parsed (again) only when the
+            # encoder takes it.
             lexical = prediction
 
             def instruction() -> str | None:
-                got = derived or rederive(ticket.endpoint, body)
-                return None if got is None else got[1]
+                read = prompt or _prompt_of(ticket.endpoint, body)
+                return None if read is None else read.instruction
 
             def observe_encoded(_log_tokens: float, components: bytes) -> None:
                 learner.observe(replace(lexical, feature_row=lexical.feature_row + components), tokens)
@@ -100,30 +103,22 @@ class UsageRecorder:
         learner.observe(prediction, tokens)
 
 
+def _prompt_of(path: str, body: bytes) -> Prompt | None:
+    """The prompt of a scheduled request's body (None: not one, or no longer parseable)."""
+    endpoint = SCHEDULED_ENDPOINTS.get(path)
+    if endpoint is None:
+        return None
+    try:
+        return parse_request(endpoint, body).prompt
+    except RequestError:  # the body it was queued with parsed once; one rewritten since may not
+        return None
+
+
 def _identity(predictor: Predictor, encoder: Any = None) -> PriorIdentity | None:
     """The prior a learner is tied to, or None for a predictor without one (a test double)."""
     if not all(hasattr(predictor, name) for name in ("feature_set", "onnx_sha256", "corrector")):
         return None
     return PriorIdentity.of(predictor, encoder)
-
-
-def _rederiver(predictor: Any) -> Callable[[str, bytes], tuple[bytes, str] | None] | None:
-    """``UsageRecorder.rederive`` for ``predictor`` (None if it cannot give a bare feature row)."""
-    feature_row = getattr(predictor, "feature_row", None)
-    if feature_row is None:
-        return None
-
-    def rederive(path: str, body: bytes) -> tuple[bytes, str] | None:
-        endpoint = SCHEDULED_ENDPOINTS.get(path)
-        if endpoint is None:
-            return None
-        try:
-            prompt = parse_request(endpoint, body).prompt
-        except RequestError:  # the body it was queued with parsed once; one rewritten since may not
-            return None
-        return feature_row(prompt), prompt.instruction
-
-    return rederive
 
 
 class OnlineLearning:
@@ -155,7 +150,7 @@ class OnlineLearning:
         self.learner = learner
         self._saved_total = learner.observed_total
         self.recorder.learner = learner
-        self.recorder.rederive = _rederiver(self.predictor)
+        self.recorder.feature_row = getattr(self.predictor, "feature_row", None)
         if not self.learning:
             logger.info("online learning off: the static model predicts; its quality is still measured")
             return

@@ -176,11 +176,6 @@ class Ticket(Job["Ticket"]):
         return f"Ticket({self.request_id!r}, wait={self.wait}, waiting={self.waiting})"
 
     @property
-    def job(self) -> Ticket:
-        """Its queue record: itself."""
-        return self
-
-    @property
     def granted(self) -> asyncio.Future[int]:
         """The wait as a future (made on first use, for ``await``): the granted backend's index,
         the refusal (``ShuttingDown``), or cancelled when withdrawn. A new one after ``reroute``."""
@@ -496,18 +491,17 @@ class Dispatcher:
 
     def repredicted(self, ticket: Ticket, prediction: Prediction) -> bool:
         """A waiting ticket's prediction was refined (the encoder's second opinion, see
-        ``prediction.encoder``): its job takes the new key, tokens and seconds, and the queue
+        ``prediction.encoder``): it takes the new key, tokens and seconds, and the queue
         re-orders it. False (nothing changes) if it is no longer waiting in the queue."""
-        job = ticket  # its queue record
-        if ticket.ended or not job.waiting or ticket.prediction is None:
+        if ticket.ended or not ticket.waiting or ticket.prediction is None:
             return False
         old_class = ticket.predicted_class
         ticket.prediction = prediction
-        job.score = prediction.score
-        job.predicted_tokens = prediction.predicted_tokens
-        job.predicted_s = self.predicted_s(ticket.model, ticket.prompt_tokens, prediction.predicted_tokens)
-        job.bucket = bucket_for(job.predicted_s)
-        self.queue.rekeyed(job)
+        ticket.score = prediction.score
+        ticket.predicted_tokens = prediction.predicted_tokens
+        ticket.predicted_s = self.predicted_s(ticket.model, ticket.prompt_tokens, prediction.predicted_tokens)
+        ticket.bucket = bucket_for(ticket.predicted_s)
+        self.queue.rekeyed(ticket)
         if ticket.predicted_class != old_class:
             self.metrics.depth_by_class[old_class].dec()
             self.metrics.depth_by_class[ticket.predicted_class].inc()
@@ -594,14 +588,13 @@ class Dispatcher:
         # on predicted rather than produced output tokens makes predicted seconds the conditional
         # mean of the slot time: the predictor's tokens are a median (log-space regression), and
         # seconds must add up to an ETA. The produced tokens teach the length learner instead.
-        job = ticket  # its queue record
         prompt_tokens = ticket.prompt_tokens
         if usage is not None and usage.prompt_tokens is not None:
             prompt_tokens = usage.prompt_tokens
-        self.service_time.observe(ticket.model, prompt_tokens, round(job.predicted_tokens), service_s)
+        self.service_time.observe(ticket.model, prompt_tokens, round(ticket.predicted_tokens), service_s)
         if ticket.backend is not None:
-            self.backends[ticket.backend].observe_service(job.predicted_s, service_s)
-        self.policy.observe(job, service_s)
+            self.backends[ticket.backend].observe_service(ticket.predicted_s, service_s)
+        self.policy.observe(ticket, service_s)
         if isinstance(self.starvation_slowdown, AdaptiveSlowdown):
             self.starvation_slowdown.observe(service_s)
         self._observed += 1
@@ -773,23 +766,22 @@ class Dispatcher:
         now = self.clock.now()
 
         def describe(ticket: Ticket) -> dict[str, Any]:
-            job = ticket  # its queue record
             return {
                 "request_id": ticket.request_id,
                 "endpoint": ticket.endpoint,
                 "model": ticket.model,
-                "tenant": job.tenant,
-                "priority": job.priority,
+                "tenant": ticket.tenant,
+                "priority": ticket.priority,
                 "predicted_class": ticket.predicted_class,
                 **(
                     {}
                     if ticket.prediction is None or ticket.prediction.p_long is None
                     else {"p_long": round(ticket.prediction.p_long, 6)}
                 ),
-                "score": round(job.score, 6),
-                "predicted_tokens": round(job.predicted_tokens, 1),
-                "predicted_s": round(job.predicted_s, 3),
-                "waited_s": round(now - job.arrival_s, 3),
+                "score": round(ticket.score, 6),
+                "predicted_tokens": round(ticket.predicted_tokens, 1),
+                "predicted_s": round(ticket.predicted_s, 3),
+                "waited_s": round(now - ticket.arrival_s, 3),
             }
 
         def backend_name(ticket: Ticket) -> str | None:

@@ -353,16 +353,18 @@ class StarvationGuard(Generic[T]):
             # Pushed again while it lingers in the heap: its new deadline must not move under it.
             self._pending = [j for j in self._pending if j is not job]
             heapq.heapify(self._pending)
-        # Summed left to right as before the clock existed: wall-clock deadlines are bit-identical.
-        job.deadline_s = self._clock_s(job.arrival_s) + self.timeout_s + self.slowdown_now() * job.predicted_s
+        job.deadline_s = self._new_deadline_s(job)
         self.inner.push(job)
         if not math.isinf(self.timeout_s):
             heapq.heappush(self._pending, job)
 
     def take_now(self, job: Job[T], now: float) -> None:
-        # push's deadline, as if it had waited; no deadline entry (it would only linger, popped)
-        job.deadline_s = self._clock_s(job.arrival_s) + self.timeout_s + self.slowdown_now() * job.predicted_s
+        job.deadline_s = self._new_deadline_s(job)  # as if it had waited; no heap entry (it would only linger)
         self.inner.take_now(job, now)
+
+    def _new_deadline_s(self, job: Job[T]) -> float:
+        # Summed left to right as before the clock existed: wall-clock deadlines are bit-identical.
+        return self._clock_s(job.arrival_s) + self.timeout_s + self.slowdown_now() * job.predicted_s
 
     def remove(self, job: Job[T]) -> bool:
         removed = self.inner.remove(job)
