@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import resource
@@ -94,6 +95,13 @@ SDK_HEADERS = (
     b"x-stainless-retry-count: 0\r\n"
 )
 CLIENT = {"headers": HEADERS, "body": BODY}  # the request every client sends (--sdk: SDK_HEADERS, SDK_BODY)
+TRACED = {"on": False}  # --traced: each client adds its own W3C traceparent header
+_TRACE_IDS = itertools.count(1)
+
+
+def _traceparent(i: int) -> bytes:
+    """The header an OpenTelemetry-instrumented client sends: a trace and span id of its own per request."""
+    return b"traceparent: 00-%032x-%016x-01\r\n" % (0x5EED0000 + i, 0xA11CE000 + i)
 
 
 async def _open_clients(port: int, n: int, batch_done: Any = None) -> list[asyncio.StreamWriter]:
@@ -102,10 +110,17 @@ async def _open_clients(port: int, n: int, batch_done: Any = None) -> list[async
     headers, body = CLIENT["headers"], CLIENT["body"]
     request = b"POST /v1/chat/completions HTTP/1.1\r\n%bContent-Length: %d\r\n\r\n%b" % (headers, len(body), body)
     step = 500 if batch_done is None else BATCH_REFINED
-    writers = []
+    writers: list[asyncio.StreamWriter] = []
     for start in range(0, n, step):
         batch = await asyncio.gather(*(asyncio.open_connection("127.0.0.1", port) for _ in range(min(step, n - start))))
         for _, writer in batch:
+            if TRACED["on"]:
+                request = b"POST /v1/chat/completions HTTP/1.1\r\n%b%bContent-Length: %d\r\n\r\n%b" % (
+                    headers,
+                    _traceparent(next(_TRACE_IDS)),
+                    len(body),
+                    body,
+                )
             writer.write(request)
             writers.append(writer)
         await asyncio.sleep(0.05)
@@ -170,10 +185,14 @@ def main() -> None:
     parser.add_argument(
         "--refined", action="store_true", help="measure once the encoder has refined every waiting request"
     )
+    parser.add_argument(
+        "--traced", action="store_true", help="each client adds its own W3C traceparent header (OpenTelemetry)"
+    )
     parser.add_argument("--proxy-cmd", default=f"{sys.executable} -m clairvoyant.cli serve")
     args = parser.parse_args()
     if args.sdk:
         CLIENT.update(headers=SDK_HEADERS, body=SDK_BODY)
+    TRACED["on"] = args.traced
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     backend_port, stop = _hanging_backend()
@@ -224,11 +243,16 @@ def main() -> None:
             proxy.kill()
         stop.set()
     per_request = (after_kb - before_kb) * 1024 / args.n
+    besides = per_request - len(CLIENT["body"])
     print(
         f"{args.n} waiting requests{' (all refined)' if args.refined else ''}: proxy RSS {before_kb / 1024:.1f} -> {after_kb / 1024:.1f} MiB; "
-        f"{per_request:.0f} bytes per waiting request, {per_request - len(CLIENT['body']):.0f} besides its "
+        f"{per_request:.0f} bytes per waiting request, {besides:.0f} besides its "
         f"{len(CLIENT['body'])}-byte body{' (OpenAI SDK headers)' if args.sdk else ''}"
     )
+    if args.traced:
+        # The client's own bytes, like its body: the line forwarded as it came, a bytes object each
+        line = sys.getsizeof(_traceparent(0))
+        print(f"with a traceparent each: {besides - line:.0f} besides the body and the {line}-byte object of that line")
 
 
 if __name__ == "__main__":

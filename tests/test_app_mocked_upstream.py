@@ -567,3 +567,35 @@ def test_a_waiting_request_holds_no_task_and_a_running_one_holds_one() -> None:
     assert len(seen) == 2
     assert [names.count("ScheduledExchange.run") for names in seen] == [1, 1]
     assert not any("run_asgi" in name or name.endswith("_watch") for names in seen for name in names)
+
+
+def test_waiting_requests_forward_their_own_trace_headers_and_the_shared_ones() -> None:
+    # A waiting request keeps headers new with every request (traceparent...) apart from the block
+    # it shares with the client's other requests (proxy/app.py); the backend gets both, and each
+    # request its own trace.
+    backend = RecordingHeldBackend()
+    router = respx.MockRouter(base_url=UPSTREAM)
+    router.post("/v1/chat/completions").mock(side_effect=backend)
+    common = {"user-agent": "OpenAI/Python 1.54.4", "x-stainless-lang": "python"}
+    with proxy(router, policy="fcfs") as base:
+        holder = BackgroundPosts(base, "[long] holder")
+        wait_until(lambda: len(backend.order) == 1, what="holder dispatched")
+        threads = []
+        for i in range(3):
+            trace = {"traceparent": f"00-{i:032x}-{i + 100:016x}-01", "tracestate": f"t={i}"}
+            t = threading.Thread(
+                target=httpx.post, args=(f"{base}/v1/chat/completions",),
+                kwargs={"json": chat_body(f"waiter {i}"), "headers": {**common, **trace}, "timeout": 30}, daemon=True,
+            )  # fmt: skip
+            t.start()
+            threads.append(t)
+            wait_until(lambda n=i + 1: len(queue_snapshot(base)["waiting"]) == n, what=f"waiter {i} queued")
+        backend.gate.set()
+        for t in [holder, *threads]:
+            t.join(10)
+    assert backend.order == ["[long] holder", "waiter 0", "waiter 1", "waiter 2"]
+    for i, headers in enumerate(backend.headers[1:]):
+        assert headers["traceparent"] == f"00-{i:032x}-{i + 100:016x}-01"
+        assert headers["tracestate"] == f"t={i}"
+        assert headers["user-agent"] == "OpenAI/Python 1.54.4" and headers["x-stainless-lang"] == "python"
+        assert len(headers.get_list("traceparent")) == 1

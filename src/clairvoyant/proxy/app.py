@@ -88,6 +88,14 @@ MODEL_SNIFF_MAX_BYTES = 64 * 1024  # a pass-through body larger than this is not
 # costs nothing lasting; a key stays no longer than that (the process holds it anyway meanwhile).
 _HEADER_BLOCKS: dict[bytes, bytes] = {}
 _HEADER_BLOCKS_MAX = 1024
+# Headers whose value is new with every request (distributed tracing, idempotency keys): a waiting
+# request keeps their lines apart, so that the rest of its block is still the one shared with the
+# client's other requests. One traceparent each made every block unique: 1,422 bytes a waiting
+# request from the OpenAI SDK instead of ~1,000 (docs/benchmarks.md section 24).
+_PER_REQUEST_HEADER = re.compile(
+    rb"(?:^|\n)(?:traceparent|tracestate|baggage|sentry-trace|b3|x-b3-[a-z]+|x-amzn-trace-id|x-cloud-trace-context"
+    rb"|uber-trace-id|x-datadog-[a-z-]+|idempotency-key|x-correlation-id):"
+)
 
 
 @dataclass
@@ -460,6 +468,18 @@ def _shared_header_block(block: bytes) -> bytes:
     return shared
 
 
+def _split_per_request(block: bytes) -> tuple[bytes, bytes]:
+    """``block``'s header lines as (the shared rest, the lines of headers new with every request:
+    ``_PER_REQUEST_HEADER``), each in its original order; (``block``, b"") when it has none."""
+    if _PER_REQUEST_HEADER.search(block) is None:
+        return block, b""
+    shared: list[bytes] = []
+    own: list[bytes] = []
+    for line in block.split(b"\r\n")[:-1]:  # every line ends with CRLF
+        (own if _PER_REQUEST_HEADER.match(line) else shared).append(line + b"\r\n")
+    return b"".join(shared), b"".join(own)
+
+
 def _clamped_priority(header: str | None, given: int | None, settings: Settings, identity: Identity | None) -> int:
     """The body's priority, else the header's, else 0; clamped to [min_priority, max_priority]
     (the API key's range when the request came with one)."""
@@ -553,9 +573,11 @@ def _scheduled(
         and not (settings.allow_oracle and "output_tokens" in parsed.proxy_options)
     ):
         refiner.want((ticket, row), parsed.prompt.instruction, lambda: ticket.waiting)  # a plain read, from its thread
+    shared_headers, per_request_headers = _split_per_request(head.forward)
     ScheduledExchange(
-        state.scheduling, ticket, conn, headers=_shared_header_block(head.forward), body=forward_body,
-        query=request.query.decode("latin-1"), stream=parsed.stream,
+        state.scheduling, ticket, conn, headers=_shared_header_block(shared_headers),
+        per_request_headers=per_request_headers, body=forward_body, query=request.query.decode("latin-1"),
+        stream=parsed.stream,
         authorization=None if head.authorization is None else _shared_header_block(head.authorization),
     ).wait(state.parking)  # fmt: skip
 

@@ -409,7 +409,8 @@ class ScheduledExchange(_Running):
     # Lean on purpose: a waiting request is this record, its ticket and its body (no request
     # object until the grant: ``upstream_request``).
     __slots__ = (
-        "shared", "ticket", "client", "server", "flags", "headers", "body", "query", "authorization", "relay", "stage",
+        "shared", "ticket", "client", "server", "flags", "headers", "per_request_headers", "body", "query",
+        "authorization", "relay", "stage",
     )  # fmt: skip
 
     def __init__(
@@ -419,6 +420,7 @@ class ScheduledExchange(_Running):
         out: HttpConnection,
         *,
         headers: bytes,  # the end-to-end header lines to forward (the request id's is added at the grant)
+        per_request_headers: bytes = b"",  # more of them, new with every request (tracing): apart from ``headers``
         body: bytes,  # the body to forward
         query: str = "",
         authorization: bytes | None = None,  # the client's (see Upstream.open)
@@ -431,7 +433,8 @@ class ScheduledExchange(_Running):
         self.server = out.shared  # what resumes a parked connection (the connection itself is dropped)
         # The answer's framing on a resumed connection (connection.response_context), and the stream bit
         self.flags = out.response_context | (_STREAM if stream else 0)
-        self.headers = headers
+        self.headers = headers  # often one object shared by the client's requests (proxy/app.py)
+        self.per_request_headers = per_request_headers
         self.body = body
         self.query = query
         self.authorization = authorization
@@ -453,7 +456,7 @@ class ScheduledExchange(_Running):
     def upstream_request(self) -> UpstreamRequest:
         """What goes to the backend: the client's request, with its request id."""
         ticket = self.ticket
-        headers = self.headers + b"x-request-id: %b\r\n" % ticket.request_id.encode()
+        headers = self.headers + self.per_request_headers + b"x-request-id: %b\r\n" % ticket.request_id.encode()
         return UpstreamRequest(
             "POST", ticket.endpoint, self.query, headers, self.body, Dialect(ticket.dialect),
             bool(self.flags & _STREAM), self.authorization,
