@@ -238,6 +238,13 @@ class Settings(BaseSettings):
     keep_alive_timeout_s: float = Field(
         5.0, gt=0, description="An idle client keep-alive connection is closed after this many seconds."
     )
+    client_keepalive_s: float = Field(
+        60.0,
+        ge=0,
+        description="TCP keepalive on client connections, seconds idle before the first probe (then 4 probes, this / 4 "
+        "apart): a client whose host vanished without closing (asleep, off the network) is found gone after about twice "
+        "this, and its waiting request withdrawn before it takes a slot. 0 = the system's default (usually 2 hours).",
+    )
     max_header_bytes: int = Field(
         64 * 1024, ge=1024, description="Largest request line + headers accepted, bytes (431 beyond)."
     )

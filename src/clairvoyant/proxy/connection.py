@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import socket
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -88,6 +89,27 @@ class ClientLimits:
     max_connections: int
     keep_alive_timeout_s: float  # seconds an idle kept-alive connection stays open
     on_rejected: Callable[[str], None] = lambda reason: None  # counts a limit hit (metrics)
+    tcp_keepalive_s: float = 0.0  # seconds idle before TCP keepalive probes (``tcp_keepalive``); 0 = the system's
+
+
+def tcp_keepalive(transport: asyncio.BaseTransport, idle_s: float) -> None:
+    """TCP keepalive on ``transport``'s socket: probes after ``idle_s`` of silence, 4 of them
+    ``idle_s`` / 4 apart (whole seconds, at least 1). A client whose host vanished without a FIN or
+    a reset (a laptop asleep, a phone off the network) then errors out after about 2 x ``idle_s``
+    (ETIMEDOUT): a live connection is lost, a parked one reported by the parking lot (EPOLLERR),
+    and its waiting request is withdrawn instead of holding its place, and later a slot, for
+    nobody. Probes go only while the connection is idle, so a client that is there is not affected."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):  # Linux (macOS has TCP_KEEPALIVE for the idle time only)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(idle_s)))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(idle_s / 4)))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 4)
+    except OSError:  # a socket that refuses them still serves; the system's default applies
+        pass
 
 
 class Request:
@@ -292,7 +314,9 @@ class HttpConnection(asyncio.Protocol):
         connections.add(self)
         shared.start_ticker(self.loop)
         if self.resumed is not None:
-            return  # admitted already; its answer is on its way
+            return  # admitted already; its answer is on its way (the socket keeps its options)
+        if shared.limits.tcp_keepalive_s > 0:
+            tcp_keepalive(transport, shared.limits.tcp_keepalive_s)
         parked = len(shared.parking) if shared.parking is not None else 0
         if len(connections) + parked > shared.limits.max_connections:
             self._reject(503, RequestError("too many open connections; retry later"), "max_connections")

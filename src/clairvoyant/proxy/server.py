@@ -53,7 +53,7 @@ def build_server(
 
     limits = ClientLimits(
         settings.client_timeout_s, settings.max_header_bytes, settings.max_body_bytes, settings.max_connections,
-        settings.keep_alive_timeout_s, on_rejected,
+        settings.keep_alive_timeout_s, on_rejected, settings.client_keepalive_s,
     )  # fmt: skip
     protocol = type("ProxyConnection", (HttpConnection,), {"site": app, "limits": limits, "__slots__": ()})
     config = uvicorn.Config(

@@ -1,0 +1,65 @@
+"""A waiting request whose client's host vanished (no FIN, no reset) is withdrawn, found by TCP
+keepalive (``client_keepalive_s``): a real proxy and real sockets, in a network namespace whose
+loopback goes down for a while (tests/vanished_client_scenario.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clairvoyant.proxy.connection import tcp_keepalive
+
+SCENARIO = Path(__file__).with_name("vanished_client_scenario.py")
+
+
+def _can_make_network_namespaces() -> bool:
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rn", "ip", "link", "set", "lo", "up"], capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="network namespaces are Linux's")
+def test_a_waiting_request_of_a_vanished_client_is_withdrawn_with_keepalive_and_not_without() -> None:
+    if not _can_make_network_namespaces():
+        pytest.skip("cannot make a network namespace here (unshare -rn, ip)")
+    done = subprocess.run(
+        ["unshare", "-rn", sys.executable, str(SCENARIO)], capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    # keepalive 1 s: both clients' hosts are gone after ~5 s; the waiting one is withdrawn (the
+    # holder's slot stays held: drain mode, and the backend never answers)
+    assert result["keepalive"] == {"waiting": 0.0, "queued_disconnects": 1.0}
+    assert result["live"] == {"waiting": 0.0, "queued_disconnects": 1.0}  # a connection not parked: the same
+    # without it the kernel would find out after hours: the request still waits for a slot
+    assert result["off"] == {"waiting": 1.0, "queued_disconnects": 0.0}
+
+
+def test_keepalive_options_are_set_on_a_tcp_socket_and_a_unix_socket_is_left_alone() -> None:
+    import asyncio
+    import socket
+
+    class _Transport(asyncio.BaseTransport):
+        def __init__(self, sock: socket.socket) -> None:
+            super().__init__()
+            self.sock = sock
+
+        def get_extra_info(self, name: str, default: object = None) -> object:
+            return self.sock if name == "socket" else default
+
+    with socket.socket() as tcp:
+        tcp_keepalive(_Transport(tcp), 60)
+        assert tcp.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 60
+        assert tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 15
+        assert tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 4
+    a, b = socket.socketpair()
+    with a, b:
+        tcp_keepalive(_Transport(a), 60)  # not TCP: nothing to set, nothing raised
+        assert a.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 0
