@@ -200,3 +200,15 @@ def test_series_known_at_start_are_exported_at_zero_before_any_event() -> None:
             assert samples[key] == 0.0
     for reason in ("client_timeout", "header_too_large", "max_connections"):
         assert samples[("clairvoyant_client_rejections_total", (("reason", reason),))] == 0.0
+
+
+def test_a_nan_observation_lands_in_no_bucket_as_in_prometheus_client() -> None:
+    child = HistogramChild((0.1, 1.0, math.inf))
+    twin = Histogram("h", "h", buckets=(0.1, 1.0), registry=CollectorRegistry())
+    for amount in (0.05, math.nan, 0.5):
+        child.observe(amount)
+        twin.observe(amount)
+    theirs = {s.labels["le"]: s.value for s in twin.collect()[0].samples if s.name == "h_bucket"}  # cumulative
+    cumulative = [sum(child.counts[: i + 1]) for i in range(3)]
+    assert cumulative == [theirs["0.1"], theirs["1.0"], theirs["+Inf"]] == [1, 2, 2]
+    assert math.isnan(child.sum)

@@ -98,7 +98,7 @@ class GaugeChild:
 class HistogramChild:
     """One histogram series: a count per bucket (not cumulative; the last bucket is +Inf), their sum
     and the time it was created. An observation lands in the first bucket whose bound is >= it, as in
-    prometheus_client (a NaN, which no caller observes, would land in the first bucket here)."""
+    prometheus_client; a NaN in none (and the sum turns NaN), as there too."""
 
     __slots__ = ("bounds", "counts", "created", "sum")
 
@@ -109,7 +109,8 @@ class HistogramChild:
         self.created = time.time()
 
     def observe(self, amount: float) -> None:
-        self.counts[bisect_left(self.bounds, amount)] += 1
+        if amount == amount:  # not NaN (which bisect would put in the first bucket)
+            self.counts[bisect_left(self.bounds, amount)] += 1
         self.sum += amount
 
 
