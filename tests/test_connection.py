@@ -516,6 +516,17 @@ def test_a_malformed_request_gets_400_and_the_connection_closes(site: Site, payl
     assert rest == b""
 
 
+def test_a_method_llhttp_does_not_know_gets_501_and_the_connection_closes(site: Site) -> None:
+    with RawClient(site.base) as client:
+        client.send(b"BREW /pot HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        answer = client.read_answer()
+        rest = client.read_to_close()
+    assert answer.status == 501 and answer.header("connection") == "close"
+    assert answer.body == b"Method not implemented."
+    assert rest == b""
+    assert site.backend.delivered == []
+
+
 # --- one Date on every answer -----------------------------------------------------------------------
 
 

@@ -18,6 +18,9 @@ proxy is here, as callbacks on the event loop (docs/design.md, "The client conne
   ``keep_alive_timeout_s``. A refused connection is closed lingering: our side ends, what the
   client still sends is read and dropped for ``LINGER_S``, so that it reads the refusal rather than
   a reset. A client that leaves mid-upload is the Site's ``upload_lost``: counted, one log line.
+  What llhttp cannot parse is 400, and the connection closes; a well-formed request line with a
+  method llhttp does not know is 501 (the methods it knows and the proxy does not serve are 405).
+  Idle client sockets get TCP keepalive probes (``tcp_keepalive``: a vanished host is found).
 - **Answers**: the status line and headers are written with the first body bytes when they are at
   hand (one write for a whole JSON answer); a body without Content-Length is chunked (HTTP/1.1) or
   ends with the connection (HTTP/1.0); HEAD, 204 and 304 have none. Each answer carries the
@@ -36,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import socket
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -73,6 +77,9 @@ _NO_BODY_STATUSES = frozenset({204, 304})
 _CONNECTION_CLOSE = b"connection: close\r\n"
 _CHUNKED = b"transfer-encoding: chunked\r\n"
 _BAD_REQUEST = b"Invalid HTTP request received."
+_NOT_IMPLEMENTED = b"Method not implemented."
+# A request line: a method token (RFC 9110 tchar), a target without spaces, an HTTP version
+_REQUEST_LINE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+ [^ \r\n]+ HTTP/\d\.\d\r\n")
 _JSON = (b"content-type", b"application/json")
 _PLAIN_TEXT = (b"content-type", b"text/plain; charset=utf-8")
 _KEEP_ALIVE, _HTTP11 = 1, 2  # response_context bits
@@ -372,6 +379,13 @@ class HttpConnection(asyncio.Protocol):
             if not self.busy and not self.transport.is_closing():
                 self.gone = True
                 self.transport.close()
+        except httptools.HttpParserInvalidMethodError:
+            # llhttp knows a fixed list of methods. A well-formed request line with another one
+            # (BREW /pot HTTP/1.1) is a method not implemented here (RFC 9110: 501); anything
+            # else it could not read as a method (a TLS hello, text) stays a bad request.
+            if not self.rejected:
+                self._bad_request(not_implemented=_REQUEST_LINE.match(data) is not None)
+            return
         except httptools.HttpParserError:
             if not self.rejected:
                 self._bad_request()
@@ -727,13 +741,14 @@ class HttpConnection(asyncio.Protocol):
         self.transport.write(closing_answer(status, [_JSON], body, self.shared.server_state))
         self._linger()
 
-    def _bad_request(self) -> None:
+    def _bad_request(self, not_implemented: bool = False) -> None:
         self._disarm()
         self.rejected = True
         self.request = None
-        logger.warning("Invalid HTTP request received.")
+        logger.warning("Unknown HTTP method received." if not_implemented else "Invalid HTTP request received.")
         if not self.busy:
-            self.transport.write(closing_answer(400, [_PLAIN_TEXT], _BAD_REQUEST, self.shared.server_state))
+            status, body = (501, _NOT_IMPLEMENTED) if not_implemented else (400, _BAD_REQUEST)
+            self.transport.write(closing_answer(status, [_PLAIN_TEXT], body, self.shared.server_state))
             self._linger()
         else:
             self.keep_alive = False
