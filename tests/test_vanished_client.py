@@ -1,6 +1,8 @@
-"""A waiting request whose client's host vanished (no FIN, no reset) is withdrawn, found by TCP
-keepalive (``client_keepalive_s``): a real proxy and real sockets, in a network namespace whose
-loopback goes down for a while (tests/vanished_client_scenario.py)."""
+"""A client whose host vanished (no FIN, no reset) is found by TCP keepalive and the user timeout
+(``client_keepalive_s``): its waiting request is withdrawn, its stream ended. Real proxies and real
+sockets in network namespaces of their own: the loopback goes down under waiting requests
+(tests/vanished_client_scenario.py), a veth to the client's namespace under streams
+(tests/vanished_stream_scenario.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 from clairvoyant.proxy.connection import tcp_keepalive
 
 SCENARIO = Path(__file__).with_name("vanished_client_scenario.py")
+STREAM_SCENARIO = Path(__file__).with_name("vanished_stream_scenario.py")
 
 
 def _can_make_network_namespaces() -> bool:
@@ -41,6 +44,22 @@ def test_a_waiting_request_of_a_vanished_client_is_withdrawn_with_keepalive_and_
     assert result["off"] == {"waiting": 1.0, "queued_disconnects": 0.0}
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="network namespaces are Linux's")
+def test_a_stream_to_a_vanished_client_ends_with_the_user_timeout_and_not_without() -> None:
+    if not _can_make_network_namespaces():
+        pytest.skip("cannot make a network namespace here (unshare -rn, ip)")
+    done = subprocess.run(
+        ["unshare", "-rn", sys.executable, str(STREAM_SCENARIO)], capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    # bytes flow, so no keepalive probe: the 2 s user timeout finds the client gone, the stream is
+    # aborted (the default mode for a stream) and the backend's connection closed
+    assert result["keepalive"] == {"streaming_disconnects": 1.0, "backend_stream_closed": True}
+    # without it the system would retry for ~15 minutes: the backend still streams into the void
+    assert result["off"] == {"streaming_disconnects": 0.0, "backend_stream_closed": False}
+
+
 def test_keepalive_options_are_set_on_a_tcp_socket_and_a_unix_socket_is_left_alone() -> None:
     import asyncio
     import socket
@@ -59,6 +78,7 @@ def test_keepalive_options_are_set_on_a_tcp_socket_and_a_unix_socket_is_left_alo
         assert tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 60
         assert tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 15
         assert tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 4
+        assert tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 120_000  # ms
     a, b = socket.socketpair()
     with a, b:
         tcp_keepalive(_Transport(a), 60)  # not TCP: nothing to set, nothing raised

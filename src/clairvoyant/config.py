@@ -242,8 +242,10 @@ class Settings(BaseSettings):
         60.0,
         ge=0,
         description="TCP keepalive on client connections, seconds idle before the first probe (then 4 probes, this / 4 "
-        "apart): a client whose host vanished without closing (asleep, off the network) is found gone after about twice "
-        "this, and its waiting request withdrawn before it takes a slot. 0 = the system's default (usually 2 hours).",
+        "apart), and twice this for answer bytes left unacknowledged or unread (TCP_USER_TIMEOUT): a client whose host "
+        "vanished without closing (asleep, off the network) is found gone after about twice this, its waiting request "
+        "withdrawn before it takes a slot, its stream ended; so is one that stops reading its answer that long (as nginx's "
+        "send_timeout). 0 = the system's defaults (hours idle, ~15 minutes with bytes unacknowledged, never unread).",
     )
     max_header_bytes: int = Field(
         64 * 1024, ge=1024, description="Largest request line + headers accepted, bytes (431 beyond)."
