@@ -1,8 +1,9 @@
 """A client whose host vanished (no FIN, no reset) is found by TCP keepalive and the user timeout
 (``client_keepalive_s``): its waiting request is withdrawn, its stream ended. Real proxies and real
 sockets in network namespaces of their own: the loopback goes down under waiting requests
-(tests/vanished_client_scenario.py), a veth to the client's namespace under streams
-(tests/vanished_stream_scenario.py)."""
+(tests/vanished_client_scenario.py), a veth to the client's or the backend's namespace under
+streams (tests/vanished_stream_scenario.py): the backend's side has its own setting,
+``backend_keepalive_s``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from clairvoyant.proxy.connection import tcp_keepalive
+from clairvoyant.proxy.keepalive import tcp_keepalive
 
 SCENARIO = Path(__file__).with_name("vanished_client_scenario.py")
 STREAM_SCENARIO = Path(__file__).with_name("vanished_stream_scenario.py")
@@ -44,20 +45,35 @@ def test_a_waiting_request_of_a_vanished_client_is_withdrawn_with_keepalive_and_
     assert result["off"] == {"waiting": 1.0, "queued_disconnects": 0.0}
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="network namespaces are Linux's")
-def test_a_stream_to_a_vanished_client_ends_with_the_user_timeout_and_not_without() -> None:
+def _stream_scenario(mode: str) -> dict[str, dict[str, object]]:
     if not _can_make_network_namespaces():
         pytest.skip("cannot make a network namespace here (unshare -rn, ip)")
     done = subprocess.run(
-        ["unshare", "-rn", sys.executable, str(STREAM_SCENARIO)], capture_output=True, text=True, timeout=180
+        ["unshare", "-rn", sys.executable, str(STREAM_SCENARIO), mode], capture_output=True, text=True, timeout=180
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result: dict[str, dict[str, object]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="network namespaces are Linux's")
+def test_a_stream_to_a_vanished_client_ends_with_the_user_timeout_and_not_without() -> None:
+    result = _stream_scenario("client")
     # bytes flow, so no keepalive probe: the 2 s user timeout finds the client gone, the stream is
     # aborted (the default mode for a stream) and the backend's connection closed
     assert result["keepalive"] == {"streaming_disconnects": 1.0, "backend_stream_closed": True}
     # without it the system would retry for ~15 minutes: the backend still streams into the void
     assert result["off"] == {"streaming_disconnects": 0.0, "backend_stream_closed": False}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="network namespaces are Linux's")
+def test_a_stream_from_a_vanished_backend_ends_with_an_error_event_and_hangs_without() -> None:
+    result = _stream_scenario("backend")
+    # keepalive 1 s on backend connections: the silent backend is found gone, and the client's
+    # stream ends with the dialect's error event (its client did not leave: no disconnect)
+    assert result["keepalive"] == {"streaming_disconnects": 0.0, "ended": True, "error_event": True}
+    # without it nothing ends the stream (read_timeout_s is unset by default)
+    assert result["off"] == {"streaming_disconnects": 0.0, "ended": False, "error_event": False}
 
 
 def test_keepalive_options_are_set_on_a_tcp_socket_and_a_unix_socket_is_left_alone() -> None:

@@ -1,11 +1,14 @@
-"""A client whose host vanishes mid-stream (run in a network namespace of its own:
-tests/test_vanished_client.py). The client lives in a second namespace, joined to the proxies'
-by a veth pair; two proxies (client keepalive 1 s, and off), each with a backend that streams a
-token every 20 ms until its connection closes. The client reads the start of both streams, then
-the veth goes down: the client's packets are lost, the backends' keep flowing on the loopback.
-Prints, for each proxy, its streaming disconnects and whether its backend's stream was closed.
+"""A peer whose host vanishes mid-stream (run in a network namespace of its own:
+tests/test_vanished_client.py). The vanishing side lives in a second namespace, joined to the
+proxies' by a veth pair that goes down after the streams started: its packets are lost, no FIN,
+no reset. Two proxies, one with keepalive 1 s on that side and one with it off; each streams from
+a backend that sends a token every 20 ms until its connection closes.
 
-    unshare -rn python tests/vanished_stream_scenario.py
+    unshare -rn python tests/vanished_stream_scenario.py client    # the client vanishes
+    unshare -rn python tests/vanished_stream_scenario.py backend   # the backend vanishes
+
+Prints one JSON line: for each proxy, its streaming disconnects, whether its backend's stream was
+closed (client mode), whether the client's stream ended and with an error event (backend mode).
 """
 
 from __future__ import annotations
@@ -22,54 +25,57 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-DOWN_S = 6.0  # veth down: a 2 s user timeout finds the client gone well within it
-CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
-CLIENT = """
+DOWN_S = 6.0  # veth down: a 1 s keepalive (2 s user timeout) finds the peer gone well within it
+BODY = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"Write a long story."}]}'
+REQUEST = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%b" % (
+    len(BODY), BODY,
+)  # fmt: skip
+# Runs in the client's namespace (client mode): opens both streams, reads their start, then holds them.
+CLIENT = f"""
 import socket, sys, time
-body = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"Write a long story."}]}'
+held = []
 for port in sys.argv[1:]:
     s = socket.create_connection(("10.9.0.1", int(port)))
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\\r\\nHost: x\\r\\nContent-Type: application/json\\r\\n"
-              b"Content-Length: %d\\r\\n\\r\\n%b" % (len(body), body))
+    s.sendall({REQUEST!r})
     got = b""
     while got.count(b"data: ") < 3:
         got += s.recv(65536)
-    globals().setdefault("held", []).append(s)
+    held.append(s)
 print("streaming", flush=True)
 time.sleep(120)
+"""
+# A backend that streams a token every 20 ms to each POST until its connection closes (a health
+# check, any other request, gets 200 and a close). Runs in either namespace.
+BACKEND = """
+import socket, sys, threading, time
+CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\\n\\n'
+closed = []
+def answer(conn):
+    if not conn.recv(65536).startswith(b"POST"):
+        conn.sendall(b"HTTP/1.1 200 OK\\r\\ncontent-length: 2\\r\\nconnection: close\\r\\n\\r\\nok")
+        conn.close()
+        return
+    conn.sendall(b"HTTP/1.1 200 OK\\r\\ncontent-type: text/event-stream\\r\\ntransfer-encoding: chunked\\r\\n\\r\\n")
+    try:
+        while True:
+            conn.sendall(b"%x\\r\\n%b\\r\\n" % (len(CHUNK), CHUNK))
+            time.sleep(0.02)
+    except OSError:
+        print("closed", conn.getsockname()[1], flush=True)
+def serve(server):
+    while True:
+        conn, _ = server.accept()
+        threading.Thread(target=answer, args=(conn,), daemon=True).start()
+servers = [socket.create_server((sys.argv[1], 0)) for _ in range(2)]
+for server in servers:
+    threading.Thread(target=serve, args=(server,), daemon=True).start()
+print(" ".join(str(s.getsockname()[1]) for s in servers), flush=True)
+time.sleep(300)
 """
 
 
 def sh(*argv: str) -> None:
     subprocess.run(argv, check=True)
-
-
-class StreamingBackend:
-    """Answers one streamed request: a chunk every 20 ms, until the proxy closes the connection."""
-
-    def __init__(self) -> None:
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = int(self.server.getsockname()[1])
-        self.closed = threading.Event()
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            conn, _ = self.server.accept()
-            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
-
-    def _answer(self, conn: socket.socket) -> None:
-        if not conn.recv(65536).startswith(b"POST"):  # the proxy's health check at start
-            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
-            conn.close()
-            return
-        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-        try:
-            while True:
-                conn.sendall(b"%x\r\n%b\r\n" % (len(CHUNK), CHUNK))
-                time.sleep(0.02)
-        except OSError:
-            self.closed.set()
 
 
 def metric(base: str, name: str, label: str) -> float:
@@ -79,72 +85,135 @@ def metric(base: str, name: str, label: str) -> float:
     )
 
 
-def main() -> None:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(base: str) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{base} did not start")
+        time.sleep(0.2)
+
+
+def first_line(proc: subprocess.Popen[str], what: str) -> str:
+    """The process's first line of output, or an error after 30 s."""
+    timer = threading.Timer(30, proc.kill)
+    timer.start()
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    timer.cancel()
+    if not line:
+        raise RuntimeError(f"{what} said nothing")
+    return line
+
+
+def read_stream(sock: socket.socket, seen: dict[str, object]) -> None:
+    """Read a streamed answer to its end (or until the socket times out): whether it ended, and how."""
+    got = b""
+    try:
+        while not got.endswith(b"0\r\n\r\n"):
+            data = sock.recv(65536)
+            if not data:
+                break
+            got += data
+    except OSError:
+        pass
+    seen["ended"] = got.endswith(b"0\r\n\r\n")
+    seen["error_event"] = b'"error"' in got[-2000:]
+
+
+def main(mode: str) -> None:
     sh("ip", "link", "set", "lo", "up")
-    # The client's namespace: a process that only holds it, joined by a veth pair.
-    holder = subprocess.Popen(["unshare", "-n", "sleep", "300"])
+    holder = subprocess.Popen(["unshare", "-n", "sleep", "300"])  # holds the far side's namespace
     time.sleep(0.3)
     sh("ip", "link", "add", "v0", "type", "veth", "peer", "name", "v1")
     sh("ip", "link", "set", "v1", "netns", str(holder.pid))
     sh("ip", "addr", "add", "10.9.0.1/24", "dev", "v0")
     sh("ip", "link", "set", "v0", "up")
-    enter = ["nsenter", "-t", str(holder.pid), "-n"]
-    sh(*enter, "ip", "addr", "add", "10.9.0.2/24", "dev", "v1")
-    sh(*enter, "ip", "link", "set", "v1", "up")
-    proxies = {}
-    client = None
+    far = ["nsenter", "-t", str(holder.pid), "-n"]
+    sh(*far, "ip", "addr", "add", "10.9.0.2/24", "dev", "v1")
+    sh(*far, "ip", "link", "set", "v1", "up")
+    sh(*far, "ip", "link", "set", "lo", "up")
+    setting = "CLAIRVOYANT_CLIENT_KEEPALIVE_S" if mode == "client" else "CLAIRVOYANT_BACKEND_KEEPALIVE_S"
+    backend_argv = [sys.executable, "-c", BACKEND, "127.0.0.1" if mode == "client" else "10.9.0.2"]
+    backend = subprocess.Popen(backend_argv if mode == "client" else [*far, *backend_argv], stdout=subprocess.PIPE,
+                               text=True)  # fmt: skip
+    procs: list[subprocess.Popen[str]] = [backend]
     try:
-        for name, keepalive_s in (("keepalive", "1"), ("off", "0")):
-            backend = StreamingBackend()
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = int(s.getsockname()[1])
+        backend_ports = first_line(backend, "the backend").split()
+        backend_host = "127.0.0.1" if mode == "client" else "10.9.0.2"
+        proxies = {}
+        for (name, keepalive_s), backend_port in zip((("keepalive", "1"), ("off", "0")), backend_ports, strict=True):
+            port = free_port()
             env = {
-                **os.environ, "PYTHONPATH": str(ROOT / "src"), "CLAIRVOYANT_CLIENT_KEEPALIVE_S": keepalive_s,
-                "CLAIRVOYANT_ENCODER": "false", "CLAIRVOYANT_LOG_LEVEL": "warning", "CLAIRVOYANT_SHUTDOWN_GRACE_S": "0",
+                **os.environ, "PYTHONPATH": str(ROOT / "src"), setting: keepalive_s, "CLAIRVOYANT_ENCODER": "false",
+                "CLAIRVOYANT_LOG_LEVEL": "warning", "CLAIRVOYANT_SHUTDOWN_GRACE_S": "0",
             }  # fmt: skip
             argv = [sys.executable, "-m", "clairvoyant.cli", "serve", "--host", "0.0.0.0", "--port", str(port),
-                    "--upstream", f"http://127.0.0.1:{backend.port}", "--slots", "1"]  # fmt: skip
-            proxies[name] = (subprocess.Popen(argv, env=env), f"http://127.0.0.1:{port}", port, backend)
-        for _, base, _, _ in proxies.values():
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{base} did not start")
-                time.sleep(0.2)
-        ports = [str(port) for _, _, port, _ in proxies.values()]
-        client = subprocess.Popen([*enter, sys.executable, "-c", CLIENT, *ports], stdout=subprocess.PIPE, text=True)
-        assert client.stdout is not None
-        timer = threading.Timer(30, client.kill)  # a client that never gets its streams ends the run
-        timer.start()
-        line = client.stdout.readline().strip()
-        timer.cancel()
-        if line != "streaming":
-            raise RuntimeError("the client did not get its streams")
+                    "--upstream", f"http://{backend_host}:{backend_port}", "--slots", "1"]  # fmt: skip
+            proc = subprocess.Popen(argv, env=env, text=True)
+            procs.append(proc)
+            proxies[name] = (f"http://127.0.0.1:{port}", port, backend_port)
+        for base, _, _ in proxies.values():
+            wait_healthy(base)
+        readers: dict[str, tuple[threading.Thread, dict[str, object]]] = {}
+        if mode == "client":
+            client = subprocess.Popen([*far, sys.executable, "-c", CLIENT, *(str(p) for _, p, _ in proxies.values())],
+                                      stdout=subprocess.PIPE, text=True)  # fmt: skip
+            procs.append(client)
+            if first_line(client, "the client") != "streaming":
+                raise RuntimeError("the client did not get its streams")
+        else:
+            for name, (_, port, _) in proxies.items():
+                sock = socket.create_connection(("127.0.0.1", port))
+                sock.sendall(REQUEST)
+                got = b""
+                while got.count(b"data: ") < 3:
+                    got += sock.recv(65536)
+                sock.settimeout(DOWN_S)
+                seen: dict[str, object] = {}
+                readers[name] = (threading.Thread(target=read_stream, args=(sock, seen), daemon=True), seen)
         sh("ip", "link", "set", "v0", "down")
+        for thread, _ in readers.values():
+            thread.start()
         time.sleep(DOWN_S)
-        result = {
-            name: {
-                "streaming_disconnects": metric(base, "clairvoyant_client_disconnects_total", 'stage="streaming"'),
-                "backend_stream_closed": backend.closed.is_set(),
-            }
-            for name, (_, base, _, backend) in proxies.items()
-        }
+        for thread, _ in readers.values():
+            thread.join(DOWN_S)
+        closed_ports = set()
+        if mode == "client":
+            backend.kill()
+            assert backend.stdout is not None
+            closed_ports = {line.split()[1] for line in backend.stdout.read().splitlines() if line.startswith("closed")}
+        result: dict[str, dict[str, object]] = {}
+        for name, (base, _, backend_port) in proxies.items():
+            disconnects = metric(base, "clairvoyant_client_disconnects_total", 'stage="streaming"')
+            if mode == "client":
+                result[name] = {
+                    "streaming_disconnects": disconnects,
+                    "backend_stream_closed": backend_port in closed_ports,
+                }
+            else:
+                result[name] = {"streaming_disconnects": disconnects, **readers[name][1]}
         print(json.dumps(result))
     finally:
-        if client is not None:
-            client.kill()
-        holder.kill()
-        for proc, _, _, _ in proxies.values():
+        for proc in procs:
             proc.terminate()
-        for proc, _, _, _ in proxies.values():
-            proc.wait(30)
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        holder.kill()
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1] if len(sys.argv) > 1 else "client")

@@ -218,6 +218,15 @@ class Settings(BaseSettings):
         gt=0,
         description="Timeout between bytes from the backend once it answers; unset = none (long answers take minutes).",
     )
+    backend_keepalive_s: float = Field(
+        60.0,
+        ge=0,
+        description="TCP keepalive on backend connections, seconds idle before the first probe (then 4 probes, this / 4 "
+        "apart), and twice this for request bytes left unacknowledged: a backend whose host vanished mid-answer (powered "
+        "off, off the network) is found gone after about twice this, and the answer ends with the dialect's error "
+        "instead of hanging (read_timeout_s is unset by default). A backend that is there answers the probes, however "
+        "long it generates. 0 = the system's defaults (hours).",
+    )
     backend_wait_s: float = Field(
         30.0,
         ge=0,

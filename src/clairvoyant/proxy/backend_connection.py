@@ -55,6 +55,7 @@ from urllib.parse import quote
 
 import httptools
 
+from clairvoyant.proxy.keepalive import tcp_keepalive
 from clairvoyant.proxy.upstream import (
     KEEPALIVE_EXPIRY_S,
     FirstByteTimeout,
@@ -136,6 +137,8 @@ class _Connection(asyncio.Protocol):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:  # pragma: no cover - a socket that refuses it still works
                 pass
+        if self.pool.tcp_keepalive_s > 0:
+            tcp_keepalive(transport, self.pool.tcp_keepalive_s)  # a backend whose host vanished mid-answer
 
     def pause_writing(self) -> None:
         self.written = False
@@ -380,7 +383,8 @@ class _Pool:
 
     __slots__ = (
         "loop", "scheme", "host", "port", "ssl", "connect_timeout_s", "read_timeout_s", "keepalive_expiry_s",
-        "idle", "live", "spare", "spare_task", "sweeper", "closed", "_addresses", "heads", "head_ticker",
+        "tcp_keepalive_s", "idle", "live", "spare", "spare_task", "sweeper", "closed", "_addresses", "heads",
+        "head_ticker",
     )  # fmt: skip
 
     def __init__(
@@ -393,6 +397,7 @@ class _Pool:
         connect_timeout_s: float,
         read_timeout_s: float | None,
         keepalive_expiry_s: float,
+        tcp_keepalive_s: float = 0.0,
     ) -> None:
         self.loop = loop
         self.scheme = scheme
@@ -401,7 +406,8 @@ class _Pool:
         self.ssl: ssl.SSLContext | None = ssl.create_default_context() if scheme == "https" else None
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
-        self.keepalive_expiry_s = keepalive_expiry_s
+        self.keepalive_expiry_s = keepalive_expiry_s  # seconds an idle pooled connection is kept (HTTP)
+        self.tcp_keepalive_s = tcp_keepalive_s  # TCP keepalive idle seconds (proxy/keepalive.py); 0 = off
         self.idle: list[_Connection] = []  # ordered by idle_since_s: pooled at the end, taken from the end
         self.live: set[_Connection] = set()  # every open connection (closed with the pool)
         self.spare: _Connection | None = None
@@ -567,10 +573,12 @@ class ProtocolTransport:
         connect_timeout_s: float,
         read_timeout_s: float | None,
         keepalive_expiry_s: float = KEEPALIVE_EXPIRY_S,
+        tcp_keepalive_s: float = 0.0,
     ) -> None:
         self._connect_timeout_s = connect_timeout_s
         self._read_timeout_s = read_timeout_s
         self._keepalive_expiry_s = keepalive_expiry_s
+        self._tcp_keepalive_s = tcp_keepalive_s
         self._pools: dict[str, tuple[_Pool, str]] = {}  # scheme://netloc -> (its pool, its Host header)
         self._closed = False
 
@@ -613,6 +621,7 @@ class ProtocolTransport:
         pool = _Pool(
             asyncio.get_running_loop(), scheme, host, port, connect_timeout_s=self._connect_timeout_s,
             read_timeout_s=self._read_timeout_s, keepalive_expiry_s=self._keepalive_expiry_s,
+            tcp_keepalive_s=self._tcp_keepalive_s,
         )  # fmt: skip
         entry = (pool, netloc)
         self._pools[origin] = entry

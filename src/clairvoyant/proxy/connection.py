@@ -40,7 +40,6 @@ import asyncio
 import logging
 import math
 import re
-import socket
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -52,6 +51,7 @@ import httptools
 from clairvoyant.errors import HeadersTooLarge, PayloadTooLarge, RequestError, RequestTimeout
 from clairvoyant.logs import log_request
 from clairvoyant.prediction.dialects import dialect_of_path, error_body
+from clairvoyant.proxy.keepalive import tcp_keepalive
 
 __all__ = [
     "ASGI",
@@ -97,33 +97,6 @@ class ClientLimits:
     keep_alive_timeout_s: float  # seconds an idle kept-alive connection stays open
     on_rejected: Callable[[str], None] = lambda reason: None  # counts a limit hit (metrics)
     tcp_keepalive_s: float = 0.0  # seconds idle before TCP keepalive probes (``tcp_keepalive``); 0 = the system's
-
-
-def tcp_keepalive(transport: asyncio.BaseTransport, idle_s: float) -> None:
-    """Find a client whose host vanished without a FIN or a reset (a laptop asleep, a phone off the
-    network) in about 2 x ``idle_s``, where the system would take hours (keepalive) or ~15 minutes
-    (unacknowledged data). Idle: TCP keepalive probes after ``idle_s`` of silence, 4 of them
-    ``idle_s`` / 4 apart (whole seconds, at least 1). Answer bytes in flight: TCP_USER_TIMEOUT, at
-    most 2 x ``idle_s`` unacknowledged. The socket then errors out (ETIMEDOUT): a live connection
-    is lost, a parked one reported by the parking lot (EPOLLERR); a waiting request is withdrawn
-    instead of holding its place, and later a slot, for nobody, and a stream is ended by the
-    disconnect mode. A client that is there answers probes and acknowledges bytes: not affected;
-    one that stops reading (its window stays shut) is let go after the same 2 x ``idle_s`` on
-    Linux 6 (measured on 6.18), as nginx's ``send_timeout`` lets one go after 60 s: it held its
-    slot meanwhile, the relay paused behind it."""
-    sock = transport.get_extra_info("socket")
-    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        if hasattr(socket, "TCP_KEEPIDLE"):  # Linux (macOS has TCP_KEEPALIVE for the idle time only)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(idle_s)))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(idle_s / 4)))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 4)
-        if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux; milliseconds
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1000, int(2000 * idle_s)))
-    except OSError:  # a socket that refuses them still serves; the system's default applies
-        pass
 
 
 class Request:

@@ -64,6 +64,7 @@ class BackendPool:
                 connect_timeout_s=settings.connect_timeout_s,
                 read_timeout_s=settings.read_timeout_s,
                 first_byte_timeout_s=settings.first_byte_timeout_s,
+                keepalive_s=settings.backend_keepalive_s,
                 api_key=None if config.api_key is None else config.api_key.get_secret_value(),
                 transport=transport,
                 name=name,

@@ -266,6 +266,7 @@ class Upstream:
         api_key: str | None = None,
         transport: Any = None,
         name: str = "default",
+        keepalive_s: float = 0.0,  # TCP keepalive idle seconds on its connections (proxy/keepalive.py); 0 = off
     ) -> None:
         """``transport``: None (``backend_connection.ProtocolTransport``), a ``Transport``, or an
         httpx transport (tests)."""
@@ -288,7 +289,9 @@ class Upstream:
         if transport is None:
             from clairvoyant.proxy.backend_connection import ProtocolTransport  # it builds on this module
 
-            self._transport = ProtocolTransport(connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
+            self._transport = ProtocolTransport(
+                connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s, tcp_keepalive_s=keepalive_s
+            )
         elif hasattr(transport, "handle_async_request"):  # an httpx transport: tests only
             from clairvoyant.proxy.httpx_transport import HttpxTransport
 
