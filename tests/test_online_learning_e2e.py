@@ -316,10 +316,16 @@ def test_a_backend_answering_shorter_than_the_prior_moves_the_predictions_only_w
             generate(base, prompt)
         assert quality_window(base, "tiny") == len(PROMPTS) + 1  # measured either way
         if learning:
-            # The worker thread refits every 8 observations: wait for a fit that has seen them.
-            wait_until(lambda: generate(base, probe) < static / 4, timeout_s=30, what="the learned correction")
+            # The learner's process refits every 8 observations, at most once a second: the first
+            # fits may have seen only part of them (a busy machine's CI met one at 36 tokens, 0.52x
+            # the static's log distance instead of < 0.5x), so wait for the claim itself.
+            def halfway(tokens: float) -> bool:
+                """More than halfway from the static prediction to the truth, in log tokens."""
+                return abs(math.log(tokens) - math.log(TRUE_TOKENS)) < abs(math.log(static) - math.log(TRUE_TOKENS)) / 2
+
+            wait_until(lambda: halfway(generate(base, probe)), timeout_s=30, what="the learned correction")
             learned = generate(base, probe)
-            assert abs(math.log(learned) - math.log(TRUE_TOKENS)) < abs(math.log(static) - math.log(TRUE_TOKENS)) / 2
+            assert halfway(learned)
             assert metric_value(base, "clairvoyant_learner_up") == 1.0
             assert metric_value(base, "clairvoyant_learner_refits_total") >= 1
             assert metric_value(base, "clairvoyant_learner_dropped_observations_total") == 0
