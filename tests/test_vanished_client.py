@@ -1,9 +1,8 @@
 """A client whose host vanished (no FIN, no reset) is found by TCP keepalive and the user timeout
 (``client_keepalive_s``): its waiting request is withdrawn, its stream ended. Real proxies and real
-sockets in network namespaces of their own: the loopback goes down under waiting requests
-(tests/vanished_client_scenario.py), a veth to the client's or the backend's namespace under
-streams (tests/vanished_stream_scenario.py): the backend's side has its own setting,
-``backend_keepalive_s``."""
+sockets in network namespaces of their own (tests/vanished_peer_scenario.py): the loopback goes
+down under waiting requests, a veth to the client's or the backend's namespace under streams (the
+backend's side has its own setting, ``backend_keepalive_s``)."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ import pytest
 
 from clairvoyant.proxy.keepalive import tcp_keepalive
 
-SCENARIO = Path(__file__).with_name("vanished_client_scenario.py")
-STREAM_SCENARIO = Path(__file__).with_name("vanished_stream_scenario.py")
+SCENARIO = Path(__file__).with_name("vanished_peer_scenario.py")
 
 
 def _can_make_network_namespaces() -> bool:
@@ -28,15 +26,20 @@ def _can_make_network_namespaces() -> bool:
     return probe.returncode == 0
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="network namespaces are Linux's")
-def test_a_waiting_request_of_a_vanished_client_is_withdrawn_with_keepalive_and_not_without() -> None:
+def _scenario(mode: str) -> dict[str, dict[str, object]]:
     if not _can_make_network_namespaces():
         pytest.skip("cannot make a network namespace here (unshare -rn, ip)")
     done = subprocess.run(
-        ["unshare", "-rn", sys.executable, str(SCENARIO)], capture_output=True, text=True, timeout=180
+        ["unshare", "-rn", sys.executable, str(SCENARIO), mode], capture_output=True, text=True, timeout=180
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result: dict[str, dict[str, object]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="network namespaces are Linux's")
+def test_a_waiting_request_of_a_vanished_client_is_withdrawn_with_keepalive_and_not_without() -> None:
+    result = _scenario("waiting")
     # keepalive 1 s: both clients' hosts are gone after ~5 s; the waiting one is withdrawn (the
     # holder's slot stays held: drain mode, and the backend never answers)
     assert result["keepalive"] == {"waiting": 0.0, "queued_disconnects": 1.0}
@@ -45,20 +48,9 @@ def test_a_waiting_request_of_a_vanished_client_is_withdrawn_with_keepalive_and_
     assert result["off"] == {"waiting": 1.0, "queued_disconnects": 0.0}
 
 
-def _stream_scenario(mode: str) -> dict[str, dict[str, object]]:
-    if not _can_make_network_namespaces():
-        pytest.skip("cannot make a network namespace here (unshare -rn, ip)")
-    done = subprocess.run(
-        ["unshare", "-rn", sys.executable, str(STREAM_SCENARIO), mode], capture_output=True, text=True, timeout=180
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result: dict[str, dict[str, object]] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="network namespaces are Linux's")
 def test_a_stream_to_a_vanished_client_ends_with_the_user_timeout_and_not_without() -> None:
-    result = _stream_scenario("client")
+    result = _scenario("client")
     # bytes flow, so no keepalive probe: the 2 s user timeout finds the client gone, the stream is
     # aborted (the default mode for a stream) and the backend's connection closed
     assert result["keepalive"] == {"streaming_disconnects": 1.0, "backend_stream_closed": True}
@@ -68,7 +60,7 @@ def test_a_stream_to_a_vanished_client_ends_with_the_user_timeout_and_not_withou
 
 @pytest.mark.skipif(sys.platform != "linux", reason="network namespaces are Linux's")
 def test_a_stream_from_a_vanished_backend_ends_with_an_error_event_and_hangs_without() -> None:
-    result = _stream_scenario("backend")
+    result = _scenario("backend")
     # keepalive 1 s on backend connections: the silent backend is found gone, and the client's
     # stream ends with the dialect's error event (its client did not leave: no disconnect)
     assert result["keepalive"] == {"streaming_disconnects": 0.0, "ended": True, "error_event": True}
@@ -77,19 +69,10 @@ def test_a_stream_from_a_vanished_backend_ends_with_an_error_event_and_hangs_wit
 
 
 def test_keepalive_options_are_set_on_a_tcp_socket_and_a_unix_socket_is_left_alone() -> None:
-    import asyncio
     import socket
 
-    class _Transport(asyncio.BaseTransport):
-        def __init__(self, sock: socket.socket) -> None:
-            super().__init__()
-            self.sock = sock
-
-        def get_extra_info(self, name: str, default: object = None) -> object:
-            return self.sock if name == "socket" else default
-
     with socket.socket() as tcp:
-        tcp_keepalive(_Transport(tcp), 60)
+        tcp_keepalive(tcp, 60)
         assert tcp.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
         assert tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 60
         assert tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 15
@@ -97,5 +80,5 @@ def test_keepalive_options_are_set_on_a_tcp_socket_and_a_unix_socket_is_left_alo
         assert tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 120_000  # ms
     a, b = socket.socketpair()
     with a, b:
-        tcp_keepalive(_Transport(a), 60)  # not TCP: nothing to set, nothing raised
+        tcp_keepalive(a, 60)  # not TCP: nothing to set, nothing raised
         assert a.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 0

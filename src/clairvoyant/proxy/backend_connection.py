@@ -137,8 +137,8 @@ class _Connection(asyncio.Protocol):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:  # pragma: no cover - a socket that refuses it still works
                 pass
-        if self.pool.tcp_keepalive_s > 0:
-            tcp_keepalive(transport, self.pool.tcp_keepalive_s)  # a backend whose host vanished mid-answer
+            if self.pool.tcp_keepalive_s > 0:
+                tcp_keepalive(sock, self.pool.tcp_keepalive_s)  # a backend whose host vanished mid-answer
 
     def pause_writing(self) -> None:
         self.written = False

@@ -303,7 +303,7 @@ class HttpConnection(asyncio.Protocol):
         if self.resumed is not None:
             return  # admitted already; its answer is on its way (the socket keeps its options)
         if shared.limits.tcp_keepalive_s > 0:
-            tcp_keepalive(transport, shared.limits.tcp_keepalive_s)
+            tcp_keepalive(transport.get_extra_info("socket"), shared.limits.tcp_keepalive_s)
         parked = len(shared.parking) if shared.parking is not None else 0
         if len(connections) + parked > shared.limits.max_connections:
             self._reject(503, RequestError("too many open connections; retry later"), "max_connections")

@@ -5,13 +5,13 @@ proxy/connection.py) and backend connections (``backend_keepalive_s``, proxy/bac
 
 from __future__ import annotations
 
-import asyncio
 import socket
+from typing import Any
 
 __all__ = ["tcp_keepalive"]
 
 
-def tcp_keepalive(transport: asyncio.BaseTransport, idle_s: float) -> None:
+def tcp_keepalive(sock: Any, idle_s: float) -> None:
     """Find a peer whose host vanished without a FIN or a reset (a laptop asleep, a machine
     powered off, a network gone) in about 2 x ``idle_s``, where the system takes hours (keepalive)
     or ~15 minutes (unacknowledged bytes). Idle: TCP keepalive probes after ``idle_s`` of silence,
@@ -23,9 +23,8 @@ def tcp_keepalive(transport: asyncio.BaseTransport, idle_s: float) -> None:
     to generate. One that stops reading (its window stays shut) is let go after the same
     2 x ``idle_s`` on Linux 6 (measured on 6.18), as nginx's ``send_timeout`` lets a client go after
     60 s; a client that does so held its slot meanwhile, its relay paused behind it."""
-    sock = transport.get_extra_info("socket")
     if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return
+        return  # ``sock``: a transport's "socket" (None, or a Unix one: nothing to set)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         if hasattr(socket, "TCP_KEEPIDLE"):  # Linux (macOS has TCP_KEEPALIVE for the idle time only)
