@@ -76,10 +76,10 @@ def test_the_proxys_traffic_renders_as_it_did_on_prometheus_client() -> None:
     later = [
         line for line in rendered.splitlines() if re.match(rf"(# (HELP|TYPE) )?({'|'.join(LATER_FAMILIES)})", line)
     ]
-    # learner_up and parked_connections (HELP, TYPE, sample each); two counters, each _total and _created
-    assert len(later) == 2 * 3 + 2 * 6
+    # learner_up and parked_connections (HELP, TYPE, sample each); three counters, each _total and _created
+    assert len(later) == 2 * 3 + 3 * 6
     later += [line for line in rendered.splitlines() if LATER_SERIES.match(line)]
-    assert len(later) == 2 * 3 + 2 * 6 + 2 * 2
+    assert len(later) == 2 * 3 + 3 * 6 + 2 * 2
     kept = "".join(line + "\n" for line in rendered.splitlines() if line not in later)
     assert kept == FIXTURE.read_text()
 

@@ -331,6 +331,13 @@ class Settings(BaseSettings):
     learner_save_interval_s: float = Field(
         300.0, gt=0, description="Seconds between saves of the learner's state (it is also saved at shutdown)."
     )
+    learner_max_observations_per_s: float = Field(
+        10.0,
+        gt=0,
+        description="Completed requests the online learner takes per second on average at most (bursts of ten "
+        "seconds' worth); a faster flow is sampled. It keeps the last 1,024 per model and refits at most once a "
+        "second, so more would add little, and each costs the request path and the encoder's thread (milliseconds).",
+    )
 
     _check_url = field_validator("upstream_url")(http_url)
 

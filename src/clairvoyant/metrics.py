@@ -357,6 +357,11 @@ class Metrics:
             "clairvoyant_learner_dropped_observations",
             "Completed requests the online learner never received: its process was not running, or was backed up.",
         ).labels()
+        self.learner_sampled_out = self._counter(
+            "clairvoyant_learner_sampled_out_observations",
+            "Completed requests the online learner skipped because they came faster than "
+            "learner_max_observations_per_s (counted in the usage metrics all the same).",
+        ).labels()
         # Updated from the encoder's thread too: prometheus_client's own (locked) metrics, registered
         # nowhere themselves; the exporter collects them in their place.
         self.encoder_latency = Histogram(

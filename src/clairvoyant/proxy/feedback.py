@@ -3,7 +3,8 @@ the online learner (``clairvoyant.prediction.learner``), and the learner's corre
 
 - ``UsageRecorder`` is the relay's ``on_usage`` hook. It runs on the event loop once per completed
   scheduled request and does O(1) work: a counter, a histogram, and the learner's ``observe`` (the
-  observation sent to the learner's process; refits run there, never here).
+  observation sent to the learner's process; refits run there, never here), for at most
+  ``learner_max_observations_per_s`` requests a second (a sample of a faster flow).
 - ``OnlineLearning`` is the learner's life in the proxy, built by the lifespan: start the learner's
   process (``clairvoyant.prediction.learner_process``), which loads the state file; attach it to the
   predictor as its corrector; have it save the state every ``learner_save_interval_s`` and at
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -49,13 +51,43 @@ __all__ = ["OnlineLearning", "UsageRecorder"]
 logger = logging.getLogger(__name__)
 
 
+class RateSample:
+    """Takes at most ``per_s`` events a second on average, and bursts of up to ``burst_s`` seconds'
+    worth (a token bucket): beyond that rate, the events taken are a sample spread over time."""
+
+    def __init__(self, per_s: float, burst_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if not (per_s > 0 and burst_s > 0):
+            raise ValueError(f"per_s and burst_s must be > 0, got {per_s}, {burst_s}")
+        self.per_s = per_s
+        self.burst = max(1.0, per_s * burst_s)
+        self.clock = clock
+        self._tokens = self.burst
+        self._at_s = clock()
+
+    def take(self) -> bool:
+        now_s = self.clock()
+        tokens = min(self.burst, self._tokens + (now_s - self._at_s) * self.per_s)
+        self._at_s = now_s
+        if tokens < 1.0:
+            self._tokens = tokens
+            return False
+        self._tokens = tokens - 1.0
+        return True
+
+
 class UsageRecorder:
     """Counts each completed request's usage and, when there is a learner, lets it observe the
-    backend's length. ``learner=None``: metrics only."""
+    backend's length: at most ``max_observations_per_s`` a second on average, in bursts of up to
+    ten seconds' worth (a sample beyond: the learner keeps the last 1,024 per model and refits at
+    most once a second, so a flood of completions would cost the request path and the encoder's
+    thread for nothing). ``learner=None``: metrics only."""
 
-    def __init__(self, metrics: Metrics, learner: LearnerProcess | None = None) -> None:
+    def __init__(
+        self, metrics: Metrics, learner: LearnerProcess | None = None, *, max_observations_per_s: float = 10.0
+    ) -> None:
         self.metrics = metrics
         self.learner = learner
+        self.sample = RateSample(max_observations_per_s)
         self.refiner: Refiner | None = None  # the encoder's thread, when the learner reads its components
         # A prompt's feature row, for a prediction that carries none (it waited: see proxy/app.py);
         # None: such a request is counted only.
@@ -68,6 +100,9 @@ class UsageRecorder:
         learner = self.learner
         tokens = usage.output_tokens
         if learner is None or prediction is None or not usage.observed or tokens is None:
+            return
+        if not self.sample.take():
+            self.metrics.learner_sampled_out.inc()
             return
         feature_row = self.feature_row
         if feature_row is None:
@@ -133,7 +168,7 @@ class OnlineLearning:
         self.learning = settings.online_learning
         self.state_path = settings.learner_state_path if settings.online_learning else None
         self.learner: LearnerProcess | None = None
-        self.recorder = UsageRecorder(metrics)
+        self.recorder = UsageRecorder(metrics, max_observations_per_s=settings.learner_max_observations_per_s)
         self._saver: asyncio.Task[None] | None = None
         self._previous_corrector: Any = None  # restored at stop: a predictor may outlive one app
         self._saved_total = 0  # learner.observed_total at the last save (skip saves with nothing new)
