@@ -105,3 +105,21 @@ def test_a_backends_slowness_follows_its_measured_service_seconds_and_ignores_ou
     assert backend.slowness == pytest.approx(4.0 + 0.1 * (10.0 - 4.0), rel=0.05)
     backend.observe_service(predicted_s=0.0, measured_s=3.0)  # nothing predicted: nothing learned
     assert backend.slowness == pytest.approx(4.6, rel=0.05)
+
+
+@pytest.mark.parametrize("free", [True, False])
+@pytest.mark.parametrize("healthy", [True, False])
+@pytest.mark.parametrize("models", [(), ("llama3",), ("qwen",)])
+@pytest.mark.parametrize("avoid", [(), (0,)])
+def test_a_lone_backend_is_chosen_when_it_serves_the_model_and_has_a_free_slot_whatever_else(
+    free: bool, healthy: bool, models: tuple[str, ...], avoid: tuple[int, ...]
+) -> None:
+    # One backend: unhealthy, the request waits there for it; one that refused it is still the only one.
+    only = Backend("a", 2, models=models, healthy=healthy)
+    if not free:
+        busy(only)
+    expected = 0 if free and models != ("qwen",) else None
+    assert choose([only], "llama3", no_work, avoid, own_s=5.0) == expected
+    # ... the same answer the pool's rule gives it beside a backend that serves no model of this request
+    other = Backend("z", 1, models=("mistral",))
+    assert choose([only, other], "llama3", no_work, avoid, own_s=5.0) == expected

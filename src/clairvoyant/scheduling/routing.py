@@ -89,6 +89,9 @@ def choose(
     backends that refused this request already; they are left out while another serves the model
     (a backend that answers its health check but refuses requests must not bounce it forever).
     ``own_s``: the request's own predicted seconds."""
+    if len(backends) == 1:  # the common deployment, on every request: the rule below comes to this
+        only = backends[0]
+        return 0 if only.free and only.serves(model) else None
     serving = [i for i, b in enumerate(backends) if b.serves(model)]
     if avoid:
         serving = [i for i in serving if i not in avoid] or serving
