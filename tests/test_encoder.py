@@ -20,7 +20,9 @@ from clairvoyant.errors import ModelError
 from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, prompt_from_body
 from clairvoyant.prediction.encoder import (
     DEFAULT_ENCODER_CARD,
+    IN_TIME_FLOOR,
     LEARNING_MAX_PENDING,
+    PROBE_EVERY,
     EncoderModel,
     Refiner,
     encoder_for,
@@ -486,3 +488,49 @@ def test_the_learners_identity_changes_with_the_knn_and_refuses_a_state_learned_
     with caplog.at_level(logging.WARNING, logger="clairvoyant.prediction.learner"):
         assert OnlineLearner.load(path, with_knn).observed_total == 0
     assert "refused" in caplog.text and "blend_weights" in caplog.text
+
+
+def test_the_refiner_passes_waiting_requests_over_while_its_opinions_come_too_late_and_probes_until_they_do_not(
+    encoder: EncoderModel,
+) -> None:
+    """A queue that turns over faster than the encoder answers: every request is gone before its
+    turn. After enough of those, only one waiting request in PROBE_EVERY is handed over; once a
+    probe's opinion is used again, every one is."""
+
+    async def scenario() -> None:
+        outcomes: list[str] = []
+        used: list[str] = []
+
+        def deliver(key: str, value: float, components: bytes, knn: float | None) -> bool:
+            used.append(key)
+            return True  # it still waited: re-keyed in time
+
+        async def drained() -> None:
+            for _ in range(1000):
+                if refiner.pending == 0 and len(outcomes) >= expected_outcomes:
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError(f"the encoder's thread did not drain: {refiner.pending} pending")
+
+        refiner = Refiner(encoder, deliver, max_pending=256, count=outcomes.append)
+        refiner.start(asyncio.get_running_loop())
+        n_gone = 60  # (1 - 1/16)^60 = 0.021 < IN_TIME_FLOOR; 40 would leave 0.076
+        assert all(refiner.want(f"gone-{i}", SHORT, lambda: False) for i in range(n_gone))
+        expected_outcomes = n_gone
+        await drained()
+        assert outcomes == ["skipped"] * n_gone and refiner.in_time < IN_TIME_FLOOR
+        taken = [refiner.want(f"fresh-{i}", SHORT, lambda: True) for i in range(2 * PROBE_EVERY)]
+        assert taken == ([False] * (PROBE_EVERY - 1) + [True]) * 2  # a probe in every PROBE_EVERY
+        assert outcomes.count("bypassed") == 2 * (PROBE_EVERY - 1)
+        expected_outcomes = n_gone + 2 * (PROBE_EVERY - 1)
+        for _ in range(1000):
+            if len(used) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert used == [f"fresh-{PROBE_EVERY - 1}", f"fresh-{2 * PROBE_EVERY - 1}"]
+        assert refiner.in_time > IN_TIME_FLOOR  # the probes came in time: every request is taken again
+        assert all(refiner.want(f"again-{i}", SHORT, lambda: True) for i in range(3))
+        assert outcomes.count("bypassed") == 2 * (PROBE_EVERY - 1)
+        refiner.stop()
+
+    asyncio.run(scenario())

@@ -300,6 +300,14 @@ class _Pending:
 LEARNING_SHARE = 0.25
 LEARNING_MAX_PENDING = 64  # completed requests waiting to be encoded for the learner
 
+# A waiting request's opinion is worth asking for only if it comes while the request still waits.
+# When the queue turns over faster than the encoder answers (thousands of tiny answers a second,
+# the loop busy enough to starve the thread of the interpreter lock), nearly none does: then only
+# one waiting request in PROBE_EVERY is handed over, to notice when that changes.
+IN_TIME_WEIGHT = 1 / 16  # of each waiting request's outcome in the moving share that came in time
+IN_TIME_FLOOR = 0.05  # the share below which the encoder is only probed
+PROBE_EVERY = 16
+
 
 class Refiner:
     """One background thread that encodes waiting requests, oldest first, and hands each result
@@ -315,12 +323,18 @@ class Refiner:
     (after a learning encode of t seconds, the next starts t x (1 / share - 1) later), and at most
     ``LEARNING_MAX_PENDING`` at once (beyond: ``learning_dropped``; the learner then counts the
     request for its quality figures only). Encoded for the learner: ``learning``.
+
+    ``deliver`` returns whether the opinion was used (the request still waited) or None if it
+    cannot tell. ``in_time`` is the moving share of waiting requests whose opinion was used (a
+    skipped one counts as not); while it is under ``IN_TIME_FLOOR``, ``want`` takes only one
+    request in ``PROBE_EVERY`` and passes the rest over (``bypassed``): their opinion would come
+    too late to change an order, and asking for it costs the loop and the thread.
     """
 
     def __init__(
         self,
         encoder: EncoderModel,
-        deliver: Callable[[Any, float, bytes, float | None], None],
+        deliver: Callable[[Any, float, bytes, float | None], bool | None],
         *,
         max_pending: int = 256,
         learning_share: float = LEARNING_SHARE,
@@ -341,6 +355,8 @@ class Refiner:
         self._wake = threading.Condition()
         self._stopping = False
         self._loop: Any = None
+        self.in_time = 1.0  # moving share of waiting requests whose opinion was used (IN_TIME_WEIGHT)
+        self._passed_over = 0  # want() calls while under IN_TIME_FLOOR (every PROBE_EVERY-th is taken)
         self._thread: threading.Thread | None = None
 
     def start(self, loop: Any) -> None:
@@ -367,8 +383,24 @@ class Refiner:
 
     def want(self, key: Any, text: str, still_wanted: Callable[[], bool]) -> bool:
         """Ask for ``key``'s second opinion (from the event loop). False if it was not taken."""
-        item = _Pending(key, self.encoder.clip(text), still_wanted, self.deliver)
+        if self.in_time < IN_TIME_FLOOR:
+            self._passed_over += 1
+            if self._passed_over % PROBE_EVERY:
+                self._count("bypassed")
+                return False
+        item = _Pending(key, self.encoder.clip(text), still_wanted, self._delivered)
         return self._put(self._waiting, self.max_pending, item, "dropped")
+
+    def _delivered(self, key: Any, value: float, components: bytes, knn: float | None) -> None:
+        """A waiting request's opinion, on the event loop: delivered, and whether it came in time."""
+        used = self.deliver(key, value, components, knn)
+        if used is not None:
+            self._came_in_time(used)
+
+    def _came_in_time(self, used: bool) -> None:
+        # From the loop (delivered) or the thread (skipped): a lost update between the two only
+        # delays the moving share by one outcome.
+        self.in_time += IN_TIME_WEIGHT * ((1.0 if used else 0.0) - self.in_time)
 
     def encode_later(self, text: str | Callable[[], str | None], then: Callable[[float, bytes], None]) -> bool:
         """Encode ``text`` when the thread has time to spare and call ``then(log_tokens,
@@ -419,6 +451,8 @@ class Refiner:
             item, learning = taken
             if not item.still_wanted():
                 self._count("skipped")
+                if not learning:
+                    self._came_in_time(False)
                 continue
             started = time.perf_counter()
             try:

@@ -144,12 +144,12 @@ def _start_refiner(
     weights = encoder.blend_weights
     outcomes = {
         name: metrics.encoder_requests.labels(name)
-        for name in ("refined", "late", "skipped", "dropped", "failed", "learning", "learning_dropped")
+        for name in ("refined", "late", "skipped", "bypassed", "dropped", "failed", "learning", "learning_dropped")
     }
 
     def deliver(
         waiting: tuple[Ticket, bytes], encoder_log_tokens: float, components: bytes, knn_log_tokens: float | None
-    ) -> None:
+    ) -> bool:
         ticket, row = waiting  # its lexical row, kept by the encoder's queue until now
         prediction = ticket.prediction
         if prediction is not None and ticket.waiting and not ticket.ended:
@@ -157,8 +157,9 @@ def _start_refiner(
             # Re-keyed without its row: the learner re-derives row and components after completion.
             if dispatcher.repredicted(ticket, replace(refined, feature_row=b"")):
                 outcomes["refined"].inc()
-                return
+                return True
         outcomes["late"].inc()  # dispatched or withdrawn while it was being encoded
+        return False
 
     refiner = Refiner(
         encoder, deliver, max_pending=settings.encoder_max_pending,
