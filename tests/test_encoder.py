@@ -515,14 +515,20 @@ def test_the_refiner_passes_waiting_requests_over_while_its_opinions_come_too_la
         refiner = Refiner(encoder, deliver, max_pending=256, count=outcomes.append)
         refiner.start(asyncio.get_running_loop())
         n_gone = 60  # (1 - 1/16)^60 = 0.021 < IN_TIME_FLOOR; 40 would leave 0.076
-        assert all(refiner.want(f"gone-{i}", SHORT, lambda: False) for i in range(n_gone))
+        # Withdrawn by their clients before their turn: that says nothing of the encoder's pace.
+        assert all(refiner.want(f"left-{i}", SHORT, lambda: False, lambda: False) for i in range(n_gone))
         expected_outcomes = n_gone
         await drained()
-        assert outcomes == ["skipped"] * n_gone and refiner.in_time < IN_TIME_FLOOR
+        assert refiner.in_time == 1.0
+        # Dispatched before their turn: the queue turns over faster than the encoder answers.
+        assert all(refiner.want(f"gone-{i}", SHORT, lambda: False, lambda: True) for i in range(n_gone))
+        expected_outcomes = 2 * n_gone
+        await drained()
+        assert outcomes == ["skipped"] * 2 * n_gone and refiner.in_time < IN_TIME_FLOOR
         taken = [refiner.want(f"fresh-{i}", SHORT, lambda: True) for i in range(2 * PROBE_EVERY)]
         assert taken == ([False] * (PROBE_EVERY - 1) + [True]) * 2  # a probe in every PROBE_EVERY
         assert outcomes.count("bypassed") == 2 * (PROBE_EVERY - 1)
-        expected_outcomes = n_gone + 2 * (PROBE_EVERY - 1)
+        expected_outcomes = 2 * n_gone + 2 * (PROBE_EVERY - 1)
         for _ in range(1000):
             if len(used) == 2:
                 break

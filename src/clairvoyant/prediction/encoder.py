@@ -286,12 +286,17 @@ class EncoderModel:
         return np.fromiter((self.log_tokens(t) for t in texts), dtype=np.float64, count=len(texts))
 
 
+def _never() -> bool:
+    return False
+
+
 @dataclass(slots=True)
 class _Pending:
     key: Any  # the caller's handle (the dispatcher's ticket)
     text: str  # the clipped instruction
     still_wanted: Callable[[], bool]  # read from the worker thread: a plain attribute read
     deliver: Callable[[Any, float, bytes, float | None], None]  # on the event loop: value, components, kNN
+    dispatched: Callable[[], bool] = _never  # read from the worker thread, once it is not wanted
 
 
 # The learner's encodes (requests that completed without waiting) may take at most this share of
@@ -324,11 +329,13 @@ class Refiner:
     ``LEARNING_MAX_PENDING`` at once (beyond: ``learning_dropped``; the learner then counts the
     request for its quality figures only). Encoded for the learner: ``learning``.
 
-    ``deliver`` returns whether the opinion was used (the request still waited) or None if it
-    cannot tell. ``in_time`` is the moving share of waiting requests whose opinion was used (a
-    skipped one counts as not); while it is under ``IN_TIME_FLOOR``, ``want`` takes only one
-    request in ``PROBE_EVERY`` and passes the rest over (``bypassed``): their opinion would come
-    too late to change an order, and asking for it costs the loop and the thread.
+    ``deliver`` returns whether the opinion was used (True: the request still waited; False: it
+    was dispatched first; None: neither, e.g. its client left). ``in_time`` is the moving share
+    of waiting requests whose opinion was used, out of those it was used for or dispatched before
+    (a skipped request counts as not when ``want``'s ``dispatched`` says it was dispatched); while
+    it is under ``IN_TIME_FLOOR``, ``want`` takes only one request in ``PROBE_EVERY`` and passes
+    the rest over (``bypassed``): their opinion would come too late to change an order, and asking
+    for it costs the loop and the thread. Requests withdrawn by their clients say nothing of that.
     """
 
     def __init__(
@@ -381,14 +388,17 @@ class Refiner:
         """Requests handed over and not yet taken by the thread (both kinds)."""
         return len(self._waiting) + len(self._learning)
 
-    def want(self, key: Any, text: str, still_wanted: Callable[[], bool]) -> bool:
-        """Ask for ``key``'s second opinion (from the event loop). False if it was not taken."""
+    def want(
+        self, key: Any, text: str, still_wanted: Callable[[], bool], dispatched: Callable[[], bool] = _never
+    ) -> bool:
+        """Ask for ``key``'s second opinion (from the event loop). False if it was not taken.
+        ``still_wanted`` and ``dispatched`` (it left the queue for a slot) are read from the thread."""
         if self.in_time < IN_TIME_FLOOR:
             self._passed_over += 1
             if self._passed_over % PROBE_EVERY:
                 self._count("bypassed")
                 return False
-        item = _Pending(key, self.encoder.clip(text), still_wanted, self._delivered)
+        item = _Pending(key, self.encoder.clip(text), still_wanted, self._delivered, dispatched)
         return self._put(self._waiting, self.max_pending, item, "dropped")
 
     def _delivered(self, key: Any, value: float, components: bytes, knn: float | None) -> None:
@@ -451,7 +461,7 @@ class Refiner:
             item, learning = taken
             if not item.still_wanted():
                 self._count("skipped")
-                if not learning:
+                if item.dispatched():
                     self._came_in_time(False)
                 continue
             started = time.perf_counter()

@@ -149,7 +149,7 @@ def _start_refiner(
 
     def deliver(
         waiting: tuple[Ticket, bytes], encoder_log_tokens: float, components: bytes, knn_log_tokens: float | None
-    ) -> bool:
+    ) -> bool | None:
         ticket, row = waiting  # its lexical row, kept by the encoder's queue until now
         prediction = ticket.prediction
         if prediction is not None and ticket.waiting and not ticket.ended:
@@ -159,7 +159,7 @@ def _start_refiner(
                 outcomes["refined"].inc()
                 return True
         outcomes["late"].inc()  # dispatched or withdrawn while it was being encoded
-        return False
+        return False if ticket.dispatched_s is not None else None  # a withdrawn one says nothing of the encoder's pace
 
     refiner = Refiner(
         encoder, deliver, max_pending=settings.encoder_max_pending,
@@ -573,7 +573,9 @@ def _scheduled(
         and ticket.waiting
         and not (settings.allow_oracle and "output_tokens" in parsed.proxy_options)
     ):
-        refiner.want((ticket, row), parsed.prompt.instruction, lambda: ticket.waiting)  # a plain read, from its thread
+        refiner.want(  # plain reads, from its thread
+            (ticket, row), parsed.prompt.instruction, lambda: ticket.waiting, lambda: ticket.dispatched_s is not None
+        )
     shared_headers, per_request_headers = _split_per_request(head.forward)
     ScheduledExchange(
         state.scheduling, ticket, conn, headers=_shared_header_block(shared_headers),
