@@ -9,6 +9,7 @@ import json
 import math
 import shutil
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,6 @@ from clairvoyant.prediction.encoder import (
     DEFAULT_ENCODER_CARD,
     IN_TIME_FLOOR,
     LEARNING_MAX_PENDING,
-    PROBE_EVERY,
     EncoderModel,
     Refiner,
     encoder_for,
@@ -493,50 +493,51 @@ def test_the_learners_identity_changes_with_the_knn_and_refuses_a_state_learned_
 def test_the_refiner_passes_waiting_requests_over_while_its_opinions_come_too_late_and_probes_until_they_do_not(
     encoder: EncoderModel,
 ) -> None:
-    """A queue that turns over faster than the encoder answers: every request is gone before its
-    turn. After enough of those, only one waiting request in PROBE_EVERY is handed over; once a
-    probe's opinion is used again, every one is."""
+    """A queue that turns over faster than the encoder answers: every request is dispatched before
+    its turn, or before its opinion is back. Once the moving share that came in time is under the
+    floor, one waiting request a probe interval is handed over; once a probe's opinion is used
+    again, every one is. Requests their clients withdrew do not count."""
 
     async def scenario() -> None:
         outcomes: list[str] = []
-        used: list[str] = []
+        delivered: list[str] = []
 
         def deliver(key: str, value: float, components: bytes, knn: float | None) -> bool:
-            used.append(key)
-            return True  # it still waited: re-keyed in time
+            delivered.append(key)
+            return key.startswith("fresh")  # "late-*": dispatched while it was being encoded
 
-        async def drained() -> None:
+        async def until(done: Callable[[], bool]) -> None:
             for _ in range(1000):
-                if refiner.pending == 0 and len(outcomes) >= expected_outcomes:
+                if done():
                     return
                 await asyncio.sleep(0.01)
-            raise AssertionError(f"the encoder's thread did not drain: {refiner.pending} pending")
+            raise AssertionError(f"the encoder's thread did not get there: {outcomes}, {delivered}")
 
-        refiner = Refiner(encoder, deliver, max_pending=256, count=outcomes.append)
+        refiner = Refiner(encoder, deliver, max_pending=256, count=outcomes.append, probe_interval_s=0.5)
         refiner.start(asyncio.get_running_loop())
         n_gone = 60  # (1 - 1/16)^60 = 0.021 < IN_TIME_FLOOR; 40 would leave 0.076
         # Withdrawn by their clients before their turn: that says nothing of the encoder's pace.
         assert all(refiner.want(f"left-{i}", SHORT, lambda: False, lambda: False) for i in range(n_gone))
-        expected_outcomes = n_gone
-        await drained()
+        await until(lambda: len(outcomes) == n_gone and refiner.pending == 0)
         assert refiner.in_time == 1.0
         # Dispatched before their turn: the queue turns over faster than the encoder answers.
         assert all(refiner.want(f"gone-{i}", SHORT, lambda: False, lambda: True) for i in range(n_gone))
-        expected_outcomes = 2 * n_gone
-        await drained()
+        await until(lambda: len(outcomes) == 2 * n_gone and refiner.pending == 0)
         assert outcomes == ["skipped"] * 2 * n_gone and refiner.in_time < IN_TIME_FLOOR
-        taken = [refiner.want(f"fresh-{i}", SHORT, lambda: True) for i in range(2 * PROBE_EVERY)]
-        assert taken == ([False] * (PROBE_EVERY - 1) + [True]) * 2  # a probe in every PROBE_EVERY
-        assert outcomes.count("bypassed") == 2 * (PROBE_EVERY - 1)
-        expected_outcomes = 2 * n_gone + 2 * (PROBE_EVERY - 1)
-        for _ in range(1000):
-            if len(used) == 2:
-                break
-            await asyncio.sleep(0.01)
-        assert used == [f"fresh-{PROBE_EVERY - 1}", f"fresh-{2 * PROBE_EVERY - 1}"]
-        assert refiner.in_time > IN_TIME_FLOOR  # the probes came in time: every request is taken again
+        # A probe, then the rest passed over until the interval is out.
+        assert [refiner.want(f"late-{i}", SHORT, lambda: True) for i in range(10)] == [True] + [False] * 9
+        assert outcomes.count("bypassed") == 9
+        await until(lambda: delivered == ["late-0"])
+        assert refiner.in_time < IN_TIME_FLOOR  # its opinion came too late as well
+        await asyncio.sleep(0.5)
+        assert [refiner.want(f"late-{i}", SHORT, lambda: True) for i in (10, 11)] == [True, False]
+        await until(lambda: delivered == ["late-0", "late-10"])
+        await asyncio.sleep(0.5)
+        assert refiner.want("fresh-0", SHORT, lambda: True)
+        await until(lambda: delivered[-1:] == ["fresh-0"])
+        assert refiner.in_time > IN_TIME_FLOOR  # the probe came in time: every request is taken again
         assert all(refiner.want(f"again-{i}", SHORT, lambda: True) for i in range(3))
-        assert outcomes.count("bypassed") == 2 * (PROBE_EVERY - 1)
+        assert outcomes.count("bypassed") == 10
         refiner.stop()
 
     asyncio.run(scenario())

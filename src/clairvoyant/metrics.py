@@ -374,7 +374,7 @@ class Metrics:
             "clairvoyant_encoder_requests",
             "Requests handed to the encoder, by outcome. Waiting requests: refined (re-keyed in the queue), late "
             "(dispatched before its result), skipped (dispatched before its turn), bypassed (not handed over: the queue "
-            "has been turning over faster than the encoder answers; one in 16 still is), dropped (the encoder's queue was "
+            "has been turning over faster than the encoder answers; one a second still is), dropped (the encoder's queue was "
             "full), failed. Completed requests encoded for the online learner: learning, or learning_dropped (over "
             "its share of the encoder's time; the learner counts the request for its quality figures only).",
             ["outcome"],

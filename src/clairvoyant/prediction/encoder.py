@@ -307,11 +307,11 @@ LEARNING_MAX_PENDING = 64  # completed requests waiting to be encoded for the le
 
 # A waiting request's opinion is worth asking for only if it comes while the request still waits.
 # When the queue turns over faster than the encoder answers (thousands of tiny answers a second,
-# the loop busy enough to starve the thread of the interpreter lock), nearly none does: then only
-# one waiting request in PROBE_EVERY is handed over, to notice when that changes.
+# the loop busy enough to starve the thread of the interpreter lock), nearly none does: then one
+# waiting request a PROBE_INTERVAL_S is handed over, to notice when that changes.
 IN_TIME_WEIGHT = 1 / 16  # of each waiting request's outcome in the moving share that came in time
 IN_TIME_FLOOR = 0.05  # the share below which the encoder is only probed
-PROBE_EVERY = 16
+PROBE_INTERVAL_S = 1.0
 
 
 class Refiner:
@@ -333,7 +333,7 @@ class Refiner:
     was dispatched first; None: neither, e.g. its client left). ``in_time`` is the moving share
     of waiting requests whose opinion was used, out of those it was used for or dispatched before
     (a skipped request counts as not when ``want``'s ``dispatched`` says it was dispatched); while
-    it is under ``IN_TIME_FLOOR``, ``want`` takes only one request in ``PROBE_EVERY`` and passes
+    it is under ``IN_TIME_FLOOR``, ``want`` takes one request a ``probe_interval_s`` and passes
     the rest over (``bypassed``): their opinion would come too late to change an order, and asking
     for it costs the loop and the thread. Requests withdrawn by their clients say nothing of that.
     """
@@ -347,6 +347,7 @@ class Refiner:
         learning_share: float = LEARNING_SHARE,
         observe_seconds: Callable[[float], None] | None = None,
         count: Callable[[str], None] | None = None,
+        probe_interval_s: float = PROBE_INTERVAL_S,
     ) -> None:
         if not 0.0 < learning_share <= 1.0:
             raise ValueError(f"learning_share must be in (0, 1], got {learning_share}")
@@ -363,7 +364,8 @@ class Refiner:
         self._stopping = False
         self._loop: Any = None
         self.in_time = 1.0  # moving share of waiting requests whose opinion was used (IN_TIME_WEIGHT)
-        self._passed_over = 0  # want() calls while under IN_TIME_FLOOR (every PROBE_EVERY-th is taken)
+        self.probe_interval_s = probe_interval_s
+        self._next_probe_s = 0.0  # time.monotonic() from which the next probe is taken (under the floor)
         self._thread: threading.Thread | None = None
 
     def start(self, loop: Any) -> None:
@@ -394,10 +396,11 @@ class Refiner:
         """Ask for ``key``'s second opinion (from the event loop). False if it was not taken.
         ``still_wanted`` and ``dispatched`` (it left the queue for a slot) are read from the thread."""
         if self.in_time < IN_TIME_FLOOR:
-            self._passed_over += 1
-            if self._passed_over % PROBE_EVERY:
+            now_s = time.monotonic()
+            if now_s < self._next_probe_s:
                 self._count("bypassed")
                 return False
+            self._next_probe_s = now_s + self.probe_interval_s
         item = _Pending(key, self.encoder.clip(text), still_wanted, self._delivered, dispatched)
         return self._put(self._waiting, self.max_pending, item, "dropped")
 
