@@ -83,7 +83,7 @@ class UsageRecorder:
     thread for nothing). ``learner=None``: metrics only."""
 
     def __init__(
-        self, metrics: Metrics, learner: LearnerProcess | None = None, *, max_observations_per_s: float = 10.0
+        self, metrics: Metrics, learner: LearnerProcess | None = None, *, max_observations_per_s: float
     ) -> None:
         self.metrics = metrics
         self.learner = learner
