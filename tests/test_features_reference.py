@@ -239,3 +239,64 @@ def test_fast_extractor_equals_the_reference_on_the_benchmark_prompts() -> None:
         fast, reference = FEATURE_SETS[name].values, ref.FEATURE_SETS[name].values
         bad = [i for i, p in enumerate(prompts) if fast(p) != reference(p)]
         assert not bad, (name, bad[:5])
+
+
+def _near_miss_norms(n: int) -> list[bytes]:
+    """Word streams dense in what the quantity regex looks for, and in what nearly matches: units
+    glued to digits or words, seven-digit numbers, nouns first and last, number chains."""
+    rng = random.Random(7)
+    pieces = [
+        *(w.decode() for w in features._LENGTH_TRIGGERS),
+        *(w.decode() for w in features._QUANTITY_TRIGGERS),
+        *(w.decode() for w in features._NUMBER_WORDS),
+        "in",
+        "no",
+        "not",
+        "more",
+        "at",
+        "less",
+        "fewer",
+        "of",
+        "one",
+        "a",
+        "single",
+        "dr",
+        "12",
+        "3",
+        "999999",
+        "1234567",
+        "x12",
+        "#12",
+        "_12",
+        "é12",
+        "12x",
+        "c#brief",
+        "shortly_",
+        "wordsmith",
+        "pages2",
+        "+5",
+        "ok",
+        "the",
+        "5",
+        "two",
+    ]
+    norms = []
+    for _ in range(n):
+        words = [rng.choice(pieces).encode() for _ in range(rng.randint(0, 14))]
+        norms.append(features._norm(words))
+    return norms
+
+
+def test_the_quantity_stretch_equals_the_whole_regex() -> None:
+    # _quantity_values runs the regex on a stretch of the norm: it must find what the reference's
+    # regex finds over the whole norm
+    found = 0
+    for norm in _near_miss_norms(20_000):
+        words = norm.split()
+        expected = ref._quantities(words, frozenset(words))
+        found += expected != (0.0, 0.0)
+        assert features._quantity_values(norm, words) == expected, norm
+    assert 2_000 < found < 18_000  # both answers occur often
+    assert features._quantity_values(b" one two ideas ", [b"one", b"two", b"ideas"]) == (1.0, 0.0)
+    assert features._quantity_values(b" ideas 5 ideas ", [b"ideas", b"5", b"ideas"]) == (5.0, 0.0)
+    assert features._quantity_values(b" 3 words pages ", [b"3", b"words", b"pages"]) == (3.0, 1350.0)
