@@ -12,6 +12,12 @@ cost of calling ONNX Runtime from Python). A first, separately reported pass tou
 prompt once (as the proxy's JSON parsing does) before the timed passes. Prompts are the proxy's own Prompts (history included)
 for every user turn of ShareGPT, shuffled with seed 0. p50 and p99 go into the model card.
 
+The four timings are interleaved: per prompt, predict, features, ONNX run and floor in turn (the
+order rotating from prompt to prompt). These shared cores change speed by up to ~1.7x from one
+second to the next (the floor's p50 moved 2.6 -> 4.7 us between phases of one run), so timing
+each in its own pass, as before issue 12's session 28, could put predict and its parts in
+different speeds; interleaved, the floor is a reference taken at the same moments.
+
 The cyclic garbage collector stays on, as in the proxy, and the heap built before the timed phases
 (the predictor, the loaded prompts) is frozen out of its way with ``gc.freeze()``, as
 ``clairvoyant serve`` freezes its start-up heap; ``--no-gc-freeze`` times without the freeze (the
@@ -145,6 +151,22 @@ def _time_each(fn: Callable[[Any], object], items: list[Any]) -> np.ndarray:
     return out / 1000.0
 
 
+def _time_interleaved(fns: list[Callable[[Any], object]], items: list[Any]) -> list[np.ndarray]:
+    """Microseconds of each fn(item), per item every fn in turn, the order rotating with the item
+    (no fn always runs first, on the colder caches)."""
+    clock = time.perf_counter_ns
+    out = np.empty((len(fns), len(items)), dtype=np.float64)
+    n = len(fns)
+    for k, item in enumerate(items):
+        for j in range(n):
+            f = (k + j) % n
+            fn = fns[f]
+            t0 = clock()
+            fn(item)
+            out[f, k] = clock() - t0
+    return list(out / 1000.0)
+
+
 def _stats(us: np.ndarray) -> dict[str, float]:
     return {
         "p50_us": float(np.percentile(us, 50)),
@@ -163,15 +185,18 @@ def _phase(predictor: Any, prompts: list[Prompt], floor: tuple[Any, Any]) -> dic
     # parsed from the body). Timed and reported separately: cold caches, page faults.
     cold = _stats(_time_each(predictor.predict, prompts))
     load = os.getloadavg()[0]
-    result = {
+    predict, features, onnx, floor_run = _time_interleaved(
+        [predictor.predict, lambda p: fs.extract_into(p, row), lambda _: predictor._run_bound(), lambda _: run_floor()],
+        prompts,
+    )
+    return {
         "loadavg_1min_at_start": load,
         "predict_first_pass_cold": cold,
-        "predict": _stats(_time_each(predictor.predict, prompts)),
-        "features_only": _stats(_time_each(lambda p: fs.extract_into(p, row), prompts)),
-        "onnx_only": _stats(_time_each(lambda _: predictor._run_bound(), prompts)),
-        "floor_identity_run": _stats(_time_each(lambda _: run_floor(), prompts)),
+        "predict": _stats(predict),
+        "features_only": _stats(features),
+        "onnx_only": _stats(onnx),
+        "floor_identity_run": _stats(floor_run),
     }
-    return result
 
 
 def _bench_model(path: Path, prompts: list[Prompt], floor: tuple[Any, Any]) -> dict[str, Any]:
@@ -239,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{phase:22s} {Path(r['model']).name:24s} predict p50 {r['predict']['p50_us']:7.1f} us  "
                 f"p99 {r['predict']['p99_us']:7.1f} us | features p50 {r['features_only']['p50_us']:6.1f} | "
                 f"onnx p50 {r['onnx_only']['p50_us']:6.1f} | floor p50 {r['floor_identity_run']['p50_us']:5.1f} "
-                f"(load {r['loadavg_1min_at_start']:.1f})"
+                f"p99 {r['floor_identity_run']['p99_us']:5.1f} (load {r['loadavg_1min_at_start']:.1f})"
             )
     if not args.no_card:
         from clairvoyant.tools.training import card as card_md
@@ -257,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             latency[f"{phase}_features_p50_ms"] = round(r["features_only"]["p50_us"] / 1000, 4)
             latency[f"{phase}_onnx_p50_ms"] = round(r["onnx_only"]["p50_us"] / 1000, 4)
             latency[f"{phase}_floor_identity_run_p50_ms"] = round(r["floor_identity_run"]["p50_us"] / 1000, 4)
+            latency[f"{phase}_floor_identity_run_p99_ms"] = round(r["floor_identity_run"]["p99_us"] / 1000, 4)
             latency[f"{phase}_loadavg_1min"] = round(r["loadavg_1min_at_start"], 2)
         update_card(args.model, "latency", latency)
         card_md.write_markdown(args.model)
