@@ -142,21 +142,15 @@ class CardPathTimer:
 
 def _time_each(fn: Callable[[Any], object], items: list[Any]) -> np.ndarray:
     """Microseconds of fn(item) for each item, one at a time (perf_counter_ns around each call)."""
-    clock = time.perf_counter_ns
-    out = np.empty(len(items), dtype=np.float64)
-    for k, item in enumerate(items):
-        t0 = clock()
-        fn(item)
-        out[k] = clock() - t0
-    return out / 1000.0
+    return _time_interleaved([fn], items)[0]
 
 
 def _time_interleaved(fns: list[Callable[[Any], object]], items: list[Any]) -> list[np.ndarray]:
     """Microseconds of each fn(item), per item every fn in turn, the order rotating with the item
     (no fn always runs first, on the colder caches)."""
     clock = time.perf_counter_ns
-    out = np.empty((len(fns), len(items)), dtype=np.float64)
     n = len(fns)
+    out = np.empty((n, len(items)), dtype=np.float64)
     for k, item in enumerate(items):
         for j in range(n):
             f = (k + j) % n

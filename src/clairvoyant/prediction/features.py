@@ -255,6 +255,9 @@ CLAUSE_WORDS = _bset(
     """because although though while whereas when whenever if unless since after before until
     once which who whom whose that where"""
 )
+# clause_count: one pass of set probes over the words (True counts 1); a words.count per distinct
+# clause word cost ~2x more on long windows (issue 12: the predictor's p99).
+_IS_CLAUSE_WORD = CLAUSE_WORDS.__contains__
 # A length-constraint pattern can only match when one of these words is present (checked first,
 # so the regex runs on few prompts). The regex sees the separator-normalized word stream.
 _LENGTH_TRIGGERS = _bset(
@@ -304,7 +307,6 @@ def _paper19_values(
     text: str, raw: bytes, words: list[bytes], wset: frozenset[bytes], lead: int, tail: str
 ) -> list[float | int]:
     """The 19 paper features as a list; ``lead`` is ``_lead_index(words)``, ``tail`` the stripped end."""
-    hits = CLAUSE_WORDS & wset
     values = [
         len(text) // 4,
         0.0 if (CODE_WORDS.isdisjoint(wset) and b"```" not in raw) else 1.0,
@@ -313,7 +315,7 @@ def _paper19_values(
         0.0
         if (FORMAT_WORDS.isdisjoint(wset) and (_STEP_WORDS.isdisjoint(wset) or _STEP_BY_STEP not in _norm(words)))
         else 1.0,
-        sum(map(words.count, hits)) if hits else 0.0,
+        0.0 if CLAUSE_WORDS.isdisjoint(wset) else sum(map(_IS_CLAUSE_WORD, words)),
     ]
     values += _VERB_ROWS[_VERB_OF.get(words[lead], _OTHER) if lead < len(words) else _OTHER]
     return values
@@ -704,9 +706,6 @@ def _rich_values(prompt: Prompt, head: int, tail_chars: int, table: _KeywordTabl
 
 
 _NO_KEYWORDS = bytes(_N_FIELDS)
-# clause_count: one pass of set probes (True counts 1); a words.count per distinct clause word
-# cost ~2x more on long windows (issue 12: the predictor's p99).
-_IS_CLAUSE_WORD = CLAUSE_WORDS.__contains__
 
 
 # lead word -> (lead_question, lead_continue, lead_create, lead_context)
