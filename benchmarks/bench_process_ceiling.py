@@ -137,8 +137,8 @@ def main() -> int:
     print("|---|---:|---:|---:|")
     for t in TARGETS:
         row = table[t]
-        cpu = "" if t == "nginx" else f"{row['cpu_ms_per_request']:.3f}"
-        print(f"| {t} | {row['requests_per_s']:,.0f} | {row['p99_ms']:.1f} | {cpu} |")
+        cpu_text = "" if t == "nginx" else f"{row['cpu_ms_per_request']:.3f}"
+        print(f"| {t} | {row['requests_per_s']:,.0f} | {row['p99_ms']:.1f} | {cpu_text} |")
     ratio = statistics.median(b[0] / a[0] for a, b in zip(runs["one"], runs["two"], strict=True))
     print(f"\ntwo / one, median of the per-round ratios: {ratio:.2f}x")
     summary = {
