@@ -174,6 +174,14 @@ def main() -> int:
             print(
                 f"| {target} | {med['requests_per_s']:,.0f} | {med['p50_ms']:.2f} | {med['p99_ms']:.2f} | {errors} | {cpu_text} |"
             )
+        # The host's speed moves between rounds; a ratio within each round cancels most of it.
+        for target in ("proxy", "baseline")[: 1 + bool(args.baseline_cmd)]:
+            ratios = [
+                mine["requests_per_s"] / yardstick["requests_per_s"]
+                for mine, yardstick in zip(runs[label][target], runs[label]["nginx"], strict=True)
+            ]
+            table[target]["of_nginx"] = statistics.median(ratios)
+            print(f"{target} / nginx, median of the per-round ratios: {100 * statistics.median(ratios):.1f}%")
         summary["paths"][label] = table  # type: ignore[index]
     with open(args.json, "w") as fh:
         json.dump(summary, fh, indent=2)
