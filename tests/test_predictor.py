@@ -390,8 +390,10 @@ def test_a_prediction_stays_well_under_one_kilobyte() -> None:
 def test_the_bound_run_calls_the_session_directly_and_scores_like_a_plain_run() -> None:
     import functools
 
+    from clairvoyant.prediction.predictor import _bound_runner
+
     predictor = OnnxPredictor()
-    run = predictor._run_bound
+    run = _bound_runner(predictor._session, predictor._binding)  # the ONNX Runtime runner (the walk in C aside)
     # this onnxruntime has the C session and binding: the per-call capture bookkeeping is skipped
     assert isinstance(run, functools.partial)
     assert run.func is not predictor._session.run_with_iobinding

@@ -231,7 +231,7 @@ def create_app(
         )
         logger.info(
             "clairvoyant ready: backends=%s policy=%s tau=%ss+%sxS slots=%d max_queue=%d disconnect_mode=%s "
-            "term_sum=%s",
+            "term_sum=%s model_runner=%s",
             ", ".join(f"{m.name}={m.upstream.display_url} ({m.kind}, {m.slots} slots)" for m in pool.members),
             settings.policy,
             settings.starvation_timeout_s,
@@ -240,6 +240,7 @@ def create_app(
             settings.max_queue,
             settings.disconnect_mode,
             TERM_SUM,
+            getattr(loaded, "runner", "-"),
         )
         for member in pool.members:
             dispatcher.run_detached(_check_upstream_at_start(member.upstream), name=f"upstream-check-{member.name}")
