@@ -303,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             "benchmark": "benchmarks/bench_predictor.py",
             "requests": len(prompts),
             "paper_go_onnx_reference_ms": 0.029,
+            "model_runner": report["phases"]["idle"][0]["model_runner"],  # what the *_onnx_* figures time
         }
         for phase, rows in report["phases"].items():
             r = rows[0]
