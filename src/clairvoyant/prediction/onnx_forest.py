@@ -199,11 +199,9 @@ def forest_tables(path: Path) -> ForestTables | str:
         return "more than one target"
     if not (len(target_trees) == len(target_nodes) == len(weights)):
         return "target attributes of unequal lengths"
-    leaf_weight: dict[tuple[int, int], float] = {}
-    for key in zip(target_trees, target_nodes, strict=True):
-        if key in leaf_weight:
-            return "a leaf with several weights"
-        leaf_weight[key] = weights[len(leaf_weight)]
+    leaf_weight = dict(zip(zip(target_trees, target_nodes, strict=True), weights, strict=True))
+    if len(leaf_weight) != len(weights):
+        return "a leaf with several weights"
     index = {(t, i): k for k, (t, i) in enumerate(zip(tree_ids, node_ids, strict=True))}
     if len(index) != n:
         return "duplicate node ids"
@@ -211,8 +209,10 @@ def forest_tables(path: Path) -> ForestTables | str:
     records: list[bytes] = []
     roots: list[int] = []
     tree_order = list(dict.fromkeys(tree_ids))  # the trees in the order the model lists them
-    children = {(t, c) for t, m, y, f in zip(tree_ids, modes, true_ids, false_ids, strict=True) if m != b"LEAF"
-                for c in (y, f)}  # fmt: skip
+    children: set[tuple[int, int]] = set()  # (tree, node id) of every node a branch leads to
+    for t, mode, true_id, false_id in zip(tree_ids, modes, true_ids, false_ids, strict=True):
+        if mode != b"LEAF":
+            children.update(((t, true_id), (t, false_id)))
     roots_of: dict[int, list[int]] = {t: [] for t in tree_order}
     for t, i in index:
         if (t, i) not in children:
@@ -222,9 +222,10 @@ def forest_tables(path: Path) -> ForestTables | str:
     try:
         for tree in tree_order:
             roots.append(len(records))
-            records_of_tree = _depth_first(tree, roots_of[tree][0], index, modes, features, thresholds,
-                                           true_ids, false_ids, leaf_weight, base=len(records))  # fmt: skip
-            records.extend(records_of_tree)
+            records += _depth_first(
+                tree, roots_of[tree][0], index, modes, features, thresholds, true_ids, false_ids, leaf_weight,
+                base=len(records),
+            )  # fmt: skip
     except (KeyError, RecursionError) as exc:
         return f"a tree that does not close: {exc!r}"
     n_features = 1 + max((f for f, m in zip(features, modes, strict=True) if m == b"BRANCH_LT"), default=0)
