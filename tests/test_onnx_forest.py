@@ -216,3 +216,13 @@ def test_without_the_extension_onnx_runtime_runs_the_model(monkeypatch: pytest.M
     walked = OnnxPredictor()
     for prompt in PROMPTS:
         assert fallback.predict(prompt) == walked.predict(prompt)
+
+
+def test_the_start_up_line_says_what_runs_the_model_and_why_not_the_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+    from clairvoyant.proxy.app import _model_runner
+
+    assert _model_runner(object()) == "-"  # an injected predictor without a runner
+    if _forest is not None:
+        assert _model_runner(OnnxPredictor()) == "compiled"
+    monkeypatch.setattr(onnx_forest, "_forest", None)
+    assert _model_runner(OnnxPredictor()) == "onnxruntime (not compiled (no C compiler at install))"
