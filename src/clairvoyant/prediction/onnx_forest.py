@@ -5,7 +5,7 @@ onnxmltools). Calling ONNX Runtime costs 3-5 us before the model does anything; 
 themselves take well under 1 us to walk. ``forest_tables`` reads the node's attributes straight
 from the file's protobuf wire format (serving does not depend on the ``onnx`` package, and
 onnxruntime exposes no graph) and lays the trees out as ``_forest.Forest`` takes them. It returns
-None, with the reason, for any model it does not reproduce exactly: another operator or more than
+the reason instead (a str) for any model it does not reproduce exactly: another operator or more than
 one node, several targets, a post transform, an aggregate other than SUM, a branch mode other than
 BRANCH_LT, missing values that track true, several weights on one leaf. The predictor then keeps
 ONNX Runtime, and it also checks the walk against ONNX Runtime on start-up before using it.
@@ -48,8 +48,10 @@ class ForestTables:
     nodes: bytes
     roots: bytes
     base: float
-    n_trees: int
-    n_features: int  # 1 + the highest feature index a branch reads
+
+    @property
+    def n_trees(self) -> int:
+        return len(self.roots) // 4
 
 
 def _varint(data: bytes, at: int) -> tuple[int, int]:
@@ -228,10 +230,7 @@ def forest_tables(path: Path) -> ForestTables | str:
             )  # fmt: skip
     except (KeyError, RecursionError) as exc:
         return f"a tree that does not close: {exc!r}"
-    n_features = 1 + max((f for f, m in zip(features, modes, strict=True) if m == b"BRANCH_LT"), default=0)
-    return ForestTables(
-        b"".join(records), struct.pack(f"={len(roots)}i", *roots), base_values[0], len(roots), n_features
-    )
+    return ForestTables(b"".join(records), struct.pack(f"={len(roots)}i", *roots), base_values[0])
 
 
 def _depth_first(
@@ -284,13 +283,11 @@ def compiled_forest(
     tables = forest_tables(path)
     if isinstance(tables, str):
         return None, tables
-    if tables.n_features > len(row):
-        return None, f"the trees read feature {tables.n_features - 1}, the row has {len(row)}"
-    try:
+    try:  # the constructor refuses a feature past the row, and any other index out of range
         forest = _forest.Forest(tables.nodes, tables.roots, tables.base, row, out)
     except (TypeError, ValueError) as exc:
         return None, str(exc)
-    saved = bytes(memoryview(row).cast("B"))
+    saved = row.copy()
     try:
         thresholds = _thresholds(tables)
         rng = np.random.default_rng(seed)
@@ -308,7 +305,7 @@ def compiled_forest(
             if float(out[0]) != expected and not (math.isnan(expected) and math.isnan(float(out[0]))):
                 return None, f"differs from ONNX Runtime on check row {k}: {float(out[0])!r} vs {expected!r}"
     finally:
-        memoryview(row).cast("B")[:] = saved
+        row[:] = saved
     return forest.run, "compiled"
 
 
