@@ -12,7 +12,8 @@ process's CPU time per request (/proc/<pid>/stat of its process tree).
 
     python benchmarks/bench_proxy_overhead.py [--n 300] [--json FILE] [--proxy-cmd '...{upstream} {port}...']
 
-Needs nginx (apt-get install nginx wrk). Results: benchmarks/proxy_overhead_results.json.
+Needs nginx (apt-get install nginx wrk). Results: benchmarks/proxy_overhead_results.json, and the tables
+into docs/benchmarks.md (section 6i; --no-doc leaves the page alone).
 """
 
 from __future__ import annotations
@@ -143,28 +144,30 @@ def main() -> int:
         "predecessors": {k: dict(v) for k, v in predecessor_counts(orders).items()},
         "server_cpu_ms_per_request": cpu_ms,
     }  # fmt: skip
-    print(f"\n1-token streamed chat completion to llama.cpp, empty queue, n={args.n} rounds (random order per round); "
-          f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}\n")  # fmt: skip
-    print("| target | TTFB p50 | TTFB p90 | TTFT p50 | total p50 | total p90 | total p99 |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    say = servers.Report()
+    say(f"\n1-token streamed chat completion to llama.cpp, empty queue, n={args.n} rounds (random order per round); "
+        f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}\n")  # fmt: skip
+    say("| target | TTFB p50 | TTFB p90 | TTFT p50 | total p50 | total p90 | total p99 |")
+    say("|---|---:|---:|---:|---:|---:|---:|")
     for name in TARGETS:
         s = {m: summarize_ms(samples[m][name]) for m in METRICS}
         result[name] = s
-        print(f"| {name} | {s['ttfb']['p50_ms']:.2f} | {s['ttfb']['p90_ms']:.2f} | {s['ttft']['p50_ms']:.2f} | "
-              f"{s['total']['p50_ms']:.2f} | {s['total']['p90_ms']:.2f} | {s['total']['p99_ms']:.2f} |")  # fmt: skip
-    print("\nAdded over direct, paired per round (ms): p50 and p90 of (target - direct)\n")
-    print("| target | TTFB p50 | TTFB p90 | TTFT p50 | total p50 | total p90 | server CPU ms/request |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+        say(f"| {name} | {s['ttfb']['p50_ms']:.2f} | {s['ttfb']['p90_ms']:.2f} | {s['ttft']['p50_ms']:.2f} | "
+            f"{s['total']['p50_ms']:.2f} | {s['total']['p90_ms']:.2f} | {s['total']['p99_ms']:.2f} |")  # fmt: skip
+    say("\nAdded over direct, paired per round (ms): p50 and p90 of (target - direct)\n")
+    say("| target | TTFB p50 | TTFB p90 | TTFT p50 | total p50 | total p90 | server CPU ms/request |")
+    say("|---|---:|---:|---:|---:|---:|---:|")
     added = {m: paired_differences(samples[m], "direct") for m in METRICS}
     for name in TARGETS[1:]:
         a = {m: summarize_ms(added[m][name]) for m in METRICS}
         result[f"added_{name}"] = a
-        print(f"| {name} | {a['ttfb']['p50_ms']:.2f} | {a['ttfb']['p90_ms']:.2f} | {a['ttft']['p50_ms']:.2f} | "
-              f"{a['total']['p50_ms']:.2f} | {a['total']['p90_ms']:.2f} | {cpu_ms[name]:.2f} |")  # fmt: skip
-    print(f"\nllama.cpp server (direct) CPU per request it served: {cpu_ms['direct']:.2f} ms")
+        say(f"| {name} | {a['ttfb']['p50_ms']:.2f} | {a['ttfb']['p90_ms']:.2f} | {a['ttft']['p50_ms']:.2f} | "
+            f"{a['total']['p50_ms']:.2f} | {a['total']['p90_ms']:.2f} | {cpu_ms[name]:.2f} |")  # fmt: skip
+    say(f"\nllama.cpp server (direct) CPU per request it served: {cpu_ms['direct']:.2f} ms")
     with open(args.json, "w") as fh:
         json.dump(result, fh, indent=2)
     print(f"wrote {args.json}")
+    servers.write_doc(args, "bench_proxy_overhead", say, str(result["command"]), str(result["date_utc"]))
     return 0
 
 

@@ -12,7 +12,8 @@ rounds of requests/s and of wrk's per-run p50/p99 latency, and each server's CPU
     python benchmarks/bench_proxy_throughput.py [--duration 5] [--rounds 3] [--json FILE]
         [--proxy-cmd '{python} -m clairvoyant.cli serve --upstream {upstream} --port {port} --slots {slots} ...']
 
-Needs nginx and wrk (apt-get install nginx wrk). Results: benchmarks/proxy_throughput_results.json.
+Needs nginx and wrk (apt-get install nginx wrk). Results: benchmarks/proxy_throughput_results.json, and the
+tables into docs/benchmarks.md (section 6i; --no-doc leaves the page alone).
 """
 
 from __future__ import annotations
@@ -154,12 +155,13 @@ def main() -> int:
         "rounds": args.rounds, "nginx_workers": args.nginx_workers, "slots": args.slots,
         "loadavg_before": load_before, "loadavg_after": load_after, "cpus": os.cpu_count(), "paths": {},
     }  # fmt: skip
-    print(f"\n{args.connections} connections, wrk -t{args.threads}, {args.duration:g} s per run, median of {args.rounds} "
-          f"rounds (random order); load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")  # fmt: skip
+    say = servers.Report()
+    say(f"\n{args.connections} connections, wrk -t{args.threads}, {args.duration:g} s per run, median of {args.rounds} "
+        f"rounds (random order); load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")  # fmt: skip
     for label in PATHS:
-        print(f"\n{label}\n")
-        print("| target | requests/s | p50 ms | p99 ms | errors | server CPU ms/request |")
-        print("|---|---:|---:|---:|---:|---|")
+        say(f"\n{label}\n")
+        say("| target | requests/s | p50 ms | p99 ms | errors | server CPU ms/request |")
+        say("|---|---:|---:|---:|---:|---|")
         table = {}
         for target in TARGETS:
             rs = runs[label][target]
@@ -171,7 +173,7 @@ def main() -> int:
             cpu_text = f"{own:.3f}" if target == "backend" else f"{own:.3f} (+ backend {behind:.3f})"
             table[target] = {**med, "errors": errors, "cpu_ms_per_request": own, "backend_cpu_ms_per_request": behind,
                              "runs": rs}  # fmt: skip
-            print(
+            say(
                 f"| {target} | {med['requests_per_s']:,.0f} | {med['p50_ms']:.2f} | {med['p99_ms']:.2f} | {errors} | {cpu_text} |"
             )
         # The host's speed moves between rounds; a ratio within each round cancels most of it.
@@ -181,11 +183,12 @@ def main() -> int:
                 for mine, yardstick in zip(runs[label][target], runs[label]["nginx"], strict=True)
             ]
             table[target]["of_nginx"] = statistics.median(ratios)
-            print(f"{target} / nginx, median of the per-round ratios: {100 * statistics.median(ratios):.1f}%")
+            say(f"{target} / nginx, median of the per-round ratios: {100 * statistics.median(ratios):.1f}%")
         summary["paths"][label] = table  # type: ignore[index]
     with open(args.json, "w") as fh:
         json.dump(summary, fh, indent=2)
     print(f"\nwrote {args.json}")
+    servers.write_doc(args, "bench_proxy_throughput", say, str(summary["command"]), str(summary["date_utc"]))
     return 0
 
 

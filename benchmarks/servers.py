@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from clairvoyant.tools.bench.report import replace_doc_block
 from clairvoyant.tools.bench.request_path import expand_command
 
 HERE = Path(__file__).resolve().parent
@@ -33,6 +34,7 @@ DEFAULT_PROXY_CMD = (
 )
 PROXY_CMD_ENV = "CLAIRVOYANT_BENCH_PROXY_CMD"
 MISSING_TOOLS_HINT = "apt-get install nginx wrk"
+DOC = ROOT / "docs" / "benchmarks.md"
 
 
 def add_target_options(parser: argparse.ArgumentParser, results: Path, *, slots_note: str = "") -> None:
@@ -50,6 +52,46 @@ def add_target_options(parser: argparse.ArgumentParser, results: Path, *, slots_
     parser.add_argument(
         "--json", default=str(results), help=f"write the figures here (default {results.name} beside the script)"
     )
+    parser.add_argument(
+        "--doc",
+        type=Path,
+        default=DOC,
+        help="write the tables into this page's block for the script (default docs/benchmarks.md, section 6i)",
+    )
+    parser.add_argument("--no-doc", action="store_true", help="leave the page alone (print and --json only)")
+
+
+class Report:
+    """The lines a benchmark prints, kept for its block in docs/benchmarks.md."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def __call__(self, line: str = "") -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+
+
+def checkout() -> str:
+    """The commit measured: short hash, "+changes" when the tree differs from it ("?" outside git)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True)  # fmt: skip
+    except OSError:
+        return "?"
+    if head.returncode != 0:
+        return "?"
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
+def write_doc(args: argparse.Namespace, script: str, report: Report, command: str, date_utc: str) -> None:
+    """Put ``report``'s lines under a line naming the run into ``script``'s block of ``args.doc``."""
+    if args.no_doc:
+        return
+    stamp = f"Latest run: {date_utc} UTC, checkout {checkout()}, `{command}`"
+    replace_doc_block(args.doc, script, "\n".join([stamp, *report.lines]))
+    print(f"wrote the tables into {args.doc} ({script}'s block)")
 
 
 def require_tools(*names: str) -> None:

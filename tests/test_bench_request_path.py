@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from clairvoyant.tools.bench.report import replace_doc_block
 from clairvoyant.tools.bench.request_path import (
     WRK_MARKER,
     expand_command,
@@ -254,3 +255,57 @@ def test_wrk_script_runs_in_real_wrk_and_its_report_parses(nginx_pair: tuple[int
     result = parse_wrk_output(done.stdout)
     assert result.ok and result.requests > 0
     assert result.p50_ms <= result.p99_ms <= result.max_ms
+
+
+# -- the benchmarks' blocks in docs/benchmarks.md -------------------------------------------------
+
+PAGE = """# Page
+
+intro
+
+<!-- bench_x: begin (written by the script; edits here are overwritten) -->
+old table
+<!-- bench_x: end -->
+
+after
+"""
+
+
+def test_replace_doc_block_swaps_only_the_block_and_can_run_again(tmp_path: Path) -> None:
+    doc = tmp_path / "page.md"
+    doc.write_text(PAGE)
+    replace_doc_block(doc, "bench_x", "Latest run: A\n\n| a | b |\n|---|---|\n| 1 | 2 |\n")
+    first = doc.read_text()
+    assert first == PAGE.replace("old table", "Latest run: A\n\n| a | b |\n|---|---|\n| 1 | 2 |")
+    replace_doc_block(doc, "bench_x", "Latest run: B")
+    assert doc.read_text() == PAGE.replace("old table", "Latest run: B")
+    assert [p.name for p in tmp_path.iterdir()] == ["page.md"]  # no temporary file left behind
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        PAGE.replace("<!-- bench_x: end -->\n", ""),  # no end
+        PAGE + "<!-- bench_x: begin (written by the script; edits here are overwritten) -->\n",  # two begins
+        "<!-- bench_x: end -->\n" + PAGE.replace("<!-- bench_x: end -->\n", ""),  # end before begin
+        "no markers at all\n",
+    ],
+)
+def test_replace_doc_block_refuses_a_page_without_one_well_ordered_block(tmp_path: Path, page: str) -> None:
+    doc = tmp_path / "page.md"
+    doc.write_text(page)
+    with pytest.raises(ValueError, match="bench_x: begin"):
+        replace_doc_block(doc, "bench_x", "new")
+    assert doc.read_text() == page
+
+
+@pytest.mark.parametrize("script", ["bench_proxy_overhead", "bench_proxy_throughput"])
+def test_docs_benchmarks_md_holds_each_request_path_benchmarks_block(tmp_path: Path, script: str) -> None:
+    """The scripts write docs/benchmarks.md by default: its block must be there, once, so they can."""
+    page = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+    copy = tmp_path / "benchmarks.md"
+    copy.write_text(page.read_text())
+    replace_doc_block(copy, script, "Latest run: test")
+    assert copy.read_text().count("Latest run: test") == 1
+    source = (Path(__file__).resolve().parents[1] / "benchmarks" / f"{script}.py").read_text()
+    assert f'servers.write_doc(args, "{script}"' in source  # the script names its own block
