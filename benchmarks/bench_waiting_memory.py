@@ -7,7 +7,8 @@ the proxy's VmRSS is read and compared with its RSS before, after a warm-up of a
 requests that came and went (so lazy imports and first-use caches are already paid). Prints bytes per waiting
 request, total and less its body (each body is held until dispatch).
 
-    python benchmarks/bench_waiting_memory.py [--n 10000] [--proxy-cmd "python -m clairvoyant.cli serve"]
+    python benchmarks/bench_waiting_memory.py [--n 10000] [--sdk] [--refined] [--traced] [--json FILE]
+        [--proxy-cmd "python -m clairvoyant.cli serve"]
 """
 
 from __future__ import annotations
@@ -189,6 +190,7 @@ def main() -> None:
         "--traced", action="store_true", help="each client adds its own W3C traceparent header (OpenTelemetry)"
     )
     parser.add_argument("--proxy-cmd", default=f"{sys.executable} -m clairvoyant.cli serve")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
     if args.sdk:
         CLIENT.update(headers=SDK_HEADERS, body=SDK_BODY)
@@ -249,10 +251,19 @@ def main() -> None:
         f"{per_request:.0f} bytes per waiting request, {besides:.0f} besides its "
         f"{len(CLIENT['body'])}-byte body{' (OpenAI SDK headers)' if args.sdk else ''}"
     )
+    line = 0
     if args.traced:
         # The client's own bytes, like its body: the line forwarded as it came, a bytes object each
         line = sys.getsizeof(_traceparent(0))
         print(f"with a traceparent each: {besides - line:.0f} besides the body and the {line}-byte object of that line")
+    if args.json is not None:
+        figures = {
+            "n": args.n, "sdk": args.sdk, "refined": args.refined, "traced": args.traced,
+            "rss_before_kib": before_kb, "rss_after_kib": after_kb, "bytes_per_waiting_request": per_request,
+            "body_bytes": len(CLIENT["body"]), "traceparent_object_bytes": line,
+            "bytes_besides_body": besides - line,  # and, traced, besides the traceparent line's object
+        }  # fmt: skip
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
 
 
 if __name__ == "__main__":

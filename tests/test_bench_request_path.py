@@ -299,7 +299,7 @@ def test_replace_doc_block_refuses_a_page_without_one_well_ordered_block(tmp_pat
     assert doc.read_text() == page
 
 
-@pytest.mark.parametrize("script", ["bench_proxy_overhead", "bench_proxy_throughput"])
+@pytest.mark.parametrize("script", ["bench_proxy_overhead", "bench_proxy_throughput", "bench_lean_targets"])
 def test_docs_benchmarks_md_holds_each_request_path_benchmarks_block(tmp_path: Path, script: str) -> None:
     """The scripts write docs/benchmarks.md by default: its block must be there, once, so they can."""
     page = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
@@ -309,3 +309,54 @@ def test_docs_benchmarks_md_holds_each_request_path_benchmarks_block(tmp_path: P
     assert copy.read_text().count("Latest run: test") == 1
     source = (Path(__file__).resolve().parents[1] / "benchmarks" / f"{script}.py").read_text()
     assert f'servers.write_doc(args, "{script}"' in source  # the script names its own block
+
+
+# -- bench_lean_targets.py: the verdict from the four benchmarks' own JSON ---------------------------
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _lean_targets():  # type: ignore[no-untyped-def]
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return importlib.import_module("bench_lean_targets")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_lean_targets_reads_the_benchmarks_results_and_judges_each_bound() -> None:
+    """The committed result files are what the scripts write: the verdict reads their shapes, and each
+    row flips exactly at its target's bound."""
+    lean = _lean_targets()
+    throughput = json.loads((BENCHMARKS / "proxy_throughput_results.json").read_text())
+    overhead = json.loads((BENCHMARKS / "proxy_overhead_results.json").read_text())
+    predictor = json.loads((BENCHMARKS / "predictor_results.json").read_text())
+    memory = {"plain": {"n": 10_000, "body_bytes": 91, "bytes_besides_body": 939.0}}
+    post = throughput["paths"][lean.SCHEDULED]["proxy"]
+    added = overhead["added_proxy"]["ttfb"]
+    phases = list(predictor["phases"])
+    first = predictor["phases"][phases[0]][0]["predict"]
+
+    def verdict() -> list[bool]:
+        return [ok for *_, ok in lean.verdict_rows(throughput, overhead, predictor, memory)]
+
+    post["requests_per_s"], added["p50_ms"] = 5_000.0, 1.0
+    first["p50_us"], first["p99_us"] = 29.0, 100.0
+    for later in phases[1:]:
+        predictor["phases"][later][0]["predict"].update(p50_us=10.0, p99_us=50.0)
+    assert verdict() == [True] * (2 + len(phases) + 1)
+    post["requests_per_s"] = 4_999.0
+    assert verdict()[0] is False
+    post["requests_per_s"], added["p50_ms"] = 5_000.0, 1.01
+    assert verdict()[1] is False
+    added["p50_ms"], first["p99_us"] = 1.0, 100.1
+    assert verdict()[2] is False and all(verdict()[3:])
+    first["p99_us"], first["p50_us"] = 100.0, 29.1
+    assert verdict()[2] is False
+    first["p50_us"], memory["plain"]["bytes_besides_body"] = 29.0, 1_024.0
+    assert verdict() == [True] * (2 + len(phases)) + [False]
+    rows = lean.verdict_rows(throughput, overhead, predictor, memory)
+    assert "5,000 requests/s" in rows[0][1] and "% of nginx" in rows[0][2]
