@@ -73,16 +73,17 @@ class Report:
 
 
 def checkout() -> str:
-    """The commit measured: short hash, "+changes" when the tree differs from it ("?" outside git)."""
+    """The commit measured: short hash, "+changes" when its code differs from it (src/ or the scripts;
+    the pages and result files the benchmarks themselves write do not count), "?" outside git."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True)  # fmt: skip
+        code = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "src", "benchmarks/*.py"], cwd=ROOT,
+                              capture_output=True)  # fmt: skip
     except OSError:
         return "?"
     if head.returncode != 0:
         return "?"
-    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+    return head.stdout.strip() + ("+changes" if code.returncode != 0 else "")
 
 
 def write_doc(args: argparse.Namespace, script: str, report: Report, command: str, date_utc: str) -> None:
