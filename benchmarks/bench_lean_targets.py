@@ -50,7 +50,7 @@ ISSUE_NGINX = 62_000.0  # nginx's requests/s in the run issue 12 measured (its 5
 
 
 def _run(script: str, *options: str) -> None:
-    argv = [sys.executable, str(HERE / script), *options]
+    argv = [sys.executable, f"benchmarks/{script}", *options]  # run from the checkout (cwd below)
     print(f"\n$ {' '.join(argv[1:])}", flush=True)
     done = subprocess.run(argv, cwd=servers.ROOT, env={**os.environ, **servers.proxy_env()})
     if done.returncode != 0:
