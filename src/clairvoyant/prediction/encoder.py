@@ -39,6 +39,7 @@ Serving needs onnxruntime and ``tokenizers`` only: no torch.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
@@ -52,11 +53,11 @@ from typing import Any
 import numpy as np
 
 from clairvoyant.errors import ModelError
+from clairvoyant.prediction.onnx_u8u8 import u8u8_weights
 from clairvoyant.prediction.predictor import (
     BlendWeights,
     OnnxPredictor,
     Prediction,
-    file_sha256,
     single_threaded_session,
 )
 
@@ -151,11 +152,19 @@ class EncoderModel:
         files = [(self.card.onnx_path, self.card.onnx_sha256), (self.card.tokenizer_path, self.card.tokenizer_sha256)]
         if self.card.knn_path is not None:
             files.append((self.card.knn_path, self.card.knn_sha256))
+        contents: dict[Path, bytes] = {}
         for file, sha in files:
             if not file.is_file():
                 raise ModelError(f"encoder file {file} not found")
-            if file_sha256(file) != sha:
+            contents[file] = file.read_bytes()
+            if hashlib.sha256(contents[file]).hexdigest() != sha:
                 raise ModelError(f"encoder file {file} does not match the sha256 in its card")
+        # The same integers on every CPU: int8 weights as uint8 + 128 (prediction/onnx_u8u8.py; the
+        # u8 x s8 kernel of AVX2 CPUs without VNNI saturates). How many were rewritten, per graph:
+        self.u8u8_weights: dict[str, int] = {}
+        graphs = [self.card.onnx_path] + ([self.card.knn_path] if self.card.knn_path is not None else [])
+        for graph in graphs:
+            contents[graph], self.u8u8_weights[graph.name] = u8u8_weights(contents[graph])
         self.tokenizer = Tokenizer.from_file(str(self.card.tokenizer_path))
         self._tail = self.card.tail_word_pieces
         self._head = self.card.max_word_pieces - 2 - self._tail  # after [CLS], before the tail and [SEP]
@@ -164,7 +173,7 @@ class EncoderModel:
         else:
             self.tokenizer.enable_truncation(self.card.max_word_pieces)
         self.tokenizer.no_padding()
-        self._session = single_threaded_session(self.card.onnx_path, "encoder")
+        self._session = single_threaded_session(self.card.onnx_path, "encoder", contents.pop(self.card.onnx_path))
         outputs = {o.name: o for o in self._session.get_outputs()}
         if self.card.output not in outputs:
             raise ModelError(
@@ -194,7 +203,7 @@ class EncoderModel:
         if self.card.knn_path is not None:
             if "embedding" not in outputs:
                 raise ModelError(f"encoder {self.card.onnx_path} has no 'embedding' output for its kNN")
-            self._knn = single_threaded_session(self.card.knn_path, "encoder kNN")
+            self._knn = single_threaded_session(self.card.knn_path, "encoder kNN", contents.pop(self.card.knn_path))
             names = ([i.name for i in self._knn.get_inputs()], [o.name for o in self._knn.get_outputs()])
             if names != (["embedding"], ["knn_log_tokens"]):
                 raise ModelError(

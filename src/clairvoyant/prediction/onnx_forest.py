@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from clairvoyant.prediction.onnx_wire import fields, signed, varint
 
 try:  # the compiled walk (prediction/_forest.c), built by `pip install`; else ONNX Runtime runs the model
     from clairvoyant.prediction import _forest
@@ -54,47 +56,6 @@ class ForestTables:
         return len(self.roots) // 4
 
 
-def _varint(data: bytes, at: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = data[at]
-        at += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, at
-        shift += 7
-        if shift > 63:
-            raise ValueError("varint longer than 10 bytes")
-
-
-def _fields(data: bytes) -> Iterator[tuple[int, int, bytes | int]]:
-    """(field number, wire type, value) of each field of one protobuf message: an int for varints,
-    the raw bytes for the other wire types."""
-    at, end = 0, len(data)
-    while at < end:
-        key, at = _varint(data, at)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value, at = _varint(data, at)
-            yield number, wire, value
-        elif wire == 2:
-            size, at = _varint(data, at)
-            if at + size > end:
-                raise ValueError("truncated field")
-            yield number, wire, data[at : at + size]
-            at += size
-        elif wire in (1, 5):
-            size = 8 if wire == 1 else 4
-            yield number, wire, data[at : at + size]
-            at += size
-        else:
-            raise ValueError(f"unsupported wire type {wire}")
-
-
-def _signed(value: int) -> int:
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
 def _attribute(data: bytes) -> tuple[str, object]:
     """One AttributeProto as (name, value): a float, int, bytes, or a list of one of them."""
     name = ""
@@ -102,13 +63,13 @@ def _attribute(data: bytes) -> tuple[str, object]:
     floats: list[float] = []
     ints: list[int] = []
     strings: list[bytes] = []
-    for number, wire, value in _fields(data):
+    for number, wire, value in fields(data):
         if number == _ATTR_NAME and isinstance(value, bytes):
             name = value.decode()
         elif number == _ATTR_F and isinstance(value, bytes):
             scalar = struct.unpack("<f", value)[0]
         elif number == _ATTR_I and isinstance(value, int):
-            scalar = _signed(value)
+            scalar = signed(value)
         elif number == _ATTR_S and isinstance(value, bytes):
             scalar = value
         elif number == _ATTR_FLOATS and isinstance(value, bytes):
@@ -118,12 +79,12 @@ def _attribute(data: bytes) -> tuple[str, object]:
                 floats.append(struct.unpack("<f", value)[0])
         elif number == _ATTR_INTS:
             if isinstance(value, int):
-                ints.append(_signed(value))
+                ints.append(signed(value))
             else:
                 at = 0
                 while at < len(value):
-                    item, at = _varint(value, at)
-                    ints.append(_signed(item))
+                    item, at = varint(value, at)
+                    ints.append(signed(item))
         elif number == _ATTR_STRINGS and isinstance(value, bytes):
             strings.append(value)
     return name, floats or ints or strings or scalar
@@ -131,16 +92,16 @@ def _attribute(data: bytes) -> tuple[str, object]:
 
 def _nodes(model: bytes) -> list[tuple[str, str, dict[str, object]]]:
     """(domain, op_type, attributes) of every node of the model's graph."""
-    graphs = [v for n, w, v in _fields(model) if n == _MODEL_GRAPH and isinstance(v, bytes)]
+    graphs = [v for n, w, v in fields(model) if n == _MODEL_GRAPH and isinstance(v, bytes)]
     if len(graphs) != 1:
         raise ValueError("no graph")
     out = []
-    for number, _, node in _fields(graphs[0]):
+    for number, _, node in fields(graphs[0]):
         if number != _GRAPH_NODE or not isinstance(node, bytes):
             continue
         op_type = domain = ""
         attributes: dict[str, object] = {}
-        for field, _, value in _fields(node):
+        for field, _, value in fields(node):
             if field == _NODE_OP_TYPE and isinstance(value, bytes):
                 op_type = value.decode()
             elif field == _NODE_DOMAIN and isinstance(value, bytes):

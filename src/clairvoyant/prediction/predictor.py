@@ -440,10 +440,11 @@ def _bound_runner(session: Any, binding: Any) -> Callable[[], None]:
     return functools.partial(run, c_binding, None)
 
 
-def single_threaded_session(path: Path, what: str) -> Any:
+def single_threaded_session(path: Path, what: str, content: bytes | None = None) -> Any:
     """An onnxruntime session on one thread, sequential, fully optimised. One thread on purpose:
     the backend generates on the same cores, and a thread pool per call turns a 0.05 ms median into
-    a multi-millisecond p99 under that load. ``what`` names the file in the error."""
+    a multi-millisecond p99 under that load. ``what`` names the file in the error; ``content``: the
+    model's bytes to run instead of the file's (as read from ``path``, then rewritten)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -452,7 +453,8 @@ def single_threaded_session(path: Path, what: str) -> Any:
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     try:
-        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        model = str(path) if content is None else content
+        return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own untyped errors
         raise ModelError(f"cannot load {what} {path}: {exc}") from exc
 
