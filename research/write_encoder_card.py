@@ -160,7 +160,9 @@ def render(card: dict) -> str:
             else []
         ),
         "- **Serving**: onnxruntime and tokenizers only (no torch), one thread, only for requests that wait "
-        "(src/clairvoyant/prediction/encoder.py).",
+        "(src/clairvoyant/prediction/encoder.py). Both graphs' int8 MatMul weights run as uint8 + 128 "
+        "(prediction/onnx_u8u8.py, at load; the files and their sha256 are as exported): the same integers, exact on "
+        "every CPU, where onnxruntime's int8 kernel saturates on AVX2 CPUs without VNNI (docs/benchmarks.md section 29).",
     ]
     for key, title in (
         ("training", "Training"),

@@ -142,7 +142,8 @@ def _knn_fields(card_path: Path, block: Any) -> dict[str, Any]:
 class EncoderModel:
     """The encoder: instruction text -> predicted ln(answer tokens), on one onnxruntime thread."""
 
-    def __init__(self, card_path: Path | str | None = None) -> None:
+    def __init__(self, card_path: Path | str | None = None, *, u8u8: bool = True) -> None:
+        """``u8u8=False`` runs the files' int8 weights as exported (benchmarks/bench_u8u8.py compares)."""
         from tokenizers import Tokenizer  # imported here: importing this module stays cheap
 
         path = Path(card_path) if card_path is not None else DEFAULT_ENCODER_CARD
@@ -164,7 +165,9 @@ class EncoderModel:
         self.u8u8_weights: dict[str, int] = {}
         graphs = [self.card.onnx_path] + ([self.card.knn_path] if self.card.knn_path is not None else [])
         for graph in graphs:
-            contents[graph], self.u8u8_weights[graph.name] = u8u8_weights(contents[graph])
+            contents[graph], self.u8u8_weights[graph.name] = (
+                u8u8_weights(contents[graph]) if u8u8 else (contents[graph], 0)
+            )
         self.tokenizer = Tokenizer.from_file(str(self.card.tokenizer_path))
         self._tail = self.card.tail_word_pieces
         self._head = self.card.max_word_pieces - 2 - self._tail  # after [CLS], before the tail and [SEP]
