@@ -131,6 +131,9 @@ def test_what_it_cannot_prove_is_left_as_it_was() -> None:
     data = with_if.SerializeToString()
     assert u8u8_weights(data) == (data, 0)
     assert u8u8_weights(b"") == (b"", 0)
+    shipped = (MODEL_DIR / "encoder.knn.onnx").read_bytes()
+    for broken in (shipped[:7], shipped[:389_440], shipped[:-5], b"\x0f\xff", b"\x08\x80"):
+        assert u8u8_weights(broken) == (broken, 0)  # not readable: left for onnxruntime to refuse
 
 
 def test_the_encoder_runs_both_graphs_rewritten_and_says_so() -> None:

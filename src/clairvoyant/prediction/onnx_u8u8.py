@@ -113,7 +113,15 @@ def _int8_initializer(data: bytes, start: int, end: int) -> tuple[str, _Int8Init
 
 def u8u8_weights(model: bytes) -> tuple[bytes, int]:
     """``model`` with its MatMulInteger int8 weights and zero points as uint8 + 128, and the number
-    of initializers rewritten (see the module docstring); ``model`` itself when that is 0."""
+    of initializers rewritten (see the module docstring); ``model`` itself when that is 0, and when
+    its bytes are not a protobuf message this can read (onnxruntime then says what is wrong)."""
+    try:
+        return _u8u8_weights(model)
+    except (ValueError, IndexError):  # truncated or not protobuf
+        return model, 0
+
+
+def _u8u8_weights(model: bytes) -> tuple[bytes, int]:
     graphs = [(s, e) for n, w, s, e in spans(model) if n == _MODEL_GRAPH and w == 2]
     if len(graphs) != 1:
         return model, 0
