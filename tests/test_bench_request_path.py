@@ -334,7 +334,7 @@ def test_lean_targets_reads_the_benchmarks_results_and_judges_each_bound() -> No
     throughput = json.loads((BENCHMARKS / "proxy_throughput_results.json").read_text())
     overhead = json.loads((BENCHMARKS / "proxy_overhead_results.json").read_text())
     predictor = json.loads((BENCHMARKS / "predictor_results.json").read_text())
-    memory = {"plain": {"n": 10_000, "body_bytes": 91, "bytes_besides_body": 939.0}}
+    memory = {"plain": [{"n": 10_000, "body_bytes": 91, "bytes_besides_body": b} for b in (900.0, 939.0, 1_100.0)]}
     post = throughput["paths"][lean.SCHEDULED]["proxy"]
     added = overhead["added_proxy"]["ttfb"]
     phases = list(predictor["phases"])
@@ -356,7 +356,13 @@ def test_lean_targets_reads_the_benchmarks_results_and_judges_each_bound() -> No
     assert verdict()[2] is False and all(verdict()[3:])
     first["p99_us"], first["p50_us"] = 100.0, 29.1
     assert verdict()[2] is False
-    first["p50_us"], memory["plain"]["bytes_besides_body"] = 29.0, 1_024.0
+    first["p50_us"] = 29.0
+    memory["plain"][1]["bytes_besides_body"] = 1_024.0  # the median of 900, 1,024 and 1,100
     assert verdict() == [True] * (2 + len(phases)) + [False]
+    memory["plain"][1]["bytes_besides_body"] = 1_023.0
+    assert verdict()[-1] is True  # one run over the bound, the median under it
+    assert (
+        "median 1023 B of 3 runs (900, 1023, 1100" in lean.verdict_rows(throughput, overhead, predictor, memory)[-1][1]
+    )
     rows = lean.verdict_rows(throughput, overhead, predictor, memory)
     assert "5,000 requests/s" in rows[0][1] and "% of nginx" in rows[0][2]
