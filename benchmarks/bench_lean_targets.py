@@ -42,7 +42,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import servers  # noqa: E402  (benchmarks/servers.py, beside this script)
 
-HERE = Path(__file__).resolve().parent
 SCHEDULED = "POST /v1/chat/completions"
 
 THROUGHPUT_MIN = 5_000.0  # scheduled requests/s

@@ -24,7 +24,7 @@ it rewrote (0: the model as it was).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -58,7 +58,6 @@ class _Node:
     domain: bytes
     inputs: list[str]
     has_subgraph: bool = False
-    uses: list[tuple[int, str]] = field(default_factory=list)
 
 
 def _strings(data: bytes, start: int, end: int, number: int) -> Iterator[str]:
