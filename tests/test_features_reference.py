@@ -287,6 +287,25 @@ def _near_miss_norms(n: int) -> list[bytes]:
     return norms
 
 
+def test_the_grouped_length_search_equals_the_length_regex() -> None:
+    # _LENGTH_SEARCH is _LENGTH_RE rewritten (a leading byte class, alternatives grouped by their
+    # first letters): it must find a match exactly where _LENGTH_RE does, near misses included
+    found = 0
+    norms = _near_miss_norms(20_000) + [
+        features._norm(phrase.split())
+        for phrase in (
+            b"be brief", b"briefs", b"c#brief", b"not more than 5", b"no more than x", b"max 3", b"maximum of 3",
+            b"maximum 3", b"in a single line", b"in a single lines", b"in 12 pages", b"12 pages", b"12 lines",
+            b"one liner", b"tl dr", b"in depth", b"in detail", b"shortly_", b"fewer than 7", b"at most 2",
+        )
+    ]  # fmt: skip
+    for norm in norms:
+        expected = ref._LENGTH_RE.search(norm) is not None
+        found += expected
+        assert (features._LENGTH_SEARCH(norm) is not None) == expected, norm
+    assert 2_000 < found < 18_000  # both answers occur often
+
+
 def test_the_quantity_stretch_equals_the_whole_regex() -> None:
     # _quantity_values runs the regex on a stretch of the norm: it must find what the reference's
     # regex finds over the whole norm

@@ -271,13 +271,23 @@ _LENGTH_RE = re.compile(
     rb"paragraph|paragraphs)|(?:no more than|not more than|at most|under|less than|fewer than|maximum of|max) \d+|"
     rb"\d+ (?:word|words|sentence|sentences|paragraph|paragraphs|page|pages))\b"
 )
-# _LENGTH_RE.search(norm) is not None, faster: every alternative starts with a word character and
-# a norm starts with a space, so "\b before the match" is "a non-word byte just before it". A
-# pattern that starts with a character class lets the regex engine skip to candidate positions
-# (a leading \b defeats that): about 20% cheaper on a 600-character window, the same answer
-# (tests/test_features_reference.py compares with the reference extractor).
-assert _LENGTH_RE.pattern.startswith(rb"\b(?:")
-_LENGTH_SEARCH = re.compile(rb"[^0-9A-Z_a-z]" + _LENGTH_RE.pattern[2:]).search
+# _LENGTH_RE.search(norm) is not None, faster:
+# - every alternative starts with a word character and a norm starts with a space, so "\b before
+#   the match" is "a non-word byte just before it"; a pattern that starts with a character class
+#   lets the regex engine skip to candidate positions (a leading \b defeats that): ~20% cheaper;
+# - the alternatives are grouped by their first letters, so that at each candidate the engine
+#   tests one byte per group instead of one per alternative: ~25% cheaper again on the longest windows
+#   (issue 12: the predictor's p99). Only whether there is a match is read, and the language is
+#   the same, so the order of the alternatives does not matter.
+# tests/test_features_reference.py compares it with _LENGTH_RE on near misses and with the
+# reference extractor on ShareGPT.
+_LENGTH_SEARCH = re.compile(
+    rb"[^0-9A-Z_a-z](?:b(?:riefly|rief)|c(?:oncisely|oncise)|s(?:hortly|hort|uccinctly|uccinct)"
+    rb"|one liner|t(?:l dr|ldr)|detailed|elaborate"
+    rb"|in (?:detail|depth|(?:one|a single|\d+) (?:words?|sentences?|lines?|paragraphs?))"
+    rb"|not? more than \d+|at most \d+|under \d+|less than \d+|fewer than \d+|max(?:imum of)? \d+"
+    rb"|\d+ (?:words?|sentences?|paragraphs?|pages?))\b"
+).search
 _STEP_BY_STEP = b" step by step "
 
 
