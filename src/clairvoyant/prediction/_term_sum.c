@@ -260,11 +260,12 @@ term_sum(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
             return NULL;
         }
     }
-    /* Every probe's hash first (the words' first, then the pairs'), then the probes in two passes:
-     * the table is large (about 1 MB with the lexicon) and mostly out of cache between requests, so
-     * its lines are fetched for all probes at once rather than one miss after another (prefetch
-     * stage 1: each probe's first slot; stage 2: each candidate term's key bytes and value). The
-     * sum itself is the same loop as before, in the same order: prefetches change no result. */
+    /* Every probe's hash first (the words' first, then the pairs'), then the probes in two passes.
+     * The table is large (2.25 MiB of slots and values with the lexicon) and partly out of cache
+     * between requests, so its lines are fetched for all probes at once rather than one miss after
+     * another (prefetch stage 1: each probe's first slot; stage 2: each candidate term's key bytes
+     * and value). The sum itself is the same loop as before, in the same order: prefetches change
+     * no result (benchmarks/bench_term_sum_cache.py). */
     Py_ssize_t probes = pairs && n > 1 ? 2 * n - 1 : n;
     uint64_t stack_hashes[2 * STACK_WORDS];
     uint64_t *hashes = stack_hashes;
