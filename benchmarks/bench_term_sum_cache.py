@@ -9,7 +9,7 @@ written (``cold``), on two sets: the windows with the most words (``heavy``: the
 and the first prompts (``typical``). Words are split afresh before each term-sum call, as the
 extractor does.
 
-    PYTHONPATH=src:benchmarks python benchmarks/bench_term_sum_cache.py [--base /tmp/wt-base/src]
+    PYTHONPATH=src:benchmarks python benchmarks/bench_term_sum_cache.py [--base /tmp/wt-base-lib] [--turns 3]
 
 ``--base``: another build's package root, e.g. ``git worktree add /tmp/wt-base <commit> && python -m
 pip install --no-deps --target /tmp/wt-base-lib /tmp/wt-base`` (its extensions built as pip builds
