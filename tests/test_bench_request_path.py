@@ -366,3 +366,31 @@ def test_lean_targets_reads_the_benchmarks_results_and_judges_each_bound() -> No
     )
     rows = lean.verdict_rows(throughput, overhead, predictor, memory)
     assert "5,000 requests/s" in rows[0][1] and "% of nginx" in rows[0][2]
+
+
+def test_the_issue_ratio_rows_judge_against_the_build_the_issue_measured() -> None:
+    """--issue-build: throughput as the median of the per-round multiples of the issue's build (>= 5,000 /
+    560), the predictor p50 as a share of that build's per phase (<= 29 / 53); each flips at its bound."""
+    lean = _lean_targets()
+    throughput = json.loads((BENCHMARKS / "proxy_throughput_results.json").read_text())
+    builds = json.loads((BENCHMARKS / "predictor_builds_results.json").read_text())
+    post = throughput["paths"][lean.SCHEDULED]
+    rounds = [3_000.0, 2_000.0, 4_000.0]
+    post["proxy"]["runs"] = [{"requests_per_s": r} for r in rounds]
+    bound = lean.THROUGHPUT_RATIO_MIN
+    assert round(bound, 3) == round(5_000 / 560, 3) and round(lean.PREDICT_P50_RATIO_MAX, 3) == round(29 / 53, 3)
+    # per-round multiples bound - 1, just above the bound, bound + 1: the median is the middle one
+    post["baseline"] = {"requests_per_s": 300.0, "runs": [{"requests_per_s": r / m} for r, m in
+                                                           zip(rounds, (bound - 1, bound + 1e-9, bound + 1), strict=True)]}  # fmt: skip
+    phases = list(builds["phases"])
+    for phase in phases:
+        builds["phases"][phase]["ratio_p50"] = 0.3
+    rows = lean.issue_ratio_rows(throughput, builds)
+    assert [ok for *_, ok in rows] == [True] * (1 + len(phases))
+    assert f"{bound:.1f}x, median of 3 rounds" in rows[0][1]
+    post["baseline"]["runs"][1]["requests_per_s"] = rounds[1] / (bound - 0.01)
+    assert lean.issue_ratio_rows(throughput, builds)[0][3] is False
+    builds["phases"][phases[0]]["ratio_p50"] = lean.PREDICT_P50_RATIO_MAX
+    assert lean.issue_ratio_rows(throughput, builds)[1][3] is True
+    builds["phases"][phases[0]]["ratio_p50"] = lean.PREDICT_P50_RATIO_MAX + 0.001
+    assert [ok for *_, ok in lean.issue_ratio_rows(throughput, builds)][1:] == [False] + [True] * (len(phases) - 1)
