@@ -161,8 +161,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=4_000, help="bench_predictor.py --requests (default 4000)")
     parser.add_argument("--memory-n", type=int, default=10_000, help="bench_waiting_memory.py --n (default 10000)")
     parser.add_argument("--memory-runs", type=int, default=3, help="runs of each memory variant (default 3)")
-    parser.add_argument("--doc", type=Path, default=servers.DOC, help="the page whose block gets the table")
-    parser.add_argument("--no-doc", action="store_true", help="leave docs/benchmarks.md alone, here and in the runs")
+    servers.add_doc_options(parser)  # passed on to the runs that write blocks of their own
     parser.add_argument(
         "--issue-build", type=Path, help="the src of the build issue 12 measured (89bb859): also judge the ratios"
     )

@@ -42,6 +42,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))  # bench_predictor's prompts, predictor_load's llama.cpp (when imported, not run)
 RESULTS = HERE / "predictor_builds_results.json"
 
 
@@ -164,7 +165,6 @@ def run_phase(workers: list[Worker], n: int, batch: int, rng: random.Random) -> 
 
 
 def _prompt_fields(n: int) -> list[list[Any]]:
-    sys.path.insert(0, str(HERE))
     from bench_predictor import _prompts
 
     return [[p.instruction, p.context_chars, p.turns, p.system_chars] for p in _prompts(n)]
@@ -207,7 +207,6 @@ def main(argv: list[str] | None = None) -> int:
             if nice is None:
                 report["phases"][name] = run_phase(workers, len(fields), args.batch, rng)
                 continue
-            sys.path.insert(0, str(HERE))
             from predictor_load import LoadProcess
 
             with LoadProcess(nice=nice):

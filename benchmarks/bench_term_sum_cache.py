@@ -37,9 +37,7 @@ CASES = ("term_sum heavy", "term_sum typical", "features heavy", "features typic
 def measure(requests: int, heavy: int, typical: int, evict_mib: int) -> dict[str, dict[str, float]]:
     """Median us per case, warm and cold, in this process's build."""
     import numpy as np
-
-    sys.path.insert(0, str(HERE))
-    from bench_predictor import _prompts
+    from bench_predictor import _prompts  # beside this script (run as one: sys.path[0])
 
     from clairvoyant.prediction import features
 

@@ -52,6 +52,11 @@ def add_target_options(parser: argparse.ArgumentParser, results: Path, *, slots_
     parser.add_argument(
         "--json", default=str(results), help=f"write the figures here (default {results.name} beside the script)"
     )
+    add_doc_options(parser)
+
+
+def add_doc_options(parser: argparse.ArgumentParser) -> None:
+    """--doc PAGE and --no-doc: where ``write_doc`` puts the script's tables, or nowhere."""
     parser.add_argument(
         "--doc",
         type=Path,
