@@ -1,4 +1,4 @@
-"""Helpers for proxy tests. The proxy runs on a real uvicorn server in a background thread
+"""Helpers for proxy tests. The proxy runs on its real server (Granian) in a background thread
 (``clairvoyant.tools.bench.runner.proxy_server``, which the benchmarks use too): streaming and
 disconnects need a real server, since httpx.ASGITransport buffers whole bodies."""
 

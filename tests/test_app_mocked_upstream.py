@@ -540,39 +540,9 @@ def test_priority_is_forwarded_when_configured() -> None:
     assert r.headers["x-clairvoyant-queue-position"] == "0"
 
 
-def test_a_waiting_request_holds_no_task_and_a_running_one_holds_one() -> None:
-    # The proxy's own connections (proxy/connection.py) serve scheduled requests without ASGI: a
-    # request that waits for a slot is a record beside its ticket (no task, no coroutine), and the
-    # grant starts the one task that relays it; its client's disconnect comes from the connection.
-    seen: list[list[str]] = []
-    backend = HeldBackend()
-
-    async def recording(request: httpx.Request) -> httpx.Response:
-        seen.append(sorted(t.get_coro().__qualname__ for t in asyncio.all_tasks()))  # type: ignore[union-attr]
-        return await backend(request)
-
-    router = respx.MockRouter(base_url=UPSTREAM)
-    router.post("/v1/chat/completions").mock(side_effect=recording)
-    with proxy(router) as base:
-        holder = BackgroundPosts(base, "[long] holder")
-        wait_until(lambda: backend.order == ["[long] holder"], what="holder at the backend")
-        waiting = BackgroundPosts(base, "[short] waits")
-        wait_until(lambda: len(queue_snapshot(base)["waiting"]) == 1, what="queued")
-        backend.gate.set()
-        holder.join(10)
-        waiting.join(10)
-    assert [r.status_code for r in holder.responses + waiting.responses] == [200, 200]
-    # At the holder's send the other request had not arrived; at the second one's, the holder's
-    # task had ended: each time exactly one scheduled exchange runs, and no ASGI cycle at all.
-    assert len(seen) == 2
-    assert [names.count("ScheduledExchange.run") for names in seen] == [1, 1]
-    assert not any("run_asgi" in name or name.endswith("_watch") for names in seen for name in names)
-
-
-def test_waiting_requests_forward_their_own_trace_headers_and_the_shared_ones() -> None:
-    # A waiting request keeps headers new with every request (traceparent...) apart from the block
-    # it shares with the client's other requests (proxy/app.py); the backend gets both, and each
-    # request its own trace.
+def test_waiting_requests_forward_their_own_trace_headers_and_the_common_ones() -> None:
+    # Each waiting request forwards its own headers: the ones new with every request (traceparent...)
+    # and the ones the client sends with all of them.
     backend = RecordingHeldBackend()
     router = respx.MockRouter(base_url=UPSTREAM)
     router.post("/v1/chat/completions").mock(side_effect=backend)

@@ -212,35 +212,6 @@ def test_the_service_time_state_is_written_every_50_completions_in_a_worker_thre
     asyncio.run(scenario())
 
 
-def test_an_idle_slot_with_nobody_waiting_is_granted_at_once_before_the_prediction() -> None:
-    async def scenario() -> None:
-        d, clock = make(slots=2)
-        await d.start()
-        first = Ticket("a", "/v1/chat/completions", "openai", None, None, 10)
-        assert d.dispatch_at_once(first)
-        assert first.granted.done() and first.prediction is None and first.queue_position == 0
-        assert d.snapshot()["in_flight"][0]["predicted_class"] == "pending"
-        # one slot left, still nobody waiting: the next goes at once too; then none is idle
-        second = Ticket("b", "/v1/chat/completions", "openai", None, None, 10)
-        assert d.dispatch_at_once(second)
-        third = submit(d, "c", 0.0, 1.0)
-        fourth = Ticket("d", "/v1/chat/completions", "openai", None, None, 10)
-        assert not d.dispatch_at_once(fourth)  # a slot-less arrival waits its turn
-        assert not third.granted.done()
-        first.prediction = Prediction.from_probabilities(0.5, 0.3, 0.2)
-        async with d.lease(first):
-            pass
-        await settle()
-        assert third.granted.done() and third.slot == first.slot  # freed slot -> the waiting one
-        async with d.lease(second):
-            pass
-        async with d.lease(third):
-            pass
-        await d.stop()
-
-    asyncio.run(scenario())
-
-
 # --- a pool of backends -------------------------------------------------------------------------
 
 from clairvoyant.scheduling.dispatcher import Backend, ModelNotServed  # noqa: E402

@@ -7,10 +7,10 @@ load versions of these cases are in benchmarks/bench_hardening.py.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -26,7 +26,7 @@ from fake_backend import FakeBackend
 from proxy_harness import MarkerPredictor, metric_value, queue_snapshot, running_proxy, wait_until
 
 from clairvoyant.config import Settings
-from clairvoyant.proxy.responses import HOLD_MAX_S, SLOTS_POLL_S
+from clairvoyant.proxy.scheduled import HOLD_MAX_S, SLOTS_POLL_S
 
 CHAT = "/v1/chat/completions"
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,82 +88,6 @@ def test_a_reused_connection_reset_unread_is_resent_once() -> None:
     assert first.status_code == 200 and second.status_code == 200
     assert second.json() == {"ok": True, "n": 2}  # answered by the resend
     assert backend.resets == 1 and backend.posts(CHAT) == 2
-
-
-def test_a_stream_opens_the_next_backend_connection_ahead_and_the_next_stream_uses_it() -> None:
-    # A stream asks the backend to close (llama.cpp closes after every stream), so the next request
-    # needs a new connection: Upstream opens it while the backend works, and the next request that
-    # needs one goes out on it. Each request still reaches the backend exactly once.
-    from clairvoyant.proxy.upstream import Upstream
-
-    async def scenario(backend: FakeBackend) -> list[bytes]:
-        upstream = Upstream(backend.url)
-        connector = None
-        bodies = []
-        spares = []
-        try:
-            for _ in range(2):
-                response = await upstream.open(
-                    "POST", CHAT, body=json.dumps(chat(stream=True)).encode(), close_connection=True
-                )
-                bodies.append(b"".join([chunk async for chunk in upstream.iter_body(response)]))
-                await response.aclose()
-                connector = upstream._transport.pool(backend.url)  # type: ignore[attr-defined]
-                for _ in range(500):  # the spare opens in the background (polled, never slept on)
-                    if connector.spare is not None:
-                        break
-                    await asyncio.sleep(0.002)
-                spares.append(connector.spare)
-        finally:
-            await upstream.aclose()
-        assert spares[0] is not spares[1]  # the second request took the first spare; a new one followed
-        assert connector is not None and connector.spare is None  # closed with the upstream
-        return bodies
-
-    with FakeBackend(lambda path, n: ("stream", 2, 0.0)) as backend:
-        bodies = asyncio.run(scenario(backend))
-        # The second spare is connected once the kernel has completed its handshake, which can be
-        # before the backend's thread has accepted it: wait for the backend to count it.
-        deadline = time.monotonic() + 5
-        while backend.connections < 3 and time.monotonic() < deadline:
-            time.sleep(0.005)
-    assert bodies[0] == bodies[1] and bodies[0].endswith(b"data: [DONE]\n\n")
-    assert backend.posts(CHAT) == 2 and backend.connections == 3  # first request, two spares
-
-
-def test_a_reset_on_the_unused_spare_connection_is_resent_like_one_on_a_reused_connection() -> None:
-    # A backend killed after the spare was opened resets it; the event loop may not have seen that
-    # yet when the spare is handed out. The backend never had a request on it: resend, do not 502.
-    from clairvoyant.proxy.upstream import Upstream
-
-    async def scenario(backend: FakeBackend) -> bytes:
-        upstream = Upstream(backend.url)
-        try:
-            body = json.dumps(chat(stream=True)).encode()
-            first = await upstream.open("POST", CHAT, body=body, close_connection=True)
-            assert b"[DONE]" in b"".join([chunk async for chunk in upstream.iter_body(first)])
-            await first.aclose()
-            connector = upstream._transport.pool(backend.url)  # type: ignore[attr-defined]
-            for _ in range(500):  # the spare opens in the background (polled, never slept on)
-                if connector.spare is not None:
-                    break
-                await asyncio.sleep(0.002)
-            assert connector.spare is not None
-            second = await upstream.open("POST", CHAT, body=body, close_connection=True)  # on the spare: reset
-            answer = b"".join([chunk async for chunk in upstream.iter_body(second)])
-            await second.aclose()
-            return answer
-        finally:
-            await upstream.aclose()
-
-    actions = iter(["stream", "reset", "stream"])
-    with FakeBackend(lambda path, n: ("stream", 2, 0.0) if next(actions) == "stream" else "reset") as backend:
-        answer = asyncio.run(scenario(backend))
-    assert answer.endswith(b"data: [DONE]\n\n")
-    assert backend.resets == 1 and backend.posts(CHAT) == 2  # the reset one was never acted on
-
-
-# --- a backend that hangs, is down, or is loading --------------------------------------------
 
 
 def test_a_backend_that_never_answers_is_a_504_after_the_first_byte_timeout() -> None:
@@ -265,7 +189,7 @@ def test_an_answer_carries_one_date_and_one_server_header() -> None:
         ]
     for r in answers:
         assert len(r.headers.get_list("date")) == 1
-    assert [r.headers.get_list("server") for r in answers] == [["fake-backend"], ["fake-backend"], []]
+        assert r.headers.get_list("server") == ["granian"]  # the proxy's server's, not the backend's too
 
 
 # --- client limits --------------------------------------------------------------------------
@@ -275,16 +199,31 @@ def test_an_answer_carries_one_date_and_one_server_header() -> None:
 def limited_proxy() -> Any:
     with (
         FakeBackend(lambda path, n: "ok") as backend,
-        proxy(backend.url, client_timeout_s=0.5, max_header_bytes=4096, keep_alive_timeout_s=0.5) as base,
+        proxy(backend.url, client_timeout_s=0.5, max_header_bytes=8192) as base,
     ):
         yield base
 
 
-def test_headers_that_never_end_get_408_and_the_connection_closes(limited_proxy: str) -> None:
+def test_headers_that_never_end_close_the_connection_within_the_client_timeout(limited_proxy: str) -> None:
     answer, took_s = raw_exchange(limited_proxy, b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Le")
-    assert answer.startswith(b"HTTP/1.1 408 ")
-    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"].startswith("the request headers did not arrive")
-    assert took_s < 5  # closed by the proxy (0.5 s), not by this socket's 10 s read timeout
+    assert answer == b""  # the server closes it: there is no request to answer
+    assert took_s < 0.5 + 1.0  # client_timeout_s + 1 s, not this socket's 10 s read timeout
+
+
+def test_headers_trickled_a_byte_at_a_time_are_cut_off_at_the_deadline(limited_proxy: str) -> None:
+    # One byte every 50 ms would take 10 s: the deadline counts from the head's start, not per byte.
+    host, port = limited_proxy.removeprefix("http://").split(":")
+    started = time.monotonic()
+    with socket.create_connection((host, int(port))) as sock:
+        for byte in b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200:
+            try:
+                sock.send(bytes([byte]))
+                readable, _, _ = select.select([sock], [], [], 0.05)
+                if readable and sock.recv(1) == b"":  # the server closed it
+                    break
+            except OSError:  # reset, or a broken pipe: closed too
+                break
+    assert time.monotonic() - started < 0.5 + 1.0
 
 
 def test_a_body_shorter_than_its_content_length_gets_408_not_a_hang(limited_proxy: str) -> None:
@@ -292,7 +231,7 @@ def test_a_body_shorter_than_its_content_length_gets_408_not_a_hang(limited_prox
     answer, took_s = raw_exchange(limited_proxy, head + b'{"messages":')
     assert answer.startswith(b"HTTP/1.1 408 ")
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"  # OpenAI's shape
-    assert took_s < 5
+    assert took_s < 0.5 + 1.0
     assert metric_value(limited_proxy, "clairvoyant_client_rejections_total", 'reason="client_timeout"') == 1
 
 
@@ -304,22 +243,24 @@ def test_oversized_headers_get_431(limited_proxy: str) -> None:
     assert normal.status_code == 200  # headers under the limit pass
 
 
-def test_a_kept_alive_connections_next_request_that_stalls_gets_408(limited_proxy: str) -> None:
+def test_a_kept_alive_connections_next_request_that_stalls_is_closed(limited_proxy: str) -> None:
     host, port = limited_proxy.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
         sock.settimeout(10)
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
         first = sock.recv(65536)
+        started = time.monotonic()
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow")  # the next request stalls
         rest = b""
         while chunk := sock.recv(65536):
             rest += chunk
-    assert first.startswith(b"HTTP/1.1 200 ") and rest.startswith(b"HTTP/1.1 408 ")
+    assert first.startswith(b"HTTP/1.1 200 ") and rest == b""
+    assert time.monotonic() - started < 0.5 + 1.0
 
 
 def test_an_idle_keep_alive_connection_is_closed(limited_proxy: str) -> None:
     answer, took_s = raw_exchange(limited_proxy, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert answer.startswith(b"HTTP/1.1 200 ") and took_s < 5  # closed after keep_alive_timeout_s
+    assert answer.startswith(b"HTTP/1.1 200 ") and took_s < 0.5 + 1.0  # closed after client_timeout_s
 
 
 def test_an_aborted_upload_is_a_client_disconnect_not_a_500(caplog: pytest.LogCaptureFixture) -> None:
@@ -336,20 +277,41 @@ def test_an_aborted_upload_is_a_client_disconnect_not_a_500(caplog: pytest.LogCa
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]  # no tracebacks
 
 
-def test_connections_beyond_the_bound_get_503() -> None:
-    with (
-        FakeBackend(lambda path, n: "ok") as backend,
-        proxy(backend.url, max_connections=3, client_timeout_s=30) as base,
-    ):
-        host, port = base.removeprefix("http://").split(":")
-        held = [socket.create_connection((host, int(port))) for _ in range(3)]
-        try:
-            answer, took_s = raw_exchange(base, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-        finally:
-            for sock in held:
-                sock.close()
-        assert answer.startswith(b"HTTP/1.1 503 ") and took_s < 5
-        wait_until(lambda: httpx.get(f"{base}/healthz").status_code == 200, what="a free connection again")
+def test_bodies_beyond_the_budget_get_503_and_the_budget_comes_back() -> None:
+    # Two bodies of 600 KiB fit a 1 MiB budget one at a time, not together: the second waits in the
+    # queue holding its body, so a third is refused until the queue has moved on.
+    backend = FakeBackend(lambda path, n: ("stream", 20, 0.05))
+    body = json.dumps(chat("x" * 600 * 1024)).encode()
+    with backend, proxy(backend.url, body_budget_bytes=1024 * 1024, max_body_bytes=1024 * 1024) as base:
+        first = threading.Thread(target=httpx.post, args=(f"{base}{CHAT}",), kwargs={"content": body, "timeout": 30})
+        first.start()
+        wait_until(lambda: backend.posts(CHAT) == 1, what="the first body at the backend")
+        refused = httpx.post(f"{base}{CHAT}", content=body, timeout=30)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "body_budget_exhausted"
+        first.join(30)
+        assert httpx.post(f"{base}{CHAT}", content=body, timeout=30).status_code == 200
+    assert backend.posts(CHAT) == 2
+
+
+def test_requests_beyond_max_connections_wait_to_be_accepted() -> None:
+    # Three pass-through requests held by a backend that never answers fill max_connections=3: a
+    # fourth request is not accepted (no answer, no refusal) until one of them ends.
+    with FakeBackend(lambda path, n: "hang" if path == "/slow" else "ok") as backend:
+        with proxy(backend.url, max_connections=3) as base:
+            host, port = base.removeprefix("http://").split(":")
+            held = [socket.create_connection((host, int(port))) for _ in range(3)]
+            try:
+                for sock in held:
+                    sock.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+                wait_until(lambda: sum(1 for p, _ in backend.delivered if p == "/slow") == 3, what="three held")
+                with pytest.raises(httpx.TimeoutException):
+                    httpx.get(f"{base}/healthz", timeout=1.0)
+                held[0].close()  # its client leaves: its request ends, and there is room for one more
+                assert httpx.get(f"{base}/healthz", timeout=10).status_code == 200
+            finally:
+                for sock in held:
+                    sock.close()
 
 
 # --- shutdown ---------------------------------------------------------------------------------
@@ -389,8 +351,7 @@ def test_sigterm_refuses_the_queue_at_once_and_ends_the_stream_after_the_grace_p
     assert refused_s < results["stream_ended_s"] - signalled  # refused before the stream's end
     assert '"code": "shutting_down"' in results["last_event"] or "shut down" in results["last_event"]
     assert results["events"] < 60  # cut at the grace period, not served to its end
-    # uvicorn re-raises the signal once shut down (the conventional exit of a SIGTERMed server).
-    assert exit_code in (0, -signal.SIGTERM)
+    assert exit_code == 0
     assert exited_s < 6  # the 6 s stream did not hold the exit: it ended at the 1 s grace
     assert backend.posts(CHAT) == 1  # nothing queued reached the backend
 

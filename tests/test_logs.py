@@ -39,7 +39,7 @@ def _ready(base: str) -> bool:
 
 
 def _exercise(base: str, port: int) -> None:
-    """A scheduled answer, a pass-through, a 400, an aborted upload, a 408 from the server."""
+    """A scheduled answer, a pass-through, a 400, an aborted upload, a 408 for a body that never ends."""
     chat = {"model": "m", "messages": [{"role": "user", "content": SECRET_PROMPT}]}
     assert httpx.post(f"{base}/v1/chat/completions", json=chat, headers={"X-Request-Id": "sched-1"}).status_code == 200
     assert httpx.get(f"{base}/api/tags", headers={"X-Request-Id": "pass-1"}).status_code == 200
@@ -47,8 +47,8 @@ def _exercise(base: str, port: int) -> None:
     assert bad.status_code == 400
     with socket.create_connection(("127.0.0.1", port)) as sock:  # aborted upload
         sock.sendall(b'POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"m')
-    with socket.create_connection(("127.0.0.1", port)) as sock:  # headers that never end: 408
-        sock.sendall(b"GET /api/tags HTTP/1.1\r\nHost: x\r\n")
+    with socket.create_connection(("127.0.0.1", port)) as sock:  # a body that never ends: 408
+        sock.sendall(b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"m')
         sock.settimeout(10)
         assert sock.recv(100).startswith(b"HTTP/1.1 408")
 
@@ -70,7 +70,7 @@ def _run(free_port: int, **env: str) -> str:
 def test_json_logs_one_object_a_line_and_one_request_line_per_answer(free_port: int) -> None:
     stderr = _run(free_port, CLAIRVOYANT_LOG_FORMAT="json")
     lines = [line for line in stderr.splitlines() if line.strip()]
-    entries = [json.loads(line) for line in lines]  # every line, uvicorn's included, is one JSON object
+    entries = [json.loads(line) for line in lines]  # every line, the server's included, is one JSON object
     requests: list[dict[str, Any]] = [e for e in entries if e["msg"] == "request"]
     by_outcome = {str(e["outcome"]): e for e in requests}
     assert by_outcome["completed"]["request_id"] == "sched-1" and by_outcome["completed"]["status"] == 200
@@ -79,7 +79,7 @@ def test_json_logs_one_object_a_line_and_one_request_line_per_answer(free_port: 
     assert by_outcome["client_left_uploading"]["path"] == "/api/chat"
     assert by_outcome["client_timeout"]["status"] == 408
     assert len(requests) == 5
-    assert any(e["logger"].startswith("uvicorn") for e in entries)  # uvicorn's lines, in the same format
+    assert any(e["logger"] == "clairvoyant.proxy.server" for e in entries)  # "serving on ...", in the same format
     assert SECRET_PROMPT.split()[0] not in stderr
     assert "HTTP Request:" not in stderr  # httpx's per-call INFO line is silenced
 

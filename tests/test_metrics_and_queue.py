@@ -30,6 +30,7 @@ def test_metrics_follow_a_held_queue_and_its_release() -> None:
     with running_proxy(settings, predictor=MarkerPredictor(), upstream_transport=mock_transport(router)) as base:
         threads = [BackgroundPosts(base, "[long] secret holder text")]
         wait_until(lambda: len(backend.order) == 1, what="holder dispatched")
+        assert httpx.post(f"{base}/api/chat", json={"messages": []}).status_code == 400
         threads += [
             BackgroundPosts(base, "[short] secret s1"),
             BackgroundPosts(base, "[short] secret s2"),
@@ -42,13 +43,12 @@ def test_metrics_follow_a_held_queue_and_its_release() -> None:
         assert metric_value(base, "clairvoyant_in_flight_requests") == 1
         assert metric_value(base, "clairvoyant_starvation_timeout_seconds") == 42
 
-        # Rejections by reason: queue full, too large, bad request.
+        # Rejections by reason: queue full, too large (and bad request, above).
         assert (
             httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}).status_code
             == 503
         )
         assert httpx.post(f"{base}/v1/chat/completions", content=b"x" * (17 * 1024 * 1024)).status_code == 413
-        assert httpx.post(f"{base}/api/chat", json={"messages": []}).status_code == 400
         for reason in ("queue_full", "too_large", "bad_request"):
             assert metric_value(base, "clairvoyant_rejections_total", f'reason="{reason}"') == 1, reason
 
@@ -70,8 +70,8 @@ def test_metrics_follow_a_held_queue_and_its_release() -> None:
         assert metric_value(base, "clairvoyant_queue_wait_seconds_count", 'predicted_class="long"') == 2
         assert metric_value(base, "clairvoyant_end_to_end_seconds_count", 'predicted_class="short"') == 2
         assert metric_value(base, "clairvoyant_time_to_first_byte_seconds_count", 'predicted_class="long"') == 2
-        # 4 served + the one scored and then refused by the full queue.
-        assert metric_value(base, "clairvoyant_predictor_seconds_count") == 5
+        # 4 served; the one refused by the full queue was refused before its body was read.
+        assert metric_value(base, "clairvoyant_predictor_seconds_count") == 4
         assert (
             metric_value(
                 base, "clairvoyant_requests_total", 'dialect="openai",endpoint="/v1/chat/completions",status="200"'

@@ -1,7 +1,7 @@
 """End to end: the proxy in front of a POOL of two real llama.cpp servers (issue 10).
 
 Two ``EmbeddedLlamaServer`` (SmolLM2, one slot and one thread each), the proxy in-process on real
-uvicorn (``proxy_harness.running_proxy``). Output lengths are forced with ``max_tokens`` +
+its server (``proxy_harness.running_proxy``). Output lengths are forced with ``max_tokens`` +
 ``ignore_eos``, so each backend's ``llamacpp:tokens_predicted_total`` says exactly what it generated.
 A backend is killed with SIGKILL, as a crash would: no goodbye on any connection.
 """

@@ -242,30 +242,26 @@ class Settings(BaseSettings):
     client_timeout_s: float = Field(
         30.0,
         gt=0,
-        description="A client must send its request headers, and then its body, within this many seconds each (408 beyond).",
-    )
-    keep_alive_timeout_s: float = Field(
-        5.0, gt=0, description="An idle client keep-alive connection is closed after this many seconds."
-    )
-    client_keepalive_s: float = Field(
-        60.0,
-        ge=0,
-        description="TCP keepalive on client connections, seconds idle before the first probe (then 4 probes, this / 4 "
-        "apart), and twice this for answer bytes left unacknowledged or unread (TCP_USER_TIMEOUT): a client whose host "
-        "vanished without closing (asleep, off the network) is found gone after about twice this, its waiting request "
-        "withdrawn before it takes a slot, its stream ended; so is one that stops reading its answer that long (as nginx's "
-        "send_timeout). 0 = the system's defaults (hours idle, ~15 minutes with bytes unacknowledged, never unread).",
+        description="A client must send its request headers within this many seconds of connecting (or of its previous "
+        "answer, on a kept-alive connection: an idle connection closes then), and then its body within as many again "
+        "(408).",
     )
     max_header_bytes: int = Field(
-        64 * 1024, ge=1024, description="Largest request line + headers accepted, bytes (431 beyond)."
+        64 * 1024,
+        ge=8192,  # the least the server's HTTP/1.1 parser (hyper) accepts
+        description="Largest request line + headers accepted, bytes (431 beyond).",
     )
     max_connections: int = Field(
-        2048, ge=1, description="Open client connections at most; a connection beyond gets 503 and is closed."
+        2048,
+        ge=1,
+        description="Requests the server handles at once (waiting ones included); a connection beyond it waits to be "
+        "accepted until one ends. Set it above max_queue + slots.",
     )
-    park_waiting: bool = Field(
-        True,
-        description="Hold a waiting request's client connection as a bare file descriptor, watched for the client "
-        "leaving, instead of a live connection (~0.3 KB instead of ~2 KB a request; Linux only: elsewhere it stays live).",
+    body_budget_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1024,
+        description="Bytes of request bodies the proxy holds at once (being read or waiting in the queue); a body "
+        "that does not fit gets 503 with Retry-After.",
     )
     shutdown_grace_s: float = Field(
         8.0,
@@ -408,6 +404,14 @@ class Settings(BaseSettings):
         return (init_settings, env_settings)
 
 
+# Settings that no longer have any effect: accepted with a WARNING, so that an older config file
+# still starts (name -> why).
+RETIRED_SETTINGS: dict[str, str] = {
+    "keep_alive_timeout_s": "an idle kept-alive connection now closes after client_timeout_s",
+    "client_keepalive_s": "the server does not set TCP keepalive on client connections",
+    "park_waiting": "a waiting request is a coroutine; there is nothing to park",
+}
+
 # CLAIRVOYANT_* variables that are not settings but are read on purpose (the config file's path;
 # the test suite's switch that turns a missing llama.cpp backend into a failure).
 OTHER_ENV_NAMES = frozenset({f"{ENV_PREFIX}CONFIG", f"{ENV_PREFIX}REQUIRE_BACKEND"})
@@ -430,13 +434,16 @@ def unknown_environment_variables(environ: Mapping[str, str] | None = None) -> l
     service, but it must not pass in silence either)."""
     environ = os.environ if environ is None else environ
     valid = {f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields} | OTHER_ENV_NAMES
+    retired = {f"{ENV_PREFIX}{name.upper()}": name for name in RETIRED_SETTINGS}
     # Compared without the shared prefix (it would make every name look alike), upper-cased because
     # pydantic-settings reads the environment case-insensitively.
     suffixes = {name.removeprefix(ENV_PREFIX): name for name in valid}
     messages = []
     for key in sorted(environ):
         upper = key.upper()
-        if upper.startswith(ENV_PREFIX) and upper not in valid:
+        if upper in retired:
+            messages.append(f"{key} has no effect any more ({RETIRED_SETTINGS[retired[upper]]})")
+        elif upper.startswith(ENV_PREFIX) and upper not in valid:
             closest = _closest(upper.removeprefix(ENV_PREFIX), suffixes)
             hint = f"; did you mean {suffixes[closest]}?" if closest else ""
             messages.append(f"unknown environment variable {key} (ignored){hint}")
@@ -450,6 +457,9 @@ def _read_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} not found") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    for key in sorted(set(data) & set(RETIRED_SETTINGS)):
+        logger.warning("config file %s: %s has no effect any more (%s)", path, key, RETIRED_SETTINGS[key])
+        del data[key]
     unknown = sorted(set(data) - set(Settings.model_fields))
     if unknown:
         raise ConfigError(

@@ -1,4 +1,4 @@
-"""Logging: one format for everything the proxy logs (its own lines, uvicorn's), text or JSON.
+"""Logging: one format for everything the proxy logs (its own lines, its server's), text or JSON.
 
 Every answer gets one ``request`` line (``log_request``) with its fields: scheduled, pass-through,
 and the proxy's own rejections. In text form the fields follow the message as ``key=value``; in
@@ -75,7 +75,7 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str, log_format: LogFormat = "text") -> None:
-    """Install the one handler on the root logger (uvicorn's loggers propagate to it)."""
+    """Install the one handler on the root logger (the server's loggers propagate to it)."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     # No format here reads the thread, process or multiprocessing names: not looked up per record.
@@ -85,8 +85,8 @@ def configure_logging(level: str, log_format: LogFormat = "text") -> None:
     root.setLevel(level.upper())
     for name in ("httpx", "httpcore"):  # one INFO line per upstream call otherwise
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
-    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
-        uvicorn_logger = logging.getLogger(name)
-        uvicorn_logger.handlers[:] = []
-        uvicorn_logger.propagate = True
-    logging.getLogger("uvicorn.access").disabled = True  # our request line replaces it
+    for name in ("_granian", "granian.access"):
+        server_logger = logging.getLogger(name)
+        server_logger.handlers[:] = []
+        server_logger.propagate = True
+    logging.getLogger("granian.access").disabled = True  # our request line replaces it

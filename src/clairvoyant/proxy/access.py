@@ -7,8 +7,7 @@ Checked for every request (cheap: one SHA-256 and one dict lookup), by ``AccessC
   ``Authorization: Bearer KEY`` or ``X-Api-Key: KEY`` (llama-server's two forms). It is stored
   only as ``sha256:<hex>`` of its text; keys are random (``clairvoyant keys add``), so a plain hash
   is enough. A missing or unknown key is 401 in the dialect's error shape. The accepted key's
-  ``Identity`` (tenant, priority range, fair-share weight) goes with the request (for the ASGI
-  app, in ``scope["state"]``).
+  ``Identity`` (tenant, priority range, fair-share weight) goes with the request.
   The client's key is removed before anything is forwarded unless ``forward_client_key``.
 - **The pass-through allowlist** (``passthrough_allow``): which other paths and methods reach the
   backend. Unset: every path while the proxy listens on loopback only, else
@@ -24,16 +23,12 @@ import hashlib
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
-
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from clairvoyant.config import ApiKey, Settings
 from clairvoyant.errors import Forbidden, RequestError, Unauthorized
-from clairvoyant.logs import log_request
-from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, dialect_of_path, error_body
+from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS
 
-__all__ = ["DEFAULT_PASSTHROUGH_ALLOW", "AccessControl", "Denied", "Identity", "hash_key", "identity_of", "new_key"]
+__all__ = ["DEFAULT_PASSTHROUGH_ALLOW", "AccessControl", "Denied", "Identity", "hash_key", "new_key"]
 
 # "METHOD /path" exact, or "METHOD /prefix/*"; "*" as the method allows any.
 DEFAULT_PASSTHROUGH_ALLOW = (
@@ -44,7 +39,6 @@ DEFAULT_PASSTHROUGH_ALLOW = (
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 STATUS_PREFIXES = ("/queue", "/metrics", "/ui")
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
-IDENTITY_KEY = "clairvoyant.identity"  # where the accepted key's Identity is in scope["state"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,12 +79,9 @@ class Denied(Exception):
 
 
 class AccessControl:
-    """The rules described in the module docstring: ``admit`` for the requests the proxy serves
-    itself (scheduled and pass-through), and an ASGI layer in front of the app (its own endpoints)."""
+    """The rules described in the module docstring, checked by ``admit`` for every request."""
 
-    def __init__(self, app: ASGIApp, settings: Settings) -> None:
-        self.app = app
-        self.state = getattr(app, "state", None)  # the app's state (the server reads the dispatcher from it)
+    def __init__(self, settings: Settings) -> None:
         self.keys: dict[str, Identity] = {k.hash: _identity(k) for k in settings.api_keys}
         self.status_requires_key = settings.status_requires_key
         self.forward_client_key = settings.forward_client_key
@@ -122,19 +113,6 @@ class AccessControl:
             headers = [(k, v) for k, v in headers if k not in (b"authorization", b"x-api-key")]
         return identity, headers
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        try:
-            identity, scope["headers"] = self.admit(scope["method"], scope["path"], scope["headers"])
-        except Denied as denied:
-            await _refuse(scope, send, denied.error, denied.outcome)
-            return
-        if identity is not None:
-            scope.setdefault("state", {})[IDENTITY_KEY] = identity
-        await self.app(scope, receive, send)
-
     def _allowed(self, method: str, path: str) -> bool:
         if self.allow_all or (method, path) in self.exact or ("*", path) in self.exact:
             return True
@@ -152,18 +130,3 @@ def _presented_key(headers: Iterable[tuple[bytes, bytes]]) -> str:
         if name == b"authorization" and value[:7].lower() == b"bearer ":
             return value[7:].decode("latin-1").strip()
     return ""
-
-
-async def _refuse(scope: Scope, send: Send, error: RequestError, outcome: str) -> None:
-    """Answer ``error`` in the path's dialect, and its request line."""
-    body = error_body(dialect_of_path(scope["path"]), error)
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in error.headers.items()]
-    await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-    log_request({"method": scope["method"], "path": scope["path"], "status": error.status_code, "outcome": outcome})
-
-
-def identity_of(scope: Scope) -> Identity | None:
-    state: dict[str, Any] = scope.get("state") or {}
-    return state.get(IDENTITY_KEY)

@@ -1,8 +1,8 @@
-"""An httpx transport behind ``Upstream`` (tests inject ``httpx.MockTransport`` through
-``create_app(upstream_transport=...)``). The proxy itself serves with its own client
-(backend_connection.py); the rules (resend, timeouts, error translation) are ``Upstream``'s and
-the same for both: this module only moves bytes and classifies httpx's failures as
-``TransportError``.
+"""An httpx transport behind ``Upstream``: tests inject ``httpx.MockTransport`` (respx) through
+``create_app(upstream_transport=...)`` for what cannot run here (Ollama's native API, faults). The
+proxy itself serves with aiohttp (aiohttp_transport.py); the rules (resend, timeouts, error
+translation) are ``Upstream``'s and the same for both: this module only moves bytes and classifies
+httpx's failures as ``TransportError``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import httpx
 from clairvoyant.proxy.upstream import (
     KEEPALIVE_EXPIRY_S,
     FirstByteTimeout,
+    Headers,
     TransportError,
     UpstreamResponse,
     was_reset,
@@ -44,11 +45,12 @@ class _SendTrace:
         return was_reset(exc)
 
 
-class _HttpxResponse(UpstreamResponse):
-    __slots__ = ("_response",)
+class _HttpxResponse:
+    __slots__ = ("status_code", "raw_headers", "_response")
 
     def __init__(self, response: httpx.Response) -> None:
-        super().__init__(response.status_code, list(response.headers.raw))
+        self.status_code = response.status_code
+        self.raw_headers = list(response.headers.raw)
         self._response = response
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
@@ -80,15 +82,18 @@ class HttpxTransport:
         self,
         method: str,
         url: str,
-        headers: bytes,
+        headers: Headers,
         body: bytes,
         *,
-        close_connection: bool,
         first_byte_timeout_s: float | None = None,
     ) -> UpstreamResponse:
         trace = _SendTrace()
-        pairs = [(name, value) for name, _, value in (line.partition(b": ") for line in headers.split(b"\r\n") if line)]
-        request = self._client.build_request(method, url, headers=pairs, content=body, extensions={"trace": trace})
+        try:
+            request = self._client.build_request(
+                method, url, headers=headers, content=body, extensions={"trace": trace}
+            )
+        except (httpx.InvalidURL, ValueError) as exc:
+            raise TransportError("build", exc) from exc
         try:
             async with asyncio.timeout(first_byte_timeout_s):
                 return _HttpxResponse(await self._client.send(request, stream=True))

@@ -1,6 +1,6 @@
-"""TCP keepalive and a user timeout on a connection's socket: a peer whose host vanished without a
-FIN or a reset is found in minutes, not hours. Used on client connections (``client_keepalive_s``,
-proxy/connection.py) and backend connections (``backend_keepalive_s``, proxy/backend_connection.py).
+"""TCP keepalive and a user timeout on a backend connection's socket (``backend_keepalive_s``,
+proxy/aiohttp_transport.py): a backend whose host vanished without a FIN or a reset is found in
+minutes, not hours.
 """
 
 from __future__ import annotations
@@ -17,12 +17,10 @@ def tcp_keepalive(sock: Any, idle_s: float) -> None:
     or ~15 minutes (unacknowledged bytes). Idle: TCP keepalive probes after ``idle_s`` of silence,
     4 of them ``idle_s`` / 4 apart (whole seconds, at least 1). Bytes in flight: TCP_USER_TIMEOUT,
     at most 2 x ``idle_s`` unacknowledged. The socket then errors out (ETIMEDOUT) and its owner
-    sees the connection lost (a parked client: EPOLLERR in the parking lot).
+    sees the connection lost.
 
     A peer that is there answers probes and acknowledges bytes: not affected, however long it takes
-    to generate. One that stops reading (its window stays shut) is let go after the same
-    2 x ``idle_s`` on Linux 6 (measured on 6.18), as nginx's ``send_timeout`` lets a client go after
-    60 s; a client that does so held its slot meanwhile, its relay paused behind it."""
+    to generate."""
     if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
         return  # ``sock``: a transport's "socket" (None, or a Unix one: nothing to set)
     try:

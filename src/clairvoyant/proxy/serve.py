@@ -1,9 +1,8 @@
-"""`clairvoyant serve`: run the proxy (proxy/server.py: uvicorn with client limits and graceful shutdown)."""
+"""`clairvoyant serve`: run the proxy (proxy/server.py: Granian embedded, with graceful shutdown)."""
 
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 from pathlib import Path
 from typing import Any, get_args
@@ -51,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from clairvoyant.logs import configure_logging
     from clairvoyant.prediction.predictor import OnnxPredictor
     from clairvoyant.proxy.app import create_app
-    from clairvoyant.proxy.server import build_server
+    from clairvoyant.proxy.server import ProxyServer
 
     # Logging first, so that the settings' own warnings (unknown CLAIRVOYANT_* variables) are formatted;
     # the level comes from the settings once they are known.
@@ -64,15 +63,4 @@ def run(args: argparse.Namespace) -> int:
     # Load the model before binding the port: a bad model stops start-up with a clear message.
     predictor = OnnxPredictor(settings.model_path)
     logging.getLogger(__name__).info("predictor %s (feature set %s)", predictor.model_path, predictor.feature_set_name)
-    app = create_app(settings, predictor=predictor)
-    # Everything imported and loaded so far lives as long as the process: out of the cyclic
-    # collector's way, so that its full collections stop rescanning it under load (measured:
-    # docs/benchmarks.md section 6).
-    gc.collect()
-    gc.freeze()
-    # A young collection every 20,000 allocations, not 700: a request allocates and frees a few
-    # hundred objects, which mostly die before a collection sees them. Callgrind, one request at a
-    # time: -3.4% instructions, as much as with the collector off (docs/benchmarks.md section 22).
-    gc.set_threshold(20_000, 10, 10)
-    build_server(app, settings).run()
-    return 0
+    return ProxyServer(create_app(settings, predictor=predictor), settings).run()

@@ -1,73 +1,164 @@
-"""The HTTP server: the proxy's own connections (proxy/connection.py) under uvicorn's server loop,
-and a shutdown that answers everyone.
+"""The HTTP server: Granian, embedded in this process's event loop, serving the proxy's ASGI app.
 
-uvicorn keeps what it does well and the proxy does not need to own: binding the socket, running
-the lifespan, signals, refreshing the Date header once a second, waiting for open connections and
-tasks at shutdown. Its ``http=`` option takes the proxy's ``HttpConnection`` (a subclass carrying
-the app and the client limits), which does all the HTTP: uvicorn's own protocol and ASGI cycle are
-not on the request path (docs/design.md, "The client connection").
+Granian (its HTTP/1.1 is Rust's hyper) is chosen for one protection uvicorn and Hypercorn do not
+give: a deadline on the request head. ``client_timeout_s`` bounds how long a client may take to
+send its request line and headers, trickled or stalled, and how long a kept-alive connection may
+stay idle; the body's deadline is the app's (proxy/body.py). docs/design.md, "The server", says
+which protection comes from where. Embedded mode keeps one process and one event loop: the
+dispatcher, the learner and the requests share them.
 
-On SIGTERM (``ProxyServer.shutdown``): the dispatcher refuses every waiting request at once (503
-``shutting_down``, Retry-After), then uvicorn stops accepting and waits for the open answers,
-which the dispatcher ends with an error event after ``shutdown_grace_s``. uvicorn's own graceful
-timeout, two seconds later, is the backstop for pass-through requests.
+The life of the process (``run``): bind the port (a port already taken is a clear error and exit
+2, before anything says ready), run the app's lifespan (it logs "ready" once it has started),
+serve. On SIGTERM or SIGINT the dispatcher refuses every waiting request at once (503
+``shutting_down``, Retry-After); answers in flight get ``shutdown_grace_s`` to finish, after which
+the dispatcher ends each with an error event; then the server stops and the lifespan closes
+everything in reverse order.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import logging
+import signal
+import threading
+import time
 
-import uvicorn
+from granian.constants import HTTPModes, Interfaces
+from granian.http import HTTP1Settings
+from granian.server.embed import Server
 
 from clairvoyant.config import Settings
-from clairvoyant.proxy.connection import ClientLimits, HttpConnection
+from clairvoyant.proxy.app import ProxyApp
 
-__all__ = ["ClientLimits", "ProxyServer", "build_server"]
+__all__ = ["ProxyServer", "StartupFailed", "serve_in_thread"]
 
+logger = logging.getLogger(__name__)
 
-class ProxyServer(uvicorn.Server):
-    """uvicorn's server, with the dispatcher's refusal of the queue at the start of shutdown
-    (uvicorn would otherwise wait for every open connection, queued ones included, before the
-    application hears of it)."""
-
-    def __init__(self, config: uvicorn.Config, grace_s: float) -> None:
-        super().__init__(config)
-        self.grace_s = grace_s
-
-    async def shutdown(self, sockets: Any = None) -> None:
-        proxy = getattr(self.config.app.state, "proxy", None) if hasattr(self.config.app, "state") else None
-        if proxy is not None:
-            proxy.dispatcher.begin_shutdown(self.grace_s)
-        await super().shutdown(sockets)
+EXIT_CANNOT_BIND = 2
+EXIT_STARTUP_FAILED = 3
+STOP_POLL_S = 0.05  # seconds between checks that the answers in flight have ended, at shutdown
 
 
-def build_server(
-    app: Any, settings: Settings, *, host: str | None = None, port: int | None = None, log_level: str | None = None
-) -> ProxyServer:
-    """The proxy's server for ``app`` (a ``ProxyApp``, from ``create_app``) with ``settings``' limits."""
-    metrics = getattr(app, "metrics", None)
+class StartupFailed(Exception):
+    """The port could not be bound, or the app's start-up failed; ``exit_code`` says which."""
 
-    def on_rejected(reason: str) -> None:
-        if metrics is not None:
-            metrics.client_rejections.labels(reason).inc()
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
-    limits = ClientLimits(
-        settings.client_timeout_s, settings.max_header_bytes, settings.max_body_bytes, settings.max_connections,
-        settings.keep_alive_timeout_s, on_rejected, settings.client_keepalive_s,
-    )  # fmt: skip
-    protocol = type("ProxyConnection", (HttpConnection,), {"site": app, "limits": limits, "__slots__": ()})
-    config = uvicorn.Config(
-        app.asgi,
-        host=settings.host if host is None else host,
-        port=settings.port if port is None else port,
-        http=protocol,
-        log_level=settings.log_level if log_level is None else log_level,
-        access_log=False,  # the proxy logs one line per request itself (clairvoyant.logs)
-        log_config=None,  # uvicorn's loggers propagate to ours: one format
-        lifespan="on",
-        timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 2,  # backstop: the dispatcher ends answers first
-        server_header=False,  # the backend's own Server header is relayed
-        proxy_headers=False,  # nothing reads the client address: no X-Forwarded-* rewrite per request
-        date_header=True,
-    )
-    return ProxyServer(config, grace_s=settings.shutdown_grace_s)
+
+class _QuietEmbedWarning(logging.Filter):
+    """Granian warns that its embedded mode is experimental on every start; the proxy uses it on
+    purpose (see the module docstring), so the line is not repeated to operators."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Embedded server is experimental" not in record.getMessage()
+
+
+logging.getLogger("_granian").addFilter(_QuietEmbedWarning())
+
+
+class ProxyServer:
+    def __init__(self, app: ProxyApp, settings: Settings, *, host: str | None = None, port: int | None = None) -> None:
+        self.app = app
+        self.settings = settings
+        self.host = settings.host if host is None else host
+        self.port = settings.port if port is None else port
+        self._server = Server(
+            app,
+            address=self.host,
+            port=self.port,
+            interface=Interfaces.ASGI,
+            http=HTTPModes.http1,
+            websockets=False,
+            runtime_threads=1,
+            backlog=1024,
+            backpressure=settings.max_connections,
+            http1_settings=HTTP1Settings(
+                header_read_timeout=max(1, round(settings.client_timeout_s * 1000)),  # milliseconds
+                keep_alive=True,
+                max_buffer_size=settings.max_header_bytes,
+            ),
+            log_enabled=False,  # its loggers propagate to ours: one format
+        )
+        self.started = threading.Event()  # set once the port is bound and the app has started
+        self.stopped = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+
+    async def serve(self) -> None:
+        """Bind, start the app, serve until ``stop``. Raises ``StartupFailed``."""
+        self._loop = asyncio.get_running_loop()
+        serving = asyncio.create_task(self._server.serve(), name="granian")
+        ready = asyncio.create_task(self.app.started.wait(), name="app-started")
+        try:
+            await asyncio.wait((serving, ready), return_when=asyncio.FIRST_COMPLETED)
+            if serving.done():  # it ended before the app started: the port, or the app's start-up
+                ready.cancel()
+                error = serving.exception()
+                if error is not None and not self.app.startup_failed:
+                    raise StartupFailed(f"cannot listen on {self.host}:{self.port}: {error}", EXIT_CANNOT_BIND)
+                raise StartupFailed("the proxy failed to start (see the log above)", EXIT_STARTUP_FAILED)
+            self.started.set()
+            logger.info("serving on http://%s:%d", self.host, self.port)
+            await serving
+        finally:
+            ready.cancel()
+            self.stopped.set()
+
+    async def shutdown(self) -> None:
+        """Refuse the queue, give answers in flight the grace period, then stop the server."""
+        if self._stopping:
+            return
+        self._stopping = True
+        state = self.app.proxy
+        if state is not None:
+            grace_s = self.settings.shutdown_grace_s
+            state.dispatcher.begin_shutdown(grace_s)
+            deadline_s = time.monotonic() + grace_s + 1.0  # the dispatcher ends late answers at grace_s
+            while state.dispatcher.in_flight and time.monotonic() < deadline_s:
+                await asyncio.sleep(STOP_POLL_S)
+        self._server.stop()  # type: ignore[no-untyped-call]
+
+    def stop(self) -> None:
+        """Shut down from any thread (tests, the benchmarks' helpers)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.shutdown()))
+
+    def run(self) -> int:
+        """Serve in this thread until SIGTERM or SIGINT; the process's exit code."""
+
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(signum, lambda: asyncio.ensure_future(self.shutdown()))
+            await self.serve()
+
+        try:
+            asyncio.run(main())
+        except StartupFailed as failed:
+            logger.error("%s", failed)
+            return failed.exit_code
+        return 0
+
+
+def serve_in_thread(server: ProxyServer, timeout_s: float = 30.0) -> threading.Thread:
+    """Run ``server`` in a daemon thread (its own event loop) and wait until it serves. Raises
+    RuntimeError when it does not start within ``timeout_s``."""
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            asyncio.run(server.serve())
+        except BaseException as exc:  # reported to the caller below
+            failure.append(exc)
+            server.stopped.set()
+
+    thread = threading.Thread(target=target, name="clairvoyant-proxy", daemon=True)
+    thread.start()
+    deadline_s = time.monotonic() + timeout_s
+    while not server.started.wait(0.01):
+        if failure or server.stopped.is_set() or time.monotonic() > deadline_s:
+            raise RuntimeError(f"the proxy did not start: {failure[0] if failure else 'timed out'}")
+    return thread

@@ -1,23 +1,25 @@
-"""The HTTP client to the backend (Ollama or llama.cpp's server).
+"""The backend (Ollama, llama.cpp's server, vLLM, any OpenAI-compatible server) and the rules for
+talking to it.
 
-``Upstream`` owns the rules; a ``Transport`` only moves bytes and classifies its own failures.
-The production transport is the proxy's own HTTP/1.1 client on asyncio Protocols
-(``clairvoyant.proxy.backend_connection``): an O(1) pool of keep-alive connections per backend and
-httptools' parser, with no task per request (it replaced aiohttp, which had replaced httpx:
-docs/design.md, "The upstream client"). Tests may inject an httpx transport
-(``httpx.MockTransport``), adapted by ``clairvoyant.proxy.httpx_transport``. No module outside
-those two sees a client library.
+``Upstream`` owns the rules; a ``Transport`` only moves one request and classifies its own
+failures. The production transport is aiohttp's client (proxy/aiohttp_transport.py, chosen by
+measurement: docs/design.md, "The backend client"); tests may inject an httpx transport
+(``httpx.MockTransport``, adapted by proxy/httpx_transport.py). No other module sees a client
+library.
 
 Every transport failure is translated here into ``UpstreamUnavailable`` (502) or
 ``UpstreamTimeout`` (504). Client-facing messages never name the backend's address (it may carry
 credentials); the log detail does, with userinfo redacted.
 
-Timeouts: connect ``connect_timeout_s``; the response headers within ``first_byte_timeout_s`` of
+Timeouts: connect ``connect_timeout_s``; the response head within ``first_byte_timeout_s`` of
 sending (a cold model load, or a whole non-streamed answer); between body bytes ``read_timeout_s``
 (none by default: long answers take minutes).
 
 A request is sent again only when the backend cannot have acted on it (see ``TransportError``):
-nothing is ever resent after the backend may have read it, so a generation is never duplicated.
+nothing is resent after the backend may have read it, so a generation is never duplicated.
+
+A backend that let a first-byte deadline pass is *suspect*: it may be hung. The next request
+waits for its health check (as after a refused connection) instead of being sent into the hang.
 """
 
 from __future__ import annotations
@@ -35,51 +37,34 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from clairvoyant.errors import RequestError, UpstreamTimeout, UpstreamUnavailable
 
 __all__ = [
-    "HOP_BY_HOP", "FirstByteTimeout", "Transport", "TransportError", "Upstream", "UpstreamResponse",
-    "forwardable_headers", "header_bytes", "header_value", "redact_url", "rendered_headers", "response_headers",
+    "FirstByteTimeout", "Headers", "Transport", "TransportError", "Upstream", "UpstreamResponse",
+    "forwardable_headers", "redact_url", "response_headers", "was_reset",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
+Headers = list[tuple[str, str]]  # (name, value) pairs as text (latin-1), names in lower case
+
 # Resends of a request the backend provably never read (a reused connection it had closed).
 UNREAD_RETRIES = 2
 # Pooled connections idle longer than this are dropped, below the 5 s idle timeout of llama.cpp's
-# server and uvicorn: closing first ourselves avoids racing the backend's close of an idle connection.
+# server and of uvicorn (Ollama's is Go's, 5 s too): closing first ourselves avoids racing the backend's close of an idle connection.
 KEEPALIVE_EXPIRY_S = 2.0
 HEALTH_PATH = "/health"  # llama.cpp: 503 while the model loads; other backends 404 (alive is enough)
 
-# RFC 9110 7.6.1 hop-by-hop headers, plus those the proxy recomputes itself.
+# RFC 9110 7.6.1 hop-by-hop headers, plus those the proxy sets itself.
 HOP_BY_HOP = frozenset(
     {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"trailers",
-        b"transfer-encoding",
-        b"upgrade",
-        b"host",
+        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te",
+        "trailer", "trailers", "transfer-encoding", "upgrade", "host",
     }
-)
-_NOT_FORWARDED = HOP_BY_HOP | {b"content-length"}  # the body is sent whole, with our own length
+)  # fmt: skip
+# Never forwarded upstream: the body goes whole with our own length, and Expect was answered by
+# the proxy's server (a backend must not answer it a second time).
+_NOT_FORWARDED = HOP_BY_HOP | {"content-length", "expect"}
+# Never relayed to the client: the proxy's server sets its own Date and Server.
+_NOT_RELAYED = HOP_BY_HOP | {"date", "server"}
 _RESET_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE})
-
-
-def header_bytes(text: str) -> bytes:
-    """A header's (or request line's) text as bytes: latin-1, UTF-8 beyond it (a configured
-    credential or host name)."""
-    try:
-        return text.encode("latin-1")
-    except UnicodeEncodeError:
-        return text.encode()
-
-
-def _connection_tokens(value: bytes) -> list[bytes]:
-    """The header names a Connection header lists (hop-by-hop for this message too)."""
-    return [token.strip().lower() for token in value.split(b",")]
 
 
 def redact_url(url: str) -> str:
@@ -91,73 +76,41 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"***@{host}"))
 
 
+def _named_in_connection(pairs: Iterable[tuple[str, str]]) -> set[str]:
+    """The header names a Connection header lists (hop-by-hop for this message too)."""
+    return {token.strip().lower() for name, value in pairs if name == "connection" for token in value.split(",")}
+
+
 def forwardable_headers(
-    headers: Iterable[tuple[bytes, bytes]], drop: Container[bytes] = ()
-) -> tuple[bytes, bytes | None, dict[bytes, bytes]]:
-    """A request's end-to-end headers rendered as header lines (``name: value\\r\\n``, names in
-    lower case: what the backend client writes as they are), its Authorization value (None:
+    raw: Iterable[tuple[bytes, bytes]], drop: Container[str] = ()
+) -> tuple[Headers, str | None, dict[str, str]]:
+    """A request's end-to-end headers (the server's raw pairs), its Authorization value (None:
     none; kept apart, a backend's own credentials replace it), and the first value of each header
     in ``drop`` (the proxy's own: read, not forwarded). Dropped too: hop-by-hop headers, those
-    named in Connection, and Content-Length (the body is re-sent whole, with its own length)."""
-    kept = []
-    dropped: dict[bytes, bytes] = {}
-    authorization: bytes | None = None
-    named: list[bytes] | None = None
-    for name, value in headers:
-        name = name.lower()
-        if name in _NOT_FORWARDED:
-            if name == b"connection":
-                named = (named or []) + _connection_tokens(value)
-        elif name in drop:
+    named in Connection, Content-Length and Expect."""
+    pairs = [(name.decode("latin-1").lower(), value.decode("latin-1")) for name, value in raw]
+    named = _named_in_connection(pairs)
+    kept: Headers = []
+    dropped: dict[str, str] = {}
+    authorization: str | None = None
+    for name, value in pairs:
+        if name in _NOT_FORWARDED or name in named:
+            continue
+        if name in drop:
             dropped.setdefault(name, value)
-        elif name == b"authorization":
+        elif name == "authorization":
             authorization = value if authorization is None else authorization
         else:
             kept.append((name, value))
-    if named:
-        kept = [(k, v) for k, v in kept if k not in named]
-        if b"authorization" in named:
-            authorization = None
-    return b"".join([b"%b: %b\r\n" % pair for pair in kept]), authorization, dropped
+    return kept, authorization, dropped
 
 
-def rendered_headers(pairs: Iterable[tuple[str, str]]) -> bytes:
-    """(name, value) pairs of text as header lines."""
-    return b"".join([b"%b: %b\r\n" % (header_bytes(name), header_bytes(value)) for name, value in pairs])
-
-
-def header_value(lines: bytes, name: bytes) -> bytes | None:
-    """The value of header ``name`` (lower case) in rendered header lines, or None."""
-    at = lines.find(name + b": ")
-    while at > 0 and lines[at - 1 : at] != b"\n":  # not at a line's start: part of another line
-        at = lines.find(name + b": ", at + 1)
-    if at < 0:
-        return None
-    start = at + len(name) + 2
-    return lines[start : lines.find(b"\r\n", start)]
-
-
-def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> tuple[bytes, int]:
-    """The backend's end-to-end response headers as header lines (lower-case names), less its Date
-    (the proxy's server sets one; its Server header is off, so the backend's stays the only one),
-    and its Content-Length (-1: none). Content-Length is kept: the body is relayed byte for byte."""
-    out = []
-    named: list[bytes] | None = None
-    length = -1
-    for name, value in raw:
-        name = name.lower()
-        if name in HOP_BY_HOP or name == b"date":
-            if name == b"connection":
-                named = (named or []) + _connection_tokens(value)
-            continue
-        if name == b"content-length":
-            length = int(value) if value.isdigit() else -1
-        out.append((name, value))
-    if named:
-        out = [(k, v) for k, v in out if k not in named]
-        if b"content-length" in named:
-            length = -1
-    return b"".join([b"%b: %b\r\n" % pair for pair in out]), length
+def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The backend's end-to-end response headers (lower-case names), less the ones the proxy's
+    server sets itself. Content-Length is kept: the body is relayed byte for byte."""
+    pairs = [(name.lower(), value) for name, value in raw]
+    named = {t.strip().lower() for n, v in pairs if n == b"connection" for t in v.split(b",")}
+    return [(name, value) for name, value in pairs if name.decode("latin-1") not in _NOT_RELAYED and name not in named]
 
 
 class FirstByteTimeout(TimeoutError):
@@ -166,17 +119,20 @@ class FirstByteTimeout(TimeoutError):
 
 class TransportError(Exception):
     """A transport's failure, classified for ``Upstream``: ``connect`` (the connection could not be
-    opened: nothing was sent), ``timeout``, or ``failed``. ``never_read`` is True only when the
+    opened: nothing was sent), ``build`` (the request could not be made: nothing was sent, and
+    waiting will not help), ``timeout``, or ``failed``. ``never_read`` is True only when the
     backend provably did not act on the request: it was not fully written, or the backend reset
     the connection before answering. A reset means the backend closed with our bytes unread in its
     socket (a socket closed after reading everything sends a FIN, not a reset), and a backend
-    cannot act on a request it has not read whole. This holds on any connection: a reused one the
-    backend had closed, the spare opened ahead, or a new one accepted by a backend that was dying.
-    A clean close after the request went out is never resent: the backend may have read it and be
-    generating."""
+    cannot act on a request it has not read whole. A clean close after the request went out is
+    never resent: the backend may have read it and be generating."""
 
     def __init__(
-        self, kind: Literal["connect", "timeout", "failed"], cause: BaseException, *, never_read: bool = False
+        self,
+        kind: Literal["connect", "build", "timeout", "failed"],
+        cause: BaseException,
+        *,
+        never_read: bool = False,
     ) -> None:
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.kind = kind
@@ -196,61 +152,38 @@ def was_reset(exc: BaseException) -> bool:
     return False
 
 
-class UpstreamResponse:
+class UpstreamResponse(Protocol):
     """The backend's status and headers, with the body not yet read. Read it with ``aiter_raw``
     (raw, undecoded bytes as they arrive; raises ``TransportError``); always ``aclose``."""
 
-    __slots__ = ("status_code", "raw_headers")
+    status_code: int
+    raw_headers: list[tuple[bytes, bytes]]  # as received; names in the backend's case
 
-    def __init__(self, status_code: int, raw_headers: list[tuple[bytes, bytes]]) -> None:
-        self.status_code = status_code
-        self.raw_headers = raw_headers  # as received; names in the backend's case
+    def aiter_raw(self) -> AsyncIterator[bytes]: ...
 
-    def header(self, name: bytes) -> str:
-        """One header's value ('' when absent); ``name`` in lower case."""
-        for k, v in self.raw_headers:
-            if k.lower() == name:
-                return v.decode("latin-1")
-        return ""
+    async def aclose(self) -> None: ...
 
-    def ready(self) -> bytes:
-        """Body bytes already received, taken now without waiting (b"" when none): the relay sends
-        them with the head, in one write."""
-        return b""
 
-    def complete(self) -> bool:
-        """Whether the whole body has been received and taken (by ``ready``): nothing more to read."""
-        return False
-
-    def aiter_raw(self) -> AsyncIterator[bytes]:
-        raise NotImplementedError
-
-    async def aclose(self) -> None:
-        raise NotImplementedError
+def header(response: UpstreamResponse, name: bytes) -> str:
+    """One response header's value ('' when absent); ``name`` in lower case."""
+    for k, v in response.raw_headers:
+        if k.lower() == name:
+            return v.decode("latin-1")
+    return ""
 
 
 class Transport(Protocol):
     """Moves one request to the backend. ``send`` raises only ``TransportError``."""
 
     async def send(
-        self,
-        method: str,
-        url: str,
-        headers: bytes,
-        body: bytes,
-        *,
-        close_connection: bool,
-        first_byte_timeout_s: float | None = None,
+        self, method: str, url: str, headers: Headers, body: bytes, *, first_byte_timeout_s: float | None = None
     ) -> UpstreamResponse:
-        """``headers``: header lines, written as they are (Host and Content-Length are the
-        transport's). Raises ``TransportError``; ``timeout`` with a ``FirstByteTimeout`` cause when
-        no answer's head came within ``first_byte_timeout_s`` of sending."""
+        """``url``: already encoded, sent as it is. ``headers``: sent as they are (Host and
+        Content-Length are the transport's). Raises ``TransportError``; ``timeout`` with a
+        ``FirstByteTimeout`` cause when no answer's head came within ``first_byte_timeout_s``."""
         ...
 
     async def aclose(self) -> None: ...
-
-
-# --- the rules -------------------------------------------------------------------------------
 
 
 class Upstream:
@@ -268,29 +201,29 @@ class Upstream:
         name: str = "default",
         keepalive_s: float = 0.0,  # TCP keepalive idle seconds on its connections (proxy/keepalive.py); 0 = off
     ) -> None:
-        """``transport``: None (``backend_connection.ProtocolTransport``), a ``Transport``, or an
-        httpx transport (tests)."""
+        """``transport``: None (aiohttp), a ``Transport``, or an httpx transport (tests)."""
         self.name = name  # the backend's name in the pool
         self.display_url = redact_url(base_url.rstrip("/"))
         # Credentials in the URL become an Authorization header: the URL the client library holds
         # (and may log) has none. The backend's own key (``api_key``) wins over them.
         parts = urlsplit(base_url.rstrip("/"))
-        self._authorization: bytes | None = None  # the backend's own Authorization value
+        self._authorization: str | None = None  # the backend's own Authorization value
         if parts.username is not None or parts.password is not None:
             userinfo = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
-            self._authorization = b"Basic " + base64.b64encode(userinfo.encode())
+            self._authorization = "Basic " + base64.b64encode(userinfo.encode()).decode()
             parts = parts._replace(netloc=parts.netloc.rsplit("@", 1)[1])
         if api_key is not None:
-            self._authorization = b"Bearer " + header_bytes(api_key)
+            self._authorization = "Bearer " + api_key
         self.base_url = urlunsplit(parts)
-        self.down_since_s: float | None = None  # time.monotonic() of the first refused connection of an outage
+        self.down_since_s: float | None = None  # time.monotonic() of the first failure of an outage
+        self.suspect = False  # a first-byte deadline passed: health-checked before the next request
         self.first_byte_timeout_s = first_byte_timeout_s
         self._transport: Transport
         if transport is None:
-            from clairvoyant.proxy.backend_connection import ProtocolTransport  # it builds on this module
+            from clairvoyant.proxy.aiohttp_transport import AiohttpTransport
 
-            self._transport = ProtocolTransport(
-                connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s, tcp_keepalive_s=keepalive_s
+            self._transport = AiohttpTransport(
+                connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s, keepalive_s=keepalive_s
             )
         elif hasattr(transport, "handle_async_request"):  # an httpx transport: tests only
             from clairvoyant.proxy.httpx_transport import HttpxTransport
@@ -301,68 +234,63 @@ class Upstream:
         else:
             self._transport = transport
 
-    def _translate(self, exc: BaseException, what: str) -> RequestError:
+    def _translate(self, exc: TransportError | TimeoutError, what: str) -> RequestError:
         cause = exc.cause if isinstance(exc, TransportError) else exc
-        detail = f"{what} at {self.display_url}: {type(cause).__name__}: {cause}"
-        if isinstance(exc, TimeoutError) or (isinstance(exc, TransportError) and exc.kind == "timeout"):
+        detail = f"{what} at {self.display_url}: {describe(cause)}"
+        if isinstance(exc, TimeoutError) or exc.kind == "timeout":
             return UpstreamTimeout(f"the backend did not answer in time ({what})", detail=detail)
         return UpstreamUnavailable(f"the backend failed ({what})", detail=detail)  # its cause in the log only
 
     async def open(
         self,
         method: str,
-        path: str,
+        target: str,
         *,
-        query: str = "",
-        headers: bytes | Iterable[tuple[str, str]] = b"",
-        authorization: bytes | None = None,
+        headers: Iterable[tuple[str, str]] = (),
+        authorization: str | None = None,
         body: bytes = b"",
         close_connection: bool = False,
     ) -> UpstreamResponse:
         """Send a request and return the response with its body not yet read. Close it with ``aclose``.
 
-        ``close_connection`` asks the backend to close the connection after this answer (for
-        streamed answers: llama.cpp's server closes its connection after every stream without
-        saying so, and a request sent on it in that instant would meet a close it cannot tell
-        from a backend that read it and died); the proxy closes it too, never pooling it.
-
-        ``headers``: the end-to-end header lines to forward (``forwardable_headers``: no
-        hop-by-hop ones, no Content-Length, no Authorization), or (name, value) pairs of such
-        headers; ``authorization``: the client's, sent unless the backend has credentials of its own.
+        ``target``: the path (raw, as the client sent it) and query. ``headers``: the end-to-end
+        headers to forward (``forwardable_headers``); ``authorization``: the client's, sent unless
+        the backend has credentials of its own. ``close_connection`` asks the backend to close the
+        connection after this answer (llama.cpp's server closes its connection after every stream
+        without saying so; a request sent on it in that instant would meet a close it cannot tell
+        from a backend that read it and died).
 
         Raises ``UpstreamUnavailable`` (``never_sent`` when the connection could not be opened) or
         ``UpstreamTimeout``.
         """
-        url = self.base_url + path + (f"?{query}" if query else "")
-        forwarded = headers if isinstance(headers, bytes) else rendered_headers(headers)
+        forwarded = list(headers)
         if self._authorization is not None:  # the backend's own credentials replace the client's
-            forwarded += b"authorization: %b\r\n" % self._authorization
+            forwarded.append(("authorization", self._authorization))
         elif authorization is not None:
-            forwarded += b"authorization: %b\r\n" % authorization
+            forwarded.append(("authorization", authorization))
         if close_connection:
-            forwarded += b"connection: close\r\n"
-        send = self._transport.send
-        first_byte_timeout_s = self.first_byte_timeout_s
+            forwarded.append(("connection", "close"))
+        url = self.base_url + target
+        timeout_s = self.first_byte_timeout_s
         for attempt in range(UNREAD_RETRIES + 1):
             try:
-                response = await send(
-                    method, url, forwarded, body, close_connection=close_connection,
-                    first_byte_timeout_s=first_byte_timeout_s,
-                )  # fmt: skip
-                self.down_since_s = None
-                return response
+                response = await self._transport.send(method, url, forwarded, body, first_byte_timeout_s=timeout_s)
             except TransportError as exc:
                 if isinstance(exc.cause, FirstByteTimeout):  # the deadline the transport keeps for us
-                    raise self._translate(exc, f"no response headers within {first_byte_timeout_s} s") from None
+                    self.suspect = True
+                    raise self._translate(exc, f"no response headers within {timeout_s} s") from None
                 if exc.kind == "connect":
                     if self.down_since_s is None:
                         self.down_since_s = time.monotonic()
-                    detail = f"{method} {path} at {self.display_url}: {type(exc.cause).__name__}: {exc.cause}"
+                    detail = f"{method} {target} at {self.display_url}: {describe(exc.cause)}"
                     raise UpstreamUnavailable("the backend is unreachable", detail=detail, never_sent=True) from exc
                 if exc.kind == "failed" and attempt < UNREAD_RETRIES and exc.never_read:
                     logger.debug("the backend closed a reused connection without reading (%s); resending", exc)
                     continue
-                raise self._translate(exc, f"{method} {path}") from exc
+                raise self._translate(exc, f"{method} {target}") from exc
+            self.down_since_s = None
+            self.suspect = False
+            return response
         raise AssertionError("unreachable")
 
     async def iter_body(self, response: UpstreamResponse) -> AsyncIterator[bytes]:
@@ -422,6 +350,7 @@ class Upstream:
         while not give_up():
             if await self.probe() is None:
                 self.down_since_s = None
+                self.suspect = False
                 return True
             remaining_s = deadline_s - time.monotonic()
             if remaining_s <= 0:
@@ -432,3 +361,9 @@ class Upstream:
 
     async def aclose(self) -> None:
         await self._transport.aclose()
+
+
+def describe(exc: BaseException) -> str:
+    """An exception as log text that is never empty (``TimeoutError()`` prints as '')."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

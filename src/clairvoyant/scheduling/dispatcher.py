@@ -34,10 +34,10 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from clairvoyant.clock import Clock
 from clairvoyant.errors import QueueFull, RequestError
@@ -53,7 +53,7 @@ from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
 
 __all__ = [
     "GRANTED", "ID_PREFIX", "REFUSED", "WAITING", "WITHDRAWN", "Backend", "Dispatcher", "Lease", "ModelNotServed",
-    "ShuttingDown", "Ticket", "Waiter",
+    "ShuttingDown", "Ticket",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -100,18 +100,6 @@ class ModelNotServed(RequestError):
 WAITING, GRANTED, WITHDRAWN, REFUSED = 0, 1, 2, 3  # how a ticket's wait for a slot ended (Ticket.wait)
 
 
-class Waiter(Protocol):
-    """Told when a ticket's wait for a slot ends (``Ticket.wait``), on the event loop. A ticket
-    waiting with a waiter holds no task and no future."""
-
-    def wait_ended(self, ticket: Ticket) -> None: ...
-
-    def interrupt(self) -> bool:
-        """End the answer being relayed now (the shutdown's grace period is over). False if there
-        is none (not dispatched yet, or over)."""
-        ...
-
-
 def _settle(future: asyncio.Future[int], ticket: Ticket) -> None:
     if ticket.wait == GRANTED:
         future.set_result(-1 if ticket.backend is None else ticket.backend)
@@ -128,7 +116,7 @@ class Ticket(Job["Ticket"]):
     wait (benchmarks/bench_waiting_memory.py measures the bytes per waiting request)."""
 
     __slots__ = (
-        "given_id", "endpoint", "dialect", "model", "prediction", "prompt_tokens", "wait", "waiter", "refusal",
+        "given_id", "endpoint", "dialect", "model", "prediction", "prompt_tokens", "wait", "interrupt", "refusal",
         "_future", "backend", "slot", "dispatched_s", "grants_before_arrival", "queue_position", "held_back",
         "refused_by", "ended",
     )  # fmt: skip
@@ -160,7 +148,9 @@ class Ticket(Job["Ticket"]):
         self.prompt_tokens = prompt_tokens
         # How its wait for a slot ended: WAITING (or waiting again, rerouted), GRANTED, WITHDRAWN or REFUSED.
         self.wait = WAITING
-        self.waiter: Waiter | None = None  # told when the wait ends (the proxy's exchange: no task waits)
+        # Ends the answer being relayed now (the shutdown's grace period is over): False if there is
+        # none. Set by the proxy while the request holds its slot.
+        self.interrupt: Callable[[], bool] | None = None
         self.refusal: RequestError | None = None  # why it was REFUSED
         self._future: asyncio.Future[int] | None = None  # ``granted``, made on first use
         self.backend: int | None = None  # the granted backend's index in the pool
@@ -187,19 +177,17 @@ class Ticket(Job["Ticket"]):
         return future
 
     def wait_again(self) -> None:
-        """Rerouted: a new wait (a new future for ``granted``; the waiter is told again)."""
+        """Rerouted: a new wait (a new future for ``granted``)."""
         self.wait = WAITING
         self._future = None
 
     def end_wait(self, outcome: int, refusal: RequestError | None = None) -> None:
         """The wait ends with ``outcome`` (GRANTED, WITHDRAWN or REFUSED): the future, if one was
-        made, is settled and the waiter told, at once."""
+        made, is settled at once."""
         self.wait = outcome
         self.refusal = refusal
         if self._future is not None and not self._future.done():
             _settle(self._future, self)
-        if self.waiter is not None:
-            self.waiter.wait_ended(self)
 
     @property
     def request_id(self) -> str:
@@ -322,7 +310,7 @@ class Dispatcher:
 
     def _interrupt_running(self) -> None:
         for ticket in self._all_running():
-            if ticket.waiter is not None and ticket.waiter.interrupt():
+            if ticket.interrupt is not None and ticket.interrupt():
                 logger.warning("request_id=%s: shutdown grace period over; ended its answer", ticket.request_id)
 
     async def stop(self, timeout_s: float = 5.0) -> None:
@@ -442,16 +430,11 @@ class Dispatcher:
         """Predicted service seconds of a request (the service-time model)."""
         return self.service_time.predict_s(model, prompt_tokens, output_tokens)
 
-    def submit(self, ticket: Ticket) -> None:
-        """Queue a ticket (its own job record, its predicted fields filled in).
-
-        Raises ``ShuttingDown`` after ``stop``, ``ModelNotServed`` when no backend serves its model,
-        and ``QueueFull`` at capacity, with a Retry-After computed from the predicted time until
-        the queue's tail is dispatched.
-        """
+    def check_room(self) -> None:
+        """Raise what ``submit`` would refuse any request for now: ``ShuttingDown``, or ``QueueFull``
+        with a Retry-After computed from the predicted time until the queue's tail is dispatched."""
         if self._closing:
             raise ShuttingDown("the proxy is shutting down; retry")
-        self._check_model(ticket.model)
         if self.waiting >= self.max_queue:
             tail_eta_s = self._etas(self.clock.now())[1]
             retry = max(self.min_retry_after_s, min(3600, math.ceil(tail_eta_s)))
@@ -459,35 +442,20 @@ class Dispatcher:
                 f"the scheduling queue is full ({self.max_queue} requests waiting); retry later",
                 retry_after_s=retry,
             )
+
+    def submit(self, ticket: Ticket) -> None:
+        """Queue a ticket (its own job record, its predicted fields filled in).
+
+        Raises ``ShuttingDown`` after ``stop``, ``ModelNotServed`` when no backend serves its model,
+        and ``QueueFull`` at capacity (``check_room``).
+        """
+        self.check_room()
+        self._check_model(ticket.model)
         self.queue.push(ticket)
         self.metrics.depth_by_class[ticket.predicted_class].inc()
         # O(1) on purpose: ordering the whole queue per arrival would cost O(n log n) at depth n.
         ticket.grants_before_arrival = self._grants
         self._schedule_pump()
-
-    def dispatch_at_once(self, ticket: Ticket) -> bool:
-        """Grant ``ticket`` a slot now, before its prediction, if a backend for it has a free
-        slot and nobody waits (there is no order to decide); False otherwise (then predict and
-        ``submit``). The caller predicts while the backend works, fills in the ticket's predicted
-        fields and calls ``predicted_at_once``."""
-        if self._closing or not self._started or self.waiting > 0:
-            return False
-        backend = self._route(ticket)
-        if backend is None:
-            return False
-        ticket.grants_before_arrival = self._grants
-        # Through the queue all the same (its tenant accounting, and done() at release): pushed and
-        # popped at once, which take_now does without the heaps.
-        self.queue.take_now(ticket, self.clock.now())
-        self._grant(backend, ticket, observe_wait=False)
-        return True
-
-    def predicted_at_once(self, ticket: Ticket, old_predicted_s: float) -> None:
-        """A ticket dispatched at once has its prediction: charge its tenant's fair share the
-        predicted seconds (it was charged ``old_predicted_s``, the job's default, at dispatch) and
-        observe its queue wait, now that its class is known."""
-        self.queue.repriced(ticket, old_predicted_s)
-        self.observe_wait(ticket)
 
     def repredicted(self, ticket: Ticket, prediction: Prediction) -> bool:
         """A waiting ticket's prediction was refined (the encoder's second opinion, see
@@ -506,12 +474,6 @@ class Dispatcher:
             self.metrics.depth_by_class[old_class].dec()
             self.metrics.depth_by_class[ticket.predicted_class].inc()
         return True
-
-    def observe_wait(self, ticket: Ticket) -> None:
-        """The queue-wait observation of a ticket dispatched at once, once its class is known."""
-        wait_s = ticket.queue_wait_s()
-        if wait_s is not None:
-            self.metrics.wait_by_class[ticket.predicted_class].observe(wait_s)
 
     def lease(self, ticket: Ticket) -> _LeaseScope:
         """``async with dispatcher.lease(ticket) as lease``: wait for the ticket's turn, hold its
@@ -653,7 +615,7 @@ class Dispatcher:
                     if backend is not None:
                         self._held_back.remove(ticket)
                         ticket.held_back = False
-                        self._grant(backend, ticket, observe_wait=True)
+                        self._grant(backend, ticket)
             now = self.clock.now()
             while any(b.free for b in self.backends):
                 got = self.queue.pop(now)
@@ -672,11 +634,11 @@ class Dispatcher:
                     ticket.held_back = True  # its backends are busy: first in line for them
                     self._held_back.append(ticket)
                     continue
-                self._grant(backend, ticket, observe_wait=True)
+                self._grant(backend, ticket)
         except Exception:  # dispatching must never stop: log, and try again next turn
             logger.exception("dispatcher: unexpected error")
 
-    def _grant(self, index: int, ticket: Ticket, *, observe_wait: bool) -> None:
+    def _grant(self, index: int, ticket: Ticket) -> None:
         backend = self.backends[index]
         slot = backend.free.pop()
         first = ticket.dispatched_s is None  # a reroute's grant is not its first: counted once
@@ -684,9 +646,8 @@ class Dispatcher:
         # header and the wait figures), not service time (the service-time model learns from it).
         ticket.dispatched_s = self.clock.now()
         if first:
-            if observe_wait:
-                self.metrics.depth_by_class[ticket.predicted_class].dec()
-                self.metrics.wait_by_class[ticket.predicted_class].observe(ticket.dispatched_s - ticket.arrival_s)
+            self.metrics.depth_by_class[ticket.predicted_class].dec()
+            self.metrics.wait_by_class[ticket.predicted_class].observe(ticket.dispatched_s - ticket.arrival_s)
             ticket.queue_position = self._grants - ticket.grants_before_arrival
         ticket.backend = index
         ticket.slot = slot

@@ -19,7 +19,6 @@ import asyncio
 import logging
 import math
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -68,29 +67,20 @@ def _free_port() -> int:
 
 @contextmanager
 def proxy_server(settings: Any, **app_kwargs: Any) -> Iterator[str]:
-    """Run ``create_app(settings)`` on the proxy's server (real uvicorn) in a thread on a free loopback port; yield its URL.
+    """Run ``create_app(settings)`` on the proxy's server (real Granian) in a thread on a free loopback port; yield its URL.
 
     Raises RuntimeError if it does not start within 30 s (a model that fails to load fails here).
     """
     from clairvoyant.proxy.app import create_app
-    from clairvoyant.proxy.server import build_server
+    from clairvoyant.proxy.server import ProxyServer, serve_in_thread
 
     port = _free_port()
-    server = build_server(
-        create_app(settings, **app_kwargs), settings, host="127.0.0.1", port=port, log_level="warning"
-    )
-    thread = threading.Thread(target=server.run, name="clairvoyant-bench-proxy", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            server.should_exit = True
-            raise RuntimeError("the proxy did not start (see the log above)")
-        time.sleep(0.01)
+    server = ProxyServer(create_app(settings, **app_kwargs), settings, host="127.0.0.1", port=port)
+    thread = serve_in_thread(server)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        server.should_exit = True
+        server.stop()
         thread.join(timeout=15)
 
 

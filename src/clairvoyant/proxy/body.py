@@ -1,0 +1,106 @@
+"""Reading a request's body: whole, within a deadline, a size limit and a process-wide budget.
+
+The proxy reads every body whole before it forwards anything and sends it upstream with its own
+Content-Length, so no framing of the client's reaches the backend (no request smuggling through
+Transfer-Encoding or Content-Length tricks). What that costs is bounded here:
+
+- ``max_body_bytes`` per request: 413, at once when Content-Length says so;
+- ``client_timeout_s`` for the whole body (a stalled or trickling upload): 408;
+- ``BodyBudget``: the bytes of all bodies held at once (read, or waiting in the queue) stay under
+  ``body_budget_bytes``; a body that does not fit is 503 with Retry-After. Without it, N clients
+  each holding a body just under the limit would hold N times the limit.
+
+The server sends ``100 Continue`` when the app first asks for the body, so a caller that checks the
+request's key, path and queue room before calling ``read_body`` never invites a refused upload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from clairvoyant.errors import ClientGone, PayloadTooLarge, RequestError, RequestTimeout
+
+__all__ = ["BodyBudget", "BudgetExhausted", "declared_length", "read_body"]
+
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+
+BUDGET_RETRY_AFTER_S = 1  # seconds: held bodies leave as their requests are answered
+
+
+class BudgetExhausted(RequestError):
+    status_code = 503
+    error_type = "server_error"
+    code = "body_budget_exhausted"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(BUDGET_RETRY_AFTER_S)}
+
+
+class BodyBudget:
+    """The bytes of request bodies the process holds at once, against a limit."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self.held_bytes = 0
+
+    def take(self, n_bytes: int) -> None:
+        """Hold ``n_bytes`` more; raises ``BudgetExhausted`` (holding nothing more) when they do not fit."""
+        if self.held_bytes + n_bytes > self.limit_bytes:
+            raise BudgetExhausted("the proxy holds as many request bodies as it may; retry shortly")
+        self.held_bytes += n_bytes
+
+    def give_back(self, n_bytes: int) -> None:
+        self.held_bytes -= n_bytes
+
+
+def declared_length(headers: list[tuple[bytes, bytes]], max_bytes: int) -> int | None:
+    """The request's Content-Length, or None (chunked, or none); the server has checked its form.
+    Raises ``PayloadTooLarge`` above ``max_bytes``."""
+    for name, value in headers:
+        if name == b"content-length":
+            if int(value) > max_bytes:
+                raise PayloadTooLarge(f"the request body is larger than {max_bytes} bytes")
+            return int(value)
+    return None
+
+
+async def read_body(
+    receive: Receive, *, declared_bytes: int | None, max_bytes: int, timeout_s: float, budget: BodyBudget
+) -> tuple[bytes, int]:
+    """The whole body and the bytes taken from ``budget`` for it (the caller gives them back with
+    ``budget.give_back`` when the request is over; on an exception nothing stays taken).
+
+    Raises ``PayloadTooLarge``, ``BudgetExhausted``, ``RequestTimeout`` (not whole within
+    ``timeout_s`` seconds) or ``ClientGone`` (the client left while uploading)."""
+    if declared_bytes is not None:  # ``declared_length``'s, within the limit
+        budget.take(declared_bytes)
+    taken = declared_bytes or 0
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientGone("the client left while sending its request")
+                chunk = message.get("body", b"")
+                if chunk:
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise PayloadTooLarge(f"the request body is larger than {max_bytes} bytes")
+                    if size > taken:
+                        budget.take(size - taken)
+                        taken = size
+                    chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+    except TimeoutError:
+        budget.give_back(taken)
+        raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
+    except BaseException:
+        budget.give_back(taken)
+        raise
+    return b"".join(chunks), taken

@@ -1,0 +1,321 @@
+"""The relay of one backend answer to one client, over ASGI.
+
+``Relay.run`` opens the upstream request and relays status, headers and body as they arrive,
+through a ``Responder`` (the ASGI ``send`` of the client's request). Scheduled and pass-through
+requests share it.
+
+Opening waits out a backend that cannot take the request yet, since nothing has been generated:
+a refused connection (or, for a scheduled request, a 503 from a model still loading) is retried
+after the backend's health check passes, up to ``backend_wait_s`` from the outage's start; a
+pool may instead hand the request to another backend (``failover``). A backend that let a
+first-byte deadline pass is health-checked before the next request goes to it.
+
+Once the status is sent it cannot change: a backend failure after that point ends a stream with
+one final error event in the dialect's framing (SSE or NDJSON), or cuts a plain body short (the
+server closes the connection without the body's end).
+
+A completed 2xx answer is read by a ``UsageTap`` as it passes, without buffering: its ``Usage``
+(what the backend really produced) goes to ``on_usage``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from clairvoyant.errors import RequestError, UpstreamTimeout, UpstreamUnavailable
+from clairvoyant.metrics import Metrics
+from clairvoyant.prediction.dialects import Dialect, error_body, stream_error_event
+from clairvoyant.prediction.usage import Usage, UsageTap
+from clairvoyant.proxy.upstream import Headers, Upstream, UpstreamResponse, header, response_headers
+from clairvoyant.scheduling.dispatcher import ShuttingDown
+
+__all__ = [
+    "Outcome", "Receive", "Relay", "Responder", "Send", "UpstreamRequest", "disconnected", "error_headers",
+    "relay_unscheduled",
+]  # fmt: skip
+
+logger = logging.getLogger(__name__)
+
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+
+
+class Outcome(str, Enum):
+    """How a request ended, as its log line and /queue's timeline say it."""
+
+    PENDING = "pending"
+    COMPLETED = "completed"
+    REFUSED = "refused"  # answered by the proxy itself (shutting down, queue deadline, superseded)
+    UPSTREAM_ERROR = "upstream_error"  # the backend failed before its answer began
+    UPSTREAM_ERROR_MID_BODY = "upstream_error_mid_body"
+    CLIENT_LEFT_QUEUED = "client_left_queued"  # withdrawn before anything was sent
+    CLIENT_LEFT_BEFORE_SEND = "client_left_before_send"  # left while the backend was waited for
+    CLIENT_LEFT_STREAMING = "client_left_streaming"  # left while the answer was relayed
+    CLIENT_LEFT_WATCHING = "client_left_watching"  # left; the slot is held until the backend is idle
+    SHUTDOWN = "shutdown"  # the shutdown's grace period ended the answer
+    INTERNAL_ERROR = "internal_error"
+
+
+@dataclass(slots=True)
+class UpstreamRequest:
+    """What to send to the backend."""
+
+    method: str
+    target: str  # the raw path and query, as the client sent them (proxy/target.py checked them)
+    headers: Headers  # the client's end-to-end headers (upstream.forwardable_headers)
+    body: bytes
+    dialect: Dialect
+    close_connection: bool = False  # ask the backend to close after answering (llama.cpp streams)
+    authorization: str | None = None  # the client's Authorization value, if any (see Upstream.open)
+
+
+def error_headers(exc: RequestError, length: int) -> list[tuple[bytes, bytes]]:
+    """An error answer's headers."""
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(length).encode())]
+    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
+    return headers
+
+
+class Responder:
+    """The client's side of one answer: ASGI ``send``, and what has been sent."""
+
+    __slots__ = ("send", "started", "client_gone")
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.started = False  # the status line is out: it cannot change
+        self.client_gone = False  # from now on nothing is sent
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.started = True
+        if not self.client_gone:
+            await self.send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def body(self, chunk: bytes, *, more: bool = True) -> None:
+        if not self.client_gone:
+            await self.send({"type": "http.response.body", "body": chunk, "more_body": more})
+
+    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        await self.start(status, headers)
+        await self.body(body, more=False)
+
+    async def error(self, dialect: Dialect, exc: RequestError, extra: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
+        """Answer ``exc`` in the client's dialect (nothing when the answer has begun: see ``Relay``)."""
+        if self.started:
+            return
+        payload = error_body(dialect, exc)
+        await self.respond(exc.status_code, [*error_headers(exc, len(payload)), *extra], payload)
+
+
+@dataclass(eq=False, slots=True)
+class Relay:
+    """Open the upstream request and relay its answer (nothing once the client is gone)."""
+
+    upstream: Upstream
+    request: UpstreamRequest
+    metrics: Metrics
+    extra_headers: Callable[[], list[tuple[bytes, bytes]]] = list  # the proxy's own response headers
+    on_first_byte: Callable[[], None] = lambda: None
+    # Called once with what the backend produced, when a 2xx answer has fully arrived.
+    on_usage: Callable[[Usage], None] | None = None
+    now: Callable[[], float] = time.monotonic  # seconds; the dispatcher's clock for scheduled requests
+    model: str | None = None  # the model the request named (usage falls back to it)
+    backend_wait_s: float = 0.0  # seconds a not-yet-sent request waits for a backend that is down
+    retry_unavailable: bool = False  # also wait and resend when the backend answers 503 (scheduled requests)
+    # The backend refused the connection (nothing was sent): another backend to send it to, or
+    # None to wait for this one (up to backend_wait_s).
+    failover: Callable[[Upstream], Awaitable[Upstream | None]] | None = None
+    on_answered: Callable[[Upstream], None] = lambda upstream: None  # a backend sent a status
+    on_broken: Callable[[Upstream], None] = lambda upstream: None  # a backend failed after the request was sent
+    status: int | None = None  # the status sent to the client, once sent
+    usage: Usage | None = None  # what the backend produced, once read (see on_usage)
+    outcome: Outcome = Outcome.PENDING
+    sent_s: float = field(default=0.0, repr=False)  # clock seconds when the request went upstream
+    first_byte_s: float | None = field(default=None, repr=False)  # clock seconds of the answer's first byte
+    content_type: str = field(default="", repr=False)  # the answer's, once its head arrived
+    interrupted: Outcome | None = field(default=None, repr=False)  # set by ``interrupt``
+
+    def interrupt(self, task: asyncio.Task[Any], outcome: Outcome) -> None:
+        """End this relay now (``task`` runs it) with ``outcome``: a shutdown's answer ends with an
+        error event; a client that left gets nothing more, and the backend connection is closed."""
+        self.interrupted = outcome
+        task.cancel()
+
+    async def run(self, out: Responder) -> None:
+        """Relay the answer to ``out``; never raises a ``RequestError`` (the client gets it)."""
+        try:
+            await self._run(out)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.interrupted is None or task is None or task.uncancel() > 0:
+                raise
+            self.outcome = self.interrupted
+            if self.interrupted is Outcome.SHUTDOWN:
+                error = ShuttingDown("the proxy shut down before the answer was complete")
+                if out.started:
+                    await self.end_with_error(out, error)
+                else:
+                    await self.send_error(out, error)
+
+    async def _run(self, out: Responder) -> None:
+        try:
+            response = await self._open(out)
+        except RequestError as exc:
+            self._count_upstream_error(exc)
+            self.outcome = Outcome.UPSTREAM_ERROR
+            await self.send_error(out, exc)
+            return
+        if response is None:  # the client left while the backend was waited for: never sent
+            self.outcome = Outcome.CLIENT_LEFT_BEFORE_SEND
+            return
+        try:
+            await self._relay_body(response, out)
+        finally:
+            await response.aclose()
+
+    async def _open(self, out: Responder) -> UpstreamResponse | None:
+        """Open the upstream request (None: the client left before it was sent). While the backend
+        is down (connection refused), suspect (a first-byte deadline passed) or, for a scheduled
+        request, answers 503 (a model loading, its queue full), nothing has been generated: wait
+        for its health check, up to ``backend_wait_s`` from the outage's start, and send again."""
+        unavailable_since_s: float | None = None  # our own first 503 (a loading model)
+        while True:
+            if out.client_gone:
+                return None
+            if self.upstream.suspect and self.backend_wait_s > 0:
+                deadline_s = self.upstream.outage_deadline_s(self.backend_wait_s)
+                await self.upstream.wait_until_ready(deadline_s, lambda: out.client_gone)
+                if out.client_gone:
+                    return None
+            r = self.request  # a failover may rewrite it for its new backend
+            self.sent_s = self.now()
+            try:
+                response = await self.upstream.open(
+                    r.method, r.target, headers=r.headers, authorization=r.authorization, body=r.body,
+                    close_connection=r.close_connection,
+                )  # fmt: skip
+            except UpstreamUnavailable as exc:
+                if not exc.never_sent:
+                    self._count_backend("failed")
+                    self.on_broken(self.upstream)
+                    raise
+                self._count_backend("refused")
+                if self.failover is not None:
+                    other = await self.failover(self.upstream)
+                    if other is not None:
+                        logger.info("backend %s refused the connection; sending to %s", self.upstream.name, other.name)
+                        self.upstream = other
+                        continue
+                deadline_s = self.upstream.outage_deadline_s(self.backend_wait_s)
+                if time.monotonic() >= deadline_s:
+                    raise
+                logger.info(
+                    "the backend %s is unreachable; waiting up to %.0f s for it",
+                    self.upstream.name, deadline_s - time.monotonic(),
+                )  # fmt: skip
+                if not await self.upstream.wait_until_ready(deadline_s, lambda: out.client_gone):
+                    if out.client_gone:
+                        return None
+                    raise
+                continue
+            except RequestError:
+                self._count_backend("failed")
+                self.on_broken(self.upstream)
+                raise
+            self._count_backend("answered")
+            self.on_answered(self.upstream)
+            if response.status_code != 503 or not self.retry_unavailable:
+                return response
+            unavailable_since_s = unavailable_since_s or time.monotonic()
+            deadline_s = unavailable_since_s + self.backend_wait_s
+            if time.monotonic() >= deadline_s:
+                return response  # relayed as it is: the backend's own 503 and reason
+            await response.aclose()
+            logger.info(
+                "the backend answered 503 before starting; waiting up to %.0f s for it", deadline_s - time.monotonic()
+            )
+            await self.upstream.wait_until_ready(deadline_s, lambda: out.client_gone)
+
+    async def _relay_body(self, response: UpstreamResponse, out: Responder) -> None:
+        self.status = status = response.status_code
+        self.content_type = header(response, b"content-type")
+        tap = UsageTap(self.content_type) if self.on_usage is not None and 200 <= status < 300 else None
+        # The head at once: a stream's first token may be seconds away.
+        await out.start(status, response_headers(response.raw_headers) + self.extra_headers())
+        try:
+            async for chunk in self.upstream.iter_body(response):
+                if not chunk:
+                    continue
+                if self.first_byte_s is None:
+                    self.first_byte_s = self.now()
+                    self.on_first_byte()
+                if tap is not None:
+                    tap.feed(chunk)
+                await out.body(chunk)
+        except RequestError as exc:
+            self._count_upstream_error(exc)
+            self._count_backend("failed_mid_answer")
+            self.on_broken(self.upstream)
+            self.outcome = Outcome.UPSTREAM_ERROR_MID_BODY
+            await self.end_with_error(out, exc)
+            return
+        if tap is not None and self.on_usage is not None:  # before the last bytes: in once the client has it all
+            self.usage = tap.usage(wall_s=self.now() - self.sent_s, request_model=self.model)
+            self.on_usage(self.usage)
+        self.outcome = Outcome.COMPLETED if not out.client_gone else Outcome.CLIENT_LEFT_STREAMING
+        await out.body(b"", more=False)
+
+    async def end_with_error(self, out: Responder, exc: RequestError) -> None:
+        """End an answer that has begun: one final error event in a stream's framing, or, for a
+        plain body, no end at all (the server closes the connection: the client sees it cut short)."""
+        event = stream_error_event(self.request.dialect, self.content_type, exc)
+        if event:
+            await out.body(event, more=False)
+
+    async def send_error(self, out: Responder, exc: RequestError) -> None:
+        if out.started:
+            return
+        self.status = exc.status_code
+        await out.error(self.request.dialect, exc, self.extra_headers())
+
+    def _count_backend(self, outcome: str) -> None:
+        self.metrics.count_backend_request(self.upstream.name, outcome)
+
+    def _count_upstream_error(self, exc: RequestError) -> None:
+        self.metrics.upstream_errors_by_kind["timeout" if isinstance(exc, UpstreamTimeout) else "unavailable"].inc()
+        logger.warning("upstream error on %s %s: %s", self.request.method, _path_of(self.request.target), exc.detail)
+
+
+def _path_of(target: str) -> str:
+    """The path of a target, without its query (which may carry a client's token)."""
+    return target.partition("?")[0]
+
+
+async def disconnected(receive: Receive) -> None:
+    """Return when the server reports that the client has gone (its body was read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def relay_unscheduled(relay: Relay, out: Responder, receive: Receive, metrics: Metrics) -> None:
+    """Relay a pass-through answer at once; a client that leaves cancels it (no slot to drain for)."""
+    work = asyncio.create_task(relay.run(out), name="passthrough")
+    watch = asyncio.create_task(disconnected(receive), name="client-watch")
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            out.client_gone = True
+            if relay.outcome is Outcome.PENDING:
+                metrics.disconnects_by_stage["streaming"].inc()
+            relay.interrupt(work, Outcome.CLIENT_LEFT_STREAMING)
+        await work
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()

@@ -1,0 +1,385 @@
+"""A scheduled request's life: read, predicted, queued, granted a slot, relayed, released.
+
+    parse the body, predict its answer's length        (prediction/)
+    dispatcher.submit(ticket)                          queued, or refused at once (QueueFull ...)
+    async with dispatcher.lease(ticket) as lease:      waits for its turn, then holds a backend slot
+        relay the backend's answer                     (proxy/relay.py)
+    (leaving the block)                                withdrawn if still waiting, else released, once
+
+A waiting request is one coroutine in that ``async with``; a second task watches its connection
+for the client leaving (the server's ``http.disconnect``), which ends the request by its stage:
+
+- waiting: withdrawn from the queue, never sent;
+- relaying: by ``disconnect_mode``: ``abort`` cancels the relay (closing the backend connection:
+  llama.cpp and Ollama stop generating) and frees the slot; ``drain`` reads the answer to its end
+  into the void, so the slot is freed only when the backend is; ``auto`` aborts, and for a
+  non-streamed request then holds the slot until llama.cpp's ``/slots`` shows the backend idle
+  (llama.cpp notices a closed non-streamed request only late; a stream it stops within ~0.2 s).
+
+Before dispatch a waiting client receives nothing, not even a status line (the status comes from
+the backend). It can see where it stands at ``GET /queue/{request_id}``. The answer's headers
+carry the request id, the backend, the measured queue wait and the prediction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import Literal
+
+from clairvoyant.config import Settings
+from clairvoyant.errors import BadRequest, RequestError
+from clairvoyant.logs import REQUEST_LOG, log_request
+from clairvoyant.metrics import Metrics
+from clairvoyant.prediction.dialects import Endpoint, parse_request, with_upstream_fields
+from clairvoyant.prediction.encoder import Refiner
+from clairvoyant.prediction.predictor import Predictor
+from clairvoyant.prediction.usage import Usage
+from clairvoyant.proxy.access import Identity
+from clairvoyant.proxy.pool import BackendPool
+from clairvoyant.proxy.relay import Outcome, Receive, Relay, Responder, UpstreamRequest, disconnected
+from clairvoyant.proxy.upstream import Headers, Upstream
+from clairvoyant.scheduling.boost import bucket_for
+from clairvoyant.scheduling.dispatcher import Dispatcher, Ticket
+
+__all__ = ["Scheduling", "ScheduledRequest", "admit_scheduled"]
+
+logger = logging.getLogger(__name__)
+
+SLOTS_POLL_S = 1.5  # seconds between /slots polls while a left client's slot is held
+HOLD_MAX_S = 600.0  # the longest a left client's slot is held waiting for the backend to go idle
+VLLM_CLASS_STRIDE = 100_000  # vLLM priority = client class x this + predicted tokens (capped below it)
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+class Stage(Enum):
+    QUEUED = "queued"  # waiting for a slot
+    RELAYING = "relaying"  # holding a slot, the answer relayed
+    REROUTED = "rerouted"  # its backend refused the connection: waiting first in line for another
+    HOLDING = "holding"  # its client left; the slot is held until the backend is idle
+    DONE = "done"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Scheduling:
+    """What every scheduled request shares (built once, in the lifespan)."""
+
+    settings: Settings
+    predictor: Predictor
+    pool: BackendPool
+    metrics: Metrics
+    dispatcher: Dispatcher
+    on_usage: Callable[[Ticket, Usage, bytes], None] | None  # a completed answer's usage and its body (the learner)
+    refiner: Refiner | None  # the encoder's second opinion for waiting requests (None: off)
+    own_headers: tuple[str, str, str]  # the request headers that are the proxy's own: id, tenant, priority
+
+
+def _priority(header: str | None, given: int | None, settings: Settings, identity: Identity | None) -> int:
+    """The body's priority, else the header's, else 0; clamped to [min_priority, max_priority]
+    (the API key's range when the request came with one)."""
+    if given is None and header is not None:
+        try:
+            given = int(header.strip())
+        except ValueError:
+            raise BadRequest(f"header {settings.priority_header} must be an integer") from None
+    value = 0 if given is None else given
+    if identity is None:
+        return max(settings.min_priority, min(settings.max_priority, value))
+    return max(identity.min_priority, min(identity.max_priority, value))
+
+
+def admit_scheduled(
+    shared: Scheduling,
+    endpoint: Endpoint,
+    target: str,
+    headers: Headers,
+    authorization: str | None,
+    own: dict[str, str],
+    body: bytes,
+    identity: Identity | None,
+    out: Responder,
+) -> ScheduledRequest:
+    """Parse, predict and queue a scheduled request; its ``ScheduledRequest`` answers it once
+    granted (``serve``). Raises ``RequestError`` for what is refused at once (a bad body, a full
+    queue, a model no backend serves)."""
+    settings = shared.settings
+    dispatcher = shared.dispatcher
+    arrival_s = dispatcher.clock.now()
+    request_id, tenant_header, priority_header = shared.own_headers
+    given_id = own.get(request_id, "")
+    parsed = parse_request(endpoint, body, keep_priority=settings.forward_priority)
+    forward_body = parsed.forward_body
+    bench_fields = parsed.proxy_options.get("upstream")
+    if settings.bench_upstream_fields and isinstance(bench_fields, dict):
+        forward_body = with_upstream_fields(forward_body, bench_fields)  # the prediction never sees these
+    prompt_tokens = parsed.prompt.context_chars // 4  # ~4 characters a token until usage says better
+    ticket = Ticket(
+        given_id if _REQUEST_ID_RE.match(given_id) else "", endpoint.path, endpoint.dialect.value, parsed.model, None,
+        prompt_tokens, arrival_s, cap_tokens=parsed.cap_tokens,
+        priority=_priority(own.get(priority_header), parsed.priority, settings, identity),
+        tenant=identity.tenant if identity is not None else own.get(tenant_header, "")[:128],
+    )  # fmt: skip
+    if settings.log_prompts:
+        logger.debug("request_id=%s prompt=%r", ticket.request_id, parsed.prompt.instruction[:2000])
+
+    started = time.perf_counter()
+    prediction = shared.predictor.predict(parsed.prompt, model=parsed.model, cap_tokens=parsed.cap_tokens)
+    shared.metrics.predictor_latency.observe(time.perf_counter() - started)
+    score, predicted_tokens = prediction.score, prediction.predicted_tokens
+    oracle = parsed.proxy_options.get("output_tokens")
+    if settings.allow_oracle and isinstance(oracle, (int, float)) and not isinstance(oracle, bool):
+        score = predicted_tokens = float(oracle)  # benchmark-only: the true length, the ideal ordering
+        if parsed.cap_tokens is not None:  # the predictor applied the cap itself; the oracle must too
+            predicted_tokens = min(predicted_tokens, float(parsed.cap_tokens))
+    # It waits without its feature row: the learner re-derives it from the body after completion
+    # (feedback.UsageRecorder), and the encoder's queue keeps it until then.
+    ticket.prediction = replace(prediction, feature_row=b"")
+    ticket.score = score
+    ticket.predicted_tokens = predicted_tokens
+    ticket.predicted_s = dispatcher.predicted_s(parsed.model, prompt_tokens, predicted_tokens)
+    ticket.bucket = bucket_for(ticket.predicted_s)
+    dispatcher.submit(ticket)
+
+    refiner = shared.refiner
+    if refiner is not None and not (settings.allow_oracle and "output_tokens" in parsed.proxy_options):
+        refiner.want(  # plain reads, from its thread
+            (ticket, prediction.feature_row), parsed.prompt.instruction, lambda: ticket.waiting,
+            lambda: ticket.dispatched_s is not None,
+        )  # fmt: skip
+    forward = [*headers, ("x-request-id", ticket.request_id)]
+    upstream_request = UpstreamRequest(
+        "POST", target, forward, forward_body, endpoint.dialect, close_connection=parsed.stream,
+        authorization=authorization,
+    )  # fmt: skip
+    return ScheduledRequest(shared, ticket, upstream_request, body, parsed.stream, out)
+
+
+class ScheduledRequest:
+    """A scheduled request from its queueing to its slot's release (``serve``)."""
+
+    def __init__(
+        self,
+        shared: Scheduling,
+        ticket: Ticket,
+        request: UpstreamRequest,
+        body: bytes,  # the client's body, for the learner once answered
+        stream: bool,  # the client asked for a stream (decides ``auto``)
+        out: Responder,
+    ) -> None:
+        self.shared = shared
+        self.ticket = ticket
+        self.body = body
+        self.stream = stream
+        self.out = out
+        self.stage = Stage.QUEUED
+        self.task: asyncio.Task[None] | None = None  # runs ``_lease_and_relay``
+        self.left_waiting = False  # the client left before its request was sent
+        pool = shared.pool
+        self.relay = Relay(
+            pool.first, request, shared.metrics, self._own_headers, self._first_byte, on_usage=self._record_usage,
+            now=shared.dispatcher.clock.now, model=ticket.model, backend_wait_s=shared.settings.backend_wait_s,
+            retry_unavailable=True, failover=self._failover, on_answered=pool.answered, on_broken=pool.broken,
+        )  # fmt: skip
+
+    @property
+    def mode(self) -> Literal["auto", "drain", "abort"]:
+        """What the client's leaving does while its answer is relayed (see the module docstring)."""
+        mode = self.shared.settings.disconnect_mode
+        return "abort" if mode == "auto" and self.stream else mode
+
+    async def serve(self, receive: Receive) -> None:
+        """Wait for the slot, relay, give the slot back (once, whatever happens), log."""
+        work = self.task = asyncio.create_task(self._lease_and_relay(), name="scheduled")
+        watch = asyncio.create_task(disconnected(receive), name="client-watch")
+        try:
+            await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                self._client_left(work)
+                await work
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+            self._log()
+
+    async def _lease_and_relay(self) -> None:
+        ticket = self.ticket
+        relay = self.relay
+        try:
+            async with self.shared.dispatcher.lease(ticket) as lease:
+                self.stage = Stage.RELAYING
+                ticket.interrupt = self._interrupt
+                self._bind(ticket.backend if ticket.backend is not None else 0)
+                await relay.run(self.out)
+                if relay.outcome is Outcome.CLIENT_LEFT_WATCHING:
+                    self.stage = Stage.HOLDING
+                    await self._hold_until_backend_idle()
+                finished = relay.outcome in (Outcome.COMPLETED, Outcome.CLIENT_LEFT_STREAMING)
+                if finished:
+                    self._observe_end()
+                # Only whole successful answers teach the service-time model.
+                lease.completed = finished and relay.status is not None and relay.status < 400
+                lease.usage = relay.usage
+        except RequestError as error:  # refused while it waited (shutting down)
+            relay.outcome = Outcome.REFUSED
+            await relay.send_error(self.out, error)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not self.left_waiting or task is None or task.uncancel() > 0:
+                raise
+            relay.outcome = Outcome.CLIENT_LEFT_QUEUED  # withdrawn (the lease's exit), never sent
+        except Exception:  # a bug: logged, the client answered or cut, the slot given back by the lease
+            logger.exception("request_id=%s: unexpected error", ticket.request_id)
+            relay.outcome = Outcome.INTERNAL_ERROR
+            await relay.send_error(self.out, RequestError("internal error in the proxy"))
+        finally:
+            self.stage = Stage.DONE
+            ticket.interrupt = None
+
+    def _client_left(self, work: asyncio.Task[None]) -> None:
+        """The client is gone (the server said so), at whatever stage its request is."""
+        self.out.client_gone = True
+        relay = self.relay
+        if self.stage in (Stage.QUEUED, Stage.REROUTED):
+            self.left_waiting = True
+            work.cancel()  # the lease withdraws it, or gives back a slot granted in this instant
+            return
+        if self.stage is not Stage.RELAYING or relay.outcome is not Outcome.PENDING:
+            return  # holding already, or answered in full
+        self.shared.metrics.disconnects_by_stage["streaming"].inc()
+        if self.mode == "auto":
+            relay.interrupt(work, Outcome.CLIENT_LEFT_WATCHING)  # closes it; the slot waits for /slots
+        elif self.mode == "abort":
+            relay.interrupt(work, Outcome.CLIENT_LEFT_STREAMING)  # closes the backend connection
+        # drain: the relay reads the backend's answer to its end, so the slot is freed when the backend is
+
+    def _interrupt(self) -> bool:
+        """The shutdown's grace period is over: end the answer being relayed (or the hold)."""
+        if self.task is None or self.stage not in (Stage.RELAYING, Stage.REROUTED, Stage.HOLDING):
+            return False
+        self.relay.interrupt(self.task, Outcome.SHUTDOWN)
+        return True
+
+    def _bind(self, backend: int) -> None:
+        """Send to the granted backend. A vLLM one (with ``vllm_priority``) gets the request's
+        computed priority in its body: the client's class, then the predicted tokens (lower =
+        sooner, as vLLM's priority scheduling reads it)."""
+        shared = self.shared
+        relay = self.relay
+        relay.upstream = shared.pool.members[backend].upstream
+        if shared.settings.vllm_priority and shared.pool.kind_of(backend) == "vllm":
+            ticket = self.ticket
+            tokens = min(VLLM_CLASS_STRIDE - 1, max(0, round(ticket.predicted_tokens)))
+            priority = ticket.priority * VLLM_CLASS_STRIDE + tokens
+            relay.request = replace(
+                relay.request, body=with_upstream_fields(relay.request.body, {"priority": priority})
+            )
+
+    async def _failover(self, refused: Upstream) -> Upstream | None:
+        """The granted backend refused the connection: wait first in line for another healthy
+        backend (the client sees nothing of it), or None when there is none (the relay waits for
+        this one)."""
+        shared = self.shared
+        shared.pool.refused(refused)
+        if not shared.dispatcher.reroute(self.ticket):
+            return None
+        self.stage = Stage.REROUTED  # a client that leaves now cancels the task: the lease withdraws it
+        await shared.dispatcher.regranted(self.ticket)
+        self.stage = Stage.RELAYING
+        assert self.ticket.backend is not None
+        self._bind(self.ticket.backend)
+        return self.relay.upstream
+
+    async def _hold_until_backend_idle(self) -> None:
+        """Keep the slot until the backend's /slots shows no more busy slots than our other
+        requests in flight, polled every SLOTS_POLL_S (a poll more often than llama.cpp's 1 s
+        disconnect check would keep it from noticing), for at most HOLD_MAX_S. A backend without
+        /slots (Ollama, vLLM: they stop on disconnect) releases at once. The shutdown's interrupt
+        ends the hold quietly."""
+        ticket = self.ticket
+        assert ticket.backend is not None
+        deadline_s = time.monotonic() + HOLD_MAX_S
+        try:
+            while time.monotonic() < deadline_s:
+                await asyncio.sleep(SLOTS_POLL_S)
+                busy = await self.relay.upstream.busy_slots()
+                if busy is None or busy <= self.shared.dispatcher.in_flight_on(ticket.backend) - 1:
+                    return
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.relay.interrupted is not Outcome.SHUTDOWN or task is None or task.uncancel() > 0:
+                raise
+            self.relay.outcome = Outcome.SHUTDOWN
+
+    def _record_usage(self, usage: Usage) -> None:
+        on_usage = self.shared.on_usage
+        if on_usage is not None:
+            try:
+                on_usage(self.ticket, usage, self.body)
+            except Exception:  # the answer is relayed already: a failing observer must not break it
+                logger.exception("request_id=%s: recording usage failed", self.ticket.request_id)
+
+    def _own_headers(self) -> list[tuple[bytes, bytes]]:
+        """The answer's headers that are the proxy's: the request id, backend, wait and prediction."""
+        ticket = self.ticket
+        prediction = ticket.prediction
+        assert prediction is not None
+        wait_s = ticket.queue_wait_s()
+        headers = [
+            (b"x-request-id", ticket.request_id.encode()),
+            (b"x-clairvoyant-backend", self.relay.upstream.name.encode("latin-1")),
+            (b"x-clairvoyant-queue-wait-ms", b"" if wait_s is None else b"%.1f" % (wait_s * 1000)),
+            (b"x-clairvoyant-predicted-tokens", b"%.0f" % prediction.predicted_tokens),
+            (b"x-clairvoyant-predicted-class", prediction.predicted_class.encode()),
+            (b"x-clairvoyant-predicted-s", b"%.3f" % ticket.predicted_s),
+        ]
+        if prediction.probabilities is not None:  # class models only
+            headers.append((b"x-clairvoyant-p-long", b"%.4f" % prediction.probabilities[2]))
+        if ticket.queue_position is not None:
+            headers.append((b"x-clairvoyant-queue-position", b"%d" % ticket.queue_position))
+        return headers
+
+    def _first_byte(self) -> None:
+        ticket = self.ticket
+        self.shared.metrics.ttft_by_class[ticket.predicted_class].observe(
+            self.shared.dispatcher.clock.now() - ticket.arrival_s
+        )
+
+    def _observe_end(self) -> None:
+        ticket = self.ticket
+        self.shared.metrics.end_to_end_by_class[ticket.predicted_class].observe(
+            self.shared.dispatcher.clock.now() - ticket.arrival_s
+        )
+
+    def _log(self) -> None:
+        ticket = self.ticket
+        relay = self.relay
+        status = str(relay.status) if relay.status is not None else "client_closed"
+        metrics = self.shared.metrics
+        metrics.count_request(ticket.endpoint, ticket.dialect, status)
+        if not REQUEST_LOG.isEnabledFor(logging.INFO):
+            return
+        wait_s = ticket.queue_wait_s()
+        clock = self.shared.dispatcher.clock
+        service_s = None if ticket.dispatched_s is None else clock.now() - ticket.dispatched_s
+        usage = relay.usage
+        log_request({
+            "request_id": ticket.request_id, "endpoint": ticket.endpoint, "tenant": ticket.tenant or "-",
+            "backend": "-" if ticket.backend is None else relay.upstream.name,
+            "priority": ticket.priority, "predicted_class": ticket.predicted_class,
+            "predicted_tokens": "-" if ticket.prediction is None else f"{ticket.prediction.predicted_tokens:.0f}",
+            "predicted_s": f"{ticket.predicted_s:.3f}",
+            "queue_wait_ms": "-" if wait_s is None else f"{wait_s * 1000:.1f}",
+            "service_ms": "-" if service_s is None else f"{service_s * 1000:.1f}",
+            "status": relay.status if relay.status is not None else "-", "outcome": relay.outcome.value,
+            "output_tokens": "-" if usage is None or usage.output_tokens is None else usage.output_tokens,
+            "usage_source": "-" if usage is None else usage.source,
+        })  # fmt: skip

@@ -1,0 +1,80 @@
+"""The request target and Host, checked once, before anything else reads them.
+
+The server hands the app the target twice: ``raw_path`` as the client sent it and ``path``
+percent-decoded. The proxy routes on the decoded path, matches it against the allowlist, and
+forwards the raw one. That is only safe when the two cannot disagree about where a segment ends
+or what it names, so a target is refused (400) when its raw form has:
+
+- a dot segment (``.`` or ``..``), plain or percent-encoded: a path-normalising front would
+  resolve it after the allowlist was checked (``/v1/models/%2e%2e/%2e%2e/slots``);
+- an encoded ``/``, ``?``, ``#`` or ``\\``: decoded, it would move the boundary of a segment or of
+  the query (``/v1/chat/completions%3Fx=1`` would be routed as an unknown path and reach the
+  backend as a scheduled one);
+- a control character once decoded, or bytes that are not UTF-8.
+
+With those refused, the decoded path names the same resource the backend will decode from the
+raw one, and the raw one is what goes upstream: routed, checked and forwarded as one value.
+
+``*`` (RFC 9112 asterisk-form) is only meaningful with OPTIONS: ``OPTIONS *`` is answered by the
+proxy itself (RFC 9110 9.3.7), any other method with it is 400. An absolute-form target
+(``POST http://host/v1/chat/completions``) arrives from the server as its path already.
+
+Host (RFC 9112 3.2): an HTTP/1.1 request needs exactly one, well formed; missing, repeated or
+malformed is 400, as nginx answers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from urllib.parse import unquote_to_bytes
+
+from clairvoyant.errors import BadRequest
+
+__all__ = ["Target", "check_host", "check_target"]
+
+# A raw path segment that decodes to "." or "..": any mix of "." and "%2e".
+_DOT_SEGMENT = re.compile(rb"(?:^|/)(?:\.|%2e){1,2}(?:/|$)", re.IGNORECASE)
+# Encoded characters that would change the target's structure once decoded.
+_ENCODED_DELIMITER = re.compile(rb"%(?:2f|3f|23|5c)", re.IGNORECASE)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# RFC 3986 host (IP-literal, IPv4 or reg-name) and an optional port.
+_HOST = re.compile(rb"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9\-._~!$&'()*+,;=%]+)(?::[0-9]{0,5})?$")
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    path: str  # percent-decoded: what the proxy routes and checks
+    raw_path: str  # as the client sent it (ASCII): what goes to the backend
+    query: str  # raw, without the "?"
+
+
+def check_target(method: str, raw_path: bytes, query: bytes) -> Target:
+    """The checked target of a request (not ``*``: the caller answers that first). Raises
+    ``BadRequest`` for a target this module refuses (see its docstring)."""
+    if not raw_path.startswith(b"/"):
+        raise BadRequest("the request target must be a path")
+    if b"\\" in raw_path or _DOT_SEGMENT.search(raw_path) or _ENCODED_DELIMITER.search(raw_path):
+        raise BadRequest("the request path may not hold dot segments or encoded '/', '?', '#' or '\\'")
+    try:
+        path = unquote_to_bytes(raw_path).decode("utf-8")
+        raw = raw_path.decode("ascii")
+    except UnicodeDecodeError:
+        raise BadRequest("the request path is not valid UTF-8") from None
+    if _CONTROL.search(path):
+        raise BadRequest("the request path may not hold control characters")
+    return Target(path, raw, query.decode("latin-1"))
+
+
+def check_host(http_version: str, headers: list[tuple[bytes, bytes]]) -> None:
+    """Raise ``BadRequest`` unless the request carries a Host as RFC 9112 requires: exactly one,
+    well formed (an HTTP/1.0 request may leave it out)."""
+    hosts = [value for name, value in headers if name == b"host"]
+    if len(hosts) > 1:
+        raise BadRequest("more than one Host header")
+    if not hosts or not hosts[0]:
+        if http_version == "1.0":
+            return
+        raise BadRequest("an HTTP/1.1 request needs a Host header")
+    if not _HOST.match(hosts[0].strip(b" \t")):
+        raise BadRequest("the Host header is malformed")
