@@ -5,7 +5,8 @@ reading a request and then dying, resetting, hanging, answering 503. One thread 
 in full: ``"ok"`` (200 JSON, kept alive), ``"close"`` (close 0.3 s later without answering: a
 FIN), ``"reset"`` (an immediate RST), ``"hang"`` (never answer), ``"loading"`` (503 like
 llama.cpp loading a model), ``("stream", n_events, interval_s)`` (an SSE stream ending in
-[DONE]) or ``("json", value)`` (200 with that JSON). ``/health`` always answers 200 and closes. Every read request is recorded in
+[DONE]) or ``("json", value)`` (200 with that JSON). ``/health`` answers 200 and closes (once
+``health_gate`` is set, when one is given), counted in ``health_checks``. Every read request is recorded in
 ``delivered`` as (path, body), unless its action was ``reset``: the proxy must treat a reset as
 "never read", and the tests count what the backend would have acted on.
 """
@@ -30,6 +31,8 @@ class FakeBackend:
         self.delivered: list[tuple[str, bytes]] = []
         self.resets = 0
         self.connections = 0
+        self.health_checks = 0
+        self.health_gate: threading.Event | None = None  # set: /health answers (None: at once)
         self._per_path: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -74,6 +77,10 @@ class FakeBackend:
                     return
                 method, path, body = request
                 if path == "/health":
+                    with self._lock:
+                        self.health_checks += 1
+                    if self.health_gate is not None and not self.health_gate.wait(10):
+                        return
                     _write(conn, 200, b'{"status":"ok"}', close=True)
                     return
                 with self._lock:

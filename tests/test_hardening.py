@@ -7,6 +7,7 @@ load versions of these cases are in benchmarks/bench_hardening.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -96,6 +97,25 @@ def test_a_backend_that_never_answers_is_a_504_after_the_first_byte_timeout() ->
         after = httpx.get(f"{base}/queue").json()
     assert r.status_code == 504 and isinstance(r.json()["error"], str)  # Ollama's error shape
     assert after["in_flight"] == [] and backend.posts("/api/chat") == 1  # the slot is free again
+
+
+def test_after_a_first_byte_timeout_the_next_request_waits_for_a_health_check() -> None:
+    # The backend hung on the first request: the next one is not sent into the hang, but waits until
+    # /health answers (here held back until the test releases it).
+    backend = FakeBackend(lambda path, n: "hang" if n == 0 else "ok")
+    backend.health_gate = threading.Event()
+    with backend, proxy(backend.url, first_byte_timeout_s=0.5, backend_wait_s=20) as base:
+        assert httpx.post(f"{base}{CHAT}", json=chat(), timeout=10).status_code == 504
+        second = threading.Thread(
+            target=lambda: setattr(second, "result", httpx.post(f"{base}{CHAT}", json=chat(), timeout=30))
+        )
+        second.start()
+        wait_until(lambda: backend.health_checks >= 1, what="a health check before the second request")
+        assert backend.posts(CHAT) == 1  # not sent into the hang
+        backend.health_gate.set()
+        second.join(30)
+    assert second.result.status_code == 200  # type: ignore[attr-defined]
+    assert backend.posts(CHAT) == 2
 
 
 def _closed_port() -> int:
@@ -502,3 +522,24 @@ def test_shutdown_during_a_held_slot_ends_it_quietly(caplog: pytest.LogCaptureFi
     assert not errors, [r.getMessage() for r in errors]
     lines = [r.fields for r in caplog.records if getattr(r, "fields", None)]  # type: ignore[attr-defined]
     assert [line["outcome"] for line in lines] == ["shutdown"]
+
+
+def test_a_request_that_cannot_be_built_is_one_502_and_no_health_check() -> None:
+    # "*" appended to the base URL made the port unreadable: that is not an outage to wait out.
+    from clairvoyant.errors import UpstreamUnavailable
+    from clairvoyant.proxy.upstream import Upstream
+
+    with FakeBackend(lambda path, n: "ok") as backend:
+
+        async def scenario() -> UpstreamUnavailable:
+            upstream = Upstream(backend.url)
+            try:
+                with pytest.raises(UpstreamUnavailable) as failed:
+                    await upstream.open("GET", "*")
+                return failed.value
+            finally:
+                await upstream.aclose()
+
+        error = asyncio.run(scenario())
+    assert not error.never_sent  # a 502 now, not a wait for the backend to come back
+    assert backend.health_checks == 0 and backend.connections == 0
