@@ -188,6 +188,11 @@ def judge_targets(rows: list[dict[str, Any]], suite: dict[str, Any], targets: li
             failed = suite[t.label]["failed"]
             verdict = "PASS" if failed <= BASELINE_FAILURES else "FAIL"
             lines.append(f"{t.label}: suite failures {failed} (target <= {BASELINE_FAILURES}): {verdict}")
+    builds = [t.label for t in targets if t.kind == "proxy" and t.label in suite]
+    for label in builds[1:]:  # against the first build given: what it newly fails, and fixes
+        first, this = set(suite[builds[0]]["failures"]), set(suite[label]["failures"])
+        lines.append(f"{label} vs {builds[0]}: newly failing {sorted(this - first) or 'none'}; "
+                     f"fixed {sorted(first - this) or 'none'}")  # fmt: skip
     return lines
 
 
