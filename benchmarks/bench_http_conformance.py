@@ -251,7 +251,7 @@ def main() -> int:
     took = time.monotonic() - started
     print(f"\n{took:.0f} s; proxy logs in {log_dir}")
     result = {
-        "command": "PYTHONPATH=src python benchmarks/bench_http_conformance.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["PYTHONPATH=src python benchmarks/bench_http_conformance.py", *sys.argv[1:]]),
         "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
         "seconds": round(took),
         "load_average": os.getloadavg(),
