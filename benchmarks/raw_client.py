@@ -26,6 +26,7 @@ class Response:
     headers: list[tuple[str, str]]  # names lower-cased
     body: bytes
     at_s: float  # seconds after the first byte was sent when its head had arrived
+    head_end: int = 0  # where its head ends in the bytes received
 
     def header(self, name: str) -> str | None:
         return next((v for k, v in self.headers if k == name), None)
@@ -102,7 +103,7 @@ def parse_responses(data: bytes, *, head: bool = False, eof: bool = False) -> tu
             body, nxt = data[start:], len(data)
         else:
             break
-        out.append(Response(status, reason, headers, body, 0.0))
+        out.append(Response(status, reason, headers, body, 0.0, start))
         pos = nxt
     return out, pos
 
@@ -203,10 +204,6 @@ def exchange(
     finally:
         sock.close()
     responses, used = parse_responses(bytes(data), head=head, eof=closed)
-    # arrival time of each answer: when the bytes up to its head's end had arrived
-    offset = 0
-    for response in responses:
-        head_end = bytes(data).find(b"\r\n\r\n", offset) + 4
-        response.at_s = next((t for t, n in arrivals if n >= head_end), time.monotonic() - started)
-        offset = head_end + (len(response.body) if response.body else 0)
+    for response in responses:  # its arrival: when the bytes up to its head's end had come
+        response.at_s = next((t for t, n in arrivals if n >= response.head_end), time.monotonic() - started)
     return Exchange(responses, closed, reset, bytes(data[used:]), time.monotonic() - started, sent)

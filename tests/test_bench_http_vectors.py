@@ -86,6 +86,7 @@ def test_parse_responses_reads_interim_chunked_and_close_delimited_answers() -> 
     got, used = parse_responses(data, eof=True)
     assert [(r.status, r.body) for r in got] == [(100, b""), (200, b"abc"), (400, b"tail")] and used == len(data)
     assert parse_responses(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nOK", head=True)[0][0].body == b""
+    assert [r.head_end for r in parse_responses(data)[0]] == [25, data.index(b"3\r\nabc")]
 
 
 def _exchange(*statuses: int, closed: bool = False, headers: list[tuple[str, str]] | None = None) -> Exchange:
