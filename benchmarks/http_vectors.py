@@ -46,12 +46,10 @@ SMUGGLED = "/smuggled"  # the target of every request hidden inside another one
 @dataclass(frozen=True)
 class Client:
     """What the client must get. ``statuses``: the first final answer's status must be one of
-    these; ``closed_ok``/``timeout_ok``: no answer at all, the connection closed / still open at the
-    deadline, passes too."""
+    these; ``closed_ok``: no answer at all, the connection closed, passes too."""
 
     statuses: frozenset[int] = frozenset()
     closed_ok: bool = False
-    timeout_ok: bool = False
     finals: int = 1  # final answers expected (pipelined requests: one each)
     interim: frozenset[int] | None = None  # the 1xx statuses allowed before the first final (None: any)
     need_interim: int | None = None  # this 1xx must come before the first final
@@ -66,8 +64,6 @@ class Client:
             words.append("/".join(str(s) for s in sorted(self.statuses)))
         if self.closed_ok:
             words.append("closed")
-        if self.timeout_ok:
-            words.append("timeout")
         text = " or ".join(words) or "nothing"
         if self.need_interim:
             text = f"{self.need_interim} then {text}"
@@ -91,8 +87,6 @@ class Client:
         finals = ex.finals
         if not finals:
             if ex.closed and self.closed_ok:
-                return []
-            if not ex.closed and self.timeout_ok:
                 return []
             return [f"client got {ex.outcome()}, expected {self.describe()}"]
         first = finals[0]
@@ -124,7 +118,6 @@ class Backend:
     at_most: bool = False  # ``count`` is a ceiling (background traffic such as health checks counts)
     target: str | None = None  # each request's request-target
     bodies: tuple[bytes, ...] | None = None  # each request's body, in order
-    framed: bool = True  # each must be framed by the proxy (``framing_problems``)
     forbidden: tuple[str, ...] = ()  # request lines ("METHOD target") no request may start with
 
     def describe(self) -> str:
@@ -150,8 +143,7 @@ class Backend:
                 out.append(f"backend target {r.target!r}, expected {self.target!r}")
             if self.bodies is not None and i < len(self.bodies) and r.body != self.bodies[i]:
                 out.append(f"backend body {r.body[:40]!r}, expected {self.bodies[i][:40]!r}")
-            if self.framed:
-                out += framing_problems(r)
+            out += framing_problems(r)  # each framed by the proxy
         return out
 
 
@@ -171,7 +163,6 @@ class Vector:
     source: str  # the public suite and test it follows
     cases: tuple[Case, ...]  # it passes when one of them holds
     proxy: str = "open"  # the configuration it runs against: "open" (no keys) or "keyed"
-    head: bool = False  # a HEAD request: answers carry no body
     wait_s: float = 3.0
     group: str = "framing"  # framing, host, path, target, expect
 
@@ -217,7 +208,7 @@ def run_vector(vector: Vector, port: int, backend: RecordingBackend, *, schedule
     see ``Client.problems``)."""
     mark, started_s = backend.mark(), time.monotonic()
     finals = max(c.client.finals for c in vector.cases)
-    ex = exchange(port, vector.parts, head=vector.head, finals=finals, wait_s=vector.wait_s)
+    ex = exchange(port, vector.parts, finals=finals, wait_s=vector.wait_s)
     # the deliveries the client's answer implies (a case its answer fits): wait for those to land
     fitting = [c.backend.count for c in vector.cases
                if not c.backend.at_most and not c.client.problems(ex, scheduler=scheduler)]  # fmt: skip
@@ -275,18 +266,16 @@ def expect_continue(
 SMUGGLED_GET = b"GET " + SMUGGLED.encode() + b" HTTP/1.1\r\nHost: proxy.test\r\n\r\n"
 
 
-def rejected(*statuses: int, close: bool = True, timeout: bool = False) -> Case:
+def rejected(*statuses: int, close: bool = True) -> Case:
     """Refused: one of ``statuses`` (or, with ``close``, the connection closed without an answer);
     nothing reaches the backend."""
-    return Case(Client(frozenset(statuses), closed_ok=close, timeout_ok=timeout), Backend(0))
+    return Case(Client(frozenset(statuses), closed_ok=close), Backend(0))
 
 
-def served(body: bytes | None, *, target: str = CHAT, statuses: Iterable[int] = (200,), must_close: bool = False,
-           scheduled: bool | None = None, count: int = 1) -> Case:  # fmt: skip
-    """Answered: one request reaches the backend, framed by the proxy, with ``body``."""
+def served(body: bytes, *, target: str = CHAT, must_close: bool = False, scheduled: bool | None = None) -> Case:
+    """Answered 200: one request reaches the backend, framed by the proxy, with ``body``."""
     return Case(
-        Client(frozenset(statuses), must_close=must_close, scheduled=scheduled),
-        Backend(count, target=target, bodies=None if body is None else (body,) * count),
+        Client(frozenset({200}), must_close=must_close, scheduled=scheduled), Backend(1, target=target, bodies=(body,))
     )
 
 
