@@ -301,10 +301,14 @@ def rss_kib(pid: int) -> int:
 
 
 class ProxyProcess:
-    """``python -m clairvoyant serve`` with CLAIRVOYANT_* settings; its log goes to a file."""
+    """``python -m clairvoyant serve`` with CLAIRVOYANT_* settings; its log goes to a file. ``src``:
+    the src/ directory it runs from (default ``PROXY_SRC[0]``, this checkout's or --proxy-src)."""
 
-    def __init__(self, name: str, upstream_url: str, log_dir: Path, **settings: Any) -> None:
+    def __init__(
+        self, name: str, upstream_url: str, log_dir: Path, *, src: Path | None = None, **settings: Any
+    ) -> None:
         self.name = name
+        self.src = src
         self.port = free_port()
         self.settings = {"upstream_url": upstream_url, "port": self.port, "log_level": "warning", **settings}
         self.log_path = log_dir / f"proxy-{name}.log"
@@ -321,7 +325,7 @@ class ProxyProcess:
 
     def start(self) -> ProxyProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CLAIRVOYANT_")}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROXY_SRC[0]), env.get("PYTHONPATH", "")]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.src or PROXY_SRC[0]), env.get("PYTHONPATH", "")]))
         env.update({f"CLAIRVOYANT_{k.upper()}": str(v) for k, v in self.settings.items()})
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
