@@ -285,7 +285,11 @@ DG = "http-desync-guardian"  # aws/http-desync-guardian tests/*.yaml
 
 
 def _framing_vectors() -> list[Vector]:
+    # A chunk line the server's parser reads leniently (RFC 9112 7.1.1 lets a recipient ignore
+    # extensions it does not understand): the chunk's size is right, so the body is what the client
+    # meant, and it reaches the backend as one request framed by the proxy. Refusing it passes too.
     b = chat("framing")
+    lenient_chunk = served(b)
     ch = chunked(b, 20, 30)
     hidden = b"GET " + SMUGGLED.encode() + b" HTTP/1.1\r\nHost: proxy.test\r\nContent-Length: 7\r\n\r\n"
     te_cl_body = b"%x\r\n%s\r\n0\r\n\r\n" % (len(hidden), hidden)
@@ -453,7 +457,7 @@ def _framing_vectors() -> list[Vector]:
             "chunk-size-trailing-space",
             (post_chat(["Transfer-Encoding: chunked"], b"%x \r\n%s\r\n0\r\n\r\n" % (len(b), b)),),
             f"{HP} SMUG-CHUNK-SIZE-TRAILING-OWS",
-            (rejected(*BAD),),
+            (rejected(*BAD), lenient_chunk),
         ),
         Vector(
             "chunk-size-overflow",
@@ -490,19 +494,19 @@ def _framing_vectors() -> list[Vector]:
             "chunk-ext-bare-semicolon",
             (post_chat(["Transfer-Encoding: chunked"], b"%x;\r\n%s\r\n0\r\n\r\n" % (len(b), b)),),
             f"{HP} SMUG-CHUNK-BARE-SEMICOLON",
-            (rejected(*BAD),),
+            (rejected(*BAD), lenient_chunk),
         ),
         Vector(
             "chunk-ext-invalid-token",
             (post_chat(["Transfer-Encoding: chunked"], b"%x;bad[=x\r\n%s\r\n0\r\n\r\n" % (len(b), b)),),
             f"{HP} SMUG-CHUNK-EXT-INVALID-TOKEN",
-            (rejected(*BAD),),
+            (rejected(*BAD), lenient_chunk),
         ),
         Vector(
             "chunk-ext-nul",
             (post_chat(["Transfer-Encoding: chunked"], b"%x;\x00ext\r\n%s\r\n0\r\n\r\n" % (len(b), b)),),
             f"{HP} SMUG-CHUNK-EXT-CTRL",
-            (rejected(*BAD),),
+            (rejected(*BAD), lenient_chunk),
         ),
         Vector(
             "chunk-ext-bare-cr",

@@ -8,8 +8,15 @@ from typing import Any
 
 import pytest
 
-from clairvoyant.errors import ClientGone, PayloadTooLarge, RequestTimeout
-from clairvoyant.proxy.body import BodyBudget, BudgetExhausted, declared_length, read_body
+from clairvoyant.errors import (
+    BadRequest,
+    BodyBudgetExhausted,
+    IncompleteBody,
+    PayloadTooLarge,
+    RequestTimeout,
+    UnsupportedCoding,
+)
+from clairvoyant.proxy.body import BodyBudget, check_framing, declared_length, read_body
 
 
 def receiver(messages: Iterable[dict[str, Any]], *, then_hang: bool = False) -> Any:
@@ -44,7 +51,7 @@ def test_a_chunked_body_is_joined_and_held_against_the_budget_until_given_back()
 def test_a_declared_length_is_taken_from_the_budget_before_the_body_arrives() -> None:
     budget = BodyBudget(10)
     budget.take(5)
-    with pytest.raises(BudgetExhausted) as refused:
+    with pytest.raises(BodyBudgetExhausted) as refused:
         read(receiver(chunks(b"x" * 6)), budget, declared=6)
     assert refused.value.status_code == 503 and refused.value.headers == {"Retry-After": "1"}
     assert budget.held_bytes == 5  # nothing more held
@@ -52,7 +59,7 @@ def test_a_declared_length_is_taken_from_the_budget_before_the_body_arrives() ->
 
 def test_a_chunked_body_beyond_the_budget_is_refused_and_gives_back_what_it_held() -> None:
     budget = BodyBudget(5)
-    with pytest.raises(BudgetExhausted):
+    with pytest.raises(BodyBudgetExhausted):
         read(receiver(chunks(b"abc", b"def")), budget)
     assert budget.held_bytes == 0
 
@@ -67,6 +74,20 @@ def test_limits_deadlines_and_leavers() -> None:
     assert declared_length([(b"transfer-encoding", b"chunked")], 100) is None
     with pytest.raises(RequestTimeout):
         read(receiver([{"type": "http.request", "body": b"x", "more_body": True}], then_hang=True), budget)
-    with pytest.raises(ClientGone):
+    with pytest.raises(IncompleteBody):
         read(receiver([{"type": "http.request", "body": b"x", "more_body": True}, {"type": "http.disconnect"}]), budget)
     assert budget.held_bytes == 0
+
+
+def test_framing_the_proxy_refuses_though_the_server_would_read_it() -> None:
+    check_framing("1.1", [(b"transfer-encoding", b"chunked")])
+    check_framing("1.1", [(b"content-length", b"3")])
+    with pytest.raises(UnsupportedCoding):
+        check_framing("1.1", [(b"transfer-encoding", b"gzip, chunked")])
+    with pytest.raises(UnsupportedCoding):
+        check_framing("1.1", [(b"transfer-encoding", b"gzip"), (b"transfer-encoding", b"chunked")])
+    for value in (b"chunked, chunked", b"chunked, gzip", b"gzip"):
+        with pytest.raises(BadRequest):
+            check_framing("1.1", [(b"transfer-encoding", value)])
+    with pytest.raises(BadRequest):
+        check_framing("1.0", [(b"transfer-encoding", b"chunked")])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from clairvoyant.errors import BadRequest
-from clairvoyant.proxy.target import check_host, check_target
+from clairvoyant.errors import BadRequest, HeadersTooLarge
+from clairvoyant.proxy.target import check_head_size, check_host, check_target
 
 
 @pytest.mark.parametrize(
@@ -73,3 +73,10 @@ def test_host_rules() -> None:
     ):
         with pytest.raises(BadRequest):
             check_host("1.1", headers)
+
+
+def test_the_head_size_is_counted_as_sent() -> None:
+    headers = [(b"host", b"x"), (b"x-big", b"a" * 80)]  # 5 + 85 + 8 bytes with ": " and CRLF
+    check_head_size(b"/v1", b"a=1", headers, 3 + 3 + 98)
+    with pytest.raises(HeadersTooLarge):
+        check_head_size(b"/v1", b"a=1", headers, 3 + 3 + 97)

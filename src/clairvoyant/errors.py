@@ -7,11 +7,14 @@
         ├── BadRequest               400 malformed JSON, missing or ill-typed fields
         ├── Unauthorized             401 a missing or unknown API key (carries WWW-Authenticate)
         ├── Forbidden                403 a pass-through path outside the allowlist
+        ├── MethodNotAllowed         405 a method the proxy does not relay
         ├── RequestTimeout           408 headers or body not received within client_timeout_s
         ├── PayloadTooLarge          413 body over the configured limit
         ├── HeadersTooLarge          431 request headers over max_header_bytes
-        ├── ClientGone               the client closed the connection mid-upload (nobody to answer)
+        ├── IncompleteBody           400 the body ended early (the client left) or its chunked framing is broken
+        ├── UnsupportedCoding        501 a transfer coding other than chunked
         ├── QueueFull                503 the waiting queue is at capacity (carries Retry-After)
+        ├── BodyBudgetExhausted      503 the process holds as many request bodies as it may (Retry-After)
         ├── UpstreamUnavailable      502 backend refused or dropped the connection
         └── UpstreamTimeout          504 backend did not connect/answer in time
 
@@ -22,17 +25,20 @@ from __future__ import annotations
 
 __all__ = [
     "BadRequest",
+    "BodyBudgetExhausted",
     "ClairvoyantError",
-    "ClientGone",
     "HeadersTooLarge",
+    "IncompleteBody",
     "ConfigError",
     "Forbidden",
+    "MethodNotAllowed",
     "ModelError",
     "PayloadTooLarge",
     "QueueFull",
     "RequestError",
     "RequestTimeout",
     "Unauthorized",
+    "UnsupportedCoding",
     "UpstreamTimeout",
     "UpstreamUnavailable",
 ]
@@ -88,6 +94,12 @@ class Forbidden(RequestError):
     code = "forbidden"
 
 
+class MethodNotAllowed(RequestError):
+    status_code = 405
+    error_type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
 class RequestTimeout(RequestError):
     status_code = 408
     error_type = "invalid_request_error"
@@ -100,19 +112,34 @@ class HeadersTooLarge(RequestError):
     code = "request_header_fields_too_large"
 
 
-class ClientGone(RequestError):
-    """The client closed its connection before its request was read: there is nobody to answer.
-    The status is nginx's 499 ("client closed request"), for the proxy's own counters only."""
+class IncompleteBody(BadRequest):
+    """The body ended before it was whole: the client left mid-upload, or its chunked framing is
+    broken (the server reports both alike). Answered 400; a client that left never reads it."""
 
-    status_code = 499
-    error_type = "invalid_request_error"
-    code = "client_closed_request"
+    code = "incomplete_body"
 
 
 class PayloadTooLarge(RequestError):
     status_code = 413
     error_type = "invalid_request_error"
     code = "request_too_large"
+
+
+class UnsupportedCoding(RequestError):
+    status_code = 501
+    error_type = "invalid_request_error"
+    code = "unsupported_transfer_coding"
+
+
+class BodyBudgetExhausted(RequestError):
+    status_code = 503
+    error_type = "server_error"
+    code = "body_budget_exhausted"
+    retry_after_s = 1  # held bodies leave as their requests are answered
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
 
 
 class QueueFull(RequestError):

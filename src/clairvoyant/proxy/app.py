@@ -34,7 +34,9 @@ from clairvoyant.clock import Clock, MonotonicClock
 from clairvoyant.config import Settings
 from clairvoyant.errors import (
     BadRequest,
-    ClientGone,
+    BodyBudgetExhausted,
+    IncompleteBody,
+    MethodNotAllowed,
     PayloadTooLarge,
     QueueFull,
     RequestError,
@@ -47,12 +49,12 @@ from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, dialect_of_path
 from clairvoyant.prediction.encoder import EncoderModel, Refiner, encoder_for
 from clairvoyant.prediction.predictor import OnnxPredictor, Predictor
 from clairvoyant.proxy.access import AccessControl, Denied, Identity
-from clairvoyant.proxy.body import BodyBudget, BudgetExhausted, declared_length, read_body
+from clairvoyant.proxy.body import BodyBudget, check_framing, declared_length, read_body
 from clairvoyant.proxy.feedback import OnlineLearning
 from clairvoyant.proxy.pool import BackendPool, merge_model_lists
 from clairvoyant.proxy.relay import Receive, Relay, Responder, Send, UpstreamRequest, relay_unscheduled
 from clairvoyant.proxy.scheduled import Scheduling, admit_scheduled
-from clairvoyant.proxy.target import Target, check_host, check_target
+from clairvoyant.proxy.target import Target, check_head_size, check_host, check_target
 from clairvoyant.proxy.upstream import Upstream, forwardable_headers
 from clairvoyant.scheduling.dispatcher import Dispatcher, Ticket
 from clairvoyant.scheduling.policy import PolicyParams, build_queue, make_policy
@@ -289,7 +291,9 @@ class ProxyApp:
         raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
         dialect = dialect_of_path(scope["path"])
         try:
+            check_head_size(raw_path, scope["query_string"], scope["headers"], self.settings.max_header_bytes)
             check_host(scope["http_version"], scope["headers"])
+            check_framing(scope["http_version"], scope["headers"])
             if raw_path == b"*":
                 if method != "OPTIONS":
                     raise BadRequest("the request target '*' is only for OPTIONS")
@@ -311,9 +315,10 @@ class ProxyApp:
         except Denied as denied:
             self._reject(method, scope, denied.error, denied.outcome)
             await out.error(dialect, denied.error)
-        except ClientGone as gone:  # left mid-upload: nobody to answer; counted and logged once
+        except IncompleteBody as incomplete:  # most often the client left mid-upload: counted as such
             self.metrics.disconnects_by_stage["upload"].inc()
-            self._reject(method, scope, gone, "client_left_uploading")
+            self._reject(method, scope, incomplete, "client_left_uploading")
+            await out.error(dialect, incomplete)
         except RequestError as error:
             self._reject(
                 method, scope, error, "client_timeout" if isinstance(error, RequestTimeout) else error.code or "error"
@@ -421,21 +426,15 @@ class ProxyApp:
             self.metrics.rejections_by_reason[reason].inc()
         if isinstance(error, RequestTimeout):
             self.metrics.client_rejections.labels("client_timeout").inc()
-        elif isinstance(error, BudgetExhausted):
+        elif isinstance(error, BodyBudgetExhausted):
             self.metrics.client_rejections.labels("body_budget").inc()
         endpoint = path if path in SCHEDULED_ENDPOINTS else "passthrough"
-        status: int | str = "client_closed" if isinstance(error, ClientGone) else error.status_code
+        status = error.status_code
         self.metrics.count_request(endpoint, dialect_of_path(path).value, str(status))
         log_request({
             "request_id": _request_id(scope["headers"]), "method": method, "path": path[:256], "status": status,
             "outcome": outcome,
         })  # fmt: skip
-
-
-class MethodNotAllowed(RequestError):
-    status_code = 405
-    error_type = "invalid_request_error"
-    code = "method_not_allowed"
 
 
 def _is_own_endpoint(path: str) -> bool:

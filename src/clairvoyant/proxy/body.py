@@ -20,23 +20,18 @@ import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from clairvoyant.errors import ClientGone, PayloadTooLarge, RequestError, RequestTimeout
+from clairvoyant.errors import (
+    BadRequest,
+    BodyBudgetExhausted,
+    IncompleteBody,
+    PayloadTooLarge,
+    RequestTimeout,
+    UnsupportedCoding,
+)
 
-__all__ = ["BodyBudget", "BudgetExhausted", "declared_length", "read_body"]
+__all__ = ["BodyBudget", "check_framing", "declared_length", "read_body"]
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-
-BUDGET_RETRY_AFTER_S = 1  # seconds: held bodies leave as their requests are answered
-
-
-class BudgetExhausted(RequestError):
-    status_code = 503
-    error_type = "server_error"
-    code = "body_budget_exhausted"
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(BUDGET_RETRY_AFTER_S)}
 
 
 class BodyBudget:
@@ -47,13 +42,34 @@ class BodyBudget:
         self.held_bytes = 0
 
     def take(self, n_bytes: int) -> None:
-        """Hold ``n_bytes`` more; raises ``BudgetExhausted`` (holding nothing more) when they do not fit."""
+        """Hold ``n_bytes`` more; raises ``BodyBudgetExhausted`` (holding nothing more) when they do not fit."""
         if self.held_bytes + n_bytes > self.limit_bytes:
-            raise BudgetExhausted("the proxy holds as many request bodies as it may; retry shortly")
+            raise BodyBudgetExhausted("the proxy holds as many request bodies as it may; retry shortly")
         self.held_bytes += n_bytes
 
     def give_back(self, n_bytes: int) -> None:
         self.held_bytes -= n_bytes
+
+
+def check_framing(http_version: str, headers: list[tuple[bytes, bytes]]) -> None:
+    """Refuse a body framing the server would accept but the proxy must not (RFC 9112 6.1): a
+    transfer coding other than chunked is 501 (its bytes would reach the app still encoded);
+    chunked applied twice, not last, or on HTTP/1.0 is 400."""
+    codings = [
+        coding.strip().lower()
+        for name, value in headers
+        if name == b"transfer-encoding"
+        for coding in value.split(b",")
+        if coding.strip()
+    ]
+    if not codings:
+        return
+    if http_version == "1.0":
+        raise BadRequest("Transfer-Encoding is not allowed in an HTTP/1.0 request")
+    if codings.count(b"chunked") != 1 or codings[-1] != b"chunked":
+        raise BadRequest("the request's Transfer-Encoding must end with chunked, applied once")
+    if len(codings) > 1:
+        raise UnsupportedCoding("only the chunked transfer coding is supported")
 
 
 def declared_length(headers: list[tuple[bytes, bytes]], max_bytes: int) -> int | None:
@@ -73,8 +89,9 @@ async def read_body(
     """The whole body and the bytes taken from ``budget`` for it (the caller gives them back with
     ``budget.give_back`` when the request is over; on an exception nothing stays taken).
 
-    Raises ``PayloadTooLarge``, ``BudgetExhausted``, ``RequestTimeout`` (not whole within
-    ``timeout_s`` seconds) or ``ClientGone`` (the client left while uploading)."""
+    Raises ``PayloadTooLarge``, ``BodyBudgetExhausted``, ``RequestTimeout`` (not whole within
+    ``timeout_s`` seconds) or ``IncompleteBody`` (it ended early: the client left, or its chunked
+    framing is broken)."""
     if declared_bytes is not None:  # ``declared_length``'s, within the limit
         budget.take(declared_bytes)
     taken = declared_bytes or 0
@@ -85,7 +102,7 @@ async def read_body(
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
-                    raise ClientGone("the client left while sending its request")
+                    raise IncompleteBody("the request body ended before it was complete, or its chunks are malformed")
                 chunk = message.get("body", b"")
                 if chunk:
                     size += len(chunk)

@@ -21,6 +21,9 @@ proxy itself (RFC 9110 9.3.7), any other method with it is 400. An absolute-form
 
 Host (RFC 9112 3.2): an HTTP/1.1 request needs exactly one, well formed; missing, repeated or
 malformed is 400, as nginx answers.
+
+The head's size: the server's parser bounds it only roughly (its buffer grows in steps), so
+``max_header_bytes`` is checked here too, exactly: 431.
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ import re
 from dataclasses import dataclass
 from urllib.parse import unquote_to_bytes
 
-from clairvoyant.errors import BadRequest
+from clairvoyant.errors import BadRequest, HeadersTooLarge
 
-__all__ = ["Target", "check_host", "check_target"]
+__all__ = ["Target", "check_head_size", "check_host", "check_target"]
 
 # A raw path segment that decodes to "." or "..": any mix of "." and "%2e".
 _DOT_SEGMENT = re.compile(rb"(?:^|/)(?:\.|%2e){1,2}(?:/|$)", re.IGNORECASE)
@@ -78,3 +81,11 @@ def check_host(http_version: str, headers: list[tuple[bytes, bytes]]) -> None:
         raise BadRequest("an HTTP/1.1 request needs a Host header")
     if not _HOST.match(hosts[0].strip(b" \t")):
         raise BadRequest("the Host header is malformed")
+
+
+def check_head_size(raw_path: bytes, query: bytes, headers: list[tuple[bytes, bytes]], max_bytes: int) -> None:
+    """Raise ``HeadersTooLarge`` when the request line's target and the header lines (as sent:
+    ``name: value`` and CRLF) exceed ``max_bytes``."""
+    size = len(raw_path) + len(query) + sum(len(name) + len(value) + 4 for name, value in headers)
+    if size > max_bytes:
+        raise HeadersTooLarge(f"the request's headers are larger than {max_bytes} bytes")
