@@ -100,10 +100,12 @@ class AiohttpTransport:
         except ValueError as exc:
             raise TransportError("build", exc) from exc
         try:
-            async with asyncio.timeout(first_byte_timeout_s):
-                response = await self._client().request(
-                    method, target, headers=headers, data=body or None, allow_redirects=False
-                )
+            request = self._client().request(method, target, headers=headers, data=body or None, allow_redirects=False)
+            if first_byte_timeout_s is None:
+                response = await request
+            else:
+                async with asyncio.timeout(first_byte_timeout_s):
+                    response = await request
         except TimeoutError as exc:
             if isinstance(exc, aiohttp.ConnectionTimeoutError):
                 raise TransportError("connect", exc) from exc

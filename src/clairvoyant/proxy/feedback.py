@@ -109,7 +109,7 @@ class UsageRecorder:
             learner.observe(prediction, tokens)
             return
         prompt: Prompt | None = None
-        if not prediction.feature_row:  # it waited: a waiting request keeps no row
+        if not prediction.feature_row:  # refined by the encoder while it waited: its row is made again
             prompt = _prompt_of(ticket.endpoint, body)
             if prompt is not None:
                 prediction = replace(prediction, feature_row=feature_row(prompt))
@@ -119,8 +119,8 @@ class UsageRecorder:
             and learner.n_features > learner.n_counts
             and len(prediction.feature_row) == 4 * learner.n_counts
         ):
-            # Its row has no encoder columns (none is kept past a request's wait, and one dispatched
-            # at once was never encoded): the encoder's thread adds them first (a few ms later, off
+            # Its row has no encoder columns (none is kept past a request's wait, and one that did
+            # not wait was never encoded): the encoder's thread adds them first (a few ms later, off
             # the loop, within its learning share), then the learner observes it. Not taken: a
             # lexical row, counted for quality only. The body is parsed (again) only when the
             # encoder takes it.

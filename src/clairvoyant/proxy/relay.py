@@ -304,18 +304,19 @@ async def disconnected(receive: Receive) -> None:
 
 
 async def relay_unscheduled(relay: Relay, out: Responder, receive: Receive, metrics: Metrics) -> None:
-    """Relay a pass-through answer at once; a client that leaves cancels it (no slot to drain for)."""
-    work = asyncio.create_task(relay.run(out), name="passthrough")
-    watch = asyncio.create_task(disconnected(receive), name="client-watch")
+    """Relay a pass-through answer at once; a client that leaves ends it (no slot to drain for)."""
+    task = asyncio.current_task()
+    assert task is not None
+
+    async def watch() -> None:
+        await disconnected(receive)
+        out.client_gone = True
+        if relay.outcome is Outcome.PENDING:
+            metrics.disconnects_by_stage["streaming"].inc()
+            relay.interrupt(task, Outcome.CLIENT_LEFT_STREAMING)
+
+    watching = asyncio.create_task(watch())
     try:
-        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            out.client_gone = True
-            if relay.outcome is Outcome.PENDING:
-                metrics.disconnects_by_stage["streaming"].inc()
-            relay.interrupt(work, Outcome.CLIENT_LEFT_STREAMING)
-        await work
+        await relay.run(out)
     finally:
-        watch.cancel()
-        if not work.done():
-            work.cancel()
+        watching.cancel()

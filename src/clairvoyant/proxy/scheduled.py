@@ -24,14 +24,13 @@ carry the request id, the backend, the measured queue wait and the prediction.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Literal
+from typing import Any, Literal
 
 from clairvoyant.config import Settings
 from clairvoyant.errors import BadRequest, RequestError
@@ -137,9 +136,7 @@ def admit_scheduled(
         score = predicted_tokens = float(oracle)  # benchmark-only: the true length, the ideal ordering
         if parsed.cap_tokens is not None:  # the predictor applied the cap itself; the oracle must too
             predicted_tokens = min(predicted_tokens, float(parsed.cap_tokens))
-    # It waits without its feature row: the learner re-derives it from the body after completion
-    # (feedback.UsageRecorder), and the encoder's queue keeps it until then.
-    ticket.prediction = replace(prediction, feature_row=b"")
+    ticket.prediction = prediction
     ticket.score = score
     ticket.predicted_tokens = predicted_tokens
     ticket.predicted_s = dispatcher.predicted_s(parsed.model, prompt_tokens, predicted_tokens)
@@ -148,10 +145,17 @@ def admit_scheduled(
 
     refiner = shared.refiner
     if refiner is not None and not (settings.allow_oracle and "output_tokens" in parsed.proxy_options):
-        refiner.want(  # plain reads, from its thread
-            (ticket, prediction.feature_row), parsed.prompt.instruction, lambda: ticket.waiting,
-            lambda: ticket.dispatched_s is not None,
-        )  # fmt: skip
+
+        def refine_if_waiting() -> None:
+            # After the dispatcher's turn (scheduled first): a request granted a free slot at once
+            # is not worth the encoder's time.
+            if ticket.waiting:
+                refiner.want(  # plain reads, from its thread
+                    (ticket, prediction.feature_row), parsed.prompt.instruction, lambda: ticket.waiting,
+                    lambda: ticket.dispatched_s is not None,
+                )  # fmt: skip
+
+        asyncio.get_running_loop().call_soon(refine_if_waiting)
     forward = [*headers, ("x-request-id", ticket.request_id)]
     upstream_request = UpstreamRequest(
         "POST", target, forward, forward_body, endpoint.dialect, close_connection=parsed.stream,
@@ -178,7 +182,7 @@ class ScheduledRequest:
         self.stream = stream
         self.out = out
         self.stage = Stage.QUEUED
-        self.task: asyncio.Task[None] | None = None  # runs ``_lease_and_relay``
+        self.task: asyncio.Task[Any] | None = None  # the one that runs ``serve``
         self.left_waiting = False  # the client left before its request was sent
         pool = shared.pool
         self.relay = Relay(
@@ -195,20 +199,17 @@ class ScheduledRequest:
 
     async def serve(self, receive: Receive) -> None:
         """Wait for the slot, relay, give the slot back (once, whatever happens), log."""
-        work = self.task = asyncio.create_task(self._lease_and_relay(), name="scheduled")
-        watch = asyncio.create_task(disconnected(receive), name="client-watch")
+        self.task = asyncio.current_task()
+        watch = asyncio.create_task(self._watch(receive))
         try:
-            await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():
-                self._client_left(work)
-                await work
+            await self._lease_and_relay()
         finally:
             watch.cancel()
-            if not work.done():
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await work
             self._log()
+
+    async def _watch(self, receive: Receive) -> None:
+        await disconnected(receive)
+        self._client_left()
 
     async def _lease_and_relay(self) -> None:
         ticket = self.ticket
@@ -244,10 +245,14 @@ class ScheduledRequest:
             self.stage = Stage.DONE
             ticket.interrupt = None
 
-    def _client_left(self, work: asyncio.Task[None]) -> None:
-        """The client is gone (the server said so), at whatever stage its request is."""
+    def _client_left(self) -> None:
+        """The client is gone (the server said so), at whatever stage its request is: this
+        request's task is interrupted where it waits (``serve``'s task, suspended meanwhile)."""
         self.out.client_gone = True
         relay = self.relay
+        work = self.task
+        if work is None or self.stage is Stage.DONE:
+            return
         if self.stage in (Stage.QUEUED, Stage.REROUTED):
             self.left_waiting = True
             work.cancel()  # the lease withdraws it, or gives back a slot granted in this instant
