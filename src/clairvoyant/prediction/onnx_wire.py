@@ -1,5 +1,5 @@
-"""Reading an ONNX file's protobuf wire format, for the two readers that serving needs without the
-``onnx`` package: the tree walk's (``onnx_forest``) and the int8 weights' rewrite (``onnx_u8u8``).
+"""Reading an ONNX file's protobuf wire format, for the reader that serving needs without the
+``onnx`` package: the tree walk's (``onnx_forest``).
 
 ``fields`` gives each field's value (a copy of its bytes); ``spans`` gives where each value lies in
 the buffer instead, so that a large message is read without copying and can be patched in place.

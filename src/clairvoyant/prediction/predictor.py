@@ -444,7 +444,8 @@ def single_threaded_session(path: Path, what: str, content: bytes | None = None)
     """An onnxruntime session on one thread, sequential, fully optimised. One thread on purpose:
     the backend generates on the same cores, and a thread pool per call turns a 0.05 ms median into
     a multi-millisecond p99 under that load. ``what`` names the file in the error; ``content``: the
-    model's bytes to run instead of the file's (as read from ``path``, then rewritten)."""
+    model's bytes as already read from ``path`` (and checked against its card), loaded instead of
+    reading the file again."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()

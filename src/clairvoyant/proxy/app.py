@@ -168,9 +168,7 @@ def _start_refiner(
     refiner.start(asyncio.get_running_loop())
     logger.info(
         "encoder on: blend weight %.2f single-turn, %.2f with history, kNN %.2f, %d word pieces, %d components "
-        "for the learner; int8 weights run as uint8 + 128 (exact on every CPU): %s", weights.first, weights.later,
-        weights.knn, encoder.card.max_word_pieces, encoder.components,
-        ", ".join(f"{n} in {name}" for name, n in encoder.u8u8_weights.items()),
+        "for the learner", weights.first, weights.later, weights.knn, encoder.card.max_word_pieces, encoder.components,
     )  # fmt: skip
     return refiner
 
