@@ -393,9 +393,10 @@ def test_the_bound_run_calls_the_session_directly_and_scores_like_a_plain_run() 
     from clairvoyant.prediction.predictor import _bound_runner
 
     predictor = OnnxPredictor()
-    run = _bound_runner(predictor._session, predictor._binding)  # the ONNX Runtime runner (the walk in C aside)
+    run = predictor._run_bound  # what predict runs
     # this onnxruntime has the C session and binding: the per-call capture bookkeeping is skipped
     assert isinstance(run, functools.partial)
+    assert _bound_runner(predictor._session, predictor._binding).args == run.args
     assert run.func is not predictor._session.run_with_iobinding
     assert run.args == (predictor._binding._iobinding, None)
     prompts = [

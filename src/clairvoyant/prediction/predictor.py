@@ -49,7 +49,6 @@ import numpy as np
 from clairvoyant.errors import ModelError
 from clairvoyant.prediction.features import FEATURE_SETS, FeatureSet, Prompt
 from clairvoyant.prediction.length_classes import CLASS_NAMES, class_of_tokens
-from clairvoyant.prediction.onnx_forest import compiled_forest
 
 __all__ = [
     "CLASS_NAMES",
@@ -528,14 +527,6 @@ class OnnxPredictor:
         self.history_column: int | None = names.index("history_chars") if "history_chars" in names else None
         self._values = self.feature_set.values
         self._run_bound = _bound_runner(self._session, self._binding)
-        # A regressor's trees walked in C give the same float32 as ONNX Runtime (checked on start-up
-        # against it) in a fifth of the time: ONNX Runtime's own cost per call is most of its time.
-        self.runner = "onnxruntime"  # which runs the model per request (start-up log)
-        self.runner_note = "a classifier" if self._is_classifier else ""
-        if not self._is_classifier:
-            compiled, self.runner_note = compiled_forest(path, self._row_view, self._out_flat, self._run_bound)
-            if compiled is not None:
-                self._run_bound, self.runner = compiled, "compiled"
         self._lock = threading.Lock()
         self.predict(Prompt(""))  # warm up (first-run allocations) and prove the binding works
         self.corrector = corrector

@@ -231,7 +231,7 @@ def create_app(
         )
         logger.info(
             "clairvoyant ready: backends=%s policy=%s tau=%ss+%sxS slots=%d max_queue=%d disconnect_mode=%s "
-            "term_sum=%s model_runner=%s",
+            "term_sum=%s",
             ", ".join(f"{m.name}={m.upstream.display_url} ({m.kind}, {m.slots} slots)" for m in pool.members),
             settings.policy,
             settings.starvation_timeout_s,
@@ -240,7 +240,6 @@ def create_app(
             settings.max_queue,
             settings.disconnect_mode,
             TERM_SUM,
-            _model_runner(loaded),
         )
         for member in pool.members:
             dispatcher.run_detached(_check_upstream_at_start(member.upstream), name=f"upstream-check-{member.name}")
@@ -426,16 +425,6 @@ def _log_rejection(request: Request, identity: Identity | None, status: int | st
         "request_id": request_id, "method": request.method, "path": request.path,
         "tenant": identity.tenant if identity is not None else "-", "status": status, "outcome": outcome,
     })  # fmt: skip
-
-
-def _model_runner(predictor: object) -> str:
-    """What runs the model per request, for the start-up line: ``compiled`` (the trees in C), or
-    ``onnxruntime`` with the reason the walk is not used (a custom model, no C compiler)."""
-    runner = getattr(predictor, "runner", None)
-    if runner is None:
-        return "-"  # an injected predictor (tests, the simulator)
-    note = getattr(predictor, "runner_note", "")
-    return runner if runner == "compiled" or not note else f"{runner} ({note})"
 
 
 def _endpoint_label(path: str) -> str:
