@@ -45,7 +45,6 @@ from clairvoyant.prediction.dialects import (
     with_upstream_fields,
 )
 from clairvoyant.prediction.encoder import EncoderModel, Refiner, encoder_for
-from clairvoyant.prediction.features import TERM_SUM
 from clairvoyant.prediction.predictor import OnnxPredictor, Predictor
 from clairvoyant.proxy.access import AccessControl, Denied, Identity
 from clairvoyant.proxy.connection import ASGI, NATIVE, HttpConnection, Request
@@ -230,8 +229,7 @@ def create_app(
             settings, loaded, pool, dispatcher, metrics, learning, scheduling, parking, refiner
         )
         logger.info(
-            "clairvoyant ready: backends=%s policy=%s tau=%ss+%sxS slots=%d max_queue=%d disconnect_mode=%s "
-            "term_sum=%s",
+            "clairvoyant ready: backends=%s policy=%s tau=%ss+%sxS slots=%d max_queue=%d disconnect_mode=%s",
             ", ".join(f"{m.name}={m.upstream.display_url} ({m.kind}, {m.slots} slots)" for m in pool.members),
             settings.policy,
             settings.starvation_timeout_s,
@@ -239,7 +237,6 @@ def create_app(
             dispatcher.slots,
             settings.max_queue,
             settings.disconnect_mode,
-            TERM_SUM,
         )
         for member in pool.members:
             dispatcher.run_detached(_check_upstream_at_start(member.upstream), name=f"upstream-check-{member.name}")
