@@ -1,8 +1,8 @@
 # Clairvoyant: the scheduling proxy, with the shipped predictor model inside.
 #
 # Two stages on one pinned base: `build` installs the package and its serving dependencies into a
-# virtual environment; the runtime image receives only that environment and the model (no compiler,
-# no pip cache, no sources, no training, benchmark or progress-bar dependencies: see pyproject.toml).
+# virtual environment; the runtime image receives only that environment and the model (no pip cache,
+# no sources, no training, benchmark or progress-bar dependencies: see pyproject.toml).
 # Size, estimated and not measured (no Docker engine where this was written): the base image is about
 # 125 MB uncompressed; the serving packages about 175 MB (onnxruntime 80 MB and numpy 71 MB of it,
 # summed from the installed files of the same versions) plus about 15 MB of pip in the environment;
@@ -13,16 +13,11 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /build
-COPY pyproject.toml setup.py README.md LICENSE ./
+COPY pyproject.toml README.md LICENSE ./
 COPY src ./src
 COPY model ./model
-# gcc builds the feature extractor's term sum (setup.py; optional, so without it the install still works, slower).
-# Build stage only: the runtime stage gets the compiled module, not the compiler.
-RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends gcc libc6-dev >/dev/null \
-    && rm -rf /var/lib/apt/lists/*
 # Serving dependencies only: no extras (training, llama.cpp, tqdm).
-RUN python -m venv /opt/clairvoyant && /opt/clairvoyant/bin/pip install . \
-    && /opt/clairvoyant/bin/python -c "import clairvoyant.prediction._term_sum"
+RUN python -m venv /opt/clairvoyant && /opt/clairvoyant/bin/pip install .
 
 FROM ${PYTHON_IMAGE} AS runtime
 ENV PYTHONDONTWRITEBYTECODE=1 \

@@ -112,7 +112,7 @@ def verdict_rows(throughput: dict[str, Any], overhead: dict[str, Any], predictor
         floor = r["floor_identity_run"]
         rows.append((
             f"predictor p50 <= 29 us, p99 <= 100 us: {phase}",
-            f"p50 {p50:.1f} us, p99 {p99:.1f} us ({r['model_runner']})",
+            f"p50 {p50:.1f} us, p99 {p99:.1f} us",
             f"floor p50 {floor['p50_us']:.1f} us, p99 {floor['p99_us']:.1f} us",
             p50 <= PREDICT_P50_MAX_US and p99 <= PREDICT_P99_MAX_US,
         ))  # fmt: skip

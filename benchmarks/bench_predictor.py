@@ -1,14 +1,13 @@
 """Per-request predictor overhead: features + ONNX, one request at a time, real ShareGPT prompts.
 
     python benchmarks/bench_predictor.py [--model model/predictor.onnx] [--requests 12000]
-        [--no-load] [--compare OTHER.onnx ...] [--no-card] [--no-gc-freeze] [--versus-onnxruntime] [--json OUT.json]
+        [--no-load] [--compare OTHER.onnx ...] [--no-card] [--no-gc-freeze] [--json OUT.json]
 
 Phases: idle, then with a real llama.cpp server (xllamacpp + SmolLM2-135M, 2 threads) generating
 continuously in a background process on the same cores (optionally also with the backend at a
 lower CPU priority, ``--load-nice 0 10``: a deployment choice that the p99 depends on). Each phase times, per request, the full
 ``OnnxPredictor.predict(prompt)`` call and, separately, feature extraction alone and the model's
-run alone (the trees walked in C where that is built, else the bound ONNX Runtime run; the
-``model_runner`` field says which), plus the floor: ``run_with_iobinding`` of a one-node Identity ONNX graph (the bare
+bound ONNX Runtime run alone, plus the floor: ``run_with_iobinding`` of a one-node Identity ONNX graph (the bare
 cost of calling ONNX Runtime from Python). A first, separately reported pass touches every
 prompt once (as the proxy's JSON parsing does) before the timed passes. Prompts are the proxy's own Prompts (history included)
 for every user turn of ShareGPT, shuffled with seed 0. p50 and p99 go into the model card.
@@ -172,8 +171,7 @@ def _stats(us: np.ndarray) -> dict[str, float]:
     }
 
 
-def _phase(predictor: Any, prompts: list[Prompt], floor: tuple[Any, Any], reference: Any = None) -> dict[str, Any]:
-    """``reference``: the same model's predictor run by ONNX Runtime, timed in the same rotation."""
+def _phase(predictor: Any, prompts: list[Prompt], floor: tuple[Any, Any]) -> dict[str, Any]:
     fs = predictor.feature_set
     row = np.zeros(fs.size, dtype=np.float32)
     _, (run_floor, _, _) = floor
@@ -187,38 +185,21 @@ def _phase(predictor: Any, prompts: list[Prompt], floor: tuple[Any, Any], refere
         lambda _: predictor._run_bound(),
         lambda _: run_floor(),
     ]
-    timed = _time_interleaved(fns + ([reference.predict] if reference is not None else []), prompts)
-    predict, features, onnx, floor_run = timed[:4]
-    out = {
+    predict, features, onnx, floor_run = _time_interleaved(fns, prompts)
+    return {
         "loadavg_1min_at_start": load,
         "predict_first_pass_cold": cold,
         "predict": _stats(predict),
         "features_only": _stats(features),
-        "onnx_only": _stats(onnx),  # the model's run, by predictor.runner (the C walk, or ONNX Runtime)
+        "onnx_only": _stats(onnx),  # the model's bound ONNX Runtime run
         "floor_identity_run": _stats(floor_run),
     }
-    if reference is not None:
-        out["predict_onnxruntime"] = _stats(timed[4])
-        out["predict_minus_onnxruntime_p50_us"] = float(np.percentile(predict - timed[4], 50))
-    return out
 
 
-def _onnxruntime_twin(path: Path) -> Any:
-    """A predictor of the model at ``path`` that runs it with ONNX Runtime even where the C walk is built."""
-    from clairvoyant.prediction.predictor import _bound_runner
-
-    twin = OnnxPredictor(path)
-    twin._run_bound, twin.runner = _bound_runner(twin._session, twin._binding), "onnxruntime"
-    return twin
-
-
-def _bench_model(path: Path, prompts: list[Prompt], floor: tuple[Any, Any], versus_onnxruntime: bool) -> dict[str, Any]:
-    reference = None
+def _bench_model(path: Path, prompts: list[Prompt], floor: tuple[Any, Any]) -> dict[str, Any]:
     try:
         predictor: Any = OnnxPredictor(path)
         timed_with = "clairvoyant.prediction.predictor.OnnxPredictor.predict"
-        if versus_onnxruntime and getattr(predictor, "runner", "onnxruntime") != "onnxruntime":
-            reference = _onnxruntime_twin(path)
     except ModelError:  # a card this checkout's predictor does not read yet (e.g. a schema-2 regressor)
         predictor = CardPathTimer(path)
         timed_with = "bench_predictor.CardPathTimer.predict (features + bound ONNX run + calibration)"
@@ -226,9 +207,8 @@ def _bench_model(path: Path, prompts: list[Prompt], floor: tuple[Any, Any], vers
         "model": str(path),
         "feature_set": predictor.feature_set_name,
         "timed_with": timed_with,
-        "model_runner": getattr(predictor, "runner", "onnxruntime"),
         "trees": predictor.card.get("hyperparameters", {}),
-        **_phase(predictor, prompts, floor, reference),
+        **_phase(predictor, prompts, floor),
     }
 
 
@@ -247,11 +227,6 @@ def main(argv: list[str] | None = None) -> int:
         help="nice values of the llama.cpp load, one loaded phase each (0 = same priority)",
     )
     parser.add_argument("--no-gc-freeze", action="store_true", help="do not gc.freeze() the start-up heap")
-    parser.add_argument(
-        "--versus-onnxruntime",
-        action="store_true",
-        help="also time predict with ONNX Runtime running the model, in the same rotation (the C walk's gain)",
-    )
     parser.add_argument("--json", type=Path, default=RESULTS, help=f"result file (default {RESULTS.name})")
     args = parser.parse_args(argv)
 
@@ -270,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()
     if not args.no_gc_freeze:
         gc.freeze()
-    report["phases"]["idle"] = [_bench_model(m, prompts, floor, args.versus_onnxruntime) for m in models]
+    report["phases"]["idle"] = [_bench_model(m, prompts, floor) for m in models]
     if not args.no_load:
         from predictor_load import LoadProcess
 
@@ -278,23 +253,17 @@ def main(argv: list[str] | None = None) -> int:
             with LoadProcess(nice=nice):
                 time.sleep(2.0)
                 name = "under_llamacpp_load" + (f"_nice{nice}" if nice else "")
-                report["phases"][name] = [_bench_model(m, prompts, floor, args.versus_onnxruntime) for m in models]
+                report["phases"][name] = [_bench_model(m, prompts, floor) for m in models]
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     for phase, rows in report["phases"].items():
         for r in rows:
             print(
                 f"{phase:22s} {Path(r['model']).name:24s} predict p50 {r['predict']['p50_us']:7.1f} us  "
                 f"p99 {r['predict']['p99_us']:7.1f} us | features p50 {r['features_only']['p50_us']:6.1f} | "
-                f"model ({r['model_runner']}) p50 {r['onnx_only']['p50_us']:6.1f} | "
+                f"model p50 {r['onnx_only']['p50_us']:6.1f} | "
                 f"floor p50 {r['floor_identity_run']['p50_us']:5.1f} "
                 f"p99 {r['floor_identity_run']['p99_us']:5.1f} (load {r['loadavg_1min_at_start']:.1f})"
             )
-            if "predict_onnxruntime" in r:
-                o = r["predict_onnxruntime"]
-                print(
-                    f"{'':22s} {'(ONNX Runtime instead)':24s} predict p50 {o['p50_us']:7.1f} us  p99 {o['p99_us']:7.1f} us"
-                    f" | paired difference p50 {r['predict_minus_onnxruntime_p50_us']:+.1f} us"
-                )
     if not args.no_card:
         from clairvoyant.tools.training import card as card_md
         from clairvoyant.tools.training.export import update_card
@@ -303,7 +272,6 @@ def main(argv: list[str] | None = None) -> int:
             "benchmark": "benchmarks/bench_predictor.py",
             "requests": len(prompts),
             "paper_go_onnx_reference_ms": 0.029,
-            "model_runner": report["phases"]["idle"][0]["model_runner"],  # what the *_onnx_* figures time
         }
         for phase, rows in report["phases"].items():
             r = rows[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import math
 import shutil
@@ -65,6 +66,36 @@ def test_the_shipped_encoder_orders_an_essay_after_a_one_word_answer(encoder: En
     assert 0.0 < math.exp(short) < math.exp(essay) < 5000
     many = encoder.log_tokens_many([ESSAY, SHORT, ESSAY])
     assert many.tolist() == [essay, short, essay]  # one at a time: the served values exactly
+
+
+GOLDEN = json.loads((Path(__file__).parent / "fixtures" / "encoder_golden.json").read_text())["cases"]
+
+
+def test_the_shipped_files_give_the_golden_opinions(encoder: EncoderModel) -> None:
+    """The encoder's, the kNN's and the learner's columns, bit for bit: what the shipped graphs give
+    with their weights as uint8 (the values differ with int8 weights on an AVX2 CPU without VNNI)."""
+    assert len(GOLDEN) >= 16
+    for case in GOLDEN:
+        value, columns, knn = encoder.opinion(case["text"])
+        got = (value, knn, hashlib.sha256(columns).hexdigest())
+        assert got == (case["log_tokens"], case["knn_log_tokens"], case["columns_sha256"]), case["text"][:60]
+
+
+@pytest.mark.parametrize(("file", "nodes"), [("encoder.onnx", 37), ("encoder.knn.onnx", 1)])
+def test_the_shipped_graphs_hold_no_int8_weight_feeding_matmul_integer(file: str, nodes: int) -> None:
+    """onnxruntime's u8 x s8 kernel saturates on AVX2 CPUs without VNNI; its u8 x u8 kernel is exact
+    everywhere: every MatMulInteger weight and weight zero point is a uint8 initializer."""
+    onnx = pytest.importorskip("onnx")
+    model = onnx.load(str(DEFAULT_ENCODER_CARD.parent / file))
+    types = {t.name: t.data_type for t in model.graph.initializer}
+    declared = {v.name for v in (*model.graph.input, *model.graph.output, *model.graph.value_info)}
+    matmuls = [n for n in model.graph.node if n.op_type == "MatMulInteger"]
+    assert len(matmuls) == nodes
+    for node in matmuls:
+        weight, zero_point = node.input[1], node.input[3]
+        assert weight not in declared and zero_point not in declared, node.name
+        assert types[weight] == types[zero_point] == onnx.TensorProto.UINT8, node.name
+    assert onnx.TensorProto.INT8 not in {types.get(i) for n in matmuls for i in n.input}
 
 
 def test_the_encoder_reads_only_its_word_pieces(encoder: EncoderModel) -> None:
@@ -381,14 +412,16 @@ def test_the_learners_encodes_are_bounded_apart_from_waiting_requests(encoder: E
 
 def _knn_reference(encoder: EncoderModel, embeddings: np.ndarray) -> np.ndarray:
     """The kNN in numpy from the graph's own initializers: unit query, cosine with the memory (its
-    int8 rows dequantised), top 16, weights max(cos, 0) + 1e-9, weighted mean of the labels."""
+    quantised rows dequantised), top 16, weights max(cos, 0) + 1e-9, weighted mean of the labels."""
     import onnx
     from onnx import numpy_helper
 
     assert encoder.card.knn_path is not None
     inits = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(encoder.card.knn_path)).graph.initializer}
-    assert not inits["memory_zero_point"].any()  # symmetric per-channel int8: zero points 0
-    memory = inits["memory_quantized"].astype(np.float32) * inits["memory_scale"][None, :]  # a scale per memory row
+    zero_point = inits["memory_zero_point"]
+    assert zero_point.dtype == np.uint8 and (zero_point == 128).all()  # symmetric int8, stored as uint8 + 128
+    quantized = inits["memory_quantized"].astype(np.float32) - zero_point.astype(np.float32)[None, :]
+    memory = quantized * inits["memory_scale"][None, :]  # a scale per memory row
     labels = inits["labels"]
     assert memory.shape == (384, 43151) and labels.shape == (43151,)
     unit = embeddings / np.linalg.norm(embeddings, axis=1, keepdims=True)

@@ -1,10 +1,15 @@
-"""clairvoyant.prediction.features: the one feature extractor (paper19 and rich_v1)."""
+"""clairvoyant.prediction.features: the one feature extractor (paper19, the rich sets, their term sum)."""
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from clairvoyant.prediction import features
 from clairvoyant.prediction.features import (
     FEATURE_SETS,
     SCAN_HEAD_CHARS,
@@ -362,3 +367,70 @@ def test_rich_v3_is_rich_v2_plus_the_shipped_lexicon_column() -> None:
     assert essay > short
     with pytest.raises(RuntimeError, match="sha256"):
         load_lexicon(sha256="0" * 64)
+
+
+# ---------------------------------------------------------------------------- the term sum
+
+# Words of the shipped lexicon and keyword sets (so many are terms and many pairs are), near misses and strangers.
+_RICH_V3_TERMS = features._rich_v3_table().terms
+_VOCABULARY = sorted(t for t in _RICH_V3_TERMS if isinstance(t, bytes))[::37] + [
+    b"x", b"zzzz", b"\xc3\xa9t\xc3\xa9", b"a" * 40, b"step", b"by", b"write", b"essay",
+]  # fmt: skip
+_PAIRS = [t for t in _RICH_V3_TERMS if isinstance(t, tuple)]
+
+
+def _plain_term_total(words: list[bytes], table: features._KeywordTable) -> int:
+    """The term sum's contract, written plainly: each distinct word that is a term once, and with a
+    lexicon each distinct adjacent pair that is a term once."""
+    terms = table.terms
+    total = sum(terms[w] for w in set(words) if w in terms)
+    if table.lexicon:
+        total += sum(terms[p] for p in set(zip(words, words[1:])) if p in terms)
+    return total
+
+
+def _words(rng: random.Random, n: int) -> list[bytes]:
+    out: list[bytes] = []
+    while len(out) < n:
+        if rng.random() < 0.3:
+            out.extend(rng.choice(_PAIRS))  # a known pair, so the pair lookups find terms
+        else:
+            word = rng.choice(_VOCABULARY)
+            out.append(bytes(word) if rng.random() < 0.5 else word)  # equal bytes, not always the same object
+    return out[:n]
+
+
+@pytest.mark.parametrize("table", [features._rich_v3_table(), features._PLAIN_TABLE], ids=["rich_v3", "keywords"])
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 50, 300, 5000])
+def test_the_term_sum_is_its_plain_definition(table: features._KeywordTable, n: int) -> None:
+    rng = random.Random(n)
+    for _ in range(20):
+        words = _words(rng, n)
+        assert features._term_total(words, table) == _plain_term_total(words, table)
+
+
+def test_each_distinct_term_counts_once() -> None:
+    table = features._rich_v3_table()
+    terms = table.terms
+    a, b = _PAIRS[0]
+    expected = terms.get(a, 0) + terms.get(b, 0) + terms[(a, b)] + terms.get((b, a), 0)
+    assert features._term_total([a, b, a, b], table) == expected  # words {a, b}, pairs {(a, b), (b, a)}
+    assert features._term_total([bytes(a), bytes(b), bytes(a), bytes(b)], table) == expected  # equal bytes, new objects
+    plain = features._PLAIN_TABLE.terms
+    assert features._term_total([a, b], features._PLAIN_TABLE) == plain.get(a, 0) + plain.get(b, 0)  # no pairs
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.binary(min_size=1, max_size=12), st.integers(min_value=-(2**200), max_value=2**200).filter(bool), max_size=30),
+       st.lists(st.integers(min_value=0, max_value=40), max_size=80))  # fmt: skip
+def test_any_table_and_any_words_sum_by_the_definition(weights: dict[bytes, int], picks: list[int]) -> None:
+    # a table of words and of every pair of its first words, with values of any sign and size
+    keys = list(weights)
+    terms: dict[bytes | tuple[bytes, ...], int] = dict(weights)
+    for i, first in enumerate(keys[:6]):
+        for j, second in enumerate(keys[:6]):
+            terms[(first, second)] = (i + 1) * (j - 3) * 2**150 + 1 if (i + 1) * (j - 3) else 7
+    vocabulary = keys + [b"unknown", b""]
+    words = [vocabulary[p % len(vocabulary)] for p in picks]
+    for table in (features._KeywordTable(terms, lexicon=True), features._KeywordTable(dict(weights))):
+        assert features._term_total(words, table) == _plain_term_total(words, table)

@@ -1,7 +1,7 @@
 """The package's layers: each imports only from below it, so the tree reads as the request's flow.
 
     config, errors, clock, state_file, logs (the bottom: settings, errors, time, atomic state files, log format)
-    prediction/                      dialects, features, predictor (and onnx_forest), learner, usage
+    prediction/                      dialects, features, predictor, learner, usage
     scheduling/, metrics             job record and queues, policies, dispatcher and its lease
     proxy/                           connection (the HTTP server), parking, keepalive, app, responses, upstream, server, ui/, the closed loop's wiring, serve
     tools/                           training, simulator, benchmarks, demo, replay (never served)

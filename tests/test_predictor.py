@@ -390,14 +390,19 @@ def test_a_prediction_stays_well_under_one_kilobyte() -> None:
 def test_the_bound_run_calls_the_session_directly_and_scores_like_a_plain_run() -> None:
     import functools
 
+    import onnxruntime as ort
+
     from clairvoyant.prediction.predictor import _bound_runner
 
     predictor = OnnxPredictor()
-    run = _bound_runner(predictor._session, predictor._binding)  # the ONNX Runtime runner (the walk in C aside)
+    run = predictor._run_bound  # what predict runs
     # this onnxruntime has the C session and binding: the per-call capture bookkeeping is skipped
     assert isinstance(run, functools.partial)
     assert run.func is not predictor._session.run_with_iobinding
-    assert run.args == (predictor._binding._iobinding, None)
+    assert run.args[0] is predictor._binding._iobinding
+    assert isinstance(run.args[1], ort.RunOptions)  # made once: none would cost default options every call
+    again = _bound_runner(predictor._session, predictor._binding)
+    assert again.func == run.func and again.args[0] is run.args[0]
     prompts = [
         Prompt("hi"),
         Prompt("Write a detailed 2000-word essay on Rome."),

@@ -53,7 +53,6 @@ from typing import Any
 import numpy as np
 
 from clairvoyant.errors import ModelError
-from clairvoyant.prediction.onnx_u8u8 import u8u8_weights
 from clairvoyant.prediction.predictor import (
     BlendWeights,
     OnnxPredictor,
@@ -142,8 +141,12 @@ def _knn_fields(card_path: Path, block: Any) -> dict[str, Any]:
 class EncoderModel:
     """The encoder: instruction text -> predicted ln(answer tokens), on one onnxruntime thread."""
 
-    def __init__(self, card_path: Path | str | None = None, *, u8u8: bool = True) -> None:
-        """``u8u8=False`` runs the files' int8 weights as exported (benchmarks/bench_u8u8.py compares)."""
+    def __init__(self, card_path: Path | str | None = None) -> None:
+        """Loads the card's files as they are, each checked against its sha256 in the card.
+
+        The shipped graphs hold their MatMulInteger weights as uint8 (int8 + 128, zero points moved
+        by 128: ``clairvoyant.tools.training.quantization``, at export), so onnxruntime runs them
+        with its u8 x u8 kernel, which gives the same integers on every CPU."""
         from tokenizers import Tokenizer  # imported here: importing this module stays cheap
 
         path = Path(card_path) if card_path is not None else DEFAULT_ENCODER_CARD
@@ -160,14 +163,6 @@ class EncoderModel:
             contents[file] = file.read_bytes()
             if hashlib.sha256(contents[file]).hexdigest() != sha:
                 raise ModelError(f"encoder file {file} does not match the sha256 in its card")
-        # The same integers on every CPU: int8 weights as uint8 + 128 (prediction/onnx_u8u8.py; the
-        # u8 x s8 kernel of AVX2 CPUs without VNNI saturates). How many were rewritten, per graph:
-        self.u8u8_weights: dict[str, int] = {}
-        graphs = [self.card.onnx_path] + ([self.card.knn_path] if self.card.knn_path is not None else [])
-        for graph in graphs:
-            contents[graph], self.u8u8_weights[graph.name] = (
-                u8u8_weights(contents[graph]) if u8u8 else (contents[graph], 0)
-            )
         self.tokenizer = Tokenizer.from_file(str(self.card.tokenizer_path))
         self._tail = self.card.tail_word_pieces
         self._head = self.card.max_word_pieces - 2 - self._tail  # after [CLS], before the tail and [SEP]

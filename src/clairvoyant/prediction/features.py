@@ -34,8 +34,8 @@ Words: the scanned text is UTF-8 encoded, ASCII-lower-cased, ASCII punctuation e
 turned into spaces, and the result is split on whitespace (so "step-by-step" is three words,
 "what's" is "what" + "s", "c++" and "c#" stay whole). Non-ASCII words never match the English
 keyword sets. Everything runs in C-level str/bytes/set operations (one regex only when a trigger
-word is present); the keyword and lexicon sum over the window's words and word pairs runs in a small
-C extension (``_term_sum.c``) where one was built, else the same sum in Python.
+word is present); the keyword and lexicon sum over the window's words and word pairs is one set of
+dict lookups and one integer ``sum`` (``_term_total``).
 tests/test_features_reference.py pins every value against the plainer code the shipped model was
 trained with.
 
@@ -54,22 +54,16 @@ import math
 import re
 import string
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import chain, islice
 from pathlib import Path
 
 import numpy as np
 
-try:  # the compiled term sum (prediction/_term_sum.c), built by `pip install`; else the same sum in Python
-    from clairvoyant.prediction import _term_sum
-except ImportError:  # pragma: no cover - installed where no C compiler was found
-    _term_sum = None  # type: ignore[assignment]
-
 __all__ = [
     "FEATURE_SETS",
     "SCAN_HEAD_CHARS",
     "SCAN_TAIL_CHARS",
-    "TERM_SUM",
     "VERBS",
     "FeatureSet",
     "Prompt",
@@ -593,22 +587,6 @@ class _KeywordTable:
     lexicon: bool = False  # True: look up word pairs and append the lexicon column
     scale: int = 1  # 2**scale_bits: the weight sum is (total >> _WEIGHT_SHIFT) / scale
     intercept: float = 0.0
-    compiled: object = field(init=False, repr=False, compare=False)  # _term_sum's table, or None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "compiled", _compiled_table(self.terms))
-
-
-def _compiled_table(terms: dict[bytes | tuple[bytes, ...], int]) -> object:
-    """``terms`` for the compiled sum (None without it), each value as fixed-width two's-complement
-    limbs: a window's sum adds fewer than 2**63 values below 2**bits in magnitude, so 65 more bits
-    never overflow."""
-    if _term_sum is None:
-        return None
-    bits = max((abs(v).bit_length() for v in terms.values()), default=0)
-    limbs = (bits + 65 + 63) // 64
-    values = [v.to_bytes(8 * limbs, "little", signed=True) for v in terms.values()]
-    return _term_sum.compile_terms(list(terms), values, limbs)
 
 
 _PLAIN_TABLE = _KeywordTable({word: packed for word, packed in _KEYWORD_FIELDS.items()})
@@ -626,29 +604,18 @@ def _rich(head: int, tail: int) -> Callable[[Prompt], list[float | int]]:
     return values
 
 
-def _python_term_total(words: list[bytes], table: _KeywordTable) -> int:
-    """The packed sum of the table's values over the distinct words of ``words`` that are terms and,
-    with a lexicon, over its distinct adjacent word pairs that are terms (no term packs to 0)."""
-    terms = table.terms
-    total: int = sum(filter(None, map(terms.get, frozenset(words))))
-    if table.lexicon and len(words) > 1:
-        # the distinct pairs that are lexicon terms (zip reuses its tuple for the others)
-        pairs = terms.keys() & zip(words, islice(words, 1, None))
-        if pairs:
-            total += sum(map(terms.__getitem__, pairs))
-    return total
-
-
 def _term_total(words: list[bytes], table: _KeywordTable) -> int:
-    """``_python_term_total``, by the compiled sum when it is built (the same int: the tests compare).
-    ``_rich_values`` has it inlined."""
-    if table.compiled is None:
-        return _python_term_total(words, table)
-    return int.from_bytes(_term_sum.term_sum(table.compiled, words, table.lexicon), "little", signed=True)
-
-
-_COMPILED_SUM = None if _term_sum is None else _term_sum.term_sum
-TERM_SUM = "compiled" if _term_sum is not None else "python"  # which term sum extracts features (start-up log)
+    """The packed sum of the table's values over the distinct words of ``words`` that are terms and,
+    with a lexicon, over its distinct adjacent word pairs that are terms: each distinct term counts
+    once, however often it occurs. A word (bytes) never equals a pair (a tuple), so one set holds
+    both; ``filter(None, ...)`` drops the unknown terms (None) and adds nothing else (no term's
+    value is 0)."""
+    terms = table.terms
+    distinct: set[bytes | tuple[bytes, ...]] = set(words)
+    if table.lexicon:
+        distinct.update(zip(words, islice(words, 1, None)))
+    total: int = sum(filter(None, map(terms.get, distinct)))
+    return total
 
 
 def _rich_values(prompt: Prompt, head: int, tail_chars: int, table: _KeywordTable = _PLAIN_TABLE) -> list[float | int]:
@@ -662,12 +629,7 @@ def _rich_values(prompt: Prompt, head: int, tail_chars: int, table: _KeywordTabl
     raw = window.encode("utf-8", "surrogatepass").lower()
     words = raw.translate(_WORD_TABLE).split()
     n_words = len(words)
-    compiled = table.compiled  # _term_total, inlined
-    total = (
-        _python_term_total(words, table)
-        if compiled is None or _COMPILED_SUM is None
-        else int.from_bytes(_COMPILED_SUM(compiled, words, table.lexicon), "little", signed=True)
-    )
+    total = _term_total(words, table)
     counts = (total & _FIELDS_MASK).to_bytes(_N_FIELDS, "little") if total else _NO_KEYWORDS
     # _lead_index, with its common case (no opener) inlined
     i = 0 if (not n_words or words[0] not in _OPENERS) else _lead_index(words)
