@@ -114,7 +114,7 @@ class _ThreadLearner:
     ``FLUSH_S``, ``_Worker.learn`` on each batch in the thread, a wake-up when a refit falls due."""
 
     def __init__(self, learner: OnlineLearner, nice: int, min_refit_interval_s: float) -> None:
-        self.worker = _Worker(learner, None, True, 5.0, min_refit_interval_s)
+        self.worker = _Worker(learner, None, True, 5.0, min_refit_interval_s)  # as LearnerProcess's
         self.executor = ThreadPoolExecutor(1, initializer=os.nice, initargs=(nice,))  # this thread only
         self.gated = True
         self.refits = 0

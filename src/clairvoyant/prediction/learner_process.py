@@ -1,15 +1,16 @@
 """The online learner off the event loop: the one worker process of a ``ProcessPoolExecutor``.
 
-Why a process, and not a thread: a thread's refit shares the event loop's interpreter lock. Each time
-the loop wakes it waits for the lock, up to the 5 ms switch interval, and longer when the OS preempts
-the niced thread while it holds the lock. ``benchmarks/bench_learner_refit.py --busy`` measured both
-on a 2-core host with the other core kept busy: 17 full buffers, the default refit settings (10
-observations a second, a refit at most once a second, about 10 ms of CPU each), 20 s per phase, four
-runs of the process and two of each thread. A 1 ms asyncio timer that ticked during a refit was late by p99 13-14 ms, at worst 39-48 ms,
-with a thread at ``worker_nice`` (3.5-12 ms and 4-21 ms unniced, competing with the backend for CPU).
-With this worker process it was late by p99 4-6 ms and at worst 6-15 ms, within the worst of the
-segments without a refit (6-17 ms). What is left is two cores shared by three busy processes, not a
-lock.
+Why a process, and not a thread: a thread's refit shares the event loop's interpreter lock. Each
+time the loop wakes it waits for the lock, up to the 5 ms switch interval, and longer when the OS
+preempts the niced thread while it holds the lock. ``benchmarks/bench_learner_refit.py --busy``
+measured both on a 2-core host with the other core kept busy. The learner held 17 full buffers and
+ran at the default refit settings: 10 observations a second, a refit at most once a second, about
+20 ms of CPU each. There were four runs of the process and two of each thread, 20 s per phase.
+During a refit, a 1 ms asyncio timer was late by p99 13-14 ms and at worst 39-48 ms with a thread
+at ``worker_nice``. Unniced, so competing with the backend for CPU, it was late by p99 3.5-12 ms
+and at worst 4-21 ms. With this worker process it was late by p99 4-6 ms and at worst 6-15 ms. That
+is within the worst of the segments without a refit (6-17 ms): what is left is two cores shared by
+three busy processes, not a lock.
 
 The proxy's side, ``LearnerProcess``, runs on the event loop:
 
@@ -109,17 +110,17 @@ class _Learned(NamedTuple):
     wake_in_s: float | None  # seconds until the observations not yet fitted are due (None: none wait)
 
 
+@dataclass
 class _Worker:
-    """The worker process's learner and its refit clock (monotonic seconds)."""
+    """The worker process's learner and its refit clock (see ``LearnerProcess``'s arguments)."""
 
-    def __init__(self, learner: OnlineLearner, state_path: Path | None, fit: bool, quiet_s: float, every_s: float):
-        self.learner = learner
-        self.state_path = state_path
-        self.fit = fit  # False: observe for the quality figures only
-        self.quiet_s = quiet_s  # quiet_refit_s
-        self.every_s = every_s  # min_refit_interval_s
-        self.refit_after = 0.0  # no refit before
-        self.quiet_until: float | None = None  # observations fewer than refit_every are fitted then
+    learner: OnlineLearner
+    state_path: Path | None
+    fit: bool  # False: observe for the quality figures only
+    quiet_refit_s: float
+    min_refit_interval_s: float
+    refit_after: float = 0.0  # monotonic seconds: no refit before
+    quiet_until: float | None = None  # monotonic seconds: fewer than refit_every observations are fitted then
 
     def learn(self, batch: list[Observation]) -> _Learned:
         learner = self.learner
@@ -129,7 +130,7 @@ class _Worker:
             return _Learned(None, None, None)
         now = time.monotonic()
         if self.quiet_until is None:
-            self.quiet_until = now + self.quiet_s
+            self.quiet_until = now + self.quiet_refit_s
         if (learner.refit_due and now >= self.refit_after) or now >= self.quiet_until:
             return self.refit()
         due = min(self.quiet_until, self.refit_after) if learner.refit_due else self.quiet_until
@@ -141,7 +142,7 @@ class _Worker:
             self.learner.refit()
         except Exception:  # a failed refit must not end learning; the old fit stays
             logger.exception("online learner: refit failed; keeping the previous correction")
-        self.refit_after = time.monotonic() + self.every_s
+        self.refit_after = time.monotonic() + self.min_refit_interval_s
         fit = self.learner.current_fit
         return _Learned(None if fit is None else fit.packed(), self.learner.last_refit_s, None)
 
@@ -170,19 +171,13 @@ def _exit_with(parent: multiprocessing.process.BaseProcess) -> None:
     os._exit(0)
 
 
-def _start(
-    identity: PriorIdentity,
-    config: LearnerConfig,
-    state_path: Path | None,
-    fit: bool,
-    quiet_s: float,
-    every_s: float,
-) -> _Started:
+def _start(identity: PriorIdentity, config: LearnerConfig, state_path: Path | None, *timing: Any) -> _Started:
+    """Load the state file; ``timing``: the rest of ``_Worker``'s fields (fit, quiet_refit_s...)."""
     global _worker
     learner = OnlineLearner.load(state_path, identity, config) if state_path else OnlineLearner(identity, config)
-    _worker = worker = _Worker(learner, state_path, fit, quiet_s, every_s)
+    _worker = worker = _Worker(learner, state_path, *timing)
     memories = {key: memory for key in learner.models() if (memory := learner.knn_memory(key)) is not None}
-    restored = worker.refit() if fit and learner.unfitted else _Learned(None, None, None)
+    restored = worker.refit() if worker.fit and learner.unfitted else _Learned(None, None, None)
     return _Started(os.getpid(), learner.observed_total, learner.models(), memories, restored.fit, restored.refit_s)
 
 
