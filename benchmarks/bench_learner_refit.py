@@ -1,7 +1,9 @@
 """Does a learner refit delay the event loop? The lateness of a 1 ms asyncio timer while the learner refits.
 
     python benchmarks/bench_learner_refit.py --mode process|thread [--seconds 20] [--busy]
-        [--completions-per-s 10] [--min-refit-interval-s 1] [--models 17] [--rows 1024]
+        [--completions-per-s 1000] [--min-refit-interval-s 0] [--models 17] [--rows 1024]
+
+The proxy's cadence, at its default settings: ``--completions-per-s 10 --min-refit-interval-s 1``.
 
 Run it WITHOUT nice: the timer is light, and the event loop is what is measured. The learner lowers
 its own priority by ``--worker-nice`` (``worker_nice``, 10), as in the proxy.
@@ -11,7 +13,8 @@ also observes ``--completions-per-s`` completed requests a second, as the proxy 
 loop. The learner holds ``--models`` full buffers of ``--rows`` observations. That is 16 models plus
 "other" by default, the learner's memory bound, restored from a state file. It refits as the proxy's
 does: once ``refit_every`` (8) new observations have arrived, at most once per
-``--min-refit-interval-s``. With 0 and 1,000 completions a second it refits back to back.
+``--min-refit-interval-s``. By default (0, and 1,000 completions a second) it refits back to back,
+the worst case.
 
 ``--mode process`` is the proxy's learner, ``LearnerProcess``: one worker process of a
 ``ProcessPoolExecutor``. ``--mode thread`` does the same work (the same ``_Worker.learn`` on the same
@@ -211,11 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--completions-per-s",
         type=float,
-        default=10.0,
-        help="completed requests observed per second (default: learner_max_observations_per_s)",
+        default=1000.0,
+        help="completed requests observed per second (the proxy takes learner_max_observations_per_s, 10)",
     )
     parser.add_argument(
-        "--min-refit-interval-s", type=float, default=1.0, help="seconds between refits, at least (0: back to back)"
+        "--min-refit-interval-s", type=float, default=0.0, help="seconds between refits, at least (the proxy's: 1)"
     )
     parser.add_argument(
         "--worker-nice", type=int, default=LearnerConfig().worker_nice, help="the learner's niceness above the loop's"
