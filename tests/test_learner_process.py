@@ -1,13 +1,18 @@
-"""The online learner in its own process (``clairvoyant.prediction.learner_process``): the same fit
-as in-process, the state file through the child, a child that dies, a child that cannot save."""
+"""The online learner in a worker process (``clairvoyant.prediction.learner_process``): the same fit
+as in-process, the state file through the worker, a worker that dies, cannot save, or cannot start,
+and one whose proxy dies."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import math
+import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -47,6 +52,15 @@ def _world(n: int, seed: int = 0, embedding: int = 0) -> list[tuple[Prediction, 
 
 def _corrections(learner: OnlineLearner | LearnerProcess, probes: list[Prediction]) -> list[float]:
     return [learner.correction("m", np.frombuffer(p.feature_row, np.float32), p.prior_log_tokens) for p in probes]
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
 
 
 async def _until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
@@ -149,14 +163,14 @@ def test_the_state_file_round_trips_through_the_child_and_a_corrupt_one_is_refus
     )
 
 
-def test_a_failed_save_raises_the_childs_reason_and_the_child_keeps_learning(tmp_path: Path) -> None:
+def test_a_failed_save_raises_the_workers_reason_and_the_worker_keeps_learning(tmp_path: Path) -> None:
     async def run() -> None:
         remote = LearnerProcess(IDENTITY, state_path=tmp_path)  # a directory: it cannot be written over
         assert await remote.start()
         try:
             prediction, tokens = _world(1)[0]
             remote.observe(prediction, tokens)
-            with pytest.raises(OSError, match="Error"):
+            with pytest.raises(OSError, match="Is a directory"):
                 await remote.save()
             remote.observe(prediction, tokens)
             await remote.update_quality()
@@ -167,7 +181,7 @@ def test_a_failed_save_raises_the_childs_reason_and_the_child_keeps_learning(tmp
     asyncio.run(run())
 
 
-def test_a_killed_child_is_started_again_from_the_saved_state_and_the_last_fit_is_kept(
+def test_a_killed_worker_is_started_again_from_the_saved_state_and_the_last_fit_is_kept(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     state = tmp_path / "learner.npz"
@@ -189,18 +203,21 @@ def test_a_killed_child_is_started_again_from_the_saved_state_and_the_last_fit_i
             first = remote.pid
             assert first is not None
             os.kill(first, signal.SIGKILL)
+            assert remote.observe(*observations[1])  # its batch finds the worker dead
             await _until(lambda: not remote.running, "the death noticed")
+            assert remote.dropped == 1
             assert remote.correction("m", row, probe.prior_log_tokens) == learned  # the last fit is kept
-            assert remote.observe(*observations[1]) and remote.dropped == 1  # nobody to take it
+            assert remote.observe(*observations[2]) and remote.dropped == 2  # nobody to take it
             with pytest.raises(LearnerUnavailable):
                 await remote.save()
             metrics = Metrics()
             metrics.set_learner(remote.running, remote.refits, remote.dropped)
             shown = metrics.render().decode()
             assert "clairvoyant_learner_up 0.0" in shown
-            assert "clairvoyant_learner_dropped_observations_total 1.0" in shown
-            await _until(lambda: remote.running and remote.pid != first, "a new child")
-            await _until(lambda: remote.observed_total == 40, "the saved state restored")
+            assert "clairvoyant_learner_dropped_observations_total 2.0" in shown
+            await _until(lambda: remote.running, "a new worker")
+            assert remote.pid != first and not _alive(first)
+            assert remote.observed_total == 40  # the saved state, restored
             await remote.update_quality()
             assert remote.quality()["m"].observations == 40
         finally:
@@ -208,39 +225,67 @@ def test_a_killed_child_is_started_again_from_the_saved_state_and_the_last_fit_i
 
     asyncio.run(run())
     messages = [r.getMessage() for r in caplog.records]
-    assert any("exited with code -9" in m for m in messages)
+    assert any("died" in m and "started again in 1 s" in m for m in messages)
     assert any("running again" in m for m in messages)
 
 
-def test_the_child_ignores_ctrl_c_and_sigterm_and_exits_when_asked() -> None:
-    async def run() -> int | None:
+def test_the_worker_ignores_ctrl_c_and_sigterm_and_stop_leaves_no_process_behind() -> None:
+    async def run() -> int:
         remote = LearnerProcess(IDENTITY)
         assert await remote.start()
-        assert remote.pid is not None
-        os.kill(remote.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole process group
-        os.kill(remote.pid, signal.SIGTERM)  # and systemd's stop, every process of the unit
-        await asyncio.sleep(0.2)
+        pid = remote.pid
+        assert pid is not None and _alive(pid)
+        os.kill(pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole process group
+        os.kill(pid, signal.SIGTERM)  # and systemd's stop, every process of the unit
         await remote.update_quality()  # still answering
+        assert remote.running
         await remote.stop()
-        assert remote._process is not None
-        return remote._process.returncode
+        assert not remote.running
+        return pid
 
-    assert asyncio.run(run()) == 0
+    pid = asyncio.run(run())
+    assert not _alive(pid)
+    assert multiprocessing.active_children() == []
 
 
-def test_a_child_that_cannot_start_is_reported_and_not_started_again(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def test_the_worker_never_outlives_the_proxy(tmp_path: Path) -> None:
+    # A proxy killed outright (SIGKILL, the OOM killer) shuts nothing down: the worker notices alone.
+    script = tmp_path / "proxy.py"
+    script.write_text(
+        "import asyncio\n"
+        "from clairvoyant.prediction.learner import PriorIdentity\n"
+        "from clairvoyant.prediction.learner_process import LearnerProcess\n"
+        "async def main():\n"
+        "    remote = LearnerProcess(PriorIdentity('test_set', ('f0',), 'a' * 64))\n"
+        "    assert await remote.start()\n"
+        "    print(remote.pid, flush=True)\n"
+        "    await asyncio.sleep(3600)\n"
+        "if __name__ == '__main__':\n"
+        "    asyncio.run(main())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    with subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env) as proxy:
+        try:
+            assert proxy.stdout is not None
+            worker = int(proxy.stdout.readline())
+            assert _alive(worker)
+        finally:
+            proxy.kill()
+    deadline = time.monotonic() + 30
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _alive(worker)
+
+
+def test_a_worker_that_does_not_start_in_time_is_reported_and_not_started_again(
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    import clairvoyant.prediction.learner_process as learner_process
-
-    monkeypatch.setattr(learner_process.sys, "executable", "false")  # exits at once, before "ready"
     caplog.set_level(logging.ERROR, logger="clairvoyant.prediction.learner_process")
 
     async def run() -> None:
         remote = LearnerProcess(IDENTITY, respawn_after_s=0.05)
-        assert not await remote.start()
-        await asyncio.sleep(0.3)  # six respawn delays: none is scheduled
-        assert remote._respawn is None and not remote.running
+        assert not await remote.start(timeout_s=0.001)  # a new interpreter takes far longer
+        assert remote._restart is None and not remote.running
         prediction, tokens = _world(1)[0]
         assert remote.observe(prediction, tokens) and remote.dropped == 1  # the proxy serves on, unlearning
         await remote.stop()
@@ -248,6 +293,26 @@ def test_a_child_that_cannot_start_is_reported_and_not_started_again(
     asyncio.run(run())
     errors = [r.getMessage() for r in caplog.records]
     assert len(errors) == 1 and "did not start" in errors[0]
+    deadline = time.monotonic() + 30  # the worker it began is let go, not waited for: it ends by itself
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert multiprocessing.active_children() == []
+
+
+def test_fewer_observations_than_refit_every_are_fitted_once_quiet() -> None:
+    async def run() -> None:
+        remote = LearnerProcess(IDENTITY, LearnerConfig(refit_every=1000), quiet_refit_s=0.2)
+        assert await remote.start()
+        try:
+            for prediction, tokens in _world(40):
+                remote.observe(prediction, tokens)
+            await remote.update_quality()  # all 40 are in the worker, and none made a refit due
+            assert remote.refits == 0
+            await _until(lambda: remote.refits == 1, "the quiet refit")
+        finally:
+            await remote.stop()
+
+    asyncio.run(run())
 
 
 def test_with_learning_off_the_proxys_side_keeps_no_knn_memory() -> None:

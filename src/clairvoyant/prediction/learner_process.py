@@ -1,65 +1,63 @@
-"""The online learner in its own process, so that a refit never holds the event loop's GIL.
+"""The online learner off the event loop: the one worker process of a ``ProcessPoolExecutor``.
 
-Why a process: a refit in a thread of the proxy (session 19's design) held the interpreter lock
-in steps of at most 0.15 ms of work, but on a shared machine the OS may preempt the thread while it
-holds the lock, and the event loop then waits for the whole preemption. On this project's 2-core
-host, steps of 0.4-1.7 ms of CPU took 5-30 ms of wall time (docs/benchmarks.md, section 18). A child
-process has its own interpreter: nothing it does, or suffers, holds the loop's lock.
+Why a process, and not a thread: a thread's refit shares the event loop's interpreter lock. Each
+time the loop wakes it waits for the lock, up to the 5 ms switch interval, and longer when the OS
+preempts the niced thread while it holds the lock. ``benchmarks/bench_learner_refit.py --busy
+--completions-per-s 10 --min-refit-interval-s 1`` measured both on a 2-core host with the other
+core kept busy. The learner held 17 full buffers and ran at the default refit settings: 10
+observations a second, a refit at most once a second, about 20 ms of CPU each. There were four runs of the process and two of each thread, 20 s per phase.
+During a refit, a 1 ms asyncio timer was late by p99 13-14 ms and at worst 39-48 ms with a thread
+at ``worker_nice``. Unniced, so competing with the backend for CPU, it was late by p99 3.5-12 ms
+and at worst 4-21 ms. With this worker process it was late by p99 4-6 ms and at worst 6-15 ms. That
+is within the worst of the segments without a refit (6-17 ms): what is left is two cores shared by
+three busy processes, not a lock.
 
-The parent side, ``LearnerProcess``, lives on the event loop and does three small things:
+The proxy's side, ``LearnerProcess``, runs on the event loop:
 
-- ``observe``: checks the observation as ``OnlineLearner.observe`` would (``usable_observation``) and keeps it
-  for the next batch, about a microsecond. Every ``FLUSH_S`` the batch goes down the child's stdin
-  as one pickle of plain tuples (~0.2 KB and 0.2 us an observation; the dataclass would be 4 us).
-  Never a wait: the pipe's transport buffers, and past ``max_backlog_bytes`` an observation is
-  dropped and counted (only if the child stalls). The child sleeps on the pipe, and each batch's
-  write wakes it: ~0.1 ms of the loop's time a batch, at most 20 a second (polling the pipe every
-  20 ms measured no cheaper for the loop and cost the child ~10 ms of CPU a second);
-- ``correction``: the request path's read of the last fit the child sent (``FittedCorrection``,
-  immutable, swapped whole), plus the residual kNN's for a row with the encoder's embedding:
-  exactly ``OnlineLearner.correction``'s arithmetic. The kNN memories live here, where the
-  correction reads them: ``observe`` computes an observation's residual with the fit in force (as
-  in-process) and appends it, and sends the residual with the observation so that the child's
-  copy, which the state file keeps, is the same; the child sends its restored copy at start;
-- ``quality``/``save``/``stop``: requests to the child, awaited (``asyncio``), never blocking.
+- ``observe`` checks the observation as ``OnlineLearner.observe`` would (``usable_observation``) and
+  keeps it for the next batch. Every ``FLUSH_S`` the batch is submitted to the worker (``_learn``), which observes it and refits when a refit is due.
+  The fit comes back as that call's result. It never waits: at most ``max_backlog`` observations
+  may be submitted and not yet learned, and past that a batch is dropped and counted.
+- ``correction``, the request path, reads the last fit the worker returned. That fit is an immutable
+  ``FittedCorrection``, swapped whole. To it the residual kNN's part is added for a row with the
+  encoder's embedding, exactly as ``OnlineLearner.correction`` does. The kNN memories live here,
+  where the correction reads them. ``observe`` computes each residual with the fit in force and
+  submits it with the observation, so the worker's copy, which the state file keeps, is the same.
+  A starting worker returns its restored copy.
+- ``update_quality`` and ``save`` are submitted calls, awaited with a timeout, never blocking.
 
-The child (``python -m clairvoyant.prediction.learner_process``) owns an ``OnlineLearner``: it loads
-the state file (a refused file is logged exactly as in-process), takes the observations, refits
-once ``refit_every`` new ones have arrived (at most once per ``MIN_REFIT_INTERVAL_S``), sends each new fit back,
-and saves the state when asked. It runs at ``worker_nice`` above the proxy, ignores SIGINT and
-SIGTERM (a terminal's Ctrl-C, and systemd's stop, reach the whole process group; the proxy asks it to
-save, then to stop) and exits
-when its stdin closes, so it never outlives the proxy. Its log lines come back as frames and are
-logged by the proxy under the child's logger names, in the proxy's format.
+The worker (``_init``, then ``_start``) ignores SIGINT and SIGTERM. A terminal's Ctrl-C and systemd's
+stop reach the whole process group, but its exit is the proxy's to make: the proxy saves the state
+through it, then shuts the pool down. It runs at ``worker_nice`` above the proxy. Its log records
+reach the proxy through a ``QueueHandler`` and a ``QueueListener``, and are logged under their own
+logger names. A thread in it waits on ``multiprocessing.parent_process()`` and ends it if the proxy
+dies, so the worker never outlives the proxy. It loads the state file (a refused file is logged as
+in-process), takes the observations, and refits once ``refit_every`` new ones have arrived, at most
+once per ``min_refit_interval_s``. Fewer than ``refit_every`` are fitted ``quiet_refit_s`` after the
+first of them. The worker cannot wake itself, so each call's result says when the next refit falls
+due, and the proxy submits an empty batch then.
 
-Frames, both ways: a 4-byte big-endian length, then a pickle (trusted: the proxy's own child).
-Down: ``("init", identity, config, state_path, fit, quiet_refit_s, min_refit_interval_s)`` then ``("observe",
-[(each field of the Prediction..., tokens, kNN residual or None), ...])``, ``("quality", id)``,
-``("save", id)``, ``("stop", id)``. Up: ``("log", logger, level, message)``, ``("ready",
-observed_total, model_keys, kNN memories)``, ``("fit", packed fit, refit_s)``
-(``FittedCorrection.packed``: plain values, ~20 us to read against ~150 us for the pickled
-dataclasses and arrays), ``("quality", quality)`` (only when asked), ``("done", id, error)``.
-
-If the child dies (killed, out of memory), the proxy logs it, keeps predicting with the last fit,
-drops observations until a new child is up, and starts one again (``respawn_after_s`` later), which
-restores the last saved state.
+A dead worker (killed, out of memory) breaks the pool. The next call notices: the death is logged,
+predictions keep the last fit, and observations are dropped. A new pool starts ``respawn_after_s``
+later and restores the last saved state.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
 import os
-import pickle
-import select
 import signal
-import struct
-import sys
+import threading
 import time
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, replace
+from logging.handlers import QueueHandler, QueueListener
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -81,27 +79,175 @@ __all__ = ["LearnerProcess", "LearnerUnavailable"]
 
 logger = logging.getLogger(__name__)
 
-_LENGTH = struct.Struct(">I")
 # Seconds between two refits, at least: under heavy traffic refit_every observations arrive every
 # few milliseconds, and refitting 20 times a second only takes a core from the proxy and the backend.
 MIN_REFIT_INTERVAL_S = 1.0
-MAX_BACKLOG_BYTES = 4 << 20  # bytes of observations waiting for the child before new ones are dropped
-FLUSH_S = 0.05  # seconds an observation may wait to be sent with the next ones
+MAX_BACKLOG = 4096  # observations submitted and not yet learned, at most (~1.8 KB each with an embedding)
+FLUSH_S = 0.05  # seconds an observation may wait to be submitted with the next ones
+
+T = TypeVar("T")
+Packed = tuple[tuple[str, ...], bytes, tuple[float, ...], tuple[float, ...], int, int]  # FittedCorrection.packed
+Observation = tuple[Prediction, int, float | None]  # a prediction, the observed tokens, its kNN residual
 
 
 class LearnerUnavailable(RuntimeError):
-    """The learner's process is not running (it could not start, or died, or was stopped)."""
+    """The learner's worker is not running (it could not start, or died, or was stopped)."""
 
 
-def _frame(message: tuple[Any, ...]) -> bytes:
-    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    return _LENGTH.pack(len(payload)) + payload
+# -- the worker process ------------------------------------------------------------------------------
+class _Started(NamedTuple):
+    pid: int
+    observed_total: int
+    models: list[str]
+    memories: dict[str, tuple[np.ndarray, np.ndarray]]  # per model key: kNN unit embeddings, residuals
+    fit: Packed | None  # the restored observations' fit
+    refit_s: float | None  # seconds that refit took
+
+
+class _Learned(NamedTuple):
+    fit: Packed | None  # a new fit, if the batch made one due
+    refit_s: float | None  # seconds it took
+    wake_in_s: float | None  # seconds until the observations not yet fitted are due (None: none wait)
+
+
+@dataclass
+class _Worker:
+    """The worker process's learner and its refit clock (see ``LearnerProcess``'s arguments)."""
+
+    learner: OnlineLearner
+    state_path: Path | None
+    fit: bool  # False: observe for the quality figures only
+    quiet_refit_s: float
+    min_refit_interval_s: float
+    refit_after: float = 0.0  # monotonic seconds: no refit before
+    quiet_until: float | None = None  # monotonic seconds: fewer than refit_every observations are fitted then
+
+    def learn(self, batch: list[Observation]) -> _Learned:
+        learner = self.learner
+        for prediction, tokens, residual in batch:
+            learner.observe(prediction, tokens, residual)
+        if not (self.fit and learner.unfitted):
+            return _Learned(None, None, None)
+        now = time.monotonic()
+        if self.quiet_until is None:
+            self.quiet_until = now + self.quiet_refit_s
+        if (learner.refit_due and now >= self.refit_after) or now >= self.quiet_until:
+            return self.refit()
+        due = min(self.quiet_until, self.refit_after) if learner.refit_due else self.quiet_until
+        return _Learned(None, None, due - now)
+
+    def refit(self) -> _Learned:
+        self.quiet_until = None
+        try:
+            self.learner.refit()
+        except Exception:  # a failed refit must not end learning; the old fit stays
+            logger.exception("online learner: refit failed; keeping the previous correction")
+        self.refit_after = time.monotonic() + self.min_refit_interval_s
+        fit = self.learner.current_fit
+        return _Learned(None if fit is None else fit.packed(), self.learner.last_refit_s, None)
+
+
+_worker: _Worker | None = None  # in the worker process: set by _start
+
+
+def _init(log_queue: Any, nice: int) -> None:
+    """The worker process's setup (the pool's initializer); see the module docstring."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    root = logging.getLogger()
+    root.handlers[:] = [QueueHandler(log_queue)]
+    root.setLevel(logging.INFO)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_with, args=(parent,), name="exit-with-the-proxy", daemon=True).start()
+    try:
+        os.nice(nice)  # the refits yield the cores to the proxy and the backend (Linux niceness)
+    except OSError:
+        pass
+
+
+def _exit_with(parent: multiprocessing.process.BaseProcess) -> None:
+    parent.join()  # returns once the proxy's process is gone, however it ended
+    os._exit(0)
+
+
+def _start(identity: PriorIdentity, config: LearnerConfig, state_path: Path | None, *timing: Any) -> _Started:
+    """Load the state file; ``timing``: the rest of ``_Worker``'s fields (fit, quiet_refit_s...)."""
+    global _worker
+    learner = OnlineLearner.load(state_path, identity, config) if state_path else OnlineLearner(identity, config)
+    _worker = worker = _Worker(learner, state_path, *timing)
+    memories = {key: memory for key in learner.models() if (memory := learner.knn_memory(key)) is not None}
+    restored = worker.refit() if worker.fit and learner.unfitted else _Learned(None, None, None)
+    return _Started(os.getpid(), learner.observed_total, learner.models(), memories, restored.fit, restored.refit_s)
+
+
+def _learn(batch: list[Observation]) -> _Learned:
+    assert _worker is not None
+    return _worker.learn(batch)
+
+
+def _quality() -> dict[str, ModelQuality]:
+    assert _worker is not None
+    _worker.learner.update_quality()  # only the models observed since the last update
+    return dict(_worker.learner.quality())
+
+
+def _save() -> None:
+    assert _worker is not None
+    if _worker.state_path is None:
+        return
+    try:
+        _worker.learner.save(_worker.state_path)
+    except OSError:
+        raise
+    except Exception as exc:  # whatever failed, the proxy is told as for a full disk: logged, not fatal
+        raise OSError(f"{type(exc).__name__}: {exc}") from exc
+
+
+# -- the proxy's side --------------------------------------------------------------------------------
+class _ToLogger(logging.Handler):
+    """Logs a worker's record under its own logger name here: the proxy's handlers, its format."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        named = logging.getLogger(record.name)
+        if named.isEnabledFor(record.levelno):
+            named.handle(record)
+
+
+@dataclass
+class _Pool:
+    """One worker process, and the listener that logs what it logs."""
+
+    executor: ProcessPoolExecutor
+    listener: QueueListener
+    pid: int | None = None
+
+    @classmethod
+    def create(cls, nice: int) -> _Pool:
+        context = multiprocessing.get_context("spawn")  # fork is unsafe in a process with threads
+        log_queue = context.Queue()
+        listener = QueueListener(log_queue, _ToLogger())
+        listener.start()
+        executor = ProcessPoolExecutor(1, context, initializer=_init, initargs=(log_queue, nice))
+        return cls(executor, listener)
+
+    def discard(self) -> None:
+        """Let the pool go without waiting for it (its worker failed, or did not start in time)."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        # A worker killed while writing a log record leaves the queue's lock held, and then the
+        # listener's stop would wait forever: it stops in a thread nobody waits for.
+        threading.Thread(target=self.listener.stop, name="learner-log-listener-stop", daemon=True).start()
+
+    def close(self) -> None:
+        """Wait for the worker to finish its calls and exit, then for its last log records. Blocking."""
+        self.executor.shutdown(wait=True)
+        self.listener.stop()
 
 
 class LearnerProcess:
-    """The proxy's side of a learner running in a child process (see the module docstring).
-    Use from one event loop: ``await start()``, then ``observe``/``correction`` from the loop's
-    callbacks, ``await save()`` / ``update_quality()``, and ``await stop()``."""
+    """The proxy's side of the learner's worker process (see the module docstring). Use from one
+    event loop: ``await start()``, then ``observe``/``correction`` from the loop's callbacks,
+    ``await save()`` / ``update_quality()``, and ``await stop()``."""
 
     def __init__(
         self,
@@ -112,110 +258,99 @@ class LearnerProcess:
         fit: bool = True,
         quiet_refit_s: float = 5.0,  # seconds after which fewer than refit_every new observations are fitted
         min_refit_interval_s: float = MIN_REFIT_INTERVAL_S,
-        max_backlog_bytes: int = MAX_BACKLOG_BYTES,
+        max_backlog: int = MAX_BACKLOG,
         respawn_after_s: float = 10.0,
     ) -> None:
         self.identity = identity
-        # Learning off: the child measures the quality only, and nothing reads a kNN memory
+        # Learning off: the worker measures the quality only, and nothing reads a kNN memory
         self.config = (config or LearnerConfig()) if fit else replace(config or LearnerConfig(), knn_neighbours=0)
         self.state_path = state_path
         self.fit = fit  # False: observe for the quality figures only (online_learning = false)
         self.quiet_refit_s = quiet_refit_s
         self.min_refit_interval_s = min_refit_interval_s
-        self.max_backlog_bytes = max_backlog_bytes
+        self.max_backlog = max_backlog
         self.respawn_after_s = respawn_after_s
         self.n_counts = len(identity.feature_names)
         self.n_features = self.n_counts + len(identity.component_names)
         self._fit: FittedCorrection | None = None
-        self._keys: dict[str, None] = {}  # the model keys with a buffer, as the child assigns them
+        self._keys: dict[str, None] = {}  # the model keys with a buffer, as the worker assigns them
         self._knn: dict[str, ResidualKnn] = {}  # per model key: the residual kNN's memory
-        self._batch: list[tuple[Any, ...]] = []  # not yet sent: (the Prediction's fields..., tokens, kNN residual)
+        self._batch: list[Observation] = []  # not yet submitted
         self._flush_handle: asyncio.TimerHandle | None = None
+        self._wake_handle: asyncio.TimerHandle | None = None  # an empty batch, when a refit falls due
+        self._in_flight = 0  # observations submitted and not yet learned
         self._quality: dict[str, ModelQuality] = {}
-        self.observed_total = 0  # restored + accepted here (the child may not have taken them yet)
-        self.dropped = 0  # observations not sent: no child, or its backlog was full
+        self.observed_total = 0  # restored + accepted here (the worker may not have taken them yet)
+        self.dropped = 0  # observations not learned: no worker, a full backlog, or the worker died
         self.refits = 0  # fits received
-        self.last_refit_s: float | None = None  # seconds the child's last refit took
-        self.pid: int | None = None
-        self._process: asyncio.subprocess.Process | None = None
-        self._reader: asyncio.Task[None] | None = None
-        self._replies: dict[int, asyncio.Future[str | None]] = {}
-        self._next_id = 0
-        self._ready: asyncio.Future[int] | None = None
+        self.last_refit_s: float | None = None  # seconds the worker's last refit took
+        self._pool: _Pool | None = None
         self._stopping = False
-        self._respawn: asyncio.TimerHandle | None = None
+        self._restart: asyncio.Task[None] | None = None  # a worker started again after one died
+
+    @property
+    def pid(self) -> int | None:
+        """The worker's process id, while one runs."""
+        return None if self._pool is None else self._pool.pid
+
+    @property
+    def running(self) -> bool:
+        """Whether a worker is up, as last seen (a death is noticed at the next call)."""
+        return self._pool is not None
 
     # -- life ------------------------------------------------------------------------------------
     async def start(self, timeout_s: float = 60.0) -> bool:
-        """Start the child and wait until it has loaded the state file. False (logged) if it could
-        not start: the proxy then predicts with the prior and learns nothing."""
+        """Start the worker and wait until it has loaded the state file. False (logged) if it could
+        not start: the proxy then predicts with the prior, or the last fit, and learns nothing."""
         self._stopping = False
+        setup = (self.identity, self.config, self.state_path, self.fit, self.quiet_refit_s, self.min_refit_interval_s)
+        pool: _Pool | None = None
         try:
-            await asyncio.wait_for(self._spawn(), timeout_s)
-        except Exception as exc:  # no interpreter, a broken install, a child that hangs...
+            pool = _Pool.create(self.config.worker_nice)
+            started = await asyncio.wait_for(asyncio.wrap_future(pool.executor.submit(_start, *setup)), timeout_s)
+        except BaseException as exc:  # a broken install, a worker that hangs or dies at once, a cancelled start
+            if pool is not None:
+                pool.discard()
+            if not isinstance(exc, Exception):
+                raise
             logger.error("online learner: its process did not start (%s: %s); learning is off", type(exc).__name__, exc)
-            await self._kill()
             return False
+        pool.pid = started.pid
+        self._pool = pool
+        self.observed_total = started.observed_total
+        self._keys = dict.fromkeys(started.models)
+        self._knn = {
+            key: ResidualKnn.filled(self.config.buffer_size, unit, residual)
+            for key, (unit, residual) in started.memories.items()
+        }
+        self._took(_Learned(started.fit, started.refit_s, None))
         return True
 
-    async def _spawn(self) -> int:
-        package_root = str(Path(__file__).resolve().parents[2])  # the clairvoyant this proxy runs
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        env.setdefault("OPENBLAS_NUM_THREADS", "1")  # p x p solves: one core is plenty, and leaves one
-        self._process = process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            __name__,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            env=env,
-        )
-        self.pid = process.pid
-        loop = asyncio.get_running_loop()
-        self._ready = loop.create_future()
-        self._reader = loop.create_task(self._read(process), name="learner-process-reader")
-        init = (
-            "init",
-            self.identity,
-            self.config,
-            self.state_path,
-            self.fit,
-            self.quiet_refit_s,
-            self.min_refit_interval_s,
-        )
-        self._write(_frame(init))
-        return await self._ready
-
     async def stop(self, timeout_s: float = 10.0) -> None:
-        """Ask the child to stop and wait for it (it saves nothing by itself: ``save`` first)."""
+        """Shut the worker down and wait for it (it saves nothing by itself: ``save`` first)."""
         self._stopping = True
-        if self._respawn is not None:
-            self._respawn.cancel()
-            self._respawn = None
+        for handle in (self._flush_handle, self._wake_handle):
+            if handle is not None:
+                handle.cancel()
+        self._flush_handle = self._wake_handle = None
+        if self._restart is not None:  # not wanted now
+            self._restart.cancel()
+            await asyncio.gather(self._restart, return_exceptions=True)
+            self._restart = None
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        closing = asyncio.ensure_future(asyncio.to_thread(pool.close))
         try:
-            await self._request("stop", timeout_s)
-        except (LearnerUnavailable, TimeoutError):
-            pass
-        await self._kill(timeout_s)
-
-    async def _kill(self, timeout_s: float = 5.0) -> None:
-        process = self._process
-        if process is not None:
-            if process.stdin is not None:
-                process.stdin.close()  # the child exits when its stdin closes
-            try:
-                await asyncio.wait_for(process.wait(), timeout_s)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
-        if self._reader is not None:
-            await asyncio.gather(self._reader, return_exceptions=True)
-            self._reader = None
+            await asyncio.wait_for(asyncio.shield(closing), timeout_s)
+        except TimeoutError:  # a call that does not end: the worker is killed, which ends the wait
+            if pool.pid is not None:
+                os.kill(pool.pid, signal.SIGKILL)
+            await closing
 
     # -- the request path ------------------------------------------------------------------------
     def correction(self, model: str | None, row: np.ndarray, prior_log_tokens: float) -> float:
-        """``OnlineLearner.correction`` on the last fit the child sent (0.0 before the first)."""
+        """``OnlineLearner.correction`` on the last fit the worker returned (0.0 before the first)."""
         fit, cfg = self._fit, self.config
         key = model or DEFAULT_MODEL
         value = 0.0 if fit is None else fit.correction(key, self._keys, cfg.max_models, row, prior_log_tokens)
@@ -226,49 +361,30 @@ class LearnerProcess:
         return value
 
     def observe(self, prediction: Prediction, observed_tokens: int) -> bool:
-        """Send an observation to the child. False, as ``OnlineLearner.observe``, for an unusable
-        one; an observation that cannot be sent (no child, a full backlog) counts in ``dropped``."""
+        """Keep an observation for the worker. False, as ``OnlineLearner.observe``, for an unusable
+        one; an observation that cannot be learned (no worker, a full backlog) counts in ``dropped``."""
         if not usable_observation(prediction, observed_tokens, self.n_counts, self.n_features):
             return False
         self.observed_total += 1
-        key = self._bucket_key(prediction.model)
+        key = bucket_key(prediction.model, self._keys, self.config.max_models)  # OnlineLearner.observe's rule
+        self._keys.setdefault(key, None)
         residual = self._remember(key, prediction, observed_tokens)
-        if self._stdin() is None:
+        if self._pool is None:
             self.dropped += 1
             return True
-        p = prediction  # its fields as a plain tuple: pickled 15x faster than the dataclass
-        self._batch.append(
-            (
-                p.score,
-                p.predicted_tokens,
-                p.probabilities,
-                p.prior_log_tokens,
-                p.feature_row,
-                p.model,
-                p.cap_tokens,
-                int(observed_tokens),
-                residual,
-            )
-        )
+        self._batch.append((prediction, int(observed_tokens), residual))
         if self._flush_handle is None:
             self._flush_handle = asyncio.get_running_loop().call_later(FLUSH_S, self._flush)
         return True
-
-    def _bucket_key(self, model: str | None) -> str:
-        """The buffer the child puts this model's observation in (``OnlineLearner.observe``'s rule)."""
-        key = bucket_key(model, self._keys, self.config.max_models)
-        self._keys.setdefault(key, None)
-        return key
 
     def _remember(self, key: str, prediction: Prediction, observed_tokens: int) -> float | None:
         """The residual kNN's part of ``OnlineLearner.observe``: an uncensored observation whose row
         carries the embedding joins its model's memory, with its residual after the linear
         correction in force now. Returns that residual (None: no embedding, or the kNN is off)."""
-        row_bytes = len(prediction.feature_row)
         cap = prediction.cap_tokens
         if (
             not self.config.knn_neighbours
-            or row_bytes <= 4 * self.n_features
+            or len(prediction.feature_row) <= 4 * self.n_features
             or (cap is not None and observed_tokens >= cap)
         ):
             return None
@@ -282,304 +398,118 @@ class LearnerProcess:
         model = prediction.model or DEFAULT_MODEL  # the fit's key, as in-process
         linear = 0.0 if fit is None else fit.correction(model, self._keys, self.config.max_models, row, prior)
         residual = clipped_residual(log_tokens(int(observed_tokens)) - (prior + linear), self.config.residual_clip)
-        knn.remember(embedding, residual)  # the child's copy gets the same residual (or refuses it alike)
+        knn.remember(embedding, residual)  # the worker's copy gets the same residual (or refuses it alike)
         return residual
 
     def _flush(self) -> None:
-        """Send the batch of observations (one write), unless the child is gone or backed up."""
+        """Submit the batch of observations, unless there is no worker or its backlog is full."""
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
         batch, self._batch = self._batch, []
-        if not batch:
-            return
-        stdin = self._stdin()
-        if stdin is None or stdin.transport.get_write_buffer_size() > self.max_backlog_bytes:
+        if batch and self._in_flight + len(batch) > self.max_backlog:
+            self.dropped += len(batch)
+        elif batch:
+            self._submit_learn(batch)
+
+    def _wake(self) -> None:
+        self._wake_handle = None
+        self._submit_learn([])  # the observations already sent are due for a refit
+
+    def _submit_learn(self, batch: list[Observation]) -> None:
+        pool = self._pool
+        try:
+            future = self._submit(pool, _learn, batch)
+        except LearnerUnavailable:
             self.dropped += len(batch)
             return
-        stdin.write(_frame(("observe", batch)))
+        self._in_flight += len(batch)
+
+        def learned(future: asyncio.Future[_Learned]) -> None:
+            self._in_flight -= len(batch)
+            if future.cancelled():
+                return
+            exc = future.exception()
+            if isinstance(exc, BrokenProcessPool):
+                self.dropped += len(batch)
+                assert pool is not None
+                self._lost(pool, exc)
+            elif exc is not None:  # a fault in the learner's code: logged; the worker carries on
+                logger.error("online learner: a batch of observations failed", exc_info=exc)
+            else:
+                self._took(future.result())
+
+        future.add_done_callback(learned)
+
+    def _took(self, learned: _Learned) -> None:
+        if learned.fit is not None:
+            self._fit = FittedCorrection.unpacked(learned.fit)
+            self.last_refit_s = learned.refit_s
+            self.refits += 1
+        if learned.wake_in_s is not None and not self._stopping:
+            if self._wake_handle is not None:
+                self._wake_handle.cancel()
+            self._wake_handle = asyncio.get_running_loop().call_later(learned.wake_in_s, self._wake)
 
     # -- reading ---------------------------------------------------------------------------------
-    @property
-    def running(self) -> bool:
-        """Whether a child is up (False between a child's death and its successor's start)."""
-        return self._process is not None and self._process.returncode is None
-
     def quality(self) -> Mapping[str, ModelQuality]:
-        """Rolling quality per model key, as the child last computed it."""
+        """Rolling quality per model key, as the worker last computed it."""
         return self._quality
 
     async def update_quality(self, timeout_s: float = 5.0) -> None:
-        """Have the child bring the rolling quality up to date with what it was sent."""
-        await self._request("quality", timeout_s)
+        """Have the worker bring the rolling quality up to date with what it was sent."""
+        self._quality = await self._call(_quality, timeout_s)
 
     async def save(self, timeout_s: float = 60.0) -> None:
-        """Have the child write the state file (atomically). Raises OSError with the child's reason
-        if it could not, LearnerUnavailable if there is no child."""
-        error = await self._request("save", timeout_s)
-        if error is not None:
-            raise OSError(error)
+        """Have the worker write the state file (atomically). Raises OSError if it could not,
+        LearnerUnavailable if there is no worker."""
+        await self._call(_save, timeout_s)
 
-    # -- the pipe --------------------------------------------------------------------------------
-    def _stdin(self) -> asyncio.StreamWriter | None:
-        """The child's stdin, if a child runs and it is open."""
-        process = self._process
-        if process is None or process.returncode is not None or process.stdin is None or process.stdin.is_closing():
-            return None
-        return process.stdin
-
-    async def _request(self, kind: str, timeout_s: float) -> str | None:
-        self._next_id += 1
-        request_id = self._next_id
-        reply: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
-        self._replies[request_id] = reply
-        try:
-            self._flush()  # what was observed before the request is in the child's answer
-            self._write(_frame((kind, request_id)))
-            return await asyncio.wait_for(reply, timeout_s)
-        finally:
-            self._replies.pop(request_id, None)
-
-    def _write(self, frame: bytes) -> None:
-        stdin = self._stdin()
-        if stdin is None:
+    # -- calls -----------------------------------------------------------------------------------
+    def _submit(self, pool: _Pool | None, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        if pool is None:
             raise LearnerUnavailable("the online learner's process is not running")
-        stdin.write(frame)
-
-    async def _read(self, process: asyncio.subprocess.Process) -> None:
-        stdout = process.stdout
-        assert stdout is not None
         try:
-            while True:
-                header = await stdout.readexactly(_LENGTH.size)
-                payload = await stdout.readexactly(_LENGTH.unpack(header)[0])
-                self._receive(pickle.loads(payload))
-        except asyncio.IncompleteReadError:
-            pass  # the child closed its stdout: it exited
-        except Exception:  # a frame we cannot read: the child is not one we understand; end it
-            logger.exception("online learner: unreadable message from its process")
-            process.kill()
-        code = await process.wait()
-        self._gone(process, code)
+            submitted: Future[T] = pool.executor.submit(fn, *args)
+        except BrokenProcessPool as exc:
+            self._lost(pool, exc)
+            raise LearnerUnavailable(f"the online learner's process died: {exc}") from exc
+        return asyncio.wrap_future(submitted)
 
-    def _receive(self, message: tuple[Any, ...]) -> None:
-        kind = message[0]
-        if kind == "fit":
-            _, packed, refit_s = message
-            self._fit = FittedCorrection.unpacked(packed)
-            self.last_refit_s = refit_s
-            self.refits += 1
-        elif kind == "quality":
-            self._quality = message[1]
-        elif kind == "done":
-            reply = self._replies.get(message[1])
-            if reply is not None and not reply.done():
-                reply.set_result(message[2])
-        elif kind == "log":
-            _, name, level, text = message
-            logging.getLogger(name).log(level, "%s", text)
-        elif kind == "ready":
-            _, total, keys, memories = message
-            self.observed_total = total
-            self._keys = dict.fromkeys(keys)
-            self._knn = {
-                key: ResidualKnn.filled(
-                    self.config.buffer_size, np.frombuffer(unit, np.float32).reshape(n, -1), np.frombuffer(residual)
-                )
-                for key, n, unit, residual in memories
-            }
-            if self._ready is not None and not self._ready.done():
-                self._ready.set_result(total)
+    async def _call(self, fn: Callable[[], T], timeout_s: float) -> T:
+        """``fn``'s result in the worker, after the observations made before this call."""
+        self._flush()
+        pool = self._pool
+        future = self._submit(pool, fn)
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        except BrokenProcessPool as exc:
+            assert pool is not None
+            self._lost(pool, exc)
+            raise LearnerUnavailable(f"the online learner's process died: {exc}") from exc
 
-    def _gone(self, process: asyncio.subprocess.Process, code: int) -> None:
-        """The child exited: fail what waits for it; unless stopping, or it never came up (``start``
-        says so and gives up), start another later."""
-        error = LearnerUnavailable(f"the online learner's process exited with code {code}")
-        for reply in self._replies.values():
-            if not reply.done():
-                reply.set_exception(error)
-        ready = self._ready
-        came_up = ready is not None and ready.done() and not ready.cancelled() and ready.exception() is None
-        if ready is not None and not ready.done():
-            ready.set_exception(error)
-        if self._stopping or process is not self._process or not came_up:
-            return
-        self._process = None
-        delay_s = self.respawn_after_s  # a child that keeps dying is started at most this often
-        logger.error(
-            "online learner: its process (pid %s) exited with code %s; predictions keep the last fit, "
-            "observations are dropped until it is started again in %.0f s (from the last saved state)",
-            process.pid,
-            code,
-            delay_s,
-        )
-        self._respawn = asyncio.get_running_loop().call_later(delay_s, self._start_again)
-
-    def _start_again(self) -> None:
-        self._respawn = None
+    def _lost(self, pool: _Pool, exc: BaseException) -> None:
+        """``pool``'s worker died: unless stopping, log it and start another later."""
+        if pool is not self._pool:
+            return  # already seen
+        self._pool = None
+        pool.discard()
+        if self._wake_handle is not None:
+            self._wake_handle.cancel()
+            self._wake_handle = None
         if self._stopping:
             return
+        delay_s = self.respawn_after_s  # a worker that keeps dying is started at most this often
+        logger.error(
+            "online learner: its process (pid %s) died (%s); predictions keep the last fit, observations are "
+            "dropped until it is started again in %.0f s (from the last saved state)",
+            pool.pid,
+            exc,
+            delay_s,
+        )
+        self._restart = asyncio.get_running_loop().create_task(self._start_again(delay_s), name="learner-restart")
 
-        async def again() -> None:
-            if await self.start():
-                logger.info("online learner: its process is running again (pid %s)", self.pid)
-
-        asyncio.get_running_loop().create_task(again(), name="learner-process-respawn")
-
-
-# -- the child ---------------------------------------------------------------------------------------
-class _FrameLogHandler(logging.Handler):
-    """Sends the child's log lines to the proxy, which logs them in its own format."""
-
-    def __init__(self, send: Any) -> None:
-        super().__init__(logging.DEBUG)
-        self._send = send
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            text = record.getMessage()
-            if record.exc_info:
-                text += "\n" + logging.Formatter().formatException(record.exc_info)
-            self._send(("log", record.name, record.levelno, text))
-        except Exception:  # a log line must never end the child
-            self.handleError(record)
-
-
-class _Child:
-    def __init__(self, read_fd: int, write_fd: int) -> None:
-        self._read_fd, self._write_fd = read_fd, write_fd
-        self._buffer = bytearray()
-        self._eof = False
-
-    def send(self, message: tuple[Any, ...]) -> None:
-        frame = _frame(message)
-        view = memoryview(frame)
-        while view:
-            written = os.write(self._write_fd, view)
-            view = view[written:]
-
-    def _read_available(self) -> list[tuple[Any, ...]]:
-        """The complete frames in the pipe now (never waits: the fd is non-blocking)."""
-        while not self._eof:
-            try:
-                chunk = os.read(self._read_fd, 1 << 20)
-            except BlockingIOError:
-                break
-            if not chunk:
-                self._eof = True
-            self._buffer += chunk
-        messages: list[tuple[Any, ...]] = []
-        while len(self._buffer) >= _LENGTH.size:
-            size = _LENGTH.unpack_from(self._buffer)[0]
-            if len(self._buffer) < _LENGTH.size + size:
-                break
-            messages.append(pickle.loads(bytes(self._buffer[_LENGTH.size : _LENGTH.size + size])))
-            del self._buffer[: _LENGTH.size + size]
-        return messages
-
-    def run(self) -> None:
-        os.set_blocking(self._read_fd, False)
-        init: list[tuple[Any, ...]] = []
-        while not init and not self._eof:
-            select.select([self._read_fd], [], [])  # the proxy writes the init frame as it starts the child
-            init = self._read_available()
-        if not init or init[0][0] != "init":
-            return
-        _, identity, config, state_path, fit, quiet_refit_s, min_refit_interval_s = init[0]
-        _lower_priority(config.worker_nice)
-        learner = OnlineLearner.load(state_path, identity, config) if state_path else OnlineLearner(identity, config)
-        memories = []
-        for key in learner.models():
-            memory = learner.knn_memory(key)
-            if memory is not None:
-                memories.append((key, len(memory[1]), memory[0].tobytes(), memory[1].tobytes()))
-        self.send(("ready", learner.observed_total, learner.models(), memories))
-        if fit and learner.unfitted:
-            self._refit(learner)  # restored observations: fitted at once
-        pending = init[1:]
-        quiet_until: float | None = None  # when observations fewer than refit_every are fitted anyway
-        refit_after = 0.0  # no refit before (monotonic seconds): at most one per MIN_REFIT_INTERVAL_S
-        while True:
-            for message in pending:
-                kind = message[0]
-                if kind == "observe":
-                    for *fields, tokens, residual in message[1]:
-                        learner.observe(Prediction(*fields), tokens, residual)
-                elif kind == "quality":
-                    learner.update_quality()  # only the models observed since the last update
-                    self.send(("quality", dict(learner.quality())))
-                    self.send(("done", message[1], None))
-                elif kind == "save":
-                    self.send(("done", message[1], self._save(learner, state_path)))
-                elif kind == "stop":
-                    self.send(("done", message[1], None))
-                    return
-            if self._eof:
-                return
-            refitted = False
-            if fit and learner.unfitted:
-                now = time.monotonic()
-                if quiet_until is None:
-                    quiet_until = now + quiet_refit_s
-                if (learner.refit_due and now >= refit_after) or now >= quiet_until:
-                    self._refit(learner)  # and the rolling quality, sent when asked
-                    quiet_until, refitted = None, True
-                    refit_after = time.monotonic() + min_refit_interval_s
-            if not pending and not refitted:  # sleep on the pipe until a write or a refit is due
-                deadlines = [quiet_until] if quiet_until is not None else []
-                if fit and learner.refit_due:
-                    deadlines.append(refit_after)
-                timeout_s = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
-                select.select([self._read_fd], [], [], timeout_s)
-            pending = self._read_available()
-
-    def _refit(self, learner: OnlineLearner) -> None:
-        try:
-            learner.refit()
-        except Exception:  # a failed refit must not end learning; the old fit stays
-            logger.exception("online learner: refit failed; keeping the previous correction")
-            return
-        fit = learner.current_fit
-        if fit is not None:
-            self.send(("fit", fit.packed(), learner.last_refit_s))
-
-    @staticmethod
-    def _save(learner: OnlineLearner, state_path: Path | None) -> str | None:
-        if state_path is None:
-            return None
-        try:
-            learner.save(state_path)
-        except Exception as exc:  # disk full, permissions, a directory...: the proxy logs it
-            return f"{type(exc).__name__}: {exc}"
-        return None
-
-
-def _lower_priority(increment: int) -> None:
-    """The refits yield the cores to the proxy and the backend (Linux niceness). Best effort."""
-    try:
-        os.nice(increment)
-    except OSError:
-        pass
-
-
-def main() -> None:
-    """The child's entry point (``python -m clairvoyant.prediction.learner_process``)."""
-    # Ctrl-C reaches the terminal's whole process group, and systemd's default KillMode sends SIGTERM
-    # to every process of the unit: both are the proxy's to handle. It saves the state through this
-    # process, then asks it to stop; if the proxy dies instead, stdin closes and this process exits.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    write_fd = os.dup(1)
-    os.dup2(2, 1)  # a stray print() must not corrupt the frames
-    child = _Child(0, write_fd)
-    root = logging.getLogger()
-    root.handlers[:] = [_FrameLogHandler(child.send)]
-    root.setLevel(logging.INFO)
-    try:
-        child.run()
-    except (BrokenPipeError, KeyboardInterrupt):
-        pass
-
-
-if __name__ == "__main__":
-    main()
+    async def _start_again(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        if await self.start():
+            logger.info("online learner: its process is running again (pid %s)", self.pid)
