@@ -245,9 +245,12 @@ class Relay:
     async def _relay_body(self, response: UpstreamResponse, out: Responder) -> None:
         self.status = status = response.status_code
         self.content_type = header(response, b"content-type")
+        length = header(response, b"content-length")
+        known_bytes = int(length) if length.isdigit() else -1  # -1: streamed, or read to the close
         tap = UsageTap(self.content_type) if self.on_usage is not None and 200 <= status < 300 else None
         # The head at once: a stream's first token may be seconds away.
         await out.start(status, response_headers(response.raw_headers) + self.extra_headers())
+        relayed_bytes = 0
         try:
             async for chunk in self.upstream.iter_body(response):
                 if not chunk:
@@ -257,6 +260,11 @@ class Relay:
                     self.on_first_byte()
                 if tap is not None:
                     tap.feed(chunk)
+                relayed_bytes += len(chunk)
+                if relayed_bytes == known_bytes:  # a body of known length ends with its last bytes
+                    self._completed(tap, out)
+                    await out.body(chunk, more=False)
+                    return
                 await out.body(chunk)
         except RequestError as exc:
             self._count_upstream_error(exc)
@@ -265,11 +273,16 @@ class Relay:
             self.outcome = Outcome.UPSTREAM_ERROR_MID_BODY
             await self.end_with_error(out, exc)
             return
-        if tap is not None and self.on_usage is not None:  # before the last bytes: in once the client has it all
+        self._completed(tap, out)
+        await out.body(b"", more=False)
+
+    def _completed(self, tap: UsageTap | None, out: Responder) -> None:
+        """The whole answer has arrived; its last bytes are about to go out (the learner's
+        observation is in before the client has it all)."""
+        if tap is not None and self.on_usage is not None:
             self.usage = tap.usage(wall_s=self.now() - self.sent_s, request_model=self.model)
             self.on_usage(self.usage)
         self.outcome = Outcome.COMPLETED if not out.client_gone else Outcome.CLIENT_LEFT_STREAMING
-        await out.body(b"", more=False)
 
     async def end_with_error(self, out: Responder, exc: RequestError) -> None:
         """End an answer that has begun: one final error event in a stream's framing, or, for a

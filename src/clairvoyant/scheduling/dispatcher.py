@@ -827,7 +827,7 @@ class _LeaseScope:
     async def __aenter__(self) -> Lease:
         ticket = self._ticket
         try:
-            await asyncio.shield(ticket.granted)
+            await ticket.granted  # cancelled with its waiter: the ticket is withdrawn below
         except BaseException:
             self._dispatcher._end(ticket, None)
             raise
