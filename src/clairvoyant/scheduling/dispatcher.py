@@ -128,9 +128,9 @@ class Ticket(Job["Ticket"]):
     wait (benchmarks/bench_waiting_memory.py measures the bytes per waiting request)."""
 
     __slots__ = (
-        "given_id", "endpoint", "dialect", "model", "prediction", "prompt_tokens", "wait", "waiter", "refusal",
+        "given_id", "endpoint", "dialect", "prediction", "prompt_tokens", "wait", "waiter", "refusal",
         "_future", "backend", "slot", "dispatched_s", "grants_before_arrival", "queue_position", "held_back",
-        "refused_by", "ended",
+        "refused_by", "ended", "switch_load_s",
     )  # fmt: skip
 
     def __init__(
@@ -150,12 +150,15 @@ class Ticket(Job["Ticket"]):
         cap_tokens: int | None = None,
         priority: int = 0,
         tenant: str = "",
+        expires_s: float = math.inf,  # clock seconds from which it must not be sent (its queue deadline)
     ) -> None:
-        Job.__init__(self, self, arrival_s, score, predicted_tokens, predicted_s, bucket, cap_tokens, priority, tenant)
+        Job.__init__(
+            self, self, arrival_s, score, predicted_tokens, predicted_s, bucket, cap_tokens, priority, tenant, model,
+            expires_s,
+        )  # fmt: skip
         self.given_id = given_id
         self.endpoint = endpoint
         self.dialect = dialect
-        self.model = model
         self.prediction = prediction
         self.prompt_tokens = prompt_tokens
         # How its wait for a slot ended: WAITING (or waiting again, rerouted), GRANTED, WITHDRAWN or REFUSED.
@@ -171,6 +174,9 @@ class Ticket(Job["Ticket"]):
         self.held_back = False  # popped by the policy (or rerouted), waiting for a backend that serves it
         self.refused_by: tuple[int, ...] = ()  # backends that refused its connection (routing avoids them)
         self.ended = False  # withdrawn or released: set exactly once
+        # Sent to a backend that did not hold its model: the load, seconds (predicted at dispatch,
+        # then as measured: Ollama's load_duration or the first byte's delay); None: no switch.
+        self.switch_load_s: float | None = None
 
     def __repr__(self) -> str:
         return f"Ticket({self.request_id!r}, wait={self.wait}, waiting={self.waiting})"
