@@ -371,7 +371,7 @@ class Dispatcher:
         loaded now, when it says (Ollama /api/ps)."""
         record = self.backends[backend]
         if loaded is not None:
-            record.loaded = tuple(loaded)
+            record.report(loaded)
         if record.healthy != healthy:
             record.healthy = healthy
             self.metrics.backend_healthy.labels(record.name).set(1 if healthy else 0)

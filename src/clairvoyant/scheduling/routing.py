@@ -23,6 +23,7 @@ No I/O here: the records are plain data, so the rule is tested with explicit sta
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,9 @@ class Backend:
     healthy: bool = True  # its last health check (or connection) succeeded
     loaded: tuple[str, ...] = ()  # models loaded now (Ollama /api/ps); empty = unknown or none
     tracks_loaded: bool = False  # it loads models on demand (Ollama): a model sent to it counts as loaded
+    reported: bool = False  # ``loaded`` is its own report (/api/ps) and no switch was sent since
+    last_model: str | None = None  # the model of the last request sent here (any kind of backend)
+    switched_s: float = -math.inf  # clock seconds when it was last sent a model it did not hold
     slowness: float = 1.0  # measured / predicted service seconds here (moving average); 1 = as predicted
     info: dict[str, Any] = field(default_factory=dict)  # shown in /queue as is (url, kind)
     running: dict[int, Any] = field(default_factory=dict)  # slot -> the ticket holding it
@@ -63,6 +67,31 @@ class Backend:
 
     def has_loaded(self, model: str | None) -> bool:
         return model is not None and any(same_model(model, m) for m in self.loaded)
+
+    def holds(self, model: str | None) -> bool:
+        """For model affinity: it holds ``model`` now, with nothing to load: the model it served
+        last, or one its own report lists if no switch was sent since (a switch may have evicted
+        the others). False while nothing is known."""
+        last = self.last_model
+        if last is not None and (last == model or (model is not None and same_model(model, last))):
+            return True
+        return self.reported and model is not None and any(same_model(model, m) for m in self.loaded)
+
+    def report(self, loaded: Sequence[str]) -> None:
+        """Its own list of the models it has loaded now (Ollama /api/ps)."""
+        self.loaded = tuple(loaded)
+        self.reported = True
+
+    def dispatched(self, model: str | None, now: float) -> bool:
+        """A request for ``model`` is sent here at ``now`` (clock seconds). True if it does not hold
+        ``model`` (the request pays a load): then this is its last switch."""
+        loads = not self.holds(model)
+        if loads:
+            self.switched_s = now
+            self.reported = False
+        self.last_model = model
+        self.sent(model)
+        return loads
 
     def observe_service(self, predicted_s: float, measured_s: float) -> None:
         """A request served here took ``measured_s`` against ``predicted_s`` predicted."""
