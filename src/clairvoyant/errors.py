@@ -12,6 +12,7 @@
         ├── HeadersTooLarge          431 request headers over max_header_bytes
         ├── ClientGone               the client closed the connection mid-upload (nobody to answer)
         ├── QueueFull                503 the waiting queue is at capacity (carries Retry-After)
+        ├── QueueDeadline            503 the request's queue deadline came before it could be sent
         ├── UpstreamUnavailable      502 backend refused or dropped the connection
         └── UpstreamTimeout          504 backend did not connect/answer in time
 
@@ -29,6 +30,7 @@ __all__ = [
     "Forbidden",
     "ModelError",
     "PayloadTooLarge",
+    "QueueDeadline",
     "QueueFull",
     "RequestError",
     "RequestTimeout",
@@ -127,6 +129,15 @@ class QueueFull(RequestError):
     @property
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
+
+
+class QueueDeadline(RequestError):
+    """The request said how long it would wait before dispatch; that time came first. It was never
+    sent to a backend."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "queue_deadline_exceeded"
 
 
 class UpstreamUnavailable(RequestError):
