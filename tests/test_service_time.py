@@ -148,6 +148,8 @@ def test_the_first_byte_after_a_switch_teaches_its_excess_over_the_baseline() ->
     assert model.loads()["swap"]["a"]["observations"] == 2.0
     # A switch that cost nothing (a server that serves every name with one model): no load.
     assert model.observe_first_byte("swap", "a", 0.3, after_switch=True) == 0.0
+    # A model with no baseline of its own yet is measured against the backend's other models'.
+    assert model.observe_first_byte("swap", "b", 8.4, after_switch=True) == pytest.approx(8.0, abs=0.01)
 
 
 def test_load_costs_are_kept_across_restarts(tmp_path: Path) -> None:

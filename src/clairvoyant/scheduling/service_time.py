@@ -207,8 +207,9 @@ class ServiceTimeModel:
     ) -> float | None:
         """A streamed answer's first byte came ``first_byte_s`` seconds after it was sent to
         ``backend``. One that followed no switch updates the baseline (its moving average); one
-        that followed a switch teaches the load cost: its delay beyond the baseline (0 while there
-        is none), which is returned. None when nothing was learned."""
+        that followed a switch teaches the load cost: its delay beyond the baseline (the backend's
+        other models' while this one has none; 0 while no model has one), which is returned. None
+        when nothing was learned."""
         if not (first_byte_s >= 0 and math.isfinite(first_byte_s)):
             return None
         load = self._load(backend, model)
@@ -220,7 +221,10 @@ class ServiceTimeModel:
                 first_byte_s if baseline is None else baseline + FIRST_BYTE_WEIGHT * (first_byte_s - baseline)
             )
             return None
-        measured = max(0.0, first_byte_s - (baseline or 0.0))
+        if baseline is None:  # none for this model yet: the backend's others' (a first token is a first token)
+            others = [x.first_byte_s for x in self._loads[backend].values() if x.first_byte_s is not None]
+            baseline = sum(others) / len(others) if others else 0.0
+        measured = max(0.0, first_byte_s - baseline)
         self.observe_load(backend, model, measured)
         return measured
 
