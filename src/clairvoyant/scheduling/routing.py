@@ -23,12 +23,13 @@ No I/O here: the records are plain data, so the rule is tested with explicit sta
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Backend", "choose", "same_model"]
+__all__ = ["Backend", "Load", "choose", "same_model"]
 
 SLOWNESS_WEIGHT = 0.1  # of each new sample in a backend's moving slowness (about the last 10 requests)
 SLOWNESS_MAX = 10.0  # one sample counts at most 10x slower (or faster) than predicted
@@ -37,6 +38,14 @@ SLOWNESS_MAX = 10.0  # one sample counts at most 10x slower (or faster) than pre
 def same_model(a: str, b: str) -> bool:
     """Model names as backends spell them: Ollama's ``llama3.2`` is ``llama3.2:latest``."""
     return a == b or a.removesuffix(":latest") == b.removesuffix(":latest")
+
+
+class Load(enum.IntEnum):
+    """What a request sent to a backend found there: whether it pays a model load first."""
+
+    HELD = 0  # the backend held its model: no load
+    SWITCH = 1  # the backend held another model: it loads this one first (a switch)
+    UNKNOWN = 2  # nothing was known of what the backend held (its first request): a load, maybe
 
 
 @dataclass(slots=True, eq=False)
@@ -82,16 +91,19 @@ class Backend:
         self.loaded = tuple(loaded)
         self.reported = True
 
-    def dispatched(self, model: str | None, now: float) -> bool:
-        """A request for ``model`` is sent here at ``now`` (clock seconds). True if it does not hold
-        ``model`` (the request pays a load): then this is its last switch."""
-        loads = not self.holds(model)
-        if loads:
+    def dispatched(self, model: str | None, now: float) -> Load:
+        """A request for ``model`` is sent here at ``now`` (clock seconds): what it finds (a model
+        not held makes ``now`` the backend's last switch)."""
+        if self.holds(model):
+            found = Load.HELD
+        else:
+            known = self.last_model is not None or (self.reported and bool(self.loaded))
+            found = Load.SWITCH if known else Load.UNKNOWN
             self.switched_s = now
             self.reported = False
         self.last_model = model
         self.sent(model)
-        return loads
+        return found
 
     def observe_service(self, predicted_s: float, measured_s: float) -> None:
         """A request served here took ``measured_s`` against ``predicted_s`` predicted."""
