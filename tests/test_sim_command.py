@@ -145,7 +145,7 @@ def test_compare_reports_swaps_and_deadlines_for_the_four_conditions(tmp_path: P
         ("models", "label"), ("models", "oracle"), ("deadlines", "label"), ("deadlines", "oracle"),
     ]  # fmt: skip
     names = [r["name"] for r in data["blocks"][0]["results"]]
-    assert names[:3] == ["fcfs", "sjf tau=10.5 (paper)", "today's default (no model affinity)"]
+    assert names[:3] == ["fcfs", "sjf tau=10.5 (paper)", "default, no model affinity"]
     assert names[3].startswith("default") and data["blocks"][0]["results"][3]["model_switch_bound_s"] > 0
     assert data["blocks"][0]["setup"]["switch_s"] == 4.0
     assert all("switches" in r["summary"] for b in data["blocks"] for r in b["results"])

@@ -98,11 +98,11 @@ def test_models_and_deadlines_keep_the_arrivals_and_services_of_the_seed() -> No
     assert (again.model == both.model).all() and (again.max_wait_s == both.max_wait_s).all()  # type: ignore[union-attr]
 
 
-def test_the_default_groups_models_and_beats_todays_default_on_the_switch_workload() -> None:
+def test_the_default_groups_models_and_beats_the_default_without_affinity_on_the_switch_workload() -> None:
     setup = Setup(paper_service(), 600, (0, 1), rho=0.6, scorer=LabelScorer(0.8), models=2, switch_s=5.0)
-    fcfs, paper, today, default = run_conditions(setup, switch_conditions())
-    assert default.condition.model_switch_bound_s > 0 and today.condition.model_switch_bound_s == 0
-    assert default.mean("switches") < 0.8 * today.mean("switches")
-    assert default.mean("all.sojourn.mean") < 0.8 * today.mean("all.sojourn.mean")
-    assert default.mean("all.sojourn.p99") <= today.mean("all.sojourn.p99")
+    fcfs, paper, unaffined, default = run_conditions(setup, switch_conditions())
+    assert default.condition.model_switch_bound_s > 0 and unaffined.condition.model_switch_bound_s == 0
+    assert default.mean("switches") < 0.8 * unaffined.mean("switches")
+    assert default.mean("all.sojourn.mean") < 0.8 * unaffined.mean("all.sojourn.mean")
+    assert default.mean("all.sojourn.p99") <= unaffined.mean("all.sojourn.p99")
     assert fcfs.mean("switches") > 0.4 * 600  # models drawn 50/50: about every other request switches
