@@ -45,13 +45,12 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from clairvoyant.scheduling.job_queue import Job, JobQueue
+from clairvoyant.scheduling.service_time import FREE_LOAD_S
 
 __all__ = ["FREE_LOAD_S", "Lane", "ModelAffinity"]
 
 T = TypeVar("T")
 
-# A load this short (seconds) is no reason to put a switch off: the model counts as held.
-FREE_LOAD_S = 0.5
 # Retired model queues kept for reuse, at most (as FairShareQueue keeps retired tenants).
 _SPARE_GROUPS = 8
 

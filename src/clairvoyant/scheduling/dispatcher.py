@@ -58,13 +58,13 @@ from clairvoyant.errors import QueueDeadline, QueueFull, RequestError
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.predictor import Prediction
 from clairvoyant.prediction.usage import Usage
-from clairvoyant.scheduling.affinity import FREE_LOAD_S, Lane
+from clairvoyant.scheduling.affinity import Lane
 from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.expiry import Expiry, expired
 from clairvoyant.scheduling.job_queue import Job, JobQueue
 from clairvoyant.scheduling.policy import SchedulingPolicy
 from clairvoyant.scheduling.routing import Backend, Load, choose
-from clairvoyant.scheduling.service_time import ServiceTimeModel, write_state
+from clairvoyant.scheduling.service_time import FREE_LOAD_S, ServiceTimeModel, write_state
 from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
 
 __all__ = [
@@ -452,7 +452,14 @@ class Dispatcher:
         return sum(remainder_s(t, now, slowness) for t in backend.running.values())
 
     def _route(self, ticket: Ticket) -> int | None:
-        return choose(self.backends, ticket.model, self._remaining_s, ticket.refused_by, ticket.predicted_s)
+        return choose(
+            self.backends,
+            ticket.model,
+            self._remaining_s,
+            ticket.refused_by,
+            ticket.predicted_s,
+            self.service_time.load_s,
+        )
 
     def reroute(self, ticket: Ticket) -> bool:
         """The ticket's backend refused the connection: nothing was sent. Mark that backend

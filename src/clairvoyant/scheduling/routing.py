@@ -9,7 +9,10 @@ a request's turn comes. The rule, in order:
 2. healthy ones; an unhealthy backend is chosen only when no backend serving the model is healthy
    (then the request waits there for it to come back, up to ``backend_wait_s``, as with one
    backend). A healthy backend that is merely busy is worth waiting for: ``choose`` returns None;
-3. one that already has the model loaded (Ollama ``/api/ps``), to avoid a reload stall;
+3. one that already has the model loaded (Ollama ``/api/ps``), or holds it (the model it served
+   last), or would load it at no cost (its learned load under ``FREE_LOAD_S``), to avoid a reload
+   stall; a backend of which nothing is known yet (it has served nothing, reported nothing) is
+   not held against;
 4. the earliest predicted finish: the predicted seconds of work left per slot (in-flight requests'
    predicted seconds less what they have run, never below a tenth of them: a request that overran
    its prediction still occupies its backend, which must not look as free as an idle one) plus the
@@ -28,6 +31,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from clairvoyant.scheduling.service_time import FREE_LOAD_S
 
 __all__ = ["Backend", "Load", "choose", "same_model"]
 
@@ -91,6 +96,14 @@ class Backend:
         self.loaded = tuple(loaded)
         self.reported = True
 
+    def pays_load(self, model: str | None, load_s: Callable[[str, str | None], float]) -> bool:
+        """A request for ``model`` sent here now would wait for a load: it holds another model (or
+        reported none loaded), and ``load_s(name, model)`` (its learned load) is not negligible."""
+        if self.holds(model) or self.has_loaded(model):
+            return False
+        known = self.last_model is not None or self.reported
+        return known and load_s(self.name, model) >= FREE_LOAD_S
+
     def dispatched(self, model: str | None, now: float) -> Load:
         """A request for ``model`` is sent here at ``now`` (clock seconds): what it finds (a model
         not held makes ``now`` the backend's last switch)."""
@@ -124,12 +137,14 @@ def choose(
     remaining_s: Callable[[Backend], float],
     avoid: Sequence[int] = (),
     own_s: float = 0.0,
+    load_s: Callable[[str, str | None], float] | None = None,
 ) -> int | None:
     """The index of the backend to dispatch a request for ``model`` to now, or None to wait (see
     the module's rule). ``remaining_s(backend)``: its predicted seconds of work left. ``avoid``:
     backends that refused this request already; they are left out while another serves the model
     (a backend that answers its health check but refuses requests must not bounce it forever).
-    ``own_s``: the request's own predicted seconds."""
+    ``own_s``: the request's own predicted seconds. ``load_s(backend name, model)``: learned load
+    seconds (None: only Ollama's report of loaded models counts)."""
     if len(backends) == 1:  # the common deployment, on every request: the rule below comes to this
         only = backends[0]
         return 0 if only.free and only.serves(model) else None
@@ -145,7 +160,7 @@ def choose(
     return min(
         candidates,
         key=lambda i: (
-            not backends[i].has_loaded(model),
+            not backends[i].has_loaded(model) if load_s is None else backends[i].pays_load(model, load_s),
             remaining_s(backends[i]) / backends[i].slots + own_s * backends[i].slowness,
             i,
         ),

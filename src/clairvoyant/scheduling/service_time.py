@@ -32,7 +32,7 @@ from typing import Any
 
 from clairvoyant.state_file import atomic_writer
 
-__all__ = ["LOAD_WEIGHT", "ServiceTimeDefaults", "ServiceTimeModel", "write_state"]
+__all__ = ["FREE_LOAD_S", "LOAD_WEIGHT", "ServiceTimeDefaults", "ServiceTimeModel", "write_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,9 @@ _MIN_SERVICE_S = 0.01
 _MAX_MODELS = 64  # bounded: model names come from clients
 _MAX_BACKENDS = 64  # load costs are kept for this many backends at most (they come from the configuration)
 LOAD_WEIGHT = 0.25  # of each new load sample in its moving average (about the last 4 switches)
+# A learned load this short (seconds) counts as none: no reason to put a switch off or route around
+# it (a backend that holds both models, or a server that answers every model name with one model).
+FREE_LOAD_S = 0.5
 FIRST_BYTE_WEIGHT = 0.1  # of each new first-byte delay in the baseline (about the last 10 answers)
 
 
