@@ -185,7 +185,7 @@ def test_queue_shows_the_bound_what_each_backend_holds_and_when_a_switch_is_due(
         assert running(d).request_id == "a0"
         clock.set(10.0)
         snap = d.snapshot()
-        assert snap["model_switch"]["bound_s"] == 30.0
+        assert snap["model_switch"]["bound_s"] == 30.0 and snap["model_switch"]["load_prior_s"] == 3.0
         assert snap["model_switch"]["waiting_by_model"] == {"a": 1, "b": 1}
         assert snap["backends"][0]["holds"] == "a" and snap["backends"][0]["switched_ago_s"] == 10.0
         waiting = {w["request_id"]: w for w in snap["waiting"]}

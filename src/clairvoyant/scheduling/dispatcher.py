@@ -990,6 +990,7 @@ class Dispatcher:
             "model_switch": {
                 "bound_s": bound_s,
                 "free_load_s": FREE_LOAD_S,  # a load this short is no reason to put a switch off
+                "load_prior_s": self.service_time.defaults.load_s,  # a load not yet measured (backends' load_s)
                 "waiting_by_model": {
                     model or "default": n for model, n in getattr(self.queue, "waiting_by_model", dict)().items()
                 },
