@@ -50,6 +50,8 @@ def test_config_file_from_the_environment(tmp_path: Path, monkeypatch: pytest.Mo
         ("CLAIRVOYANT_POLICY", "lifo", "policy (CLAIRVOYANT_POLICY)"),
         ("CLAIRVOYANT_UPSTREAM_URL", "localhost:11434", "upstream_url (CLAIRVOYANT_UPSTREAM_URL)"),
         ("CLAIRVOYANT_PORT", "70000", "port (CLAIRVOYANT_PORT)"),
+        ("CLAIRVOYANT_MODEL_SWITCH_BOUND_S", "inf", "model_switch_bound_s (CLAIRVOYANT_MODEL_SWITCH_BOUND_S)"),
+        ("CLAIRVOYANT_MODEL_SWITCH_BOUND_S", "-5", "model_switch_bound_s (CLAIRVOYANT_MODEL_SWITCH_BOUND_S)"),
     ],
 )
 def test_an_invalid_value_is_refused_naming_the_setting(

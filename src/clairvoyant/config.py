@@ -177,6 +177,14 @@ class Settings(BaseSettings):
         description="boost: cap on any boost, seconds; within a priority class no later arrival passes a request after this.",
     )
     fair_share: bool = Field(True, description="Share the backend between tenants by predicted service seconds.")
+    model_switch_bound_s: float = Field(
+        30.0,
+        ge=0,
+        description="Model affinity, seconds: a backend that loads models on demand (Ollama, llama-swap) serves the "
+        "model it holds while no request for another model has been put off this long (waiting since it arrived, or "
+        "since the backend's last switch), then switches to the model put off longest; a request for a model not held "
+        "is charged its learned load. 0 = off (switching counted as free); fcfs ignores it. See docs/scheduling.md.",
+    )
     tenant_header: str = Field(
         "X-Clairvoyant-Tenant", description="Request header naming the tenant (absent = the default tenant)."
     )
@@ -389,6 +397,13 @@ class Settings(BaseSettings):
     def _check_tau(cls, value: float) -> float:
         if math.isnan(value):
             raise ValueError("must be a number of seconds or 'inf'")
+        return value
+
+    @field_validator("model_switch_bound_s")
+    @classmethod
+    def _check_switch_bound(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number of seconds (a switch may not be put off forever); 0 = off")
         return value
 
     @classmethod

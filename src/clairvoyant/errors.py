@@ -15,6 +15,7 @@
         ├── UnsupportedCoding        501 a transfer coding other than chunked
         ├── QueueFull                503 the waiting queue is at capacity (carries Retry-After)
         ├── BodyBudgetExhausted      503 the process holds as many request bodies as it may (Retry-After)
+        ├── QueueDeadline            503 the request's queue deadline came before it could be sent
         ├── UpstreamUnavailable      502 backend refused or dropped the connection
         └── UpstreamTimeout          504 backend did not connect/answer in time
 
@@ -34,6 +35,7 @@ __all__ = [
     "MethodNotAllowed",
     "ModelError",
     "PayloadTooLarge",
+    "QueueDeadline",
     "QueueFull",
     "RequestError",
     "RequestTimeout",
@@ -154,6 +156,15 @@ class QueueFull(RequestError):
     @property
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
+
+
+class QueueDeadline(RequestError):
+    """The request said how long it would wait before dispatch; that time came first. It was never
+    sent to a backend."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "queue_deadline_exceeded"
 
 
 class UpstreamUnavailable(RequestError):

@@ -242,6 +242,12 @@ class Metrics:
             "refused (connection refused: nothing sent), failed (no status), failed_mid_answer.",
             ["backend", "outcome"],
         )
+        self.model_switches = self._counter(
+            "clairvoyant_model_switches",
+            "Scheduled requests sent to this backend for a model it did not hold while it held another (it loads "
+            "the model first: seconds to minutes on Ollama or llama-swap).",
+            ["backend"],
+        )
         self.requests = self._counter(
             "clairvoyant_requests",
             "Answered requests by endpoint, dialect and HTTP status.",
