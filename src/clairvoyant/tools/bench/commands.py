@@ -394,7 +394,9 @@ def mu_short_main(argv: Sequence[str] | None = None, *, default_prompts: Path | 
         count = sum(lo <= s < hi or (hi == edges[-1] and s == hi) for s in sojourn)
         print(f"  {lo:7.2f} - {hi:7.2f} s | {'#' * count} {count}")
     if args.cls == "short":
-        print(f"recommended tau = 3 x mu_short = {3 * mu:.1f} s   (clairvoyant serve --tau {max(0.1, round(3 * mu, 1)):g})")
+        print(
+            f"recommended tau = 3 x mu_short = {3 * mu:.1f} s   (clairvoyant serve --tau {max(0.1, round(3 * mu, 1)):g})"
+        )
         print(PREFER_CALIBRATE)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
