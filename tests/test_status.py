@@ -151,10 +151,13 @@ def test_a_missing_or_wrong_key_is_a_clear_error(capsys: pytest.CaptureFixture[s
         missing = run_cli("status", "--url", base, env={})
         wrong = run_cli("status", "--url", base, "--key", "not-a-key", env={})
         assert main(["status", "--url", base, "--key", TEAM, "--json"]) == 0  # the flag, any valid key
+        assert main(["status", "--url", base, "--key", "not-a-key", "--watch"]) == 2  # no retrying a refused key
     for result in (missing, wrong):
         assert result.returncode == 2 and result.stdout == ""
         assert "401" in result.stderr and KEY_ENV in result.stderr and "--key" in result.stderr
-    assert len(json.loads(capsys.readouterr().out)["waiting"]) == 4
+    captured = capsys.readouterr()
+    assert len(json.loads(captured.out)["waiting"]) == 4  # --key TEAM; then "not-a-key" ended --watch at once
+    assert "401" in captured.err and "trying again" not in captured.err
 
 
 def test_an_unreachable_proxy_is_a_clear_error(free_port: int, capsys: pytest.CaptureFixture[str]) -> None:
@@ -192,6 +195,29 @@ def test_watch_refreshes_until_stopped() -> None:
                     watchdog.cancel()
                     process.terminate()
                     process.wait(10)
+
+
+def test_watch_reports_an_unreachable_proxy_and_keeps_trying(free_port: int) -> None:
+    with subprocess.Popen(
+        [sys.executable, "-m", "clairvoyant", "status", "--url", f"http://127.0.0.1:{free_port}", "--watch"]
+        + ["--interval", "0.05", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={"PYTHONPATH": str(ROOT / "src")},
+    ) as process:
+        watchdog = threading.Timer(60, process.kill)
+        watchdog.start()
+        try:
+            assert process.stderr is not None
+            lines = [process.stderr.readline() for _ in range(2)]
+            assert all("cannot reach the proxy" in line and "trying again in 0.05 s" in line for line in lines)
+            assert process.poll() is None
+        finally:
+            watchdog.cancel()
+            process.terminate()
+            process.wait(10)
+        assert process.stdout is not None and process.stdout.read() == ""  # stdout stays JSON only
 
 
 # -- the table, from /queue objects of other proxies --------------------------------------------------

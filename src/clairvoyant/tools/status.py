@@ -18,7 +18,8 @@ as they come, and fails on none that is absent or new.
 
 Errors: ``StatusError`` (a ``ClairvoyantError``: the CLI prints it and exits 2) when the proxy cannot
 be reached, refuses the key, or answers /queue with something other than a JSON object. ``--watch``
-shows such an error in place of the table and tries again at the next refresh.
+shows such an error in place of the table (on standard error beside ``--json``) and tries again at
+the next refresh, except a refused key, which ends it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import IO, Any
 
 from clairvoyant.errors import ClairvoyantError
 
-__all__ = ["DEFAULT_URL", "KEY_ENV", "StatusError", "add_arguments", "fetch", "read_metrics", "run"]
+__all__ = ["DEFAULT_URL", "KEY_ENV", "KeyRefused", "StatusError", "add_arguments", "fetch", "read_metrics", "run"]
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 KEY_ENV = "CLAIRVOYANT_STATUS_KEY"
@@ -48,7 +49,15 @@ _CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
 
 class StatusError(ClairvoyantError):
-    """The proxy could not be asked (unreachable, the key refused, not a Clairvoyant proxy)."""
+    """The proxy could not be asked (unreachable, the key refused, not a Clairvoyant proxy).
+
+    StatusError
+    └── KeyRefused    401 or 403: asking again will not help, so --watch stops too
+    """
+
+
+class KeyRefused(StatusError):
+    """The proxy wants a client key, or another one."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,7 +93,7 @@ def _get(client: Any, url: str, path: str, **params: Any) -> Any:
     except httpx.HTTPError as exc:
         raise StatusError(f"cannot reach the proxy at {url}: {exc!r}") from exc
     if response.status_code in (401, 403):
-        raise StatusError(
+        raise KeyRefused(
             f"{url}{path} answered {response.status_code}: the proxy wants a client key (--key KEY, or set {KEY_ENV})"
         )
     if response.status_code != 200:
@@ -163,7 +172,7 @@ def _show(out: IO[str], args: argparse.Namespace, client: Any, url: str, *, clea
         # The table asks for every row and shows the first --limit (the tenants' counts cover all).
         status = fetch(client, url, limit=args.limit if args.json else None)
     except StatusError as exc:
-        if not args.watch:
+        if not args.watch or isinstance(exc, KeyRefused):
             raise
         message = f"clairvoyant status: {exc} (trying again in {args.interval:g} s)\n"
         if args.json:
