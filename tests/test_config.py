@@ -93,7 +93,7 @@ def test_serve_refuses_an_invalid_setting_before_starting() -> None:
 
 def test_serve_refuses_a_missing_model_before_starting(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "clairvoyant", "serve", "--model", str(tmp_path / "nope.onnx")],
+        [sys.executable, "-m", "clairvoyant", "serve", "--predictor", str(tmp_path / "nope.onnx")],
         capture_output=True,
         text=True,
         timeout=60,
@@ -159,7 +159,7 @@ def test_serve_warns_about_an_unknown_variable_and_goes_on_to_the_next_check(tmp
 
     env = {**os.environ, "CLAIRVOYANT_POLCY": "fcfs"}
     result = subprocess.run(
-        [sys.executable, "-m", "clairvoyant", "serve", "--model", str(tmp_path / "nope.onnx")],
+        [sys.executable, "-m", "clairvoyant", "serve", "--predictor", str(tmp_path / "nope.onnx")],
         capture_output=True,
         text=True,
         timeout=60,

@@ -56,7 +56,7 @@ CLI_FLAGS: dict[str, str] = {
     "slots": "--slots",
     "max_queue": "--max-queue",
     "disconnect_mode": "--disconnect-mode",
-    "model_path": "--model",
+    "model_path": "--predictor",  # `serve --model` still works, with a warning (proxy/serve.py)
     "log_level": "--log-level",
     "learner_state_path": "--learner-state",
 }
