@@ -428,8 +428,8 @@ RETIRED_SETTINGS: dict[str, str] = {
 }
 
 # CLAIRVOYANT_* variables that are not settings but are read on purpose (the config file's path;
-# the test suite's switch that turns a missing llama.cpp backend into a failure).
-OTHER_ENV_NAMES = frozenset({f"{ENV_PREFIX}CONFIG", f"{ENV_PREFIX}REQUIRE_BACKEND"})
+# the test suite's switch that turns a missing llama.cpp backend into a failure; `clairvoyant status`'s key).
+OTHER_ENV_NAMES = frozenset({f"{ENV_PREFIX}CONFIG", f"{ENV_PREFIX}REQUIRE_BACKEND", f"{ENV_PREFIX}STATUS_KEY"})
 
 
 def _closest(name: str, candidates: Iterable[str]) -> str | None:
