@@ -51,7 +51,15 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_hardening  # noqa: E402 (the proxy child process, RSS sampling and the Row table are shared)
-from bench_hardening import ProxyProcess, Row, RssSampler, print_table, status_of  # noqa: E402
+from bench_hardening import (  # noqa: E402
+    ProxyProcess,
+    Row,
+    RssSampler,
+    answer_complete,
+    header_value,
+    print_table,
+    status_of,
+)
 
 RESULTS_PATH = Path(__file__).with_name("body_budget_results.json")
 CHAT = "/v1/chat/completions"
@@ -129,25 +137,6 @@ def request_head(size: int, tag: str) -> bytes:
         f"POST {CHAT} HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
         f"Content-Length: {size}\r\nX-Request-Id: {tag}\r\n\r\n"
     ).encode()
-
-
-def header_value(raw: bytes, name: str) -> str | None:
-    """One header's value in a raw HTTP/1.x response head (None when absent)."""
-    head = raw.split(b"\r\n\r\n", 1)[0].decode("latin-1")
-    for line in head.split("\r\n")[1:]:
-        key, _, value = line.partition(":")
-        if key.strip().lower() == name.lower():
-            return value.strip()
-    return None
-
-
-def answer_complete(raw: bytes) -> bool:
-    """Whether ``raw`` holds a whole response: its head and Content-Length bytes of body."""
-    head, sep, body = raw.partition(b"\r\n\r\n")
-    if not sep:
-        return False
-    length = header_value(raw, "content-length")
-    return length is not None and len(body) >= int(length)
 
 
 def max_admitted(budget_bytes: int, body_bytes: int) -> int:

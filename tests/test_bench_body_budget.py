@@ -47,15 +47,6 @@ def test_a_body_too_small_for_its_fields_is_refused() -> None:
         bench.body_parts("bb-00", 20)
 
 
-def test_answers_are_read_from_raw_bytes() -> None:
-    refused = b"HTTP/1.1 503 Service Unavailable\r\nretry-after: 1\r\ncontent-length: 2\r\n\r\n{}"
-    assert bench.header_value(refused, "Retry-After") == "1"
-    assert bench.header_value(refused, "x-none") is None
-    assert bench.answer_complete(refused)
-    assert not bench.answer_complete(refused[:-1])
-    assert not bench.answer_complete(b"HTTP/1.1 200 OK\r\ncontent-length: 2")
-
-
 def test_holder_kinds() -> None:
     meant = 1000
     held = bench.Holder("a", sent_bytes=meant)
