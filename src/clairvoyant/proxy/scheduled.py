@@ -206,6 +206,9 @@ class ScheduledRequest:
         finally:
             watch.cancel()
             self._log()
+            # The relay holds this request's bound methods: dropping it breaks the cycle, so that the
+            # request and its body are freed now, not at the collector's next full pass.
+            del self.relay
 
     async def _watch(self, receive: Receive) -> None:
         await disconnected(receive)
