@@ -34,6 +34,10 @@ def make(
     return d, clock
 
 
+def switches(d: Dispatcher, backend: str = "ollama") -> float | None:
+    return d.metrics.registry.get_sample_value("clairvoyant_model_switches_total", {"backend": backend})
+
+
 def ticket(
     name: str, model: str | None, arrival_s: float, predicted_s: float, *, expires_s: float = math.inf
 ) -> Ticket:
@@ -69,7 +73,7 @@ def test_a_burst_for_two_models_is_served_in_groups_and_each_switch_is_counted()
             clock.advance((3.0 if t.load != Load.HELD else 0.0) + 5.0)
             d.end(t, completed=True)
         await d.stop(timeout_s=0.01)
-        assert d.metrics.model_switches.labels("ollama").value == 3  # a -> b -> a -> b
+        assert switches(d) == 3  # a -> b -> a -> b
         return out
 
     order = asyncio.run(scenario())
@@ -98,7 +102,7 @@ def test_fcfs_alternates_models_whatever_the_bound() -> None:
             clock.advance(5.0)
             d.end(t, completed=True)
         await d.stop(timeout_s=0.01)
-        assert d.metrics.model_switches.labels("ollama").value == 5
+        assert switches(d) == 5
         return out
 
     assert asyncio.run(scenario()) == ["a0", "b0", "a1", "b1", "a2", "b2"]
@@ -203,7 +207,7 @@ def test_a_request_is_never_sent_at_or_after_its_queue_deadline() -> None:
     async def scenario() -> None:
         d, clock = make()
         await d.start()
-        d.submit(ticket("busy", "a", 0.0, 10.0))
+        d.submit(ticket("busy", "a", 0.0, 1.0))  # predicted to end in time; it overruns
         await settle()
         late = ticket("late", "a", 0.0, 1.0, expires_s=5.0)
         patient = ticket("patient", "a", 0.0, 1.0, expires_s=50.0)
@@ -229,7 +233,7 @@ def test_the_dispatch_step_withdraws_what_expired_before_it_chooses() -> None:
     async def scenario() -> None:
         d, clock = make(policy="fcfs")
         await d.start()
-        d.submit(ticket("busy", "a", 0.0, 10.0))
+        d.submit(ticket("busy", "a", 0.0, 1.0))  # predicted to end in time; it overruns
         await settle()
         first = ticket("first", "a", 0.0, 1.0, expires_s=9.0)
         second = ticket("second", "a", 0.0, 1.0)
@@ -250,7 +254,7 @@ def test_a_timer_answers_an_expired_request_without_waiting_for_a_slot() -> None
         pol = make_policy("sjf")
         d = Dispatcher(build_queue(pol), pol, clock=clock, metrics=Metrics(), max_queue=10)
         await d.start()
-        d.submit(ticket("busy", None, 0.0, 100.0))
+        d.submit(ticket("busy", None, 0.0, 0.01))  # predicted to end in time; it overruns
         await settle()
         t = ticket("t", None, 0.0, 1.0, expires_s=0.02)
         d.submit(t)
@@ -260,6 +264,25 @@ def test_a_timer_answers_an_expired_request_without_waiting_for_a_slot() -> None
             if t.wait == REFUSED:
                 break
         assert t.wait == REFUSED and isinstance(t.refusal, QueueDeadline)
+        await d.stop(timeout_s=0.01)
+
+    asyncio.run(scenario())
+
+
+def test_a_request_whose_eta_is_past_its_deadline_is_refused_at_once() -> None:
+    async def scenario() -> None:
+        d, clock = make(policy="fcfs")
+        await d.start()
+        d.submit(ticket("busy", "a", 0.0, 10.0))
+        await settle()
+        hopeless = ticket("hopeless", "a", 0.0, 1.0, expires_s=2.0)  # the slot frees in 10 s
+        with pytest.raises(QueueDeadline) as refused:
+            d.submit(hopeless)
+        assert refused.value.headers == {"Retry-After": "10"} and "deadline of 2 s" in refused.value.message
+        assert len(d.queue) == 0 and d.waiting == 0
+        hopeful = ticket("hopeful", "a", 0.0, 1.0, expires_s=11.0)
+        d.submit(hopeful)  # its ETA (10 s) is within its deadline: it waits
+        assert d.waiting == 1
         await d.stop(timeout_s=0.01)
 
     asyncio.run(scenario())

@@ -61,7 +61,7 @@ def drive(m: Metrics) -> str:
 
 
 # added after 40b1676: not in its exposition
-LATER_FAMILIES = ("clairvoyant_learner_", "clairvoyant_model_switches")
+LATER_FAMILIES = ("clairvoyant_learner_", "clairvoyant_model_switches", "clairvoyant_tenant_")
 # exported at 0 from the start since 40b1676 (drive() never counts this reason)
 LATER_SERIES = re.compile(r'clairvoyant_client_rejections_(total|created)\{reason="body_budget"\}')
 
@@ -72,10 +72,10 @@ def test_the_proxys_traffic_renders_as_it_did_on_prometheus_client() -> None:
         line for line in rendered.splitlines() if re.match(rf"(# (HELP|TYPE) )?({'|'.join(LATER_FAMILIES)})", line)
     ]
     # learner_up (HELP, TYPE, sample); three counters, each _total and _created;
-    # model_switches (HELP, TYPE: drive() declares no backend)
-    assert len(later) == 3 + 3 * 6 + 2
+    # model_switches and the four tenant families (HELP, TYPE: drive() counts no backend or tenant)
+    assert len(later) == 3 + 3 * 6 + 2 + 4 * 2
     later += [line for line in rendered.splitlines() if LATER_SERIES.match(line)]
-    assert len(later) == 3 + 3 * 6 + 2 + 2
+    assert len(later) == 3 + 3 * 6 + 2 + 4 * 2 + 2
     kept = "".join(line + "\n" for line in rendered.splitlines() if line not in later)
     assert kept == FIXTURE.read_text()
 

@@ -30,7 +30,10 @@ from clairvoyant.errors import ConfigError
 from clairvoyant.scheduling.policy import POLICY_NAMES
 
 __all__ = [
+    "ApiKey",
     "CLI_FLAGS",
+    "Limits",
+    "Tenant",
     "ENV_PREFIX",
     "Settings",
     "load_settings",
@@ -62,10 +65,25 @@ CLI_FLAGS: dict[str, str] = {
 }
 
 
-class ApiKey(BaseModel):
-    """One client API key, stored only as its hash (``clairvoyant keys add`` makes one)."""
+class Limits(BaseModel):
+    """What one tenant may use at most (unset: no bound). Counted on the scheduled endpoints only."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_concurrent: int | None = Field(None, ge=1, description="Requests in flight plus waiting, at most.")
+    requests_per_minute: int | None = Field(None, ge=1, description="Requests admitted in any sliding 60 s, at most.")
+    tokens_per_day: int | None = Field(
+        None, ge=1, description="Completion tokens per UTC day, as the backend reported them, at most."
+    )
+
+    @property
+    def bounded(self) -> bool:
+        return any(v is not None for v in (self.max_concurrent, self.requests_per_minute, self.tokens_per_day))
+
+
+class ApiKey(Limits):
+    """One client API key, stored only as its hash (``clairvoyant keys add`` makes one), with its
+    tenant's limits."""
 
     hash: str = Field(pattern=r"^sha256:[0-9a-f]{64}$", description="sha256:<hex> of the key's text")
     tenant: str = Field(min_length=1, max_length=128, description="The tenant its requests belong to (fair share).")
@@ -80,6 +98,13 @@ class ApiKey(BaseModel):
         if self.min_priority > self.max_priority:
             raise ValueError("min_priority must be <= max_priority")
         return self
+
+
+class Tenant(Limits):
+    """A tenant named by the tenant header (``[[tenants]]``): its fair-share weight and limits."""
+
+    name: str = Field(min_length=1, max_length=128, description="The tenant header's value.")
+    weight: float = Field(1.0, gt=0, description="Fair-share weight (2 = twice the backend seconds of weight 1).")
 
 
 def http_url(value: str) -> str:
@@ -282,6 +307,28 @@ class Settings(BaseSettings):
         description="Client API keys as [[api_keys]] tables (hash, tenant, min_priority, max_priority, weight); "
         "none = no authentication (the localhost default). Make one with `clairvoyant keys add`.",
     )
+    tenants: list[Tenant] = Field(
+        default_factory=list,
+        description="Tenants named by the tenant header, as [[tenants]] tables (name, weight, max_concurrent, "
+        "requests_per_minute, tokens_per_day). A key's tenant takes the key's limits.",
+    )
+    default_queue_deadline_s: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds a scheduled request may wait before it is sent, when it does not say "
+        "(X-Clairvoyant-Deadline); beyond it, 503 queue_deadline and never sent. Unset = no deadline.",
+    )
+    max_generation_s: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds a scheduled answer may run once sent; a longer one ends with the dialect's error. "
+        "Unset = no bound.",
+    )
+    supersede_running: bool = Field(
+        False,
+        description="X-Clairvoyant-Supersede also aborts a running request with the same key (as a client that "
+        "left would), not only a waiting one.",
+    )
     status_requires_key: bool = Field(False, description="With api_keys: /queue, /metrics and /ui need a key too.")
     forward_client_key: bool = Field(
         False, description="With api_keys: forward the client's Authorization / X-Api-Key header to the backend."
@@ -350,6 +397,36 @@ class Settings(BaseSettings):
         if self.min_priority > self.max_priority:
             raise ValueError("min_priority must be <= max_priority")
         return self
+
+    def _limit_entries(self) -> list[tuple[str, Limits]]:
+        """(tenant, its limits) from every key and [[tenants]] entry that bounds something."""
+        entries: list[tuple[str, Limits]] = []
+        for key in self.api_keys:
+            entries.append((key.tenant, Limits(**{f: getattr(key, f) for f in Limits.model_fields})))
+        for tenant in self.tenants:
+            entries.append((tenant.name, Limits(**{f: getattr(tenant, f) for f in Limits.model_fields})))
+        return [(name, limits) for name, limits in entries if limits.bounded]
+
+    @model_validator(mode="after")
+    def _check_tenants(self) -> Settings:
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names):
+            raise ValueError("tenants must have distinct names")
+        seen: dict[str, Limits] = {}
+        for name, limits in self._limit_entries():
+            if seen.setdefault(name, limits) != limits:
+                raise ValueError(f"tenant {name!r} is given two different sets of limits")
+        return self
+
+    @property
+    def tenant_limits(self) -> dict[str, Limits]:
+        """Each bounded tenant's limits (from its keys, or its [[tenants]] entry)."""
+        return dict(self._limit_entries())
+
+    @property
+    def tenant_weights(self) -> dict[str, float]:
+        """Fair-share weights by tenant: its keys', or its [[tenants]] entry's."""
+        return {**{t.name: t.weight for t in self.tenants}, **{k.tenant: k.weight for k in self.api_keys}}
 
     @model_validator(mode="after")
     def _check_backend_names(self) -> Settings:

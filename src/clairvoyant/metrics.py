@@ -148,6 +148,30 @@ class Metrics:
         for reason in CLIENT_REJECTION_REASONS:
             self.client_rejections.labels(reason)
 
+        # Per tenant (configured tenants by name; any other "other", none "none": bounded).
+        self.known_tenants: frozenset[str] = frozenset()
+        self.tenant_requests = self._counter(
+            "clairvoyant_tenant_requests",
+            "Scheduled requests admitted past the tenant's limits, by tenant.",
+            ["tenant"],
+        )
+        self.tenant_tokens = self._counter(
+            "clairvoyant_tenant_output_tokens",
+            "Completion tokens the backend reported for the tenant's answers (what tokens_per_day counts), by tenant.",
+            ["tenant"],
+        )
+        self.tenant_wait = self._histogram(
+            "clairvoyant_tenant_queue_wait_seconds",
+            "Time from arrival to dispatch, by tenant.",
+            ["tenant"],
+            buckets=LATENCY_BUCKETS,
+        )
+        self.tenant_refusals = self._counter(
+            "clairvoyant_tenant_refusals",
+            "Scheduled requests refused with 429 for a tenant's limit, by tenant and limit "
+            "(max_concurrent, requests_per_minute, tokens_per_day).",
+            ["tenant", "limit"],
+        )
         # Closed loop: what the backend really produced, and how well it was predicted.
         self.usage_observations = self._counter(
             "clairvoyant_usage_observations",
@@ -224,6 +248,12 @@ class Metrics:
         self, name: str, documentation: str, labelnames: tuple[str, ...] | list[str] = (), *, buckets: tuple[float, ...]
     ) -> Histogram:
         return Histogram(name, documentation, labelnames, registry=self.registry, buckets=buckets)
+
+    def tenant(self, name: str) -> str:
+        """A tenant's label: its name when configured, else "other" ("none" for no tenant)."""
+        if name in self.known_tenants:
+            return name
+        return "none" if not name else "other"
 
     def count_request(self, endpoint: str, dialect: str, status: str) -> None:
         self.requests.labels(endpoint, dialect, status).inc()  # bounded: 5 endpoints x 2 dialects x statuses

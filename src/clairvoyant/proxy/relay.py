@@ -33,7 +33,6 @@ from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.dialects import Dialect, error_body, stream_error_event
 from clairvoyant.prediction.usage import Usage, UsageTap
 from clairvoyant.proxy.upstream import Headers, Upstream, UpstreamResponse, header, response_headers
-from clairvoyant.scheduling.dispatcher import ShuttingDown
 
 __all__ = [
     "Outcome", "Receive", "Relay", "Responder", "Send", "UpstreamRequest", "disconnected", "error_headers",
@@ -59,6 +58,8 @@ class Outcome(str, Enum):
     CLIENT_LEFT_STREAMING = "client_left_streaming"  # left while the answer was relayed
     CLIENT_LEFT_WATCHING = "client_left_watching"  # left; the slot is held until the backend is idle
     SHUTDOWN = "shutdown"  # the shutdown's grace period ended the answer
+    SUPERSEDED = "superseded"  # a newer request with its X-Clairvoyant-Supersede key replaced it
+    GENERATION_LIMIT = "generation_limit"  # it ran longer than max_generation_s
     INTERNAL_ERROR = "internal_error"
 
 
@@ -140,11 +141,14 @@ class Relay:
     first_byte_s: float | None = field(default=None, repr=False)  # clock seconds of the answer's first byte
     content_type: str = field(default="", repr=False)  # the answer's, once its head arrived
     interrupted: Outcome | None = field(default=None, repr=False)  # set by ``interrupt``
+    _interrupt_error: RequestError | None = field(default=None, repr=False)
 
-    def interrupt(self, task: asyncio.Task[Any], outcome: Outcome) -> None:
-        """End this relay now (``task`` runs it) with ``outcome``: a shutdown's answer ends with an
-        error event; a client that left gets nothing more, and the backend connection is closed."""
+    def interrupt(self, task: asyncio.Task[Any], outcome: Outcome, error: RequestError | None = None) -> None:
+        """End this relay now (``task`` runs it) with ``outcome``, closing the backend connection.
+        The client gets ``error`` (its dialect's error event, or the error itself before the answer
+        began), or nothing more (``None``: it left)."""
         self.interrupted = outcome
+        self._interrupt_error = error
         task.cancel()
 
     async def run(self, out: Responder) -> None:
@@ -156,8 +160,8 @@ class Relay:
             if self.interrupted is None or task is None or task.uncancel() > 0:
                 raise
             self.outcome = self.interrupted
-            if self.interrupted is Outcome.SHUTDOWN:
-                error = ShuttingDown("the proxy shut down before the answer was complete")
+            error = self._interrupt_error
+            if error is not None:
                 if out.started:
                     await self.end_with_error(out, error)
                 else:

@@ -234,6 +234,14 @@ class Ticket(Job["Ticket"]):
         return None if self.dispatched_s is None else self.dispatched_s - self.arrival_s
 
 
+def _deadline_error(ticket: Ticket, retry_in_s: float) -> QueueDeadline:
+    deadline_s = ticket.expires_s - ticket.arrival_s
+    return QueueDeadline(
+        f"the request could not be sent within its queue deadline of {deadline_s:g} s",
+        retry_after_s=max(1, min(3600, math.ceil(retry_in_s))),
+    )
+
+
 @dataclass(slots=True)
 class Lease:
     """A held slot. ``completed`` is set by the relay when the backend's answer ended normally
@@ -491,7 +499,8 @@ class Dispatcher:
         """Queue a ticket (its own job record, its predicted fields filled in).
 
         Raises ``ShuttingDown`` after ``stop``, ``ModelNotServed`` when no backend serves its model,
-        and ``QueueFull`` at capacity (``check_room``).
+        ``QueueFull`` at capacity (``check_room``), and ``QueueDeadline`` when its ETA is already past
+        its queue deadline (it is not queued: answered at once, never sent).
         """
         self.check_room()
         self._check_model(ticket.model)
@@ -500,6 +509,13 @@ class Dispatcher:
         # O(1) on purpose: ordering the whole queue per arrival would cost O(n log n) at depth n.
         ticket.grants_before_arrival = self._grants
         if not math.isinf(ticket.expires_s):
+            # O(waiting) for a request with a deadline: where it would stand, played forward.
+            now = self.clock.now()
+            eta_s = next((eta for job, eta in self._etas(now)[0] if job is ticket), 0.0)
+            if now + eta_s >= ticket.expires_s:
+                self.queue.remove(ticket)
+                self._end_waiting(ticket)
+                raise _deadline_error(ticket, eta_s)
             self._expiry.add(ticket)
             self._arm_expiry()
         self._schedule_pump()
@@ -510,25 +526,27 @@ class Dispatcher:
         many. The dispatch step runs this first; a timer runs it at the soonest deadline."""
         now = self.clock.now() if now is None else now
         count = 0
+        tail_s: float | None = None  # the queue's tail ETA: a retry's wait, at worst (computed once)
         for job in self._expiry.due(now):
             ticket = job.payload
             if not ticket.ended and self.queue.remove(ticket):
-                self._expired(ticket, now)
+                tail_s = self._etas(now)[1] if tail_s is None else tail_s
+                self._expired(ticket, now, tail_s)
                 count += 1
         for ticket in [t for t in self._held_back if expired(t, now)]:
             self._held_back.remove(ticket)
             ticket.held_back = False
             self.queue.done(ticket)
-            self._expired(ticket, now)
+            self._expired(ticket, now, 0.0)  # first in line: a retry would be too
             count += 1
         return count
 
-    def _expired(self, ticket: Ticket, now: float) -> None:
+    def _expired(self, ticket: Ticket, now: float, retry_in_s: float) -> None:
         """``ticket``'s queue deadline came while it waited (out of the queue already): refused."""
         self._end_waiting(ticket)
         self._recent.append((ticket, now, "expired", None))
         if ticket.wait == WAITING:
-            ticket.end_wait(REFUSED, QueueDeadline("the request's queue deadline passed before it could be sent"))
+            ticket.end_wait(REFUSED, _deadline_error(ticket, retry_in_s))
 
     def _arm_expiry(self) -> None:
         """One timer, at the soonest queue deadline of a waiting ticket (re-armed when a sooner one comes)."""
@@ -753,7 +771,7 @@ class Dispatcher:
                     continue
                 if expired(ticket, now):  # its deadline was set or moved after it was queued
                     self.queue.done(job)
-                    self._expired(ticket, now)
+                    self._expired(ticket, now, 0.0)  # popped: it was next in line
                     continue
                 backend = self._route(ticket)
                 if backend is None:
@@ -868,6 +886,17 @@ class Dispatcher:
             if job is ticket:
                 return position, eta
         return None
+
+    def tenant_free_in_s(self, tenant: str) -> float:
+        """Predicted seconds until one of ``tenant``'s requests ends: the soonest in flight, else
+        the soonest of its waiting ones (its dispatch plus its own seconds); 1 when it has none."""
+        now = self.clock.now()
+        running = [
+            remainder_s(t, now, b.slowness) for b in self.backends for t in b.running.values() if t.tenant == tenant
+        ]
+        if running:
+            return min(running)
+        return min((eta + job.predicted_s for job, eta in self._etas(now)[0] if job.tenant == tenant), default=1.0)
 
     def waiting_ticket(self, request_id: str) -> Ticket | None:
         """The waiting ticket with ``request_id``, or None. A scan, not an index: an index would
