@@ -12,7 +12,7 @@ from clairvoyant.clock import ManualClock
 from clairvoyant.errors import QueueFull
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.predictor import Prediction
-from clairvoyant.scheduling.dispatcher import ID_PREFIX, OVERRUN_REMAINDER, Dispatcher, ShuttingDown, Ticket
+from clairvoyant.scheduling.dispatcher import ID_PREFIX, OVERRUN_GROWTH, Dispatcher, ShuttingDown, Ticket
 from clairvoyant.scheduling.policy import build_queue, make_policy
 
 
@@ -129,7 +129,7 @@ def test_a_request_waiting_behind_an_overrun_one_never_has_an_eta_of_0() -> None
         submit(d, "w1", 12.0, 4.0)
         submit(d, "w2", 12.0, 6.0)
         etas = [round(eta, 6) for _, eta in d._etas(clock.now())[0]]
-        assert OVERRUN_REMAINDER == 0.1 and etas == [1.0, 5.0]  # a tenth of its 10 s, then w1's 4 s
+        assert OVERRUN_GROWTH == 0.5 and etas == [6.0, 10.0]  # half of its 12 s so far, then w1's 4 s
         assert d.snapshot()["waiting"][0]["eta_s"] > 0
         await lease.__aexit__(None, None, None)
         await d.stop()
@@ -408,7 +408,7 @@ def test_the_pool_learns_a_backends_slowness_and_routes_around_it() -> None:
 
 def test_a_backend_whose_request_overran_its_prediction_is_not_routed_to_as_if_idle() -> None:
     """An in-flight request past its predicted seconds still occupies its backend: routing counts
-    a tenth of its prediction (as the ETAs do), so an idle backend is preferred to it."""
+    half of what it has run as still to come (as the ETAs do), so an idle backend is preferred to it."""
 
     async def scenario() -> None:
         d, clock = make_pool(Backend("a", 2), Backend("b", 2))
@@ -419,7 +419,7 @@ def test_a_backend_whose_request_overran_its_prediction_is_not_routed_to_as_if_i
         lease = d.lease(long)
         await lease.__aenter__()
         clock.advance(30.0)  # it runs on, 20 s past its prediction
-        assert d._remaining_s(d.backends[0]) == pytest.approx(OVERRUN_REMAINDER * 10.0)
+        assert d._remaining_s(d.backends[0]) == pytest.approx(OVERRUN_GROWTH * 30.0)
         nxt = submit_for(d, "next", None, predicted_s=1.0)
         await settle()
         assert nxt.backend == 1  # a's generation still runs; b is idle
@@ -564,3 +564,17 @@ def test_the_unhealthy_log_line_says_where_requests_go(caplog: pytest.LogCapture
         "backend default is unhealthy: its requests wait for it",
         "backend a is unhealthy: skipped while another backend serves its requests",
     ]
+
+
+def test_a_streaming_request_is_re_estimated_from_its_own_pace() -> None:
+    from clairvoyant.scheduling.dispatcher import remainder_s
+
+    t = Ticket("s", "/v1/chat/completions", "openai", None, None, 10, 0.0, predicted_tokens=100, predicted_s=3.0)
+    t.dispatched_s = 0.0
+    assert remainder_s(t, now=1.0) == pytest.approx(2.0)  # no tokens yet: its prediction
+    t.live_tokens = 50  # half-way at 10 tokens a second: slower than predicted
+    assert remainder_s(t, now=5.0) == pytest.approx(50 * 0.1)
+    t.live_tokens = 150  # past its predicted tokens: half again of what it produced, at its pace
+    assert remainder_s(t, now=15.0) == pytest.approx(75 * 0.1)
+    t.live_tokens = 0
+    assert remainder_s(t, now=8.0) == pytest.approx(OVERRUN_GROWTH * 8.0)  # not streamed: from time alone

@@ -13,7 +13,7 @@ from clairvoyant.errors import QueueDeadline
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.predictor import Prediction
 from clairvoyant.prediction.usage import Usage
-from clairvoyant.scheduling.dispatcher import GRANTED, REFUSED, Backend, Dispatcher, Ticket
+from clairvoyant.scheduling.dispatcher import GRANTED, OVERRUN_GROWTH, REFUSED, Backend, Dispatcher, Ticket
 from clairvoyant.scheduling.policy import build_queue, make_policy
 from clairvoyant.scheduling.routing import Load
 from clairvoyant.scheduling.service_time import ServiceTimeDefaults, ServiceTimeModel
@@ -197,7 +197,7 @@ def test_queue_shows_the_bound_what_each_backend_holds_and_when_a_switch_is_due(
         assert waiting["b0"]["switch_due_in_s"] == pytest.approx(1.0 + 30.0 - 10.0)
         # ETAs: a0's 5 s (held), a1 next (held), then b0 after its load (3 s, the prior)
         assert [w["request_id"] for w in snap["waiting"]] == ["a1", "b0"]
-        assert waiting["b0"]["eta_s"] == pytest.approx(max(5.0 - 10.0, 0.5) + 5.0)
+        assert waiting["b0"]["eta_s"] == pytest.approx(OVERRUN_GROWTH * 10.0 + 5.0)  # a0 overran: half again
         await d.stop(timeout_s=0.01)
 
     asyncio.run(scenario())

@@ -18,6 +18,7 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
@@ -108,10 +109,20 @@ class Tenant(Limits):
 
 
 def http_url(value: str) -> str:
-    """A backend's base URL: http(s), without a trailing slash."""
+    """A backend's base URL: http(s), without a trailing slash, and without an API's own path (the
+    proxy forwards each request's path, /v1/... or /api/..., as the client sent it)."""
     if not value.startswith(("http://", "https://")):
         raise ValueError("must start with http:// or https://")
-    return value.rstrip("/")
+    base = value.rstrip("/")
+    path = urlsplit(base).path
+    for api in ("/v1", "/api"):
+        if path == api or path.endswith(api) or f"{api}/" in path:
+            fix = base[: base.index(api, len(base) - len(path))]
+            raise ValueError(
+                f"{value!r} ends in an API path ({api}): give the server's base URL, {fix!r}; the proxy forwards each "
+                f"request's own path ({api}/...)"
+            )
+    return base
 
 
 BackendKind = Literal["auto", "ollama", "llamacpp", "openai", "vllm"]

@@ -119,6 +119,11 @@ class UsageTap:
     def is_stream(self) -> bool:
         return self._framing != "body"
 
+    @property
+    def stream_events(self) -> int:
+        """Content-bearing stream events so far (one a generated token on llama.cpp and Ollama)."""
+        return self._events
+
     def feed(self, chunk: bytes) -> None:
         """Take one relayed chunk (any split of the body: events may span chunks)."""
         if not chunk:

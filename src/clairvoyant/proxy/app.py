@@ -49,7 +49,7 @@ from clairvoyant.metrics import CONTENT_TYPE_LATEST, Metrics
 from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, dialect_of_path
 from clairvoyant.prediction.encoder import EncoderModel, Refiner, encoder_for
 from clairvoyant.prediction.predictor import OnnxPredictor, Predictor
-from clairvoyant.proxy.access import AccessControl, Denied, Identity
+from clairvoyant.proxy.access import LOOPBACK_HOSTS, AccessControl, Denied, Identity
 from clairvoyant.proxy.body import BodyBudget, check_framing, declared_length, read_body
 from clairvoyant.proxy.feedback import OnlineLearning
 from clairvoyant.proxy.limits import TenantLimits
@@ -178,7 +178,7 @@ def create_app(
             starvation_timeout_s=settings.starvation_timeout_s,
             starvation_slowdown=slowdown,
             fair_share=settings.fair_share,
-            tenant_weights=settings.tenant_weights,
+            tenant_weights=proxy.tenant_weights,
             model_switch_bound_s=settings.model_switch_bound_s,
         )
         service_time = ServiceTimeModel(path=settings.service_time_path)
@@ -195,9 +195,7 @@ def create_app(
             learning.recorder.refiner = refiner
         limits = TenantLimits(settings.tenant_limits, state_path=_limits_path(settings))
         limits.load()
-        metrics.known_tenants = frozenset(
-            {*settings.tenant_limits, *settings.tenant_weights, *(k.tenant for k in settings.api_keys)}
-        )
+        metrics.known_tenants = _known_tenants(settings)
         supersede = SupersedeKeys(settings.supersede_running)
         scheduling = Scheduling(
             settings, loaded, pool, metrics, dispatcher, learning.recorder, refiner, limits, supersede
@@ -210,9 +208,20 @@ def create_app(
             settings.max_queue, settings.disconnect_mode,
         )  # fmt: skip
         for member in pool.members:
-            dispatcher.run_detached(_check_upstream_at_start(member.upstream), name=f"upstream-check-{member.name}")
+            dispatcher.run_detached(
+                _check_upstream_at_start(member.upstream, settings.backend_wait_s), name=f"upstream-check-{member.name}"
+            )
         if limits.state_path is not None:
             dispatcher.run_detached(_save_limits_periodically(limits, settings.learner_save_interval_s), "limits-save")
+        if settings.api_keys:
+            logger.info("authentication on: %d API key(s)", len(settings.api_keys))
+        else:
+            logger.info("authentication off: no api_keys")
+            if settings.host not in LOOPBACK_HOSTS:
+                logger.warning(
+                    "listening on %s with no API keys: anyone who can reach this port can use the backend "
+                    "(add [[api_keys]]: `clairvoyant keys add`)", settings.host,
+                )  # fmt: skip
         proxy.started.set()
         try:
             yield
@@ -291,6 +300,21 @@ class ProxyApp:
         self.proxy: ProxyState | None = None  # set by the lifespan once started
         self.started = asyncio.Event()
         self.startup_failed = False
+        self.tenant_weights = settings.tenant_weights  # the fair-share queue reads this very dict
+
+    def reload_keys(self, new: Settings) -> None:
+        """The keys and tenants of ``new`` (the config file read again, on SIGHUP) replace the
+        current ones; the queue, the requests in flight and every tenant's counts stay. Other
+        changed settings need a restart."""
+        self.settings = self.settings.model_copy(update={"api_keys": new.api_keys, "tenants": new.tenants})
+        self.access = AccessControl(self.settings)
+        self.tenant_weights.clear()
+        self.tenant_weights.update(self.settings.tenant_weights)
+        state = self.proxy
+        if state is not None:
+            state.limits.reload(self.settings.tenant_limits)
+            self.metrics.known_tenants = _known_tenants(self.settings)
+        logger.info("reloaded %d API key(s) and %d tenant(s)", len(new.api_keys), len(new.tenants))
 
     @property
     def state(self) -> ProxyState:
@@ -473,6 +497,11 @@ def _is_own_endpoint(path: str) -> bool:
     return path.startswith("/queue/") and len(path) > 7 and "/" not in path[7:]
 
 
+def _known_tenants(settings: Settings) -> frozenset[str]:
+    """The tenants the configuration names: their own label in the metrics."""
+    return frozenset({*settings.tenant_weights, *settings.tenant_limits})
+
+
 def _tenant_of(identity: Identity | None, headers: list[tuple[bytes, bytes]], tenant_header: bytes) -> str:
     """The request's tenant: its key's, else the tenant header's (at most 128 characters), else ""."""
     if identity is not None:
@@ -509,13 +538,20 @@ async def _save_limits_periodically(limits: TenantLimits, interval_s: float) -> 
         await asyncio.to_thread(_save_limits, limits, limits.state())
 
 
-async def _check_upstream_at_start(upstream: Upstream) -> None:
-    """Start anyway, but say so when the backend cannot be reached (requests will wait for it)."""
+async def _check_upstream_at_start(upstream: Upstream, wait_s: float) -> None:
+    """Start anyway, but say at once when the backend cannot be reached, and why if it can tell: a
+    misconfigured scheme is an error; anything else is waited for (``backend_wait_s`` a request)."""
     problem = await upstream.probe(timeout_s=5.0)
-    if problem is not None:
-        logger.warning(
-            "the backend at %s is not ready yet (%s); requests will wait for it", upstream.display_url, problem
-        )
+    if problem is None:
+        return
+    hint = await upstream.diagnose()
+    if hint is not None:
+        logger.error("the backend at %s does not answer its health check: %s (%s)", upstream.display_url, hint, problem)
+        return
+    logger.warning(
+        "the backend at %s is not ready (%s); each request waits up to %g s (backend_wait_s) for it",
+        upstream.display_url, problem, wait_s,
+    )  # fmt: skip
 
 
 def _model_named(body: bytes) -> str | None:

@@ -123,6 +123,7 @@ class Relay:
     metrics: Metrics
     extra_headers: Callable[[], list[tuple[bytes, bytes]]] = list  # the proxy's own response headers
     on_first_byte: Callable[[], None] = lambda: None
+    on_progress: Callable[[int], None] | None = None  # a stream's content events so far, after each chunk
     # Called once with what the backend produced, when a 2xx answer has fully arrived.
     on_usage: Callable[[Usage], None] | None = None
     now: Callable[[], float] = time.monotonic  # seconds; the dispatcher's clock for scheduled requests
@@ -219,10 +220,6 @@ class Relay:
                 deadline_s = self.upstream.outage_deadline_s(self.backend_wait_s)
                 if time.monotonic() >= deadline_s:
                     raise
-                logger.info(
-                    "the backend %s is unreachable; waiting up to %.0f s for it",
-                    self.upstream.name, deadline_s - time.monotonic(),
-                )  # fmt: skip
                 if not await self.upstream.wait_until_ready(deadline_s, lambda: out.client_gone):
                     if out.client_gone:
                         return None
@@ -264,6 +261,8 @@ class Relay:
                     self.on_first_byte()
                 if tap is not None:
                     tap.feed(chunk)
+                    if self.on_progress is not None and tap.is_stream:
+                        self.on_progress(tap.stream_events)
                 relayed_bytes += len(chunk)
                 if relayed_bytes == known_bytes:  # a body of known length ends with its last bytes
                     self._completed(tap, out)

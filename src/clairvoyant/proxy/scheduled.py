@@ -223,6 +223,7 @@ class ScheduledRequest:
             pool.first, request, shared.metrics, self._own_headers, self._first_byte, on_usage=self._record_usage,
             now=shared.dispatcher.clock.now, model=ticket.model, backend_wait_s=shared.settings.backend_wait_s,
             retry_unavailable=True, failover=self._failover, on_answered=pool.answered, on_broken=pool.broken,
+            on_progress=self._progress,
         )  # fmt: skip
 
     @property
@@ -430,6 +431,9 @@ class ScheduledRequest:
         if ticket.queue_position is not None:
             headers.append((b"x-clairvoyant-queue-position", b"%d" % ticket.queue_position))
         return headers
+
+    def _progress(self, tokens: int) -> None:
+        self.ticket.live_tokens = tokens  # the queue's ETAs follow the answer's own pace
 
     def _first_byte(self) -> None:
         ticket = self.ticket

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, get_args
@@ -104,4 +105,6 @@ def run(args: argparse.Namespace) -> int:
     # the heap, under load every few hundred requests).
     gc.collect()
     gc.freeze()
-    return ProxyServer(app, settings).run()
+    config = args.config or os.environ.get(f"{ENV_PREFIX}CONFIG")
+    reload_settings = None if not config else (lambda: load_settings(config, **flags))  # SIGHUP: the file's keys
+    return ProxyServer(app, settings, reload_settings=reload_settings).run()

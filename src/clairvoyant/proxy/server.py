@@ -9,7 +9,8 @@ dispatcher, the learner and the requests share them.
 
 The life of the process (``run``): bind the port (a port already taken is a clear error and exit
 2, before anything says ready), run the app's lifespan (it logs "ready" once it has started),
-serve. On SIGTERM or SIGINT the dispatcher refuses every waiting request at once (503
+serve. On SIGHUP the config file is read again and its API keys and tenants replace the current ones
+(the queue and every count stay). On SIGTERM or SIGINT the dispatcher refuses every waiting request at once (503
 ``shutting_down``, Retry-After); answers in flight get ``shutdown_grace_s`` to finish, after which
 the dispatcher ends each with an error event; then the server stops and the lifespan closes
 everything in reverse order.
@@ -22,12 +23,14 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 from granian.constants import HTTPModes, Interfaces
 from granian.http import HTTP1Settings
 from granian.server.embed import Server
 
 from clairvoyant.config import Settings
+from clairvoyant.errors import ClairvoyantError
 from clairvoyant.proxy.app import ProxyApp
 
 __all__ = ["ProxyServer", "StartupFailed", "serve_in_thread"]
@@ -59,9 +62,19 @@ logging.getLogger("_granian").addFilter(_QuietEmbedWarning())
 
 
 class ProxyServer:
-    def __init__(self, app: ProxyApp, settings: Settings, *, host: str | None = None, port: int | None = None) -> None:
+    def __init__(
+        self,
+        app: ProxyApp,
+        settings: Settings,
+        *,
+        host: str | None = None,
+        port: int | None = None,
+        reload_settings: Callable[[], Settings] | None = None,
+    ) -> None:
+        """``reload_settings``: the settings read again (SIGHUP reloads the keys from them)."""
         self.app = app
         self.settings = settings
+        self.reload_settings = reload_settings
         self.host = settings.host if host is None else host
         self.port = settings.port if port is None else port
         self._server = Server(
@@ -97,7 +110,8 @@ class ProxyServer:
                 ready.cancel()
                 error = serving.exception()
                 if error is not None and not self.app.startup_failed:
-                    raise StartupFailed(f"cannot listen on {self.host}:{self.port}: {error}", EXIT_CANNOT_BIND)
+                    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]  # not the Rust backtrace
+                    raise StartupFailed(f"cannot listen on {self.host}:{self.port}: {reason}", EXIT_CANNOT_BIND)
                 raise StartupFailed("the proxy failed to start (see the log above)", EXIT_STARTUP_FAILED)
             self.started.set()
             logger.info("serving on http://%s:%d", self.host, self.port)
@@ -120,6 +134,16 @@ class ProxyServer:
                 await asyncio.sleep(STOP_POLL_S)
         self._server.stop()  # type: ignore[no-untyped-call]
 
+    def reload_keys(self) -> None:
+        """SIGHUP: read the config file again and take its keys and tenants (proxy/app.py)."""
+        if self.reload_settings is None:
+            logger.warning("SIGHUP: nothing to reload from (no config file)")
+            return
+        try:
+            self.app.reload_keys(self.reload_settings())
+        except ClairvoyantError as exc:  # a broken file: the keys in force stay
+            logger.error("SIGHUP: the keys were not reloaded: %s", exc)
+
     def stop(self) -> None:
         """Shut down from any thread (tests, the benchmarks' helpers)."""
         loop = self._loop
@@ -133,6 +157,7 @@ class ProxyServer:
             loop = asyncio.get_running_loop()
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(signum, lambda: asyncio.ensure_future(self.shutdown()))
+            loop.add_signal_handler(signal.SIGHUP, self.reload_keys)
             await self.serve()
 
         try:

@@ -29,6 +29,7 @@ import base64
 import errno
 import json
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Container, Iterable
 from typing import Any, Literal, Protocol
@@ -280,9 +281,10 @@ class Upstream:
                     self.suspect = True
                     raise self._translate(exc, f"no response headers within {timeout_s} s") from None
                 if exc.kind == "connect":
-                    if self.down_since_s is None:
-                        self.down_since_s = time.monotonic()
                     detail = f"{method} {target} at {self.display_url}: {describe(exc.cause)}"
+                    if self.down_since_s is None:  # an outage begins: said once, at once
+                        self.down_since_s = time.monotonic()
+                        logger.warning("backend %s unreachable (%s); requests wait for it", self.name, detail)
                     raise UpstreamUnavailable("the backend is unreachable", detail=detail, never_sent=True) from exc
                 if exc.kind == "failed" and attempt < UNREAD_RETRIES and exc.never_read:
                     logger.debug("the backend closed a reused connection without reading (%s); resending", exc)
@@ -358,6 +360,29 @@ class Upstream:
             await asyncio.sleep(min(delay_s, remaining_s))
             delay_s = min(2.0, delay_s * 2)
         return False
+
+    async def diagnose(self, timeout_s: float = 2.0) -> str | None:
+        """Why a backend that failed its health check may be misconfigured rather than down: its
+        port speaks the other scheme (https:// in front of plain HTTP hangs in the TLS handshake;
+        http:// in front of TLS gets no HTTP answer). None when neither is evident."""
+        parts = urlsplit(self.base_url)
+        host, tls = parts.hostname or "", parts.scheme == "https"
+        port = parts.port or (443 if tls else 80)
+        context = ssl.create_default_context()
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        try:
+            async with asyncio.timeout(timeout_s):
+                reader, writer = await asyncio.open_connection(host, port, ssl=None if tls else context)
+                try:
+                    if not tls:
+                        return "this port speaks TLS: use https://"
+                    writer.write(b"GET " + HEALTH_PATH.encode() + b" HTTP/1.0\r\nHost: " + host.encode() + b"\r\n\r\n")
+                    answer = await reader.read(16)
+                    return "this port speaks plain HTTP: use http://" if answer.startswith(b"HTTP/") else None
+                finally:
+                    writer.close()
+        except (OSError, TimeoutError, ssl.SSLError):
+            return None
 
     async def aclose(self) -> None:
         await self._transport.aclose()

@@ -79,9 +79,12 @@ _SAVE_EVERY = 50  # service-time observations between state-file writes
 # the job's seq (process-wide arrival order) within one (``Ticket.request_id``).
 ID_PREFIX = f"cv-{time.time_ns():x}-"
 RECENT_REQUESTS = 100  # finished requests kept for /queue's timeline (the live page)
-# An in-flight request past its predicted seconds still holds its slot: its remainder is taken as
-# this fraction of its prediction (not 0, which would tell the requests behind it "now").
-OVERRUN_REMAINDER = 0.1
+# An in-flight request past its prediction is not near its end: it is taken to run this fraction of
+# what it has run (or produced) so far again (not 0, which would tell the requests behind it "now").
+OVERRUN_GROWTH = 0.5
+# Streamed tokens before the answer's own pace is trusted over its prediction (the first ones carry
+# the prompt's processing).
+LIVE_PACE_MIN_TOKENS = 8
 
 
 class _AsNow(enum.Enum):
@@ -92,12 +95,19 @@ _AS_NOW = _AsNow.AS_NOW
 
 
 def remainder_s(ticket: Ticket, now: float, slowness: float = 1.0) -> float:
-    """Predicted seconds an in-flight request still holds its slot: its predicted seconds (at the
-    backend's slowness, plus the load it was charged) less what it has run, never below
-    ``OVERRUN_REMAINDER`` of them."""
-    predicted_s = ticket.predicted_s * slowness + ticket.switch_load_s
+    """Predicted seconds an in-flight request still holds its slot.
+
+    Where the backend streams, from its own pace: the tokens still expected (its predicted tokens,
+    or, once it has produced more, ``OVERRUN_GROWTH`` of what it has produced) at the seconds per
+    token it has shown. Otherwise its predicted seconds (at the backend's slowness, plus the load it
+    was charged) less what it has run; past them, ``OVERRUN_GROWTH`` of what it has run."""
     running_s = 0.0 if ticket.dispatched_s is None else now - ticket.dispatched_s
-    return max(predicted_s - running_s, OVERRUN_REMAINDER * predicted_s)
+    produced = ticket.live_tokens
+    if produced >= LIVE_PACE_MIN_TOKENS and running_s > 0:
+        expected = ticket.predicted_tokens if produced < ticket.predicted_tokens else produced * (1 + OVERRUN_GROWTH)
+        return (expected - produced) * running_s / produced
+    predicted_s = ticket.predicted_s * slowness + ticket.switch_load_s
+    return max(predicted_s - running_s, OVERRUN_GROWTH * running_s)
 
 
 class ShuttingDown(RequestError):
@@ -142,7 +152,7 @@ class Ticket(Job["Ticket"]):
     __slots__ = (
         "given_id", "endpoint", "dialect", "prediction", "prompt_tokens", "wait", "interrupt", "refusal",
         "_future", "backend", "slot", "dispatched_s", "grants_before_arrival", "queue_position", "held_back",
-        "refused_by", "ended", "load", "switch_load_s",
+        "refused_by", "ended", "load", "switch_load_s", "live_tokens",
     )  # fmt: skip
 
     def __init__(
@@ -188,6 +198,7 @@ class Ticket(Job["Ticket"]):
         self.held_back = False  # popped by the policy (or rerouted), waiting for a backend that serves it
         self.refused_by: tuple[int, ...] = ()  # backends that refused its connection (routing avoids them)
         self.ended = False  # withdrawn or released: set exactly once
+        self.live_tokens = 0  # tokens its answer has streamed so far (the relay counts them)
         self.load = Load.UNKNOWN  # what it found on its backend: its model held, another (a switch), or unknown
         # After a switch: the load it is charged, seconds (the learned one at dispatch, then the
         # first byte's measure); 0 otherwise.
@@ -824,8 +835,8 @@ class Dispatcher:
     # -- positions and ETAs -------------------------------------------------------------------
     def _slot_free_in_s(self, now: float) -> list[list[float]]:
         """Per backend, a heap of the predicted seconds until each of its slots is free: in-flight
-        remainders at the backend's measured slowness (never below ``OVERRUN_REMAINDER`` of the
-        request's prediction: a busy slot is never free now), idle 0."""
+        remainders at the backend's measured slowness (``remainder_s``: a busy slot is never free
+        now), idle 0."""
         heaps = []
         for backend in self.backends:
             slowness = backend.slowness
