@@ -102,8 +102,8 @@ def test_serve_refuses_a_missing_model_before_starting(tmp_path: Path) -> None:
     assert "nope.onnx" in result.stderr and "not found" in result.stderr
 
 
-def test_readme_configuration_table_is_generated_from_the_settings() -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_the_configuration_page_is_generated_from_the_settings() -> None:
+    readme = (ROOT / "docs" / "configuration.md").read_text()
     start = readme.index("<!-- settings-reference:start")
     start = readme.index("\n", start) + 1
     end = readme.index("<!-- settings-reference:end -->")

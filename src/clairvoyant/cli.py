@@ -20,6 +20,7 @@ __all__ = ["main"]
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("clairvoyant.proxy.serve", "run the scheduling proxy"),
+    "backend": ("clairvoyant.tools.backend", "run a small real llama.cpp server (SmolLM2) to try the proxy against"),
     "status": ("clairvoyant.tools.status", "what a running proxy is doing: slots, running, queue with ETAs, learner"),
     "keys": ("clairvoyant.tools.keys", "make a client API key (or hash one) for the api_keys setting"),
     "calibrate": ("clairvoyant.tools.calibrate", "measure the backend's mean Short service time; print what to set"),

@@ -154,7 +154,7 @@ class BackendConfig(BaseModel):
 
 
 class Settings(BaseSettings):
-    """Every setting of the proxy. The README's configuration table is generated from this class."""
+    """Every setting of the proxy. docs/configuration.md is generated from this class."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
 
@@ -617,7 +617,7 @@ def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Se
 
 
 def settings_reference_markdown() -> str:
-    """The README's configuration table, generated from ``Settings`` (a test keeps them equal)."""
+    """docs/configuration.md's table, generated from ``Settings`` (a test keeps them equal)."""
     flags = CLI_FLAGS
     rows = [
         "| setting | environment variable | flag | default | meaning |",

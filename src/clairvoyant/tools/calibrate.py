@@ -8,7 +8,7 @@ dataset needed) to the backend **one at a time**, after one unmeasured warm-up r
 loads the model on first use), and reports mu_short, the mean Short *service* time: the wall time
 of a request that waits for nothing. That is the quantity the paper's simulation sets tau from
 (tau = 3 x mu_short, docs/simulation.md), not the sojourn time of a concurrent burst (which grows
-with the burst: docs/benchmarks.md section 3).
+with the burst).
 
 The dialect is found by asking the backend: Ollama answers ``GET /api/tags`` and ``GET /api/version``
 (then requests go to ``/api/chat``); otherwise ``GET /v1/models`` (llama.cpp, vLLM, any OpenAI-compatible server; requests
