@@ -39,14 +39,17 @@ def _word_gather(model: onnx.ModelProto) -> tuple[onnx.NodeProto, onnx.TensorPro
     initializers = {i.name: i for i in model.graph.initializer}
     for node in model.graph.node:
         if node.op_type == "Gather" and node.input[0] in initializers and node.input[1] == "input_ids":
-            return node, initializers[node.input[0]]
+            table = initializers[node.input[0]]
+            if table.data_type != TensorProto.FLOAT:
+                raise ValueError(f"the word-embedding table {table.name!r} is not float32 (quantised before?)")
+            return node, table
     raise ValueError("the graph has no Gather of input_ids on an initializer (its word embeddings)")
 
 
 def int8_word_embeddings(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of ``model`` with its word-embedding table as int8 per row (symmetric: scale =
     max|row| / 127) and a float32 scale per row. Raises ValueError for a graph without a Gather of
-    ``input_ids`` on an initializer."""
+    ``input_ids`` on a float32 initializer."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
     node, table = _word_gather(model)
     weights = numpy_helper.to_array(table).astype(np.float32)
