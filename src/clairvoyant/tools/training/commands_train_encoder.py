@@ -301,7 +301,7 @@ def merge_facts(recipe_facts: dict[str, Any], facts: dict[str, Any]) -> dict[str
     merged = {key: dict(value) for key, value in recipe_facts.items()}
     for key, value in facts.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = {**value, **merged[key]}
+            merged[key] |= {k: v for k, v in value.items() if k not in merged[key]}
         elif key not in merged:
             merged[key] = value
     return merged
