@@ -31,8 +31,8 @@ ranking noise for every other request. Made at each refit over the ring's RAW ro
 sum y*, Z'y* and y*'y*, are recomputed: one pass of ``buffer_size`` x p per model; the Gram matrix still comes
 from the moments), so nothing clipped is kept: the first fit is unclipped, each refit one more iteration, and a
 prior far (> c) from a model's lengths is still learned as fast (a clip kept as observed would hold the first
-observations toward the prior until evicted). Picked by a pre-registered study (research/study_residual_clip.py,
-research/RESULTS.md section j): replay second-half gain of the weakest model +0.050 -> +0.057 on never-used
+observations toward the prior until evicted). Picked by a pre-registered study (docs/online-learning.md):
+replay second-half gain of the weakest model +0.050 -> +0.057 on never-used
 seeds 60-89 (mean +0.073 -> +0.076, ShareGPT held-out -0.011 -> -0.005). The fit a refit clipped against is
 saved with the state (``clip_center``), so a restored learner's first refit makes the fit the saved one had.
 
@@ -49,7 +49,7 @@ when observed) ln tokens. A prediction adds
 so few or far neighbours add about nothing. Residuals after the linear correction, not after the
 prior: the kNN adds to that correction, so it must model what the correction leaves (a model's
 mean shift, counted twice and scaled by each query's neighbourhood, would become ranking noise).
-Picked by a pre-registered study (research/study_residual_knn.py, research/RESULTS.md section i):
+Picked by a pre-registered study (docs/online-learning.md):
 k 16, shrinkage 16 raised the replay's second-half gain of the weakest AlpacaEval model from +0.048
 to +0.058 (seeds 0-4) and +0.037 to +0.041 (seeds 5-14). Its cost is on the request path of a
 refined (waiting) request: one 1 x 384 by 384 x 1024 mat-vec over the model's memory, 0.07-0.11 ms
@@ -76,8 +76,8 @@ moments, p = features + 1: 65 with the encoder's components), so a refit solves 
 model (one ``np.linalg.solve`` per GCV penalty, with ``[Z'y, I]`` as right-hand sides: the weights
 and the inverse's trace); the GCV search for a fit's penalty runs again only once a quarter of its
 buffer is new. With the residual clip on, the target's sums are recomputed from the rows (one
-matrix-vector product per model): a refit of 17 full models takes 9.5 ms of CPU (p50) instead of 3.9
-(research/study_residual_clip.py --cost), and the child refits at most once a second. Unclipped, the
+matrix-vector product per model): a refit of 17 full models takes 9.5 ms of CPU (p50) instead of 3.9,
+and the child refits at most once a second. Unclipped, the
 same penalties and coefficients as the stacked solve of earlier versions (tests/test_learner.py replays
 a fixed trace against it).
 
@@ -212,12 +212,12 @@ class LearnerConfig:
     min_penalty_factor: float = 1.0
     worker_nice: int = 10  # the learner process's niceness above the proxy's
     # The residual kNN on the encoder's embedding (see the module docstring): the neighbours read (0: off)
-    # and the shrinkage pseudo-weight lambda, in cosine units (research/study_residual_knn.py picked 16 and 16).
+    # and the shrinkage pseudo-weight lambda, in cosine units (a pre-registered study picked 16 and 16: module docstring).
     knn_neighbours: int = 16
     knn_shrinkage: float = 16.0
     # The residual clip c, ln tokens (inf: off): an observation whose residual after the linear correction
     # in force is beyond +-c is learned as if it were c off, by the ridge (re-clipped at each refit) and by
-    # the kNN (clipped when remembered); research/study_residual_clip.py picked 1 (module docstring).
+    # the kNN (clipped when remembered); a pre-registered study picked 1 (module docstring).
     residual_clip: float = 1.0
 
     def __post_init__(self) -> None:
