@@ -31,7 +31,11 @@ def test_the_shipped_card_is_what_train_encoder_writes_for_the_shipped_files() -
     recipe = EncoderRecipe()
     summary = {"rows": 43151, "pass1_rows": 13420, "label_mean": 5.2637, "label_std": 1.0530,
                "components_rows": 3000, "explained_variance": 0.430}  # fmt: skip
-    measured = {"metrics": SHIPPED["metrics"], "knn": {k: SHIPPED["knn"][k] for k in ("fitted", "measured")}}
+    measured = {  # what clairvoyant evaluate measured, and how the shipped file's own run went
+        "metrics": SHIPPED["metrics"],
+        "knn": {k: SHIPPED["knn"][k] for k in ("fitted", "measured")},
+        "training": {"shipped_run": SHIPPED["training"]["shipped_run"]},
+    }
     card = encoder_card.build_card(
         blend_weight=recipe.blend_weight,
         blend_weight_with_history=recipe.blend_weight_with_history,

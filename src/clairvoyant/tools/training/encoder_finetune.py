@@ -41,7 +41,7 @@ def _regressor(base: Path) -> Any:
     import torch
     from transformers import AutoModel
 
-    class Regressor(torch.nn.Module):  # type: ignore[misc]
+    class Regressor(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.encoder = AutoModel.from_pretrained(str(base))
@@ -174,7 +174,7 @@ def export_fp32(state: Path, base: Path, mean: float, std: float, target: Path, 
         inner.head.weight.mul_(std)
         inner.head.bias.mul_(std).add_(mean)
 
-    class TwoOutputs(torch.nn.Module):  # type: ignore[misc]
+    class TwoOutputs(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.inner = inner
