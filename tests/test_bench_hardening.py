@@ -105,3 +105,62 @@ def test_raw_exchange_sees_eof_and_data() -> None:
     assert bench.status_of(result.data) == 200
     assert json.loads(result.data.split(b"\r\n\r\n", 1)[1]) == {"status": "ok"}
     assert result.closed_s is not None and not result.reset
+
+
+def test_header_value_and_answer_complete_read_a_raw_answer() -> None:
+    refused = b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\ncontent-length: 2\r\n\r\n{}"
+    assert bench.header_value(refused, "retry-after") == "1"
+    assert bench.header_value(refused, "x-none") is None
+    assert bench.answer_complete(refused)
+    assert not bench.answer_complete(refused[:-1])
+    assert not bench.answer_complete(b"HTTP/1.1 200 OK\r\ncontent-length: 2")  # the head is not over
+    assert not bench.answer_complete(b"HTTP/1.1 200 OK\r\n\r\nabc")  # no Content-Length: never known whole
+
+
+def test_error_code_reads_the_openai_error_object() -> None:
+    timeout = b'HTTP/1.1 408 Request Timeout\r\n\r\n{"error": {"message": "m", "type": "t", "code": "request_timeout"}}'
+    assert bench.error_code(timeout) == "request_timeout"
+    assert bench.error_code(b"HTTP/1.1 408 Request Timeout\r\n\r\nRequest Timeout") is None  # not the dialect's
+    assert bench.error_code(b'HTTP/1.1 400 Bad\r\n\r\n{"error": "ollama style"}') is None
+    assert bench.error_code(b"") is None
+
+
+def test_closed_in_window_is_neither_early_nor_late() -> None:
+    def closed_after(seconds: float | None) -> bool:
+        result = bench.RawResult(10.0, None if seconds is None else 10.0 + seconds, b"", False)
+        return bool(bench.closed_in_window(result, 5.0))
+
+    assert closed_after(5.0) and closed_after(4.1) and closed_after(5.9)
+    assert not closed_after(3.5)  # cut before its deadline
+    assert not closed_after(6.5)
+    assert not closed_after(None)  # still open
+
+
+def test_rows_state_the_settings_but_never_the_backend_url(tmp_path: Path) -> None:
+    proxy = bench.ProxyProcess("t", "http://user:secret@127.0.0.1:1", tmp_path, slots=8, client_timeout_s=5)
+    stated = proxy.stated()
+    assert "slots=8" in stated and "client_timeout_s=5" in stated and "(others default)" in stated
+    assert "secret" not in stated and "port=" not in stated
+    row = bench.Row("1a", "target", "measured", True, {}, stated)
+    assert row.as_json()["settings"] == stated and row.as_json()["verdict"] == "PASS"
+
+
+def test_kept_client_reads_its_answer_and_keeps_the_connection() -> None:
+    backend = bench.FakeBackend().start()
+
+    async def scenario() -> tuple[int | None, bool, int]:
+        client = await bench.KeptClient(backend.port, bench.post_request(bench.chat_body("t-kept"))).open()
+        answered = await bench.wait_for_count(lambda: int(client.answered_s is not None), 1, 5.0)
+        second = await bench.KeptClient(backend.port, bench.post_request(bench.chat_body("t-kept-2"))).open()
+        await bench.wait_for_count(lambda: int(second.answered_s is not None), 1, 5.0)
+        client.close()
+        second.close()
+        return bench.status_of(client.raw), bool(answered), backend._connections
+
+    try:
+        status, answered, connections = asyncio.run(scenario())
+    finally:
+        backend.stop()
+    assert answered and status == 200
+    assert connections == 2  # one connection each: the first stayed open, unused by the second
+    assert backend.tags("t-kept") == Counter({"t-kept": 1, "t-kept-2": 1})

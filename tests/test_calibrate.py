@@ -206,3 +206,54 @@ def test_a_failing_request_names_the_status() -> None:
         router.post("http://127.0.0.1:11434/api/chat").respond(404, json={"error": "model 'm' not found"})
         with pytest.raises(CalibrationError, match=r"answered 404 for model 'm'.*not found"):
             measure("http://127.0.0.1:11434", n=1)
+
+
+# -- progress: a bar on a terminal, plain lines when piped -----------------------------------------
+
+
+def test_piped_progress_is_one_plain_line_per_request(capsys: pytest.CaptureFixture[str]) -> None:
+    router, _ = ollama_router(["llama3.2:1b"])
+    with router:
+        assert main(["calibrate", "--n", "3", "--warmup", "0"]) == 0
+    err = capsys.readouterr().err  # not a terminal here
+    assert err == "".join(f"measuring Short requests: {i}/3\n" for i in (1, 2, 3))
+
+
+def test_progress_on_a_terminal_is_a_bar(llama_server: EmbeddedLlamaServer) -> None:
+    """The real command with its standard error on a pseudo-terminal, against the real llama.cpp."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 24 x 100, as a terminal has
+    with subprocess.Popen(
+        [sys.executable, "-m", "clairvoyant", "calibrate", "--backend", llama_server.base_url, "--n", "2"],
+        stdout=subprocess.PIPE,
+        stderr=follower,
+        text=True,
+    ) as process:
+        os.close(follower)
+        seen = b""
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([leader], [], [], 1.0)
+            if not ready:
+                continue
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # EIO: the command closed the terminal (it has ended)
+                break
+            if not chunk:
+                break
+            seen += chunk
+        os.close(leader)
+        stdout = process.stdout.read() if process.stdout else ""
+        assert process.wait(30) == 0, seen
+    text = seen.decode(errors="replace")
+    assert "measuring Short requests:" in text and "2/2" in text
+    assert "|" in text and "100%" in text  # tqdm's bar (the test extra installs tqdm)
+    assert "mu_short = " in stdout

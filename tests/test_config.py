@@ -50,6 +50,8 @@ def test_config_file_from_the_environment(tmp_path: Path, monkeypatch: pytest.Mo
         ("CLAIRVOYANT_POLICY", "lifo", "policy (CLAIRVOYANT_POLICY)"),
         ("CLAIRVOYANT_UPSTREAM_URL", "localhost:11434", "upstream_url (CLAIRVOYANT_UPSTREAM_URL)"),
         ("CLAIRVOYANT_PORT", "70000", "port (CLAIRVOYANT_PORT)"),
+        ("CLAIRVOYANT_MODEL_SWITCH_BOUND_S", "inf", "model_switch_bound_s (CLAIRVOYANT_MODEL_SWITCH_BOUND_S)"),
+        ("CLAIRVOYANT_MODEL_SWITCH_BOUND_S", "-5", "model_switch_bound_s (CLAIRVOYANT_MODEL_SWITCH_BOUND_S)"),
     ],
 )
 def test_an_invalid_value_is_refused_naming_the_setting(
@@ -91,7 +93,7 @@ def test_serve_refuses_an_invalid_setting_before_starting() -> None:
 
 def test_serve_refuses_a_missing_model_before_starting(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "clairvoyant", "serve", "--model", str(tmp_path / "nope.onnx")],
+        [sys.executable, "-m", "clairvoyant", "serve", "--predictor", str(tmp_path / "nope.onnx")],
         capture_output=True,
         text=True,
         timeout=60,
@@ -157,7 +159,7 @@ def test_serve_warns_about_an_unknown_variable_and_goes_on_to_the_next_check(tmp
 
     env = {**os.environ, "CLAIRVOYANT_POLCY": "fcfs"}
     result = subprocess.run(
-        [sys.executable, "-m", "clairvoyant", "serve", "--model", str(tmp_path / "nope.onnx")],
+        [sys.executable, "-m", "clairvoyant", "serve", "--predictor", str(tmp_path / "nope.onnx")],
         capture_output=True,
         text=True,
         timeout=60,

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import yaml
 
@@ -55,17 +56,40 @@ def test_dockerfile_is_slim_non_root_with_model_healthcheck_and_documented_entry
     user = args["USER"][-1]
     assert user not in ("root", "0")
     assert keywords.index("USER") < keywords.index("ENTRYPOINT")
-    assert any("model" in a.split()[0] for a in args["COPY"])  # the shipped model is inside
     assert (ROOT / "model" / "predictor.onnx").is_file() and (ROOT / "model" / "predictor.card.json").is_file()
     env = " ".join(args["ENV"])
     assert "CLAIRVOYANT_HOST=0.0.0.0" in env and "CLAIRVOYANT_PORT=8080" in env
-    assert "CLAIRVOYANT_MODEL_PATH=/app/model/predictor.onnx" in env
     assert set(re.findall(r"(CLAIRVOYANT_[A-Z_]+)=", env)) <= SETTING_ENVS
     assert args["EXPOSE"] == ["8080"]
     assert "/healthz" in args["HEALTHCHECK"][0] and "curl" not in args["HEALTHCHECK"][0]
     entrypoint = json.loads(args["ENTRYPOINT"][0])
     assert entrypoint == ["clairvoyant", "serve"]
     assert "clairvoyant serve" in (ROOT / "README.md").read_text()
+
+
+def test_the_image_holds_the_model_once_inside_the_package() -> None:
+    """The build stage puts model/ where the package's link points, so `pip install .` puts the model
+    files in the environment (package-data); the runtime stage takes only the environment, and no
+    setting points the proxy at another copy."""
+    instructions = dockerfile_instructions()
+    starts = [i for i, (k, _) in enumerate(instructions) if k == "FROM"]
+    build, runtime = instructions[starts[0] : starts[1]], instructions[starts[1] :]
+    workdir = PurePosixPath(next(a for k, a in build if k == "WORKDIR"))
+    copied = {
+        workdir / a.split()[-1]: a.split()[0] for k, a in build if k == "COPY" and not a.startswith("--from")
+    }  # destination in the build stage -> source in the context
+    link = ROOT / "src" / "clairvoyant" / "model"
+    target = PurePosixPath(os.path.normpath(workdir / "src" / "clairvoyant" / os.readlink(link)))
+    assert copied.get(workdir / "src") == "src" and copied.get(target) == "model", copied
+    # The runtime stage: the environment from the build stage, nothing from the context or elsewhere.
+    runtime_copies = [a.split() for k, a in runtime if k == "COPY"]
+    assert runtime_copies and all(
+        words[0] == "--from=build" and all(PurePosixPath(w).is_relative_to("/opt/clairvoyant") for w in words[1:-1])
+        for words in runtime_copies
+    ), runtime_copies
+    assert all(k != "ADD" for k, _ in runtime)
+    env = " ".join(a for k, a in instructions if k == "ENV")
+    assert "CLAIRVOYANT_MODEL_PATH" not in env and "CLAIRVOYANT_ENCODER_PATH" not in env
 
 
 def test_compose_wires_clairvoyant_to_a_healthy_serial_ollama() -> None:

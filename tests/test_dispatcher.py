@@ -217,6 +217,10 @@ def test_the_service_time_state_is_written_every_50_completions_in_a_worker_thre
 from clairvoyant.scheduling.dispatcher import Backend, ModelNotServed  # noqa: E402
 
 
+def gauge(d: Dispatcher, predicted_class: str) -> float | None:
+    return d.metrics.registry.get_sample_value("clairvoyant_queue_depth", {"predicted_class": predicted_class})
+
+
 def make_pool(*backends: Backend, policy: str = "fcfs") -> tuple[Dispatcher, ManualClock]:
     clock = ManualClock()
     pol = make_policy(policy)
@@ -445,14 +449,14 @@ def test_repredicted_reorders_a_waiting_ticket_and_moves_its_class_gauge() -> No
             waiting[name] = t
         assert [j.payload.request_id for j in d.queue.ordered(1.0)] == ["x", "y", "z"]
         depth = d.metrics.depth_by_class
-        before = {c: depth[c].value for c in depth}
+        before = {c: gauge(d, c) for c in depth}
         short = Prediction.from_probabilities(0.9, 0.1, 0.0)  # P(Long) 0: first in line, class Short
         assert d.repredicted(waiting["z"], short)
         assert [j.payload.request_id for j in d.queue.ordered(1.0)] == ["z", "x", "y"]
         assert waiting["z"].prediction is short and waiting["z"].score == 0.0
         assert waiting["z"].predicted_tokens == short.predicted_tokens
         assert (before["long"], before["short"]) == (1, 1)  # z counted Long while it waited; x Short
-        assert (depth["long"].value, depth["short"].value) == (0, 2)
+        assert (gauge(d, "long"), gauge(d, "short")) == (0, 2)
         assert not d.repredicted(running, short)  # running: not waiting, nothing changes
         assert running.prediction is not short
         await held.__aexit__(None, None, None)

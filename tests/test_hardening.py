@@ -543,3 +543,24 @@ def test_a_request_that_cannot_be_built_is_one_502_and_no_health_check() -> None
         error = asyncio.run(scenario())
     assert not error.never_sent  # a 502 now, not a wait for the backend to come back
     assert backend.health_checks == 0 and backend.connections == 0
+
+
+def test_an_answered_request_and_its_body_are_freed_without_the_cyclic_collector() -> None:
+    # The body budget bounds memory only if a body leaves with its request: nothing may keep an
+    # answered request alive in a reference cycle until the collector's next full pass.
+    import gc
+
+    from clairvoyant.proxy.scheduled import ScheduledRequest
+
+    def alive() -> int:
+        return sum(isinstance(o, ScheduledRequest) for o in gc.get_objects())
+
+    with FakeBackend(lambda path, n: "ok") as backend, proxy(backend.url) as base:
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(5):
+                assert httpx.post(f"{base}{CHAT}", json=chat("x" * 100_000)).status_code == 200
+            wait_until(lambda: alive() == 0, timeout_s=5, what="the answered requests freed")
+        finally:
+            gc.enable()

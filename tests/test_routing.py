@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
-from clairvoyant.scheduling.routing import Backend, choose, same_model
+from clairvoyant.scheduling.routing import Backend, Load, choose, same_model
 
 
 def pool(*backends: Backend) -> list[Backend]:
@@ -123,3 +125,45 @@ def test_a_lone_backend_is_chosen_when_it_serves_the_model_and_has_a_free_slot_w
     # ... the same answer the pool's rule gives it beside a backend that serves no model of this request
     other = Backend("z", 1, models=("mistral",))
     assert choose([only, other], "llama3", no_work, avoid, own_s=5.0) == expected
+
+
+def _learned(loads: dict[tuple[str, str | None], float]) -> Callable[[str, str | None], float]:
+    return lambda backend, model: loads.get((backend, model), 5.0)
+
+
+def test_a_backend_that_holds_the_model_is_preferred_to_one_that_would_load_it() -> None:
+    # llama-swap backends report nothing: what each served last is what it holds.
+    a, b = Backend("a", 1), Backend("b", 1)
+    a.dispatched("qwen", 0.0)
+    b.dispatched("llama3", 0.0)
+    backends = pool(a, b)
+    assert choose(backends, "llama3", no_work, load_s=_learned({})) == 1
+    assert choose(backends, "llama3", no_work) == 0  # without load costs: configuration order
+    # A load that costs nothing (learned) is no reason to prefer the holder.
+    assert choose(backends, "llama3", no_work, load_s=_learned({("a", "llama3"): 0.1})) == 0
+
+
+def test_a_backend_nothing_is_known_of_is_not_held_against() -> None:
+    # A pool of llama.cpp servers: the one that served the model first does not keep the others idle.
+    a, b = Backend("a", 2), Backend("b", 2)
+    a.dispatched("m", 0.0)
+    work = {"a": 5.0, "b": 0.0}
+    assert choose(pool(a, b), "m", lambda x: work[x.name], own_s=1.0, load_s=_learned({})) == 1
+    # An Ollama backend that reported nothing loaded would load the model: the one that has it goes first.
+    c, d = Backend("c", 1, tracks_loaded=True), Backend("d", 1, tracks_loaded=True)
+    c.report([])
+    d.report(["m"])
+    assert choose(pool(c, d), "m", no_work, load_s=_learned({})) == 1
+
+
+def test_what_a_request_finds_on_its_backend() -> None:
+    backend = Backend("swap", 1)
+    assert backend.dispatched("a", 1.0) == Load.UNKNOWN and backend.switched_s == 1.0
+    assert backend.dispatched("a", 2.0) == Load.HELD and backend.switched_s == 1.0
+    assert backend.dispatched("b", 3.0) == Load.SWITCH and backend.switched_s == 3.0
+    assert backend.holds("b") and not backend.holds("a")
+    ollama = Backend("ollama", 1, tracks_loaded=True)
+    ollama.report(["a", "b"])  # both fit: neither is a switch
+    assert ollama.dispatched("a:latest", 1.0) == Load.HELD and ollama.dispatched("b", 2.0) == Load.HELD
+    assert ollama.dispatched("c", 3.0) == Load.SWITCH
+    assert not ollama.holds("a")  # the report predates that switch: it may have evicted a

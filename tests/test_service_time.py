@@ -117,3 +117,54 @@ def test_identical_requests_do_not_wind_the_fit_up() -> None:
     assert all(math.isfinite(v) for v in model.coefficients("m").values())
     model.observe("m", 500, 300, 6.5)  # and it still learns from a different request
     assert math.isfinite(model.predict_s("m", 500, 300))
+
+
+def test_a_load_cost_starts_at_the_prior_and_follows_measured_loads() -> None:
+    model = ServiceTimeModel(defaults=ServiceTimeDefaults(load_s=5.0))
+    assert model.load_s("ollama", "a") == 5.0
+    model.observe_load("ollama", "a", 3.0)  # the prior counts as one observation
+    assert model.load_s("ollama", "a") == pytest.approx(4.0)
+    for _ in range(30):
+        model.observe_load("ollama", "a", 3.0)
+    assert model.load_s("ollama", "a") == pytest.approx(3.0, abs=0.01)
+    # Per (backend, model): another backend, and another model, are untouched.
+    assert model.load_s("other", "a") == 5.0 and model.load_s("ollama", "b") == 5.0
+    for bad in (-1.0, math.nan, math.inf):
+        model.observe_load("ollama", "b", bad)
+    assert "b" not in model.loads()["ollama"]
+    # Loads that cost nothing (both models fit) bring the cost down to nothing within a few switches.
+    for _ in range(12):
+        model.observe_load("ollama", "free", 0.02)
+    assert model.load_s("ollama", "free") < 0.25
+
+
+def test_the_first_byte_after_a_switch_teaches_its_excess_over_the_baseline() -> None:
+    model = ServiceTimeModel(defaults=ServiceTimeDefaults(load_s=5.0))
+    # Before any baseline, the whole delay counts as load.
+    assert model.observe_first_byte("swap", "a", 9.0, after_switch=True) == pytest.approx(9.0)
+    for _ in range(50):
+        assert model.observe_first_byte("swap", "a", 0.4, after_switch=False) is None
+    assert model.observe_first_byte("swap", "a", 12.4, after_switch=True) == pytest.approx(12.0, abs=0.01)
+    assert model.loads()["swap"]["a"]["observations"] == 2.0
+    # A switch that cost nothing (a server that serves every name with one model): no load.
+    assert model.observe_first_byte("swap", "a", 0.3, after_switch=True) == 0.0
+    # A model with no baseline of its own yet is measured against the backend's other models'.
+    assert model.observe_first_byte("swap", "b", 8.4, after_switch=True) == pytest.approx(8.0, abs=0.01)
+
+
+def test_load_costs_are_kept_across_restarts(tmp_path: Path) -> None:
+    path = tmp_path / "service_time.json"
+    model = ServiceTimeModel(path=path)
+    model.observe_load("ollama", "a", 2.0)
+    model.observe_first_byte("ollama", None, 0.5, after_switch=False)
+    model.save()
+    again = ServiceTimeModel(path=path)
+    assert again.load()
+    assert again.load_s("ollama", "a") == model.load_s("ollama", "a")
+    assert again.snapshot() == model.snapshot()
+    # A file written before load costs were learned still loads (with none).
+    state = json.loads(path.read_text())
+    del state["loads"]
+    path.write_text(json.dumps(state))
+    older = ServiceTimeModel(path=path)
+    assert older.load() and older.loads() == {}

@@ -134,3 +134,34 @@ def test_compare_reports_every_policy_and_both_tenants(tmp_path: Path) -> None:
     assert fair["tenant1.wait.p95"]["mean"] < unfair["tenant1.wait.p95"]["mean"] / 5
     text = (tmp_path / "sim_compare.md").read_text()
     assert "interactive P95 wait" in text and "Short P50 vs FCFS" in text
+
+
+def test_compare_reports_swaps_and_deadlines_for_the_four_conditions(tmp_path: Path) -> None:
+    argv = ["compare", "--n", "200", "--seeds", "1", "--workloads", "models", "deadlines", "--switch-s", "4",
+            "--out", str(tmp_path), "--no-progress"]  # fmt: skip
+    assert run(argv) == 0
+    data = json.loads((tmp_path / "sim_compare.json").read_text())
+    assert [(b["workload"], b["predictor"]) for b in data["blocks"]] == [
+        ("models", "label"), ("models", "oracle"), ("deadlines", "label"), ("deadlines", "oracle"),
+    ]  # fmt: skip
+    names = [r["name"] for r in data["blocks"][0]["results"]]
+    assert names[:3] == ["fcfs", "sjf tau=10.5 (paper)", "default, no model affinity"]
+    assert names[3].startswith("default") and data["blocks"][0]["results"][3]["model_switch_bound_s"] > 0
+    assert data["blocks"][0]["setup"]["switch_s"] == 4.0
+    assert all("switches" in r["summary"] for b in data["blocks"] for r in b["results"])
+    assert all("deadline.met" in r["summary"] for r in data["blocks"][2]["results"])
+    text = (tmp_path / "sim_compare.md").read_text()
+    assert "| condition | swaps | Short P50 | Short P95 | all P99 | mean | deadlines met |" in text
+
+
+def test_run_takes_models_a_switch_cost_deadlines_and_a_switch_bound(tmp_path: Path) -> None:
+    argv = ["run", "--n", "200", "--seeds", "1", "--rho", "0.6", "--models", "2", "--switch-s", "5",
+            "--max-wait", "10,60", "--conditions", "fcfs", "sjf:1+2.56cv/30", "--out", str(tmp_path),
+            "--no-plots", "--no-progress"]  # fmt: skip
+    assert run(argv) == 0
+    data = json.loads((tmp_path / "sim_run.json").read_text())
+    assert [c["model_switch_bound_s"] for c in data["conditions"]] == [0.0, 30.0]
+    assert data["setup"]["models"] == 2 and data["setup"]["max_wait_s"] == [10.0, 60.0]
+    fcfs, grouped = (c["summary"] for c in data["conditions"])
+    assert grouped["switches"]["mean"] < fcfs["switches"]["mean"]
+    assert 0 < fcfs["deadline.met"]["mean"] <= 1

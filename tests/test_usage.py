@@ -54,6 +54,7 @@ def tap_all(content_type: str, chunks: list[bytes], request_model: str | None = 
 OLLAMA_CASES = {
     # file: (content type, output tokens, prompt tokens, generation s, prompt s, model, stream events)
     "chat_stream.ndjson": (NDJSON, 41, 31, 1.937, 0.148, "llama3.2:3b", 41),
+    "chat_stream_cold.ndjson": (NDJSON, 41, 31, 1.937, 0.148, "llama3.2:3b", 41),
     "chat_thinking_stream.ndjson": (NDJSON, 15, 12, 0.64, 0.05, "qwen3:4b", 15),
     # The final object's `context` is longer than the tail: its `model` is cut off, the request's is used.
     "generate_stream.ndjson": (NDJSON, 57, 2943, 3.498, 1.65, "requested", 57),
@@ -79,6 +80,45 @@ def test_ollama_final_counts_are_read_from_the_tail_in_any_chunking(name: str) -
         assert usage.generation_s == pytest.approx(generation_s) and usage.prompt_s == pytest.approx(prompt_s)
         assert usage.wall_s == 1.25
         assert usage.seconds_per_output_token == pytest.approx(generation_s / output)
+
+
+# file: Ollama's load_duration in seconds (milliseconds when the model was loaded already)
+OLLAMA_LOADS = {
+    "chat_stream.ndjson": 0.021834583,
+    "chat_stream_cold.ndjson": 4.213456789,
+    "chat_thinking_stream.ndjson": 0.001045291,
+    "generate_stream.ndjson": 0.001045291,
+    "chat.json": 0.020125,
+    "generate.json": 0.001045291,
+}
+
+
+@pytest.mark.parametrize("name", sorted(OLLAMA_LOADS))
+def test_ollama_load_duration_is_read_in_seconds_in_any_chunking(name: str) -> None:
+    """What the service-time model learns a (backend, model)'s load cost from, and takes out of the
+    service seconds of the answer that paid it."""
+    content_type = NDJSON if name.endswith(".ndjson") else JSON
+    for chunks in chunkings((FIXTURES / name).read_bytes()):
+        assert tap_all(content_type, chunks).load_s == pytest.approx(OLLAMA_LOADS[name], abs=1e-12)
+
+
+def test_a_cold_answer_differs_from_a_warm_one_only_by_its_load() -> None:
+    warm = tap_all(NDJSON, [(FIXTURES / "chat_stream.ndjson").read_bytes()])
+    cold = tap_all(NDJSON, [(FIXTURES / "chat_stream_cold.ndjson").read_bytes()])
+    assert (cold.output_tokens, cold.prompt_tokens, cold.generation_s) == (
+        warm.output_tokens,
+        warm.prompt_tokens,
+        warm.generation_s,
+    )
+    assert cold.load_s is not None and warm.load_s is not None and cold.load_s - warm.load_s > 4.0
+
+
+def test_backends_that_do_not_load_on_demand_report_no_load() -> None:
+    body = b'{"choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":5,"completion_tokens":1}}'
+    assert tap_all(JSON, [body]).load_s is None
+    # A load_duration in generated text is not Ollama's: only its final object's key counts.
+    text = b'{"choices":[{"message":{"content":"\\"load_duration\\": 9"}}],"usage":{"completion_tokens":1}}'
+    assert tap_all(JSON, [text]).load_s is None
 
 
 def test_the_fixture_bodies_are_what_they_claim() -> None:

@@ -1,4 +1,4 @@
-"""The `clairvoyant` command: serve, predict, replay, train, evaluate, ...
+"""The `clairvoyant` command: serve, status, predict, replay, train, evaluate, ...
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
 those modules import their heavy dependencies inside ``run`` so that ``--help`` stays fast and the
@@ -20,6 +20,7 @@ __all__ = ["main"]
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("clairvoyant.proxy.serve", "run the scheduling proxy"),
+    "status": ("clairvoyant.tools.status", "what a running proxy is doing: slots, running, queue with ETAs, learner"),
     "keys": ("clairvoyant.tools.keys", "make a client API key (or hash one) for the api_keys setting"),
     "calibrate": ("clairvoyant.tools.calibrate", "measure the backend's mean Short service time; print what to set"),
     "predict": ("clairvoyant.tools.bulk_predict", "score a JSONL file of prompts or chat bodies"),

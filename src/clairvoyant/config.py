@@ -30,7 +30,10 @@ from clairvoyant.errors import ConfigError
 from clairvoyant.scheduling.policy import POLICY_NAMES
 
 __all__ = [
+    "ApiKey",
     "CLI_FLAGS",
+    "Limits",
+    "Tenant",
     "ENV_PREFIX",
     "Settings",
     "load_settings",
@@ -56,16 +59,31 @@ CLI_FLAGS: dict[str, str] = {
     "slots": "--slots",
     "max_queue": "--max-queue",
     "disconnect_mode": "--disconnect-mode",
-    "model_path": "--model",
+    "model_path": "--predictor",  # `serve --model` still works, with a warning (proxy/serve.py)
     "log_level": "--log-level",
     "learner_state_path": "--learner-state",
 }
 
 
-class ApiKey(BaseModel):
-    """One client API key, stored only as its hash (``clairvoyant keys add`` makes one)."""
+class Limits(BaseModel):
+    """What one tenant may use at most (unset: no bound). Counted on the scheduled endpoints only."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_concurrent: int | None = Field(None, ge=1, description="Requests in flight plus waiting, at most.")
+    requests_per_minute: int | None = Field(None, ge=1, description="Requests admitted in any sliding 60 s, at most.")
+    tokens_per_day: int | None = Field(
+        None, ge=1, description="Completion tokens per UTC day, as the backend reported them, at most."
+    )
+
+    @property
+    def bounded(self) -> bool:
+        return any(v is not None for v in (self.max_concurrent, self.requests_per_minute, self.tokens_per_day))
+
+
+class ApiKey(Limits):
+    """One client API key, stored only as its hash (``clairvoyant keys add`` makes one), with its
+    tenant's limits."""
 
     hash: str = Field(pattern=r"^sha256:[0-9a-f]{64}$", description="sha256:<hex> of the key's text")
     tenant: str = Field(min_length=1, max_length=128, description="The tenant its requests belong to (fair share).")
@@ -80,6 +98,13 @@ class ApiKey(BaseModel):
         if self.min_priority > self.max_priority:
             raise ValueError("min_priority must be <= max_priority")
         return self
+
+
+class Tenant(Limits):
+    """A tenant named by the tenant header (``[[tenants]]``): its fair-share weight and limits."""
+
+    name: str = Field(min_length=1, max_length=128, description="The tenant header's value.")
+    weight: float = Field(1.0, gt=0, description="Fair-share weight (2 = twice the backend seconds of weight 1).")
 
 
 def http_url(value: str) -> str:
@@ -177,6 +202,14 @@ class Settings(BaseSettings):
         description="boost: cap on any boost, seconds; within a priority class no later arrival passes a request after this.",
     )
     fair_share: bool = Field(True, description="Share the backend between tenants by predicted service seconds.")
+    model_switch_bound_s: float = Field(
+        30.0,
+        ge=0,
+        description="Model affinity, seconds: a backend that loads models on demand (Ollama, llama-swap) serves the "
+        "model it holds while no request for another model has been put off this long (waiting since it arrived, or "
+        "since the backend's last switch), then switches to the model put off longest; a request for a model not held "
+        "is charged its learned load. 0 = off (switching counted as free); fcfs ignores it. See docs/scheduling.md.",
+    )
     tenant_header: str = Field(
         "X-Clairvoyant-Tenant", description="Request header naming the tenant (absent = the default tenant)."
     )
@@ -274,6 +307,28 @@ class Settings(BaseSettings):
         description="Client API keys as [[api_keys]] tables (hash, tenant, min_priority, max_priority, weight); "
         "none = no authentication (the localhost default). Make one with `clairvoyant keys add`.",
     )
+    tenants: list[Tenant] = Field(
+        default_factory=list,
+        description="Tenants named by the tenant header, as [[tenants]] tables (name, weight, max_concurrent, "
+        "requests_per_minute, tokens_per_day). A key's tenant takes the key's limits.",
+    )
+    default_queue_deadline_s: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds a scheduled request may wait before it is sent, when it does not say "
+        "(X-Clairvoyant-Deadline); beyond it, 503 queue_deadline and never sent. Unset = no deadline.",
+    )
+    max_generation_s: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds a scheduled answer may run once sent; a longer one ends with the dialect's error. "
+        "Unset = no bound.",
+    )
+    supersede_running: bool = Field(
+        False,
+        description="X-Clairvoyant-Supersede also aborts a running request with the same key (as a client that "
+        "left would), not only a waiting one.",
+    )
     status_requires_key: bool = Field(False, description="With api_keys: /queue, /metrics and /ui need a key too.")
     forward_client_key: bool = Field(
         False, description="With api_keys: forward the client's Authorization / X-Api-Key header to the backend."
@@ -343,6 +398,36 @@ class Settings(BaseSettings):
             raise ValueError("min_priority must be <= max_priority")
         return self
 
+    def _limit_entries(self) -> list[tuple[str, Limits]]:
+        """(tenant, its limits) from every key and [[tenants]] entry that bounds something."""
+        entries: list[tuple[str, Limits]] = []
+        for key in self.api_keys:
+            entries.append((key.tenant, Limits(**{f: getattr(key, f) for f in Limits.model_fields})))
+        for tenant in self.tenants:
+            entries.append((tenant.name, Limits(**{f: getattr(tenant, f) for f in Limits.model_fields})))
+        return [(name, limits) for name, limits in entries if limits.bounded]
+
+    @model_validator(mode="after")
+    def _check_tenants(self) -> Settings:
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names):
+            raise ValueError("tenants must have distinct names")
+        seen: dict[str, Limits] = {}
+        for name, limits in self._limit_entries():
+            if seen.setdefault(name, limits) != limits:
+                raise ValueError(f"tenant {name!r} is given two different sets of limits")
+        return self
+
+    @property
+    def tenant_limits(self) -> dict[str, Limits]:
+        """Each bounded tenant's limits (from its keys, or its [[tenants]] entry)."""
+        return dict(self._limit_entries())
+
+    @property
+    def tenant_weights(self) -> dict[str, float]:
+        """Fair-share weights by tenant: its keys', or its [[tenants]] entry's."""
+        return {**{t.name: t.weight for t in self.tenants}, **{k.tenant: k.weight for k in self.api_keys}}
+
     @model_validator(mode="after")
     def _check_backend_names(self) -> Settings:
         names = [b.name for b in self.pool]
@@ -391,6 +476,13 @@ class Settings(BaseSettings):
             raise ValueError("must be a number of seconds or 'inf'")
         return value
 
+    @field_validator("model_switch_bound_s")
+    @classmethod
+    def _check_switch_bound(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number of seconds (a switch may not be put off forever); 0 = off")
+        return value
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -413,8 +505,8 @@ RETIRED_SETTINGS: dict[str, str] = {
 }
 
 # CLAIRVOYANT_* variables that are not settings but are read on purpose (the config file's path;
-# the test suite's switch that turns a missing llama.cpp backend into a failure).
-OTHER_ENV_NAMES = frozenset({f"{ENV_PREFIX}CONFIG", f"{ENV_PREFIX}REQUIRE_BACKEND"})
+# the test suite's switch that turns a missing llama.cpp backend into a failure; `clairvoyant status`'s key).
+OTHER_ENV_NAMES = frozenset({f"{ENV_PREFIX}CONFIG", f"{ENV_PREFIX}REQUIRE_BACKEND", f"{ENV_PREFIX}STATUS_KEY"})
 
 
 def _closest(name: str, candidates: Iterable[str]) -> str | None:

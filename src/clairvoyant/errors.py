@@ -15,6 +15,10 @@
         ├── UnsupportedCoding        501 a transfer coding other than chunked
         ├── QueueFull                503 the waiting queue is at capacity (carries Retry-After)
         ├── BodyBudgetExhausted      503 the process holds as many request bodies as it may (Retry-After)
+        ├── QueueDeadline            503 the request's queue deadline came before it could be sent (Retry-After)
+        ├── Superseded               409 a newer request with the same X-Clairvoyant-Supersede key replaced it
+        ├── LimitExceeded            429 the tenant is at one of its limits (Retry-After)
+        ├── GenerationTimeLimit      504 the answer ran longer than max_generation_s
         ├── UpstreamUnavailable      502 backend refused or dropped the connection
         └── UpstreamTimeout          504 backend did not connect/answer in time
 
@@ -27,16 +31,20 @@ __all__ = [
     "BadRequest",
     "BodyBudgetExhausted",
     "ClairvoyantError",
+    "GenerationTimeLimit",
     "HeadersTooLarge",
     "IncompleteBody",
+    "LimitExceeded",
     "ConfigError",
     "Forbidden",
     "MethodNotAllowed",
     "ModelError",
     "PayloadTooLarge",
+    "QueueDeadline",
     "QueueFull",
     "RequestError",
     "RequestTimeout",
+    "Superseded",
     "Unauthorized",
     "UnsupportedCoding",
     "UpstreamTimeout",
@@ -154,6 +162,55 @@ class QueueFull(RequestError):
     @property
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
+
+
+class QueueDeadline(RequestError):
+    """The request said how long it would wait before dispatch; that time came first (or, at its
+    arrival, the queue's ETA already passed it). It was never sent to a backend."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "queue_deadline"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+class Superseded(RequestError):
+    """A newer request of the same tenant with the same ``X-Clairvoyant-Supersede`` key replaced it."""
+
+    status_code = 409
+    error_type = "invalid_request_error"
+    code = "superseded"
+
+
+class LimitExceeded(RequestError):
+    """The tenant is at one of its limits: ``code`` is ``rate_limited`` (requests per minute, tokens
+    per day) or ``concurrency_limited``."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, *, code: str, limit: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.code = code
+        self.limit = limit  # max_concurrent, requests_per_minute or tokens_per_day
+        self.retry_after_s = retry_after_s
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+class GenerationTimeLimit(RequestError):
+    status_code = 504
+    error_type = "server_error"
+    code = "generation_time_limit"
 
 
 class UpstreamUnavailable(RequestError):

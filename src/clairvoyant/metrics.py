@@ -1,37 +1,22 @@
-"""Prometheus metrics, prefix ``clairvoyant_``, on a registry owned by one app instance.
+"""Prometheus metrics, prefix ``clairvoyant_``, on a registry owned by one app instance
+(prometheus_client's own Counter, Gauge and Histogram).
 
 Labels are low-cardinality by construction: predicted class (3 values), endpoint (the 4 scheduled
-paths or "passthrough"), dialect (2), status code, rejection reason (3), disconnect stage (2),
+paths or "passthrough"), dialect (2), status code, rejection reason (3), disconnect stage (3),
 usage source (6), and the online learner's model keys (the model a request named: the first 16
 names, then "other", and "default" for none; ``MAX_MODEL_LABELS`` bounds them here too).
 Backend names come from the configuration. No request ids, users or prompt text ever become labels.
-
-Recording is plain Python state (issue 12): a counter or gauge child is one float, a histogram child
-a list of bucket counts and a sum, updated on the event loop with no lock and no call into
-prometheus_client (whose per-update path was 3-4 frames and a lock: ~6.7k instructions a counter
-update, ~9.5k an observation). One ``prometheus_client`` Collector reads them when /metrics is
-scraped and yields the same families, names, HELP, labels, bucket bounds, ``_created`` samples and
-values as prometheus_client's own Counter, Gauge and Histogram would. These children are not
-thread-safe: only the event loop updates them. The encoder's two metrics are updated from its
-thread too, so they stay prometheus_client objects (with their lock), exported by the same Collector
-in their place.
+Series known at start (the classes, reasons, outcomes) are exported at 0 from the start, so
+dashboards and alerts see them before the first event.
 """
 
 from __future__ import annotations
 
-import math
-import time
-from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, get_args
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, get_args
 
-import prometheus_client.metrics
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
-from prometheus_client.samples import Sample
-from prometheus_client.utils import floatToGoString
 
 from clairvoyant.prediction.length_classes import CLASS_NAMES
 from clairvoyant.prediction.usage import UsageSource
@@ -39,15 +24,7 @@ from clairvoyant.prediction.usage import UsageSource
 if TYPE_CHECKING:
     from clairvoyant.prediction.learner import ModelQuality
 
-__all__ = [
-    "CONTENT_TYPE_LATEST",
-    "MAX_MODEL_LABELS",
-    "CounterChild",
-    "Family",
-    "GaugeChild",
-    "HistogramChild",
-    "Metrics",
-]
+__all__ = ["CONTENT_TYPE_LATEST", "MAX_MODEL_LABELS", "Metrics"]
 
 CLASSES = CLASS_NAMES  # one definition, in length_classes
 # Seconds: from a cached 1-token answer to a 30-minute queue.
@@ -58,170 +35,24 @@ ENCODER_BUCKETS = (1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 # Output tokens per answer: from a one-word reply to a long essay.
 # The label values a family can take that are known before any event: exported at 0 from the start.
 BACKEND_OUTCOMES = ("answered", "refused", "failed", "failed_mid_answer")
-CLIENT_REJECTION_REASONS = ("client_timeout", "header_too_large", "max_connections")
+CLIENT_REJECTION_REASONS = ("client_timeout", "body_budget")
 TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 200, 256, 400, 600, 800, 1024, 1600, 2048, 4096, 8192)
 # Model labels published, at most (the learner bounds its keys already: this is a second fence).
 MAX_MODEL_LABELS = 32
 
 
-class CounterChild:
-    """One counter series: a float and the time it was created (its ``_created`` sample)."""
-
-    __slots__ = ("created", "value")
-
-    def __init__(self) -> None:
-        self.value = 0.0
-        self.created = time.time()
-
-    def inc(self, amount: float = 1.0) -> None:
-        self.value += amount
-
-
-class GaugeChild:
-    """One gauge series: a float."""
-
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = 0.0
-
-    def inc(self, amount: float = 1.0) -> None:
-        self.value += amount
-
-    def dec(self, amount: float = 1.0) -> None:
-        self.value -= amount
-
-    def set(self, value: float) -> None:
-        self.value = float(value)
-
-
-class HistogramChild:
-    """One histogram series: a count per bucket (not cumulative; the last bucket is +Inf), their sum
-    and the time it was created. An observation lands in the first bucket whose bound is >= it, as in
-    prometheus_client; a NaN in none (and the sum turns NaN), as there too."""
-
-    __slots__ = ("bounds", "counts", "created", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * len(bounds)
-        self.sum = 0.0
-        self.created = time.time()
-
-    def observe(self, amount: float) -> None:
-        if amount == amount:  # not NaN (which bisect would put in the first bucket)
-            self.counts[bisect_left(self.bounds, amount)] += 1
-        self.sum += amount
-
-
-C = TypeVar("C", CounterChild, GaugeChild, HistogramChild)
-
-
-class Family(Generic[C]):
-    """One metric: its name, HELP, label names and children by label values (insertion order, as
-    prometheus_client exports them). ``labels()`` has prometheus_client's signature and is for set-up
-    and rare paths; the request path keeps the child it returns."""
-
-    __slots__ = ("children", "documentation", "labelnames", "make", "name", "type")
-
-    def __init__(
-        self, type_: str, name: str, documentation: str, labelnames: Iterable[str], make: Callable[[], C]
-    ) -> None:
-        self.type = type_
-        self.name = name
-        self.documentation = documentation
-        self.labelnames = tuple(labelnames)
-        self.make: Callable[[], C] = make
-        self.children: dict[tuple[str, ...], C] = {}
-        if not self.labelnames:  # an unlabelled metric is its one child, exported from the start
-            self.children[()] = make()
-
-    def labels(self, *values: object) -> C:
-        if len(values) != len(self.labelnames):
-            raise ValueError(f"{self.name}: {len(self.labelnames)} label values expected, got {len(values)}")
-        key = tuple(str(v) for v in values)
-        child = self.children.get(key)
-        if child is None:
-            child = self.children[key] = self.make()
-        return child
-
-    def collect(self) -> Metric:
-        created = prometheus_client.metrics._use_created  # the switch prometheus_client's own metrics obey
-        names = self.labelnames
-        if self.type == "gauge":
-            gauge = GaugeMetricFamily(self.name, self.documentation, labels=names)
-            for values, child in self.children.items():
-                assert isinstance(child, GaugeChild)
-                gauge.add_metric(values, child.value)
-            return gauge
-        if self.type == "counter":
-            counter = CounterMetricFamily(self.name, self.documentation, labels=names)
-            for values, child in self.children.items():
-                assert isinstance(child, CounterChild)
-                counter.add_metric(values, child.value, created=child.created if created else None)
-            return counter
-        histogram = HistogramMetricFamily(self.name, self.documentation, labels=names)
-        for values, child in self.children.items():
-            assert isinstance(child, HistogramChild)
-            cumulative, buckets = 0.0, []
-            for le, count in zip(_bucket_labels(child.bounds), child.counts):
-                cumulative += count
-                buckets.append((le, cumulative))
-            histogram.add_metric(values, buckets, child.sum)
-            if created:  # HistogramMetricFamily has no _created of its own; prometheus_client's is the last sample
-                histogram.samples.append(Sample(self.name + "_created", dict(zip(names, values)), child.created, None))
-        return histogram
-
-
-_BUCKET_LABELS: dict[tuple[float, ...], list[str]] = {}
-
-
-def _bucket_labels(bounds: tuple[float, ...]) -> list[str]:
-    labels = _BUCKET_LABELS.get(bounds)
-    if labels is None:
-        labels = _BUCKET_LABELS[bounds] = [floatToGoString(b) for b in bounds]  # type: ignore[no-untyped-call]
-    return labels
-
-
-def _bounds(buckets: Iterable[float]) -> tuple[float, ...]:
-    """prometheus_client's bucket bounds: floats, sorted as given, +Inf appended if missing."""
-    bounds = [float(b) for b in buckets]
-    if bounds != sorted(bounds):
-        raise ValueError("buckets not in sorted order")
-    if not bounds or bounds[-1] != math.inf:
-        bounds.append(math.inf)
-    return tuple(bounds)
-
-
-class _Exporter(Collector):
-    """Every metric of one ``Metrics``, in the order they were declared, read at scrape time."""
-
-    def __init__(self, metrics: list[Family[Any] | Counter | Histogram]) -> None:
-        self.metrics = metrics
-
-    def collect(self) -> Iterator[Metric]:
-        for metric in self.metrics:
-            if isinstance(metric, Family):
-                yield metric.collect()
-            else:  # a prometheus_client metric, updated from another thread too
-                yield from metric.collect()
-
-
 class Metrics:
-    """The proxy's metrics. Attributes are the plain families (``labels()``) and the children the
-    request path updates (``inc``/``dec``/``set``/``observe``); ``render()`` is the exposition."""
+    """The proxy's metrics. Attributes are the metrics (``labels()``) and the children the request
+    path updates (``inc``/``dec``/``set``/``observe``); ``render()`` is the exposition."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
-        self._exported: list[Family[Any] | Counter | Histogram] = []  # in declaration order
         self.queue_depth = self._gauge(
             "clairvoyant_queue_depth",
             "Requests waiting in the scheduling queue, by predicted class.",
             ["predicted_class"],
         )
-        self.in_flight = self._gauge(
-            "clairvoyant_in_flight_requests", "Scheduled requests holding a backend slot."
-        ).labels()
+        self.in_flight = self._gauge("clairvoyant_in_flight_requests", "Scheduled requests holding a backend slot.")
         # Per backend of the pool (their names come from the configuration: bounded by it).
         self.backend_in_flight = self._gauge(
             "clairvoyant_backend_in_flight_requests",
@@ -242,6 +73,12 @@ class Metrics:
             "refused (connection refused: nothing sent), failed (no status), failed_mid_answer.",
             ["backend", "outcome"],
         )
+        self.model_switches = self._counter(
+            "clairvoyant_model_switches",
+            "Scheduled requests sent to this backend for a model it did not hold while it held another (it loads "
+            "the model first: seconds to minutes on Ollama or llama-swap).",
+            ["backend"],
+        )
         self.requests = self._counter(
             "clairvoyant_requests",
             "Answered requests by endpoint, dialect and HTTP status.",
@@ -255,7 +92,7 @@ class Metrics:
         self.starvation_promotions = self._counter(
             "clairvoyant_starvation_promotions",
             "Dispatches decided by the starvation timeout against the score order.",
-        ).labels()
+        )
         self.queue_wait = self._histogram(
             "clairvoyant_queue_wait_seconds",
             "Time from arrival to dispatch, by predicted class.",
@@ -278,11 +115,11 @@ class Metrics:
             "clairvoyant_predictor_seconds",
             "Feature extraction plus model scoring time per request.",
             buckets=PREDICTOR_BUCKETS,
-        ).labels()
+        )
         self.starvation_timeout = self._gauge(
             "clairvoyant_starvation_timeout_seconds",
             "Current starvation timeout tau (+Inf when disabled).",
-        ).labels()
+        )
         self.upstream_errors = self._counter(
             "clairvoyant_upstream_errors",
             "Backend failures by kind (unavailable, timeout).",
@@ -290,7 +127,8 @@ class Metrics:
         )
         self.client_rejections = self._counter(
             "clairvoyant_client_rejections",
-            "Client connections cut off by a limit (client_timeout, header_too_large, max_connections).",
+            "Requests cut off by a client limit: client_timeout (a body not whole in time), body_budget (no room "
+            "for its body).",
             ["reason"],
         )
         self.client_disconnects = self._counter(
@@ -310,6 +148,30 @@ class Metrics:
         for reason in CLIENT_REJECTION_REASONS:
             self.client_rejections.labels(reason)
 
+        # Per tenant (configured tenants by name; any other "other", none "none": bounded).
+        self.known_tenants: frozenset[str] = frozenset()
+        self.tenant_requests = self._counter(
+            "clairvoyant_tenant_requests",
+            "Scheduled requests admitted past the tenant's limits, by tenant.",
+            ["tenant"],
+        )
+        self.tenant_tokens = self._counter(
+            "clairvoyant_tenant_output_tokens",
+            "Completion tokens the backend reported for the tenant's answers (what tokens_per_day counts), by tenant.",
+            ["tenant"],
+        )
+        self.tenant_wait = self._histogram(
+            "clairvoyant_tenant_queue_wait_seconds",
+            "Time from arrival to dispatch, by tenant.",
+            ["tenant"],
+            buckets=LATENCY_BUCKETS,
+        )
+        self.tenant_refusals = self._counter(
+            "clairvoyant_tenant_refusals",
+            "Scheduled requests refused with 429 for a tenant's limit, by tenant and limit "
+            "(max_concurrent, requests_per_minute, tokens_per_day).",
+            ["tenant", "limit"],
+        )
         # Closed loop: what the backend really produced, and how well it was predicted.
         self.usage_observations = self._counter(
             "clairvoyant_usage_observations",
@@ -321,7 +183,7 @@ class Metrics:
             "clairvoyant_observed_output_tokens",
             "Output tokens per completed scheduled request, as the backend reported (or the stream counted) them.",
             buckets=TOKEN_BUCKETS,
-        ).labels()
+        )
         self.prediction_kendall_tau = self._gauge(
             "clairvoyant_prediction_kendall_tau",
             "Rolling Kendall tau_b between predicted and observed output tokens (each prediction as made, "
@@ -338,39 +200,32 @@ class Metrics:
             "Observed requests in the rolling prediction-quality window, by model.",
             ["model"],
         )
-        self.parked_connections = self._gauge(
-            "clairvoyant_parked_connections",
-            "Waiting requests whose client connection is parked: a bare file descriptor, watched for the client "
-            "leaving, until the request is dispatched (set at each scrape).",
-        ).labels()
         # The online learner's process (clairvoyant.prediction.learner_process), as last seen at a scrape
         self.learner_up = self._gauge(
             "clairvoyant_learner_up",
             "1 while the online learner's process runs; 0 if it could not start, or died and is not yet running "
             "again (its last fit keeps correcting predictions meanwhile).",
-        ).labels()
+        )
         self.learner_refits = self._counter(
             "clairvoyant_learner_refits",
             "Fits the online learner's process has sent since the proxy started.",
-        ).labels()
+        )
         self.learner_dropped = self._counter(
             "clairvoyant_learner_dropped_observations",
             "Completed requests the online learner never received: its process was not running, or was backed up.",
-        ).labels()
+        )
         self.learner_sampled_out = self._counter(
             "clairvoyant_learner_sampled_out_observations",
             "Completed requests the online learner skipped because they came faster than "
             "learner_max_observations_per_s (counted in the usage metrics all the same).",
-        ).labels()
-        # Updated from the encoder's thread too: prometheus_client's own (locked) metrics, registered
-        # nowhere themselves; the exporter collects them in their place.
-        self.encoder_latency = Histogram(
+        )
+        # Updated from the encoder's thread too (prometheus_client's metrics are thread-safe).
+        self.encoder_latency = self._histogram(
             "clairvoyant_encoder_seconds",
             "The encoder's time per waiting request it refines (on its own thread, never the event loop).",
             buckets=ENCODER_BUCKETS,
-            registry=None,
         )
-        self.encoder_requests = Counter(
+        self.encoder_requests = self._counter(
             "clairvoyant_encoder_requests",
             "Requests handed to the encoder, by outcome. Waiting requests: refined (re-keyed in the queue), late "
             "(dispatched before its result), skipped (dispatched before its turn), bypassed (not handed over: the queue "
@@ -378,37 +233,30 @@ class Metrics:
             "full), failed. Completed requests encoded for the online learner: learning, or learning_dropped (over "
             "its share of the encoder's time; the learner counts the request for its quality figures only).",
             ["outcome"],
-            registry=None,
         )
-        self._exported += [self.encoder_latency, self.encoder_requests]
         self.usage_by_source = {s: self.usage_observations.labels(s) for s in get_args(UsageSource)}
-        self._quality_gauges: dict[str, tuple[GaugeChild, GaugeChild, GaugeChild]] = {}  # model key -> its 3 gauges
-        self.registry.register(_Exporter(self._exported))
+        self._quality_gauges: dict[str, tuple[Any, Any, Any]] = {}  # model key -> its 3 gauges
+        self._learner_totals = (0, 0)  # refits and dropped observations published so far
 
-    def _counter(self, name: str, documentation: str, labelnames: Iterable[str] = ()) -> Family[CounterChild]:
-        family = Family("counter", name, documentation, labelnames, CounterChild)
-        self._exported.append(family)
-        return family
+    def _counter(self, name: str, documentation: str, labelnames: tuple[str, ...] | list[str] = ()) -> Counter:
+        return Counter(name, documentation, labelnames, registry=self.registry)
 
-    def _gauge(self, name: str, documentation: str, labelnames: Iterable[str] = ()) -> Family[GaugeChild]:
-        family = Family("gauge", name, documentation, labelnames, GaugeChild)
-        self._exported.append(family)
-        return family
+    def _gauge(self, name: str, documentation: str, labelnames: tuple[str, ...] | list[str] = ()) -> Gauge:
+        return Gauge(name, documentation, labelnames, registry=self.registry)
 
     def _histogram(
-        self, name: str, documentation: str, labelnames: Iterable[str] = (), *, buckets: Iterable[float]
-    ) -> Family[HistogramChild]:
-        bounds = _bounds(buckets)
-        family = Family("histogram", name, documentation, labelnames, lambda: HistogramChild(bounds))
-        self._exported.append(family)
-        return family
+        self, name: str, documentation: str, labelnames: tuple[str, ...] | list[str] = (), *, buckets: tuple[float, ...]
+    ) -> Histogram:
+        return Histogram(name, documentation, labelnames, registry=self.registry, buckets=buckets)
+
+    def tenant(self, name: str) -> str:
+        """A tenant's label: its name when configured, else "other" ("none" for no tenant)."""
+        if name in self.known_tenants:
+            return name
+        return "none" if not name else "other"
 
     def count_request(self, endpoint: str, dialect: str, status: str) -> None:
-        key = (endpoint, dialect, status)
-        child = self.requests.children.get(key)
-        if child is None:  # bounded: a handful of endpoints x 2 dialects x status codes
-            child = self.requests.labels(*key)
-        child.value += 1.0
+        self.requests.labels(endpoint, dialect, status).inc()  # bounded: 5 endpoints x 2 dialects x statuses
 
     def declare_backend(self, backend: str) -> None:
         """Export a configured backend's request counters at 0, one per outcome, so a dashboard's rate()
@@ -417,11 +265,7 @@ class Metrics:
             self.backend_requests.labels(backend, outcome)
 
     def count_backend_request(self, backend: str, outcome: str) -> None:
-        key = (backend, outcome)
-        child = self.backend_requests.children.get(key)
-        if child is None:  # bounded: the configured backends x 4 outcomes
-            child = self.backend_requests.labels(*key)
-        child.value += 1.0
+        self.backend_requests.labels(backend, outcome).inc()  # bounded: the configured backends x 4 outcomes
 
     def count_usage(self, source: str, output_tokens: int | None) -> None:
         """One completed scheduled request's usage record (see ``clairvoyant.prediction.usage``)."""
@@ -449,8 +293,10 @@ class Metrics:
     def set_learner(self, running: bool, refits: int, dropped: int) -> None:
         """Publish the online learner's process state (its totals, read at a scrape)."""
         self.learner_up.set(1.0 if running else 0.0)
-        self.learner_refits.value = float(refits)
-        self.learner_dropped.value = float(dropped)
+        published_refits, published_dropped = self._learner_totals
+        self.learner_refits.inc(max(0, refits - published_refits))
+        self.learner_dropped.inc(max(0, dropped - published_dropped))
+        self._learner_totals = (max(refits, published_refits), max(dropped, published_dropped))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -10,7 +10,8 @@ A ``UsageTap`` is fed every chunk the proxy relays. It keeps only a bounded tail
   ``cache_n``), present in non-streamed bodies and in a stream's last event, and
   ``tokens_predicted`` (its native /completion endpoint);
 - Ollama: the final object's ``eval_count``, ``eval_duration`` (ns), ``prompt_eval_count``,
-  ``prompt_eval_duration`` (ns);
+  ``prompt_eval_duration`` (ns) and ``load_duration`` (ns: the seconds it spent loading the model
+  before this answer; milliseconds when the model was loaded already);
 - else, for a stream, the number of content-bearing events (one per generated token on
   llama.cpp and Ollama, an estimate elsewhere).
 
@@ -75,6 +76,7 @@ class Usage:
     model: str | None  # backend model name: from the response, else from the request
     source: UsageSource  # where output_tokens came from
     stream_events: int  # content-bearing stream events counted (0 for a plain body)
+    load_s: float | None = None  # backend-reported model load before this answer, seconds (Ollama's load_duration)
 
     @property
     def observed(self) -> bool:
@@ -181,6 +183,7 @@ class UsageTap:
         model = model if isinstance(model, str) and model else request_model
 
         output: int | None = None
+        load_s: float | None = None
         source: UsageSource = "none"
         prompt_tokens = _count(usage.get("prompt_tokens"))
         generation_s = _ms(timings.get("predicted_ms"))
@@ -202,12 +205,13 @@ class UsageTap:
         if eval_count is not None:  # Ollama: durations in nanoseconds
             generation_s = generation_s if generation_s is not None else _ns(_last_value(tail, '"eval_duration"'))
             prompt_s = prompt_s if prompt_s is not None else _ns(_last_value(tail, '"prompt_eval_duration"'))
+            load_s = _ns(_last_value(tail, '"load_duration"'))
             if prompt_tokens is None:
                 prompt_tokens = _count(_last_value(tail, '"prompt_eval_count"'))
 
         if output is None:
             return self._fallback(wall_s, model, (prompt_tokens, generation_s, prompt_s))
-        return Usage(output, prompt_tokens, generation_s, prompt_s, wall_s, model, source, self._events)
+        return Usage(output, prompt_tokens, generation_s, prompt_s, wall_s, model, source, self._events, load_s)
 
     def _fallback(
         self,

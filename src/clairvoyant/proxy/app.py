@@ -36,6 +36,7 @@ from clairvoyant.errors import (
     BadRequest,
     BodyBudgetExhausted,
     IncompleteBody,
+    LimitExceeded,
     MethodNotAllowed,
     PayloadTooLarge,
     QueueFull,
@@ -51,9 +52,10 @@ from clairvoyant.prediction.predictor import OnnxPredictor, Predictor
 from clairvoyant.proxy.access import AccessControl, Denied, Identity
 from clairvoyant.proxy.body import BodyBudget, check_framing, declared_length, read_body
 from clairvoyant.proxy.feedback import OnlineLearning
+from clairvoyant.proxy.limits import TenantLimits
 from clairvoyant.proxy.pool import BackendPool, merge_model_lists
 from clairvoyant.proxy.relay import Receive, Relay, Responder, Send, UpstreamRequest, relay_unscheduled
-from clairvoyant.proxy.scheduled import Scheduling, admit_scheduled
+from clairvoyant.proxy.scheduled import Scheduling, SupersedeKeys, admit_scheduled
 from clairvoyant.proxy.target import Target, check_head_size, check_host, check_target
 from clairvoyant.proxy.upstream import Upstream, forwardable_headers
 from clairvoyant.scheduling.dispatcher import Dispatcher, Ticket
@@ -86,6 +88,7 @@ class ProxyState:
     metrics: Metrics
     learning: OnlineLearning  # its recorder is a scheduled request's on_usage: metrics and the online learner
     scheduling: Scheduling  # what every scheduled request shares
+    limits: TenantLimits  # tenants' use against their limits
 
 
 def _load_encoder(settings: Settings, predictor: Predictor) -> EncoderModel | None:
@@ -175,7 +178,8 @@ def create_app(
             starvation_timeout_s=settings.starvation_timeout_s,
             starvation_slowdown=slowdown,
             fair_share=settings.fair_share,
-            tenant_weights={key.tenant: key.weight for key in settings.api_keys},
+            tenant_weights=settings.tenant_weights,
+            model_switch_bound_s=settings.model_switch_bound_s,
         )
         service_time = ServiceTimeModel(path=settings.service_time_path)
         service_time.load()
@@ -189,9 +193,16 @@ def create_app(
         refiner = None if encoder is None else _start_refiner(settings, loaded, encoder, dispatcher, metrics)
         if settings.online_learning:  # the learner's encoder pass for requests that never waited
             learning.recorder.refiner = refiner
-        own_headers = ("x-request-id", settings.tenant_header.lower(), settings.priority_header.lower())
-        scheduling = Scheduling(settings, loaded, pool, metrics, dispatcher, learning.recorder, refiner, own_headers)
-        proxy.proxy = ProxyState(settings, loaded, pool, dispatcher, metrics, learning, scheduling)
+        limits = TenantLimits(settings.tenant_limits, state_path=_limits_path(settings))
+        limits.load()
+        metrics.known_tenants = frozenset(
+            {*settings.tenant_limits, *settings.tenant_weights, *(k.tenant for k in settings.api_keys)}
+        )
+        supersede = SupersedeKeys(settings.supersede_running)
+        scheduling = Scheduling(
+            settings, loaded, pool, metrics, dispatcher, learning.recorder, refiner, limits, supersede
+        )  # fmt: skip
+        proxy.proxy = ProxyState(settings, loaded, pool, dispatcher, metrics, learning, scheduling, limits)
         logger.info(
             "clairvoyant ready: backends=%s policy=%s tau=%ss+%sxS slots=%d max_queue=%d disconnect_mode=%s",
             ", ".join(f"{m.name}={m.upstream.display_url} ({m.kind}, {m.slots} slots)" for m in pool.members),
@@ -200,6 +211,8 @@ def create_app(
         )  # fmt: skip
         for member in pool.members:
             dispatcher.run_detached(_check_upstream_at_start(member.upstream), name=f"upstream-check-{member.name}")
+        if limits.state_path is not None:
+            dispatcher.run_detached(_save_limits_periodically(limits, settings.learner_save_interval_s), "limits-save")
         proxy.started.set()
         try:
             yield
@@ -208,6 +221,7 @@ def create_app(
                 refiner.stop()
             await dispatcher.stop(settings.shutdown_grace_s)  # in-flight answers get the grace period, no more
             await learning.stop()  # after the drain: the last requests are learned, then saved
+            _save_limits(limits)
             await pool.aclose()
 
     api = FastAPI(title="clairvoyant", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -241,7 +255,8 @@ def create_app(
     async def queue_endpoint(limit: int | None = None) -> Response:
         """``limit``: list only the first waiting requests (the live page asks for 100; the
         counts and the tail's ETA still cover the whole queue)."""
-        return JSONResponse(proxy.state.dispatcher.snapshot(limit))
+        state = proxy.state
+        return JSONResponse({**state.dispatcher.snapshot(limit), "tenants": state.limits.snapshot()})
 
     @api.get("/queue/{request_id}")
     async def queue_position(request_id: str) -> Response:
@@ -345,19 +360,33 @@ class ProxyApp:
         receive: Receive,
         out: Responder,
     ) -> None:
-        """Check the queue's room, read the body, then queue it and answer it once granted."""
+        """Check the tenant's limits and the queue's room, read the body, then queue the request
+        and answer it once granted. Nothing is read before the checks: a refused upload is never
+        invited (the server's 100 Continue goes out with the first read)."""
         state = self.state
-        declared_length(headers, self.settings.max_body_bytes)  # 413 before anything else is said
-        state.dispatcher.check_room()  # before the body: a refused upload is never invited
-        body, held_bytes = await self._read(headers, receive)
+        settings = self.settings
+        metrics = self.metrics
+        declared_length(headers, settings.max_body_bytes)  # 413 before anything else is said
+        tenant = _tenant_of(identity, headers, settings.tenant_header.lower().encode())
+        dispatcher = state.dispatcher
         try:
+            state.limits.admit(tenant, lambda: dispatcher.tenant_free_in_s(tenant))
+        except LimitExceeded as refused:
+            metrics.tenant_refusals.labels(metrics.tenant(tenant), refused.limit).inc()
+            raise
+        metrics.tenant_requests.labels(metrics.tenant(tenant)).inc()
+        held_bytes = 0
+        try:
+            dispatcher.check_room()
+            body, held_bytes = await self._read(headers, receive)
             forward, authorization, own = forwardable_headers(headers, state.scheduling.own_headers)
             request = admit_scheduled(
                 state.scheduling, SCHEDULED_ENDPOINTS[target.path], target.raw_path + _query(target), forward,
-                authorization, own, body, identity, out,
+                authorization, own, body, identity, tenant, out,
             )  # fmt: skip
             await request.serve(receive)
         finally:
+            state.limits.release(tenant)
             self.body_budget.give_back(held_bytes)
 
     async def _passthrough(
@@ -444,6 +473,13 @@ def _is_own_endpoint(path: str) -> bool:
     return path.startswith("/queue/") and len(path) > 7 and "/" not in path[7:]
 
 
+def _tenant_of(identity: Identity | None, headers: list[tuple[bytes, bytes]], tenant_header: bytes) -> str:
+    """The request's tenant: its key's, else the tenant header's (at most 128 characters), else ""."""
+    if identity is not None:
+        return identity.tenant
+    return next((v.decode("latin-1")[:128] for k, v in headers if k == tenant_header), "")
+
+
 def _request_id(headers: list[tuple[bytes, bytes]]) -> str:
     """The client's X-Request-Id for a log line, or "-"."""
     return next((v.decode("latin-1")[:128] for k, v in headers if k == b"x-request-id"), "-")
@@ -451,6 +487,26 @@ def _request_id(headers: list[tuple[bytes, bytes]]) -> str:
 
 def _query(target: Target) -> str:
     return f"?{target.query}" if target.query else ""
+
+
+def _limits_path(settings: Settings) -> Path | None:
+    """Where the tenants' counts are kept: beside the learner's state, when it is kept."""
+    path = settings.learner_state_path
+    return None if path is None else path.with_name(path.stem + ".limits.json")
+
+
+def _save_limits(limits: TenantLimits, state: dict[str, Any] | None = None) -> None:
+    try:
+        limits.save(state)
+    except OSError as exc:
+        logger.warning("cannot save the tenants' counts to %s: %s", limits.state_path, exc)
+
+
+async def _save_limits_periodically(limits: TenantLimits, interval_s: float) -> None:
+    """The counts, every ``interval_s``: taken on the loop, written from a thread (fsync)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        await asyncio.to_thread(_save_limits, limits, limits.state())
 
 
 async def _check_upstream_at_start(upstream: Upstream) -> None:

@@ -33,7 +33,6 @@ from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.dialects import Dialect, error_body, stream_error_event
 from clairvoyant.prediction.usage import Usage, UsageTap
 from clairvoyant.proxy.upstream import Headers, Upstream, UpstreamResponse, header, response_headers
-from clairvoyant.scheduling.dispatcher import ShuttingDown
 
 __all__ = [
     "Outcome", "Receive", "Relay", "Responder", "Send", "UpstreamRequest", "disconnected", "error_headers",
@@ -59,6 +58,8 @@ class Outcome(str, Enum):
     CLIENT_LEFT_STREAMING = "client_left_streaming"  # left while the answer was relayed
     CLIENT_LEFT_WATCHING = "client_left_watching"  # left; the slot is held until the backend is idle
     SHUTDOWN = "shutdown"  # the shutdown's grace period ended the answer
+    SUPERSEDED = "superseded"  # a newer request with its X-Clairvoyant-Supersede key replaced it
+    GENERATION_LIMIT = "generation_limit"  # it ran longer than max_generation_s
     INTERNAL_ERROR = "internal_error"
 
 
@@ -140,11 +141,14 @@ class Relay:
     first_byte_s: float | None = field(default=None, repr=False)  # clock seconds of the answer's first byte
     content_type: str = field(default="", repr=False)  # the answer's, once its head arrived
     interrupted: Outcome | None = field(default=None, repr=False)  # set by ``interrupt``
+    _interrupt_error: RequestError | None = field(default=None, repr=False)
 
-    def interrupt(self, task: asyncio.Task[Any], outcome: Outcome) -> None:
-        """End this relay now (``task`` runs it) with ``outcome``: a shutdown's answer ends with an
-        error event; a client that left gets nothing more, and the backend connection is closed."""
+    def interrupt(self, task: asyncio.Task[Any], outcome: Outcome, error: RequestError | None = None) -> None:
+        """End this relay now (``task`` runs it) with ``outcome``, closing the backend connection.
+        The client gets ``error`` (its dialect's error event, or the error itself before the answer
+        began), or nothing more (``None``: it left)."""
         self.interrupted = outcome
+        self._interrupt_error = error
         task.cancel()
 
     async def run(self, out: Responder) -> None:
@@ -156,8 +160,8 @@ class Relay:
             if self.interrupted is None or task is None or task.uncancel() > 0:
                 raise
             self.outcome = self.interrupted
-            if self.interrupted is Outcome.SHUTDOWN:
-                error = ShuttingDown("the proxy shut down before the answer was complete")
+            error = self._interrupt_error
+            if error is not None:
                 if out.started:
                     await self.end_with_error(out, error)
                 else:
@@ -245,9 +249,12 @@ class Relay:
     async def _relay_body(self, response: UpstreamResponse, out: Responder) -> None:
         self.status = status = response.status_code
         self.content_type = header(response, b"content-type")
+        length = header(response, b"content-length")
+        known_bytes = int(length) if length.isdigit() else -1  # -1: streamed, or read to the close
         tap = UsageTap(self.content_type) if self.on_usage is not None and 200 <= status < 300 else None
         # The head at once: a stream's first token may be seconds away.
         await out.start(status, response_headers(response.raw_headers) + self.extra_headers())
+        relayed_bytes = 0
         try:
             async for chunk in self.upstream.iter_body(response):
                 if not chunk:
@@ -257,6 +264,11 @@ class Relay:
                     self.on_first_byte()
                 if tap is not None:
                     tap.feed(chunk)
+                relayed_bytes += len(chunk)
+                if relayed_bytes == known_bytes:  # a body of known length ends with its last bytes
+                    self._completed(tap, out)
+                    await out.body(chunk, more=False)
+                    return
                 await out.body(chunk)
         except RequestError as exc:
             self._count_upstream_error(exc)
@@ -265,11 +277,16 @@ class Relay:
             self.outcome = Outcome.UPSTREAM_ERROR_MID_BODY
             await self.end_with_error(out, exc)
             return
-        if tap is not None and self.on_usage is not None:  # before the last bytes: in once the client has it all
+        self._completed(tap, out)
+        await out.body(b"", more=False)
+
+    def _completed(self, tap: UsageTap | None, out: Responder) -> None:
+        """The whole answer has arrived; its last bytes are about to go out (the learner's
+        observation is in before the client has it all)."""
+        if tap is not None and self.on_usage is not None:
             self.usage = tap.usage(wall_s=self.now() - self.sent_s, request_model=self.model)
             self.on_usage(self.usage)
         self.outcome = Outcome.COMPLETED if not out.client_gone else Outcome.CLIENT_LEFT_STREAMING
-        await out.body(b"", more=False)
 
     async def end_with_error(self, out: Responder, exc: RequestError) -> None:
         """End an answer that has begun: one final error event in a stream's framing, or, for a

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 from collections.abc import Callable
@@ -33,7 +34,7 @@ from enum import Enum
 from typing import Any, Literal
 
 from clairvoyant.config import Settings
-from clairvoyant.errors import BadRequest, RequestError
+from clairvoyant.errors import BadRequest, GenerationTimeLimit, RequestError, Superseded
 from clairvoyant.logs import REQUEST_LOG, log_request
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.dialects import Endpoint, parse_request, with_upstream_fields
@@ -41,13 +42,14 @@ from clairvoyant.prediction.encoder import Refiner
 from clairvoyant.prediction.predictor import Predictor
 from clairvoyant.prediction.usage import Usage
 from clairvoyant.proxy.access import Identity
+from clairvoyant.proxy.limits import TenantLimits
 from clairvoyant.proxy.pool import BackendPool
 from clairvoyant.proxy.relay import Outcome, Receive, Relay, Responder, UpstreamRequest, disconnected
 from clairvoyant.proxy.upstream import Headers, Upstream
 from clairvoyant.scheduling.boost import bucket_for
-from clairvoyant.scheduling.dispatcher import Dispatcher, Ticket
+from clairvoyant.scheduling.dispatcher import Dispatcher, ShuttingDown, Ticket
 
-__all__ = ["Scheduling", "ScheduledRequest", "admit_scheduled"]
+__all__ = ["Scheduling", "ScheduledRequest", "SupersedeKeys", "admit_scheduled"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,9 @@ SLOTS_POLL_S = 1.5  # seconds between /slots polls while a left client's slot is
 HOLD_MAX_S = 600.0  # the longest a left client's slot is held waiting for the backend to go idle
 VLLM_CLASS_STRIDE = 100_000  # vLLM priority = client class x this + predicted tokens (capped below it)
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+REQUEST_ID = "x-request-id"
+DEADLINE = "x-clairvoyant-deadline"  # seconds the client will wait before its request is sent
+SUPERSEDE = "x-clairvoyant-supersede"  # a key: a newer request with it replaces this one
 
 
 class Stage(Enum):
@@ -76,7 +81,14 @@ class Scheduling:
     dispatcher: Dispatcher
     on_usage: Callable[[Ticket, Usage, bytes], None] | None  # a completed answer's usage and its body (the learner)
     refiner: Refiner | None  # the encoder's second opinion for waiting requests (None: off)
-    own_headers: tuple[str, str, str]  # the request headers that are the proxy's own: id, tenant, priority
+    limits: TenantLimits  # tenants' use against their limits
+    supersede: SupersedeKeys  # the latest request per (tenant, X-Clairvoyant-Supersede key)
+
+    @property
+    def own_headers(self) -> tuple[str, ...]:
+        """The request headers that are the proxy's own (read, never forwarded)."""
+        settings = self.settings
+        return (REQUEST_ID, settings.tenant_header.lower(), settings.priority_header.lower(), DEADLINE, SUPERSEDE)
 
 
 def _priority(header: str | None, given: int | None, settings: Settings, identity: Identity | None) -> int:
@@ -93,6 +105,19 @@ def _priority(header: str | None, given: int | None, settings: Settings, identit
     return max(identity.min_priority, min(identity.max_priority, value))
 
 
+def _deadline_s(header: str | None, default_s: float | None) -> float:
+    """Seconds the request may wait before it is sent: its header's, else the default (inf: none)."""
+    if header is None:
+        return math.inf if default_s is None else default_s
+    try:
+        value = float(header.strip())
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise BadRequest(f"header {DEADLINE} must be a number of seconds > 0", param=DEADLINE)
+    return value
+
+
 def admit_scheduled(
     shared: Scheduling,
     endpoint: Endpoint,
@@ -102,16 +127,17 @@ def admit_scheduled(
     own: dict[str, str],
     body: bytes,
     identity: Identity | None,
+    tenant: str,
     out: Responder,
 ) -> ScheduledRequest:
     """Parse, predict and queue a scheduled request; its ``ScheduledRequest`` answers it once
     granted (``serve``). Raises ``RequestError`` for what is refused at once (a bad body, a full
-    queue, a model no backend serves)."""
+    queue, a model no backend serves, an ETA past its deadline)."""
     settings = shared.settings
     dispatcher = shared.dispatcher
     arrival_s = dispatcher.clock.now()
-    request_id, tenant_header, priority_header = shared.own_headers
-    given_id = own.get(request_id, "")
+    given_id = own.get(REQUEST_ID, "")
+    deadline_s = _deadline_s(own.get(DEADLINE), settings.default_queue_deadline_s)
     parsed = parse_request(endpoint, body, keep_priority=settings.forward_priority)
     forward_body = parsed.forward_body
     bench_fields = parsed.proxy_options.get("upstream")
@@ -121,8 +147,8 @@ def admit_scheduled(
     ticket = Ticket(
         given_id if _REQUEST_ID_RE.match(given_id) else "", endpoint.path, endpoint.dialect.value, parsed.model, None,
         prompt_tokens, arrival_s, cap_tokens=parsed.cap_tokens,
-        priority=_priority(own.get(priority_header), parsed.priority, settings, identity),
-        tenant=identity.tenant if identity is not None else own.get(tenant_header, "")[:128],
+        priority=_priority(own.get(settings.priority_header.lower()), parsed.priority, settings, identity),
+        tenant=tenant, expires_s=arrival_s + deadline_s,
     )  # fmt: skip
     if settings.log_prompts:
         logger.debug("request_id=%s prompt=%r", ticket.request_id, parsed.prompt.instruction[:2000])
@@ -161,7 +187,12 @@ def admit_scheduled(
         "POST", target, forward, forward_body, endpoint.dialect, close_connection=parsed.stream,
         authorization=authorization,
     )  # fmt: skip
-    return ScheduledRequest(shared, ticket, upstream_request, body, parsed.stream, out)
+    request = ScheduledRequest(shared, ticket, upstream_request, body, parsed.stream, out)
+    supersede_key = own.get(SUPERSEDE)
+    if supersede_key:
+        request.supersede_key = (tenant, supersede_key[:256])
+        shared.supersede.replace(request.supersede_key, request)
+    return request
 
 
 class ScheduledRequest:
@@ -183,7 +214,10 @@ class ScheduledRequest:
         self.out = out
         self.stage = Stage.QUEUED
         self.task: asyncio.Task[Any] | None = None  # the one that runs ``serve``
-        self.left_waiting = False  # the client left before its request was sent
+        # Why it was withdrawn before it was sent: None = its client left (nobody to answer)
+        self.withdrawn: RequestError | None = None
+        self.left_waiting = False  # withdrawn before it was sent (its client left, or it was superseded)
+        self.supersede_key: tuple[str, str] | None = None  # (tenant, X-Clairvoyant-Supersede), if it has one
         pool = shared.pool
         self.relay = Relay(
             pool.first, request, shared.metrics, self._own_headers, self._first_byte, on_usage=self._record_usage,
@@ -205,7 +239,12 @@ class ScheduledRequest:
             await self._lease_and_relay()
         finally:
             watch.cancel()
+            if self.supersede_key is not None:
+                self.shared.supersede.done(self.supersede_key, self)
             self._log()
+            # The relay holds this request's bound methods: dropping it breaks the cycle, so that the
+            # request and its body are freed now, not at the collector's next full pass.
+            del self.relay
 
     async def _watch(self, receive: Receive) -> None:
         await disconnected(receive)
@@ -214,10 +253,18 @@ class ScheduledRequest:
     async def _lease_and_relay(self) -> None:
         ticket = self.ticket
         relay = self.relay
+        shared = self.shared
+        limit_s = shared.settings.max_generation_s
+        timer: asyncio.TimerHandle | None = None
         try:
-            async with self.shared.dispatcher.lease(ticket) as lease:
+            async with shared.dispatcher.lease(ticket) as lease:
                 self.stage = Stage.RELAYING
                 ticket.interrupt = self._interrupt
+                wait_s = ticket.queue_wait_s()
+                if wait_s is not None:
+                    shared.metrics.tenant_wait.labels(shared.metrics.tenant(ticket.tenant)).observe(wait_s)
+                if limit_s is not None:
+                    timer = asyncio.get_running_loop().call_later(limit_s, self._generation_over, limit_s)
                 self._bind(ticket.backend if ticket.backend is not None else 0)
                 await relay.run(self.out)
                 if relay.outcome is Outcome.CLIENT_LEFT_WATCHING:
@@ -229,14 +276,17 @@ class ScheduledRequest:
                 # Only whole successful answers teach the service-time model.
                 lease.completed = finished and relay.status is not None and relay.status < 400
                 lease.usage = relay.usage
-        except RequestError as error:  # refused while it waited (shutting down)
+        except RequestError as error:  # refused while it waited (shutting down, its queue deadline)
             relay.outcome = Outcome.REFUSED
             await relay.send_error(self.out, error)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if not self.left_waiting or task is None or task.uncancel() > 0:
                 raise
-            relay.outcome = Outcome.CLIENT_LEFT_QUEUED  # withdrawn (the lease's exit), never sent
+            # Withdrawn (the lease's exit), never sent: its client left, or a newer request replaced it.
+            relay.outcome = Outcome.CLIENT_LEFT_QUEUED if self.withdrawn is None else Outcome.SUPERSEDED
+            if self.withdrawn is not None:
+                await relay.send_error(self.out, self.withdrawn)
         except Exception:  # a bug: logged, the client answered or cut, the slot given back by the lease
             logger.exception("request_id=%s: unexpected error", ticket.request_id)
             relay.outcome = Outcome.INTERNAL_ERROR
@@ -244,6 +294,29 @@ class ScheduledRequest:
         finally:
             self.stage = Stage.DONE
             ticket.interrupt = None
+            if timer is not None:
+                timer.cancel()
+
+    def superseded(self, abort_running: bool) -> None:
+        """A newer request with this one's supersede key arrived: a waiting one is withdrawn and
+        answered 409, never sent; a running one (with ``abort_running``) is ended as a client that
+        left would end it, its answer closed with the dialect's error."""
+        work = self.task
+        error = Superseded("a newer request with the same X-Clairvoyant-Supersede key replaced this one")
+        if work is None or self.stage is Stage.DONE:
+            return
+        if self.stage in (Stage.QUEUED, Stage.REROUTED):
+            self.left_waiting = True
+            self.withdrawn = error
+            work.cancel()
+        elif abort_running and self.stage is Stage.RELAYING and self.relay.outcome is Outcome.PENDING:
+            self.relay.interrupt(work, Outcome.SUPERSEDED, error)
+
+    def _generation_over(self, limit_s: float) -> None:
+        """``max_generation_s`` after its grant: an answer still running ends with the dialect's error."""
+        if self.task is not None and self.stage is Stage.RELAYING and self.relay.outcome is Outcome.PENDING:
+            error = GenerationTimeLimit(f"the answer ran longer than the proxy's max_generation_s ({limit_s:g} s)")
+            self.relay.interrupt(self.task, Outcome.GENERATION_LIMIT, error)
 
     def _client_left(self) -> None:
         """The client is gone (the server said so), at whatever stage its request is: this
@@ -270,7 +343,8 @@ class ScheduledRequest:
         """The shutdown's grace period is over: end the answer being relayed (or the hold)."""
         if self.task is None or self.stage not in (Stage.RELAYING, Stage.REROUTED, Stage.HOLDING):
             return False
-        self.relay.interrupt(self.task, Outcome.SHUTDOWN)
+        error = ShuttingDown("the proxy shut down before the answer was complete")
+        self.relay.interrupt(self.task, Outcome.SHUTDOWN, error)
         return True
 
     def _bind(self, backend: int) -> None:
@@ -320,11 +394,16 @@ class ScheduledRequest:
                     return
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if self.relay.interrupted is not Outcome.SHUTDOWN or task is None or task.uncancel() > 0:
+            if self.relay.interrupted is None or task is None or task.uncancel() > 0:
                 raise
-            self.relay.outcome = Outcome.SHUTDOWN
+            self.relay.outcome = self.relay.interrupted
 
     def _record_usage(self, usage: Usage) -> None:
+        tokens = usage.output_tokens
+        if tokens is not None and usage.observed:
+            shared = self.shared
+            shared.limits.add_tokens(self.ticket.tenant, tokens)
+            shared.metrics.tenant_tokens.labels(shared.metrics.tenant(self.ticket.tenant)).inc(tokens)
         on_usage = self.shared.on_usage
         if on_usage is not None:
             try:
@@ -354,9 +433,9 @@ class ScheduledRequest:
 
     def _first_byte(self) -> None:
         ticket = self.ticket
-        self.shared.metrics.ttft_by_class[ticket.predicted_class].observe(
-            self.shared.dispatcher.clock.now() - ticket.arrival_s
-        )
+        dispatcher = self.shared.dispatcher
+        self.shared.metrics.ttft_by_class[ticket.predicted_class].observe(dispatcher.clock.now() - ticket.arrival_s)
+        dispatcher.first_byte(ticket, streamed=self.stream)  # after a model switch: the load it paid
 
     def _observe_end(self) -> None:
         ticket = self.ticket
@@ -388,3 +467,22 @@ class ScheduledRequest:
             "output_tokens": "-" if usage is None or usage.output_tokens is None else usage.output_tokens,
             "usage_source": "-" if usage is None else usage.source,
         })  # fmt: skip
+
+
+class SupersedeKeys:
+    """The latest scheduled request per (tenant, ``X-Clairvoyant-Supersede`` key): editor
+    completion sends one request per keystroke, and only the latest matters."""
+
+    def __init__(self, abort_running: bool) -> None:
+        self.abort_running = abort_running  # supersede_running: a running request is replaced too
+        self._latest: dict[tuple[str, str], ScheduledRequest] = {}
+
+    def replace(self, key: tuple[str, str], request: ScheduledRequest) -> None:
+        older = self._latest.get(key)
+        self._latest[key] = request
+        if older is not None:
+            older.superseded(self.abort_running)
+
+    def done(self, key: tuple[str, str], request: ScheduledRequest) -> None:
+        if self._latest.get(key) is request:
+            del self._latest[key]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import sys
 from pathlib import Path
 from typing import Any, get_args
 
@@ -33,17 +34,50 @@ def _flag_type(name: str) -> dict[str, Any]:
     return {}
 
 
+class _DeprecatedModelFlag(argparse.Action):
+    """``--model``: the former name of ``--predictor``. It still sets the predictor file, and says
+    that it is deprecated (``calibrate --model`` names the LLM, which made the two easy to confuse)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        flag = CLI_FLAGS[self.dest]
+        print(f"{parser.prog}: warning: --model is deprecated; use {flag} (the ONNX predictor file)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def _help(name: str) -> str:
+    field = Settings.model_fields[name]
+    if name == "backends":  # the flag takes one URL; the description speaks of the config file's tables
+        description = (
+            "A backend's base URL; repeat the flag for a pool (a [[backends]] table in the config file also sets its "
+            "name, kind, slots, models and api_key)."
+        )
+    else:
+        description = field.description or ""
+    if field.default_factory is not None:  # no plain default: say what the factory makes
+        made = field.get_default(call_default_factory=True)
+        default = str(made) if made else "none"
+    else:
+        default = "unset" if field.default is None else str(field.default)
+    return f"{description} (default {default}; {ENV_PREFIX}{name.upper()})"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help=f"TOML config file (see configs/); also {ENV_PREFIX}CONFIG")
     for name, flag in CLI_FLAGS.items():
-        field = Settings.model_fields[name]
-        default = "unset" if field.default is None else field.default
-        parser.add_argument(
-            flag,
-            dest=name,
-            help=f"{field.description} (default {default}; {ENV_PREFIX}{name.upper()})",
-            **_flag_type(name),
-        )
+        parser.add_argument(flag, dest=name, help=_help(name), **_flag_type(name))
+    parser.add_argument(
+        "--model",
+        dest="model_path",
+        type=Path,
+        action=_DeprecatedModelFlag,
+        help=f"deprecated: {CLI_FLAGS['model_path']}",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -57,11 +57,15 @@ def check_target(method: str, raw_path: bytes, query: bytes) -> Target:
     ``BadRequest`` for a target this module refuses (see its docstring)."""
     if not raw_path.startswith(b"/"):
         raise BadRequest("the request target must be a path")
-    if b"\\" in raw_path or _DOT_SEGMENT.search(raw_path) or _ENCODED_DELIMITER.search(raw_path):
+    if b"\\" in raw_path or (b"." in raw_path and _DOT_SEGMENT.search(raw_path)):
         raise BadRequest("the request path may not hold dot segments or encoded '/', '?', '#' or '\\'")
     try:
-        path = unquote_to_bytes(raw_path).decode("utf-8")
         raw = raw_path.decode("ascii")
+        if b"%" not in raw_path:  # nothing encoded: the path is its raw form
+            return Target(raw, raw, query.decode("latin-1"))
+        if _DOT_SEGMENT.search(raw_path) or _ENCODED_DELIMITER.search(raw_path):
+            raise BadRequest("the request path may not hold dot segments or encoded '/', '?', '#' or '\\'")
+        path = unquote_to_bytes(raw_path).decode("utf-8")
     except UnicodeDecodeError:
         raise BadRequest("the request path is not valid UTF-8") from None
     if _CONTROL.search(path):

@@ -23,11 +23,25 @@ Invariants, each enforced in this file:
 - detached tasks are strongly referenced and their failures logged.
 
 The service-time model and the policy learn from each completed lease (measured service seconds).
+
+Model switches (scheduling/affinity.py): with a ``ModelAffinity`` queue the dispatch step tells the
+queue what each backend with a free slot holds (``Lane``), and the queue picks the request. A request
+sent to a backend that does not hold its model is charged that backend's learned load
+(``Ticket.switch_load_s``: in its ETA and its tenant's fair share, never in the service-time model's
+inputs), and a switch from another model counts in ``clairvoyant_model_switches_total``. The load
+is learned from Ollama's ``load_duration`` (``Usage.load_s``) or, for other backends, from the
+first-byte delay of a streamed answer that followed a switch (``first_byte``).
+
+Queue deadlines (``Job.expires_s``): a ticket whose deadline comes while it waits is withdrawn and
+refused at once (``QueueDeadline``), by ``expire`` (run first by the dispatch step, and by a timer at
+the soonest deadline); it is never sent after its deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
+import functools
 import heapq
 import itertools
 import logging
@@ -40,15 +54,17 @@ from pathlib import Path
 from typing import Any
 
 from clairvoyant.clock import Clock
-from clairvoyant.errors import QueueFull, RequestError
+from clairvoyant.errors import QueueDeadline, QueueFull, RequestError
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.predictor import Prediction
 from clairvoyant.prediction.usage import Usage
+from clairvoyant.scheduling.affinity import Lane
 from clairvoyant.scheduling.boost import bucket_for
+from clairvoyant.scheduling.expiry import Expiry, expired
 from clairvoyant.scheduling.job_queue import Job, JobQueue
 from clairvoyant.scheduling.policy import SchedulingPolicy
-from clairvoyant.scheduling.routing import Backend, choose
-from clairvoyant.scheduling.service_time import ServiceTimeModel, write_state
+from clairvoyant.scheduling.routing import Backend, Load, choose
+from clairvoyant.scheduling.service_time import FREE_LOAD_S, ServiceTimeModel, write_state
 from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
 
 __all__ = [
@@ -68,10 +84,18 @@ RECENT_REQUESTS = 100  # finished requests kept for /queue's timeline (the live 
 OVERRUN_REMAINDER = 0.1
 
 
+class _AsNow(enum.Enum):
+    AS_NOW = 0  # a backend holds what it holds now (not yet played forward)
+
+
+_AS_NOW = _AsNow.AS_NOW
+
+
 def remainder_s(ticket: Ticket, now: float, slowness: float = 1.0) -> float:
     """Predicted seconds an in-flight request still holds its slot: its predicted seconds (at the
-    backend's slowness) less what it has run, never below ``OVERRUN_REMAINDER`` of them."""
-    predicted_s = ticket.predicted_s * slowness
+    backend's slowness, plus the load it was charged) less what it has run, never below
+    ``OVERRUN_REMAINDER`` of them."""
+    predicted_s = ticket.predicted_s * slowness + ticket.switch_load_s
     running_s = 0.0 if ticket.dispatched_s is None else now - ticket.dispatched_s
     return max(predicted_s - running_s, OVERRUN_REMAINDER * predicted_s)
 
@@ -116,9 +140,9 @@ class Ticket(Job["Ticket"]):
     wait (benchmarks/bench_waiting_memory.py measures the bytes per waiting request)."""
 
     __slots__ = (
-        "given_id", "endpoint", "dialect", "model", "prediction", "prompt_tokens", "wait", "interrupt", "refusal",
+        "given_id", "endpoint", "dialect", "prediction", "prompt_tokens", "wait", "interrupt", "refusal",
         "_future", "backend", "slot", "dispatched_s", "grants_before_arrival", "queue_position", "held_back",
-        "refused_by", "ended",
+        "refused_by", "ended", "load", "switch_load_s",
     )  # fmt: skip
 
     def __init__(
@@ -138,12 +162,15 @@ class Ticket(Job["Ticket"]):
         cap_tokens: int | None = None,
         priority: int = 0,
         tenant: str = "",
+        expires_s: float = math.inf,  # clock seconds from which it must not be sent (its queue deadline)
     ) -> None:
-        Job.__init__(self, self, arrival_s, score, predicted_tokens, predicted_s, bucket, cap_tokens, priority, tenant)
+        Job.__init__(
+            self, self, arrival_s, score, predicted_tokens, predicted_s, bucket, cap_tokens, priority, tenant, model,
+            expires_s,
+        )  # fmt: skip
         self.given_id = given_id
         self.endpoint = endpoint
         self.dialect = dialect
-        self.model = model
         self.prediction = prediction
         self.prompt_tokens = prompt_tokens
         # How its wait for a slot ended: WAITING (or waiting again, rerouted), GRANTED, WITHDRAWN or REFUSED.
@@ -161,6 +188,10 @@ class Ticket(Job["Ticket"]):
         self.held_back = False  # popped by the policy (or rerouted), waiting for a backend that serves it
         self.refused_by: tuple[int, ...] = ()  # backends that refused its connection (routing avoids them)
         self.ended = False  # withdrawn or released: set exactly once
+        self.load = Load.UNKNOWN  # what it found on its backend: its model held, another (a switch), or unknown
+        # After a switch: the load it is charged, seconds (the learned one at dispatch, then the
+        # first byte's measure); 0 otherwise.
+        self.switch_load_s = 0.0
 
     def __repr__(self) -> str:
         return f"Ticket({self.request_id!r}, wait={self.wait}, waiting={self.waiting})"
@@ -201,6 +232,14 @@ class Ticket(Job["Ticket"]):
 
     def queue_wait_s(self) -> float | None:
         return None if self.dispatched_s is None else self.dispatched_s - self.arrival_s
+
+
+def _deadline_error(ticket: Ticket, retry_in_s: float) -> QueueDeadline:
+    deadline_s = ticket.expires_s - ticket.arrival_s
+    return QueueDeadline(
+        f"the request could not be sent within its queue deadline of {deadline_s:g} s",
+        retry_after_s=max(1, min(3600, math.ceil(retry_in_s))),
+    )
 
 
 @dataclass(slots=True)
@@ -267,6 +306,10 @@ class Dispatcher:
         metrics.starvation_timeout.set(starvation_timeout_s)
         # Each backend's in-flight gauge, looked up once (a labels() lookup per request costs µs).
         self._in_flight_gauges = [metrics.backend_in_flight.labels(b.name) for b in self.backends]
+        self._switch_counters = [metrics.model_switches.labels(b.name) for b in self.backends]
+        self._expiry: Expiry[Ticket] = Expiry()  # waiting tickets with a queue deadline
+        self._expiry_timer: asyncio.TimerHandle | None = None
+        self._expiry_timer_s = math.inf  # the clock reading the timer is set for
         for backend in self.backends:
             metrics.backend_healthy.labels(backend.name).set(1 if backend.healthy else 0)
             metrics.backend_in_flight.labels(backend.name).set(0)
@@ -321,6 +364,8 @@ class Dispatcher:
             await asyncio.sleep(0.05)
         if self._grace_timer is not None:
             self._grace_timer.cancel()
+        if self._expiry_timer is not None:
+            self._expiry_timer.cancel()
         for task in list(self._detached):
             task.cancel()
         await asyncio.gather(*self._detached, return_exceptions=True)
@@ -353,7 +398,7 @@ class Dispatcher:
         loaded now, when it says (Ollama /api/ps)."""
         record = self.backends[backend]
         if loaded is not None:
-            record.loaded = tuple(loaded)
+            record.report(loaded)
         if record.healthy != healthy:
             record.healthy = healthy
             self.metrics.backend_healthy.labels(record.name).set(1 if healthy else 0)
@@ -403,7 +448,14 @@ class Dispatcher:
         return sum(remainder_s(t, now, slowness) for t in backend.running.values())
 
     def _route(self, ticket: Ticket) -> int | None:
-        return choose(self.backends, ticket.model, self._remaining_s, ticket.refused_by, ticket.predicted_s)
+        return choose(
+            self.backends,
+            ticket.model,
+            self._remaining_s,
+            ticket.refused_by,
+            ticket.predicted_s,
+            self.service_time.load_s,
+        )
 
     def reroute(self, ticket: Ticket) -> bool:
         """The ticket's backend refused the connection: nothing was sent. Mark that backend
@@ -447,7 +499,8 @@ class Dispatcher:
         """Queue a ticket (its own job record, its predicted fields filled in).
 
         Raises ``ShuttingDown`` after ``stop``, ``ModelNotServed`` when no backend serves its model,
-        and ``QueueFull`` at capacity (``check_room``).
+        ``QueueFull`` at capacity (``check_room``), and ``QueueDeadline`` when its ETA is already past
+        its queue deadline (it is not queued: answered at once, never sent).
         """
         self.check_room()
         self._check_model(ticket.model)
@@ -455,7 +508,64 @@ class Dispatcher:
         self.metrics.depth_by_class[ticket.predicted_class].inc()
         # O(1) on purpose: ordering the whole queue per arrival would cost O(n log n) at depth n.
         ticket.grants_before_arrival = self._grants
+        if not math.isinf(ticket.expires_s):
+            # O(waiting) for a request with a deadline: where it would stand, played forward.
+            now = self.clock.now()
+            eta_s = next((eta for job, eta in self._etas(now)[0] if job is ticket), 0.0)
+            if now + eta_s >= ticket.expires_s:
+                self.queue.remove(ticket)
+                self._end_waiting(ticket)
+                raise _deadline_error(ticket, eta_s)
+            self._expiry.add(ticket)
+            self._arm_expiry()
         self._schedule_pump()
+
+    def expire(self, now: float | None = None) -> int:
+        """Withdraw every waiting ticket whose queue deadline has come (``now >= expires_s``), held
+        back ones too, and refuse each at once with ``QueueDeadline``: it is never sent. Returns how
+        many. The dispatch step runs this first; a timer runs it at the soonest deadline."""
+        now = self.clock.now() if now is None else now
+        count = 0
+        tail_s: float | None = None  # the queue's tail ETA: a retry's wait, at worst (computed once)
+        for job in self._expiry.due(now):
+            ticket = job.payload
+            if not ticket.ended and self.queue.remove(ticket):
+                tail_s = self._etas(now)[1] if tail_s is None else tail_s
+                self._expired(ticket, now, tail_s)
+                count += 1
+        for ticket in [t for t in self._held_back if expired(t, now)]:
+            self._held_back.remove(ticket)
+            ticket.held_back = False
+            self.queue.done(ticket)
+            self._expired(ticket, now, 0.0)  # first in line: a retry would be too
+            count += 1
+        return count
+
+    def _expired(self, ticket: Ticket, now: float, retry_in_s: float) -> None:
+        """``ticket``'s queue deadline came while it waited (out of the queue already): refused."""
+        self._end_waiting(ticket)
+        self._recent.append((ticket, now, "expired", None))
+        if ticket.wait == WAITING:
+            ticket.end_wait(REFUSED, _deadline_error(ticket, retry_in_s))
+
+    def _arm_expiry(self) -> None:
+        """One timer, at the soonest queue deadline of a waiting ticket (re-armed when a sooner one comes)."""
+        soonest = self._expiry.next_s()
+        if not self._started or math.isinf(soonest) or soonest >= self._expiry_timer_s:
+            return
+        if self._expiry_timer is not None:
+            self._expiry_timer.cancel()
+        self._expiry_timer_s = soonest
+        delay_s = max(0.0, soonest - self.clock.now())
+        self._expiry_timer = asyncio.get_running_loop().call_later(delay_s, self._on_expiry_timer)
+
+    def _on_expiry_timer(self) -> None:
+        self._expiry_timer, self._expiry_timer_s = None, math.inf
+        if self._closing:
+            return
+        if self.expire():
+            self._schedule_pump()  # a withdrawn held-back ticket may have been first in line
+        self._arm_expiry()
 
     def repredicted(self, ticket: Ticket, prediction: Prediction) -> bool:
         """A waiting ticket's prediction was refined (the encoder's second opinion, see
@@ -489,6 +599,24 @@ class Dispatcher:
         still waits, else give its slot back (``completed``: its answer ended normally; only those
         teach the service-time model). Idempotent."""
         self._end(ticket, Lease(ticket, completed, usage) if completed or usage is not None else None)
+
+    def first_byte(self, ticket: Ticket, *, streamed: bool) -> None:
+        """The backend's first byte of ``ticket``'s answer has arrived (call once, from the relay, as
+        it arrives). A streamed answer's delay since dispatch teaches the backend's load cost: after
+        a switch, its excess over the backend's usual first-byte delay (which it then counts as the
+        load this answer paid); otherwise it updates that usual delay. Ignored for an answer that is
+        not streamed (its first byte comes after the whole answer) and for Ollama, whose
+        ``load_duration`` (``Usage.load_s``, at the end) is exact."""
+        if not streamed or ticket.dispatched_s is None or ticket.backend is None or ticket.load == Load.UNKNOWN:
+            return  # (the first request a backend gets may have paid a load of unknown origin: no baseline)
+        backend = self.backends[ticket.backend]
+        if backend.tracks_loaded:
+            return
+        delay_s = self.clock.now() - ticket.dispatched_s
+        after_switch = ticket.load == Load.SWITCH
+        measured = self.service_time.observe_first_byte(backend.name, ticket.model, delay_s, after_switch=after_switch)
+        if measured is not None:
+            ticket.switch_load_s = measured
 
     async def regranted(self, ticket: Ticket) -> None:
         """After ``reroute``: wait for the new grant (cancel-safe: the lease's exit withdraws it)."""
@@ -553,6 +681,17 @@ class Dispatcher:
         prompt_tokens = ticket.prompt_tokens
         if usage is not None and usage.prompt_tokens is not None:
             prompt_tokens = usage.prompt_tokens
+        # A model load is not service: the load it paid (Ollama's load_duration, else the first byte's
+        # measure or the learned one after a switch) comes off. Ollama's load also teaches the load cost:
+        # after a switch, or when a load happened anyway (its keep_alive ran out).
+        load_s = ticket.switch_load_s
+        if usage is not None and usage.load_s is not None and ticket.backend is not None:
+            if ticket.load == Load.SWITCH or usage.load_s >= FREE_LOAD_S:
+                self.service_time.observe_load(self.backends[ticket.backend].name, ticket.model, usage.load_s)
+            load_s = usage.load_s
+        service_s -= load_s
+        if not service_s > 0:
+            return  # a load learned longer than this one was: no service seconds to learn from
         self.service_time.observe(ticket.model, prompt_tokens, round(ticket.predicted_tokens), service_s)
         if ticket.backend is not None:
             self.backends[ticket.backend].observe_service(ticket.predicted_s, service_s)
@@ -607,6 +746,8 @@ class Dispatcher:
         if self._closing:
             return
         try:
+            now = self.clock.now()
+            self.expire(now)  # nothing is sent at or after its queue deadline
             if self._held_back:
                 for ticket in list(self._held_back):
                     if not any(b.free for b in self.backends):
@@ -616,9 +757,8 @@ class Dispatcher:
                         self._held_back.remove(ticket)
                         ticket.held_back = False
                         self._grant(backend, ticket)
-            now = self.clock.now()
             while any(b.free for b in self.backends):
-                got = self.queue.pop(now)
+                got = self._pop(now)
                 if got is None:
                     return
                 job, promoted = got
@@ -629,6 +769,10 @@ class Dispatcher:
                     self._end_waiting(ticket)
                     self.queue.done(job)
                     continue
+                if expired(ticket, now):  # its deadline was set or moved after it was queued
+                    self.queue.done(job)
+                    self._expired(ticket, now, 0.0)  # popped: it was next in line
+                    continue
                 backend = self._route(ticket)
                 if backend is None:
                     ticket.held_back = True  # its backends are busy: first in line for them
@@ -638,6 +782,20 @@ class Dispatcher:
         except Exception:  # dispatching must never stop: log, and try again next turn
             logger.exception("dispatcher: unexpected error")
 
+    def _pop(self, now: float) -> tuple[Job[Ticket], bool] | None:
+        """The queue's next job; a model-affinity queue is told what each backend with a free slot holds."""
+        pop_for = getattr(self.queue, "pop_for", None)
+        if pop_for is None:
+            return self.queue.pop(now)
+        got: tuple[Job[Ticket], bool] | None = pop_for(now, [self._lane(b) for b in self.backends if b.free])
+        return got
+
+    def _lane(self, backend: Backend) -> Lane:
+        """``backend`` as the model-affinity rule sees it: what it holds, its last switch, its learned loads."""
+        return Lane(
+            backend.holds, backend.serves, functools.partial(self.service_time.load_s, backend.name), backend.switched_s
+        )
+
     def _grant(self, index: int, ticket: Ticket) -> None:
         backend = self.backends[index]
         slot = backend.free.pop()
@@ -645,6 +803,12 @@ class Dispatcher:
         # Service starts now: a rerouted request's wait for its second backend is queue wait (its
         # header and the wait figures), not service time (the service-time model learns from it).
         ticket.dispatched_s = self.clock.now()
+        ticket.load = backend.dispatched(ticket.model, ticket.dispatched_s)
+        ticket.switch_load_s = 0.0
+        if ticket.load == Load.SWITCH:  # it loads the model first: charged the learned load
+            load_s = ticket.switch_load_s = self.service_time.load_s(backend.name, ticket.model)
+            self.queue.repriced(ticket, ticket.predicted_s - load_s)  # its tenant pays for it too
+            self._switch_counters[index].inc()
         if first:
             self.metrics.depth_by_class[ticket.predicted_class].dec()
             self.metrics.wait_by_class[ticket.predicted_class].observe(ticket.dispatched_s - ticket.arrival_s)
@@ -652,7 +816,6 @@ class Dispatcher:
         ticket.backend = index
         ticket.slot = slot
         backend.running[slot] = ticket
-        backend.sent(ticket.model)
         self.metrics.in_flight.inc()
         self._in_flight_gauges[index].inc()
         self._grants += 1
@@ -678,25 +841,40 @@ class Dispatcher:
 
         The dispatch is played forward as routing does it: each job, in order, takes the first slot
         to free among the backends that serve its model (the healthy ones, or all of them when none
-        is healthy), and holds it for its predicted seconds times that backend's measured slowness.
-        Routing's model-loaded preference and its ties are not played: an ETA is an estimate."""
+        is healthy), and holds it for its predicted seconds times that backend's measured slowness,
+        plus the backend's learned load when the job's model is not the one it holds (then it holds
+        that one). With a model-affinity queue and one backend the order is the affinity rule
+        replayed for it (``ModelAffinity.ordered_for``). Routing's model-loaded preference and its
+        ties are not played: an ETA is an estimate."""
         heaps = self._slot_free_in_s(now)
         healthy = [i for i, b in enumerate(self.backends) if b.healthy]
         usable = healthy or list(range(len(self.backends)))
-        # per model: (heap, slowness) of each backend it may take
-        by_model: dict[str | None, list[tuple[list[float], float]]] = {}
+        # per model: (heap, slowness, index) of each backend it may take
+        by_model: dict[str | None, list[tuple[list[float], float, int]]] = {}
+        holding: list[str | None | _AsNow] = [_AS_NOW] * len(self.backends)  # as played forward
         out = []
         heapreplace = heapq.heapreplace
-        for job in itertools.chain(self._held_back, self.queue.ordered(now)):
+        ordered_for = getattr(self.queue, "ordered_for", None)
+        if ordered_for is not None and len(self.backends) == 1:
+            order = ordered_for(now, self._lane(self.backends[0]), heaps[0][0])
+        else:
+            order = self.queue.ordered(now)
+        for job in itertools.chain(self._held_back, order):
             model = job.payload.model
             choices = by_model.get(model)
             if choices is None:
                 serving = [i for i, b in enumerate(self.backends) if b.serves(model)]
                 chosen = [i for i in serving if i in healthy] or serving or usable
-                choices = by_model[model] = [(heaps[i], self.backends[i].slowness) for i in chosen]
-            heap, slowness = choices[0] if len(choices) == 1 else min(choices, key=lambda c: c[0][0])
+                choices = by_model[model] = [(heaps[i], self.backends[i].slowness, i) for i in chosen]
+            heap, slowness, index = choices[0] if len(choices) == 1 else min(choices, key=lambda c: c[0][0])
             start = heap[0]
-            heapreplace(heap, start + job.predicted_s * slowness)  # its slot, busy until it is done
+            busy_s = job.predicted_s * slowness
+            held = holding[index]
+            backend = self.backends[index]
+            if not (backend.holds(model) if held is _AS_NOW else held == model) and backend.last_model is not None:
+                busy_s += self.service_time.load_s(backend.name, model)
+                holding[index] = model
+            heapreplace(heap, start + busy_s)  # its slot, busy until it is done
             out.append((job, start))
         tail = max(eta for _, eta in out) if out else min(heaps[i][0] for i in usable)
         return out, tail
@@ -708,6 +886,17 @@ class Dispatcher:
             if job is ticket:
                 return position, eta
         return None
+
+    def tenant_free_in_s(self, tenant: str) -> float:
+        """Predicted seconds until one of ``tenant``'s requests ends: the soonest in flight, else
+        the soonest of its waiting ones (its dispatch plus its own seconds); 1 when it has none."""
+        now = self.clock.now()
+        running = [
+            remainder_s(t, now, b.slowness) for b in self.backends for t in b.running.values() if t.tenant == tenant
+        ]
+        if running:
+            return min(running)
+        return min((eta + job.predicted_s for job, eta in self._etas(now)[0] if job.tenant == tenant), default=1.0)
 
     def waiting_ticket(self, request_id: str) -> Ticket | None:
         """The waiting ticket with ``request_id``, or None. A scan, not an index: an index would
@@ -743,15 +932,29 @@ class Dispatcher:
                 "predicted_tokens": round(ticket.predicted_tokens, 1),
                 "predicted_s": round(ticket.predicted_s, 3),
                 "waited_s": round(now - ticket.arrival_s, 3),
+                **({} if math.isinf(ticket.expires_s) else {"expires_in_s": round(ticket.expires_s - now, 3)}),
             }
 
         def backend_name(ticket: Ticket) -> str | None:
             return None if ticket.backend is None else self.backends[ticket.backend].name
 
+        bound_s = getattr(self.queue, "bound_s", 0.0)
+
+        def switch_due(ticket: Ticket) -> dict[str, float]:
+            """Seconds until a switch to its model is due (put off ``bound_s``), when no backend
+            that serves it holds it (then, with two models, its model is loaded next)."""
+            serving = [b for b in self.backends if b.serves(ticket.model)]
+            if not bound_s or not serving or any(b.holds(ticket.model) for b in serving):
+                return {}
+            due_s = min(max(ticket.arrival_s, b.switched_s) for b in serving) + bound_s
+            return {"switch_due_in_s": round(due_s - now, 3)}
+
+        loads = self.service_time.loads()
         etas, tail = self._etas(now)
         shown = etas if limit is None else etas[: max(0, limit)]
         waiting = [
-            {"position": i, "eta_s": round(eta, 3), **describe(job.payload)} for i, (job, eta) in enumerate(shown)
+            {"position": i, "eta_s": round(eta, 3), **describe(job.payload), **switch_due(job.payload)}
+            for i, (job, eta) in enumerate(shown)
         ]
         in_flight = [
             {
@@ -773,6 +976,15 @@ class Dispatcher:
                 if isinstance(self.starvation_slowdown, AdaptiveSlowdown)
                 else self.starvation_slowdown
             ),
+            # a backend serves the model it holds while no request for another has been put off bound_s
+            "model_switch": {
+                "bound_s": bound_s,
+                "free_load_s": FREE_LOAD_S,  # a load this short is no reason to put a switch off
+                "load_prior_s": self.service_time.defaults.load_s,  # a load not yet measured (backends' load_s)
+                "waiting_by_model": {
+                    model or "default": n for model, n in getattr(self.queue, "waiting_by_model", dict)().items()
+                },
+            },
             "slots": self.slots,
             "max_queue": self.max_queue,
             "tail_eta_s": round(tail, 3),
@@ -789,6 +1001,13 @@ class Dispatcher:
                     "healthy": b.healthy,
                     "models": list(b.models),
                     "loaded_models": list(b.loaded),
+                    "holds": b.last_model,  # the model it served last
+                    "switched_ago_s": None if math.isinf(b.switched_s) else round(now - b.switched_s, 3),
+                    # per model: learned load seconds and how many loads taught it
+                    "load_s": {
+                        model: {"load_s": round(x["load_s"], 3), "observations": int(x["observations"])}
+                        for model, x in loads.get(b.name, {}).items()
+                    },  # fmt: skip
                     "remaining_s": round(self._remaining_s(b), 3),
                     "slowness": round(b.slowness, 3),  # measured / predicted service seconds
                 }
@@ -827,7 +1046,7 @@ class _LeaseScope:
     async def __aenter__(self) -> Lease:
         ticket = self._ticket
         try:
-            await asyncio.shield(ticket.granted)
+            await ticket.granted  # cancelled with its waiter: the ticket is withdrawn below
         except BaseException:
             self._dispatcher._end(ticket, None)
             raise

@@ -75,6 +75,8 @@ class Job(Generic[T]):
     cap_tokens: int | None = None  # the client's max_tokens / num_predict, if any
     priority: int = 0  # client priority class, already clamped; lower = sooner
     tenant: str = ""  # who sent it (fair share); "" = the default tenant
+    model: str | None = None  # the model it asks for (model affinity); None = the backend's default
+    expires_s: float = math.inf  # clock seconds from which it must not be dispatched (the client's queue deadline)
     deadline_s: float = math.inf  # overdue after this, on its guard's clock (set by a StarvationGuard at push)
     seq: int = -1  # arrival order, set at construction; breaks key ties
     waiting: bool = False  # True between push and pop/remove

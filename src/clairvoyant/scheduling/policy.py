@@ -7,11 +7,13 @@
 
 Ordering is always (priority class, then the policy inside the class), ties by arrival. Starvation
 protection is not in the keys: ``build_queue`` wraps each queue in a ``StarvationGuard`` (tau) and,
-with fair share on, puts one such queue per tenant inside a ``FairShareQueue``.
+with fair share on, puts one such queue per tenant inside a ``FairShareQueue``; with a model switch
+bound, one such queue per model inside a ``ModelAffinity`` (every policy but fcfs, the baseline).
 
 Bounds, in seconds (see ``describe``): the guard's tau (no later arrival passes a request that
 has waited tau, whatever its class); boost's own cap ``max_boost_s`` (inside a class, no request
-arriving ``max_boost_s`` after a waiting one passes it).
+arriving ``max_boost_s`` after a waiting one passes it); the model switch bound (a backend serves
+the model it holds while no request for another model has been put off that long).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from clairvoyant.scheduling.affinity import ModelAffinity
 from clairvoyant.scheduling.boost import BoostTable
 from clairvoyant.scheduling.job_queue import FairShareQueue, HeapQueue, Job, JobQueue, ScanQueue, StarvationGuard
 from clairvoyant.scheduling.slowdown import SlowdownRule
@@ -183,12 +186,18 @@ def build_queue(
     starvation_slowdown: float | SlowdownRule = 0.0,
     fair_share: bool = False,
     tenant_weights: dict[str, float] | None = None,
+    model_switch_bound_s: float = 0.0,
 ) -> JobQueue[Any]:
     """The queue the dispatcher and the simulator drive: policy order, starvation guard (a job is
-    overdue after ``starvation_timeout_s + starvation_slowdown * predicted_s``), and optionally one
-    such queue per tenant under fair share (a tenant's weight from ``tenant_weights``, else 1)."""
+    overdue after ``starvation_timeout_s + starvation_slowdown * predicted_s``), optionally one
+    such queue per tenant under fair share (a tenant's weight from ``tenant_weights``, else 1), and
+    with ``model_switch_bound_s`` > 0 one of those per model under ``ModelAffinity`` (a backend
+    serves the model it holds while no request for another model has been put off that many
+    seconds). fcfs ignores the bound: it stays pure arrival order, the baseline."""
     if not starvation_timeout_s > 0:
         raise ValueError("starvation_timeout_s must be > 0 (math.inf disables it)")
+    if not (model_switch_bound_s >= 0 and math.isfinite(model_switch_bound_s)):
+        raise ValueError("model_switch_bound_s must be a finite number of seconds >= 0 (0 disables it)")
 
     def one() -> JobQueue[Any]:
         inner = policy.make_queue()
@@ -196,7 +205,13 @@ def build_queue(
             return inner
         return StarvationGuard(inner, starvation_timeout_s, starvation_slowdown)
 
-    if not fair_share:
-        return one()
-    weights = tenant_weights or {}
-    return FairShareQueue(one, weight_of=lambda tenant: weights.get(str(tenant), 1.0))
+    def shared() -> JobQueue[Any]:
+        if not fair_share:
+            return one()
+        weights = tenant_weights or {}
+        return FairShareQueue(one, weight_of=lambda tenant: weights.get(str(tenant), 1.0))
+
+    if model_switch_bound_s == 0 or policy.name == "fcfs":
+        return shared()
+    ranker = getattr(policy.make_queue(), "sort_key", None)  # the policy's order, for heads of several models
+    return ModelAffinity(shared, model_switch_bound_s, ranker)

@@ -9,7 +9,10 @@ a request's turn comes. The rule, in order:
 2. healthy ones; an unhealthy backend is chosen only when no backend serving the model is healthy
    (then the request waits there for it to come back, up to ``backend_wait_s``, as with one
    backend). A healthy backend that is merely busy is worth waiting for: ``choose`` returns None;
-3. one that already has the model loaded (Ollama ``/api/ps``), to avoid a reload stall;
+3. one that already has the model loaded (Ollama ``/api/ps``), or holds it (the model it served
+   last), or would load it at no cost (its learned load under ``FREE_LOAD_S``), to avoid a reload
+   stall; a backend of which nothing is known yet (it has served nothing, reported nothing) is
+   not held against;
 4. the earliest predicted finish: the predicted seconds of work left per slot (in-flight requests'
    predicted seconds less what they have run, never below a tenth of them: a request that overran
    its prediction still occupies its backend, which must not look as free as an idle one) plus the
@@ -23,11 +26,15 @@ No I/O here: the records are plain data, so the rule is tested with explicit sta
 
 from __future__ import annotations
 
+import enum
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Backend", "choose", "same_model"]
+from clairvoyant.scheduling.service_time import FREE_LOAD_S
+
+__all__ = ["Backend", "Load", "choose", "same_model"]
 
 SLOWNESS_WEIGHT = 0.1  # of each new sample in a backend's moving slowness (about the last 10 requests)
 SLOWNESS_MAX = 10.0  # one sample counts at most 10x slower (or faster) than predicted
@@ -36,6 +43,14 @@ SLOWNESS_MAX = 10.0  # one sample counts at most 10x slower (or faster) than pre
 def same_model(a: str, b: str) -> bool:
     """Model names as backends spell them: Ollama's ``llama3.2`` is ``llama3.2:latest``."""
     return a == b or a.removesuffix(":latest") == b.removesuffix(":latest")
+
+
+class Load(enum.IntEnum):
+    """What a request sent to a backend found there: whether it pays a model load first."""
+
+    HELD = 0  # the backend held its model: no load
+    SWITCH = 1  # the backend held another model: it loads this one first (a switch)
+    UNKNOWN = 2  # nothing was known of what the backend held (its first request): a load, maybe
 
 
 @dataclass(slots=True, eq=False)
@@ -48,6 +63,9 @@ class Backend:
     healthy: bool = True  # its last health check (or connection) succeeded
     loaded: tuple[str, ...] = ()  # models loaded now (Ollama /api/ps); empty = unknown or none
     tracks_loaded: bool = False  # it loads models on demand (Ollama): a model sent to it counts as loaded
+    reported: bool = False  # ``loaded`` is its own report (/api/ps) and no switch was sent since
+    last_model: str | None = None  # the model of the last request sent here (any kind of backend)
+    switched_s: float = -math.inf  # clock seconds when it was last sent a model it did not hold
     slowness: float = 1.0  # measured / predicted service seconds here (moving average); 1 = as predicted
     info: dict[str, Any] = field(default_factory=dict)  # shown in /queue as is (url, kind)
     running: dict[int, Any] = field(default_factory=dict)  # slot -> the ticket holding it
@@ -63,6 +81,42 @@ class Backend:
 
     def has_loaded(self, model: str | None) -> bool:
         return model is not None and any(same_model(model, m) for m in self.loaded)
+
+    def holds(self, model: str | None) -> bool:
+        """For model affinity: it holds ``model`` now, with nothing to load: the model it served
+        last, or one its own report lists if no switch was sent since (a switch may have evicted
+        the others). False while nothing is known."""
+        last = self.last_model
+        if last is not None and (last == model or (model is not None and same_model(model, last))):
+            return True
+        return self.reported and model is not None and any(same_model(model, m) for m in self.loaded)
+
+    def report(self, loaded: Sequence[str]) -> None:
+        """Its own list of the models it has loaded now (Ollama /api/ps)."""
+        self.loaded = tuple(loaded)
+        self.reported = True
+
+    def pays_load(self, model: str | None, load_s: Callable[[str, str | None], float]) -> bool:
+        """A request for ``model`` sent here now would wait for a load: it holds another model (or
+        reported none loaded), and ``load_s(name, model)`` (its learned load) is not negligible."""
+        if self.holds(model) or self.has_loaded(model):
+            return False
+        known = self.last_model is not None or self.reported
+        return known and load_s(self.name, model) >= FREE_LOAD_S
+
+    def dispatched(self, model: str | None, now: float) -> Load:
+        """A request for ``model`` is sent here at ``now`` (clock seconds): what it finds (a model
+        not held makes ``now`` the backend's last switch)."""
+        if self.holds(model):
+            found = Load.HELD
+        else:
+            known = self.last_model is not None or (self.reported and bool(self.loaded))
+            found = Load.SWITCH if known else Load.UNKNOWN
+            self.switched_s = now
+            self.reported = False
+        self.last_model = model
+        self.sent(model)
+        return found
 
     def observe_service(self, predicted_s: float, measured_s: float) -> None:
         """A request served here took ``measured_s`` against ``predicted_s`` predicted."""
@@ -83,12 +137,14 @@ def choose(
     remaining_s: Callable[[Backend], float],
     avoid: Sequence[int] = (),
     own_s: float = 0.0,
+    load_s: Callable[[str, str | None], float] | None = None,
 ) -> int | None:
     """The index of the backend to dispatch a request for ``model`` to now, or None to wait (see
     the module's rule). ``remaining_s(backend)``: its predicted seconds of work left. ``avoid``:
     backends that refused this request already; they are left out while another serves the model
     (a backend that answers its health check but refuses requests must not bounce it forever).
-    ``own_s``: the request's own predicted seconds."""
+    ``own_s``: the request's own predicted seconds. ``load_s(backend name, model)``: learned load
+    seconds (None: only Ollama's report of loaded models counts)."""
     if len(backends) == 1:  # the common deployment, on every request: the rule below comes to this
         only = backends[0]
         return 0 if only.free and only.serves(model) else None
@@ -104,7 +160,7 @@ def choose(
     return min(
         candidates,
         key=lambda i: (
-            not backends[i].has_loaded(model),
+            not backends[i].has_loaded(model) if load_s is None else backends[i].pays_load(model, load_s),
             remaining_s(backends[i]) / backends[i].slots + own_s * backends[i].slowness,
             i,
         ),

@@ -1,4 +1,6 @@
-"""Service time in seconds, per backend model: S = c0 + c_p * prompt_tokens + c_d * output_tokens.
+"""Service time in seconds, per backend model: S = c0 + c_p * prompt_tokens + c_d * output_tokens,
+and each (backend, model)'s load cost: the seconds a backend that loads models on demand (Ollama,
+llama-swap) spends loading a model it does not hold before it can answer.
 
 Fitted online by recursive least squares with a forgetting factor (recent requests weigh more, so
 a backend that changes speed is followed), seeded with defaults that hold until there is data: the
@@ -7,9 +9,16 @@ name (``None`` = the default model). The state is persisted atomically (write a 
 then ``os.replace``) to a JSON file, so a restart keeps what was learned.
 
 Inputs come from completed requests through one call,
-``observe(model, prompt_tokens, output_tokens, duration_s)``; predictions through
-``predict_s(model, prompt_tokens, output_tokens)``. Nothing here reads a clock or does I/O except
-``save``/``load``.
+``observe(model, prompt_tokens, output_tokens, duration_s)`` (the duration without any load it
+paid); predictions through ``predict_s(model, prompt_tokens, output_tokens)``.
+
+Load costs are a moving average per (backend, model), seeded with ``ServiceTimeDefaults.load_s``
+(worth one observation), taught by ``observe_load(backend, model, load_s)`` (Ollama's
+``load_duration``) or by ``observe_first_byte(backend, model, first_byte_s, after_switch)``: a
+streamed answer's first-byte delay, whose moving average over answers that followed no switch is
+the baseline that an answer following a switch exceeds by its load. Read by ``load_s``.
+
+Nothing here reads a clock or does I/O except ``save``/``load``.
 """
 
 from __future__ import annotations
@@ -23,12 +32,18 @@ from typing import Any
 
 from clairvoyant.state_file import atomic_writer
 
-__all__ = ["ServiceTimeDefaults", "ServiceTimeModel", "write_state"]
+__all__ = ["FREE_LOAD_S", "LOAD_WEIGHT", "ServiceTimeDefaults", "ServiceTimeModel", "write_state"]
 
 logger = logging.getLogger(__name__)
 
 _MIN_SERVICE_S = 0.01
 _MAX_MODELS = 64  # bounded: model names come from clients
+_MAX_BACKENDS = 64  # load costs are kept for this many backends at most (they come from the configuration)
+LOAD_WEIGHT = 0.25  # of each new load sample in its moving average (about the last 4 switches)
+# A learned load this short (seconds) counts as none: no reason to put a switch off or route around
+# it (a backend that holds both models, or a server that answers every model name with one model).
+FREE_LOAD_S = 0.5
+FIRST_BYTE_WEIGHT = 0.1  # of each new first-byte delay in the baseline (about the last 10 answers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +55,9 @@ class ServiceTimeDefaults:
     c_decode_s: float = 0.02  # seconds per output token (decode)
     prior_weight: float = 20.0  # the defaults count as this many observations
     forgetting: float = 0.995  # RLS forgetting factor per observation (effective memory ~200)
+    # Seconds to load a model not held, until measured (worth one observation): a few-GB model
+    # read from a local disk by Ollama or a llama-server that llama-swap starts.
+    load_s: float = 5.0
 
 
 @dataclass(slots=True)
@@ -78,12 +96,22 @@ class _Rls:
 
 
 @dataclass(slots=True)
+class _Load:
+    """One (backend, model)'s load cost."""
+
+    load_s: float  # moving average of measured loads, seconds (the prior until observed)
+    n: int = 0  # loads observed
+    first_byte_s: float | None = None  # moving first-byte delay of streamed answers that followed no switch
+
+
+@dataclass(slots=True)
 class ServiceTimeModel:
     """Per-model online linear service-time model (see the module docstring)."""
 
     defaults: ServiceTimeDefaults = field(default_factory=ServiceTimeDefaults)
     path: Path | None = None  # state file; None = in memory only
     _models: dict[str, _Rls] = field(default_factory=dict)
+    _loads: dict[str, dict[str, _Load]] = field(default_factory=dict)  # backend -> model ("" = default) -> cost
     # (defaults, the trace of their fresh covariance): computed once per defaults, not per observation
     _trace: tuple[ServiceTimeDefaults, float] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -144,6 +172,75 @@ class ServiceTimeModel:
             "observations": float(rls.n),
         }
 
+    # -- load costs ------------------------------------------------------------------------------
+    def load_s(self, backend: str, model: str | None) -> float:
+        """Predicted seconds ``backend`` takes to load ``model`` when it does not hold it."""
+        load = self._loads.get(backend, {}).get(model or "")
+        return self.defaults.load_s if load is None else load.load_s
+
+    def _load(self, backend: str, model: str | None) -> _Load | None:
+        models = self._loads.get(backend)
+        if models is None:
+            if len(self._loads) >= _MAX_BACKENDS:
+                return None
+            models = self._loads[backend] = {}
+        key = model or ""
+        load = models.get(key)
+        if load is None:
+            if len(models) >= _MAX_MODELS:
+                return None
+            load = models[key] = _Load(self.defaults.load_s)
+        return load
+
+    def observe_load(self, backend: str, model: str | None, load_s: float) -> None:
+        """``backend`` took ``load_s`` seconds to load ``model`` (Ollama's ``load_duration``, or the
+        excess first-byte delay of an answer that followed a switch). A moving average in which the
+        prior counts as one observation: the first sample weighs 1/2, then 1/3, down to ``LOAD_WEIGHT``."""
+        if not (load_s >= 0 and math.isfinite(load_s)):
+            return
+        load = self._load(backend, model)
+        if load is None:
+            return
+        weight = max(LOAD_WEIGHT, 1.0 / (load.n + 2))
+        load.load_s += weight * (load_s - load.load_s)
+        load.n += 1
+
+    def observe_first_byte(
+        self, backend: str, model: str | None, first_byte_s: float, *, after_switch: bool
+    ) -> float | None:
+        """A streamed answer's first byte came ``first_byte_s`` seconds after it was sent to
+        ``backend``. One that followed no switch updates the baseline (its moving average); one
+        that followed a switch teaches the load cost: its delay beyond the baseline (the backend's
+        other models' while this one has none; 0 while no model has one), which is returned. None
+        when nothing was learned."""
+        if not (first_byte_s >= 0 and math.isfinite(first_byte_s)):
+            return None
+        load = self._load(backend, model)
+        if load is None:
+            return None
+        baseline = load.first_byte_s
+        if not after_switch:
+            load.first_byte_s = (
+                first_byte_s if baseline is None else baseline + FIRST_BYTE_WEIGHT * (first_byte_s - baseline)
+            )
+            return None
+        if baseline is None:  # none for this model yet: the backend's others' (a first token is a first token)
+            others = [x.first_byte_s for x in self._loads[backend].values() if x.first_byte_s is not None]
+            baseline = sum(others) / len(others) if others else 0.0
+        measured = max(0.0, first_byte_s - baseline)
+        self.observe_load(backend, model, measured)
+        return measured
+
+    def loads(self) -> dict[str, dict[str, dict[str, float]]]:
+        """Per backend, per model ("default" for none): the load cost in seconds and how many loads taught it."""
+        return {
+            backend: {
+                (model or "default"): {"load_s": load.load_s, "observations": float(load.n)}
+                for model, load in models.items()
+            }
+            for backend, models in self._loads.items()
+        }
+
     # -- persistence ---------------------------------------------------------------------------
     def save(self) -> None:
         """Write the state atomically (temporary file in the same folder, then rename)."""
@@ -159,6 +256,12 @@ class ServiceTimeModel:
                 name: {"theta": list(r.theta), "p": [list(row) for row in r.p], "n": r.n}
                 for name, r in self._models.items()
             },
+            "loads": {
+                backend: {
+                    model: {"load_s": x.load_s, "n": x.n, "first_byte_s": x.first_byte_s} for model, x in models.items()
+                }
+                for backend, models in self._loads.items()
+            },
         }
 
     def load(self) -> bool:
@@ -173,12 +276,24 @@ class ServiceTimeModel:
             }
             if any(len(r.theta) != 3 or len(r.p) != 3 for r in models.values()):
                 raise ValueError("wrong shape")
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            loads = {  # absent from files written before load costs were learned
+                str(backend): {
+                    str(model): _Load(
+                        float(x["load_s"]),
+                        int(x["n"]),
+                        None if x.get("first_byte_s") is None else float(x["first_byte_s"]),
+                    )
+                    for model, x in by_model.items()
+                }
+                for backend, by_model in state.get("loads", {}).items()
+            }
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             logger.warning(
                 "service-time state %s unreadable (%s); starting from the defaults", self.path, type(exc).__name__
             )
             return False
         self._models = models
+        self._loads = loads
         return True
 
 

@@ -28,7 +28,6 @@ import inspect
 import json
 import math
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -292,18 +291,19 @@ def report(cal: Calibration) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    def progress(done: int, total: int) -> None:
-        print(f"\rmeasured {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
+    from clairvoyant.tools.progress import progress
 
-    cal = measure(
-        args.backend,
-        dialect=args.dialect,
-        model=args.model,
-        n=args.n,
-        warmup=args.warmup,
-        timeout_s=args.timeout,
-        progress=progress,
-    )
+    # A bar on a terminal; piped or logged, one plain line per measured request.
+    with progress(args.n, desc="measuring Short requests", unit="req") as bar:
+        cal = measure(
+            args.backend,
+            dialect=args.dialect,
+            model=args.model,
+            n=args.n,
+            warmup=args.warmup,
+            timeout_s=args.timeout,
+            progress=lambda done, total: bar.update(1),
+        )
     print(report(cal))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -1,11 +1,17 @@
 """`clairvoyant keys`: make a client API key, or hash an existing one, for the ``api_keys`` setting.
 
-The key is printed once; the config keeps only its hash (``sha256:<hex>``).
+    clairvoyant keys add --tenant team-a >> clairvoyant.toml    # then: clairvoyant serve --config clairvoyant.toml
+    clairvoyant keys hash < key.txt
+
+``keys add`` shows the new key once, on standard error (the terminal, when standard output goes to a
+file), and writes only its config entry to standard output: the ``[[api_keys]]`` table with the key's
+hash (``sha256:<hex>``), never the key itself. So the file it is appended to holds no secret.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 __all__ = ["add_arguments", "run"]
@@ -13,7 +19,9 @@ __all__ = ["add_arguments", "run"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
-    add = sub.add_parser("add", help="make a new key for a tenant and print its config entry")
+    add = sub.add_parser(
+        "add", help="make a new key for a tenant: the key on standard error, its config entry on standard output"
+    )
     add.add_argument("--tenant", required=True, help="the tenant its requests belong to")
     add.add_argument("--min-priority", type=int, default=0, help="most urgent priority it may ask for (default 0)")
     add.add_argument("--max-priority", type=int, default=10, help="least urgent priority it may ask for (default 10)")
@@ -41,7 +49,14 @@ def run(args: argparse.Namespace) -> int:
         max_priority=args.max_priority,
         weight=args.weight,
     )  # validates the range and weight
-    print(f"# the key (shown once; give it to the client as Authorization: Bearer KEY):\n# {key}")
+    # The key goes to standard error only: standard output is the config entry, meant for a file.
+    print(
+        f"New key for tenant {entry.tenant!r}, shown this once (the config keeps only its hash):\n"
+        f"  {key}\n"
+        "Give it to the client, which sends it as Authorization: Bearer KEY (or X-Api-Key: KEY).",
+        file=sys.stderr,
+    )
+    print()  # appended with >>, the entry starts on a line of its own, whatever the file ended with
     print("[[api_keys]]")
     print(f'hash = "{entry.hash}"')
     print(f"tenant = {_toml_string(entry.tenant)}")
@@ -50,4 +65,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _toml_string(value: str) -> str:
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """A TOML basic string: JSON's escapes (quote, backslash, control characters, \\uXXXX) are TOML's."""
+    return json.dumps(value)

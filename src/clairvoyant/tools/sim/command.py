@@ -3,7 +3,8 @@
     clairvoyant simulate run        [workload flags] [--conditions fcfs sjf:10.5 sjf:inf]
     clairvoyant simulate tau-sweep  [workload flags] [--mu-short 3.5|fcfs] [--multiples 0.5 1 2 3 5 10]
     clairvoyant simulate spectrum   [workload flags] [--rhos 0.3 0.5 0.6 0.74 0.85] [--tau-multiple 3]
-    clairvoyant simulate compare    [--n 2000] [--seeds 5] [--prompts FILE] [--workloads paper heavy tenants]
+    clairvoyant simulate compare    [--n 2000] [--seeds 5] [--prompts FILE]
+                                    [--workloads paper heavy tenants models deadlines] [--switch-s 5]
 
 Workload defaults are the paper's (5.5): Poisson lambda = 0.12/s, N(3.5, 0.8) Short and
 N(8.9, 2.0) Long 50/50 (clipped at --floor), n = 2,000, 5 seeds, oracle predictor, one slot.
@@ -45,9 +46,11 @@ def _mix(text: str) -> dict[str, float]:
     return out
 
 
-def _condition(text: str) -> tuple[str, float, float, float | None, bool]:
-    """POLICY[:TAU_S[+SLOWDOWN[cv]]][@GAMMA], e.g. ``sjf:10.5``, ``sjf:1+3.2``, ``sjf:1+2.56cv``
-    (adaptive: x (1 + CV^2) of measured service times), ``boost:25@0.02``."""
+def _condition(text: str) -> tuple[str, float, float, float | None, bool, float]:
+    """POLICY[:TAU_S[+SLOWDOWN[cv]]][@GAMMA][/BOUND_S], e.g. ``sjf:10.5``, ``sjf:1+3.2``, ``sjf:1+2.56cv``
+    (adaptive: x (1 + CV^2) of measured service times), ``boost:25@0.02``, ``sjf:1+2.56cv/30`` (requests
+    grouped by model, a switch put off at most 30 s)."""
+    text, _, bound = text.partition("/")
     rest, _, gamma = text.partition("@")
     policy, _, guard = rest.partition(":")
     tau, _, slowdown = guard.partition("+")
@@ -60,9 +63,12 @@ def _condition(text: str) -> tuple[str, float, float, float | None, bool]:
             float(slowdown) if slowdown else 0.0,
             float(gamma) if gamma else None,
             adaptive,
+            float(bound) if bound else 0.0,
         )
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected POLICY[:TAU_S[+SLOWDOWN[cv]]][@GAMMA], got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected POLICY[:TAU_S[+SLOWDOWN[cv]]][@GAMMA][/BOUND_S], got {text!r}"
+        ) from None
 
 
 def _add_workload_flags(p: argparse.ArgumentParser, *, with_rate: bool = True) -> None:
@@ -80,6 +86,19 @@ def _add_workload_flags(p: argparse.ArgumentParser, *, with_rate: bool = True) -
     g.add_argument("--seeds", type=int, default=5, help="number of seeds (default 5)")
     g.add_argument("--seed-base", type=int, default=0, help="first seed (default 0)")
     g.add_argument("--slots", type=int, default=1, help="parallel backend slots (default 1)")
+    g.add_argument(
+        "--models", type=int, default=1,
+        help="models the requests ask for, in equal shares; each slot holds one at a time (default 1)",
+    )  # fmt: skip
+    g.add_argument(
+        "--switch-s", type=float, default=0.0,
+        help="seconds a slot takes to load a model it does not hold (default 0; with --models 2, e.g. 5)",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-wait", type=_seconds_list, default=(), metavar="S,S,...",
+        help="queue deadlines, seconds after arrival, drawn uniformly per request; a request not sent by "
+        "then is withdrawn (default: none)",
+    )  # fmt: skip
     g.add_argument(
         "--service", choices=("normal", "lognormal", "replay", "prompts"), default="normal",
         help="service-time model (default normal, the paper's)",
@@ -135,9 +154,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _add_workload_flags(p)
     p.add_argument(
-        "--conditions", nargs="+", type=_condition, default=[("fcfs", math.inf, 0.0, None, False), ("sjf", math.inf, 0.0, None, False)],
-        metavar="POLICY[:TAU_S[+SLOWDOWN[cv]]][@GAMMA]",
-        help="e.g. fcfs sjf:10.5 sjf:inf sjf:1+3.2 sjf:1+2.56cv boost:25@0.02 hrrn (default fcfs sjf:inf)",
+        "--conditions", nargs="+", type=_condition,
+        default=[("fcfs", math.inf, 0.0, None, False, 0.0), ("sjf", math.inf, 0.0, None, False, 0.0)],
+        metavar="POLICY[:TAU_S[+SLOWDOWN[cv]]][@GAMMA][/BOUND_S]",
+        help="e.g. fcfs sjf:10.5 sjf:inf sjf:1+3.2 sjf:1+2.56cv sjf:1+2.56cv/30 boost:25@0.02 hrrn (default fcfs sjf:inf)",
     )  # fmt: skip
     p = sub.add_parser(
         "tau-sweep", help="paper 5.5: starvation timeout sweep", description="paper 5.5: starvation timeout sweep"
@@ -178,7 +198,14 @@ def _add_compare(sub: Any) -> None:
     p.add_argument("--c0", type=float, default=0.3, help="heavy workload: seconds per request (default 0.3)")
     p.add_argument("--c-tok", type=float, default=0.02, help="heavy workload: seconds per answer token (default 0.02)")
     p.add_argument(
-        "--workloads", nargs="+", default=["paper", "heavy", "tenants"], choices=["paper", "heavy", "tenants"]
+        "--workloads", nargs="+", default=["paper", "heavy", "tenants"],
+        choices=["paper", "heavy", "tenants", "models", "deadlines"],
+    )  # fmt: skip
+    p.add_argument(
+        "--switch-s",
+        type=float,
+        default=5.0,
+        help="models and deadlines workloads: seconds to load a model (default 5)",
     )
     p.add_argument("--out", type=Path, default=Path("results/sim"), help="directory for JSON/MD (default results/sim)")
     p.add_argument("--name", default="sim_compare", help="file name stem (default sim_compare)")
@@ -195,7 +222,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     with progress_bar(desc=args.name, unit="run", disable=args.no_progress, file=sys.stderr) as bar:
         data = compare.compare(
             n=args.n, seeds=range(args.seeds), prompts=prompts, model=args.model, c0_s=args.c0, c_tok_s=args.c_tok,
-            workloads=args.workloads, progress=bar.update,
+            workloads=args.workloads, progress=bar.update, switch_s=args.switch_s,
         )  # fmt: skip
     text = compare.compare_markdown(data)
     out: Path = args.out
@@ -242,11 +269,24 @@ def _scorer(args: argparse.Namespace, service: Any) -> Any:
     return pr.PredictorScorer(OnnxPredictor(args.model), service.records)
 
 
-def _condition_name(policy: str, tau: float, slowdown: float, gamma: float | None, adaptive: bool = False) -> str:
+def _condition_name(
+    policy: str, tau: float, slowdown: float, gamma: float | None, adaptive: bool = False, bound_s: float = 0.0
+) -> str:
     if math.isinf(tau) and policy == "fcfs" and gamma is None:
         return policy
     name = f"{policy} tau={tau:g}" + (f"+{slowdown:g}{'x(1+CV2)' if adaptive else ''}xS" if slowdown else "")
-    return name + (f" gamma={gamma:g}" if gamma is not None else "")
+    name += f" gamma={gamma:g}" if gamma is not None else ""
+    return name + (f" switch bound {bound_s:g} s" if bound_s else "")
+
+
+def _seconds_list(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds separated by commas, got {text!r}") from None
+    if any(not v >= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"queue deadlines must be >= 0 seconds, got {text!r}")
+    return values
 
 
 def _mu_short(text: str) -> float | str:
@@ -274,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
         args.rate = 0.12
     setup = ex.Setup(
         service, args.n, seeds, getattr(args, "arrivals", "poisson"), getattr(args, "rate", None),
-        getattr(args, "rho", None), args.slots, scorer,
+        getattr(args, "rho", None), args.slots, scorer, args.models, args.switch_s, tuple(args.max_wait),
     )  # fmt: skip
     if command == "run":
         runs = len(args.conditions)
@@ -289,14 +329,15 @@ def run(args: argparse.Namespace) -> int:
 
             conds = [
                 ex.Condition(
-                    _condition_name(p, t, m, g, a),
+                    _condition_name(p, t, m, g, a, b),
                     p,
                     t,
                     slowdown=m,
                     adaptive_slowdown=a,
                     params=PolicyParams(boost_gamma_per_s=g) if g is not None else PolicyParams(),
+                    model_switch_bound_s=b,
                 )  # fmt: skip
-                for p, t, m, g, a in args.conditions
+                for p, t, m, g, a, b in args.conditions
             ]
             results = ex.run_conditions(setup, conds, bar.update)
             result: dict[str, Any] = {
@@ -354,6 +395,9 @@ def _tables(result: dict[str, Any], report: Any) -> str:
             f"mu_short = {result['mu_short_s']:.3f} s ({result['mu_short_source']}); measured FCFS mean Short "
             f"sojourn = {result['fcfs_mean_short_sojourn_s']:.3f} s, mean Short wait = {result['fcfs_mean_short_wait_s']:.3f} s"
         )
+    if setup.get("models", 1) > 1 or setup.get("max_wait_s"):
+        lines += ["", "model switches, sojourn (s) and deadlines, mean ± std over seeds:"]
+        lines += [report.switch_table(result["conditions"])]
     lines += ["", "sojourn (s), mean ± std over seeds:", report.conditions_table(result["conditions"], "sojourn")]
     lines += ["", "wait (s), mean ± std over seeds:", report.conditions_table(result["conditions"], "wait")]
     if "change_vs_fcfs" in result:
@@ -380,4 +424,8 @@ def _setup_line(setup: dict[str, Any]) -> str:
         f"slots={setup.get('slots')}",
         f"predictor={setup.get('predictor')}",
     ]
+    if setup.get("models", 1) > 1:
+        parts.append(f"models={setup['models']} switch={setup.get('switch_s', 0.0):g}s")
+    if setup.get("max_wait_s"):
+        parts.append("deadlines=" + ",".join(f"{d:g}" for d in setup["max_wait_s"]) + "s")
     return " ".join(parts)

@@ -9,6 +9,11 @@ Workloads (n requests x seeds each; common random numbers across conditions):
   each completion as the proxy does ("learned S"; the real predictor only, which has tokens).
 - ``tenants``: tenant 0 floods (half the requests in one batch at t = 0), tenant 1 is interactive
   (Poisson at rho 0.3 on its own), paper service times; also tenant 1 alone, for the 2x target.
+- ``models``: two models 50/50 on one serial backend that holds one model at a time and takes
+  ``switch_s`` (5 s) to load the other; paper service times, Poisson at rho 0.6 counted without
+  loads. Conditions: fcfs, the paper's rule, the default without model affinity and the default.
+- ``deadlines``: the ``models`` workload with a queue deadline on every request, drawn from
+  10, 30, 60 and 120 s: a request not dispatched by then is withdrawn, never sent.
 
 Predictors: ``oracle`` (true seconds), ``label`` (class label right 80% of the time), ``noisy``
 (pairwise accuracy 0.8), ``onnx`` (the shipped model; heavy workload only).
@@ -38,11 +43,11 @@ from clairvoyant.tools.sim.experiments import (
 from clairvoyant.tools.sim.predictors import LabelScorer, NoisyScorer, OracleScorer, PredictorScorer, Scorer
 from clairvoyant.tools.sim.workload import PromptService, load_prompts
 
-__all__ = ["compare", "compare_json", "compare_markdown", "default_conditions"]
+__all__ = ["compare", "compare_json", "compare_markdown", "default_conditions", "switch_conditions"]
 
 
 def _default_condition() -> Condition:
-    """The proxy's default settings, as a simulator condition."""
+    """The proxy's default settings, as a simulator condition (model affinity included)."""
     from clairvoyant.config import Settings  # config is below the proxy layers: no app import
 
     defaults = {name: f.default for name, f in Settings.model_fields.items()}  # defaults only, no environment
@@ -50,10 +55,24 @@ def _default_condition() -> Condition:
     adaptive = defaults["starvation_slowdown_adaptive"]
     slowdown = f"{defaults['starvation_slowdown']:g}x(1+CV2)" if adaptive else f"{defaults['starvation_slowdown']:g}"
     return Condition(
-        f"default ({defaults['policy']} tau={defaults['starvation_timeout_s']:g}+{slowdown}xS)",
+        f"default ({defaults['policy']} tau={defaults['starvation_timeout_s']:g}+{slowdown}xS, "
+        f"switch bound {defaults['model_switch_bound_s']:g} s)",
         defaults["policy"], defaults["starvation_timeout_s"], slowdown=defaults["starvation_slowdown"],
         fair_share=defaults["fair_share"], params=params, adaptive_slowdown=adaptive,
+        model_switch_bound_s=defaults["model_switch_bound_s"],
     )  # fmt: skip
+
+
+def switch_conditions() -> list[Condition]:
+    """fcfs, the paper's rule, the default without model affinity, the default."""
+    default = _default_condition()
+    unaffined = replace(default, name="default, no model affinity", model_switch_bound_s=0.0)
+    return [Condition("fcfs", "fcfs"), Condition("sjf tau=10.5 (paper)", "sjf", 10.5), unaffined, default]
+
+
+SWITCH_S = 5.0  # the models workload's load, seconds
+SWITCH_RHO = 0.6  # its utilisation, counted without loads
+DEADLINES_S = (10.0, 30.0, 60.0, 120.0)  # the deadlines workload's queue deadlines, drawn uniformly
 
 
 def default_conditions() -> list[Condition]:
@@ -86,6 +105,7 @@ def compare(
     c_tok_s: float = 0.02,
     workloads: Sequence[str] = ("paper", "heavy", "tenants"),
     progress: Any = None,
+    switch_s: float = SWITCH_S,
 ) -> dict[str, Any]:
     """Run every condition on every (workload, predictor) pair; JSON-ready results."""
     conditions = default_conditions()
@@ -120,6 +140,12 @@ def compare(
         )
         block("tenants", Setup(paper_service(), n, seeds, "tenants", rho=0.3, scorer=scorer), _with_fair_share(conditions),
               {"alone": alone})  # fmt: skip
+    for name, deadlines in (("models", ()), ("deadlines", DEADLINES_S)):
+        if name in workloads:
+            for scorer in (LabelScorer(0.8), OracleScorer()):
+                setup = Setup(paper_service(), n, seeds, rho=SWITCH_RHO, scorer=scorer, models=2, switch_s=switch_s,
+                              max_wait_s=deadlines)  # fmt: skip
+                block(name, setup, switch_conditions())
     return {"experiment": "compare", "blocks": blocks}
 
 
@@ -141,6 +167,9 @@ def compare_markdown(data: dict[str, Any]) -> str:
         acc = results[0].mean("accuracy")
         lines += ["", f"### {b['workload']} workload, {b['predictor']} predictor"
                   + ("" if math.isnan(acc) else f" (Short-vs-Long pairwise accuracy {acc:.3f})"), ""]  # fmt: skip
+        if b["workload"] in ("models", "deadlines"):
+            lines += _switch_table(b, results)
+            continue
         if b["workload"] == "tenants":
             alone = {r.condition.name: r for r in b["alone"]}
             lines += [
@@ -171,6 +200,34 @@ def compare_markdown(data: dict[str, Any]) -> str:
         0, "Sojourn times in seconds (arrival to completion), mean ± std over seeds; changes per seed vs FCFS."
     )
     return "\n".join(lines)
+
+
+def _switch_table(block: dict[str, Any], results: list[ConditionResult]) -> list[str]:
+    """Swaps, Short P50/P95, all-request P99, mean, deadlines met; ratios to the default without model affinity."""
+    setup = block["setup"]
+    base = next(r for r in results if r.condition.name == "default, no model affinity")
+    deadlines = block["workload"] == "deadlines"
+    lines = [
+        f"two models 50/50, a {setup['switch_s']:g} s load to switch, rho {setup['rho_nominal']:.2f} without loads"
+        + (f"; queue deadlines {', '.join(f'{d:g}' for d in setup['max_wait_s'])} s (percentiles over the requests served)" if deadlines else ""),
+        "",
+        "| condition | swaps | Short P50 | Short P95 | all P99 | mean | deadlines met | mean vs no affinity | all P99 vs no affinity |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for r in results:
+        met = f"{r.mean('deadline.met') * 100:.1f}% ± {r.summary['deadline.met']['std'] * 100:.1f}" if deadlines else ""
+        lines.append(
+            f"| {r.condition.name} | {r.mean('switches'):.1f} ± {r.summary['switches']['std']:.1f} | {_cell(r, 'short.sojourn.p50')} | {_cell(r, 'short.sojourn.p95')} | "
+            f"{_cell(r, 'all.sojourn.p99')} | {_cell(r, 'all.sojourn.mean')} | {met} | "
+            f"{_ratio(r, base, 'all.sojourn.mean')} | {_ratio(r, base, 'all.sojourn.p99')} |"
+        )  # fmt: skip
+    return lines
+
+
+def _ratio(result: ConditionResult, base: ConditionResult, key: str) -> str:
+    """result / base per seed, mean ± std (x 100 %)."""
+    c = relative_change(result, base, key)
+    return f"{(1 + c['mean']) * 100:.1f}% ± {c['std'] * 100:.1f}"
 
 
 def compare_json(data: dict[str, Any]) -> dict[str, Any]:

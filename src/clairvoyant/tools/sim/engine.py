@@ -9,6 +9,17 @@ Event order at equal times: every arrival at time t is queued before the dispatc
 (a burst at t = 0 is therefore ordered by the policy from the first pop on). Slots free at the
 same time are served lowest index first. Work-conserving: a slot is never idle while a request
 waits.
+
+Models (a workload with a ``model`` column): each slot is a backend that holds one model. A request
+for another model first pays ``switch_s`` seconds of load. The decision is the proxy's:
+``queue.pop_for(now, [Lane])`` (scheduling/affinity.py) with what the slot holds, its last switch and
+the load cost it believes (``ServiceTimeModel.load_s``, taught each load as Ollama's
+``load_duration`` teaches the proxy), and a request sent to a slot without its model is charged
+that load in fair share, as the dispatcher charges it.
+
+Queue deadlines (a workload with ``max_wait_s``): at each decision the jobs whose deadline has come
+are withdrawn first (``scheduling.expiry.Expiry``, as the dispatcher does), so no request is ever
+dispatched at or after its deadline; a withdrawn request is never served.
 """
 
 from __future__ import annotations
@@ -19,7 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from clairvoyant.scheduling.affinity import Lane
 from clairvoyant.scheduling.boost import bucket_for
+from clairvoyant.scheduling.expiry import Expiry
 from clairvoyant.scheduling.job_queue import Job
 from clairvoyant.scheduling.policy import PolicyParams, SchedulingPolicy, build_queue, make_policy
 from clairvoyant.scheduling.service_time import ServiceTimeModel
@@ -48,21 +61,25 @@ class Beliefs:
 
 @dataclass(frozen=True, slots=True)
 class Schedule:
-    """What happened to each request of a workload (arrays indexed like the workload)."""
+    """What happened to each request of a workload (arrays indexed like the workload). A request
+    withdrawn at its queue deadline has NaN start, end and slot -1."""
 
-    start_s: np.ndarray  # virtual seconds when a slot was granted
-    end_s: np.ndarray  # virtual seconds when the backend finished
+    start_s: np.ndarray  # virtual seconds when a slot was granted (the request is sent)
+    end_s: np.ndarray  # virtual seconds when the backend finished (after any load)
     slot: np.ndarray  # which slot served it
     order: np.ndarray  # request indices in dispatch order
     promoted: np.ndarray  # bool: dispatched by a starvation rule against the policy's order
     promotions: int  # number of promoted dispatches
+    load_s: np.ndarray | None = None  # float64 seconds of model load paid before its service (models only)
+    switches: int = 0  # dispatches to a slot that held another model
+    expired: np.ndarray | None = None  # bool: withdrawn at its queue deadline, never sent (deadlines only)
 
     def wait_s(self, workload: Workload) -> np.ndarray:
         """Queueing delay: slot granted minus arrival."""
         return self.start_s - workload.arrival_s
 
     def sojourn_s(self, workload: Workload) -> np.ndarray:
-        """End-to-end latency: wait + service."""
+        """End-to-end latency: wait + load + service."""
         return self.end_s - workload.arrival_s
 
 
@@ -78,6 +95,8 @@ def simulate(
     params: PolicyParams | None = None,
     priority: np.ndarray | None = None,
     service_time: ServiceTimeModel | None = None,
+    model_switch_bound_s: float = 0.0,
+    switch_s: float = 0.0,
 ) -> Schedule:
     """Run ``workload`` through the proxy's queue (``policy.build_queue``) with ``slots`` servers.
 
@@ -88,7 +107,9 @@ def simulate(
     the workload's tenants feed the job record. With ``service_time`` (and predicted tokens in the
     beliefs) predicted seconds come from that online model as in the proxy: predicted at arrival,
     taught each completion's measured seconds with the predicted tokens (as the dispatcher does: see
-    ``Dispatcher._learn``). Raises ValueError on mismatched lengths,
+    ``Dispatcher._learn``). ``model_switch_bound_s`` > 0 groups requests by model (``ModelAffinity``);
+    ``switch_s`` is the true load a slot pays for a request whose model it does not hold (the
+    workload's models; the first load of a slot too). Raises ValueError on mismatched lengths,
     ``slots`` < 1 or a non-positive timeout.
     """
     n = len(workload)
@@ -97,10 +118,13 @@ def simulate(
         raise ValueError("one score per request is needed")
     if slots < 1:
         raise ValueError("slots must be >= 1")
+    if not (switch_s >= 0 and math.isfinite(switch_s)):
+        raise ValueError("switch_s must be a finite number of seconds >= 0")
     pol = make_policy(policy, params) if isinstance(policy, str) else policy
     queue = build_queue(
-        pol, starvation_timeout_s=starvation_timeout_s, starvation_slowdown=starvation_slowdown, fair_share=fair_share
-    )
+        pol, starvation_timeout_s=starvation_timeout_s, starvation_slowdown=starvation_slowdown, fair_share=fair_share,
+        model_switch_bound_s=model_switch_bound_s,
+    )  # fmt: skip
 
     arrival = workload.arrival_s.tolist()
     service = workload.service_s.tolist()
@@ -111,21 +135,38 @@ def simulate(
     learn = service_time is not None and tokens is not None
     prio = [0] * n if priority is None else [int(p) for p in priority]
     tenant = [""] * n if workload.tenant is None else [str(t) for t in workload.tenant.tolist()]
+    model: list[str | None] = [None] * n if workload.model is None else [f"m{m}" for m in workload.model.tolist()]
+    expires = [math.inf] * n
+    if workload.max_wait_s is not None:
+        expires = [a + w for a, w in zip(arrival, workload.max_wait_s.tolist())]
     jobs: list[Job[int] | None] = [None] * n
-    start = [0.0] * n
-    end = [0.0] * n
-    slot_of = [0] * n
+    start = [math.nan] * n
+    end = [math.nan] * n
+    slot_of = [-1] * n
     promoted = [False] * n
+    paid = [0.0] * n
+    gone = [False] * n
     order: list[int] = []
     promotions = 0
+    switches = 0
+
+    # Each slot is a backend that holds one model: what it holds, since when, what it believes a load costs.
+    models = workload.model is not None
+    loads = (service_time or ServiceTimeModel()) if models else None
+    held: list[str | None] = [None] * slots
+    switched_s = [-math.inf] * slots
+    names = [f"slot{s}" for s in range(slots)]
+    pop_for = getattr(queue, "pop_for", None)
+    expiry: Expiry[int] | None = Expiry() if workload.max_wait_s is not None else None
 
     free: list[tuple[float, int]] = [(-math.inf, s) for s in range(slots)]  # (free at, slot)
     running: list[tuple[float, int]] = []  # (end, request) not yet reported to the policy
     now = -math.inf  # decision times never go backwards
     nxt = 0  # next request to arrive
+    settled = 0  # requests dispatched or withdrawn
     push, pop, done, observe = queue.push, queue.pop, queue.done, pol.observe
     spread = starvation_slowdown if isinstance(starvation_slowdown, AdaptiveSlowdown) else None
-    for _ in range(n):
+    while settled < n:
         free_at, slot = heapq.heappop(free)
         t = free_at if free_at > now else now
         if not len(queue) and arrival[nxt] > t:
@@ -142,19 +183,50 @@ def simulate(
             if learn:
                 p_s = service_time.predict_s(None, 0, tokens[nxt])  # type: ignore[union-attr,index]
                 job = Job(
-                    nxt, arrival[nxt], score[nxt], tokens[nxt], p_s, bucket_for(p_s), None, prio[nxt], tenant[nxt]
-                )  # type: ignore[index]
+                    nxt, arrival[nxt], score[nxt], tokens[nxt], p_s, bucket_for(p_s), None, prio[nxt], tenant[nxt],
+                    model[nxt], expires[nxt],
+                )  # type: ignore[index]  # fmt: skip
             else:
-                job = Job(nxt, arrival[nxt], score[nxt], 0.0, pred[nxt], bucket[nxt], None, prio[nxt], tenant[nxt])
+                job = Job(
+                    nxt, arrival[nxt], score[nxt], 0.0, pred[nxt], bucket[nxt], None, prio[nxt], tenant[nxt],
+                    model[nxt], expires[nxt],
+                )  # fmt: skip
             jobs[nxt] = job
             push(job)
+            if expiry is not None:
+                expiry.add(job)
             nxt += 1
-        got = pop(t)
-        assert got is not None  # the queue holds at least the arrival at t
+        if expiry is not None:
+            for job in expiry.due(t):  # withdrawn at its deadline, before anything is sent at t
+                queue.remove(job)
+                gone[job.payload] = True
+                settled += 1
+            if not len(queue):
+                heapq.heappush(free, (t, slot))  # everything waiting expired: wait for the next arrival
+                now = t
+                continue
+        if pop_for is not None and loads is not None:
+            name, holding = names[slot], held[slot]
+            lane = Lane(
+                lambda m, h=holding: m == h, _serves_any, lambda m, b=name: loads.load_s(b, m), switched_s[slot]
+            )  # type: ignore[misc]
+            got = pop_for(t, [lane])
+        else:
+            got = pop(t)
+        assert got is not None  # the queue holds at least one job at t
         job, was_promoted = got
         i = job.payload
+        begin = t
+        if loads is not None and model[i] != held[slot]:  # a load before the service
+            switches += held[slot] is not None
+            charged = loads.load_s(names[slot], model[i])
+            queue.repriced(job, job.predicted_s - charged)  # its tenant pays the load, as in the proxy
+            loads.observe_load(names[slot], model[i], switch_s)  # measured, as Ollama reports it
+            held[slot], switched_s[slot] = model[i], t
+            paid[i] = switch_s
+            begin = t + switch_s
         start[i] = t
-        end[i] = t + service[i]
+        end[i] = begin + service[i]
         slot_of[i] = slot
         promoted[i] = was_promoted
         promotions += was_promoted
@@ -162,6 +234,7 @@ def simulate(
         heapq.heappush(free, (end[i], slot))
         heapq.heappush(running, (end[i], i))
         now = t
+        settled += 1
     return Schedule(
         start_s=np.asarray(start),
         end_s=np.asarray(end),
@@ -169,4 +242,11 @@ def simulate(
         order=np.asarray(order, dtype=np.int64),
         promoted=np.asarray(promoted, dtype=bool),
         promotions=promotions,
+        load_s=np.asarray(paid) if models else None,
+        switches=switches,
+        expired=np.asarray(gone, dtype=bool) if expiry is not None else None,
     )
+
+
+def _serves_any(model: str | None) -> bool:
+    return True

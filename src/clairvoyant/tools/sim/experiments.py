@@ -39,6 +39,8 @@ from clairvoyant.tools.sim.workload import (
     make_workload,
     score_stream,
     two_tenant_workload,
+    with_deadlines,
+    with_models,
 )
 
 __all__ = [
@@ -90,6 +92,7 @@ class Condition:
     learn_service_time: bool = False  # predicted seconds from the online service-time model (proxy-like)
     adaptive_slowdown: bool = False  # slowdown = the given one x (1 + CV^2) of measured service times
     params: PolicyParams = field(default_factory=PolicyParams)
+    model_switch_bound_s: float = 0.0  # group requests by model, a switch put off at most this long (0: off)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -97,6 +100,7 @@ class Condition:
             "fair_share": self.fair_share, "starvation_slowdown": self.slowdown,
             "learn_service_time": self.learn_service_time, "adaptive_slowdown": self.adaptive_slowdown, "boost_gamma_per_s": self.params.boost_gamma_per_s,
             "boost_auto_gamma": self.params.boost_auto_gamma, "boost_max_s": self.params.boost_max_s,
+            "model_switch_bound_s": self.model_switch_bound_s,
         }  # fmt: skip
 
 
@@ -112,6 +116,9 @@ class Setup:
     rho: float | None = None
     slots: int = 1
     scorer: Scorer = field(default_factory=OracleScorer)
+    models: int = 1  # models the requests ask for, in equal shares (a slot holds one at a time)
+    switch_s: float = 0.0  # seconds a slot takes to load a model it does not hold
+    max_wait_s: tuple[float, ...] = ()  # queue deadlines drawn uniformly from these (seconds; empty: none)
 
     def describe(self) -> dict[str, Any]:
         mean_s = self.service.mean_service_s()
@@ -125,6 +132,9 @@ class Setup:
             "rate_per_s": rate if self.arrivals == "poisson" else None,
             "rho_nominal": rate * mean_s / self.slots if self.arrivals == "poisson" else None,
             "slots": self.slots,
+            "models": self.models,
+            "switch_s": self.switch_s,
+            "max_wait_s": list(self.max_wait_s),
             "predictor": self.scorer.name,
             **({"target_accuracy": self.scorer.accuracy} if hasattr(self.scorer, "accuracy") else {}),
         }
@@ -176,6 +186,7 @@ def run_conditions(
                 slots=setup.slots,
                 fair_share=c.fair_share, params=c.params,
                 service_time=ServiceTimeModel() if c.learn_service_time else None,
+                model_switch_bound_s=c.model_switch_bound_s, switch_s=setup.switch_s,
             )  # fmt: skip
             result.per_seed.append({"seed": float(seed), "accuracy": accuracy, **run_metrics(workload, schedule)})
             if progress is not None:
@@ -184,16 +195,23 @@ def run_conditions(
 
 
 def setup_workload(setup: Setup, seed: int) -> Workload:
-    """The workload of one seed (two-tenant arrivals use ``rho`` as the interactive tenant's own load)."""
+    """The workload of one seed (two-tenant arrivals use ``rho`` as the interactive tenant's own
+    load; rho counts service seconds only, never loads)."""
     if setup.arrivals in ("tenants", "tenants-alone"):
-        return two_tenant_workload(
+        workload = two_tenant_workload(
             seed, setup.n, setup.service, interactive_rho=setup.rho or 0.3,
             only=1 if setup.arrivals == "tenants-alone" else None,
         )  # fmt: skip
-    return make_workload(
-        seed, setup.n, setup.service, arrivals=setup.arrivals, rate_per_s=setup.rate_per_s,
-        rho=setup.rho, slots=setup.slots,
-    )  # fmt: skip
+    else:
+        workload = make_workload(
+            seed, setup.n, setup.service, arrivals=setup.arrivals, rate_per_s=setup.rate_per_s,
+            rho=setup.rho, slots=setup.slots,
+        )  # fmt: skip
+    if setup.models > 1:
+        workload = with_models(workload, seed, [1.0] * setup.models)
+    if setup.max_wait_s:
+        workload = with_deadlines(workload, seed, setup.max_wait_s)
+    return workload
 
 
 def _beliefs(scorer: Scorer, workload: Workload, seed: int) -> Beliefs:

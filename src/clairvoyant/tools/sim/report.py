@@ -34,6 +34,7 @@ __all__ = [
     "seed_rows",
     "spectrum_table",
     "summary_rows",
+    "switch_table",
     "write_csv",
     "write_json",
 ]
@@ -53,16 +54,22 @@ def run_metrics(workload: Workload, schedule: Schedule) -> dict[str, float]:
 
     Classes with no request in the workload are omitted; multi-tenant workloads add groups
     ``tenant<id>`` (e.g. ``tenant1.wait.p95``). Also reports ``<class>.n``,
-    ``promotions``, ``makespan_s`` and ``utilisation`` (busy time / makespan, per slot).
+    ``promotions``, ``makespan_s`` and ``utilisation`` (busy time / makespan, per slot). Two-model
+    workloads add ``switches`` (dispatches to a slot holding the other model) and ``load_s`` (seconds
+    spent loading). With queue deadlines, percentiles are over the requests served; ``deadline.met``
+    is the share of requests with a deadline that were dispatched before it, ``deadline.n`` how many
+    had one, ``expired`` how many were withdrawn.
     """
     out: dict[str, float] = {}
     values = {"sojourn": schedule.sojourn_s(workload), "wait": schedule.wait_s(workload)}
+    served = ~np.isnan(schedule.start_s)
     groups: list[tuple[str, np.ndarray]] = [
         (g, np.ones(len(workload), bool) if g == "all" else workload.class_idx == CLASS_NAMES.index(g)) for g in GROUPS
     ]
     if workload.tenant is not None:
         groups += [(f"tenant{t}", workload.tenant == t) for t in sorted(set(workload.tenant.tolist()))]
     for group, rows in groups:
+        rows = rows & served
         count = int(rows.sum())
         if count == 0:
             continue
@@ -74,10 +81,19 @@ def run_metrics(workload: Workload, schedule: Schedule) -> dict[str, float]:
             out[metric(group, measure, "mean")] = float(sel.mean())
             out[metric(group, measure, "max")] = float(sel.max())
     out["promotions"] = float(schedule.promotions)
-    span = float(schedule.end_s.max() - min(0.0, float(workload.arrival_s.min())))
+    span = float(np.nanmax(schedule.end_s) - min(0.0, float(workload.arrival_s.min())))
     slots = int(schedule.slot.max()) + 1
     out["makespan_s"] = span
-    out["utilisation"] = float(workload.service_s.sum() / (span * slots)) if span > 0 else math.nan
+    busy = float(workload.service_s[served].sum()) + (0.0 if schedule.load_s is None else float(schedule.load_s.sum()))
+    out["utilisation"] = busy / (span * slots) if span > 0 else math.nan
+    if schedule.load_s is not None:
+        out["switches"] = float(schedule.switches)
+        out["load_s"] = float(schedule.load_s.sum())
+    if workload.max_wait_s is not None:
+        with_deadline = np.isfinite(workload.max_wait_s)
+        out["deadline.n"] = float(with_deadline.sum())
+        out["deadline.met"] = float((with_deadline & served).sum() / max(1, with_deadline.sum()))
+        out["expired"] = float((~served).sum())
     return out
 
 
@@ -153,7 +169,7 @@ def _pct(change: Mapping[str, float], sign: int = 1) -> str:
 
 
 def _cond_label(cond: Mapping[str, Any]) -> str:
-    if cond.get("starvation_slowdown") or cond["policy"] not in ("fcfs", "sjf"):
+    if cond.get("starvation_slowdown") or cond.get("model_switch_bound_s") or cond["policy"] not in ("fcfs", "sjf"):
         return str(cond["name"])  # the new guard and policies: the condition's own name
     if cond["policy"] == "fcfs":
         return "FCFS"
@@ -173,6 +189,23 @@ def conditions_table(conditions: Sequence[Mapping[str, Any]], measure: str = "so
         s = cond["summary"]
         cells = [_cond_label(cond)] + [_pm(s, metric(g, measure, f"p{q}")) for g in groups for q in PERCENTILES]
         cells.append(f"{s['promotions']['mean']:.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def switch_table(conditions: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown: per condition, model switches, Short P50/P95, all-request P99 and mean sojourn,
+    and the share of queue deadlines met (mean ± std over seeds; blank cells where not measured)."""
+    head = ["condition", "swaps", "Short P50", "Short P95", "all P99", "mean", "deadlines met"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for cond in conditions:
+        s = cond["summary"]
+        met = s.get("deadline.met")
+        cells = [
+            _cond_label(cond), _pm(s, "switches", 1) if "switches" in s else "", _pm(s, "short.sojourn.p50"),
+            _pm(s, "short.sojourn.p95"), _pm(s, "all.sojourn.p99"), _pm(s, "all.sojourn.mean"),
+            "" if met is None else f"{met['mean'] * 100:.1f}% ± {met['std'] * 100:.1f}",
+        ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -8,7 +8,9 @@ times from a per-token cost model, so the real predictor can score them.
 
 Randomness: every draw takes an explicit ``numpy.random.Generator``; the caller derives separate
 streams for arrivals, classes/services and scores, so the same seed gives the same workload under
-every policy and predictor (common random numbers: paired comparisons across conditions).
+every policy and predictor (common random numbers: paired comparisons across conditions). Two more
+optional columns come from streams of their own: which model each request asks for
+(``with_models``: two models share the backend) and each request's queue deadline (``with_deadlines``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import csv
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from statistics import NormalDist
 from typing import Protocol
@@ -45,6 +47,8 @@ __all__ = [
     "poisson_arrivals",
     "rate_for_rho",
     "score_stream",
+    "with_deadlines",
+    "with_models",
 ]
 
 # Class indices used in every array of this package are the predictor's CLASS_NAMES, in its order.
@@ -64,21 +68,27 @@ class Workload:
     """One simulated request stream, in arrival order (``arrival_s`` non-decreasing).
 
     ``item`` indexes ``PromptService.records`` for prompt-based workloads, else is -1.
-    ``tenant`` (int8 tenant id per request) is None for single-tenant workloads.
+    ``tenant`` (int8 tenant id per request) is None for single-tenant workloads; ``model`` (int8
+    model index) is None when every request asks for the one model; ``max_wait_s`` is None when no
+    request carries a queue deadline.
     """
 
     arrival_s: np.ndarray  # float64 virtual seconds
-    service_s: np.ndarray  # float64 seconds the backend takes (the truth, unknown to the scheduler)
+    service_s: np.ndarray  # float64 seconds the backend takes (the truth, unknown to the scheduler), load excluded
     class_idx: np.ndarray  # int8 index into CLASS_NAMES
     item: np.ndarray  # int64 row of the prompt file, or -1
     tenant: np.ndarray | None = None  # int8 tenant id, or None (one tenant)
+    model: np.ndarray | None = None  # int8 model index, or None (one model)
+    max_wait_s: np.ndarray | None = None  # float64 queue deadline, seconds after arrival (inf: none), or None
 
     def __post_init__(self) -> None:
         n = len(self.arrival_s)
         if not (len(self.service_s) == len(self.class_idx) == len(self.item) == n):
             raise ValueError("workload arrays differ in length")
-        if self.tenant is not None and len(self.tenant) != n:
+        if any(a is not None and len(a) != n for a in (self.tenant, self.model, self.max_wait_s)):
             raise ValueError("workload arrays differ in length")
+        if self.max_wait_s is not None and np.any(self.max_wait_s < 0):
+            raise ValueError("queue deadlines must be >= 0 seconds after arrival")
         if n and np.any(np.diff(self.arrival_s) < 0):
             raise ValueError("arrival times must be non-decreasing")
         if n and np.any(self.service_s <= 0):
@@ -423,6 +433,34 @@ def two_tenant_workload(
     if only is not None:
         order = order[tenant[order] == only]
     return Workload(arrival[order], svc[order].astype(np.float64), cls[order], item[order], tenant[order])
+
+
+def _extra_stream(seed: int, which: int) -> np.random.Generator:
+    """Stream 3 (models) or 4 (deadlines) of ``seed``; the first three, and so the arrivals,
+    services and scores, are those of ``make_workload``: runs pair with one-model runs."""
+    return np.random.default_rng(np.random.SeedSequence(seed).spawn(5)[which])
+
+
+def with_models(workload: Workload, seed: int, shares: Sequence[float] = (0.5, 0.5)) -> Workload:
+    """``workload`` with each request asking for model i with probability ``shares[i]`` (drawn
+    independently of its class and service: the models differ only in name, and in that a backend
+    holds one of them at a time). Deterministic in ``seed``."""
+    probs = np.asarray(shares, dtype=np.float64)
+    if len(probs) < 1 or np.any(probs < 0) or probs.sum() <= 0:
+        raise ValueError("model shares must be >= 0 with a positive sum")
+    model = _extra_stream(seed, 3).choice(len(probs), size=len(workload), p=probs / probs.sum()).astype(np.int8)
+    return replace(workload, model=model)
+
+
+def with_deadlines(workload: Workload, seed: int, max_wait_s: Sequence[float]) -> Workload:
+    """``workload`` with each request carrying a queue deadline (the longest it will wait before
+    dispatch, seconds after its arrival) drawn uniformly from ``max_wait_s`` (``math.inf``: none).
+    Deterministic in ``seed``."""
+    choices = np.asarray(max_wait_s, dtype=np.float64)
+    if len(choices) < 1 or np.any(choices < 0):
+        raise ValueError("queue deadlines must be >= 0 seconds")
+    pick = _extra_stream(seed, 4).integers(0, len(choices), size=len(workload))
+    return replace(workload, max_wait_s=choices[pick])
 
 
 def score_stream(seed: int) -> np.random.Generator:

@@ -1,0 +1,275 @@
+"""The text `clairvoyant status` prints: /queue's object (plus ``from_metrics``) as plain tables.
+
+Every field is read with a default: a proxy that sends fewer fields prints dashes, one that sends
+new ones shows them (new columns of the backends and the tenants, new top-level fields in a last
+section), and none makes it fail. A value that is not defined yet (a rank correlation over fewer
+than two requests) reads "not enough data", never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["render", "table"]
+
+NOT_ENOUGH_DATA = "not enough data"
+# /queue's top-level fields this module lays out itself; any other one goes to the last section.
+_LAID_OUT = frozenset(
+    {
+        "policy", "policy_detail", "starvation_timeout_s", "starvation_slowdown", "slots", "max_queue",
+        "tail_eta_s", "service_time", "backends", "waiting_count", "waiting", "in_flight", "recent", "tenants",
+        "from_metrics",
+    }
+)  # fmt: skip
+# Backend fields with a column of their own (or left out: "url" is in --json).
+_BACKEND_KNOWN = frozenset(
+    {"name", "url", "kind", "healthy", "slots", "in_flight", "remaining_s", "slowness", "models", "loaded_models"}
+)
+
+
+def seconds(value: Any) -> str:
+    """A duration for a person: "0.4 s", "17 s", "4m05s", "2h10m"; "-" when absent."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or math.isnan(value):
+        return "-"
+    if math.isinf(value):
+        return "never" if value > 0 else "-"
+    if value < 10:
+        return f"{value:.1f} s"
+    if value < 60:
+        return f"{value:.0f} s"
+    minutes, secs = divmod(round(value), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+def cell(value: Any) -> str:
+    """Any JSON value as one table cell."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return NOT_ENOUGH_DATA if math.isnan(value) else ("inf" if value > 0 else "-inf")
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    if isinstance(value, list):
+        return ", ".join(cell(v) for v in value) if value else "-"
+    if isinstance(value, dict):
+        return " ".join(f"{k}={cell(v)}" for k, v in value.items()) if value else "-"
+    text = str(value)
+    return text if text else "-"
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[str]], indent: str = "  ") -> list[str]:
+    """Columns padded to their widest cell; numbers-looking columns are not special-cased (the
+    cells arrive formatted)."""
+    rows = [list(r) for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    lines = [indent + "  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    lines += [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return lines
+
+
+def _dicts(value: Any) -> list[dict[str, Any]]:
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
+def _predicted(row: Mapping[str, Any]) -> str:
+    tokens = row.get("predicted_tokens")
+    parts = [f"{tokens:.0f} tok" if isinstance(tokens, int | float) and math.isfinite(tokens) else None]
+    if row.get("predicted_s") is not None:
+        parts.append(seconds(row.get("predicted_s")))
+    return " / ".join(p for p in parts if p) or "-"
+
+
+def _tenant(row: Mapping[str, Any]) -> str:
+    tenant = row.get("tenant")
+    return "(no key)" if tenant in ("", None) else str(tenant)
+
+
+def _header(status: Mapping[str, Any], url: str) -> list[str]:
+    slowdown = status.get("starvation_slowdown")
+    if isinstance(slowdown, dict):  # adaptive: base x (1 + CV^2) of measured service times
+        slowdown_text = f"{cell(slowdown.get('slowdown'))} (adaptive, base {cell(slowdown.get('base'))})"
+    else:
+        slowdown_text = cell(slowdown)
+    detail = status.get("policy_detail")
+    extra = {k: v for k, v in detail.items() if k != "name"} if isinstance(detail, dict) else {}
+    policy = cell(status.get("policy")) + (f" ({cell(extra)})" if extra else "")
+    return [
+        f"clairvoyant at {url}",
+        f"  policy {policy}; starvation tau {seconds(status.get('starvation_timeout_s'))}, slowdown {slowdown_text}; "
+        f"slots {cell(status.get('slots'))}; max queue {cell(status.get('max_queue'))}",
+    ]
+
+
+def _backends(status: Mapping[str, Any]) -> list[str]:
+    backends = _dicts(status.get("backends"))
+    if not backends:
+        return ["backends: none reported"]
+    extra = sorted({k for b in backends for k in b} - _BACKEND_KNOWN)
+    headers = ["backend", "kind", "healthy", "in flight", "remaining", "slowness", "models", "loaded", *extra]
+    rows = [
+        [
+            cell(b.get("name")),
+            cell(b.get("kind")),
+            cell(b.get("healthy")),
+            f"{cell(b.get('in_flight'))}/{cell(b.get('slots'))}",
+            seconds(b.get("remaining_s")),
+            cell(b.get("slowness")),
+            "any" if b.get("models") == [] else cell(b.get("models")),  # an empty list: serves every model
+            cell(b.get("loaded_models")),
+            *(cell(b.get(k)) for k in extra),
+        ]
+        for b in backends
+    ]
+    return ["backends", *table(headers, rows)]
+
+
+def _running(status: Mapping[str, Any]) -> list[str]:
+    running = _dicts(status.get("in_flight"))
+    if not running:
+        return ["running: none"]
+    headers = ["backend", "slot", "request", "tenant", "prio", "model", "class", "predicted", "running"]
+    rows = [
+        [
+            cell(r.get("backend")),
+            cell(r.get("slot")),
+            cell(r.get("request_id")),
+            _tenant(r),
+            cell(r.get("priority")),
+            cell(r.get("model")),
+            cell(r.get("predicted_class")),
+            _predicted(r),
+            seconds(r.get("running_s")),
+        ]
+        for r in running
+    ]
+    return [f"running ({len(running)})", *table(headers, rows)]
+
+
+def _waiting(status: Mapping[str, Any], limit: int | None) -> list[str]:
+    waiting = _dicts(status.get("waiting"))
+    count = status.get("waiting_count")
+    total = count if isinstance(count, int) else len(waiting)
+    waiting = waiting if limit is None else waiting[: max(0, limit)]
+    if not waiting and not total:
+        return ["waiting: none"]
+    shown = f"{len(waiting)} of {total}" if total != len(waiting) else str(total)
+    tail = status.get("tail_eta_s")
+    title = f"waiting ({shown}, in dispatch order" + (f"; the last starts in {seconds(tail)})" if tail else ")")
+    headers = ["#", "request", "tenant", "prio", "model", "class", "predicted", "waited", "eta"]
+    rows = [
+        [
+            cell(w.get("position", i)),
+            cell(w.get("request_id")),
+            _tenant(w),
+            cell(w.get("priority")),
+            cell(w.get("model")),
+            cell(w.get("predicted_class")),
+            _predicted(w),
+            seconds(w.get("waited_s")),
+            seconds(w.get("eta_s")),
+        ]
+        for i, w in enumerate(waiting)
+    ]
+    return [title, *table(headers, rows)]
+
+
+def _tenants(status: Mapping[str, Any]) -> list[str]:
+    """Requests per tenant (from the rows), beside whatever /queue says of its tenants (a list of
+    objects with a "tenant" or "name", or an object keyed by tenant)."""
+    counts: dict[str, list[int]] = {}
+    for index, key in enumerate(("waiting", "in_flight")):
+        for row in _dicts(status.get(key)):
+            counts.setdefault(_tenant(row), [0, 0])[index] += 1
+    described: dict[str, dict[str, Any]] = {}
+    listed = status.get("tenants")
+    if isinstance(listed, dict):
+        described = {
+            str(name) if name else "(no key)": (v if isinstance(v, dict) else {"value": v})
+            for name, v in listed.items()
+        }
+    for row in _dicts(listed):
+        name = row.get("tenant", row.get("name"))
+        described["(no key)" if name in ("", None) else str(name)] = {
+            k: v for k, v in row.items() if k not in ("tenant", "name")
+        }
+    names = sorted(set(counts) | set(described))
+    if not names:
+        return ["tenants: none"]
+    extra = sorted({k for d in described.values() for k in d})
+    shown_total = status.get("waiting_count") != len(_dicts(status.get("waiting")))
+    headers = ["tenant", "waiting" + (" (shown)" if shown_total else ""), "running", *extra]
+    rows = [
+        [name, str(counts.get(name, [0, 0])[0]), str(counts.get(name, [0, 0])[1])]
+        + [cell(described.get(name, {}).get(k)) for k in extra]
+        for name in names
+    ]
+    return ["tenants", *table(headers, rows)]
+
+
+def _quality(status: Mapping[str, Any]) -> list[str]:
+    metrics = status.get("from_metrics")
+    title = "prediction quality (the online learner's rolling window)"
+    if not isinstance(metrics, dict):
+        return [f"{title}: not read"]
+    if metrics.get("error"):
+        return [f"{title}: /metrics could not be read ({metrics['error']})"]
+    up = metrics.get("learner_up")
+    state = {True: "running", False: "not running", None: "not reported"}.get(up, cell(up))
+    refits = metrics.get("learner_refits")
+    lines = [f"{title}; learner {state}" + ("" if refits is None else f", {refits} refits")]
+    rows = _dicts(metrics.get("prediction_quality"))
+    if not rows:
+        return [*lines, f"  {NOT_ENOUGH_DATA}: no completed request observed yet"]
+
+    def defined(value: Any, digits: int) -> str:
+        return (
+            NOT_ENOUGH_DATA if not isinstance(value, int | float) or not math.isfinite(value) else f"{value:.{digits}f}"
+        )
+
+    table_rows = [
+        [
+            cell(r.get("model") or "(default)"),
+            cell(r.get("window_requests")),
+            defined(r.get("kendall_tau"), 3),
+            defined(r.get("abs_log_token_error"), 2),
+        ]
+        for r in rows
+    ]
+    return [*lines, *table(["model", "requests", "kendall tau", "mean |ln error|"], table_rows)]
+
+
+def _others(status: Mapping[str, Any]) -> list[str]:
+    """Top-level fields this module does not lay out (newer proxies): a table for a list of
+    objects, one line for anything else."""
+    lines: list[str] = []
+    for key in sorted(set(status) - _LAID_OUT):
+        value = status[key]
+        rows = _dicts(value)
+        if rows and len(rows) == len(value):
+            columns = list(dict.fromkeys(k for r in rows for k in r))
+            lines += [key, *table(columns, ([cell(r.get(c)) for c in columns] for r in rows))]
+        else:
+            lines.append(f"{key}: {cell(value)}")
+    return lines
+
+
+def render(status: Mapping[str, Any], *, url: str, limit: int | None = None) -> str:
+    """The whole table, sections separated by blank lines, ending with a newline. ``limit``: list
+    only the first waiting requests (the tenants' counts still cover every row there is)."""
+    sections = [
+        _header(status, url),
+        _backends(status),
+        _running(status),
+        _waiting(status, limit),
+        _tenants(status),
+        _quality(status),
+        _others(status),
+    ]
+    return "\n\n".join("\n".join(s) for s in sections if s) + "\n"
