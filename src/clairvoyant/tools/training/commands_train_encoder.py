@@ -16,7 +16,7 @@ Examples::
 
     clairvoyant train-encoder --dry-run                   # the plan, nothing run
     clairvoyant train-encoder                             # the shipped recipe -> the package's model folder
-    clairvoyant train-encoder --out /tmp/enc --model-dir /tmp/enc/installed \\
+    clairvoyant train-encoder --out build/smoke --model-dir build/smoke/installed \\
         --limit-records 300 --max-steps 3                # a smoke run of every step
 
 The defaults are the shipped files' recipe (``encoder_recipe``). AlpacaEval is never read: the
@@ -37,7 +37,20 @@ from typing import Any
 from clairvoyant.errors import ConfigError
 from clairvoyant.tools.training.encoder_recipe import BASE_PACKAGE, COMMAND, EncoderRecipe, rate
 
-__all__ = ["STEPS", "Layout", "add_arguments", "plan", "run", "run_steps"]
+__all__ = [
+    "STEPS",
+    "Layout",
+    "add_arguments",
+    "merge_facts",
+    "plan",
+    "run",
+    "run_steps",
+    "step_card",
+    "step_export",
+    "step_finetune",
+    "step_knn",
+    "step_prepare",
+]
 
 logger = logging.getLogger(__name__)
 
