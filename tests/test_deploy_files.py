@@ -163,7 +163,7 @@ def test_dockerignore_keeps_the_context_to_what_the_image_needs() -> None:
         for line in (ROOT / ".dockerignore").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
-    for excluded in (".venv", ".git", "results", "research", "tests", "benchmarks", "profiler/data", "**/__pycache__"):
+    for excluded in (".venv", ".git", "results", "build", "tests", "benchmarks", "profiler/data", "**/__pycache__"):
         assert excluded in lines, excluded
     assert lines.index("**/*.onnx") < lines.index("!model/*.onnx")  # ONNX files only from model/
     # Nothing the Dockerfile copies from the context is ignored.

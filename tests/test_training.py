@@ -161,9 +161,15 @@ def test_train_and_export_writes_a_model_its_card_and_markdown(tmp_path: Path) -
         _synthetic_pairs(400), DataConfig(per_class=100, bounds=ClassBounds(200, 800), english_only=False)
     )
     out = tmp_path / "predictor.onnx"
-    card = train_and_export(split, ModelConfig("rich_v1", 5, 2, 0.3, 42), out, preset="test", threads=1)
+    card = train_and_export(
+        split, ModelConfig("rich_v1", 5, 2, 0.3, 42), out, preset="test", threads=1, command="clairvoyant train -x"
+    )
     assert card["metrics"]["onnx_xgboost_max_abs_diff"] <= 1e-5
     stored = json.loads((tmp_path / "predictor.card.json").read_text())
+    assert (
+        stored["command"] == "clairvoyant train -x"
+        and "Made by `clairvoyant train -x`" in (tmp_path / "MODEL_CARD.md").read_text()
+    )
     assert stored["onnx_sha256"] == __import__("hashlib").sha256(out.read_bytes()).hexdigest()
     assert stored["data"]["split_fingerprint"] == split.fingerprint()
     assert stored["hyperparameters"]["n_estimators"] == 5
@@ -207,6 +213,33 @@ def test_paper_preset_flag_reaches_the_model_config() -> None:
     assert type(shipped).__name__ == "RegressorConfig" and type(natural).__name__ == "NaturalConfig"
     _, previous = commands_train._configs(parser.parse_args(["--preset", "rich_v2_3class"]))
     assert (previous.feature_set, previous.n_estimators, previous.max_depth) == ("rich_v2", 50, 3)
+
+
+def test_each_shipped_lexical_card_names_the_command_that_writes_its_model_there() -> None:
+    """Parsed by ``clairvoyant train``, the card's command writes the card's model file with the
+    card's preset, and names itself again; the lexicon section names the lexicon's command."""
+    import argparse
+    import shlex
+
+    from clairvoyant.prediction.predictor import DEFAULT_MODEL_PATH, card_path_for
+    from clairvoyant.tools.training import commands_train
+    from clairvoyant.tools.training.card import markdown_path_for
+    from clairvoyant.tools.training.invocation import command_line
+
+    root = Path(__file__).parents[1]
+    for model in (DEFAULT_MODEL_PATH, root / "model" / "baselines" / "rich_v2_3class.onnx"):
+        card = json.loads(card_path_for(model).read_text())
+        words = shlex.split(card["command"])
+        assert words[:2] == ["clairvoyant", "train"]
+        parser = argparse.ArgumentParser()
+        commands_train.add_arguments(parser)
+        args = parser.parse_args(words[2:])
+        assert args.preset == card["preset"]
+        assert (root / args.out if not args.out.is_absolute() else args.out).resolve() == model.resolve()
+        assert command_line("train", commands_train.add_arguments, args, ignore=("threads",)) == card["command"]
+        assert f"Made by `{card['command']}`" in markdown_path_for(model).read_text()
+    lexicon = json.loads(card_path_for(DEFAULT_MODEL_PATH).read_text())["lexicon"]
+    assert lexicon["command"].endswith(f"--out {lexicon['file']}") and (root / lexicon["file"]).is_file()
 
 
 # ---------------------------------------------------------------------------- natural split, regressor, calibration
@@ -312,6 +345,7 @@ def test_regressor_train_export_card_and_scorer(tmp_path: Path) -> None:
     assert stored["data"]["split_fingerprint"] == split.fingerprint() and stored["data"]["distribution"].startswith(
         "natural"
     )
+    assert stored["command"] == "clairvoyant train"
     assert card["metrics"]["onnx_xgboost_max_abs_diff"] <= 1e-5
     assert card["metrics"]["held_out_kendall_tau_b"] > 0.5  # the words decide the length here
     assert (

@@ -27,6 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "predict": ("clairvoyant.tools.bulk_predict", "score a JSONL file of prompts or chat bodies"),
     "replay": ("clairvoyant.tools.replay", "replay requests with their real lengths through the online learner"),
     "train": ("clairvoyant.tools.training.commands_train", "train the length predictor and export it to ONNX"),
+    "train-encoder": (
+        "clairvoyant.tools.training.commands_train_encoder",
+        "fine-tune the encoder, export it and its kNN to ONNX, write their card",
+    ),
     "evaluate": ("clairvoyant.tools.training.commands_evaluate", "evaluate a model on the held-out split"),
     "simulate": ("clairvoyant.tools.sim.command", "discrete-event simulation of the scheduling queue"),
     "demo": ("clairvoyant.tools.demo", "embedded llama.cpp + the proxy: a mixed burst under fcfs and sjf"),

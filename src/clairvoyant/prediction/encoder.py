@@ -25,8 +25,8 @@ encoder's opinion counts for less once there is history it cannot see.
 
 A card with a ``knn`` block adds a third opinion for the same waiting requests, on the same thread
 right after the encoder: the cosine-weighted mean ln tokens of the 16 training-side ShareGPT
-instructions nearest to the request's pooled embedding (``encoder.knn.onnx``: research/RESULTS.md
-section h), blended in with the card's weight v for every request:
+instructions nearest to the request's pooled embedding (``encoder.knn.onnx``: ``model/ENCODER_CARD.md``),
+blended in with the card's weight v for every request:
 
     final prior = refined prior + v x (kNN log tokens - refined prior)
 
@@ -177,7 +177,7 @@ class EncoderModel:
             raise ModelError(
                 f"encoder {self.card.onnx_path} has no {self.card.output!r} output (has {sorted(outputs)})"
             )
-        # The online learner's columns (research/add_components.py): the embedding's top principal
+        # The online learner's columns (``clairvoyant train-encoder``'s export step): the embedding's top principal
         # components over ShareGPT training prompts. 0 = a graph without them.
         self.components = 0
         if "components" in outputs:

@@ -64,9 +64,10 @@ def render(card: dict[str, Any], model_path: Path) -> str:
     out = [
         f"# Model card: {model_path.name}",
         "",
-        "Generated from `" + card_path_for(model_path).name + "` (the machine-readable card, checked by "
-        "`clairvoyant.prediction.predictor` on load). Do not edit by hand: re-run `clairvoyant train`, "
-        "`clairvoyant evaluate` and `benchmarks/bench_predictor.py`.",
+        f"Made by `{card.get('command', 'clairvoyant train')}` (the model and this card; the evaluation and "
+        "latency sections by `clairvoyant evaluate` and `benchmarks/bench_predictor.py`). Generated from `"
+        + card_path_for(model_path).name
+        + "` (the machine-readable card, checked by `clairvoyant.prediction.predictor` on load): do not edit by hand.",
         "",
         *what,
         "## Identity",

@@ -4,7 +4,7 @@ Examples::
 
     clairvoyant train                       # the shipped regressor -> model/predictor.onnx
     clairvoyant train --preset paper --out model/paper.onnx   # the paper's 3-class configuration
-    clairvoyant train --preset rich_v2_3class --out /tmp/old.onnx  # the previous shipped model
+    clairvoyant train --preset rich_v2_3class --out model/baselines/rich_v2_3class.onnx  # the previous model
 
 The ``shipped`` preset is a regressor of ln(answer tokens) trained on the NATURAL distribution of
 ShareGPT pairs (every English pair of the training groups); its raw score is calibrated to ln tokens
@@ -24,9 +24,14 @@ from typing import Any
 from clairvoyant.prediction.length_classes import LONG_FROM_TOKENS, SHORT_BELOW_TOKENS
 from clairvoyant.prediction.predictor import DEFAULT_MODEL_PATH
 
-__all__ = ["add_arguments", "run", "train_and_export", "train_regressor_and_export"]
+__all__ = ["COMMAND", "add_arguments", "run", "train_and_export", "train_regressor_and_export"]
 
 logger = logging.getLogger(__name__)
+
+COMMAND = "clairvoyant train"
+LEXICON_COMMAND = "python -m clairvoyant.tools.training.lexicon"  # the rich_v3 lexicon the model reads
+# Options that say how fast or how verbosely, not what is made: left out of the card's command.
+_NOT_RECIPE = ("threads", "no_progress")
 
 # Why the classifier presets' Long bound is 600 and not the paper's 800: see NOTES below.
 DEFAULT_LONG_FROM = LONG_FROM_TOKENS  # the one definition (length_classes)
@@ -46,11 +51,11 @@ REGRESSOR_NOTES = [
     "conversation groups. The queue key is the raw score (lower = sooner); predicted_tokens = "
     "exp(np.interp(score, calibration.score, calibration.log_tokens)).",
     "Features: rich_v3 = rich_v2 + lexicon_log_tokens, a ridge lexicon of words and word bigrams fit on "
-    "the same training split (src/clairvoyant/lexicons/rich_v3.json). The regressor is trained on "
+    "the same training split (src/clairvoyant/prediction/lexicons/rich_v3.json). The regressor is trained on "
     "out-of-fold lexicon scores (5 group folds), so it trusts the column only as much as it deserves on "
     "unseen prompts.",
     "Chosen by transfer to AlpacaEval dev (406 instructions x 4 open models; evaluation only, never "
-    "trained on): see research/RESULTS.md and predictor.evaluation.md. The ShareGPT answers are ChatGPT's, "
+    "trained on): see predictor.evaluation.md. The ShareGPT answers are ChatGPT's, "
     "capped near 800 tokens: predicted_tokens is in that model's scale; the online learner rescales it "
     "to the served model.",
 ]
@@ -134,10 +139,12 @@ def train_and_export(
     threads: int = 2,
     progress: bool = False,
     notes: list[str] | None = None,
+    command: str = COMMAND,
 ) -> dict[str, Any]:
     """Classifier: fit on ``split.train`` (balanced), export to ``out``, check parity, write both cards.
 
     The score is P(Long), calibrated to ln tokens by isotonic regression on the training rows.
+    ``command``: the command line the card names as the one that made the model.
     Returns the card. Raises ``export.ParityError`` if ONNX and xgboost disagree by > 1e-5.
     """
     import numpy as np
@@ -162,6 +169,7 @@ def train_and_export(
     card: dict[str, Any] = {
         "kind": "classifier",
         "preset": preset,
+        "command": command,
         "feature_set": fs.name,
         "feature_names": list(fs.names),
         "tokenizer": f"{TOKENIZER_NAME} ({TOKENIZER_PACKAGE})",
@@ -221,7 +229,8 @@ def lexicon_column_for_training(fs: Any, x_train: Any, split: Any, *, folds: int
     if not same_split:
         logger.warning("the shipped lexicon was fit on another training split than this run's")
     return {
-        "file": f"src/clairvoyant/lexicons/{RICH_V3_LEXICON}",
+        "file": f"src/clairvoyant/prediction/lexicons/{RICH_V3_LEXICON}",
+        "command": f"{LEXICON_COMMAND} --out src/clairvoyant/prediction/lexicons/{RICH_V3_LEXICON}",
         "sha256": hashlib.sha256(raw).hexdigest(),
         "pinned_sha256": RICH_V3_LEXICON_SHA256,
         "terms": len(meta["weights"]),
@@ -240,8 +249,10 @@ def train_regressor_and_export(
     threads: int = 2,
     progress: bool = False,
     notes: list[str] | None = None,
+    command: str = COMMAND,
 ) -> dict[str, Any]:
-    """Regressor: fit ln tokens on ``split.train`` (natural mix), export, check parity, calibrate, write cards."""
+    """Regressor: fit ln tokens on ``split.train`` (natural mix), export, check parity, calibrate, write cards.
+    ``command``: the command line the card names as the one that made the model."""
     import numpy as np
 
     from clairvoyant.prediction.features import get_feature_set
@@ -276,6 +287,7 @@ def train_regressor_and_export(
         "output": export.REGRESSOR_OUTPUT,
         "score": "log_tokens",
         "preset": preset,
+        "command": command,
         "feature_set": fs.name,
         "feature_names": list(fs.names),
         "tokenizer": f"{TOKENIZER_NAME} ({TOKENIZER_PACKAGE})",
@@ -308,6 +320,9 @@ def train_regressor_and_export(
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from clairvoyant.tools.training.dataset import NaturalConfig, build_natural_split, build_split, load_pairs
+    from clairvoyant.tools.training.invocation import command_line
+
+    command = command_line("train", add_arguments, args, ignore=_NOT_RECIPE)
 
     data_config, model_config = _configs(args)
     progress = not args.no_progress
@@ -322,6 +337,7 @@ def run(args: argparse.Namespace) -> int:
             threads=args.threads,
             progress=progress,
             notes=REGRESSOR_NOTES,
+            command=command,
         )
         m = card["metrics"]
         print(
@@ -332,7 +348,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     split = build_split(pairs, data_config, progress=progress)
     card = train_and_export(
-        split, model_config, args.out, preset=args.preset, threads=args.threads, progress=progress, notes=NOTES
+        split,
+        model_config,
+        args.out,
+        preset=args.preset,
+        threads=args.threads,
+        progress=progress,
+        notes=NOTES,
+        command=command,
     )
     m = card["metrics"]
     print(

@@ -9,7 +9,7 @@ Stacking: the XGBoost model that reads ``lexicon_log_tokens`` must be trained on
 scores (``out_of_fold_scores``: a lexicon fit without the row's conversation group), or it learns to
 trust a column that is far more accurate on its training rows than on new prompts.
 
-    python -m clairvoyant.tools.training.lexicon --out src/clairvoyant/lexicons/rich_v3.json   # rebuild (new name!)
+    python -m clairvoyant.tools.training.lexicon --out src/clairvoyant/prediction/lexicons/rich_v3.json  # new name!
 """
 
 from __future__ import annotations

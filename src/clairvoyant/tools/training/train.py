@@ -2,7 +2,7 @@
 
 ``shipped`` (``model/predictor.onnx``) is a regressor (reg:squarederror) of ln(answer tokens) over
 rich_v3 features, trained on the natural distribution of ShareGPT pairs: 150 rounds of depth-3 trees,
-learning rate 0.1. Chosen by its AlpacaEval transfer (research/RESULTS.md): Kendall tau_b 0.32 mean
+learning rate 0.1. Chosen by its AlpacaEval transfer (model/predictor.evaluation.md): Kendall tau_b 0.32 mean
 over 4 models against 0.02 for the previous balanced 3-class model, with 150 small trees.
 
 The classifier presets: ``paper`` is the paper's configuration (section 4.3: paper19 features, 300 trees per
