@@ -342,7 +342,7 @@ class ProxyApp:
             path = target.path
             if method in ("GET", "HEAD") and _is_own_endpoint(path):
                 self.access.admit(method, path, scope["headers"])
-                await self.api(scope, receive, send)
+                await self.api(scope, receive, out.tracked)
                 return
             identity, headers = self.access.admit(method, path, scope["headers"])
             if method == "POST" and path in SCHEDULED_ENDPOINTS:

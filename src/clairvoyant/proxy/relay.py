@@ -93,6 +93,12 @@ class Responder:
         self.started = False  # the status line is out: it cannot change
         self.client_gone = False  # from now on nothing is sent
 
+    async def tracked(self, message: MutableMapping[str, Any]) -> None:
+        """``send`` for an app that answers by itself (FastAPI): what it starts counts as started."""
+        if message["type"] == "http.response.start":
+            self.started = True
+        await self.send(message)
+
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
         if not self.client_gone:
