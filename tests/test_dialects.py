@@ -160,7 +160,7 @@ def test_ollama_context_ids_count_as_history_and_non_object_messages_do_not_coun
 
 
 # --------------------------------------------------------------------------------------------
-# The output cap (issue 8 part 4)
+# The output cap
 
 from clairvoyant.prediction.dialects import Dialect, cap_tokens_from_body  # noqa: E402
 

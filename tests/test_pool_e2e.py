@@ -1,4 +1,4 @@
-"""End to end: the proxy in front of a POOL of two real llama.cpp servers (issue 10).
+"""End to end: the proxy in front of a POOL of two real llama.cpp servers.
 
 Two ``EmbeddedLlamaServer`` (SmolLM2, one slot and one thread each), the proxy in-process on real
 its server (``proxy_harness.running_proxy``). Output lengths are forced with ``max_tokens`` +

@@ -182,7 +182,7 @@ def test_the_shipped_model_loads_by_default_and_ranks_the_obvious_cases() -> Non
 
 
 # --------------------------------------------------------------------------------------------
-# Schema-2 cards, calibration, caps (issue 8)
+# Schema-2 cards, calibration, caps
 
 import math  # noqa: E402
 

@@ -197,7 +197,7 @@ def test_fair_share_with_one_tenant_is_the_plain_guarded_queue(slots: int) -> No
 def test_a_flooding_tenant_does_not_make_the_other_tenants_guard_fifo() -> None:
     # Tenant 0 floods at t = 0; tenant 1's requests arrive in a Poisson stream. With fair share each
     # tenant's guard ages on the share clock (half speed while both wait): tenant 1's P95 wait stays
-    # within 2x of its wait alone (issue 9's target; one seed here, five in simulate compare).
+    # within 2x of its wait alone (the target docs/simulation.md states; one seed here, five in simulate compare).
     from clairvoyant.tools.sim.predictors import LabelScorer
     from clairvoyant.tools.sim.workload import two_tenant_workload
 

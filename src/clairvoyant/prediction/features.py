@@ -250,7 +250,7 @@ CLAUSE_WORDS = _bset(
     once which who whom whose that where"""
 )
 # clause_count: one pass of set probes over the words (True counts 1); a words.count per distinct
-# clause word cost ~2x more on long windows (issue 12: the predictor's p99).
+# clause word cost ~2x more on long windows (the predictor's p99).
 _IS_CLAUSE_WORD = CLAUSE_WORDS.__contains__
 # A length-constraint pattern can only match when one of these words is present (checked first,
 # so the regex runs on few prompts). The regex sees the separator-normalized word stream.
@@ -271,7 +271,7 @@ _LENGTH_RE = re.compile(
 #   lets the regex engine skip to candidate positions (a leading \b defeats that): ~20% cheaper;
 # - the alternatives are grouped by their first letters, so that at each candidate the engine
 #   tests one byte per group instead of one per alternative: ~25% cheaper again on the longest windows
-#   (issue 12: the predictor's p99). Only whether there is a match is read, and the language is
+#   (the predictor's p99). Only whether there is a match is read, and the language is
 #   the same, so the order of the alternatives does not matter.
 # tests/test_features_reference.py compares it with _LENGTH_RE on near misses and with the
 # reference extractor on ShareGPT.
@@ -509,7 +509,7 @@ def _quantity_values(norm: bytes, words: list[bytes]) -> tuple[float, float]:
     text units included: "10 ideas" -> 10, "2000-word essay" -> 2000 (and 2000 words of size).
 
     The regex runs only on the stretch of ``norm`` from two words before the first quantity noun to
-    the last one (issue 12: over a whole 600-character window it cost ~12 us). That is exact: a
+    the last one (over a whole 600-character window it cost ~12 us). That is exact: a
     match ends at a noun and starts at most two words before it, so none lies outside the stretch,
     and findall finds no match before it that could overlap one inside.
     """

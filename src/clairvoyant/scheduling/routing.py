@@ -13,8 +13,8 @@ a request's turn comes. The rule, in order:
    last), or would load it at no cost (its learned load under ``FREE_LOAD_S``), to avoid a reload
    stall; a backend of which nothing is known yet (it has served nothing, reported nothing) is
    not held against;
-4. the earliest predicted finish: the predicted seconds of work left per slot (in-flight requests'
-   predicted seconds less what they have run, never below a tenth of them: a request that overran
+4. the earliest predicted finish: the predicted seconds of work left per slot (each in-flight
+   request's remainder, ``dispatcher.remainder_s``: never 0 while it runs, so a request that overran
    its prediction still occupies its backend, which must not look as free as an idle one) plus the
    request's own predicted seconds, both scaled by the backend's measured slowness (its measured
    over predicted service seconds, learned per backend), so a laptop beside a GPU box gets a

@@ -184,7 +184,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_compare(sub: Any) -> None:
-    p = sub.add_parser("compare", help="issue 9: every policy on the paper, heavy-tailed and two-tenant workloads",
+    p = sub.add_parser("compare", help="every policy on the paper, heavy-tailed and two-tenant workloads",
                        description="every policy on the paper, heavy-tailed and two-tenant workloads")  # fmt: skip
     p.add_argument("--n", type=int, default=2000, help="requests per seed (default 2000)")
     p.add_argument("--seeds", type=int, default=5, help="number of seeds (default 5)")

@@ -1,4 +1,5 @@
-"""``clairvoyant simulate compare``: every policy on the three workloads of issue 9.
+"""``clairvoyant simulate compare``: every policy on three workloads: the paper's,
+heavy-tailed, and two tenants.
 
 Workloads (n requests x seeds each; common random numbers across conditions):
 
