@@ -82,11 +82,11 @@ def test_a_finished_request_is_recorded_once_though_several_snapshots_list_it() 
     history = History()
     first = finished("a", ended_ago_s=1.0, waited_s=2.0)
     history.sample(snapshot(recent=[first]), 10.0)
-    # 2 s later the same request (ended at 9.0, the snapshot rounds to 1 ms) and a new one
-    again = finished("a", ended_ago_s=3.0004, waited_s=2.0)
+    # 2 s later the same request and a new one; the clock was read 50 ms before the snapshot's own reading
+    again = finished("a", ended_ago_s=3.05, waited_s=2.0)
     history.sample(snapshot(recent=[finished("b", 0.5, 4.0), again]), 12.0)
-    # A client may reuse an id: a later end is another request.
-    still = finished("a", ended_ago_s=3.9996, waited_s=2.0)
+    # A client may reuse an id: another wait is another request.
+    still = finished("a", ended_ago_s=4.0, waited_s=2.0)
     history.observe(snapshot(recent=[finished("a", 0.1, 6.0), finished("b", 1.5, 4.0), still]), 13.0)
     view = history.view(13.0)
     assert [(a["ago_s"], a["output_tokens"]) for a in view["answers"]] == [(4.0, 40), (1.5, 40), (0.1, 40)]

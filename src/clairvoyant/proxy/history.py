@@ -14,7 +14,8 @@ snapshot every ``SAMPLE_INTERVAL_S`` seconds and keeps, in bounded memory:
   for at most ``MAX_TENANTS`` tenants by name (the others are summed as ``OTHER_TENANTS``).
 
 Finished requests come from the snapshot's ``recent`` list (the dispatcher keeps its last 100),
-each recorded once: by request id and end time. Sampling every 2 s keeps the record whole up to
+each recorded once: by request id, outcome, wait and service time (fixed once it ended; its end
+time, as seconds ago, moves with each reading of the clock). Sampling every 2 s keeps the record whole up to
 50 finished requests a second; past that, the charts see the last 100 of each interval. Nothing
 here runs on a request's path. Times are the dispatcher's clock (monotonic seconds); /history
 gives them as seconds ago. What cannot be computed (the P95 of no waits) is null, never NaN.
@@ -43,7 +44,6 @@ ANSWERS = 200
 MAX_TENANTS = 8
 WAITS_PER_BUCKET = 256  # per class or tenant and bucket; beyond, an even sample (reservoir)
 OTHER_TENANTS = "(other)"
-SAME_END_S = 0.01  # two readings of one request's end time differ by the snapshot's rounding (1 ms)
 
 Snapshot = Mapping[str, Any]  # /queue's body: Dispatcher.snapshot() plus "tenants"
 
@@ -95,6 +95,11 @@ def _finite(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
 
 
+def _identity(entry: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What tells a finished request from the others, the same in every snapshot that lists it."""
+    return (entry.get("request_id"), entry.get("outcome"), entry.get("waited_s"), entry.get("service_s"))
+
+
 def _ms(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
@@ -121,7 +126,7 @@ class History:
         self._answers: deque[_Answer] = deque(maxlen=answers)
         # bucket index (floor(end of wait / bucket_s)) -> ("class" or "tenant", name) -> its waits
         self._waits: dict[int, dict[tuple[str, str], _Waits]] = {}
-        self._last_recent: dict[str, list[float]] = {}  # the last snapshot's finished requests: id -> end times
+        self._last_recent: set[tuple[Any, ...]] = set()  # the last snapshot's finished requests (_identity)
         self._charted: list[str] = []  # tenants with their own series, in the order first seen
         self._tenants: Mapping[str, Any] = {}  # the last snapshot's "tenants": limits and use
         self._first_s: float | None = None
@@ -135,8 +140,8 @@ class History:
 
     def observe(self, snapshot: Snapshot, now_s: float) -> None:
         """Record the finished requests of the snapshot's ``recent`` list not recorded yet (the
-        list is the dispatcher's last ones: one recorded before is in the previous snapshot's list,
-        with the same id and end time), and keep its tenants' limits and use."""
+        list is the dispatcher's last ones: one recorded before is in the previous snapshot's
+        list), and keep its tenants' limits and use."""
         if self._first_s is None:
             self._first_s = now_s
         tenants = snapshot.get("tenants")
@@ -146,13 +151,12 @@ class History:
             for name in sorted(tenants, key=lambda t: not tenants[t].get("limits")):
                 self._chart(name)
         seen = self._last_recent
-        current: dict[str, list[float]] = {}
+        current = set()
         for entry in reversed(snapshot.get("recent", ())):  # oldest first
-            request_id = str(entry.get("request_id"))
-            end_s = now_s - float(entry.get("ended_ago_s") or 0.0)
-            current.setdefault(request_id, []).append(end_s)
-            if not any(abs(end_s - s) <= SAME_END_S for s in seen.get(request_id, ())):
-                self._record(entry, end_s)
+            identity = _identity(entry)
+            current.add(identity)
+            if identity not in seen:
+                self._record(entry, now_s - float(entry.get("ended_ago_s") or 0.0))
         self._last_recent = current
         self._prune(now_s)
 
