@@ -245,7 +245,7 @@ function parseQuality(metricsText) {
 
 // "tau 0.42 over 180 answers", or why there is none yet.
 function describeQuality(q) {
-  if (!q) return "no answers observed yet";
+  if (!q) return "no quality figures yet (/metrics has none for it)";
   if (q.answers < MIN_TAU_ANSWERS || !Number.isFinite(q.tau)) {
     return `not enough data yet (${q.answers} answer${q.answers === 1 ? "" : "s"}; tau needs ${MIN_TAU_ANSWERS} that differ)`;
   }
