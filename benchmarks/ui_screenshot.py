@@ -1,103 +1,32 @@
-"""Make docs/img/ui.png: the live page over a held queue with two tenants, priorities and a few
-finished requests. Needs Debian's chromium.
+"""Make docs/img/ui.png: the live page, keyed, after the 30-request run of its test
+(tests/ui_scenario.py), with one request held at the backend and four waiting. Needs Debian's
+chromium.
 
     python benchmarks/ui_screenshot.py
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import subprocess
 import sys
-import tempfile
-import threading
-import time
 from pathlib import Path
-
-import httpx
-import respx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from proxy_harness import MarkerPredictor, mock_transport, queue_snapshot, running_proxy, wait_until  # noqa: E402
-
-from clairvoyant.config import Settings  # noqa: E402
+from browser import Browser  # noqa: E402
+from ui_scenario import OPS_KEY, RUN, busy_proxy  # noqa: E402
 
 
 def main() -> None:
-    gate = threading.Event()
-    served: list[str] = []
-
-    async def backend(request: httpx.Request) -> httpx.Response:
-        text = json.loads(request.content)["messages"][-1]["content"]
-        served.append(text)
-        if "hold" in text:
-            while not gate.is_set():
-                await asyncio.sleep(0.01)
-        tokens = 40 if "[short]" in text else 700
-        return httpx.Response(
-            200,
-            json={
-                "choices": [{"message": {"content": "x"}}],
-                "usage": {"completion_tokens": tokens, "prompt_tokens": 20},
-            },
-        )
-
-    router = respx.MockRouter(base_url="http://upstream.test")
-    router.post("/v1/chat/completions").mock(side_effect=backend)
-    settings = Settings(upstream_url="http://upstream.test", starvation_timeout_s=600)
-    with running_proxy(settings, predictor=MarkerPredictor(), upstream_transport=mock_transport(router)) as base:
-
-        def post(text: str, tenant: str, priority: int = 0) -> threading.Thread:
-            body = {"model": "llama3.2:1b", "messages": [{"role": "user", "content": text}], "priority": priority}
-            t = threading.Thread(
-                target=httpx.post,
-                args=(f"{base}/v1/chat/completions",),
-                kwargs={"json": body, "headers": {"X-Clairvoyant-Tenant": tenant}, "timeout": 60},
-            )
-            t.start()
-            return t
-
-        for text, tenant in [("[short] a", "alice"), ("[long] b", "bob"), ("[short] c", "alice")]:
-            post(text, tenant).join()
-        threads = [post("[long] hold", "bob")]
-        wait_until(lambda: "[long] hold" in served)
-        for text, tenant, priority in [
-            ("[long] x", "bob", 5),
-            ("[short] y", "alice", 0),
-            ("[p=0.5] z", "alice", 0),
-            ("[short] w", "bob", 5),
-            ("[p=0.7] v", "carol", 2),
-        ]:
-            threads.append(post(text, tenant, priority))
-        wait_until(lambda: len(queue_snapshot(base)["waiting"]) == 5)
-        time.sleep(2.5)
-        out = ROOT / "docs" / "img" / "ui.png"
-        with tempfile.TemporaryDirectory() as profile:
-            subprocess.run(
-                [
-                    "chromium",
-                    "--headless",
-                    "--no-sandbox",
-                    "--disable-gpu",
-                    "--no-first-run",
-                    "--disable-background-networking",
-                    "--disable-component-update",
-                    "--disable-sync",
-                    f"--user-data-dir={profile}",
-                    "--virtual-time-budget=3000",
-                    f"--screenshot={out}",
-                    "--window-size=1280,640",
-                    f"{base}/ui/",
-                ],
-                check=True,
-                capture_output=True,
-            )
-        gate.set()
-        for t in threads:
-            t.join(timeout=60)
+    out = ROOT / "docs" / "img" / "ui.png"
+    with busy_proxy() as scene, Browser(height=1000) as browser:
+        page = browser.open(f"{scene.base}/ui/")
+        page.wait_for("!document.getElementById('login').hidden", what="the key form")
+        page.type_into("#key", OPS_KEY)
+        page.press_enter()
+        page.wait_for("document.querySelectorAll('#waiting tbody tr[data-request-id]').length === 4", what="the queue")
+        page.wait_for(f"document.querySelectorAll('#chart-answers circle.dot').length >= {RUN}", what="the charts")
+        page.screenshot(out)
     print(f"wrote {out}")
 
 

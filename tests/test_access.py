@@ -118,10 +118,23 @@ def test_admin_paths_are_closed_beyond_localhost_and_open_on_it() -> None:
 def test_status_pages_can_require_a_key() -> None:
     router = respx.MockRouter(base_url=UPSTREAM, assert_all_called=False)
     with proxy(router, api_keys=KEYS, status_requires_key=True) as base:
-        statuses = [httpx.get(f"{base}{p}").status_code for p in ("/queue", "/metrics", "/ui/")]
-        keyed = httpx.get(f"{base}/queue", headers={"X-Api-Key": BOB})
+        statuses = [httpx.get(f"{base}{p}").status_code for p in ("/queue", "/queue/x", "/metrics", "/history")]
+        keyed = [httpx.get(f"{base}{p}", headers={"X-Api-Key": BOB}).status_code for p in ("/queue", "/history")]
+        page = [httpx.get(f"{base}{p}").status_code for p in ("/ui/", "/ui/ui.js")]  # the files, not the data
         ready = httpx.get(f"{base}/healthz")
-    assert statuses == [401, 401, 401] and keyed.status_code == 200 and ready.status_code == 200
+    assert statuses == [401, 401, 401, 401] and keyed == [200, 200] and ready.status_code == 200
+    assert page == [200, 200]
+
+
+def test_only_the_status_endpoints_themselves_skip_the_allowlist() -> None:
+    router = respx.MockRouter(base_url=UPSTREAM, assert_all_called=False)
+    reached = router.route(path__regex=r"^/(queue|metrics|ui|history)").respond(200)
+    with proxy(router, host="0.0.0.0", api_keys=KEYS) as base:
+        near = [
+            httpx.get(f"{base}{p}").status_code for p in ("/queuex", "/queue/a/b", "/metricsx", "/uix", "/historyx")
+        ]
+        posted = [httpx.post(f"{base}{p}").status_code for p in ("/queue", "/ui/", "/history")]
+    assert near == [403] * 5 and posted == [403] * 3 and reached.call_count == 0
 
 
 def test_no_key_or_backend_secret_is_logged_even_at_debug(caplog: pytest.LogCaptureFixture) -> None:

@@ -13,8 +13,10 @@ Checked for every request (cheap: one SHA-256 and one dict lookup), by ``AccessC
   backend. Unset: every path while the proxy listens on loopback only, else
   ``DEFAULT_PASSTHROUGH_ALLOW`` (inference, model listing and show; never pull, push, create, copy
   or delete). Refused: 403.
-- ``/healthz`` and ``/readyz`` are always open; ``/queue``, ``/metrics`` and ``/ui`` need a key
-  when ``status_requires_key``.
+- ``/healthz`` and ``/readyz`` are always open, and so are the live page's files (GET ``/ui``,
+  ``/ui/...``: they hold no data; the page asks for a key when the data needs one). The data:
+  GET ``/queue``, ``/queue/{id}``, ``/metrics`` and ``/history`` need a key when
+  ``status_requires_key``. Any other method or path on them goes by the allowlist and keys.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ DEFAULT_PASSTHROUGH_ALLOW = (
     "GET /health", "GET /props", "POST /tokenize", "POST /detokenize",
 )  # fmt: skip
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
-STATUS_PREFIXES = ("/queue", "/metrics", "/ui")
+STATUS_PATHS = frozenset({"/queue", "/metrics", "/history"})  # and /queue/{id}
+PAGE_PATH = "/ui"  # the live page: /ui and the files under /ui/
+READ_METHODS = frozenset({"GET", "HEAD"})
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
@@ -97,9 +101,9 @@ class AccessControl:
         """The identity of the key presented (None: keys are off, or the path is open) and the
         headers to go on with (the client's key removed unless ``forward_client_key``).
         Raises ``Denied``: 403 outside the allowlist, 401 without a valid key."""
-        if path in OPEN_PATHS:
+        if path in OPEN_PATHS or (method in READ_METHODS and _page_path(path)):
             return None, headers
-        status_path = path.startswith(STATUS_PREFIXES)
+        status_path = method in READ_METHODS and _status_path(path)
         if not status_path and path not in SCHEDULED_ENDPOINTS and not self._allowed(method, path):
             raise Denied(Forbidden(f"{method} {path} is not allowed through this proxy"), "not_allowed")
         if not self.keys or (status_path and not self.status_requires_key):
@@ -117,6 +121,17 @@ class AccessControl:
         if self.allow_all or (method, path) in self.exact or ("*", path) in self.exact:
             return True
         return any((m == method or m == "*") and path.startswith(prefix) for m, prefix in self.prefixes)
+
+
+def _page_path(path: str) -> bool:
+    return path == PAGE_PATH or path.startswith(PAGE_PATH + "/")
+
+
+def _status_path(path: str) -> bool:
+    """/queue, /metrics, /history, or /queue/{id} (one segment): the proxy's own data."""
+    if path in STATUS_PATHS:
+        return True
+    return path.startswith("/queue/") and len(path) > 7 and "/" not in path[7:]
 
 
 def _identity(key: ApiKey) -> Identity:

@@ -2,7 +2,7 @@
 
 Scheduled endpoints (predicted, queued, dispatched by policy): POST /v1/chat/completions,
 /v1/completions, /api/chat, /api/generate (proxy/scheduled.py). The proxy's own endpoints: GET
-/healthz, /readyz, /metrics, /queue, /queue/{request_id}, and the live page /ui, served by FastAPI.
+/healthz, /readyz, /metrics, /queue, /queue/{request_id}, /history, and the live page /ui, served by FastAPI.
 Every other path and method passes through to the backend, streamed, unqueued; with a pool of
 backends (proxy/pool.py) a scheduled request's backend is chosen at dispatch, a pass-through one
 goes to a backend serving the model its body names, and the model listings are merged.
@@ -52,6 +52,7 @@ from clairvoyant.prediction.predictor import OnnxPredictor, Predictor
 from clairvoyant.proxy.access import LOOPBACK_HOSTS, AccessControl, Denied, Identity
 from clairvoyant.proxy.body import BodyBudget, check_framing, declared_length, read_body
 from clairvoyant.proxy.feedback import OnlineLearning
+from clairvoyant.proxy.history import History, history_now, record_periodically
 from clairvoyant.proxy.limits import TenantLimits
 from clairvoyant.proxy.pool import BackendPool, merge_model_lists
 from clairvoyant.proxy.relay import Receive, Relay, Responder, Send, UpstreamRequest, relay_unscheduled
@@ -70,7 +71,7 @@ logger = logging.getLogger(__name__)
 UI_DIR = Path(__file__).with_name("ui")
 PASSTHROUGH_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 _ALLOW = ", ".join(sorted(PASSTHROUGH_METHODS)).encode()
-_OWN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/queue", "/ui"})
+_OWN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/queue", "/history", "/ui"})
 MODEL_LISTINGS = frozenset({"/api/tags", "/v1/models"})  # merged across a pool
 MODEL_SNIFF_MAX_BYTES = 64 * 1024  # a pass-through body larger than this is not searched for its model
 LISTING_TIMEOUT_S = 5.0  # per backend, for a merged model listing
@@ -89,6 +90,7 @@ class ProxyState:
     learning: OnlineLearning  # its recorder is a scheduled request's on_usage: metrics and the online learner
     scheduling: Scheduling  # what every scheduled request shares
     limits: TenantLimits  # tenants' use against their limits
+    history: History  # the last 15 minutes, for the live page's charts
 
 
 def _load_encoder(settings: Settings, predictor: Predictor) -> EncoderModel | None:
@@ -200,7 +202,8 @@ def create_app(
         scheduling = Scheduling(
             settings, loaded, pool, metrics, dispatcher, learning.recorder, refiner, limits, supersede
         )  # fmt: skip
-        proxy.proxy = ProxyState(settings, loaded, pool, dispatcher, metrics, learning, scheduling, limits)
+        history = History()
+        proxy.proxy = ProxyState(settings, loaded, pool, dispatcher, metrics, learning, scheduling, limits, history)
         logger.info(
             "clairvoyant ready: backends=%s policy=%s tau=%ss+%sxS slots=%d max_queue=%d disconnect_mode=%s",
             ", ".join(f"{m.name}={m.upstream.display_url} ({m.kind}, {m.slots} slots)" for m in pool.members),
@@ -213,6 +216,7 @@ def create_app(
             )
         if limits.state_path is not None:
             dispatcher.run_detached(_save_limits_periodically(limits, settings.learner_save_interval_s), "limits-save")
+        dispatcher.run_detached(record_periodically(history, dispatcher, limits), "history")
         if settings.api_keys:
             logger.info("authentication on: %d API key(s)", len(settings.api_keys))
         else:
@@ -267,6 +271,12 @@ def create_app(
         state = proxy.state
         return JSONResponse({**state.dispatcher.snapshot(limit), "tenants": state.limits.snapshot()})
 
+    @api.get("/history")
+    async def history_endpoint() -> Response:
+        """The last 15 minutes, for the live page's charts (proxy/history.py); a key exactly when /queue needs one."""
+        state = proxy.state
+        return JSONResponse(history_now(state.history, state.dispatcher, state.limits))
+
     @api.get("/queue/{request_id}")
     async def queue_position(request_id: str) -> Response:
         """Where one waiting request stands: position in dispatch order and ETA in seconds."""
@@ -282,7 +292,8 @@ def create_app(
     async def ui_root() -> Response:
         return RedirectResponse("/ui/")
 
-    # The live queue page: static files in the package, no build step, no CDN.
+    # The live queue page: static files in the package, no build step, no CDN. The page loads
+    # without a key; the data it polls (/queue, /metrics, /history) needs one when status_requires_key.
     api.mount("/ui/", StaticFiles(directory=UI_DIR, html=True), name="ui")
     proxy = ProxyApp(api, settings, metrics)
     return proxy
@@ -491,7 +502,7 @@ class ProxyApp:
 
 
 def _is_own_endpoint(path: str) -> bool:
-    """The proxy's own GET (and HEAD) endpoints: /healthz /readyz /metrics /queue /queue/{id} /ui."""
+    """The proxy's own GET (and HEAD) endpoints: /healthz /readyz /metrics /queue /queue/{id} /history /ui."""
     if path in _OWN_PATHS or path.startswith("/ui/"):
         return True
     return path.startswith("/queue/") and len(path) > 7 and "/" not in path[7:]
