@@ -148,3 +148,16 @@ def test_no_key_or_backend_secret_is_logged_even_at_debug(caplog: pytest.LogCapt
     assert "request" in logged  # there were request lines to leak into
     for secret in (ALICE, "wrong-secret-abc", "backend-secret-xyz"):
         assert secret not in logged
+
+
+def test_only_reads_of_the_open_paths_skip_the_allowlist_and_the_key() -> None:
+    from clairvoyant.proxy.access import AccessControl, Denied
+
+    settings = Settings(
+        host="0.0.0.0", api_keys=[{"hash": "sha256:" + "a" * 64, "tenant": "t"}], passthrough_allow=["GET /v1/models"]
+    )
+    access = AccessControl(settings)
+    assert access.admit("GET", "/healthz", [])[0] is None  # open
+    for method in ("POST", "PUT", "DELETE"):
+        with pytest.raises(Denied):  # would be relayed to the backend: the allowlist and the key apply
+            access.admit(method, "/healthz", [])

@@ -101,7 +101,7 @@ class AccessControl:
         """The identity of the key presented (None: keys are off, or the path is open) and the
         headers to go on with (the client's key removed unless ``forward_client_key``).
         Raises ``Denied``: 403 outside the allowlist, 401 without a valid key."""
-        if path in OPEN_PATHS or (method in READ_METHODS and _page_path(path)):
+        if method in READ_METHODS and (path in OPEN_PATHS or _page_path(path)):
             return None, headers
         status_path = method in READ_METHODS and _status_path(path)
         if not status_path and path not in SCHEDULED_ENDPOINTS and not self._allowed(method, path):
