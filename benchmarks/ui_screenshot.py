@@ -1,11 +1,13 @@
-"""Make docs/img/ui.png: the live page over a held queue with two tenants, priorities and a few
-finished requests. Needs Debian's chromium.
+"""A screenshot of the live page (/ui/) over a held queue: three tenants, priorities and a few
+finished requests. The picture of the page in the docs (docs/img/ui.png) is this one. Needs
+Debian's chromium.
 
-    python benchmarks/ui_screenshot.py
+    python benchmarks/ui_screenshot.py [--out FILE]
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import subprocess
@@ -25,8 +27,14 @@ from proxy_harness import MarkerPredictor, mock_transport, queue_snapshot, runni
 
 from clairvoyant.config import Settings  # noqa: E402
 
+DEFAULT_OUT = Path(tempfile.gettempdir()) / "clairvoyant-bench" / "ui.png"
+
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"the PNG to write (default {DEFAULT_OUT})")
+    out = parser.parse_args().out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
     gate = threading.Event()
     served: list[str] = []
 
@@ -74,7 +82,6 @@ def main() -> None:
             threads.append(post(text, tenant, priority))
         wait_until(lambda: len(queue_snapshot(base)["waiting"]) == 5)
         time.sleep(2.5)
-        out = ROOT / "docs" / "img" / "ui.png"
         with tempfile.TemporaryDirectory() as profile:
             subprocess.run(
                 [

@@ -1,7 +1,7 @@
-"""clairvoyant.tools.bench.request_path: order, paired differences, /proc CPU, nginx configs, wrk script and parsing.
+"""benchmarks/harness/request_path.py: order, paired differences, /proc CPU, nginx configs, wrk script and parsing.
 
-The nginx and wrk checks run the real programs when they are installed (apt-get install nginx wrk)
-and are skipped otherwise; they assert answers and counts, never timings.
+The checks that run the real nginx and wrk are marked ``bench``: ``make bench-test`` installs the
+tools and runs them, ``make test`` leaves them out. They assert answers and counts, never timings.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from clairvoyant.tools.bench.request_path import (
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
+
+from harness.request_path import (  # noqa: E402
     WRK_MARKER,
     expand_command,
     nginx_fixed_answer_conf,
@@ -219,7 +224,7 @@ def _start_nginx(prefix: Path, conf_text: str, port: int) -> subprocess.Popen[by
 def nginx_pair(tmp_path: Path) -> Iterator[tuple[int, int, str]]:
     """A fixed-answer nginx and an nginx reverse proxy in front of it: (backend port, proxy port, answer)."""
     if _nginx_bin() is None:
-        pytest.skip("nginx not installed (apt-get install nginx wrk)")
+        pytest.skip("nginx not installed (make bench-tools)")
     answer = json.dumps({"object": "chat.completion", "choices": [{"message": {"content": "OK"}}]})
     backend_port, proxy_port = _free_port(), _free_port()
     procs = [_start_nginx(tmp_path / "backend", nginx_fixed_answer_conf(tmp_path / "backend", backend_port, answer),
@@ -234,6 +239,7 @@ def nginx_pair(tmp_path: Path) -> Iterator[tuple[int, int, str]]:
             proc.wait(10)
 
 
+@pytest.mark.bench
 def test_rendered_nginx_configs_serve_the_fixed_answer_through_the_proxy(nginx_pair: tuple[int, int, str]) -> None:
     backend_port, proxy_port, answer = nginx_pair
     for port in (backend_port, proxy_port):
@@ -242,9 +248,10 @@ def test_rendered_nginx_configs_serve_the_fixed_answer_through_the_proxy(nginx_p
         assert r.headers["content-type"] == "application/json"
 
 
+@pytest.mark.bench
 def test_wrk_script_runs_in_real_wrk_and_its_report_parses(nginx_pair: tuple[int, int, str], tmp_path: Path) -> None:
     if shutil.which("wrk") is None:
-        pytest.skip("wrk not installed (apt-get install nginx wrk)")
+        pytest.skip("wrk not installed (make bench-tools)")
     _, proxy_port, _ = nginx_pair
     script = tmp_path / "post.lua"
     script.write_text(wrk_script("POST", json.dumps({"messages": [{"role": "user", "content": "Say OK."}]})))
@@ -254,4 +261,3 @@ def test_wrk_script_runs_in_real_wrk_and_its_report_parses(nginx_pair: tuple[int
     result = parse_wrk_output(done.stdout)
     assert result.ok and result.requests > 0
     assert result.p50_ms <= result.p99_ms <= result.max_ms
-

@@ -1,6 +1,6 @@
 """Dispatch cost and memory of the waiting queue, at depths up to 10,000 requests.
 
-    python -m clairvoyant.tools.bench.queue_cost [--depths 100 1000 10000] [--ops 2000]
+    python benchmarks/bench_queue_cost.py [--depths 100 1000 10000] [--ops 2000]
 
 For each policy, the queue the proxy builds by default (policy + starvation guard + fair share,
 two tenants) is filled to a depth n, then timed in steady state: one dispatch decision (``pop``),
@@ -8,8 +8,8 @@ one arrival (``push``) and the dispatched job's end (``done``), so the depth sta
 policies should grow like log n, the scan queue (hrrn) like n. Memory: ``tracemalloc`` over n
 waiting requests, per request, for the queue record alone (``Job`` and its queue entries) and for
 the proxy's ticket (its own queue record) with its ``Prediction`` and entries. Not counted: the
-proxy's exchange record and parked fd, and the body (benchmarks/bench_waiting_memory.py measures
-the whole waiting request end to end).
+proxy's exchange record and parked fd, and the body (bench_waiting_memory.py measures the whole waiting
+request end to end).
 """
 
 from __future__ import annotations
