@@ -55,6 +55,7 @@ def main() -> None:
 
     router = respx.MockRouter(base_url="http://upstream.test")
     router.post("/v1/chat/completions").mock(side_effect=backend)
+    router.get("/health").mock(return_value=httpx.Response(200, json={"status": "ok"}))  # the proxy's backend check
     settings = Settings(upstream_url="http://upstream.test", starvation_timeout_s=600)
     with running_proxy(settings, predictor=MarkerPredictor(), upstream_transport=mock_transport(router)) as base:
 
