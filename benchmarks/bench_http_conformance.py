@@ -1,6 +1,6 @@
 """HTTP/1.1 conformance of the proxy as a black box, beside nginx: the framing and smuggling vectors
-(http_vectors.py) and the ported scored tests of MDA2AV/Http11Probe (http11probe.py; which tests,
-and what could not be ported, is in that module's docstring).
+(harness/http_vectors.py) and the ported scored tests of MDA2AV/Http11Probe (harness/http11probe.py;
+which tests, and what could not be ported, is in that module's docstring).
 
 Every target sits in front of the same recording backend (``recording_backend.RecordingBackend``, in a
 thread of this process), which keeps each request's bytes as they arrived:

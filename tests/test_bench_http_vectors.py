@@ -1,7 +1,8 @@
 """The conformance harness itself (benchmarks/harness/recording_backend.py, raw_client.py,
-http_vectors.py, http11probe.py): the recorder splits what it receives into requests, the checks catch what they
-are meant to catch, the suite port scores as the suite does, and a real server (nginx) can pass the
-vectors today's proxy fails. tests/test_http_conformance.py runs the vectors against the proxy."""
+http_vectors.py, http11probe.py): the recorder splits what it receives into requests, the checks
+catch what they are meant to catch, the suite port scores as the suite does, and a real server
+(nginx) passes the Host and ``GET *`` vectors. tests/test_http_conformance.py runs the vectors
+against the proxy."""
 
 from __future__ import annotations
 

@@ -87,7 +87,7 @@ class _Wire:
 
 
 class RecordingBackend(FakeBackend):
-    """bench_hardening's backend thread and loop, with a reader that records every request's bytes
+    """FakeBackend's thread and loop, with a reader that records every request's bytes
     (``received``) and frames it itself. A chat body with ``"model": "hold"`` is answered after
     ``hold_s`` (to keep a slot busy)."""
 
