@@ -50,8 +50,7 @@ def test_poisson_rate_targets_rho() -> None:
 def _rows(short_e2e: dict[str, list[float]]) -> list[dict[str, Any]]:
     """One burst run per list entry: one Short request per condition and run."""
     return [
-        {"mode": "burst", "rho": "", "run": run, "condition": condition, "cls": "short", "ok": True, "e2e_s": e2e,
-         "ttft_s": e2e}  # fmt: skip
+        dict(mode="burst", rho="", run=run, condition=condition, cls="short", ok=True, e2e_s=e2e, ttft_s=e2e)
         for condition, values in short_e2e.items()
         for run, e2e in enumerate(values)
     ]

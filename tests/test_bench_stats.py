@@ -107,4 +107,3 @@ def test_burst_composition_keeps_true_class() -> None:
     assert all(s.n_predict == forced_length(s.answer_tokens, 0.1) for s in specs)
     assert [s.index for s in specs] == list(range(9))
     assert burst(_prompts(), n_short=5, n_long=4, length_scale=0.1, seed=3) == specs  # seeded
-
