@@ -1,10 +1,9 @@
 """The body budget against the REAL proxy process: 20 clients each holding a 15 MiB body.
 
-Target (the issue's): 20 clients each holding 15 MB of body grow the proxy's RSS by at most 100 MB
+Target: 20 clients each holding 15 MB of body grow the proxy's RSS by at most 100 MB
 (10^6 bytes); beyond ``body_budget_bytes`` the proxy answers 503 with Retry-After.
 
-The proxy runs as deployed (``python -m clairvoyant serve``, CLAIRVOYANT_* settings, the helpers of
-bench_hardening.py) in front of a holding backend: a small HTTP/1.1 server in a thread of this
+The proxy runs as deployed (``python -m clairvoyant serve``, CLAIRVOYANT_* settings, ``harness.proxy_process``) in front of a holding backend: a small HTTP/1.1 server in a thread of this
 process that holds every request whose body names the model "hold" until the benchmark releases it
 (other requests are answered at once), and counts what it received. Settings: slots 1,
 client_timeout_s 30, max_body_bytes 16 MiB, body_budget_bytes 64 MiB (all stated in the output).
@@ -48,20 +47,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from harness.proxy_process import PROXY_SRC, ProxyProcess, RssSampler
+from harness.results import add_json_option, write_json
+from harness.verdicts import Row, answer_complete, header_value, print_table, status_of
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_hardening  # noqa: E402 (the proxy child process, RSS sampling and the Row table are shared)
-from bench_hardening import (  # noqa: E402
-    ProxyProcess,
-    Row,
-    RssSampler,
-    answer_complete,
-    header_value,
-    print_table,
-    status_of,
-)
-
-RESULTS_PATH = Path(__file__).with_name("body_budget_results.json")
 CHAT = "/v1/chat/completions"
 MIB = 1024 * 1024
 MB = 1000 * 1000
@@ -504,9 +493,9 @@ def main() -> int:
     parser.add_argument("--rate-mib-s", type=float, default=8.0, help="each client's body pace, MiB/s (default 8)")
     parser.add_argument("--hold-s", type=float, default=2.0, help="seconds the bodies are held once all are sent")
     parser.add_argument("--sequential", type=int, default=SEQUENTIAL, help="phase 4's requests (default 12)")
-    parser.add_argument("--json", type=Path, default=RESULTS_PATH, help=f"results file (default {RESULTS_PATH.name})")
+    add_json_option(parser, "body_budget")
     parser.add_argument("--log-dir", type=Path, help="where the proxy's log goes (default a temporary directory)")
-    parser.add_argument("--proxy-src", type=Path, default=bench_hardening.PROXY_SRC[0], help="src/ the proxy runs from")
+    parser.add_argument("--proxy-src", type=Path, default=PROXY_SRC[0], help="src/ the proxy runs from")
     args = parser.parse_args()
     if args.sequential < 2:
         parser.error("--sequential needs at least 2 requests (growth is measured from the 2nd)")
@@ -539,7 +528,7 @@ def main() -> int:
         "load_average": os.getloadavg(),
         "rows": [r.as_json() for r in rows],
     }
-    args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    write_json(args.json, result)
     return 0 if all(r.ok is not False for r in rows) else 1
 
 

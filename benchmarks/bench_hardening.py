@@ -1,4 +1,4 @@
-"""The hardening probe (issue 13): slow and load cases against the REAL proxy process, with targets.
+"""The hardening probe: slow and load cases against the REAL proxy process, with targets.
 
 The proxy runs as it is deployed: ``python -m clairvoyant serve`` (Granian serving the proxy's ASGI
 app, aiohttp to the backend) in a child process configured by CLAIRVOYANT_* environment variables;
@@ -8,7 +8,7 @@ server (``EmbeddedLlamaServer``, SmolLM2, 1 slot) for cases 4, 5 and 8.
 
 Each case states the settings its proxy runs with (in the output and the JSON); settings not
 stated are the defaults. Each target and its measured figure are printed as a table, PASS/FAIL,
-and written to ``--json`` (default ``benchmarks/hardening_results.json``):
+and written to ``--json FILE`` (default: a file in the system's temporary directory):
 
 1. stalled clients, client_timeout_s=5: (1a) 500 connections with partial headers: the server
    closes each at client_timeout_s from the head's start, with no answer (a head gets no 408);
@@ -52,22 +52,22 @@ import os
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+from harness import proxy_process
+from harness.fake_backend import FakeBackend
+from harness.proxy_process import ProxyProcess, RssSampler, free_port
+from harness.results import add_json_option, write_json
+from harness.verdicts import Row, answer_complete, print_table, sse_outcome, status_of
 
-REPO = Path(__file__).resolve().parents[1]
-PROXY_SRC = [REPO / "src"]  # the package the proxy processes import (--proxy-src: try a patched tree)
-RESULTS_PATH = Path(__file__).with_name("hardening_results.json")
 CHAT = "/v1/chat/completions"
 
 
@@ -76,60 +76,9 @@ CHAT = "/v1/chat/completions"
 # --------------------------------------------------------------------------------------------
 
 
-def status_of(raw: bytes) -> int | None:
-    """The status code of a raw HTTP/1.x response, or None when ``raw`` holds no status line."""
-    line = raw.split(b"\r\n", 1)[0]
-    parts = line.split(b" ", 2)
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-        return None
-    return int(parts[1])
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-quantile (0..1) by linear interpolation; NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 def latency_kept(before_p50_s: float, during_p50_s: float, *, factor: float = 2.0, slack_s: float = 0.005) -> bool:
     """The "usual latency" rule: during p50 <= max(factor x before p50, before p50 + slack)."""
     return during_p50_s <= max(factor * before_p50_s, before_p50_s + slack_s)
-
-
-def sse_outcome(text: str) -> str:
-    """How an OpenAI SSE stream ended: "done" ([DONE] last), "error" (an error event last), "cut" otherwise."""
-    events = [line[5:].strip() for line in text.splitlines() if line.startswith("data:")]
-    if not events:
-        return "cut"
-    if events[-1] == "[DONE]":
-        return "done"
-    try:
-        last = json.loads(events[-1])
-    except ValueError:
-        return "cut"
-    return "error" if isinstance(last, dict) and "error" in last else "cut"
-
-
-def header_value(raw: bytes, name: str) -> str | None:
-    """One header's value in a raw HTTP/1.x response head (None when absent)."""
-    head = raw.split(b"\r\n\r\n", 1)[0].decode("latin-1")
-    for line in head.split("\r\n")[1:]:
-        key, _, value = line.partition(":")
-        if key.strip().lower() == name.lower():
-            return value.strip()
-    return None
-
-
-def answer_complete(raw: bytes) -> bool:
-    """Whether ``raw`` holds a whole response with a Content-Length: its head and that many bytes."""
-    _, sep, body = raw.partition(b"\r\n\r\n")
-    length = header_value(raw, "content-length") if sep else None
-    return length is not None and len(body) >= int(length)
 
 
 def error_code(raw: bytes) -> str | None:
@@ -148,279 +97,6 @@ def duplicates(deliveries: Counter[str], expected: set[str]) -> tuple[int, int]:
     extra = sum(n - 1 for tag, n in deliveries.items() if tag in expected and n > 1)
     stray = sum(n for tag, n in deliveries.items() if tag not in expected)
     return extra, stray
-
-
-@dataclass
-class Row:
-    case: str
-    target: str
-    measured: str
-    ok: bool | None  # None: a figure stated, no target
-    figures: dict[str, Any] = field(default_factory=dict)
-    settings: str = ""  # the proxy's settings for the case (``ProxyProcess.stated``)
-
-    def as_json(self) -> dict[str, Any]:
-        verdict = None if self.ok is None else ("PASS" if self.ok else "FAIL")
-        return {"case": self.case, "target": self.target, "measured": self.measured, "verdict": verdict,
-                "settings": self.settings, "figures": self.figures}  # fmt: skip
-
-
-# --------------------------------------------------------------------------------------------
-# A fake backend: plain asyncio HTTP/1.1 in a thread, behaviour chosen by the body's "model"
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Delivery:
-    tag: str
-    model: str
-    connection: int  # the backend's connection number
-    nth_on_connection: int  # 1 = the connection's first request (a fresh connection)
-    at_s: float  # time.monotonic()
-
-
-class FakeBackend:
-    """OpenAI-style backend. ``model`` in the body: "fast" (answer at once), "slow-stream" (SSE,
-    ``max_tokens`` events ``delay_s`` apart), "close-after-read" (read the request, close 1 s later
-    without answering). Every POST it fully read is a ``Delivery`` (tag = the body's "user")."""
-
-    def __init__(self, service_s: float = 0.0, stream_delay_s: float = 0.1, port: int = 0) -> None:
-        self.service_s = service_s
-        self.stream_delay_s = stream_delay_s
-        self.deliveries: list[Delivery] = []
-        self._writers: set[asyncio.StreamWriter] = set()
-        self._connections = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._server: asyncio.AbstractServer | None = None
-        self._ready = threading.Event()
-        self.port = port
-
-    def start(self) -> FakeBackend:
-        self._thread = threading.Thread(target=self._run, name="fake-backend", daemon=True)
-        self._thread.start()
-        self._ready.wait(10)
-        return self
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _run(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        self._stopped = asyncio.Event()
-
-        async def serve() -> None:
-            self._server = await asyncio.start_server(
-                self._handle, "127.0.0.1", self.port, backlog=4096, reuse_address=True
-            )
-            self.port = self._server.sockets[0].getsockname()[1]
-            self._ready.set()
-            await self._stopped.wait()
-            self._server.close()
-            for writer in list(self._writers):
-                writer.transport.abort()
-            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            await asyncio.wait(others, timeout=2) if others else None
-
-        loop.run_until_complete(serve())
-        loop.close()
-
-    def stop(self) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._stopped.set)
-            self._thread.join(10)
-
-    def tags(self, prefix: str) -> Counter[str]:
-        return Counter(d.tag for d in list(self.deliveries) if d.tag.startswith(prefix))
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._connections += 1
-        connection, served = self._connections, 0
-        self._writers.add(writer)
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                lines = head.decode("latin-1").split("\r\n")
-                method, path, _ = lines[0].split(" ", 2)
-                headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
-                body = await reader.readexactly(int(headers.get("content-length", "0") or 0))
-                served += 1
-                if method == "GET":
-                    await self._send(writer, 200, b'{"status":"ok"}')
-                    if headers.get("connection", "").lower() == "close":
-                        return
-                    continue
-                data = json.loads(body or b"{}")
-                model = str(data.get("model", "fast"))
-                tag = str(data.get("user", ""))
-                self.deliveries.append(Delivery(tag, model, connection, served, time.monotonic()))
-                if model == "close-after-read":
-                    await asyncio.sleep(1.0)
-                    return  # finally: a clean close (FIN) with no answer
-                if self.service_s:
-                    await asyncio.sleep(self.service_s)
-                if model == "slow-stream" or data.get("stream"):
-                    await self._stream(writer, tag, int(data.get("max_tokens", 4)), model == "slow-stream")
-                else:
-                    answer = {
-                        "id": f"x-{tag}",
-                        "object": "chat.completion",
-                        "model": model,
-                        "choices": [
-                            {
-                                "index": 0,
-                                "message": {"role": "assistant", "content": f"ok {tag}"},
-                                "finish_reason": "stop",
-                            }
-                        ],
-                        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
-                    }
-                    await self._send(writer, 200, json.dumps(answer).encode())
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
-            pass
-        finally:
-            self._writers.discard(writer)
-            writer.close()
-
-    @staticmethod
-    async def _send(writer: asyncio.StreamWriter, status: int, body: bytes) -> None:
-        writer.write(
-            f"HTTP/1.1 {status} OK\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-        await writer.drain()
-
-    async def _stream(self, writer: asyncio.StreamWriter, tag: str, events: int, slow: bool) -> None:
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-
-        def chunk(payload: str) -> bytes:
-            data = f"data: {payload}\n\n".encode()
-            return f"{len(data):x}\r\n".encode() + data + b"\r\n"
-
-        for i in range(events):
-            delta = {
-                "id": f"x-{tag}",
-                "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}],
-            }
-            writer.write(chunk(json.dumps(delta)))
-            await writer.drain()
-            if slow:
-                await asyncio.sleep(self.stream_delay_s)
-        writer.write(
-            chunk(
-                json.dumps(
-                    {"id": f"x-{tag}", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": events}}
-                )
-            )
-        )
-        writer.write(chunk("[DONE]") + b"0\r\n\r\n")
-        await writer.drain()
-
-
-# --------------------------------------------------------------------------------------------
-# The proxy as a child process
-# --------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
-
-
-class ProxyProcess:
-    """``python -m clairvoyant serve`` with CLAIRVOYANT_* settings; its log goes to a file. ``src``:
-    the src/ directory it runs from (default ``PROXY_SRC[0]``, this checkout's or --proxy-src)."""
-
-    def __init__(
-        self, name: str, upstream_url: str, log_dir: Path, *, src: Path | None = None, **settings: Any
-    ) -> None:
-        self.name = name
-        self.src = src
-        self.port = free_port()
-        self.settings = {"upstream_url": upstream_url, "port": self.port, "log_level": "warning", **settings}
-        self.log_path = log_dir / f"proxy-{name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def start(self) -> ProxyProcess:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CLAIRVOYANT_")}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.src or PROXY_SRC[0]), env.get("PYTHONPATH", "")]))
-        env.update({f"CLAIRVOYANT_{k.upper()}": str(v) for k, v in self.settings.items()})
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "clairvoyant", "serve"], env=env, stdout=log, stderr=log, cwd=REPO
-            )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"proxy {self.name} exited at start; see {self.log_path}")
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        raise RuntimeError(f"proxy {self.name} did not start; see {self.log_path}")
-
-    def rss_kib(self) -> int:
-        return rss_kib(self.pid)
-
-    def stated(self) -> str:
-        """The settings this proxy runs with, but its port and backend URL; the rest are defaults."""
-        shown = {k: v for k, v in self.settings.items() if k not in ("upstream_url", "port")}
-        return " ".join(f"{k}={v}" for k, v in shown.items()) + " (others default)"
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-class RssSampler:
-    """Samples a process's VmRSS every ``every_s`` on the event loop while running."""
-
-    def __init__(self, pid: int, every_s: float = 0.1) -> None:
-        self.pid, self.every_s = pid, every_s
-        self.samples: list[int] = []
-        self._task: asyncio.Task[None] | None = None
-
-    async def _run(self) -> None:
-        while True:
-            self.samples.append(rss_kib(self.pid))
-            await asyncio.sleep(self.every_s)
-
-    def __enter__(self) -> RssSampler:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
-
-    @property
-    def peak_kib(self) -> int:
-        return max(self.samples) if self.samples else 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -1413,16 +1089,6 @@ async def restart_case(log_dir: Path, down_s: float = 10.0, n: int = 10) -> Row:
 # --------------------------------------------------------------------------------------------
 
 
-def print_table(rows: list[Row]) -> None:
-    print()
-    print(f"{'case':58} {'verdict':7} measured  [target]")
-    for row in rows:
-        verdict = "-" if row.ok is None else ("PASS" if row.ok else "FAIL")
-        print(f"{row.case:58} {verdict:7} {row.measured}  [{row.target}]")
-        if row.settings:
-            print(f"{'':58} {'':7} settings: {row.settings}")
-
-
 async def run(cases: set[str], log_dir: Path, trials: int) -> list[Row]:
     rows: list[Row] = []
 
@@ -1486,17 +1152,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="1,2,3,4,5,6,7,8", help="comma-separated case numbers (default all)")
     parser.add_argument("--trials", type=int, default=2, help="case 4: trials per disconnect mode (default 2)")
-    parser.add_argument("--json", type=Path, default=RESULTS_PATH, help=f"results file (default {RESULTS_PATH.name})")
+    add_json_option(parser, "hardening")
     parser.add_argument("--log-dir", type=Path, help="where the proxies' logs go (default a temporary directory)")
     parser.add_argument(
         "--proxy-src",
         type=Path,
-        default=PROXY_SRC[0],
+        default=proxy_process.PROXY_SRC[0],
         help="src/ directory the proxy runs from (default this checkout's)",
     )
     args = parser.parse_args()
     cases = {c.strip() for c in args.cases.split(",") if c.strip()}
-    PROXY_SRC[0] = args.proxy_src.resolve()
+    proxy_process.PROXY_SRC[0] = args.proxy_src.resolve()
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-hardening-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -1514,7 +1180,7 @@ def main() -> int:
         "load_average": load,
         "rows": [r.as_json() for r in rows],
     }
-    args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    write_json(args.json, result)
     return 0 if all(r.ok is not False for r in rows) else 1
 
 

@@ -1,6 +1,6 @@
 """HTTP/1.1 conformance of the proxy as a black box, beside nginx: the framing and smuggling vectors
-(http_vectors.py) and the ported scored tests of MDA2AV/Http11Probe (http11probe.py; which tests,
-and what could not be ported, is in that module's docstring).
+(harness/http_vectors.py) and the ported scored tests of MDA2AV/Http11Probe (harness/http11probe.py;
+which tests, and what could not be ported, is in that module's docstring).
 
 Every target sits in front of the same recording backend (``recording_backend.RecordingBackend``, in a
 thread of this process), which keeps each request's bytes as they arrived:
@@ -15,7 +15,7 @@ thread of this process), which keeps each request's bytes as they arrived:
 Printed: one row per vector (each target's client outcome, backend deliveries, PASS/FAIL), the
 targets the vectors judge (no smuggled request reaches the backend), and the suite's counts
 side by side (pass / warn / fail / error over its scored tests, and the tests failing anywhere).
-The figures go to ``--json`` (default benchmarks/http_conformance_results.json).
+The figures go to ``--json FILE``.
 
     PYTHONPATH=src python benchmarks/bench_http_conformance.py                    # ~3-4 min
     PYTHONPATH=src python benchmarks/bench_http_conformance.py --proxy-src /path/to/new/src
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -41,16 +40,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import http11probe
-import http_vectors as hv
-import servers
-from bench_hardening import PROXY_SRC, ProxyProcess, free_port
-from recording_backend import RecordingBackend
+from harness import http11probe, servers
+from harness import http_vectors as hv
+from harness.proxy_process import PROXY_SRC, ProxyProcess, free_port
+from harness.recording_backend import RecordingBackend
+from harness.request_path import nginx_proxy_conf
+from harness.results import add_json_option, write_json
 
-from clairvoyant.tools.bench.request_path import nginx_proxy_conf
-
-RESULTS_PATH = Path(__file__).with_name("http_conformance_results.json")
-BASELINE_FAILURES = 10  # the suite's failures on the build this benchmark was written against
+MAX_SUITE_FAILURES = 10  # the target: at most this many of the suite's scored tests fail
 
 
 @dataclass
@@ -175,7 +172,7 @@ def print_suite_table(suite: dict[str, Any], targets: list[Target]) -> None:
 
 
 def judge_targets(rows: list[dict[str, Any]], suite: dict[str, Any], targets: list[Target]) -> list[str]:
-    """The lines stating the issue's targets for each proxy build."""
+    """The lines stating the targets for each proxy build."""
     lines = []
     for t in targets:
         if t.kind != "proxy":
@@ -186,8 +183,8 @@ def judge_targets(rows: list[dict[str, Any]], suite: dict[str, Any], targets: li
                          f"{'PASS' if not smuggled else 'FAIL ' + ', '.join(smuggled)}")  # fmt: skip
         if t.label in suite:
             failed = suite[t.label]["failed"]
-            verdict = "PASS" if failed <= BASELINE_FAILURES else "FAIL"
-            lines.append(f"{t.label}: suite failures {failed} (target <= {BASELINE_FAILURES}): {verdict}")
+            verdict = "PASS" if failed <= MAX_SUITE_FAILURES else "FAIL"
+            lines.append(f"{t.label}: suite failures {failed} (target <= {MAX_SUITE_FAILURES}): {verdict}")
     builds = [t.label for t in targets if t.kind == "proxy" and t.label in suite]
     for label in builds[1:]:  # against the first build given: what it newly fails, and fixes
         first, this = set(suite[builds[0]]["failures"]), set(suite[label]["failures"])
@@ -205,7 +202,7 @@ def main() -> int:
     parser.add_argument("--no-vectors", action="store_true", help="skip the vectors")
     parser.add_argument("--only", help="comma-separated vector names (default all)")
     parser.add_argument("--probe-timeout", type=float, default=5.0, help="the suite's read timeout, s (default 5)")
-    parser.add_argument("--json", type=Path, default=RESULTS_PATH, help=f"results file (default {RESULTS_PATH.name})")
+    add_json_option(parser, "http_conformance")
     parser.add_argument("--log-dir", type=Path, help="where the proxies' logs go (default a temporary directory)")
     args = parser.parse_args()
     srcs = [p.resolve() for p in (args.proxy_src or [PROXY_SRC[0]])]
@@ -260,8 +257,7 @@ def main() -> int:
         "suite": suite,
         "verdicts": verdicts,
     }
-    args.json.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    print(f"wrote {args.json}")
+    write_json(args.json, result)
     return 0
 
 

@@ -1,12 +1,11 @@
-"""Issue 10's pool targets, measured against the REAL proxy process and two real llama.cpp servers.
+"""The pool of backends' targets, measured against the REAL proxy process and two real llama.cpp servers.
 
 The proxy runs as deployed: ``python -m clairvoyant serve`` in a child process configured by
 CLAIRVOYANT_* variables (one backend: ``CLAIRVOYANT_UPSTREAM_URL``; the pool:
 ``CLAIRVOYANT_BACKENDS='[{"url": ...}, {"url": ...}]'``). Backends: two ``EmbeddedLlamaServer``
 (SmolLM2, ``n_parallel=1``, 1 thread each, so the two fit on two cores), started once and kept warm.
 
-Parts (targets and measured figures are printed as a table and written to
-``benchmarks/pool_results.json``):
+Parts (targets and measured figures are printed as a table and written to ``--json FILE``):
 
 * ``burst``: 16 Short + 16 Long held-out ShareGPT prompts (``profiler/data/prompts.jsonl``), all sent
   at once in a seeded shuffled order, answer lengths forced to ``ceil(0.1 x true length)`` tokens
@@ -53,16 +52,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from harness import proxy_process
+from harness.proxy_process import ProxyProcess
+from harness.results import add_json_option, write_json
+from harness.verdicts import Row, percentile, print_table, sse_outcome
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_hardening  # noqa: E402 (the proxy child process and the SSE helpers are shared)
-from bench_hardening import ProxyProcess, Row, percentile, sse_outcome  # noqa: E402
+from clairvoyant.tools.bench.client import RequestSpec
+from clairvoyant.tools.bench.runner import wait_idle
+from clairvoyant.tools.bench.workload import burst
 
-from clairvoyant.tools.bench.client import RequestSpec  # noqa: E402
-from clairvoyant.tools.bench.runner import wait_idle  # noqa: E402
-from clairvoyant.tools.bench.workload import burst  # noqa: E402
-
-RESULTS_PATH = Path(__file__).with_name("pool_results.json")
 CHAT = "/v1/chat/completions"
 MODEL = "SmolLM2-135M-Instruct"
 LENGTH_SCALE = 0.1
@@ -609,17 +607,17 @@ def main() -> int:
     parser.add_argument("--n", type=int, default=16, help="burst: Short and Long requests each (default 16)")
     parser.add_argument("--trials", type=int, default=2, help="kill trials (default 2: streamed, non-streamed)")
     parser.add_argument("--kill-n", type=int, default=8, help="kill: Short and Long requests each (default 8)")
-    parser.add_argument("--json", type=Path, default=RESULTS_PATH, help=f"results file (default {RESULTS_PATH.name})")
+    add_json_option(parser, "pool")
     parser.add_argument("--log-dir", type=Path, help="proxy and llama.cpp logs (default a temporary directory)")
-    parser.add_argument("--proxy-src", type=Path, default=bench_hardening.PROXY_SRC[0], help="src/ the proxy runs from")
+    parser.add_argument("--proxy-src", type=Path, default=proxy_process.PROXY_SRC[0], help="src/ the proxy runs from")
     args = parser.parse_args()
-    bench_hardening.PROXY_SRC[0] = args.proxy_src.resolve()
+    proxy_process.PROXY_SRC[0] = args.proxy_src.resolve()
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-pool-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     load_before = os.getloadavg()
     rows, raw = asyncio.run(run(args, log_dir))
-    bench_hardening.print_table(rows)
+    print_table(rows)
     took = time.monotonic() - started
     print(
         f"\n{sum(r.ok is True for r in rows)} PASS, {sum(r.ok is False for r in rows)} FAIL in {took:.0f} s; "
@@ -634,7 +632,7 @@ def main() -> int:
         "rows": [r.as_json() for r in rows],
         "raw": raw,
     }
-    args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    write_json(args.json, result)
     return 0 if all(r.ok is not False for r in rows) else 1
 
 

@@ -1,7 +1,7 @@
 """Per-request predictor overhead: features + ONNX, one request at a time, real ShareGPT prompts.
 
     python benchmarks/bench_predictor.py [--model model/predictor.onnx] [--requests 12000]
-        [--no-load] [--compare OTHER.onnx ...] [--no-card] [--no-gc-freeze] [--json OUT.json]
+        [--no-load] [--load-nice 0 10] [--compare OTHER.onnx ...] [--no-gc-freeze] [--json FILE] [--write-card]
 
 Phases: idle, then with a real llama.cpp server (xllamacpp + SmolLM2-135M, 2 threads) generating
 continuously in a background process on the same cores (optionally also with the backend at a
@@ -10,18 +10,18 @@ lower CPU priority, ``--load-nice 0 10``: a deployment choice that the p99 depen
 bound ONNX Runtime run alone, plus the floor: ``run_with_iobinding`` of a one-node Identity ONNX graph (the bare
 cost of calling ONNX Runtime from Python). A first, separately reported pass touches every
 prompt once (as the proxy's JSON parsing does) before the timed passes. Prompts are the proxy's own Prompts (history included)
-for every user turn of ShareGPT, shuffled with seed 0. p50 and p99 go into the model card.
+for every user turn of ShareGPT, shuffled with seed 0. With ``--write-card``, p50 and p99 go into
+the model card (model/predictor.card.json and MODEL_CARD.md).
 
 The four timings are interleaved: per prompt, predict, features, ONNX run and floor in turn (the
 order rotating from prompt to prompt). These shared cores change speed by up to ~1.7x from one
 second to the next (the floor's p50 moved 2.6 -> 4.7 us between phases of one run), so timing
-each in its own pass, as before issue 12's session 28, could put predict and its parts in
-different speeds; interleaved, the floor is a reference taken at the same moments.
+each in its own pass could put predict and its parts in different speeds; interleaved, the floor
+is a reference taken at the same moments.
 
 The cyclic garbage collector stays on, as in the proxy, and the heap built before the timed phases
 (the predictor, the loaded prompts) is frozen out of its way with ``gc.freeze()``, as
-``clairvoyant serve`` freezes its start-up heap; ``--no-gc-freeze`` times without the freeze (the
-setting of every run before issue 12's session 17).
+``clairvoyant serve`` freezes its start-up heap; ``--no-gc-freeze`` times without the freeze.
 
 Not a timed test: numbers depend on the machine and its neighbours; the JSON result records the
 load average at the start of each phase.
@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import json
 import os
 import platform
 import sys
@@ -42,14 +41,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from harness.results import add_json_option, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from clairvoyant.errors import ModelError  # noqa: E402
-from clairvoyant.prediction.features import Prompt  # noqa: E402
-from clairvoyant.prediction.predictor import DEFAULT_MODEL_PATH, OnnxPredictor, _bound_runner, load_card  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "predictor_results.json"
+from clairvoyant.errors import ModelError
+from clairvoyant.prediction.features import Prompt
+from clairvoyant.prediction.predictor import DEFAULT_MODEL_PATH, OnnxPredictor, _bound_runner, load_card
 
 
 def _prompts(n: int) -> list[Prompt]:
@@ -218,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=12_000)
     parser.add_argument("--compare", type=Path, nargs="*", default=[], help="other models to time alike")
     parser.add_argument("--no-load", action="store_true", help="idle phase only")
-    parser.add_argument("--no-card", action="store_true", help="do not write p50/p99 into the model card")
+    parser.add_argument(
+        "--write-card", action="store_true", help="write p50/p99 into the card of --model (default: print only)"
+    )
     parser.add_argument(
         "--load-nice",
         type=int,
@@ -227,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         help="nice values of the llama.cpp load, one loaded phase each (0 = same priority)",
     )
     parser.add_argument("--no-gc-freeze", action="store_true", help="do not gc.freeze() the start-up heap")
-    parser.add_argument("--json", type=Path, default=RESULTS, help=f"result file (default {RESULTS.name})")
+    add_json_option(parser, "predictor")
     args = parser.parse_args(argv)
 
     prompts = _prompts(args.requests)
@@ -247,14 +245,13 @@ def main(argv: list[str] | None = None) -> int:
         gc.freeze()
     report["phases"]["idle"] = [_bench_model(m, prompts, floor) for m in models]
     if not args.no_load:
-        from predictor_load import LoadProcess
+        from harness.predictor_load import LoadProcess
 
         for nice in args.load_nice:
             with LoadProcess(nice=nice):
                 time.sleep(2.0)
                 name = "under_llamacpp_load" + (f"_nice{nice}" if nice else "")
                 report["phases"][name] = [_bench_model(m, prompts, floor) for m in models]
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
     for phase, rows in report["phases"].items():
         for r in rows:
             print(
@@ -264,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"floor p50 {r['floor_identity_run']['p50_us']:5.1f} "
                 f"p99 {r['floor_identity_run']['p99_us']:5.1f} (load {r['loadavg_1min_at_start']:.1f})"
             )
-    if not args.no_card:
+    write_json(args.json, report)
+    if args.write_card:
         from clairvoyant.tools.training import card as card_md
         from clairvoyant.tools.training.export import update_card
 

@@ -2,7 +2,7 @@
 
 Starts a real llama.cpp server (xllamacpp + SmolLM2) and, each as a separate process on a free
 port in front of it: nginx (Debian `nginx`; proxy_buffering off, upstream keepalive), the bare
-FastAPI + httpx pass-through (minimal_passthrough.py: the floor of the Python serving stack) and
+FastAPI + httpx pass-through (harness/passthrough.py: the floor of the Python serving stack) and
 the proxy under test (`clairvoyant serve`, the deployed shape, or --proxy-cmd). Each round sends one
 request to every target, one at a time (empty queue), in a fresh random order (a fixed rotation
 would put the same target before each one every time), same prompt (the backend answers from its
@@ -12,15 +12,13 @@ process's CPU time per request (/proc/<pid>/stat of its process tree).
 
     python benchmarks/bench_proxy_overhead.py [--n 300] [--json FILE] [--proxy-cmd '...{upstream} {port}...']
 
-Needs nginx (apt-get install nginx wrk). Results: benchmarks/proxy_overhead_results.json, and the tables
-into docs/benchmarks.md (section 6i; --no-doc leaves the page alone).
+Needs nginx (`make bench-tools` installs it). Prints the tables; --json FILE keeps the figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import time
@@ -28,13 +26,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
-from tqdm import tqdm
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import servers  # noqa: E402  (benchmarks/servers.py, beside this script)
-
-from clairvoyant.tools.bench.request_path import (  # noqa: E402
+from harness import servers
+from harness.proxy_process import free_port
+from harness.request_path import (
     nginx_proxy_conf,
     paired_differences,
     predecessor_counts,
@@ -42,7 +36,10 @@ from clairvoyant.tools.bench.request_path import (  # noqa: E402
     summarize_ms,
     tree_cpu_seconds,
 )
-from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer  # noqa: E402
+from harness.results import write_json
+from tqdm import tqdm
+
+from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
 
 BODY = {
     "messages": [{"role": "user", "content": "Say OK."}],
@@ -52,7 +49,6 @@ BODY = {
 }
 BASE_TARGETS: tuple[str, ...] = ("direct", "nginx", "bare", "proxy")
 METRICS = ("ttfb", "ttft", "total")
-RESULTS = Path(__file__).with_name("proxy_overhead_results.json")
 
 
 def one_request(client: httpx.Client, url: str) -> dict[str, float]:
@@ -92,14 +88,14 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=20, help="untimed rounds first (default 20)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the per-round random order")
     parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads (default 1: stable on shared cores)")
-    servers.add_target_options(parser, RESULTS, slots_note="; slots 1 here")
+    servers.add_target_options(parser, "proxy_overhead", slots_note="; slots 1 here")
     args = parser.parse_args()
     TARGETS = BASE_TARGETS + (("baseline",) if args.baseline_cmd else ())
     servers.require_tools("nginx")
 
     with contextlib.ExitStack() as stack:
         backend = stack.enter_context(EmbeddedLlamaServer(n_threads=args.threads))
-        ports = {name: servers.free_port() for name in TARGETS if name != "direct"}
+        ports = {name: free_port() for name in TARGETS if name != "direct"}
         procs = {
             "direct": backend.pid,
             "nginx": stack.enter_context(servers.nginx(
@@ -144,30 +140,26 @@ def main() -> int:
         "predecessors": {k: dict(v) for k, v in predecessor_counts(orders).items()},
         "server_cpu_ms_per_request": cpu_ms,
     }  # fmt: skip
-    say = servers.Report()
-    say(f"\n1-token streamed chat completion to llama.cpp, empty queue, n={args.n} rounds (random order per round); "
+    print(f"\n1-token streamed chat completion to llama.cpp, empty queue, n={args.n} rounds (random order per round); "
         f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}\n")  # fmt: skip
-    say("| target | TTFB p50 | TTFB p90 | TTFT p50 | total p50 | total p90 | total p99 |")
-    say("|---|---:|---:|---:|---:|---:|---:|")
+    print("| target | TTFB p50 | TTFB p90 | TTFT p50 | total p50 | total p90 | total p99 |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name in TARGETS:
         s = {m: summarize_ms(samples[m][name]) for m in METRICS}
         result[name] = s
-        say(f"| {name} | {s['ttfb']['p50_ms']:.2f} | {s['ttfb']['p90_ms']:.2f} | {s['ttft']['p50_ms']:.2f} | "
+        print(f"| {name} | {s['ttfb']['p50_ms']:.2f} | {s['ttfb']['p90_ms']:.2f} | {s['ttft']['p50_ms']:.2f} | "
             f"{s['total']['p50_ms']:.2f} | {s['total']['p90_ms']:.2f} | {s['total']['p99_ms']:.2f} |")  # fmt: skip
-    say("\nAdded over direct, paired per round (ms): p50 and p90 of (target - direct)\n")
-    say("| target | TTFB p50 | TTFB p90 | TTFT p50 | total p50 | total p90 | server CPU ms/request |")
-    say("|---|---:|---:|---:|---:|---:|---:|")
+    print("\nAdded over direct, paired per round (ms): p50 and p90 of (target - direct)\n")
+    print("| target | TTFB p50 | TTFB p90 | TTFT p50 | total p50 | total p90 | server CPU ms/request |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     added = {m: paired_differences(samples[m], "direct") for m in METRICS}
     for name in TARGETS[1:]:
         a = {m: summarize_ms(added[m][name]) for m in METRICS}
         result[f"added_{name}"] = a
-        say(f"| {name} | {a['ttfb']['p50_ms']:.2f} | {a['ttfb']['p90_ms']:.2f} | {a['ttft']['p50_ms']:.2f} | "
+        print(f"| {name} | {a['ttfb']['p50_ms']:.2f} | {a['ttfb']['p90_ms']:.2f} | {a['ttft']['p50_ms']:.2f} | "
             f"{a['total']['p50_ms']:.2f} | {a['total']['p90_ms']:.2f} | {cpu_ms[name]:.2f} |")  # fmt: skip
-    say(f"\nllama.cpp server (direct) CPU per request it served: {cpu_ms['direct']:.2f} ms")
-    with open(args.json, "w") as fh:
-        json.dump(result, fh, indent=2)
-    print(f"wrote {args.json}")
-    servers.write_doc(args, "bench_proxy_overhead", say, str(result["command"]), str(result["date_utc"]))
+    print(f"\nllama.cpp server (direct) CPU per request it served: {cpu_ms['direct']:.2f} ms")
+    write_json(args.json, result)
     return 0
 
 

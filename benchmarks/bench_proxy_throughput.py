@@ -3,7 +3,7 @@
 The backend is nginx answering every request with a fixed chat-completion JSON (`return 200`); it
 is wrk'ed directly first, so its row shows it is not the bottleneck. In front of it, each a separate
 process on a free port: nginx as a reverse proxy (proxy_buffering off, upstream keepalive), the bare
-FastAPI + httpx pass-through (minimal_passthrough.py) and the proxy under test (`clairvoyant serve
+FastAPI + httpx pass-through (harness/passthrough.py) and the proxy under test (`clairvoyant serve
 --slots 64 --max-queue 10000`, or --proxy-cmd). Two paths: the scheduled POST /v1/chat/completions
 (Clairvoyant parses, predicts and queues each request) and the pass-through GET /v1/models.
 Rounds run every target once per path in a fresh random order; the tables give the median over
@@ -12,8 +12,7 @@ rounds of requests/s and of wrk's per-run p50/p99 latency, and each server's CPU
     python benchmarks/bench_proxy_throughput.py [--duration 5] [--rounds 3] [--json FILE]
         [--proxy-cmd '{python} -m clairvoyant.cli serve --upstream {upstream} --port {port} --slots {slots} ...']
 
-Needs nginx and wrk (apt-get install nginx wrk). Results: benchmarks/proxy_throughput_results.json, and the
-tables into docs/benchmarks.md (section 6i; --no-doc leaves the page alone).
+Needs nginx and wrk (`make bench-tools` installs them). Prints the tables; --json FILE keeps the figures.
 """
 
 from __future__ import annotations
@@ -30,12 +29,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import servers  # noqa: E402  (benchmarks/servers.py, beside this script)
-
-from clairvoyant.tools.bench.request_path import (  # noqa: E402
+from harness import servers
+from harness.proxy_process import free_port
+from harness.request_path import (
     WrkResult,
     nginx_fixed_answer_conf,
     nginx_proxy_conf,
@@ -44,6 +40,7 @@ from clairvoyant.tools.bench.request_path import (  # noqa: E402
     tree_cpu_seconds,
     wrk_script,
 )
+from harness.results import write_json
 
 ANSWER = json.dumps(
     {
@@ -59,7 +56,6 @@ PATHS = {
     "GET /v1/models": ("GET", "/v1/models", None),
 }
 BASE_TARGETS: tuple[str, ...] = ("backend", "nginx", "bare", "proxy")
-RESULTS = Path(__file__).with_name("proxy_throughput_results.json")
 
 
 def run_wrk(url: str, script: Path, *, connections: int, threads: int, duration_s: int) -> WrkResult:
@@ -80,12 +76,12 @@ def main() -> int:
     parser.add_argument("--nginx-workers", type=int, default=1, help="worker processes of each nginx (default 1)")
     parser.add_argument("--warmup", type=int, default=1, help="whole seconds of wrk per target and path before timing")
     parser.add_argument("--seed", type=int, default=0, help="seed of the per-round random order")
-    servers.add_target_options(parser, RESULTS)
+    servers.add_target_options(parser, "proxy_throughput")
     args = parser.parse_args()
     TARGETS = BASE_TARGETS + (("baseline",) if args.baseline_cmd else ())
     servers.require_tools("nginx", "wrk")
 
-    ports = {name: servers.free_port() for name in TARGETS}
+    ports = {name: free_port() for name in TARGETS}
     backend_url = f"http://127.0.0.1:{ports['backend']}"
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory(prefix="bench-wrk-") as tmp:
         procs = {
@@ -155,13 +151,12 @@ def main() -> int:
         "rounds": args.rounds, "nginx_workers": args.nginx_workers, "slots": args.slots,
         "loadavg_before": load_before, "loadavg_after": load_after, "cpus": os.cpu_count(), "paths": {},
     }  # fmt: skip
-    say = servers.Report()
-    say(f"\n{args.connections} connections, wrk -t{args.threads}, {args.duration:g} s per run, median of {args.rounds} "
+    print(f"\n{args.connections} connections, wrk -t{args.threads}, {args.duration:g} s per run, median of {args.rounds} "
         f"rounds (random order); load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")  # fmt: skip
     for label in PATHS:
-        say(f"\n{label}\n")
-        say("| target | requests/s | p50 ms | p99 ms | errors | server CPU ms/request |")
-        say("|---|---:|---:|---:|---:|---|")
+        print(f"\n{label}\n")
+        print("| target | requests/s | p50 ms | p99 ms | errors | server CPU ms/request |")
+        print("|---|---:|---:|---:|---:|---|")
         table = {}
         for target in TARGETS:
             rs = runs[label][target]
@@ -173,7 +168,7 @@ def main() -> int:
             cpu_text = f"{own:.3f}" if target == "backend" else f"{own:.3f} (+ backend {behind:.3f})"
             table[target] = {**med, "errors": errors, "cpu_ms_per_request": own, "backend_cpu_ms_per_request": behind,
                              "runs": rs}  # fmt: skip
-            say(
+            print(
                 f"| {target} | {med['requests_per_s']:,.0f} | {med['p50_ms']:.2f} | {med['p99_ms']:.2f} | {errors} | {cpu_text} |"
             )
         # The host's speed moves between rounds; a ratio within each round cancels most of it.
@@ -183,12 +178,10 @@ def main() -> int:
                 for mine, yardstick in zip(runs[label][target], runs[label]["nginx"], strict=True)
             ]
             table[target]["of_nginx"] = statistics.median(ratios)
-            say(f"{target} / nginx, median of the per-round ratios: {100 * statistics.median(ratios):.1f}%")
+            print(f"{target} / nginx, median of the per-round ratios: {100 * statistics.median(ratios):.1f}%")
         summary["paths"][label] = table  # type: ignore[index]
-    with open(args.json, "w") as fh:
-        json.dump(summary, fh, indent=2)
-    print(f"\nwrote {args.json}")
-    servers.write_doc(args, "bench_proxy_throughput", say, str(summary["command"]), str(summary["date_utc"]))
+    print()
+    write_json(args.json, summary)
     return 0
 
 

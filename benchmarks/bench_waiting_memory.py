@@ -30,16 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from harness.proxy_process import free_port
+from harness.results import add_json_option, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 WARM_UP = 300  # requests
 BATCH_REFINED = 200  # --refined: clients a batch, within the encoder's queue (256 by default)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _hanging_backend() -> tuple[int, threading.Event]:
@@ -190,7 +186,7 @@ def main() -> None:
         "--traced", action="store_true", help="each client adds its own W3C traceparent header (OpenTelemetry)"
     )
     parser.add_argument("--proxy-cmd", default=f"{sys.executable} -m clairvoyant.cli serve")
-    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    add_json_option(parser, "waiting_memory")
     args = parser.parse_args()
     if args.sdk:
         CLIENT.update(headers=SDK_HEADERS, body=SDK_BODY)
@@ -198,7 +194,7 @@ def main() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     backend_port, stop = _hanging_backend()
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "CLAIRVOYANT_UPSTREAM_URL": f"http://127.0.0.1:{backend_port}", "CLAIRVOYANT_PORT": str(port),
            "CLAIRVOYANT_MAX_QUEUE": str(2 * args.n), "CLAIRVOYANT_MAX_CONNECTIONS": str(2 * args.n + 100),
            "CLAIRVOYANT_LOG_LEVEL": "warning", "CLAIRVOYANT_SHUTDOWN_GRACE_S": "0",
@@ -256,14 +252,13 @@ def main() -> None:
         # The client's own bytes, like its body: the line forwarded as it came, a bytes object each
         line = sys.getsizeof(_traceparent(0))
         print(f"with a traceparent each: {besides - line:.0f} besides the body and the {line}-byte object of that line")
-    if args.json is not None:
-        figures = {
-            "n": args.n, "sdk": args.sdk, "refined": args.refined, "traced": args.traced,
-            "rss_before_kib": before_kb, "rss_after_kib": after_kb, "bytes_per_waiting_request": per_request,
-            "body_bytes": len(CLIENT["body"]), "traceparent_object_bytes": line,
-            "bytes_besides_body": besides - line,  # and, traced, besides the traceparent line's object
-        }  # fmt: skip
-        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    figures = {
+        "n": args.n, "sdk": args.sdk, "refined": args.refined, "traced": args.traced,
+        "rss_before_kib": before_kb, "rss_after_kib": after_kb, "bytes_per_waiting_request": per_request,
+        "body_bytes": len(CLIENT["body"]), "traceparent_object_bytes": line,
+        "bytes_besides_body": besides - line,  # and, traced, besides the traceparent line's object
+    }  # fmt: skip
+    write_json(args.json, figures)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
-"""Make docs/img/ui.png: the live page, keyed, after the 30-request run of its test
-(tests/ui_scenario.py), with one request held at the backend and four waiting. Needs Debian's
-chromium.
+"""A screenshot of the live page, keyed, after the 30-request run of its test
+(tests/ui_scenario.py), with one request held at the backend and four waiting. The picture in the
+docs is this one (`--out docs/img/ui.png`). Needs Debian's chromium.
 
-    python benchmarks/ui_screenshot.py
+    python benchmarks/ui_screenshot.py [--out FILE]
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,9 +18,14 @@ sys.path.insert(0, str(ROOT / "tests"))
 from browser import Browser  # noqa: E402
 from ui_scenario import OPS_KEY, RUN, busy_proxy  # noqa: E402
 
+DEFAULT_OUT = Path(tempfile.gettempdir()) / "clairvoyant-bench" / "ui.png"
+
 
 def main() -> None:
-    out = ROOT / "docs" / "img" / "ui.png"
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"the PNG to write (default {DEFAULT_OUT})")
+    out = parser.parse_args().out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
     with busy_proxy() as scene, Browser(height=1000) as browser:
         page = browser.open(f"{scene.base}/ui/")
         page.wait_for("!document.getElementById('login').hidden", what="the key form")

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The benchmark's mu_short: the mean *sojourn* time of n Short requests sent at once (paper 3.4's
-usage line; docs/benchmarks.md section 3), and tau = 3 x mu_short.
+usage line), and tau = 3 x mu_short.
 
     python profiler/measure_mu_short.py --backend http://localhost:8081 --n 10    # llama.cpp's server
     python profiler/measure_mu_short.py --backend http://localhost:11434 --dialect ollama --n 10

@@ -1,7 +1,8 @@
-"""The conformance harness itself (benchmarks/recording_backend.py, raw_client.py, http_vectors.py,
-http11probe.py): the recorder splits what it receives into requests, the checks catch what they
-are meant to catch, the suite port scores as the suite does, and a real server (nginx) can pass the
-vectors today's proxy fails. tests/test_http_conformance.py runs the vectors against the proxy."""
+"""The conformance harness itself (benchmarks/harness/recording_backend.py, raw_client.py,
+http_vectors.py, http11probe.py): the recorder splits what it receives into requests, the checks
+catch what they are meant to catch, the suite port scores as the suite does, and a real server
+(nginx) passes the Host and ``GET *`` vectors. tests/test_http_conformance.py runs the vectors
+against the proxy."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
 
-import http11probe as probe  # noqa: E402
-import http_vectors as hv  # noqa: E402
-from raw_client import Exchange, Response, exchange, parse_responses  # noqa: E402
-from recording_backend import Received, RecordingBackend, framing_problems  # noqa: E402
+from harness import http11probe as probe  # noqa: E402
+from harness import http_vectors as hv  # noqa: E402
+from harness.raw_client import Exchange, Response, exchange, parse_responses  # noqa: E402
+from harness.recording_backend import Received, RecordingBackend, framing_problems  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -156,14 +157,14 @@ def _nginx_binary() -> str | None:
     return shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
 
 
-@pytest.mark.skipif(_nginx_binary() is None, reason="nginx is not installed (apt-get install nginx)")
+@pytest.mark.bench
+@pytest.mark.skipif(_nginx_binary() is None, reason="nginx is not installed (make bench-tools)")
 def test_nginx_passes_the_host_and_asterisk_vectors(backend: RecordingBackend) -> None:
-    """The vectors are within reach of a real server: nginx passes those today's proxy fails for
-    its Host rules and ``GET *``, and the harness sees its pipelined and chunked requests framed."""
-    import servers
-    from bench_hardening import free_port
-
-    from clairvoyant.tools.bench.request_path import nginx_proxy_conf
+    """The vectors are within reach of a real server: nginx passes the Host and ``GET *`` vectors,
+    and the harness sees its pipelined and chunked requests framed."""
+    from harness import servers
+    from harness.proxy_process import free_port
+    from harness.request_path import nginx_proxy_conf
 
     names = {"host-missing", "host-duplicate", "host-duplicate-same", "host-comma", "host-with-path", "host-empty",
              "get-asterisk", "pipelined-two", "chunked-upload", "cl-te-smuggled-get"}  # fmt: skip

@@ -1,7 +1,7 @@
-"""clairvoyant.tools.bench.request_path: order, paired differences, /proc CPU, nginx configs, wrk script and parsing.
+"""benchmarks/harness/request_path.py: order, paired differences, /proc CPU, nginx configs, wrk script and parsing.
 
-The nginx and wrk checks run the real programs when they are installed (apt-get install nginx wrk)
-and are skipped otherwise; they assert answers and counts, never timings.
+The checks that run the real nginx and wrk are marked ``bench``: ``make bench-test`` installs the
+tools and runs them, ``make test`` leaves them out. They assert answers and counts, never timings.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +20,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from clairvoyant.tools.bench.report import replace_doc_block
-from clairvoyant.tools.bench.request_path import (
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
+
+from harness.request_path import (  # noqa: E402
     WRK_MARKER,
     expand_command,
     nginx_fixed_answer_conf,
@@ -220,7 +224,7 @@ def _start_nginx(prefix: Path, conf_text: str, port: int) -> subprocess.Popen[by
 def nginx_pair(tmp_path: Path) -> Iterator[tuple[int, int, str]]:
     """A fixed-answer nginx and an nginx reverse proxy in front of it: (backend port, proxy port, answer)."""
     if _nginx_bin() is None:
-        pytest.skip("nginx not installed (apt-get install nginx wrk)")
+        pytest.skip("nginx not installed (make bench-tools)")
     answer = json.dumps({"object": "chat.completion", "choices": [{"message": {"content": "OK"}}]})
     backend_port, proxy_port = _free_port(), _free_port()
     procs = [_start_nginx(tmp_path / "backend", nginx_fixed_answer_conf(tmp_path / "backend", backend_port, answer),
@@ -235,6 +239,7 @@ def nginx_pair(tmp_path: Path) -> Iterator[tuple[int, int, str]]:
             proc.wait(10)
 
 
+@pytest.mark.bench
 def test_rendered_nginx_configs_serve_the_fixed_answer_through_the_proxy(nginx_pair: tuple[int, int, str]) -> None:
     backend_port, proxy_port, answer = nginx_pair
     for port in (backend_port, proxy_port):
@@ -243,9 +248,10 @@ def test_rendered_nginx_configs_serve_the_fixed_answer_through_the_proxy(nginx_p
         assert r.headers["content-type"] == "application/json"
 
 
+@pytest.mark.bench
 def test_wrk_script_runs_in_real_wrk_and_its_report_parses(nginx_pair: tuple[int, int, str], tmp_path: Path) -> None:
     if shutil.which("wrk") is None:
-        pytest.skip("wrk not installed (apt-get install nginx wrk)")
+        pytest.skip("wrk not installed (make bench-tools)")
     _, proxy_port, _ = nginx_pair
     script = tmp_path / "post.lua"
     script.write_text(wrk_script("POST", json.dumps({"messages": [{"role": "user", "content": "Say OK."}]})))
@@ -255,142 +261,3 @@ def test_wrk_script_runs_in_real_wrk_and_its_report_parses(nginx_pair: tuple[int
     result = parse_wrk_output(done.stdout)
     assert result.ok and result.requests > 0
     assert result.p50_ms <= result.p99_ms <= result.max_ms
-
-
-# -- the benchmarks' blocks in docs/benchmarks.md -------------------------------------------------
-
-PAGE = """# Page
-
-intro
-
-<!-- bench_x: begin (written by the script; edits here are overwritten) -->
-old table
-<!-- bench_x: end -->
-
-after
-"""
-
-
-def test_replace_doc_block_swaps_only_the_block_and_can_run_again(tmp_path: Path) -> None:
-    doc = tmp_path / "page.md"
-    doc.write_text(PAGE)
-    replace_doc_block(doc, "bench_x", "Latest run: A\n\n| a | b |\n|---|---|\n| 1 | 2 |\n")
-    first = doc.read_text()
-    assert first == PAGE.replace("old table", "Latest run: A\n\n| a | b |\n|---|---|\n| 1 | 2 |")
-    replace_doc_block(doc, "bench_x", "Latest run: B")
-    assert doc.read_text() == PAGE.replace("old table", "Latest run: B")
-    assert [p.name for p in tmp_path.iterdir()] == ["page.md"]  # no temporary file left behind
-
-
-@pytest.mark.parametrize(
-    "page",
-    [
-        PAGE.replace("<!-- bench_x: end -->\n", ""),  # no end
-        PAGE + "<!-- bench_x: begin (written by the script; edits here are overwritten) -->\n",  # two begins
-        "<!-- bench_x: end -->\n" + PAGE.replace("<!-- bench_x: end -->\n", ""),  # end before begin
-        "no markers at all\n",
-    ],
-)
-def test_replace_doc_block_refuses_a_page_without_one_well_ordered_block(tmp_path: Path, page: str) -> None:
-    doc = tmp_path / "page.md"
-    doc.write_text(page)
-    with pytest.raises(ValueError, match="bench_x: begin"):
-        replace_doc_block(doc, "bench_x", "new")
-    assert doc.read_text() == page
-
-
-@pytest.mark.parametrize("script", ["bench_proxy_overhead", "bench_proxy_throughput", "bench_lean_targets"])
-def test_docs_benchmarks_md_holds_each_request_path_benchmarks_block(tmp_path: Path, script: str) -> None:
-    """The scripts write docs/benchmarks.md by default: its block must be there, once, so they can."""
-    page = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
-    copy = tmp_path / "benchmarks.md"
-    copy.write_text(page.read_text())
-    replace_doc_block(copy, script, "Latest run: test")
-    assert copy.read_text().count("Latest run: test") == 1
-    source = (Path(__file__).resolve().parents[1] / "benchmarks" / f"{script}.py").read_text()
-    assert f'servers.write_doc(args, "{script}"' in source  # the script names its own block
-
-
-# -- bench_lean_targets.py: the verdict from the four benchmarks' own JSON ---------------------------
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _lean_targets():  # type: ignore[no-untyped-def]
-    import importlib
-    import sys
-
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        return importlib.import_module("bench_lean_targets")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-
-
-def test_lean_targets_reads_the_benchmarks_results_and_judges_each_bound() -> None:
-    """The committed result files are what the scripts write: the verdict reads their shapes, and each
-    row flips exactly at its target's bound."""
-    lean = _lean_targets()
-    throughput = json.loads((BENCHMARKS / "proxy_throughput_results.json").read_text())
-    overhead = json.loads((BENCHMARKS / "proxy_overhead_results.json").read_text())
-    predictor = json.loads((BENCHMARKS / "predictor_results.json").read_text())
-    memory = {"plain": [{"n": 10_000, "body_bytes": 91, "bytes_besides_body": b} for b in (900.0, 939.0, 1_100.0)]}
-    post = throughput["paths"][lean.SCHEDULED]["proxy"]
-    added = overhead["added_proxy"]["ttfb"]
-    phases = list(predictor["phases"])
-    first = predictor["phases"][phases[0]][0]["predict"]
-
-    def verdict() -> list[bool]:
-        return [ok for *_, ok in lean.verdict_rows(throughput, overhead, predictor, memory)]
-
-    post["requests_per_s"], added["p50_ms"] = 5_000.0, 1.0
-    first["p50_us"], first["p99_us"] = 29.0, 100.0
-    for later in phases[1:]:
-        predictor["phases"][later][0]["predict"].update(p50_us=10.0, p99_us=50.0)
-    assert verdict() == [True] * (2 + len(phases) + 1)
-    post["requests_per_s"] = 4_999.0
-    assert verdict()[0] is False
-    post["requests_per_s"], added["p50_ms"] = 5_000.0, 1.01
-    assert verdict()[1] is False
-    added["p50_ms"], first["p99_us"] = 1.0, 100.1
-    assert verdict()[2] is False and all(verdict()[3:])
-    first["p99_us"], first["p50_us"] = 100.0, 29.1
-    assert verdict()[2] is False
-    first["p50_us"] = 29.0
-    memory["plain"][1]["bytes_besides_body"] = 1_024.0  # the median of 900, 1,024 and 1,100
-    assert verdict() == [True] * (2 + len(phases)) + [False]
-    memory["plain"][1]["bytes_besides_body"] = 1_023.0
-    assert verdict()[-1] is True  # one run over the bound, the median under it
-    assert (
-        "median 1023 B of 3 runs (900, 1023, 1100" in lean.verdict_rows(throughput, overhead, predictor, memory)[-1][1]
-    )
-    rows = lean.verdict_rows(throughput, overhead, predictor, memory)
-    assert "5,000 requests/s" in rows[0][1] and "% of nginx" in rows[0][2]
-
-
-def test_the_issue_ratio_rows_judge_against_the_build_the_issue_measured() -> None:
-    """--issue-build: throughput as the median of the per-round multiples of the issue's build (>= 5,000 /
-    560), the predictor p50 as a share of that build's per phase (<= 29 / 53); each flips at its bound."""
-    lean = _lean_targets()
-    throughput = json.loads((BENCHMARKS / "proxy_throughput_results.json").read_text())
-    builds = json.loads((BENCHMARKS / "predictor_builds_results.json").read_text())
-    post = throughput["paths"][lean.SCHEDULED]
-    rounds = [3_000.0, 2_000.0, 4_000.0]
-    post["proxy"]["runs"] = [{"requests_per_s": r} for r in rounds]
-    bound = lean.THROUGHPUT_RATIO_MIN
-    assert round(bound, 3) == round(5_000 / 560, 3) and round(lean.PREDICT_P50_RATIO_MAX, 3) == round(29 / 53, 3)
-    # per-round multiples bound - 1, just above the bound, bound + 1: the median is the middle one
-    post["baseline"] = {"requests_per_s": 300.0, "runs": [{"requests_per_s": r / m} for r, m in
-                                                           zip(rounds, (bound - 1, bound + 1e-9, bound + 1), strict=True)]}  # fmt: skip
-    phases = list(builds["phases"])
-    for phase in phases:
-        builds["phases"][phase]["ratio_p50"] = 0.3
-    rows = lean.issue_ratio_rows(throughput, builds)
-    assert [ok for *_, ok in rows] == [True] * (1 + len(phases))
-    assert f"{bound:.1f}x, median of 3 rounds" in rows[0][1]
-    post["baseline"]["runs"][1]["requests_per_s"] = rounds[1] / (bound - 0.01)
-    assert lean.issue_ratio_rows(throughput, builds)[0][3] is False
-    builds["phases"][phases[0]]["ratio_p50"] = lean.PREDICT_P50_RATIO_MAX
-    assert lean.issue_ratio_rows(throughput, builds)[1][3] is True
-    builds["phases"][phases[0]]["ratio_p50"] = lean.PREDICT_P50_RATIO_MAX + 0.001
-    assert [ok for *_, ok in lean.issue_ratio_rows(throughput, builds)][1:] == [False] + [True] * (len(phases) - 1)

@@ -1,4 +1,4 @@
-"""clairvoyant.tools.bench.stats and .workload: percentiles, mean/std over runs, reductions, workloads."""
+"""clairvoyant.tools.bench.stats and .workload: percentiles, mean/std over runs, reductions, bursts."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from clairvoyant.tools.bench.prompt_set import BenchPrompt, class_of
 from clairvoyant.tools.bench.stats import mean_std, paired_reductions, percentile, reduction, summarize
-from clairvoyant.tools.bench.workload import ServiceModel, burst, forced_length, poisson, with_poisson_arrivals
+from clairvoyant.tools.bench.workload import burst, forced_length
 
 
 def test_percentile_matches_numpy_linear() -> None:
@@ -107,14 +107,3 @@ def test_burst_composition_keeps_true_class() -> None:
     assert all(s.n_predict == forced_length(s.answer_tokens, 0.1) for s in specs)
     assert [s.index for s in specs] == list(range(9))
     assert burst(_prompts(), n_short=5, n_long=4, length_scale=0.1, seed=3) == specs  # seeded
-
-
-def test_poisson_rate_targets_rho() -> None:
-    service = ServiceModel.fit([(10, 1.0), (20, 2.0), (30, 3.0)])
-    assert service.per_token_s == pytest.approx(0.1) and service.overhead_s == pytest.approx(0.0, abs=1e-9)
-    specs, rate = poisson(_prompts(), n_short=50, n_long=50, length_scale=0.1, rho=0.5, service=service, seed=0)
-    assert rate == pytest.approx(0.5 / service.mean(specs))
-    offsets = [s.offset_s for s in specs]
-    assert offsets[0] == 0.0 and offsets == sorted(offsets)
-    many = with_poisson_arrivals(specs * 20, rate_per_s=2.0, seed=1)
-    assert many[-1].offset_s / (len(many) - 1) == pytest.approx(0.5, rel=0.15)

@@ -1,4 +1,4 @@
-"""The proxy's HTTP/1.1 conformance, judged from outside: every vector of benchmarks/http_vectors.py
+"""The proxy's HTTP/1.1 conformance, judged from outside: every vector of benchmarks/harness/http_vectors.py
 sent over a raw socket to the real proxy (``python -m clairvoyant serve``, a child process), and
 every request that reached the recording backend behind it meanwhile.
 
@@ -25,10 +25,10 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
 
-import http_vectors as hv  # noqa: E402
-from bench_hardening import ProxyProcess  # noqa: E402
-from raw_client import exchange  # noqa: E402
-from recording_backend import RecordingBackend  # noqa: E402
+from harness import http_vectors as hv  # noqa: E402
+from harness.proxy_process import ProxyProcess  # noqa: E402
+from harness.raw_client import exchange  # noqa: E402
+from harness.recording_backend import RecordingBackend  # noqa: E402
 
 # Off only to start faster (the encoder's model load): neither touches the HTTP path.
 QUICK_START = {"encoder": "false", "online_learning": "false"}

@@ -2,9 +2,8 @@
 
 Why a process, and not a thread: a thread's refit shares the event loop's interpreter lock. Each
 time the loop wakes it waits for the lock, up to the 5 ms switch interval, and longer when the OS
-preempts the niced thread while it holds the lock. ``benchmarks/bench_learner_refit.py --busy
---completions-per-s 10 --min-refit-interval-s 1`` measured both on a 2-core host with the other
-core kept busy. The learner held 17 full buffers and ran at the default refit settings: 10
+preempts the niced thread while it holds the lock. Both were measured on a 2-core host with the
+other core kept busy. The learner held 17 full buffers and ran at the default refit settings: 10
 observations a second, a refit at most once a second, about 20 ms of CPU each. There were four runs of the process and two of each thread, 20 s per phase.
 During a refit, a 1 ms asyncio timer was late by p99 13-14 ms and at worst 39-48 ms with a thread
 at ``worker_nice``. Unniced, so competing with the backend for CPU, it was late by p99 3.5-12 ms

@@ -18,7 +18,7 @@ Implementations:
   priority tuples). O(log n) push and pop; removal is lazy in the heap and the heap is rebuilt
   when dead entries outnumber live ones, so memory stays bounded.
 - ``ScanQueue``: priorities that change with time (HRRN). ``pop`` scans every waiting job: O(n),
-  about 0.4 ms at 1,000 waiting requests (``bench/queue_cost.py`` prints the measured cost).
+  about 0.4 ms at 1,000 waiting requests (benchmarks/bench_queue_cost.py prints the measured cost).
 - ``StarvationGuard``: a wrapper any queue can wear. A job past its deadline
   (``timeout_s + slowdown x predicted_s`` of waiting, on the guard's clock) goes before any later
   arrival, whatever the inner order (oldest overdue first). Bound: once a job is overdue no job

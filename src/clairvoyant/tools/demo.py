@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     print(_table(rows))
     print(
         f"\n(change: negative = faster under sjf; one run of {len(specs)} requests per policy, "
-        f"so expect noise - profiler/benchmark.py does >= 3 runs)"
+        f"so expect noise - benchmarks/bench_scheduling.py does >= 3 runs)"
     )
     print(f"results: {args.out.resolve()}")
     for name, path in paths.items():

@@ -1,7 +1,8 @@
-"""Command lines of ``profiler/benchmark.py`` and ``profiler/measure_mu_short.py``.
+"""The command line of ``profiler/measure_mu_short.py``, and the backend options it shares with
+``clairvoyant demo`` and benchmarks/bench_scheduling.py.
 
-Both talk to ``--backend URL`` when given (llama.cpp's server with ``--dialect openai``, Ollama with
-``--dialect ollama``), and otherwise start the embedded llama.cpp server (xllamacpp + SmolLM2) for
+Each talks to ``--backend URL`` when given (llama.cpp's server with ``--dialect openai``, Ollama with
+``--dialect ollama``), and otherwise starts the embedded llama.cpp server (xllamacpp + SmolLM2) for
 the duration of the command.
 """
 
@@ -9,15 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import json
 import logging
-import math
-import os
-import platform
-import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,12 +20,12 @@ from typing import Any
 
 from clairvoyant.prediction.length_classes import CLASS_NAMES
 
-__all__ = ["backend", "benchmark_main", "mu_short_main"]
+__all__ = ["add_backend_arguments", "backend", "load_prompts", "mu_short_main"]
 
 logger = logging.getLogger(__name__)
 
 
-def _add_backend_arguments(parser: argparse.ArgumentParser) -> None:
+def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("backend")
     group.add_argument(
         "--backend",
@@ -81,196 +76,15 @@ def backend(url: str | None, *, threads: int = 1, log_path: Path | None = None) 
         )
 
 
-def _load_prompts(path: Path | None, classes: Sequence[str]) -> list[Any]:
+def load_prompts(path: Path | None, classes: Sequence[str]) -> list[Any]:
+    """The prompt references of ``classes`` in ``path`` (default: the shipped file), with their text.
+
+    Raises:
+        PromptSetError: a malformed file, or the ShareGPT texts are not installed (DatasetMissing).
+    """
     from clairvoyant.tools.bench.prompt_set import load_prompt_set, resolve
 
     return resolve(load_prompt_set(path, classes=classes))
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            cwd=Path(__file__).resolve().parent,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def _meta(args: argparse.Namespace, label: str, **extra: Any) -> dict[str, Any]:
-    return {
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else "",
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "backend_label": label,
-        "when": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cpus, Python {platform.python_version()}",
-        "git_commit": _git_commit(),
-        **extra,
-    }
-
-
-# -- benchmark.py ---------------------------------------------------------------------------------
-
-
-def benchmark_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="benchmark.py",
-        description="End-to-end latency through the proxy against a real backend: burst and Poisson workloads, "
-        "conditions fcfs / direct / sjf / oracle, >= 3 runs per cell.",
-    )
-    _add_backend_arguments(parser)
-    parser.add_argument("--mode", choices=("burst", "poisson", "both"), default="burst")
-    parser.add_argument(
-        "--conditions", default="fcfs,direct,sjf,oracle", help="comma-separated subset of fcfs,direct,sjf,oracle"
-    )
-    parser.add_argument("--runs", type=int, default=3, help="runs per cell (default 3)")
-    parser.add_argument("--n-short", type=int, default=50, help="Short requests per burst (default 50)")
-    parser.add_argument("--n-long", type=int, default=50, help="Long requests per burst (default 50)")
-    parser.add_argument("--rho", default="0.5,0.74,0.85", help="Poisson target utilisations (comma-separated)")
-    parser.add_argument("--poisson-n-short", type=int, default=20, help="Short requests per Poisson run")
-    parser.add_argument("--poisson-n-long", type=int, default=20, help="Long requests per Poisson run")
-    parser.add_argument(
-        "--tau",
-        type=float,
-        default=math.inf,
-        help="starvation timeout of the burst proxies in seconds (default inf: in a burst every "
-        "request arrives at once, so a finite tau turns SJF into FCFS once it has passed)",
-    )
-    parser.add_argument(
-        "--poisson-tau",
-        type=float,
-        default=None,
-        help="tau for the Poisson proxies (default: 3 x the measured mean Short service time)",
-    )
-    parser.add_argument(
-        "--model-path", type=Path, default=None, help="ONNX predictor for sjf (default: model/predictor.onnx)"
-    )
-    parser.add_argument(
-        "--calibration", type=int, default=4, help="requests per class sent one at a time to fit service times"
-    )
-    parser.add_argument("--out", type=Path, default=Path("results/bench/latest"), help="output directory")
-    parser.add_argument("--plot-prefix", default="", help="prefix of the plot file names")
-    parser.add_argument("--no-plots", action="store_true")
-    return parser
-
-
-def benchmark_main(argv: Sequence[str] | None = None) -> int:
-    from clairvoyant.tools.bench import report
-    from clairvoyant.tools.bench.runner import CONDITIONS, BenchConfig, calibrate, run_cells, run_workload
-    from clairvoyant.tools.bench.workload import burst, poisson
-
-    args = benchmark_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    conditions = tuple(c.strip() for c in args.conditions.split(",") if c.strip())
-    unknown = set(conditions) - set(CONDITIONS)
-    if unknown or "fcfs" not in conditions:
-        print(f"--conditions must include fcfs and only name {', '.join(CONDITIONS)}", file=sys.stderr)
-        return 2
-    rhos = [float(x) for x in args.rho.split(",") if x.strip()]
-    started = time.monotonic()
-    prompts = _load_prompts(args.prompts, ("short", "long"))
-    args.out.mkdir(parents=True, exist_ok=True)
-    partial = args.out / "requests.partial.jsonl"
-
-    def save(cell_rows: list[dict[str, Any]]) -> None:
-        # Everything so far (this mode's rows after earlier modes'), rewritten after each condition.
-        partial.write_text("".join(json.dumps(r, default=str) + "\n" for r in rows + cell_rows))
-
-    with backend(args.backend, threads=args.threads) as (url, label):
-        config = BenchConfig(
-            backend_url=url,
-            dialect=args.dialect,
-            model=args.model,
-            model_path=args.model_path,
-            tau_s=args.tau,
-            conditions=conditions,
-        )
-        # Warm-up (weights paged in, first-request costs), not recorded.
-        run_workload(
-            url,
-            burst(prompts, n_short=1, n_long=0, length_scale=args.length_scale, seed=999),
-            dialect=args.dialect,
-            model=args.model,
-        )
-        extra: dict[str, Any] = {"conditions": conditions, "length_scale": args.length_scale}
-        rows: list[dict[str, Any]] = []
-        if args.mode in ("burst", "both"):
-            workloads = [
-                (
-                    "burst",
-                    None,
-                    run,
-                    burst(
-                        prompts,
-                        n_short=args.n_short,
-                        n_long=args.n_long,
-                        length_scale=args.length_scale,
-                        seed=args.seed + run,
-                    ),
-                )
-                for run in range(args.runs)
-            ]
-            extra["burst"] = {"n_short": args.n_short, "n_long": args.n_long, "tau_s": args.tau}
-            rows += run_cells(config, workloads, checkpoint=save)
-        if args.mode in ("poisson", "both"):
-            sample = burst(
-                prompts,
-                n_short=args.calibration,
-                n_long=args.calibration,
-                length_scale=args.length_scale,
-                seed=args.seed + 1000,
-            )
-            service, results = calibrate(config, sample)
-            short_service = [r.e2e_s for r in results if r.cls == "short" and r.e2e_s is not None]
-            mu_short_service = sum(short_service) / len(short_service)
-            tau = args.poisson_tau if args.poisson_tau is not None else 3 * mu_short_service
-            poisson_config = BenchConfig(
-                backend_url=url,
-                dialect=args.dialect,
-                model=args.model,
-                model_path=args.model_path,
-                tau_s=tau,
-                conditions=conditions,
-            )
-            workloads = []
-            rates = {}
-            for rho in rhos:
-                for run in range(args.runs):
-                    specs, rate = poisson(
-                        prompts,
-                        n_short=args.poisson_n_short,
-                        n_long=args.poisson_n_long,
-                        length_scale=args.length_scale,
-                        rho=rho,
-                        service=service,
-                        seed=args.seed + 100 * run + int(rho * 1000),
-                    )
-                    rates[f"{rho:g}/run{run}"] = round(rate, 4)
-                    workloads.append(("poisson", rho, run, specs))
-            extra["poisson"] = {
-                "n_short": args.poisson_n_short,
-                "n_long": args.poisson_n_long,
-                "rhos": rhos,
-                "tau_s": round(tau, 3),
-                "service_model": {
-                    "overhead_s": round(service.overhead_s, 4),
-                    "per_token_s": round(service.per_token_s, 5),
-                },
-                "mean_short_service_s": round(mu_short_service, 3),
-                "arrival_rates_per_s": rates,
-            }
-            rows += run_cells(poisson_config, workloads, checkpoint=save)
-    extra["wall_s"] = round(time.monotonic() - started, 1)
-    paths = report.write_outputs(
-        rows, args.out, meta=_meta(args, label, **extra), plots=not args.no_plots, plot_prefix=args.plot_prefix
-    )
-    partial.unlink(missing_ok=True)
-    print(report.markdown_summary(rows))
-    print(f"wrote {', '.join(str(p) for p in paths.values())}")
-    return 0
 
 
 # -- measure_mu_short.py ------------------------------------------------------------------------
@@ -279,7 +93,7 @@ def benchmark_main(argv: Sequence[str] | None = None) -> int:
 PREFER_CALIBRATE = (
     "# To set tau for a deployment, prefer `clairvoyant calibrate`: it measures the mean Short *service* time "
     "(requests one at a time), which the paper's tau = 3 x mu_short is set from. This script measures the mean "
-    "*sojourn* of a concurrent burst, which grows with --n (docs/benchmarks.md section 3)."
+    "*sojourn* of a concurrent burst, which grows with --n."
 )
 
 
@@ -290,7 +104,7 @@ def mu_short_parser() -> argparse.ArgumentParser:
         "and tau = 3 x mu_short (paper 3.4). To set tau for a deployment, prefer `clairvoyant calibrate` "
         "(the mean Short service time, requests one at a time).",
     )
-    _add_backend_arguments(parser)
+    add_backend_arguments(parser)
     parser.add_argument("--class", dest="cls", choices=CLASS_NAMES, default="short")
     parser.add_argument("--n", type=int, default=100, help="requests sent at once (default 100)")
     parser.add_argument(

@@ -5,10 +5,7 @@ Files written by :func:`write_outputs` into the output directory::
     requests.csv     one row per request and condition and run (the raw data)
     summary.csv      one row per cell: P50/P95/P99 of end-to-end time and TTFT, mean and std over runs
     summary.json     the same cells, the paired reductions against fcfs, and the run's metadata
-    summary.md       the markdown tables docs/benchmarks.md quotes
-
-:func:`replace_doc_block` puts a benchmark's latest tables into its marked block of a markdown page
-(bench_proxy_overhead.py and bench_proxy_throughput.py write theirs into docs/benchmarks.md).
+    summary.md       the same tables in markdown, as the command prints them
     cdf_*.png        latency CDF per class and condition, one per (mode, rho)
     reduction_vs_rho.png   Short P50 reduction vs rho (Poisson runs only)
 """
@@ -18,8 +15,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,7 +27,6 @@ __all__ = [
     "load_rows",
     "markdown_summary",
     "reductions_table",
-    "replace_doc_block",
     "write_outputs",
 ]
 
@@ -223,37 +217,3 @@ def write_outputs(
                 paper={0.74: 0.17, 0.85: 0.10},
             )
     return paths
-
-
-def _doc_markers(name: str) -> tuple[str, str]:
-    return f"<!-- {name}: begin (written by the script; edits here are overwritten) -->", f"<!-- {name}: end -->"
-
-
-def replace_doc_block(doc: Path, name: str, markdown: str) -> None:
-    """Replace what lies between ``name``'s begin and end marker lines in ``doc`` with ``markdown``.
-
-    The page must hold each marker exactly once, begin before end (``ValueError`` otherwise: a
-    benchmark never appends to, or guesses a place in, a hand-written page). The page is written
-    whole to a temporary file beside it and renamed over it, so a failed run leaves it as it was.
-    """
-    begin, end = _doc_markers(name)
-    text = doc.read_text(encoding="utf-8")
-    lines = text.split("\n")
-    starts = [i for i, line in enumerate(lines) if line.strip() == begin]
-    ends = [i for i, line in enumerate(lines) if line.strip() == end]
-    if len(starts) != 1 or len(ends) != 1 or starts[0] > ends[0]:
-        raise ValueError(
-            f"{doc} must hold the lines {begin!r} and {end!r} once each, in that order "
-            f"(found {len(starts)} and {len(ends)})"
-        )
-    body = markdown.strip("\n").split("\n")
-    new = "\n".join([*lines[: starts[0] + 1], *body, *lines[ends[0] :]])
-    fd, tmp = tempfile.mkstemp(dir=doc.parent, prefix=f".{doc.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(new)
-        os.chmod(tmp, doc.stat().st_mode & 0o777)
-        os.replace(tmp, doc)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

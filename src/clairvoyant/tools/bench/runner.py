@@ -29,12 +29,10 @@ from typing import Any
 import httpx
 
 from clairvoyant.tools.bench.client import Dialect, RequestResult, RequestSpec, send
-from clairvoyant.tools.bench.workload import ServiceModel
 
 __all__ = [
     "CONDITIONS",
     "BenchConfig",
-    "calibrate",
     "proxy_server",
     "wait_idle",
     "result_rows",
@@ -166,18 +164,6 @@ def run_workload(
     return asyncio.run(
         _run(base_url, specs, dialect=dialect, model=model, oracle=oracle, hide_length=hide_length, on_done=on_done)
     )
-
-
-def calibrate(config: BenchConfig, specs: Sequence[RequestSpec]) -> tuple[ServiceModel, list[RequestResult]]:
-    """Send ``specs`` one at a time straight to the backend; fit service time against ``n_predict``."""
-    results = []
-    for spec in specs:
-        [result] = run_workload(config.backend_url, [spec], dialect=config.dialect, model=config.model)
-        if not result.ok:
-            raise RuntimeError(f"calibration request failed: {result.error}")
-        results.append(result)
-    model = ServiceModel.fit([(r.n_predict, r.e2e_s) for r in results if r.e2e_s is not None])
-    return model, results
 
 
 def result_rows(

@@ -1,10 +1,8 @@
 """Workloads: which prompts are sent, with which forced length, and when.
 
-* burst: ``n_short`` Short and ``n_long`` Long requests all sent at t = 0 (the paper's 50 + 50), in a
-  seeded shuffled order so neither class is favoured by send order.
-* poisson: the same kind of mix sent with exponential inter-arrival gaps at rate
-  ``lambda = rho / E[S]``, ``E[S]`` being the mean service time predicted by a measured
-  :class:`ServiceModel` for this very workload.
+A burst: ``n_short`` Short and ``n_long`` Long requests all sent at t = 0 (the paper's 50 + 50), in
+a seeded shuffled order so neither class is favoured by send order. (benchmarks/bench_scheduling.py
+gives the same requests Poisson arrival times.)
 
 The forced output length is ``n_predict = ceil(answer_tokens * length_scale)``: CPU generation at
 ~116 tokens/s would make true lengths take many minutes per burst; the scaling is monotone, so the
@@ -16,12 +14,11 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 
 from clairvoyant.tools.bench.client import RequestSpec
 from clairvoyant.tools.bench.prompt_set import BenchPrompt
 
-__all__ = ["ServiceModel", "burst", "forced_length", "poisson", "with_poisson_arrivals"]
+__all__ = ["burst", "forced_length"]
 
 
 def forced_length(answer_tokens: int, length_scale: float) -> int:
@@ -72,62 +69,3 @@ def burst(
             )
         )
     return specs
-
-
-@dataclass(frozen=True, slots=True)
-class ServiceModel:
-    """Service time of one request on the backend, alone: ``overhead_s + per_token_s * n_predict``.
-
-    Fitted by least squares on requests sent one at a time (``runner.calibrate``); prompt processing
-    (short prompts, under ~600 characters) is folded into the overhead.
-    """
-
-    overhead_s: float
-    per_token_s: float
-
-    def predict(self, n_predict: int) -> float:
-        return self.overhead_s + self.per_token_s * n_predict
-
-    def mean(self, specs: Sequence[RequestSpec]) -> float:
-        return sum(self.predict(s.n_predict) for s in specs) / len(specs)
-
-    @classmethod
-    def fit(cls, samples: Sequence[tuple[int, float]]) -> ServiceModel:
-        """Least squares over ``(n_predict, seconds)`` pairs (needs two distinct lengths)."""
-        n = len(samples)
-        mx = sum(x for x, _ in samples) / n
-        my = sum(y for _, y in samples) / n
-        sxx = sum((x - mx) ** 2 for x, _ in samples)
-        if n < 2 or sxx == 0:
-            raise ValueError("need at least two distinct lengths to fit a service model")
-        slope = sum((x - mx) * (y - my) for x, y in samples) / sxx
-        return cls(overhead_s=max(0.0, my - slope * mx), per_token_s=max(slope, 1e-6))
-
-
-def with_poisson_arrivals(specs: Sequence[RequestSpec], *, rate_per_s: float, seed: int = 0) -> list[RequestSpec]:
-    """The same requests with exponential gaps at ``rate_per_s`` (the first at t = 0)."""
-    if rate_per_s <= 0:
-        raise ValueError("rate must be > 0")
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    for i, spec in enumerate(specs):
-        if i:
-            t += rng.expovariate(rate_per_s)
-        out.append(replace(spec, offset_s=t))
-    return out
-
-
-def poisson(
-    prompts: Sequence[BenchPrompt],
-    *,
-    n_short: int,
-    n_long: int,
-    length_scale: float,
-    rho: float,
-    service: ServiceModel,
-    seed: int = 0,
-) -> tuple[list[RequestSpec], float]:
-    """A Poisson workload at utilisation ``rho``; returns the specs and the arrival rate used."""
-    specs = burst(prompts, n_short=n_short, n_long=n_long, length_scale=length_scale, seed=seed)
-    rate = rho / service.mean(specs)
-    return with_poisson_arrivals(specs, rate_per_s=rate, seed=seed + 1), rate

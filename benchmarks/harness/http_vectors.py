@@ -31,8 +31,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from raw_client import Exchange, exchange
-from recording_backend import Received, RecordingBackend, framing_problems
+from .raw_client import Exchange, exchange
+from .recording_backend import Received, RecordingBackend, framing_problems
 
 CHAT = "/v1/chat/completions"
 SCHEDULED_MARK = "x-clairvoyant-queue-wait-ms"  # a header only a scheduled answer carries

@@ -1,6 +1,6 @@
 """Background load for the predictor benchmark: a real llama.cpp server generating continuously.
 
-Run as a script (``python benchmarks/predictor_load.py PORT``): starts xllamacpp's llama.cpp HTTP
+Run as a script (``python benchmarks/harness/predictor_load.py PORT``): starts xllamacpp's llama.cpp HTTP
 server with SmolLM2-135M (2 threads, n_parallel 1) in this process and, in a thread, keeps it
 busy with back-to-back 512-token generations (``ignore_eos``) until SIGTERM. ``LoadProcess``
 wraps it for the benchmark: start, wait until tokens flow, stop.

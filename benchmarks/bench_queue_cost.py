@@ -1,6 +1,6 @@
 """Dispatch cost and memory of the waiting queue, at depths up to 10,000 requests.
 
-    python -m clairvoyant.tools.bench.queue_cost [--depths 100 1000 10000] [--ops 2000]
+    python benchmarks/bench_queue_cost.py [--depths 100 1000 10000] [--ops 2000] [--json FILE]
 
 For each policy, the queue the proxy builds by default (policy + starvation guard + fair share,
 two tenants) is filled to a depth n, then timed in steady state: one dispatch decision (``pop``),
@@ -8,8 +8,8 @@ one arrival (``push``) and the dispatched job's end (``done``), so the depth sta
 policies should grow like log n, the scan queue (hrrn) like n. Memory: ``tracemalloc`` over n
 waiting requests, per request, for the queue record alone (``Job`` and its queue entries) and for
 the proxy's ticket (its own queue record) with its ``Prediction`` and entries. Not counted: the
-proxy's exchange record and parked fd, and the body (benchmarks/bench_waiting_memory.py measures
-the whole waiting request end to end).
+proxy's exchange record and parked fd, and the body (bench_waiting_memory.py measures the whole waiting
+request end to end).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import random
 import time
 import tracemalloc
 from typing import Any
+
+from harness.results import add_json_option, write_json
 
 from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.job_queue import Job
@@ -113,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--depths", type=int, nargs="+", default=[100, 1000, 10000])
     parser.add_argument("--ops", type=int, default=2000, help="timed pop+push+done rounds per point (default 2000)")
+    add_json_option(parser, "queue_cost")
     args = parser.parse_args(argv)
+    figures: dict[str, Any] = {"depths": args.depths, "ops": args.ops, "dispatch_us": {}}
     for wrapped in (False, True):
         what = "the default guard (1 s + 3.2 x S) and fair share, 2 tenants" if wrapped else "the policy's queue alone"
         print(f"\ndispatch decision + arrival + end (pop, push, done), median microseconds, {what}:")
@@ -126,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in POLICY_NAMES:
             ops = args.ops if name != "hrrn" else max(50, args.ops // 20)
             us = [measure_dispatch_us(name, d, ops, wrapped=wrapped) for d in args.depths]
+            figures["dispatch_us"][f"{name}{' +guard +fair' if wrapped else ''}"] = us
             growth = us[-1] / us[0] if us[0] > 0 else math.nan
             print(f"| {name} | " + " | ".join(f"{u:.1f}" for u in us) + f" | {growth:.1f}x |")
     depth = max(args.depths)
@@ -133,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nmemory per waiting request at n={depth}: queue record and entries {queue_b:.0f} B; "
           f"proxy's ticket (its own queue record), prediction and entries {proxy_b:.0f} B; "
           "request bodies not included")  # fmt: skip
+    figures["memory_bytes"] = {"depth": depth, "queue_record": queue_b, "proxy_ticket": proxy_b}
+    write_json(args.json, figures)
     return 0
 
 

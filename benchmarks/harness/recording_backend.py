@@ -1,7 +1,7 @@
 """A backend that records every request exactly as its bytes arrived, for tests and benchmarks
 that judge what a proxy sends on.
 
-``RecordingBackend`` is bench_hardening's ``FakeBackend`` (a plain asyncio HTTP/1.1 server in a
+``RecordingBackend`` is ``fake_backend.FakeBackend`` (a plain asyncio HTTP/1.1 server in a
 thread of the calling process) with its own request reader: it frames each request itself
 (Content-Length, chunked, or none) and keeps its bytes (``Received.raw``); bytes it cannot frame
 as a request are kept too (framing ``incomplete``, ``garbage`` or ``invalid: ...``), so a second
@@ -24,7 +24,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from bench_hardening import FakeBackend
+from .fake_backend import FakeBackend
 
 __all__ = ["OLLAMA_PATHS", "OPENAI_PATHS", "Received", "RecordingBackend", "framing_problems"]
 
@@ -87,7 +87,7 @@ class _Wire:
 
 
 class RecordingBackend(FakeBackend):
-    """bench_hardening's backend thread and loop, with a reader that records every request's bytes
+    """FakeBackend's thread and loop, with a reader that records every request's bytes
     (``received``) and frames it itself. A chat body with ``"model": "hold"`` is answered after
     ``hold_s`` (to keep a slot busy)."""
 

@@ -5,7 +5,7 @@ into what the stack (uvicorn, FastAPI, httpx) costs on this machine and what Cla
 
 Routes: POST /v1/chat/completions (streamed through) and GET on any path (buffered).
 
-    python benchmarks/minimal_passthrough.py UPSTREAM_URL PORT
+    python benchmarks/harness/passthrough.py UPSTREAM_URL PORT
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Servers the request-path benchmarks start and stop: nginx, the bare pass-through, the proxy under test.
 
-Shared by bench_proxy_overhead.py and bench_proxy_throughput.py (imported from the script's own
-directory). Every server is a child process on a free loopback port, stopped by the context manager.
+Shared by bench_proxy_overhead.py, bench_proxy_throughput.py and bench_http_conformance.py. Every
+server is a child process on a free loopback port, stopped by the context manager.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import argparse
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,11 +19,11 @@ from pathlib import Path
 
 import httpx
 
-from clairvoyant.tools.bench.report import replace_doc_block
-from clairvoyant.tools.bench.request_path import expand_command
+from .request_path import expand_command
+from .results import add_json_option
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = HERE.parents[1]
 
 # The deployed shape: `clairvoyant serve` as its own process. {python}, {upstream}, {port} and
 # {slots} are filled in; pass --proxy-cmd (or CLAIRVOYANT_BENCH_PROXY_CMD) to measure another proxy.
@@ -33,11 +32,10 @@ DEFAULT_PROXY_CMD = (
     "--max-queue 10000 --log-level warning"
 )
 PROXY_CMD_ENV = "CLAIRVOYANT_BENCH_PROXY_CMD"
-MISSING_TOOLS_HINT = "apt-get install nginx wrk"
-DOC = ROOT / "docs" / "benchmarks.md"
+MISSING_TOOLS_HINT = "make bench-tools, or: apt-get install nginx wrk"
 
 
-def add_target_options(parser: argparse.ArgumentParser, results: Path, *, slots_note: str = "") -> None:
+def add_target_options(parser: argparse.ArgumentParser, name: str, *, slots_note: str = "") -> None:
     """The options both proxy benchmarks take: the proxy under test, a baseline beside it, the results file."""
     parser.add_argument(
         "--proxy-cmd",
@@ -46,58 +44,10 @@ def add_target_options(parser: argparse.ArgumentParser, results: Path, *, slots_
     )
     parser.add_argument(
         "--baseline-cmd",
-        help="a second proxy command run side by side as target 'baseline' (same placeholders), e.g. an "
-        "earlier commit's `env PYTHONPATH=/tmp/old/src {python} -m clairvoyant.cli serve ...`",
+        help="a second proxy command run side by side as target 'baseline' (same placeholders), e.g. another "
+        "checkout's `env PYTHONPATH=/tmp/other/src {python} -m clairvoyant.cli serve ...`",
     )
-    parser.add_argument(
-        "--json", default=str(results), help=f"write the figures here (default {results.name} beside the script)"
-    )
-    add_doc_options(parser)
-
-
-def add_doc_options(parser: argparse.ArgumentParser) -> None:
-    """--doc PAGE and --no-doc: where ``write_doc`` puts the script's tables, or nowhere."""
-    parser.add_argument(
-        "--doc",
-        type=Path,
-        default=DOC,
-        help="write the tables into this page's block for the script (default docs/benchmarks.md, section 6i)",
-    )
-    parser.add_argument("--no-doc", action="store_true", help="leave the page alone (print and --json only)")
-
-
-class Report:
-    """The lines a benchmark prints, kept for its block in docs/benchmarks.md."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def __call__(self, line: str = "") -> None:
-        print(line, flush=True)
-        self.lines.append(line)
-
-
-def checkout() -> str:
-    """The commit measured: short hash, "+changes" when its code differs from it (src/ or the scripts;
-    the pages and result files the benchmarks themselves write do not count), "?" outside git."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        code = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "src", "benchmarks/*.py"], cwd=ROOT,
-                              capture_output=True)  # fmt: skip
-    except OSError:
-        return "?"
-    if head.returncode != 0:
-        return "?"
-    return head.stdout.strip() + ("+changes" if code.returncode != 0 else "")
-
-
-def write_doc(args: argparse.Namespace, script: str, report: Report, command: str, date_utc: str) -> None:
-    """Put ``report``'s lines under a line naming the run into ``script``'s block of ``args.doc``."""
-    if args.no_doc:
-        return
-    stamp = f"Latest run: {date_utc} UTC, checkout {checkout()}, `{command}`"
-    replace_doc_block(args.doc, script, "\n".join([stamp, *report.lines]))
-    print(f"wrote the tables into {args.doc} ({script}'s block)")
+    add_json_option(parser, name)
 
 
 def require_tools(*names: str) -> None:
@@ -109,12 +59,6 @@ def require_tools(*names: str) -> None:
 
 def nginx_binary() -> str:
     return shutil.which("nginx") or "/usr/sbin/nginx"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
@@ -166,7 +110,7 @@ def nginx(render: Callable[[Path], str], port: int) -> Iterator[subprocess.Popen
 
 
 def passthrough_argv(upstream: str, port: int) -> list[str]:
-    return [sys.executable, str(HERE / "minimal_passthrough.py"), upstream, str(port)]
+    return [sys.executable, str(HERE / "passthrough.py"), upstream, str(port)]
 
 
 def proxy_argv(template: str | None, upstream: str, port: int, slots: int) -> list[str]:
