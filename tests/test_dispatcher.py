@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 
@@ -564,3 +565,10 @@ def test_the_unhealthy_log_line_says_where_requests_go(caplog: pytest.LogCapture
         "backend default is unhealthy: its requests wait for it",
         "backend a is unhealthy: skipped while another backend serves its requests",
     ]
+
+
+def test_the_snapshot_is_plain_json_with_the_starvation_guard_off() -> None:
+    d, _ = make()  # starvation_timeout_s = inf: no guard
+    submit(d, "a", 0.0, 1.0)
+    snapshot = json.loads(json.dumps(d.snapshot(), allow_nan=False))  # as /queue renders it
+    assert snapshot["starvation_timeout_s"] is None and snapshot["waiting"][0]["request_id"] == "a"
