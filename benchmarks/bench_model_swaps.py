@@ -49,11 +49,12 @@ requests: arrival, dispatch, end); fcfs and bound-0 state no bound (their put-of
     PYTHONPATH=src python benchmarks/bench_model_swaps.py                  # fcfs, default; 3 repetitions, 5-8 min
     PYTHONPATH=src python benchmarks/bench_model_swaps.py --reps 1 --conditions fcfs,default,bound-0,noguard
 
-The forced lengths (``--length-scale`` 0.05: Long answers of 30-39 tokens, Short of 1-10) keep a
-model's share of the burst (12 answers) at 10-20 s on this 2-core machine, within the 30 s bound.
-When it takes longer than the bound (``--length-scale 0.1`` on a busy machine), the backend must
-switch back for what is left of a model, and the model switched to second has waited long enough
-for the starvation guard to serve it oldest first.
+The forced lengths (``--length-scale`` 0.05: Long answers of 30-39 tokens, one of 70; Short of
+1-10) keep a model's share of the burst (12 answers) at 10-20 s on this 2-core machine, within the
+30 s bound. When it takes longer than the bound (``--length-scale 0.1`` on a busy machine), the
+backend switches back for what is left of a model. Either way the model served second has waited
+that long when it is loaded, and those of its requests the starvation guard finds overdue go
+oldest first (the backend's order and the guard's picks are printed per condition).
 
 Results (every request, the backend's log, the learned loads) go to ``--json`` (default: a file in
 the temporary directory).
