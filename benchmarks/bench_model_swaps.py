@@ -234,10 +234,10 @@ def put_offs(records: Sequence[Record], ids: Sequence[str], bound_s: float) -> d
     timeline = sorted(records, key=lambda r: r.dispatched_s)
     # (switch seconds, model held from then): each dispatch that found another model held (or nothing)
     holds: list[tuple[float, str]] = []
-    for r in timeline:
-        if not holds or holds[-1][1] != r.model:
-            holds.append((r.dispatched_s, r.model))
-    by_id = {r.request_id: r for r in records}
+    for ran in timeline:
+        if not holds or holds[-1][1] != ran.model:
+            holds.append((ran.dispatched_s, ran.model))
+    by_id = {x.request_id: x for x in records}
     out: dict[str, PutOff] = {}
     for rid in ids:
         r = by_id.get(rid)
