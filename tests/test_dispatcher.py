@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 
@@ -578,3 +579,10 @@ def test_a_streaming_request_is_re_estimated_from_its_own_pace() -> None:
     assert remainder_s(t, now=15.0) == pytest.approx(75 * 0.1)
     t.live_tokens = 0
     assert remainder_s(t, now=8.0) == pytest.approx(OVERRUN_GROWTH * 8.0)  # not streamed: from time alone
+
+
+def test_the_snapshot_is_plain_json_with_the_starvation_guard_off() -> None:
+    d, _ = make()  # starvation_timeout_s = inf: no guard
+    submit(d, "a", 0.0, 1.0)
+    snapshot = json.loads(json.dumps(d.snapshot(), allow_nan=False))  # as /queue renders it
+    assert snapshot["starvation_timeout_s"] is None and snapshot["waiting"][0]["request_id"] == "a"

@@ -980,7 +980,8 @@ class Dispatcher:
         return {
             "policy": self.policy.name,
             "policy_detail": self.policy.describe(),
-            "starvation_timeout_s": self.starvation_timeout_s,
+            # None when the guard is off ('inf': JSON has no infinity, and /queue must stay valid JSON)
+            "starvation_timeout_s": None if math.isinf(self.starvation_timeout_s) else self.starvation_timeout_s,
             # overdue after tau + slowdown x predicted_s (adaptive: base x (1 + CV^2) of service times)
             "starvation_slowdown": (
                 self.starvation_slowdown.describe()
