@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -44,10 +44,9 @@ class _AiohttpResponse:
         self.raw_headers = list(response.raw_headers)
         self._response = response
 
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
+    async def read_chunk(self) -> bytes:
         try:
-            async for chunk in self._response.content.iter_any():
-                yield chunk
+            return await self._response.content.readany()
         except TimeoutError as exc:  # aiohttp's read timeout (a ClientError too)
             raise TransportError("timeout", exc) from exc
         except (aiohttp.ClientError, OSError) as exc:

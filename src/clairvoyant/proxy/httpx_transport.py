@@ -8,7 +8,7 @@ httpx's failures as ``TransportError``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import httpx
@@ -46,21 +46,22 @@ class _SendTrace:
 
 
 class _HttpxResponse:
-    __slots__ = ("status_code", "raw_headers", "_response")
+    __slots__ = ("status_code", "raw_headers", "_response", "_chunks")
 
     def __init__(self, response: httpx.Response) -> None:
         self.status_code = response.status_code
         self.raw_headers = list(response.headers.raw)
         self._response = response
+        self._chunks: AsyncGenerator[bytes] = response.aiter_raw()  # type: ignore[assignment]
 
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
+    async def read_chunk(self) -> bytes:
         try:
-            async for chunk in self._response.aiter_raw():
-                yield chunk
+            return await anext(self._chunks, b"")
         except httpx.HTTPError as exc:
             raise TransportError("timeout" if isinstance(exc, httpx.TimeoutException) else "failed", exc) from exc
 
     async def aclose(self) -> None:
+        await self._chunks.aclose()
         await self._response.aclose()
 
 

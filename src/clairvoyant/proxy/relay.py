@@ -259,9 +259,7 @@ class Relay:
         await out.start(status, response_headers(response.raw_headers) + self.extra_headers())
         relayed_bytes = 0
         try:
-            async for chunk in self.upstream.iter_body(response):
-                if not chunk:
-                    continue
+            while chunk := await self.upstream.read_chunk(response):
                 if self.first_byte_s is None:
                     self.first_byte_s = self.now()
                     self.on_first_byte()
