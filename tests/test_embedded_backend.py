@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import OpenAI
+from polling import wait_until
 
 from clairvoyant.tools.embedded_backend import (
     EmbeddedLlamaServer,
@@ -31,15 +32,6 @@ def _process_gone(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return "\nState:\tZ" in status
-
-
-def _wait_gone(pid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if _process_gone(pid):
-            return True
-        time.sleep(0.05)
-    return _process_gone(pid)
 
 
 @pytest.fixture
@@ -192,6 +184,7 @@ def test_taken_port_fails_with_the_bind_error(require_embedded_backend: None, fr
 
 
 def test_child_dies_when_its_parent_is_killed(require_embedded_backend: None) -> None:
+    # The parent lives until the test kills it (120 s bounds it, should the test itself die first).
     code = (
         "import time; from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer; "
         "s = EmbeddedLlamaServer().start(); print(s.pid, s.log_path, flush=True); time.sleep(120)"
@@ -206,7 +199,7 @@ def test_child_dies_when_its_parent_is_killed(require_embedded_backend: None) ->
         assert log_path.exists()
         os.kill(parent.pid, signal.SIGKILL)  # no finally, no atexit: only the child's watchdog can act
         parent.wait(timeout=10)
-        assert _wait_gone(child_pid, timeout_s=5.0), "llama.cpp child outlived its SIGKILLed parent"
+        wait_until(lambda: _process_gone(child_pid), timeout_s=5.0, what="the child of a SIGKILLed parent to die")
         assert not log_path.exists()  # the orphaned child removed its temporary log
     finally:
         if parent.poll() is None:

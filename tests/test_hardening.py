@@ -24,7 +24,8 @@ from typing import Any
 import httpx
 import pytest
 from fake_backend import FakeBackend
-from proxy_harness import MarkerPredictor, metric_value, queue_snapshot, running_proxy, wait_until
+from polling import wait_until
+from proxy_harness import MarkerPredictor, metric_value, queue_snapshot, running_proxy
 
 from clairvoyant.config import Settings
 from clairvoyant.proxy.scheduled import HOLD_MAX_S, SLOTS_POLL_S
@@ -129,7 +130,7 @@ def test_a_request_waits_for_a_backend_that_comes_back() -> None:
     up: list[FakeBackend] = []
 
     def start_later() -> None:
-        time.sleep(1.0)
+        wait_until(lambda: queue_snapshot(base)["in_flight"], what="the request waiting for the backend")
         up.append(FakeBackend(lambda path, n: "ok", port=port))  # the backend comes back on its port
 
     with proxy(f"http://127.0.0.1:{port}", backend_wait_s=10) as base:
@@ -481,7 +482,6 @@ def test_requests_waiting_through_a_llamacpp_restart_are_all_answered(require_em
             server.stop()  # the backend goes away; requests keep arriving
             queued = _post_in_background(base, 3, chat("Say OK.", max_tokens=4))
             wait_until(lambda: len(queue_snapshot(base)["waiting"]) == 2, what="1 waiting for the backend, 2 queued")
-            time.sleep(1.0)
             server.start()
             for thread in queued:
                 thread.join(timeout=120)

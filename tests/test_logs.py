@@ -9,13 +9,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 from fake_backend import FakeBackend
-from proxy_harness import wait_until
+from polling import wait_until
+from proxy_harness import metric_value
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET_PROMPT = "PROMPT-TEXT-7f3a never to be logged"
@@ -60,7 +60,11 @@ def _run(free_port: int, **env: str) -> str:
         try:
             wait_until(lambda: _ready(base), timeout_s=30, what="the proxy to start")
             _exercise(base, free_port)
-            time.sleep(0.3)  # the aborted upload's line
+            # the aborted upload is counted, then logged in the same step: once counted, it is logged
+            wait_until(
+                lambda: metric_value(base, "clairvoyant_client_disconnects_total", 'stage="upload"') == 1,
+                what="the aborted upload",
+            )
         finally:
             process.send_signal(signal.SIGTERM)
             _, stderr = process.communicate(timeout=30)

@@ -26,7 +26,8 @@ import httpx
 import numpy as np
 import pytest
 import respx
-from proxy_harness import metric_value, mock_transport, running_proxy, wait_until
+from polling import wait_until
+from proxy_harness import metric_value, mock_transport, running_proxy
 
 from clairvoyant.config import Settings
 from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, parse_request

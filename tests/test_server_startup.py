@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 from fake_backend import FakeBackend
-from proxy_harness import wait_until
+from polling import wait_until
 
 from clairvoyant.proxy.access import hash_key
 

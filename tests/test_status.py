@@ -19,7 +19,8 @@ from typing import Any
 import httpx
 import pytest
 import respx
-from proxy_harness import HeldBackend, MarkerPredictor, mock_transport, running_proxy, wait_until
+from polling import wait_until
+from proxy_harness import HeldBackend, MarkerPredictor, mock_transport, running_proxy
 
 from clairvoyant.cli import main
 from clairvoyant.clock import ManualClock
