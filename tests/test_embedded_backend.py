@@ -146,7 +146,8 @@ def test_stop_is_a_clean_sigterm_exit(require_embedded_backend: None) -> None:
     assert time.monotonic() - started < 5.0
 
 
-def test_missing_model_path_fails_at_once_without_a_child(tmp_path: Path) -> None:
+def test_missing_model_path_fails_at_once_without_a_child(require_embedded_backend: None, tmp_path: Path) -> None:
+    # xllamacpp must be installed: without it, that is the error, before the model path is looked at
     missing = tmp_path / "nope.gguf"
     server = EmbeddedLlamaServer(model_path=missing)
     started = time.monotonic()

@@ -338,6 +338,7 @@ def test_requests_beyond_max_connections_wait_to_be_accepted() -> None:
 # --- shutdown ---------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e  # `clairvoyant serve` as deployed, a real process
 def test_sigterm_refuses_the_queue_at_once_and_ends_the_stream_after_the_grace_period(free_port: int) -> None:
     # One stream of 60 events x 0.1 s (6 s) is in flight; 5 requests wait; grace 1 s.
     with FakeBackend(lambda path, n: ("stream", 60, 0.1)) as backend:

@@ -31,6 +31,8 @@ from bench_hardening import ProxyProcess  # noqa: E402
 from raw_client import exchange  # noqa: E402
 from recording_backend import RecordingBackend  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # the real proxy process, judged from outside
+
 # Off only to start faster (the encoder's model load): neither touches the HTTP path.
 QUICK_START = {"encoder": "false", "online_learning": "false"}
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from fake_backend import FakeBackend
 from polling import wait_until
 from proxy_harness import metric_value
@@ -71,6 +72,7 @@ def _run(free_port: int, **env: str) -> str:
     return stderr
 
 
+@pytest.mark.e2e  # `clairvoyant serve` as deployed, a real process
 def test_json_logs_one_object_a_line_and_one_request_line_per_answer(free_port: int) -> None:
     stderr = _run(free_port, CLAIRVOYANT_LOG_FORMAT="json")
     lines = [line for line in stderr.splitlines() if line.strip()]
@@ -88,6 +90,7 @@ def test_json_logs_one_object_a_line_and_one_request_line_per_answer(free_port: 
     assert "HTTP Request:" not in stderr  # httpx's per-call INFO line is silenced
 
 
+@pytest.mark.e2e  # `clairvoyant serve` as deployed, a real process
 def test_text_logs_carry_the_same_fields(free_port: int) -> None:
     stderr = _run(free_port)
     request_lines = [line for line in stderr.splitlines() if " clairvoyant.requests: request " in line]

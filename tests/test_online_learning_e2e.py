@@ -34,6 +34,9 @@ from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, parse_request
 from clairvoyant.prediction.predictor import OnnxPredictor
 from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
 
+# The closed loop end to end: the real llama.cpp, or the learner process fed dozens of requests.
+pytestmark = pytest.mark.e2e
+
 MODEL = "smollm2"  # the name the requests give: the learner's key
 FORCE = {"ignore_eos": True}
 
