@@ -25,7 +25,7 @@ import httpx
 import pytest
 from fake_backend import FakeBackend
 from polling import wait_until
-from proxy_harness import MarkerPredictor, metric_value, queue_snapshot, running_proxy
+from proxy_harness import MarkerPredictor, answering, metric_value, queue_snapshot, running_proxy
 
 from clairvoyant.config import Settings
 from clairvoyant.proxy.scheduled import HOLD_MAX_S, SLOTS_POLL_S
@@ -348,7 +348,7 @@ def test_sigterm_refuses_the_queue_at_once_and_ends_the_stream_after_the_grace_p
         process = subprocess.Popen([sys.executable, "-m", "clairvoyant.cli", "serve"], env=env)
         base = f"http://127.0.0.1:{free_port}"
         try:
-            wait_until(lambda: _ready(base), timeout_s=30, what="the proxy to start")
+            wait_until(lambda: answering(base), timeout_s=30, what="the proxy to start")
             results: dict[str, Any] = {}
             stream_thread = threading.Thread(target=_read_stream, args=(base, results), daemon=True)
             stream_thread.start()
@@ -376,13 +376,6 @@ def test_sigterm_refuses_the_queue_at_once_and_ends_the_stream_after_the_grace_p
     assert exit_code == 0
     assert exited_s < 6  # the 6 s stream did not hold the exit: it ended at the 1 s grace
     assert backend.posts(CHAT) == 1  # nothing queued reached the backend
-
-
-def _ready(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _read_stream(base: str, results: dict[str, Any]) -> None:
@@ -562,6 +555,7 @@ def test_an_answered_request_and_its_body_are_freed_without_the_cyclic_collector
         try:
             for _ in range(5):
                 assert httpx.post(f"{base}{CHAT}", json=chat("x" * 100_000)).status_code == 200
-            wait_until(lambda: alive() == 0, timeout_s=5, what="the answered requests freed")
+            # each look walks every object in the process: poll at a pace that leaves the proxy the CPU
+            wait_until(lambda: alive() == 0, timeout_s=5, what="the answered requests freed", interval_s=0.1)
         finally:
             gc.enable()

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from fake_backend import FakeBackend
 from polling import wait_until
-from proxy_harness import metric_value
+from proxy_harness import answering, metric_value
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET_PROMPT = "PROMPT-TEXT-7f3a never to be logged"
@@ -30,13 +30,6 @@ def _serve(backend_url: str, port: int, **env: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "clairvoyant.cli", "serve"], env=environment, stderr=subprocess.PIPE, text=True
     )
-
-
-def _ready(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _exercise(base: str, port: int) -> None:
@@ -59,7 +52,7 @@ def _run(free_port: int, **env: str) -> str:
         process = _serve(backend.url, free_port, **env)
         base = f"http://127.0.0.1:{free_port}"
         try:
-            wait_until(lambda: _ready(base), timeout_s=30, what="the proxy to start")
+            wait_until(lambda: answering(base), timeout_s=30, what="the proxy to start")
             _exercise(base, free_port)
             # the aborted upload is counted, then logged in the same step: once counted, it is logged
             wait_until(

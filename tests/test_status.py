@@ -20,7 +20,7 @@ import httpx
 import pytest
 import respx
 from polling import wait_until
-from proxy_harness import HeldBackend, MarkerPredictor, mock_transport, running_proxy
+from proxy_harness import LOOPBACK, HeldBackend, MarkerPredictor, mock_transport, running_proxy
 
 from clairvoyant.cli import main
 from clairvoyant.clock import ManualClock
@@ -57,7 +57,7 @@ class KeyedPost(threading.Thread):
 
 
 def queue(base: str) -> dict[str, Any]:
-    response = httpx.get(f"{base}/queue", headers={"X-Api-Key": OPS})
+    response = LOOPBACK.get(f"{base}/queue", headers={"X-Api-Key": OPS})
     assert response.status_code == 200
     return response.json()
 
