@@ -1,7 +1,14 @@
-"""Shared pytest fixtures.
+"""Shared pytest fixtures, and the ``e2e`` mark.
 
 Each area keeps its fixtures in its own marked section below; add a new section rather than editing
 another one. Heavy imports go inside the fixture, so collecting tests stays cheap.
+
+``e2e`` marks the tests that run a real program and judge it from outside: llama.cpp, headless
+Chromium, network namespaces, nginx or wrk, or clairvoyant itself as a process of its own (``serve``
+or another command). They need what a laptop may not have, or take seconds each. ``make test`` runs
+them; ``pytest -m "not e2e"`` is the quick loop. Tests that use the embedded backend's fixtures, and
+the benchmarks' ``bench`` tests, are marked here, so a new one cannot be forgotten; any other says
+``@pytest.mark.e2e`` (or ``pytestmark`` for a whole file).
 """
 
 from __future__ import annotations
@@ -28,6 +35,23 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+# =================================================================================================
+# The e2e mark
+# =================================================================================================
+
+# Files whose every test is end to end, marked here because the file itself is kept by others:
+# the live page's tests drive headless Chromium.
+E2E_FILES = frozenset({"test_ui.py"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        uses_llamacpp = "require_embedded_backend" in getattr(item, "fixturenames", ())  # llama_server too
+        if uses_llamacpp or item.path.name in E2E_FILES or item.get_closest_marker("bench"):
+            item.add_marker(pytest.mark.e2e)
 
 
 # =================================================================================================

@@ -101,7 +101,7 @@ class FakeBackend:
                 elif isinstance(action, tuple) and action[0] == "json":
                     _write(conn, 200, json.dumps(action[1]).encode())
                 elif action == "close":
-                    time.sleep(0.3)
+                    time.sleep(0.3)  # the fault as scripted: a backend that worked a moment, then died
                     return
                 elif action == "hang":
                     self._stop.wait()
@@ -121,7 +121,7 @@ class FakeBackend:
         for i in range(n_events):
             event = b'data: {"choices":[{"delta":{"content":"x%d"}}]}\n\n' % i
             conn.sendall(b"%x\r\n%s\r\n" % (len(event), event))
-            time.sleep(interval_s)
+            time.sleep(interval_s)  # the stream's scripted pace
         done = b"data: [DONE]\n\n"
         conn.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import respx
+from polling import until, wait_until  # noqa: F401 (wait_until re-exported)
 
 from clairvoyant.prediction.features import Prompt
 from clairvoyant.prediction.predictor import Prediction
@@ -38,23 +38,29 @@ class MarkerPredictor:
         return Prediction.from_probabilities(*probs, model=model, cap_tokens=cap_tokens)
 
 
-def wait_until(predicate: Any, timeout_s: float = 5.0, what: str = "condition") -> None:
-    """Poll a condition (for observing state across threads; never used to order events)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
+# The helpers' own requests share one client. httpx.get() builds a client, and with it an SSL
+# context from the CA bundle (~50 ms of CPU), on every call, while these helpers poll plain HTTP on
+# the loopback many times a test. No keep-alive: a helper's request never holds a connection that a
+# test counts or fills.
+LOOPBACK = httpx.Client(timeout=30.0, limits=httpx.Limits(max_keepalive_connections=0))
 
 
 def queue_snapshot(base_url: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
-    return httpx.get(f"{base_url}/queue", headers=headers).json()
+    return LOOPBACK.get(f"{base_url}/queue", headers=headers).json()
 
 
-async def gate_wait(gate: threading.Event) -> None:
-    """Await a threading.Event from the server's loop without blocking it."""
-    while not gate.is_set():
-        await asyncio.sleep(0.002)
+def answering(base_url: str) -> bool:
+    """Whether the proxy at ``base_url`` answers /healthz (a process still starting does not)."""
+    try:
+        return LOOPBACK.get(f"{base_url}/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def gate_wait(gate: threading.Event, timeout_s: float = 60.0) -> None:
+    """Await a threading.Event from the server's loop without blocking it (a test opens its gates
+    within seconds; ``timeout_s`` only keeps a forgotten one from hanging the suite)."""
+    await until(gate.is_set, timeout_s, what="the test to open the gate")
 
 
 async def broken_sse(gate: threading.Event | None = None) -> AsyncIterator[bytes]:
@@ -82,7 +88,7 @@ def mock_transport(router: respx.MockRouter) -> httpx.MockTransport:
 
 
 def metric_value(base: str, name: str, labels: str = "") -> float:
-    for line in httpx.get(f"{base}/metrics").text.splitlines():
+    for line in LOOPBACK.get(f"{base}/metrics").text.splitlines():
         if line.startswith(name + (("{" + labels + "}") if labels else " ")):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"metric {name}{{{labels}}} not found")

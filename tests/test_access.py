@@ -9,7 +9,8 @@ from typing import Any
 import httpx
 import pytest
 import respx
-from proxy_harness import HeldBackend, MarkerPredictor, mock_transport, queue_snapshot, running_proxy, wait_until
+from polling import wait_until
+from proxy_harness import HeldBackend, MarkerPredictor, mock_transport, queue_snapshot, running_proxy
 
 from clairvoyant.config import Settings
 from clairvoyant.proxy.access import hash_key

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import respx
+from polling import until, wait_until
 from proxy_harness import (
     BackgroundPosts,
     HeldBackend,
@@ -25,7 +26,6 @@ from proxy_harness import (
     mock_transport,
     queue_snapshot,
     running_proxy,
-    wait_until,
 )
 
 from clairvoyant.config import Settings
@@ -354,8 +354,7 @@ def test_client_leaving_while_queued_is_never_sent() -> None:
         async def leave_while_queued() -> None:
             async with httpx.AsyncClient() as client:
                 task = asyncio.create_task(client.post(f"{base}/v1/chat/completions", json=chat_body("[short] gone")))
-                while len(queue_snapshot(base)["waiting"]) != 1:
-                    await asyncio.sleep(0.005)
+                await until(lambda: len(queue_snapshot(base)["waiting"]) == 1, what="the leaver queued")
                 task.cancel()  # closes the connection
                 with pytest.raises(asyncio.CancelledError):
                     await task
@@ -380,7 +379,7 @@ def test_client_leaving_mid_stream_frees_the_slot(mode: str) -> None:
         try:
             for i in range(40):
                 yield f"data: {i}\n\n".encode()
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # a backend's pace: the stream outlasts the client's stay
             events.append("stream-ended")
         finally:
             events.append("stream-closed")
@@ -456,7 +455,7 @@ def test_client_leaving_a_passthrough_stream_closes_the_backend_stream() -> None
         try:
             for i in range(1000):
                 yield json.dumps({"status": "downloading", "completed": i}).encode() + b"\n"
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # a download's pace: it outlasts the client's stay
         finally:
             closed.set()
 

@@ -44,6 +44,7 @@ def _check(results: list[dict], *, classes: bool = False) -> None:
     assert results[1]["predicted_tokens"] > results[0]["predicted_tokens"]
 
 
+@pytest.mark.e2e  # the `clairvoyant` command, run as a process
 def test_cli_round_trip_via_subprocess(tmp_path: Path) -> None:
     out = tmp_path / "scores.jsonl"
     proc = subprocess.run(

@@ -83,6 +83,7 @@ def test_example_configs_are_valid(name: str) -> None:
     assert s.upstream_url.startswith("http://127.0.0.1:")
 
 
+@pytest.mark.e2e  # the `clairvoyant` command, run as a process
 def test_serve_refuses_an_invalid_setting_before_starting() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "clairvoyant", "serve", "--tau", "-5"], capture_output=True, text=True, timeout=60
@@ -91,6 +92,7 @@ def test_serve_refuses_an_invalid_setting_before_starting() -> None:
     assert "invalid setting starvation_timeout_s" in result.stderr
 
 
+@pytest.mark.e2e  # the `clairvoyant` command, run as a process
 def test_serve_refuses_a_missing_model_before_starting(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "clairvoyant", "serve", "--predictor", str(tmp_path / "nope.onnx")],
@@ -153,6 +155,7 @@ def test_unknown_environment_variables_ignore_the_other_names_read_on_purpose() 
     ]
 
 
+@pytest.mark.e2e  # the `clairvoyant` command, run as a process
 def test_serve_warns_about_an_unknown_variable_and_goes_on_to_the_next_check(tmp_path: Path) -> None:
     """The warning is printed (formatted) and start-up continues: here it then stops at the missing model."""
     import os

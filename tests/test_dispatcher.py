@@ -8,6 +8,7 @@ import logging
 import math
 
 import pytest
+from polling import settle, until
 
 from clairvoyant.clock import ManualClock
 from clairvoyant.errors import QueueFull
@@ -26,11 +27,6 @@ def make(slots: int = 1, max_queue: int = 10, policy: str = "fcfs") -> tuple[Dis
 
 def submit(d: Dispatcher, name: str, arrival_s: float, predicted_s: float) -> Ticket:
     return submit_for(d, name, None, predicted_s, arrival_s)
-
-
-async def settle() -> None:
-    for _ in range(5):
-        await asyncio.sleep(0)
 
 
 def test_lease_releases_exactly_once_and_withdraws_a_cancelled_waiter() -> None:
@@ -203,10 +199,7 @@ def test_the_service_time_state_is_written_every_50_completions_in_a_worker_thre
                 clock.advance(1.0)
                 lease.completed = True
             assert not path.exists() or i == 49
-        for _ in range(50):  # the write runs in a worker thread, tracked by the dispatcher
-            if path.exists():
-                break
-            await asyncio.sleep(0.01)
+        await until(path.exists, what="the service-time file")  # written by a worker thread
         assert json.loads(path.read_text())["models"][""]["n"] == 50
         await d.stop()
 
@@ -358,7 +351,7 @@ def test_a_client_leaving_while_held_back_or_rerouted_is_withdrawn_and_its_slot_
 
 async def _hold(d: Dispatcher, t: Ticket) -> None:
     async with d.lease(t):
-        await asyncio.sleep(10)
+        await asyncio.Event().wait()  # a client that stays until it is cancelled
 
 
 def test_shutdown_refuses_held_back_and_rerouted_tickets_with_shutting_down() -> None:

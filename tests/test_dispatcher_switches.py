@@ -7,6 +7,7 @@ import asyncio
 import math
 
 import pytest
+from polling import settle, until
 
 from clairvoyant.clock import ManualClock
 from clairvoyant.errors import QueueDeadline
@@ -45,11 +46,6 @@ def ticket(
         name, "/v1/chat/completions", "openai", model, Prediction.from_probabilities(0.5, 0.3, 0.2), 10, arrival_s,
         predicted_s=predicted_s, predicted_tokens=50.0, score=predicted_s, expires_s=expires_s,
     )  # fmt: skip
-
-
-async def settle() -> None:
-    for _ in range(5):
-        await asyncio.sleep(0)
 
 
 def running(d: Dispatcher) -> Ticket:
@@ -259,10 +255,7 @@ def test_a_timer_answers_an_expired_request_without_waiting_for_a_slot() -> None
         t = ticket("t", None, 0.0, 1.0, expires_s=0.02)
         d.submit(t)
         clock.set(0.02)  # the timer fires on the event loop's clock; the deadline is on ours
-        for _ in range(50):
-            await asyncio.sleep(0.005)
-            if t.wait == REFUSED:
-                break
+        await until(lambda: t.wait == REFUSED, what="the expiry timer")
         assert t.wait == REFUSED and isinstance(t.refusal, QueueDeadline)
         await d.stop(timeout_s=0.01)
 

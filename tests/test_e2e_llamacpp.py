@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
-from proxy_harness import queue_snapshot, running_proxy, wait_until
+from polling import until, wait_until
+from proxy_harness import queue_snapshot, running_proxy
 
 from clairvoyant.config import Settings
 from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, prompt_from_body
@@ -119,13 +120,13 @@ def test_shorts_complete_before_any_long_when_queued_behind_a_long_job(
                 finished.append(tag)
 
             holder = asyncio.create_task(run("holder", LONG_PROMPTS[0], 200))
-            while not queue_snapshot(proxy_url)["in_flight"]:
-                await asyncio.sleep(0.01)
+            await until(lambda: queue_snapshot(proxy_url)["in_flight"], timeout_s=60, what="the holder sent")
             batch = [run(f"long{i}", p, 24) for i, p in enumerate(LONG_PROMPTS)]
             batch += [run(f"short{i}", p, 4) for i, p in enumerate(SHORT_PROMPTS)]
             tasks = [asyncio.create_task(c) for c in batch]
-            while len(queue_snapshot(proxy_url)["waiting"]) < 8 and not holder.done():
-                await asyncio.sleep(0.01)
+            await until(
+                lambda: len(queue_snapshot(proxy_url)["waiting"]) >= 8 or holder.done(), timeout_s=60, what="8 queued"
+            )
             assert not holder.done(), "the holder finished before the batch queued; make it longer"
             await asyncio.gather(holder, *tasks)
         return finished
@@ -146,20 +147,17 @@ def test_a_client_that_leaves_while_queued_is_never_sent(proxy_url: str, llama_s
                     model="smollm2", messages=chat("Tell me a story."), max_tokens=120, extra_body=FORCE
                 )
             )
-            while not queue_snapshot(proxy_url)["in_flight"]:
-                await asyncio.sleep(0.01)
+            await until(lambda: queue_snapshot(proxy_url)["in_flight"], timeout_s=60, what="the holder sent")
             leaver = asyncio.create_task(
                 client.chat.completions.create(
                     model="smollm2", messages=chat("What is 2+2?"), max_tokens=37, extra_body=FORCE
                 )
             )
-            while len(queue_snapshot(proxy_url)["waiting"]) < 1:
-                await asyncio.sleep(0.01)
+            await until(lambda: queue_snapshot(proxy_url)["waiting"], timeout_s=60, what="the leaver queued")
             leaver.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await leaver
-            while queue_snapshot(proxy_url)["waiting"]:
-                await asyncio.sleep(0.01)
+            await until(lambda: not queue_snapshot(proxy_url)["waiting"], timeout_s=60, what="the leaver withdrawn")
             assert not holder.done(), "the holder finished too early for the test to mean anything"
             await holder
             await client.chat.completions.create(model="smollm2", messages=chat("Hi"), max_tokens=3, extra_body=FORCE)
@@ -236,11 +234,9 @@ def test_a_priority_request_overtakes_queued_normal_ones_and_queue_shows_eta(
                 tasks = []
                 for i in range(3):
                     tasks.append(asyncio.create_task(run(f"normal{i}", 4)))
-                    while len(queue_snapshot(url)["waiting"]) < i + 1:
-                        await asyncio.sleep(0.005)
+                    await until(lambda n=i + 1: len(queue_snapshot(url)["waiting"]) >= n, 60, f"normal{i} queued")
                 tasks.append(asyncio.create_task(run("urgent", 4, priority=-1)))
-                while len(queue_snapshot(url)["waiting"]) < 4:
-                    await asyncio.sleep(0.005)
+                await until(lambda: len(queue_snapshot(url)["waiting"]) >= 4, timeout_s=60, what="urgent queued")
                 snapshot = queue_snapshot(url)
                 one = httpx.get(f"{url}/queue/e2e-normal2").json()
                 await holder.close()
@@ -301,13 +297,17 @@ def test_waiting_requests_are_refined_by_the_encoder_and_reordered(
                     )
 
                 holder = asyncio.create_task(run("holder", chat(SHORT_PROMPTS[0]), 200))
-                while not queue_snapshot(url)["in_flight"]:
-                    await asyncio.sleep(0.01)
+                await until(lambda: queue_snapshot(url)["in_flight"], timeout_s=60, what="the holder sent")
                 tasks = [asyncio.create_task(run(tag, turns, 2)) for tag, turns in messages.items()]
-                deadline = time.monotonic() + 20
-                while metric_value(url, "clairvoyant_encoder_requests_total", 'outcome="refined"') < 2:
-                    assert time.monotonic() < deadline and not holder.done(), "the waiting requests were not refined"
-                    await asyncio.sleep(0.01)
+                await until(
+                    lambda: (
+                        holder.done()
+                        or metric_value(url, "clairvoyant_encoder_requests_total", 'outcome="refined"') >= 2
+                    ),
+                    timeout_s=20,
+                    what="the waiting requests refined",
+                )
+                assert not holder.done(), "the holder finished before the waiting requests were refined"
                 snapshot = queue_snapshot(url)
                 await asyncio.gather(holder, *tasks)
             return snapshot

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import OpenAI
+from polling import wait_until
 
 from clairvoyant.tools.embedded_backend import (
     EmbeddedLlamaServer,
@@ -31,15 +32,6 @@ def _process_gone(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return "\nState:\tZ" in status
-
-
-def _wait_gone(pid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if _process_gone(pid):
-            return True
-        time.sleep(0.05)
-    return _process_gone(pid)
 
 
 @pytest.fixture
@@ -154,7 +146,8 @@ def test_stop_is_a_clean_sigterm_exit(require_embedded_backend: None) -> None:
     assert time.monotonic() - started < 5.0
 
 
-def test_missing_model_path_fails_at_once_without_a_child(tmp_path: Path) -> None:
+def test_missing_model_path_fails_at_once_without_a_child(require_embedded_backend: None, tmp_path: Path) -> None:
+    # xllamacpp must be installed: without it, that is the error, before the model path is looked at
     missing = tmp_path / "nope.gguf"
     server = EmbeddedLlamaServer(model_path=missing)
     started = time.monotonic()
@@ -192,6 +185,7 @@ def test_taken_port_fails_with_the_bind_error(require_embedded_backend: None, fr
 
 
 def test_child_dies_when_its_parent_is_killed(require_embedded_backend: None) -> None:
+    # The parent lives until the test kills it (120 s bounds it, should the test itself die first).
     code = (
         "import time; from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer; "
         "s = EmbeddedLlamaServer().start(); print(s.pid, s.log_path, flush=True); time.sleep(120)"
@@ -206,7 +200,7 @@ def test_child_dies_when_its_parent_is_killed(require_embedded_backend: None) ->
         assert log_path.exists()
         os.kill(parent.pid, signal.SIGKILL)  # no finally, no atexit: only the child's watchdog can act
         parent.wait(timeout=10)
-        assert _wait_gone(child_pid, timeout_s=5.0), "llama.cpp child outlived its SIGKILLed parent"
+        wait_until(lambda: _process_gone(child_pid), timeout_s=5.0, what="the child of a SIGKILLed parent to die")
         assert not log_path.exists()  # the orphaned child removed its temporary log
     finally:
         if parent.poll() is None:

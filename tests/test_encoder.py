@@ -4,19 +4,18 @@ the blend into a prediction, and the background refiner, all on the real ONNX en
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import math
 import shutil
 import threading
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from polling import until
 
 from clairvoyant.errors import ModelError
 from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, prompt_from_body
@@ -299,23 +298,14 @@ def test_the_refiner_encodes_only_what_still_waits_and_drops_past_its_bound(enco
         refiner = Refiner(encoder, deliver, max_pending=1, count=outcomes.append)
         refiner.start(asyncio.get_running_loop())
         assert refiner.want("first", ESSAY, blocked)
-        for _ in range(200):  # until the worker has taken "first" off the queue
-            if refiner.pending == 0:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: refiner.pending == 0, what='the worker to take "first" off the queue')
         assert refiner.want("gone", SHORT, lambda: False)  # dispatched before its turn
         assert not refiner.want("over", SHORT, lambda: True)  # the bound: keeps its lexical prediction
         gate.set()
         await asyncio.wait_for(got_one.wait(), 10.0)
-        for _ in range(200):  # until the worker has taken "gone" too
-            if refiner.pending == 0:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: refiner.pending == 0, what='the worker to take "gone" too')
         assert refiner.want("second", SHORT, lambda: True)
-        for _ in range(500):
-            if len(delivered) == 2:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: len(delivered) == 2, what="the second delivery")
         refiner.stop()
         assert [k for k, _, _ in delivered] == ["first", "second"]
         assert delivered[0][1] == encoder.log_tokens(ESSAY)
@@ -335,17 +325,14 @@ def test_the_refiner_serves_waiting_requests_before_the_learner_and_keeps_the_le
     async def scenario() -> None:
         order: list[str] = []
         outcomes: list[str] = []
-        arrived = asyncio.Event()
 
         def deliver(key: str, value: float, components: bytes, knn: float | None) -> None:
             order.append(key)
-            arrived.set()
 
         def learned(name: str) -> Any:
             def then(value: float, components: bytes) -> None:
                 assert len(components) == 4 * (encoder.components + encoder.embedding_width)
                 order.append(name)
-                arrived.set()
 
             return then
 
@@ -355,31 +342,19 @@ def test_the_refiner_serves_waiting_requests_before_the_learner_and_keeps_the_le
             gate.wait(10.0)  # holds the worker while both queues fill
             return True
 
-        async def until(count: int) -> None:
-            for _ in range(1000):
-                if len(order) >= count:
-                    return
-                arrived.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(arrived.wait(), 0.01)
-            raise AssertionError(f"only {order} delivered")
-
         refiner = Refiner(encoder, deliver, max_pending=4, learning_share=0.001, count=outcomes.append)
         refiner.start(asyncio.get_running_loop())
         assert refiner.want("held", SHORT, blocked)
-        for _ in range(200):
-            if refiner.pending == 0:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: refiner.pending == 0, what='the worker to take "held"')
         assert refiner.encode_later(ESSAY, learned("learn-1"))
         assert refiner.encode_later(SHORT, learned("learn-2"))
         assert refiner.want("waiting", ESSAY, lambda: True)  # handed over after both learning items
         gate.set()
-        await until(3)
+        await until(lambda: len(order) >= 3, timeout_s=10, what="three deliveries")
         assert order == ["held", "waiting", "learn-1"]
         # learn-1 took milliseconds, so learn-2 rests for seconds; a waiting request does not
         assert refiner.want("waiting-2", SHORT, lambda: True)
-        await until(4)
+        await until(lambda: len(order) >= 4, timeout_s=10, what="a fourth delivery")
         assert order == ["held", "waiting", "learn-1", "waiting-2"]
         assert refiner.pending == 1  # learn-2, resting
         refiner.stop()
@@ -396,10 +371,7 @@ def test_the_learners_encodes_are_bounded_apart_from_waiting_requests(encoder: E
         gate = threading.Event()
         refiner.start(asyncio.get_running_loop())
         assert refiner.want("held", SHORT, lambda: gate.wait(10.0))
-        for _ in range(200):
-            if refiner.pending == 0:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: refiner.pending == 0, what='the worker to take "held"')
         taken = [refiner.encode_later(SHORT, lambda v, c: None) for _ in range(LEARNING_MAX_PENDING + 2)]
         assert taken == [True] * LEARNING_MAX_PENDING + [False, False]
         assert refiner.want("waiting", SHORT, lambda: True)  # the learner's backlog takes no waiting room
@@ -539,35 +511,30 @@ def test_the_refiner_passes_waiting_requests_over_while_its_opinions_come_too_la
             delivered.append(key)
             return key.startswith("fresh")  # "late-*": dispatched while it was being encoded
 
-        async def until(done: Callable[[], bool]) -> None:
-            for _ in range(1000):
-                if done():
-                    return
-                await asyncio.sleep(0.01)
-            raise AssertionError(f"the encoder's thread did not get there: {outcomes}, {delivered}")
-
         refiner = Refiner(encoder, deliver, max_pending=256, count=outcomes.append, probe_interval_s=0.5)
         refiner.start(asyncio.get_running_loop())
         n_gone = 60  # (1 - 1/16)^60 = 0.021 < IN_TIME_FLOOR; 40 would leave 0.076
         # Withdrawn by their clients before their turn: that says nothing of the encoder's pace.
         assert all(refiner.want(f"left-{i}", SHORT, lambda: False, lambda: False) for i in range(n_gone))
-        await until(lambda: len(outcomes) == n_gone and refiner.pending == 0)
+        await until(
+            lambda: len(outcomes) == n_gone and refiner.pending == 0, timeout_s=10, what="the left ones skipped"
+        )
         assert refiner.in_time == 1.0
         # Dispatched before their turn: the queue turns over faster than the encoder answers.
         assert all(refiner.want(f"gone-{i}", SHORT, lambda: False, lambda: True) for i in range(n_gone))
-        await until(lambda: len(outcomes) == 2 * n_gone and refiner.pending == 0)
+        await until(lambda: len(outcomes) == 2 * n_gone and refiner.pending == 0, 10, "the gone ones skipped")
         assert outcomes == ["skipped"] * 2 * n_gone and refiner.in_time < IN_TIME_FLOOR
         # A probe, then the rest passed over until the interval is out.
         assert [refiner.want(f"late-{i}", SHORT, lambda: True) for i in range(10)] == [True] + [False] * 9
         assert outcomes.count("bypassed") == 9
-        await until(lambda: delivered == ["late-0"])
+        await until(lambda: delivered == ["late-0"], timeout_s=10, what="the probe's opinion")
         assert refiner.in_time < IN_TIME_FLOOR  # its opinion came too late as well
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # the probe interval passes: time is what this step tests
         assert [refiner.want(f"late-{i}", SHORT, lambda: True) for i in (10, 11)] == [True, False]
-        await until(lambda: delivered == ["late-0", "late-10"])
-        await asyncio.sleep(0.5)
+        await until(lambda: delivered == ["late-0", "late-10"], timeout_s=10, what="the next probe's opinion")
+        await asyncio.sleep(0.5)  # the probe interval passes again
         assert refiner.want("fresh-0", SHORT, lambda: True)
-        await until(lambda: delivered[-1:] == ["fresh-0"])
+        await until(lambda: delivered[-1:] == ["fresh-0"], timeout_s=10, what="the fresh probe's opinion")
         assert refiner.in_time > IN_TIME_FLOOR  # the probe came in time: every request is taken again
         assert all(refiner.want(f"again-{i}", SHORT, lambda: True) for i in range(3))
         assert outcomes.count("bypassed") == 10

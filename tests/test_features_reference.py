@@ -157,15 +157,17 @@ def _assert_same(prompts: list[Prompt]) -> None:
     for name, fs in FEATURE_SETS.items():
         reference = ref.FEATURE_SETS[name]
         assert fs.names == reference.names
+        got_rows, expected_rows = [], []
         for prompt in prompts:
             got, expected = fs.values(prompt), reference.values(prompt)
             assert got == expected, (name, len(prompt.instruction))
-            got32 = np.array(got, dtype=np.float32).view(np.uint32)
-            expected32 = np.array(expected, dtype=np.float32).view(np.uint32)
-            np.testing.assert_array_equal(got32, expected32)
-        np.testing.assert_array_equal(
-            fs.extract_many(prompts).view(np.uint32), reference.extract_many(prompts).view(np.uint32)
-        )
+            got_rows.append(got)
+            expected_rows.append(expected)
+        # The reference's extract_many is these rows as float32 (features_reference.py): its image,
+        # bit for bit, against the fast rows' and the fast extract_many's.
+        expected32 = np.array(expected_rows, dtype=np.float32).view(np.uint32)
+        np.testing.assert_array_equal(np.array(got_rows, dtype=np.float32).view(np.uint32), expected32)
+        np.testing.assert_array_equal(fs.extract_many(prompts).view(np.uint32), expected32)
 
 
 def test_fast_extractor_equals_the_reference_on_varied_prompts() -> None:

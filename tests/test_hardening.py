@@ -24,7 +24,8 @@ from typing import Any
 import httpx
 import pytest
 from fake_backend import FakeBackend
-from proxy_harness import MarkerPredictor, metric_value, queue_snapshot, running_proxy, wait_until
+from polling import wait_until
+from proxy_harness import MarkerPredictor, answering, metric_value, queue_snapshot, running_proxy
 
 from clairvoyant.config import Settings
 from clairvoyant.proxy.scheduled import HOLD_MAX_S, SLOTS_POLL_S
@@ -129,7 +130,7 @@ def test_a_request_waits_for_a_backend_that_comes_back() -> None:
     up: list[FakeBackend] = []
 
     def start_later() -> None:
-        time.sleep(1.0)
+        wait_until(lambda: queue_snapshot(base)["in_flight"], what="the request waiting for the backend")
         up.append(FakeBackend(lambda path, n: "ok", port=port))  # the backend comes back on its port
 
     with proxy(f"http://127.0.0.1:{port}", backend_wait_s=10) as base:
@@ -337,6 +338,7 @@ def test_requests_beyond_max_connections_wait_to_be_accepted() -> None:
 # --- shutdown ---------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e  # `clairvoyant serve` as deployed, a real process
 def test_sigterm_refuses_the_queue_at_once_and_ends_the_stream_after_the_grace_period(free_port: int) -> None:
     # One stream of 60 events x 0.1 s (6 s) is in flight; 5 requests wait; grace 1 s.
     with FakeBackend(lambda path, n: ("stream", 60, 0.1)) as backend:
@@ -346,7 +348,7 @@ def test_sigterm_refuses_the_queue_at_once_and_ends_the_stream_after_the_grace_p
         process = subprocess.Popen([sys.executable, "-m", "clairvoyant.cli", "serve"], env=env)
         base = f"http://127.0.0.1:{free_port}"
         try:
-            wait_until(lambda: _ready(base), timeout_s=30, what="the proxy to start")
+            wait_until(lambda: answering(base), timeout_s=30, what="the proxy to start")
             results: dict[str, Any] = {}
             stream_thread = threading.Thread(target=_read_stream, args=(base, results), daemon=True)
             stream_thread.start()
@@ -374,13 +376,6 @@ def test_sigterm_refuses_the_queue_at_once_and_ends_the_stream_after_the_grace_p
     assert exit_code == 0
     assert exited_s < 6  # the 6 s stream did not hold the exit: it ended at the 1 s grace
     assert backend.posts(CHAT) == 1  # nothing queued reached the backend
-
-
-def _ready(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _read_stream(base: str, results: dict[str, Any]) -> None:
@@ -481,7 +476,6 @@ def test_requests_waiting_through_a_llamacpp_restart_are_all_answered(require_em
             server.stop()  # the backend goes away; requests keep arriving
             queued = _post_in_background(base, 3, chat("Say OK.", max_tokens=4))
             wait_until(lambda: len(queue_snapshot(base)["waiting"]) == 2, what="1 waiting for the backend, 2 queued")
-            time.sleep(1.0)
             server.start()
             for thread in queued:
                 thread.join(timeout=120)
@@ -561,6 +555,7 @@ def test_an_answered_request_and_its_body_are_freed_without_the_cyclic_collector
         try:
             for _ in range(5):
                 assert httpx.post(f"{base}{CHAT}", json=chat("x" * 100_000)).status_code == 200
-            wait_until(lambda: alive() == 0, timeout_s=5, what="the answered requests freed")
+            # each look walks every object in the process: poll at a pace that leaves the proxy the CPU
+            wait_until(lambda: alive() == 0, timeout_s=5, what="the answered requests freed", interval_s=0.1)
         finally:
             gc.enable()

@@ -10,11 +10,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from clairvoyant.config import load_settings
 from clairvoyant.proxy.access import hash_key
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = re.compile(r"^  (cv-[A-Za-z0-9_-]{40,})$", re.M)
+
+pytestmark = pytest.mark.e2e  # the `clairvoyant keys` command, run as a process
 
 
 def keys(*argv: str, stdout: Any = subprocess.PIPE, stdin: str | None = None) -> subprocess.CompletedProcess[str]:

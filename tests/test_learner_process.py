@@ -12,13 +12,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+from polling import until, wait_until
 
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.learner import LearnerConfig, OnlineLearner, PriorIdentity
@@ -63,13 +62,6 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-async def _until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.01)
-    assert condition(), what
-
-
 @pytest.mark.parametrize("embedding", [0, 8])
 def test_the_proxy_corrects_exactly_as_the_learner_does_in_process(embedding: int) -> None:
     # 0: the linear correction the child fits; 8: plus the residual kNN on rows with an embedding,
@@ -94,7 +86,7 @@ def test_the_proxy_corrects_exactly_as_the_learner_does_in_process(embedding: in
             assert _corrections(remote, probes[:1]) == [0.0]  # nothing learned yet
             for prediction, tokens in observations:
                 assert remote.observe(prediction, tokens)
-            await _until(lambda: remote.refits >= 1, "a fit from the child")
+            await until(lambda: remote.refits >= 1, timeout_s=30, what="a fit from the child")
             return _corrections(remote, probes)
         finally:
             await remote.stop()
@@ -126,7 +118,7 @@ def test_the_state_file_round_trips_through_the_child_and_a_corrupt_one_is_refus
         for prediction, tokens in observations:
             remote.observe(prediction, tokens)
         await remote.save()
-        await _until(lambda: remote.refits >= 1, "a fit")
+        await until(lambda: remote.refits >= 1, timeout_s=30, what="a fit")
         learned = _corrections(remote, probes)
         await remote.stop()
         return learned
@@ -135,7 +127,7 @@ def test_the_state_file_round_trips_through_the_child_and_a_corrupt_one_is_refus
         remote = LearnerProcess(IDENTITY, state_path=state)
         assert await remote.start()
         try:
-            await _until(lambda: remote.refits >= 1 or remote.observed_total == 0, "the restored fit")
+            await until(lambda: remote.refits >= 1 or remote.observed_total == 0, timeout_s=30, what="the restored fit")
             await remote.update_quality()
             quality = remote.quality().get("m")
             observed = 0 if quality is None else quality.observations
@@ -197,14 +189,14 @@ def test_a_killed_worker_is_started_again_from_the_saved_state_and_the_last_fit_
             for prediction, tokens in observations:
                 remote.observe(prediction, tokens)
             await remote.save()
-            await _until(lambda: remote.refits >= 1, "a fit")
+            await until(lambda: remote.refits >= 1, timeout_s=30, what="a fit")
             learned = remote.correction("m", row, probe.prior_log_tokens)
             assert learned != 0.0
             first = remote.pid
             assert first is not None
             os.kill(first, signal.SIGKILL)
             assert remote.observe(*observations[1])  # its batch finds the worker dead
-            await _until(lambda: not remote.running, "the death noticed")
+            await until(lambda: not remote.running, timeout_s=30, what="the death noticed")
             assert remote.dropped == 1
             assert remote.correction("m", row, probe.prior_log_tokens) == learned  # the last fit is kept
             assert remote.observe(*observations[2]) and remote.dropped == 2  # nobody to take it
@@ -215,7 +207,7 @@ def test_a_killed_worker_is_started_again_from_the_saved_state_and_the_last_fit_
             shown = metrics.render().decode()
             assert "clairvoyant_learner_up 0.0" in shown
             assert "clairvoyant_learner_dropped_observations_total 2.0" in shown
-            await _until(lambda: remote.running, "a new worker")
+            await until(lambda: remote.running, timeout_s=30, what="a new worker")
             assert remote.pid != first and not _alive(first)
             assert remote.observed_total == 40  # the saved state, restored
             await remote.update_quality()
@@ -259,7 +251,7 @@ def test_the_worker_never_outlives_the_proxy(tmp_path: Path) -> None:
         "    remote = LearnerProcess(PriorIdentity('test_set', ('f0',), 'a' * 64))\n"
         "    assert await remote.start()\n"
         "    print(remote.pid, flush=True)\n"
-        "    await asyncio.sleep(3600)\n"
+        "    await asyncio.sleep(3600)\n"  # the proxy serves until the test kills it
         "if __name__ == '__main__':\n"
         "    asyncio.run(main())\n"
     )
@@ -271,10 +263,7 @@ def test_the_worker_never_outlives_the_proxy(tmp_path: Path) -> None:
             assert _alive(worker)
         finally:
             proxy.kill()
-    deadline = time.monotonic() + 30
-    while _alive(worker) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not _alive(worker)
+    wait_until(lambda: not _alive(worker), timeout_s=30, what="the worker of a killed proxy to end")
 
 
 def test_a_worker_that_does_not_start_in_time_is_reported_and_not_started_again(
@@ -293,10 +282,8 @@ def test_a_worker_that_does_not_start_in_time_is_reported_and_not_started_again(
     asyncio.run(run())
     errors = [r.getMessage() for r in caplog.records]
     assert len(errors) == 1 and "did not start" in errors[0]
-    deadline = time.monotonic() + 30  # the worker it began is let go, not waited for: it ends by itself
-    while multiprocessing.active_children() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert multiprocessing.active_children() == []
+    # the worker it began is let go, not waited for: it ends by itself
+    wait_until(lambda: multiprocessing.active_children() == [], timeout_s=30, what="the late worker to end")
 
 
 def test_fewer_observations_than_refit_every_are_fitted_once_quiet() -> None:
@@ -308,7 +295,7 @@ def test_fewer_observations_than_refit_every_are_fitted_once_quiet() -> None:
                 remote.observe(prediction, tokens)
             await remote.update_quality()  # all 40 are in the worker, and none made a refit due
             assert remote.refits == 0
-            await _until(lambda: remote.refits == 1, "the quiet refit")
+            await until(lambda: remote.refits == 1, timeout_s=30, what="the quiet refit")
         finally:
             await remote.stop()
 

@@ -9,13 +9,14 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from fake_backend import FakeBackend
-from proxy_harness import wait_until
+from polling import wait_until
+from proxy_harness import answering, metric_value
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET_PROMPT = "PROMPT-TEXT-7f3a never to be logged"
@@ -29,13 +30,6 @@ def _serve(backend_url: str, port: int, **env: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "clairvoyant.cli", "serve"], env=environment, stderr=subprocess.PIPE, text=True
     )
-
-
-def _ready(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _exercise(base: str, port: int) -> None:
@@ -58,15 +52,20 @@ def _run(free_port: int, **env: str) -> str:
         process = _serve(backend.url, free_port, **env)
         base = f"http://127.0.0.1:{free_port}"
         try:
-            wait_until(lambda: _ready(base), timeout_s=30, what="the proxy to start")
+            wait_until(lambda: answering(base), timeout_s=30, what="the proxy to start")
             _exercise(base, free_port)
-            time.sleep(0.3)  # the aborted upload's line
+            # the aborted upload is counted, then logged in the same step: once counted, it is logged
+            wait_until(
+                lambda: metric_value(base, "clairvoyant_client_disconnects_total", 'stage="upload"') == 1,
+                what="the aborted upload",
+            )
         finally:
             process.send_signal(signal.SIGTERM)
             _, stderr = process.communicate(timeout=30)
     return stderr
 
 
+@pytest.mark.e2e  # `clairvoyant serve` as deployed, a real process
 def test_json_logs_one_object_a_line_and_one_request_line_per_answer(free_port: int) -> None:
     stderr = _run(free_port, CLAIRVOYANT_LOG_FORMAT="json")
     lines = [line for line in stderr.splitlines() if line.strip()]
@@ -84,6 +83,7 @@ def test_json_logs_one_object_a_line_and_one_request_line_per_answer(free_port: 
     assert "HTTP Request:" not in stderr  # httpx's per-call INFO line is silenced
 
 
+@pytest.mark.e2e  # `clairvoyant serve` as deployed, a real process
 def test_text_logs_carry_the_same_fields(free_port: int) -> None:
     stderr = _run(free_port)
     request_lines = [line for line in stderr.splitlines() if " clairvoyant.requests: request " in line]

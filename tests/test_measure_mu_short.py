@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pytest
 from plain_install import plain_install_env
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ def test_measure_mu_short_after_a_plain_install_prints_a_tau(llama_server: Embed
     assert summary["mean_forced_tokens"] >= 1  # the prompt file's forced lengths were sent
 
 
+@pytest.mark.e2e  # the profiler script, run as a process
 def test_sharegpt_texts_asked_for_after_a_plain_install_is_a_clear_error(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--backend", "http://127.0.0.1:9", "--prompt-texts", "sharegpt"],

@@ -6,6 +6,7 @@ import json
 
 import httpx
 import respx
+from polling import wait_until
 from proxy_harness import (
     BackgroundPosts,
     HeldBackend,
@@ -14,7 +15,6 @@ from proxy_harness import (
     mock_transport,
     queue_snapshot,
     running_proxy,
-    wait_until,
 )
 
 from clairvoyant.config import Settings

@@ -26,12 +26,16 @@ import httpx
 import numpy as np
 import pytest
 import respx
-from proxy_harness import metric_value, mock_transport, running_proxy, wait_until
+from polling import wait_until
+from proxy_harness import LOOPBACK, metric_value, mock_transport, queue_snapshot, running_proxy
 
 from clairvoyant.config import Settings
 from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, parse_request
 from clairvoyant.prediction.predictor import OnnxPredictor
 from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
+
+# The closed loop end to end: the real llama.cpp, or the learner process fed dozens of requests.
+pytestmark = pytest.mark.e2e
 
 MODEL = "smollm2"  # the name the requests give: the learner's key
 FORCE = {"ignore_eos": True}
@@ -129,7 +133,7 @@ def test_a_request_that_waited_is_learned_from_its_body_like_one_dispatched_at_o
             next(chunks)  # the first byte: it holds the only slot
             with ThreadPoolExecutor(1) as pool:
                 asked = pool.submit(client.post, f"{base}/v1/chat/completions", json=question)
-                wait_until(lambda: httpx.get(f"{base}/queue").json()["waiting_count"] == 1, 10, "the question to wait")
+                wait_until(lambda: queue_snapshot(base)["waiting_count"] == 1, 10, "the question to wait")
                 for _ in chunks:  # the holder's answer to its end: the question goes next
                     pass
                 answer = asked.result()
@@ -289,7 +293,7 @@ def static_tokens(predictor: OnnxPredictor, prompt: str) -> float:
 
 def generate(base: str, prompt: str) -> float:
     """One request through the proxy; the predicted tokens it was scheduled with."""
-    r = httpx.post(f"{base}/api/generate", json={"model": "tiny", "prompt": prompt, "stream": False}, timeout=30)
+    r = LOOPBACK.post(f"{base}/api/generate", json={"model": "tiny", "prompt": prompt, "stream": False}, timeout=30)
     assert r.status_code == 200 and r.json()["eval_count"] == TRUE_TOKENS
     return float(r.headers["x-clairvoyant-predicted-tokens"])
 

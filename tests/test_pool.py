@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 import respx
+from polling import wait_until
 from proxy_harness import (
     BackgroundPosts,
     MarkerPredictor,
@@ -19,7 +20,6 @@ from proxy_harness import (
     mock_transport,
     queue_snapshot,
     running_proxy,
-    wait_until,
 )
 
 from clairvoyant.config import Settings

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
+from polling import until
 from proxy_harness import queue_snapshot, running_proxy
 
 from clairvoyant.config import Settings
@@ -110,16 +111,6 @@ async def ask(
         return Answer(response.status_code, response.headers.get(BACKEND_HEADER), "".join(parts), stream)
 
 
-async def until(predicate: Any, what: str, timeout_s: float = 30.0) -> None:
-    """Poll the proxy's state (observing, not ordering: the proxy's own events decide the order)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not await asyncio.to_thread(predicate):
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 def in_flight(url: str) -> dict[str, dict[str, Any]]:
     return {e["request_id"]: e for e in queue_snapshot(url)["in_flight"]}
 
@@ -197,28 +188,34 @@ def after_kill(request: pytest.FixtureRequest, require_embedded_backend: None) -
                     victim = asyncio.create_task(
                         ask(client, url, "victim", VICTIM, stream=stream, first_text=first_text if stream else None)
                     )
-                    await until(lambda: "victim" in in_flight(url), "the victim in flight")
+                    await until(lambda: "victim" in in_flight(url), timeout_s=30, what="the victim in flight")
                     killed = in_flight(url)["victim"]["backend"]
                     survivor = next(name for name in servers if name != killed)
                     before = tokens_predicted(servers[survivor])
                     holder = asyncio.create_task(ask(client, url, "holder", HOLDER, stream=False))
-                    await until(lambda: "holder" in in_flight(url), "the holder in flight")
+                    await until(lambda: "holder" in in_flight(url), timeout_s=30, what="the holder in flight")
                     assert in_flight(url)["holder"]["backend"] == survivor  # the idle backend got it
                     queued = [
                         asyncio.create_task(ask(client, url, f"queued-{i}", SHORT, stream=i % 2 == 0)) for i in range(4)
                     ]
-                    await until(lambda: queue_snapshot(url)["waiting_count"] == 4, "four requests queued")
+                    await until(
+                        lambda: queue_snapshot(url)["waiting_count"] == 4, timeout_s=30, what="four requests queued"
+                    )
                     if stream:
                         await first_text.wait()  # its 200 and first event have reached the client
                     else:
-                        await until(lambda: in_flight(url)["victim"]["running_s"] >= 0.5, "the victim generating")
+                        await until(
+                            lambda: in_flight(url)["victim"]["running_s"] >= 0.5,
+                            timeout_s=30,
+                            what="the victim generating",
+                        )
                     waiting = queue_snapshot(url)["waiting_count"]
                     assert not holder.done(), "the holder ended before the kill; make HOLDER longer"
                     pid = servers[killed].pid
                     assert pid is not None
                     os.kill(pid, signal.SIGKILL)
                     answers = await asyncio.gather(victim, holder, *queued)
-                    await until(lambda: not in_flight(url), "nothing in flight")
+                    await until(lambda: not in_flight(url), timeout_s=30, what="nothing in flight")
                     metrics = [
                         line
                         for line in httpx.get(f"{url}/metrics").text.splitlines()

@@ -8,7 +8,8 @@ from typing import Any
 
 import httpx
 import respx
-from proxy_harness import gate_wait, mock_transport, queue_snapshot, running_proxy, wait_until
+from polling import wait_until
+from proxy_harness import gate_wait, mock_transport, queue_snapshot, running_proxy
 
 from clairvoyant.config import Settings
 from clairvoyant.prediction.features import Prompt

@@ -126,6 +126,7 @@ def test_bad_lines_get_an_error_in_their_place_and_teach_nothing(predictor: Onnx
     assert learner.observed_total == 2
 
 
+@pytest.mark.e2e  # the `clairvoyant` command, run as a process
 def test_cli_stdout_is_only_json_lines_and_state_carries_over(tmp_path: Path) -> None:
     data = tmp_path / "replay.jsonl"
     data.write_text("\n".join(json.dumps(line) for line in _lines(60)) + "\nbroken\n")

@@ -12,7 +12,8 @@ from typing import Any
 
 import httpx
 import pytest
-from proxy_harness import queue_snapshot, running_proxy, wait_until
+from polling import wait_until
+from proxy_harness import queue_snapshot, running_proxy
 
 from clairvoyant.config import Settings
 from clairvoyant.prediction.predictor import OnnxPredictor

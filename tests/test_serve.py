@@ -31,6 +31,7 @@ def test_model_is_a_deprecated_alias_that_warns(capsys: pytest.CaptureFixture[st
     assert serve_args()["model_path"] is None and capsys.readouterr().err == ""  # no flag, no warning
 
 
+@pytest.mark.e2e  # the `clairvoyant` command, run as a process
 def test_the_deprecated_flag_still_reaches_the_predictor(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "clairvoyant", "serve", "--model", str(tmp_path / "nope.onnx")],

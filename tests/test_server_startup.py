@@ -14,10 +14,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 from fake_backend import FakeBackend
-from proxy_harness import wait_until
+from polling import wait_until
 
 from clairvoyant.proxy.access import hash_key
+
+pytestmark = pytest.mark.e2e  # `clairvoyant serve` as deployed, a real process
 
 ROOT = Path(__file__).resolve().parents[1]
 

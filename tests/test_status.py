@@ -19,7 +19,8 @@ from typing import Any
 import httpx
 import pytest
 import respx
-from proxy_harness import HeldBackend, MarkerPredictor, mock_transport, running_proxy, wait_until
+from polling import wait_until
+from proxy_harness import LOOPBACK, HeldBackend, MarkerPredictor, mock_transport, running_proxy
 
 from clairvoyant.cli import main
 from clairvoyant.clock import ManualClock
@@ -56,7 +57,7 @@ class KeyedPost(threading.Thread):
 
 
 def queue(base: str) -> dict[str, Any]:
-    response = httpx.get(f"{base}/queue", headers={"X-Api-Key": OPS})
+    response = LOOPBACK.get(f"{base}/queue", headers={"X-Api-Key": OPS})
     assert response.status_code == 200
     return response.json()
 
@@ -138,6 +139,7 @@ def test_the_table_prints_every_waiting_request_in_dispatch_order(
     assert NOT_ENOUGH_DATA in out and not re.search(r"\bnan\b", out, re.I)
 
 
+@pytest.mark.e2e  # the `clairvoyant` command, run as a process
 def test_json_waiting_rows_are_queues_and_the_key_can_come_from_the_environment() -> None:
     with held_queue() as base:
         result = run_cli("status", "--url", base, "--json", env={KEY_ENV: OPS})
@@ -150,6 +152,7 @@ def test_json_waiting_rows_are_queues_and_the_key_can_come_from_the_environment(
     assert status["from_metrics"]["prediction_quality"] == [] and isinstance(status["from_metrics"]["learner_up"], bool)
 
 
+@pytest.mark.e2e  # the `clairvoyant` command, run as a process
 def test_a_missing_or_wrong_key_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     with held_queue() as base:
         missing = run_cli("status", "--url", base, env={})
@@ -169,6 +172,7 @@ def test_an_unreachable_proxy_is_a_clear_error(free_port: int, capsys: pytest.Ca
     assert f"cannot reach the proxy at http://127.0.0.1:{free_port}" in capsys.readouterr().err
 
 
+@pytest.mark.e2e  # the `clairvoyant` command, run as a process
 def test_watch_refreshes_until_stopped() -> None:
     with held_queue() as base:
         snapshot = queue(base)
@@ -201,6 +205,7 @@ def test_watch_refreshes_until_stopped() -> None:
                     process.wait(10)
 
 
+@pytest.mark.e2e  # the `clairvoyant` command, run as a process
 def test_watch_reports_an_unreachable_proxy_and_keeps_trying(free_port: int) -> None:
     with subprocess.Popen(
         [sys.executable, "-m", "clairvoyant", "status", "--url", f"http://127.0.0.1:{free_port}", "--watch"]

@@ -36,6 +36,7 @@ def _scenario() -> dict[str, dict[str, object]]:
     return result
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(sys.platform != "linux", reason="network namespaces are Linux's")
 def test_a_stream_from_a_vanished_backend_ends_with_an_error_event_and_hangs_without() -> None:
     result = _scenario()

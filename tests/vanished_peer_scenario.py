@@ -18,10 +18,10 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
+from polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 BODY = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"Write a long story."}]}'
@@ -43,7 +43,7 @@ def answer(conn):
     try:
         while True:
             conn.sendall(b"%x\\r\\n%b\\r\\n" % (len(CHUNK), CHUNK))
-            time.sleep(0.02)
+            time.sleep(0.02)  # the token pace
     except OSError:
         print("closed", conn.getsockname()[1], flush=True)
 def serve(server):
@@ -54,7 +54,7 @@ servers = [socket.create_server((sys.argv[1], 0)) for _ in range(2)]
 for server in servers:
     threading.Thread(target=serve, args=(server,), daemon=True).start()
 print(" ".join(str(s.getsockname()[1]) for s in servers), flush=True)
-time.sleep(300)
+time.sleep(300)  # serves until terminated
 """
 
 
@@ -84,16 +84,15 @@ def start_proxy(upstream: str, settings: dict[str, str], procs: list[subprocess.
             "--upstream", upstream, "--slots", "1"]  # fmt: skip
     procs.append(subprocess.Popen(argv, env=env, text=True))
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                return base, port
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{base} did not start")
-        time.sleep(0.2)
+    wait_until(lambda: answers(base), timeout_s=60, what=f"{base} to start")
+    return base, port
+
+
+def answers(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def first_line(proc: subprocess.Popen[str], what: str) -> str:
@@ -126,7 +125,8 @@ def read_stream(sock: socket.socket, seen: dict[str, object]) -> None:
 def streams(procs: list[subprocess.Popen[str]]) -> dict[str, dict[str, object]]:
     holder = subprocess.Popen(["unshare", "-n", "sleep", "300"], text=True)  # holds the far side's namespace
     procs.append(holder)
-    time.sleep(0.3)
+    ours = os.readlink("/proc/self/ns/net")
+    wait_until(lambda: os.readlink(f"/proc/{holder.pid}/ns/net") != ours, what="the far side's namespace")
     sh("ip", "link", "add", "v0", "type", "veth", "peer", "name", "v1")
     sh("ip", "link", "set", "v1", "netns", str(holder.pid))
     sh("ip", "addr", "add", "10.9.0.1/24", "dev", "v0")
@@ -156,9 +156,8 @@ def streams(procs: list[subprocess.Popen[str]]) -> dict[str, dict[str, object]]:
     sh("ip", "link", "set", "v0", "down")
     for thread, _ in readers.values():
         thread.start()
-    time.sleep(STREAM_DOWN_S)
-    for thread, _ in readers.values():
-        thread.join(STREAM_DOWN_S)
+    for thread, _ in readers.values():  # each ends with its stream, or STREAM_DOWN_S of silence
+        thread.join(2 * STREAM_DOWN_S)
     return {
         name: {
             "streaming_disconnects": metric(base, "clairvoyant_client_disconnects_total", 'stage="streaming"'),
