@@ -1,4 +1,4 @@
-"""`clairvoyant calibrate`: the README's commands, as written, against a real llama.cpp server (OpenAI
+"""`clairvoyant calibrate`: the commands of docs/operations.md, as written, against a real llama.cpp server (OpenAI
 dialect) and against respx-mocked Ollama (its native API cannot run here); the advice it prints
 must be valid settings that follow from the measured time."""
 
@@ -26,12 +26,12 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTING_ENVS = {f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields}
-README_LLAMACPP_URL = "http://127.0.0.1:8081"
+DOC_LLAMACPP_URL = "http://127.0.0.1:8081"
 
 
-def readme_commands() -> list[list[str]]:
-    """The `clairvoyant calibrate` lines of the README's calibration block, split as a shell would."""
-    readme = (ROOT / "README.md").read_text()
+def documented_commands() -> list[list[str]]:
+    """The `clairvoyant calibrate` lines of docs/operations.md's calibration block, split as a shell would."""
+    readme = (ROOT / "docs" / "operations.md").read_text()
     start = readme.index("<!-- calibrate-commands")
     block = readme[readme.index("```sh", start) + 5 : readme.index("```", readme.index("```sh", start) + 5)]
     commands = [shlex.split(line, comments=True) for line in block.strip().splitlines()]
@@ -76,11 +76,11 @@ def check_advice(text: str, upstream: str, slots: str | None, monkeypatch: pytes
 # -- the real llama.cpp server ------------------------------------------------------------------
 
 
-def test_readme_llamacpp_command_against_the_real_server(
+def test_documented_llamacpp_command_against_the_real_server(
     llama_server: EmbeddedLlamaServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (command,) = [c for c in readme_commands() if README_LLAMACPP_URL in c]
-    argv = [llama_server.base_url if a == README_LLAMACPP_URL else a for a in command[2:]]
+    (command,) = [c for c in documented_commands() if DOC_LLAMACPP_URL in c]
+    argv = [llama_server.base_url if a == DOC_LLAMACPP_URL else a for a in command[2:]]
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "clairvoyant", "calibrate", *argv], capture_output=True, text=True, timeout=600
@@ -126,10 +126,10 @@ def ollama_router(models: list[str], delay_s: float = 0.02, eval_count: int = 7)
     return router, bodies
 
 
-def test_readme_ollama_command_against_mocked_ollama(
+def test_documented_ollama_command_against_mocked_ollama(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (command,) = [c for c in readme_commands() if README_LLAMACPP_URL not in c]
+    (command,) = [c for c in documented_commands() if DOC_LLAMACPP_URL not in c]
     router, bodies = ollama_router(["llama3.2:1b", "qwen2.5:0.5b"])
     with router:
         assert main(command[1:]) == 0
