@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import math
+import time
 
 import pytest
 from polling import settle, until
@@ -150,6 +151,27 @@ def test_stop_refuses_the_waiting_with_shutting_down() -> None:
         await stopping
         with pytest.raises(ShuttingDown):
             submit(d, "late", 1.0, 1.0)
+
+    asyncio.run(scenario())
+
+
+def test_stop_waits_for_a_state_save_but_not_for_a_periodic_loop() -> None:
+    async def scenario() -> None:
+        d, _ = make()
+        await d.start()
+        saved = asyncio.Event()
+
+        async def save() -> None:
+            await asyncio.sleep(0.05)
+            saved.set()
+
+        loop_task = d.run_detached(asyncio.sleep(3600), "every-minute", cancel_at_stop=True)
+        d.run_detached(save(), "state-save")
+        started = time.monotonic()
+        await d.stop(timeout_s=5.0)
+        assert saved.is_set()  # the one-shot save finished within the grace period
+        assert loop_task.cancelled()
+        assert time.monotonic() - started < 2.0  # not the 5 s grace: the loop was not waited for
 
     asyncio.run(scenario())
 

@@ -212,11 +212,15 @@ def create_app(
         )  # fmt: skip
         for member in pool.members:
             dispatcher.run_detached(
-                _check_upstream_at_start(member.upstream, settings.backend_wait_s), name=f"upstream-check-{member.name}"
+                _check_upstream_at_start(member.upstream, settings.backend_wait_s),
+                name=f"upstream-check-{member.name}",
+                cancel_at_stop=True,
             )
         if limits.state_path is not None:
-            dispatcher.run_detached(_save_limits_periodically(limits, settings.learner_save_interval_s), "limits-save")
-        dispatcher.run_detached(record_periodically(history, dispatcher, limits), "history")
+            dispatcher.run_detached(
+                _save_limits_periodically(limits, settings.learner_save_interval_s), "limits-save", cancel_at_stop=True
+            )
+        dispatcher.run_detached(record_periodically(history, dispatcher, limits), "history", cancel_at_stop=True)
         if settings.api_keys:
             logger.info("authentication on: %d API key(s)", len(settings.api_keys))
         else:

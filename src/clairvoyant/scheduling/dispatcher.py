@@ -308,6 +308,7 @@ class Dispatcher:
         self._pump_scheduled = False
         self._started = False
         self._detached: set[asyncio.Task[Any]] = set()
+        self._cancel_at_stop: set[asyncio.Task[Any]] = set()  # of those, loops and checks that stop does not wait for
         self._closing = False
         self._grace_timer: asyncio.TimerHandle | None = None
         self._observed = 0
@@ -371,7 +372,7 @@ class Dispatcher:
         """Refuse new work, let in-flight requests finish for up to ``timeout_s``, then cancel."""
         self.begin_shutdown(timeout_s)
         deadline = time.monotonic() + timeout_s
-        while (self.in_flight or self._detached) and time.monotonic() < deadline:
+        while (self.in_flight or self._detached - self._cancel_at_stop) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self._grace_timer is not None:
             self._grace_timer.cancel()
@@ -730,16 +731,22 @@ class Dispatcher:
         except OSError as exc:
             logger.warning("cannot save the service-time state: %s", exc)
 
-    def run_detached(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+    def run_detached(
+        self, coro: Coroutine[Any, Any, Any], name: str, *, cancel_at_stop: bool = False
+    ) -> asyncio.Task[Any]:
         """Run ``coro`` as a tracked background task (state saves, health checks): referenced
-        until done, its failure logged, cancelled by ``stop``."""
+        until done, its failure logged, cancelled by ``stop``. ``stop`` lets the others finish
+        within its grace period; a ``cancel_at_stop`` task (a periodic loop, a wait for the backend) is cancelled at once."""
         task = asyncio.create_task(coro, name=name)
         self._detached.add(task)
+        if cancel_at_stop:
+            self._cancel_at_stop.add(task)
         task.add_done_callback(self._detached_done)
         return task
 
     def _detached_done(self, task: asyncio.Task[Any]) -> None:
         self._detached.discard(task)
+        self._cancel_at_stop.discard(task)
         if not task.cancelled() and task.exception() is not None:
             logger.error("detached task %s failed", task.get_name(), exc_info=task.exception())
 
