@@ -456,12 +456,14 @@ class LearnerProcess:
         return self._quality
 
     async def update_quality(self, timeout_s: float = 5.0) -> None:
-        """Have the worker bring the rolling quality up to date with what it was sent."""
+        """Have the worker bring the rolling quality up to date with every observation so far."""
+        self._flush()  # the batch not yet sent goes first: the worker takes calls in order
         self._quality = await self._call(_quality, timeout_s)
 
     async def save(self, timeout_s: float = 60.0) -> None:
         """Have the worker write the state file (atomically). Raises OSError if it could not,
         LearnerUnavailable if there is no worker."""
+        self._flush()  # every observation so far is in the file, the last batch too
         await self._call(_save, timeout_s)
 
     # -- calls -----------------------------------------------------------------------------------
