@@ -33,7 +33,8 @@ test: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -m "not bench"
+	@# Two workers: the end-to-end tests one at a time on one (conftest.py groups them), the rest on the other.
+	$(BIN)/python -m pytest -m "not bench" -n 2 --dist loadgroup
 
 bench-tools: install-test
 	@# nginx is the yardstick beside the proxy and the fast fake backend; wrk drives the throughput runs.

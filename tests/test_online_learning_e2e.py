@@ -60,7 +60,11 @@ def state_observations(path: Path, model: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def quality_window(base: str, model: str = MODEL) -> float:
-    return metric_value(base, "clairvoyant_prediction_quality_window_requests", f'model="{model}"')
+    """Requests in the model's quality window; 0 before its first observation (no series yet)."""
+    try:
+        return metric_value(base, "clairvoyant_prediction_quality_window_requests", f'model="{model}"')
+    except AssertionError:
+        return 0.0
 
 
 # --- the real llama.cpp server --------------------------------------------------------------------
