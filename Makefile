@@ -33,7 +33,7 @@ test: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	@# Two workers: the end-to-end tests one at a time on one (conftest.py groups them), the rest on the other.
+	@# Two workers: the tests that run llama.cpp or a browser one at a time on one (tests/conftest.py groups them).
 	$(BIN)/python -m pytest -m "not bench" -n 2 --dist loadgroup
 
 bench-tools: install-test
