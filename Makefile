@@ -33,8 +33,9 @@ test: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	@# Two workers: the tests that run llama.cpp or a browser one at a time on one (tests/conftest.py groups them).
-	$(BIN)/python -m pytest -m "not bench" -n 2 --dist loadgroup
+	@# The quick tests on two workers; then the end-to-end ones (llama.cpp, Chromium) one at a time, on a quiet machine.
+	$(BIN)/python -m pytest -m "not bench and not e2e" -n 2
+	$(BIN)/python -m pytest -m "e2e and not bench"
 
 bench-tools: install-test
 	@# nginx is the yardstick beside the proxy and the fast fake backend; wrk drives the throughput runs.

@@ -52,9 +52,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         uses_llamacpp = "require_embedded_backend" in getattr(item, "fixturenames", ())  # llama_server too
         if uses_llamacpp or item.path.name in E2E_FILES or item.get_closest_marker("bench"):
             item.add_marker(pytest.mark.e2e)
-            # Under `-n 2 --dist loadgroup` (make test) these run one at a time on one worker,
-            # everything else on either: their timings assume one llama.cpp or browser at a time.
-            item.add_marker(pytest.mark.xdist_group("e2e"))
 
 
 # =================================================================================================
