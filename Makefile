@@ -37,9 +37,8 @@ test: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	@# The quick tests on two workers; then the end-to-end ones (llama.cpp, Chromium), also on two, each file on one.
-	$(BIN)/python -m pytest -m "not bench and not e2e" -n 2
-	$(BIN)/python -m pytest -m "e2e and not bench" -n 2 --dist loadfile
+	@# Two workers, each test file on one: a file's llama.cpp server and other module fixtures start once.
+	$(BIN)/python -m pytest -m "not bench" -n 2 --dist loadfile
 
 bench-tools: install-test
 	@# nginx is the yardstick beside the proxy and the fast fake backend; wrk drives the throughput runs.
