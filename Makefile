@@ -37,8 +37,9 @@ test: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	@# Two workers, each test file on one: a file's llama.cpp server and other module fixtures start once.
-	$(BIN)/python -m pytest -m "not bench" -n 2 --dist loadfile
+	@# Three workers on two cores (the end-to-end tests spend most of their time waiting on llama.cpp),
+	@# each test file on one: a file's llama.cpp server and other module fixtures start once.
+	$(BIN)/python -m pytest -m "not bench" -n 3 --dist loadfile
 
 bench-tools: install-test
 	@# nginx is the yardstick beside the proxy and the fast fake backend; wrk drives the throughput runs.

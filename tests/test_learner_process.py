@@ -147,12 +147,8 @@ def test_the_state_file_round_trips_through_the_child_and_a_corrupt_one_is_refus
     caplog.set_level(logging.WARNING, logger="clairvoyant.prediction.learner")
     total, observed, corrections = asyncio.run(restored())
     assert (total, observed) == (0, 0) and corrections == [0.0] * len(probes)  # the prior: nothing restored
-    refused = [r for r in caplog.records if "refused" in r.getMessage()]
-    assert (
-        len(refused) == 1
-        and refused[0].name == "clairvoyant.prediction.learner"
-        and str(state) in refused[0].getMessage()
-    )
+    refused = [r for r in caplog.records if r.name == "clairvoyant.prediction.learner" and "refused" in r.getMessage()]
+    assert len(refused) == 1 and str(state) in refused[0].getMessage()
 
 
 def test_a_failed_save_raises_the_workers_reason_and_the_worker_keeps_learning(tmp_path: Path) -> None:
