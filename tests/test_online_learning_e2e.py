@@ -185,10 +185,15 @@ def test_a_restart_keeps_what_was_learned_and_a_corrupt_file_is_refused(
     state.write_bytes(b"PK\x03\x04 this is not a learner state")
     caplog.set_level(logging.WARNING, logger="clairvoyant.prediction.learner")
     with running_proxy(settings, predictor=predictor) as base:
-        # the learner's records only: the proxies above logged "refused 0 waiting" at shutdown
-        learner_records = [r for r in caplog.records if r.name == "clairvoyant.prediction.learner"]
-        refused = [r for r in learner_records if "refused" in r.getMessage()]
-        assert len(refused) == 1 and str(state) in refused[0].getMessage()
+
+        def refused() -> list[logging.LogRecord]:
+            # the learner's records only (the proxies above logged "refused 0 waiting" at shutdown),
+            # which come from its worker process through a log queue: they may arrive a moment late
+            learner = [r for r in caplog.records if r.name == "clairvoyant.prediction.learner"]
+            return [r for r in learner if "refused" in r.getMessage()]
+
+        wait_until(lambda: refused(), 30, "the learner's warning")
+        assert len(refused()) == 1 and str(state) in refused()[0].getMessage()
         one_request(base, 3)  # the proxy serves, starting from the prior
         wait_until(lambda: quality_window(base) == 1, 30, "the request observed")
     assert np.allclose(state_observations(state, MODEL)[0], [3])  # a fresh state replaced the corrupt one
