@@ -52,10 +52,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         uses_llamacpp = "require_embedded_backend" in getattr(item, "fixturenames", ())  # llama_server too
         if uses_llamacpp or item.path.name in E2E_FILES or item.get_closest_marker("bench"):
             item.add_marker(pytest.mark.e2e)
-    # Files with end-to-end tests first (a stable sort keeps each file's order): on several workers
-    # (make test), the long files start at once and the quick ones fill in after, not the reverse.
-    slow_files = {item.path for item in items if item.get_closest_marker("e2e")}
-    items.sort(key=lambda item: item.path not in slow_files)
 
 
 # =================================================================================================
