@@ -1,6 +1,6 @@
 # Set-up lives here so that a fresh machine needs one command for each job:
 #   make demo   - install into .venv and run `clairvoyant demo` (embedded llama.cpp + the proxy)
-#   make test   - install into .venv (with training and test extras); lint (ruff), type-check (mypy), run the tests
+#   make test   - install into .venv (with training and test extras); lint (ruff), then type-check (mypy) beside the tests
 #   make bench-tools - what the benchmarks drive beyond that (nginx, wrk, uvicorn); then run any benchmarks/*.py
 #   make bench-test  - bench-tools, then the tests marked `bench` (they run nginx and wrk; `make test` skips them)
 #   make settings-table - regenerate docs/configuration.md's settings table from `Settings`
@@ -36,10 +36,12 @@ demo: install-demo
 test: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy
+	@# mypy (one core, about 13 s) runs beside the tests; either failing fails the target.
 	@# Three workers on two cores (the end-to-end tests spend most of their time waiting on llama.cpp),
 	@# each test file on one: a file's llama.cpp server and other module fixtures start once.
-	$(BIN)/python -m pytest -m "not bench" -n 3 --dist loadfile
+	$(BIN)/mypy & mypy=$$!; \
+	$(BIN)/python -m pytest -m "not bench" -n 3 --dist loadfile; tests=$$?; \
+	wait $$mypy && exit $$tests
 
 bench-tools: install-test
 	@# nginx is the yardstick beside the proxy and the fast fake backend; wrk drives the throughput runs.
