@@ -192,8 +192,9 @@ def test_a_restart_keeps_what_was_learned_and_a_corrupt_file_is_refused(
             learner = [r for r in caplog.records if r.name == "clairvoyant.prediction.learner"]
             return [r for r in learner if "refused" in r.getMessage()]
 
-        wait_until(lambda: refused(), 30, "the learner's warning")
-        assert len(refused()) == 1 and str(state) in refused()[0].getMessage()
+        wait_until(refused, 30, "the learner's warning")
+        records = refused()
+        assert len(records) == 1 and str(state) in records[0].getMessage()
         one_request(base, 3)  # the proxy serves, starting from the prior
         wait_until(lambda: quality_window(base) == 1, 30, "the request observed")
     assert np.allclose(state_observations(state, MODEL)[0], [3])  # a fresh state replaced the corrupt one
