@@ -2,8 +2,9 @@
 
 Starts a real llama.cpp server (xllamacpp + SmolLM2) and, each as a separate process on a free
 port in front of it: nginx (Debian `nginx`; proxy_buffering off, upstream keepalive), the bare
-FastAPI + httpx pass-through (harness/passthrough.py: the floor of the Python serving stack) and
-the proxy under test (`clairvoyant serve`, the deployed shape, or --proxy-cmd). Each round sends one
+FastAPI + uvicorn + httpx pass-through (harness/passthrough.py: the stack the design card names),
+the floor of the proxy's own stack (harness/stack_floor.py: Granian, a plain ASGI callable and
+aiohttp, nothing of Clairvoyant) and the proxy under test (`clairvoyant serve`, the deployed shape, or --proxy-cmd). Each round sends one
 request to every target, one at a time (empty queue), in a fresh random order (a fixed rotation
 would put the same target before each one every time), same prompt (the backend answers from its
 prompt cache). Prints TTFB (first body byte), TTFT (first text chunk) and total time, the paired
@@ -47,7 +48,7 @@ BODY = {
     "stream": True,
     "temperature": 0,
 }
-BASE_TARGETS: tuple[str, ...] = ("direct", "nginx", "bare", "proxy")
+BASE_TARGETS: tuple[str, ...] = ("direct", "nginx", "bare", "floor", "proxy")
 METRICS = ("ttfb", "ttft", "total")
 
 
@@ -102,6 +103,8 @@ def main() -> int:
                 lambda p: nginx_proxy_conf(p, ports["nginx"], backend.base_url), ports["nginx"])).pid,
             "bare": stack.enter_context(servers.running(
                 servers.passthrough_argv(backend.base_url, ports["bare"]), ports["bare"])).pid,
+            "floor": stack.enter_context(servers.running(
+                servers.stack_floor_argv(backend.base_url, ports["floor"]), ports["floor"])).pid,
             "proxy": stack.enter_context(servers.running(
                 servers.proxy_argv(args.proxy_cmd, backend.base_url, ports["proxy"], 1), ports["proxy"],
                 env=servers.proxy_env())).pid,

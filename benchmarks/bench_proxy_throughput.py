@@ -3,8 +3,9 @@
 The backend is nginx answering every request with a fixed chat-completion JSON (`return 200`); it
 is wrk'ed directly first, so its row shows it is not the bottleneck. In front of it, each a separate
 process on a free port: nginx as a reverse proxy (proxy_buffering off, upstream keepalive), the bare
-FastAPI + httpx pass-through (harness/passthrough.py) and the proxy under test (`clairvoyant serve
---slots 64 --max-queue 10000`, or --proxy-cmd). Two paths: the scheduled POST /v1/chat/completions
+FastAPI + uvicorn + httpx pass-through (harness/passthrough.py), the floor of the proxy's own stack
+(harness/stack_floor.py: Granian, a plain ASGI callable, aiohttp) and the proxy under test
+(`clairvoyant serve --slots 64 --max-queue 10000`, or --proxy-cmd). Two paths: the scheduled POST /v1/chat/completions
 (Clairvoyant parses, predicts and queues each request) and the pass-through GET /v1/models.
 Rounds run every target once per path in a fresh random order; the tables give the median over
 rounds of requests/s and of wrk's per-run p50/p99 latency, and each server's CPU per request.
@@ -55,7 +56,7 @@ PATHS = {
     "POST /v1/chat/completions": ("POST", "/v1/chat/completions", BODY),
     "GET /v1/models": ("GET", "/v1/models", None),
 }
-BASE_TARGETS: tuple[str, ...] = ("backend", "nginx", "bare", "proxy")
+BASE_TARGETS: tuple[str, ...] = ("backend", "nginx", "bare", "floor", "proxy")
 
 
 def run_wrk(url: str, script: Path, *, connections: int, threads: int, duration_s: int) -> WrkResult:
@@ -91,6 +92,7 @@ def main() -> int:
                 lambda p: nginx_proxy_conf(p, ports["nginx"], backend_url, workers=args.nginx_workers,
                                            keepalive=args.connections), ports["nginx"])),
             "bare": stack.enter_context(servers.running(servers.passthrough_argv(backend_url, ports["bare"]), ports["bare"])),
+            "floor": stack.enter_context(servers.running(servers.stack_floor_argv(backend_url, ports["floor"]), ports["floor"])),
             "proxy": stack.enter_context(servers.running(
                 servers.proxy_argv(args.proxy_cmd, backend_url, ports["proxy"], args.slots), ports["proxy"],
                 env=servers.proxy_env())),

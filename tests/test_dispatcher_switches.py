@@ -156,6 +156,32 @@ def test_the_first_byte_after_a_switch_teaches_the_load_of_a_backend_that_does_n
     asyncio.run(scenario())
 
 
+def test_the_first_bytes_arrival_time_is_what_teaches_not_when_the_relay_reports_it() -> None:
+    async def scenario() -> None:
+        d, clock = make(Backend("llama-swap", 1), load_s=5.0)
+        await d.start()
+        for name, model, load_s, reported_after_s in [
+            ("a0", "a", 0.0, 0.0),
+            ("a1", "a", 0.0, 0.0),
+            ("b0", "b", 12.0, 3.0),
+        ]:
+            d.submit(ticket(name, model, clock.now(), 1.0))
+            await settle()
+            t = running(d)
+            clock.advance(load_s + 0.5)
+            arrived_s = clock.now()
+            clock.advance(reported_after_s)  # b0: its bytes went on to a slow client before they were reported
+            d.first_byte(t, streamed=True, at_s=arrived_s)
+            d.end(t, completed=True)
+        # From the arrival times: 12.5 s after a switch less the usual 0.5 s. Counted when reported,
+        # b0's delay would be 15.5 s, and its load 15 s.
+        loads = d.service_time.loads()["llama-swap"]
+        assert loads["b"] == {"load_s": pytest.approx((5.0 + 12.0) / 2), "observations": 1.0}
+        await d.stop(timeout_s=0.01)
+
+    asyncio.run(scenario())
+
+
 def test_a_non_streamed_answers_first_byte_teaches_nothing() -> None:
     async def scenario() -> None:
         d, clock = make(Backend("llama-swap", 1))

@@ -113,6 +113,10 @@ def passthrough_argv(upstream: str, port: int) -> list[str]:
     return [sys.executable, str(HERE / "passthrough.py"), upstream, str(port)]
 
 
+def stack_floor_argv(upstream: str, port: int) -> list[str]:
+    return [sys.executable, str(HERE / "stack_floor.py"), upstream, str(port)]
+
+
 def proxy_argv(template: str | None, upstream: str, port: int, slots: int) -> list[str]:
     """argv of the proxy under test from --proxy-cmd, else the environment, else `clairvoyant serve`."""
     template = template or os.environ.get(PROXY_CMD_ENV) or DEFAULT_PROXY_CMD

@@ -128,6 +128,7 @@ class Relay:
     request: UpstreamRequest
     metrics: Metrics
     extra_headers: Callable[[], list[tuple[bytes, bytes]]] = list  # the proxy's own response headers
+    # Called once, after the answer's first bytes went on to the client (``first_byte_s``: their arrival).
     on_first_byte: Callable[[], None] = lambda: None
     on_progress: Callable[[int], None] | None = None  # a stream's content events so far, after each chunk
     # Called once with what the backend produced, when a 2xx answer has fully arrived.
@@ -260,19 +261,27 @@ class Relay:
         relayed_bytes = 0
         try:
             while chunk := await self.upstream.read_chunk(response):
-                if self.first_byte_s is None:
+                first = self.first_byte_s is None
+                if first:
                     self.first_byte_s = self.now()
+                relayed_bytes += len(chunk)
+                if relayed_bytes == known_bytes:  # a body of known length ends with its last bytes
+                    if first:
+                        self.on_first_byte()
+                    if tap is not None:
+                        tap.feed(chunk)
+                    self._completed(tap, out)
+                    await out.body(chunk, more=False)
+                    return
+                # The client's bytes first; the bookkeeping below reads them after (a stream's first
+                # token is not held back by it).
+                await out.body(chunk)
+                if first:
                     self.on_first_byte()
                 if tap is not None:
                     tap.feed(chunk)
                     if self.on_progress is not None and tap.is_stream:
                         self.on_progress(tap.stream_events)
-                relayed_bytes += len(chunk)
-                if relayed_bytes == known_bytes:  # a body of known length ends with its last bytes
-                    self._completed(tap, out)
-                    await out.body(chunk, more=False)
-                    return
-                await out.body(chunk)
         except RequestError as exc:
             self._count_upstream_error(exc)
             self._count_backend("failed_mid_answer")

@@ -437,9 +437,11 @@ class ScheduledRequest:
 
     def _first_byte(self) -> None:
         ticket = self.ticket
-        dispatcher = self.shared.dispatcher
-        self.shared.metrics.ttft_by_class[ticket.predicted_class].observe(dispatcher.clock.now() - ticket.arrival_s)
-        dispatcher.first_byte(ticket, streamed=self.stream)  # after a model switch: the load it paid
+        arrived_s = self.relay.first_byte_s  # the relay's clock is the dispatcher's
+        assert arrived_s is not None
+        self.shared.metrics.ttft_by_class[ticket.predicted_class].observe(arrived_s - ticket.arrival_s)
+        # After a model switch: the load this answer paid.
+        self.shared.dispatcher.first_byte(ticket, streamed=self.stream, at_s=arrived_s)
 
     def _observe_end(self) -> None:
         ticket = self.ticket

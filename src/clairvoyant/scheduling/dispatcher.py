@@ -612,11 +612,12 @@ class Dispatcher:
         teach the service-time model). Idempotent."""
         self._end(ticket, Lease(ticket, completed, usage) if completed or usage is not None else None)
 
-    def first_byte(self, ticket: Ticket, *, streamed: bool) -> None:
-        """The backend's first byte of ``ticket``'s answer has arrived (call once, from the relay, as
-        it arrives). A streamed answer's delay since dispatch teaches the backend's load cost: after
-        a switch, its excess over the backend's usual first-byte delay (which it then counts as the
-        load this answer paid); otherwise it updates that usual delay. Ignored for an answer that is
+    def first_byte(self, ticket: Ticket, *, streamed: bool, at_s: float | None = None) -> None:
+        """The backend's first byte of ``ticket``'s answer has arrived (call once, from the relay;
+        ``at_s``: when it arrived, on this dispatcher's clock; default now). A streamed answer's
+        delay since dispatch teaches the backend's load cost: after a switch, its excess over the
+        backend's usual first-byte delay (which it then counts as the load this answer paid);
+        otherwise it updates that usual delay. Ignored for an answer that is
         not streamed (its first byte comes after the whole answer) and for Ollama, whose
         ``load_duration`` (``Usage.load_s``, at the end) is exact."""
         if not streamed or ticket.dispatched_s is None or ticket.backend is None or ticket.load == Load.UNKNOWN:
@@ -624,7 +625,7 @@ class Dispatcher:
         backend = self.backends[ticket.backend]
         if backend.tracks_loaded:
             return
-        delay_s = self.clock.now() - ticket.dispatched_s
+        delay_s = (self.clock.now() if at_s is None else at_s) - ticket.dispatched_s
         after_switch = ticket.load == Load.SWITCH
         measured = self.service_time.observe_first_byte(backend.name, ticket.model, delay_s, after_switch=after_switch)
         if measured is not None:
