@@ -34,6 +34,7 @@ from harness import servers
 from harness.proxy_process import free_port
 from harness.request_path import (
     WrkResult,
+    main_thread_cpu_seconds,
     nginx_fixed_answer_conf,
     nginx_proxy_conf,
     parse_wrk_output,
@@ -57,6 +58,7 @@ PATHS = {
     "GET /v1/models": ("GET", "/v1/models", None),
 }
 BASE_TARGETS: tuple[str, ...] = ("backend", "nginx", "bare", "floor", "proxy")
+NGINX_TARGETS = ("backend", "nginx")
 
 
 def run_wrk(url: str, script: Path, *, connections: int, threads: int, duration_s: int) -> WrkResult:
@@ -128,15 +130,18 @@ def main() -> int:
             for cell in round_order:
                 label, target = cell.split("|")
                 cpu_before = {name: tree_cpu_seconds(p.pid) for name, p in procs.items()}
+                loop_before = main_thread_cpu_seconds(procs[target].pid)
                 result = run_wrk(url(target, PATHS[label][1]), scripts[label], connections=args.connections,
                                  threads=args.threads, duration_s=args.duration)  # fmt: skip
                 cpu = {name: tree_cpu_seconds(p.pid) - cpu_before[name] for name, p in procs.items()}
+                loop_cpu = main_thread_cpu_seconds(procs[target].pid) - loop_before
                 per_request = max(result.requests, 1)
                 runs[label][target].append({
                     "requests_per_s": result.requests_per_s, "p50_ms": result.p50_ms, "p90_ms": result.p90_ms,
                     "p99_ms": result.p99_ms, "max_ms": result.max_ms, "requests": result.requests,
                     "socket_errors": result.socket_errors, "status_errors": result.status_errors,
                     "cpu_ms_per_request": {name: c / per_request * 1000 for name, c in cpu.items()},
+                    "main_thread_cpu_ms_per_request": loop_cpu / per_request * 1000,
                 })  # fmt: skip
                 print(f"round {i + 1} {label:26} {target:8} {result.requests_per_s:9.0f} req/s  "
                       f"p50 {result.p50_ms:6.2f} ms  p99 {result.p99_ms:7.2f} ms"
@@ -157,8 +162,8 @@ def main() -> int:
         f"rounds (random order); load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")  # fmt: skip
     for label in PATHS:
         print(f"\n{label}\n")
-        print("| target | requests/s | p50 ms | p99 ms | errors | server CPU ms/request |")
-        print("|---|---:|---:|---:|---:|---|")
+        print("| target | requests/s | p50 ms | p99 ms | errors | server CPU ms/request | of which its event loop |")
+        print("|---|---:|---:|---:|---:|---|---:|")
         table = {}
         for target in TARGETS:
             rs = runs[label][target]
@@ -168,10 +173,14 @@ def main() -> int:
             own = statistics.median(r["cpu_ms_per_request"][target] for r in rs)
             behind = statistics.median(r["cpu_ms_per_request"]["backend"] for r in rs)
             cpu_text = f"{own:.3f}" if target == "backend" else f"{own:.3f} (+ backend {behind:.3f})"
+            # The Python servers' main thread runs their event loop, which one core bounds; nginx has none.
+            loop = statistics.median(r["main_thread_cpu_ms_per_request"] for r in rs)
+            loop_text = "-" if target in NGINX_TARGETS else f"{loop:.3f}"
             table[target] = {**med, "errors": errors, "cpu_ms_per_request": own, "backend_cpu_ms_per_request": behind,
-                             "runs": rs}  # fmt: skip
+                             "main_thread_cpu_ms_per_request": loop, "runs": rs}  # fmt: skip
             print(
-                f"| {target} | {med['requests_per_s']:,.0f} | {med['p50_ms']:.2f} | {med['p99_ms']:.2f} | {errors} | {cpu_text} |"
+                f"| {target} | {med['requests_per_s']:,.0f} | {med['p50_ms']:.2f} | {med['p99_ms']:.2f} | {errors} "
+                f"| {cpu_text} | {loop_text} |"
             )
         # The host's speed moves between rounds; a ratio within each round cancels most of it.
         for target in ("proxy", "baseline")[: 1 + bool(args.baseline_cmd)]:

@@ -27,6 +27,7 @@ if str(BENCHMARKS) not in sys.path:
 from harness.request_path import (  # noqa: E402
     WRK_MARKER,
     expand_command,
+    main_thread_cpu_seconds,
     nginx_fixed_answer_conf,
     nginx_proxy_conf,
     paired_differences,
@@ -127,6 +128,15 @@ def test_tree_cpu_seconds_sums_a_process_and_its_descendants_only(tmp_path: Path
     assert tree_cpu_seconds(10, proc=tmp_path) == pytest.approx(210 / tick)
     assert tree_cpu_seconds(11, proc=tmp_path) == pytest.approx(110 / tick)
     assert tree_cpu_seconds(99, proc=tmp_path) == 0.0
+
+
+def test_main_thread_cpu_seconds_reads_only_the_thread_with_the_process_id(tmp_path: Path) -> None:
+    for tid, (ut, st) in {10: (40, 2), 13: (500, 500)}.items():  # the main thread, and a worker thread
+        (tmp_path / "10" / "task" / str(tid)).mkdir(parents=True)
+        (tmp_path / "10" / "task" / str(tid) / "stat").write_text(_stat(tid, "srv", 1, ut, st))
+    tick = os.sysconf("SC_CLK_TCK")
+    assert main_thread_cpu_seconds(10, proc=tmp_path) == pytest.approx(42 / tick)
+    assert main_thread_cpu_seconds(99, proc=tmp_path) == 0.0
 
 
 # -- nginx and wrk -------------------------------------------------------------------------------

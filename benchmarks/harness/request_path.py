@@ -26,6 +26,7 @@ __all__ = [
     "WRK_MARKER",
     "WrkResult",
     "expand_command",
+    "main_thread_cpu_seconds",
     "nginx_fixed_answer_conf",
     "nginx_proxy_conf",
     "paired_differences",
@@ -132,6 +133,16 @@ def tree_cpu_seconds(pid: int, proc: Path = Path("/proc")) -> float:
             total += ticks[current][1]
         stack.extend(children.get(current, ()))
     return total / os.sysconf("SC_CLK_TCK")
+
+
+def main_thread_cpu_seconds(pid: int, proc: Path = Path("/proc")) -> float:
+    """User + system CPU seconds of ``pid``'s main thread alone: a Python server's event loop (the
+    proxy's, uvicorn's), which one core bounds however many other threads the process has."""
+    try:
+        _, ticks = parse_proc_stat_cpu_ticks((proc / str(pid) / "task" / str(pid) / "stat").read_text())
+    except (OSError, IndexError, ValueError):
+        return 0.0  # exited
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 # -- nginx --------------------------------------------------------------------------------------
