@@ -4,10 +4,10 @@ Starts a real llama.cpp server (xllamacpp + SmolLM2) and, each as a separate pro
 port in front of it: nginx (Debian `nginx`; proxy_buffering off, upstream keepalive), the bare
 FastAPI + uvicorn + httpx pass-through (harness/passthrough.py: the stack the design card names),
 the floor of the proxy's own stack (harness/stack_floor.py: Granian, a plain ASGI callable and
-aiohttp, nothing of Clairvoyant) and the proxy under test (`clairvoyant serve`, the deployed shape, or --proxy-cmd). Each round sends one
-request to every target, one at a time (empty queue), in a fresh random order (a fixed rotation
-would put the same target before each one every time), same prompt (the backend answers from its
-prompt cache). Prints TTFB (first body byte), TTFT (first text chunk) and total time, the paired
+aiohttp, nothing of Clairvoyant) and the proxy under test (`clairvoyant serve`, the deployed
+shape, or --proxy-cmd). Each round sends one request to every target, one at a time (empty
+queue), in a fresh random order (a fixed rotation would put the same target before each one every
+time), same prompt (the backend answers from its prompt cache). Prints TTFB (first body byte), TTFT (first text chunk) and total time, the paired
 per-round differences against direct (which cancel most of the machine's noise), and each server
 process's CPU time per request (/proc/<pid>/stat of its process tree).
 

@@ -5,10 +5,11 @@ is wrk'ed directly first, so its row shows it is not the bottleneck. In front of
 process on a free port: nginx as a reverse proxy (proxy_buffering off, upstream keepalive), the bare
 FastAPI + uvicorn + httpx pass-through (harness/passthrough.py), the floor of the proxy's own stack
 (harness/stack_floor.py: Granian, a plain ASGI callable, aiohttp) and the proxy under test
-(`clairvoyant serve --slots 64 --max-queue 10000`, or --proxy-cmd). Two paths: the scheduled POST /v1/chat/completions
-(Clairvoyant parses, predicts and queues each request) and the pass-through GET /v1/models.
-Rounds run every target once per path in a fresh random order; the tables give the median over
-rounds of requests/s and of wrk's per-run p50/p99 latency, and each server's CPU per request.
+(`clairvoyant serve --slots 64 --max-queue 10000`, or --proxy-cmd). Two paths: the scheduled POST
+/v1/chat/completions (Clairvoyant parses, predicts and queues each request) and the pass-through
+GET /v1/models. Rounds run every target once per path in a fresh random order; the tables give
+the median over rounds of requests/s and of wrk's per-run p50/p99 latency, each server's CPU per
+request, and, for the Python servers, the part of it their event loop's thread spent.
 
     python benchmarks/bench_proxy_throughput.py [--duration 5] [--rounds 3] [--json FILE]
         [--proxy-cmd '{python} -m clairvoyant.cli serve --upstream {upstream} --port {port} --slots {slots} ...']

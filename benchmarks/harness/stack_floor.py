@@ -31,8 +31,9 @@ def build(upstream: str) -> Any:
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         nonlocal session
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
+            await receive()  # lifespan.startup
+            await send({"type": "lifespan.startup.complete"})
+            await receive()  # lifespan.shutdown
             if session is not None:
                 await session.close()
             await send({"type": "lifespan.shutdown.complete"})

@@ -265,23 +265,21 @@ class Relay:
                 if first:
                     self.first_byte_s = self.now()
                 relayed_bytes += len(chunk)
-                if relayed_bytes == known_bytes:  # a body of known length ends with its last bytes
-                    if first:
-                        self.on_first_byte()
-                    if tap is not None:
-                        tap.feed(chunk)
-                    self._completed(tap, out)
-                    await out.body(chunk, more=False)
-                    return
-                # The client's bytes first; the bookkeeping below reads them after (a stream's first
-                # token is not held back by it).
-                await out.body(chunk)
+                last = relayed_bytes == known_bytes  # a body of known length ends with its last bytes
+                if not last:
+                    # The client's bytes first; the bookkeeping below reads them after (a stream's
+                    # first token is not held back by it). The last ones wait for the usage.
+                    await out.body(chunk)
                 if first:
                     self.on_first_byte()
                 if tap is not None:
                     tap.feed(chunk)
                     if self.on_progress is not None and tap.is_stream:
                         self.on_progress(tap.stream_events)
+                if last:
+                    self._completed(tap, out)
+                    await out.body(chunk, more=False)
+                    return
         except RequestError as exc:
             self._count_upstream_error(exc)
             self._count_backend("failed_mid_answer")

@@ -4,9 +4,9 @@ Granian (its HTTP/1.1 is Rust's hyper) is chosen for two protections together: a
 request head (uvicorn has none), and ``100 Continue`` only once the app reads the body, after its
 checks (Hypercorn sends it as soon as the head is read). ``client_timeout_s`` bounds how long a
 client may take to send its request line and headers, trickled or stalled, and how long a
-kept-alive connection may stay idle; the body's deadline is the app's (proxy/body.py). docs/design.md, "The server", says
-which protection comes from where. Embedded mode keeps one process and one event loop: the
-dispatcher, the learner and the requests share them.
+kept-alive connection may stay idle; the body's deadline is the app's (proxy/body.py).
+docs/design.md, "The server", says which protection comes from where. Embedded mode keeps one
+process and one event loop: the dispatcher, the learner and the requests share them.
 
 The life of the process (``run``): bind the port (a port already taken is a clear error and exit
 2, before anything says ready), run the app's lifespan (it logs "ready" once it has started),

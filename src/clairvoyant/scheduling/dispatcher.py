@@ -617,9 +617,9 @@ class Dispatcher:
         ``at_s``: when it arrived, on this dispatcher's clock; default now). A streamed answer's
         delay since dispatch teaches the backend's load cost: after a switch, its excess over the
         backend's usual first-byte delay (which it then counts as the load this answer paid);
-        otherwise it updates that usual delay. Ignored for an answer that is
-        not streamed (its first byte comes after the whole answer) and for Ollama, whose
-        ``load_duration`` (``Usage.load_s``, at the end) is exact."""
+        otherwise it updates that usual delay. Ignored for an answer that is not streamed (its first
+        byte comes after the whole answer) and for Ollama, whose ``load_duration`` (``Usage.load_s``,
+        at the end) is exact."""
         if not streamed or ticket.dispatched_s is None or ticket.backend is None or ticket.load == Load.UNKNOWN:
             return  # (the first request a backend gets may have paid a load of unknown origin: no baseline)
         backend = self.backends[ticket.backend]
