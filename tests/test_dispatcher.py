@@ -601,3 +601,51 @@ def test_the_snapshot_is_plain_json_with_the_starvation_guard_off() -> None:
     submit(d, "a", 0.0, 1.0)
     snapshot = json.loads(json.dumps(d.snapshot(), allow_nan=False))  # as /queue renders it
     assert snapshot["starvation_timeout_s"] is None and snapshot["waiting"][0]["request_id"] == "a"
+
+
+def _wait_count(d: Dispatcher, predicted_class: str) -> float | None:
+    return d.metrics.registry.get_sample_value(
+        "clairvoyant_queue_wait_seconds_count", {"predicted_class": predicted_class}
+    )
+
+
+def test_a_request_finding_a_free_slot_and_nobody_waiting_is_granted_before_its_prediction() -> None:
+    async def scenario() -> None:
+        clock = ManualClock()
+        pol = make_policy("sjf")
+        d = Dispatcher(build_queue(pol, fair_share=True), pol, slots=1, clock=clock, metrics=Metrics(), max_queue=10)
+        assert not d.dispatch_at_once(Ticket("before-start", "/v1/chat/completions", "openai", None, None, 10))
+        await d.start()
+        early = Ticket("early", "/v1/chat/completions", "openai", None, None, 10, 0.0, tenant="t1")
+        clock.advance(0.5)
+        assert d.dispatch_at_once(early)
+        assert early.granted.done() and early.granted.result() == 0  # no loop turn, no queue
+        assert d.in_flight == 1 and d.waiting == 0 and early.queue_position == 0
+        assert early.dispatched_s == 0.5
+        # The depth gauge never counted it, and its wait waits for its class.
+        assert all(gauge(d, c) == 0 for c in ("short", "medium", "long"))
+        assert _wait_count(d, "long") == 0
+
+        # The slot is taken: the next request is predicted and queued.
+        late = Ticket("late", "/v1/chat/completions", "openai", None, None, 10, 0.5, tenant="t2")
+        assert not d.dispatch_at_once(late)
+        late.prediction = Prediction.from_probabilities(0.9, 0.08, 0.02)
+        d.submit(late)
+        assert d.waiting == 1 and gauge(d, "short") == 1
+        # Something waits: even with a slot free, a newcomer queues behind it (the policy decides).
+        d.resize(0, 2)
+        third = Ticket("third", "/v1/chat/completions", "openai", None, None, 10, 0.5, tenant="t3")
+        assert not d.dispatch_at_once(third)
+
+        # Its prediction arrives: its tenant is charged the predicted seconds instead of the default
+        # 1 s, and its wait is observed under its class.
+        charged = d.queue.tenants["t1"]
+        early.prediction = Prediction.from_probabilities(0.02, 0.08, 0.9)
+        early.predicted_s = 7.0
+        d.predicted_at_once(early, 1.0)
+        assert d.queue.tenants["t1"] == pytest.approx(charged + 6.0)
+        assert _wait_count(d, "long") == 1
+        d.end(early, completed=True)
+        await d.stop()
+
+    asyncio.run(scenario())

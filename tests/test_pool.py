@@ -189,6 +189,22 @@ def test_vllm_backends_get_the_computed_priority_and_each_backend_its_own_key() 
     assert auth_a == "Bearer key-a" and auth_b is None  # each backend's own key, the client's none
 
 
+def test_a_single_vllm_backend_gets_the_priority_of_a_request_sent_with_a_free_slot() -> None:
+    # A free slot lets a request go before its prediction, except where the backend reads it.
+    router = respx.MockRouter(assert_all_called=False)
+    seen: list[dict[str, Any]] = []
+
+    def backend(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, json={"ok": True})
+
+    router.post(f"{A}/v1/chat/completions").mock(side_effect=backend)
+    with pool_proxy(router, [{"url": A, "kind": "vllm", "slots": 1}], vllm_priority=True) as base:
+        answer = httpx.post(f"{base}/v1/chat/completions", json=chat("[long]"))
+    tokens = float(answer.headers["x-clairvoyant-predicted-tokens"])
+    assert tokens > 0 and seen[0]["priority"] == round(tokens)
+
+
 def test_kinds_and_llamacpp_slots_are_asked_of_each_backend_at_start_up() -> None:
     router = respx.MockRouter(assert_all_called=False)
     router.get(f"{A}/props").respond(200, json={"total_slots": 4, "default_generation_settings": {}})

@@ -2,6 +2,8 @@
 
     parse the body, predict its answer's length        (prediction/)
     dispatcher.submit(ticket)                          queued, or refused at once (QueueFull ...)
+      (or dispatcher.dispatch_at_once(ticket)          a free slot and nobody waiting: it goes
+       before its prediction, made while the backend works)
     async with dispatcher.lease(ticket) as lease:      waits for its turn, then holds a backend slot
         relay the backend's answer                     (proxy/relay.py)
     (leaving the block)                                withdrawn if still waiting, else released, once
@@ -39,7 +41,7 @@ from clairvoyant.logs import REQUEST_LOG, log_request
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.dialects import Endpoint, parse_request, with_upstream_fields
 from clairvoyant.prediction.encoder import Refiner
-from clairvoyant.prediction.predictor import Predictor
+from clairvoyant.prediction.predictor import Prediction, Predictor
 from clairvoyant.prediction.usage import Usage
 from clairvoyant.proxy.access import Identity
 from clairvoyant.proxy.limits import TenantLimits
@@ -60,6 +62,9 @@ _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 REQUEST_ID = "x-request-id"
 DEADLINE = "x-clairvoyant-deadline"  # seconds the client will wait before its request is sent
 SUPERSEDE = "x-clairvoyant-supersede"  # a key: a newer request with it replaces this one
+# Seconds after an at-once dispatch when its prediction is made, if its answer has not started by
+# then: the request is on its way to the backend by then, so the prediction is off its critical path.
+PREDICT_AFTER_S = 0.001
 
 
 class Stage(Enum):
@@ -83,6 +88,12 @@ class Scheduling:
     refiner: Refiner | None  # the encoder's second opinion for waiting requests (None: off)
     limits: TenantLimits  # tenants' use against their limits
     supersede: SupersedeKeys  # the latest request per (tenant, X-Clairvoyant-Supersede key)
+
+    @property
+    def at_once(self) -> bool:
+        """A request that finds a free slot and nobody waiting may go before its prediction: not in
+        a pool (routing weighs the prediction), nor to a vLLM backend that reads it as its priority."""
+        return len(self.pool) == 1 and not (self.settings.vllm_priority and self.pool.kind_of(0) == "vllm")
 
     @property
     def own_headers(self) -> tuple[str, ...]:
@@ -153,41 +164,58 @@ def admit_scheduled(
     if settings.log_prompts:
         logger.debug("request_id=%s prompt=%r", ticket.request_id, parsed.prompt.instruction[:2000])
 
-    started = time.perf_counter()
-    prediction = shared.predictor.predict(parsed.prompt, model=parsed.model, cap_tokens=parsed.cap_tokens)
-    shared.metrics.predictor_latency.observe(time.perf_counter() - started)
-    score, predicted_tokens = prediction.score, prediction.predicted_tokens
-    oracle = parsed.proxy_options.get("output_tokens")
-    if settings.allow_oracle and isinstance(oracle, (int, float)) and not isinstance(oracle, bool):
-        score = predicted_tokens = float(oracle)  # benchmark-only: the true length, the ideal ordering
-        if parsed.cap_tokens is not None:  # the predictor applied the cap itself; the oracle must too
-            predicted_tokens = min(predicted_tokens, float(parsed.cap_tokens))
-    ticket.prediction = prediction
-    ticket.score = score
-    ticket.predicted_tokens = predicted_tokens
-    ticket.predicted_s = dispatcher.predicted_s(parsed.model, prompt_tokens, predicted_tokens)
-    ticket.bucket = bucket_for(ticket.predicted_s)
-    dispatcher.submit(ticket)
+    def predict() -> Prediction:
+        """The prediction, into the ticket (its queue key, predicted tokens and seconds)."""
+        started = time.perf_counter()
+        prediction = shared.predictor.predict(parsed.prompt, model=parsed.model, cap_tokens=parsed.cap_tokens)
+        shared.metrics.predictor_latency.observe(time.perf_counter() - started)
+        score, predicted_tokens = prediction.score, prediction.predicted_tokens
+        oracle = parsed.proxy_options.get("output_tokens")
+        if settings.allow_oracle and isinstance(oracle, (int, float)) and not isinstance(oracle, bool):
+            score = predicted_tokens = float(oracle)  # benchmark-only: the true length, the ideal ordering
+            if parsed.cap_tokens is not None:  # the predictor applied the cap itself; the oracle must too
+                predicted_tokens = min(predicted_tokens, float(parsed.cap_tokens))
+        ticket.prediction = prediction
+        ticket.score = score
+        ticket.predicted_tokens = predicted_tokens
+        ticket.predicted_s = dispatcher.predicted_s(parsed.model, prompt_tokens, predicted_tokens)
+        ticket.bucket = bucket_for(ticket.predicted_s)
+        return prediction
 
-    refiner = shared.refiner
-    if refiner is not None and not (settings.allow_oracle and "output_tokens" in parsed.proxy_options):
+    predict_later: Callable[[], None] | None = None
+    # A free slot and nobody waiting: there is no order to decide, so the request goes now and is
+    # predicted while the backend works (the prediction still fills its headers, metrics and the
+    # learner). A pool routes by the prediction, and a vLLM backend reads it in the body: predicted first.
+    if shared.at_once and dispatcher.dispatch_at_once(ticket):
+        charged_s = ticket.predicted_s  # the default its tenant was charged at dispatch
 
-        def refine_if_waiting() -> None:
-            # After the dispatcher's turn (scheduled first): a request granted a free slot at once
-            # is not worth the encoder's time.
-            if ticket.waiting:
-                refiner.want(  # plain reads, from its thread
-                    (ticket, prediction.feature_row), parsed.prompt.instruction, lambda: ticket.waiting,
-                    lambda: ticket.dispatched_s is not None,
-                )  # fmt: skip
+        def predict_later() -> None:
+            if ticket.prediction is None:
+                predict()
+                dispatcher.predicted_at_once(ticket, charged_s)
 
-        asyncio.get_running_loop().call_soon(refine_if_waiting)
+    else:
+        prediction = predict()
+        dispatcher.submit(ticket)
+        refiner = shared.refiner
+        if refiner is not None and not (settings.allow_oracle and "output_tokens" in parsed.proxy_options):
+
+            def refine_if_waiting() -> None:
+                # After the dispatcher's turn (scheduled first): a request granted a free slot then
+                # is not worth the encoder's time.
+                if ticket.waiting:
+                    refiner.want(  # plain reads, from its thread
+                        (ticket, prediction.feature_row), parsed.prompt.instruction, lambda: ticket.waiting,
+                        lambda: ticket.dispatched_s is not None,
+                    )  # fmt: skip
+
+            asyncio.get_running_loop().call_soon(refine_if_waiting)
     forward = [*headers, ("x-request-id", ticket.request_id)]
     upstream_request = UpstreamRequest(
         "POST", target, forward, forward_body, endpoint.dialect, close_connection=parsed.stream,
         authorization=authorization,
     )  # fmt: skip
-    request = ScheduledRequest(shared, ticket, upstream_request, body, parsed.stream, out)
+    request = ScheduledRequest(shared, ticket, upstream_request, body, parsed.stream, out, predict_later)
     supersede_key = own.get(SUPERSEDE)
     if supersede_key:
         request.supersede_key = (tenant, supersede_key[:256])
@@ -206,8 +234,10 @@ class ScheduledRequest:
         body: bytes,  # the client's body, for the learner once answered
         stream: bool,  # the client asked for a stream (decides ``auto``)
         out: Responder,
+        predict_later: Callable[[], None] | None = None,  # dispatched at once: its prediction, still to make
     ) -> None:
         self.shared = shared
+        self._predict_later = predict_later
         self.ticket = ticket
         self.body = body
         self.stream = stream
@@ -236,10 +266,16 @@ class ScheduledRequest:
         """Wait for the slot, relay, give the slot back (once, whatever happens), log."""
         self.task = asyncio.current_task()
         watch = asyncio.create_task(self._watch(receive))
+        predicting: asyncio.TimerHandle | None = None
+        if self._predict_later is not None:
+            predicting = asyncio.get_running_loop().call_later(PREDICT_AFTER_S, self._predicted)
         try:
             await self._lease_and_relay()
         finally:
             watch.cancel()
+            if predicting is not None:
+                predicting.cancel()
+            self._predicted()
             if self.supersede_key is not None:
                 self.shared.supersede.done(self.supersede_key, self)
             self._log()
@@ -412,8 +448,15 @@ class ScheduledRequest:
             except Exception:  # the answer is relayed already: a failing observer must not break it
                 logger.exception("request_id=%s: recording usage failed", self.ticket.request_id)
 
+    def _predicted(self) -> None:
+        """Make the prediction of a request dispatched at once, if it is still to make."""
+        predict, self._predict_later = self._predict_later, None
+        if predict is not None:
+            predict()
+
     def _own_headers(self) -> list[tuple[bytes, bytes]]:
         """The answer's headers that are the proxy's: the request id, backend, wait and prediction."""
+        self._predicted()
         ticket = self.ticket
         prediction = ticket.prediction
         assert prediction is not None
@@ -436,6 +479,7 @@ class ScheduledRequest:
         self.ticket.live_tokens = tokens  # the queue's ETAs follow the answer's own pace
 
     def _first_byte(self) -> None:
+        self._predicted()
         ticket = self.ticket
         arrived_s = self.relay.first_byte_s  # the relay's clock is the dispatcher's
         assert arrived_s is not None

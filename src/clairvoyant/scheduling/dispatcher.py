@@ -13,6 +13,8 @@ the policy before the first of it is dispatched). It takes the policy's next req
 (scheduling/routing.py) to a backend with a free slot: the route is decided at dispatch, with the
 freshest state. A request whose model only busy backends serve is held back (in the order the
 policy chose it) until one of them frees a slot; it goes before anything still in the queue.
+A request that finds a free slot and nobody waiting has no order to decide: ``dispatch_at_once``
+grants it before its prediction (the proxy predicts it while the backend works).
 
 Invariants, each enforced in this file:
 - never more leases on a backend than its slots; a slot is granted only to a waiting ticket;
@@ -532,6 +534,35 @@ class Dispatcher:
             self._arm_expiry()
         self._schedule_pump()
 
+    def dispatch_at_once(self, ticket: Ticket) -> bool:
+        """Grant ``ticket`` a slot now, before its prediction, when a backend for it has a free
+        slot and nobody waits: there is no order to decide. False otherwise (then predict it and
+        ``submit``). Raises what ``submit`` raises for any request (``ShuttingDown``,
+        ``ModelNotServed``). The caller predicts while the backend works, fills in the ticket's
+        predicted fields and calls ``predicted_at_once``."""
+        self.check_room()
+        self._check_model(ticket.model)
+        if not self._started or self.waiting:
+            return False
+        backend = self._route(ticket)
+        if backend is None:
+            return False
+        ticket.grants_before_arrival = self._grants
+        # Through the queue all the same (its tenant's accounting, and done() at release): pushed and
+        # popped at once, which take_now does without the heaps.
+        self.queue.take_now(ticket, self.clock.now())
+        self._grant(backend, ticket, queued=False)
+        return True
+
+    def predicted_at_once(self, ticket: Ticket, charged_s: float) -> None:
+        """A ticket dispatched at once has its prediction: its tenant's fair share is charged the
+        predicted seconds (it was charged ``charged_s``, the default, at dispatch), and its queue
+        wait is observed under its class, now known."""
+        if not ticket.ended:
+            self.queue.repriced(ticket, charged_s)
+        if ticket.dispatched_s is not None:
+            self.metrics.wait_by_class[ticket.predicted_class].observe(ticket.dispatched_s - ticket.arrival_s)
+
     def expire(self, now: float | None = None) -> int:
         """Withdraw every waiting ticket whose queue deadline has come (``now >= expires_s``), held
         back ones too, and refuse each at once with ``QueueDeadline``: it is never sent. Returns how
@@ -815,7 +846,9 @@ class Dispatcher:
             backend.holds, backend.serves, functools.partial(self.service_time.load_s, backend.name), backend.switched_s
         )
 
-    def _grant(self, index: int, ticket: Ticket) -> None:
+    def _grant(self, index: int, ticket: Ticket, *, queued: bool = True) -> None:
+        """``queued``: it waited in the queue (False: dispatched at once, before its prediction;
+        never in the depth gauge, its wait observed by ``predicted_at_once``)."""
         backend = self.backends[index]
         slot = backend.free.pop()
         first = ticket.dispatched_s is None  # a reroute's grant is not its first: counted once
@@ -829,9 +862,10 @@ class Dispatcher:
             self.queue.repriced(ticket, ticket.predicted_s - load_s)  # its tenant pays for it too
             self._switch_counters[index].inc()
         if first:
-            self.metrics.depth_by_class[ticket.predicted_class].dec()
-            self.metrics.wait_by_class[ticket.predicted_class].observe(ticket.dispatched_s - ticket.arrival_s)
             ticket.queue_position = self._grants - ticket.grants_before_arrival
+            if queued:
+                self.metrics.depth_by_class[ticket.predicted_class].dec()
+                self.metrics.wait_by_class[ticket.predicted_class].observe(ticket.dispatched_s - ticket.arrival_s)
         ticket.backend = index
         ticket.slot = slot
         backend.running[slot] = ticket
