@@ -44,8 +44,9 @@ test: install-test
 	wait $$mypy && exit $$tests
 
 bench-tools: install-test
-	@# nginx is the yardstick beside the proxy and the fast fake backend; wrk drives the throughput runs.
-	command -v nginx >/dev/null && command -v wrk >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx wrk >/dev/null)
+	@# nginx is the yardstick beside the proxy and the fast fake backend; wrk drives the throughput
+	@# runs; valgrind counts instructions per request (bench_instructions.py).
+	command -v nginx >/dev/null && command -v wrk >/dev/null && command -v valgrind >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx wrk valgrind >/dev/null)
 	@# The bare FastAPI pass-through the request-path benchmarks compare against runs on uvicorn.
 	$(UV) uvicorn
 

@@ -271,3 +271,24 @@ def test_wrk_script_runs_in_real_wrk_and_its_report_parses(nginx_pair: tuple[int
     result = parse_wrk_output(done.stdout)
     assert result.ok and result.requests > 0
     assert result.p50_ms <= result.p99_ms <= result.max_ms
+
+
+def test_the_instruction_count_is_read_from_a_callgrind_dump(tmp_path: Path) -> None:
+    from bench_instructions import callgrind_total
+
+    dump = tmp_path / "proxy.callgrind.1"
+    dump.write_text("# callgrind format\nversion: 1\nevents: Ir\nfn=(1) main\n16 20\nsummary: 123456789\n")
+    assert callgrind_total(dump) == 123_456_789
+    dump.write_text("# callgrind format\nevents: Ir\ntotals: 42\n")
+    assert callgrind_total(dump) == 42
+    dump.write_text("# callgrind format\nevents: Ir\n")
+    with pytest.raises(ValueError, match="no instruction total"):
+        callgrind_total(dump)
+
+
+def test_callgrind_runs_the_server_itself_with_the_variables_an_env_prefix_sets() -> None:
+    from bench_instructions import without_env_prefix
+
+    argv, env = without_env_prefix(["env", "PYTHONPATH=/b/src", "A=x=y", "python", "-m", "m"], {"A": "0", "B": "1"})
+    assert argv == ["python", "-m", "m"] and env == {"A": "x=y", "B": "1", "PYTHONPATH": "/b/src"}
+    assert without_env_prefix(["python", "s.py"], {}) == (["python", "s.py"], {})
