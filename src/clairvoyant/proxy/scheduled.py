@@ -189,10 +189,9 @@ def admit_scheduled(
     if shared.at_once and dispatcher.dispatch_at_once(ticket):
         charged_s = ticket.predicted_s  # the default its tenant was charged at dispatch
 
-        def predict_later() -> None:
-            if ticket.prediction is None:
-                predict()
-                dispatcher.predicted_at_once(ticket, charged_s)
+        def predict_later() -> None:  # run once (``ScheduledRequest._predicted``)
+            predict()
+            dispatcher.predicted_at_once(ticket, charged_s)
 
     else:
         prediction = predict()
@@ -455,7 +454,8 @@ class ScheduledRequest:
             predict()
 
     def _own_headers(self) -> list[tuple[bytes, bytes]]:
-        """The answer's headers that are the proxy's: the request id, backend, wait and prediction."""
+        """The answer's headers that are the proxy's: the request id, backend, wait and prediction
+        (made now if it is still to make: the answer starts with these headers)."""
         self._predicted()
         ticket = self.ticket
         prediction = ticket.prediction
@@ -479,7 +479,6 @@ class ScheduledRequest:
         self.ticket.live_tokens = tokens  # the queue's ETAs follow the answer's own pace
 
     def _first_byte(self) -> None:
-        self._predicted()
         ticket = self.ticket
         arrived_s = self.relay.first_byte_s  # the relay's clock is the dispatcher's
         assert arrived_s is not None

@@ -557,11 +557,10 @@ class Dispatcher:
     def predicted_at_once(self, ticket: Ticket, charged_s: float) -> None:
         """A ticket dispatched at once has its prediction: its tenant's fair share is charged the
         predicted seconds (it was charged ``charged_s``, the default, at dispatch), and its queue
-        wait is observed under its class, now known."""
-        if not ticket.ended:
-            self.queue.repriced(ticket, charged_s)
-        if ticket.dispatched_s is not None:
-            self.metrics.wait_by_class[ticket.predicted_class].observe(ticket.dispatched_s - ticket.arrival_s)
+        wait is observed under its class, now known. (A queue ignores a job it no longer serves.)"""
+        assert ticket.dispatched_s is not None
+        self.queue.repriced(ticket, charged_s)
+        self.metrics.wait_by_class[ticket.predicted_class].observe(ticket.dispatched_s - ticket.arrival_s)
 
     def expire(self, now: float | None = None) -> int:
         """Withdraw every waiting ticket whose queue deadline has come (``now >= expires_s``), held
