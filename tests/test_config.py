@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from clairvoyant.config import Settings, load_settings, settings_reference_markdown
+from clairvoyant.config import CLI_FLAGS, Settings, load_settings, settings_reference_markdown
 from clairvoyant.errors import ConfigError
 from clairvoyant.tools import settings_table
 from clairvoyant.tools.settings_table import END_MARK, START_MARK, with_settings_table
@@ -259,3 +259,87 @@ def test_serve_takes_repeated_backend_flags() -> None:
     add_arguments(parser)
     args = parser.parse_args(["--backend", "http://a:1", "--backend", "http://b:2"])
     assert args.backends == ["http://a:1", "http://b:2"]
+
+
+@pytest.mark.parametrize("spell", [str.upper, str.lower], ids=["upper-case", "lower-case"])
+def test_precedence_is_defaults_then_file_then_environment_then_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spell: object
+) -> None:
+    """Each layer overrides the one below it, one setting per layer; the environment in either case."""
+    assert callable(spell)
+    config = tmp_path / "c.toml"
+    config.write_text("slots = 2\nmax_queue = 20\nport = 9020\n")
+    monkeypatch.setenv(spell("CLAIRVOYANT_MAX_QUEUE"), "30")
+    monkeypatch.setenv(spell("CLAIRVOYANT_PORT"), "9030")
+    s = load_settings(config, port=9040)
+    assert s.retry_after_s == 1  # default: nobody set it
+    assert s.slots == 2  # the file beats the default
+    assert s.max_queue == 30  # the environment beats the file
+    assert s.port == 9040  # a flag beats the environment
+
+
+def test_a_lower_case_variable_is_blamed_as_spelled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("clairvoyant_slots", "0")
+    with pytest.raises(ConfigError, match=r"invalid setting slots \(clairvoyant_slots\): "):
+        load_settings()
+
+
+def test_a_lower_case_config_variable_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text("max_queue = 5\n")
+    monkeypatch.setenv("clairvoyant_config", str(config))
+    assert load_settings().max_queue == 5
+
+
+def test_an_unknown_key_and_a_bad_value_from_the_file_both_stay_clear(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('policy = "lifo"\n')
+    with pytest.raises(ConfigError) as info:
+        load_settings(config)
+    assert str(info.value) == (
+        f"invalid setting policy (config file {config}, key policy): "
+        "Value error, unknown policy 'lifo'; known: fcfs, sjf, boost, hrrn"
+    )
+    config.write_text("slots = 1\nslotz = 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(config)
+    assert str(info.value) == f"config file {config}: unknown setting 'slotz'; did you mean slots?"
+
+
+def test_a_retired_key_in_the_file_is_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text("park_waiting = true\nslots = 2\n")
+    with caplog.at_level("WARNING", logger="clairvoyant.config"):
+        assert load_settings(config).slots == 2
+    assert any("park_waiting has no effect any more" in r.getMessage() for r in caplog.records)
+
+
+def test_settings_built_directly_read_no_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text("slots = 3\n")
+    monkeypatch.setenv("CLAIRVOYANT_CONFIG", str(config))
+    assert Settings().slots == 1  # only load_settings reads the file
+    assert load_settings().slots == 3
+
+
+def test_serve_flags_keep_their_names_and_beat_every_other_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    from clairvoyant.proxy.serve import add_arguments
+
+    config = tmp_path / "c.toml"
+    config.write_text("slots = 2\nstarvation_timeout_s = 2.0\n")
+    monkeypatch.setenv("clairvoyant_starvation_timeout_s", "3")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        ["--config", str(config), "--upstream", "http://u:1", "--slots", "4", "--tau", "5"]
+        + ["--learner-state", str(tmp_path / "l.npz"), "--predictor", str(tmp_path / "p.onnx")]
+    )
+    s = load_settings(args.config, **{name: getattr(args, name) for name in CLI_FLAGS})
+    assert (s.upstream_url, s.slots, s.starvation_timeout_s) == ("http://u:1", 4, 5.0)
+    assert (s.learner_state_path, s.model_path) == (tmp_path / "l.npz", tmp_path / "p.onnx")
+    with pytest.raises(SystemExit):  # a flag's value is checked by its type before the settings
+        parser.parse_args(["--slots", "many"])

@@ -1,11 +1,12 @@
 """Settings: one object, built once at start-up and passed explicitly.
 
-Precedence, highest first: CLI flags, CLAIRVOYANT_* environment variables, the optional TOML
-config file (``--config`` or CLAIRVOYANT_CONFIG), defaults. An invalid value stops start-up with
-a ``ConfigError`` naming the setting and where its value came from (flag, environment variable, or
-config file and key); an unknown config-file key stops it too, naming the closest valid key. An
-unknown ``CLAIRVOYANT_*`` environment variable is logged as a WARNING with the closest valid name,
-and start-up goes on.
+Precedence, highest first: CLI flags, CLAIRVOYANT_* environment variables (in any case), the
+optional TOML config file (``--config`` or CLAIRVOYANT_CONFIG), defaults. They are pydantic-settings'
+own init, environment and TOML sources, ordered in ``Settings.settings_customise_sources``. An
+invalid value stops start-up with a ``ConfigError`` naming the setting and where its value came
+from (flag, environment variable as spelled, or config file and key); an unknown config-file key
+stops it too, naming the closest valid key. An unknown ``CLAIRVOYANT_*`` environment variable is
+logged as a WARNING with the closest valid name, and start-up goes on.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import math
 import os
 import tomllib
 from collections.abc import Iterable, Mapping
+from contextvars import ContextVar
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -25,6 +28,7 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    TomlConfigSettingsSource,
 )
 
 from clairvoyant.errors import ConfigError
@@ -503,8 +507,11 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # CLI flags (init) > environment > config file (passed in as the lowest init layer).
-        return (init_settings, env_settings)
+        # Highest first: CLI flags (init), the environment, the config file (set by load_settings).
+        config_file = _config_file.get()
+        if config_file is None:
+            return (init_settings, env_settings)
+        return (init_settings, env_settings, config_file)
 
 
 # Settings that no longer have any effect: accepted with a WARNING, so that an older config file
@@ -553,40 +560,67 @@ def unknown_environment_variables(environ: Mapping[str, str] | None = None) -> l
     return messages
 
 
-def _read_config_file(path: Path) -> dict[str, Any]:
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} not found") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    for key in sorted(set(data) & set(RETIRED_SETTINGS)):
-        logger.warning("config file %s: %s has no effect any more (%s)", path, key, RETIRED_SETTINGS[key])
-        del data[key]
-    unknown = sorted(set(data) - set(Settings.model_fields))
-    if unknown:
-        raise ConfigError(
-            "; ".join(
-                f"config file {path}: unknown setting {key!r}{_did_you_mean(key, Settings.model_fields)}"
-                for key in unknown
+def _environment_name(name: str) -> str | None:
+    """The variable that sets ``name`` as it is spelled in the environment (any case, as
+    pydantic-settings reads it), or None."""
+    wanted = f"{ENV_PREFIX}{name}".upper()
+    return next((key for key in os.environ if key.upper() == wanted), None)
+
+
+class ConfigFileSource(TomlConfigSettingsSource):
+    """The TOML config file: pydantic-settings' TOML source, made strict. A missing file, invalid
+    TOML or an unknown key raises ``ConfigError`` naming the file (and the closest valid key); a
+    retired key is dropped with a WARNING."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: Path) -> None:
+        if not path.is_file():  # the library skips a missing file; one named on purpose must exist
+            raise ConfigError(f"config file {path} not found")
+        self.path = path
+        super().__init__(settings_cls, toml_file=path)
+
+    def _read_file(self, file_path: Path | Traversable) -> dict[str, Any]:
+        try:
+            data = super()._read_file(file_path)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {file_path} is not valid TOML: {exc}") from None
+        for key in sorted(set(data) & set(RETIRED_SETTINGS)):
+            logger.warning("config file %s: %s has no effect any more (%s)", file_path, key, RETIRED_SETTINGS[key])
+            del data[key]
+        unknown = sorted(set(data) - set(Settings.model_fields))
+        if unknown:
+            raise ConfigError(
+                "; ".join(
+                    f"config file {file_path}: unknown setting {key!r}{_did_you_mean(key, Settings.model_fields)}"
+                    for key in unknown
+                )
             )
-        )
-    return data
+        return data
 
 
-def _describe(error: ValidationError, sources: Mapping[str, str]) -> str:
-    """One line per invalid setting, blaming where its value came from (``sources``: field name ->
-    "flag --x", "config file F, key k"; a field absent from it came from the environment, or is
-    the default)."""
+# The config file of the load_settings call under way: pydantic-settings builds its sources in a
+# classmethod, which sees no per-call arguments, and the file is chosen per call (--config).
+_config_file: ContextVar[ConfigFileSource | None] = ContextVar("clairvoyant_config_file", default=None)
+
+
+def _origin(name: str, flags: Mapping[str, Any], config_file: ConfigFileSource | None) -> str:
+    """Where the value of setting ``name`` came from, highest source first."""
+    if name in flags:
+        return f"flag {CLI_FLAGS[name]}" if name in CLI_FLAGS else f"argument {name}"
+    variable = _environment_name(name)
+    if variable is not None:
+        return variable
+    if config_file is not None and name in config_file.toml_data:
+        return f"config file {config_file.path}, key {name}"
+    return "the default"
+
+
+def _describe(error: ValidationError, flags: Mapping[str, Any], config_file: ConfigFileSource | None) -> str:
+    """One line per invalid setting, blaming where its value came from."""
     lines = []
     for item in error.errors():
         field = ".".join(str(p) for p in item["loc"]) or "settings"
-        if field in sources:
-            origin = sources[field]
-        elif field in Settings.model_fields:
-            origin = f"{ENV_PREFIX}{field.upper()}"
-        else:
-            origin = "the combination of settings"
+        top = str(item["loc"][0]) if item["loc"] else ""
+        origin = _origin(top, flags, config_file) if top in Settings.model_fields else "the combination of settings"
         lines.append(f"invalid setting {field} ({origin}): {item['msg']}")
     return "; ".join(lines)
 
@@ -601,19 +635,17 @@ def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Se
     for message in unknown_environment_variables():
         logger.warning("%s", message)
     if config_file is None:
-        config_file = os.environ.get(f"{ENV_PREFIX}CONFIG") or None
-    file_values = _read_config_file(Path(config_file)) if config_file else {}
-    given = {k: v for k, v in overrides.items() if v is not None}
-    env_set = {name for name in Settings.model_fields if f"{ENV_PREFIX}{name.upper()}" in os.environ}
-    # File values apply only where neither a flag nor the environment speaks.
-    layered = {k: v for k, v in file_values.items() if k not in env_set}
-    sources = {k: f"config file {config_file}, key {k}" for k in layered}
-    layered.update(given)
-    sources.update({k: f"flag {CLI_FLAGS[k]}" if k in CLI_FLAGS else f"argument {k}" for k in given})
+        variable = _environment_name("config")
+        config_file = (os.environ[variable] or None) if variable else None
+    file_source = ConfigFileSource(Settings, Path(config_file)) if config_file else None
+    flags = {k: v for k, v in overrides.items() if v is not None}
+    token = _config_file.set(file_source)
     try:
-        return Settings(**layered)
+        return Settings(**flags)
     except ValidationError as exc:
-        raise ConfigError(_describe(exc, sources)) from None
+        raise ConfigError(_describe(exc, flags, file_source)) from None
+    finally:
+        _config_file.reset(token)
 
 
 def settings_reference_markdown() -> str:

@@ -24,12 +24,10 @@ def _flag_type(name: str) -> dict[str, Any]:
     choices = get_args(annotation)
     if choices and all(isinstance(c, str) for c in choices):
         return {"choices": list(choices)}
-    if annotation is int:
-        return {"type": int}
-    if annotation is float:
-        return {"type": float}
-    if name == "model_path":
-        return {"type": Path}
+    if len(choices) == 2 and type(None) in choices:  # `X | None`: the flag gives an X
+        annotation = next(c for c in choices if c is not type(None))
+    if annotation in (int, float, Path):
+        return {"type": annotation}
     if name == "backends":  # repeated: one URL each (a [[backends]] table says more)
         return {"action": "append", "metavar": "URL"}
     return {}
