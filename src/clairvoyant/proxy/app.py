@@ -21,7 +21,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -152,96 +152,132 @@ def create_app(
     """Build the proxy (served by ``server.ProxyServer``). ``predictor``, ``clock`` and
     ``upstream_transport`` are for tests."""
     metrics = Metrics()
-    clock = clock or MonotonicClock()
+    running_clock = clock or MonotonicClock()
     proxy: ProxyApp
 
     @asynccontextmanager
     async def lifespan(api: FastAPI) -> AsyncIterator[None]:
-        try:
-            # A model that fails to load fails start-up: there is no silent fallback predictor.
-            loaded = predictor if predictor is not None else OnnxPredictor(settings.model_path)
-            pool = BackendPool(settings, transport=upstream_transport)
-            await pool.discover()  # a pool's kinds and llama.cpp slots, before the dispatcher counts slots
-            policy = make_policy(
-                settings.policy,
-                PolicyParams(settings.boost_gamma_per_s, settings.boost_auto_gamma, settings.boost_max_s),
-            )
-            encoder = _load_encoder(settings, loaded)
-            learning = OnlineLearning(settings, loaded, metrics, encoder)
-            await learning.start()
-        except BaseException:
-            proxy.startup_failed = True
-            raise
-        slowdown: float | AdaptiveSlowdown = settings.starvation_slowdown
-        if settings.starvation_slowdown_adaptive:
-            slowdown = AdaptiveSlowdown(settings.starvation_slowdown)
-        queue = build_queue(
-            policy,
-            starvation_timeout_s=settings.starvation_timeout_s,
-            starvation_slowdown=slowdown,
-            fair_share=settings.fair_share,
-            tenant_weights=proxy.tenant_weights,
-            model_switch_bound_s=settings.model_switch_bound_s,
-        )
-        service_time = ServiceTimeModel(path=settings.service_time_path)
-        service_time.load()
-        dispatcher = Dispatcher(
-            queue, policy, backends=pool.scheduling_backends(), clock=clock, metrics=metrics, max_queue=settings.max_queue,
-            service_time=service_time, min_retry_after_s=settings.retry_after_s,
-            starvation_timeout_s=settings.starvation_timeout_s, starvation_slowdown=slowdown,
-        )  # fmt: skip
-        await dispatcher.start()
-        pool.start(dispatcher)
-        refiner = None if encoder is None else _start_refiner(settings, loaded, encoder, dispatcher, metrics)
-        if settings.online_learning:  # the learner's encoder pass for requests that never waited
-            learning.recorder.refiner = refiner
-        limits = TenantLimits(settings.tenant_limits, state_path=_limits_path(settings))
-        limits.load()
-        metrics.known_tenants = _known_tenants(settings)
-        supersede = SupersedeKeys(settings.supersede_running)
-        scheduling = Scheduling(
-            settings, loaded, pool, metrics, dispatcher, learning.recorder, refiner, limits, supersede
-        )  # fmt: skip
-        history = History()
-        proxy.proxy = ProxyState(settings, loaded, pool, dispatcher, metrics, learning, scheduling, limits, history)
-        logger.info(
-            "clairvoyant ready: backends=%s policy=%s tau=%ss+%sxS slots=%d max_queue=%d disconnect_mode=%s",
-            ", ".join(f"{m.name}={m.upstream.display_url} ({m.kind}, {m.slots} slots)" for m in pool.members),
-            settings.policy, settings.starvation_timeout_s, settings.starvation_slowdown, dispatcher.slots,
-            settings.max_queue, settings.disconnect_mode,
-        )  # fmt: skip
-        for member in pool.members:
-            dispatcher.run_detached(
-                _check_upstream_at_start(member.upstream, settings.backend_wait_s),
-                name=f"upstream-check-{member.name}",
-                cancel_at_stop=True,
-            )
-        if limits.state_path is not None:
-            dispatcher.run_detached(
-                _save_limits_periodically(limits, settings.learner_save_interval_s), "limits-save", cancel_at_stop=True
-            )
-        dispatcher.run_detached(record_periodically(history, dispatcher, limits), "history", cancel_at_stop=True)
-        if settings.api_keys:
-            logger.info("authentication on: %d API key(s)", len(settings.api_keys))
-        else:
-            logger.info("authentication off: no api_keys")
-            if settings.host not in LOOPBACK_HOSTS:
-                logger.warning(
-                    "listening on %s with no API keys: anyone who can reach this port can use the backend "
-                    "(add [[api_keys]]: `clairvoyant keys add`)", settings.host,
-                )  # fmt: skip
-        proxy.started.set()
-        try:
+        # Each part's stop is pushed as soon as it has started: a failure at any point of start-up
+        # stops exactly what had started, in reverse order, and shutdown does the same.
+        async with AsyncExitStack() as stack:
+            try:
+                proxy.proxy = await _start(stack, proxy, predictor, running_clock, upstream_transport)
+            except BaseException as exc:
+                proxy.startup_error = exc
+                raise
+            proxy.started.set()
             yield
-        finally:
-            if refiner is not None:
-                refiner.stop()
-            await dispatcher.stop(settings.shutdown_grace_s)  # in-flight answers get the grace period, no more
-            await learning.stop()  # after the drain: the last requests are learned, then saved
-            _save_limits(limits)
-            await pool.aclose()
 
     api = FastAPI(title="clairvoyant", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    proxy = ProxyApp(api, settings, metrics)
+    _add_own_endpoints(api, proxy)
+    return proxy
+
+
+async def _start(
+    stack: AsyncExitStack, proxy: ProxyApp, predictor: Predictor | None, clock: Clock, transport: Any
+) -> ProxyState:
+    """Start every part, in order, pushing each one's stop on ``stack`` once it has started."""
+    settings, metrics = proxy.settings, proxy.metrics
+    # A model that fails to load fails start-up: there is no silent fallback predictor.
+    loaded = predictor if predictor is not None else OnnxPredictor(settings.model_path)
+    pool = BackendPool(settings, transport=transport)
+    stack.push_async_callback(pool.aclose)
+    await pool.discover()  # a pool's kinds and llama.cpp slots, before the dispatcher counts slots
+    limits = TenantLimits(settings.tenant_limits, state_path=_limits_path(settings))
+    limits.load()
+    stack.callback(_save_limits, limits)
+    encoder = _load_encoder(settings, loaded)
+    learning = OnlineLearning(settings, loaded, metrics, encoder)
+    await learning.start()
+    stack.push_async_callback(learning.stop)  # after the drain: the last requests are learned, then saved
+    dispatcher = _dispatcher(settings, pool, clock, metrics, proxy.tenant_weights)
+    await dispatcher.start()
+    # In-flight answers get the grace period, no more.
+    stack.push_async_callback(dispatcher.stop, settings.shutdown_grace_s)
+    pool.start(dispatcher)
+    refiner = None
+    if encoder is not None:
+        refiner = _start_refiner(settings, loaded, encoder, dispatcher, metrics)
+        stack.callback(refiner.stop)
+    if settings.online_learning:  # the learner's encoder pass for requests that never waited
+        learning.recorder.refiner = refiner
+    metrics.known_tenants = _known_tenants(settings)
+    supersede = SupersedeKeys(settings.supersede_running)
+    scheduling = Scheduling(settings, loaded, pool, metrics, dispatcher, learning.recorder, refiner, limits, supersede)
+    history = History()
+    _run_background_tasks(settings, pool, dispatcher, limits, history)
+    _log_ready(settings, pool, dispatcher)
+    return ProxyState(settings, loaded, pool, dispatcher, metrics, learning, scheduling, limits, history)
+
+
+def _dispatcher(
+    settings: Settings, pool: BackendPool, clock: Clock, metrics: Metrics, tenant_weights: dict[str, float]
+) -> Dispatcher:
+    """The queue the policy orders, and the dispatcher that grants its requests the pool's slots."""
+    policy = make_policy(
+        settings.policy, PolicyParams(settings.boost_gamma_per_s, settings.boost_auto_gamma, settings.boost_max_s)
+    )
+    slowdown: float | AdaptiveSlowdown = settings.starvation_slowdown
+    if settings.starvation_slowdown_adaptive:
+        slowdown = AdaptiveSlowdown(settings.starvation_slowdown)
+    queue = build_queue(
+        policy,
+        starvation_timeout_s=settings.starvation_timeout_s,
+        starvation_slowdown=slowdown,
+        fair_share=settings.fair_share,
+        tenant_weights=tenant_weights,  # the app's own dict: a reload of the keys updates it in place
+        model_switch_bound_s=settings.model_switch_bound_s,
+    )
+    service_time = ServiceTimeModel(path=settings.service_time_path)
+    service_time.load()
+    return Dispatcher(
+        queue, policy, backends=pool.scheduling_backends(), clock=clock, metrics=metrics, max_queue=settings.max_queue,
+        service_time=service_time, min_retry_after_s=settings.retry_after_s,
+        starvation_timeout_s=settings.starvation_timeout_s, starvation_slowdown=slowdown,
+    )  # fmt: skip
+
+
+def _run_background_tasks(
+    settings: Settings, pool: BackendPool, dispatcher: Dispatcher, limits: TenantLimits, history: History
+) -> None:
+    """The dispatcher's detached tasks (cancelled when it stops): each backend's first health check,
+    the tenants' counts saved, the live page's history."""
+    for member in pool.members:
+        dispatcher.run_detached(
+            _check_upstream_at_start(member.upstream, settings.backend_wait_s),
+            name=f"upstream-check-{member.name}",
+            cancel_at_stop=True,
+        )
+    if limits.state_path is not None:
+        dispatcher.run_detached(
+            _save_limits_periodically(limits, settings.learner_save_interval_s), "limits-save", cancel_at_stop=True
+        )
+    dispatcher.run_detached(record_periodically(history, dispatcher, limits), "history", cancel_at_stop=True)
+
+
+def _log_ready(settings: Settings, pool: BackendPool, dispatcher: Dispatcher) -> None:
+    logger.info(
+        "clairvoyant ready: backends=%s policy=%s tau=%ss+%sxS slots=%d max_queue=%d disconnect_mode=%s",
+        ", ".join(f"{m.name}={m.upstream.display_url} ({m.kind}, {m.slots} slots)" for m in pool.members),
+        settings.policy, settings.starvation_timeout_s, settings.starvation_slowdown, dispatcher.slots,
+        settings.max_queue, settings.disconnect_mode,
+    )  # fmt: skip
+    if settings.api_keys:
+        logger.info("authentication on: %d API key(s)", len(settings.api_keys))
+        return
+    logger.info("authentication off: no api_keys")
+    if settings.host not in LOOPBACK_HOSTS:
+        logger.warning(
+            "listening on %s with no API keys: anyone who can reach this port can use the backend "
+            "(add [[api_keys]]: `clairvoyant keys add`)", settings.host,
+        )  # fmt: skip
+
+
+def _add_own_endpoints(api: FastAPI, proxy: ProxyApp) -> None:
+    """The proxy's own GET endpoints, served by FastAPI: health, readiness, metrics, the queue, the
+    live page."""
+    metrics = proxy.metrics
 
     @api.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -299,8 +335,6 @@ def create_app(
     # The live queue page: static files in the package, no build step, no CDN. The page loads
     # without a key; the data it polls (/queue, /metrics, /history) needs one when status_requires_key.
     api.mount("/ui/", StaticFiles(directory=UI_DIR, html=True), name="ui")
-    proxy = ProxyApp(api, settings, metrics)
-    return proxy
 
 
 class ProxyApp:
@@ -314,7 +348,7 @@ class ProxyApp:
         self.body_budget = BodyBudget(settings.body_budget_bytes)
         self.proxy: ProxyState | None = None  # set by the lifespan once started
         self.started = asyncio.Event()
-        self.startup_failed = False
+        self.startup_error: BaseException | None = None  # what stopped the lifespan's start-up
         self.tenant_weights = settings.tenant_weights  # the fair-share queue reads this very dict
 
     def reload_keys(self, new: Settings) -> None:
