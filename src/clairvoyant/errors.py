@@ -22,7 +22,8 @@
         ├── UpstreamUnavailable      502 backend refused or dropped the connection
         └── UpstreamTimeout          504 backend did not connect/answer in time
 
-The app maps a RequestError to the client's dialect (OpenAI or Ollama) in one handler.
+The app maps a RequestError to the client's dialect (OpenAI or Ollama) in one handler. A
+RequestError whose ``retry_after_s`` is set (by its class, or by the raiser) carries Retry-After.
 """
 
 from __future__ import annotations
@@ -68,16 +69,21 @@ class RequestError(ClairvoyantError):
     status_code: int = 500
     error_type: str = "server_error"
     code: str | None = None
+    retry_after_s: int | None = None  # seconds: sent as Retry-After when set (by the class or the raiser)
 
-    def __init__(self, message: str, *, param: str | None = None, detail: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, param: str | None = None, detail: str | None = None, retry_after_s: int | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message  # sent to the client: never an internal address or a secret
         self.param = param
         self.detail = detail or message  # for the proxy's own log only
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
 
     @property
     def headers(self) -> dict[str, str]:
-        return {}
+        return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
 
 
 class BadRequest(RequestError):
@@ -145,23 +151,12 @@ class BodyBudgetExhausted(RequestError):
     code = "body_budget_exhausted"
     retry_after_s = 1  # held bodies leave as their requests are answered
 
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(self.retry_after_s)}
-
 
 class QueueFull(RequestError):
     status_code = 503
     error_type = "server_error"
     code = "queue_full"
-
-    def __init__(self, message: str, *, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(self.retry_after_s)}
+    retry_after_s = 1  # the raiser gives the queue tail's ETA
 
 
 class QueueDeadline(RequestError):
@@ -171,14 +166,7 @@ class QueueDeadline(RequestError):
     status_code = 503
     error_type = "server_error"
     code = "queue_deadline"
-
-    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(self.retry_after_s)}
+    retry_after_s = 1
 
 
 class Superseded(RequestError):
@@ -197,14 +185,9 @@ class LimitExceeded(RequestError):
     error_type = "rate_limit_error"
 
     def __init__(self, message: str, *, code: str, limit: str, retry_after_s: int) -> None:
-        super().__init__(message)
+        super().__init__(message, retry_after_s=retry_after_s)
         self.code = code
         self.limit = limit  # max_concurrent, requests_per_minute or tokens_per_day
-        self.retry_after_s = retry_after_s
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(self.retry_after_s)}
 
 
 class GenerationTimeLimit(RequestError):
