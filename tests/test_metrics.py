@@ -119,3 +119,20 @@ def test_series_known_at_start_are_exported_at_zero_before_any_event() -> None:
             assert samples[key] == 0.0
     for reason in ("client_timeout", "body_budget"):
         assert samples[("clairvoyant_client_rejections_total", (("reason", reason),))] == 0.0
+
+
+def test_each_declared_family_is_built_from_its_spec_as_its_attributes_type() -> None:
+    from prometheus_client import Histogram
+
+    from clairvoyant.metrics import metric_specs
+
+    metrics = Metrics()
+    specs = metric_specs()
+    assert len(specs) == 33 and len({spec.name for _, _, spec in specs}) == 33
+    for attribute, kind, spec in specs:
+        built = getattr(metrics, attribute)
+        assert type(built) is kind, attribute
+        assert (built._name, built._documentation, built._labelnames) == (spec.name, spec.help, spec.labels)
+        if kind is Histogram:
+            assert spec.buckets is not None and built._upper_bounds == [*map(float, spec.buckets), math.inf]
+    assert type(metrics.queue_wait).__name__ == "Histogram" and type(metrics.learner_up).__name__ == "Gauge"

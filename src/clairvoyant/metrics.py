@@ -13,6 +13,7 @@ dashboards and alerts see them before the first event.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -24,7 +25,7 @@ from clairvoyant.prediction.usage import UsageSource
 if TYPE_CHECKING:
     from clairvoyant.prediction.learner import ModelQuality
 
-__all__ = ["CONTENT_TYPE_LATEST", "MAX_MODEL_LABELS", "Metrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "MAX_MODEL_LABELS", "MetricSpec", "Metrics", "metric_specs"]
 
 CLASSES = CLASS_NAMES  # one definition, in length_classes
 # Seconds: from a cached 1-token answer to a 30-minute queue.
@@ -39,103 +40,180 @@ CLIENT_REJECTION_REASONS = ("client_timeout", "body_budget")
 TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 200, 256, 400, 600, 800, 1024, 1600, 2048, 4096, 8192)
 # Model labels published, at most (the learner bounds its keys already: this is a second fence).
 MAX_MODEL_LABELS = 32
+Kind = type[Counter] | type[Gauge] | type[Histogram]
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One metric family as data. Its kind (Counter, Gauge, Histogram) is the type its attribute
+    is annotated with in ``Metrics``."""
+
+    name: str
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None  # histograms only
+
+    def build(self, kind: Kind, registry: CollectorRegistry) -> Counter | Gauge | Histogram:
+        if kind is Histogram:
+            assert self.buckets is not None, f"{self.name}: a histogram needs buckets"
+            return Histogram(self.name, self.help, self.labels, registry=registry, buckets=self.buckets)
+        return kind(self.name, self.help, self.labels, registry=registry)
+
+
+def family(name: str, *labels: str, help: str, buckets: tuple[float, ...] | None = None) -> Any:
+    """Declare a metric of ``Metrics``. Typed ``Any``, as ``dataclasses.field`` is, so that the
+    attribute keeps its metric type for the type checker; ``Metrics()`` builds the real metric."""
+    return MetricSpec(name, help, labels, buckets)
 
 
 class Metrics:
     """The proxy's metrics. Attributes are the metrics (``labels()``) and the children the request
-    path updates (``inc``/``dec``/``set``/``observe``); ``render()`` is the exposition."""
+    path updates (``inc``/``dec``/``set``/``observe``); ``render()`` is the exposition. The families
+    are declared below as data (``family``) and registered in that order by ``__init__``."""
+
+    queue_depth: Gauge = family(
+        "clairvoyant_queue_depth", "predicted_class",
+        help="Requests waiting in the scheduling queue, by predicted class.",
+    )  # fmt: skip
+    in_flight: Gauge = family("clairvoyant_in_flight_requests", help="Scheduled requests holding a backend slot.")
+    # Per backend of the pool (their names come from the configuration: bounded by it).
+    backend_in_flight: Gauge = family(
+        "clairvoyant_backend_in_flight_requests", "backend", help="Scheduled requests holding a slot of this backend.",
+    )  # fmt: skip
+    backend_healthy: Gauge = family(
+        "clairvoyant_backend_healthy", "backend",
+        help="1 while this backend's last health check or connection succeeded, else 0.",
+    )  # fmt: skip
+    backend_slots: Gauge = family("clairvoyant_backend_slots", "backend", help="Requests this backend runs at once.")
+    backend_requests: Counter = family(
+        "clairvoyant_backend_requests", "backend", "outcome",
+        help="Requests sent to this backend, scheduled or passed through, by outcome: answered (it sent a status), "
+        "refused (connection refused: nothing sent), failed (no status), failed_mid_answer.",
+    )  # fmt: skip
+    model_switches: Counter = family(
+        "clairvoyant_model_switches", "backend",
+        help="Scheduled requests sent to this backend for a model it did not hold while it held another (it loads the "
+        "model first: seconds to minutes on Ollama or llama-swap).",
+    )  # fmt: skip
+    requests: Counter = family(
+        "clairvoyant_requests", "endpoint", "dialect", "status",
+        help="Answered requests by endpoint, dialect and HTTP status.",
+    )  # fmt: skip
+    rejections: Counter = family(
+        "clairvoyant_rejections", "reason", help="Requests refused before queueing, by reason.",
+    )  # fmt: skip
+    starvation_promotions: Counter = family(
+        "clairvoyant_starvation_promotions",
+        help="Dispatches decided by the starvation timeout against the score order.",
+    )  # fmt: skip
+    queue_wait: Histogram = family(
+        "clairvoyant_queue_wait_seconds", "predicted_class", buckets=LATENCY_BUCKETS,
+        help="Time from arrival to dispatch, by predicted class.",
+    )  # fmt: skip
+    end_to_end: Histogram = family(
+        "clairvoyant_end_to_end_seconds", "predicted_class", buckets=LATENCY_BUCKETS,
+        help="Time from arrival to the last byte sent, by predicted class.",
+    )  # fmt: skip
+    ttft: Histogram = family(
+        "clairvoyant_time_to_first_byte_seconds", "predicted_class", buckets=LATENCY_BUCKETS,
+        help="Time from arrival to the first body byte relayed (TTFT for streams), by predicted class.",
+    )  # fmt: skip
+    predictor_latency: Histogram = family(
+        "clairvoyant_predictor_seconds", buckets=PREDICTOR_BUCKETS,
+        help="Feature extraction plus model scoring time per request.",
+    )  # fmt: skip
+    starvation_timeout: Gauge = family(
+        "clairvoyant_starvation_timeout_seconds", help="Current starvation timeout tau (+Inf when disabled).",
+    )  # fmt: skip
+    upstream_errors: Counter = family(
+        "clairvoyant_upstream_errors", "kind", help="Backend failures by kind (unavailable, timeout).",
+    )  # fmt: skip
+    client_rejections: Counter = family(
+        "clairvoyant_client_rejections", "reason",
+        help="Requests cut off by a client limit: client_timeout (a body not whole in time), body_budget (no room for "
+        "its body).",
+    )  # fmt: skip
+    client_disconnects: Counter = family(
+        "clairvoyant_client_disconnects", "stage", help="Clients that left before their answer ended, by stage.",
+    )  # fmt: skip
+    # Per tenant (configured tenants by name; any other "other", none "none": bounded).
+    tenant_requests: Counter = family(
+        "clairvoyant_tenant_requests", "tenant",
+        help="Scheduled requests admitted past the tenant's limits, by tenant.",
+    )  # fmt: skip
+    tenant_tokens: Counter = family(
+        "clairvoyant_tenant_output_tokens", "tenant",
+        help="Completion tokens the backend reported for the tenant's answers (what tokens_per_day counts), by tenant.",
+    )  # fmt: skip
+    tenant_wait: Histogram = family(
+        "clairvoyant_tenant_queue_wait_seconds", "tenant", buckets=LATENCY_BUCKETS,
+        help="Time from arrival to dispatch, by tenant.",
+    )  # fmt: skip
+    tenant_refusals: Counter = family(
+        "clairvoyant_tenant_refusals", "tenant", "limit",
+        help="Scheduled requests refused with 429 for a tenant's limit, by tenant and limit (max_concurrent, "
+        "requests_per_minute, tokens_per_day).",
+    )  # fmt: skip
+    # Closed loop: what the backend really produced, and how well it was predicted.
+    usage_observations: Counter = family(
+        "clairvoyant_usage_observations", "source",
+        help="Completed scheduled requests by where their output length came from (openai_usage, llamacpp_timings, "
+        "llamacpp_tokens_predicted, ollama_eval_count, stream_events, none).",
+    )  # fmt: skip
+    observed_output_tokens: Histogram = family(
+        "clairvoyant_observed_output_tokens", buckets=TOKEN_BUCKETS,
+        help="Output tokens per completed scheduled request, as the backend reported (or the stream counted) them.",
+    )  # fmt: skip
+    prediction_kendall_tau: Gauge = family(
+        "clairvoyant_prediction_kendall_tau", "model",
+        help="Rolling Kendall tau_b between predicted and observed output tokens (each prediction as made, before "
+        "learning its request), by model (the online learner's key: the model the request named).",
+    )  # fmt: skip
+    prediction_log_error: Gauge = family(
+        "clairvoyant_prediction_abs_log_token_error", "model",
+        help="Rolling mean |ln(predicted tokens) - ln(observed tokens)|, by model.",
+    )  # fmt: skip
+    prediction_window: Gauge = family(
+        "clairvoyant_prediction_quality_window_requests", "model",
+        help="Observed requests in the rolling prediction-quality window, by model.",
+    )  # fmt: skip
+    # The online learner's process (clairvoyant.prediction.learner_process), as last seen at a scrape
+    learner_up: Gauge = family(
+        "clairvoyant_learner_up",
+        help="1 while the online learner's process runs; 0 if it could not start, or died and is not yet running again"
+        " (its last fit keeps correcting predictions meanwhile).",
+    )  # fmt: skip
+    learner_refits: Counter = family(
+        "clairvoyant_learner_refits", help="Fits the online learner's process has sent since the proxy started.",
+    )  # fmt: skip
+    learner_dropped: Counter = family(
+        "clairvoyant_learner_dropped_observations",
+        help="Completed requests the online learner never received: its process was not running, or was backed up.",
+    )  # fmt: skip
+    learner_sampled_out: Counter = family(
+        "clairvoyant_learner_sampled_out_observations",
+        help="Completed requests the online learner skipped because they came faster than "
+        "learner_max_observations_per_s (counted in the usage metrics all the same).",
+    )  # fmt: skip
+    # Updated from the encoder's thread too (prometheus_client's metrics are thread-safe).
+    encoder_latency: Histogram = family(
+        "clairvoyant_encoder_seconds", buckets=ENCODER_BUCKETS,
+        help="The encoder's time per waiting request it refines (on its own thread, never the event loop).",
+    )  # fmt: skip
+    encoder_requests: Counter = family(
+        "clairvoyant_encoder_requests", "outcome",
+        help="Requests handed to the encoder, by outcome. Waiting requests: refined (re-keyed in the queue), late "
+        "(dispatched before its result), skipped (dispatched before its turn), bypassed (not handed over: the "
+        "queue has been turning over faster than the encoder answers; one a second still is), dropped (the "
+        "encoder's queue was full), failed. Completed requests encoded for the online learner: learning, or "
+        "learning_dropped (over its share of the encoder's time; the learner counts the request for its quality "
+        "figures only).",
+    )  # fmt: skip
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
-        self.queue_depth = self._gauge(
-            "clairvoyant_queue_depth",
-            "Requests waiting in the scheduling queue, by predicted class.",
-            ["predicted_class"],
-        )
-        self.in_flight = self._gauge("clairvoyant_in_flight_requests", "Scheduled requests holding a backend slot.")
-        # Per backend of the pool (their names come from the configuration: bounded by it).
-        self.backend_in_flight = self._gauge(
-            "clairvoyant_backend_in_flight_requests",
-            "Scheduled requests holding a slot of this backend.",
-            ["backend"],
-        )
-        self.backend_healthy = self._gauge(
-            "clairvoyant_backend_healthy",
-            "1 while this backend's last health check or connection succeeded, else 0.",
-            ["backend"],
-        )
-        self.backend_slots = self._gauge(
-            "clairvoyant_backend_slots", "Requests this backend runs at once.", ["backend"]
-        )
-        self.backend_requests = self._counter(
-            "clairvoyant_backend_requests",
-            "Requests sent to this backend, scheduled or passed through, by outcome: answered (it sent a status), "
-            "refused (connection refused: nothing sent), failed (no status), failed_mid_answer.",
-            ["backend", "outcome"],
-        )
-        self.model_switches = self._counter(
-            "clairvoyant_model_switches",
-            "Scheduled requests sent to this backend for a model it did not hold while it held another (it loads "
-            "the model first: seconds to minutes on Ollama or llama-swap).",
-            ["backend"],
-        )
-        self.requests = self._counter(
-            "clairvoyant_requests",
-            "Answered requests by endpoint, dialect and HTTP status.",
-            ["endpoint", "dialect", "status"],
-        )
-        self.rejections = self._counter(
-            "clairvoyant_rejections",
-            "Requests refused before queueing, by reason.",
-            ["reason"],
-        )
-        self.starvation_promotions = self._counter(
-            "clairvoyant_starvation_promotions",
-            "Dispatches decided by the starvation timeout against the score order.",
-        )
-        self.queue_wait = self._histogram(
-            "clairvoyant_queue_wait_seconds",
-            "Time from arrival to dispatch, by predicted class.",
-            ["predicted_class"],
-            buckets=LATENCY_BUCKETS,
-        )
-        self.end_to_end = self._histogram(
-            "clairvoyant_end_to_end_seconds",
-            "Time from arrival to the last byte sent, by predicted class.",
-            ["predicted_class"],
-            buckets=LATENCY_BUCKETS,
-        )
-        self.ttft = self._histogram(
-            "clairvoyant_time_to_first_byte_seconds",
-            "Time from arrival to the first body byte relayed (TTFT for streams), by predicted class.",
-            ["predicted_class"],
-            buckets=LATENCY_BUCKETS,
-        )
-        self.predictor_latency = self._histogram(
-            "clairvoyant_predictor_seconds",
-            "Feature extraction plus model scoring time per request.",
-            buckets=PREDICTOR_BUCKETS,
-        )
-        self.starvation_timeout = self._gauge(
-            "clairvoyant_starvation_timeout_seconds",
-            "Current starvation timeout tau (+Inf when disabled).",
-        )
-        self.upstream_errors = self._counter(
-            "clairvoyant_upstream_errors",
-            "Backend failures by kind (unavailable, timeout).",
-            ["kind"],
-        )
-        self.client_rejections = self._counter(
-            "clairvoyant_client_rejections",
-            "Requests cut off by a client limit: client_timeout (a body not whole in time), body_budget (no room "
-            "for its body).",
-            ["reason"],
-        )
-        self.client_disconnects = self._counter(
-            "clairvoyant_client_disconnects",
-            "Clients that left before their answer ended, by stage.",
-            ["stage"],
-        )
+        for attribute, kind, spec in metric_specs():
+            setattr(self, attribute, spec.build(kind, self.registry))
         # Labelled children resolved once: `.labels()` costs ~20 us, and this is the request path.
         # Creating them also exports zeros, so dashboards see every series from the start.
         self.depth_by_class = {cls: self.queue_depth.labels(cls) for cls in CLASSES}
@@ -147,107 +225,10 @@ class Metrics:
         self.upstream_errors_by_kind = {k: self.upstream_errors.labels(k) for k in ("unavailable", "timeout")}
         for reason in CLIENT_REJECTION_REASONS:
             self.client_rejections.labels(reason)
-
-        # Per tenant (configured tenants by name; any other "other", none "none": bounded).
         self.known_tenants: frozenset[str] = frozenset()
-        self.tenant_requests = self._counter(
-            "clairvoyant_tenant_requests",
-            "Scheduled requests admitted past the tenant's limits, by tenant.",
-            ["tenant"],
-        )
-        self.tenant_tokens = self._counter(
-            "clairvoyant_tenant_output_tokens",
-            "Completion tokens the backend reported for the tenant's answers (what tokens_per_day counts), by tenant.",
-            ["tenant"],
-        )
-        self.tenant_wait = self._histogram(
-            "clairvoyant_tenant_queue_wait_seconds",
-            "Time from arrival to dispatch, by tenant.",
-            ["tenant"],
-            buckets=LATENCY_BUCKETS,
-        )
-        self.tenant_refusals = self._counter(
-            "clairvoyant_tenant_refusals",
-            "Scheduled requests refused with 429 for a tenant's limit, by tenant and limit "
-            "(max_concurrent, requests_per_minute, tokens_per_day).",
-            ["tenant", "limit"],
-        )
-        # Closed loop: what the backend really produced, and how well it was predicted.
-        self.usage_observations = self._counter(
-            "clairvoyant_usage_observations",
-            "Completed scheduled requests by where their output length came from "
-            "(openai_usage, llamacpp_timings, llamacpp_tokens_predicted, ollama_eval_count, stream_events, none).",
-            ["source"],
-        )
-        self.observed_output_tokens = self._histogram(
-            "clairvoyant_observed_output_tokens",
-            "Output tokens per completed scheduled request, as the backend reported (or the stream counted) them.",
-            buckets=TOKEN_BUCKETS,
-        )
-        self.prediction_kendall_tau = self._gauge(
-            "clairvoyant_prediction_kendall_tau",
-            "Rolling Kendall tau_b between predicted and observed output tokens (each prediction as made, "
-            "before learning its request), by model (the online learner's key: the model the request named).",
-            ["model"],
-        )
-        self.prediction_log_error = self._gauge(
-            "clairvoyant_prediction_abs_log_token_error",
-            "Rolling mean |ln(predicted tokens) - ln(observed tokens)|, by model.",
-            ["model"],
-        )
-        self.prediction_window = self._gauge(
-            "clairvoyant_prediction_quality_window_requests",
-            "Observed requests in the rolling prediction-quality window, by model.",
-            ["model"],
-        )
-        # The online learner's process (clairvoyant.prediction.learner_process), as last seen at a scrape
-        self.learner_up = self._gauge(
-            "clairvoyant_learner_up",
-            "1 while the online learner's process runs; 0 if it could not start, or died and is not yet running "
-            "again (its last fit keeps correcting predictions meanwhile).",
-        )
-        self.learner_refits = self._counter(
-            "clairvoyant_learner_refits",
-            "Fits the online learner's process has sent since the proxy started.",
-        )
-        self.learner_dropped = self._counter(
-            "clairvoyant_learner_dropped_observations",
-            "Completed requests the online learner never received: its process was not running, or was backed up.",
-        )
-        self.learner_sampled_out = self._counter(
-            "clairvoyant_learner_sampled_out_observations",
-            "Completed requests the online learner skipped because they came faster than "
-            "learner_max_observations_per_s (counted in the usage metrics all the same).",
-        )
-        # Updated from the encoder's thread too (prometheus_client's metrics are thread-safe).
-        self.encoder_latency = self._histogram(
-            "clairvoyant_encoder_seconds",
-            "The encoder's time per waiting request it refines (on its own thread, never the event loop).",
-            buckets=ENCODER_BUCKETS,
-        )
-        self.encoder_requests = self._counter(
-            "clairvoyant_encoder_requests",
-            "Requests handed to the encoder, by outcome. Waiting requests: refined (re-keyed in the queue), late "
-            "(dispatched before its result), skipped (dispatched before its turn), bypassed (not handed over: the queue "
-            "has been turning over faster than the encoder answers; one a second still is), dropped (the encoder's queue was "
-            "full), failed. Completed requests encoded for the online learner: learning, or learning_dropped (over "
-            "its share of the encoder's time; the learner counts the request for its quality figures only).",
-            ["outcome"],
-        )
         self.usage_by_source = {s: self.usage_observations.labels(s) for s in get_args(UsageSource)}
         self._quality_gauges: dict[str, tuple[Any, Any, Any]] = {}  # model key -> its 3 gauges
         self._learner_totals = (0, 0)  # refits and dropped observations published so far
-
-    def _counter(self, name: str, documentation: str, labelnames: tuple[str, ...] | list[str] = ()) -> Counter:
-        return Counter(name, documentation, labelnames, registry=self.registry)
-
-    def _gauge(self, name: str, documentation: str, labelnames: tuple[str, ...] | list[str] = ()) -> Gauge:
-        return Gauge(name, documentation, labelnames, registry=self.registry)
-
-    def _histogram(
-        self, name: str, documentation: str, labelnames: tuple[str, ...] | list[str] = (), *, buckets: tuple[float, ...]
-    ) -> Histogram:
-        return Histogram(name, documentation, labelnames, registry=self.registry, buckets=buckets)
 
     def tenant(self, name: str) -> str:
         """A tenant's label: its name when configured, else "other" ("none" for no tenant)."""
@@ -300,3 +281,16 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+_KINDS: dict[str, type[Counter] | type[Gauge] | type[Histogram]] = {
+    "Counter": Counter,
+    "Gauge": Gauge,
+    "Histogram": Histogram,
+}
+
+
+def metric_specs() -> list[tuple[str, type[Counter] | type[Gauge] | type[Histogram], MetricSpec]]:
+    """Every family ``Metrics`` declares, in order: (attribute, kind, spec)."""
+    kinds = Metrics.__annotations__  # the names of the types (postponed annotations)
+    return [(name, _KINDS[kinds[name]], spec) for name, spec in vars(Metrics).items() if isinstance(spec, MetricSpec)]
