@@ -36,8 +36,8 @@ turned into spaces, and the result is split on whitespace (so "step-by-step" is 
 keyword sets. Everything runs in C-level str/bytes/set operations (one regex only when a trigger
 word is present); the keyword and lexicon sum over the window's words and word pairs is one set of
 dict lookups and one integer ``sum`` (``_term_total``).
-tests/test_features_reference.py pins every value against the plainer code the shipped model was
-trained with.
+tests/test_features_reference.py pins every value against golden outputs of the code the shipped
+model was trained with (tests/fixtures/features_golden.json).
 
 Only the first ``SCAN_HEAD_CHARS`` and last ``SCAN_TAIL_CHARS`` characters (rich_v2: 500 and 100)
 are scanned for words,
@@ -273,8 +273,8 @@ _LENGTH_RE = re.compile(
 #   tests one byte per group instead of one per alternative: ~25% cheaper again on the longest windows
 #   (the predictor's p99). Only whether there is a match is read, and the language is
 #   the same, so the order of the alternatives does not matter.
-# tests/test_features_reference.py compares it with _LENGTH_RE on near misses and with the
-# reference extractor on ShareGPT.
+# tests/test_features_reference.py compares it with _LENGTH_RE on near misses, and the golden
+# outputs pin the extractor on ShareGPT.
 _LENGTH_SEARCH = re.compile(
     rb"[^0-9A-Z_a-z](?:b(?:riefly|rief)|c(?:oncisely|oncise)|s(?:hortly|hort|uccinctly|uccinct)"
     rb"|one liner|t(?:l dr|ldr)|detailed|elaborate"
@@ -622,7 +622,7 @@ def _rich_values(prompt: Prompt, head: int, tail_chars: int, table: _KeywordTabl
     """rich_v1 (and, with a lexicon ``table``, rich_v3) on the given scan window, in one pass of
     C-level operations: ``_paper19_values``, the word-group loops and the lexicon folded into the
     keyword tables above (tests/test_features_reference.py pins it value for value against the
-    earlier, plainer code)."""
+    golden outputs of the earlier, plainer code)."""
     text = prompt.instruction
     n_chars = len(text)
     window = text if n_chars <= head + tail_chars else text[:head] + "\n" + text[-tail_chars:]
