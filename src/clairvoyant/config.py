@@ -575,7 +575,6 @@ class ConfigFileSource(TomlConfigSettingsSource):
     def __init__(self, settings_cls: type[BaseSettings], path: Path) -> None:
         if not path.is_file():  # the library skips a missing file; one named on purpose must exist
             raise ConfigError(f"config file {path} not found")
-        self.path = path
         super().__init__(settings_cls, toml_file=path)
 
     def _read_file(self, file_path: Path | Traversable) -> dict[str, Any]:
@@ -586,14 +585,12 @@ class ConfigFileSource(TomlConfigSettingsSource):
         for key in sorted(set(data) & set(RETIRED_SETTINGS)):
             logger.warning("config file %s: %s has no effect any more (%s)", file_path, key, RETIRED_SETTINGS[key])
             del data[key]
-        unknown = sorted(set(data) - set(Settings.model_fields))
+        unknown = [
+            f"config file {file_path}: unknown setting {key!r}{_did_you_mean(key, Settings.model_fields)}"
+            for key in sorted(set(data) - set(Settings.model_fields))
+        ]
         if unknown:
-            raise ConfigError(
-                "; ".join(
-                    f"config file {file_path}: unknown setting {key!r}{_did_you_mean(key, Settings.model_fields)}"
-                    for key in unknown
-                )
-            )
+            raise ConfigError("; ".join(unknown))
         return data
 
 
@@ -610,7 +607,7 @@ def _origin(name: str, flags: Mapping[str, Any], config_file: ConfigFileSource |
     if variable is not None:
         return variable
     if config_file is not None and name in config_file.toml_data:
-        return f"config file {config_file.path}, key {name}"
+        return f"config file {config_file.toml_file_path}, key {name}"
     return "the default"
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, get_args
+from typing import TYPE_CHECKING, Any, get_args, get_type_hints
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -283,14 +283,7 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-_KINDS: dict[str, type[Counter] | type[Gauge] | type[Histogram]] = {
-    "Counter": Counter,
-    "Gauge": Gauge,
-    "Histogram": Histogram,
-}
-
-
-def metric_specs() -> list[tuple[str, type[Counter] | type[Gauge] | type[Histogram], MetricSpec]]:
+def metric_specs() -> list[tuple[str, Kind, MetricSpec]]:
     """Every family ``Metrics`` declares, in order: (attribute, kind, spec)."""
-    kinds = Metrics.__annotations__  # the names of the types (postponed annotations)
-    return [(name, _KINDS[kinds[name]], spec) for name, spec in vars(Metrics).items() if isinstance(spec, MetricSpec)]
+    kinds = get_type_hints(Metrics)  # the families' annotations, as classes
+    return [(name, kinds[name], spec) for name, spec in vars(Metrics).items() if isinstance(spec, MetricSpec)]

@@ -110,13 +110,12 @@ class ProxyServer:
             if serving.done():  # it ended before the app started: the port, or the app's start-up
                 ready.cancel()
                 error = serving.exception()  # retrieved in every case (else asyncio logs it at collection)
-                failure = self.app.startup_error
+                failure = self.app.startup_error  # the app's own start-up, named as it was
                 if failure is not None:
-                    raise StartupFailed(f"the proxy failed to start: {_first_line(failure)}", EXIT_STARTUP_FAILED)
+                    raise StartupFailed(f"the proxy failed to start: {failure}", EXIT_STARTUP_FAILED)
                 if error is not None:
-                    raise StartupFailed(
-                        f"cannot listen on {self.host}:{self.port}: {_first_line(error)}", EXIT_CANNOT_BIND
-                    )
+                    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]  # not the Rust backtrace
+                    raise StartupFailed(f"cannot listen on {self.host}:{self.port}: {reason}", EXIT_CANNOT_BIND)
                 raise StartupFailed("the proxy failed to start (see the log above)", EXIT_STARTUP_FAILED)
             self.started.set()
             logger.info("serving on http://%s:%d", self.host, self.port)
@@ -171,11 +170,6 @@ class ProxyServer:
             logger.error("%s", failed)
             return failed.exit_code
         return 0
-
-
-def _first_line(error: BaseException) -> str:
-    """An error's first line, or its type's name (not a Rust backtrace)."""
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def serve_in_thread(server: ProxyServer, timeout_s: float = 30.0) -> threading.Thread:
