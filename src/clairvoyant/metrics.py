@@ -69,146 +69,92 @@ def family(name: str, *labels: str, help: str, buckets: tuple[float, ...] | None
 class Metrics:
     """The proxy's metrics. Attributes are the metrics (``labels()``) and the children the request
     path updates (``inc``/``dec``/``set``/``observe``); ``render()`` is the exposition. The families
-    are declared below as data (``family``) and registered in that order by ``__init__``."""
+    are declared below as data (``family``), one a row (its help on the next lines), and registered in
+    that order by ``__init__``."""
 
-    queue_depth: Gauge = family(
-        "clairvoyant_queue_depth", "predicted_class",
-        help="Requests waiting in the scheduling queue, by predicted class.",
-    )  # fmt: skip
+    # fmt: off
+    queue_depth: Gauge = family("clairvoyant_queue_depth", "predicted_class",
+        help="Requests waiting in the scheduling queue, by predicted class.")
     in_flight: Gauge = family("clairvoyant_in_flight_requests", help="Scheduled requests holding a backend slot.")
     # Per backend of the pool (their names come from the configuration: bounded by it).
-    backend_in_flight: Gauge = family(
-        "clairvoyant_backend_in_flight_requests", "backend", help="Scheduled requests holding a slot of this backend.",
-    )  # fmt: skip
-    backend_healthy: Gauge = family(
-        "clairvoyant_backend_healthy", "backend",
-        help="1 while this backend's last health check or connection succeeded, else 0.",
-    )  # fmt: skip
+    backend_in_flight: Gauge = family("clairvoyant_backend_in_flight_requests", "backend",
+        help="Scheduled requests holding a slot of this backend.")
+    backend_healthy: Gauge = family("clairvoyant_backend_healthy", "backend",
+        help="1 while this backend's last health check or connection succeeded, else 0.")
     backend_slots: Gauge = family("clairvoyant_backend_slots", "backend", help="Requests this backend runs at once.")
-    backend_requests: Counter = family(
-        "clairvoyant_backend_requests", "backend", "outcome",
+    backend_requests: Counter = family("clairvoyant_backend_requests", "backend", "outcome",
         help="Requests sent to this backend, scheduled or passed through, by outcome: answered (it sent a status), "
-        "refused (connection refused: nothing sent), failed (no status), failed_mid_answer.",
-    )  # fmt: skip
-    model_switches: Counter = family(
-        "clairvoyant_model_switches", "backend",
+        "refused (connection refused: nothing sent), failed (no status), failed_mid_answer.")
+    model_switches: Counter = family("clairvoyant_model_switches", "backend",
         help="Scheduled requests sent to this backend for a model it did not hold while it held another (it loads the "
-        "model first: seconds to minutes on Ollama or llama-swap).",
-    )  # fmt: skip
-    requests: Counter = family(
-        "clairvoyant_requests", "endpoint", "dialect", "status",
-        help="Answered requests by endpoint, dialect and HTTP status.",
-    )  # fmt: skip
-    rejections: Counter = family(
-        "clairvoyant_rejections", "reason", help="Requests refused before queueing, by reason.",
-    )  # fmt: skip
-    starvation_promotions: Counter = family(
-        "clairvoyant_starvation_promotions",
-        help="Dispatches decided by the starvation timeout against the score order.",
-    )  # fmt: skip
-    queue_wait: Histogram = family(
-        "clairvoyant_queue_wait_seconds", "predicted_class", buckets=LATENCY_BUCKETS,
-        help="Time from arrival to dispatch, by predicted class.",
-    )  # fmt: skip
-    end_to_end: Histogram = family(
-        "clairvoyant_end_to_end_seconds", "predicted_class", buckets=LATENCY_BUCKETS,
-        help="Time from arrival to the last byte sent, by predicted class.",
-    )  # fmt: skip
-    ttft: Histogram = family(
-        "clairvoyant_time_to_first_byte_seconds", "predicted_class", buckets=LATENCY_BUCKETS,
-        help="Time from arrival to the first body byte relayed (TTFT for streams), by predicted class.",
-    )  # fmt: skip
-    predictor_latency: Histogram = family(
-        "clairvoyant_predictor_seconds", buckets=PREDICTOR_BUCKETS,
-        help="Feature extraction plus model scoring time per request.",
-    )  # fmt: skip
-    starvation_timeout: Gauge = family(
-        "clairvoyant_starvation_timeout_seconds", help="Current starvation timeout tau (+Inf when disabled).",
-    )  # fmt: skip
-    upstream_errors: Counter = family(
-        "clairvoyant_upstream_errors", "kind", help="Backend failures by kind (unavailable, timeout).",
-    )  # fmt: skip
-    client_rejections: Counter = family(
-        "clairvoyant_client_rejections", "reason",
+        "model first: seconds to minutes on Ollama or llama-swap).")
+    requests: Counter = family("clairvoyant_requests", "endpoint", "dialect", "status",
+        help="Answered requests by endpoint, dialect and HTTP status.")
+    rejections: Counter = family("clairvoyant_rejections", "reason",
+        help="Requests refused before queueing, by reason.")
+    starvation_promotions: Counter = family("clairvoyant_starvation_promotions",
+        help="Dispatches decided by the starvation timeout against the score order.")
+    queue_wait: Histogram = family("clairvoyant_queue_wait_seconds", "predicted_class", buckets=LATENCY_BUCKETS,
+        help="Time from arrival to dispatch, by predicted class.")
+    end_to_end: Histogram = family("clairvoyant_end_to_end_seconds", "predicted_class", buckets=LATENCY_BUCKETS,
+        help="Time from arrival to the last byte sent, by predicted class.")
+    ttft: Histogram = family("clairvoyant_time_to_first_byte_seconds", "predicted_class", buckets=LATENCY_BUCKETS,
+        help="Time from arrival to the first body byte relayed (TTFT for streams), by predicted class.")
+    predictor_latency: Histogram = family("clairvoyant_predictor_seconds", buckets=PREDICTOR_BUCKETS,
+        help="Feature extraction plus model scoring time per request.")
+    starvation_timeout: Gauge = family("clairvoyant_starvation_timeout_seconds",
+        help="Current starvation timeout tau (+Inf when disabled).")
+    upstream_errors: Counter = family("clairvoyant_upstream_errors", "kind",
+        help="Backend failures by kind (unavailable, timeout).")
+    client_rejections: Counter = family("clairvoyant_client_rejections", "reason",
         help="Requests cut off by a client limit: client_timeout (a body not whole in time), body_budget (no room for "
-        "its body).",
-    )  # fmt: skip
-    client_disconnects: Counter = family(
-        "clairvoyant_client_disconnects", "stage", help="Clients that left before their answer ended, by stage.",
-    )  # fmt: skip
+        "its body).")
+    client_disconnects: Counter = family("clairvoyant_client_disconnects", "stage",
+        help="Clients that left before their answer ended, by stage.")
     # Per tenant (configured tenants by name; any other "other", none "none": bounded).
-    tenant_requests: Counter = family(
-        "clairvoyant_tenant_requests", "tenant",
-        help="Scheduled requests admitted past the tenant's limits, by tenant.",
-    )  # fmt: skip
-    tenant_tokens: Counter = family(
-        "clairvoyant_tenant_output_tokens", "tenant",
-        help="Completion tokens the backend reported for the tenant's answers (what tokens_per_day counts), by tenant.",
-    )  # fmt: skip
-    tenant_wait: Histogram = family(
-        "clairvoyant_tenant_queue_wait_seconds", "tenant", buckets=LATENCY_BUCKETS,
-        help="Time from arrival to dispatch, by tenant.",
-    )  # fmt: skip
-    tenant_refusals: Counter = family(
-        "clairvoyant_tenant_refusals", "tenant", "limit",
+    tenant_requests: Counter = family("clairvoyant_tenant_requests", "tenant",
+        help="Scheduled requests admitted past the tenant's limits, by tenant.")
+    tenant_tokens: Counter = family("clairvoyant_tenant_output_tokens", "tenant",
+        help="Completion tokens the backend reported for the tenant's answers (what tokens_per_day counts), by tenant.")
+    tenant_wait: Histogram = family("clairvoyant_tenant_queue_wait_seconds", "tenant", buckets=LATENCY_BUCKETS,
+        help="Time from arrival to dispatch, by tenant.")
+    tenant_refusals: Counter = family("clairvoyant_tenant_refusals", "tenant", "limit",
         help="Scheduled requests refused with 429 for a tenant's limit, by tenant and limit (max_concurrent, "
-        "requests_per_minute, tokens_per_day).",
-    )  # fmt: skip
+        "requests_per_minute, tokens_per_day).")
     # Closed loop: what the backend really produced, and how well it was predicted.
-    usage_observations: Counter = family(
-        "clairvoyant_usage_observations", "source",
+    usage_observations: Counter = family("clairvoyant_usage_observations", "source",
         help="Completed scheduled requests by where their output length came from (openai_usage, llamacpp_timings, "
-        "llamacpp_tokens_predicted, ollama_eval_count, stream_events, none).",
-    )  # fmt: skip
-    observed_output_tokens: Histogram = family(
-        "clairvoyant_observed_output_tokens", buckets=TOKEN_BUCKETS,
-        help="Output tokens per completed scheduled request, as the backend reported (or the stream counted) them.",
-    )  # fmt: skip
-    prediction_kendall_tau: Gauge = family(
-        "clairvoyant_prediction_kendall_tau", "model",
+        "llamacpp_tokens_predicted, ollama_eval_count, stream_events, none).")
+    observed_output_tokens: Histogram = family("clairvoyant_observed_output_tokens", buckets=TOKEN_BUCKETS,
+        help="Output tokens per completed scheduled request, as the backend reported (or the stream counted) them.")
+    prediction_kendall_tau: Gauge = family("clairvoyant_prediction_kendall_tau", "model",
         help="Rolling Kendall tau_b between predicted and observed output tokens (each prediction as made, before "
-        "learning its request), by model (the online learner's key: the model the request named).",
-    )  # fmt: skip
-    prediction_log_error: Gauge = family(
-        "clairvoyant_prediction_abs_log_token_error", "model",
-        help="Rolling mean |ln(predicted tokens) - ln(observed tokens)|, by model.",
-    )  # fmt: skip
-    prediction_window: Gauge = family(
-        "clairvoyant_prediction_quality_window_requests", "model",
-        help="Observed requests in the rolling prediction-quality window, by model.",
-    )  # fmt: skip
+        "learning its request), by model (the online learner's key: the model the request named).")
+    prediction_log_error: Gauge = family("clairvoyant_prediction_abs_log_token_error", "model",
+        help="Rolling mean |ln(predicted tokens) - ln(observed tokens)|, by model.")
+    prediction_window: Gauge = family("clairvoyant_prediction_quality_window_requests", "model",
+        help="Observed requests in the rolling prediction-quality window, by model.")
     # The online learner's process (clairvoyant.prediction.learner_process), as last seen at a scrape
-    learner_up: Gauge = family(
-        "clairvoyant_learner_up",
-        help="1 while the online learner's process runs; 0 if it could not start, or died and is not yet running again"
-        " (its last fit keeps correcting predictions meanwhile).",
-    )  # fmt: skip
-    learner_refits: Counter = family(
-        "clairvoyant_learner_refits", help="Fits the online learner's process has sent since the proxy started.",
-    )  # fmt: skip
-    learner_dropped: Counter = family(
-        "clairvoyant_learner_dropped_observations",
-        help="Completed requests the online learner never received: its process was not running, or was backed up.",
-    )  # fmt: skip
-    learner_sampled_out: Counter = family(
-        "clairvoyant_learner_sampled_out_observations",
+    learner_up: Gauge = family("clairvoyant_learner_up",
+        help="1 while the online learner's process runs; 0 if it could not start, or died and is not yet running "
+        "again (its last fit keeps correcting predictions meanwhile).")
+    learner_refits: Counter = family("clairvoyant_learner_refits",
+        help="Fits the online learner's process has sent since the proxy started.")
+    learner_dropped: Counter = family("clairvoyant_learner_dropped_observations",
+        help="Completed requests the online learner never received: its process was not running, or was backed up.")
+    learner_sampled_out: Counter = family("clairvoyant_learner_sampled_out_observations",
         help="Completed requests the online learner skipped because they came faster than "
-        "learner_max_observations_per_s (counted in the usage metrics all the same).",
-    )  # fmt: skip
+        "learner_max_observations_per_s (counted in the usage metrics all the same).")
     # Updated from the encoder's thread too (prometheus_client's metrics are thread-safe).
-    encoder_latency: Histogram = family(
-        "clairvoyant_encoder_seconds", buckets=ENCODER_BUCKETS,
-        help="The encoder's time per waiting request it refines (on its own thread, never the event loop).",
-    )  # fmt: skip
-    encoder_requests: Counter = family(
-        "clairvoyant_encoder_requests", "outcome",
+    encoder_latency: Histogram = family("clairvoyant_encoder_seconds", buckets=ENCODER_BUCKETS,
+        help="The encoder's time per waiting request it refines (on its own thread, never the event loop).")
+    encoder_requests: Counter = family("clairvoyant_encoder_requests", "outcome",
         help="Requests handed to the encoder, by outcome. Waiting requests: refined (re-keyed in the queue), late "
-        "(dispatched before its result), skipped (dispatched before its turn), bypassed (not handed over: the "
-        "queue has been turning over faster than the encoder answers; one a second still is), dropped (the "
-        "encoder's queue was full), failed. Completed requests encoded for the online learner: learning, or "
-        "learning_dropped (over its share of the encoder's time; the learner counts the request for its quality "
-        "figures only).",
-    )  # fmt: skip
+        "(dispatched before its result), skipped (dispatched before its turn), bypassed (not handed over: the queue "
+        "has been turning over faster than the encoder answers; one a second still is), dropped (the encoder's queue "
+        "was full), failed. Completed requests encoded for the online learner: learning, or learning_dropped (over "
+        "its share of the encoder's time; the learner counts the request for its quality figures only).")
+    # fmt: on
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
