@@ -14,6 +14,7 @@ import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -335,6 +336,29 @@ def test_backpressure_holds_connections_beyond_it_unserved_until_one_ends() -> N
             assert read_to_close(held).startswith(b"HTTP/1.1 200 ")
             assert read_to_close(waiting).startswith(b"HTTP/1.1 200 ")
     assert [s["path"] for s in server.scopes] == ["/hold", "/next"]
+
+
+def _tcp_timer(local_port: int, remote_port: int) -> int | None:
+    """The kernel's timer kind on the TCP socket (local_port -> remote_port) from /proc/net/tcp:
+    0 none, 1 retransmit, 2 keepalive (None: no such socket)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].rsplit(":", 1)[1], 16) == local_port and int(fields[2].rsplit(":", 1)[1], 16) == remote_port:
+            return int(fields[5].split(":", 1)[0], 16)
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc/net/tcp")
+def test_client_connections_have_no_tcp_keepalive() -> None:
+    # Granian offers no TCP keepalive setting and sets none: docs/operations.md says what follows
+    # (a client whose host vanishes without a FIN is not noticed while its request waits). A
+    # release that starts setting it fails here, so that the docs are brought up to date.
+    with embedded() as server, server.connect() as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")  # kept alive: idle after its answer
+        assert read_until(sock, b"ok").endswith(b"ok")
+        client_port = sock.getsockname()[1]
+        assert not sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)  # the test's own side: off too
+        assert _tcp_timer(server.port, client_port) == 0  # the server's side, idle: no keepalive timer
 
 
 # Pinned through the whole proxy elsewhere:
