@@ -148,6 +148,42 @@ def test_a_request_queued_behind_a_hung_backend_is_never_sent_into_the_hang() ->
     assert backend.posts(CHAT) == 1 and backend.posts("/api/chat") == 0  # never sent into the hang
 
 
+def test_in_a_pool_a_request_for_a_suspect_backend_that_stays_unhealthy_goes_to_another() -> None:
+    from clairvoyant.metrics import Metrics
+    from clairvoyant.prediction.dialects import Dialect
+    from clairvoyant.proxy.relay import Relay, Responder, UpstreamRequest
+    from clairvoyant.proxy.upstream import Upstream
+
+    hung = FakeBackend(lambda path, n: "hang")
+    hung.health_gate = threading.Event()  # never set: its health check never passes
+    sent: list[dict[str, Any]] = []
+
+    async def scenario() -> tuple[str, str]:
+        suspect, other = Upstream(hung.url, name="hung"), Upstream(healthy.url, name="other")
+        suspect.suspect = True  # as a first-byte deadline leaves it
+
+        async def failover(refused: Upstream) -> Upstream | None:
+            return other if refused is suspect else None
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        request = UpstreamRequest("POST", CHAT, [("content-type", "application/json")], b"{}", Dialect.OPENAI)
+        relay = Relay(suspect, request, Metrics(), backend_wait_s=0.2, failover=failover)
+        try:
+            await asyncio.wait_for(relay.run(Responder(send)), 30)
+        finally:
+            await suspect.aclose()
+            await other.aclose()
+        return relay.upstream.name, relay.outcome.value
+
+    with hung, FakeBackend(lambda path, n: "ok") as healthy:
+        served_by, outcome = asyncio.run(scenario())
+        assert hung.health_checks >= 1 and hung.posts(CHAT) == 0 and healthy.posts(CHAT) == 1
+    assert (served_by, outcome) == ("other", "completed")
+    assert sent[0]["status"] == 200
+
+
 def test_a_health_check_against_a_backend_that_never_answers_is_bounded() -> None:
     from clairvoyant.proxy.upstream import Upstream
 
