@@ -34,9 +34,14 @@ and written to ``--json FILE`` (default: a file in the system's temporary direct
 6. 1,000 concurrent clients (fast fake backend, slots 8): 0 lost, 0 duplicated, proxy RSS.
 7. an upstream URL with user:password: the password never appears in the proxy's log (log_level info).
 8. llama.cpp, 20 back-to-back bursts of 20 short requests (half streamed): no 502.
+9. a hung backend (accepts, never answers, /health too; first_byte_timeout_s=10, backend_wait_s=3):
+   one request in flight gets its 504, the one queued behind it a 503 with Retry-After, both within
+   20 s, and the backend receives only the first.
+10. a backend that never accepts (a full accept queue; connect_timeout_s=2, backend_wait_s=3): a
+   504 in each dialect's shape (OpenAI, Ollama) within backend_wait_s + 1 s.
 
     PYTHONPATH=src python benchmarks/bench_hardening.py                 # everything, 3-4.5 min
-    PYTHONPATH=src python benchmarks/bench_hardening.py --cases 1,2,3,6,7   # fake-backend cases only
+    PYTHONPATH=src python benchmarks/bench_hardening.py --cases 1,2,3,6,7,9,10   # fake-backend cases only
     ... --proxy-src /path/to/patched/src   # the same probe against another tree
 
 Timing figures are noisy on a shared 2-core machine; "before/during" latencies are measured in the
@@ -69,6 +74,7 @@ from harness.results import add_json_option, write_json
 from harness.verdicts import Row, answer_complete, print_table, sse_outcome, status_of
 
 CHAT = "/v1/chat/completions"
+ALL_CASES = "1,2,3,4,5,6,7,8,9,10"
 
 
 # --------------------------------------------------------------------------------------------
@@ -1010,6 +1016,86 @@ async def backend_gone(log_dir: Path, wait_s: float = 2.0, n: int = 5) -> Row:
     )
 
 
+async def hung_backend(log_dir: Path, first_byte_s: float = 10.0, wait_s: float = 3.0) -> Row:
+    """The backend accepts and never answers, its health check included (slots 1). One request is in
+    flight and one queued behind it: the first gets its 504 at the first-byte deadline; the queued one
+    finds the backend suspect, is health-checked for ``wait_s`` and gets 503, never sent."""
+    backend = FakeBackend(hung=True).start()
+    proxy = ProxyProcess(
+        "hung", backend.base_url, log_dir, slots=1, first_byte_timeout_s=first_byte_s, backend_wait_s=wait_s
+    ).start()
+    try:
+        started = time.monotonic()
+        async with httpx.AsyncClient(timeout=60) as client:
+
+            async def one(tag: str) -> tuple[int, float, str]:
+                response = await client.post(f"{proxy.url}{CHAT}", json=chat_body(tag))
+                return response.status_code, time.monotonic() - started, response.headers.get("retry-after", "")
+
+            first = asyncio.ensure_future(one("c9-first"))
+            while not backend.deliveries:
+                await asyncio.sleep(0.01)
+            queued = asyncio.ensure_future(one("c9-queued"))
+            answers = await asyncio.gather(first, queued)
+    finally:
+        proxy.stop()
+        backend.stop()
+    sent = sorted(d.tag for d in backend.deliveries)
+    latest = max(a[1] for a in answers)
+    ok = latest <= 20.0 and sent == ["c9-first"] and [a[0] for a in answers] == [504, 503]
+    return Row(
+        f"9 hung backend (accepts, never answers), first_byte_timeout_s={first_byte_s:g}, backend_wait_s={wait_s:g}, "
+        "1 in flight + 1 queued",
+        "both answered within 20 s; the backend receives 1 request (the queued one never sent)",
+        f"{answers[0][0]} at {answers[0][1]:.1f} s, {answers[1][0]} (Retry-After {answers[1][2] or '-'}) at "
+        f"{answers[1][1]:.1f} s; the backend received {len(sent)} request(s), {backend.gets} health check(s)",
+        ok,
+        {"answers": answers, "requests_at_backend": sent, "health_checks": backend.gets},
+        proxy.stated(),
+    )
+
+
+async def never_accepts(log_dir: Path, connect_s: float = 2.0, wait_s: float = 3.0) -> Row:
+    """The backend's accept queue is full (a backlog of 0, never accepted, filled by one connection):
+    a connection is neither accepted nor refused. One request in each dialect, one after the other."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    filler = socket.create_connection(listener.getsockname())
+    proxy = ProxyProcess(
+        "never-accepts", f"http://127.0.0.1:{listener.getsockname()[1]}", log_dir, connect_timeout_s=connect_s,
+        backend_wait_s=wait_s,
+    ).start()  # fmt: skip
+    answers: list[tuple[str, int, float, bool]] = []
+    try:
+        async with httpx.AsyncClient(timeout=60) as client:
+            for path, body in (
+                (CHAT, chat_body("c10-openai")),
+                ("/api/generate", {"model": "m", "prompt": "Say OK.", "stream": False}),
+            ):
+                started = time.monotonic()
+                response = await client.post(f"{proxy.url}{path}", json=body)
+                error = response.json().get("error")
+                shaped = isinstance(error, dict) if path == CHAT else isinstance(error, str)  # OpenAI's, Ollama's
+                answers.append((path, response.status_code, time.monotonic() - started, shaped))
+    finally:
+        proxy.stop()
+        filler.close()
+        listener.close()
+    ok = all(status == 504 and took_s <= wait_s + 1.0 and shaped for _, status, took_s, shaped in answers)
+    return Row(
+        f"10 backend never accepts, connect_timeout_s={connect_s:g}, backend_wait_s={wait_s:g}",
+        f"504 in the dialect's shape within backend_wait_s + 1 s = {wait_s + 1:g} s",
+        ", ".join(
+            f"{path} {status}{'' if shaped else ' (wrong shape)'} after {took_s:.1f} s"
+            for path, status, took_s, shaped in answers
+        ),
+        ok,
+        {"answers": answers},
+        proxy.stated(),
+    )
+
+
 async def llama_bursts(backend_url: str, log_dir: Path, bursts: int = 20, size: int = 20) -> Row:
     """Back-to-back bursts of short requests (half streamed) through the proxy to llama.cpp: no 502
     (llama.cpp closes some connections right after a streamed answer; a pooled one may be reused first)."""
@@ -1145,12 +1231,16 @@ async def run(cases: set[str], log_dir: Path, trials: int) -> list[Row]:
         await step("5", restart_case(log_dir))
         await step("5b", left_while_backend_down(log_dir))
         await step("5c", backend_gone(log_dir))
+    if "9" in cases:
+        await step("9", hung_backend(log_dir))
+    if "10" in cases:
+        await step("10", never_accepts(log_dir))
     return rows
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default="1,2,3,4,5,6,7,8", help="comma-separated case numbers (default all)")
+    parser.add_argument("--cases", default=ALL_CASES, help="comma-separated case numbers (default all)")
     parser.add_argument("--trials", type=int, default=2, help="case 4: trials per disconnect mode (default 2)")
     add_json_option(parser, "hardening")
     parser.add_argument("--log-dir", type=Path, help="where the proxies' logs go (default a temporary directory)")
@@ -1175,7 +1265,7 @@ def main() -> int:
     load = os.getloadavg()
     result = {
         "command": "PYTHONPATH=src python benchmarks/bench_hardening.py"
-        + ("" if args.cases == "1,2,3,4,5,6,7,8" else f" --cases {args.cases}"),
+        + ("" if args.cases == ALL_CASES else f" --cases {args.cases}"),
         "seconds": took,
         "load_average": load,
         "rows": [r.as_json() for r in rows],

@@ -5,7 +5,7 @@ reading a request and then dying, resetting, hanging, answering 503. One thread 
 in full: ``"ok"`` (200 JSON, kept alive), ``"close"`` (close 0.3 s later without answering: a
 FIN), ``"reset"`` (an immediate RST), ``"hang"`` (never answer), ``"loading"`` (503 like
 llama.cpp loading a model), ``("stream", n_events, interval_s)`` (an SSE stream ending in
-[DONE]) or ``("json", value)`` (200 with that JSON). ``/health`` answers 200 and closes (once
+[DONE]; a fourth element, ``end_after_s``, holds the body's end that long after [DONE]) or ``("json", value)`` (200 with that JSON). ``/health`` answers 200 and closes (once
 ``health_gate`` is set, when one is given), counted in ``health_checks``. Every read request is recorded in
 ``delivered`` as (path, body), unless its action was ``reset``: the proxy must treat a reset as
 "never read", and the tests count what the backend would have acted on.
@@ -107,7 +107,7 @@ class FakeBackend:
                     self._stop.wait()
                     return
                 elif isinstance(action, tuple) and action[0] == "stream":
-                    self._stream(conn, action[1], action[2])
+                    self._stream(conn, *action[1:])
                 else:
                     raise ValueError(f"unknown action {action!r}")
         except OSError:
@@ -115,7 +115,7 @@ class FakeBackend:
         finally:
             conn.close()
 
-    def _stream(self, conn: socket.socket, n_events: int, interval_s: float) -> None:
+    def _stream(self, conn: socket.socket, n_events: int, interval_s: float, end_after_s: float = 0.0) -> None:
         head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
         conn.sendall(head)
         for i in range(n_events):
@@ -123,7 +123,10 @@ class FakeBackend:
             conn.sendall(b"%x\r\n%s\r\n" % (len(event), event))
             time.sleep(interval_s)  # the stream's scripted pace
         done = b"data: [DONE]\n\n"
-        conn.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+        conn.sendall(b"%x\r\n%s\r\n" % (len(done), done))
+        if end_after_s:
+            self._stop.wait(end_after_s)  # the scripted pause before the body's end
+        conn.sendall(b"0\r\n\r\n")
 
 
 def _read_request(conn: socket.socket, buffer: bytes) -> tuple[tuple[str, str, bytes] | None, bytes]:

@@ -8,6 +8,7 @@ load versions of these cases are in benchmarks/bench_hardening.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +121,88 @@ def test_after_a_first_byte_timeout_the_next_request_waits_for_a_health_check() 
     assert backend.posts(CHAT) == 2
 
 
+def test_a_request_queued_behind_a_hung_backend_is_never_sent_into_the_hang() -> None:
+    # The backend accepts and never answers, /health included. The first request meets its
+    # first-byte deadline (504); the one queued behind it finds the backend suspect, waits
+    # backend_wait_s for a health check that never passes, and is answered 503 with Retry-After in
+    # its own dialect (Ollama's here), never sent.
+    backend = FakeBackend(lambda path, n: "hang")
+    backend.health_gate = threading.Event()  # never set: /health hangs too
+    with backend, proxy(backend.url, first_byte_timeout_s=1, backend_wait_s=1) as base:
+        first = _Post(base, chat(), timeout_s=30)
+        first.start()
+        wait_until(lambda: backend.posts(CHAT) == 1, what="the first request at the backend")
+        second = threading.Thread(
+            target=lambda: setattr(second, "result", httpx.post(f"{base}/api/chat", json=chat(), timeout=30))
+        )
+        second.start()
+        wait_until(lambda: queue_snapshot(base)["waiting"], what="the second request queued behind the first")
+        first.join(30)
+        second.join(30)
+        health_checks = backend.health_checks
+    assert first.result is not None and first.result.status_code == 504
+    refused: httpx.Response = second.result  # type: ignore[attr-defined]
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert isinstance(refused.json()["error"], str)  # Ollama's error shape
+    assert health_checks >= 1  # it was health-checked, not refused blindly
+    assert backend.posts(CHAT) == 1 and backend.posts("/api/chat") == 0  # never sent into the hang
+
+
+def test_in_a_pool_a_request_for_a_suspect_backend_that_stays_unhealthy_goes_to_another() -> None:
+    from clairvoyant.metrics import Metrics
+    from clairvoyant.prediction.dialects import Dialect
+    from clairvoyant.proxy.relay import Relay, Responder, UpstreamRequest
+    from clairvoyant.proxy.upstream import Upstream
+
+    hung = FakeBackend(lambda path, n: "hang")
+    hung.health_gate = threading.Event()  # never set: its health check never passes
+    sent: list[dict[str, Any]] = []
+
+    async def scenario() -> tuple[str, str]:
+        suspect, other = Upstream(hung.url, name="hung"), Upstream(healthy.url, name="other")
+        suspect.suspect = True  # as a first-byte deadline leaves it
+
+        async def failover(refused: Upstream) -> Upstream | None:
+            return other if refused is suspect else None
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        request = UpstreamRequest("POST", CHAT, [("content-type", "application/json")], b"{}", Dialect.OPENAI)
+        relay = Relay(suspect, request, Metrics(), backend_wait_s=0.2, failover=failover)
+        try:
+            await asyncio.wait_for(relay.run(Responder(send)), 30)
+        finally:
+            await suspect.aclose()
+            await other.aclose()
+        return relay.upstream.name, relay.outcome.value
+
+    with hung, FakeBackend(lambda path, n: "ok") as healthy:
+        served_by, outcome = asyncio.run(scenario())
+        assert hung.health_checks >= 1 and hung.posts(CHAT) == 0 and healthy.posts(CHAT) == 1
+    assert (served_by, outcome) == ("other", "completed")
+    assert sent[0]["status"] == 200
+
+
+def test_a_health_check_against_a_backend_that_never_answers_is_bounded() -> None:
+    from clairvoyant.proxy.upstream import Upstream
+
+    backend = FakeBackend(lambda path, n: "hang")
+    backend.health_gate = threading.Event()  # never set: /health is read and never answered
+
+    async def scenario() -> str | None:
+        upstream = Upstream(backend.url)
+        try:
+            return await asyncio.wait_for(upstream.probe(timeout_s=0.2), 10)  # the 10 s guard: a failure, not a hang
+        finally:
+            await upstream.aclose()
+
+    with backend:
+        problem = asyncio.run(scenario())
+        assert backend.health_checks == 1
+    assert problem is not None and problem.endswith("TimeoutError")  # no answer within its bound
+
+
 def _closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -176,6 +260,45 @@ def test_requests_queued_during_an_outage_share_its_deadline() -> None:
     assert took_s < 3.5  # 1.5 s for the whole queue (each waiting its own 1.5 s would be 4.5 s)
 
 
+@contextlib.contextmanager
+def _unaccepting_port() -> Iterator[int]:
+    """A port whose accept queue is full: it listens with a backlog of 0 and never accepts, and one
+    connection fills the queue, so a new connection is neither accepted nor refused (its SYN is
+    dropped): the connect times out."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = int(listener.getsockname()[1])
+        filler = socket.create_connection(("127.0.0.1", port))
+        try:
+            yield port
+        finally:
+            filler.close()
+
+
+@pytest.mark.parametrize(("path", "ollama_shape"), [(CHAT, False), ("/api/generate", True)])
+def test_a_backend_that_never_accepts_the_connection_is_a_504_in_the_dialects_shape(
+    path: str, ollama_shape: bool
+) -> None:
+    body = {"model": "m", "prompt": "hi"} if ollama_shape else chat()
+    with (
+        _unaccepting_port() as port,
+        proxy(f"http://127.0.0.1:{port}", connect_timeout_s=0.5, backend_wait_s=1) as base,
+    ):
+        r = httpx.post(f"{base}{path}", json=body, timeout=30)
+        timeouts = metric_value(base, "clairvoyant_upstream_errors_total", 'kind="timeout"')
+    assert r.status_code == 504
+    error = r.json()["error"]
+    if ollama_shape:
+        assert error == "the backend did not accept the connection in time"
+    else:
+        assert (
+            error["code"] == "upstream_timeout"
+            and error["message"] == "the backend did not accept the connection in time"
+        )
+    assert timeouts == 1  # one answer, counted as a timeout (its wait is measured in bench_hardening.py)
+
+
 def test_with_no_backend_wait_a_down_backend_is_an_immediate_502() -> None:
     with proxy(f"http://127.0.0.1:{_closed_port()}", backend_wait_s=0) as base:
         r = httpx.post(f"{base}{CHAT}", json=chat(), timeout=15)
@@ -201,6 +324,25 @@ def test_backend_credentials_and_address_never_reach_clients_or_logs(caplog: pyt
     assert f"***@127.0.0.1:{port}" in logged  # the log keeps the detail, redacted
 
 
+def test_a_client_that_closes_at_the_streams_end_event_leaves_a_completed_answer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The OpenAI SDK reads a stream to its `data: [DONE]` event and closes, while the body's own end
+    # (here held back 2 s) is still to come: the answer was whole, so it completes and its length
+    # is learned; the client's leaving is no mid-stream disconnect.
+    caplog.set_level(logging.INFO, logger="clairvoyant")
+    with FakeBackend(lambda path, n: ("stream", 5, 0.0, 2.0)) as backend, proxy(backend.url) as base:
+        with httpx.stream("POST", f"{base}{CHAT}", json=chat(stream=True), timeout=30) as r:
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    break  # closes the connection with the body's end unread
+        wait_until(lambda: not queue_snapshot(base)["in_flight"], timeout_s=10, what="the stream's end")
+        disconnects = metric_value(base, "clairvoyant_client_disconnects_total", 'stage="streaming"')
+    lines = [r.fields for r in caplog.records if getattr(r, "fields", None)]  # type: ignore[attr-defined]
+    assert [(line["outcome"], line["output_tokens"]) for line in lines] == [("completed", 5)]
+    assert disconnects == 0
+
+
 def test_an_answer_carries_one_date_and_one_server_header() -> None:
     with FakeBackend(lambda path, n: "ok") as backend, proxy(backend.url) as base:
         answers = [
@@ -211,6 +353,22 @@ def test_an_answer_carries_one_date_and_one_server_header() -> None:
     for r in answers:
         assert len(r.headers.get_list("date")) == 1
         assert r.headers.get_list("server") == ["granian"]  # the proxy's server's, not the backend's too
+
+
+def test_an_http10_request_without_host_is_answered() -> None:
+    # HTTP/1.0 lets a client leave Host out (old tools and health checkers do); the server reports
+    # the version in its own spelling, which the proxy must read as 1.0.
+    body = json.dumps(chat()).encode()
+    head = b"POST %s HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (
+        CHAT.encode(),
+        len(body),
+    )
+    with FakeBackend(lambda path, n: "ok") as backend, proxy(backend.url) as base:
+        received, _ = raw_exchange(base, head + body)
+    status_line, _, rest = received.partition(b"\r\n")
+    assert status_line.split(b" ")[1] == b"200", received[:200]
+    assert rest.endswith(b'{"ok": true, "n": 0}')
+    assert backend.posts(CHAT) == 1
 
 
 # --- client limits --------------------------------------------------------------------------

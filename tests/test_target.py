@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from clairvoyant.errors import BadRequest, HeadersTooLarge
-from clairvoyant.proxy.target import check_head_size, check_host, check_target
+from clairvoyant.proxy.target import check_head_size, check_host, check_target, http_version
 
 
 @pytest.mark.parametrize(
@@ -54,6 +54,11 @@ def test_plain_targets_are_decoded_once_and_forwarded_raw(raw: bytes, path: str)
     assert target.path == path
     assert target.raw_path == raw.decode()
     assert target.query == "a=1&b=%20"
+
+
+def test_the_servers_spelling_of_http10_is_read_as_10() -> None:
+    assert [http_version(v) for v in ("1", "1.0", "1.1", "2")] == ["1.0", "1.0", "1.1", "2"]
+    check_host(http_version("1"), [(b"host", b"")])  # Granian's HTTP/1.0 without Host: an empty stand-in
 
 
 def test_host_rules() -> None:

@@ -138,6 +138,43 @@ def test_a_stream_cut_before_its_final_object_falls_back_to_counted_events() -> 
     assert usage.model == "llama3.2:3b" and usage.generation_s is None
 
 
+def _ended_after(content_type: str, chunks: list[bytes]) -> list[bool]:
+    tap = UsageTap(content_type)
+    seen = []
+    for chunk in chunks:
+        tap.feed(chunk)
+        seen.append(tap.ended)
+    return seen
+
+
+SSE_TRICK = (
+    b'data: {"choices":[{"delta":{"content":"data: [DONE]\\n\\n \\"done\\": true [DONE]"}}]}\n\n'
+    b'data: {"choices":[{"delta":{}}],"usage":{"completion_tokens":2}}\n\n'
+)
+
+
+@pytest.mark.parametrize("name", ["chat_stream.ndjson", "chat_thinking_stream.ndjson", "generate_stream.ndjson"])
+def test_an_ollama_stream_ends_with_its_done_object_in_any_chunking(name: str) -> None:
+    body = (FIXTURES / name).read_bytes()
+    final_at = body.rstrip(b"\n").rfind(b"\n") + 1  # where the final object's line begins
+    for chunks in chunkings(body):
+        seen = _ended_after(NDJSON, chunks)
+        ends = [sum(map(len, chunks[: i + 1])) for i in range(len(chunks))]  # bytes fed after each chunk
+        # Ended exactly once the final object's line is whole (its newline fed), never before.
+        assert seen == [fed > body.index(b"\n", final_at) for fed in ends], name
+
+
+def test_an_sse_stream_ends_with_its_done_event_and_not_with_text_that_spells_it() -> None:
+    body = SSE_TRICK + b"data: [DONE]\n\n"
+    for chunks in chunkings(body):
+        seen = _ended_after(SSE, chunks)
+        ends = [sum(map(len, chunks[: i + 1])) for i in range(len(chunks))]
+        assert seen == [fed > body.index(b"data: [DONE]\n") + len(b"data: [DONE]") for fed in ends]
+    assert _ended_after(SSE, [SSE_TRICK]) == [False]  # the text spells the end; the stream has not ended
+    assert _ended_after(NDJSON, [b'{"response":"\\"done\\": true","done":false}\n']) == [False]
+    assert _ended_after(JSON, [b'{"done":true}\n']) == [False]  # a plain body ends with its bytes, not an event
+
+
 def test_a_plain_body_without_counts_is_no_observation() -> None:
     for content_type, body in [
         (JSON, b'{"model":"m","response":"ok","done":true}'),

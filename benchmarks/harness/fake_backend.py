@@ -25,10 +25,13 @@ class Delivery:
 class FakeBackend:
     """OpenAI-style backend. ``model`` in the body: "fast" (answer at once), "slow-stream" (SSE,
     ``max_tokens`` events ``delay_s`` apart), "close-after-read" (read the request, close 1 s later
-    without answering). Every POST it fully read is a ``Delivery`` (tag = the body's "user")."""
+    without answering). Every POST it fully read is a ``Delivery`` (tag = the body's "user").
+    ``hung``: it reads every request, health checks included (counted in ``gets``), and never answers."""
 
-    def __init__(self, service_s: float = 0.0, stream_delay_s: float = 0.1, port: int = 0) -> None:
+    def __init__(self, service_s: float = 0.0, stream_delay_s: float = 0.1, port: int = 0, hung: bool = False) -> None:
         self.service_s = service_s
+        self.hung = hung
+        self.gets = 0
         self.stream_delay_s = stream_delay_s
         self.deliveries: list[Delivery] = []
         self._writers: set[asyncio.StreamWriter] = set()
@@ -89,6 +92,22 @@ class FakeBackend:
                 headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
                 body = await reader.readexactly(int(headers.get("content-length", "0") or 0))
                 served += 1
+                if self.hung:
+                    if method == "GET":
+                        self.gets += 1
+                    else:
+                        data = json.loads(body or b"{}")
+                        self.deliveries.append(
+                            Delivery(
+                                str(data.get("user", "")),
+                                str(data.get("model", "")),
+                                connection,
+                                served,
+                                time.monotonic(),
+                            )
+                        )
+                    await self._stopped.wait()
+                    return
                 if method == "GET":
                     await self._send(writer, 200, b'{"status":"ok"}')
                     if headers.get("connection", "").lower() == "close":

@@ -254,7 +254,12 @@ class Settings(BaseSettings):
         description="Smallest Retry-After seconds sent with a queue-full 503 (the value is the queue tail's ETA).",
     )
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above).")
-    connect_timeout_s: float = Field(10.0, gt=0, description="Timeout to connect to the backend (504 when exceeded).")
+    connect_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds for the backend to accept a connection. Not accepted in time is a 504 (refused is a 502); "
+        "nothing was sent, so the request first waits for the backend (backend_wait_s).",
+    )
     first_byte_timeout_s: float = Field(
         600.0,
         gt=0,
@@ -278,8 +283,10 @@ class Settings(BaseSettings):
     backend_wait_s: float = Field(
         30.0,
         ge=0,
-        description="A request not yet sent whose backend is down (refused connection, or 503 while a model loads) "
-        "waits this long for it to come back, health-checked with backoff, before its 502/503.",
+        description="A request not yet sent whose backend is down (connection refused or not accepted, or 503 while a "
+        "model loads) or suspect (it let a first-byte deadline pass) waits this long from the outage's start for its "
+        "health check, then gets 502 (refused), 504 (not accepted), the backend's 503, or 503 with Retry-After "
+        "(suspect: never sent into a hang). In all at most the larger of this and connect_timeout_s, plus 0.5 s.",
     )
     disconnect_mode: DisconnectMode = Field(
         "auto",

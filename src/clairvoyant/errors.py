@@ -20,7 +20,8 @@
         ├── LimitExceeded            429 the tenant is at one of its limits (Retry-After)
         ├── GenerationTimeLimit      504 the answer ran longer than max_generation_s
         ├── UpstreamUnavailable      502 backend refused or dropped the connection
-        └── UpstreamTimeout          504 backend did not connect/answer in time
+        ├── UpstreamTimeout          504 backend did not connect/answer in time
+        └── UpstreamNotReady         503 backend failed its health check until backend_wait_s ran out (Retry-After)
 
 The app maps a RequestError to the client's dialect (OpenAI or Ollama) in one handler. A
 RequestError whose ``retry_after_s`` is set (by its class, or by the raiser) carries Retry-After.
@@ -48,6 +49,7 @@ __all__ = [
     "Superseded",
     "Unauthorized",
     "UnsupportedCoding",
+    "UpstreamNotReady",
     "UpstreamTimeout",
     "UpstreamUnavailable",
 ]
@@ -210,3 +212,17 @@ class UpstreamTimeout(RequestError):
     status_code = 504
     error_type = "server_error"
     code = "upstream_timeout"
+
+    def __init__(self, message: str, *, detail: str | None = None, never_sent: bool = False) -> None:
+        super().__init__(message, detail=detail)
+        self.never_sent = never_sent  # the connection was not accepted in time: the backend never saw it
+
+
+class UpstreamNotReady(RequestError):
+    """The backend let a first-byte deadline pass (it may be hung) and its health check did not pass
+    within ``backend_wait_s``: the request was never sent into the hang."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "upstream_not_ready"
+    retry_after_s = 1  # the raiser gives backend_wait_s

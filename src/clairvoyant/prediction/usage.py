@@ -16,7 +16,9 @@ A ``UsageTap`` is fed every chunk the proxy relays. It keeps only a bounded tail
   llama.cpp and Ollama, an estimate elsewhere).
 
 Whichever source gives the output length wins in that order; durations are taken from
-wherever they are present. Nothing here raises on any body: an unreadable tail gives a
+wherever they are present. A stream's answer is whole once its end event has passed (``ended``:
+OpenAI's ``data: [DONE]``, Ollama's ``"done": true`` object), before the body's own end: every
+count above comes with or before that event. Nothing here raises on any body: an unreadable tail gives a
 ``Usage`` with ``output_tokens=None`` (no observation), or a chunk count for a stream. The tap
 sees the bytes as relayed: a compressed body (``Content-Encoding: gzip``; neither llama.cpp's
 server nor Ollama compresses by default) is unreadable, so no observation.
@@ -59,6 +61,11 @@ UsageSource = Literal[
 _CONTENT_EVENT = re.compile(rb'"(?:content|text|response|reasoning_content|reasoning|thinking|arguments)"\s*:\s*"(?!")')
 # A default decoder's scanner (what its ``scan_once`` is), called directly: ``raw_decode`` is a
 # Python frame around it that turns its StopIteration into a ValueError; ``_last_value`` catches both.
+# A stream's end event: SSE's ``data: [DONE]`` line (OpenAI, llama.cpp, vLLM), an NDJSON object
+# with ``"done": true`` (Ollama; the key comes before its long ``context``). Generated text cannot
+# fake either: a JSON string escapes its quotes and newlines.
+_SSE_END = re.compile(rb"data: ?\[DONE\]\r?$")
+_NDJSON_END = re.compile(rb'"done"\s*:\s*true')
 _SCAN = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]  # typeshed: the context is any decoder
 _WHITESPACE = " \t\r\n"
 
@@ -106,7 +113,7 @@ class UsageTap:
     Not thread-safe: one tap per response, fed from the relay's task.
     """
 
-    __slots__ = ("_framing", "_tail", "_partial", "_events", "_tail_bytes")
+    __slots__ = ("_framing", "_tail", "_partial", "_events", "_tail_bytes", "_ended", "_end_marker")
 
     def __init__(self, content_type: str, *, tail_bytes: int = TAIL_BYTES) -> None:
         self._framing = _framing(content_type)
@@ -114,10 +121,18 @@ class UsageTap:
         self._tail = bytearray()
         self._partial = bytearray()  # the current, unterminated stream line (bounded)
         self._events = 0
+        self._ended = False
+        # A cheap test before a line is matched: a substring every end line holds.
+        self._end_marker = b"[DONE]" if self._framing == "sse" else b'"done"'
 
     @property
     def is_stream(self) -> bool:
         return self._framing != "body"
+
+    @property
+    def ended(self) -> bool:
+        """A stream's end event has been fed: the answer is whole (its counts with it)."""
+        return self._ended
 
     @property
     def stream_events(self) -> int:
@@ -155,8 +170,16 @@ class UsageTap:
             if search(line, 0, _EVENT_PREFIX_BYTES) is not None:
                 events += 1
         self._events = events
+        marker = self._end_marker
+        if not self._ended and (marker in partial or marker in chunk):
+            self._ended = self._is_end(partial) or any(self._is_end(line) for line in lines[1:-1])
         partial.clear()
         partial += lines[-1][:_EVENT_PREFIX_BYTES]
+
+    def _is_end(self, line: bytes | bytearray) -> bool:
+        if self._framing == "sse":
+            return _SSE_END.match(line) is not None
+        return _NDJSON_END.search(line, 0, _EVENT_PREFIX_BYTES) is not None
 
     def _count_line(self, line: bytes) -> None:
         if _CONTENT_EVENT.search(line, 0, _EVENT_PREFIX_BYTES) is not None:

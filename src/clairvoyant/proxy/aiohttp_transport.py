@@ -107,7 +107,7 @@ class AiohttpTransport:
                     response = await request
         except TimeoutError as exc:
             if isinstance(exc, aiohttp.ConnectionTimeoutError):
-                raise TransportError("connect", exc) from exc
+                raise TransportError("connect_timeout", exc) from exc
             if isinstance(exc, aiohttp.ServerTimeoutError):
                 raise TransportError("timeout", exc) from exc
             raise TransportError("timeout", FirstByteTimeout(f"no answer within {first_byte_timeout_s} s")) from exc

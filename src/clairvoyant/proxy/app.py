@@ -57,7 +57,7 @@ from clairvoyant.proxy.limits import TenantLimits
 from clairvoyant.proxy.pool import BackendPool, merge_model_lists
 from clairvoyant.proxy.relay import Receive, Relay, Responder, Send, UpstreamRequest, relay_unscheduled
 from clairvoyant.proxy.scheduled import Scheduling, SupersedeKeys, admit_scheduled
-from clairvoyant.proxy.target import Target, check_head_size, check_host, check_target
+from clairvoyant.proxy.target import Target, check_head_size, check_host, check_target, http_version
 from clairvoyant.proxy.upstream import Upstream, forwardable_headers
 from clairvoyant.scheduling.dispatcher import Dispatcher, Ticket
 from clairvoyant.scheduling.policy import PolicyParams, build_queue, make_policy
@@ -380,8 +380,9 @@ class ProxyApp:
         dialect = dialect_of_path(scope["path"])
         try:
             check_head_size(raw_path, scope["query_string"], scope["headers"], self.settings.max_header_bytes)
-            check_host(scope["http_version"], scope["headers"])
-            check_framing(scope["http_version"], scope["headers"])
+            version = http_version(scope["http_version"])
+            check_host(version, scope["headers"])
+            check_framing(version, scope["headers"])
             if raw_path == b"*":
                 if method != "OPTIONS":
                     raise BadRequest("the request target '*' is only for OPTIONS")

@@ -102,6 +102,8 @@ class HttpxTransport:
             raise TransportError("timeout", FirstByteTimeout(f"no answer within {first_byte_timeout_s} s")) from exc
         except httpx.ConnectError as exc:
             raise TransportError("connect", exc) from exc
+        except httpx.ConnectTimeout as exc:
+            raise TransportError("connect_timeout", exc) from exc
         except httpx.TimeoutException as exc:
             raise TransportError("timeout", exc) from exc
         except httpx.HTTPError as exc:

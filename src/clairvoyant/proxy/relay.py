@@ -5,10 +5,12 @@ through a ``Responder`` (the ASGI ``send`` of the client's request). Scheduled a
 requests share it.
 
 Opening waits out a backend that cannot take the request yet, since nothing has been generated:
-a refused connection (or, for a scheduled request, a 503 from a model still loading) is retried
-after the backend's health check passes, up to ``backend_wait_s`` from the outage's start; a
-pool may instead hand the request to another backend (``failover``). A backend that let a
-first-byte deadline pass is health-checked before the next request goes to it.
+a refused connection, one not accepted within the connect timeout (or, for a scheduled request, a
+503 from a model still loading) is retried after the backend's health check passes, up to
+``backend_wait_s`` from the outage's start; a pool may instead hand the request to another
+backend (``failover``). A backend that let a first-byte deadline pass is health-checked before the
+next request goes to it, and if the check does not pass within ``backend_wait_s`` the request is
+answered 503 (Retry-After), never sent into the hang.
 
 Once the status is sent it cannot change: a backend failure after that point ends a stream with
 one final error event in the dialect's framing (SSE or NDJSON), or cuts a plain body short (the
@@ -22,13 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from clairvoyant.errors import RequestError, UpstreamTimeout, UpstreamUnavailable
+from clairvoyant.errors import RequestError, UpstreamNotReady, UpstreamTimeout, UpstreamUnavailable
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.dialects import Dialect, error_body, stream_error_event
 from clairvoyant.prediction.usage import Usage, UsageTap
@@ -137,8 +140,9 @@ class Relay:
     model: str | None = None  # the model the request named (usage falls back to it)
     backend_wait_s: float = 0.0  # seconds a not-yet-sent request waits for a backend that is down
     retry_unavailable: bool = False  # also wait and resend when the backend answers 503 (scheduled requests)
-    # The backend refused the connection (nothing was sent): another backend to send it to, or
-    # None to wait for this one (up to backend_wait_s).
+    # The backend cannot take the request (its connection refused or not accepted, or suspect and
+    # failing its health check; nothing was sent): another backend to send it to, or None to wait
+    # for this one (up to backend_wait_s).
     failover: Callable[[Upstream], Awaitable[Upstream | None]] | None = None
     on_answered: Callable[[Upstream], None] = lambda upstream: None  # a backend sent a status
     on_broken: Callable[[Upstream], None] = lambda upstream: None  # a backend failed after the request was sent
@@ -193,18 +197,29 @@ class Relay:
 
     async def _open(self, out: Responder) -> UpstreamResponse | None:
         """Open the upstream request (None: the client left before it was sent). While the backend
-        is down (connection refused), suspect (a first-byte deadline passed) or, for a scheduled
-        request, answers 503 (a model loading, its queue full), nothing has been generated: wait
-        for its health check, up to ``backend_wait_s`` from the outage's start, and send again."""
+        is down (connection refused or not accepted in time), suspect (a first-byte deadline passed)
+        or, for a scheduled request, answers 503 (a model loading, its queue full), nothing has been
+        generated: wait for its health check, up to ``backend_wait_s`` from the outage's start, and
+        send again. A suspect backend whose health check does not pass by then is never sent the
+        request: 503 with Retry-After (or, in a pool, another backend)."""
         unavailable_since_s: float | None = None  # our own first 503 (a loading model)
         while True:
             if out.client_gone:
                 return None
-            if self.upstream.suspect and self.backend_wait_s > 0:
+            if self.upstream.suspect:
                 deadline_s = self.upstream.outage_deadline_s(self.backend_wait_s)
-                await self.upstream.wait_until_ready(deadline_s, lambda: out.client_gone)
+                ready = await self.upstream.wait_until_ready(deadline_s, lambda: out.client_gone)
                 if out.client_gone:
                     return None
+                if not ready:
+                    if await self._failed_over("did not pass its health check after a first-byte timeout"):
+                        continue
+                    raise UpstreamNotReady(
+                        "the backend is not answering; try again later",
+                        retry_after_s=max(1, math.ceil(self.backend_wait_s)),
+                        detail=f"backend {self.upstream.name} did not pass its health check after a first-byte "
+                        f"timeout, within backend_wait_s ({self.backend_wait_s:g} s); not sent",
+                    )
             r = self.request  # a failover may rewrite it for its new backend
             self.sent_s = self.now()
             try:
@@ -212,18 +227,14 @@ class Relay:
                     r.method, r.target, headers=r.headers, authorization=r.authorization, body=r.body,
                     close_connection=r.close_connection,
                 )  # fmt: skip
-            except UpstreamUnavailable as exc:
+            except (UpstreamUnavailable, UpstreamTimeout) as exc:
                 if not exc.never_sent:
                     self._count_backend("failed")
                     self.on_broken(self.upstream)
                     raise
                 self._count_backend("refused")
-                if self.failover is not None:
-                    other = await self.failover(self.upstream)
-                    if other is not None:
-                        logger.info("backend %s refused the connection; sending to %s", self.upstream.name, other.name)
-                        self.upstream = other
-                        continue
+                if await self._failed_over("refused the connection"):
+                    continue
                 deadline_s = self.upstream.outage_deadline_s(self.backend_wait_s)
                 if time.monotonic() >= deadline_s:
                     raise
@@ -250,6 +261,18 @@ class Relay:
             )
             await self.upstream.wait_until_ready(deadline_s, lambda: out.client_gone)
 
+    async def _failed_over(self, why: str) -> bool:
+        """In a pool: send to another backend instead of this one, which ``why`` (nothing was sent).
+        False when there is none: the caller waits for this one."""
+        if self.failover is None:
+            return False
+        other = await self.failover(self.upstream)
+        if other is None:
+            return False
+        logger.info("backend %s %s; sending to %s", self.upstream.name, why, other.name)
+        self.upstream = other
+        return True
+
     async def _relay_body(self, response: UpstreamResponse, out: Responder) -> None:
         self.status = status = response.status_code
         self.content_type = header(response, b"content-type")
@@ -266,21 +289,30 @@ class Relay:
                     self.first_byte_s = self.now()
                 relayed_bytes += len(chunk)
                 last = relayed_bytes == known_bytes  # a body of known length ends with its last bytes
+                if tap is not None:
+                    tap.feed(chunk)  # a few microseconds: before the bytes go out, for the stream's end below
+                    if tap.ended and not last:
+                        # The stream's end event: the answer is whole, its counts in. Recorded before
+                        # the event goes out, so that a client closing as soon as it has it (the
+                        # OpenAI SDK does) cannot lose it; the body's end is relayed when it comes.
+                        self._completed(tap, out)
                 if not last:
-                    # The client's bytes first; the bookkeeping below reads them after (a stream's
-                    # first token is not held back by it). The last ones wait for the usage.
+                    # The client's bytes first; the bookkeeping below comes after (a stream's first
+                    # token is not held back by it). The last ones wait for the usage.
                     await out.body(chunk)
                 if first:
                     self.on_first_byte()
-                if tap is not None:
-                    tap.feed(chunk)
-                    if self.on_progress is not None and tap.is_stream:
-                        self.on_progress(tap.stream_events)
+                if tap is not None and self.on_progress is not None and tap.is_stream:
+                    self.on_progress(tap.stream_events)
                 if last:
                     self._completed(tap, out)
                     await out.body(chunk, more=False)
                     return
         except RequestError as exc:
+            if tap is not None and tap.ended:  # after the stream's end event: the answer is whole
+                logger.debug("the backend's body broke off after its stream's end: %s", exc.detail)
+                await out.body(b"", more=False)
+                return
             self._count_upstream_error(exc)
             self._count_backend("failed_mid_answer")
             self.on_broken(self.upstream)
@@ -291,8 +323,11 @@ class Relay:
         await out.body(b"", more=False)
 
     def _completed(self, tap: UsageTap | None, out: Responder) -> None:
-        """The whole answer has arrived; its last bytes are about to go out (the learner's
-        observation is in before the client has it all)."""
+        """The whole answer has arrived (once: a stream's end event, or the body's end); its last
+        bytes are about to go out (the learner's observation is in before the client has it all).
+        From here on a client that leaves does not end the relay (its outcome is no longer pending)."""
+        if self.outcome is not Outcome.PENDING:
+            return
         if tap is not None and self.on_usage is not None:
             self.usage = tap.usage(wall_s=self.now() - self.sent_s, request_model=self.model)
             self.on_usage(self.usage)

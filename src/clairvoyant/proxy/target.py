@@ -20,7 +20,9 @@ proxy itself (RFC 9110 9.3.7), any other method with it is 400. An absolute-form
 (``POST http://host/v1/chat/completions``) arrives from the server as its path already.
 
 Host (RFC 9112 3.2): an HTTP/1.1 request needs exactly one, well formed; missing, repeated or
-malformed is 400, as nginx answers.
+malformed is 400, as nginx answers. An HTTP/1.0 request may leave it out (old tools and health
+checkers do). The version is read through ``http_version``: Granian reports HTTP/1.0 as ``"1"``
+where the ASGI specification says ``"1.0"``.
 
 The head's size: the server's parser bounds it only roughly (its buffer grows in steps), so
 ``max_header_bytes`` is checked here too, exactly: 431.
@@ -34,7 +36,7 @@ from urllib.parse import unquote_to_bytes
 
 from clairvoyant.errors import BadRequest, HeadersTooLarge
 
-__all__ = ["Target", "check_head_size", "check_host", "check_target"]
+__all__ = ["Target", "check_head_size", "check_host", "check_target", "http_version"]
 
 # A raw path segment that decodes to "." or "..": any mix of "." and "%2e".
 _DOT_SEGMENT = re.compile(rb"(?:^|/)(?:\.|%2e){1,2}(?:/|$)", re.IGNORECASE)
@@ -71,6 +73,12 @@ def check_target(method: str, raw_path: bytes, query: bytes) -> Target:
     if _CONTROL.search(path):
         raise BadRequest("the request path may not hold control characters")
     return Target(path, raw, query.decode("latin-1"))
+
+
+def http_version(scope_version: str) -> str:
+    """The request's HTTP version as the ASGI specification spells it ("1.0", "1.1", "2"), from the
+    server's scope value (Granian says "1" for HTTP/1.0)."""
+    return "1.0" if scope_version == "1" else scope_version
 
 
 def check_host(http_version: str, headers: list[tuple[bytes, bytes]]) -> None:

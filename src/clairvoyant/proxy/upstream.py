@@ -52,6 +52,8 @@ UNREAD_RETRIES = 2
 # server and of uvicorn (Ollama's is Go's, 5 s too): closing first ourselves avoids racing the backend's close of an idle connection.
 KEEPALIVE_EXPIRY_S = 2.0
 HEALTH_PATH = "/health"  # llama.cpp: 503 while the model loads; other backends 404 (alive is enough)
+PROBE_TIMEOUT_S = 2.0  # one health check's bound: a backend that accepts and never answers fails it
+LAST_PROBE_S = 0.5  # the bound of a health check made with its waiter's deadline (nearly) passed
 
 # RFC 9110 7.6.1 hop-by-hop headers, plus those the proxy sets itself.
 HOP_BY_HOP = frozenset(
@@ -119,9 +121,10 @@ class FirstByteTimeout(TimeoutError):
 
 
 class TransportError(Exception):
-    """A transport's failure, classified for ``Upstream``: ``connect`` (the connection could not be
-    opened: nothing was sent), ``build`` (the request could not be made: nothing was sent, and
-    waiting will not help), ``timeout``, or ``failed``. ``never_read`` is True only when the
+    """A transport's failure, classified for ``Upstream``: ``connect`` (the connection was refused
+    or could not be opened: nothing was sent), ``connect_timeout`` (the backend did not accept the
+    connection within the connect timeout: nothing was sent), ``build`` (the request could not be
+    made: nothing was sent, and waiting will not help), ``timeout``, or ``failed``. ``never_read`` is True only when the
     backend provably did not act on the request: it was not fully written, or the backend reset
     the connection before answering. A reset means the backend closed with our bytes unread in its
     socket (a socket closed after reading everything sends a FIN, not a reset), and a backend
@@ -130,7 +133,7 @@ class TransportError(Exception):
 
     def __init__(
         self,
-        kind: Literal["connect", "build", "timeout", "failed"],
+        kind: Literal["connect", "connect_timeout", "build", "timeout", "failed"],
         cause: BaseException,
         *,
         never_read: bool = False,
@@ -262,8 +265,8 @@ class Upstream:
         without saying so; a request sent on it in that instant would meet a close it cannot tell
         from a backend that read it and died).
 
-        Raises ``UpstreamUnavailable`` (``never_sent`` when the connection could not be opened) or
-        ``UpstreamTimeout``.
+        Raises ``UpstreamUnavailable`` (502; ``never_sent`` when the connection was refused) or
+        ``UpstreamTimeout`` (504; ``never_sent`` when the connection was not accepted in time).
         """
         forwarded = list(headers)
         if self._authorization is not None:  # the backend's own credentials replace the client's
@@ -275,17 +278,24 @@ class Upstream:
         url = self.base_url + target
         timeout_s = self.first_byte_timeout_s
         for attempt in range(UNREAD_RETRIES + 1):
+            attempt_s = time.monotonic()
             try:
                 response = await self._transport.send(method, url, forwarded, body, first_byte_timeout_s=timeout_s)
             except TransportError as exc:
                 if isinstance(exc.cause, FirstByteTimeout):  # the deadline the transport keeps for us
                     self.suspect = True
                     raise self._translate(exc, f"no response headers within {timeout_s} s") from None
-                if exc.kind == "connect":
+                if exc.kind in ("connect", "connect_timeout"):
                     detail = f"{method} {target} at {self.display_url}: {describe(exc.cause)}"
                     if self.down_since_s is None:  # an outage begins: said once, at once
-                        self.down_since_s = time.monotonic()
+                        # From this attempt's start: a connection not accepted within the connect
+                        # timeout was down all along, and backend_wait_s counts from then.
+                        self.down_since_s = attempt_s
                         logger.warning("backend %s unreachable (%s); requests wait for it", self.name, detail)
+                    if exc.kind == "connect_timeout":
+                        raise UpstreamTimeout(
+                            "the backend did not accept the connection in time", detail=detail, never_sent=True
+                        ) from exc
                     raise UpstreamUnavailable("the backend is unreachable", detail=detail, never_sent=True) from exc
                 if exc.kind == "failed" and attempt < UNREAD_RETRIES and exc.never_read:
                     logger.debug("the backend closed a reused connection without reading (%s); resending", exc)
@@ -305,7 +315,7 @@ class Upstream:
         except TransportError as exc:
             raise self._translate(exc, "reading the answer") from exc
 
-    async def probe(self, timeout_s: float = 2.0) -> str | None:
+    async def probe(self, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
         """One health check: None when the backend is ready, else why not. Ready = ``/health``
         answers anything but 503 (llama.cpp answers 503 while its model loads; Ollama, which has no
         such path, 404)."""
@@ -352,10 +362,13 @@ class Upstream:
 
     async def wait_until_ready(self, deadline_s: float, give_up: Callable[[], bool] = lambda: False) -> bool:
         """Probe with backoff (0.1 s doubling to 2 s) until the backend is ready, ``deadline_s``
-        (time.monotonic seconds) passes or ``give_up()``. True when ready."""
+        (time.monotonic seconds) passes or ``give_up()``. True when ready. Each probe is bounded by
+        the time left (at least ``LAST_PROBE_S``): a backend that accepts and never answers, or never
+        accepts, holds the caller no later than the deadline."""
         delay_s = 0.1
         while not give_up():
-            if await self.probe() is None:
+            timeout_s = min(PROBE_TIMEOUT_S, max(LAST_PROBE_S, deadline_s - time.monotonic()))
+            if await self.probe(timeout_s) is None:
                 self.down_since_s = None
                 self.suspect = False
                 return True

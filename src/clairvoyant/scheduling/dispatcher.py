@@ -112,17 +112,14 @@ def remainder_s(ticket: Ticket, now: float, slowness: float = 1.0) -> float:
     return max(predicted_s - running_s, OVERRUN_GROWTH * running_s)
 
 
+SHUTDOWN_RETRY_AFTER_S = 5  # a restarted proxy is usually back within seconds
+
+
 class ShuttingDown(RequestError):
     status_code = 503
     error_type = "server_error"
     code = "shutting_down"
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)}
-
-
-SHUTDOWN_RETRY_AFTER_S = 5  # a restarted proxy is usually back within seconds
+    retry_after_s = SHUTDOWN_RETRY_AFTER_S
 
 
 class ModelNotServed(RequestError):
