@@ -343,6 +343,27 @@ def test_a_client_that_closes_at_the_streams_end_event_leaves_a_completed_answer
     assert disconnects == 0
 
 
+def test_a_shutdown_after_a_streams_end_event_leaves_it_completed(caplog: pytest.LogCaptureFixture) -> None:
+    # The grace period ends while the body's end is still to come, after the stream's end event: the
+    # answer was whole, so it stays completed, with no error event after [DONE].
+    caplog.set_level(logging.INFO, logger="clairvoyant")
+    with FakeBackend(lambda path, n: ("stream", 3, 0.0, 10.0)) as backend, httpx.Client(timeout=30) as client:
+        with proxy(backend.url, shutdown_grace_s=0.2) as base:
+            request = client.build_request("POST", f"{base}{CHAT}", json=chat(stream=True))
+            response = client.send(request, stream=True)
+            lines = response.iter_lines()
+            for line in lines:
+                if line == "data: [DONE]":
+                    break
+        rest: list[str] = []  # the proxy has stopped: what came after [DONE]
+        with contextlib.suppress(httpx.HTTPError):  # the body's end never came
+            rest.extend(lines)
+        response.close()
+    assert not any(line.startswith("data:") for line in rest), rest
+    fields = [r.fields for r in caplog.records if getattr(r, "fields", None)]  # type: ignore[attr-defined]
+    assert [(line["outcome"], line["output_tokens"]) for line in fields] == [("completed", 3)]
+
+
 def test_an_answer_carries_one_date_and_one_server_header() -> None:
     with FakeBackend(lambda path, n: "ok") as backend, proxy(backend.url) as base:
         answers = [

@@ -171,6 +171,8 @@ class Relay:
             task = asyncio.current_task()
             if self.interrupted is None or task is None or task.uncancel() > 0:
                 raise
+            if self.outcome is not Outcome.PENDING:
+                return  # the answer was whole already (its stream's end event went out): nothing to end
             self.outcome = self.interrupted
             error = self._interrupt_error
             if error is not None:
