@@ -9,11 +9,15 @@
 
 One exception, by design: ``config`` reads the policy registry's names (``scheduling.policy``, a
 pure module) to validate the ``policy`` setting, so names live in one place.
+
+Within and across layers, no module imports itself back through others (no circle), counting
+imports made inside functions too: a lazy import hides a circle from Python, not from a reader.
 """
 
 from __future__ import annotations
 
 import ast
+from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 import pytest
@@ -48,6 +52,50 @@ def _imports(path: Path) -> list[str]:
 
 
 MODULES = sorted(p for p in ROOT.rglob("*.py"))
+
+
+def _module_name(path: Path) -> str:
+    parts = ("clairvoyant", *path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Each module's imports of the package's modules (``from clairvoyant.x import y`` counts as an
+    import of ``clairvoyant.x.y`` when that is a module, else of ``clairvoyant.x``)."""
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("clairvoyant"):
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    targets.add(sub if sub in modules else node.module)
+            elif isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names if a.name in modules}
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def _circle(graph: dict[str, set[str]]) -> list[str]:
+    """One circle of imports (its modules, the first repeated at the end), or [] when there is none."""
+    try:
+        TopologicalSorter(graph).prepare()
+    except CycleError as exc:
+        return list(exc.args[1])
+    return []
+
+
+def test_no_module_imports_itself_back_through_others() -> None:
+    circle = _circle(_graph({_module_name(p): p for p in MODULES}))
+    assert not circle, "import circle: " + " -> ".join(circle)
+
+
+def test_the_circle_check_sees_a_circle_through_a_lazy_import(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("from clairvoyant.b import B\n")
+    (tmp_path / "b.py").write_text("def make():\n    from clairvoyant.a import A\n")
+    (tmp_path / "c.py").write_text("import clairvoyant.a\n")
+    modules = {f"clairvoyant.{n}": tmp_path / f"{n}.py" for n in "abc"}
+    assert sorted(set(_circle(_graph(modules)))) == ["clairvoyant.a", "clairvoyant.b"]
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))

@@ -22,7 +22,7 @@ import aiohttp
 from yarl import URL
 
 from clairvoyant.proxy.keepalive import tcp_keepalive
-from clairvoyant.proxy.upstream import (
+from clairvoyant.proxy.transport import (
     KEEPALIVE_EXPIRY_S,
     FirstByteTimeout,
     Headers,

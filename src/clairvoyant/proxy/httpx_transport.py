@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from clairvoyant.proxy.upstream import (
+from clairvoyant.proxy.transport import (
     KEEPALIVE_EXPIRY_S,
     FirstByteTimeout,
     Headers,

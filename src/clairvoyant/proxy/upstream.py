@@ -1,11 +1,11 @@
 """The backend (Ollama, llama.cpp's server, vLLM, any OpenAI-compatible server) and the rules for
 talking to it.
 
-``Upstream`` owns the rules; a ``Transport`` only moves one request and classifies its own
-failures. The production transport is aiohttp's client (proxy/aiohttp_transport.py, chosen by
-measurement: docs/design.md, "The backend client"); tests may inject an httpx transport
-(``httpx.MockTransport``, adapted by proxy/httpx_transport.py). No other module sees a client
-library.
+``Upstream`` owns the rules; a ``Transport`` (proxy/transport.py) only moves one request and
+classifies its own failures. The production transport is aiohttp's client
+(proxy/aiohttp_transport.py, chosen by measurement: docs/design.md, "The backend client"); tests
+may inject an httpx transport (``httpx.MockTransport``, adapted by proxy/httpx_transport.py, which
+the pool builds when given one). No other module sees a client library.
 
 Every transport failure is translated here into ``UpstreamUnavailable`` (502) or
 ``UpstreamTimeout`` (504). Client-facing messages never name the backend's address (it may carry
@@ -26,31 +26,27 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import errno
 import json
 import logging
 import ssl
 import time
 from collections.abc import Callable, Container, Iterable
-from typing import Any, Literal, Protocol
+from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from clairvoyant.errors import RequestError, UpstreamTimeout, UpstreamUnavailable
+from clairvoyant.proxy.aiohttp_transport import AiohttpTransport
+from clairvoyant.proxy.transport import FirstByteTimeout, Headers, Transport, TransportError, UpstreamResponse, header
 
+# Headers, UpstreamResponse, header: transport.py's, named here for the readers of Upstream.open's answers.
 __all__ = [
-    "FirstByteTimeout", "Headers", "Transport", "TransportError", "Upstream", "UpstreamResponse",
-    "forwardable_headers", "redact_url", "response_headers", "was_reset",
+    "Headers", "Upstream", "UpstreamResponse", "forwardable_headers", "header", "redact_url", "response_headers",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
-Headers = list[tuple[str, str]]  # (name, value) pairs as text (latin-1), names in lower case
-
 # Resends of a request the backend provably never read (a reused connection it had closed).
 UNREAD_RETRIES = 2
-# Pooled connections idle longer than this are dropped, below the 5 s idle timeout of llama.cpp's
-# server and of uvicorn (Ollama's is Go's, 5 s too): closing first ourselves avoids racing the backend's close of an idle connection.
-KEEPALIVE_EXPIRY_S = 2.0
 HEALTH_PATH = "/health"  # llama.cpp: 503 while the model loads; other backends 404 (alive is enough)
 PROBE_TIMEOUT_S = 2.0  # one health check's bound: a backend that accepts and never answers fails it
 LAST_PROBE_S = 0.5  # the bound of a health check made with its waiter's deadline (nearly) passed
@@ -67,7 +63,6 @@ HOP_BY_HOP = frozenset(
 _NOT_FORWARDED = HOP_BY_HOP | {"content-length", "expect"}
 # Never relayed to the client: the proxy's server sets its own Date and Server.
 _NOT_RELAYED = HOP_BY_HOP | {"date", "server"}
-_RESET_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE})
 
 
 def redact_url(url: str) -> str:
@@ -116,81 +111,6 @@ def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, by
     return [(name, value) for name, value in pairs if name.decode("latin-1") not in _NOT_RELAYED and name not in named]
 
 
-class FirstByteTimeout(TimeoutError):
-    """No answer's head within the first-byte deadline (a transport's ``TransportError`` cause)."""
-
-
-class TransportError(Exception):
-    """A transport's failure, classified for ``Upstream``: ``connect`` (the connection was refused
-    or could not be opened: nothing was sent), ``connect_timeout`` (the backend did not accept the
-    connection within the connect timeout: nothing was sent), ``build`` (the request could not be
-    made: nothing was sent, and waiting will not help), ``timeout``, or ``failed``. ``never_read`` is True only when the
-    backend provably did not act on the request: it was not fully written, or the backend reset
-    the connection before answering. A reset means the backend closed with our bytes unread in its
-    socket (a socket closed after reading everything sends a FIN, not a reset), and a backend
-    cannot act on a request it has not read whole. A clean close after the request went out is
-    never resent: the backend may have read it and be generating."""
-
-    def __init__(
-        self,
-        kind: Literal["connect", "connect_timeout", "build", "timeout", "failed"],
-        cause: BaseException,
-        *,
-        never_read: bool = False,
-    ) -> None:
-        super().__init__(f"{type(cause).__name__}: {cause}")
-        self.kind = kind
-        self.cause = cause
-        self.never_read = never_read
-
-
-def was_reset(exc: BaseException) -> bool:
-    """Whether ``exc`` (or its cause chain) is a connection reset or a broken pipe."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, (ConnectionResetError, BrokenPipeError)):
-            return True
-        if isinstance(seen, OSError) and seen.errno in _RESET_ERRNOS:
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
-class UpstreamResponse(Protocol):
-    """The backend's status and headers, with the body not yet read. Read it with ``read_chunk``
-    (raw, undecoded bytes as they arrive, b"" at its end; raises ``TransportError``); always
-    ``aclose``."""
-
-    status_code: int
-    raw_headers: list[tuple[bytes, bytes]]  # as received; names in the backend's case
-
-    async def read_chunk(self) -> bytes: ...
-
-    async def aclose(self) -> None: ...
-
-
-def header(response: UpstreamResponse, name: bytes) -> str:
-    """One response header's value ('' when absent); ``name`` in lower case."""
-    for k, v in response.raw_headers:
-        if k.lower() == name:
-            return v.decode("latin-1")
-    return ""
-
-
-class Transport(Protocol):
-    """Moves one request to the backend. ``send`` raises only ``TransportError``."""
-
-    async def send(
-        self, method: str, url: str, headers: Headers, body: bytes, *, first_byte_timeout_s: float | None = None
-    ) -> UpstreamResponse:
-        """``url``: already encoded, sent as it is. ``headers``: sent as they are (Host and
-        Content-Length are the transport's). Raises ``TransportError``; ``timeout`` with a
-        ``FirstByteTimeout`` cause when no answer's head came within ``first_byte_timeout_s``."""
-        ...
-
-    async def aclose(self) -> None: ...
-
-
 class Upstream:
     """The backend, for the proxy's lifetime (created in the lifespan, closed on shutdown)."""
 
@@ -202,11 +122,12 @@ class Upstream:
         read_timeout_s: float | None = None,
         first_byte_timeout_s: float | None = None,
         api_key: str | None = None,
-        transport: Any = None,
+        transport: Transport | None = None,
         name: str = "default",
         keepalive_s: float = 0.0,  # TCP keepalive idle seconds on its connections (proxy/keepalive.py); 0 = off
     ) -> None:
-        """``transport``: None (aiohttp), a ``Transport``, or an httpx transport (tests)."""
+        """``transport``: None (aiohttp's, with the timeouts and keepalive given here), or another
+        ``Transport`` (tests inject ``httpx_transport.HttpxTransport``, which keeps its own timeouts)."""
         self.name = name  # the backend's name in the pool
         self.display_url = redact_url(base_url.rstrip("/"))
         # Credentials in the URL become an Authorization header: the URL the client library holds
@@ -223,21 +144,11 @@ class Upstream:
         self.down_since_s: float | None = None  # time.monotonic() of the first failure of an outage
         self.suspect = False  # a first-byte deadline passed: health-checked before the next request
         self.first_byte_timeout_s = first_byte_timeout_s
-        self._transport: Transport
         if transport is None:
-            from clairvoyant.proxy.aiohttp_transport import AiohttpTransport
-
-            self._transport = AiohttpTransport(
+            transport = AiohttpTransport(
                 connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s, keepalive_s=keepalive_s
             )
-        elif hasattr(transport, "handle_async_request"):  # an httpx transport: tests only
-            from clairvoyant.proxy.httpx_transport import HttpxTransport
-
-            self._transport = HttpxTransport(
-                transport, connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s
-            )
-        else:
-            self._transport = transport
+        self._transport = transport
 
     def _translate(self, exc: TransportError | TimeoutError, what: str) -> RequestError:
         cause = exc.cause if isinstance(exc, TransportError) else exc
