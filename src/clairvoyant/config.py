@@ -129,7 +129,8 @@ def http_url(value: str) -> str:
     return base
 
 
-BackendKind = Literal["auto", "ollama", "llamacpp", "openai", "vllm"]
+# proxy/backend_kinds.py holds what each kind is
+BackendKindName = Literal["auto", "ollama", "llamacpp", "openai", "vllm"]
 
 
 class BackendConfig(BaseModel):
@@ -144,7 +145,7 @@ class BackendConfig(BaseModel):
         description="Shown in /queue, /readyz, metrics and the X-Clairvoyant-Backend header; default backend-N "
         "(its place in the list, from 1: names reach clients, addresses must not).",
     )
-    kind: BackendKind = Field("auto", description="ollama, llamacpp, openai or vllm; auto = asked at start-up.")
+    kind: BackendKindName = Field("auto", description="ollama, llamacpp, openai or vllm; auto = asked at start-up.")
     slots: int | None = Field(
         None,
         ge=1,

@@ -1,9 +1,10 @@
 """The pool of backends: one ``Upstream`` each, what each backend is, and the health checks that
 keep the dispatcher's routing records (scheduling/routing.py) current.
 
-At start-up each backend of a pool is asked what it is (kind ``auto``): llama.cpp answers
-``/props`` (with its ``total_slots``, used when ``slots`` is not configured), Ollama ``/api/version``,
-vLLM ``/version``; anything else is an OpenAI-compatible server. With more than one backend, a
+At start-up each backend of a pool is asked what it is (kind ``auto``; the questions are the kinds'
+own, proxy/backend_kinds.py): llama.cpp answers ``/props`` (with its ``total_slots``, used when
+``slots`` is not configured), Ollama ``/api/version``, vLLM ``/version``; anything else that
+answers is an OpenAI-compatible server. With more than one backend, a
 monitor task per backend then checks ``/health`` every ``HEALTH_INTERVAL_S`` (an unhealthy one with
 backoff from ``RETRY_START_S`` to ``RETRY_MAX_S``) and, for Ollama, which models are loaded
 (``/api/ps``: routing prefers a backend that has the model loaded). A refused connection marks a
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from clairvoyant.config import BackendConfig, Settings
+from clairvoyant.proxy.backend_kinds import DISCOVERY_ORDER, OPENAI, BackendKind, backend_kind
 from clairvoyant.proxy.upstream import Upstream
 from clairvoyant.scheduling.dispatcher import Dispatcher
 from clairvoyant.scheduling.routing import Backend, same_model
@@ -49,10 +51,14 @@ class PoolMember:
     config: BackendConfig
     name: str
     upstream: Upstream
-    kind: str  # ollama | llamacpp | openai | vllm, or auto while unknown (not reached yet)
     slots: int
     checked: asyncio.Event = field(default_factory=asyncio.Event)  # set to cut the monitor's sleep short
     slots_known: bool = False  # slots configured, or llama.cpp's total_slots read
+
+    @property
+    def kind(self) -> BackendKind:
+        """What it is (``auto`` while unknown: not reached yet); its upstream's, which probes by it."""
+        return self.upstream.kind
 
 
 class BackendPool:
@@ -81,10 +87,10 @@ class BackendPool:
                 api_key=None if config.api_key is None else config.api_key.get_secret_value(),
                 transport=transport,
                 name=name,
+                kind=backend_kind(config.kind),
             )
-            slots = config.slots or settings.slots
-            member = PoolMember(config, name, upstream, config.kind, slots)
-            member.slots_known = config.slots is not None or config.kind not in ("auto", "llamacpp")
+            member = PoolMember(config, name, upstream, config.slots or settings.slots)
+            member.slots_known = config.slots is not None or not upstream.kind.may_report_slots
             self.members.append(member)
         self._index = {id(m.upstream): i for i, m in enumerate(self.members)}  # members live as long as the pool
         self.dispatcher: Dispatcher | None = None
@@ -107,41 +113,32 @@ class BackendPool:
             async with asyncio.timeout(DISCOVERY_TOTAL_S):
                 await asyncio.gather(*(self._discover(m) for m in self.members))
         except TimeoutError:
-            unknown = [m.name for m in self.members if m.kind == "auto"]
+            unknown = [m.name for m in self.members if not m.kind.known]
             logger.warning("backends %s did not say what they are within %.0f s", ", ".join(unknown), DISCOVERY_TOTAL_S)
 
     async def _discover(self, member: PoolMember) -> None:
         """Ask the member what it is and, for llama.cpp, its slots, unless both are known. A llama.cpp
         backend that was down at start-up and has other slots than assumed is resized when it answers."""
-        if member.kind != "auto" and member.slots_known:
+        if member.kind.known and member.slots_known:
             return
-        props = await member.upstream.get_json("/props", DISCOVERY_TIMEOUT_S)
-        if isinstance(props, dict) and ("total_slots" in props or "default_generation_settings" in props):
-            member.kind = "llamacpp"
+        upstream = member.upstream
+        for kind in DISCOVERY_ORDER if not member.kind.known else (member.kind,):
+            path = kind.identify_path
+            answer = await upstream.get_json(path, DISCOVERY_TIMEOUT_S) if path is not None else None
+            if not kind.identifies(answer):
+                continue
+            upstream.kind = kind
             member.slots_known = True  # (a llama.cpp too old to say keeps ``slots``)
-            total = props.get("total_slots")
+            total = answer.get(kind.slots_key) if kind.slots_key is not None else None
             if member.config.slots is None and isinstance(total, int) and total >= 1:
                 if total != member.slots and self.dispatcher is not None:  # down at start-up, or restarted
                     self.dispatcher.resize(self.members.index(member), total)
                 member.slots = total
             return
-        if member.kind == "auto":
-            member.kind = await self._kind_of(member.upstream)
-        # answered, and not as llama.cpp: its slots are ``slots`` (a llama.cpp whose /props did not answer is asked again)
-        member.slots_known = member.kind not in ("auto", "llamacpp")
-
-    @staticmethod
-    async def _kind_of(upstream: Upstream) -> str:
-        """ollama, vllm or openai by what the backend answers, or auto if it does not answer."""
-        version = await upstream.get_json("/api/version", DISCOVERY_TIMEOUT_S)
-        if isinstance(version, dict) and "version" in version:
-            return "ollama"
-        version = await upstream.get_json("/version", DISCOVERY_TIMEOUT_S)
-        if isinstance(version, dict) and "version" in version:
-            return "vllm"
-        if await upstream.probe(DISCOVERY_TIMEOUT_S) is None:
-            return "openai"  # it answers, but none of the above: an OpenAI-compatible server
-        return "auto"
+        if not member.kind.known and await upstream.probe(DISCOVERY_TIMEOUT_S) is None:
+            upstream.kind = OPENAI
+        # a llama.cpp whose /props did not answer, or one not reached, is asked again
+        member.slots_known = not member.kind.may_report_slots
 
     def scheduling_backends(self) -> list[Backend]:
         """The dispatcher's routing records, one per member, in configuration order."""
@@ -150,8 +147,8 @@ class BackendPool:
                 m.name,
                 m.slots,
                 models=tuple(m.config.models),
-                tracks_loaded=m.kind == "ollama",
-                info={"url": m.upstream.display_url, "kind": m.kind},
+                tracks_loaded=m.kind.loaded_models_path is not None,
+                info={"url": m.upstream.display_url, "kind": m.kind.name},
             )
             for m in self.members
         ]
@@ -175,12 +172,16 @@ class BackendPool:
             loaded: list[str] | None = None
             if healthy:
                 retry_s = RETRY_START_S
-                if self._back_after_failure(index) and member.kind == "llamacpp" and member.config.slots is None:
+                if (
+                    self._back_after_failure(index)
+                    and member.kind.slots_key is not None
+                    and member.config.slots is None
+                ):
                     member.slots_known = False  # it may have been restarted with another -np: ask /props again
-                if member.kind == "auto" or not member.slots_known:
+                if not member.kind.known or not member.slots_known:
                     await self._discover(member)
-                if member.kind == "ollama":
-                    loaded = await self._loaded_models(member)
+                if member.kind.loaded_models_path is not None:
+                    loaded = await self._loaded_models(member, member.kind.loaded_models_path)
             self._set(index, healthy, loaded)
             member.checked.clear()
             wait_s = HEALTH_INTERVAL_S if healthy else retry_s
@@ -195,8 +196,8 @@ class BackendPool:
         return self.dispatcher is not None and not self.dispatcher.backends[index].healthy
 
     @staticmethod
-    async def _loaded_models(member: PoolMember) -> list[str] | None:
-        ps = await member.upstream.get_json("/api/ps")
+    async def _loaded_models(member: PoolMember, path: str) -> list[str] | None:
+        ps = await member.upstream.get_json(path)
         if not isinstance(ps, dict) or not isinstance(ps.get("models"), list):
             return None
         return [str(m.get("name") or m.get("model")) for m in ps["models"] if isinstance(m, dict)]
@@ -205,8 +206,8 @@ class BackendPool:
         if self.dispatcher is not None:
             self.dispatcher.set_health(index, healthy, loaded)
             record = self.dispatcher.backends[index]
-            record.info["kind"] = self.members[index].kind  # discovered late, if it was down at start-up
-            record.tracks_loaded = self.members[index].kind == "ollama"
+            kind = self.members[index].kind  # discovered late, if it was down at start-up
+            record.info["kind"], record.tracks_loaded = kind.name, kind.loaded_models_path is not None
 
     # -- what requests report ------------------------------------------------------------------
     def index_of(self, upstream: Upstream) -> int:
@@ -245,7 +246,7 @@ class BackendPool:
         serving.sort(key=lambda i: (not backends[i].healthy, not backends[i].has_loaded(model), i))
         return [self.members[i].upstream for i in serving]
 
-    def kind_of(self, index: int) -> str:
+    def kind_of(self, index: int) -> BackendKind:
         return self.members[index].kind
 
     async def aclose(self) -> None:

@@ -93,7 +93,7 @@ class Scheduling:
     def at_once(self) -> bool:
         """A request that finds a free slot and nobody waiting may go before its prediction: not in
         a pool (routing weighs the prediction), nor to a vLLM backend that reads it as its priority."""
-        return len(self.pool) == 1 and not (self.settings.vllm_priority and self.pool.kind_of(0) == "vllm")
+        return len(self.pool) == 1 and not (self.settings.vllm_priority and self.pool.kind_of(0).priority_field)
 
     @property
     def own_headers(self) -> tuple[str, ...]:
@@ -390,13 +390,12 @@ class ScheduledRequest:
         shared = self.shared
         relay = self.relay
         relay.upstream = shared.pool.members[backend].upstream
-        if shared.settings.vllm_priority and shared.pool.kind_of(backend) == "vllm":
+        field = shared.pool.kind_of(backend).priority_field
+        if shared.settings.vllm_priority and field is not None:
             ticket = self.ticket
             tokens = min(VLLM_CLASS_STRIDE - 1, max(0, round(ticket.predicted_tokens)))
             priority = ticket.priority * VLLM_CLASS_STRIDE + tokens
-            relay.request = replace(
-                relay.request, body=with_upstream_fields(relay.request.body, {"priority": priority})
-            )
+            relay.request = replace(relay.request, body=with_upstream_fields(relay.request.body, {field: priority}))
 
     async def _failover(self, refused: Upstream) -> Upstream | None:
         """The granted backend refused the connection: wait first in line for another healthy

@@ -36,6 +36,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 from clairvoyant.errors import RequestError, UpstreamTimeout, UpstreamUnavailable
 from clairvoyant.proxy.aiohttp_transport import AiohttpTransport
+from clairvoyant.proxy.backend_kinds import AUTO, BackendKind
 from clairvoyant.proxy.transport import FirstByteTimeout, Headers, Transport, TransportError, UpstreamResponse, header
 
 # Headers, UpstreamResponse, header: transport.py's, named here for the readers of Upstream.open's answers.
@@ -47,7 +48,6 @@ logger = logging.getLogger(__name__)
 
 # Resends of a request the backend provably never read (a reused connection it had closed).
 UNREAD_RETRIES = 2
-HEALTH_PATH = "/health"  # llama.cpp: 503 while the model loads; other backends 404 (alive is enough)
 PROBE_TIMEOUT_S = 2.0  # one health check's bound: a backend that accepts and never answers fails it
 LAST_PROBE_S = 0.5  # the bound of a health check made with its waiter's deadline (nearly) passed
 
@@ -124,11 +124,13 @@ class Upstream:
         api_key: str | None = None,
         transport: Transport | None = None,
         name: str = "default",
+        kind: BackendKind = AUTO,
         keepalive_s: float = 0.0,  # TCP keepalive idle seconds on its connections (proxy/keepalive.py); 0 = off
     ) -> None:
         """``transport``: None (aiohttp's, with the timeouts and keepalive given here), or another
         ``Transport`` (tests inject ``httpx_transport.HttpxTransport``, which keeps its own timeouts)."""
         self.name = name  # the backend's name in the pool
+        self.kind = kind  # what it is (the pool finds out when ``auto``): its health path and slot probe
         self.display_url = redact_url(base_url.rstrip("/"))
         # Credentials in the URL become an Authorization header: the URL the client library holds
         # (and may log) has none. The backend's own key (``api_key``) wins over them.
@@ -227,15 +229,16 @@ class Upstream:
             raise self._translate(exc, "reading the answer") from exc
 
     async def probe(self, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
-        """One health check: None when the backend is ready, else why not. Ready = ``/health``
-        answers anything but 503 (llama.cpp answers 503 while its model loads; Ollama, which has no
-        such path, 404)."""
+        """One health check: None when the backend is ready, else why not. Ready = its kind's
+        health path answers anything but 503 (llama.cpp answers 503 while its model loads; Ollama,
+        which has no such path, 404)."""
+        path = self.kind.health_path
         try:
             async with asyncio.timeout(timeout_s):
-                response = await self.open("GET", HEALTH_PATH)
+                response = await self.open("GET", path)
                 await response.aclose()
         except TimeoutError as exc:
-            return self._translate(exc, f"GET {HEALTH_PATH}").detail
+            return self._translate(exc, f"GET {path}").detail
         except RequestError as exc:
             return exc.detail
         return "the backend answered 503 (loading or busy)" if response.status_code == 503 else None
@@ -258,9 +261,11 @@ class Upstream:
             return None
 
     async def busy_slots(self) -> int | None:
-        """How many of llama.cpp's slots are processing (``GET /slots``), or None where the backend
-        has no such endpoint or does not answer."""
-        slots = await self.get_json("/slots")
+        """How many of llama.cpp's slots are processing (its kind's ``busy_slots_path``), or None
+        where the backend has no such endpoint (not asked: it stops on disconnect) or does not answer."""
+        if self.kind.busy_slots_path is None:
+            return None
+        slots = await self.get_json(self.kind.busy_slots_path)
         if not isinstance(slots, list):
             return None
         return sum(1 for slot in slots if isinstance(slot, dict) and slot.get("is_processing"))
@@ -305,7 +310,9 @@ class Upstream:
                 try:
                     if not tls:
                         return "this port speaks TLS: use https://"
-                    writer.write(b"GET " + HEALTH_PATH.encode() + b" HTTP/1.0\r\nHost: " + host.encode() + b"\r\n\r\n")
+                    writer.write(
+                        b"GET " + self.kind.health_path.encode() + b" HTTP/1.0\r\nHost: " + host.encode() + b"\r\n\r\n"
+                    )
                     answer = await reader.read(16)
                     return "this port speaks plain HTTP: use http://" if answer.startswith(b"HTTP/") else None
                 finally:
