@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import respx
+from httpx_transport import HttpxTransport
 from polling import until, wait_until  # noqa: F401 (wait_until re-exported)
 
 from clairvoyant.prediction.features import Prompt
@@ -72,9 +73,9 @@ async def broken_sse(gate: threading.Event | None = None) -> AsyncIterator[bytes
     raise httpx.ReadError("connection reset")
 
 
-def mock_transport(router: respx.MockRouter) -> httpx.MockTransport:
-    """respx pre-reads plain-bytes responses; a real backend's body is unread when headers arrive,
-    so hand the proxy an unread copy."""
+def mock_transport(router: respx.MockRouter) -> HttpxTransport:
+    """The proxy's transport to ``router``'s mocked backends. respx pre-reads plain-bytes
+    responses; a real backend's body is unread when headers arrive, so hand the proxy an unread copy."""
 
     async def handler(request: httpx.Request) -> httpx.Response:
         response = await router.async_handler(request)
@@ -84,7 +85,7 @@ def mock_transport(router: respx.MockRouter) -> httpx.MockTransport:
             )
         return response
 
-    return httpx.MockTransport(handler)
+    return HttpxTransport(httpx.MockTransport(handler))
 
 
 def metric_value(base: str, name: str, labels: str = "") -> float:

@@ -58,7 +58,7 @@ def test_a_backend_answering_as_a_kind_is_found_and_used_as_that_kind(name: str)
     kind, router = backend_kind(name), _router(name)
 
     async def scenario() -> tuple[BackendPool, str | None, int | None]:
-        pool = BackendPool(Settings(backends=[{"url": URL}], slots=1), httpx_transport=mock_transport(router))
+        pool = BackendPool(Settings(backends=[{"url": URL}], slots=1), transport=mock_transport(router))
         try:
             await pool.discover()
             upstream = pool.first
@@ -84,9 +84,7 @@ def test_a_configured_kind_is_asked_only_for_the_slots_it_may_report(name: str) 
     kind, router = backend_kind(name), _router(name)
 
     async def scenario() -> BackendPool:
-        pool = BackendPool(
-            Settings(backends=[{"url": URL, "kind": name}], slots=1), httpx_transport=mock_transport(router)
-        )
+        pool = BackendPool(Settings(backends=[{"url": URL, "kind": name}], slots=1), transport=mock_transport(router))
         await pool.discover()
         await pool.aclose()
         return pool

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
+from httpx_transport import HttpxTransport
 
 from clairvoyant.config import Settings
 from clairvoyant.tools.bench.client import RequestSpec, send
@@ -79,7 +80,7 @@ def test_oracle_field_and_true_length_never_reach_the_backend() -> None:
             result = await send(client, url, spec, dialect="openai", model="m", oracle=True, origin=time.perf_counter())
         assert result.ok and result.ttft_s is not None
 
-    with proxy_server(settings, upstream_transport=httpx.MockTransport(backend)) as url:
+    with proxy_server(settings, upstream_transport=HttpxTransport(httpx.MockTransport(backend))) as url:
         asyncio.run(go(url))
     [body] = seen
     assert "clairvoyant" not in body and "max_tokens" not in body
@@ -111,7 +112,7 @@ def test_a_hidden_forced_length_reaches_the_backend_but_not_the_predictor() -> N
         text="Write a detailed 2000-word essay on the history of the Roman Empire.",
     )
     settings = Settings(upstream_url="http://backend.invalid", policy="sjf", bench_upstream_fields=True)
-    with proxy_server(settings, upstream_transport=httpx.MockTransport(backend)) as url:
+    with proxy_server(settings, upstream_transport=HttpxTransport(httpx.MockTransport(backend))) as url:
         predicted = {}
         for hide in (False, True):
             body = build_body(spec, "openai", model="m", hide_length=hide) | {"stream": False}

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, RedirectResponse, Response
@@ -58,14 +58,12 @@ from clairvoyant.proxy.pool import BackendPool, merge_model_lists
 from clairvoyant.proxy.relay import Receive, Relay, Responder, Send, UpstreamRequest, relay_unscheduled
 from clairvoyant.proxy.scheduled import Scheduling, SupersedeKeys, admit_scheduled
 from clairvoyant.proxy.target import Target, check_head_size, check_host, check_target, http_version
+from clairvoyant.proxy.transport import Transport
 from clairvoyant.proxy.upstream import Upstream, forwardable_headers
 from clairvoyant.scheduling.dispatcher import Dispatcher, Ticket
 from clairvoyant.scheduling.policy import PolicyParams, build_queue, make_policy
 from clairvoyant.scheduling.service_time import ServiceTimeModel
 from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
-
-if TYPE_CHECKING:
-    import httpx
 
 __all__ = ["ProxyApp", "ProxyState", "create_app"]
 
@@ -150,7 +148,7 @@ def create_app(
     *,
     predictor: Predictor | None = None,
     clock: Clock | None = None,
-    upstream_transport: httpx.AsyncBaseTransport | None = None,  # tests' (see proxy/pool.py)
+    upstream_transport: Transport | None = None,  # tests' (tests/httpx_transport.py)
 ) -> ProxyApp:
     """Build the proxy (served by ``server.ProxyServer``). ``predictor``, ``clock`` and
     ``upstream_transport`` are for tests."""
@@ -178,17 +176,13 @@ def create_app(
 
 
 async def _start(
-    stack: AsyncExitStack,
-    proxy: ProxyApp,
-    predictor: Predictor | None,
-    clock: Clock,
-    transport: httpx.AsyncBaseTransport | None,
+    stack: AsyncExitStack, proxy: ProxyApp, predictor: Predictor | None, clock: Clock, transport: Transport | None
 ) -> ProxyState:
     """Start every part, in order, pushing each one's stop on ``stack`` once it has started."""
     settings, metrics = proxy.settings, proxy.metrics
     # A model that fails to load fails start-up: there is no silent fallback predictor.
     loaded = predictor if predictor is not None else OnnxPredictor(settings.model_path)
-    pool = BackendPool(settings, httpx_transport=transport)
+    pool = BackendPool(settings, transport=transport)
     stack.push_async_callback(pool.aclose)
     await pool.discover()  # a pool's kinds and llama.cpp slots, before the dispatcher counts slots
     limits = TenantLimits(settings.tenant_limits, state_path=_limits_path(settings))

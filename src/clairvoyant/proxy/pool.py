@@ -24,16 +24,14 @@ import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from clairvoyant.config import BackendConfig, Settings
 from clairvoyant.proxy.backend_kinds import DISCOVERY_ORDER, OPENAI, BackendKind, backend_kind
+from clairvoyant.proxy.transport import Transport
 from clairvoyant.proxy.upstream import Upstream
 from clairvoyant.scheduling.dispatcher import Dispatcher
 from clairvoyant.scheduling.routing import Backend, same_model
-
-if TYPE_CHECKING:
-    import httpx
 
 __all__ = ["BackendPool", "PoolMember", "merge_model_lists"]
 
@@ -62,22 +60,12 @@ class PoolMember:
 
 
 class BackendPool:
-    def __init__(self, settings: Settings, *, httpx_transport: httpx.AsyncBaseTransport | None = None) -> None:
-        """``httpx_transport``: tests' injected one (``httpx.MockTransport``), shared by every
-        backend; None: each backend gets aiohttp's."""
+    def __init__(self, settings: Settings, *, transport: Transport | None = None) -> None:
+        """``transport``: tests' injected one, shared by every backend; None: each gets aiohttp's."""
         self.settings = settings
         self.members: list[PoolMember] = []
         for config in settings.pool:
             name = config.name or "backend-1"  # settings.pool names every backend
-            transport = None
-            if httpx_transport is not None:  # imported only then: httpx stays off the serving path
-                from clairvoyant.proxy.httpx_transport import HttpxTransport
-
-                transport = HttpxTransport(
-                    httpx_transport,
-                    connect_timeout_s=settings.connect_timeout_s,
-                    read_timeout_s=settings.read_timeout_s,
-                )
             upstream = Upstream(
                 config.url,
                 connect_timeout_s=settings.connect_timeout_s,

@@ -1,8 +1,8 @@
 """What a transport is, in the manner of httpx's ``_transports/base.py``: the ``Transport``
 interface, its one error (``TransportError``) and the types it shares with ``Upstream``.
 
-Both transports (aiohttp_transport.py, the served one; httpx_transport.py, tests' injected one)
-import this module and never their caller, ``upstream.py``, which imports them: no circle.
+The transports (aiohttp_transport.py, the served one; tests/httpx_transport.py, tests' injected
+one) import this module and never their caller, ``upstream.py``, which imports them: no circle.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ talking to it.
 ``Upstream`` owns the rules; a ``Transport`` (proxy/transport.py) only moves one request and
 classifies its own failures. The production transport is aiohttp's client
 (proxy/aiohttp_transport.py, chosen by measurement: docs/design.md, "The backend client"); tests
-may inject an httpx transport (``httpx.MockTransport``, adapted by proxy/httpx_transport.py, which
-the pool builds when given one). No other module sees a client library.
+inject their own (tests/httpx_transport.py, over ``httpx.MockTransport``). No other module sees a
+client library.
 
 Every transport failure is translated here into ``UpstreamUnavailable`` (502) or
 ``UpstreamTimeout`` (504). Client-facing messages never name the backend's address (it may carry
@@ -127,8 +127,8 @@ class Upstream:
         kind: BackendKind = AUTO,
         keepalive_s: float = 0.0,  # TCP keepalive idle seconds on its connections (proxy/keepalive.py); 0 = off
     ) -> None:
-        """``transport``: None (aiohttp's, with the timeouts and keepalive given here), or another
-        ``Transport`` (tests inject ``httpx_transport.HttpxTransport``, which keeps its own timeouts)."""
+        """``transport``: None (aiohttp's, with the timeouts and keepalive given here), or tests'
+        own ``Transport``, which keeps its own timeouts."""
         self.name = name  # the backend's name in the pool
         self.kind = kind  # what it is (the pool finds out when ``auto``): its health path and slot probe
         self.display_url = redact_url(base_url.rstrip("/"))

@@ -1,48 +1,21 @@
-"""An httpx transport behind ``Upstream``: tests inject ``httpx.MockTransport`` (respx) through
-``create_app(upstream_transport=...)`` for what cannot run here (Ollama's native API, faults). The
-proxy itself serves with aiohttp (aiohttp_transport.py); the rules (resend, timeouts, error
-translation) are ``Upstream``'s and the same for both: this module only moves bytes and classifies
-httpx's failures as ``TransportError``.
+"""The tests' transport behind ``Upstream``: httpx's client over an injected httpx transport
+(``httpx.MockTransport``, respx), for what cannot run here (Ollama's native API, faults). Passed to
+``create_app(upstream_transport=...)``, it serves every backend of the pool. The proxy itself
+serves with aiohttp (proxy/aiohttp_transport.py); the rules (resend, timeouts, error translation)
+are ``Upstream``'s and the same for both: this module only moves bytes and classifies httpx's
+failures as ``TransportError``, as the ``Transport`` interface (proxy/transport.py) asks.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator
-from typing import Any
 
 import httpx
 
-from clairvoyant.proxy.transport import (
-    KEEPALIVE_EXPIRY_S,
-    FirstByteTimeout,
-    Headers,
-    TransportError,
-    UpstreamResponse,
-    was_reset,
-)
+from clairvoyant.proxy.transport import KEEPALIVE_EXPIRY_S, FirstByteTimeout, Headers, TransportError, UpstreamResponse
 
 __all__ = ["HttpxTransport"]
-
-
-class _SendTrace:
-    """What httpcore reports of one attempt: how far the request got."""
-
-    __slots__ = ("events",)
-
-    def __init__(self) -> None:
-        self.events: set[str] = set()
-
-    async def __call__(self, event: str, info: dict[str, Any]) -> None:
-        self.events.add(event)
-
-    def never_read(self, exc: httpx.HTTPError) -> bool:
-        """``TransportError.never_read``: not fully written, or reset."""
-        if "http11.send_request_headers.started" not in self.events:
-            return False  # no trace (a test transport): no proof
-        if "http11.send_request_body.complete" not in self.events:
-            return True
-        return was_reset(exc)
 
 
 class _HttpxResponse:
@@ -66,10 +39,9 @@ class _HttpxResponse:
 
 
 class HttpxTransport:
-    def __init__(
-        self, transport: httpx.AsyncBaseTransport, *, connect_timeout_s: float, read_timeout_s: float | None
-    ) -> None:
-        timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=connect_timeout_s, pool=None)
+    def __init__(self, transport: httpx.AsyncBaseTransport, *, connect_timeout_s: float = 10.0) -> None:
+        """``connect_timeout_s``: also the write timeout; no read timeout (the settings' defaults)."""
+        timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=connect_timeout_s, pool=None)
         self._client = httpx.AsyncClient(
             timeout=timeout,
             transport=transport,
@@ -88,11 +60,8 @@ class HttpxTransport:
         *,
         first_byte_timeout_s: float | None = None,
     ) -> UpstreamResponse:
-        trace = _SendTrace()
         try:
-            request = self._client.build_request(
-                method, url, headers=headers, content=body, extensions={"trace": trace}
-            )
+            request = self._client.build_request(method, url, headers=headers, content=body)
         except (httpx.InvalidURL, ValueError) as exc:
             raise TransportError("build", exc) from exc
         try:
@@ -107,7 +76,8 @@ class HttpxTransport:
         except httpx.TimeoutException as exc:
             raise TransportError("timeout", exc) from exc
         except httpx.HTTPError as exc:
-            raise TransportError("failed", exc, never_read=trace.never_read(exc)) from exc
+            # A mock reports nothing of how far the request got: never provably unread, never resent.
+            raise TransportError("failed", exc) from exc
 
     async def aclose(self) -> None:
         await self._client.aclose()
