@@ -1,13 +1,13 @@
 """The pool of backends: one ``Upstream`` each, what each backend is, and the health checks that
 keep the dispatcher's routing records (scheduling/routing.py) current.
 
-At start-up each backend of a pool is asked what it is (kind ``auto``; the questions are the kinds'
-own, proxy/backend_kinds.py): llama.cpp answers ``/props`` (with its ``total_slots``, used when
+At start-up each backend of a pool is asked what it is (kind ``auto``; the questions are the
+kinds', proxy/backend_kinds.py): llama.cpp answers ``/props`` (with its ``total_slots``, used when
 ``slots`` is not configured), Ollama ``/api/version``, vLLM ``/version``; anything else that
-answers is an OpenAI-compatible server. With more than one backend, a
-monitor task per backend then checks ``/health`` every ``HEALTH_INTERVAL_S`` (an unhealthy one with
-backoff from ``RETRY_START_S`` to ``RETRY_MAX_S``) and, for Ollama, which models are loaded
-(``/api/ps``: routing prefers a backend that has the model loaded). A refused connection marks a
+answers is an OpenAI-compatible server. With more than one backend, a monitor task per backend
+then checks ``/health`` every ``HEALTH_INTERVAL_S`` (an unhealthy one with backoff from
+``RETRY_START_S`` to ``RETRY_MAX_S``) and, for Ollama, which models are loaded (``/api/ps``:
+routing prefers a backend that has the model loaded). A refused connection marks a
 backend unhealthy at once and wakes its monitor; any answer marks it healthy again. A llama.cpp
 backend without configured slots is asked ``/props`` again when its health check passes after a
 failure (it may have been restarted with another ``-np``), and resized to what it says.
@@ -160,11 +160,7 @@ class BackendPool:
             loaded: list[str] | None = None
             if healthy:
                 retry_s = RETRY_START_S
-                if (
-                    self._back_after_failure(index)
-                    and member.kind.slots_key is not None
-                    and member.config.slots is None
-                ):
+                if self._back_after_failure(index) and member.kind.may_report_slots and member.config.slots is None:
                     member.slots_known = False  # it may have been restarted with another -np: ask /props again
                 if not member.kind.known or not member.slots_known:
                     await self._discover(member)
