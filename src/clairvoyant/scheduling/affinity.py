@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from clairvoyant.scheduling.job_queue import Job, JobQueue
+from clairvoyant.scheduling.job_queue import Job, JobQueue, QueueBase
 from clairvoyant.scheduling.service_time import FREE_LOAD_S
 
 __all__ = ["FREE_LOAD_S", "Lane", "ModelAffinity"]
@@ -90,7 +90,7 @@ class _Group(Generic[T]):
         return arrivals[0]
 
 
-class ModelAffinity(Generic[T]):
+class ModelAffinity(QueueBase[T]):
     """One queue per model; a backend whose slot frees serves the models it holds, and switches
     once a request for another model has been put off ``bound_s`` seconds (see the module)."""
 
@@ -132,8 +132,7 @@ class ModelAffinity(Generic[T]):
         if group.waiting or group.in_flight:
             return
         del self._groups[_key(group.model)]
-        reset = getattr(group.queue, "reset", None)
-        if len(self._spare) < _SPARE_GROUPS and reset is not None and reset():
+        if len(self._spare) < _SPARE_GROUPS and group.queue.reset():
             self._spare.append(group.queue)
 
     # -- the queue interface ---------------------------------------------------------------------

@@ -830,11 +830,7 @@ class Dispatcher:
 
     def _pop(self, now: float) -> tuple[Job[Ticket], bool] | None:
         """The queue's next job; a model-affinity queue is told what each backend with a free slot holds."""
-        pop_for = getattr(self.queue, "pop_for", None)
-        if pop_for is None:
-            return self.queue.pop(now)
-        got: tuple[Job[Ticket], bool] | None = pop_for(now, [self._lane(b) for b in self.backends if b.free])
-        return got
+        return self.queue.pop_for(now, [self._lane(b) for b in self.backends if b.free])
 
     def _lane(self, backend: Backend) -> Lane:
         """``backend`` as the model-affinity rule sees it: what it holds, its last switch, its learned loads."""
@@ -903,9 +899,8 @@ class Dispatcher:
         holding: list[str | None | _AsNow] = [_AS_NOW] * len(self.backends)  # as played forward
         out = []
         heapreplace = heapq.heapreplace
-        ordered_for = getattr(self.queue, "ordered_for", None)
-        if ordered_for is not None and len(self.backends) == 1:
-            order = ordered_for(now, self._lane(self.backends[0]), heaps[0][0])
+        if len(self.backends) == 1:
+            order = self.queue.ordered_for(now, self._lane(self.backends[0]), heaps[0][0])
         else:
             order = self.queue.ordered(now)
         for job in itertools.chain(self._held_back, order):
@@ -987,7 +982,7 @@ class Dispatcher:
         def backend_name(ticket: Ticket) -> str | None:
             return None if ticket.backend is None else self.backends[ticket.backend].name
 
-        bound_s = getattr(self.queue, "bound_s", 0.0)
+        bound_s = self.queue.bound_s
 
         def switch_due(ticket: Ticket) -> dict[str, float]:
             """Seconds until a switch to its model is due (put off ``bound_s``), when no backend
@@ -1031,9 +1026,7 @@ class Dispatcher:
                 "bound_s": bound_s,
                 "free_load_s": FREE_LOAD_S,  # a load this short is no reason to put a switch off
                 "load_prior_s": self.service_time.defaults.load_s,  # a load not yet measured (backends' load_s)
-                "waiting_by_model": {
-                    model or "default": n for model, n in getattr(self.queue, "waiting_by_model", dict)().items()
-                },
+                "waiting_by_model": {model or "default": n for model, n in self.queue.waiting_by_model().items()},
             },
             "slots": self.slots,
             "max_queue": self.max_queue,

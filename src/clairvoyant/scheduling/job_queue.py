@@ -41,17 +41,21 @@ import heapq
 import itertools
 import math
 import operator
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from clairvoyant.scheduling.slowdown import SlowdownRule
+
+if TYPE_CHECKING:  # typing only: affinity.py builds on this module
+    from clairvoyant.scheduling.affinity import Lane
 
 __all__ = [
     "FairShareQueue",
     "HeapQueue",
     "Job",
     "JobQueue",
+    "QueueBase",
     "ScanQueue",
     "StarvationGuard",
 ]
@@ -132,16 +136,82 @@ class JobQueue(Protocol[T]):
         """Waiting jobs in the order they would go if nothing else arrived (for positions and ETAs)."""
         ...
 
+    def pop_for(self, now: float, lanes: Sequence[Lane]) -> tuple[Job[T], bool] | None:
+        """``pop(now)`` told what each backend with a free slot holds (model affinity)."""
+        ...
+
+    def ordered_for(self, now: float, lane: Lane, free_in_s: float = 0.0) -> list[Job[T]]:
+        """``ordered(now)`` as one backend (``lane``, free in ``free_in_s`` seconds) would take them."""
+        ...
+
+    def waiting_by_model(self) -> dict[str | None, int]:
+        """Jobs waiting per model, where the queue keeps them apart (else empty)."""
+        ...
+
+    def sort_key(self, job: Job[T], now: float) -> Any:
+        """The job's place in this queue's own order at ``now`` (lower = sooner)."""
+        ...
+
+    def is_overdue(self, job: Job[T], now: float) -> bool:
+        """A starvation rule would put ``job`` first at ``now``."""
+        ...
+
+    def reset(self) -> bool:
+        """With no job waiting, make the queue as new; False (nothing changed) if it cannot."""
+        ...
+
+    @property
+    def bound_s(self) -> float:
+        """Seconds a request for a model no backend holds may be put off (0: no model affinity)."""
+        ...
+
     def __len__(self) -> int: ...
 
     def __iter__(self) -> Iterator[Job[T]]: ...
+
+
+class QueueBase(Generic[T]):
+    """The defaults of ``JobQueue`` for a queue that does not need them (every queue here
+    subclasses it), so that its callers never ask a queue whether it has a method."""
+
+    bound_s = 0.0
+
+    def done(self, job: Job[T]) -> None:
+        pass
+
+    def repriced(self, job: Job[T], old_predicted_s: float) -> None:
+        pass
+
+    def pop(self, now: float) -> tuple[Job[T], bool] | None:
+        raise NotImplementedError
+
+    def ordered(self, now: float) -> list[Job[T]]:
+        raise NotImplementedError
+
+    def pop_for(self, now: float, lanes: Sequence[Lane]) -> tuple[Job[T], bool] | None:
+        return self.pop(now)
+
+    def ordered_for(self, now: float, lane: Lane, free_in_s: float = 0.0) -> list[Job[T]]:
+        return self.ordered(now)
+
+    def waiting_by_model(self) -> dict[str | None, int]:
+        return {}
+
+    def sort_key(self, job: Job[T], now: float) -> Any:
+        return job.arrival_s, job.seq
+
+    def is_overdue(self, job: Job[T], now: float) -> bool:
+        return False
+
+    def reset(self) -> bool:
+        return False
 
 
 Key = Callable[[Job[Any]], Any]  # fixed at push; must be comparable (a float or a tuple of floats)
 Rank = Callable[[Job[Any], float], Any]  # (job, now) -> comparable; lower goes sooner
 
 
-class HeapQueue(Generic[T]):
+class HeapQueue(QueueBase[T]):
     """Keys fixed at push: a min-heap of ``(key, seq, job)``, a tuple key flattened into the entry
     (``(*key, seq, job)``: the same order, one tuple a waiting job instead of two)."""
 
@@ -226,7 +296,7 @@ class HeapQueue(Generic[T]):
         return True
 
 
-class ScanQueue(Generic[T]):
+class ScanQueue(QueueBase[T]):
     """Priorities that change with time: ``rank(job, now)`` is evaluated for every waiting job at
     each pop (lowest rank first, ties by arrival)."""
 
@@ -288,7 +358,7 @@ class ScanQueue(Generic[T]):
         return not self._jobs
 
 
-class StarvationGuard(Generic[T]):
+class StarvationGuard(QueueBase[T]):
     """Wraps any queue: an overdue job goes before every job that arrived after it.
 
     Job i is overdue once ``clock(now) > clock(arrival_s) + timeout_s + slowdown * predicted_s``
@@ -405,9 +475,7 @@ class StarvationGuard(Generic[T]):
         if not overdue or overdue[0][0] >= head.arrival_s:
             return None
         first = overdue[0][2]
-        sort_key = getattr(self.inner, "sort_key", None)
-        if sort_key is None:
-            return first
+        sort_key = self.inner.sort_key
         group: list[tuple[float, int, Job[T]]] = []
         while overdue and overdue[0][0] == first.arrival_s and len(group) < 64:
             entry = heapq.heappop(overdue)
@@ -448,8 +516,7 @@ class StarvationGuard(Generic[T]):
         """With no job waiting, drop the entries popped and removed jobs left in both heaps and
         reset the inner queue: the guard is then as new (same timeout, slowdown and clock). False
         (and nothing changed) if a job is waiting or the inner queue cannot be reset."""
-        inner_reset = getattr(self.inner, "reset", None)
-        if len(self.inner) or inner_reset is None or not inner_reset():
+        if len(self.inner) or not self.inner.reset():
             return False
         self._pending.clear()
         self._overdue.clear()
@@ -501,17 +568,16 @@ _SPARE_TENANTS = 8
 def _best_class(queue: JobQueue[T], head: tuple[Job[T], bool], now: float) -> int:
     """The best priority class waiting in one tenant's queue whose ``peek(now)`` is ``head``, even
     when a promotion hides it behind an older job."""
-    inner = getattr(queue, "inner", None)
-    if inner is None:
+    if not isinstance(queue, StarvationGuard):
         return head[0].priority
-    if head[1] or not isinstance(queue, StarvationGuard):
-        inner_head = inner.peek(now)
+    if head[1]:
+        inner_head = queue.inner.peek(now)
     else:  # a guard that promoted nothing returned its inner queue's own peek
         inner_head = head
     return min(head[0].priority, inner_head[0].priority) if inner_head is not None else head[0].priority
 
 
-class FairShareQueue(Generic[T]):
+class FairShareQueue(QueueBase[T]):
     """One inner queue per tenant; tenants share the backend in predicted service seconds.
 
     Start-time fair queuing (SFQ) with predicted seconds as the cost. A tenant is *active* while it
@@ -643,8 +709,7 @@ class FairShareQueue(Generic[T]):
         """``tenant`` has nothing waiting and nothing in service: no longer active."""
         del self._tenants[name]
         if len(self._spare) < _SPARE_TENANTS:
-            reset = getattr(tenant.queue, "reset", None)
-            if reset is not None and reset():
+            if tenant.queue.reset():
                 self._spare.append(tenant)  # in_flight is empty, waiting 0
 
     def _emptied(self, name: Hashable, tenant: _Tenant[T]) -> None:
@@ -703,8 +768,7 @@ class FairShareQueue(Generic[T]):
             if head is None:
                 continue
             job, promoted = head
-            is_overdue = getattr(queue, "is_overdue", None)
-            overdue = promoted or (is_overdue is not None and is_overdue(job, now))
+            overdue = promoted or queue.is_overdue(job, now)
             best_here = _best_class(queue, head, now)
             heads.append((job.priority, overdue, tenant.served_s, tenant.waiting, name, job, promoted, best_here, head))
         if not heads:

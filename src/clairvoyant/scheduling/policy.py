@@ -213,5 +213,5 @@ def build_queue(
 
     if model_switch_bound_s == 0 or policy.name == "fcfs":
         return shared()
-    ranker = getattr(policy.make_queue(), "sort_key", None)  # the policy's order, for heads of several models
+    ranker = policy.make_queue().sort_key  # the policy's order, for heads of several models
     return ModelAffinity(shared, model_switch_bound_s, ranker)
