@@ -14,7 +14,7 @@ from clairvoyant.errors import QueueDeadline
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.predictor import Prediction
 from clairvoyant.prediction.usage import Usage
-from clairvoyant.scheduling.dispatcher import GRANTED, OVERRUN_GROWTH, REFUSED, Backend, Dispatcher, Ticket
+from clairvoyant.scheduling.dispatcher import OVERRUN_GROWTH, Backend, Dispatcher, RequestStatus, Ticket
 from clairvoyant.scheduling.policy import build_queue, make_policy
 from clairvoyant.scheduling.routing import Load
 from clairvoyant.scheduling.service_time import ServiceTimeDefaults, ServiceTimeModel
@@ -236,16 +236,16 @@ def test_a_request_is_never_sent_at_or_after_its_queue_deadline() -> None:
         d.submit(late)
         d.submit(patient)
         clock.set(4.999)
-        assert d.expire() == 0 and late.wait != REFUSED
+        assert d.expire() == 0 and late.status != RequestStatus.EXPIRED
         clock.set(5.0)
         assert d.expire() == 1
-        assert late.wait == REFUSED and isinstance(late.refusal, QueueDeadline) and late.ended
+        assert late.status == RequestStatus.EXPIRED and isinstance(late.refusal, QueueDeadline) and late.ended
         assert late.dispatched_s is None and len(d.queue) == 1
         assert d.snapshot()["recent"][0]["outcome"] == "expired"
         clock.set(10.0)
         d.end(running(d), completed=True)
         await settle()
-        assert patient.wait == GRANTED  # before its deadline
+        assert patient.status == RequestStatus.DISPATCHED  # before its deadline
         await d.stop(timeout_s=0.01)
 
     asyncio.run(scenario())
@@ -264,7 +264,7 @@ def test_the_dispatch_step_withdraws_what_expired_before_it_chooses() -> None:
         clock.set(9.0)  # the slot frees exactly at first's deadline: it is not sent, second is
         d.end(running(d), completed=True)
         await settle()
-        assert first.wait == REFUSED and second.wait == GRANTED
+        assert first.status == RequestStatus.EXPIRED and second.status == RequestStatus.DISPATCHED
         await d.stop(timeout_s=0.01)
 
     asyncio.run(scenario())
@@ -281,8 +281,8 @@ def test_a_timer_answers_an_expired_request_without_waiting_for_a_slot() -> None
         t = ticket("t", None, 0.0, 1.0, expires_s=0.02)
         d.submit(t)
         clock.set(0.02)  # the timer fires on the event loop's clock; the deadline is on ours
-        await until(lambda: t.wait == REFUSED, what="the expiry timer")
-        assert t.wait == REFUSED and isinstance(t.refusal, QueueDeadline)
+        await until(lambda: t.status == RequestStatus.EXPIRED, what="the expiry timer")
+        assert t.status == RequestStatus.EXPIRED and isinstance(t.refusal, QueueDeadline)
         await d.stop(timeout_s=0.01)
 
     asyncio.run(scenario())

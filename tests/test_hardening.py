@@ -151,7 +151,7 @@ def test_a_request_queued_behind_a_hung_backend_is_never_sent_into_the_hang() ->
 def test_in_a_pool_a_request_for_a_suspect_backend_that_stays_unhealthy_goes_to_another() -> None:
     from clairvoyant.metrics import Metrics
     from clairvoyant.prediction.dialects import Dialect
-    from clairvoyant.proxy.relay import Relay, Responder, UpstreamRequest
+    from clairvoyant.proxy.relay import PassThrough, Relay, Responder, UpstreamRequest
     from clairvoyant.proxy.upstream import Upstream
 
     hung = FakeBackend(lambda path, n: "hang")
@@ -162,20 +162,25 @@ def test_in_a_pool_a_request_for_a_suspect_backend_that_stays_unhealthy_goes_to_
         suspect, other = Upstream(hung.url, name="hung"), Upstream(healthy.url, name="other")
         suspect.suspect = True  # as a first-byte deadline leaves it
 
-        async def failover(refused: Upstream) -> Upstream | None:
-            return other if refused is suspect else None
+        class Pool:  # what a pass-through relay tells its pool: nothing to keep here
+            def refused(self, upstream: Upstream) -> None: ...
+            def answered(self, upstream: Upstream) -> None: ...
+            def broken(self, upstream: Upstream) -> None: ...
 
         async def send(message: Any) -> None:
             sent.append(message)
 
-        request = UpstreamRequest("POST", CHAT, [("content-type", "application/json")], b"{}", Dialect.OPENAI)
-        relay = Relay(suspect, request, Metrics(), backend_wait_s=0.2, failover=failover)
+        request = UpstreamRequest(
+            "POST", CHAT, [("content-type", "application/json")], b"{}", Dialect.OPENAI, wait_s=0.2
+        )
+        passing = PassThrough(Pool(), [suspect, other])
+        relay = Relay(suspect, request, Metrics(), passing, passing)
         try:
             await asyncio.wait_for(relay.run(Responder(send)), 30)
         finally:
             await suspect.aclose()
             await other.aclose()
-        return relay.upstream.name, relay.outcome.value
+        return relay.upstream.name, relay.record.status.outcome
 
     with hung, FakeBackend(lambda path, n: "ok") as healthy:
         served_by, outcome = asyncio.run(scenario())

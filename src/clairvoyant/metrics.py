@@ -111,6 +111,9 @@ class Metrics:
         "its body).")
     client_disconnects: Counter = family("clairvoyant_client_disconnects", "stage",
         help="Clients that left before their answer ended, by stage.")
+    request_status: Counter = family("clairvoyant_request_status_changes", "status",
+        help="Scheduled requests' changes of status, by the status entered (waiting, dispatched, streaming, "
+        "holding, and each way a request ends: completed, refused, expired, client_left_queued, ...).")
     # Per tenant (configured tenants by name; any other "other", none "none": bounded).
     tenant_requests: Counter = family("clairvoyant_tenant_requests", "tenant",
         help="Scheduled requests admitted past the tenant's limits, by tenant.")

@@ -55,8 +55,8 @@ from clairvoyant.proxy.feedback import OnlineLearning
 from clairvoyant.proxy.history import History, history_now, record_periodically
 from clairvoyant.proxy.limits import TenantLimits
 from clairvoyant.proxy.pool import BackendPool, merge_model_lists
-from clairvoyant.proxy.relay import Receive, Relay, Responder, Send, UpstreamRequest, relay_unscheduled
-from clairvoyant.proxy.scheduled import Scheduling, SupersedeKeys, admit_scheduled
+from clairvoyant.proxy.relay import PassThrough, Receive, Relay, Responder, Send, UpstreamRequest, relay_unscheduled
+from clairvoyant.proxy.scheduled import Arrival, Scheduling, SupersedeKeys, admit_scheduled
 from clairvoyant.proxy.target import Target, check_head_size, check_host, check_target, http_version
 from clairvoyant.proxy.upstream import Upstream, forwardable_headers
 from clairvoyant.scheduling.dispatcher import Dispatcher, Ticket
@@ -454,10 +454,11 @@ class ProxyApp:
             dispatcher.check_room()
             body, held_bytes = await self._read(headers, receive)
             forward, authorization, own = forwardable_headers(headers, state.scheduling.own_headers)
-            request = admit_scheduled(
-                state.scheduling, SCHEDULED_ENDPOINTS[target.path], target.raw_path + _query(target), forward,
-                authorization, own, body, identity, tenant, out,
+            arrival = Arrival(
+                SCHEDULED_ENDPOINTS[target.path], target.raw_path + _query(target), forward, authorization, own, body,
+                identity, tenant,
             )  # fmt: skip
+            request = admit_scheduled(state.scheduling, arrival, out)
             await request.serve(receive)
         finally:
             state.limits.release(tenant)
@@ -475,30 +476,21 @@ class ProxyApp:
             path = target.path
             request = UpstreamRequest(
                 method, target.raw_path + _query(target), forward, body, dialect_of_path(path),
-                authorization=authorization,
+                authorization=authorization, wait_s=self.settings.backend_wait_s,
             )  # fmt: skip
             pool = state.pool
-            wait_s = self.settings.backend_wait_s
             if len(pool) > 1 and method == "GET" and path in MODEL_LISTINGS:
                 await self._merged_listing(pool, request, out)
                 return
             if len(pool) == 1:
-                relay = Relay(pool.first, request, self.metrics, backend_wait_s=wait_s)
+                passing = PassThrough()
+                relay = Relay(pool.first, request, self.metrics, passing, passing)
             else:
                 # To a backend serving the model the body names (Ollama's show, embeddings), or to
                 # the first healthy backend; a refused connection tries the next.
                 order = pool.passthrough_order(_model_named(body))
-                tried: list[Upstream] = []
-
-                async def failover(refused: Upstream) -> Upstream | None:
-                    pool.refused(refused)
-                    tried.append(refused)
-                    return next((u for u in order if u not in tried), None)
-
-                relay = Relay(
-                    order[0], request, self.metrics, backend_wait_s=wait_s, failover=failover,
-                    on_answered=pool.answered, on_broken=pool.broken,
-                )  # fmt: skip
+                passing = PassThrough(pool, order)
+                relay = Relay(order[0], request, self.metrics, passing, passing)
             await relay_unscheduled(relay, out, receive, self.metrics)
         finally:
             self.body_budget.give_back(held_bytes)
@@ -507,7 +499,7 @@ class ProxyApp:
             if relay is not None and REQUEST_LOG.isEnabledFor(logging.INFO):
                 log_request({
                     "request_id": _request_id(headers), "method": method, "path": target.path,
-                    "status": relay.status or "client_closed", "outcome": "passthrough_" + relay.outcome.value,
+                    "status": relay.status or "client_closed", "outcome": "passthrough_" + relay.record.status.outcome,
                 })  # fmt: skip
 
     async def _merged_listing(self, pool: BackendPool, request: UpstreamRequest, out: Responder) -> None:

@@ -50,7 +50,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,21 +65,18 @@ from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.expiry import Expiry, expired
 from clairvoyant.scheduling.job_queue import Job, JobQueue
 from clairvoyant.scheduling.policy import SchedulingPolicy
+from clairvoyant.scheduling.request import ID_PREFIX, RequestStatus, Ticket
 from clairvoyant.scheduling.routing import Backend, Load, choose
 from clairvoyant.scheduling.service_time import FREE_LOAD_S, ServiceTimeModel, write_state
 from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
 
 __all__ = [
-    "GRANTED", "ID_PREFIX", "REFUSED", "WAITING", "WITHDRAWN", "Backend", "Dispatcher", "Lease", "ModelNotServed",
-    "ShuttingDown", "Ticket",
+    "ID_PREFIX", "Backend", "Dispatcher", "Lease", "ModelNotServed", "RequestStatus", "ShuttingDown", "Ticket",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
 _SAVE_EVERY = 50  # service-time observations between state-file writes
-# Made request ids start with this: the process's start (hex ns) makes them unique across restarts,
-# the job's seq (process-wide arrival order) within one (``Ticket.request_id``).
-ID_PREFIX = f"cv-{time.time_ns():x}-"
 RECENT_REQUESTS = 100  # finished requests kept for /queue's timeline (the live page)
 # An in-flight request past its prediction is not near its end: it is taken to run this fraction of
 # what it has run (or produced) so far again (not 0, which would tell the requests behind it "now").
@@ -128,120 +125,6 @@ class ModelNotServed(RequestError):
     status_code = 404
     error_type = "invalid_request_error"
     code = "model_not_found"
-
-
-WAITING, GRANTED, WITHDRAWN, REFUSED = 0, 1, 2, 3  # how a ticket's wait for a slot ended (Ticket.wait)
-
-
-def _settle(future: asyncio.Future[int], ticket: Ticket) -> None:
-    if ticket.wait == GRANTED:
-        future.set_result(-1 if ticket.backend is None else ticket.backend)
-    elif ticket.wait == REFUSED:
-        future.set_exception(ticket.refusal or ShuttingDown("the proxy is shutting down; retry"))
-        future.exception()  # marked retrieved: a lease that still waits raises it anyway
-    else:
-        future.cancel()
-
-
-class Ticket(Job["Ticket"]):
-    """One scheduled request, from arrival to release, and its own queue record: a ``Job`` whose
-    payload is itself (one object a waiting request, not two). Slotted and lean: thousands may
-    wait (benchmarks/bench_waiting_memory.py measures the bytes per waiting request)."""
-
-    __slots__ = (
-        "given_id", "endpoint", "dialect", "prediction", "prompt_tokens", "wait", "interrupt", "refusal",
-        "_future", "backend", "slot", "dispatched_s", "grants_before_arrival", "queue_position", "held_back",
-        "refused_by", "ended", "load", "switch_load_s", "live_tokens",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        given_id: str,  # the client's X-Request-Id; "" = one made from its seq (``request_id``)
-        endpoint: str,  # the scheduled path, e.g. /v1/chat/completions
-        dialect: str,
-        model: str | None,
-        prediction: Prediction | None,  # None only between an at-once dispatch and its prediction
-        prompt_tokens: int,  # estimated prompt tokens (service-time model input)
-        arrival_s: float = 0.0,  # clock seconds when it arrived
-        *,
-        score: float = 0.0,
-        predicted_tokens: float = 0.0,
-        predicted_s: float = 1.0,
-        bucket: int = 0,
-        cap_tokens: int | None = None,
-        priority: int = 0,
-        tenant: str = "",
-        expires_s: float = math.inf,  # clock seconds from which it must not be sent (its queue deadline)
-    ) -> None:
-        Job.__init__(
-            self, self, arrival_s, score, predicted_tokens, predicted_s, bucket, cap_tokens, priority, tenant, model,
-            expires_s,
-        )  # fmt: skip
-        self.given_id = given_id
-        self.endpoint = endpoint
-        self.dialect = dialect
-        self.prediction = prediction
-        self.prompt_tokens = prompt_tokens
-        # How its wait for a slot ended: WAITING (or waiting again, rerouted), GRANTED, WITHDRAWN or REFUSED.
-        self.wait = WAITING
-        # Ends the answer being relayed now (the shutdown's grace period is over): False if there is
-        # none. Set by the proxy while the request holds its slot.
-        self.interrupt: Callable[[], bool] | None = None
-        self.refusal: RequestError | None = None  # why it was REFUSED
-        self._future: asyncio.Future[int] | None = None  # ``granted``, made on first use
-        self.backend: int | None = None  # the granted backend's index in the pool
-        self.slot: int | None = None  # the granted slot, on that backend
-        self.dispatched_s: float | None = None  # clock seconds when a slot was granted
-        self.grants_before_arrival = 0  # the dispatcher's slot grants so far when this ticket was queued
-        self.queue_position: int | None = None  # set at dispatch: requests dispatched ahead of it while it waited
-        self.held_back = False  # popped by the policy (or rerouted), waiting for a backend that serves it
-        self.refused_by: tuple[int, ...] = ()  # backends that refused its connection (routing avoids them)
-        self.ended = False  # withdrawn or released: set exactly once
-        self.live_tokens = 0  # tokens its answer has streamed so far (the relay counts them)
-        self.load = Load.UNKNOWN  # what it found on its backend: its model held, another (a switch), or unknown
-        # After a switch: the load it is charged, seconds (the learned one at dispatch, then the
-        # first byte's measure); 0 otherwise.
-        self.switch_load_s = 0.0
-
-    def __repr__(self) -> str:
-        return f"Ticket({self.request_id!r}, wait={self.wait}, waiting={self.waiting})"
-
-    @property
-    def granted(self) -> asyncio.Future[int]:
-        """The wait as a future (made on first use, for ``await``): the granted backend's index,
-        the refusal (``ShuttingDown``), or cancelled when withdrawn. A new one after ``reroute``."""
-        future = self._future
-        if future is None:
-            future = self._future = asyncio.get_running_loop().create_future()
-            if self.wait != WAITING:
-                _settle(future, self)
-        return future
-
-    def wait_again(self) -> None:
-        """Rerouted: a new wait (a new future for ``granted``)."""
-        self.wait = WAITING
-        self._future = None
-
-    def end_wait(self, outcome: int, refusal: RequestError | None = None) -> None:
-        """The wait ends with ``outcome`` (GRANTED, WITHDRAWN or REFUSED): the future, if one was
-        made, is settled at once."""
-        self.wait = outcome
-        self.refusal = refusal
-        if self._future is not None and not self._future.done():
-            _settle(self._future, self)
-
-    @property
-    def request_id(self) -> str:
-        """The client's X-Request-Id, else ``cv-<this process's start, hex ns>-<its job's seq>``:
-        made when read, so that a waiting request holds no string for it."""
-        return self.given_id or f"{ID_PREFIX}{self.seq}"
-
-    @property
-    def predicted_class(self) -> str:
-        return "pending" if self.prediction is None else self.prediction.predicted_class
-
-    def queue_wait_s(self) -> float | None:
-        return None if self.dispatched_s is None else self.dispatched_s - self.arrival_s
 
 
 def _deadline_error(ticket: Ticket, retry_in_s: float) -> QueueDeadline:
@@ -318,6 +201,7 @@ class Dispatcher:
         # Each backend's in-flight gauge, looked up once (a labels() lookup per request costs µs).
         self._in_flight_gauges = [metrics.backend_in_flight.labels(b.name) for b in self.backends]
         self._switch_counters = [metrics.model_switches.labels(b.name) for b in self.backends]
+        self._status_counters = {s: metrics.request_status.labels(s.name.lower()) for s in RequestStatus}
         self._expiry: Expiry[Ticket] = Expiry()  # waiting tickets with a queue deadline
         self._expiry_timer: asyncio.TimerHandle | None = None
         self._expiry_timer_s = math.inf  # the clock reading the timer is set for
@@ -359,8 +243,7 @@ class Dispatcher:
         ticket.held_back = False
         self.queue.done(ticket)
         self._end_waiting(ticket)
-        if ticket.wait == WAITING:
-            ticket.end_wait(REFUSED, ShuttingDown("the proxy is shutting down; retry"))
+        self._end_wait(ticket, RequestStatus.REFUSED, ShuttingDown("the proxy is shutting down; retry"))
 
     def _interrupt_running(self) -> None:
         for ticket in self._all_running():
@@ -482,7 +365,8 @@ class Dispatcher:
         ticket.refused_by = (*ticket.refused_by, ticket.backend)
         self._free_slot(ticket)
         ticket.backend = ticket.slot = None
-        ticket.wait_again()
+        ticket._future = None  # a new wait
+        self.move(ticket, RequestStatus.WAITING)
         ticket.held_back = True
         self._held_back.appendleft(ticket)
         self._schedule_pump()
@@ -584,8 +468,7 @@ class Dispatcher:
         """``ticket``'s queue deadline came while it waited (out of the queue already): refused."""
         self._end_waiting(ticket)
         self._recent.append((ticket, now, "expired", None))
-        if ticket.wait == WAITING:
-            ticket.end_wait(REFUSED, _deadline_error(ticket, retry_in_s))
+        self._end_wait(ticket, RequestStatus.EXPIRED, _deadline_error(ticket, retry_in_s))
 
     def _arm_expiry(self) -> None:
         """One timer, at the soonest queue deadline of a waiting ticket (re-armed when a sooner one comes)."""
@@ -674,10 +557,9 @@ class Dispatcher:
             self._end_waiting(ticket)
             self.metrics.disconnects_by_stage["queued"].inc()
             self._recent.append((ticket, self.clock.now(), "left_queued", None))
-            if ticket.wait == WAITING:
-                ticket.end_wait(WITHDRAWN)
+            self._end_wait(ticket, RequestStatus.CLIENT_LEFT_QUEUED)
             return
-        if ticket.wait == GRANTED:
+        if ticket.slot is not None:
             ticket.ended = True
             completed = lease is not None and lease.completed
             usage = None if lease is None else lease.usage
@@ -697,6 +579,26 @@ class Dispatcher:
                 self._schedule_pump()
             return
         ticket.ended = True  # refused (shutting down): nothing held
+
+    def move(self, ticket: Ticket, status: RequestStatus) -> bool:
+        """The one place a request's status changes: logged (debug) and counted. A finished
+        request keeps its first ending: False then, and nothing changes."""
+        old = ticket.status
+        if old == status or old.is_finished:
+            return False
+        ticket.status = status
+        self._status_counters[status].inc()
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("request_id=%s %s -> %s", ticket.request_id, old.name, status.name)
+        return True
+
+    def _end_wait(self, ticket: Ticket, status: RequestStatus, refusal: RequestError | None = None) -> None:
+        """A waiting ticket will never be granted a slot: it ends ``status`` (unless it has ended
+        already, its client gone), and its wait's future is settled at once."""
+        if ticket.status == RequestStatus.WAITING:
+            ticket.refusal = refusal
+            self.move(ticket, status)
+        ticket.settle()
 
     def _free_slot(self, ticket: Ticket) -> None:
         assert ticket.backend is not None and ticket.slot is not None
@@ -811,7 +713,7 @@ class Dispatcher:
                 ticket = job.payload
                 if promoted:
                     self.metrics.starvation_promotions.inc()
-                if ticket.wait != WAITING:  # withdrawn in between: nothing to run
+                if ticket.status != RequestStatus.WAITING:  # withdrawn in between: nothing to run
                     self._end_waiting(ticket)
                     self.queue.done(job)
                     continue
@@ -864,7 +766,8 @@ class Dispatcher:
         self.metrics.in_flight.inc()
         self._in_flight_gauges[index].inc()
         self._grants += 1
-        ticket.end_wait(GRANTED)
+        self.move(ticket, RequestStatus.DISPATCHED)
+        ticket.settle()
 
     # -- positions and ETAs -------------------------------------------------------------------
     def _slot_free_in_s(self, now: float) -> list[list[float]]:
