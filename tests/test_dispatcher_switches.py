@@ -16,6 +16,7 @@ from clairvoyant.prediction.predictor import Prediction
 from clairvoyant.prediction.usage import Usage
 from clairvoyant.scheduling.dispatcher import OVERRUN_GROWTH, Backend, Dispatcher, RequestStatus, Ticket
 from clairvoyant.scheduling.policy import build_queue, make_policy
+from clairvoyant.scheduling.queue_view import queue_view
 from clairvoyant.scheduling.routing import Load
 from clairvoyant.scheduling.service_time import ServiceTimeDefaults, ServiceTimeModel
 
@@ -49,7 +50,7 @@ def ticket(
 
 
 def running(d: Dispatcher) -> Ticket:
-    (only,) = d._all_running()
+    (only,) = d.running()
     return only
 
 
@@ -118,7 +119,7 @@ def test_ollamas_load_duration_teaches_the_load_and_comes_off_the_service_second
         await settle()
         second = running(d)
         assert second.load == Load.SWITCH and second.switch_load_s == 5.0  # charged the prior
-        assert d.snapshot()["backends"][0]["holds"] == "qwen2.5:7b"
+        assert queue_view(d).model_dump()["backends"][0]["holds"] == "qwen2.5:7b"
         clock.advance(4.2 + 2.0)  # it took 4.2 s to load, then 2 s to answer
         d.end(second, completed=True, usage=_usage(load_s=4.2))
         assert d.service_time.load_s("ollama", "qwen2.5:7b") == pytest.approx((5.0 + 4.2) / 2)
@@ -210,7 +211,7 @@ def test_queue_shows_the_bound_what_each_backend_holds_and_when_a_switch_is_due(
         await settle()
         assert running(d).request_id == "a0"
         clock.set(10.0)
-        snap = d.snapshot()
+        snap = queue_view(d).model_dump()
         assert snap["model_switch"]["bound_s"] == 30.0 and snap["model_switch"]["load_prior_s"] == 3.0
         assert snap["model_switch"]["waiting_by_model"] == {"a": 1, "b": 1}
         assert snap["backends"][0]["holds"] == "a" and snap["backends"][0]["switched_ago_s"] == 10.0
@@ -241,7 +242,7 @@ def test_a_request_is_never_sent_at_or_after_its_queue_deadline() -> None:
         assert d.expire() == 1
         assert late.status == RequestStatus.EXPIRED and isinstance(late.refusal, QueueDeadline) and late.ended
         assert late.dispatched_s is None and len(d.queue) == 1
-        assert d.snapshot()["recent"][0]["outcome"] == "expired"
+        assert queue_view(d).model_dump()["recent"][0]["outcome"] == "expired"
         clock.set(10.0)
         d.end(running(d), completed=True)
         await settle()

@@ -52,7 +52,7 @@ from clairvoyant.prediction.predictor import OnnxPredictor, Predictor
 from clairvoyant.proxy.access import LOOPBACK_HOSTS, AccessControl, Denied, Identity
 from clairvoyant.proxy.body import BodyBudget, check_framing, declared_length, read_body
 from clairvoyant.proxy.feedback import OnlineLearning
-from clairvoyant.proxy.history import History, history_now, record_periodically
+from clairvoyant.proxy.history import History, history_now, live_view, record_periodically
 from clairvoyant.proxy.limits import TenantLimits
 from clairvoyant.proxy.pool import BackendPool, merge_model_lists
 from clairvoyant.proxy.relay import PassThrough, Receive, Relay, Responder, Send, UpstreamRequest, relay_unscheduled
@@ -309,7 +309,7 @@ def _add_own_endpoints(api: FastAPI, proxy: ProxyApp) -> None:
         """``limit``: list only the first waiting requests (the live page asks for 100; the
         counts and the tail's ETA still cover the whole queue)."""
         state = proxy.state
-        return JSONResponse({**state.dispatcher.snapshot(limit), "tenants": state.limits.snapshot()})
+        return JSONResponse(live_view(state.dispatcher, state.limits, limit).model_dump(mode="json"))
 
     @api.get("/history")
     async def history_endpoint() -> Response:

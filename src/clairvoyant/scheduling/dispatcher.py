@@ -196,7 +196,7 @@ class Dispatcher:
         self._observed = 0
         self._grants = 0  # slots granted so far (a ticket's queue position is a difference of these)
         # (ticket, ended clock seconds, outcome, output tokens or None), newest last
-        self._recent: deque[tuple[Ticket, float, str, int | None]] = deque(maxlen=RECENT_REQUESTS)
+        self.recent: deque[tuple[Ticket, float, str, int | None]] = deque(maxlen=RECENT_REQUESTS)
         metrics.starvation_timeout.set(starvation_timeout_s)
         # Each backend's in-flight gauge, looked up once (a labels() lookup per request costs µs).
         self._in_flight_gauges = [metrics.backend_in_flight.labels(b.name) for b in self.backends]
@@ -246,7 +246,7 @@ class Dispatcher:
         self._end_wait(ticket, RequestStatus.REFUSED, ShuttingDown("the proxy is shutting down; retry"))
 
     def _interrupt_running(self) -> None:
-        for ticket in self._all_running():
+        for ticket in self.running():
             if ticket.interrupt is not None and ticket.interrupt():
                 logger.warning("request_id=%s: shutdown grace period over; ended its answer", ticket.request_id)
 
@@ -274,7 +274,7 @@ class Dispatcher:
     def in_flight_on(self, backend: int) -> int:
         return len(self.backends[backend].running)
 
-    def _all_running(self) -> list[Ticket]:
+    def running(self) -> list[Ticket]:
         return [t for b in self.backends for t in b.running.values()]
 
     @property
@@ -334,7 +334,7 @@ class Dispatcher:
         if not any(b.serves(model) for b in self.backends):
             raise ModelNotServed(f"the model {model!r} is not served by any backend of this proxy", param="model")
 
-    def _remaining_s(self, backend: Backend) -> float:
+    def remaining_s(self, backend: Backend) -> float:
         """Predicted seconds of work left on ``backend`` (its in-flight requests' remainders, at its
         measured slowness; one that overran its prediction still counts: ``remainder_s``)."""
         now = self.clock.now()
@@ -345,7 +345,7 @@ class Dispatcher:
         return choose(
             self.backends,
             ticket.model,
-            self._remaining_s,
+            self.remaining_s,
             ticket.refused_by,
             ticket.predicted_s,
             self.service_time.load_s,
@@ -383,7 +383,7 @@ class Dispatcher:
         if self._closing:
             raise ShuttingDown("the proxy is shutting down; retry")
         if self.waiting >= self.max_queue:
-            tail_eta_s = self._etas(self.clock.now())[1]
+            tail_eta_s = self.etas(self.clock.now())[1]
             retry = max(self.min_retry_after_s, min(3600, math.ceil(tail_eta_s)))
             raise QueueFull(
                 f"the scheduling queue is full ({self.max_queue} requests waiting); retry later",
@@ -406,7 +406,7 @@ class Dispatcher:
         if not math.isinf(ticket.expires_s):
             # O(waiting) for a request with a deadline: where it would stand, played forward.
             now = self.clock.now()
-            eta_s = next((eta for job, eta in self._etas(now)[0] if job is ticket), 0.0)
+            eta_s = next((eta for job, eta in self.etas(now)[0] if job is ticket), 0.0)
             if now + eta_s >= ticket.expires_s:
                 self.queue.remove(ticket)
                 self._end_waiting(ticket)
@@ -453,7 +453,7 @@ class Dispatcher:
         for job in self._expiry.due(now):
             ticket = job.payload
             if not ticket.ended and self.queue.remove(ticket):
-                tail_s = self._etas(now)[1] if tail_s is None else tail_s
+                tail_s = self.etas(now)[1] if tail_s is None else tail_s
                 self._expired(ticket, now, tail_s)
                 count += 1
         for ticket in [t for t in self._held_back if expired(t, now)]:
@@ -467,7 +467,7 @@ class Dispatcher:
     def _expired(self, ticket: Ticket, now: float, retry_in_s: float) -> None:
         """``ticket``'s queue deadline came while it waited (out of the queue already): refused."""
         self._end_waiting(ticket)
-        self._recent.append((ticket, now, "expired", None))
+        self.recent.append((ticket, now, "expired", None))
         self._end_wait(ticket, RequestStatus.EXPIRED, _deadline_error(ticket, retry_in_s))
 
     def _arm_expiry(self) -> None:
@@ -556,14 +556,14 @@ class Dispatcher:
                 self.queue.done(ticket)
             self._end_waiting(ticket)
             self.metrics.disconnects_by_stage["queued"].inc()
-            self._recent.append((ticket, self.clock.now(), "left_queued", None))
+            self.recent.append((ticket, self.clock.now(), "left_queued", None))
             self._end_wait(ticket, RequestStatus.CLIENT_LEFT_QUEUED)
             return
         if ticket.slot is not None:
             ticket.ended = True
             completed = lease is not None and lease.completed
             usage = None if lease is None else lease.usage
-            self._recent.append(
+            self.recent.append(
                 (
                     ticket,
                     self.clock.now(),
@@ -782,7 +782,7 @@ class Dispatcher:
             heaps.append(free)
         return heaps
 
-    def _etas(self, now: float) -> tuple[list[tuple[Job[Ticket], float]], float]:
+    def etas(self, now: float) -> tuple[list[tuple[Job[Ticket], float]], float]:
         """Waiting jobs in dispatch order (held back first) with the predicted seconds until each
         is dispatched, and the predicted seconds until the last of them is dispatched (the first
         slot to free, with nobody waiting).
@@ -829,7 +829,7 @@ class Dispatcher:
     def where(self, ticket: Ticket, now: float | None = None) -> tuple[int, float] | None:
         """(position in dispatch order, predicted seconds until dispatch) of a waiting ticket."""
         now = self.clock.now() if now is None else now
-        for position, (job, eta) in enumerate(self._etas(now)[0]):
+        for position, (job, eta) in enumerate(self.etas(now)[0]):
             if job is ticket:
                 return position, eta
         return None
@@ -843,7 +843,7 @@ class Dispatcher:
         ]
         if running:
             return min(running)
-        return min((eta + job.predicted_s for job, eta in self._etas(now)[0] if job.tenant == tenant), default=1.0)
+        return min((eta + job.predicted_s for job, eta in self.etas(now)[0] if job.tenant == tenant), default=1.0)
 
     def waiting_ticket(self, request_id: str) -> Ticket | None:
         """The waiting ticket with ``request_id``, or None. A scan, not an index: an index would
@@ -854,127 +854,6 @@ class Dispatcher:
             if ticket.given_id == request_id if ticket.given_id else ticket.seq == seq:
                 return ticket
         return None
-
-    # -- introspection ---------------------------------------------------------------------
-    def snapshot(self, limit: int | None = None) -> dict[str, Any]:
-        """The waiting queue in dispatch order with positions and ETAs (the first ``limit`` of
-        ``waiting_count``), what is in flight on each backend, the backends, and the last finished
-        requests (newest first; ``waited_s`` there is the time it spent queued); no prompt text."""
-        now = self.clock.now()
-
-        def describe(ticket: Ticket) -> dict[str, Any]:
-            return {
-                "request_id": ticket.request_id,
-                "endpoint": ticket.endpoint,
-                "model": ticket.model,
-                "tenant": ticket.tenant,
-                "priority": ticket.priority,
-                "predicted_class": ticket.predicted_class,
-                **(
-                    {}
-                    if ticket.prediction is None or ticket.prediction.p_long is None
-                    else {"p_long": round(ticket.prediction.p_long, 6)}
-                ),
-                "score": round(ticket.score, 6),
-                "predicted_tokens": round(ticket.predicted_tokens, 1),
-                "predicted_s": round(ticket.predicted_s, 3),
-                "waited_s": round(now - ticket.arrival_s, 3),
-                **({} if math.isinf(ticket.expires_s) else {"expires_in_s": round(ticket.expires_s - now, 3)}),
-            }
-
-        def backend_name(ticket: Ticket) -> str | None:
-            return None if ticket.backend is None else self.backends[ticket.backend].name
-
-        bound_s = self.queue.bound_s
-
-        def switch_due(ticket: Ticket) -> dict[str, float]:
-            """Seconds until a switch to its model is due (put off ``bound_s``), when no backend
-            that serves it holds it (then, with two models, its model is loaded next)."""
-            serving = [b for b in self.backends if b.serves(ticket.model)]
-            if not bound_s or not serving or any(b.holds(ticket.model) for b in serving):
-                return {}
-            due_s = min(max(ticket.arrival_s, b.switched_s) for b in serving) + bound_s
-            return {"switch_due_in_s": round(due_s - now, 3)}
-
-        loads = self.service_time.loads()
-        etas, tail = self._etas(now)
-        shown = etas if limit is None else etas[: max(0, limit)]
-        waiting = [
-            {"position": i, "eta_s": round(eta, 3), **describe(job.payload), **switch_due(job.payload)}
-            for i, (job, eta) in enumerate(shown)
-        ]
-        in_flight = [
-            {
-                "backend": backend.name,
-                "slot": slot,
-                **describe(t),
-                "running_s": round(0.0 if t.dispatched_s is None else now - t.dispatched_s, 3),
-            }
-            for backend in self.backends
-            for slot, t in sorted(backend.running.items())
-        ]
-        return {
-            "policy": self.policy.name,
-            "policy_detail": self.policy.describe(),
-            # None when the guard is off ('inf': JSON has no infinity, and /queue must stay valid JSON)
-            "starvation_timeout_s": None if math.isinf(self.starvation_timeout_s) else self.starvation_timeout_s,
-            # overdue after tau + slowdown x predicted_s (adaptive: base x (1 + CV^2) of service times)
-            "starvation_slowdown": (
-                self.starvation_slowdown.describe()
-                if isinstance(self.starvation_slowdown, AdaptiveSlowdown)
-                else self.starvation_slowdown
-            ),
-            # a backend serves the model it holds while no request for another has been put off bound_s
-            "model_switch": {
-                "bound_s": bound_s,
-                "free_load_s": FREE_LOAD_S,  # a load this short is no reason to put a switch off
-                "load_prior_s": self.service_time.defaults.load_s,  # a load not yet measured (backends' load_s)
-                "waiting_by_model": {model or "default": n for model, n in self.queue.waiting_by_model().items()},
-            },
-            "slots": self.slots,
-            "max_queue": self.max_queue,
-            "tail_eta_s": round(tail, 3),
-            "service_time": {
-                name or "default": self.service_time.coefficients(name)
-                for name in {None, *(t.model for t in self._all_running())}
-            },
-            "backends": [
-                {
-                    "name": b.name,
-                    **b.info,
-                    "slots": b.slots,
-                    "in_flight": len(b.running),
-                    "healthy": b.healthy,
-                    "models": list(b.models),
-                    "loaded_models": list(b.loaded),
-                    "holds": b.last_model,  # the model it served last
-                    "switched_ago_s": None if math.isinf(b.switched_s) else round(now - b.switched_s, 3),
-                    # per model: learned load seconds and how many loads taught it
-                    "load_s": {
-                        model: {"load_s": round(x["load_s"], 3), "observations": int(x["observations"])}
-                        for model, x in loads.get(b.name, {}).items()
-                    },  # fmt: skip
-                    "remaining_s": round(self._remaining_s(b), 3),
-                    "slowness": round(b.slowness, 3),  # measured / predicted service seconds
-                }
-                for b in self.backends
-            ],
-            "waiting_count": len(etas),
-            "waiting": waiting,
-            "in_flight": in_flight,
-            "recent": [
-                {
-                    **describe(t),
-                    "backend": backend_name(t),
-                    "outcome": outcome,
-                    "output_tokens": output_tokens,
-                    "waited_s": round((ended_s if t.dispatched_s is None else t.dispatched_s) - t.arrival_s, 3),
-                    "service_s": None if t.dispatched_s is None else round(ended_s - t.dispatched_s, 3),
-                    "ended_ago_s": round(now - ended_s, 3),
-                }
-                for t, ended_s, outcome, output_tokens in reversed(self._recent)
-            ],
-        }
 
 
 class _LeaseScope:
