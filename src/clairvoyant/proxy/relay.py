@@ -71,9 +71,10 @@ class Record(Protocol):
 
 
 class RelayHooks(Protocol):
-    """What a relay tells the request it answers, and asks of it."""
+    """What a relay tells the request it answers, and asks of it (the defaults: a request that
+    needs none of it)."""
 
-    reads_usage: bool  # a 2xx answer's usage is read as it passes (``usage`` gets it)
+    reads_usage: bool = False  # a 2xx answer's usage is read as it passes (``usage`` gets it)
 
     def move(self, status: RequestStatus) -> bool:
         """The request's status changes (the one way a relay changes it); False if it had ended."""
@@ -81,39 +82,38 @@ class RelayHooks(Protocol):
 
     def own_headers(self) -> list[tuple[bytes, bytes]]:
         """The proxy's own headers for the answer."""
-        ...
+        return []
 
     def first_byte(self, at_s: float) -> None:
         """The answer's first bytes went on to the client (``at_s``: their arrival, on the relay's clock)."""
-        ...
+        return None
 
     def progress(self, tokens: int) -> None:
         """A stream's content events so far, after each chunk."""
-        ...
+        return None
 
     def usage(self, usage: Usage) -> None:
         """What the backend produced, once a 2xx answer has fully arrived."""
-        ...
+        return None
 
     def backend_state(self, upstream: Upstream, healthy: bool) -> None:
         """A backend sent a status (``healthy``), or failed after the request was sent."""
-        ...
+        return None
 
     async def failover(self, relay: Relay) -> bool:
         """``relay.upstream`` cannot take the request (its connection refused or not accepted, or
         suspect and failing its health check; nothing was sent): point the relay at another backend
         and return True, or False to wait for this one (up to the request's ``wait_s``)."""
-        ...
+        return False
 
 
-class PassThrough:
+class PassThrough(RelayHooks):
     """An unscheduled request's record and hooks: a status, and in a pool the next backend to try."""
 
-    __slots__ = ("status", "reads_usage", "_pool", "_order", "_tried")
+    __slots__ = ("status", "_pool", "_order", "_tried")
 
     def __init__(self, pool: Pool | None = None, order: Sequence[Upstream] = ()) -> None:
         self.status = RequestStatus.DISPATCHED
-        self.reads_usage = False
         self._pool = pool
         self._order = order  # in a pool: the backends to try, in order
         self._tried: list[Upstream] = []
@@ -123,18 +123,6 @@ class PassThrough:
             return False
         self.status = status
         return True
-
-    def own_headers(self) -> list[tuple[bytes, bytes]]:
-        return []
-
-    def first_byte(self, at_s: float) -> None:
-        pass
-
-    def progress(self, tokens: int) -> None:
-        pass
-
-    def usage(self, usage: Usage) -> None:
-        pass
 
     def backend_state(self, upstream: Upstream, healthy: bool) -> None:
         if self._pool is not None:

@@ -45,7 +45,7 @@ from clairvoyant.prediction.usage import Usage
 from clairvoyant.proxy.access import Identity
 from clairvoyant.proxy.limits import TenantLimits
 from clairvoyant.proxy.pool import BackendPool
-from clairvoyant.proxy.relay import Receive, Relay, Responder, UpstreamRequest, disconnected
+from clairvoyant.proxy.relay import Receive, Relay, RelayHooks, Responder, UpstreamRequest, disconnected
 from clairvoyant.proxy.upstream import Headers, Upstream
 from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.dispatcher import Dispatcher, ShuttingDown
@@ -227,7 +227,7 @@ def admit_scheduled(shared: Scheduling, arrival: Arrival, out: Responder) -> Sch
     return request
 
 
-class ScheduledHooks:
+class ScheduledHooks(RelayHooks):
     """A scheduled request's side of its relay (``RelayHooks``): its record's status through the
     dispatcher, its headers, its first byte and pace, its usage, and failover in a pool. It holds
     neither the relay nor the ``ScheduledRequest``: nothing to break by hand."""

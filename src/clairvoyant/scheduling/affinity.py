@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from clairvoyant.scheduling.job_queue import Job, JobQueue, QueueBase
+from clairvoyant.scheduling.job_queue import Job, JobQueue
 from clairvoyant.scheduling.service_time import FREE_LOAD_S
 
 __all__ = ["FREE_LOAD_S", "Lane", "ModelAffinity"]
@@ -90,7 +90,7 @@ class _Group(Generic[T]):
         return arrivals[0]
 
 
-class ModelAffinity(QueueBase[T]):
+class ModelAffinity(JobQueue[T]):
     """One queue per model; a backend whose slot frees serves the models it holds, and switches
     once a request for another model has been put off ``bound_s`` seconds (see the module)."""
 

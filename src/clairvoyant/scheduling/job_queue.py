@@ -55,7 +55,6 @@ __all__ = [
     "HeapQueue",
     "Job",
     "JobQueue",
-    "QueueBase",
     "ScanQueue",
     "StarvationGuard",
 ]
@@ -97,6 +96,9 @@ class Job(Generic[T]):
 
 
 class JobQueue(Protocol[T]):
+    """Every method a queue's caller may use: the first ones each queue implements, the others
+    have defaults here, so that a caller never asks a queue whether it has a method."""
+
     def push(self, job: Job[T]) -> None:
         """Queue ``job``. ``job.arrival_s`` must not decrease between calls."""
         ...
@@ -120,12 +122,12 @@ class JobQueue(Protocol[T]):
 
     def done(self, job: Job[T]) -> None:
         """A job this queue popped has left the backend (finished, failed, or was never run)."""
-        ...
+        return None
 
     def repriced(self, job: Job[T], old_predicted_s: float) -> None:
         """A job this queue popped got its predicted seconds after dispatch (dispatched before its
         prediction): account the difference wherever service is charged."""
-        ...
+        return None
 
     def rekeyed(self, job: Job[T]) -> None:
         """A waiting job's prediction changed (a second opinion came while it waited): order it by
@@ -136,82 +138,43 @@ class JobQueue(Protocol[T]):
         """Waiting jobs in the order they would go if nothing else arrived (for positions and ETAs)."""
         ...
 
+    # -- what a queue need not do itself: the defaults (every queue here subclasses JobQueue) --
+    bound_s: float = 0.0  # seconds a request for a model no backend holds may be put off (0: no affinity)
+
     def pop_for(self, now: float, lanes: Sequence[Lane]) -> tuple[Job[T], bool] | None:
         """``pop(now)`` told what each backend with a free slot holds (model affinity)."""
-        ...
+        return self.pop(now)
 
     def ordered_for(self, now: float, lane: Lane, free_in_s: float = 0.0) -> list[Job[T]]:
         """``ordered(now)`` as one backend (``lane``, free in ``free_in_s`` seconds) would take them."""
-        ...
+        return self.ordered(now)
 
     def waiting_by_model(self) -> dict[str | None, int]:
         """Jobs waiting per model, where the queue keeps them apart (else empty)."""
-        ...
+        return {}
 
     def sort_key(self, job: Job[T], now: float) -> Any:
         """The job's place in this queue's own order at ``now`` (lower = sooner)."""
-        ...
+        return job.arrival_s, job.seq
 
     def is_overdue(self, job: Job[T], now: float) -> bool:
         """A starvation rule would put ``job`` first at ``now``."""
-        ...
+        return False
 
     def reset(self) -> bool:
         """With no job waiting, make the queue as new; False (nothing changed) if it cannot."""
-        ...
-
-    @property
-    def bound_s(self) -> float:
-        """Seconds a request for a model no backend holds may be put off (0: no model affinity)."""
-        ...
+        return False
 
     def __len__(self) -> int: ...
 
     def __iter__(self) -> Iterator[Job[T]]: ...
 
 
-class QueueBase(Generic[T]):
-    """The defaults of ``JobQueue`` for a queue that does not need them (every queue here
-    subclasses it), so that its callers never ask a queue whether it has a method."""
-
-    bound_s = 0.0
-
-    def done(self, job: Job[T]) -> None:
-        pass
-
-    def repriced(self, job: Job[T], old_predicted_s: float) -> None:
-        pass
-
-    def pop(self, now: float) -> tuple[Job[T], bool] | None:
-        raise NotImplementedError
-
-    def ordered(self, now: float) -> list[Job[T]]:
-        raise NotImplementedError
-
-    def pop_for(self, now: float, lanes: Sequence[Lane]) -> tuple[Job[T], bool] | None:
-        return self.pop(now)
-
-    def ordered_for(self, now: float, lane: Lane, free_in_s: float = 0.0) -> list[Job[T]]:
-        return self.ordered(now)
-
-    def waiting_by_model(self) -> dict[str | None, int]:
-        return {}
-
-    def sort_key(self, job: Job[T], now: float) -> Any:
-        return job.arrival_s, job.seq
-
-    def is_overdue(self, job: Job[T], now: float) -> bool:
-        return False
-
-    def reset(self) -> bool:
-        return False
-
-
 Key = Callable[[Job[Any]], Any]  # fixed at push; must be comparable (a float or a tuple of floats)
 Rank = Callable[[Job[Any], float], Any]  # (job, now) -> comparable; lower goes sooner
 
 
-class HeapQueue(QueueBase[T]):
+class HeapQueue(JobQueue[T]):
     """Keys fixed at push: a min-heap of ``(key, seq, job)``, a tuple key flattened into the entry
     (``(*key, seq, job)``: the same order, one tuple a waiting job instead of two)."""
 
@@ -262,12 +225,6 @@ class HeapQueue(QueueBase[T]):
             self._live -= 1
         return head
 
-    def done(self, job: Job[T]) -> None:
-        pass  # keys are fixed at push: nothing follows a job after its dispatch
-
-    def repriced(self, job: Job[T], old_predicted_s: float) -> None:
-        pass
-
     def rekeyed(self, job: Job[T]) -> None:
         if not job.waiting:
             return
@@ -296,7 +253,7 @@ class HeapQueue(QueueBase[T]):
         return True
 
 
-class ScanQueue(QueueBase[T]):
+class ScanQueue(JobQueue[T]):
     """Priorities that change with time: ``rank(job, now)`` is evaluated for every waiting job at
     each pop (lowest rank first, ties by arrival)."""
 
@@ -336,12 +293,6 @@ class ScanQueue(QueueBase[T]):
             self.remove(head[0])
         return head
 
-    def done(self, job: Job[T]) -> None:
-        pass
-
-    def repriced(self, job: Job[T], old_predicted_s: float) -> None:
-        pass
-
     def rekeyed(self, job: Job[T]) -> None:
         pass  # ranks are computed at each pop from the job's current fields
 
@@ -358,7 +309,7 @@ class ScanQueue(QueueBase[T]):
         return not self._jobs
 
 
-class StarvationGuard(QueueBase[T]):
+class StarvationGuard(JobQueue[T]):
     """Wraps any queue: an overdue job goes before every job that arrived after it.
 
     Job i is overdue once ``clock(now) > clock(arrival_s) + timeout_s + slowdown * predicted_s``
@@ -577,7 +528,7 @@ def _best_class(queue: JobQueue[T], head: tuple[Job[T], bool], now: float) -> in
     return min(head[0].priority, inner_head[0].priority) if inner_head is not None else head[0].priority
 
 
-class FairShareQueue(QueueBase[T]):
+class FairShareQueue(JobQueue[T]):
     """One inner queue per tenant; tenants share the backend in predicted service seconds.
 
     Start-time fair queuing (SFQ) with predicted seconds as the cost. A tenant is *active* while it
