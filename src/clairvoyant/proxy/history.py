@@ -167,8 +167,8 @@ class History:
                 self._first_s = wait_end_s
             bucket = self._waits.setdefault(math.floor(wait_end_s / self.bucket_s), {})
             for key in (
-                ("class", entry.predicted_class),
-                ("tenant", self._chart(entry.tenant)),
+                ("class", str(entry.predicted_class)),
+                ("tenant", self._chart(entry.tenant or "")),
             ):
                 waits = bucket.get(key)
                 if waits is None:
@@ -178,7 +178,7 @@ class History:
         predicted_tokens = _finite(entry.predicted_tokens)
         if entry.outcome == "completed" and output_tokens is not None and predicted_tokens is not None:
             self._answers.append(
-                _Answer(end_s, entry.model or "", entry.predicted_class, predicted_tokens, output_tokens)
+                _Answer(end_s, entry.model or "", str(entry.predicted_class), predicted_tokens, output_tokens)
             )
 
     def _chart(self, tenant: str) -> str:

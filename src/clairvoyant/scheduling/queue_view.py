@@ -2,8 +2,8 @@
 state. ``/queue`` serves it as JSON, ``/history`` samples it, the live page and ``clairvoyant
 status`` read that JSON. No prompt text.
 
-Every field has a default, so that a reader can validate an older proxy's sparser body (and a
-newer one's extra fields are kept: ``extra="allow"``). A field that only some requests have
+Every field has a default (None where a reader must tell "absent"), so that a reader can
+validate an older proxy's sparser body, and a newer one's extra fields are kept (``extra="allow"``). A field that only some requests have
 (``p_long``, ``expires_in_s``, ``switch_due_in_s``) is left out of the JSON where it has none.
 """
 
@@ -34,12 +34,12 @@ class RequestView(_View):
     """A request's public fields (``waited_s``: seconds since it arrived; for a finished one, the
     seconds it spent queued)."""
 
-    request_id: str = ""
-    endpoint: str = ""
+    request_id: str | None = None
+    endpoint: str | None = None
     model: str | None = None
-    tenant: str = ""
-    priority: int = 0
-    predicted_class: str = ""
+    tenant: str | None = None
+    priority: int | None = None
+    predicted_class: str | None = None
     p_long: float | None = None
     score: float | None = None
     predicted_tokens: float | None = None
@@ -54,7 +54,7 @@ class RequestView(_View):
 
 
 class WaitingView(RequestView):
-    position: int = 0  # in dispatch order
+    position: int | None = None  # in dispatch order
     eta_s: float | None = None  # predicted seconds until it is dispatched
     switch_due_in_s: float | None = None  # seconds until a switch to its model is due (model affinity)
 

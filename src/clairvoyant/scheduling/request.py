@@ -1,18 +1,10 @@
 """One scheduled request, one record: ``Ticket`` and its ``RequestStatus`` (the shape of vLLM's
-``Request`` and ``RequestStatus``).
-
-The dispatcher owns the record from arrival to release, and its status changes in one place,
-``Dispatcher.move``, which logs each change (debug) and counts it
-(``clairvoyant_request_status_changes_total``)::
-
-    WAITING --grant--> DISPATCHED --first byte--> STREAMING
-       ^                   |                         |
-       +-----reroute-------+   its client left (auto: the slot is held until the backend is idle)
-                               +---------------------+--> HOLDING
-    any of these --> one finished status (``is_finished``): how the request ended
-
-The record is flat on purpose: ``to_mapping`` and ``from_mapping`` turn it into a mapping of str
-to str, int or float and back (a hash in a shared store), without its prompt text.
+``Request`` and ``RequestStatus``). The dispatcher owns the record from arrival to release; its
+status changes in ``Dispatcher.move`` only, which logs (debug) and counts each change:
+WAITING -> DISPATCHED (granted; back to WAITING when rerouted) -> STREAMING -> one finished status
+(``is_finished``), or HOLDING (its client left; the slot held until the backend is idle) first.
+``to_mapping``/``from_mapping``: the record as a flat mapping of str to str, int or float (a hash
+in a shared store), without prompt text.
 """
 
 from __future__ import annotations
@@ -67,17 +59,13 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def outcome(self) -> str:
-        """How the request ended, as its log line says it ("pending" while in progress)."""
-        return _OUTCOMES.get(self) or self.name.lower()
-
-
-_OUTCOMES = {
-    RequestStatus.WAITING: "pending",
-    RequestStatus.DISPATCHED: "pending",
-    RequestStatus.STREAMING: "pending",
-    RequestStatus.HOLDING: "client_left_watching",
-    RequestStatus.EXPIRED: "refused",  # answered by the proxy, as a refusal while shutting down is
-}
+        """How the request ended, as its log line says it ("pending" while in progress; an expired
+        one was refused by the proxy, as one refused while shutting down)."""
+        if self.in_progress:
+            return "pending"
+        return {RequestStatus.HOLDING: "client_left_watching", RequestStatus.EXPIRED: "refused"}.get(
+            self, self.name.lower()
+        )
 
 
 class Ticket(Job["Ticket"]):
