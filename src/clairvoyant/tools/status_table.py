@@ -204,8 +204,8 @@ def _tenants(status: Mapping[str, Any]) -> list[str]:
     objects with a "tenant" or "name", or an object keyed by tenant)."""
     counts: dict[str, list[int]] = {}
     for index, key in enumerate(("waiting", "in_flight")):
-        for row in _views(status.get(key), RequestView):
-            counts.setdefault(_tenant(row), [0, 0])[index] += 1
+        for request in _views(status.get(key), RequestView):
+            counts.setdefault(_tenant(request), [0, 0])[index] += 1
     described: dict[str, dict[str, Any]] = {}
     listed = status.get("tenants")
     if isinstance(listed, dict):
