@@ -209,25 +209,37 @@ class Relay:
     sent_s: float = field(default=0.0, repr=False)  # clock seconds when the request went upstream
     first_byte_s: float | None = field(default=None, repr=False)  # clock seconds of the answer's first byte
     content_type: str = field(default="", repr=False)  # the answer's, once its head arrived
-    _interrupt_error: RequestError | None = field(default=None, repr=False)  # set by ``interrupt``
+    # Set by ``interrupt``: the status it ends the request with, and the error the client gets.
+    _interrupt: tuple[RequestStatus, RequestError | None] | None = field(default=None, repr=False)
 
     def interrupt(self, task: asyncio.Task[Any], status: RequestStatus, error: RequestError | None = None) -> None:
         """End this request now (``task`` runs it) with ``status``, closing the backend connection
         if it is open. The client gets ``error`` (its dialect's error event, or the error itself
-        before the answer began), or nothing more (``None``: it left)."""
-        if self.hooks.move(status):
-            self._interrupt_error = error
-            task.cancel()
+        before the answer began), or nothing more (``None``: it left). A waiting request takes
+        ``status`` at once (the lease's exit withdraws it); one being answered when its task is
+        interrupted (an answer that was whole by then keeps its ending). The first one wins."""
+        if self._interrupt is not None or self.record.status.is_finished:
+            return
+        self._interrupt = (status, error)
+        if self.record.status is RequestStatus.WAITING:
+            self.hooks.move(status)
+        task.cancel()
 
     def interrupted(self) -> bool:
         """The task was cancelled by ``interrupt`` (and by nothing else): call in its ``except
         CancelledError``."""
         task = asyncio.current_task()
-        return not self.record.status.in_progress and task is not None and task.uncancel() == 0
+        return self._interrupt is not None and task is not None and task.uncancel() == 0
 
     async def end_interrupted(self, out: Responder) -> None:
-        """Answer what ``interrupt`` ended: its error, as an error event or as the answer."""
-        error = self._interrupt_error
+        """End what ``interrupt`` ended: its status, and its error as an error event or as the
+        answer (nothing when the answer was whole already: its stream's end event went out)."""
+        assert self._interrupt is not None
+        (status, error), self._interrupt = self._interrupt, None
+        if not self.record.status.is_finished:
+            self.hooks.move(status)
+        elif self.record.status is not status:
+            return
         if error is not None:
             if out.started:
                 await self.end_with_error(out, error)

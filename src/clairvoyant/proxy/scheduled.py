@@ -495,6 +495,7 @@ class ScheduledRequest:
         except asyncio.CancelledError:
             if not self.relay.interrupted():
                 raise
+            await self.relay.end_interrupted(self.out)
 
     def _observe_end(self) -> None:
         ticket = self.ticket
