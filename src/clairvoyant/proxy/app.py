@@ -309,7 +309,8 @@ def _add_own_endpoints(api: FastAPI, proxy: ProxyApp) -> None:
         """``limit``: list only the first waiting requests (the live page asks for 100; the
         counts and the tail's ETA still cover the whole queue)."""
         state = proxy.state
-        return JSONResponse(live_view(state.dispatcher, state.limits, limit).model_dump(mode="json"))
+        view = live_view(state.dispatcher, state.limits, limit)
+        return Response(view.model_dump_json(), media_type="application/json")
 
     @api.get("/history")
     async def history_endpoint() -> Response:

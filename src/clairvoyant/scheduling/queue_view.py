@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field
 
 from clairvoyant.scheduling.service_time import FREE_LOAD_S
 from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # typing only: the dispatcher is what is viewed
 
 __all__ = ["BackendView", "FinishedView", "QueueView", "RequestView", "RunningView", "WaitingView", "queue_view"]
 
-_OPTIONAL = ("p_long", "expires_in_s", "switch_due_in_s")  # left out of the JSON when None
+_OPTIONAL: Any = Field(default=None, exclude_if=lambda value: value is None)  # left out of the JSON when None
 
 
 class _View(BaseModel):
@@ -40,23 +40,18 @@ class RequestView(_View):
     tenant: str | None = None
     priority: int | None = None
     predicted_class: str | None = None
-    p_long: float | None = None
+    p_long: float | None = _OPTIONAL
     score: float | None = None
     predicted_tokens: float | None = None
     predicted_s: float | None = None
     waited_s: float | None = None
-    expires_in_s: float | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
-        return {k: v for k, v in data.items() if v is not None or k not in _OPTIONAL}
+    expires_in_s: float | None = _OPTIONAL
 
 
 class WaitingView(RequestView):
     position: int | None = None  # in dispatch order
     eta_s: float | None = None  # predicted seconds until it is dispatched
-    switch_due_in_s: float | None = None  # seconds until a switch to its model is due (model affinity)
+    switch_due_in_s: float | None = _OPTIONAL  # seconds until a switch to its model is due (model affinity)
 
 
 class RunningView(RequestView):
