@@ -19,8 +19,8 @@ __all__ = ["add_arguments", "default_threads", "run"]
 def default_threads() -> int:
     """The cores this process may run on, less one for the proxy and its clients, and at least one.
     llama.cpp's threads wait for each other at every step: a thread more than the free cores makes
-    each token wait for a busy core (on 2 busy cores, 2 threads gave 0.7 tokens/s where 1 gave
-    13.4: docs/operations.md)."""
+    each token wait for a busy core (on 2 busy cores, 2 threads gave 0.6 tokens/s where 1 gave
+    13.0: benchmarks/bench_backend_threads.py)."""
     try:
         cores = len(os.sched_getaffinity(0))  # the cores allowed here (a container's cpuset, taskset)
     except AttributeError:  # macOS has no affinity call
