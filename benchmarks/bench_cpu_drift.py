@@ -25,6 +25,13 @@ two kernel families (``make`` does not run this: qemu takes about a minute):
     python benchmarks/bench_cpu_drift.py --save /tmp/native.json
     qemu-x86_64 -cpu Haswell .venv/bin/python benchmarks/bench_cpu_drift.py --against /tmp/native.json
 
+arm64 the same way, with ``qemu-aarch64 -cpu neoverse-n1`` (or ``max``), an arm64 Python (Debian's
+python3.11-minimal and its libraries, unpacked with ``dpkg -x`` into a folder given to ``-L``) and
+the arm64 wheels of numpy, onnxruntime and tokenizers (``pip install --target DIR --platform
+manylinux_2_28_aarch64 --only-binary :all: --no-deps``). qemu 7.2 shows the host's /proc/cpuinfo,
+on which ONNX Runtime's CPU detection crashes: bind an arm64 one over it in a mount namespace of
+its own (``unshare -m``, then ``mount --bind``).
+
 Not a timed benchmark: the figures are differences of values, the same on every run of one CPU.
 """
 
