@@ -436,7 +436,7 @@ def _bound_runner(session: Any, binding: Any) -> Callable[[], None]:
     when this onnxruntime has it (``_sess``, ``_iobinding``), and the public method otherwise.
 
     Either way it is given one ``RunOptions``, made here: called without, onnxruntime builds default
-    run options on every call, which cost 1.2-3.4 us of a 5-12 us run on an AVX2 EPYC (the two
+    run options on every call, which cost 1.2-3.4 us of a 5-12 us run on an AMD EPYC (the two
     alternated call by call). These are the same defaults, so the outputs are the same.
     """
     import onnxruntime as ort
