@@ -256,9 +256,7 @@ def test_what_the_queues_retain_goes_back_to_nothing_once_every_request_is_done(
     # (or kept as a few spares, as new) once the last one is done, so a long-lived proxy holds
     # nothing per request it has served.
     queue = build_queue(make_policy("sjf"), starvation_timeout_s=1.0, fair_share=True, model_switch_bound_s=30.0)
-    jobs = [
-        Job(f"r{i}", float(i), predicted_s=1.0, tenant=f"t{i % 5}", model=f"m{i % 3}") for i in range(60)
-    ]
+    jobs = [Job(f"r{i}", float(i), predicted_s=1.0, tenant=f"t{i % 5}", model=f"m{i % 3}") for i in range(60)]
     for job in jobs:
         queue.push(job)
     assert queue.retained()["model_groups"] == 3 and queue.retained()["fair_share_tenants"] == 15
