@@ -249,3 +249,27 @@ def test_no_held_model_is_served_once_a_switch_is_due(
             assert waiting.pop(j.payload) is j
             in_service.append(j)
     assert len(queue) == len(waiting)
+
+
+def test_what_the_queues_retain_goes_back_to_nothing_once_every_request_is_done() -> None:
+    # Fair share per model: tenants and groups are kept while a request waits or runs, and dropped
+    # (or kept as a few spares, as new) once the last one is done, so a long-lived proxy holds
+    # nothing per request it has served.
+    queue = build_queue(make_policy("sjf"), starvation_timeout_s=1.0, fair_share=True, model_switch_bound_s=30.0)
+    jobs = [Job(f"r{i}", float(i), predicted_s=1.0, tenant=f"t{i % 5}", model=f"m{i % 3}") for i in range(60)]
+    for job in jobs:
+        queue.push(job)
+    assert queue.retained()["model_groups"] == 3 and queue.retained()["fair_share_tenants"] == 15
+    running = [queue.pop(100.0) for _ in range(len(jobs))]
+    for got in running[:-1]:
+        assert got is not None
+        queue.done(got[0])
+    held = queue.retained()
+    assert held["model_groups"] == 1 and held["fair_share_tenants"] == 1
+    assert held["model_in_flight"] == 1 and held["fair_share_in_flight"] == 1
+    last = running[-1]
+    assert last is not None
+    queue.done(last[0])
+    left = {k: n for k, n in queue.retained().items() if n and not k.endswith("_spare")}
+    assert left == {}
+    assert queue.retained()["model_spare"] <= 8

@@ -235,6 +235,16 @@ def test_a_backend_still_loading_its_model_is_waited_for() -> None:
     assert backend.posts(CHAT) == 3  # two 503s (nothing generated), then the answer
 
 
+def test_a_backend_that_keeps_answering_503_is_not_flooded_with_resends() -> None:
+    # Its health check passes, but every POST gets 503 (its own queue is full): within
+    # backend_wait_s = 1 the request is sent again after 0.25 s, 0.5 s, then at the deadline, and
+    # the last 503 is relayed. Without the pause each passing health check sent it again at once.
+    with FakeBackend(lambda path, n: "loading") as backend, proxy(backend.url, backend_wait_s=1) as base:
+        r = httpx.post(f"{base}{CHAT}", json=chat(), timeout=15)
+    assert r.status_code == 503
+    assert 2 <= backend.posts(CHAT) <= 5
+
+
 def test_a_client_that_leaves_while_the_backend_is_down_is_never_sent() -> None:
     port = _closed_port()
     with proxy(f"http://127.0.0.1:{port}", backend_wait_s=30) as base:

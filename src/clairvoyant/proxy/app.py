@@ -94,6 +94,17 @@ class ProxyState:
     limits: TenantLimits  # tenants' use against their limits
     history: History  # the last 15 minutes, for the live page's charts
 
+    def retained(self) -> dict[str, int]:
+        """Entries every long-lived structure holds (the gauge ``clairvoyant_retained_entries``)."""
+        learner = self.learning.learner
+        return {
+            **self.dispatcher.retained(),
+            **self.limits.retained(),
+            **self.history.retained(),
+            **self.scheduling.supersede.retained(),
+            **({} if learner is None else learner.retained()),
+        }
+
 
 def _load_encoder(settings: Settings, predictor: Predictor) -> EncoderModel | None:
     """The encoder that refines waiting requests (``prediction/encoder.py``), when it applies: it
@@ -303,7 +314,9 @@ def _add_own_endpoints(api: FastAPI, proxy: ProxyApp) -> None:
 
     @api.get("/metrics")
     async def metrics_endpoint() -> Response:
-        await proxy.state.learning.refresh_quality()
+        state = proxy.state
+        await state.learning.refresh_quality()
+        metrics.set_retained(len(asyncio.all_tasks()), state.retained())
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/queue")

@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from clairvoyant.scheduling.job_queue import Job, JobQueue
+from clairvoyant.scheduling.job_queue import Job, JobQueue, add_counts
 from clairvoyant.scheduling.service_time import FREE_LOAD_S
 
 __all__ = ["FREE_LOAD_S", "Lane", "ModelAffinity"]
@@ -118,6 +118,16 @@ class ModelAffinity(Generic[T]):
 
     def describe(self) -> dict[str, Any]:
         return {"bound_s": self.bound_s, "free_load_s": FREE_LOAD_S}
+
+    def retained(self) -> dict[str, int]:
+        counts = {"model_groups": len(self._groups), "model_spare": len(self._spare)}
+        for group in self._groups.values():
+            counts = add_counts(
+                counts,
+                group.queue.retained(),
+                {"model_arrivals": len(group.arrivals), "model_in_flight": len(group.in_flight)},
+            )
+        return counts
 
     # -- groups ----------------------------------------------------------------------------------
     def _group(self, job: Job[T]) -> _Group[T]:

@@ -63,7 +63,7 @@ from clairvoyant.prediction.usage import Usage
 from clairvoyant.scheduling.affinity import Lane
 from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.expiry import Expiry, expired
-from clairvoyant.scheduling.job_queue import Job, JobQueue
+from clairvoyant.scheduling.job_queue import Job, JobQueue, add_counts
 from clairvoyant.scheduling.policy import SchedulingPolicy
 from clairvoyant.scheduling.routing import Backend, Load, choose
 from clairvoyant.scheduling.service_time import FREE_LOAD_S, ServiceTimeModel, write_state
@@ -958,6 +958,20 @@ class Dispatcher:
         return None
 
     # -- introspection ---------------------------------------------------------------------
+    def retained(self) -> dict[str, int]:
+        """Entries the dispatcher and its queue hold, by structure (``JobQueue.retained``): each
+        is bounded by the requests waiting or in flight, or by a fixed size."""
+        return add_counts(
+            self.queue.retained(),
+            {
+                "held_back": len(self._held_back),
+                "running": sum(len(b.running) for b in self.backends),
+                "detached_tasks": len(self._detached),
+                "expiry_entries": len(self._expiry),
+                "recent": len(self._recent),
+            },
+        )
+
     def snapshot(self, limit: int | None = None) -> dict[str, Any]:
         """The waiting queue in dispatch order with positions and ETAs (the first ``limit`` of
         ``waiting_count``), what is in flight on each backend, the backends, and the last finished

@@ -54,6 +54,7 @@ __all__ = [
     "JobQueue",
     "ScanQueue",
     "StarvationGuard",
+    "add_counts",
 ]
 
 T = TypeVar("T")
@@ -90,6 +91,15 @@ class Job(Generic[T]):
         themselves (a ``(deadline, seq, job)`` tuple there cost a waiting request 72 bytes)."""
         mine, theirs = self.deadline_s, other.deadline_s
         return mine < theirs or (mine == theirs and self.seq < other.seq)
+
+
+def add_counts(*counts: dict[str, int]) -> dict[str, int]:
+    """``retained()`` figures summed by key (a composite queue's own and its parts')."""
+    out: dict[str, int] = {}
+    for one in counts:
+        for key, n in one.items():
+            out[key] = out.get(key, 0) + n
+    return out
 
 
 class JobQueue(Protocol[T]):
@@ -130,6 +140,11 @@ class JobQueue(Protocol[T]):
 
     def ordered(self, now: float) -> list[Job[T]]:
         """Waiting jobs in the order they would go if nothing else arrived (for positions and ETAs)."""
+        ...
+
+    def retained(self) -> dict[str, int]:
+        """Entries this queue holds, by structure (waiting jobs, lingering ones not yet dropped,
+        tenants, groups): what a long-lived process watches to see that nothing accumulates."""
         ...
 
     def __len__(self) -> int: ...
@@ -217,6 +232,9 @@ class HeapQueue(Generic[T]):
         """The job's place in this queue's order (lower = sooner)."""
         return self.key(job), job.seq
 
+    def retained(self) -> dict[str, int]:
+        return {"queue_entries": len(self._heap)}
+
     def reset(self) -> bool:
         """With no job waiting, drop the entries removed jobs left behind: the queue is as new.
         False (and nothing changed) if a job is waiting."""
@@ -282,6 +300,9 @@ class ScanQueue(Generic[T]):
     def sort_key(self, job: Job[T], now: float) -> tuple[Any, int]:
         """The job's place in this queue's order at ``now`` (lower = sooner)."""
         return self.rank(job, now), job.seq
+
+    def retained(self) -> dict[str, int]:
+        return {"queue_entries": len(self._jobs)}
 
     def reset(self) -> bool:
         """True if no job is waiting: the queue is then as new (it keeps nothing else)."""
@@ -444,6 +465,9 @@ class StarvationGuard(Generic[T]):
     def done(self, job: Job[T]) -> None:
         self.inner.done(job)
 
+    def retained(self) -> dict[str, int]:
+        return add_counts(self.inner.retained(), {"guard_entries": len(self._pending) + len(self._overdue)})
+
     def reset(self) -> bool:
         """With no job waiting, drop the entries popped and removed jobs left in both heaps and
         reset the inner queue: the guard is then as new (same timeout, slowdown and clock). False
@@ -572,6 +596,12 @@ class FairShareQueue(Generic[T]):
 
     def __iter__(self) -> Iterator[Job[T]]:
         return itertools.chain.from_iterable(list(t.queue) for t in self._tenants.values())
+
+    def retained(self) -> dict[str, int]:
+        counts = {"fair_share_tenants": len(self._tenants), "fair_share_spare": len(self._spare)}
+        for tenant in self._tenants.values():
+            counts = add_counts(counts, tenant.queue.retained(), {"fair_share_in_flight": len(tenant.in_flight)})
+        return counts
 
     @property
     def tenants(self) -> dict[Hashable, float]:
