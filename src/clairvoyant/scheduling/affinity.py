@@ -81,13 +81,13 @@ _SPARE_GROUPS = 8
 
 # A model's stretch is weighed over at most this many of its requests: past that a longer stretch
 # changes its rate by little, and a decision stays O(this) however long the queue.
-_STRETCH_JOBS = 256
+_STRETCH_JOBS = 64
 
 # A switch the rates favour must win by this factor. They weigh the requests waiting now; a load
 # also delays every request that arrives during it and after it, which they do not see. At 1.0, on
 # Poisson arrivals (``clairvoyant simulate swaps``) the backend switched 11% more often than the rule
-# before weighing and the mean sojourn rose 2-5%; at 1.5 the mean falls 3-4% below that rule's, and
-# bursts keep most of their gain (2.5% from the best order of 7 requests, against 0.4% at 1.0).
+# before weighing and the mean sojourn rose 2-5%; at 1.5 it is 0.5-5% below that rule's, and bursts
+# keep most of their gain (2.5% from the best order of 7 requests, against 0.4% at 1.0).
 _SWITCH_MARGIN = 1.5
 
 Rank = Callable[[Job[Any], float], Any]  # (job, now) -> comparable; the policy's order, lower first
