@@ -112,6 +112,8 @@ def _rate_s(load_s: float, head_s: float, rest_s: Iterable[float]) -> float:
     """Seconds per request of a model's best next stretch: min over k of (``load_s`` + its next k
     requests' predicted seconds) / k, ``head_s`` first, then ``rest_s`` (ascending)."""
     total, k = load_s + head_s, 1
+    if not math.isfinite(total):  # a load never paid (``ordered``'s lane that holds nothing)
+        return total
     for s in islice(rest_s, _STRETCH_JOBS - 1):
         if s * k >= total:  # no shorter than the stretch's mean: it, and every longer one after it, raise it
             break
