@@ -165,3 +165,23 @@ def test_run_takes_models_a_switch_cost_deadlines_and_a_switch_bound(tmp_path: P
     fcfs, grouped = (c["summary"] for c in data["conditions"])
     assert grouped["switches"]["mean"] < fcfs["switches"]["mean"]
     assert 0 < fcfs["deadline.met"]["mean"] <= 1
+
+
+def test_swaps_compares_three_conditions_on_every_case_and_the_best_order(tmp_path: Path) -> None:
+    argv = ["swaps", "--n", "60", "--burst-n", "8", "--small-n", "4", "--seeds", "1", "--small-cases", "2",
+            "--models", "2", "--switch-s", "2", "--out", str(tmp_path), "--no-progress"]  # fmt: skip
+    assert run(argv) == 0
+    data = json.loads((tmp_path / "sim_swaps.json").read_text())
+    cases = [(c["workload"], c["predictor"]) for c in data["cases"]]
+    assert cases == [("burst", "oracle"), ("poisson", "oracle"), ("burst", "label"), ("poisson", "label"),
+                     ("small burst", "oracle"), ("small poisson", "oracle")]  # fmt: skip
+    for case in data["cases"]:
+        rules = [(c["name"], c["model_switch_rule"]) for c in case["conditions"]]
+        assert rules == [("fcfs", "weighed"), ("default, rule before weighing", "bound"), ("default", "weighed")]
+        for c in case["conditions"][1:]:
+            assert c["put_off_past_bound_max_s"] <= 1e-9  # the bound holds under both rules
+        if case["workload"].startswith("small"):  # no order beats the best one
+            assert all(c["summary"]["vs_best"]["mean"] >= 1.0 - 1e-9 for c in case["conditions"])
+    assert data["setup"]["switch_s"] == 2.0
+    with pytest.raises(SystemExit):
+        run(["swaps", "--small-n", "10", "--out", str(tmp_path), "--no-progress"])  # every order of 10: too many

@@ -222,9 +222,10 @@ class Settings(BaseSettings):
         30.0,
         ge=0,
         description="Model affinity, seconds: a backend that loads models on demand (Ollama, llama-swap) serves the "
-        "model it holds while no request for another model has been put off this long (waiting since it arrived, or "
-        "since the backend's last switch), then switches to the model put off longest; a request for a model not held "
-        "is charged its learned load. 0 = off (switching counted as free); fcfs ignores it. See docs/scheduling.md.",
+        "model it holds while that is worth more than a load (predicted seconds of what waits, on both sides) and no "
+        "request for another model has been put off this long (waiting since it arrived, or since the backend's last "
+        "switch), then switches to the model put off longest; a request for a model not held is charged its learned "
+        "load. 0 = off (switching counted as free); fcfs ignores it. See docs/scheduling.md.",
     )
     tenant_header: str = Field(
         "X-Clairvoyant-Tenant", description="Request header naming the tenant (absent = the default tenant)."

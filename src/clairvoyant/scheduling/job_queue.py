@@ -590,6 +590,9 @@ class FairShareQueue(Generic[T]):
         # the wall clock exactly (single-tenant schedules do not change by a rounding error).
         self._share_lag_s = 0.0  # wall seconds minus share seconds, as of _share_at_s
         self._share_at_s = -math.inf  # wall time of the last update
+        # The seconds the share clock divides: the wall clock unless set (``ModelAffinity`` sets a
+        # model's clock, which stops while the model is put off for a switch).
+        self.clock: Callable[[float], float] | None = None
 
     def __len__(self) -> int:
         return self._live
@@ -613,6 +616,8 @@ class FairShareQueue(Generic[T]):
         requests waiting (1 s per second with one or none). ``now`` before the last update counts
         as the last update. A withdrawal (``remove``) takes effect from the last push or pop, which
         can only make the clock run faster (deadlines come sooner, never later)."""
+        if self.clock is not None:
+            now = self.clock(now)
         k = self._waiting_tenants
         lag_s = self._share_lag_s
         if k > 1 and now > self._share_at_s:
@@ -621,6 +626,8 @@ class FairShareQueue(Generic[T]):
 
     def _tick(self, now: float) -> None:
         """Fold the share clock up to ``now`` (before the number of waiting tenants changes)."""
+        if self.clock is not None:
+            now = self.clock(now)
         if now > self._share_at_s and math.isfinite(now):  # pop(math.inf) drains at shutdown
             k = self._waiting_tenants
             if k > 1:
