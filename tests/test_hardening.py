@@ -106,14 +106,16 @@ def test_after_a_first_byte_timeout_the_next_request_waits_for_a_health_check() 
     # The backend hung on the first request: the next one is not sent into the hang, but waits until
     # /health answers (here held back until the test releases it).
     backend = FakeBackend(lambda path, n: "hang" if n == 0 else "ok")
-    backend.health_gate = threading.Event()
     with backend, proxy(backend.url, first_byte_timeout_s=0.5, backend_wait_s=20) as base:
+        # The proxy's start-up check passes (else it would leave the backend suspect already).
+        wait_until(lambda: backend.health_checks >= 1, what="the proxy's start-up health check")
+        backend.health_gate = threading.Event()
         assert httpx.post(f"{base}{CHAT}", json=chat(), timeout=10).status_code == 504
         second = threading.Thread(
             target=lambda: setattr(second, "result", httpx.post(f"{base}{CHAT}", json=chat(), timeout=30))
         )
         second.start()
-        wait_until(lambda: backend.health_checks >= 1, what="a health check before the second request")
+        wait_until(lambda: backend.health_checks >= 2, what="a health check before the second request")
         assert backend.posts(CHAT) == 1  # not sent into the hang
         backend.health_gate.set()
         second.join(30)
@@ -127,8 +129,10 @@ def test_a_request_queued_behind_a_hung_backend_is_never_sent_into_the_hang() ->
     # backend_wait_s for a health check that never passes, and is answered 503 with Retry-After in
     # its own dialect (Ollama's here), never sent.
     backend = FakeBackend(lambda path, n: "hang")
-    backend.health_gate = threading.Event()  # never set: /health hangs too
     with backend, proxy(backend.url, first_byte_timeout_s=1, backend_wait_s=1) as base:
+        # The start-up check passes (else it would leave the backend suspect already); then /health hangs too.
+        wait_until(lambda: backend.health_checks >= 1, what="the proxy's start-up health check")
+        backend.health_gate = threading.Event()  # never set
         first = _Post(base, chat(), timeout_s=30)
         first.start()
         wait_until(lambda: backend.posts(CHAT) == 1, what="the first request at the backend")
@@ -144,7 +148,7 @@ def test_a_request_queued_behind_a_hung_backend_is_never_sent_into_the_hang() ->
     refused: httpx.Response = second.result  # type: ignore[attr-defined]
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
     assert isinstance(refused.json()["error"], str)  # Ollama's error shape
-    assert health_checks >= 1  # it was health-checked, not refused blindly
+    assert health_checks >= 2  # it was health-checked, not refused blindly
     assert backend.posts(CHAT) == 1 and backend.posts("/api/chat") == 0  # never sent into the hang
 
 
