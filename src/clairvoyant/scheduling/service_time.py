@@ -64,6 +64,7 @@ C_DECODE_MIN_S = 1e-4
 # A measured service time within this factor of the prediction (above or below) is taken as is;
 # beyond, it counts as this factor (until the recent spread says the backend changed speed).
 OUTLIER_FACTOR = 3.0
+_LOG_OUTLIER_FACTOR = math.log(OUTLIER_FACTOR)
 SPREAD_WINDOW = 16  # recent |log(measured / predicted)| whose median widens the bound
 SPREAD_WIDTH = 2.0  # the bound is at least exp(this x that median): a backend that changed speed gets through
 LOAD_WEIGHT = 0.25  # of each new load sample in its moving average (about the last 4 switches)
@@ -239,9 +240,12 @@ class ServiceTimeModel:
         x = self._x(prompt_tokens, output_tokens)
         t0, t1, t2 = rls.theta
         predicted_s = max(_MIN_SERVICE_S, t0 * x[0] + t1 * x[1] + t2 * x[2])
-        bound = rls.bound()  # before this observation joins the spread: an outlier cannot widen its own bound
-        rls.spread.append(abs(math.log(duration_s / predicted_s)))
-        counted_s = min(max(duration_s, predicted_s / bound), predicted_s * bound)
+        spread = abs(math.log(duration_s / predicted_s))
+        counted_s = duration_s
+        if spread > _LOG_OUTLIER_FACTOR:  # (the bound is never narrower: most observations skip the median)
+            bound = rls.bound()  # before this observation joins the spread: an outlier cannot widen its own bound
+            counted_s = min(max(duration_s, predicted_s / bound), predicted_s * bound)
+        rls.spread.append(spread)
         rls.update(x, counted_s, self.defaults.forgetting, self._max_trace())
         t0, t1, t2 = theta = rls.theta
         if not (math.isfinite(t0) and math.isfinite(t1) and math.isfinite(t2)):
