@@ -223,3 +223,31 @@ def test_a_slow_first_byte_does_not_hide_the_loads_after_it() -> None:
     for _ in range(2):
         model.observe_first_byte("swap", "a", 0.3, after_switch=False)
     assert model.observe_first_byte("swap", "a", 3.3, after_switch=True) == pytest.approx(3.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.floats(-3.0, 3.0), min_size=9, max_size=9),
+    st.lists(st.floats(-50.0, 50.0), min_size=3, max_size=3),
+    st.sampled_from([(0.0, 0.0, 0.0), (0.0, 0.0, 0.1)]),
+)
+def test_the_projection_is_the_constrained_least_squares_point(
+    entries: list[float], theta: list[float], lower: tuple[float, float, float]
+) -> None:
+    """``_project`` against scipy's bounded least squares: the point of {theta >= lower} nearest
+    ``theta`` in the metric P^-1, for any positive definite P."""
+    np = pytest.importorskip("numpy")
+    optimize = pytest.importorskip("scipy.optimize")
+    from clairvoyant.scheduling.service_time import _project
+
+    a = np.array(entries).reshape(3, 3)
+    p = a @ a.T + 0.1 * np.eye(3)  # positive definite
+    projected = np.array(_project(list(theta), p.tolist(), lower))
+    assert np.all(projected >= np.array(lower) - 1e-9)
+    whiten = np.linalg.inv(np.linalg.cholesky(p))  # |whiten (x - theta)|^2 = (x - theta)' P^-1 (x - theta)
+    best = optimize.lsq_linear(whiten, whiten @ np.array(theta), bounds=(np.array(lower), np.inf), tol=1e-12)
+
+    def cost(x: object) -> float:
+        return float(np.sum((whiten @ (np.asarray(x) - np.array(theta))) ** 2))
+
+    assert cost(projected) <= cost(best.x) * (1 + 1e-6) + 1e-9
