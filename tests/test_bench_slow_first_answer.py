@@ -24,24 +24,30 @@ from clairvoyant.tools.bench.prompt_set import BenchPrompt, class_of  # noqa: E4
 
 
 def _prompts() -> list[BenchPrompt]:
-    lengths = [10, 40, 80, 120, 150, 180, 620, 650, 700, 790, 900, 1000, 1100, 1200]
+    lengths = [10, 20, 40, 60, 80, 100, 120, 150, 180, 190, 620, 650, 700, 790, 900, 1000, 1100, 1200]
     return [
         BenchPrompt(f"c{i}:0", tokens, class_of(tokens), 5, "x", text=f"prompt {i}") for i, tokens in enumerate(lengths)
     ]
 
 
-def test_the_plan_sends_a_short_first_quick_longs_a_blocker_then_a_burst_with_no_prompt_twice() -> None:
-    the_plan = plan(_prompts(), n_short=4, n_long=4, length_scale=0.1, seed=3)
+def test_the_plan_sends_a_short_first_quick_shorts_a_blocker_then_a_burst_with_no_prompt_twice() -> None:
+    predicted = {f"prompt {i}": float(t) for i, t in enumerate([90, 30, 50, 45, 200, 80, 70, 20, 100, 60] + [300] * 8)}
+    the_plan = plan(_prompts(), n_short=4, n_long=4, length_scale=0.1, seed=3, predicted_tokens=predicted.__getitem__)
     assert the_plan.first.cls == "short" and the_plan.first.n_predict == FIRST_TOKENS
-    assert [q.cls for q in the_plan.quick] == ["long"] * QUICK
+    assert the_plan.first.text == "prompt 7"  # the Short prompt predicted shortest (20 tokens)
+    assert [q.cls for q in the_plan.quick] == ["short"] * QUICK
     assert all(q.n_predict == QUICK_TOKENS for q in the_plan.quick)
+    assert all(predicted[q.text] >= 1.5 * 20 for q in the_plan.quick)  # predicted longer than the first
     assert the_plan.blocker.cls == "long" and the_plan.blocker.n_predict == BLOCKER_TOKENS
     assert sorted(s.cls for s in the_plan.burst) == ["long"] * 4 + ["short"] * 4
-    keys = [s.key for s in [the_plan.first, *the_plan.quick, the_plan.blocker, *the_plan.burst]]
-    assert len(keys) == len(set(keys))
-    ids = [request_id(s) for s in [the_plan.first, *the_plan.quick, the_plan.blocker, *the_plan.burst]]
-    assert len(ids) == len(set(ids))  # /queue names each one apart
-    assert plan(_prompts(), n_short=4, n_long=4, length_scale=0.1, seed=3) == the_plan  # the same for every condition
+    sent = [the_plan.first, *the_plan.quick, the_plan.blocker, *the_plan.burst]
+    assert len({s.key for s in sent}) == len(sent)
+    assert len({request_id(s) for s in sent}) == len(sent)  # /queue names each one apart
+    again = plan(_prompts(), n_short=4, n_long=4, length_scale=0.1, seed=3, predicted_tokens=predicted.__getitem__)
+    assert again == the_plan  # the same for every condition
+    assert (
+        plan(_prompts(), n_short=4, n_long=4, length_scale=0.1, seed=3).quick != the_plan.quick
+    )  # no predictor: drawn
 
 
 def test_inversions_count_short_long_pairs_by_predicted_seconds() -> None:
