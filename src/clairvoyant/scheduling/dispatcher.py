@@ -1052,9 +1052,16 @@ class Dispatcher:
             "slots": self.slots,
             "max_queue": self.max_queue,
             "tail_eta_s": round(tail, 3),
+            # Every model's fit that orders requests (predicted seconds; times each backend's
+            # slowness below for its ETAs), including a model still at the defaults while it waits.
             "service_time": {
-                name or "default": self.service_time.coefficients(name)
-                for name in {None, *(t.model for t in self._all_running())}
+                **self.service_time.fits(),
+                **{
+                    model: self.service_time.coefficients(model)
+                    for model in {t.model for t in itertools.chain(self._held_back, self._all_running())}
+                    | {job.payload.model for job in self.queue}
+                    if model
+                },
             },
             "backends": [
                 {
@@ -1073,7 +1080,8 @@ class Dispatcher:
                         for model, x in loads.get(b.name, {}).items()
                     },  # fmt: skip
                     "remaining_s": round(self._remaining_s(b), 3),
-                    "slowness": round(b.slowness, 3),  # measured / predicted service seconds
+                    # measured / predicted service seconds: scales every prediction on it alike
+                    "slowness": round(b.slowness, 3),
                 }
                 for b in self.backends
             ],
