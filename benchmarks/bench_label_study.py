@@ -1,7 +1,7 @@
 """The label study: k-fold over instructions on the multi-model file (labels x losses x features).
 
     python benchmarks/bench_label_study.py --data alpaca_eval_multi.jsonl [--folds 5] [--seed 0]
-        [--model model/predictor.onnx] [--compare OTHER.onnx ...] [--quick] [--json FILE]
+        [--model model/predictor.onnx] [--compare OTHER.onnx ...] [--quick] [--fixed-only] [--json FILE]
 
 Prints, for each feature set (the product's rich_v3 rows, the shipped encoder's pooled embedding,
 both), method (XGBoost squared error / pseudo-Huber / rank:pairwise, ridge) and label (one model's
@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_PATH)
     parser.add_argument("--compare", type=Path, nargs="*", default=[], help="other model files, scored alike")
     parser.add_argument("--quick", action="store_true", help="squared and ridge only, labels one and mean")
+    parser.add_argument("--fixed-only", action="store_true", help="only the fixed scorers and the ceiling")
     add_json_option(parser, "label_study")
     args = parser.parse_args(argv)
 
@@ -95,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     for n, tau in ceilings.items():
         print(f"| {n} | {tau:.4f} |")
 
+    if args.fixed_only:
+        write_json(args.json, {"fixed": {k: {"tau_b": v[0], "sd": v[1]} for k, v in fixed_rows.items()}})
+        return 0
     features = {"lexical": lexical, "embedding": embedding, "both": np.hstack([lexical, embedding])}
     labels = ("one", "mean") if args.quick else label_study.LABELS
     methods = ("squared", "ridge") if args.quick else label_study.METHODS

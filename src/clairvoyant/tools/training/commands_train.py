@@ -57,7 +57,7 @@ REGRESSOR_NOTES = [
     "Censored answers: the packaged ShareGPT answers pile up at 760-779 cl100k tokens (about half of "
     "them end mid-sentence): a training answer of at least censored_from_tokens tokens was cut, not "
     "finished, and is left out of the fit (weight 0; still in the calibration rows). On AlpacaEval dev "
-    "this lifts the served mean tau_b by about +0.004, on every model "
+    "this lifts the served mean tau_b by +0.003 to +0.004 (0.403 to 0.406 by clairvoyant evaluate), on every model "
     "(benchmarks/bench_sharegpt_labels.py).",
     "Chosen by transfer to AlpacaEval dev (406 instructions x 4 open models; evaluation only, never "
     "trained on): see predictor.evaluation.md. The ShareGPT answers are ChatGPT's, "
