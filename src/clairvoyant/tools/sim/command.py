@@ -18,6 +18,7 @@ fastapi, uvicorn, httpx); matplotlib and the ONNX runtime are imported only when
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -137,6 +138,11 @@ def _add_workload_flags(p: argparse.ArgumentParser, *, with_rate: bool = True) -
         help="noisy: target Short-vs-Long pairwise accuracy; label: fraction of right labels (default 0.8)",
     )
     pr.add_argument("--model", type=Path, default=None, help="onnx: model path (default: the shipped model)")
+    pr.add_argument(
+        "--spread", type=Path, default=None,
+        help="onnx: order by expected tokens exp(m + v/2), v from this LogSpread JSON "
+        "(benchmarks/bench_expected_key.py --spread FILE writes one; default: the median)",
+    )  # fmt: skip
     o = p.add_argument_group("output")
     o.add_argument(
         "--out", type=Path, default=Path("results/sim"), help="directory for JSON/CSV/MD (default results/sim)"
@@ -310,7 +316,13 @@ def _scorer(args: argparse.Namespace, service: Any) -> Any:
         raise SystemExit("clairvoyant simulate: --predictor onnx needs --service prompts")
     from clairvoyant.prediction.predictor import OnnxPredictor
 
-    return pr.PredictorScorer(OnnxPredictor(args.model), service.records)
+    spread = None
+    if args.spread is not None:
+        try:
+            spread = pr.LogSpread.from_dict(json.loads(args.spread.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"clairvoyant simulate: --spread {args.spread}: {type(exc).__name__}: {exc}") from None
+    return pr.PredictorScorer(OnnxPredictor(args.model), service.records, spread=spread)
 
 
 def _condition_name(
