@@ -4,7 +4,8 @@ Each test drives ``granian.server.embed.Server``, configured as proxy/server.py 
 a small ASGI app and a raw socket, and asserts one behaviour that proxy/ code depends on (named in
 each test). A Granian release that changes one of them fails here, by name, rather than in
 production. Behaviours the proxy's own tests already pin through the whole proxy are named at the
-end, with where.
+end, with where. Not relied on, so not pinned: the scope's ``client`` and ``server`` (Granian gives
+their ports as strings, where ASGI says integers).
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ async def read_all(receive: Receive) -> bytes:
     body = b""
     while True:
         message = await receive()
-        body += message.get("body", b"")
+        body += bytes(message.get("body", b""))
         if not message.get("more_body"):
             return body
 
@@ -266,6 +267,57 @@ def test_the_apps_content_length_is_kept_and_date_and_server_are_the_servers_own
     assert sum(line.startswith(b"date: ") for line in lines) == 1
     assert [line for line in lines if line.startswith(b"server: ")] == [b"server: granian"]
     assert not any(line.startswith(b"transfer-encoding") for line in lines)
+
+
+def test_send_waits_while_the_client_does_not_read() -> None:
+    # A client that stops reading holds the relay at its send, and the relay stops reading the
+    # backend: what a slow client costs is the sockets' buffers, not the whole answer in memory.
+    chunks, size = 400, 65536  # 25 MiB: well beyond the buffers of both sockets
+    sent = [0]
+
+    async def flood(scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for _ in range(chunks):
+            await send({"type": "http.response.body", "body": b"x" * size, "more_body": True})
+            sent[0] += 1
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    with embedded(flood) as server, server.connect() as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
+        wait_until(lambda: sent[0] > 0, what="the first chunk")
+        with pytest.raises(AssertionError):  # held while nothing is read
+            wait_until(lambda: sent[0] == chunks, timeout_s=2.0, what="every chunk sent to a client not reading")
+        assert sent[0] < chunks
+        received = read_to_close(sock)
+    assert sent[0] == chunks and received.endswith(b"0\r\n\r\n")
+
+
+def test_a_send_after_the_client_left_does_not_raise() -> None:
+    # The relay may send a chunk before the server's http.disconnect reaches its watch.
+    outcome: list[str] = []
+    left = threading.Event()
+
+    async def late(scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})
+        await asyncio.to_thread(left.wait, 10)
+        try:
+            while (await receive())["type"] != "http.disconnect":  # the server has seen the close
+                pass
+            for _ in range(20):
+                await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            outcome.append("no error")
+        except Exception as exc:  # noqa: BLE001 - the contract under test is that there is none
+            outcome.append(repr(exc))
+
+    with embedded(late) as server:
+        with server.connect() as sock:
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")
+            read_until(sock, b"first")
+        left.set()
+        wait_until(lambda: outcome, what="the app's sends after the client left")
+    assert outcome == ["no error"]
 
 
 @pytest.mark.parametrize("length", [b"100", None], ids=["content-length", "chunked"])

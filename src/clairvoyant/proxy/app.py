@@ -71,6 +71,8 @@ logger = logging.getLogger(__name__)
 UI_DIR = Path(__file__).with_name("ui")
 PASSTHROUGH_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 _ALLOW = ", ".join(sorted(PASSTHROUGH_METHODS)).encode()
+SCHEDULED_METHODS = frozenset({"POST", "OPTIONS"})  # on the scheduled paths: POST is scheduled, OPTIONS passes
+_SCHEDULED_ALLOW = ", ".join(sorted(SCHEDULED_METHODS))
 _OWN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/queue", "/history", "/ui"})
 MODEL_LISTINGS = frozenset({"/api/tags", "/v1/models"})  # merged across a pool
 MODEL_SNIFF_MAX_BYTES = 64 * 1024  # a pass-through body larger than this is not searched for its model
@@ -91,6 +93,17 @@ class ProxyState:
     scheduling: Scheduling  # what every scheduled request shares
     limits: TenantLimits  # tenants' use against their limits
     history: History  # the last 15 minutes, for the live page's charts
+
+    def retained(self) -> dict[str, int]:
+        """Entries every long-lived structure holds (the gauge ``clairvoyant_retained_entries``)."""
+        learner = self.learning.learner
+        return {
+            **self.dispatcher.retained(),
+            **self.limits.retained(),
+            **self.history.retained(),
+            **self.scheduling.supersede.retained(),
+            **({} if learner is None else learner.retained()),
+        }
 
 
 def _load_encoder(settings: Settings, predictor: Predictor) -> EncoderModel | None:
@@ -301,7 +314,9 @@ def _add_own_endpoints(api: FastAPI, proxy: ProxyApp) -> None:
 
     @api.get("/metrics")
     async def metrics_endpoint() -> Response:
-        await proxy.state.learning.refresh_quality()
+        state = proxy.state
+        await state.learning.refresh_quality()
+        metrics.set_retained(len(asyncio.all_tasks()), state.retained())
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/queue")
@@ -396,12 +411,17 @@ class ProxyApp:
                 await self.api(scope, receive, out.tracked)
                 return
             identity, headers = self.access.admit(method, path, scope["headers"])
+            if path in SCHEDULED_ENDPOINTS and method not in SCHEDULED_METHODS:
+                # Every backend answers a completion path only to POST; a GET (or PUT, ...) passed
+                # through would get the backend's 404. OPTIONS still passes: the backend answers
+                # a browser's CORS preflight.
+                raise MethodNotAllowed(f"{path} takes POST, not {method}", allow=_SCHEDULED_ALLOW)
             if method == "POST" and path in SCHEDULED_ENDPOINTS:
                 await self._scheduled(target, identity, headers, receive, out)
             elif method in PASSTHROUGH_METHODS:
                 await self._passthrough(method, target, headers, receive, out)
             else:
-                raise MethodNotAllowed(f"{method} is not served here")
+                raise MethodNotAllowed(f"{method} is not served here", allow=_ALLOW.decode())
         except Denied as denied:
             self._reject(method, scope, denied.error, denied.outcome)
             await out.error(dialect, denied.error)
@@ -413,7 +433,7 @@ class ProxyApp:
             self._reject(
                 method, scope, error, "client_timeout" if isinstance(error, RequestTimeout) else error.code or "error"
             )
-            await out.error(dialect, error, [(b"allow", _ALLOW)] if isinstance(error, MethodNotAllowed) else [])
+            await out.error(dialect, error)
         except Exception:  # a bug: logged, answered if nothing was sent yet; the proxy goes on
             logger.exception("unexpected error on %s %s", method, scope["path"])
             internal = RequestError("internal error in the proxy")

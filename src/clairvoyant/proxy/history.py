@@ -133,6 +133,16 @@ class History:
         self._first_s: float | None = None
         self._rng = random.Random(0)
 
+    def retained(self) -> dict[str, int]:
+        """Entries held, by ring (each bounded by the window or a fixed size)."""
+        return {
+            "history_points": len(self._points),
+            "history_answers": len(self._answers),
+            "history_wait_series": sum(len(bucket) for bucket in self._waits.values()),
+            "history_recent_seen": len(self._last_recent),
+            "history_tenants": len(self._charted),
+        }
+
     # -- recording ---------------------------------------------------------------------------
     def sample(self, snapshot: QueueView, now_s: float) -> None:
         """Record the snapshot's finished requests (``observe``) and one point of the series."""

@@ -44,6 +44,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# Seconds before a request the backend answered 503 is sent again, doubling up to the maximum
+# (within backend_wait_s): 0.25, 0.5, 1, 2, 2, ...
+RESEND_AFTER_503_S = 0.25
+RESEND_AFTER_503_MAX_S = 2.0
+
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 
@@ -280,6 +285,7 @@ class Relay:
         request: 503 with Retry-After (or, in a pool, another backend)."""
         unavailable_since_s: float | None = None  # our own first 503 (a loading model)
         wait_s = self.request.wait_s
+        resend_in_s = RESEND_AFTER_503_S
         while True:
             if out.client_gone:
                 return None
@@ -336,6 +342,10 @@ class Relay:
             logger.info(
                 "the backend answered 503 before starting; waiting up to %.0f s for it", deadline_s - time.monotonic()
             )
+            # A backend whose health check passes can still refuse this very request (its own queue
+            # full): the health check alone would let it be sent again at once, hundreds of times.
+            await asyncio.sleep(min(resend_in_s, max(0.0, deadline_s - time.monotonic())))
+            resend_in_s = min(RESEND_AFTER_503_MAX_S, 2 * resend_in_s)
             await self.upstream.wait_until_ready(deadline_s, lambda: out.client_gone)
 
     async def _failed_over(self, why: str) -> bool:

@@ -543,6 +543,9 @@ class SupersedeKeys:
         if older is not None:
             older.superseded(self.abort_running)
 
+    def retained(self) -> dict[str, int]:
+        return {"supersede_keys": len(self._latest)}
+
     def done(self, key: tuple[str, str], request: ScheduledRequest) -> None:
         if self._latest.get(key) is request:
             del self._latest[key]

@@ -63,7 +63,7 @@ from clairvoyant.prediction.usage import Usage
 from clairvoyant.scheduling.affinity import Lane
 from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.expiry import Expiry, expired
-from clairvoyant.scheduling.job_queue import Job, JobQueue
+from clairvoyant.scheduling.job_queue import Job, JobQueue, add_counts
 from clairvoyant.scheduling.policy import SchedulingPolicy
 from clairvoyant.scheduling.request import ID_PREFIX, RequestStatus, Ticket
 from clairvoyant.scheduling.routing import Backend, Load, choose
@@ -854,6 +854,21 @@ class Dispatcher:
             if ticket.given_id == request_id if ticket.given_id else ticket.seq == seq:
                 return ticket
         return None
+
+    # -- introspection (the queue's view: scheduling/queue_view.py) ----------------------------
+    def retained(self) -> dict[str, int]:
+        """Entries the dispatcher and its queue hold, by structure (``JobQueue.retained``): each
+        is bounded by the requests waiting or in flight, or by a fixed size."""
+        return add_counts(
+            self.queue.retained(),
+            {
+                "held_back": len(self._held_back),
+                "running": sum(len(b.running) for b in self.backends),
+                "detached_tasks": len(self._detached),
+                "expiry_entries": len(self._expiry),
+                "recent": len(self.recent),
+            },
+        )
 
 
 class _LeaseScope:

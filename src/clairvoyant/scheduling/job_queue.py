@@ -57,6 +57,7 @@ __all__ = [
     "JobQueue",
     "ScanQueue",
     "StarvationGuard",
+    "add_counts",
 ]
 
 T = TypeVar("T")
@@ -93,6 +94,15 @@ class Job(Generic[T]):
         themselves (a ``(deadline, seq, job)`` tuple there cost a waiting request 72 bytes)."""
         mine, theirs = self.deadline_s, other.deadline_s
         return mine < theirs or (mine == theirs and self.seq < other.seq)
+
+
+def add_counts(*counts: dict[str, int]) -> dict[str, int]:
+    """``retained()`` figures summed by key (a composite queue's own and its parts')."""
+    out: dict[str, int] = {}
+    for one in counts:
+        for key, n in one.items():
+            out[key] = out.get(key, 0) + n
+    return out
 
 
 class JobQueue(Protocol[T]):
@@ -136,6 +146,11 @@ class JobQueue(Protocol[T]):
 
     def ordered(self, now: float) -> list[Job[T]]:
         """Waiting jobs in the order they would go if nothing else arrived (for positions and ETAs)."""
+        ...
+
+    def retained(self) -> dict[str, int]:
+        """Entries this queue holds, by structure (waiting jobs, lingering ones not yet dropped,
+        tenants, groups): what a long-lived process watches to see that nothing accumulates."""
         ...
 
     # -- what a queue need not do itself: the defaults (every queue here subclasses JobQueue) --
@@ -244,6 +259,9 @@ class HeapQueue(JobQueue[T]):
         """The job's place in this queue's order (lower = sooner)."""
         return self.key(job), job.seq
 
+    def retained(self) -> dict[str, int]:
+        return {"queue_entries": len(self._heap)}
+
     def reset(self) -> bool:
         """With no job waiting, drop the entries removed jobs left behind: the queue is as new.
         False (and nothing changed) if a job is waiting."""
@@ -303,6 +321,9 @@ class ScanQueue(JobQueue[T]):
     def sort_key(self, job: Job[T], now: float) -> tuple[Any, int]:
         """The job's place in this queue's order at ``now`` (lower = sooner)."""
         return self.rank(job, now), job.seq
+
+    def retained(self) -> dict[str, int]:
+        return {"queue_entries": len(self._jobs)}
 
     def reset(self) -> bool:
         """True if no job is waiting: the queue is then as new (it keeps nothing else)."""
@@ -463,6 +484,9 @@ class StarvationGuard(JobQueue[T]):
     def done(self, job: Job[T]) -> None:
         self.inner.done(job)
 
+    def retained(self) -> dict[str, int]:
+        return add_counts(self.inner.retained(), {"guard_entries": len(self._pending) + len(self._overdue)})
+
     def reset(self) -> bool:
         """With no job waiting, drop the entries popped and removed jobs left in both heaps and
         reset the inner queue: the guard is then as new (same timeout, slowdown and clock). False
@@ -583,12 +607,21 @@ class FairShareQueue(JobQueue[T]):
         # the wall clock exactly (single-tenant schedules do not change by a rounding error).
         self._share_lag_s = 0.0  # wall seconds minus share seconds, as of _share_at_s
         self._share_at_s = -math.inf  # wall time of the last update
+        # The seconds the share clock divides: the wall clock unless set (``ModelAffinity`` sets a
+        # model's clock, which stops while the model is put off for a switch).
+        self.clock: Callable[[float], float] | None = None
 
     def __len__(self) -> int:
         return self._live
 
     def __iter__(self) -> Iterator[Job[T]]:
         return itertools.chain.from_iterable(list(t.queue) for t in self._tenants.values())
+
+    def retained(self) -> dict[str, int]:
+        counts = {"fair_share_tenants": len(self._tenants), "fair_share_spare": len(self._spare)}
+        for tenant in self._tenants.values():
+            counts = add_counts(counts, tenant.queue.retained(), {"fair_share_in_flight": len(tenant.in_flight)})
+        return counts
 
     @property
     def tenants(self) -> dict[Hashable, float]:
@@ -600,6 +633,8 @@ class FairShareQueue(JobQueue[T]):
         requests waiting (1 s per second with one or none). ``now`` before the last update counts
         as the last update. A withdrawal (``remove``) takes effect from the last push or pop, which
         can only make the clock run faster (deadlines come sooner, never later)."""
+        if self.clock is not None:
+            now = self.clock(now)
         k = self._waiting_tenants
         lag_s = self._share_lag_s
         if k > 1 and now > self._share_at_s:
@@ -608,6 +643,8 @@ class FairShareQueue(JobQueue[T]):
 
     def _tick(self, now: float) -> None:
         """Fold the share clock up to ``now`` (before the number of waiting tenants changes)."""
+        if self.clock is not None:
+            now = self.clock(now)
         if now > self._share_at_s and math.isfinite(now):  # pop(math.inf) drains at shutdown
             k = self._waiting_tenants
             if k > 1:

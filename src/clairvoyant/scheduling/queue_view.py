@@ -86,7 +86,7 @@ class BackendView(_View):
     switched_ago_s: float | None = None
     load_s: dict[str, LoadView] = {}  # per model
     remaining_s: float | None = None  # predicted seconds of work left on it
-    slowness: float | None = None  # measured / predicted service seconds
+    slowness: float | None = None  # measured / predicted service seconds: scales every prediction on it alike
 
 
 class ModelSwitchView(_View):
@@ -108,7 +108,7 @@ class QueueView(_View):
     slots: int = 0
     max_queue: int = 0
     tail_eta_s: float | None = None
-    service_time: dict[str, dict[str, float]] = {}
+    service_time: dict[str, dict[str, float]] = {}  # per model ("default" for none): its fit
     backends: list[BackendView] = []
     waiting_count: int = 0  # all of them; ``waiting`` may list only the first
     waiting: list[WaitingView] = []
@@ -185,9 +185,15 @@ def queue_view(dispatcher: Dispatcher, limit: int | None = None) -> QueueView:
         slots=dispatcher.slots,
         max_queue=dispatcher.max_queue,
         tail_eta_s=round(tail, 3),
+        # Every model's fit that orders requests (predicted seconds; times each backend's slowness
+        # for its ETAs), including a model still at the defaults while it waits.
         service_time={
-            name or "default": dispatcher.service_time.coefficients(name)
-            for name in {None, *(t.model for t in dispatcher.running())}
+            **dispatcher.service_time.fits(),
+            **{
+                model: dispatcher.service_time.coefficients(model)
+                for model in {t.model for t in dispatcher.running()} | {job.payload.model for job, _ in etas}
+                if model
+            },
         },
         backends=_backends(dispatcher, now),
         waiting_count=len(etas),
