@@ -77,9 +77,12 @@ class FakeBackend:
                     return
                 method, path, body = request
                 if path == "/health":
+                    # The gate is read before the check is counted: a gate installed once a check
+                    # has been seen applies to the next check, never to that one.
+                    gate = self.health_gate
                     with self._lock:
                         self.health_checks += 1
-                    if self.health_gate is not None and not self.health_gate.wait(10):
+                    if gate is not None and not gate.wait(10):
                         return
                     _write(conn, 200, b'{"status":"ok"}', close=True)
                     return

@@ -122,9 +122,11 @@ def test_status_pages_can_require_a_key() -> None:
         statuses = [httpx.get(f"{base}{p}").status_code for p in ("/queue", "/queue/x", "/metrics", "/history")]
         keyed = [httpx.get(f"{base}{p}", headers={"X-Api-Key": BOB}).status_code for p in ("/queue", "/history")]
         page = [httpx.get(f"{base}{p}").status_code for p in ("/ui/", "/ui/ui.js")]  # the files, not the data
+        bare = httpx.get(f"{base}/ui")  # the same page, as docs/configuration.md says: open, by a redirect
         ready = httpx.get(f"{base}/healthz")
     assert statuses == [401, 401, 401, 401] and keyed == [200, 200] and ready.status_code == 200
     assert page == [200, 200]
+    assert bare.is_redirect and bare.headers["location"] == "/ui/"
 
 
 def test_only_the_status_endpoints_themselves_skip_the_allowlist() -> None:

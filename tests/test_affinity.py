@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,11 +28,12 @@ def lane(held: str | None, switched_s: float = -math.inf, load_s: float = 3.0) -
     return Lane(lambda m: m == held, lambda m: True, lambda m: load_s, switched_s)
 
 
-def serve(queue: JobQueue[str], jobs: list[Job[str]], load_s: float = 3.0) -> list[tuple[str, str | None, float]]:
-    """Every job pushed at its arrival, one slot: (name, model, start) in dispatch order. A job for
-    a model the backend does not hold starts after the load."""
+def serve(
+    queue: JobQueue[str], jobs: list[Job[str]], load_s: float = 3.0, held: str | None = None
+) -> list[tuple[str, str | None, float]]:
+    """Every job pushed at its arrival, one slot that holds ``held`` at first: (name, model, start)
+    in dispatch order. A job for a model the backend does not hold starts after the load."""
     pending = sorted(jobs, key=lambda j: j.arrival_s)
-    held: str | None = None
     switched_s = -math.inf
     t = 0.0
     out = []
@@ -183,6 +185,102 @@ def test_ordered_for_replays_what_the_backend_will_do() -> None:
     assert "".join(name[0] for name in replayed) == "".join(model or "" for _, model, _ in served)
 
 
+# -- weighing a switch, and a guard that does not count a wait for a load -----------------------------
+
+
+def names(order: list[tuple[str, str | None, float]]) -> list[str]:
+    return [name for name, _, _ in order]
+
+
+@pytest.mark.parametrize("fair_share", [False, True])
+def test_a_guard_does_not_count_the_time_its_model_was_put_off_for_a_switch(fair_share: bool) -> None:
+    # a holds the backend with 25 s of work. b's long request (arrived at 0.5 s) is overdue on the wall
+    # clock by 0.5 + 1 + 3.2 x 6 = 20.7 s; its wait until a's work is done is a wait for the switch,
+    # which the bound accounts for: after the switch b's requests go shortest first.
+    jobs = [job(f"a{i}", 0.0, "a", score=0.5, predicted_s=5.0) for i in range(5)]
+    jobs += [job("b-long", 0.5, "b", score=0.9, predicted_s=6.0)]
+    jobs += [job(f"b-short{i}", 0.6, "b", score=0.1, predicted_s=1.0) for i in range(2)]
+    queue = build_queue(make_policy("sjf"), **GUARD, fair_share=fair_share, model_switch_bound_s=30.0)
+    order = serve(queue, jobs, held="a")
+    assert names(order) == ["a0", "a1", "a2", "a3", "a4", "b-short0", "b-short1", "b-long"]
+    # The rule before weighing counts every second: b's long request is overdue, and goes first.
+    before = build_queue(
+        make_policy("sjf"), **GUARD, fair_share=fair_share, model_switch_bound_s=30.0, model_switch_rule="bound"
+    )
+    assert names(serve(before, jobs, held="a"))[5] == "b-long"
+
+
+def test_the_guard_still_bounds_a_wait_behind_shorter_requests_of_the_held_model() -> None:
+    # a is held throughout, a short request (1 s) arriving every second: its long request, arrived at
+    # 0.5 s, is overdue at 0.5 + 1 + 3.2 x 6 = 20.7 s and goes at the first slot free after that.
+    jobs = [job(f"a-short{i}", float(i), "a", score=0.1, predicted_s=1.0) for i in range(40)]
+    jobs.append(job("a-long", 0.5, "a", score=0.9, predicted_s=6.0))
+    jobs.append(job("b", 0.0, "b", score=0.1, predicted_s=1.0))  # another model, put off within the bound
+    order = serve(build_queue(make_policy("sjf"), **GUARD, model_switch_bound_s=60.0), jobs, held="a")
+    start = {name: t for name, _, t in order}
+    assert 20.7 < start["a-long"] <= 20.7 + 1.0
+
+
+def test_three_short_requests_for_another_model_go_before_long_answers_for_the_held_one() -> None:
+    # b's stretch: (3 s load + 3 x 1 s + 3 s back) / 3 = 3 s a request, against 6 s for a's next
+    # request: serving b first spares each of b's three 18 s and costs each of a's three 9 s.
+    queue = build_queue(make_policy("sjf"), **GUARD, model_switch_bound_s=30.0)
+    jobs = [job(f"a{i}", 0.0, "a", score=0.9, predicted_s=6.0) for i in range(3)]
+    jobs += [job(f"b{i}", 0.0, "b", score=0.1, predicted_s=1.0) for i in range(3)]
+    assert names(serve(queue, jobs, held="a")) == ["b0", "b1", "b2", "a0", "a1", "a2"]
+    before = build_queue(make_policy("sjf"), **GUARD, model_switch_bound_s=30.0, model_switch_rule="bound")
+    assert names(serve(before, jobs, held="a")) == ["a0", "a1", "a2", "b0", "b1", "b2"]
+
+
+def test_one_long_request_for_another_model_does_not_take_the_backend_from_short_ones() -> None:
+    queue = build_queue(make_policy("sjf"), **GUARD, model_switch_bound_s=30.0)
+    jobs = [job(f"a{i}", 0.0, "a", score=0.1, predicted_s=1.0) for i in range(6)]
+    jobs.append(job("b-long", 0.0, "b", score=0.9, predicted_s=10.0))
+    order = serve(queue, jobs, held="a")
+    assert names(order) == [f"a{i}" for i in range(6)] + ["b-long"] and switches(order) == 1
+
+
+def test_a_switch_must_win_by_the_margin() -> None:
+    # b: (3 + 1 + 3) / 1 = 7 s a request; a's next takes 10 s: 7 x 1.5 > 10, a stays. At 11 s it would go.
+    for a_s, first in ((10.0, "a0"), (11.0, "b0")):
+        queue = build_queue(make_policy("sjf"), **GUARD, model_switch_bound_s=30.0)
+        queue.push(job("a0", 0.0, "a", score=0.9, predicted_s=a_s))
+        queue.push(job("b0", 0.0, "b", score=0.1, predicted_s=1.0))
+        got = queue.pop_for(0.0, [lane("a")])  # type: ignore[attr-defined]
+        assert got is not None and got[0].payload == first
+
+
+def test_a_stretch_is_weighed_over_its_best_prefix() -> None:
+    # b: three 1 s requests and one of 20 s. Its best stretch is the three: (3 + 3 + 3) / 3 = 3 s a
+    # request, which beats a's 6 s by the margin; all four, (3 + 23 + 3) / 4 = 7.25 s, would not.
+    queue = build_queue(make_policy("sjf"), **GUARD, model_switch_bound_s=60.0)
+    jobs = [job(f"a{i}", 0.0, "a", score=0.5, predicted_s=6.0) for i in range(3)]
+    jobs += [job(f"b{i}", 0.0, "b", score=0.1, predicted_s=1.0) for i in range(3)]
+    jobs.append(job("b-long", 0.0, "b", score=0.9, predicted_s=20.0))
+    order = serve(queue, jobs, held="a")
+    # after b's short ones, a's (3 + 18 + 3) / 3 = 8 s a request beats b's long one by the margin
+    assert names(order) == ["b0", "b1", "b2", "a0", "a1", "a2", "b-long"]
+
+
+def test_with_nothing_held_waiting_the_lowest_rate_is_loaded_not_the_oldest() -> None:
+    queue = build_queue(make_policy("sjf"), **GUARD, model_switch_bound_s=30.0)
+    queue.push(job("b-old", 0.0, "b", score=0.9, predicted_s=10.0))
+    queue.push(job("c0", 1.0, "c", score=0.1, predicted_s=1.0))
+    queue.push(job("c1", 1.0, "c", score=0.1, predicted_s=1.0))
+    got = queue.pop_for(1.0, [lane("a")])  # type: ignore[attr-defined]
+    assert got is not None and got[0].payload == "c0"  # (3 + 2) / 2 = 2.5 s a request against 13 s
+
+
+def test_the_rule_is_named_and_checked() -> None:
+    assert ModelAffinity(lambda: build_queue(make_policy("sjf")), 30.0).describe()["rule"] == "weighed"
+    try:
+        ModelAffinity(lambda: build_queue(make_policy("sjf")), 30.0, rule="sometimes")
+    except ValueError as exc:
+        assert "sometimes" in str(exc) and "weighed" in str(exc)
+    else:
+        raise AssertionError("an unknown rule was accepted")
+
+
 # -- the bound, under adversarial arrivals, removals and pop times (hypothesis) ----------------------
 
 op = st.tuples(
@@ -249,3 +347,27 @@ def test_no_held_model_is_served_once_a_switch_is_due(
             assert waiting.pop(j.payload) is j
             in_service.append(j)
     assert len(queue) == len(waiting)
+
+
+def test_what_the_queues_retain_goes_back_to_nothing_once_every_request_is_done() -> None:
+    # Fair share per model: tenants and groups are kept while a request waits or runs, and dropped
+    # (or kept as a few spares, as new) once the last one is done, so a long-lived proxy holds
+    # nothing per request it has served.
+    queue = build_queue(make_policy("sjf"), starvation_timeout_s=1.0, fair_share=True, model_switch_bound_s=30.0)
+    jobs = [Job(f"r{i}", float(i), predicted_s=1.0, tenant=f"t{i % 5}", model=f"m{i % 3}") for i in range(60)]
+    for job in jobs:
+        queue.push(job)
+    assert queue.retained()["model_groups"] == 3 and queue.retained()["fair_share_tenants"] == 15
+    running = [queue.pop(100.0) for _ in range(len(jobs))]
+    for got in running[:-1]:
+        assert got is not None
+        queue.done(got[0])
+    held = queue.retained()
+    assert held["model_groups"] == 1 and held["fair_share_tenants"] == 1
+    assert held["model_in_flight"] == 1 and held["fair_share_in_flight"] == 1
+    last = running[-1]
+    assert last is not None
+    queue.done(last[0])
+    left = {k: n for k, n in queue.retained().items() if n and not k.endswith("_spare")}
+    assert left == {}
+    assert queue.retained()["model_spare"] <= 8

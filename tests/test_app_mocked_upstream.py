@@ -271,6 +271,30 @@ def test_passthrough_paths_are_forwarded_unqueued_with_query_headers_and_streams
     assert snapshot["waiting"] == [] and snapshot["in_flight"] == []
 
 
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("GET", "/v1/chat/completions"), ("PUT", "/v1/completions"), ("GET", "/api/chat"), ("DELETE", "/api/generate")],
+)
+def test_a_scheduled_path_answers_another_method_405_with_allow_in_its_dialect(method: str, path: str) -> None:
+    """A completion path takes POST only, on every backend: any other method gets 405 with Allow
+    (what clients and nginx expect), not the backend's 404; an OPTIONS preflight still passes."""
+    router = respx.MockRouter(base_url=UPSTREAM)
+    anything = router.route(path=path).respond(404, json={"error": "the backend's own"})
+    with proxy(router) as base:
+        r = httpx.request(method, f"{base}{path}")
+        preflight = httpx.options(
+            f"{base}{path}", headers={"Origin": "http://x", "Access-Control-Request-Method": "POST"}
+        )
+    assert r.status_code == 405 and r.headers["allow"] == "OPTIONS, POST"
+    error = r.json()["error"]
+    if path.startswith("/api/"):  # Ollama's shape: the message alone
+        assert isinstance(error, str) and "POST" in error
+    else:
+        assert error["code"] == "method_not_allowed" and "POST" in error["message"]
+    assert preflight.status_code == 404  # passed through: the mocked backend's answer
+    assert [c.request.method for c in anything.calls] == ["OPTIONS"]
+
+
 # --- scheduling -----------------------------------------------------------------------------------
 
 

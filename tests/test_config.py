@@ -343,3 +343,46 @@ def test_serve_flags_keep_their_names_and_beat_every_other_source(
     assert (s.learner_state_path, s.model_path) == (tmp_path / "l.npz", tmp_path / "p.onnx")
     with pytest.raises(SystemExit):  # a flag's value is checked by its type before the settings
         parser.parse_args(["--slots", "many"])
+
+
+_ENTRY = '\n[[api_keys]]\nhash = "sha256:{}"\ntenant = "{}"\n'
+
+
+def test_a_setting_appended_after_a_table_is_refused_naming_the_trap(tmp_path: Path) -> None:
+    """`keys add >> clairvoyant.toml`, then `echo 'status_requires_key = true' >> clairvoyant.toml`:
+    TOML puts the setting inside the [[api_keys]] table; the message says so and what to do."""
+    config = tmp_path / "clairvoyant.toml"
+    config.write_text('policy = "sjf"\n' + _ENTRY.format("a" * 64, "team-a") + "status_requires_key = true\n")
+    with pytest.raises(ConfigError, match=r"'status_requires_key' is inside a \[\[api_keys\]\] table.*api_keys_file"):
+        load_settings(config)
+    config.write_text('[[tenants]]\nname = "t"\nslots = 2\n')
+    with pytest.raises(ConfigError, match=r"'slots' is inside a \[\[tenants\]\] table"):
+        load_settings(config)
+
+
+def test_the_keys_file_joins_its_keys_and_holds_nothing_else(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = tmp_path / "keys" / "clairvoyant-keys.toml"
+    keys.parent.mkdir()
+    keys.write_text(_ENTRY.format("b" * 64, "team-b") + _ENTRY.format("c" * 64, "team-c"))
+    config = tmp_path / "clairvoyant.toml"
+    config.write_text('api_keys_file = "keys/clairvoyant-keys.toml"' + _ENTRY.format("a" * 64, "team-a"))
+    monkeypatch.chdir(keys.parent)  # a relative path in the file is from the file's folder, not the working one
+    settings = load_settings(config)
+    assert [k.tenant for k in settings.api_keys] == ["team-a", "team-b", "team-c"]
+    assert settings.api_keys_file == keys
+    # a copy of the settings (re-validated) does not take the file's keys twice
+    assert Settings.model_validate(settings.model_dump()).api_keys == settings.api_keys
+    monkeypatch.setenv("CLAIRVOYANT_API_KEYS_FILE", "clairvoyant-keys.toml")  # elsewhere: from the working folder
+    assert [k.tenant for k in load_settings().api_keys] == ["team-b", "team-c"]
+    monkeypatch.delenv("CLAIRVOYANT_API_KEYS_FILE")
+    keys.write_text(_ENTRY.format("b" * 64, "team-b") + "status_requires_key = true\n")
+    with pytest.raises(ConfigError, match=r"api_keys_file .* \[\[api_keys\]\] table 1: status_requires_key: Extra"):
+        load_settings(config)
+    keys.write_text("status_requires_key = true\n" + _ENTRY.format("b" * 64, "team-b"))
+    with pytest.raises(
+        ConfigError, match=r"api_keys_file \(config file .*\): .* may hold only \[\[api_keys\]\] tables"
+    ):
+        load_settings(config)
+    keys.unlink()
+    with pytest.raises(ConfigError, match=r"api_keys_file .* cannot be read"):
+        load_settings(config)

@@ -236,3 +236,25 @@ def test_the_systemd_unit_runs_serve_as_a_dynamic_user_with_an_environment_file(
     )
     assert set(env) <= SETTING_ENVS
     assert env["CLAIRVOYANT_LEARNER_STATE_PATH"].startswith(f"/var/lib/{service['StateDirectory']}/")
+
+
+def _deploy_texts() -> dict[str, str]:
+    files = [ROOT / "docker-compose.yml", ROOT / "Dockerfile", *sorted((ROOT / "configs").glob("*.toml"))]
+    files += [p for p in sorted((ROOT / "deploy").rglob("*")) if p.is_file()]
+    return {str(p.relative_to(ROOT)): p.read_text() for p in files}
+
+
+def test_the_deployment_files_point_to_docs_that_exist_and_name_the_server_they_run() -> None:
+    """Their comments name docs/*.md pages and sections that exist (the README keeps only a few
+    screens; a section it lost is a dead pointer), and never the server the proxy no longer runs."""
+    pointers = 0
+    for name, text in _deploy_texts().items():
+        assert "uvicorn" not in text.lower(), name
+        assert not re.search(r"README[,'’ ]", text), f"{name} points into the README"
+        for page, section in re.findall(r"(docs/[a-z-]+\.md)(?:, [\"']([^\"']+)[\"'])?", text):
+            assert (ROOT / page).is_file(), (name, page)
+            if section:
+                headings = re.findall(r"^#+ (.+)$", (ROOT / page).read_text(), re.M)
+                assert section in headings, (name, page, section)
+            pointers += 1
+    assert pointers >= 5

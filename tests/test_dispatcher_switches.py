@@ -14,8 +14,9 @@ from clairvoyant.errors import QueueDeadline
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.predictor import Prediction
 from clairvoyant.prediction.usage import Usage
-from clairvoyant.scheduling.dispatcher import GRANTED, OVERRUN_GROWTH, REFUSED, Backend, Dispatcher, Ticket
+from clairvoyant.scheduling.dispatcher import OVERRUN_GROWTH, Backend, Dispatcher, RequestStatus, Ticket
 from clairvoyant.scheduling.policy import build_queue, make_policy
+from clairvoyant.scheduling.queue_view import queue_view
 from clairvoyant.scheduling.routing import Load
 from clairvoyant.scheduling.service_time import ServiceTimeDefaults, ServiceTimeModel
 
@@ -49,7 +50,7 @@ def ticket(
 
 
 def running(d: Dispatcher) -> Ticket:
-    (only,) = d._all_running()
+    (only,) = d.running()
     return only
 
 
@@ -118,7 +119,7 @@ def test_ollamas_load_duration_teaches_the_load_and_comes_off_the_service_second
         await settle()
         second = running(d)
         assert second.load == Load.SWITCH and second.switch_load_s == 5.0  # charged the prior
-        assert d.snapshot()["backends"][0]["holds"] == "qwen2.5:7b"
+        assert queue_view(d).model_dump()["backends"][0]["holds"] == "qwen2.5:7b"
         clock.advance(4.2 + 2.0)  # it took 4.2 s to load, then 2 s to answer
         d.end(second, completed=True, usage=_usage(load_s=4.2))
         assert d.service_time.load_s("ollama", "qwen2.5:7b") == pytest.approx((5.0 + 4.2) / 2)
@@ -210,7 +211,7 @@ def test_queue_shows_the_bound_what_each_backend_holds_and_when_a_switch_is_due(
         await settle()
         assert running(d).request_id == "a0"
         clock.set(10.0)
-        snap = d.snapshot()
+        snap = queue_view(d).model_dump()
         assert snap["model_switch"]["bound_s"] == 30.0 and snap["model_switch"]["load_prior_s"] == 3.0
         assert snap["model_switch"]["waiting_by_model"] == {"a": 1, "b": 1}
         assert snap["backends"][0]["holds"] == "a" and snap["backends"][0]["switched_ago_s"] == 10.0
@@ -236,16 +237,16 @@ def test_a_request_is_never_sent_at_or_after_its_queue_deadline() -> None:
         d.submit(late)
         d.submit(patient)
         clock.set(4.999)
-        assert d.expire() == 0 and late.wait != REFUSED
+        assert d.expire() == 0 and late.status != RequestStatus.EXPIRED
         clock.set(5.0)
         assert d.expire() == 1
-        assert late.wait == REFUSED and isinstance(late.refusal, QueueDeadline) and late.ended
+        assert late.status == RequestStatus.EXPIRED and isinstance(late.refusal, QueueDeadline) and late.ended
         assert late.dispatched_s is None and len(d.queue) == 1
-        assert d.snapshot()["recent"][0]["outcome"] == "expired"
+        assert queue_view(d).model_dump()["recent"][0]["outcome"] == "expired"
         clock.set(10.0)
         d.end(running(d), completed=True)
         await settle()
-        assert patient.wait == GRANTED  # before its deadline
+        assert patient.status == RequestStatus.DISPATCHED  # before its deadline
         await d.stop(timeout_s=0.01)
 
     asyncio.run(scenario())
@@ -264,7 +265,7 @@ def test_the_dispatch_step_withdraws_what_expired_before_it_chooses() -> None:
         clock.set(9.0)  # the slot frees exactly at first's deadline: it is not sent, second is
         d.end(running(d), completed=True)
         await settle()
-        assert first.wait == REFUSED and second.wait == GRANTED
+        assert first.status == RequestStatus.EXPIRED and second.status == RequestStatus.DISPATCHED
         await d.stop(timeout_s=0.01)
 
     asyncio.run(scenario())
@@ -281,8 +282,8 @@ def test_a_timer_answers_an_expired_request_without_waiting_for_a_slot() -> None
         t = ticket("t", None, 0.0, 1.0, expires_s=0.02)
         d.submit(t)
         clock.set(0.02)  # the timer fires on the event loop's clock; the deadline is on ours
-        await until(lambda: t.wait == REFUSED, what="the expiry timer")
-        assert t.wait == REFUSED and isinstance(t.refusal, QueueDeadline)
+        await until(lambda: t.status == RequestStatus.EXPIRED, what="the expiry timer")
+        assert t.status == RequestStatus.EXPIRED and isinstance(t.refusal, QueueDeadline)
         await d.stop(timeout_s=0.01)
 
     asyncio.run(scenario())

@@ -106,14 +106,16 @@ def test_after_a_first_byte_timeout_the_next_request_waits_for_a_health_check() 
     # The backend hung on the first request: the next one is not sent into the hang, but waits until
     # /health answers (here held back until the test releases it).
     backend = FakeBackend(lambda path, n: "hang" if n == 0 else "ok")
-    backend.health_gate = threading.Event()
     with backend, proxy(backend.url, first_byte_timeout_s=0.5, backend_wait_s=20) as base:
+        # The proxy's start-up check passes (else it would leave the backend suspect already).
+        wait_until(lambda: backend.health_checks >= 1, what="the proxy's start-up health check")
+        backend.health_gate = threading.Event()
         assert httpx.post(f"{base}{CHAT}", json=chat(), timeout=10).status_code == 504
         second = threading.Thread(
             target=lambda: setattr(second, "result", httpx.post(f"{base}{CHAT}", json=chat(), timeout=30))
         )
         second.start()
-        wait_until(lambda: backend.health_checks >= 1, what="a health check before the second request")
+        wait_until(lambda: backend.health_checks >= 2, what="a health check before the second request")
         assert backend.posts(CHAT) == 1  # not sent into the hang
         backend.health_gate.set()
         second.join(30)
@@ -127,8 +129,10 @@ def test_a_request_queued_behind_a_hung_backend_is_never_sent_into_the_hang() ->
     # backend_wait_s for a health check that never passes, and is answered 503 with Retry-After in
     # its own dialect (Ollama's here), never sent.
     backend = FakeBackend(lambda path, n: "hang")
-    backend.health_gate = threading.Event()  # never set: /health hangs too
     with backend, proxy(backend.url, first_byte_timeout_s=1, backend_wait_s=1) as base:
+        # The start-up check passes (else it would leave the backend suspect already); then /health hangs too.
+        wait_until(lambda: backend.health_checks >= 1, what="the proxy's start-up health check")
+        backend.health_gate = threading.Event()  # never set
         first = _Post(base, chat(), timeout_s=30)
         first.start()
         wait_until(lambda: backend.posts(CHAT) == 1, what="the first request at the backend")
@@ -144,14 +148,14 @@ def test_a_request_queued_behind_a_hung_backend_is_never_sent_into_the_hang() ->
     refused: httpx.Response = second.result  # type: ignore[attr-defined]
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
     assert isinstance(refused.json()["error"], str)  # Ollama's error shape
-    assert health_checks >= 1  # it was health-checked, not refused blindly
+    assert health_checks >= 2  # it was health-checked, not refused blindly
     assert backend.posts(CHAT) == 1 and backend.posts("/api/chat") == 0  # never sent into the hang
 
 
 def test_in_a_pool_a_request_for_a_suspect_backend_that_stays_unhealthy_goes_to_another() -> None:
     from clairvoyant.metrics import Metrics
     from clairvoyant.prediction.dialects import Dialect
-    from clairvoyant.proxy.relay import Relay, Responder, UpstreamRequest
+    from clairvoyant.proxy.relay import PassThrough, Relay, Responder, UpstreamRequest
     from clairvoyant.proxy.upstream import Upstream
 
     hung = FakeBackend(lambda path, n: "hang")
@@ -162,20 +166,25 @@ def test_in_a_pool_a_request_for_a_suspect_backend_that_stays_unhealthy_goes_to_
         suspect, other = Upstream(hung.url, name="hung"), Upstream(healthy.url, name="other")
         suspect.suspect = True  # as a first-byte deadline leaves it
 
-        async def failover(refused: Upstream) -> Upstream | None:
-            return other if refused is suspect else None
+        class Pool:  # what a pass-through relay tells its pool: nothing to keep here
+            def refused(self, upstream: Upstream) -> None: ...
+            def answered(self, upstream: Upstream) -> None: ...
+            def broken(self, upstream: Upstream) -> None: ...
 
         async def send(message: Any) -> None:
             sent.append(message)
 
-        request = UpstreamRequest("POST", CHAT, [("content-type", "application/json")], b"{}", Dialect.OPENAI)
-        relay = Relay(suspect, request, Metrics(), backend_wait_s=0.2, failover=failover)
+        request = UpstreamRequest(
+            "POST", CHAT, [("content-type", "application/json")], b"{}", Dialect.OPENAI, wait_s=0.2
+        )
+        passing = PassThrough(Pool(), [suspect, other])
+        relay = Relay(suspect, request, Metrics(), passing, passing)
         try:
             await asyncio.wait_for(relay.run(Responder(send)), 30)
         finally:
             await suspect.aclose()
             await other.aclose()
-        return relay.upstream.name, relay.outcome.value
+        return relay.upstream.name, relay.record.status.outcome
 
     with hung, FakeBackend(lambda path, n: "ok") as healthy:
         served_by, outcome = asyncio.run(scenario())
@@ -233,6 +242,16 @@ def test_a_backend_still_loading_its_model_is_waited_for() -> None:
         r = httpx.post(f"{base}{CHAT}", json=chat(), timeout=15)
     assert r.status_code == 200 and r.json()["n"] == 2
     assert backend.posts(CHAT) == 3  # two 503s (nothing generated), then the answer
+
+
+def test_a_backend_that_keeps_answering_503_is_not_flooded_with_resends() -> None:
+    # Its health check passes, but every POST gets 503 (its own queue is full): within
+    # backend_wait_s = 1 the request is sent again after 0.25 s, 0.5 s, then at the deadline, and
+    # the last 503 is relayed. Without the pause each passing health check sent it again at once.
+    with FakeBackend(lambda path, n: "loading") as backend, proxy(backend.url, backend_wait_s=1) as base:
+        r = httpx.post(f"{base}{CHAT}", json=chat(), timeout=15)
+    assert r.status_code == 503
+    assert 2 <= backend.posts(CHAT) <= 5
 
 
 def test_a_client_that_leaves_while_the_backend_is_down_is_never_sent() -> None:

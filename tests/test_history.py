@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from clairvoyant.proxy.history import History, percentile
+from clairvoyant.scheduling.queue_view import QueueView
 
 
 def finished(
@@ -36,14 +37,14 @@ def snapshot(
     in_flight: int = 0,
     recent: list[dict[str, Any]] | None = None,
     tenants: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """/queue's body as the history reads it; ``recent`` newest first, like the dispatcher's."""
-    return {
+) -> QueueView:
+    """/queue's view as the history reads it; ``recent`` newest first, like the dispatcher's."""
+    return QueueView.model_validate({
         "waiting_count": waiting,
         "in_flight": [{"request_id": f"r{i}"} for i in range(in_flight)],
         "recent": recent or [],
         **({} if tenants is None else {"tenants": tenants}),
-    }
+    })  # fmt: skip
 
 
 def use(in_system: int = 0, last_minute: int = 0, tokens: int = 0, **limits: int) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """`clairvoyant keys`: the key is shown once on standard error; standard output, meant to be appended
-to the config file, carries only the hash entry, which the proxy's settings load."""
+to the keys file (``api_keys_file``), carries only the hash entry, which the proxy's settings load."""
 
 from __future__ import annotations
 
@@ -34,23 +34,29 @@ def keys(*argv: str, stdout: Any = subprocess.PIPE, stdin: str | None = None) ->
     )
 
 
-def test_keys_add_appended_to_the_config_file_writes_no_plain_text_key(tmp_path: Path) -> None:
+def test_keys_add_appended_to_the_keys_file_writes_no_plain_text_key(tmp_path: Path) -> None:
+    """As docs/operations.md has it: the keys in a file of their own, named by the config file, to
+    which settings can still be appended."""
+    keys_file = tmp_path / "clairvoyant-keys.toml"
+    keys_file.write_text("# the proxy's client keys")  # no newline at the end: the entry still starts on its own line
     config = tmp_path / "clairvoyant.toml"
-    config.write_text('policy = "sjf"')  # no newline at the end: the entry still starts on its own line
+    config.write_text('api_keys_file = "clairvoyant-keys.toml"\npolicy = "sjf"\n')
     shown = []
     for tenant, extra in (('team "a"', ["--weight", "3"]), ("ops", ["--min-priority", "2", "--max-priority", "4"])):
-        with config.open("a") as out:  # clairvoyant keys add ... >> clairvoyant.toml
+        with keys_file.open("a") as out:  # clairvoyant keys add ... >> clairvoyant-keys.toml
             done = keys("add", "--tenant", tenant, *extra, stdout=out)
         (key,) = KEY.findall(done.stderr)  # shown once, on standard error
         assert "shown this once" in done.stderr and "Authorization: Bearer" in done.stderr
         assert "[[api_keys]]" not in done.stderr and "sha256:" not in done.stderr
         shown.append(key)
-    text = config.read_text()
+    with config.open("a") as out:  # echo 'status_requires_key = true' >> clairvoyant.toml
+        out.write("status_requires_key = true\n")
+    text = keys_file.read_text()
     assert shown[0] != shown[1] and not any(key in text for key in shown)
     assert not any(key.removeprefix("cv-") in text for key in shown)
-    # The file, as `clairvoyant serve --config` reads it: both entries, by hash.
+    # The files, as `clairvoyant serve --config` reads them (from another folder): both entries, by hash.
     settings = load_settings(config)
-    assert settings.policy == "sjf"
+    assert settings.policy == "sjf" and settings.status_requires_key
     assert [(k.hash, k.tenant, k.weight) for k in settings.api_keys] == [
         (hash_key(shown[0]), 'team "a"', 3.0),
         (hash_key(shown[1]), "ops", 1.0),

@@ -10,7 +10,7 @@ import pytest
 
 from clairvoyant.config import Limits, Settings
 from clairvoyant.errors import LimitExceeded
-from clairvoyant.proxy.limits import TenantLimits
+from clairvoyant.proxy.limits import MAX_UNLIMITED_TENANTS, TenantLimits
 
 NOON_S = float(calendar.timegm((2026, 11, 27, 12, 0, 0)))  # a UTC noon, in wall seconds
 
@@ -101,3 +101,25 @@ def test_settings_give_each_tenant_its_keys_or_its_entrys_limits() -> None:
     assert settings.tenant_weights == {"batch": 0.5, "team": 1.0}
     with pytest.raises(ValueError, match="two different sets of limits"):
         Settings(api_keys=[key], tenants=[{"name": "team", "max_concurrent": 3}])
+
+
+def test_a_stream_of_new_tenant_names_keeps_only_the_last_ones_seen() -> None:
+    # A tenant header can name any tenant: each new name once must not grow the counts forever.
+    # Tenants with limits, and tenants with a request in the system, are always kept.
+    limits = TenantLimits({"limited": Limits(requests_per_minute=10_000)}, wall=Wall())
+    limits.admit("limited", lambda: 1.0)
+    limits.release("limited")
+    limits.admit("busy", lambda: 1.0)  # in the system throughout
+    limits.add_tokens("recent", 5)
+    for i in range(5 * MAX_UNLIMITED_TENANTS):
+        limits.admit(f"once-{i}", lambda: 1.0)
+        limits.add_tokens(f"once-{i}", 3)
+        limits.release(f"once-{i}")
+        if i == MAX_UNLIMITED_TENANTS // 2:
+            limits.admit("recent", lambda: 1.0)  # seen again: it moves to the last seen
+            limits.release("recent")
+    kept = limits.snapshot()
+    assert limits.retained()["limit_tenants"] <= MAX_UNLIMITED_TENANTS + 1
+    assert kept["limited"]["requests_last_minute"] == 1
+    assert kept["busy"]["in_system"] == 1
+    assert "once-0" not in kept and f"once-{5 * MAX_UNLIMITED_TENANTS - 1}" in kept

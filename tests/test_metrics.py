@@ -61,7 +61,10 @@ def drive(m: Metrics) -> str:
 
 
 # added after 40b1676: not in its exposition
-LATER_FAMILIES = ("clairvoyant_learner_", "clairvoyant_model_switches", "clairvoyant_tenant_")
+LATER_FAMILIES = (
+    "clairvoyant_learner_", "clairvoyant_model_switches", "clairvoyant_tenant_", "clairvoyant_event_loop_tasks",
+    "clairvoyant_retained_entries", "clairvoyant_request_status_",
+)  # fmt: skip
 # exported at 0 from the start since 40b1676 (drive() never counts this reason)
 LATER_SERIES = re.compile(r'clairvoyant_client_rejections_(total|created)\{reason="body_budget"\}')
 
@@ -72,10 +75,12 @@ def test_the_proxys_traffic_renders_as_it_did_on_prometheus_client() -> None:
         line for line in rendered.splitlines() if re.match(rf"(# (HELP|TYPE) )?({'|'.join(LATER_FAMILIES)})", line)
     ]
     # learner_up (HELP, TYPE, sample); three counters, each _total and _created;
-    # model_switches and the four tenant families (HELP, TYPE: drive() counts no backend or tenant)
-    assert len(later) == 3 + 3 * 6 + 2 + 4 * 2
+    # model_switches and the four tenant families (HELP, TYPE: drive() counts no backend or tenant);
+    # event_loop_tasks (HELP, TYPE, sample), retained_entries (HELP, TYPE: none set) and
+    # request_status (HELP, TYPE: drive() counts no request status)
+    assert len(later) == 3 + 3 * 6 + 2 + 4 * 2 + 3 + 2 + 2
     later += [line for line in rendered.splitlines() if LATER_SERIES.match(line)]
-    assert len(later) == 3 + 3 * 6 + 2 + 4 * 2 + 2
+    assert len(later) == 3 + 3 * 6 + 2 + 4 * 2 + 3 + 2 + 2 + 2
     kept = "".join(line + "\n" for line in rendered.splitlines() if line not in later)
     assert kept == FIXTURE.read_text()
 
@@ -128,7 +133,7 @@ def test_each_declared_family_is_built_from_its_spec_as_its_attributes_type() ->
 
     metrics = Metrics()
     specs = metric_specs()
-    assert len(specs) == 33 and len({spec.name for _, _, spec in specs}) == 33
+    assert len(specs) == 36 and len({spec.name for _, _, spec in specs}) == 36
     for attribute, kind, spec in specs:
         built = getattr(metrics, attribute)
         assert type(built) is kind, attribute
@@ -136,3 +141,15 @@ def test_each_declared_family_is_built_from_its_spec_as_its_attributes_type() ->
         if kind is Histogram:
             assert spec.buckets is not None and built._upper_bounds == [*map(float, spec.buckets), math.inf]
     assert type(metrics.queue_wait).__name__ == "Histogram" and type(metrics.learner_up).__name__ == "Gauge"
+
+
+def test_a_structure_no_longer_reported_reads_zero() -> None:
+    # A queue reports its tenants' entries only while it has tenants: once they are gone, their
+    # series must read 0, not the last size seen (a leak that is not there).
+    metrics = Metrics()
+    metrics.set_retained(12, {"fair_share_tenants": 3, "model_groups": 2})
+    metrics.set_retained(7, {"model_groups": 0})
+    text = metrics.render().decode()
+    assert "clairvoyant_event_loop_tasks 7.0\n" in text
+    assert 'clairvoyant_retained_entries{structure="fair_share_tenants"} 0.0\n' in text
+    assert 'clairvoyant_retained_entries{structure="model_groups"} 0.0\n' in text

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from clairvoyant.scheduling.boost import BoostTable, bucket_for
-from clairvoyant.scheduling.job_queue import Job, StarvationGuard
+from clairvoyant.scheduling.job_queue import Job, JobQueue, StarvationGuard
 from clairvoyant.scheduling.policy import POLICY_NAMES, BoostPolicy, PolicyParams, build_queue, make_policy
 
 # One operation: (kind, time step, score, predicted seconds, priority, tenant)
@@ -243,3 +244,40 @@ def test_regression_a_head_that_is_not_overdue_never_passes_a_hidden_better_clas
     job, promoted = q.pop(10.5)  # type: ignore[misc]
     assert job.payload == "a0" and promoted  # a's overdue job, by the starvation bound
     assert q.pop(10.5)[0].payload == "a1"  # type: ignore[index]
+
+
+# Every queue implementation, as the dispatcher may be given it: one contract for all of them.
+QUEUES = {
+    "heap-fcfs": lambda: make_policy("fcfs").make_queue(),
+    "heap-boost": lambda: make_policy("boost").make_queue(),
+    "scan-hrrn": lambda: make_policy("hrrn").make_queue(),
+    "guard": lambda: build_queue(make_policy("sjf"), starvation_timeout_s=5.0),
+    "fair-share": lambda: build_queue(make_policy("sjf"), starvation_timeout_s=5.0, fair_share=True),
+    "model-affinity": lambda: build_queue(make_policy("sjf"), fair_share=True, model_switch_bound_s=10.0),
+}
+
+
+@pytest.mark.parametrize("make", QUEUES.values(), ids=QUEUES.keys())
+@settings(max_examples=60, deadline=None)
+@given(operations=ops)
+def test_every_queue_keeps_the_queue_contract(make, operations) -> None:  # type: ignore[no-untyped-def]
+    queue = make()
+    assert JobQueue in type(queue).__mro__  # every method of JobQueue, with its defaults: nothing to probe for
+
+    def check(job, promoted, waiting, now):  # type: ignore[no-untyped-def]
+        assert job.waiting is False  # popped: out of the queue
+        assert queue.peek(now) is None or queue.peek(now)[0].waiting
+
+    def tick(now, waiting, in_service):  # type: ignore[no-untyped-def]
+        peeked = queue.peek(now)
+        assert (peeked is None) == (not waiting)
+        assert sorted(j.seq for j in queue) == sorted(j.seq for j in waiting)
+        assert sorted(j.seq for j in queue.ordered(now)) == sorted(j.seq for j in waiting)
+        by_model = queue.waiting_by_model()
+        assert not by_model or sum(by_model.values()) == len(waiting)
+
+    popped, rest, waiting = run(queue, operations, check, tick)
+    assert len(set(popped + rest)) == len(popped) + len(rest)
+    assert sorted(rest) == sorted(waiting)
+    assert queue.pop_for(0.0, []) is None and queue.ordered(0.0) == []
+    assert queue.bound_s >= 0

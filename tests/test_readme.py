@@ -36,6 +36,9 @@ def test_the_try_it_block_is_short_and_uses_the_documented_ports() -> None:
     commands = try_it_commands()
     assert "make install-demo" in commands and "clairvoyant backend --port 8081" in commands
     assert "http://127.0.0.1:8080/v1/chat/completions" in commands
+    # the two processes it leaves running: how to stop them, and how to give the backend fewer threads
+    after = README.read_text().split("<!-- try-it:end -->")[1].split("\n## ")[0]
+    assert commands.count(" &\n") == 2 and "`kill %1 %2`" in after and "`--threads`" in after
 
 
 @pytest.mark.e2e

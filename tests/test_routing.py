@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -103,10 +104,13 @@ def test_a_backends_slowness_follows_its_measured_service_seconds_and_ignores_ou
     for _ in range(40):
         backend.observe_service(predicted_s=2.0, measured_s=8.0)
     assert backend.slowness == pytest.approx(4.0, rel=0.05)
-    backend.observe_service(predicted_s=1.0, measured_s=1000.0)  # one wild sample counts as 10x
-    assert backend.slowness == pytest.approx(4.0 + 0.1 * (10.0 - 4.0), rel=0.05)
-    backend.observe_service(predicted_s=0.0, measured_s=3.0)  # nothing predicted: nothing learned
-    assert backend.slowness == pytest.approx(4.6, rel=0.05)
+    learned = backend.slowness
+    backend.observe_service(predicted_s=1.0, measured_s=1000.0)  # one wild sample counts as 2x the slowness
+    assert backend.slowness == pytest.approx(learned * 2.0**0.1, rel=1e-9)
+    outlier = backend.slowness
+    for predicted_s, measured_s in ((0.0, 3.0), (1.0, 0.0), (math.inf, 1.0), (1.0, math.nan)):
+        backend.observe_service(predicted_s=predicted_s, measured_s=measured_s)  # nothing to learn from
+    assert backend.slowness == outlier
 
 
 @pytest.mark.parametrize("free", [True, False])

@@ -7,6 +7,7 @@ import csv
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from clairvoyant.tools.sim import command
@@ -165,3 +166,51 @@ def test_run_takes_models_a_switch_cost_deadlines_and_a_switch_bound(tmp_path: P
     fcfs, grouped = (c["summary"] for c in data["conditions"])
     assert grouped["switches"]["mean"] < fcfs["switches"]["mean"]
     assert 0 < fcfs["deadline.met"]["mean"] <= 1
+
+
+def test_swaps_compares_three_conditions_on_every_case_and_the_best_order(tmp_path: Path) -> None:
+    argv = ["swaps", "--n", "60", "--burst-n", "8", "--small-n", "4", "--seeds", "1", "--small-cases", "2",
+            "--models", "2", "--switch-s", "2", "--out", str(tmp_path), "--no-progress"]  # fmt: skip
+    assert run(argv) == 0
+    data = json.loads((tmp_path / "sim_swaps.json").read_text())
+    cases = [(c["workload"], c["predictor"]) for c in data["cases"]]
+    assert cases == [("burst", "oracle"), ("poisson", "oracle"), ("burst", "label"), ("poisson", "label"),
+                     ("small burst", "oracle"), ("small poisson", "oracle")]  # fmt: skip
+    for case in data["cases"]:
+        rules = [(c["name"], c["model_switch_rule"]) for c in case["conditions"]]
+        assert rules == [("fcfs", "weighed"), ("default, rule before weighing", "bound"), ("default", "weighed")]
+        for c in case["conditions"][1:]:
+            assert c["put_off_past_bound_max_s"] <= 1e-9  # the bound holds under both rules
+        if case["workload"].startswith("small"):  # no order beats the best one
+            assert all(c["summary"]["vs_best"]["mean"] >= 1.0 - 1e-9 for c in case["conditions"])
+    assert data["setup"]["switch_s"] == 2.0
+    with pytest.raises(SystemExit):
+        run(["swaps", "--small-n", "10", "--out", str(tmp_path), "--no-progress"])  # every order of 10: too many
+
+
+def test_onnx_predictor_orders_by_expected_tokens_with_a_spread(tmp_path: Path) -> None:
+    from clairvoyant.tools.sim.predictors import LogSpread
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        '{"prompt": "What is 2+2?", "output_tokens": 5, "class": "short"}\n'
+        '{"prompt": "Write a detailed 2000-word essay on the history of rivers, with sections.", '
+        '"output_tokens": 900, "class": "long"}\n'
+    )
+    width = 2 + 49  # [m, m^2, the shipped model's 49 count features]
+    weights = [-10.0] + [0.0] * (width - 1)  # v = 100 - 10 m: m + v/2 = 50 - 4 m, the order reversed
+    spread = LogSpread(*(np.array(a, dtype=float) for a in ([0.0] * width, [1.0] * width, weights)), 100.0)
+    spread_file = tmp_path / "spread.json"
+    spread_file.write_text(json.dumps(spread.as_dict()))
+    accuracy = {}
+    for name, extra in (("median", []), ("expected", ["--spread", str(spread_file)])):
+        argv = ["run", "--service", "prompts", "--prompts", str(prompts), "--predictor", "onnx", "--n", "60",
+                "--seeds", "1", "--rate", "0.05", "--conditions", "sjf", "--out", str(tmp_path / name),
+                "--no-plots", "--no-progress", *extra]  # fmt: skip
+        assert run(argv) == 0
+        data = json.loads((tmp_path / name / "sim_run.json").read_text())
+        accuracy[name] = data["conditions"][0]["summary"]["accuracy"]["mean"]
+    assert accuracy == {"median": 1.0, "expected": 0.0}
+    spread_file.write_text('{"mean": [0.0]}')
+    with pytest.raises(SystemExit, match="--spread"):
+        run([*argv[:-2], "--spread", str(spread_file)])

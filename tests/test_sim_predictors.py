@@ -124,3 +124,82 @@ def test_label_scorer_is_right_the_stated_fraction_and_predicts_class_means() ->
     short_mean = w.service_s[w.class_idx == 0].mean()
     assert np.allclose(beliefs.predicted_s[labels == 0], short_mean)
     assert set(np.unique(beliefs.score)) <= {0.0, 1.0}
+
+
+@dataclass
+class RowPrediction:
+    """A prediction with a feature row (as OnnxPredictor's): what the expected-tokens key reads."""
+
+    score: float
+    predicted_tokens: float
+    row: tuple[float, ...]
+
+    def features(self) -> np.ndarray:
+        return np.array(self.row, dtype=np.float32)
+
+
+def test_log_spread_learns_a_variance_that_depends_on_the_features() -> None:
+    from clairvoyant.tools.sim.predictors import LogSpread
+
+    rng = np.random.default_rng(0)
+    n = 20000
+    m = rng.uniform(4.0, 6.0, n)
+    vague = rng.integers(0, 2, n).astype(np.float64)  # a count feature: 0 or 1
+    sd = np.where(vague > 0, 1.2, 0.4)  # ln-token spread: 1.44 and 0.16
+    observed = m + sd * rng.standard_normal(n)
+    spread = LogSpread.fit(vague[:, None], m, observed, penalty=1.0)
+    test_m = np.array([5.0, 5.0])
+    v = spread.variance(np.array([[1.0], [0.0]]), test_m)
+    assert v == pytest.approx([1.44, 0.16], abs=0.05)
+    # a vague prompt predicted 5.0 ln tokens waits behind a precise one predicted 5.5: its mean is larger
+    expected = spread.expected_log_tokens(np.array([[1.0], [0.0]]), np.array([5.0, 5.5]))
+    assert expected[0] > expected[1]
+    assert np.all(spread.variance(np.zeros((3, 1)), np.array([-50.0, 0.0, 50.0])) >= spread.floor)
+
+
+def test_log_spread_needs_two_observations() -> None:
+    from clairvoyant.tools.sim.predictors import LogSpread
+
+    with pytest.raises(ValueError, match="two observations"):
+        LogSpread.fit(np.zeros((1, 1)), np.zeros(1), np.zeros(1))
+
+
+def test_predictor_scorer_orders_by_expected_tokens_with_a_spread(tmp_path: Path) -> None:
+    import math
+
+    from clairvoyant.tools.sim.predictors import LogSpread
+
+    records = load_prompts(write_prompts(tmp_path / "prompts.jsonl"))
+
+    class Fixed:
+        """Essays: median 400 tokens, a precise row; everything else: median 300, a vague row."""
+
+        def predict(self, prompt: Prompt) -> RowPrediction:
+            essay = "essay" in prompt.instruction
+            return RowPrediction(0.9 if essay else 0.1, 400.0 if essay else 300.0, (0.0,) if essay else (1.0,))
+
+    # v = 0.1 for a precise row, 1.1 for a vague one (weights on [m, m^2, log1p(row)] by hand)
+    spread = LogSpread(np.zeros(3), np.ones(3), np.array([0.0, 0.0, 1.0 / math.log(2.0)]), 0.1)
+    service = PromptService(records)
+    w = make_workload(0, 100, service, rate_per_s=0.1)
+    median = PredictorScorer(Fixed(), records).beliefs(w, score_stream(0))
+    expected = PredictorScorer(Fixed(), records, spread=spread).beliefs(w, score_stream(0))
+    essay = np.array(["essay" in records[i].prompt.instruction for i in w.item])
+    assert median.score[essay].min() > median.score[~essay].max()  # the median key: essays last
+    assert expected.score[essay].max() < expected.score[~essay].min()  # the mean key: essays first
+    assert expected.predicted_tokens is not None
+    assert expected.predicted_tokens[essay] == pytest.approx(400.0 * math.exp(0.05))
+    assert expected.predicted_tokens[~essay] == pytest.approx(300.0 * math.exp(0.55))
+    assert expected.predicted_s[essay] == pytest.approx(0.3 + 0.02 * 400.0 * math.exp(0.05))
+
+
+def test_log_spread_round_trips_through_a_dict() -> None:
+    from clairvoyant.tools.sim.predictors import LogSpread
+
+    rng = np.random.default_rng(1)
+    features, m = rng.uniform(0, 5, (50, 3)), rng.uniform(3, 6, 50)
+    spread = LogSpread.fit(features, m, m + rng.standard_normal(50))
+    again = LogSpread.from_dict(json.loads(json.dumps(spread.as_dict())))
+    assert np.array_equal(again.variance(features, m), spread.variance(features, m))
+    with pytest.raises(ValueError, match="equally long"):
+        LogSpread.from_dict({**spread.as_dict(), "weights": [1.0]})

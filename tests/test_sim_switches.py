@@ -7,9 +7,11 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
-from clairvoyant.tools.sim import Workload, make_workload, paper_service, simulate
+from clairvoyant.tools.sim import Workload, make_workload, paper_service, simulate, swaps
 from clairvoyant.tools.sim.compare import switch_conditions
 from clairvoyant.tools.sim.experiments import Setup, run_conditions
 from clairvoyant.tools.sim.predictors import LabelScorer
@@ -106,3 +108,70 @@ def test_the_default_groups_models_and_beats_the_default_without_affinity_on_the
     assert default.mean("all.sojourn.mean") < 0.8 * unaffined.mean("all.sojourn.mean")
     assert default.mean("all.sojourn.p99") <= unaffined.mean("all.sojourn.p99")
     assert fcfs.mean("switches") > 0.4 * 600  # models drawn 50/50: about every other request switches
+
+
+# -- the model-swap experiment (tools/sim/swaps.py) --------------------------------------------------
+
+
+def test_the_best_order_is_found_by_trying_every_one() -> None:
+    # b (1 s) then a (5 s), one load each: ends 4 and 12, mean 8; a first: ends 8 and 12, mean 10.
+    w = workload([0.0, 0.0], [5.0, 1.0], [0, 1])
+    assert swaps.best_mean_s(w, 3.0) == pytest.approx(8.0, abs=1e-9)
+    # one model; long arrives at 0, short at 1. Idling for the short one is best: it ends at 1 + 3 + 1
+    # = 5, the long one at 10: sojourns 4 and 10, mean 7. Without idling the long one goes first: ends
+    # 8 and 9, sojourns 8 and 8.
+    w = workload([0.0, 1.0], [5.0, 1.0], [0, 0])
+    assert swaps.best_mean_s(w, 3.0) == pytest.approx(7.0, abs=1e-9)
+    assert swaps.best_mean_s(w, 3.0, idle=False) == pytest.approx(8.0, abs=1e-9)
+
+
+def test_a_put_off_is_measured_per_stretch_against_the_bound_and_the_request_in_flight() -> None:
+    # fcfs: a0 (0..13 with its load), a1 (13..23), b0 waits from 0 to the switch at 23: 23 s put off.
+    w = workload([0.0, 0.0, 0.0], [10.0, 10.0, 1.0], [0, 0, 1])
+    s = simulate(w, w.service_s, policy="fcfs", switch_s=3.0)
+    # bound 5 s: due at 5 s, a0 in flight until 13 s: allowed 13 s, put off 23 s, 10 s past it
+    assert swaps.put_off_past_bound_s(w, s, 5.0) == pytest.approx((23.0, 10.0), abs=1e-9)
+    # bound 20 s: due at 20 s, a1 in flight until 23 s: allowed 23 s, exactly used
+    assert swaps.put_off_past_bound_s(w, s, 20.0) == pytest.approx((23.0, 0.0), abs=1e-9)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    gaps=st.lists(st.sampled_from([0.0, 0.0, 0.3, 1.0, 4.0, 15.0]), min_size=2, max_size=40),
+    data=st.data(),
+    bound_s=st.sampled_from([2.0, 10.0, 30.0]),
+    rule=st.sampled_from(["weighed", "bound"]),
+)
+def test_no_request_is_put_off_past_the_bound_and_the_request_in_flight(
+    gaps: list[float], data: st.DataObject, bound_s: float, rule: str
+) -> None:
+    n = len(gaps)
+    services = data.draw(st.lists(st.floats(0.05, 20.0), min_size=n, max_size=n))
+    models = data.draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
+    noise = data.draw(st.lists(st.floats(0.25, 4.0), min_size=n, max_size=n))  # predictions off by up to 4x
+    w = workload(np.cumsum(gaps).tolist(), services, models)
+    default = swaps.swap_conditions()[-1]
+    s = simulate(
+        w, np.asarray(services) * np.asarray(noise), policy=default.policy, starvation_timeout_s=default.tau_s,
+        starvation_slowdown=default.slowdown, fair_share=default.fair_share, model_switch_bound_s=bound_s,
+        switch_s=3.0, model_switch_rule=rule,
+    )  # fmt: skip
+    _, past_s = swaps.put_off_past_bound_s(w, s, bound_s)
+    assert past_s <= 1e-9
+
+
+def test_the_default_comes_within_a_tenth_of_the_best_order_on_small_bursts() -> None:
+    fcfs, before, default = swaps.swap_conditions()
+    ratios: dict[str, list[float]] = {c.name: [] for c in (fcfs, before, default)}
+    for seed in range(8):
+        w = swaps.burst_workload(seed, 7, 2)
+        best = swaps.best_mean_s(w, 3.0)
+        for c in (fcfs, before, default):
+            s = simulate(
+                w, w.service_s, policy=c.policy, starvation_timeout_s=c.tau_s, starvation_slowdown=c.slowdown,
+                fair_share=c.fair_share, model_switch_bound_s=c.model_switch_bound_s, switch_s=3.0,
+                model_switch_rule=c.model_switch_rule,
+            )  # fmt: skip
+            ratios[c.name].append(float(s.end_s.mean()) / best)
+    assert np.mean(ratios[default.name]) <= 1.10
+    assert np.mean(ratios[default.name]) < np.mean(ratios[before.name]) < np.mean(ratios[fcfs.name])

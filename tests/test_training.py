@@ -474,3 +474,29 @@ def test_evaluate_reports_transfer_per_model_and_the_baselines(tmp_path: Path) -
     assert card["evaluation"]["model_alpaca_eval_mean_kendall_tau_b"] == s["model"]["alpaca_eval"]["mean_kendall_tau_b"]
     skipped = evaluate_model(model, split=split, baseline_model=None, paper_baseline=False)
     assert "skipped" in skipped["alpaca_eval"] and "alpaca_eval" not in skipped["scorers"]["model"]
+
+
+def test_the_shipped_preset_leaves_answers_cut_at_the_package_limit_out_of_the_fit() -> None:
+    import argparse
+
+    from clairvoyant.tools.training import commands_train
+    from clairvoyant.tools.training.train import RegressorConfig, fit_regressor
+
+    parser = argparse.ArgumentParser()
+    commands_train.add_arguments(parser)
+    assert commands_train._configs(parser.parse_args([]))[1].censored_from_tokens == 760
+    assert commands_train._configs(parser.parse_args(["--censored-from", "900"]))[1].censored_from_tokens == 900
+    assert commands_train._configs(parser.parse_args(["--censored-from", "0"]))[1].censored_from_tokens is None
+    config = RegressorConfig("paper19", 30, 2, 0.3, censored_from_tokens=760)
+    assert config.training_weights(np.array([10, 759, 760, 5000])).tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert RegressorConfig("paper19", 30, 2, 0.3).training_weights(np.array([10, 5000])) is None
+    # rows at the cut carry a wrong label (+3 ln tokens): with weight 0 they do not move the fit
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(400, 19)).astype(np.float32)
+    lengths = np.where(rng.random(400) < 0.3, 770, 100)
+    y = x[:, 0] + np.where(lengths >= 760, 3.0, 0.0)
+    clean = lengths < 760
+    weighted = fit_regressor(x, y, config, threads=1, weights=config.training_weights(lengths))
+    unweighted = fit_regressor(x, y, config, threads=1)
+    assert np.abs(weighted.predict(x[clean]) - x[clean, 0]).mean() < 0.3
+    assert np.abs(unweighted.predict(x[clean]) - x[clean, 0]).mean() > 0.6

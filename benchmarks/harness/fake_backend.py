@@ -68,6 +68,9 @@ class FakeBackend:
                 writer.transport.abort()
             others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             await asyncio.wait(others, timeout=2) if others else None
+            for writer in list(self._writers):  # connections accepted while it was closing
+                writer.transport.abort()
+            await asyncio.sleep(0)  # the sockets close in the callbacks abort() scheduled
 
         loop.run_until_complete(serve())
         loop.close()

@@ -89,11 +89,13 @@ class _Wire:
 class RecordingBackend(FakeBackend):
     """FakeBackend's thread and loop, with a reader that records every request's bytes
     (``received``) and frames it itself. A chat body with ``"model": "hold"`` is answered after
-    ``hold_s`` (to keep a slot busy)."""
+    ``hold_s`` (to keep a slot busy). ``max_kept``: keep only the last requests (a long run;
+    ``mark``/``since`` then count from the ones kept)."""
 
-    def __init__(self, hold_s: float = 2.0, port: int = 0) -> None:
+    def __init__(self, hold_s: float = 2.0, port: int = 0, max_kept: int | None = None) -> None:
         super().__init__(port=port)
         self.hold_s = hold_s
+        self.max_kept = max_kept
         self.received: list[Received] = []
 
     def mark(self) -> int:
@@ -135,6 +137,8 @@ class RecordingBackend(FakeBackend):
             received = Received(bytes(wire.taken), method, target, version, headers, body, framing,
                                 connection, served, time.monotonic())  # fmt: skip
             self.received.append(received)
+            if self.max_kept is not None and len(self.received) > self.max_kept:
+                del self.received[0]
             return received
 
         try:

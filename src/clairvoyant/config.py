@@ -42,6 +42,7 @@ __all__ = [
     "ENV_PREFIX",
     "Settings",
     "load_settings",
+    "read_api_keys_file",
     "settings_reference_markdown",
     "unknown_environment_variables",
 ]
@@ -222,9 +223,10 @@ class Settings(BaseSettings):
         30.0,
         ge=0,
         description="Model affinity, seconds: a backend that loads models on demand (Ollama, llama-swap) serves the "
-        "model it holds while no request for another model has been put off this long (waiting since it arrived, or "
-        "since the backend's last switch), then switches to the model put off longest; a request for a model not held "
-        "is charged its learned load. 0 = off (switching counted as free); fcfs ignores it. See docs/scheduling.md.",
+        "model it holds while that is worth more than a load (predicted seconds of what waits, on both sides) and no "
+        "request for another model has been put off this long (waiting since it arrived, or since the backend's last "
+        "switch), then switches to the model put off longest; a request for a model not held is charged its learned "
+        "load. 0 = off (switching counted as free); fcfs ignores it. See docs/scheduling.md.",
     )
     tenant_header: str = Field(
         "X-Clairvoyant-Tenant", description="Request header naming the tenant (absent = the default tenant)."
@@ -330,6 +332,11 @@ class Settings(BaseSettings):
         description="Client API keys as [[api_keys]] tables (hash, tenant, min_priority, max_priority, weight); "
         "none = no authentication (the localhost default). Make one with `clairvoyant keys add`.",
     )
+    api_keys_file: Path | None = Field(
+        None,
+        description="A TOML file holding only [[api_keys]] tables, which `clairvoyant keys add` appends to; its keys "
+        "join api_keys. Read again on SIGHUP. In the config file, a relative path is from the file's folder.",
+    )
     tenants: list[Tenant] = Field(
         default_factory=list,
         description="Tenants named by the tenant header, as [[tenants]] tables (name, weight, max_concurrent, "
@@ -352,7 +359,12 @@ class Settings(BaseSettings):
         description="X-Clairvoyant-Supersede also aborts a running request with the same key (as a client that "
         "left would), not only a waiting one.",
     )
-    status_requires_key: bool = Field(False, description="With api_keys: /queue, /metrics and /ui need a key too.")
+    status_requires_key: bool = Field(
+        False,
+        description="With api_keys: the proxy's data (GET /queue, /queue/{id}, /metrics and /history) needs a key too. "
+        "/healthz, /readyz and the live page's files (/ui, /ui/) stay open: they hold no data, and the page asks "
+        "for the key.",
+    )
     forward_client_key: bool = Field(
         False, description="With api_keys: forward the client's Authorization / X-Api-Key header to the backend."
     )
@@ -414,6 +426,17 @@ class Settings(BaseSettings):
     )
 
     _check_url = field_validator("upstream_url")(http_url)
+
+    @model_validator(mode="after")
+    def _add_keys_from_file(self) -> Settings:
+        """The keys of ``api_keys_file`` after those of ``api_keys`` (an entry already there, as in a
+        copy of settings that read the file, is not added twice)."""
+        if self.api_keys_file is not None:
+            self.api_keys = [
+                *self.api_keys,
+                *(k for k in read_api_keys_file(self.api_keys_file) if k not in self.api_keys),
+            ]
+        return self
 
     @model_validator(mode="after")
     def _check_priority_range(self) -> Settings:
@@ -575,6 +598,50 @@ def _environment_name(name: str) -> str | None:
     return next((key for key in os.environ if key.upper() == wanted), None)
 
 
+def read_api_keys_file(path: Path) -> list[ApiKey]:
+    """The ``[[api_keys]]`` tables of an ``api_keys_file``: a file of keys and nothing else, so that
+    appending to it (``clairvoyant keys add >> FILE``) never puts a setting inside a table."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"api_keys_file {path} cannot be read: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"api_keys_file {path} is not valid TOML: {exc}") from None
+    others = sorted(set(data) - {"api_keys"})
+    if others:
+        raise ValueError(f"api_keys_file {path} holds {others[0]!r}: it may hold only [[api_keys]] tables")
+    keys = []
+    for number, entry in enumerate(data.get("api_keys", []), start=1):
+        try:
+            keys.append(ApiKey.model_validate(entry))
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'entry'}: {e['msg']}" for e in exc.errors())
+            raise ValueError(f"api_keys_file {path}, [[api_keys]] table {number}: {problems}") from None
+    return keys
+
+
+# The arrays of tables a config file may hold, by setting, with the model of one table.
+_TABLE_MODELS: dict[str, type[BaseModel]] = {"api_keys": ApiKey, "tenants": Tenant, "backends": BackendConfig}
+
+
+def _settings_inside_tables(path: Path, data: Mapping[str, Any]) -> list[str]:
+    """One message per setting that sits inside a ``[[table]]``: TOML gives every line after a
+    table header to that table, so a setting appended to a file that ends with one lands in it."""
+    messages = []
+    for name, model in _TABLE_MODELS.items():
+        entries = data.get(name)
+        tables = [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+        hint = "; keep the keys in api_keys_file, which `clairvoyant keys add` appends to" if name == "api_keys" else ""
+        for key in sorted(
+            {k for table in tables for k in table if k in Settings.model_fields} - set(model.model_fields)
+        ):
+            messages.append(
+                f"config file {path}: the setting {key!r} is inside a [[{name}]] table (a line after a table's "
+                f"header belongs to the table): move it above the first [[...]] header{hint}"
+            )
+    return messages
+
+
 class ConfigFileSource(TomlConfigSettingsSource):
     """The TOML config file: pydantic-settings' TOML source, made strict. A missing file, invalid
     TOML or an unknown key raises ``ConfigError`` naming the file (and the closest valid key); a
@@ -590,6 +657,11 @@ class ConfigFileSource(TomlConfigSettingsSource):
             data = super()._read_file(file_path)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {file_path} is not valid TOML: {exc}") from None
+        stray = _settings_inside_tables(Path(str(file_path)), data)
+        if stray:
+            raise ConfigError("; ".join(stray))
+        if isinstance(data.get("api_keys_file"), str):  # relative to the file that names it, not the working folder
+            data["api_keys_file"] = str(Path(str(file_path)).parent / data["api_keys_file"])
         for key in sorted(set(data) & set(RETIRED_SETTINGS)):
             logger.warning("config file %s: %s has no effect any more (%s)", file_path, key, RETIRED_SETTINGS[key])
             del data[key]
@@ -624,7 +696,10 @@ def _describe(error: ValidationError, flags: Mapping[str, Any], config_file: Con
     lines = []
     for item in error.errors():
         field = ".".join(str(p) for p in item["loc"]) or "settings"
-        top = str(item["loc"][0]) if item["loc"] else ""
+        named = str(item["msg"]).removeprefix("Value error, ").split(" ", 1)[0]
+        if not item["loc"] and named in Settings.model_fields:  # a check of one setting made once all were read
+            field = named
+        top = field.split(".", 1)[0]
         origin = _origin(top, flags, config_file) if top in Settings.model_fields else "the combination of settings"
         lines.append(f"invalid setting {field} ({origin}): {item['msg']}")
     return "; ".join(lines)

@@ -115,6 +115,14 @@ class MethodNotAllowed(RequestError):
     error_type = "invalid_request_error"
     code = "method_not_allowed"
 
+    def __init__(self, message: str, *, allow: str) -> None:
+        super().__init__(message)
+        self.allow = allow  # the methods the path takes (RFC 9110 15.5.6: a 405 carries Allow)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Allow": self.allow}
+
 
 class RequestTimeout(RequestError):
     status_code = 408

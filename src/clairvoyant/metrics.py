@@ -111,6 +111,9 @@ class Metrics:
         "its body).")
     client_disconnects: Counter = family("clairvoyant_client_disconnects", "stage",
         help="Clients that left before their answer ended, by stage.")
+    request_status: Counter = family("clairvoyant_request_status_changes", "status",
+        help="Scheduled requests' changes of status, by the status entered (waiting, dispatched, streaming, "
+        "holding, and each way a request ends: completed, refused, expired, client_left_queued, ...).")
     # Per tenant (configured tenants by name; any other "other", none "none": bounded).
     tenant_requests: Counter = family("clairvoyant_tenant_requests", "tenant",
         help="Scheduled requests admitted past the tenant's limits, by tenant.")
@@ -154,6 +157,13 @@ class Metrics:
         "has been turning over faster than the encoder answers; one a second still is), dropped (the encoder's queue "
         "was full), failed. Completed requests encoded for the online learner: learning, or learning_dropped (over "
         "its share of the encoder's time; the learner counts the request for its quality figures only).")
+    # What a long-lived process holds, read at each scrape: a figure that only grows is a leak.
+    event_loop_tasks: Gauge = family("clairvoyant_event_loop_tasks",
+        help="Tasks alive on the proxy's event loop (requests, loops, checks).")
+    retained_entries: Gauge = family("clairvoyant_retained_entries", "structure",
+        help="Entries the proxy's structures hold, by structure (queues, fair-share tenants, model groups, history "
+        "rings, tenants' limit windows, the learner's pending observations); each is bounded by the requests in "
+        "the system or by a fixed size.")
     # fmt: on
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -174,6 +184,7 @@ class Metrics:
         self.known_tenants: frozenset[str] = frozenset()
         self.usage_by_source = {s: self.usage_observations.labels(s) for s in get_args(UsageSource)}
         self._quality_gauges: dict[str, tuple[Any, Any, Any]] = {}  # model key -> its 3 gauges
+        self._retained_published: set[str] = set()  # structures given a retained_entries series
         self._learner_totals = (0, 0)  # refits and dropped observations published so far
 
     def tenant(self, name: str) -> str:
@@ -224,6 +235,16 @@ class Metrics:
         self.learner_refits.inc(max(0, refits - published_refits))
         self.learner_dropped.inc(max(0, dropped - published_dropped))
         self._learner_totals = (max(refits, published_refits), max(dropped, published_dropped))
+
+    def set_retained(self, tasks: int, retained: Mapping[str, int]) -> None:
+        """Publish the event loop's task count and the structures' sizes (names fixed in the code:
+        bounded). A structure not reported now (its parts are gone: no tenant, no model group) is 0."""
+        self.event_loop_tasks.set(tasks)
+        for structure in self._retained_published - retained.keys():
+            self.retained_entries.labels(structure).set(0)
+        for structure, entries in retained.items():
+            self.retained_entries.labels(structure).set(entries)
+        self._retained_published |= retained.keys()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

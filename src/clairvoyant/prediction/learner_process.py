@@ -297,6 +297,15 @@ class LearnerProcess:
         """Whether a worker is up, as last seen (a death is noticed at the next call)."""
         return self._pool is not None
 
+    def retained(self) -> dict[str, int]:
+        """Entries held on the proxy's side: model keys, kNN memories, observations not yet learned."""
+        return {
+            "learner_models": len(self._keys),
+            "learner_knn_memories": len(self._knn),
+            "learner_unsent": len(self._batch),
+            "learner_in_flight": self._in_flight,
+        }
+
     # -- life ------------------------------------------------------------------------------------
     async def start(self, timeout_s: float = 60.0) -> bool:
         """Start the worker and wait until it has loaded the state file. False (logged) if it could

@@ -61,9 +61,12 @@ __all__ = [
     "OnnxPredictor",
     "Prediction",
     "Predictor",
+    "SESSION_PROVIDERS",
     "card_path_for",
     "load_card",
     "log_tokens",
+    "pinned_session_options",
+    "single_threaded_session",
 ]
 
 # The shipped model: model/predictor.onnx at the top of the source tree. src/clairvoyant/model links
@@ -433,7 +436,7 @@ def _bound_runner(session: Any, binding: Any) -> Callable[[], None]:
     when this onnxruntime has it (``_sess``, ``_iobinding``), and the public method otherwise.
 
     Either way it is given one ``RunOptions``, made here: called without, onnxruntime builds default
-    run options on every call, which cost 1.2-3.4 us of a 5-12 us run on an AVX2 EPYC (the two
+    run options on every call, which cost 1.2-3.4 us of a 5-12 us run on an AMD EPYC (the two
     alternated call by call). These are the same defaults, so the outputs are the same.
     """
     import onnxruntime as ort
@@ -446,6 +449,27 @@ def _bound_runner(session: Any, binding: Any) -> Callable[[], None]:
     return functools.partial(run, c_binding, options)
 
 
+SESSION_PROVIDERS = ("CPUExecutionProvider",)  # never a GPU or another provider that a wheel happens to bring
+
+
+def pinned_session_options() -> Any:
+    """The options of every serving session, each one that can change what a model gives pinned
+    (docs/operations.md, "What can differ across CPUs"): one thread and sequential execution (one
+    order of every reduction), every graph optimisation (the same fused kernels whatever the
+    library's default), deterministic compute, and denormals kept. What stays free is the
+    instruction set: ONNX Runtime picks its kernels from the CPU, and no option chooses them."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.use_deterministic_compute = True
+    options.add_session_config_entry("session.set_denormal_as_zero", "0")
+    return options
+
+
 def single_threaded_session(path: Path, what: str, content: bytes | None = None) -> Any:
     """An onnxruntime session on one thread, sequential, fully optimised. One thread on purpose:
     the backend generates on the same cores, and a thread pool per call turns a 0.05 ms median into
@@ -454,14 +478,9 @@ def single_threaded_session(path: Path, what: str, content: bytes | None = None)
     reading the file again."""
     import onnxruntime as ort
 
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.inter_op_num_threads = 1
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     try:
         model = str(path) if content is None else content
-        return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(model, pinned_session_options(), providers=list(SESSION_PROVIDERS))
     except Exception as exc:  # onnxruntime raises its own untyped errors
         raise ModelError(f"cannot load {what} {path}: {exc}") from exc
 

@@ -52,11 +52,11 @@ from clairvoyant.prediction.predictor import OnnxPredictor, Predictor
 from clairvoyant.proxy.access import LOOPBACK_HOSTS, AccessControl, Denied, Identity
 from clairvoyant.proxy.body import BodyBudget, check_framing, declared_length, read_body
 from clairvoyant.proxy.feedback import OnlineLearning
-from clairvoyant.proxy.history import History, history_now, record_periodically
+from clairvoyant.proxy.history import History, history_now, live_view, record_periodically
 from clairvoyant.proxy.limits import TenantLimits
 from clairvoyant.proxy.pool import BackendPool, merge_model_lists
-from clairvoyant.proxy.relay import Receive, Relay, Responder, Send, UpstreamRequest, relay_unscheduled
-from clairvoyant.proxy.scheduled import Scheduling, SupersedeKeys, admit_scheduled
+from clairvoyant.proxy.relay import PassThrough, Receive, Relay, Responder, Send, UpstreamRequest, relay_unscheduled
+from clairvoyant.proxy.scheduled import Arrival, Scheduling, SupersedeKeys, admit_scheduled
 from clairvoyant.proxy.target import Target, check_head_size, check_host, check_target, http_version
 from clairvoyant.proxy.transport import Transport
 from clairvoyant.proxy.upstream import Upstream, forwardable_headers
@@ -72,6 +72,8 @@ logger = logging.getLogger(__name__)
 UI_DIR = Path(__file__).with_name("ui")
 PASSTHROUGH_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 _ALLOW = ", ".join(sorted(PASSTHROUGH_METHODS)).encode()
+SCHEDULED_METHODS = frozenset({"POST", "OPTIONS"})  # on the scheduled paths: POST is scheduled, OPTIONS passes
+_SCHEDULED_ALLOW = ", ".join(sorted(SCHEDULED_METHODS))
 _OWN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/queue", "/history", "/ui"})
 MODEL_LISTINGS = frozenset({"/api/tags", "/v1/models"})  # merged across a pool
 MODEL_SNIFF_MAX_BYTES = 64 * 1024  # a pass-through body larger than this is not searched for its model
@@ -92,6 +94,17 @@ class ProxyState:
     scheduling: Scheduling  # what every scheduled request shares
     limits: TenantLimits  # tenants' use against their limits
     history: History  # the last 15 minutes, for the live page's charts
+
+    def retained(self) -> dict[str, int]:
+        """Entries every long-lived structure holds (the gauge ``clairvoyant_retained_entries``)."""
+        learner = self.learning.learner
+        return {
+            **self.dispatcher.retained(),
+            **self.limits.retained(),
+            **self.history.retained(),
+            **self.scheduling.supersede.retained(),
+            **({} if learner is None else learner.retained()),
+        }
 
 
 def _load_encoder(settings: Settings, predictor: Predictor) -> EncoderModel | None:
@@ -302,7 +315,9 @@ def _add_own_endpoints(api: FastAPI, proxy: ProxyApp) -> None:
 
     @api.get("/metrics")
     async def metrics_endpoint() -> Response:
-        await proxy.state.learning.refresh_quality()
+        state = proxy.state
+        await state.learning.refresh_quality()
+        metrics.set_retained(len(asyncio.all_tasks()), state.retained())
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/queue")
@@ -310,7 +325,8 @@ def _add_own_endpoints(api: FastAPI, proxy: ProxyApp) -> None:
         """``limit``: list only the first waiting requests (the live page asks for 100; the
         counts and the tail's ETA still cover the whole queue)."""
         state = proxy.state
-        return JSONResponse({**state.dispatcher.snapshot(limit), "tenants": state.limits.snapshot()})
+        view = live_view(state.dispatcher, state.limits, limit)
+        return Response(view.model_dump_json(), media_type="application/json")
 
     @api.get("/history")
     async def history_endpoint() -> Response:
@@ -396,12 +412,17 @@ class ProxyApp:
                 await self.api(scope, receive, out.tracked)
                 return
             identity, headers = self.access.admit(method, path, scope["headers"])
+            if path in SCHEDULED_ENDPOINTS and method not in SCHEDULED_METHODS:
+                # Every backend answers a completion path only to POST; a GET (or PUT, ...) passed
+                # through would get the backend's 404. OPTIONS still passes: the backend answers
+                # a browser's CORS preflight.
+                raise MethodNotAllowed(f"{path} takes POST, not {method}", allow=_SCHEDULED_ALLOW)
             if method == "POST" and path in SCHEDULED_ENDPOINTS:
                 await self._scheduled(target, identity, headers, receive, out)
             elif method in PASSTHROUGH_METHODS:
                 await self._passthrough(method, target, headers, receive, out)
             else:
-                raise MethodNotAllowed(f"{method} is not served here")
+                raise MethodNotAllowed(f"{method} is not served here", allow=_ALLOW.decode())
         except Denied as denied:
             self._reject(method, scope, denied.error, denied.outcome)
             await out.error(dialect, denied.error)
@@ -413,7 +434,7 @@ class ProxyApp:
             self._reject(
                 method, scope, error, "client_timeout" if isinstance(error, RequestTimeout) else error.code or "error"
             )
-            await out.error(dialect, error, [(b"allow", _ALLOW)] if isinstance(error, MethodNotAllowed) else [])
+            await out.error(dialect, error)
         except Exception:  # a bug: logged, answered if nothing was sent yet; the proxy goes on
             logger.exception("unexpected error on %s %s", method, scope["path"])
             internal = RequestError("internal error in the proxy")
@@ -455,10 +476,11 @@ class ProxyApp:
             dispatcher.check_room()
             body, held_bytes = await self._read(headers, receive)
             forward, authorization, own = forwardable_headers(headers, state.scheduling.own_headers)
-            request = admit_scheduled(
-                state.scheduling, SCHEDULED_ENDPOINTS[target.path], target.raw_path + _query(target), forward,
-                authorization, own, body, identity, tenant, out,
+            arrival = Arrival(
+                SCHEDULED_ENDPOINTS[target.path], target.raw_path + _query(target), forward, authorization, own, body,
+                identity, tenant,
             )  # fmt: skip
+            request = admit_scheduled(state.scheduling, arrival, out)
             await request.serve(receive)
         finally:
             state.limits.release(tenant)
@@ -476,30 +498,21 @@ class ProxyApp:
             path = target.path
             request = UpstreamRequest(
                 method, target.raw_path + _query(target), forward, body, dialect_of_path(path),
-                authorization=authorization,
+                authorization=authorization, wait_s=self.settings.backend_wait_s,
             )  # fmt: skip
             pool = state.pool
-            wait_s = self.settings.backend_wait_s
             if len(pool) > 1 and method == "GET" and path in MODEL_LISTINGS:
                 await self._merged_listing(pool, request, out)
                 return
             if len(pool) == 1:
-                relay = Relay(pool.first, request, self.metrics, backend_wait_s=wait_s)
+                passing = PassThrough()
+                relay = Relay(pool.first, request, self.metrics, passing, passing)
             else:
                 # To a backend serving the model the body names (Ollama's show, embeddings), or to
                 # the first healthy backend; a refused connection tries the next.
                 order = pool.passthrough_order(_model_named(body))
-                tried: list[Upstream] = []
-
-                async def failover(refused: Upstream) -> Upstream | None:
-                    pool.refused(refused)
-                    tried.append(refused)
-                    return next((u for u in order if u not in tried), None)
-
-                relay = Relay(
-                    order[0], request, self.metrics, backend_wait_s=wait_s, failover=failover,
-                    on_answered=pool.answered, on_broken=pool.broken,
-                )  # fmt: skip
+                passing = PassThrough(pool, order)
+                relay = Relay(order[0], request, self.metrics, passing, passing)
             await relay_unscheduled(relay, out, receive, self.metrics)
         finally:
             self.body_budget.give_back(held_bytes)
@@ -508,7 +521,7 @@ class ProxyApp:
             if relay is not None and REQUEST_LOG.isEnabledFor(logging.INFO):
                 log_request({
                     "request_id": _request_id(headers), "method": method, "path": target.path,
-                    "status": relay.status or "client_closed", "outcome": "passthrough_" + relay.outcome.value,
+                    "status": relay.status or "client_closed", "outcome": "passthrough_" + relay.record.status.outcome,
                 })  # fmt: skip
 
     async def _merged_listing(self, pool: BackendPool, request: UpstreamRequest, out: Responder) -> None:

@@ -1,4 +1,4 @@
-"""The live page's memory: the last 15 minutes of the queue, sampled from the dispatcher's snapshot.
+"""The live page's memory: the last 15 minutes of the queue, sampled from the queue's view (``QueueView``).
 
 /queue shows the present; /history shows what led to it, for the live page's charts, even when the
 page was opened a moment ago. A background task (``record_periodically``) reads the dispatcher's
@@ -35,8 +35,9 @@ from typing import Any
 from clairvoyant.prediction.length_classes import CLASS_NAMES
 from clairvoyant.proxy.limits import TenantLimits
 from clairvoyant.scheduling.dispatcher import Dispatcher
+from clairvoyant.scheduling.queue_view import FinishedView, QueueView, queue_view
 
-__all__ = ["History", "history_now", "live_snapshot", "record_periodically"]
+__all__ = ["History", "history_now", "live_view", "record_periodically"]
 
 SAMPLE_INTERVAL_S = 2.0
 MAX_LOOP_SHARE = 0.02  # sampling takes at most this share of the event loop (a long queue's ETAs cost ms)
@@ -46,8 +47,6 @@ ANSWERS = 200
 MAX_TENANTS = 8
 WAITS_PER_BUCKET = 256  # per class or tenant and bucket; beyond, an even sample (reservoir)
 OTHER_TENANTS = "(other)"
-
-Snapshot = Mapping[str, Any]  # /queue's body: Dispatcher.snapshot() plus "tenants"
 
 
 @dataclass(slots=True)
@@ -97,9 +96,9 @@ def _finite(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
 
 
-def _identity(entry: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What tells a finished request from the others, the same in every snapshot that lists it."""
-    return (entry.get("request_id"), entry.get("outcome"), entry.get("waited_s"), entry.get("service_s"))
+def _identity(entry: FinishedView) -> tuple[Any, ...]:
+    """What tells a finished request from the others, the same in every view that lists it."""
+    return (entry.request_id, entry.outcome, entry.waited_s, entry.service_s)
 
 
 def _ms(value: float | None) -> float | None:
@@ -107,7 +106,7 @@ def _ms(value: float | None) -> float | None:
 
 
 class History:
-    """The rings described in the module docstring. ``sample`` and ``observe`` take a snapshot
+    """The rings described in the module docstring. ``sample`` and ``observe`` take a view
     and the dispatcher clock's reading it was taken at; ``view`` is /history's body."""
 
     def __init__(
@@ -134,56 +133,62 @@ class History:
         self._first_s: float | None = None
         self._rng = random.Random(0)
 
+    def retained(self) -> dict[str, int]:
+        """Entries held, by ring (each bounded by the window or a fixed size)."""
+        return {
+            "history_points": len(self._points),
+            "history_answers": len(self._answers),
+            "history_wait_series": sum(len(bucket) for bucket in self._waits.values()),
+            "history_recent_seen": len(self._last_recent),
+            "history_tenants": len(self._charted),
+        }
+
     # -- recording ---------------------------------------------------------------------------
-    def sample(self, snapshot: Snapshot, now_s: float) -> None:
+    def sample(self, snapshot: QueueView, now_s: float) -> None:
         """Record the snapshot's finished requests (``observe``) and one point of the series."""
         self.observe(snapshot, now_s)
         self._points.append(self._point(snapshot, now_s))
 
-    def observe(self, snapshot: Snapshot, now_s: float) -> None:
+    def observe(self, snapshot: QueueView, now_s: float) -> None:
         """Record the finished requests of the snapshot's ``recent`` list not recorded yet (the
         list is the dispatcher's last ones: one recorded before is in the previous snapshot's
         list), and keep its tenants' limits and use."""
         if self._first_s is None:
             self._first_s = now_s
-        tenants = snapshot.get("tenants")
-        if tenants is not None:
-            self._tenants = tenants
-            # Tenants with limits get their own series first (the snapshot lists them from the start).
-            for name in sorted(tenants, key=lambda t: not tenants[t].get("limits")):
-                self._chart(name)
+        tenants = self._tenants = snapshot.tenants
+        # Tenants with limits get their own series first (the view lists them from the start).
+        for name in sorted(tenants, key=lambda t: not tenants[t].get("limits")):
+            self._chart(name)
         seen = self._last_recent
         current = set()
-        for entry in reversed(snapshot.get("recent", ())):  # oldest first
+        for entry in reversed(snapshot.recent):  # oldest first
             identity = _identity(entry)
             current.add(identity)
             if identity not in seen:
-                self._record(entry, now_s - float(entry.get("ended_ago_s") or 0.0))
+                self._record(entry, now_s - (entry.ended_ago_s or 0.0))
         self._last_recent = current
         self._prune(now_s)
 
-    def _record(self, entry: Mapping[str, Any], end_s: float) -> None:
-        waited_s = _finite(entry.get("waited_s"))
+    def _record(self, entry: FinishedView, end_s: float) -> None:
+        waited_s = _finite(entry.waited_s)
         if waited_s is not None:
-            wait_end_s = end_s - (_finite(entry.get("service_s")) or 0.0)
+            wait_end_s = end_s - (_finite(entry.service_s) or 0.0)
             if self._first_s is None or wait_end_s < self._first_s:  # the record reaches back to it
                 self._first_s = wait_end_s
             bucket = self._waits.setdefault(math.floor(wait_end_s / self.bucket_s), {})
             for key in (
-                ("class", str(entry.get("predicted_class"))),
-                ("tenant", self._chart(entry.get("tenant") or "")),
+                ("class", str(entry.predicted_class)),
+                ("tenant", self._chart(entry.tenant or "")),
             ):
                 waits = bucket.get(key)
                 if waits is None:
                     waits = bucket[key] = _Waits()
                 waits.add(waited_s, self._rng)
-        output_tokens = entry.get("output_tokens")
-        predicted_tokens = _finite(entry.get("predicted_tokens"))
-        if entry.get("outcome") == "completed" and isinstance(output_tokens, int) and predicted_tokens is not None:
+        output_tokens = entry.output_tokens
+        predicted_tokens = _finite(entry.predicted_tokens)
+        if entry.outcome == "completed" and output_tokens is not None and predicted_tokens is not None:
             self._answers.append(
-                _Answer(
-                    end_s, entry.get("model") or "", str(entry.get("predicted_class")), predicted_tokens, output_tokens
-                )
+                _Answer(end_s, entry.model or "", str(entry.predicted_class), predicted_tokens, output_tokens)
             )
 
     def _chart(self, tenant: str) -> str:
@@ -195,16 +200,16 @@ class History:
             return tenant
         return OTHER_TENANTS
 
-    def _point(self, snapshot: Snapshot, now_s: float) -> _Point:
+    def _point(self, snapshot: QueueView, now_s: float) -> _Point:
         tenants: dict[str, tuple[int, int]] = {}
-        for name, use in (snapshot.get("tenants") or {}).items():
+        for name, use in snapshot.tenants.items():
             key = self._chart(name)
             in_system, last_minute = tenants.get(key, (0, 0))
             tenants[key] = (
                 in_system + int(use.get("in_system", 0)),
                 last_minute + int(use.get("requests_last_minute", 0)),
             )
-        return _Point(now_s, int(snapshot.get("waiting_count", 0)), len(snapshot.get("in_flight", ())), tenants)
+        return _Point(now_s, snapshot.waiting_count, len(snapshot.in_flight), tenants)
 
     def _prune(self, now_s: float) -> None:
         cutoff_s = now_s - self.window_s
@@ -214,7 +219,7 @@ class History:
             del self._waits[index]
 
     # -- the view ----------------------------------------------------------------------------
-    def view(self, now_s: float, live: Snapshot | None = None) -> dict[str, Any]:
+    def view(self, now_s: float, live: QueueView | None = None) -> dict[str, Any]:
         """/history's body at ``now_s``: everything within the window, as seconds ago, oldest
         first; ``live`` (a snapshot taken now) adds the present as the series' last point."""
         self._prune(now_s)
@@ -227,7 +232,7 @@ class History:
             {name for b in self._waits.values() for kind, name in b if kind == "class"} - set(CLASS_NAMES)
         )
         tenants = self._charted + ([OTHER_TENANTS] if self._uses_other(points) else [])
-        current = live.get("tenants") if live is not None else None
+        current = live.tenants if live is not None else None
         return {
             "window_s": self.window_s,
             "interval_s": self.interval_s,
@@ -300,16 +305,19 @@ class History:
         }
 
 
-def live_snapshot(dispatcher: Dispatcher, limits: TenantLimits) -> dict[str, Any]:
-    """What a sample reads: /queue's body without the list of waiting requests (their count stays)."""
-    return {**dispatcher.snapshot(0), "tenants": limits.snapshot()}
+def live_view(dispatcher: Dispatcher, limits: TenantLimits, limit: int | None = 0) -> QueueView:
+    """/queue's body: the queue's view with its tenants' limits and use. A sample reads it without
+    the list of waiting requests (``limit`` 0: their count stays)."""
+    view = queue_view(dispatcher, limit)
+    view.tenants = limits.snapshot()
+    return view
 
 
 def history_now(history: History, dispatcher: Dispatcher, limits: TenantLimits) -> dict[str, Any]:
     """/history's body: the record so far, brought up to the present (its finished requests, and
     the present as the series' last point)."""
     now_s = dispatcher.clock.now()
-    live = live_snapshot(dispatcher, limits)
+    live = live_view(dispatcher, limits)
     history.observe(live, now_s)
     return history.view(now_s, live)
 
@@ -322,6 +330,6 @@ async def record_periodically(
     one takes longer than ``MAX_LOOP_SHARE`` of the interval, the next waits longer."""
     while True:
         started_s = time.perf_counter()
-        history.sample(live_snapshot(dispatcher, limits), dispatcher.clock.now())
+        history.sample(live_view(dispatcher, limits), dispatcher.clock.now())
         took_s = time.perf_counter() - started_s
         await asyncio.sleep(max(interval_s, took_s / MAX_LOOP_SHARE))

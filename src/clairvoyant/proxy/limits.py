@@ -15,7 +15,9 @@ endpoints, the live page and pass-through paths are never refused for a tenant's
 
 The window and the day's tokens survive a restart in a state file (``learner_state_path``'s
 stem + ``.limits.json``) when the learner's state is kept; otherwise they live in memory only.
-Counts are kept by tenant name, so they survive a reload of the keys too.
+Counts are kept by tenant name, so they survive a reload of the keys too. A tenant header can
+name any tenant: of the tenants without limits, only the ``MAX_UNLIMITED_TENANTS`` seen last are
+kept (those with requests in the system always), so a stream of new names cannot grow the process.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ __all__ = ["TenantLimits"]
 logger = logging.getLogger(__name__)
 
 WINDOW_S = 60.0  # requests_per_minute's sliding window
+MAX_UNLIMITED_TENANTS = 1024  # tenants without limits whose counts are kept, at most (the ones seen last)
 DAY_S = 86_400
 
 
@@ -71,7 +74,19 @@ class TenantLimits:
         use = self._use.get(tenant)
         if use is None:
             use = self._use[tenant] = _Use()
+            if len(self._use) > len(self.limits) + MAX_UNLIMITED_TENANTS:
+                self._forget_idle()
         return use
+
+    def _forget_idle(self) -> None:
+        """Drop the counts of tenants without limits and with nothing in the system, the longest
+        unseen first, down to 3/4 of the bound (so that dropping is rare: O(1) a request, amortised)."""
+        keep = len(self.limits) + MAX_UNLIMITED_TENANTS * 3 // 4
+        for tenant, use in list(self._use.items()):
+            if len(self._use) <= keep:
+                return
+            if use.in_system == 0 and tenant not in self.limits:
+                del self._use[tenant]
 
     def _roll(self, now_s: float) -> None:
         day = _utc_day(now_s)
@@ -85,6 +100,8 @@ class TenantLimits:
         ``free_in_s``: predicted seconds until one of the tenant's requests ends (for Retry-After)."""
         limits = self.limits.get(tenant)
         use = self._of(tenant)
+        if limits is None:  # the last seen go last when counts are dropped (``_forget_idle``)
+            self._use[tenant] = self._use.pop(tenant)
         now_s = self._wall()
         if limits is not None:
             self._roll(now_s)
@@ -122,6 +139,13 @@ class TenantLimits:
     def reload(self, limits: Mapping[str, Limits]) -> None:
         """New limits (the keys were reloaded); the counts stay."""
         self.limits = dict(limits)
+
+    def retained(self) -> dict[str, int]:
+        """Entries held: tenants counted, and admissions kept in their windows."""
+        return {
+            "limit_tenants": len(self._use),
+            "limit_window_entries": sum(len(use.admitted_s) for use in self._use.values()),
+        }
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """Each tenant seen, or bounded: its limits and its use against them (for /queue)."""

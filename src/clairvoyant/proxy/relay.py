@@ -17,7 +17,7 @@ one final error event in the dialect's framing (SSE or NDJSON), or cuts a plain 
 server closes the connection without the body's end).
 
 A completed 2xx answer is read by a ``UsageTap`` as it passes, without buffering: its ``Usage``
-(what the backend really produced) goes to ``on_usage``.
+(what the backend really produced) goes to the request's ``RelayHooks.usage``.
 """
 
 from __future__ import annotations
@@ -26,44 +26,31 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 from clairvoyant.errors import RequestError, UpstreamNotReady, UpstreamTimeout, UpstreamUnavailable
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.dialects import Dialect, error_body, stream_error_event
 from clairvoyant.prediction.usage import Usage, UsageTap
 from clairvoyant.proxy.upstream import Headers, Upstream, UpstreamResponse, header, response_headers
+from clairvoyant.scheduling.request import RequestStatus
 
 __all__ = [
-    "Outcome", "Receive", "Relay", "Responder", "Send", "UpstreamRequest", "disconnected", "error_headers",
-    "relay_unscheduled",
+    "PassThrough", "Receive", "Record", "Relay", "RelayHooks", "Responder", "Send", "UpstreamRequest", "disconnected",
+    "error_headers", "relay_unscheduled",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
+# Seconds before a request the backend answered 503 is sent again, doubling up to the maximum
+# (within backend_wait_s): 0.25, 0.5, 1, 2, 2, ...
+RESEND_AFTER_503_S = 0.25
+RESEND_AFTER_503_MAX_S = 2.0
+
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-
-
-class Outcome(str, Enum):
-    """How a request ended, as its log line and /queue's timeline say it."""
-
-    PENDING = "pending"
-    COMPLETED = "completed"
-    REFUSED = "refused"  # answered by the proxy itself (shutting down, queue deadline, superseded)
-    UPSTREAM_ERROR = "upstream_error"  # the backend failed before its answer began
-    UPSTREAM_ERROR_MID_BODY = "upstream_error_mid_body"
-    CLIENT_LEFT_QUEUED = "client_left_queued"  # withdrawn before anything was sent
-    CLIENT_LEFT_BEFORE_SEND = "client_left_before_send"  # left while the backend was waited for
-    CLIENT_LEFT_STREAMING = "client_left_streaming"  # left while the answer was relayed
-    CLIENT_LEFT_WATCHING = "client_left_watching"  # left; the slot is held until the backend is idle
-    SHUTDOWN = "shutdown"  # the shutdown's grace period ended the answer
-    SUPERSEDED = "superseded"  # a newer request with its X-Clairvoyant-Supersede key replaced it
-    GENERATION_LIMIT = "generation_limit"  # it ran longer than max_generation_s
-    INTERNAL_ERROR = "internal_error"
 
 
 @dataclass(slots=True)
@@ -77,6 +64,95 @@ class UpstreamRequest:
     dialect: Dialect
     close_connection: bool = False  # ask the backend to close after answering (llama.cpp streams)
     authorization: str | None = None  # the client's Authorization value, if any (see Upstream.open)
+    model: str | None = None  # the model the request named (its usage falls back to it)
+    wait_s: float = 0.0  # seconds a not-yet-sent request waits for a backend that is down
+    retry_unavailable: bool = False  # also wait and resend when the backend answers 503 (scheduled requests)
+
+
+class Record(Protocol):
+    """The request a relay answers, as the relay reads it: its status (``RequestStatus``)."""
+
+    status: RequestStatus
+
+
+class RelayHooks(Protocol):
+    """What a relay tells the request it answers, and asks of it (the defaults: a request that
+    needs none of it)."""
+
+    reads_usage: bool = False  # a 2xx answer's usage is read as it passes (``usage`` gets it)
+
+    def move(self, status: RequestStatus) -> bool:
+        """The request's status changes (the one way a relay changes it); False if it had ended."""
+        ...
+
+    def own_headers(self) -> list[tuple[bytes, bytes]]:
+        """The proxy's own headers for the answer."""
+        return []
+
+    def first_byte(self, at_s: float) -> None:
+        """The answer's first bytes went on to the client (``at_s``: their arrival, on the relay's clock)."""
+        return None
+
+    def progress(self, tokens: int) -> None:
+        """A stream's content events so far, after each chunk."""
+        return None
+
+    def usage(self, usage: Usage) -> None:
+        """What the backend produced, once a 2xx answer has fully arrived."""
+        return None
+
+    def backend_state(self, upstream: Upstream, healthy: bool) -> None:
+        """A backend sent a status (``healthy``), or failed after the request was sent."""
+        return None
+
+    async def failover(self, relay: Relay) -> bool:
+        """``relay.upstream`` cannot take the request (its connection refused or not accepted, or
+        suspect and failing its health check; nothing was sent): point the relay at another backend
+        and return True, or False to wait for this one (up to the request's ``wait_s``)."""
+        return False
+
+
+class PassThrough(RelayHooks):
+    """An unscheduled request's record and hooks: a status, and in a pool the next backend to try."""
+
+    __slots__ = ("status", "_pool", "_order", "_tried")
+
+    def __init__(self, pool: Pool | None = None, order: Sequence[Upstream] = ()) -> None:
+        self.status = RequestStatus.DISPATCHED
+        self._pool = pool
+        self._order = order  # in a pool: the backends to try, in order
+        self._tried: list[Upstream] = []
+
+    def move(self, status: RequestStatus) -> bool:
+        if self.status.is_finished:
+            return False
+        self.status = status
+        return True
+
+    def backend_state(self, upstream: Upstream, healthy: bool) -> None:
+        if self._pool is not None:
+            (self._pool.answered if healthy else self._pool.broken)(upstream)
+
+    async def failover(self, relay: Relay) -> bool:
+        if self._pool is None:
+            return False
+        self._pool.refused(relay.upstream)
+        self._tried.append(relay.upstream)
+        other = next((u for u in self._order if u not in self._tried), None)
+        if other is None:
+            return False
+        relay.upstream = other
+        return True
+
+
+class Pool(Protocol):
+    """What a pass-through relay tells a pool of backends (``proxy.pool.BackendPool``)."""
+
+    def refused(self, upstream: Upstream) -> None: ...
+
+    def answered(self, upstream: Upstream) -> None: ...
+
+    def broken(self, upstream: Upstream) -> None: ...
 
 
 def error_headers(exc: RequestError, length: int) -> list[tuple[bytes, bytes]]:
@@ -130,67 +206,70 @@ class Relay:
     upstream: Upstream
     request: UpstreamRequest
     metrics: Metrics
-    extra_headers: Callable[[], list[tuple[bytes, bytes]]] = list  # the proxy's own response headers
-    # Called once, after the answer's first bytes went on to the client (``first_byte_s``: their arrival).
-    on_first_byte: Callable[[], None] = lambda: None
-    on_progress: Callable[[int], None] | None = None  # a stream's content events so far, after each chunk
-    # Called once with what the backend produced, when a 2xx answer has fully arrived.
-    on_usage: Callable[[Usage], None] | None = None
+    record: Record  # the request answered: its status is read here, changed through ``hooks.move``
+    hooks: RelayHooks
     now: Callable[[], float] = time.monotonic  # seconds; the dispatcher's clock for scheduled requests
-    model: str | None = None  # the model the request named (usage falls back to it)
-    backend_wait_s: float = 0.0  # seconds a not-yet-sent request waits for a backend that is down
-    retry_unavailable: bool = False  # also wait and resend when the backend answers 503 (scheduled requests)
-    # The backend cannot take the request (its connection refused or not accepted, or suspect and
-    # failing its health check; nothing was sent): another backend to send it to, or None to wait
-    # for this one (up to backend_wait_s).
-    failover: Callable[[Upstream], Awaitable[Upstream | None]] | None = None
-    on_answered: Callable[[Upstream], None] = lambda upstream: None  # a backend sent a status
-    on_broken: Callable[[Upstream], None] = lambda upstream: None  # a backend failed after the request was sent
     status: int | None = None  # the status sent to the client, once sent
-    usage: Usage | None = None  # what the backend produced, once read (see on_usage)
-    outcome: Outcome = Outcome.PENDING
+    usage: Usage | None = None  # what the backend produced, once read (see RelayHooks.usage)
     sent_s: float = field(default=0.0, repr=False)  # clock seconds when the request went upstream
     first_byte_s: float | None = field(default=None, repr=False)  # clock seconds of the answer's first byte
     content_type: str = field(default="", repr=False)  # the answer's, once its head arrived
-    interrupted: Outcome | None = field(default=None, repr=False)  # set by ``interrupt``
-    _interrupt_error: RequestError | None = field(default=None, repr=False)
+    # Set by ``interrupt``: the status it ends the request with, and the error the client gets.
+    _interrupt: tuple[RequestStatus, RequestError | None] | None = field(default=None, repr=False)
 
-    def interrupt(self, task: asyncio.Task[Any], outcome: Outcome, error: RequestError | None = None) -> None:
-        """End this relay now (``task`` runs it) with ``outcome``, closing the backend connection.
-        The client gets ``error`` (its dialect's error event, or the error itself before the answer
-        began), or nothing more (``None``: it left)."""
-        self.interrupted = outcome
-        self._interrupt_error = error
+    def interrupt(self, task: asyncio.Task[Any], status: RequestStatus, error: RequestError | None = None) -> None:
+        """End this request now (``task`` runs it) with ``status``, closing the backend connection
+        if it is open. The client gets ``error`` (its dialect's error event, or the error itself
+        before the answer began), or nothing more (``None``: it left). A waiting request takes
+        ``status`` at once (the lease's exit withdraws it); one being answered when its task is
+        interrupted (an answer that was whole by then keeps its ending). The first one wins."""
+        if self._interrupt is not None or self.record.status.is_finished:
+            return
+        self._interrupt = (status, error)
+        if self.record.status is RequestStatus.WAITING:
+            self.hooks.move(status)
         task.cancel()
+
+    def interrupted(self) -> bool:
+        """The task was cancelled by ``interrupt`` (and by nothing else): call in its ``except
+        CancelledError``."""
+        task = asyncio.current_task()
+        return self._interrupt is not None and task is not None and task.uncancel() == 0
+
+    async def end_interrupted(self, out: Responder) -> None:
+        """End what ``interrupt`` ended: its status, and its error as an error event or as the
+        answer (nothing when the answer was whole already: its stream's end event went out)."""
+        assert self._interrupt is not None
+        (status, error), self._interrupt = self._interrupt, None
+        if not self.record.status.is_finished:
+            self.hooks.move(status)
+        elif self.record.status is not status:
+            return
+        if error is not None:
+            if out.started:
+                await self.end_with_error(out, error)
+            else:
+                await self.send_error(out, error)
 
     async def run(self, out: Responder) -> None:
         """Relay the answer to ``out``; never raises a ``RequestError`` (the client gets it)."""
         try:
             await self._run(out)
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if self.interrupted is None or task is None or task.uncancel() > 0:
+            if not self.interrupted():
                 raise
-            if self.outcome is not Outcome.PENDING:
-                return  # the answer was whole already (its stream's end event went out): nothing to end
-            self.outcome = self.interrupted
-            error = self._interrupt_error
-            if error is not None:
-                if out.started:
-                    await self.end_with_error(out, error)
-                else:
-                    await self.send_error(out, error)
+            await self.end_interrupted(out)
 
     async def _run(self, out: Responder) -> None:
         try:
             response = await self._open(out)
         except RequestError as exc:
             self._count_upstream_error(exc)
-            self.outcome = Outcome.UPSTREAM_ERROR
+            self.hooks.move(RequestStatus.UPSTREAM_ERROR)
             await self.send_error(out, exc)
             return
         if response is None:  # the client left while the backend was waited for: never sent
-            self.outcome = Outcome.CLIENT_LEFT_BEFORE_SEND
+            self.hooks.move(RequestStatus.CLIENT_LEFT_BEFORE_SEND)
             return
         try:
             await self._relay_body(response, out)
@@ -201,15 +280,17 @@ class Relay:
         """Open the upstream request (None: the client left before it was sent). While the backend
         is down (connection refused or not accepted in time), suspect (a first-byte deadline passed)
         or, for a scheduled request, answers 503 (a model loading, its queue full), nothing has been
-        generated: wait for its health check, up to ``backend_wait_s`` from the outage's start, and
-        send again. A suspect backend whose health check does not pass by then is never sent the
+        generated: wait for its health check, up to the request's ``wait_s`` from the outage's start,
+        and send again. A suspect backend whose health check does not pass by then is never sent the
         request: 503 with Retry-After (or, in a pool, another backend)."""
         unavailable_since_s: float | None = None  # our own first 503 (a loading model)
+        wait_s = self.request.wait_s
+        resend_in_s = RESEND_AFTER_503_S
         while True:
             if out.client_gone:
                 return None
             if self.upstream.suspect:
-                deadline_s = self.upstream.outage_deadline_s(self.backend_wait_s)
+                deadline_s = self.upstream.outage_deadline_s(wait_s)
                 ready = await self.upstream.wait_until_ready(deadline_s, lambda: out.client_gone)
                 if out.client_gone:
                     return None
@@ -218,9 +299,9 @@ class Relay:
                         continue
                     raise UpstreamNotReady(
                         "the backend is not answering; try again later",
-                        retry_after_s=max(1, math.ceil(self.backend_wait_s)),
+                        retry_after_s=max(1, math.ceil(wait_s)),
                         detail=f"backend {self.upstream.name} did not pass its health check after a first-byte "
-                        f"timeout, within backend_wait_s ({self.backend_wait_s:g} s); not sent",
+                        f"timeout, within backend_wait_s ({wait_s:g} s); not sent",
                     )
             r = self.request  # a failover may rewrite it for its new backend
             self.sent_s = self.now()
@@ -232,12 +313,12 @@ class Relay:
             except (UpstreamUnavailable, UpstreamTimeout) as exc:
                 if not exc.never_sent:
                     self._count_backend("failed")
-                    self.on_broken(self.upstream)
+                    self.hooks.backend_state(self.upstream, False)
                     raise
                 self._count_backend("refused")
                 if await self._failed_over("refused the connection"):
                     continue
-                deadline_s = self.upstream.outage_deadline_s(self.backend_wait_s)
+                deadline_s = self.upstream.outage_deadline_s(wait_s)
                 if time.monotonic() >= deadline_s:
                     raise
                 if not await self.upstream.wait_until_ready(deadline_s, lambda: out.client_gone):
@@ -247,32 +328,33 @@ class Relay:
                 continue
             except RequestError:
                 self._count_backend("failed")
-                self.on_broken(self.upstream)
+                self.hooks.backend_state(self.upstream, False)
                 raise
             self._count_backend("answered")
-            self.on_answered(self.upstream)
-            if response.status_code != 503 or not self.retry_unavailable:
+            self.hooks.backend_state(self.upstream, True)
+            if response.status_code != 503 or not r.retry_unavailable:
                 return response
             unavailable_since_s = unavailable_since_s or time.monotonic()
-            deadline_s = unavailable_since_s + self.backend_wait_s
+            deadline_s = unavailable_since_s + wait_s
             if time.monotonic() >= deadline_s:
                 return response  # relayed as it is: the backend's own 503 and reason
             await response.aclose()
             logger.info(
                 "the backend answered 503 before starting; waiting up to %.0f s for it", deadline_s - time.monotonic()
             )
+            # A backend whose health check passes can still refuse this very request (its own queue
+            # full): the health check alone would let it be sent again at once, hundreds of times.
+            await asyncio.sleep(min(resend_in_s, max(0.0, deadline_s - time.monotonic())))
+            resend_in_s = min(RESEND_AFTER_503_MAX_S, 2 * resend_in_s)
             await self.upstream.wait_until_ready(deadline_s, lambda: out.client_gone)
 
     async def _failed_over(self, why: str) -> bool:
         """In a pool: send to another backend instead of this one, which ``why`` (nothing was sent).
         False when there is none: the caller waits for this one."""
-        if self.failover is None:
+        refused = self.upstream
+        if not await self.hooks.failover(self):
             return False
-        other = await self.failover(self.upstream)
-        if other is None:
-            return False
-        logger.info("backend %s %s; sending to %s", self.upstream.name, why, other.name)
-        self.upstream = other
+        logger.info("backend %s %s; sending to %s", refused.name, why, self.upstream.name)
         return True
 
     async def _relay_body(self, response: UpstreamResponse, out: Responder) -> None:
@@ -280,15 +362,18 @@ class Relay:
         self.content_type = header(response, b"content-type")
         length = header(response, b"content-length")
         known_bytes = int(length) if length.isdigit() else -1  # -1: streamed, or read to the close
-        tap = UsageTap(self.content_type) if self.on_usage is not None and 200 <= status < 300 else None
+        hooks = self.hooks
+        tap = UsageTap(self.content_type) if hooks.reads_usage and 200 <= status < 300 else None
         # The head at once: a stream's first token may be seconds away.
-        await out.start(status, response_headers(response.raw_headers) + self.extra_headers())
+        await out.start(status, response_headers(response.raw_headers) + hooks.own_headers())
         relayed_bytes = 0
+        arrived_s = 0.0  # the first byte's arrival
         try:
             while chunk := await self.upstream.read_chunk(response):
                 first = self.first_byte_s is None
                 if first:
-                    self.first_byte_s = self.now()
+                    self.first_byte_s = arrived_s = self.now()
+                    hooks.move(RequestStatus.STREAMING)
                 relayed_bytes += len(chunk)
                 last = relayed_bytes == known_bytes  # a body of known length ends with its last bytes
                 if tap is not None:
@@ -303,9 +388,9 @@ class Relay:
                     # token is not held back by it). The last ones wait for the usage.
                     await out.body(chunk)
                 if first:
-                    self.on_first_byte()
-                if tap is not None and self.on_progress is not None and tap.is_stream:
-                    self.on_progress(tap.stream_events)
+                    hooks.first_byte(arrived_s)
+                if tap is not None and tap.is_stream:
+                    hooks.progress(tap.stream_events)
                 if last:
                     self._completed(tap, out)
                     await out.body(chunk, more=False)
@@ -317,8 +402,8 @@ class Relay:
                 return
             self._count_upstream_error(exc)
             self._count_backend("failed_mid_answer")
-            self.on_broken(self.upstream)
-            self.outcome = Outcome.UPSTREAM_ERROR_MID_BODY
+            hooks.backend_state(self.upstream, False)
+            hooks.move(RequestStatus.UPSTREAM_ERROR_MID_BODY)
             await self.end_with_error(out, exc)
             return
         self._completed(tap, out)
@@ -327,13 +412,13 @@ class Relay:
     def _completed(self, tap: UsageTap | None, out: Responder) -> None:
         """The whole answer has arrived (once: a stream's end event, or the body's end); its last
         bytes are about to go out (the learner's observation is in before the client has it all).
-        From here on a client that leaves does not end the relay (its outcome is no longer pending)."""
-        if self.outcome is not Outcome.PENDING:
+        From here on a client that leaves does not end the relay (its status is no longer in progress)."""
+        if not self.record.status.in_progress:
             return
-        if tap is not None and self.on_usage is not None:
-            self.usage = tap.usage(wall_s=self.now() - self.sent_s, request_model=self.model)
-            self.on_usage(self.usage)
-        self.outcome = Outcome.COMPLETED if not out.client_gone else Outcome.CLIENT_LEFT_STREAMING
+        if tap is not None:
+            self.usage = tap.usage(wall_s=self.now() - self.sent_s, request_model=self.request.model)
+            self.hooks.usage(self.usage)
+        self.hooks.move(RequestStatus.COMPLETED if not out.client_gone else RequestStatus.CLIENT_LEFT_STREAMING)
 
     async def end_with_error(self, out: Responder, exc: RequestError) -> None:
         """End an answer that has begun: one final error event in a stream's framing, or, for a
@@ -346,7 +431,7 @@ class Relay:
         if out.started:
             return
         self.status = exc.status_code
-        await out.error(self.request.dialect, exc, self.extra_headers())
+        await out.error(self.request.dialect, exc, self.hooks.own_headers())
 
     def _count_backend(self, outcome: str) -> None:
         self.metrics.count_backend_request(self.upstream.name, outcome)
@@ -375,9 +460,9 @@ async def relay_unscheduled(relay: Relay, out: Responder, receive: Receive, metr
     async def watch() -> None:
         await disconnected(receive)
         out.client_gone = True
-        if relay.outcome is Outcome.PENDING:
+        if relay.record.status.in_progress:
             metrics.disconnects_by_stage["streaming"].inc()
-            relay.interrupt(task, Outcome.CLIENT_LEFT_STREAMING)
+            relay.interrupt(task, RequestStatus.CLIENT_LEFT_STREAMING)
 
     watching = asyncio.create_task(watch())
     try:

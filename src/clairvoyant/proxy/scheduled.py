@@ -32,26 +32,26 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from enum import Enum
 from typing import Any, Literal
 
 from clairvoyant.config import Settings
 from clairvoyant.errors import BadRequest, GenerationTimeLimit, RequestError, Superseded
 from clairvoyant.logs import REQUEST_LOG, log_request
 from clairvoyant.metrics import Metrics
-from clairvoyant.prediction.dialects import Endpoint, parse_request, with_upstream_fields
+from clairvoyant.prediction.dialects import Endpoint, ParsedRequest, parse_request, with_upstream_fields
 from clairvoyant.prediction.encoder import Refiner
 from clairvoyant.prediction.predictor import Prediction, Predictor
 from clairvoyant.prediction.usage import Usage
 from clairvoyant.proxy.access import Identity
 from clairvoyant.proxy.limits import TenantLimits
 from clairvoyant.proxy.pool import BackendPool
-from clairvoyant.proxy.relay import Outcome, Receive, Relay, Responder, UpstreamRequest, disconnected
+from clairvoyant.proxy.relay import Receive, Relay, RelayHooks, Responder, UpstreamRequest, disconnected
 from clairvoyant.proxy.upstream import Headers, Upstream
 from clairvoyant.scheduling.boost import bucket_for
-from clairvoyant.scheduling.dispatcher import Dispatcher, ShuttingDown, Ticket
+from clairvoyant.scheduling.dispatcher import Dispatcher, ShuttingDown
+from clairvoyant.scheduling.request import RequestStatus, Ticket
 
-__all__ = ["Scheduling", "ScheduledRequest", "SupersedeKeys", "admit_scheduled"]
+__all__ = ["Arrival", "ScheduledHooks", "ScheduledRequest", "Scheduling", "SupersedeKeys", "admit_scheduled"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,14 +65,6 @@ SUPERSEDE = "x-clairvoyant-supersede"  # a key: a newer request with it replaces
 # Seconds after an at-once dispatch when its prediction is made, if its answer has not started by
 # then: the request is on its way to the backend by then, so the prediction is off its critical path.
 PREDICT_AFTER_S = 0.001
-
-
-class Stage(Enum):
-    QUEUED = "queued"  # waiting for a slot
-    RELAYING = "relaying"  # holding a slot, the answer relayed
-    REROUTED = "rerouted"  # its backend refused the connection: waiting first in line for another
-    HOLDING = "holding"  # its client left; the slot is held until the backend is idle
-    DONE = "done"
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -129,59 +121,80 @@ def _deadline_s(header: str | None, default_s: float | None) -> float:
     return value
 
 
-def admit_scheduled(
-    shared: Scheduling,
-    endpoint: Endpoint,
-    target: str,
-    headers: Headers,
-    authorization: str | None,
-    own: dict[str, str],
-    body: bytes,
-    identity: Identity | None,
-    tenant: str,
-    out: Responder,
-) -> ScheduledRequest:
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """A scheduled request as it arrived: what ``admit_scheduled`` reads."""
+
+    endpoint: Endpoint
+    target: str  # the raw path and query, checked (proxy/target.py)
+    headers: Headers  # the client's end-to-end headers, to forward
+    authorization: str | None  # the client's Authorization value, if any
+    own: dict[str, str]  # the proxy's own request headers (``Scheduling.own_headers``), lower-case names
+    body: bytes
+    identity: Identity | None  # the API key's, when the request came with one
+    tenant: str
+
+
+def _ticket(shared: Scheduling, arrival: Arrival, parsed: ParsedRequest) -> Ticket:
+    """The request's record, before its prediction."""
+    settings = shared.settings
+    own = arrival.own
+    arrival_s = shared.dispatcher.clock.now()
+    given_id = own.get(REQUEST_ID, "")
+    deadline_s = _deadline_s(own.get(DEADLINE), settings.default_queue_deadline_s)
+    return Ticket(
+        given_id if _REQUEST_ID_RE.match(given_id) else "", arrival.endpoint.path, arrival.endpoint.dialect.value,
+        parsed.model, None, parsed.prompt.context_chars // 4,  # ~4 characters a token until usage says better
+        arrival_s, cap_tokens=parsed.cap_tokens,
+        priority=_priority(own.get(settings.priority_header.lower()), parsed.priority, settings, arrival.identity),
+        tenant=arrival.tenant, expires_s=arrival_s + deadline_s,
+    )  # fmt: skip
+
+
+def _predict(shared: Scheduling, parsed: ParsedRequest, ticket: Ticket) -> Prediction:
+    """The prediction, into the ticket (its queue key, predicted tokens and seconds)."""
+    settings = shared.settings
+    started = time.perf_counter()
+    prediction = shared.predictor.predict(parsed.prompt, model=parsed.model, cap_tokens=parsed.cap_tokens)
+    shared.metrics.predictor_latency.observe(time.perf_counter() - started)
+    score, predicted_tokens = prediction.score, prediction.predicted_tokens
+    oracle = parsed.proxy_options.get("output_tokens")
+    if settings.allow_oracle and isinstance(oracle, (int, float)) and not isinstance(oracle, bool):
+        score = predicted_tokens = float(oracle)  # benchmark-only: the true length, the ideal ordering
+        if parsed.cap_tokens is not None:  # the predictor applied the cap itself; the oracle must too
+            predicted_tokens = min(predicted_tokens, float(parsed.cap_tokens))
+    ticket.prediction = prediction
+    ticket.score = score
+    ticket.predicted_tokens = predicted_tokens
+    ticket.predicted_s = shared.dispatcher.predicted_s(parsed.model, ticket.prompt_tokens, predicted_tokens)
+    ticket.bucket = bucket_for(ticket.predicted_s)
+    return prediction
+
+
+def _refine_if_waiting(refiner: Refiner, ticket: Ticket, prediction: Prediction, instruction: str) -> None:
+    """Hand a request still waiting to the encoder (run after the dispatcher's turn, scheduled
+    first: a request granted a free slot then is not worth the encoder's time)."""
+    if ticket.waiting:
+        refiner.want(  # plain reads, from its thread
+            (ticket, prediction.feature_row), instruction, lambda: ticket.waiting,
+            lambda: ticket.dispatched_s is not None,
+        )  # fmt: skip
+
+
+def admit_scheduled(shared: Scheduling, arrival: Arrival, out: Responder) -> ScheduledRequest:
     """Parse, predict and queue a scheduled request; its ``ScheduledRequest`` answers it once
     granted (``serve``). Raises ``RequestError`` for what is refused at once (a bad body, a full
     queue, a model no backend serves, an ETA past its deadline)."""
     settings = shared.settings
     dispatcher = shared.dispatcher
-    arrival_s = dispatcher.clock.now()
-    given_id = own.get(REQUEST_ID, "")
-    deadline_s = _deadline_s(own.get(DEADLINE), settings.default_queue_deadline_s)
-    parsed = parse_request(endpoint, body, keep_priority=settings.forward_priority)
+    parsed = parse_request(arrival.endpoint, arrival.body, keep_priority=settings.forward_priority)
     forward_body = parsed.forward_body
     bench_fields = parsed.proxy_options.get("upstream")
     if settings.bench_upstream_fields and isinstance(bench_fields, dict):
         forward_body = with_upstream_fields(forward_body, bench_fields)  # the prediction never sees these
-    prompt_tokens = parsed.prompt.context_chars // 4  # ~4 characters a token until usage says better
-    ticket = Ticket(
-        given_id if _REQUEST_ID_RE.match(given_id) else "", endpoint.path, endpoint.dialect.value, parsed.model, None,
-        prompt_tokens, arrival_s, cap_tokens=parsed.cap_tokens,
-        priority=_priority(own.get(settings.priority_header.lower()), parsed.priority, settings, identity),
-        tenant=tenant, expires_s=arrival_s + deadline_s,
-    )  # fmt: skip
+    ticket = _ticket(shared, arrival, parsed)
     if settings.log_prompts:
         logger.debug("request_id=%s prompt=%r", ticket.request_id, parsed.prompt.instruction[:2000])
-
-    def predict() -> Prediction:
-        """The prediction, into the ticket (its queue key, predicted tokens and seconds)."""
-        started = time.perf_counter()
-        prediction = shared.predictor.predict(parsed.prompt, model=parsed.model, cap_tokens=parsed.cap_tokens)
-        shared.metrics.predictor_latency.observe(time.perf_counter() - started)
-        score, predicted_tokens = prediction.score, prediction.predicted_tokens
-        oracle = parsed.proxy_options.get("output_tokens")
-        if settings.allow_oracle and isinstance(oracle, (int, float)) and not isinstance(oracle, bool):
-            score = predicted_tokens = float(oracle)  # benchmark-only: the true length, the ideal ordering
-            if parsed.cap_tokens is not None:  # the predictor applied the cap itself; the oracle must too
-                predicted_tokens = min(predicted_tokens, float(parsed.cap_tokens))
-        ticket.prediction = prediction
-        ticket.score = score
-        ticket.predicted_tokens = predicted_tokens
-        ticket.predicted_s = dispatcher.predicted_s(parsed.model, prompt_tokens, predicted_tokens)
-        ticket.bucket = bucket_for(ticket.predicted_s)
-        return prediction
-
     predict_later: Callable[[], None] | None = None
     # A free slot and nobody waiting: there is no order to decide, so the request goes now and is
     # predicted while the backend works (the prediction still fills its headers, metrics and the
@@ -189,98 +202,183 @@ def admit_scheduled(
     if shared.at_once and dispatcher.dispatch_at_once(ticket):
         charged_s = ticket.predicted_s  # the default its tenant was charged at dispatch
 
-        def predict_later() -> None:  # run once (``ScheduledRequest._predicted``)
-            predict()
+        def predict_later() -> None:  # run once (``ScheduledHooks.predicted``)
+            _predict(shared, parsed, ticket)
             dispatcher.predicted_at_once(ticket, charged_s)
 
     else:
-        prediction = predict()
+        prediction = _predict(shared, parsed, ticket)
         dispatcher.submit(ticket)
         refiner = shared.refiner
         if refiner is not None and not (settings.allow_oracle and "output_tokens" in parsed.proxy_options):
-
-            def refine_if_waiting() -> None:
-                # After the dispatcher's turn (scheduled first): a request granted a free slot then
-                # is not worth the encoder's time.
-                if ticket.waiting:
-                    refiner.want(  # plain reads, from its thread
-                        (ticket, prediction.feature_row), parsed.prompt.instruction, lambda: ticket.waiting,
-                        lambda: ticket.dispatched_s is not None,
-                    )  # fmt: skip
-
-            asyncio.get_running_loop().call_soon(refine_if_waiting)
-    forward = [*headers, ("x-request-id", ticket.request_id)]
+            loop = asyncio.get_running_loop()
+            loop.call_soon(_refine_if_waiting, refiner, ticket, prediction, parsed.prompt.instruction)
     upstream_request = UpstreamRequest(
-        "POST", target, forward, forward_body, endpoint.dialect, close_connection=parsed.stream,
-        authorization=authorization,
+        "POST", arrival.target, [*arrival.headers, ("x-request-id", ticket.request_id)], forward_body,
+        arrival.endpoint.dialect, close_connection=parsed.stream, authorization=arrival.authorization,
+        model=ticket.model, wait_s=settings.backend_wait_s, retry_unavailable=True,
     )  # fmt: skip
-    request = ScheduledRequest(shared, ticket, upstream_request, body, parsed.stream, out, predict_later)
-    supersede_key = own.get(SUPERSEDE)
+    hooks = ScheduledHooks(shared, ticket, arrival.body, parsed.stream, predict_later)
+    request = ScheduledRequest(shared, ticket, upstream_request, hooks, out)
+    supersede_key = arrival.own.get(SUPERSEDE)
     if supersede_key:
-        request.supersede_key = (tenant, supersede_key[:256])
+        request.supersede_key = (arrival.tenant, supersede_key[:256])
         shared.supersede.replace(request.supersede_key, request)
     return request
 
 
-class ScheduledRequest:
-    """A scheduled request from its queueing to its slot's release (``serve``)."""
+class ScheduledHooks(RelayHooks):
+    """A scheduled request's side of its relay (``RelayHooks``): its record's status through the
+    dispatcher, its headers, its first byte and pace, its usage, and failover in a pool. It holds
+    neither the relay nor the ``ScheduledRequest``: nothing to break by hand."""
+
+    __slots__ = ("shared", "ticket", "body", "stream", "_predict_later")
+
+    reads_usage = True
 
     def __init__(
         self,
         shared: Scheduling,
         ticket: Ticket,
-        request: UpstreamRequest,
         body: bytes,  # the client's body, for the learner once answered
         stream: bool,  # the client asked for a stream (decides ``auto``)
-        out: Responder,
         predict_later: Callable[[], None] | None = None,  # dispatched at once: its prediction, still to make
     ) -> None:
         self.shared = shared
-        self._predict_later = predict_later
         self.ticket = ticket
         self.body = body
         self.stream = stream
+        self._predict_later = predict_later
+
+    def move(self, status: RequestStatus) -> bool:
+        return self.shared.dispatcher.move(self.ticket, status)
+
+    def predicted(self) -> None:
+        """Make the prediction of a request dispatched at once, if it is still to make."""
+        predict, self._predict_later = self._predict_later, None
+        if predict is not None:
+            predict()
+
+    def own_headers(self) -> list[tuple[bytes, bytes]]:
+        """The answer's headers that are the proxy's: the request id, backend, wait and prediction
+        (made now if it is still to make: the answer starts with these headers)."""
+        self.predicted()
+        ticket = self.ticket
+        prediction = ticket.prediction
+        assert prediction is not None
+        wait_s = ticket.queue_wait_s()
+        backend = self.shared.pool.members[ticket.backend or 0].upstream
+        headers = [
+            (b"x-request-id", ticket.request_id.encode()),
+            (b"x-clairvoyant-backend", backend.name.encode("latin-1")),
+            (b"x-clairvoyant-queue-wait-ms", b"" if wait_s is None else b"%.1f" % (wait_s * 1000)),
+            (b"x-clairvoyant-predicted-tokens", b"%.0f" % prediction.predicted_tokens),
+            (b"x-clairvoyant-predicted-class", prediction.predicted_class.encode()),
+            (b"x-clairvoyant-predicted-s", b"%.3f" % ticket.predicted_s),
+        ]
+        if prediction.probabilities is not None:  # class models only
+            headers.append((b"x-clairvoyant-p-long", b"%.4f" % prediction.probabilities[2]))
+        if ticket.queue_position is not None:
+            headers.append((b"x-clairvoyant-queue-position", b"%d" % ticket.queue_position))
+        return headers
+
+    def first_byte(self, at_s: float) -> None:
+        ticket = self.ticket
+        shared = self.shared
+        shared.metrics.ttft_by_class[ticket.predicted_class].observe(at_s - ticket.arrival_s)
+        # After a model switch: the load this answer paid.
+        shared.dispatcher.first_byte(ticket, streamed=self.stream, at_s=at_s)
+
+    def progress(self, tokens: int) -> None:
+        self.ticket.live_tokens = tokens  # the queue's ETAs follow the answer's own pace
+
+    def usage(self, usage: Usage) -> None:
+        ticket = self.ticket
+        shared = self.shared
+        tokens = usage.output_tokens
+        if tokens is not None and usage.observed:
+            shared.limits.add_tokens(ticket.tenant, tokens)
+            shared.metrics.tenant_tokens.labels(shared.metrics.tenant(ticket.tenant)).inc(tokens)
+        on_usage = shared.on_usage
+        if on_usage is not None:
+            try:
+                on_usage(ticket, usage, self.body)
+            except Exception:  # the answer is relayed already: a failing observer must not break it
+                logger.exception("request_id=%s: recording usage failed", ticket.request_id)
+
+    def backend_state(self, upstream: Upstream, healthy: bool) -> None:
+        pool = self.shared.pool
+        if healthy:
+            pool.answered(upstream)
+        else:
+            pool.broken(upstream)
+
+    async def failover(self, relay: Relay) -> bool:
+        """The granted backend refused the connection: wait first in line for another healthy
+        backend (the client sees nothing of it), or False when there is none (the relay waits for
+        this one). Waiting again, a client that leaves cancels the task: the lease withdraws it."""
+        shared = self.shared
+        shared.pool.refused(relay.upstream)
+        if not shared.dispatcher.reroute(self.ticket):
+            return False
+        await shared.dispatcher.regranted(self.ticket)
+        self.bind(relay)
+        return True
+
+    def bind(self, relay: Relay) -> None:
+        """Send to the granted backend. A vLLM one (with ``vllm_priority``) gets the request's
+        computed priority in its body: the client's class, then the predicted tokens (lower =
+        sooner, as vLLM's priority scheduling reads it)."""
+        shared = self.shared
+        ticket = self.ticket
+        backend = ticket.backend if ticket.backend is not None else 0
+        relay.upstream = shared.pool.members[backend].upstream
+        field = shared.pool.kind_of(backend).priority_field
+        if shared.settings.vllm_priority and field is not None:
+            tokens = min(VLLM_CLASS_STRIDE - 1, max(0, round(ticket.predicted_tokens)))
+            priority = ticket.priority * VLLM_CLASS_STRIDE + tokens
+            relay.request = replace(relay.request, body=with_upstream_fields(relay.request.body, {field: priority}))
+
+
+class ScheduledRequest:
+    """A scheduled request from its queueing to its slot's release (``serve``). Its state is its
+    record's status (``ticket.status``)."""
+
+    def __init__(
+        self, shared: Scheduling, ticket: Ticket, request: UpstreamRequest, hooks: ScheduledHooks, out: Responder
+    ) -> None:
+        self.shared = shared
+        self.ticket = ticket
+        self.hooks = hooks
         self.out = out
-        self.stage = Stage.QUEUED
         self.task: asyncio.Task[Any] | None = None  # the one that runs ``serve``
-        # Why it was withdrawn before it was sent: None = its client left (nobody to answer)
-        self.withdrawn: RequestError | None = None
-        self.left_waiting = False  # withdrawn before it was sent (its client left, or it was superseded)
         self.supersede_key: tuple[str, str] | None = None  # (tenant, X-Clairvoyant-Supersede), if it has one
-        pool = shared.pool
-        self.relay = Relay(
-            pool.first, request, shared.metrics, self._own_headers, self._first_byte, on_usage=self._record_usage,
-            now=shared.dispatcher.clock.now, model=ticket.model, backend_wait_s=shared.settings.backend_wait_s,
-            retry_unavailable=True, failover=self._failover, on_answered=pool.answered, on_broken=pool.broken,
-            on_progress=self._progress,
-        )  # fmt: skip
+        clock = shared.dispatcher.clock
+        self.relay = Relay(shared.pool.first, request, shared.metrics, ticket, hooks, now=clock.now)
 
     @property
     def mode(self) -> Literal["auto", "drain", "abort"]:
         """What the client's leaving does while its answer is relayed (see the module docstring)."""
         mode = self.shared.settings.disconnect_mode
-        return "abort" if mode == "auto" and self.stream else mode
+        return "abort" if mode == "auto" and self.hooks.stream else mode
 
     async def serve(self, receive: Receive) -> None:
         """Wait for the slot, relay, give the slot back (once, whatever happens), log."""
         self.task = asyncio.current_task()
         watch = asyncio.create_task(self._watch(receive))
         predicting: asyncio.TimerHandle | None = None
-        if self._predict_later is not None:
-            predicting = asyncio.get_running_loop().call_later(PREDICT_AFTER_S, self._predicted)
+        if self.hooks._predict_later is not None:
+            predicting = asyncio.get_running_loop().call_later(PREDICT_AFTER_S, self.hooks.predicted)
         try:
             await self._lease_and_relay()
         finally:
             watch.cancel()
             if predicting is not None:
                 predicting.cancel()
-            self._predicted()
+            self.hooks.predicted()
             if self.supersede_key is not None:
                 self.shared.supersede.done(self.supersede_key, self)
             self._log()
-            # The relay holds this request's bound methods: dropping it breaks the cycle, so that the
-            # request and its body are freed now, not at the collector's next full pass.
-            del self.relay
 
     async def _watch(self, receive: Receive) -> None:
         await disconnected(receive)
@@ -294,41 +392,35 @@ class ScheduledRequest:
         timer: asyncio.TimerHandle | None = None
         try:
             async with shared.dispatcher.lease(ticket) as lease:
-                self.stage = Stage.RELAYING
                 ticket.interrupt = self._interrupt
                 wait_s = ticket.queue_wait_s()
                 if wait_s is not None:
                     shared.metrics.tenant_wait.labels(shared.metrics.tenant(ticket.tenant)).observe(wait_s)
                 if limit_s is not None:
                     timer = asyncio.get_running_loop().call_later(limit_s, self._generation_over, limit_s)
-                self._bind(ticket.backend if ticket.backend is not None else 0)
+                self.hooks.bind(relay)
                 await relay.run(self.out)
-                if relay.outcome is Outcome.CLIENT_LEFT_WATCHING:
-                    self.stage = Stage.HOLDING
+                if ticket.status is RequestStatus.HOLDING:
                     await self._hold_until_backend_idle()
-                finished = relay.outcome in (Outcome.COMPLETED, Outcome.CLIENT_LEFT_STREAMING)
+                    self.hooks.move(RequestStatus.CLIENT_LEFT_WATCHING)
+                finished = ticket.status in (RequestStatus.COMPLETED, RequestStatus.CLIENT_LEFT_STREAMING)
                 if finished:
                     self._observe_end()
                 # Only whole successful answers teach the service-time model.
                 lease.completed = finished and relay.status is not None and relay.status < 400
                 lease.usage = relay.usage
         except RequestError as error:  # refused while it waited (shutting down, its queue deadline)
-            relay.outcome = Outcome.REFUSED
             await relay.send_error(self.out, error)
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if not self.left_waiting or task is None or task.uncancel() > 0:
-                raise
             # Withdrawn (the lease's exit), never sent: its client left, or a newer request replaced it.
-            relay.outcome = Outcome.CLIENT_LEFT_QUEUED if self.withdrawn is None else Outcome.SUPERSEDED
-            if self.withdrawn is not None:
-                await relay.send_error(self.out, self.withdrawn)
+            if not relay.interrupted():
+                raise
+            await relay.end_interrupted(self.out)
         except Exception:  # a bug: logged, the client answered or cut, the slot given back by the lease
             logger.exception("request_id=%s: unexpected error", ticket.request_id)
-            relay.outcome = Outcome.INTERNAL_ERROR
+            self.hooks.move(RequestStatus.INTERNAL_ERROR)
             await relay.send_error(self.out, RequestError("internal error in the proxy"))
         finally:
-            self.stage = Stage.DONE
             ticket.interrupt = None
             if timer is not None:
                 timer.cancel()
@@ -338,21 +430,22 @@ class ScheduledRequest:
         answered 409, never sent; a running one (with ``abort_running``) is ended as a client that
         left would end it, its answer closed with the dialect's error."""
         work = self.task
-        error = Superseded("a newer request with the same X-Clairvoyant-Supersede key replaced this one")
-        if work is None or self.stage is Stage.DONE:
+        if work is None or not self.ticket.status.in_progress or not (abort_running or self._unsent):
             return
-        if self.stage in (Stage.QUEUED, Stage.REROUTED):
-            self.left_waiting = True
-            self.withdrawn = error
-            work.cancel()
-        elif abort_running and self.stage is Stage.RELAYING and self.relay.outcome is Outcome.PENDING:
-            self.relay.interrupt(work, Outcome.SUPERSEDED, error)
+        error = Superseded("a newer request with the same X-Clairvoyant-Supersede key replaced this one")
+        self.relay.interrupt(work, RequestStatus.SUPERSEDED, error)
+
+    @property
+    def _unsent(self) -> bool:
+        """It waits for a slot (rerouted too), or was granted one in this instant (its task has not
+        resumed to take it: ``interrupt`` is set once it has)."""
+        return self.ticket.status is RequestStatus.WAITING or self.ticket.interrupt is None
 
     def _generation_over(self, limit_s: float) -> None:
         """``max_generation_s`` after its grant: an answer still running ends with the dialect's error."""
-        if self.task is not None and self.stage is Stage.RELAYING and self.relay.outcome is Outcome.PENDING:
+        if self.task is not None and self.ticket.status in (RequestStatus.DISPATCHED, RequestStatus.STREAMING):
             error = GenerationTimeLimit(f"the answer ran longer than the proxy's max_generation_s ({limit_s:g} s)")
-            self.relay.interrupt(self.task, Outcome.GENERATION_LIMIT, error)
+            self.relay.interrupt(self.task, RequestStatus.GENERATION_LIMIT, error)
 
     def _client_left(self) -> None:
         """The client is gone (the server said so), at whatever stage its request is: this
@@ -360,57 +453,28 @@ class ScheduledRequest:
         self.out.client_gone = True
         relay = self.relay
         work = self.task
-        if work is None or self.stage is Stage.DONE:
-            return
-        if self.stage in (Stage.QUEUED, Stage.REROUTED):
-            self.left_waiting = True
-            work.cancel()  # the lease withdraws it, or gives back a slot granted in this instant
-            return
-        if self.stage is not Stage.RELAYING or relay.outcome is not Outcome.PENDING:
+        status = self.ticket.status
+        if work is None or not status.in_progress:
             return  # holding already, or answered in full
+        if self._unsent:
+            # The lease withdraws it (or gives back a slot granted in this instant).
+            relay.interrupt(work, RequestStatus.CLIENT_LEFT_QUEUED)
+            return
         self.shared.metrics.disconnects_by_stage["streaming"].inc()
         if self.mode == "auto":
-            relay.interrupt(work, Outcome.CLIENT_LEFT_WATCHING)  # closes it; the slot waits for /slots
+            relay.interrupt(work, RequestStatus.HOLDING)  # closes it; the slot waits for /slots
         elif self.mode == "abort":
-            relay.interrupt(work, Outcome.CLIENT_LEFT_STREAMING)  # closes the backend connection
+            relay.interrupt(work, RequestStatus.CLIENT_LEFT_STREAMING)  # closes the backend connection
         # drain: the relay reads the backend's answer to its end, so the slot is freed when the backend is
 
     def _interrupt(self) -> bool:
         """The shutdown's grace period is over: end the answer being relayed (or the hold)."""
-        if self.task is None or self.stage not in (Stage.RELAYING, Stage.REROUTED, Stage.HOLDING):
+        status = self.ticket.status
+        if self.task is None or not (status.in_progress or status is RequestStatus.HOLDING):
             return False
         error = ShuttingDown("the proxy shut down before the answer was complete")
-        self.relay.interrupt(self.task, Outcome.SHUTDOWN, error)
+        self.relay.interrupt(self.task, RequestStatus.SHUTDOWN, error)
         return True
-
-    def _bind(self, backend: int) -> None:
-        """Send to the granted backend. A vLLM one (with ``vllm_priority``) gets the request's
-        computed priority in its body: the client's class, then the predicted tokens (lower =
-        sooner, as vLLM's priority scheduling reads it)."""
-        shared = self.shared
-        relay = self.relay
-        relay.upstream = shared.pool.members[backend].upstream
-        field = shared.pool.kind_of(backend).priority_field
-        if shared.settings.vllm_priority and field is not None:
-            ticket = self.ticket
-            tokens = min(VLLM_CLASS_STRIDE - 1, max(0, round(ticket.predicted_tokens)))
-            priority = ticket.priority * VLLM_CLASS_STRIDE + tokens
-            relay.request = replace(relay.request, body=with_upstream_fields(relay.request.body, {field: priority}))
-
-    async def _failover(self, refused: Upstream) -> Upstream | None:
-        """The granted backend refused the connection: wait first in line for another healthy
-        backend (the client sees nothing of it), or None when there is none (the relay waits for
-        this one)."""
-        shared = self.shared
-        shared.pool.refused(refused)
-        if not shared.dispatcher.reroute(self.ticket):
-            return None
-        self.stage = Stage.REROUTED  # a client that leaves now cancels the task: the lease withdraws it
-        await shared.dispatcher.regranted(self.ticket)
-        self.stage = Stage.RELAYING
-        assert self.ticket.backend is not None
-        self._bind(self.ticket.backend)
-        return self.relay.upstream
 
     async def _hold_until_backend_idle(self) -> None:
         """Keep the slot until the backend's /slots shows no more busy slots than our other
@@ -428,62 +492,9 @@ class ScheduledRequest:
                 if busy is None or busy <= self.shared.dispatcher.in_flight_on(ticket.backend) - 1:
                     return
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if self.relay.interrupted is None or task is None or task.uncancel() > 0:
+            if not self.relay.interrupted():
                 raise
-            self.relay.outcome = self.relay.interrupted
-
-    def _record_usage(self, usage: Usage) -> None:
-        tokens = usage.output_tokens
-        if tokens is not None and usage.observed:
-            shared = self.shared
-            shared.limits.add_tokens(self.ticket.tenant, tokens)
-            shared.metrics.tenant_tokens.labels(shared.metrics.tenant(self.ticket.tenant)).inc(tokens)
-        on_usage = self.shared.on_usage
-        if on_usage is not None:
-            try:
-                on_usage(self.ticket, usage, self.body)
-            except Exception:  # the answer is relayed already: a failing observer must not break it
-                logger.exception("request_id=%s: recording usage failed", self.ticket.request_id)
-
-    def _predicted(self) -> None:
-        """Make the prediction of a request dispatched at once, if it is still to make."""
-        predict, self._predict_later = self._predict_later, None
-        if predict is not None:
-            predict()
-
-    def _own_headers(self) -> list[tuple[bytes, bytes]]:
-        """The answer's headers that are the proxy's: the request id, backend, wait and prediction
-        (made now if it is still to make: the answer starts with these headers)."""
-        self._predicted()
-        ticket = self.ticket
-        prediction = ticket.prediction
-        assert prediction is not None
-        wait_s = ticket.queue_wait_s()
-        headers = [
-            (b"x-request-id", ticket.request_id.encode()),
-            (b"x-clairvoyant-backend", self.relay.upstream.name.encode("latin-1")),
-            (b"x-clairvoyant-queue-wait-ms", b"" if wait_s is None else b"%.1f" % (wait_s * 1000)),
-            (b"x-clairvoyant-predicted-tokens", b"%.0f" % prediction.predicted_tokens),
-            (b"x-clairvoyant-predicted-class", prediction.predicted_class.encode()),
-            (b"x-clairvoyant-predicted-s", b"%.3f" % ticket.predicted_s),
-        ]
-        if prediction.probabilities is not None:  # class models only
-            headers.append((b"x-clairvoyant-p-long", b"%.4f" % prediction.probabilities[2]))
-        if ticket.queue_position is not None:
-            headers.append((b"x-clairvoyant-queue-position", b"%d" % ticket.queue_position))
-        return headers
-
-    def _progress(self, tokens: int) -> None:
-        self.ticket.live_tokens = tokens  # the queue's ETAs follow the answer's own pace
-
-    def _first_byte(self) -> None:
-        ticket = self.ticket
-        arrived_s = self.relay.first_byte_s  # the relay's clock is the dispatcher's
-        assert arrived_s is not None
-        self.shared.metrics.ttft_by_class[ticket.predicted_class].observe(arrived_s - ticket.arrival_s)
-        # After a model switch: the load this answer paid.
-        self.shared.dispatcher.first_byte(ticket, streamed=self.stream, at_s=arrived_s)
+            await self.relay.end_interrupted(self.out)
 
     def _observe_end(self) -> None:
         ticket = self.ticket
@@ -511,7 +522,7 @@ class ScheduledRequest:
             "predicted_s": f"{ticket.predicted_s:.3f}",
             "queue_wait_ms": "-" if wait_s is None else f"{wait_s * 1000:.1f}",
             "service_ms": "-" if service_s is None else f"{service_s * 1000:.1f}",
-            "status": relay.status if relay.status is not None else "-", "outcome": relay.outcome.value,
+            "status": relay.status if relay.status is not None else "-", "outcome": ticket.status.outcome,
             "output_tokens": "-" if usage is None or usage.output_tokens is None else usage.output_tokens,
             "usage_source": "-" if usage is None else usage.source,
         })  # fmt: skip
@@ -530,6 +541,9 @@ class SupersedeKeys:
         self._latest[key] = request
         if older is not None:
             older.superseded(self.abort_running)
+
+    def retained(self) -> dict[str, int]:
+        return {"supersede_keys": len(self._latest)}
 
     def done(self, key: tuple[str, str], request: ScheduledRequest) -> None:
         if self._latest.get(key) is request:

@@ -50,7 +50,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,23 +63,20 @@ from clairvoyant.prediction.usage import Usage
 from clairvoyant.scheduling.affinity import Lane
 from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.expiry import Expiry, expired
-from clairvoyant.scheduling.job_queue import Job, JobQueue
+from clairvoyant.scheduling.job_queue import Job, JobQueue, add_counts
 from clairvoyant.scheduling.policy import SchedulingPolicy
+from clairvoyant.scheduling.request import ID_PREFIX, RequestStatus, Ticket
 from clairvoyant.scheduling.routing import Backend, Load, choose
 from clairvoyant.scheduling.service_time import FREE_LOAD_S, ServiceTimeModel, write_state
 from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
 
 __all__ = [
-    "GRANTED", "ID_PREFIX", "REFUSED", "WAITING", "WITHDRAWN", "Backend", "Dispatcher", "Lease", "ModelNotServed",
-    "ShuttingDown", "Ticket",
+    "ID_PREFIX", "Backend", "Dispatcher", "Lease", "ModelNotServed", "RequestStatus", "ShuttingDown", "Ticket",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
 _SAVE_EVERY = 50  # service-time observations between state-file writes
-# Made request ids start with this: the process's start (hex ns) makes them unique across restarts,
-# the job's seq (process-wide arrival order) within one (``Ticket.request_id``).
-ID_PREFIX = f"cv-{time.time_ns():x}-"
 RECENT_REQUESTS = 100  # finished requests kept for /queue's timeline (the live page)
 # An in-flight request past its prediction is not near its end: it is taken to run this fraction of
 # what it has run (or produced) so far again (not 0, which would tell the requests behind it "now").
@@ -128,120 +125,6 @@ class ModelNotServed(RequestError):
     status_code = 404
     error_type = "invalid_request_error"
     code = "model_not_found"
-
-
-WAITING, GRANTED, WITHDRAWN, REFUSED = 0, 1, 2, 3  # how a ticket's wait for a slot ended (Ticket.wait)
-
-
-def _settle(future: asyncio.Future[int], ticket: Ticket) -> None:
-    if ticket.wait == GRANTED:
-        future.set_result(-1 if ticket.backend is None else ticket.backend)
-    elif ticket.wait == REFUSED:
-        future.set_exception(ticket.refusal or ShuttingDown("the proxy is shutting down; retry"))
-        future.exception()  # marked retrieved: a lease that still waits raises it anyway
-    else:
-        future.cancel()
-
-
-class Ticket(Job["Ticket"]):
-    """One scheduled request, from arrival to release, and its own queue record: a ``Job`` whose
-    payload is itself (one object a waiting request, not two). Slotted and lean: thousands may
-    wait (benchmarks/bench_waiting_memory.py measures the bytes per waiting request)."""
-
-    __slots__ = (
-        "given_id", "endpoint", "dialect", "prediction", "prompt_tokens", "wait", "interrupt", "refusal",
-        "_future", "backend", "slot", "dispatched_s", "grants_before_arrival", "queue_position", "held_back",
-        "refused_by", "ended", "load", "switch_load_s", "live_tokens",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        given_id: str,  # the client's X-Request-Id; "" = one made from its seq (``request_id``)
-        endpoint: str,  # the scheduled path, e.g. /v1/chat/completions
-        dialect: str,
-        model: str | None,
-        prediction: Prediction | None,  # None only between an at-once dispatch and its prediction
-        prompt_tokens: int,  # estimated prompt tokens (service-time model input)
-        arrival_s: float = 0.0,  # clock seconds when it arrived
-        *,
-        score: float = 0.0,
-        predicted_tokens: float = 0.0,
-        predicted_s: float = 1.0,
-        bucket: int = 0,
-        cap_tokens: int | None = None,
-        priority: int = 0,
-        tenant: str = "",
-        expires_s: float = math.inf,  # clock seconds from which it must not be sent (its queue deadline)
-    ) -> None:
-        Job.__init__(
-            self, self, arrival_s, score, predicted_tokens, predicted_s, bucket, cap_tokens, priority, tenant, model,
-            expires_s,
-        )  # fmt: skip
-        self.given_id = given_id
-        self.endpoint = endpoint
-        self.dialect = dialect
-        self.prediction = prediction
-        self.prompt_tokens = prompt_tokens
-        # How its wait for a slot ended: WAITING (or waiting again, rerouted), GRANTED, WITHDRAWN or REFUSED.
-        self.wait = WAITING
-        # Ends the answer being relayed now (the shutdown's grace period is over): False if there is
-        # none. Set by the proxy while the request holds its slot.
-        self.interrupt: Callable[[], bool] | None = None
-        self.refusal: RequestError | None = None  # why it was REFUSED
-        self._future: asyncio.Future[int] | None = None  # ``granted``, made on first use
-        self.backend: int | None = None  # the granted backend's index in the pool
-        self.slot: int | None = None  # the granted slot, on that backend
-        self.dispatched_s: float | None = None  # clock seconds when a slot was granted
-        self.grants_before_arrival = 0  # the dispatcher's slot grants so far when this ticket was queued
-        self.queue_position: int | None = None  # set at dispatch: requests dispatched ahead of it while it waited
-        self.held_back = False  # popped by the policy (or rerouted), waiting for a backend that serves it
-        self.refused_by: tuple[int, ...] = ()  # backends that refused its connection (routing avoids them)
-        self.ended = False  # withdrawn or released: set exactly once
-        self.live_tokens = 0  # tokens its answer has streamed so far (the relay counts them)
-        self.load = Load.UNKNOWN  # what it found on its backend: its model held, another (a switch), or unknown
-        # After a switch: the load it is charged, seconds (the learned one at dispatch, then the
-        # first byte's measure); 0 otherwise.
-        self.switch_load_s = 0.0
-
-    def __repr__(self) -> str:
-        return f"Ticket({self.request_id!r}, wait={self.wait}, waiting={self.waiting})"
-
-    @property
-    def granted(self) -> asyncio.Future[int]:
-        """The wait as a future (made on first use, for ``await``): the granted backend's index,
-        the refusal (``ShuttingDown``), or cancelled when withdrawn. A new one after ``reroute``."""
-        future = self._future
-        if future is None:
-            future = self._future = asyncio.get_running_loop().create_future()
-            if self.wait != WAITING:
-                _settle(future, self)
-        return future
-
-    def wait_again(self) -> None:
-        """Rerouted: a new wait (a new future for ``granted``)."""
-        self.wait = WAITING
-        self._future = None
-
-    def end_wait(self, outcome: int, refusal: RequestError | None = None) -> None:
-        """The wait ends with ``outcome`` (GRANTED, WITHDRAWN or REFUSED): the future, if one was
-        made, is settled at once."""
-        self.wait = outcome
-        self.refusal = refusal
-        if self._future is not None and not self._future.done():
-            _settle(self._future, self)
-
-    @property
-    def request_id(self) -> str:
-        """The client's X-Request-Id, else ``cv-<this process's start, hex ns>-<its job's seq>``:
-        made when read, so that a waiting request holds no string for it."""
-        return self.given_id or f"{ID_PREFIX}{self.seq}"
-
-    @property
-    def predicted_class(self) -> str:
-        return "pending" if self.prediction is None else self.prediction.predicted_class
-
-    def queue_wait_s(self) -> float | None:
-        return None if self.dispatched_s is None else self.dispatched_s - self.arrival_s
 
 
 def _deadline_error(ticket: Ticket, retry_in_s: float) -> QueueDeadline:
@@ -313,11 +196,12 @@ class Dispatcher:
         self._observed = 0
         self._grants = 0  # slots granted so far (a ticket's queue position is a difference of these)
         # (ticket, ended clock seconds, outcome, output tokens or None), newest last
-        self._recent: deque[tuple[Ticket, float, str, int | None]] = deque(maxlen=RECENT_REQUESTS)
+        self.recent: deque[tuple[Ticket, float, str, int | None]] = deque(maxlen=RECENT_REQUESTS)
         metrics.starvation_timeout.set(starvation_timeout_s)
         # Each backend's in-flight gauge, looked up once (a labels() lookup per request costs µs).
         self._in_flight_gauges = [metrics.backend_in_flight.labels(b.name) for b in self.backends]
         self._switch_counters = [metrics.model_switches.labels(b.name) for b in self.backends]
+        self._status_counters = {s: metrics.request_status.labels(s.name.lower()) for s in RequestStatus}
         self._expiry: Expiry[Ticket] = Expiry()  # waiting tickets with a queue deadline
         self._expiry_timer: asyncio.TimerHandle | None = None
         self._expiry_timer_s = math.inf  # the clock reading the timer is set for
@@ -359,11 +243,10 @@ class Dispatcher:
         ticket.held_back = False
         self.queue.done(ticket)
         self._end_waiting(ticket)
-        if ticket.wait == WAITING:
-            ticket.end_wait(REFUSED, ShuttingDown("the proxy is shutting down; retry"))
+        self._end_wait(ticket, RequestStatus.REFUSED, ShuttingDown("the proxy is shutting down; retry"))
 
     def _interrupt_running(self) -> None:
-        for ticket in self._all_running():
+        for ticket in self.running():
             if ticket.interrupt is not None and ticket.interrupt():
                 logger.warning("request_id=%s: shutdown grace period over; ended its answer", ticket.request_id)
 
@@ -391,7 +274,7 @@ class Dispatcher:
     def in_flight_on(self, backend: int) -> int:
         return len(self.backends[backend].running)
 
-    def _all_running(self) -> list[Ticket]:
+    def running(self) -> list[Ticket]:
         return [t for b in self.backends for t in b.running.values()]
 
     @property
@@ -451,7 +334,7 @@ class Dispatcher:
         if not any(b.serves(model) for b in self.backends):
             raise ModelNotServed(f"the model {model!r} is not served by any backend of this proxy", param="model")
 
-    def _remaining_s(self, backend: Backend) -> float:
+    def remaining_s(self, backend: Backend) -> float:
         """Predicted seconds of work left on ``backend`` (its in-flight requests' remainders, at its
         measured slowness; one that overran its prediction still counts: ``remainder_s``)."""
         now = self.clock.now()
@@ -462,7 +345,7 @@ class Dispatcher:
         return choose(
             self.backends,
             ticket.model,
-            self._remaining_s,
+            self.remaining_s,
             ticket.refused_by,
             ticket.predicted_s,
             self.service_time.load_s,
@@ -482,7 +365,8 @@ class Dispatcher:
         ticket.refused_by = (*ticket.refused_by, ticket.backend)
         self._free_slot(ticket)
         ticket.backend = ticket.slot = None
-        ticket.wait_again()
+        ticket._future = None  # a new wait
+        self.move(ticket, RequestStatus.WAITING)
         ticket.held_back = True
         self._held_back.appendleft(ticket)
         self._schedule_pump()
@@ -499,7 +383,7 @@ class Dispatcher:
         if self._closing:
             raise ShuttingDown("the proxy is shutting down; retry")
         if self.waiting >= self.max_queue:
-            tail_eta_s = self._etas(self.clock.now())[1]
+            tail_eta_s = self.etas(self.clock.now())[1]
             retry = max(self.min_retry_after_s, min(3600, math.ceil(tail_eta_s)))
             raise QueueFull(
                 f"the scheduling queue is full ({self.max_queue} requests waiting); retry later",
@@ -522,7 +406,7 @@ class Dispatcher:
         if not math.isinf(ticket.expires_s):
             # O(waiting) for a request with a deadline: where it would stand, played forward.
             now = self.clock.now()
-            eta_s = next((eta for job, eta in self._etas(now)[0] if job is ticket), 0.0)
+            eta_s = next((eta for job, eta in self.etas(now)[0] if job is ticket), 0.0)
             if now + eta_s >= ticket.expires_s:
                 self.queue.remove(ticket)
                 self._end_waiting(ticket)
@@ -569,7 +453,7 @@ class Dispatcher:
         for job in self._expiry.due(now):
             ticket = job.payload
             if not ticket.ended and self.queue.remove(ticket):
-                tail_s = self._etas(now)[1] if tail_s is None else tail_s
+                tail_s = self.etas(now)[1] if tail_s is None else tail_s
                 self._expired(ticket, now, tail_s)
                 count += 1
         for ticket in [t for t in self._held_back if expired(t, now)]:
@@ -583,9 +467,8 @@ class Dispatcher:
     def _expired(self, ticket: Ticket, now: float, retry_in_s: float) -> None:
         """``ticket``'s queue deadline came while it waited (out of the queue already): refused."""
         self._end_waiting(ticket)
-        self._recent.append((ticket, now, "expired", None))
-        if ticket.wait == WAITING:
-            ticket.end_wait(REFUSED, _deadline_error(ticket, retry_in_s))
+        self.recent.append((ticket, now, "expired", None))
+        self._end_wait(ticket, RequestStatus.EXPIRED, _deadline_error(ticket, retry_in_s))
 
     def _arm_expiry(self) -> None:
         """One timer, at the soonest queue deadline of a waiting ticket (re-armed when a sooner one comes)."""
@@ -673,15 +556,14 @@ class Dispatcher:
                 self.queue.done(ticket)
             self._end_waiting(ticket)
             self.metrics.disconnects_by_stage["queued"].inc()
-            self._recent.append((ticket, self.clock.now(), "left_queued", None))
-            if ticket.wait == WAITING:
-                ticket.end_wait(WITHDRAWN)
+            self.recent.append((ticket, self.clock.now(), "left_queued", None))
+            self._end_wait(ticket, RequestStatus.CLIENT_LEFT_QUEUED)
             return
-        if ticket.wait == GRANTED:
+        if ticket.slot is not None:
             ticket.ended = True
             completed = lease is not None and lease.completed
             usage = None if lease is None else lease.usage
-            self._recent.append(
+            self.recent.append(
                 (
                     ticket,
                     self.clock.now(),
@@ -697,6 +579,26 @@ class Dispatcher:
                 self._schedule_pump()
             return
         ticket.ended = True  # refused (shutting down): nothing held
+
+    def move(self, ticket: Ticket, status: RequestStatus) -> bool:
+        """The one place a request's status changes: logged (debug) and counted. A finished
+        request keeps its first ending: False then, and nothing changes."""
+        old = ticket.status
+        if old == status or old.is_finished:
+            return False
+        ticket.status = status
+        self._status_counters[status].inc()
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("request_id=%s %s -> %s", ticket.request_id, old.name, status.name)
+        return True
+
+    def _end_wait(self, ticket: Ticket, status: RequestStatus, refusal: RequestError | None = None) -> None:
+        """A waiting ticket will never be granted a slot: it ends ``status`` (unless it has ended
+        already, its client gone), and its wait's future is settled at once."""
+        if ticket.status == RequestStatus.WAITING:
+            ticket.refusal = refusal
+            self.move(ticket, status)
+        ticket.settle()
 
     def _free_slot(self, ticket: Ticket) -> None:
         assert ticket.backend is not None and ticket.slot is not None
@@ -811,7 +713,7 @@ class Dispatcher:
                 ticket = job.payload
                 if promoted:
                     self.metrics.starvation_promotions.inc()
-                if ticket.wait != WAITING:  # withdrawn in between: nothing to run
+                if ticket.status != RequestStatus.WAITING:  # withdrawn in between: nothing to run
                     self._end_waiting(ticket)
                     self.queue.done(job)
                     continue
@@ -830,11 +732,7 @@ class Dispatcher:
 
     def _pop(self, now: float) -> tuple[Job[Ticket], bool] | None:
         """The queue's next job; a model-affinity queue is told what each backend with a free slot holds."""
-        pop_for = getattr(self.queue, "pop_for", None)
-        if pop_for is None:
-            return self.queue.pop(now)
-        got: tuple[Job[Ticket], bool] | None = pop_for(now, [self._lane(b) for b in self.backends if b.free])
-        return got
+        return self.queue.pop_for(now, [self._lane(b) for b in self.backends if b.free])
 
     def _lane(self, backend: Backend) -> Lane:
         """``backend`` as the model-affinity rule sees it: what it holds, its last switch, its learned loads."""
@@ -868,7 +766,8 @@ class Dispatcher:
         self.metrics.in_flight.inc()
         self._in_flight_gauges[index].inc()
         self._grants += 1
-        ticket.end_wait(GRANTED)
+        self.move(ticket, RequestStatus.DISPATCHED)
+        ticket.settle()
 
     # -- positions and ETAs -------------------------------------------------------------------
     def _slot_free_in_s(self, now: float) -> list[list[float]]:
@@ -883,7 +782,7 @@ class Dispatcher:
             heaps.append(free)
         return heaps
 
-    def _etas(self, now: float) -> tuple[list[tuple[Job[Ticket], float]], float]:
+    def etas(self, now: float) -> tuple[list[tuple[Job[Ticket], float]], float]:
         """Waiting jobs in dispatch order (held back first) with the predicted seconds until each
         is dispatched, and the predicted seconds until the last of them is dispatched (the first
         slot to free, with nobody waiting).
@@ -903,9 +802,8 @@ class Dispatcher:
         holding: list[str | None | _AsNow] = [_AS_NOW] * len(self.backends)  # as played forward
         out = []
         heapreplace = heapq.heapreplace
-        ordered_for = getattr(self.queue, "ordered_for", None)
-        if ordered_for is not None and len(self.backends) == 1:
-            order = ordered_for(now, self._lane(self.backends[0]), heaps[0][0])
+        if len(self.backends) == 1:
+            order = self.queue.ordered_for(now, self._lane(self.backends[0]), heaps[0][0])
         else:
             order = self.queue.ordered(now)
         for job in itertools.chain(self._held_back, order):
@@ -931,7 +829,7 @@ class Dispatcher:
     def where(self, ticket: Ticket, now: float | None = None) -> tuple[int, float] | None:
         """(position in dispatch order, predicted seconds until dispatch) of a waiting ticket."""
         now = self.clock.now() if now is None else now
-        for position, (job, eta) in enumerate(self._etas(now)[0]):
+        for position, (job, eta) in enumerate(self.etas(now)[0]):
             if job is ticket:
                 return position, eta
         return None
@@ -945,7 +843,7 @@ class Dispatcher:
         ]
         if running:
             return min(running)
-        return min((eta + job.predicted_s for job, eta in self._etas(now)[0] if job.tenant == tenant), default=1.0)
+        return min((eta + job.predicted_s for job, eta in self.etas(now)[0] if job.tenant == tenant), default=1.0)
 
     def waiting_ticket(self, request_id: str) -> Ticket | None:
         """The waiting ticket with ``request_id``, or None. A scan, not an index: an index would
@@ -957,128 +855,20 @@ class Dispatcher:
                 return ticket
         return None
 
-    # -- introspection ---------------------------------------------------------------------
-    def snapshot(self, limit: int | None = None) -> dict[str, Any]:
-        """The waiting queue in dispatch order with positions and ETAs (the first ``limit`` of
-        ``waiting_count``), what is in flight on each backend, the backends, and the last finished
-        requests (newest first; ``waited_s`` there is the time it spent queued); no prompt text."""
-        now = self.clock.now()
-
-        def describe(ticket: Ticket) -> dict[str, Any]:
-            return {
-                "request_id": ticket.request_id,
-                "endpoint": ticket.endpoint,
-                "model": ticket.model,
-                "tenant": ticket.tenant,
-                "priority": ticket.priority,
-                "predicted_class": ticket.predicted_class,
-                **(
-                    {}
-                    if ticket.prediction is None or ticket.prediction.p_long is None
-                    else {"p_long": round(ticket.prediction.p_long, 6)}
-                ),
-                "score": round(ticket.score, 6),
-                "predicted_tokens": round(ticket.predicted_tokens, 1),
-                "predicted_s": round(ticket.predicted_s, 3),
-                "waited_s": round(now - ticket.arrival_s, 3),
-                **({} if math.isinf(ticket.expires_s) else {"expires_in_s": round(ticket.expires_s - now, 3)}),
-            }
-
-        def backend_name(ticket: Ticket) -> str | None:
-            return None if ticket.backend is None else self.backends[ticket.backend].name
-
-        bound_s = getattr(self.queue, "bound_s", 0.0)
-
-        def switch_due(ticket: Ticket) -> dict[str, float]:
-            """Seconds until a switch to its model is due (put off ``bound_s``), when no backend
-            that serves it holds it (then, with two models, its model is loaded next)."""
-            serving = [b for b in self.backends if b.serves(ticket.model)]
-            if not bound_s or not serving or any(b.holds(ticket.model) for b in serving):
-                return {}
-            due_s = min(max(ticket.arrival_s, b.switched_s) for b in serving) + bound_s
-            return {"switch_due_in_s": round(due_s - now, 3)}
-
-        loads = self.service_time.loads()
-        etas, tail = self._etas(now)
-        shown = etas if limit is None else etas[: max(0, limit)]
-        waiting = [
-            {"position": i, "eta_s": round(eta, 3), **describe(job.payload), **switch_due(job.payload)}
-            for i, (job, eta) in enumerate(shown)
-        ]
-        in_flight = [
+    # -- introspection (the queue's view: scheduling/queue_view.py) ----------------------------
+    def retained(self) -> dict[str, int]:
+        """Entries the dispatcher and its queue hold, by structure (``JobQueue.retained``): each
+        is bounded by the requests waiting or in flight, or by a fixed size."""
+        return add_counts(
+            self.queue.retained(),
             {
-                "backend": backend.name,
-                "slot": slot,
-                **describe(t),
-                "running_s": round(0.0 if t.dispatched_s is None else now - t.dispatched_s, 3),
-            }
-            for backend in self.backends
-            for slot, t in sorted(backend.running.items())
-        ]
-        return {
-            "policy": self.policy.name,
-            "policy_detail": self.policy.describe(),
-            # None when the guard is off ('inf': JSON has no infinity, and /queue must stay valid JSON)
-            "starvation_timeout_s": None if math.isinf(self.starvation_timeout_s) else self.starvation_timeout_s,
-            # overdue after tau + slowdown x predicted_s (adaptive: base x (1 + CV^2) of service times)
-            "starvation_slowdown": (
-                self.starvation_slowdown.describe()
-                if isinstance(self.starvation_slowdown, AdaptiveSlowdown)
-                else self.starvation_slowdown
-            ),
-            # a backend serves the model it holds while no request for another has been put off bound_s
-            "model_switch": {
-                "bound_s": bound_s,
-                "free_load_s": FREE_LOAD_S,  # a load this short is no reason to put a switch off
-                "load_prior_s": self.service_time.defaults.load_s,  # a load not yet measured (backends' load_s)
-                "waiting_by_model": {
-                    model or "default": n for model, n in getattr(self.queue, "waiting_by_model", dict)().items()
-                },
+                "held_back": len(self._held_back),
+                "running": sum(len(b.running) for b in self.backends),
+                "detached_tasks": len(self._detached),
+                "expiry_entries": len(self._expiry),
+                "recent": len(self.recent),
             },
-            "slots": self.slots,
-            "max_queue": self.max_queue,
-            "tail_eta_s": round(tail, 3),
-            "service_time": {
-                name or "default": self.service_time.coefficients(name)
-                for name in {None, *(t.model for t in self._all_running())}
-            },
-            "backends": [
-                {
-                    "name": b.name,
-                    **b.info,
-                    "slots": b.slots,
-                    "in_flight": len(b.running),
-                    "healthy": b.healthy,
-                    "models": list(b.models),
-                    "loaded_models": list(b.loaded),
-                    "holds": b.last_model,  # the model it served last
-                    "switched_ago_s": None if math.isinf(b.switched_s) else round(now - b.switched_s, 3),
-                    # per model: learned load seconds and how many loads taught it
-                    "load_s": {
-                        model: {"load_s": round(x["load_s"], 3), "observations": int(x["observations"])}
-                        for model, x in loads.get(b.name, {}).items()
-                    },  # fmt: skip
-                    "remaining_s": round(self._remaining_s(b), 3),
-                    "slowness": round(b.slowness, 3),  # measured / predicted service seconds
-                }
-                for b in self.backends
-            ],
-            "waiting_count": len(etas),
-            "waiting": waiting,
-            "in_flight": in_flight,
-            "recent": [
-                {
-                    **describe(t),
-                    "backend": backend_name(t),
-                    "outcome": outcome,
-                    "output_tokens": output_tokens,
-                    "waited_s": round((ended_s if t.dispatched_s is None else t.dispatched_s) - t.arrival_s, 3),
-                    "service_s": None if t.dispatched_s is None else round(ended_s - t.dispatched_s, 3),
-                    "ended_ago_s": round(now - ended_s, 3),
-                }
-                for t, ended_s, outcome, output_tokens in reversed(self._recent)
-            ],
-        }
+        )
 
 
 class _LeaseScope:

@@ -41,11 +41,14 @@ import heapq
 import itertools
 import math
 import operator
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from clairvoyant.scheduling.slowdown import SlowdownRule
+
+if TYPE_CHECKING:  # typing only: affinity.py builds on this module
+    from clairvoyant.scheduling.affinity import Lane
 
 __all__ = [
     "FairShareQueue",
@@ -54,6 +57,7 @@ __all__ = [
     "JobQueue",
     "ScanQueue",
     "StarvationGuard",
+    "add_counts",
 ]
 
 T = TypeVar("T")
@@ -92,7 +96,19 @@ class Job(Generic[T]):
         return mine < theirs or (mine == theirs and self.seq < other.seq)
 
 
+def add_counts(*counts: dict[str, int]) -> dict[str, int]:
+    """``retained()`` figures summed by key (a composite queue's own and its parts')."""
+    out: dict[str, int] = {}
+    for one in counts:
+        for key, n in one.items():
+            out[key] = out.get(key, 0) + n
+    return out
+
+
 class JobQueue(Protocol[T]):
+    """Every method a queue's caller may use: the first ones each queue implements, the others
+    have defaults here, so that a caller never asks a queue whether it has a method."""
+
     def push(self, job: Job[T]) -> None:
         """Queue ``job``. ``job.arrival_s`` must not decrease between calls."""
         ...
@@ -116,12 +132,12 @@ class JobQueue(Protocol[T]):
 
     def done(self, job: Job[T]) -> None:
         """A job this queue popped has left the backend (finished, failed, or was never run)."""
-        ...
+        return None
 
     def repriced(self, job: Job[T], old_predicted_s: float) -> None:
         """A job this queue popped got its predicted seconds after dispatch (dispatched before its
         prediction): account the difference wherever service is charged."""
-        ...
+        return None
 
     def rekeyed(self, job: Job[T]) -> None:
         """A waiting job's prediction changed (a second opinion came while it waited): order it by
@@ -132,6 +148,38 @@ class JobQueue(Protocol[T]):
         """Waiting jobs in the order they would go if nothing else arrived (for positions and ETAs)."""
         ...
 
+    def retained(self) -> dict[str, int]:
+        """Entries this queue holds, by structure (waiting jobs, lingering ones not yet dropped,
+        tenants, groups): what a long-lived process watches to see that nothing accumulates."""
+        ...
+
+    # -- what a queue need not do itself: the defaults (every queue here subclasses JobQueue) --
+    bound_s: float = 0.0  # seconds a request for a model no backend holds may be put off (0: no affinity)
+
+    def pop_for(self, now: float, lanes: Sequence[Lane]) -> tuple[Job[T], bool] | None:
+        """``pop(now)`` told what each backend with a free slot holds (model affinity)."""
+        return self.pop(now)
+
+    def ordered_for(self, now: float, lane: Lane, free_in_s: float = 0.0) -> list[Job[T]]:
+        """``ordered(now)`` as one backend (``lane``, free in ``free_in_s`` seconds) would take them."""
+        return self.ordered(now)
+
+    def waiting_by_model(self) -> dict[str | None, int]:
+        """Jobs waiting per model, where the queue keeps them apart (else empty)."""
+        return {}
+
+    def sort_key(self, job: Job[T], now: float) -> Any:
+        """The job's place in this queue's own order at ``now`` (lower = sooner)."""
+        return job.arrival_s, job.seq
+
+    def is_overdue(self, job: Job[T], now: float) -> bool:
+        """A starvation rule would put ``job`` first at ``now``."""
+        return False
+
+    def reset(self) -> bool:
+        """With no job waiting, make the queue as new; False (nothing changed) if it cannot."""
+        return False
+
     def __len__(self) -> int: ...
 
     def __iter__(self) -> Iterator[Job[T]]: ...
@@ -141,7 +189,7 @@ Key = Callable[[Job[Any]], Any]  # fixed at push; must be comparable (a float or
 Rank = Callable[[Job[Any], float], Any]  # (job, now) -> comparable; lower goes sooner
 
 
-class HeapQueue(Generic[T]):
+class HeapQueue(JobQueue[T]):
     """Keys fixed at push: a min-heap of ``(key, seq, job)``, a tuple key flattened into the entry
     (``(*key, seq, job)``: the same order, one tuple a waiting job instead of two)."""
 
@@ -192,12 +240,6 @@ class HeapQueue(Generic[T]):
             self._live -= 1
         return head
 
-    def done(self, job: Job[T]) -> None:
-        pass  # keys are fixed at push: nothing follows a job after its dispatch
-
-    def repriced(self, job: Job[T], old_predicted_s: float) -> None:
-        pass
-
     def rekeyed(self, job: Job[T]) -> None:
         if not job.waiting:
             return
@@ -217,6 +259,9 @@ class HeapQueue(Generic[T]):
         """The job's place in this queue's order (lower = sooner)."""
         return self.key(job), job.seq
 
+    def retained(self) -> dict[str, int]:
+        return {"queue_entries": len(self._heap)}
+
     def reset(self) -> bool:
         """With no job waiting, drop the entries removed jobs left behind: the queue is as new.
         False (and nothing changed) if a job is waiting."""
@@ -226,7 +271,7 @@ class HeapQueue(Generic[T]):
         return True
 
 
-class ScanQueue(Generic[T]):
+class ScanQueue(JobQueue[T]):
     """Priorities that change with time: ``rank(job, now)`` is evaluated for every waiting job at
     each pop (lowest rank first, ties by arrival)."""
 
@@ -266,12 +311,6 @@ class ScanQueue(Generic[T]):
             self.remove(head[0])
         return head
 
-    def done(self, job: Job[T]) -> None:
-        pass
-
-    def repriced(self, job: Job[T], old_predicted_s: float) -> None:
-        pass
-
     def rekeyed(self, job: Job[T]) -> None:
         pass  # ranks are computed at each pop from the job's current fields
 
@@ -283,12 +322,15 @@ class ScanQueue(Generic[T]):
         """The job's place in this queue's order at ``now`` (lower = sooner)."""
         return self.rank(job, now), job.seq
 
+    def retained(self) -> dict[str, int]:
+        return {"queue_entries": len(self._jobs)}
+
     def reset(self) -> bool:
         """True if no job is waiting: the queue is then as new (it keeps nothing else)."""
         return not self._jobs
 
 
-class StarvationGuard(Generic[T]):
+class StarvationGuard(JobQueue[T]):
     """Wraps any queue: an overdue job goes before every job that arrived after it.
 
     Job i is overdue once ``clock(now) > clock(arrival_s) + timeout_s + slowdown * predicted_s``
@@ -405,9 +447,7 @@ class StarvationGuard(Generic[T]):
         if not overdue or overdue[0][0] >= head.arrival_s:
             return None
         first = overdue[0][2]
-        sort_key = getattr(self.inner, "sort_key", None)
-        if sort_key is None:
-            return first
+        sort_key = self.inner.sort_key
         group: list[tuple[float, int, Job[T]]] = []
         while overdue and overdue[0][0] == first.arrival_s and len(group) < 64:
             entry = heapq.heappop(overdue)
@@ -444,12 +484,14 @@ class StarvationGuard(Generic[T]):
     def done(self, job: Job[T]) -> None:
         self.inner.done(job)
 
+    def retained(self) -> dict[str, int]:
+        return add_counts(self.inner.retained(), {"guard_entries": len(self._pending) + len(self._overdue)})
+
     def reset(self) -> bool:
         """With no job waiting, drop the entries popped and removed jobs left in both heaps and
         reset the inner queue: the guard is then as new (same timeout, slowdown and clock). False
         (and nothing changed) if a job is waiting or the inner queue cannot be reset."""
-        inner_reset = getattr(self.inner, "reset", None)
-        if len(self.inner) or inner_reset is None or not inner_reset():
+        if len(self.inner) or not self.inner.reset():
             return False
         self._pending.clear()
         self._overdue.clear()
@@ -501,17 +543,16 @@ _SPARE_TENANTS = 8
 def _best_class(queue: JobQueue[T], head: tuple[Job[T], bool], now: float) -> int:
     """The best priority class waiting in one tenant's queue whose ``peek(now)`` is ``head``, even
     when a promotion hides it behind an older job."""
-    inner = getattr(queue, "inner", None)
-    if inner is None:
+    if not isinstance(queue, StarvationGuard):
         return head[0].priority
-    if head[1] or not isinstance(queue, StarvationGuard):
-        inner_head = inner.peek(now)
+    if head[1]:
+        inner_head = queue.inner.peek(now)
     else:  # a guard that promoted nothing returned its inner queue's own peek
         inner_head = head
     return min(head[0].priority, inner_head[0].priority) if inner_head is not None else head[0].priority
 
 
-class FairShareQueue(Generic[T]):
+class FairShareQueue(JobQueue[T]):
     """One inner queue per tenant; tenants share the backend in predicted service seconds.
 
     Start-time fair queuing (SFQ) with predicted seconds as the cost. A tenant is *active* while it
@@ -566,12 +607,21 @@ class FairShareQueue(Generic[T]):
         # the wall clock exactly (single-tenant schedules do not change by a rounding error).
         self._share_lag_s = 0.0  # wall seconds minus share seconds, as of _share_at_s
         self._share_at_s = -math.inf  # wall time of the last update
+        # The seconds the share clock divides: the wall clock unless set (``ModelAffinity`` sets a
+        # model's clock, which stops while the model is put off for a switch).
+        self.clock: Callable[[float], float] | None = None
 
     def __len__(self) -> int:
         return self._live
 
     def __iter__(self) -> Iterator[Job[T]]:
         return itertools.chain.from_iterable(list(t.queue) for t in self._tenants.values())
+
+    def retained(self) -> dict[str, int]:
+        counts = {"fair_share_tenants": len(self._tenants), "fair_share_spare": len(self._spare)}
+        for tenant in self._tenants.values():
+            counts = add_counts(counts, tenant.queue.retained(), {"fair_share_in_flight": len(tenant.in_flight)})
+        return counts
 
     @property
     def tenants(self) -> dict[Hashable, float]:
@@ -583,6 +633,8 @@ class FairShareQueue(Generic[T]):
         requests waiting (1 s per second with one or none). ``now`` before the last update counts
         as the last update. A withdrawal (``remove``) takes effect from the last push or pop, which
         can only make the clock run faster (deadlines come sooner, never later)."""
+        if self.clock is not None:
+            now = self.clock(now)
         k = self._waiting_tenants
         lag_s = self._share_lag_s
         if k > 1 and now > self._share_at_s:
@@ -591,6 +643,8 @@ class FairShareQueue(Generic[T]):
 
     def _tick(self, now: float) -> None:
         """Fold the share clock up to ``now`` (before the number of waiting tenants changes)."""
+        if self.clock is not None:
+            now = self.clock(now)
         if now > self._share_at_s and math.isfinite(now):  # pop(math.inf) drains at shutdown
             k = self._waiting_tenants
             if k > 1:
@@ -643,8 +697,7 @@ class FairShareQueue(Generic[T]):
         """``tenant`` has nothing waiting and nothing in service: no longer active."""
         del self._tenants[name]
         if len(self._spare) < _SPARE_TENANTS:
-            reset = getattr(tenant.queue, "reset", None)
-            if reset is not None and reset():
+            if tenant.queue.reset():
                 self._spare.append(tenant)  # in_flight is empty, waiting 0
 
     def _emptied(self, name: Hashable, tenant: _Tenant[T]) -> None:
@@ -703,8 +756,7 @@ class FairShareQueue(Generic[T]):
             if head is None:
                 continue
             job, promoted = head
-            is_overdue = getattr(queue, "is_overdue", None)
-            overdue = promoted or (is_overdue is not None and is_overdue(job, now))
+            overdue = promoted or queue.is_overdue(job, now)
             best_here = _best_class(queue, head, now)
             heads.append((job.priority, overdue, tenant.served_s, tenant.waiting, name, job, promoted, best_here, head))
         if not heads:

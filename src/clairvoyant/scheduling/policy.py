@@ -187,13 +187,15 @@ def build_queue(
     fair_share: bool = False,
     tenant_weights: dict[str, float] | None = None,
     model_switch_bound_s: float = 0.0,
+    model_switch_rule: str = "weighed",
 ) -> JobQueue[Any]:
     """The queue the dispatcher and the simulator drive: policy order, starvation guard (a job is
     overdue after ``starvation_timeout_s + starvation_slowdown * predicted_s``), optionally one
     such queue per tenant under fair share (a tenant's weight from ``tenant_weights``, else 1), and
     with ``model_switch_bound_s`` > 0 one of those per model under ``ModelAffinity`` (a backend
     serves the model it holds while no request for another model has been put off that many
-    seconds). fcfs ignores the bound: it stays pure arrival order, the baseline."""
+    seconds, and before that while it is worth more than a switch: ``model_switch_rule``, one of
+    ``affinity.SWITCH_RULES``). fcfs ignores the bound: it stays pure arrival order, the baseline."""
     if not starvation_timeout_s > 0:
         raise ValueError("starvation_timeout_s must be > 0 (math.inf disables it)")
     if not (model_switch_bound_s >= 0 and math.isfinite(model_switch_bound_s)):
@@ -213,5 +215,5 @@ def build_queue(
 
     if model_switch_bound_s == 0 or policy.name == "fcfs":
         return shared()
-    ranker = getattr(policy.make_queue(), "sort_key", None)  # the policy's order, for heads of several models
-    return ModelAffinity(shared, model_switch_bound_s, ranker)
+    ranker = policy.make_queue().sort_key  # the policy's order, for heads of several models
+    return ModelAffinity(shared, model_switch_bound_s, ranker, model_switch_rule)

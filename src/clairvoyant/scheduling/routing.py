@@ -17,8 +17,8 @@ a request's turn comes. The rule, in order:
    request's remainder, ``dispatcher.remainder_s``: never 0 while it runs, so a request that overran
    its prediction still occupies its backend, which must not look as free as an idle one) plus the
    request's own predicted seconds, both scaled by the backend's measured slowness (its measured
-   over predicted service seconds, learned per backend), so a laptop beside a GPU box gets a
-   request only when it would finish it sooner;
+   over predicted service seconds, learned per backend, robust to a few outliers: ``observe_service``),
+   so a laptop beside a GPU box gets a request only when it would finish it sooner;
 5. the earlier backend in the configuration.
 
 No I/O here: the records are plain data, so the rule is tested with explicit states.
@@ -36,8 +36,9 @@ from clairvoyant.scheduling.service_time import FREE_LOAD_S
 
 __all__ = ["Backend", "Load", "choose", "same_model"]
 
-SLOWNESS_WEIGHT = 0.1  # of each new sample in a backend's moving slowness (about the last 10 requests)
-SLOWNESS_MAX = 10.0  # one sample counts at most 10x slower (or faster) than predicted
+SLOWNESS_WEIGHT = 0.1  # of each new sample in a backend's moving slowness, in log space (about the last 10 requests)
+SLOWNESS_MAX = 10.0  # the slowness stays within 1/10 and 10
+SLOWNESS_STEP = 2.0  # one sample counts at most 2x above (or below) the current slowness: an outlier moves it by 7%
 
 
 def same_model(a: str, b: str) -> bool:
@@ -119,10 +120,17 @@ class Backend:
         return found
 
     def observe_service(self, predicted_s: float, measured_s: float) -> None:
-        """A request served here took ``measured_s`` against ``predicted_s`` predicted."""
-        if predicted_s > 0 and measured_s > 0:
-            sample = min(SLOWNESS_MAX, max(1 / SLOWNESS_MAX, measured_s / predicted_s))
-            self.slowness += SLOWNESS_WEIGHT * (sample - self.slowness)
+        """A request served here took ``measured_s`` against ``predicted_s`` predicted. The slowness
+        is a moving geometric mean of measured / predicted, each sample counted as at most
+        ``SLOWNESS_STEP`` times above or below the current slowness: one outlier (a request that
+        waited on a model load or a busy CPU) moves it by at most ``SLOWNESS_STEP ** SLOWNESS_WEIGHT``,
+        while a backend that is really slower is followed within tens of requests. Always positive
+        and finite: it scales every prediction on this backend alike, so it cannot reorder them."""
+        if predicted_s > 0 and measured_s > 0 and math.isfinite(predicted_s) and math.isfinite(measured_s):
+            current = self.slowness
+            sample = min(current * SLOWNESS_STEP, max(current / SLOWNESS_STEP, measured_s / predicted_s))
+            moved = current * (sample / current) ** SLOWNESS_WEIGHT
+            self.slowness = min(SLOWNESS_MAX, max(1 / SLOWNESS_MAX, moved))
 
     def sent(self, model: str | None) -> None:
         """A request for ``model`` was dispatched here: a backend that loads on demand has it loaded

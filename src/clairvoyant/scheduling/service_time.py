@@ -8,15 +8,30 @@ prior covariance says how many observations the defaults are worth. One model pe
 name (``None`` = the default model). The state is persisted atomically (write a temporary file,
 then ``os.replace``) to a JSON file, so a restart keeps what was learned.
 
+The fit cannot turn the order upside down. Two rules keep it physical:
+
+- **Bounded coefficients.** After each update the coefficients are projected onto c0 >= 0,
+  c_p >= 0 and c_d >= ``C_DECODE_MIN_S`` (the closest point in the fit's own metric, its
+  covariance: the constrained least-squares answer, not a clip). More predicted tokens therefore
+  always predict more seconds, for any sequence of observations.
+- **Bounded influence.** A measured time is taken as is within ``OUTLIER_FACTOR``x of (or below)
+  the fit's prediction; beyond, it counts as that bound (winsorised: a Huber-type fit). The bound
+  widens with the median of the last ``SPREAD_WINDOW`` observations' |log(measured / predicted)|,
+  so a backend that really changed speed is followed once about half of them agree, while a few
+  outliers (a first answer that waited on a busy CPU or a model load) move the fit no more than
+  a request ``OUTLIER_FACTOR``x slower would.
+
 Inputs come from completed requests through one call,
 ``observe(model, prompt_tokens, output_tokens, duration_s)`` (the duration without any load it
 paid); predictions through ``predict_s(model, prompt_tokens, output_tokens)``.
 
-Load costs are a moving average per (backend, model), seeded with ``ServiceTimeDefaults.load_s``
-(worth one observation), taught by ``observe_load(backend, model, load_s)`` (Ollama's
-``load_duration``) or by ``observe_first_byte(backend, model, first_byte_s, after_switch)``: a
-streamed answer's first-byte delay, whose moving average over answers that followed no switch is
-the baseline that an answer following a switch exceeds by its load. Read by ``load_s``.
+Load costs per (backend, model), seeded with ``ServiceTimeDefaults.load_s`` (worth one
+observation), taught by ``observe_load(backend, model, load_s)`` (Ollama's ``load_duration``) or by
+``observe_first_byte(backend, model, first_byte_s, after_switch)``: a streamed answer's first-byte
+delay, whose median over the last ``FIRST_BYTE_WINDOW`` answers that followed no switch is the
+baseline that an answer following a switch exceeds by its load. A load sample counts as at most
+``LOAD_OUTLIER_FACTOR`` times the current cost in the moving average, so one outlier moves the cost
+by a bounded factor. Read by ``load_s``; never negative.
 
 Nothing here reads a clock or does I/O except ``save``/``load``.
 """
@@ -26,24 +41,38 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from clairvoyant.state_file import atomic_writer
 
-__all__ = ["FREE_LOAD_S", "LOAD_WEIGHT", "ServiceTimeDefaults", "ServiceTimeModel", "write_state"]
+__all__ = [
+    "C_DECODE_MIN_S", "FREE_LOAD_S", "LOAD_WEIGHT", "OUTLIER_FACTOR", "ServiceTimeDefaults", "ServiceTimeModel",
+    "write_state",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
 _MIN_SERVICE_S = 0.01
 _MAX_MODELS = 64  # bounded: model names come from clients
 _MAX_BACKENDS = 64  # load costs are kept for this many backends at most (they come from the configuration)
+# The least seconds an output token costs (10,000 tokens/s for one answer: faster than any backend
+# decodes): keeps more predicted tokens strictly more predicted seconds, not merely as many.
+C_DECODE_MIN_S = 1e-4
+# A measured service time within this factor of the prediction (above or below) is taken as is;
+# beyond, it counts as this factor (until the recent spread says the backend changed speed).
+OUTLIER_FACTOR = 3.0
+_LOG_OUTLIER_FACTOR = math.log(OUTLIER_FACTOR)
+SPREAD_WINDOW = 16  # recent |log(measured / predicted)| whose median widens the bound
+SPREAD_WIDTH = 2.0  # the bound is at least exp(this x that median): a backend that changed speed gets through
 LOAD_WEIGHT = 0.25  # of each new load sample in its moving average (about the last 4 switches)
+LOAD_OUTLIER_FACTOR = 4.0  # a load sample counts at most this factor above the current cost
 # A learned load this short (seconds) counts as none: no reason to put a switch off or route around
 # it (a backend that holds both models, or a server that answers every model name with one model).
 FREE_LOAD_S = 0.5
-FIRST_BYTE_WEIGHT = 0.1  # of each new first-byte delay in the baseline (about the last 10 answers)
+FIRST_BYTE_WINDOW = 9  # answers whose median first-byte delay is a backend model's baseline
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,15 +89,62 @@ class ServiceTimeDefaults:
     load_s: float = 5.0
 
 
+_PAIRS = ((0, 1, 2), (0, 2, 1), (1, 2, 0))  # (clamped, clamped, free)
+
+
+def _project(theta: list[float], p: list[list[float]], lower: tuple[float, float, float]) -> list[float]:
+    """The point of {theta >= lower} closest to ``theta`` in the metric P^-1 (the constrained
+    least-squares estimate, given the fit's covariance P). ``theta`` itself when feasible.
+
+    With d = theta - lower and a set A of coordinates held at their bound, the best point of that
+    face is the Gaussian conditional ``d_F - P_FA z`` with ``z = P_AA^-1 d_A``; it is the projection
+    when it is feasible and ``z <= 0`` (the KKT conditions: the multipliers are ``-z``). The faces
+    are tried smallest first; holding all three is the last, always feasible."""
+    d0, d1, d2 = theta[0] - lower[0], theta[1] - lower[1], theta[2] - lower[2]
+    if d0 >= 0 and d1 >= 0 and d2 >= 0:
+        return theta
+    d = (d0, d1, d2)
+    for i in range(3):  # one coordinate at its bound
+        if d[i] >= 0 or not p[i][i] > 0:
+            continue
+        z = d[i] / p[i][i]
+        moved = [d[j] - p[j][i] * z for j in range(3)]
+        moved[i] = 0.0
+        if moved[0] >= 0 and moved[1] >= 0 and moved[2] >= 0:
+            return [moved[j] + lower[j] for j in range(3)]
+    for i, j, k in _PAIRS:  # two at their bound
+        a, b, c = p[i][i], p[i][j], p[j][j]
+        det = a * c - b * b
+        if not det > 0:
+            continue
+        zi, zj = (c * d[i] - b * d[j]) / det, (a * d[j] - b * d[i]) / det
+        if zi > 0 or zj > 0:
+            continue
+        free = d[k] - p[k][i] * zi - p[k][j] * zj
+        if free >= 0:
+            moved = [0.0, 0.0, 0.0]
+            moved[k] = free
+            return [moved[m] + lower[m] for m in range(3)]
+    return list(lower)
+
+
 @dataclass(slots=True)
 class _Rls:
-    theta: list[float]  # [c0_s, c_prompt_s, c_decode_s]
+    theta: list[float]  # [c0_s, c_prompt_s, c_decode_s], scaled (tokens in thousands)
     p: list[list[float]]  # 3x3 covariance (scaled)
     n: int = 0  # observations so far
+    # |log(measured / predicted)| of the last observations (0 = as predicted until there are some)
+    spread: deque[float] = field(default_factory=lambda: deque([0.0] * SPREAD_WINDOW, maxlen=SPREAD_WINDOW))
+
+    def bound(self) -> float:
+        """The factor beyond which a measured time counts as an outlier (at least ``OUTLIER_FACTOR``)."""
+        ordered = sorted(self.spread)
+        half = len(ordered) // 2
+        median = ordered[half] if len(ordered) % 2 else 0.5 * (ordered[half - 1] + ordered[half])
+        return max(OUTLIER_FACTOR, math.exp(min(SPREAD_WIDTH * median, 700.0)))
 
     def update(self, x: list[float], y: float, lam: float, max_trace: float) -> None:
-        # Unrolled 3x3 (it runs once per completed request, on the event loop); the same
-        # operations in the same order as the loops it replaced, so the same floats.
+        # Unrolled 3x3 (it runs once per completed request, on the event loop).
         (p00, p01, p02), (p10, p11, p12), (p20, p21, p22) = self.p
         x0, x1, x2 = x
         px0 = p00 * x0 + p01 * x1 + p02 * x2
@@ -101,7 +177,17 @@ class _Load:
 
     load_s: float  # moving average of measured loads, seconds (the prior until observed)
     n: int = 0  # loads observed
-    first_byte_s: float | None = None  # moving first-byte delay of streamed answers that followed no switch
+    # The first-byte delays of the last streamed answers that followed no switch, seconds
+    first_bytes: deque[float] = field(default_factory=lambda: deque(maxlen=FIRST_BYTE_WINDOW))
+
+    @property
+    def first_byte_s(self) -> float | None:
+        """The usual first-byte delay (the median of ``first_bytes``), None before any."""
+        ordered = sorted(self.first_bytes)
+        if not ordered:
+            return None
+        half = len(ordered) // 2
+        return ordered[half] if len(ordered) % 2 else 0.5 * (ordered[half - 1] + ordered[half])
 
 
 @dataclass(slots=True)
@@ -117,6 +203,8 @@ class ServiceTimeModel:
 
     # Feature scales keep the RLS well conditioned: tokens in thousands.
     _SCALE = (1.0, 1e-3, 1e-3)
+    # The coefficients' lower bounds, scaled as theta: c0 >= 0, c_p >= 0, c_d >= C_DECODE_MIN_S.
+    _LOWER = (0.0, 0.0, C_DECODE_MIN_S / 1e-3)
 
     def _fresh(self) -> _Rls:
         d = self.defaults
@@ -124,7 +212,7 @@ class ServiceTimeModel:
         # Prior variance ~ (size of the coefficient)^2 / prior_weight: the defaults hold for a while.
         var = [max(abs(t), 1e-3) ** 2 * 100.0 / d.prior_weight for t in theta]
         p = [[var[i] if i == j else 0.0 for j in range(3)] for i in range(3)]
-        return _Rls(theta, p)
+        return _Rls(_project(theta, p, self._LOWER), p)
 
     def _x(self, prompt_tokens: float, output_tokens: float) -> list[float]:
         return [1.0, max(prompt_tokens, 0.0) * self._SCALE[1], max(output_tokens, 0.0) * self._SCALE[2]]
@@ -133,11 +221,10 @@ class ServiceTimeModel:
         return self._models.get(model or "")
 
     def predict_s(self, model: str | None, prompt_tokens: float, output_tokens: float) -> float:
-        """Predicted service seconds (never below 10 ms)."""
+        """Predicted service seconds (never below 10 ms); never fewer for more tokens of either kind."""
         rls = self._get(model)
         t0, t1, t2 = rls.theta if rls is not None else self._fresh().theta
         _, x1, x2 = self._x(prompt_tokens, output_tokens)
-        # t0 * 1.0 + ...: the sum of theta . x in the order sum() took it, so the same float
         return max(_MIN_SERVICE_S, t0 * 1.0 + t1 * x1 + t2 * x2)
 
     def observe(self, model: str | None, prompt_tokens: int, output_tokens: int, duration_s: float) -> None:
@@ -150,10 +237,21 @@ class ServiceTimeModel:
             if len(self._models) >= _MAX_MODELS:
                 return
             rls = self._models[key] = self._fresh()
-        rls.update(self._x(prompt_tokens, output_tokens), duration_s, self.defaults.forgetting, self._max_trace())
+        x = self._x(prompt_tokens, output_tokens)
         t0, t1, t2 = rls.theta
+        predicted_s = max(_MIN_SERVICE_S, t0 * x[0] + t1 * x[1] + t2 * x[2])
+        spread = abs(math.log(duration_s / predicted_s))
+        counted_s = duration_s
+        if spread > _LOG_OUTLIER_FACTOR:  # (the bound is never narrower: most observations skip the median)
+            bound = rls.bound()  # before this observation joins the spread: an outlier cannot widen its own bound
+            counted_s = min(max(duration_s, predicted_s / bound), predicted_s * bound)
+        rls.spread.append(spread)
+        rls.update(x, counted_s, self.defaults.forgetting, self._max_trace())
+        t0, t1, t2 = theta = rls.theta
         if not (math.isfinite(t0) and math.isfinite(t1) and math.isfinite(t2)):
             self._models[key] = self._fresh()  # never serve a broken fit: start again from the defaults
+            return
+        rls.theta = _project(theta, rls.p, self._LOWER)
 
     def _max_trace(self) -> float:
         trace = self._trace
@@ -163,14 +261,22 @@ class ServiceTimeModel:
         return trace[1]
 
     def coefficients(self, model: str | None) -> dict[str, float]:
-        """c0_s, c_prompt_s (per token), c_decode_s (per token) and the observation count."""
+        """c0_s, c_prompt_s (per token), c_decode_s (per token), the observation count, and the
+        factor beyond which a measured time counts as an outlier now (``outlier_factor``)."""
         rls = self._get(model) or self._fresh()
         return {
             "c0_s": rls.theta[0],
             "c_prompt_s": rls.theta[1] * self._SCALE[1],
             "c_decode_s": rls.theta[2] * self._SCALE[2],
             "observations": float(rls.n),
+            "outlier_factor": rls.bound(),
         }
+
+    def fits(self) -> dict[str, dict[str, float]]:
+        """Every model's coefficients (``coefficients``), by name ("default" for none), the default
+        model's first: the fits that order requests."""
+        names: list[str] = ["", *(name for name in self._models if name)]
+        return {(name or "default"): self.coefficients(name) for name in names}
 
     # -- load costs ------------------------------------------------------------------------------
     def load_s(self, backend: str, model: str | None) -> float:
@@ -195,37 +301,40 @@ class ServiceTimeModel:
     def observe_load(self, backend: str, model: str | None, load_s: float) -> None:
         """``backend`` took ``load_s`` seconds to load ``model`` (Ollama's ``load_duration``, or the
         excess first-byte delay of an answer that followed a switch). A moving average in which the
-        prior counts as one observation: the first sample weighs 1/2, then 1/3, down to ``LOAD_WEIGHT``."""
+        prior counts as one observation: the first sample weighs 1/2, then 1/3, down to
+        ``LOAD_WEIGHT``. The sample counts as at most ``LOAD_OUTLIER_FACTOR`` times the current cost
+        (or ``FREE_LOAD_S``, so a free load can grow): one outlier moves the cost by a bounded
+        factor, up or (samples being >= 0) down."""
         if not (load_s >= 0 and math.isfinite(load_s)):
             return
         load = self._load(backend, model)
         if load is None:
             return
+        current = load.load_s
+        counted = min(load_s, LOAD_OUTLIER_FACTOR * max(current, FREE_LOAD_S))
         weight = max(LOAD_WEIGHT, 1.0 / (load.n + 2))
-        load.load_s += weight * (load_s - load.load_s)
+        load.load_s = current + weight * (counted - current)
         load.n += 1
 
     def observe_first_byte(
         self, backend: str, model: str | None, first_byte_s: float, *, after_switch: bool
     ) -> float | None:
         """A streamed answer's first byte came ``first_byte_s`` seconds after it was sent to
-        ``backend``. One that followed no switch updates the baseline (its moving average); one
-        that followed a switch teaches the load cost: its delay beyond the baseline (the backend's
-        other models' while this one has none; 0 while no model has one), which is returned. None
-        when nothing was learned."""
+        ``backend``. One that followed no switch joins the baseline (the median of the last
+        ``FIRST_BYTE_WINDOW``: one slow first byte does not raise it); one that followed a switch
+        teaches the load cost: its delay beyond the baseline (the backend's other models' while this
+        one has none; 0 while no model has one), which is returned. None when nothing was learned."""
         if not (first_byte_s >= 0 and math.isfinite(first_byte_s)):
             return None
         load = self._load(backend, model)
         if load is None:
             return None
-        baseline = load.first_byte_s
         if not after_switch:
-            load.first_byte_s = (
-                first_byte_s if baseline is None else baseline + FIRST_BYTE_WEIGHT * (first_byte_s - baseline)
-            )
+            load.first_bytes.append(first_byte_s)
             return None
+        baseline = load.first_byte_s
         if baseline is None:  # none for this model yet: the backend's others' (a first token is a first token)
-            others = [x.first_byte_s for x in self._loads[backend].values() if x.first_byte_s is not None]
+            others = [b for x in self._loads[backend].values() if (b := x.first_byte_s) is not None]
             baseline = sum(others) / len(others) if others else 0.0
         measured = max(0.0, first_byte_s - baseline)
         self.observe_load(backend, model, measured)
@@ -253,38 +362,49 @@ class ServiceTimeModel:
         return {
             "version": 1,
             "models": {
-                name: {"theta": list(r.theta), "p": [list(row) for row in r.p], "n": r.n}
+                name: {"theta": list(r.theta), "p": [list(row) for row in r.p], "n": r.n, "spread": list(r.spread)}
                 for name, r in self._models.items()
             },
             "loads": {
                 backend: {
-                    model: {"load_s": x.load_s, "n": x.n, "first_byte_s": x.first_byte_s} for model, x in models.items()
+                    model: {"load_s": x.load_s, "n": x.n, "first_bytes": list(x.first_bytes)}
+                    for model, x in models.items()
                 }
                 for backend, models in self._loads.items()
             },
         }
 
+    def _fit_from(self, state: dict[str, Any]) -> _Rls:
+        theta = [float(v) for v in state["theta"]]
+        p = [[float(v) for v in row] for row in state["p"]]
+        if len(theta) != 3 or len(p) != 3 or any(len(row) != 3 for row in p):
+            raise ValueError("wrong shape")
+        if not all(math.isfinite(v) for v in [*theta, *(v for row in p for v in row)]):
+            raise ValueError("not finite")
+        rls = _Rls(_project(theta, p, self._LOWER), p, int(state["n"]))  # a file may predate the bounds
+        rls.spread.extend(float(v) for v in state.get("spread", ()))
+        return rls
+
+    @staticmethod
+    def _load_from(state: dict[str, Any]) -> _Load:
+        load = _Load(max(0.0, float(state["load_s"])), int(state["n"]))
+        if not math.isfinite(load.load_s):
+            raise ValueError("not finite")
+        # Files written before the baseline was a median hold one value ("first_byte_s").
+        older = state.get("first_byte_s")
+        load.first_bytes.extend(float(v) for v in state.get("first_bytes", () if older is None else (older,)))
+        return load
+
     def load(self) -> bool:
-        """Read the state file if there is one; a corrupt file is logged and ignored. True if loaded."""
+        """Read the state file if there is one; a corrupt file is logged and ignored. True if loaded.
+        Coefficients out of their bounds (a file written before them) are projected into them."""
         if self.path is None or not self.path.is_file():
             return False
         try:
             state = json.loads(self.path.read_text())
-            models = {
-                name: _Rls([float(v) for v in m["theta"]], [[float(v) for v in row] for row in m["p"]], int(m["n"]))
-                for name, m in state["models"].items()
-            }
-            if any(len(r.theta) != 3 or len(r.p) != 3 for r in models.values()):
-                raise ValueError("wrong shape")
+            models = {str(name): self._fit_from(m) for name, m in state["models"].items()}
             loads = {  # absent from files written before load costs were learned
-                str(backend): {
-                    str(model): _Load(
-                        float(x["load_s"]),
-                        int(x["n"]),
-                        None if x.get("first_byte_s") is None else float(x["first_byte_s"]),
-                    )
-                    for model, x in by_model.items()
-                }
+                str(backend): {str(model): self._load_from(x) for model, x in by_model.items()}
                 for backend, by_model in state.get("loads", {}).items()
             }
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:

@@ -9,16 +9,35 @@ SIGTERM. For real use, point the proxy at your own llama-server or Ollama instea
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "default_threads", "run"]
+
+
+def default_threads() -> int:
+    """The cores this process may run on, less one for the proxy and its clients, and at least one.
+    llama.cpp's threads wait for each other at every step: a thread more than the free cores makes
+    each token wait for a busy core (on 2 busy cores, 2 threads gave 0.6 tokens/s where 1 gave
+    13.0: benchmarks/bench_backend_threads.py)."""
+    try:
+        cores = len(os.sched_getaffinity(0))  # the cores allowed here (a container's cpuset, taskset)
+    except AttributeError:  # macOS has no affinity call
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8081, help="port to listen on (default 8081)")
-    parser.add_argument("--threads", type=int, default=2, help="CPU threads for generation (default 2)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=default_threads(),
+        help="CPU threads for generation (default: the cores this process may use, less one for the proxy; "
+        f"{default_threads()} here)",
+    )
     parser.add_argument("--slots", type=int, default=1, help="requests it generates at once (default 1)")
     parser.add_argument("--ctx", type=int, default=2048, help="context size in tokens, shared by the slots")
 
@@ -35,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     server.start()
     try:
         print(
-            f"llama.cpp server (SmolLM2-135M-Instruct, {args.slots} slot(s)) on {server.base_url}; "
+            f"llama.cpp server (SmolLM2-135M-Instruct, {args.slots} slot(s), {args.threads} thread(s)) on "
+            f"{server.base_url}; "
             f"try: clairvoyant serve --upstream {server.base_url}   (Ctrl-C stops it)",
             flush=True,
         )

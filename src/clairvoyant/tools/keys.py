@@ -1,11 +1,13 @@
 """`clairvoyant keys`: make a client API key, or hash an existing one, for the ``api_keys`` setting.
 
-    clairvoyant keys add --tenant team-a >> clairvoyant.toml    # then: clairvoyant serve --config clairvoyant.toml
+    clairvoyant keys add --tenant team-a >> clairvoyant-keys.toml   # api_keys_file = "clairvoyant-keys.toml"
     clairvoyant keys hash < key.txt
 
 ``keys add`` shows the new key once, on standard error (the terminal, when standard output goes to a
 file), and writes only its config entry to standard output: the ``[[api_keys]]`` table with the key's
-hash (``sha256:<hex>``), never the key itself. So the file it is appended to holds no secret.
+hash (``sha256:<hex>``), never the key itself. So the file it is appended to holds no secret. That
+file is the keys file (``api_keys_file``), not the settings file: in TOML, a setting appended after
+a table would belong to the table.
 """
 
 from __future__ import annotations

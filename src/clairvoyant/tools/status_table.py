@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from clairvoyant.scheduling.queue_view import BackendView, RequestView, RunningView, WaitingView
 
 __all__ = ["render", "table"]
 
@@ -78,17 +82,31 @@ def _dicts(value: Any) -> list[dict[str, Any]]:
     return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
 
 
-def _predicted(row: Mapping[str, Any]) -> str:
-    tokens = row.get("predicted_tokens")
-    parts = [f"{tokens:.0f} tok" if isinstance(tokens, int | float) and math.isfinite(tokens) else None]
-    if row.get("predicted_s") is not None:
-        parts.append(seconds(row.get("predicted_s")))
+View = TypeVar("View", bound=BaseModel)
+
+
+def _views(value: Any, view: type[View]) -> list[View]:
+    """The objects of a /queue list as its typed view (``scheduling.queue_view``); an object whose
+    known fields have the wrong types is read without them."""
+    rows = []
+    for row in _dicts(value):
+        try:
+            rows.append(view.model_validate(row))
+        except ValidationError:
+            rows.append(view.model_construct(**{k: v for k, v in row.items() if k not in view.model_fields}))
+    return rows
+
+
+def _predicted(row: RequestView) -> str:
+    tokens = row.predicted_tokens
+    parts = [f"{tokens:.0f} tok" if tokens is not None and math.isfinite(tokens) else None]
+    if row.predicted_s is not None:
+        parts.append(seconds(row.predicted_s))
     return " / ".join(p for p in parts if p) or "-"
 
 
-def _tenant(row: Mapping[str, Any]) -> str:
-    tenant = row.get("tenant")
-    return "(no key)" if tenant in ("", None) else str(tenant)
+def _tenant(row: RequestView) -> str:
+    return row.tenant or "(no key)"
 
 
 def _header(status: Mapping[str, Any], url: str) -> list[str]:
@@ -108,44 +126,45 @@ def _header(status: Mapping[str, Any], url: str) -> list[str]:
 
 
 def _backends(status: Mapping[str, Any]) -> list[str]:
-    backends = _dicts(status.get("backends"))
-    if not backends:
+    listed = _dicts(status.get("backends"))
+    if not listed:
         return ["backends: none reported"]
-    extra = sorted({k for b in backends for k in b} - _BACKEND_KNOWN)
+    backends = _views(listed, BackendView)
+    extra = sorted({k for b in listed for k in b} - _BACKEND_KNOWN)
     headers = ["backend", "kind", "healthy", "in flight", "remaining", "slowness", "models", "loaded", *extra]
     rows = [
         [
-            cell(b.get("name")),
-            cell(b.get("kind")),
-            cell(b.get("healthy")),
-            f"{cell(b.get('in_flight'))}/{cell(b.get('slots'))}",
-            seconds(b.get("remaining_s")),
-            cell(b.get("slowness")),
-            "any" if b.get("models") == [] else cell(b.get("models")),  # an empty list: serves every model
-            cell(b.get("loaded_models")),
-            *(cell(b.get(k)) for k in extra),
+            cell(b.name or None),
+            cell(given.get("kind")),
+            cell(b.healthy),
+            f"{cell(given.get('in_flight'))}/{cell(given.get('slots'))}",
+            seconds(b.remaining_s),
+            cell(b.slowness),
+            "any" if given.get("models") == [] else cell(given.get("models")),  # an empty list: serves every model
+            cell(given.get("loaded_models")),
+            *(cell(given.get(k)) for k in extra),
         ]
-        for b in backends
+        for b, given in zip(backends, listed)
     ]
     return ["backends", *table(headers, rows)]
 
 
 def _running(status: Mapping[str, Any]) -> list[str]:
-    running = _dicts(status.get("in_flight"))
+    running = _views(status.get("in_flight"), RunningView)
     if not running:
         return ["running: none"]
     headers = ["backend", "slot", "request", "tenant", "prio", "model", "class", "predicted", "running"]
     rows = [
         [
-            cell(r.get("backend")),
-            cell(r.get("slot")),
-            cell(r.get("request_id")),
+            cell(r.backend),
+            cell(r.slot),
+            cell(r.request_id),
             _tenant(r),
-            cell(r.get("priority")),
-            cell(r.get("model")),
-            cell(r.get("predicted_class")),
+            cell(r.priority),
+            cell(r.model),
+            cell(r.predicted_class),
             _predicted(r),
-            seconds(r.get("running_s")),
+            seconds(r.running_s),
         ]
         for r in running
     ]
@@ -153,7 +172,7 @@ def _running(status: Mapping[str, Any]) -> list[str]:
 
 
 def _waiting(status: Mapping[str, Any], limit: int | None) -> list[str]:
-    waiting = _dicts(status.get("waiting"))
+    waiting = _views(status.get("waiting"), WaitingView)
     count = status.get("waiting_count")
     total = count if isinstance(count, int) else len(waiting)
     waiting = waiting if limit is None else waiting[: max(0, limit)]
@@ -165,15 +184,15 @@ def _waiting(status: Mapping[str, Any], limit: int | None) -> list[str]:
     headers = ["#", "request", "tenant", "prio", "model", "class", "predicted", "waited", "eta"]
     rows = [
         [
-            cell(w.get("position", i)),
-            cell(w.get("request_id")),
+            cell(i if w.position is None else w.position),
+            cell(w.request_id),
             _tenant(w),
-            cell(w.get("priority")),
-            cell(w.get("model")),
-            cell(w.get("predicted_class")),
+            cell(w.priority),
+            cell(w.model),
+            cell(w.predicted_class),
             _predicted(w),
-            seconds(w.get("waited_s")),
-            seconds(w.get("eta_s")),
+            seconds(w.waited_s),
+            seconds(w.eta_s),
         ]
         for i, w in enumerate(waiting)
     ]
@@ -185,8 +204,8 @@ def _tenants(status: Mapping[str, Any]) -> list[str]:
     objects with a "tenant" or "name", or an object keyed by tenant)."""
     counts: dict[str, list[int]] = {}
     for index, key in enumerate(("waiting", "in_flight")):
-        for row in _dicts(status.get(key)):
-            counts.setdefault(_tenant(row), [0, 0])[index] += 1
+        for request in _views(status.get(key), RequestView):
+            counts.setdefault(_tenant(request), [0, 0])[index] += 1
     described: dict[str, dict[str, Any]] = {}
     listed = status.get("tenants")
     if isinstance(listed, dict):

@@ -147,11 +147,13 @@ async def send(
     oracle: bool = False,
     hide_length: bool = False,
     origin: float,
+    request_id: str | None = None,
 ) -> RequestResult:
     """Send ``spec`` now, stream the answer to its end, and time it. Never raises for HTTP or
     transport errors: they are recorded in ``error`` (``CancelledError`` propagates).
 
     ``origin`` is the workload's start (``time.perf_counter()``), for ``sent_s`` and ``done_s``.
+    ``request_id``: sent as ``X-Request-Id`` (how the proxy's /queue names the request).
     """
     body = json.dumps(build_body(spec, dialect, model=model, oracle=oracle, hide_length=hide_length)).encode()
     parse = _openai_event if dialect == "openai" else _ollama_event
@@ -162,7 +164,10 @@ async def send(
     error: str | None = None
     sent = time.perf_counter()
     try:
-        async with client.stream("POST", url, content=body, headers={"content-type": "application/json"}) as response:
+        headers = {"content-type": "application/json"}
+        if request_id is not None:
+            headers["x-request-id"] = request_id
+        async with client.stream("POST", url, content=body, headers=headers) as response:
             status = response.status_code
             if status != 200:
                 error = f"HTTP {status}: {(await response.aread())[:200]!r}"

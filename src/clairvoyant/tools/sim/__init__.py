@@ -16,7 +16,9 @@ any HTTP library. Modules:
     experiments  conditions x seeds, and the paper's tau sweep and utilisation spectrum
     compare      every policy on the paper, heavy-tailed and two-tenant workloads; fcfs, the paper's
                  rule, the default without and with model affinity on the two-model and deadline workloads
-    command      ``clairvoyant simulate run | tau-sweep | spectrum | compare``
+    swaps        model switches on mixed bursts and Poisson arrivals (2 and 3 models): fcfs, the switch
+                 rule before weighing, the default, and the best order of small cases (every order tried)
+    command      ``clairvoyant simulate run | tau-sweep | spectrum | compare | swaps``
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@
     clairvoyant simulate spectrum   [workload flags] [--rhos 0.3 0.5 0.6 0.74 0.85] [--tau-multiple 3]
     clairvoyant simulate compare    [--n 2000] [--seeds 5] [--prompts FILE]
                                     [--workloads paper heavy tenants models deadlines] [--switch-s 5]
+    clairvoyant simulate swaps      [--seeds 5] [--small-cases 40] [--small-n 7] [--models 2 3] [--switch-s 3]
 
 Workload defaults are the paper's (5.5): Poisson lambda = 0.12/s, N(3.5, 0.8) Short and
 N(8.9, 2.0) Long 50/50 (clipped at --floor), n = 2,000, 5 seeds, oracle predictor, one slot.
@@ -17,6 +18,7 @@ fastapi, uvicorn, httpx); matplotlib and the ONNX runtime are imported only when
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -136,6 +138,11 @@ def _add_workload_flags(p: argparse.ArgumentParser, *, with_rate: bool = True) -
         help="noisy: target Short-vs-Long pairwise accuracy; label: fraction of right labels (default 0.8)",
     )
     pr.add_argument("--model", type=Path, default=None, help="onnx: model path (default: the shipped model)")
+    pr.add_argument(
+        "--spread", type=Path, default=None,
+        help="onnx: order by expected tokens exp(m + v/2), v from this LogSpread JSON "
+        "(benchmarks/bench_expected_key.py --spread FILE writes one; default: the median)",
+    )  # fmt: skip
     o = p.add_argument_group("output")
     o.add_argument(
         "--out", type=Path, default=Path("results/sim"), help="directory for JSON/CSV/MD (default results/sim)"
@@ -181,6 +188,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--tau-multiple", type=float, default=3.0, help="tau = this x mu_short (default 3)")
     p.add_argument("--mu-short", default="3.5", help="mu_short in seconds, or 'fcfs' (measured per rho) (default 3.5)")
     _add_compare(sub)
+    _add_swaps(sub)
+
+
+def _add_swaps(sub: Any) -> None:
+    p = sub.add_parser(
+        "swaps", help="model switches on mixed bursts and Poisson arrivals, against fcfs, the rule before "
+        "weighing and the best order",
+        description="model switches on mixed-length bursts and Poisson arrivals with 2 and 3 models: fcfs, the "
+        "default with the switch rule before weighing, the default, and every order of small cases",
+    )  # fmt: skip
+    p.add_argument("--n", type=int, default=2000, help="Poisson workload: requests per seed (default 2000)")
+    p.add_argument("--burst-n", type=int, default=24, help="burst workload: requests (default 24)")
+    p.add_argument(
+        "--small-n", type=int, default=7, help="small cases: requests, every order tried (default 7, at most 9)"
+    )
+    p.add_argument("--seeds", type=int, default=5, help="Poisson seeds; bursts run 4x as many (default 5)")
+    p.add_argument("--small-cases", type=int, default=40, help="small cases per workload (default 40)")
+    p.add_argument("--models", type=int, nargs="+", default=[2, 3], help="model counts (default 2 3)")
+    p.add_argument("--switch-s", type=float, default=3.0, help="seconds a load takes (default 3)")
+    p.add_argument("--out", type=Path, default=Path("results/sim"), help="directory for JSON/MD (default results/sim)")
+    p.add_argument("--name", default="sim_swaps", help="file name stem (default sim_swaps)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _run_swaps(args: argparse.Namespace) -> int:
+    from clairvoyant.tools.progress import progress_bar
+    from clairvoyant.tools.sim import report, swaps
+
+    if not 1 <= args.small_n <= 9:
+        raise SystemExit("clairvoyant simulate swaps: --small-n must be 1 to 9 (every order is tried)")
+    total = swaps.runs(seeds=args.seeds, small_cases=args.small_cases, models=args.models)
+    with progress_bar(total=total, desc=args.name, unit="run", disable=args.no_progress, file=sys.stderr) as bar:
+        data = swaps.swaps(
+            n=args.n, burst_n=args.burst_n, small_n=args.small_n, seeds=args.seeds, small_cases=args.small_cases,
+            models=args.models, switch_s=args.switch_s, progress=bar.update,
+        )  # fmt: skip
+    text = swaps.swaps_markdown(data)
+    out: Path = args.out
+    report.write_json(out / f"{args.name}.json", data)
+    (out / f"{args.name}.md").write_text(text + "\n")
+    print(text)
+    print(f"\nwrote {out / (args.name + '.json')}, {out / (args.name + '.md')}")
+    return 0
 
 
 def _add_compare(sub: Any) -> None:
@@ -266,7 +316,13 @@ def _scorer(args: argparse.Namespace, service: Any) -> Any:
         raise SystemExit("clairvoyant simulate: --predictor onnx needs --service prompts")
     from clairvoyant.prediction.predictor import OnnxPredictor
 
-    return pr.PredictorScorer(OnnxPredictor(args.model), service.records)
+    spread = None
+    if args.spread is not None:
+        try:
+            spread = pr.LogSpread.from_dict(json.loads(args.spread.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"clairvoyant simulate: --spread {args.spread}: {type(exc).__name__}: {exc}") from None
+    return pr.PredictorScorer(OnnxPredictor(args.model), service.records, spread=spread)
 
 
 def _condition_name(
@@ -306,6 +362,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.sim_command == "compare":
         return _run_compare(args)
+    if args.sim_command == "swaps":
+        return _run_swaps(args)
     service = _service(args)
     scorer = _scorer(args, service)
     seeds = tuple(range(args.seed_base, args.seed_base + args.seeds))

@@ -97,6 +97,7 @@ def simulate(
     service_time: ServiceTimeModel | None = None,
     model_switch_bound_s: float = 0.0,
     switch_s: float = 0.0,
+    model_switch_rule: str = "weighed",
 ) -> Schedule:
     """Run ``workload`` through the proxy's queue (``policy.build_queue``) with ``slots`` servers.
 
@@ -107,7 +108,8 @@ def simulate(
     the workload's tenants feed the job record. With ``service_time`` (and predicted tokens in the
     beliefs) predicted seconds come from that online model as in the proxy: predicted at arrival,
     taught each completion's measured seconds with the predicted tokens (as the dispatcher does: see
-    ``Dispatcher._learn``). ``model_switch_bound_s`` > 0 groups requests by model (``ModelAffinity``);
+    ``Dispatcher._learn``). ``model_switch_bound_s`` > 0 groups requests by model (``ModelAffinity``, its rule
+    ``model_switch_rule``);
     ``switch_s`` is the true load a slot pays for a request whose model it does not hold (the
     workload's models; the first load of a slot too). Raises ValueError on mismatched lengths,
     ``slots`` < 1 or a non-positive timeout.
@@ -123,7 +125,7 @@ def simulate(
     pol = make_policy(policy, params) if isinstance(policy, str) else policy
     queue = build_queue(
         pol, starvation_timeout_s=starvation_timeout_s, starvation_slowdown=starvation_slowdown, fair_share=fair_share,
-        model_switch_bound_s=model_switch_bound_s,
+        model_switch_bound_s=model_switch_bound_s, model_switch_rule=model_switch_rule,
     )  # fmt: skip
 
     arrival = workload.arrival_s.tolist()

@@ -93,6 +93,7 @@ class Condition:
     adaptive_slowdown: bool = False  # slowdown = the given one x (1 + CV^2) of measured service times
     params: PolicyParams = field(default_factory=PolicyParams)
     model_switch_bound_s: float = 0.0  # group requests by model, a switch put off at most this long (0: off)
+    model_switch_rule: str = "weighed"  # how a backend weighs a switch before the bound (affinity.SWITCH_RULES)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -100,7 +101,7 @@ class Condition:
             "fair_share": self.fair_share, "starvation_slowdown": self.slowdown,
             "learn_service_time": self.learn_service_time, "adaptive_slowdown": self.adaptive_slowdown, "boost_gamma_per_s": self.params.boost_gamma_per_s,
             "boost_auto_gamma": self.params.boost_auto_gamma, "boost_max_s": self.params.boost_max_s,
-            "model_switch_bound_s": self.model_switch_bound_s,
+            "model_switch_bound_s": self.model_switch_bound_s, "model_switch_rule": self.model_switch_rule,
         }  # fmt: skip
 
 
@@ -187,6 +188,7 @@ def run_conditions(
                 fair_share=c.fair_share, params=c.params,
                 service_time=ServiceTimeModel() if c.learn_service_time else None,
                 model_switch_bound_s=c.model_switch_bound_s, switch_s=setup.switch_s,
+                model_switch_rule=c.model_switch_rule,
             )  # fmt: skip
             result.per_seed.append({"seed": float(seed), "accuracy": accuracy, **run_metrics(workload, schedule)})
             if progress is not None:

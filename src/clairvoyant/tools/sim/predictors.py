@@ -11,7 +11,12 @@ use. Scorers:
   labels pick another class of the workload uniformly); predicted seconds = the mean service time
   of the predicted class (what a calibrated per-class service-time model learns).
 - ``PredictorScorer``: the real predictor (``OnnxPredictor`` or anything with
-  ``.predict(Prompt) -> object with .score``) over the prompts of a ``PromptService`` workload.
+  ``.predict(Prompt) -> object with .score``) over the prompts of a ``PromptService`` workload;
+  with a ``LogSpread``, ordered by each request's expected tokens instead of its median.
+
+``LogSpread`` is a prediction's spread: the variance of ln tokens around the prediction, by request
+(a ridge regression of the squared residual on the prediction and the feature row), so that a
+log-normal prediction's expected tokens ``exp(m + v / 2)`` can order the queue (``PredictorScorer``).
 
 ``pairwise_accuracy`` measures what a scorer achieved on a workload (paper 5.3's metric).
 """
@@ -33,6 +38,7 @@ from clairvoyant.tools.sim.workload import CLASS_NAMES, PromptRecord, Workload
 
 __all__ = [
     "LabelScorer",
+    "LogSpread",
     "NoisyScorer",
     "OracleScorer",
     "PredictorScorer",
@@ -162,12 +168,88 @@ class LabelScorer:
         return _beliefs(np.array([0.0, 0.5, 1.0])[label], _class_means(workload)[label])
 
 
+@dataclass(frozen=True, slots=True)
+class LogSpread:
+    """The variance of ln tokens around a prediction m, request by request:
+
+        v(x) = max(floor, mean + w . standardise([m, m^2, log1p(features)]))
+
+    a ridge regression of the squared residual (observed - m)^2 on the prediction and the request's
+    count features (``fit``). A function of m alone cannot change an order (exp(m + v(m) / 2) stays
+    monotone wherever v falls slower than -2 per ln token), so the feature row is what makes the
+    expected-tokens key differ from the median's. Fit it on data the scored requests are not in.
+    """
+
+    mean: np.ndarray  # [p] column means of the design
+    scale: np.ndarray  # [p] column standard deviations (> 0)
+    weights: np.ndarray  # [p] on the standardised columns
+    intercept: float  # mean squared residual of the fitting data, ln tokens^2
+    floor: float = 0.05  # the smallest variance returned, ln tokens^2
+
+    @staticmethod
+    def design(features: np.ndarray, predicted_log_tokens: np.ndarray) -> np.ndarray:
+        m = np.asarray(predicted_log_tokens, dtype=np.float64).reshape(-1)
+        counts = np.log1p(np.maximum(np.asarray(features, dtype=np.float64).reshape(len(m), -1), 0.0))
+        return np.column_stack([m, m * m, counts])
+
+    @classmethod
+    def fit(
+        cls,
+        features: np.ndarray,
+        predicted_log_tokens: np.ndarray,
+        observed_log_tokens: np.ndarray,
+        penalty: float = 100.0,
+        floor: float = 0.05,
+    ) -> LogSpread:
+        """Ridge (``penalty`` on standardised columns) of (observed - predicted)^2 ln tokens."""
+        z = cls.design(features, predicted_log_tokens)
+        if len(z) < 2:
+            raise ValueError("a spread needs at least two observations")
+        target = (np.asarray(observed_log_tokens, dtype=np.float64) - z[:, 0]) ** 2
+        mean, scale = z.mean(axis=0), z.std(axis=0)
+        scale = np.where(scale > 1e-9, scale, 1.0)  # a constant column: weight 0 after centring
+        a = (z - mean) / scale
+        weights = np.linalg.solve(a.T @ a + penalty * np.eye(a.shape[1]), a.T @ (target - target.mean()))
+        return cls(mean, scale, weights, float(target.mean()), floor)
+
+    def variance(self, features: np.ndarray, predicted_log_tokens: np.ndarray) -> np.ndarray:
+        """v per request, ln tokens^2 (>= ``floor``)."""
+        a = (self.design(features, predicted_log_tokens) - self.mean) / self.scale
+        return np.asarray(np.maximum(a @ self.weights + self.intercept, self.floor), dtype=np.float64)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "mean": self.mean.tolist(),
+            "scale": self.scale.tolist(),
+            "weights": self.weights.tolist(),
+            "intercept": self.intercept,
+            "floor": self.floor,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LogSpread:
+        """The spread ``as_dict`` wrote; ValueError if its arrays differ in length."""
+        mean, scale, weights = (np.asarray(data[k], dtype=np.float64) for k in ("mean", "scale", "weights"))
+        if not mean.ndim == 1 or not mean.shape == scale.shape == weights.shape:
+            raise ValueError("a spread's mean, scale and weights must be equally long lists")
+        return cls(mean, scale, weights, float(data["intercept"]), float(data["floor"]))
+
+    def expected_log_tokens(self, features: np.ndarray, predicted_log_tokens: np.ndarray) -> np.ndarray:
+        """ln of the log-normal's expected tokens: m + v / 2."""
+        m = np.asarray(predicted_log_tokens, dtype=np.float64).reshape(-1)
+        return m + self.variance(features, m) / 2.0
+
+
 @dataclass(slots=True)
 class PredictorScorer:
     """Scores from a real predictor over the prompts behind a ``PromptService`` workload.
 
     Each distinct prompt is predicted once (cached by row); the prompt text is never logged or
     returned. ``predictor`` needs only ``.predict(Prompt) -> object with a float .score``.
+
+    ``spread`` (a ``LogSpread``): order by expected tokens, not the median. The score is then ln of
+    the expected tokens, m + v / 2 (m: ln of the prediction's tokens, v: the spread of its feature
+    row), and the predicted tokens (so the predicted seconds) are the expected tokens.
     """
 
     predictor: Any
@@ -175,6 +257,7 @@ class PredictorScorer:
     name: str = "onnx"
     c0_s: float = 0.3  # service-time model: seconds per request (the workload's cost model)
     c_tok_s: float = 0.02  # seconds per predicted output token
+    spread: LogSpread | None = None  # None: the predictor's own key (its median)
     _cache: dict[int, tuple[float, float]] = field(default_factory=dict, repr=False)
 
     def _predict(self, workload: Workload) -> tuple[np.ndarray, np.ndarray]:
@@ -187,12 +270,21 @@ class PredictorScorer:
             if got is None:
                 prompt: Prompt = self.records[item].prompt
                 prediction = self.predictor.predict(prompt)
-                got = self._cache[item] = (
-                    float(prediction.score),
-                    float(getattr(prediction, "predicted_tokens", math.nan)),
-                )
+                got = self._cache[item] = self._key(prediction)
             score[row], tokens[row] = got
         return score, tokens
+
+    def _key(self, prediction: Any) -> tuple[float, float]:
+        """(score, predicted tokens) of one prediction: its own, or by expected tokens (``spread``)."""
+        tokens = float(getattr(prediction, "predicted_tokens", math.nan))
+        if self.spread is None:
+            return float(prediction.score), tokens
+        if not tokens > 0:
+            raise ValueError("ordering by expected tokens needs predictions with predicted_tokens")
+        expected = float(
+            self.spread.expected_log_tokens(prediction.features()[None, :], np.array([math.log(tokens)]))[0]
+        )
+        return expected, math.exp(expected)
 
     def scores(self, workload: Workload, rng: np.random.Generator) -> np.ndarray:
         return self._predict(workload)[0]
