@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any, Generic, Protocol, TypeVar
 
-from clairvoyant.scheduling.job_queue import FairShareQueue, Job, JobQueue, StarvationGuard, add_counts
+from clairvoyant.scheduling.job_queue import FairShareQueue, Job, JobQueue, Lane, StarvationGuard, add_counts
 from clairvoyant.scheduling.service_time import FREE_LOAD_S
 
 __all__ = ["FREE_LOAD_S", "SWITCH_RULES", "Lane", "ModelAffinity"]
@@ -91,16 +91,6 @@ _STRETCH_JOBS = 64
 _SWITCH_MARGIN = 1.5
 
 Rank = Callable[[Job[Any], float], Any]  # (job, now) -> comparable; the policy's order, lower first
-
-
-@dataclass(frozen=True, slots=True)
-class Lane:
-    """One backend with a free slot, as the affinity rule sees it."""
-
-    holds: Callable[[str | None], bool]  # it has this model loaded now: no load to pay
-    serves: Callable[[str | None], bool]  # it may run this model at all
-    load_s: Callable[[str | None], float]  # predicted seconds it takes to load a model it does not hold
-    switched_s: float = -math.inf  # clock seconds of its last switch (since when it holds what it holds)
 
 
 def _key(model: str | None) -> str | None:

@@ -43,18 +43,16 @@ import math
 import operator
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from clairvoyant.scheduling.slowdown import SlowdownRule
-
-if TYPE_CHECKING:  # typing only: affinity.py builds on this module
-    from clairvoyant.scheduling.affinity import Lane
 
 __all__ = [
     "FairShareQueue",
     "HeapQueue",
     "Job",
     "JobQueue",
+    "Lane",
     "ScanQueue",
     "StarvationGuard",
     "add_counts",
@@ -63,6 +61,16 @@ __all__ = [
 T = TypeVar("T")
 
 _seq = itertools.count()  # process-wide arrival order: ties break the same way in every queue
+
+
+@dataclass(frozen=True, slots=True)
+class Lane:
+    """One backend with a free slot, as the affinity rule (and any queue's ``pop_for``) sees it."""
+
+    holds: Callable[[str | None], bool]  # it has this model loaded now: no load to pay
+    serves: Callable[[str | None], bool]  # it may run this model at all
+    load_s: Callable[[str | None], float]  # predicted seconds it takes to load a model it does not hold
+    switched_s: float = -math.inf  # clock seconds of its last switch (since when it holds what it holds)
 
 
 @dataclass(slots=True, eq=False)
