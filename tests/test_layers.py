@@ -12,7 +12,7 @@ pure module) to validate the ``policy`` setting, so names live in one place.
 
 Within and across layers, no module imports itself back through others (no circle), counting
 imports made inside functions too: a lazy import hides a circle from Python, not from a reader.
-Imports under ``if TYPE_CHECKING:`` are type names only, never run, and are not counted.
+Imports under ``if TYPE_CHECKING:`` count as well: a type name shared both ways belongs lower down.
 """
 
 from __future__ import annotations
@@ -65,18 +65,8 @@ def _graph(modules: dict[str, Path]) -> dict[str, set[str]]:
     import of ``clairvoyant.x.y`` when that is a module, else of ``clairvoyant.x``)."""
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
-        tree = ast.parse(path.read_text())
-        typing_only = {
-            id(inner)
-            for node in ast.walk(tree)
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for block in node.body
-            for inner in ast.walk(block)
-        }
         targets: set[str] = set()
-        for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("clairvoyant"):
                 for alias in node.names:
                     sub = f"{node.module}.{alias.name}"
@@ -104,12 +94,8 @@ def test_no_module_imports_itself_back_through_others() -> None:
 def test_the_circle_check_sees_a_circle_through_a_lazy_import(tmp_path: Path) -> None:
     (tmp_path / "a.py").write_text("from clairvoyant.b import B\n")
     (tmp_path / "b.py").write_text("def make():\n    from clairvoyant.a import A\n")
-    (tmp_path / "c.py").write_text("import clairvoyant.a\nimport clairvoyant.d\n")
-    # c <-> d through a typing-only import: no circle at run time
-    (tmp_path / "d.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from clairvoyant.c import C\n"
-    )
-    modules = {f"clairvoyant.{n}": tmp_path / f"{n}.py" for n in "abcd"}
+    (tmp_path / "c.py").write_text("import clairvoyant.a\n")
+    modules = {f"clairvoyant.{n}": tmp_path / f"{n}.py" for n in "abc"}
     assert sorted(set(_circle(_graph(modules)))) == ["clairvoyant.a", "clairvoyant.b"]
     (tmp_path / "b.py").write_text("")
     assert _circle(_graph(modules)) == []
