@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 INTERVAL_S = 0.005  # between polls: short against every wait in the suite, long against a poll
 
@@ -45,3 +46,12 @@ async def settle(turns: int = 5) -> None:
     happen, which polling cannot."""
     for _ in range(turns):
         await asyncio.sleep(0)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"

@@ -4,11 +4,10 @@ failure is reported as what it was (not as a failure to bind the port)."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
 
 import pytest
-from polling import wait_until
+from polling import process_alive, wait_until
 
 from clairvoyant.config import Settings
 from clairvoyant.prediction.learner_process import LearnerProcess
@@ -17,15 +16,6 @@ from clairvoyant.proxy.app import create_app
 from clairvoyant.proxy.pool import BackendPool
 from clairvoyant.proxy.server import EXIT_STARTUP_FAILED, ProxyServer, StartupFailed
 from clairvoyant.scheduling.dispatcher import Dispatcher
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 def test_a_failure_after_the_learner_started_stops_it_and_is_named(
@@ -82,7 +72,7 @@ def test_the_learners_worker_process_is_gone_after_a_failed_start(
 
     async def learner_started(self: LearnerProcess, *args: Any, **kwargs: Any) -> bool:
         started = await start_learner(self, *args, **kwargs)
-        assert self.pid is not None and _alive(self.pid)
+        assert self.pid is not None and process_alive(self.pid)
         pids.append(self.pid)
         return started
 
@@ -98,4 +88,4 @@ def test_the_learners_worker_process_is_gone_after_a_failed_start(
         asyncio.run(server.serve())
 
     assert len(pids) == 1
-    wait_until(lambda: not _alive(pids[0]), timeout_s=10, what="the learner's worker process to end")
+    wait_until(lambda: not process_alive(pids[0]), timeout_s=10, what="the learner's worker process to end")

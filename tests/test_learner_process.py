@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from polling import until, wait_until
+from polling import process_alive, until, wait_until
 
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.learner import LearnerConfig, OnlineLearner, PriorIdentity
@@ -51,15 +51,6 @@ def _world(n: int, seed: int = 0, embedding: int = 0) -> list[tuple[Prediction, 
 
 def _corrections(learner: OnlineLearner | LearnerProcess, probes: list[Prediction]) -> list[float]:
     return [learner.correction("m", np.frombuffer(p.feature_row, np.float32), p.prior_log_tokens) for p in probes]
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.parametrize("embedding", [0, 8])
@@ -204,7 +195,7 @@ def test_a_killed_worker_is_started_again_from_the_saved_state_and_the_last_fit_
             assert "clairvoyant_learner_up 0.0" in shown
             assert "clairvoyant_learner_dropped_observations_total 2.0" in shown
             await until(lambda: remote.running, timeout_s=30, what="a new worker")
-            assert remote.pid != first and not _alive(first)
+            assert remote.pid != first and not process_alive(first)
             assert remote.observed_total == 40  # the saved state, restored
             await remote.update_quality()
             assert remote.quality()["m"].observations == 40
@@ -222,7 +213,7 @@ def test_the_worker_ignores_ctrl_c_and_sigterm_and_stop_leaves_no_process_behind
         remote = LearnerProcess(IDENTITY)
         assert await remote.start()
         pid = remote.pid
-        assert pid is not None and _alive(pid)
+        assert pid is not None and process_alive(pid)
         os.kill(pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole process group
         os.kill(pid, signal.SIGTERM)  # and systemd's stop, every process of the unit
         await remote.update_quality()  # still answering
@@ -232,7 +223,7 @@ def test_the_worker_ignores_ctrl_c_and_sigterm_and_stop_leaves_no_process_behind
         return pid
 
     pid = asyncio.run(run())
-    assert not _alive(pid)
+    assert not process_alive(pid)
     assert multiprocessing.active_children() == []
 
 
@@ -256,10 +247,10 @@ def test_the_worker_never_outlives_the_proxy(tmp_path: Path) -> None:
         try:
             assert proxy.stdout is not None
             worker = int(proxy.stdout.readline())
-            assert _alive(worker)
+            assert process_alive(worker)
         finally:
             proxy.kill()
-    wait_until(lambda: not _alive(worker), timeout_s=30, what="the worker of a killed proxy to end")
+    wait_until(lambda: not process_alive(worker), timeout_s=30, what="the worker of a killed proxy to end")
 
 
 def test_a_worker_that_does_not_start_in_time_is_reported_and_not_started_again(

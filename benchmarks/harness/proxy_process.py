@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["PROXY_SRC", "REPO", "ProxyProcess", "RssSampler", "free_port", "rss_kib"]
+__all__ = ["PROXY_SRC", "REPO", "ProxyProcess", "RssSampler", "free_port", "rss_kib", "wait_healthy"]
 
 REPO = Path(__file__).resolve().parents[2]
 PROXY_SRC = [REPO / "src"]  # the package the proxy processes import (a script's --proxy-src sets it)
@@ -65,16 +65,8 @@ class ProxyProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "clairvoyant", "serve"], env=env, stdout=log, stderr=log, cwd=REPO
             )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"proxy {self.name} exited at start; see {self.log_path}")
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        raise RuntimeError(f"proxy {self.name} did not start; see {self.log_path}")
+        wait_healthy(self.proc, f"{self.url}/healthz", 60, f"proxy {self.name}", self.log_path)
+        return self
 
     def rss_kib(self) -> int:
         return rss_kib(self.pid)
@@ -118,3 +110,18 @@ class RssSampler:
     @property
     def peak_kib(self) -> int:
         return max(self.samples) if self.samples else 0
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float, what: str, log_path: Path) -> None:
+    """Wait until ``url`` answers 200; raise if ``proc`` exits first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited at start; see {log_path}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} did not start in {timeout_s:g} s; see {log_path}")

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from .proxy_process import REPO, free_port, rss_kib
+from .proxy_process import REPO, free_port, rss_kib, wait_healthy
 from .raw_client import parse_responses
 from .recording_backend import OLLAMA_PATHS, Received, RecordingBackend
 from .verdicts import sse_outcome, status_of
@@ -153,17 +153,8 @@ class LlamaBackendProcess:
         argv = [sys.executable, "-m", "clairvoyant", "backend", "--port", str(self.port), "--threads", "1"]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=log, cwd=REPO)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"clairvoyant backend exited at start; see {self.log_path}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"clairvoyant backend did not start in {timeout_s} s; see {self.log_path}")
+        wait_healthy(self.proc, f"{self.base_url}/health", timeout_s, "clairvoyant backend", self.log_path)
+        return self
 
     def kill(self) -> None:
         """SIGKILL the llama.cpp server (``clairvoyant backend`` runs it in a child of its own),
