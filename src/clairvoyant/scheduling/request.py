@@ -61,11 +61,13 @@ class RequestStatus(enum.IntEnum):
     def outcome(self) -> str:
         """How the request ended, as its log line says it ("pending" while in progress; an expired
         one was refused by the proxy, as one refused while shutting down)."""
-        if self.in_progress:
-            return "pending"
-        return {RequestStatus.HOLDING: "client_left_watching", RequestStatus.EXPIRED: "refused"}.get(
-            self, self.name.lower()
-        )
+        return _OUTCOMES[self]
+
+
+# ``RequestStatus.outcome`` for each status, made once: it is read for every request's log line.
+_OUTCOMES: dict[RequestStatus, str] = {
+    status: "pending" if status.in_progress else status.name.lower() for status in RequestStatus
+} | {RequestStatus.HOLDING: "client_left_watching", RequestStatus.EXPIRED: "refused"}
 
 
 class Ticket(Job["Ticket"]):
