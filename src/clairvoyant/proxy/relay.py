@@ -34,7 +34,8 @@ from clairvoyant.errors import RequestError, UpstreamNotReady, UpstreamTimeout, 
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.dialects import Dialect, error_body, stream_error_event
 from clairvoyant.prediction.usage import Usage, UsageTap
-from clairvoyant.proxy.upstream import Headers, Upstream, UpstreamResponse, header, response_headers
+from clairvoyant.proxy.transport import Headers, UpstreamResponse, header
+from clairvoyant.proxy.upstream import Upstream, response_headers
 from clairvoyant.scheduling.request import RequestStatus
 
 __all__ = [

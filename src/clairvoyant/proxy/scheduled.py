@@ -46,7 +46,8 @@ from clairvoyant.proxy.access import Identity
 from clairvoyant.proxy.limits import TenantLimits
 from clairvoyant.proxy.pool import BackendPool
 from clairvoyant.proxy.relay import Receive, Relay, RelayHooks, Responder, UpstreamRequest, disconnected
-from clairvoyant.proxy.upstream import Headers, Upstream
+from clairvoyant.proxy.transport import Headers
+from clairvoyant.proxy.upstream import Upstream
 from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.dispatcher import Dispatcher, ShuttingDown
 from clairvoyant.scheduling.request import RequestStatus, Ticket
@@ -253,6 +254,11 @@ class ScheduledHooks(RelayHooks):
     def move(self, status: RequestStatus) -> bool:
         return self.shared.dispatcher.move(self.ticket, status)
 
+    @property
+    def prediction_pending(self) -> bool:
+        """Dispatched at once, its prediction still to make (``predicted`` makes it)."""
+        return self._predict_later is not None
+
     def predicted(self) -> None:
         """Make the prediction of a request dispatched at once, if it is still to make."""
         predict, self._predict_later = self._predict_later, None
@@ -367,7 +373,7 @@ class ScheduledRequest:
         self.task = asyncio.current_task()
         watch = asyncio.create_task(self._watch(receive))
         predicting: asyncio.TimerHandle | None = None
-        if self.hooks._predict_later is not None:
+        if self.hooks.prediction_pending:
             predicting = asyncio.get_running_loop().call_later(PREDICT_AFTER_S, self.hooks.predicted)
         try:
             await self._lease_and_relay()

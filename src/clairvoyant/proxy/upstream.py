@@ -37,12 +37,9 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from clairvoyant.errors import RequestError, UpstreamTimeout, UpstreamUnavailable
 from clairvoyant.proxy.aiohttp_transport import AiohttpTransport
 from clairvoyant.proxy.backend_kinds import AUTO, BackendKind
-from clairvoyant.proxy.transport import FirstByteTimeout, Headers, Transport, TransportError, UpstreamResponse, header
+from clairvoyant.proxy.transport import FirstByteTimeout, Headers, Transport, TransportError, UpstreamResponse
 
-# Headers, UpstreamResponse, header: transport.py's, named here for the readers of Upstream.open's answers.
-__all__ = [
-    "Headers", "Upstream", "UpstreamResponse", "forwardable_headers", "header", "redact_url", "response_headers",
-]  # fmt: skip
+__all__ = ["Upstream", "forwardable_headers", "redact_url", "response_headers"]
 
 logger = logging.getLogger(__name__)
 
