@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from polling import wait_until
-from proxy_harness import queue_snapshot, running_proxy
+from proxy_harness import metric_value, queue_snapshot, running_proxy
 
 from clairvoyant.config import Settings
 from clairvoyant.prediction.predictor import OnnxPredictor
@@ -139,6 +139,10 @@ def test_tokens_per_day_counts_what_the_backend_reported(proxy: Any, tmp_path: A
     assert '"a": 12' in saved
 
 
+def superseded(base: str) -> float:
+    return metric_value(base, "clairvoyant_request_status_changes_total", 'status="superseded"')
+
+
 def test_a_superseded_request_is_answered_409_and_only_the_last_reaches_the_backend(
     proxy: Any, llama_server: EmbeddedLlamaServer
 ) -> None:
@@ -150,7 +154,8 @@ def test_a_superseded_request_is_answered_409_and_only_the_last_reaches_the_back
             edits.append(Post(f"{base}/v1/completions", {
                 "model": "smollm2", "prompt": f"def f{i}(x):", "max_tokens": 7, "ignore_eos": True,
             }, {"X-Clairvoyant-Supersede": "editor:file.py"}))  # fmt: skip
-            time.sleep(0.1)  # a keystroke every 100 ms: the pacing under test, not a wait for an event
+            # The next keystroke once this one has reached the proxy (it replaced the one before).
+            wait_until(lambda i=i: superseded(base) == i, timeout_s=30, what=f"edit {i} at the proxy")
         for thread in (holder, *edits):
             thread.join(120)
     statuses = [e.response.status_code for e in edits if e.response is not None]
