@@ -1,0 +1,130 @@
+"""What a replica and the shared store exchange: a waiting request's entry, the grant of a slot,
+the messages the store pushes to a replica, and the leases a replica holds.
+
+Times sent to the store are durations (seconds); the store stamps arrivals and expiries on its
+own clock (Redis ``TIME``), so replicas' clocks never need to agree.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = [
+    "BackendSpec",
+    "Entry",
+    "HeldLease",
+    "Message",
+    "MessageKind",
+    "Placed",
+    "RenewReply",
+    "SlotStore",
+    "StoreUnavailable",
+]
+
+
+class StoreUnavailable(ConnectionError):
+    """The shared store cannot be reached (or answered with an error a retry will not fix)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """One backend as every replica must name it: the same name, slots and models on each."""
+
+    name: str
+    slots: int
+    models: tuple[str, ...] = ()  # the models it may run; () = any
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One waiting request as the shared queue keeps it: metadata only, never prompt text."""
+
+    request_id: str
+    tenant: str = ""
+    weight: float = 1.0  # the tenant's fair-share weight
+    priority: int = 0  # band: lower goes first, strictly
+    model: str = ""  # "" = any backend's default
+    score: float = 0.0  # the policy's key inside a band: lower goes sooner
+    predicted_s: float = 1.0  # predicted service seconds: fair share charges these
+    guard_s: float = math.inf  # seconds of waiting after which it is overdue (starvation guard)
+    deadline_s: float = math.inf  # seconds from now from which it must never be granted
+    supersede_key: str = ""  # a digest of (tenant, X-Clairvoyant-Supersede); never the raw header
+
+
+class MessageKind(enum.Enum):
+    GRANT = "grant"  # a slot is this request's: backend, slot
+    SUPERSEDED = "superseded"  # a newer request with its supersede key replaced it (it waited)
+    ABORT = "abort"  # a newer request with its supersede key replaced it while it ran
+    LEASE_LOST = "lease_lost"  # its lease expired unrenewed: stop its backend call
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    kind: MessageKind
+    request_id: str
+    backend: str = ""
+    slot: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class HeldLease:
+    """A slot this replica holds (renewed, or re-registered after the store lost its state)."""
+
+    request_id: str
+    backend: str
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class RenewReply:
+    lost: tuple[str, ...] = ()  # held leases the store no longer had and could not take back
+    replicas: tuple[str, ...] = ()  # the live replicas, in rank order (the local fallback's share)
+    reset: bool = False  # the store had lost its state: this replica's waiting entries must be sent again
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """Where an enqueued entry stands in the whole cluster's order (for its queue deadline's check
+    and Retry-After): the entries that go before it, and their predicted seconds."""
+
+    ahead: int
+    ahead_s: float
+
+
+class SlotStore(Protocol):
+    """The shared queue and slots. Every call is one atomic step in the store, which ends by
+    granting as many waiting entries as the backends have free slots, in the policy's order."""
+
+    replica: str  # this replica's id
+
+    async def join(self, backends: Sequence[BackendSpec]) -> None:
+        """Register this replica and the pool (raises ``StoreUnavailable``)."""
+        ...
+
+    async def enqueue(self, entry: Entry) -> Placed: ...
+
+    async def cancel(self, request_id: str) -> bool:
+        """Withdraw a waiting entry: False if it was granted already (its grant is on its way)."""
+        ...
+
+    async def release(self, request_id: str, service_s: float | None) -> None:
+        """Give a granted slot back; ``service_s``: the measured seconds (fair share's correction)."""
+        ...
+
+    async def renew(self, held: Sequence[HeldLease]) -> RenewReply:
+        """Heartbeat: extend every held lease (re-take one the store lost while its slot is free)."""
+        ...
+
+    async def resync(self, waiting: Sequence[Entry]) -> None:
+        """Replace this replica's waiting entries by ``waiting`` (after the store lost its state)."""
+        ...
+
+    def messages(self) -> AsyncIterator[Message]:
+        """This replica's grants and notices, as the store pushes them (no polling)."""
+        ...
+
+    async def leave(self) -> None: ...
