@@ -68,6 +68,11 @@ CLI_FLAGS: dict[str, str] = {
     "model_path": "--predictor",  # `serve --model` still works, with a warning (proxy/serve.py)
     "log_level": "--log-level",
     "learner_state_path": "--learner-state",
+    "redis_url": "--redis",
+    "cluster_name": "--cluster",
+    "replica_id": "--replica-id",
+    "lease_s": "--lease-s",
+    "redis_fallback": "--redis-fallback",
 }
 
 
@@ -358,6 +363,40 @@ class Settings(BaseSettings):
         False,
         description="X-Clairvoyant-Supersede also aborts a running request with the same key (as a client that "
         "left would), not only a waiting one.",
+    )
+    redis_url: SecretStr | None = Field(
+        None,
+        description="Share the queue, the slots, the tenants' limits and what is learned with every replica naming the "
+        "same Redis and cluster, e.g. redis://127.0.0.1:6379/0 (a password in it is never logged); unset = this "
+        "process schedules alone. Only metadata goes to Redis, never prompt or answer text.",
+    )
+    cluster_name: str = Field(
+        "clairvoyant",
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="With redis_url: the replicas that share one queue name the same cluster (two deployments may share "
+        "one Redis under two names).",
+    )
+    replica_id: str | None = Field(
+        None,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_.:-]+$",
+        description="With redis_url: this replica's name in /queue, the metrics' replica label and the logs; unset = "
+        "host name and port.",
+    )
+    lease_s: float = Field(
+        15.0,
+        ge=1.0,
+        le=300.0,
+        description="With redis_url: seconds a granted slot stays held without a renewal (replicas renew every "
+        "third of it); a replica that dies gives its slots back within this, and one that cannot renew stops the "
+        "answers it relays rather than run beyond the slot count.",
+    )
+    redis_fallback: bool = Field(
+        False,
+        description="With redis_url: start on local scheduling when Redis is unreachable at start-up (a share of "
+        "each backend's slots), and join when it answers; off = such a start-up fails with exit code 2.",
     )
     status_requires_key: bool = Field(
         False,

@@ -37,6 +37,7 @@ __all__ = [
     "HeadersTooLarge",
     "IncompleteBody",
     "LimitExceeded",
+    "LeaseLost",
     "ConfigError",
     "Forbidden",
     "MethodNotAllowed",
@@ -204,6 +205,16 @@ class GenerationTimeLimit(RequestError):
     status_code = 504
     error_type = "server_error"
     code = "generation_time_limit"
+
+
+class LeaseLost(RequestError):
+    """With replicas: this proxy could no longer renew its hold on the backend's slot (Redis cut
+    off), so it ended the answer rather than run beyond the backend's slots."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "slot_lease_lost"
+    retry_after_s = 1
 
 
 class UpstreamUnavailable(RequestError):

@@ -49,7 +49,7 @@ from clairvoyant.proxy.relay import Receive, Relay, RelayHooks, Responder, Upstr
 from clairvoyant.proxy.transport import Headers
 from clairvoyant.proxy.upstream import Upstream
 from clairvoyant.scheduling.boost import bucket_for
-from clairvoyant.scheduling.dispatcher import Dispatcher, ShuttingDown
+from clairvoyant.scheduling.dispatcher import Dispatcher
 from clairvoyant.scheduling.request import RequestStatus, Ticket
 
 __all__ = ["Arrival", "ScheduledHooks", "ScheduledRequest", "Scheduling", "SupersedeKeys", "admit_scheduled"]
@@ -473,13 +473,13 @@ class ScheduledRequest:
             relay.interrupt(work, RequestStatus.CLIENT_LEFT_STREAMING)  # closes the backend connection
         # drain: the relay reads the backend's answer to its end, so the slot is freed when the backend is
 
-    def _interrupt(self) -> bool:
-        """The shutdown's grace period is over: end the answer being relayed (or the hold)."""
-        status = self.ticket.status
-        if self.task is None or not (status.in_progress or status is RequestStatus.HOLDING):
+    def _interrupt(self, status: RequestStatus, error: RequestError) -> bool:
+        """End the answer being relayed (or the hold) with ``status`` and ``error``: the shutdown's
+        grace period is over, or (with replicas) its slot's lease was lost."""
+        now = self.ticket.status
+        if self.task is None or not (now.in_progress or now is RequestStatus.HOLDING):
             return False
-        error = ShuttingDown("the proxy shut down before the answer was complete")
-        self.relay.interrupt(self.task, RequestStatus.SHUTDOWN, error)
+        self.relay.interrupt(self.task, status, error)
         return True
 
     async def _hold_until_backend_idle(self) -> None:

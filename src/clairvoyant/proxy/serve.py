@@ -28,6 +28,8 @@ def _flag_type(name: str) -> dict[str, Any]:
         annotation = next(c for c in choices if c is not type(None))
     if annotation in (int, float, Path):
         return {"type": annotation}
+    if annotation is bool:
+        return {"action": argparse.BooleanOptionalAction}
     if name == "backends":  # repeated: one URL each (a [[backends]] table says more)
         return {"action": "append", "metavar": "URL"}
     return {}

@@ -62,6 +62,7 @@ from clairvoyant.prediction.predictor import Prediction
 from clairvoyant.prediction.usage import Usage
 from clairvoyant.scheduling.affinity import Lane
 from clairvoyant.scheduling.boost import bucket_for
+from clairvoyant.scheduling.cluster.shared import ClusterSide
 from clairvoyant.scheduling.expiry import Expiry, expired
 from clairvoyant.scheduling.job_queue import Job, JobQueue, add_counts
 from clairvoyant.scheduling.policy import SchedulingPolicy
@@ -197,6 +198,9 @@ class Dispatcher:
         self._grants = 0  # slots granted so far (a ticket's queue position is a difference of these)
         # (ticket, ended clock seconds, outcome, output tokens or None), newest last
         self.recent: deque[tuple[Ticket, float, str, int | None]] = deque(maxlen=RECENT_REQUESTS)
+        # With replicas: the shared store grants the slots (scheduling/cluster/replica.py), and the
+        # backends' free lists hold only what this replica may grant itself (none while shared).
+        self.cluster: ClusterSide | None = None
         metrics.starvation_timeout.set(starvation_timeout_s)
         # Each backend's in-flight gauge, looked up once (a labels() lookup per request costs µs).
         self._in_flight_gauges = [metrics.backend_in_flight.labels(b.name) for b in self.backends]
@@ -246,8 +250,9 @@ class Dispatcher:
         self._end_wait(ticket, RequestStatus.REFUSED, ShuttingDown("the proxy is shutting down; retry"))
 
     def _interrupt_running(self) -> None:
+        error = ShuttingDown("the proxy shut down before the answer was complete")
         for ticket in self.running():
-            if ticket.interrupt is not None and ticket.interrupt():
+            if ticket.interrupt is not None and ticket.interrupt(RequestStatus.SHUTDOWN, error):
                 logger.warning("request_id=%s: shutdown grace period over; ended its answer", ticket.request_id)
 
     async def stop(self, timeout_s: float = 5.0) -> None:
@@ -360,7 +365,8 @@ class Dispatcher:
         assert ticket.backend is not None and ticket.slot is not None
         self.set_health(ticket.backend, False)
         others = [b for i, b in enumerate(self.backends) if i != ticket.backend and b.serves(ticket.model)]
-        if self._closing or not any(b.healthy for b in others):
+        # (With replicas the store routes: the request keeps its slot and waits for its backend.)
+        if self._closing or self.cluster is not None or not any(b.healthy for b in others):
             return False
         ticket.refused_by = (*ticket.refused_by, ticket.backend)
         self._free_slot(ticket)
@@ -413,6 +419,8 @@ class Dispatcher:
                 raise _deadline_error(ticket, eta_s)
             self._expiry.add(ticket)
             self._arm_expiry()
+        if self.cluster is not None:
+            self.cluster.enqueued(ticket, ticket.expires_s - self.clock.now())
         self._schedule_pump()
 
     def dispatch_at_once(self, ticket: Ticket) -> bool:
@@ -604,13 +612,16 @@ class Dispatcher:
         assert ticket.backend is not None and ticket.slot is not None
         backend = self.backends[ticket.backend]
         if backend.running.pop(ticket.slot, None) is not None:
-            if ticket.slot < backend.slots:  # not a slot ``resize`` removed
+            mine = self.cluster is None or self.cluster.slot_freed(ticket, self.clock.now())
+            if mine and ticket.slot < backend.slots:  # not a slot ``resize`` removed
                 backend.free.append(ticket.slot)
             self.metrics.in_flight.dec()
             self._in_flight_gauges[ticket.backend].dec()
 
     def _end_waiting(self, ticket: Ticket) -> None:
         ticket.ended = True
+        if self.cluster is not None:
+            self.cluster.withdrawn(ticket)
         if ticket.dispatched_s is None:  # a rerouted ticket left the depth gauge at its first grant
             self.metrics.depth_by_class[ticket.predicted_class].dec()
 
@@ -740,11 +751,13 @@ class Dispatcher:
             backend.holds, backend.serves, functools.partial(self.service_time.load_s, backend.name), backend.switched_s
         )
 
-    def _grant(self, index: int, ticket: Ticket, *, queued: bool = True) -> None:
+    def _grant(self, index: int, ticket: Ticket, *, queued: bool = True, slot: int | None = None) -> None:
         """``queued``: it waited in the queue (False: dispatched at once, before its prediction;
-        never in the depth gauge, its wait observed by ``predicted_at_once``)."""
+        never in the depth gauge, its wait observed by ``predicted_at_once``). ``slot``: the one the
+        shared store granted (None: a free one of this dispatcher's)."""
         backend = self.backends[index]
-        slot = backend.free.pop()
+        if slot is None:
+            slot = backend.free.pop()
         first = ticket.dispatched_s is None  # a reroute's grant is not its first: counted once
         # Service starts now: a rerouted request's wait for its second backend is queue wait (its
         # header and the wait figures), not service time (the service-time model learns from it).
@@ -777,7 +790,8 @@ class Dispatcher:
         heaps = []
         for backend in self.backends:
             slowness = backend.slowness
-            free = [0.0] * len(backend.free) + [remainder_s(t, now, slowness) for t in backend.running.values()]
+            idle = max(len(backend.free), backend.slots - len(backend.running))  # (shared: any not running here)
+            free = [0.0] * idle + [remainder_s(t, now, slowness) for t in backend.running.values()]
             heapq.heapify(free)
             heaps.append(free)
         return heaps
@@ -854,6 +868,69 @@ class Dispatcher:
             if ticket.given_id == request_id if ticket.given_id else ticket.seq == seq:
                 return ticket
         return None
+
+    # -- with replicas (scheduling/cluster/replica.py) -------------------------------------------
+    def backend_index(self, name: str) -> int | None:
+        return next((i for i, b in enumerate(self.backends) if b.name == name), None)
+
+    def grant_shared(self, ticket: Ticket, index: int, slot: int) -> bool:
+        """The shared store granted ``ticket`` slot ``slot`` of backend ``index``. False, with
+        nothing changed, when the ticket no longer waits here or this replica runs that slot."""
+        backend = self.backends[index]
+        if ticket.ended or ticket.status != RequestStatus.WAITING or slot in backend.running:
+            if slot in backend.running:
+                logger.error("the shared store granted %s slot %d, which this replica runs", backend.name, slot)
+            return False
+        if ticket.held_back:
+            ticket.held_back = False
+            self._held_back.remove(ticket)
+        elif self.queue.remove(ticket):
+            self.queue.take_now(ticket, self.clock.now())  # popped, as its queue sees it: done() at release
+        else:
+            return False
+        self._grant(index, ticket, slot=slot)
+        return True
+
+    def refuse_waiting(self, ticket: Ticket, status: RequestStatus, refusal: RequestError) -> bool:
+        """End a waiting ticket with ``refusal`` (a newer request superseded it on another
+        replica). False if it no longer waits."""
+        if not self._withdraw(ticket):
+            return False
+        self._end_waiting(ticket)
+        self._end_wait(ticket, status, refusal)
+        return True
+
+    def expire_waiting(self, ticket: Ticket, eta_s: float) -> bool:
+        """Refuse a waiting ticket whose ETA in the whole cluster's queue is past its deadline."""
+        if not self._withdraw(ticket):
+            return False
+        self._expired(ticket, self.clock.now(), eta_s)
+        return True
+
+    def _withdraw(self, ticket: Ticket) -> bool:
+        """Take a waiting ticket out of the line (the queue, or held back): False if it is not there."""
+        if ticket.ended:
+            return False
+        if ticket.held_back:
+            ticket.held_back = False
+            self._held_back.remove(ticket)
+            self.queue.done(ticket)
+            return True
+        return self.queue.remove(ticket)
+
+    def guard_s(self, ticket: Ticket) -> float:
+        """Seconds of waiting after which ``ticket`` is overdue: its starvation guard's bound."""
+        slowdown = self.starvation_slowdown
+        factor = slowdown.value() if isinstance(slowdown, AdaptiveSlowdown) else slowdown
+        return self.starvation_timeout_s + factor * ticket.predicted_s
+
+    def waiting_tickets(self) -> list[Ticket]:
+        """Every ticket waiting here: held back, then the queue's."""
+        return [*self._held_back, *(job.payload for job in self.queue)]
+
+    def slots_changed(self) -> None:
+        """The free lists changed (this replica may grant more, or fewer, slots itself)."""
+        self._schedule_pump()
 
     # -- introspection (the queue's view: scheduling/queue_view.py) ----------------------------
     def retained(self) -> dict[str, int]:

@@ -47,6 +47,7 @@ class RequestStatus(enum.IntEnum):
     SHUTDOWN = 14  # the shutdown's grace period ended the answer
     GENERATION_LIMIT = 15  # it ran longer than max_generation_s
     INTERNAL_ERROR = 16
+    LEASE_LOST = 17  # with replicas: its slot's lease could not be renewed, so its answer was ended
 
     @property
     def is_finished(self) -> bool:
@@ -110,9 +111,10 @@ class Ticket(Job["Ticket"]):
         self.prediction = prediction
         self.prompt_tokens = prompt_tokens
         self.status = RequestStatus.WAITING  # changed by ``Dispatcher.move`` only
-        # Ends the answer being relayed now (the shutdown's grace period is over): False if there is
-        # none. Set by the proxy while the request holds its slot.
-        self.interrupt: Callable[[], bool] | None = None
+        # Ends the answer being relayed now with this status and error (the shutdown's grace period
+        # is over; with replicas, its slot's lease was lost): False if there is none. Set by the
+        # proxy while the request holds its slot.
+        self.interrupt: Callable[[RequestStatus, RequestError], bool] | None = None
         self.refusal: RequestError | None = None  # why it was REFUSED or EXPIRED
         self._future: asyncio.Future[int] | None = None  # ``granted``, made on first use
         self.backend: int | None = None  # the granted backend's index in the pool

@@ -11,7 +11,10 @@ import enum
 import math
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from clairvoyant.scheduling.request import Ticket
 
 __all__ = [
     "BackendSpec",
@@ -128,3 +131,19 @@ class SlotStore(Protocol):
         ...
 
     async def leave(self) -> None: ...
+
+
+class ClusterSide(Protocol):
+    """What the dispatcher tells its replica's side of the shared queue (``cluster/replica.py``)."""
+
+    def enqueued(self, ticket: Ticket, deadline_in_s: float) -> None:
+        """``ticket`` was queued here; ``deadline_in_s``: seconds until its queue deadline (inf: none)."""
+        ...
+
+    def withdrawn(self, ticket: Ticket) -> None:
+        """A waiting ticket ended without a slot."""
+        ...
+
+    def slot_freed(self, ticket: Ticket, now: float) -> bool:
+        """A granted ticket gave its slot back: True when the dispatcher may grant it again itself."""
+        ...

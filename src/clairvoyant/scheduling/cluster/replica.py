@@ -1,0 +1,381 @@
+"""This replica's side of the shared queue: it sends its waiting requests' entries to the store,
+takes the grants the store pushes, renews the leases it holds, and falls back to local
+scheduling on a share of the slots while the store is gone.
+
+- SHARED: the store grants every slot. The dispatcher's free lists stay empty, so it never
+  grants one itself; a grant from the store takes its ticket out of the local queue
+  (``Dispatcher.grant_shared``), and a freed slot goes back to the store (``release``).
+- LOCAL (the store is unreachable): this replica grants from its own queue, on the slots that fall
+  to it. Slot k of the pool (counted over the backends in order) is its when k mod n is its rank
+  among the n replicas last seen: never more than the pool has. A slot of its share that it does
+  not hold becomes usable one lease period after the store was lost (by then a replica that held
+  it has stopped, unable to renew); a slot it holds outside its share is given up when its lease
+  would have run out (that answer ends with ``LeaseLost``).
+- Rejoin (the store answers again): its leases are renewed (re-taken where the store lost them;
+  an answer whose slot went to another replica meanwhile is ended), its waiting entries replace
+  what the store had of it, and the free lists are emptied again.
+
+The fallback assumes the store is gone for every replica. A replica cut off alone from a store the
+others still reach takes its share one lease period after it lost the store, while the store may
+have given those slots to others: the overlap lasts until it rejoins (its renewal reports the
+conflict and ends the answer). docs/operations.md ("Several replicas") says so.
+
+Calls to the store go through one worker, in order: a cancel never overtakes its enqueue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING
+
+from clairvoyant.errors import LeaseLost, Superseded
+from clairvoyant.scheduling.cluster.shared import (
+    BackendSpec,
+    Entry,
+    HeldLease,
+    Message,
+    MessageKind,
+    RenewReply,
+    SlotStore,
+    StoreUnavailable,
+)
+from clairvoyant.scheduling.request import RequestStatus, Ticket
+
+if TYPE_CHECKING:
+    from clairvoyant.scheduling.dispatcher import Dispatcher
+
+__all__ = ["ClusterLink", "Mode", "supersede_digest"]
+
+logger = logging.getLogger(__name__)
+
+REJOIN_EVERY_S = 0.5  # while the store is gone: how often it is tried again
+RETRY_MESSAGES_S = 0.5  # after the grant listener lost its connection
+
+
+class Mode(enum.Enum):
+    SHARED = "shared"
+    LOCAL = "local"
+
+
+def supersede_digest(tenant: str, key: str) -> str:
+    """What the store keeps of an X-Clairvoyant-Supersede key: a digest, never the header."""
+    return hashlib.sha256(f"{tenant}\0{key}".encode()).hexdigest()[:32]
+
+
+class ClusterLink:
+    def __init__(
+        self,
+        store: SlotStore,
+        *,
+        lease_s: float,
+        weights: Mapping[str, float],
+        supersede_running: bool = False,
+        on_mode: Callable[[Mode], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.lease_s = lease_s
+        self.weights = weights  # fair-share weight by tenant (the app's dict: a reload updates it)
+        self.supersede_running = supersede_running
+        self.on_mode = on_mode
+        self.mode = Mode.SHARED
+        self.replicas: tuple[str, ...] = (store.replica,)  # the live replicas last seen, in rank order
+        self._tickets: dict[str, Ticket] = {}  # in the store: from enqueue until released
+        self._supersede: dict[int, str] = {}  # id(ticket) -> its supersede digest, for its entry
+        self._calls: asyncio.Queue[Callable[[], Awaitable[object]]] = asyncio.Queue()
+        self._dispatcher: Dispatcher | None = None
+        self._lost_at_s = math.inf  # monotonic seconds the store was lost
+        self._renewed_at_s = time.monotonic()  # the last renewal the store took
+        self._share_timer: asyncio.TimerHandle | None = None
+        self._give_up_timer: asyncio.TimerHandle | None = None
+
+    # -- start and stop ------------------------------------------------------------------------
+    async def start(self, dispatcher: Dispatcher, *, fallback: bool) -> None:
+        """Join the store with the dispatcher's pool, then run the worker, the grant listener and
+        the renewals as the dispatcher's tasks. Raises ``StoreUnavailable`` when the store cannot be
+        reached, unless ``fallback``: then it starts LOCAL, alone until it joins."""
+        self._dispatcher = dispatcher
+        dispatcher.cluster = self
+        specs = [BackendSpec(b.name, b.slots, b.models) for b in dispatcher.backends]
+        try:
+            await self.store.join(specs)
+            self._renewed_at_s = time.monotonic()
+            self._set_free_lists(shared=True)
+        except StoreUnavailable as exc:
+            if not fallback:
+                raise
+            logger.warning("redis is unreachable at start-up (%s): scheduling locally until it answers", exc)
+            self._enter_local(time.monotonic())
+        dispatcher.run_detached(self._work(), "cluster-calls", cancel_at_stop=True)
+        dispatcher.run_detached(self._listen(), "cluster-grants", cancel_at_stop=True)
+        dispatcher.run_detached(self._renew_periodically(), "cluster-renew", cancel_at_stop=True)
+
+    async def leave(self) -> None:
+        """Say goodbye: the store drops this replica's entries and leases at once."""
+        try:
+            await self.store.leave()
+        except StoreUnavailable:
+            pass
+
+    @property
+    def degraded(self) -> bool:
+        return self.mode is Mode.LOCAL
+
+    # -- from the dispatcher -------------------------------------------------------------------
+    def supersede_key(self, ticket: Ticket, tenant: str, key: str) -> None:
+        """The ticket carries an X-Clairvoyant-Supersede key: its entry replaces the older one on
+        any replica."""
+        self._supersede[id(ticket)] = supersede_digest(tenant, key)
+
+    def enqueued(self, ticket: Ticket, deadline_in_s: float) -> None:
+        """A ticket was queued locally: its entry goes to the store (in SHARED mode)."""
+        if self.mode is not Mode.SHARED:
+            return
+        entry = self._entry(ticket, deadline_in_s)
+        self._tickets[entry.request_id] = ticket
+        self._call(lambda: self._enqueue(ticket, entry))
+
+    def withdrawn(self, ticket: Ticket) -> None:
+        """A waiting ticket ended (its client left, its deadline came, it was refused)."""
+        self._supersede.pop(id(ticket), None)
+        request_id = ticket.request_id
+        if self._tickets.pop(request_id, None) is not None and self.mode is Mode.SHARED:
+            self._call(lambda: self.store.cancel(request_id))
+
+    def slot_freed(self, ticket: Ticket, now: float) -> bool:
+        """A granted ticket gave its slot back: True when the dispatcher may grant that slot itself
+        (LOCAL, a slot of its share), else the store has it back."""
+        self._supersede.pop(id(ticket), None)
+        request_id = ticket.request_id
+        known = self._tickets.pop(request_id, None) is not None
+        if self.mode is Mode.LOCAL:  # it held the slot: nobody else does; free again if it falls to it
+            return self._owns(ticket.backend, ticket.slot)
+        if known:
+            service_s = None if ticket.dispatched_s is None else max(0.0, now - ticket.dispatched_s)
+            self._call(lambda: self.store.release(request_id, service_s))
+        return False
+
+    # -- the store's calls, in order -------------------------------------------------------------
+    def _call(self, make: Callable[[], Awaitable[object]]) -> None:
+        self._calls.put_nowait(make)
+
+    async def _work(self) -> None:
+        while True:
+            make = await self._calls.get()
+            if self.mode is not Mode.SHARED:
+                continue  # the rejoin sends what is still waiting, and renews what is held
+            try:
+                await make()
+            except StoreUnavailable as exc:
+                self._lost(exc)
+            except Exception:  # a bug: logged; the next call goes on
+                logger.exception("cluster: a call to the store failed")
+
+    async def _enqueue(self, ticket: Ticket, entry: Entry) -> None:
+        placed = await self.store.enqueue(entry)
+        dispatcher = self._dispatcher
+        if dispatcher is None or ticket.ended or ticket.status is not RequestStatus.WAITING:
+            return
+        # Its queue deadline, against the whole cluster's queue (the local check saw this replica's).
+        if not math.isinf(ticket.expires_s):
+            slots = max(1, dispatcher.slots)
+            eta_s = placed.ahead_s / slots
+            if dispatcher.clock.now() + eta_s >= ticket.expires_s:
+                dispatcher.expire_waiting(ticket, eta_s)
+
+    def _entry(self, ticket: Ticket, deadline_in_s: float) -> Entry:
+        dispatcher = self._dispatcher
+        assert dispatcher is not None
+        return Entry(
+            ticket.request_id,
+            ticket.tenant,
+            self.weights.get(ticket.tenant, 1.0),
+            ticket.priority,
+            ticket.model or "",
+            ticket.score,
+            ticket.predicted_s,
+            dispatcher.guard_s(ticket),
+            deadline_in_s,
+            self._supersede.get(id(ticket), ""),
+        )
+
+    # -- from the store --------------------------------------------------------------------------
+    async def _listen(self) -> None:
+        while True:
+            try:
+                async for message in self.store.messages():
+                    self._on_message(message)
+            except StoreUnavailable as exc:
+                self._lost(exc)
+            await asyncio.sleep(RETRY_MESSAGES_S)
+
+    def _on_message(self, message: Message) -> None:
+        dispatcher = self._dispatcher
+        assert dispatcher is not None
+        ticket = self._tickets.get(message.request_id)
+        if message.kind is MessageKind.GRANT:
+            index = dispatcher.backend_index(message.backend)
+            if ticket is None or index is None or not dispatcher.grant_shared(ticket, index, message.slot):
+                # ended in between (or unknown here): the slot goes straight back
+                self._tickets.pop(message.request_id, None)
+                request_id = message.request_id
+                self._call(lambda: self.store.release(request_id, None))
+            return
+        if ticket is None:
+            return
+        if message.kind is MessageKind.SUPERSEDED:
+            dispatcher.refuse_waiting(
+                ticket,
+                RequestStatus.SUPERSEDED,
+                Superseded("a newer request with the same X-Clairvoyant-Supersede key replaced this one"),
+            )
+        elif message.kind is MessageKind.ABORT:
+            if self.supersede_running and ticket.interrupt is not None:
+                ticket.interrupt(
+                    RequestStatus.SUPERSEDED,
+                    Superseded("a newer request with the same X-Clairvoyant-Supersede key replaced this one"),
+                )
+        elif message.kind is MessageKind.LEASE_LOST:
+            self._end_lost(ticket)
+
+    def _end_lost(self, ticket: Ticket) -> None:
+        if ticket.interrupt is not None and ticket.interrupt(
+            RequestStatus.LEASE_LOST, LeaseLost("the proxy lost its hold on the backend's slot; retry")
+        ):
+            logger.warning("request_id=%s: its slot's lease was lost; ended its answer", ticket.request_id)
+
+    # -- renewals, loss and rejoin ---------------------------------------------------------------
+    async def _renew_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s / 3 if self.mode is Mode.SHARED else REJOIN_EVERY_S)
+            try:
+                reply = await self.store.renew(self._held())
+            except StoreUnavailable as exc:
+                self._lost(exc)
+                continue
+            self._renewed_at_s = time.monotonic()
+            if self.mode is Mode.LOCAL:
+                await self._rejoin(reply)
+            else:
+                self._renewed(reply)
+
+    def _held(self) -> list[HeldLease]:
+        dispatcher = self._dispatcher
+        assert dispatcher is not None
+        return [HeldLease(t.request_id, b.name, slot) for b in dispatcher.backends for slot, t in b.running.items()]
+
+    def _renewed(self, reply: RenewReply) -> None:
+        if reply.replicas:
+            self.replicas = reply.replicas
+        for request_id in reply.lost:
+            ticket = self._tickets.get(request_id) or self._running(request_id)
+            if ticket is not None:
+                self._end_lost(ticket)
+        if reply.reset:
+            logger.warning("redis lost its state: this replica's waiting requests are sent again")
+            self._call(self._resync)
+
+    def _running(self, request_id: str) -> Ticket | None:
+        dispatcher = self._dispatcher
+        assert dispatcher is not None
+        return next((t for b in dispatcher.backends for t in b.running.values() if t.request_id == request_id), None)
+
+    async def _resync(self) -> None:
+        dispatcher = self._dispatcher
+        assert dispatcher is not None
+        now = dispatcher.clock.now()
+        waiting = dispatcher.waiting_tickets()
+        self._tickets.update({t.request_id: t for t in waiting})
+        await self.store.resync([self._entry(t, t.expires_s - now) for t in waiting])
+
+    def _lost(self, exc: BaseException) -> None:
+        if self.mode is Mode.LOCAL:
+            return
+        logger.warning(
+            "redis is unreachable (%s): scheduling locally on %s of the slots until it answers",
+            exc,
+            f"1/{len(self.replicas)}" if len(self.replicas) > 1 else "all",
+        )
+        self._enter_local(time.monotonic())
+
+    def _enter_local(self, now_s: float) -> None:
+        self.mode = Mode.LOCAL
+        self._lost_at_s = now_s
+        self._set_free_lists(shared=False)
+        loop = asyncio.get_running_loop()
+        # A slot of its share it does not hold: usable once any other holder's lease has run out.
+        self._share_timer = loop.call_later(self.lease_s, self._share_ready)
+        # A slot it holds outside its share: given up when its own lease would have run out.
+        remaining_s = max(0.0, self._renewed_at_s + self.lease_s - now_s)
+        self._give_up_timer = loop.call_later(remaining_s, self._give_up_others)
+        if self.on_mode is not None:
+            self.on_mode(self.mode)
+
+    def _share_ready(self) -> None:
+        self._share_timer = None
+        if self.mode is Mode.LOCAL:
+            self._set_free_lists(shared=False, share_ready=True)
+
+    def _give_up_others(self) -> None:
+        self._give_up_timer = None
+        dispatcher = self._dispatcher
+        if self.mode is not Mode.LOCAL or dispatcher is None:
+            return
+        for index, backend in enumerate(dispatcher.backends):
+            for slot, ticket in list(backend.running.items()):
+                if not self._owns(index, slot):
+                    self._end_lost(ticket)
+
+    async def _rejoin(self, reply: RenewReply) -> None:
+        """The store answers again: back to SHARED (the renewal just sent re-took the leases held)."""
+        for timer in (self._share_timer, self._give_up_timer):
+            if timer is not None:
+                timer.cancel()
+        self._share_timer = self._give_up_timer = None
+        self.mode = Mode.SHARED
+        self._lost_at_s = math.inf
+        self._set_free_lists(shared=True)
+        dispatcher = self._dispatcher
+        assert dispatcher is not None
+        for backend in dispatcher.backends:  # what it holds is the store's to release from now on
+            for ticket in backend.running.values():
+                self._tickets[ticket.request_id] = ticket
+        self._renewed(RenewReply(reply.lost, reply.replicas, reset=False))
+        try:
+            await self._resync()
+        except StoreUnavailable as exc:
+            self._lost(exc)
+            return
+        logger.warning("redis answers again: scheduling is shared with %d replica(s)", len(self.replicas))
+        if self.on_mode is not None:
+            self.on_mode(self.mode)
+
+    # -- the share -------------------------------------------------------------------------------
+    def _owns(self, backend: int | None, slot: int | None) -> bool:
+        """Slot ``slot`` of backend ``backend`` falls to this replica in LOCAL mode."""
+        dispatcher = self._dispatcher
+        if dispatcher is None or backend is None or slot is None:
+            return False
+        k = sum(b.slots for b in dispatcher.backends[:backend]) + slot
+        replicas = self.replicas if self.store.replica in self.replicas else (self.store.replica,)
+        return k % len(replicas) == replicas.index(self.store.replica)
+
+    def _set_free_lists(self, *, shared: bool, share_ready: bool = False) -> None:
+        """SHARED: no free slot is the dispatcher's own. LOCAL: the slots of its share it holds
+        already (free as they end), and once ``share_ready`` the rest of its share."""
+        dispatcher = self._dispatcher
+        assert dispatcher is not None
+        for index, backend in enumerate(dispatcher.backends):
+            if shared or not share_ready:
+                backend.free = []
+            else:
+                backend.free = [
+                    s for s in range(backend.slots - 1, -1, -1) if s not in backend.running and self._owns(index, s)
+                ]
+        if not shared:
+            dispatcher.slots_changed()
