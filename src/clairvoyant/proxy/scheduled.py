@@ -225,6 +225,8 @@ def admit_scheduled(shared: Scheduling, arrival: Arrival, out: Responder) -> Sch
     if supersede_key:
         request.supersede_key = (arrival.tenant, supersede_key[:256])
         shared.supersede.replace(request.supersede_key, request)
+        if dispatcher.cluster is not None:  # with replicas: the older one may wait on another replica
+            dispatcher.cluster.supersede_key(ticket, arrival.tenant, supersede_key[:256])
     return request
 
 

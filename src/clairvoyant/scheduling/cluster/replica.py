@@ -136,9 +136,9 @@ class ClusterLink:
         """A ticket was queued locally: its entry goes to the store (in SHARED mode)."""
         if self.mode is not Mode.SHARED:
             return
-        entry = self._entry(ticket, deadline_in_s)
-        self._tickets[entry.request_id] = ticket
-        self._call(lambda: self._enqueue(ticket, entry))
+        self._tickets[ticket.request_id] = ticket
+        # The entry is made when sent: by then the proxy has given it its supersede key, if any.
+        self._call(lambda: self._enqueue(ticket, deadline_in_s))
 
     def withdrawn(self, ticket: Ticket) -> None:
         """A waiting ticket ended (its client left, its deadline came, it was refused)."""
@@ -176,8 +176,10 @@ class ClusterLink:
             except Exception:  # a bug: logged; the next call goes on
                 logger.exception("cluster: a call to the store failed")
 
-    async def _enqueue(self, ticket: Ticket, entry: Entry) -> None:
-        placed = await self.store.enqueue(entry)
+    async def _enqueue(self, ticket: Ticket, deadline_in_s: float) -> None:
+        if ticket.ended:  # withdrawn before it was sent: its cancel follows, harmless
+            return
+        placed = await self.store.enqueue(self._entry(ticket, deadline_in_s))
         dispatcher = self._dispatcher
         if dispatcher is None or ticket.ended or ticket.status is not RequestStatus.WAITING:
             return

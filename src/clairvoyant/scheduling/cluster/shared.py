@@ -144,6 +144,10 @@ class ClusterSide(Protocol):
         """A waiting ticket ended without a slot."""
         ...
 
+    def supersede_key(self, ticket: Ticket, tenant: str, key: str) -> None:
+        """A queued ticket carries an X-Clairvoyant-Supersede key (told before its entry is sent)."""
+        ...
+
     def slot_freed(self, ticket: Ticket, now: float) -> bool:
         """A granted ticket gave its slot back: True when the dispatcher may grant it again itself."""
         ...
