@@ -12,12 +12,13 @@ dashboards and alerts see them before the first event.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, get_args, get_type_hints
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric as PromMetric
 
 from clairvoyant.prediction.length_classes import CLASS_NAMES
 from clairvoyant.prediction.usage import UsageSource
@@ -168,6 +169,7 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.replica: str | None = None  # with replicas: this one's name, a label on every series
         for attribute, kind, spec in metric_specs():
             setattr(self, attribute, spec.build(kind, self.registry))
         # Labelled children resolved once: `.labels()` costs ~20 us, and this is the request path.
@@ -247,7 +249,24 @@ class Metrics:
         self._retained_published |= retained.keys()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The exposition text; with replicas, every series carries this replica's ``replica`` label."""
+        if self.replica is None:
+            return generate_latest(self.registry)
+        return generate_latest(_WithReplica(self.registry, self.replica))
+
+
+class _WithReplica:
+    """A registry's families, each sample with a ``replica`` label added (at scrape time: the
+    request path's labelled children stay as they are)."""
+
+    def __init__(self, registry: CollectorRegistry, replica: str) -> None:
+        self.registry = registry
+        self.replica = replica
+
+    def collect(self) -> Iterator[PromMetric]:
+        for family in self.registry.collect():
+            family.samples = [s._replace(labels={**s.labels, "replica": self.replica}) for s in family.samples]
+            yield family
 
 
 def metric_specs() -> list[tuple[str, Kind, MetricSpec]]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
@@ -60,6 +61,7 @@ from clairvoyant.proxy.scheduled import Arrival, Scheduling, SupersedeKeys, admi
 from clairvoyant.proxy.target import Target, check_head_size, check_host, check_target, http_version
 from clairvoyant.proxy.transport import Transport
 from clairvoyant.proxy.upstream import Upstream, forwardable_headers
+from clairvoyant.scheduling.cluster.replica import ClusterLink
 from clairvoyant.scheduling.dispatcher import Dispatcher, Ticket
 from clairvoyant.scheduling.policy import PolicyParams, build_queue, make_policy
 from clairvoyant.scheduling.service_time import ServiceTimeModel
@@ -94,6 +96,7 @@ class ProxyState:
     scheduling: Scheduling  # what every scheduled request shares
     limits: TenantLimits  # tenants' use against their limits
     history: History  # the last 15 minutes, for the live page's charts
+    cluster: ClusterLink | None = None  # with replicas: this replica's side of the shared queue
 
     def retained(self) -> dict[str, int]:
         """Entries every long-lived structure holds (the gauge ``clairvoyant_retained_entries``)."""
@@ -206,9 +209,12 @@ async def _start(
     await learning.start()
     stack.push_async_callback(learning.stop)  # after the drain: the last requests are learned, then saved
     dispatcher = _dispatcher(settings, pool, clock, metrics, proxy.tenant_weights)
+    cluster = _cluster_link(stack, settings, metrics, proxy.tenant_weights)  # leaves after the dispatcher stops
     await dispatcher.start()
     # In-flight answers get the grace period, no more.
     stack.push_async_callback(dispatcher.stop, settings.shutdown_grace_s)
+    if cluster is not None:
+        await cluster.start(dispatcher, fallback=settings.redis_fallback)
     pool.start(dispatcher)
     refiner = None
     if encoder is not None:
@@ -222,7 +228,29 @@ async def _start(
     history = History()
     _run_background_tasks(settings, pool, dispatcher, limits, history)
     _log_ready(settings, pool, dispatcher)
-    return ProxyState(settings, loaded, pool, dispatcher, metrics, learning, scheduling, limits, history)
+    return ProxyState(settings, loaded, pool, dispatcher, metrics, learning, scheduling, limits, history, cluster)
+
+
+def _cluster_link(
+    stack: AsyncExitStack, settings: Settings, metrics: Metrics, tenant_weights: dict[str, float]
+) -> ClusterLink | None:
+    """With ``redis_url``: this replica's side of the shared queue (not started yet). Its goodbye
+    is pushed before the dispatcher's stop, so it runs after the last answer's slot was released."""
+    if settings.redis_url is None:
+        return None
+    from clairvoyant.scheduling.cluster.store import RedisSlotStore  # redis-py: loaded with replicas only
+
+    replica = settings.replica_id or f"{socket.gethostname()}:{settings.port}"
+    metrics.replica = replica
+    store = RedisSlotStore(
+        settings.redis_url.get_secret_value(), settings.cluster_name, replica, lease_s=settings.lease_s
+    )
+    link = ClusterLink(
+        store, lease_s=settings.lease_s, weights=tenant_weights, supersede_running=settings.supersede_running
+    )
+    stack.push_async_callback(link.leave)
+    logger.info("replica %s of cluster %s (lease %.1f s)", replica, settings.cluster_name, settings.lease_s)
+    return link
 
 
 def _dispatcher(
@@ -311,7 +339,12 @@ def _add_own_endpoints(api: FastAPI, proxy: ProxyApp) -> None:
         if not checks["upstream"]:
             checks["upstream_error"] = "no backend is ready"  # the details (addresses) stay in the log
         ready = checks["dispatcher"] and checks["upstream"]
-        return JSONResponse({"status": "ready" if ready else "not_ready", **checks}, status_code=200 if ready else 503)
+        status = "ready" if ready else "not_ready"
+        if state.cluster is not None:  # with replicas: degraded = scheduling locally, Redis unreachable
+            checks["cluster"] = state.cluster.mode.value
+            if ready and state.cluster.degraded:
+                status = "degraded"
+        return JSONResponse({"status": status, **checks}, status_code=200 if ready else 503)
 
     @api.get("/metrics")
     async def metrics_endpoint() -> Response:

@@ -33,12 +33,13 @@ from granian.server.embed import Server
 from clairvoyant.config import Settings
 from clairvoyant.errors import ClairvoyantError
 from clairvoyant.proxy.app import ProxyApp
+from clairvoyant.scheduling.cluster.shared import StoreUnavailable
 
 __all__ = ["ProxyServer", "StartupFailed", "serve_in_thread"]
 
 logger = logging.getLogger(__name__)
 
-EXIT_CANNOT_BIND = 2
+EXIT_CANNOT_BIND = 2  # also: Redis unreachable at start-up (with replicas): the environment, not the settings
 EXIT_STARTUP_FAILED = 3
 STOP_POLL_S = 0.05  # seconds between checks that the answers in flight have ended, at shutdown
 
@@ -111,6 +112,8 @@ class ProxyServer:
                 ready.cancel()
                 error = serving.exception()  # retrieved in every case (else asyncio logs it at collection)
                 failure = self.app.startup_error  # the app's own start-up, named as it was
+                if isinstance(failure, StoreUnavailable):  # the environment, as a port taken is
+                    raise StartupFailed(f"cannot reach redis: {failure}", EXIT_CANNOT_BIND)
                 if failure is not None:
                     raise StartupFailed(f"the proxy failed to start: {failure}", EXIT_STARTUP_FAILED)
                 if error is not None:

@@ -325,7 +325,9 @@ class Dispatcher:
         if slots == old:
             return
         record.slots = slots
-        if slots > old:
+        if self.cluster is not None:  # the store grants the slots: it is told, and the free lists stay its
+            self.cluster.pool_changed()
+        elif slots > old:
             record.free[:0] = range(slots - 1, old - 1, -1)  # popped from the end: the old ones first
         else:
             record.free = [slot for slot in record.free if slot < slots]
@@ -510,6 +512,8 @@ class Dispatcher:
         ticket.predicted_s = self.predicted_s(ticket.model, ticket.prompt_tokens, prediction.predicted_tokens)
         ticket.bucket = bucket_for(ticket.predicted_s)
         self.queue.rekeyed(ticket)
+        if self.cluster is not None:
+            self.cluster.rekeyed(ticket)
         if ticket.predicted_class != old_class:
             self.metrics.depth_by_class[old_class].dec()
             self.metrics.depth_by_class[ticket.predicted_class].inc()

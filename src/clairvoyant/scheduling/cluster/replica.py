@@ -140,12 +140,24 @@ class ClusterLink:
         # The entry is made when sent: by then the proxy has given it its supersede key, if any.
         self._call(lambda: self._enqueue(ticket, deadline_in_s))
 
+    def rekeyed(self, ticket: Ticket) -> None:
+        if self.mode is Mode.SHARED and ticket.request_id in self._tickets:
+            deadline_in_s = ticket.expires_s - ticket.arrival_s  # (the store keeps its first deadline)
+            self._call(lambda: self._enqueue(ticket, deadline_in_s))
+
     def withdrawn(self, ticket: Ticket) -> None:
         """A waiting ticket ended (its client left, its deadline came, it was refused)."""
         self._supersede.pop(id(ticket), None)
         request_id = ticket.request_id
         if self._tickets.pop(request_id, None) is not None and self.mode is Mode.SHARED:
             self._call(lambda: self.store.cancel(request_id))
+
+    def pool_changed(self) -> None:
+        """A backend's slot count changed (learned after start-up): the store is told."""
+        dispatcher = self._dispatcher
+        if dispatcher is not None:
+            specs = [BackendSpec(b.name, b.slots, b.models) for b in dispatcher.backends]
+            self._call(lambda: self.store.join(specs))
 
     def slot_freed(self, ticket: Ticket, now: float) -> bool:
         """A granted ticket gave its slot back: True when the dispatcher may grant that slot itself
@@ -222,7 +234,14 @@ class ClusterLink:
         ticket = self._tickets.get(message.request_id)
         if message.kind is MessageKind.GRANT:
             index = dispatcher.backend_index(message.backend)
-            if ticket is None or index is None or not dispatcher.grant_shared(ticket, index, message.slot):
+            # (A grant read while LOCAL was pushed before the store was lost: not trusted. The
+            # rejoin sends the request's entry again.)
+            if (
+                self.mode is not Mode.SHARED
+                or ticket is None
+                or index is None
+                or not dispatcher.grant_shared(ticket, index, message.slot)
+            ):
                 # ended in between (or unknown here): the slot goes straight back
                 self._tickets.pop(message.request_id, None)
                 request_id = message.request_id

@@ -151,3 +151,12 @@ class ClusterSide(Protocol):
     def slot_freed(self, ticket: Ticket, now: float) -> bool:
         """A granted ticket gave its slot back: True when the dispatcher may grant it again itself."""
         ...
+
+    def pool_changed(self) -> None:
+        """A backend's slot count changed."""
+        ...
+
+    def rekeyed(self, ticket: Ticket) -> None:
+        """A waiting ticket's prediction was refined: its entry is sent again (an enqueue of an id
+        the store holds updates it in place)."""
+        ...
