@@ -18,6 +18,7 @@ from clairvoyant.prediction.predictor import Prediction
 from clairvoyant.scheduling.dispatcher import ID_PREFIX, OVERRUN_GROWTH, Dispatcher, RequestStatus, ShuttingDown, Ticket
 from clairvoyant.scheduling.policy import build_queue, make_policy
 from clairvoyant.scheduling.queue_view import queue_view
+from clairvoyant.scheduling.request import Placement
 
 
 def make(slots: int = 1, max_queue: int = 10, policy: str = "fcfs") -> tuple[Dispatcher, ManualClock]:
@@ -51,7 +52,7 @@ def test_lease_releases_exactly_once_and_withdraws_a_cancelled_waiter() -> None:
         assert order == ["a"] and len(d.queue) == 2
         tasks["b"].cancel()  # b's client leaves while queued: withdrawn, never granted
         await settle()
-        assert len(d.queue) == 1 and second.ended and second.slot is None
+        assert len(d.queue) == 1 and second.ended and second.placement is None
         clock.advance(4.0)
         holds["a"].set()
         await settle()
@@ -190,8 +191,8 @@ def test_queue_position_counts_the_requests_dispatched_ahead_while_waiting() -> 
         for t in late:
             async with d.lease(t):
                 pass
-        assert running.queue_position == 0  # found the slot free
-        assert [t.queue_position for t in late] == [0, 1, 2]
+        assert running.placement.queue_position == 0  # found the slot free
+        assert [t.placement.queue_position for t in late] == [0, 1, 2]
         await d.stop()
 
     asyncio.run(scenario())
@@ -267,10 +268,10 @@ def test_a_pool_sends_each_request_to_the_backend_with_the_least_predicted_work(
         await d.start()
         long = submit_for(d, "long", None, predicted_s=30.0)
         await settle()
-        assert long.backend == 0  # all idle: the first backend
+        assert long.placement.backend == 0  # all idle: the first backend
         first, second = submit_for(d, "s1", None, 2.0), submit_for(d, "s2", None, 2.0)
         await settle()
-        assert (first.backend, second.backend) == (1, 1)  # a is busy; b has two slots
+        assert (first.placement.backend, second.placement.backend) == (1, 1)  # a is busy; b has two slots
         assert queue_view(d).model_dump()["backends"][1]["in_flight"] == 2 and d.in_flight_on(0) == 1
         third = submit_for(d, "s3", None, 2.0)
         await settle()
@@ -278,7 +279,7 @@ def test_a_pool_sends_each_request_to_the_backend_with_the_least_predicted_work(
         async with d.lease(first):
             pass
         await settle()
-        assert third.backend == 1 and third.slot == first.slot
+        assert third.placement.backend == 1 and third.placement.slot == first.placement.slot
         await d.stop(timeout_s=0.01)
 
     asyncio.run(scenario())
@@ -293,7 +294,7 @@ def test_a_request_for_a_busy_backends_model_does_not_block_another_models_reque
         waiting = submit_for(d, "l2", "llama3")  # first in line, but only for a
         other = submit_for(d, "q1", "qwen")
         await settle()
-        assert running.backend == 0 and other.backend == 1 and not waiting.granted.done()
+        assert running.placement.backend == 0 and other.placement.backend == 1 and not waiting.granted.done()
         assert waiting.held_back and d.waiting == 1
         assert [w["request_id"] for w in queue_view(d).model_dump()["waiting"]] == ["l2"]
         with pytest.raises(ModelNotServed):
@@ -301,7 +302,7 @@ def test_a_request_for_a_busy_backends_model_does_not_block_another_models_reque
         async with d.lease(running):
             pass
         await settle()
-        assert waiting.backend == 0 and not waiting.held_back
+        assert waiting.placement.backend == 0 and not waiting.held_back
         await d.stop(timeout_s=0.01)
 
     asyncio.run(scenario())
@@ -313,7 +314,7 @@ def test_a_refused_connection_reroutes_the_request_first_in_line_to_a_healthy_ba
         await d.start()
         first, second = submit_for(d, "r1", None), submit_for(d, "r2", None)
         await settle()
-        assert (first.backend, second.backend) == (0, 1)
+        assert (first.placement.backend, second.placement.backend) == (0, 1)
         queued = submit_for(d, "r3", None)
         lease = d.lease(first)
         await lease.__aenter__()
@@ -325,12 +326,12 @@ def test_a_refused_connection_reroutes_the_request_first_in_line_to_a_healthy_ba
         async with d.lease(second):
             pass
         await d.regranted(first)
-        assert first.backend == 1 and not queued.granted.done()  # the rerouted one before r3
-        assert first.queue_position == 0  # its queue position is from its first grant
+        assert first.placement.backend == 1 and not queued.granted.done()  # the rerouted one before r3
+        assert first.placement.queue_position == 0  # its queue position is from its first grant
         assert first.queue_wait_s() == 2.0  # its wait for b is queue wait, not service time
         d.set_health(0, True)
         await settle()
-        assert queued.backend == 0
+        assert queued.placement.backend == 0
         await lease.__aexit__(None, None, None)
         await d.stop(timeout_s=0.01)
 
@@ -344,7 +345,7 @@ def test_a_reroute_with_no_other_healthy_backend_keeps_the_slot() -> None:
         t = submit_for(d, "r1", "m")
         await settle()
         assert not d.reroute(t)  # b does not serve m: r1 waits for a where it is
-        assert t.backend == 0 and d.in_flight_on(0) == 1 and not d.backends[0].healthy
+        assert t.placement.backend == 0 and d.in_flight_on(0) == 1 and not d.backends[0].healthy
         await d.stop(timeout_s=0.01)
 
     asyncio.run(scenario())
@@ -386,7 +387,7 @@ def test_shutdown_refuses_held_back_and_rerouted_tickets_with_shutting_down() ->
         held = submit_for(d, "held", "m")  # a is busy: held back
         rerouted = submit_for(d, "moved", "n")
         await settle()
-        assert held.held_back and rerouted.backend == 1
+        assert held.held_back and rerouted.placement.backend == 1
         lease = d.lease(rerouted)
         await lease.__aenter__()
         assert d.reroute(rerouted) is False  # b refused and a does not serve n: it keeps its slot
@@ -409,7 +410,7 @@ def test_the_pool_learns_a_backends_slowness_and_routes_around_it() -> None:
         await d.start()
         first = submit_for(d, "s0", None, predicted_s=1.0)
         await settle()
-        assert first.backend == 0  # both idle and alike so far: the first
+        assert first.placement.backend == 0  # both idle and alike so far: the first
         async with d.lease(first) as lease:
             clock.advance(4.0)  # it took 4 s for a predicted 1 s
             lease.completed = True
@@ -417,7 +418,7 @@ def test_the_pool_learns_a_backends_slowness_and_routes_around_it() -> None:
         assert d.backends[0].slowness == pytest.approx(2.0**0.1) and d.backends[1].slowness == 1.0
         nxt = submit_for(d, "s1", None, predicted_s=1.0)
         await settle()
-        assert nxt.backend == 1  # both idle: the one that will finish it sooner
+        assert nxt.placement.backend == 1  # both idle: the one that will finish it sooner
         assert queue_view(d).model_dump()["backends"][0]["slowness"] == round(2.0**0.1, 3)
         await d.stop(timeout_s=0.01)
 
@@ -433,14 +434,14 @@ def test_a_backend_whose_request_overran_its_prediction_is_not_routed_to_as_if_i
         await d.start()
         long = submit_for(d, "long", None, predicted_s=10.0)
         await settle()
-        assert long.backend == 0  # both idle: the first
+        assert long.placement.backend == 0  # both idle: the first
         lease = d.lease(long)
         await lease.__aenter__()
         clock.advance(30.0)  # it runs on, 20 s past its prediction
         assert d.remaining_s(d.backends[0]) == pytest.approx(OVERRUN_GROWTH * 30.0)
         nxt = submit_for(d, "next", None, predicted_s=1.0)
         await settle()
-        assert nxt.backend == 1  # a's generation still runs; b is idle
+        assert nxt.placement.backend == 1  # a's generation still runs; b is idle
         await lease.__aexit__(None, None, None)
         await d.stop(timeout_s=0.01)
 
@@ -508,7 +509,7 @@ def test_pool_etas_play_each_backend_at_its_own_speed() -> None:
             lease = d.lease(_modelled(d, name, 4.0, None))
             await lease.__aenter__()
             leases.append(lease)
-        assert {t.backend for t in (*gpu.running.values(), *laptop.running.values())} == {0, 1}
+        assert {t.placement.backend for t in (*gpu.running.values(), *laptop.running.values())} == {0, 1}
         for name in ("w1", "w2", "w3", "w4", "w5"):
             _modelled(d, name, 2.0, None)
         etas = [round(eta, 6) for _, eta in d.etas(clock.now())[0]]
@@ -553,10 +554,10 @@ def test_resize_frees_new_slots_at_once_and_never_reuses_a_removed_busy_one() ->
             await lease.__aenter__()
         waiting = _modelled(d, "w", 1.0, None)
         await settle()
-        assert waiting.slot is None and sorted(backend.running) == [0, 1]
+        assert waiting.placement is None and sorted(backend.running) == [0, 1]
         d.resize(0, 3)  # slot 2 appears: the waiting request gets it
         await settle()
-        assert waiting.slot == 2 and d.slots == 3
+        assert waiting.placement.slot == 2 and d.slots == 3
         waited = d.lease(waiting)
         await waited.__aenter__()  # granted already: returns at once
         d.resize(0, 1)  # slots 1 and 2 go; their requests run on
@@ -588,13 +589,13 @@ def test_a_streaming_request_is_re_estimated_from_its_own_pace() -> None:
     from clairvoyant.scheduling.dispatcher import remainder_s
 
     t = Ticket("s", "/v1/chat/completions", "openai", None, None, 10, 0.0, predicted_tokens=100, predicted_s=3.0)
-    t.dispatched_s = 0.0
+    placement = t.placement = Placement(0, 0, dispatched_s=0.0, queue_position=0)
     assert remainder_s(t, now=1.0) == pytest.approx(2.0)  # no tokens yet: its prediction
-    t.live_tokens = 50  # half-way at 10 tokens a second: slower than predicted
+    placement.live_tokens = 50  # half-way at 10 tokens a second: slower than predicted
     assert remainder_s(t, now=5.0) == pytest.approx(50 * 0.1)
-    t.live_tokens = 150  # past its predicted tokens: half again of what it produced, at its pace
+    placement.live_tokens = 150  # past its predicted tokens: half again of what it produced, at its pace
     assert remainder_s(t, now=15.0) == pytest.approx(75 * 0.1)
-    t.live_tokens = 0
+    placement.live_tokens = 0
     assert remainder_s(t, now=8.0) == pytest.approx(OVERRUN_GROWTH * 8.0)  # not streamed: from time alone
 
 
@@ -622,8 +623,8 @@ def test_a_request_finding_a_free_slot_and_nobody_waiting_is_granted_before_its_
         clock.advance(0.5)
         assert d.dispatch_at_once(early)
         assert early.granted.done() and early.granted.result() == 0  # no loop turn, no queue
-        assert d.in_flight == 1 and d.waiting == 0 and early.queue_position == 0
-        assert early.dispatched_s == 0.5
+        assert d.in_flight == 1 and d.waiting == 0 and early.placement.queue_position == 0
+        assert early.placement.dispatched_s == 0.5
         # The depth gauge never counted it, and its wait waits for its class.
         assert all(gauge(d, c) == 0 for c in ("short", "medium", "long"))
         assert _wait_count(d, "long") == 0

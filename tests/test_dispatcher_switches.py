@@ -66,8 +66,8 @@ def test_a_burst_for_two_models_is_served_in_groups_and_each_switch_is_counted()
         for _ in range(16):  # the backend: a load of 3 s when its model changes, then 5 s each
             await settle()
             t = running(d)
-            out.append((t.request_id, t.load, t.switch_load_s))
-            clock.advance((3.0 if t.load != Load.HELD else 0.0) + 5.0)
+            out.append((t.request_id, t.placement.load, t.placement.switch_load_s))
+            clock.advance((3.0 if t.placement.load != Load.HELD else 0.0) + 5.0)
             d.end(t, completed=True)
         await d.stop(timeout_s=0.01)
         assert switches(d) == 3  # a -> b -> a -> b
@@ -118,7 +118,7 @@ def test_ollamas_load_duration_teaches_the_load_and_comes_off_the_service_second
         d.submit(ticket("b", "qwen2.5:7b", 2.0, 2.0))
         await settle()
         second = running(d)
-        assert second.load == Load.SWITCH and second.switch_load_s == 5.0  # charged the prior
+        assert second.placement.load == Load.SWITCH and second.placement.switch_load_s == 5.0  # charged the prior
         assert queue_view(d).model_dump()["backends"][0]["holds"] == "qwen2.5:7b"
         clock.advance(4.2 + 2.0)  # it took 4.2 s to load, then 2 s to answer
         d.end(second, completed=True, usage=_usage(load_s=4.2))
@@ -241,7 +241,7 @@ def test_a_request_is_never_sent_at_or_after_its_queue_deadline() -> None:
         clock.set(5.0)
         assert d.expire() == 1
         assert late.status == RequestStatus.EXPIRED and isinstance(late.refusal, QueueDeadline) and late.ended
-        assert late.dispatched_s is None and len(d.queue) == 1
+        assert late.placement is None and len(d.queue) == 1
         assert queue_view(d).model_dump()["recent"][0]["outcome"] == "expired"
         clock.set(10.0)
         d.end(running(d), completed=True)

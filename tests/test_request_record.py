@@ -17,7 +17,7 @@ from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.predictor import Prediction
 from clairvoyant.scheduling.dispatcher import Dispatcher
 from clairvoyant.scheduling.policy import build_queue, make_policy
-from clairvoyant.scheduling.request import RequestStatus, Ticket
+from clairvoyant.scheduling.request import Placement, RequestStatus, Ticket
 from clairvoyant.scheduling.routing import Load
 
 finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
@@ -42,15 +42,15 @@ def tickets(draw: st.DrawFn) -> Ticket:
         expires_s=draw(finite | st.just(math.inf)),
     )  # fmt: skip
     ticket.status = draw(st.sampled_from(RequestStatus))
-    ticket.backend = draw(st.none() | st.integers(0, 8))
-    ticket.slot = draw(st.none() | st.integers(0, 8))
-    ticket.dispatched_s = draw(st.none() | finite)
-    ticket.queue_position = draw(st.none() | st.integers(0, 1000))
-    ticket.refused_by = tuple(draw(st.lists(st.integers(0, 8), max_size=3)))
+    ticket.grants_before_arrival = draw(st.integers(0, 10**6))
     ticket.held_back, ticket.ended, ticket.waiting = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
-    ticket.load = draw(st.sampled_from(Load))
-    ticket.switch_load_s = draw(finite)
-    ticket.live_tokens = draw(st.integers(0, 10**5))
+    if draw(st.booleans()):  # granted
+        placement = ticket.placement = Placement(
+            draw(st.none() | st.integers(0, 8)), draw(st.none() | st.integers(0, 8)), draw(finite),
+            draw(st.integers(0, 1000)), draw(st.sampled_from(Load)), draw(finite),
+        )  # fmt: skip
+        placement.refused_by = tuple(draw(st.lists(st.integers(0, 8), max_size=3)))
+        placement.live_tokens = draw(st.integers(0, 10**5))
     return ticket
 
 
@@ -63,8 +63,12 @@ def test_a_record_round_trips_through_a_flat_mapping_as_a_store_gives_it_back(ti
     for data in (mapping, as_stored):
         back = Ticket.from_mapping(data)
         assert back.to_mapping() == mapping
-        assert back.request_id == ticket.request_id and back.status is ticket.status and back.load is ticket.load
-        assert back.refused_by == ticket.refused_by and back.predicted_class == ticket.predicted_class
+        assert back.request_id == ticket.request_id and back.status is ticket.status
+        assert back.predicted_class == ticket.predicted_class
+        assert (back.placement is None) == (ticket.placement is None)
+        if ticket.placement is not None:
+            assert back.placement is not None and back.placement.load is ticket.placement.load
+            assert back.placement.refused_by == ticket.placement.refused_by
         if ticket.prediction is not None:
             assert back.prediction is not None
             assert back.prediction.probabilities == ticket.prediction.probabilities
@@ -94,7 +98,7 @@ def test_every_status_change_is_made_by_the_dispatcher_logged_and_counted(caplog
         await settle()
         assert second.status is RequestStatus.DISPATCHED
         d.end(third)  # its client left while it waited: withdrawn, never sent
-        assert third.status is RequestStatus.CLIENT_LEFT_QUEUED and third.ended and third.slot is None
+        assert third.status is RequestStatus.CLIENT_LEFT_QUEUED and third.ended and third.placement is None
 
         def count(status: RequestStatus) -> float:
             value = metrics.registry.get_sample_value(

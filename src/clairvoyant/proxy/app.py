@@ -145,7 +145,7 @@ def _start_refiner(
                 outcomes["refined"].inc()
                 return True
         outcomes["late"].inc()  # dispatched or withdrawn while it was being encoded
-        return False if ticket.dispatched_s is not None else None  # a withdrawn one says nothing of the encoder's pace
+        return False if ticket.placement is not None else None  # a withdrawn one says nothing of the encoder's pace
 
     refiner = Refiner(
         encoder, deliver, max_pending=settings.encoder_max_pending,

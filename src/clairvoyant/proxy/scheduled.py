@@ -178,7 +178,7 @@ def _refine_if_waiting(refiner: Refiner, ticket: Ticket, prediction: Prediction,
     if ticket.waiting:
         refiner.want(  # plain reads, from its thread
             (ticket, prediction.feature_row), instruction, lambda: ticket.waiting,
-            lambda: ticket.dispatched_s is not None,
+            lambda: ticket.placement is not None,
         )  # fmt: skip
 
 
@@ -274,20 +274,23 @@ class ScheduledHooks(RelayHooks):
         ticket = self.ticket
         prediction = ticket.prediction
         assert prediction is not None
-        wait_s = ticket.queue_wait_s()
-        backend = self.shared.pool.members[ticket.backend or 0].upstream
+        placement = ticket.placement  # None: refused while it waited
+        backend = self.shared.pool.members[0 if placement is None else placement.backend or 0].upstream
         headers = [
             (b"x-request-id", ticket.request_id.encode()),
             (b"x-clairvoyant-backend", backend.name.encode("latin-1")),
-            (b"x-clairvoyant-queue-wait-ms", b"" if wait_s is None else b"%.1f" % (wait_s * 1000)),
+            (
+                b"x-clairvoyant-queue-wait-ms",
+                b"" if placement is None else b"%.1f" % ((placement.dispatched_s - ticket.arrival_s) * 1000),
+            ),
             (b"x-clairvoyant-predicted-tokens", b"%.0f" % prediction.predicted_tokens),
             (b"x-clairvoyant-predicted-class", prediction.predicted_class.encode()),
             (b"x-clairvoyant-predicted-s", b"%.3f" % ticket.predicted_s),
         ]
         if prediction.probabilities is not None:  # class models only
             headers.append((b"x-clairvoyant-p-long", b"%.4f" % prediction.probabilities[2]))
-        if ticket.queue_position is not None:
-            headers.append((b"x-clairvoyant-queue-position", b"%d" % ticket.queue_position))
+        if placement is not None:
+            headers.append((b"x-clairvoyant-queue-position", b"%d" % placement.queue_position))
         return headers
 
     def first_byte(self, at_s: float) -> None:
@@ -298,7 +301,9 @@ class ScheduledHooks(RelayHooks):
         shared.dispatcher.first_byte(ticket, streamed=self.stream, at_s=at_s)
 
     def progress(self, tokens: int) -> None:
-        self.ticket.live_tokens = tokens  # the queue's ETAs follow the answer's own pace
+        placement = self.ticket.placement
+        if placement is not None:
+            placement.live_tokens = tokens  # the queue's ETAs follow the answer's own pace
 
     def usage(self, usage: Usage) -> None:
         ticket = self.ticket
@@ -339,7 +344,8 @@ class ScheduledHooks(RelayHooks):
         sooner, as vLLM's priority scheduling reads it)."""
         shared = self.shared
         ticket = self.ticket
-        backend = ticket.backend if ticket.backend is not None else 0
+        placement = ticket.placement
+        backend = 0 if placement is None or placement.backend is None else placement.backend
         relay.upstream = shared.pool.members[backend].upstream
         field = shared.pool.kind_of(backend).priority_field
         if shared.settings.vllm_priority and field is not None:
@@ -400,7 +406,9 @@ class ScheduledRequest:
         timer: asyncio.TimerHandle | None = None
         try:
             async with shared.dispatcher.lease(ticket) as lease:
-                ticket.interrupt = self._interrupt
+                placement = ticket.placement
+                assert placement is not None  # granted
+                placement.interrupt = self._interrupt
                 wait_s = ticket.queue_wait_s()
                 if wait_s is not None:
                     shared.metrics.tenant_wait.labels(shared.metrics.tenant(ticket.tenant)).observe(wait_s)
@@ -429,7 +437,8 @@ class ScheduledRequest:
             self.hooks.move(RequestStatus.INTERNAL_ERROR)
             await relay.send_error(self.out, RequestError("internal error in the proxy"))
         finally:
-            ticket.interrupt = None
+            if ticket.placement is not None:
+                ticket.placement.interrupt = None
             if timer is not None:
                 timer.cancel()
 
@@ -447,7 +456,8 @@ class ScheduledRequest:
     def _unsent(self) -> bool:
         """It waits for a slot (rerouted too), or was granted one in this instant (its task has not
         resumed to take it: ``interrupt`` is set once it has)."""
-        return self.ticket.status is RequestStatus.WAITING or self.ticket.interrupt is None
+        placement = self.ticket.placement
+        return self.ticket.status is RequestStatus.WAITING or placement is None or placement.interrupt is None
 
     def _generation_over(self, limit_s: float) -> None:
         """``max_generation_s`` after its grant: an answer still running ends with the dialect's error."""
@@ -490,14 +500,14 @@ class ScheduledRequest:
         disconnect check would keep it from noticing), for at most HOLD_MAX_S. A backend without
         /slots (Ollama, vLLM: they stop on disconnect) releases at once. The shutdown's interrupt
         ends the hold quietly."""
-        ticket = self.ticket
-        assert ticket.backend is not None
+        placement = self.ticket.placement
+        assert placement is not None and placement.backend is not None
         deadline_s = time.monotonic() + HOLD_MAX_S
         try:
             while time.monotonic() < deadline_s:
                 await asyncio.sleep(SLOTS_POLL_S)
                 busy = await self.relay.upstream.busy_slots()
-                if busy is None or busy <= self.shared.dispatcher.in_flight_on(ticket.backend) - 1:
+                if busy is None or busy <= self.shared.dispatcher.in_flight_on(placement.backend) - 1:
                     return
         except asyncio.CancelledError:
             if not self.relay.interrupted():
@@ -520,11 +530,12 @@ class ScheduledRequest:
             return
         wait_s = ticket.queue_wait_s()
         clock = self.shared.dispatcher.clock
-        service_s = None if ticket.dispatched_s is None else clock.now() - ticket.dispatched_s
+        placement = ticket.placement
+        service_s = None if placement is None else clock.now() - placement.dispatched_s
         usage = relay.usage
         log_request({
             "request_id": ticket.request_id, "endpoint": ticket.endpoint, "tenant": ticket.tenant or "-",
-            "backend": "-" if ticket.backend is None else relay.upstream.name,
+            "backend": "-" if placement is None or placement.backend is None else relay.upstream.name,
             "priority": ticket.priority, "predicted_class": ticket.predicted_class,
             "predicted_tokens": "-" if ticket.prediction is None else f"{ticket.prediction.predicted_tokens:.0f}",
             "predicted_s": f"{ticket.predicted_s:.3f}",

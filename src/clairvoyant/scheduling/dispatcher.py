@@ -29,7 +29,7 @@ The service-time model and the policy learn from each completed lease (measured 
 Model switches (scheduling/affinity.py): with a ``ModelAffinity`` queue the dispatch step tells the
 queue what each backend with a free slot holds (``Lane``), and the queue picks the request. A request
 sent to a backend that does not hold its model is charged that backend's learned load
-(``Ticket.switch_load_s``: in its ETA and its tenant's fair share, never in the service-time model's
+(``Placement.switch_load_s``: in its ETA and its tenant's fair share, never in the service-time model's
 inputs), and a switch from another model counts in ``clairvoyant_model_switches_total``. The load
 is learned from Ollama's ``load_duration`` (``Usage.load_s``) or, for other backends, from the
 first-byte delay of a streamed answer that followed a switch (``first_byte``).
@@ -66,7 +66,7 @@ from clairvoyant.scheduling.cluster.shared import ClusterSide
 from clairvoyant.scheduling.expiry import Expiry, expired
 from clairvoyant.scheduling.job_queue import Job, JobQueue, add_counts
 from clairvoyant.scheduling.policy import SchedulingPolicy
-from clairvoyant.scheduling.request import ID_PREFIX, RequestStatus, Ticket
+from clairvoyant.scheduling.request import ID_PREFIX, Placement, RequestStatus, Ticket
 from clairvoyant.scheduling.routing import Backend, Load, choose
 from clairvoyant.scheduling.service_time import FREE_LOAD_S, ServiceTimeModel, write_state
 from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
@@ -101,12 +101,14 @@ def remainder_s(ticket: Ticket, now: float, slowness: float = 1.0) -> float:
     or, once it has produced more, ``OVERRUN_GROWTH`` of what it has produced) at the seconds per
     token it has shown. Otherwise its predicted seconds (at the backend's slowness, plus the load it
     was charged) less what it has run; past them, ``OVERRUN_GROWTH`` of what it has run."""
-    running_s = 0.0 if ticket.dispatched_s is None else now - ticket.dispatched_s
-    produced = ticket.live_tokens
+    placement = ticket.placement
+    assert placement is not None  # it runs: it was granted
+    running_s = now - placement.dispatched_s
+    produced = placement.live_tokens
     if produced >= LIVE_PACE_MIN_TOKENS and running_s > 0:
         expected = ticket.predicted_tokens if produced < ticket.predicted_tokens else produced * (1 + OVERRUN_GROWTH)
         return (expected - produced) * running_s / produced
-    predicted_s = ticket.predicted_s * slowness + ticket.switch_load_s
+    predicted_s = ticket.predicted_s * slowness + placement.switch_load_s
     return max(predicted_s - running_s, OVERRUN_GROWTH * running_s)
 
 
@@ -148,13 +150,15 @@ class Lease:
     @property
     def backend(self) -> int:
         """The backend's index in the pool (it changes if the request is rerouted)."""
-        assert self.ticket.backend is not None
-        return self.ticket.backend
+        placement = self.ticket.placement
+        assert placement is not None and placement.backend is not None
+        return placement.backend
 
     @property
     def slot(self) -> int:
-        assert self.ticket.slot is not None
-        return self.ticket.slot
+        placement = self.ticket.placement
+        assert placement is not None and placement.slot is not None
+        return placement.slot
 
 
 class Dispatcher:
@@ -252,7 +256,8 @@ class Dispatcher:
     def _interrupt_running(self) -> None:
         error = ShuttingDown("the proxy shut down before the answer was complete")
         for ticket in self.running():
-            if ticket.interrupt is not None and ticket.interrupt(RequestStatus.SHUTDOWN, error):
+            interrupt = None if ticket.placement is None else ticket.placement.interrupt
+            if interrupt is not None and interrupt(RequestStatus.SHUTDOWN, error):
                 logger.warning("request_id=%s: shutdown grace period over; ended its answer", ticket.request_id)
 
     async def stop(self, timeout_s: float = 5.0) -> None:
@@ -349,13 +354,10 @@ class Dispatcher:
         return sum(remainder_s(t, now, slowness) for t in backend.running.values())
 
     def _route(self, ticket: Ticket) -> int | None:
+        placement = ticket.placement
+        refused_by = () if placement is None else placement.refused_by
         return choose(
-            self.backends,
-            ticket.model,
-            self.remaining_s,
-            ticket.refused_by,
-            ticket.predicted_s,
-            self.service_time.load_s,
+            self.backends, ticket.model, self.remaining_s, refused_by, ticket.predicted_s, self.service_time.load_s
         )
 
     def reroute(self, ticket: Ticket) -> bool:
@@ -364,15 +366,16 @@ class Dispatcher:
         and put the ticket first in line for that one (it waits again: await ``regranted``),
         and return True. Otherwise False: the ticket keeps its slot (the caller waits for its
         backend to come back)."""
-        assert ticket.backend is not None and ticket.slot is not None
-        self.set_health(ticket.backend, False)
-        others = [b for i, b in enumerate(self.backends) if i != ticket.backend and b.serves(ticket.model)]
+        placement = ticket.placement
+        assert placement is not None and placement.backend is not None and placement.slot is not None
+        self.set_health(placement.backend, False)
+        others = [b for i, b in enumerate(self.backends) if i != placement.backend and b.serves(ticket.model)]
         # (With replicas the store routes: the request keeps its slot and waits for its backend.)
         if self._closing or self.cluster is not None or not any(b.healthy for b in others):
             return False
-        ticket.refused_by = (*ticket.refused_by, ticket.backend)
+        placement.refused_by = (*placement.refused_by, placement.backend)
         self._free_slot(ticket)
-        ticket.backend = ticket.slot = None
+        placement.backend = placement.slot = None
         ticket._future = None  # a new wait
         self.move(ticket, RequestStatus.WAITING)
         ticket.held_back = True
@@ -449,9 +452,9 @@ class Dispatcher:
         """A ticket dispatched at once has its prediction: its tenant's fair share is charged the
         predicted seconds (it was charged ``charged_s``, the default, at dispatch), and its queue
         wait is observed under its class, now known. (A queue ignores a job it no longer serves.)"""
-        assert ticket.dispatched_s is not None
+        assert ticket.placement is not None
         self.queue.repriced(ticket, charged_s)
-        self.metrics.wait_by_class[ticket.predicted_class].observe(ticket.dispatched_s - ticket.arrival_s)
+        self.metrics.wait_by_class[ticket.predicted_class].observe(ticket.placement.dispatched_s - ticket.arrival_s)
 
     def expire(self, now: float | None = None) -> int:
         """Withdraw every waiting ticket whose queue deadline has come (``now >= expires_s``), held
@@ -542,16 +545,17 @@ class Dispatcher:
         otherwise it updates that usual delay. Ignored for an answer that is not streamed (its first
         byte comes after the whole answer) and for Ollama, whose ``load_duration`` (``Usage.load_s``,
         at the end) is exact."""
-        if not streamed or ticket.dispatched_s is None or ticket.backend is None or ticket.load == Load.UNKNOWN:
+        placement = ticket.placement
+        if not streamed or placement is None or placement.backend is None or placement.load == Load.UNKNOWN:
             return  # (the first request a backend gets may have paid a load of unknown origin: no baseline)
-        backend = self.backends[ticket.backend]
+        backend = self.backends[placement.backend]
         if backend.tracks_loaded:
             return
-        delay_s = (self.clock.now() if at_s is None else at_s) - ticket.dispatched_s
-        after_switch = ticket.load == Load.SWITCH
+        delay_s = (self.clock.now() if at_s is None else at_s) - placement.dispatched_s
+        after_switch = placement.load == Load.SWITCH
         measured = self.service_time.observe_first_byte(backend.name, ticket.model, delay_s, after_switch=after_switch)
         if measured is not None:
-            ticket.switch_load_s = measured
+            placement.switch_load_s = measured
 
     async def regranted(self, ticket: Ticket) -> None:
         """After ``reroute``: wait for the new grant (cancel-safe: the lease's exit withdraws it)."""
@@ -571,7 +575,8 @@ class Dispatcher:
             self.recent.append((ticket, self.clock.now(), "left_queued", None))
             self._end_wait(ticket, RequestStatus.CLIENT_LEFT_QUEUED)
             return
-        if ticket.slot is not None:
+        placement = ticket.placement
+        if placement is not None and placement.slot is not None:
             ticket.ended = True
             completed = lease is not None and lease.completed
             usage = None if lease is None else lease.usage
@@ -583,8 +588,8 @@ class Dispatcher:
                     None if usage is None else usage.output_tokens,
                 )
             )
-            if completed and ticket.dispatched_s is not None:
-                self._learn(ticket, self.clock.now() - ticket.dispatched_s, usage)
+            if completed:
+                self._learn(ticket, placement, self.clock.now() - placement.dispatched_s, usage)
             self._free_slot(ticket)
             self.queue.done(ticket)  # its tenant stays active for fair share until here
             if self.waiting:
@@ -613,23 +618,24 @@ class Dispatcher:
         ticket.settle()
 
     def _free_slot(self, ticket: Ticket) -> None:
-        assert ticket.backend is not None and ticket.slot is not None
-        backend = self.backends[ticket.backend]
-        if backend.running.pop(ticket.slot, None) is not None:
+        placement = ticket.placement
+        assert placement is not None and placement.backend is not None and placement.slot is not None
+        backend = self.backends[placement.backend]
+        if backend.running.pop(placement.slot, None) is not None:
             mine = self.cluster is None or self.cluster.slot_freed(ticket, self.clock.now())
-            if mine and ticket.slot < backend.slots:  # not a slot ``resize`` removed
-                backend.free.append(ticket.slot)
+            if mine and placement.slot < backend.slots:  # not a slot ``resize`` removed
+                backend.free.append(placement.slot)
             self.metrics.in_flight.dec()
-            self._in_flight_gauges[ticket.backend].dec()
+            self._in_flight_gauges[placement.backend].dec()
 
     def _end_waiting(self, ticket: Ticket) -> None:
         ticket.ended = True
         if self.cluster is not None:
             self.cluster.withdrawn(ticket)
-        if ticket.dispatched_s is None:  # a rerouted ticket left the depth gauge at its first grant
+        if ticket.placement is None:  # a rerouted ticket left the depth gauge at its first grant
             self.metrics.depth_by_class[ticket.predicted_class].dec()
 
-    def _learn(self, ticket: Ticket, service_s: float, usage: Usage | None) -> None:
+    def _learn(self, ticket: Ticket, placement: Placement, service_s: float, usage: Usage | None) -> None:
         # The slot's measured seconds against the inputs the model predicts from: the prompt's
         # tokens (the backend's count when it reported one) and the PREDICTED output tokens. Fitting
         # on predicted rather than produced output tokens makes predicted seconds the conditional
@@ -641,17 +647,17 @@ class Dispatcher:
         # A model load is not service: the load it paid (Ollama's load_duration, else the first byte's
         # measure or the learned one after a switch) comes off. Ollama's load also teaches the load cost:
         # after a switch, or when a load happened anyway (its keep_alive ran out).
-        load_s = ticket.switch_load_s
-        if usage is not None and usage.load_s is not None and ticket.backend is not None:
-            if ticket.load == Load.SWITCH or usage.load_s >= FREE_LOAD_S:
-                self.service_time.observe_load(self.backends[ticket.backend].name, ticket.model, usage.load_s)
+        load_s = placement.switch_load_s
+        if usage is not None and usage.load_s is not None and placement.backend is not None:
+            if placement.load == Load.SWITCH or usage.load_s >= FREE_LOAD_S:
+                self.service_time.observe_load(self.backends[placement.backend].name, ticket.model, usage.load_s)
             load_s = usage.load_s
         service_s -= load_s
         if not service_s > 0:
             return  # a load learned longer than this one was: no service seconds to learn from
         self.service_time.observe(ticket.model, prompt_tokens, round(ticket.predicted_tokens), service_s)
-        if ticket.backend is not None:
-            self.backends[ticket.backend].observe_service(ticket.predicted_s, service_s)
+        if placement.backend is not None:
+            self.backends[placement.backend].observe_service(ticket.predicted_s, service_s)
         self.policy.observe(ticket, service_s)
         if isinstance(self.starvation_slowdown, AdaptiveSlowdown):
             self.starvation_slowdown.observe(service_s)
@@ -762,23 +768,24 @@ class Dispatcher:
         backend = self.backends[index]
         if slot is None:
             slot = backend.free.pop()
-        first = ticket.dispatched_s is None  # a reroute's grant is not its first: counted once
         # Service starts now: a rerouted request's wait for its second backend is queue wait (its
         # header and the wait figures), not service time (the service-time model learns from it).
-        ticket.dispatched_s = self.clock.now()
-        ticket.load = backend.dispatched(ticket.model, ticket.dispatched_s)
-        ticket.switch_load_s = 0.0
-        if ticket.load == Load.SWITCH:  # it loads the model first: charged the learned load
-            load_s = ticket.switch_load_s = self.service_time.load_s(backend.name, ticket.model)
-            self.queue.repriced(ticket, ticket.predicted_s - load_s)  # its tenant pays for it too
-            self._switch_counters[index].inc()
-        if first:
-            ticket.queue_position = self._grants - ticket.grants_before_arrival
+        now = self.clock.now()
+        load = backend.dispatched(ticket.model, now)
+        placement = ticket.placement
+        if placement is None:  # its first grant (a reroute's is not: counted once)
+            position = self._grants - ticket.grants_before_arrival
+            placement = ticket.placement = Placement(index, slot, now, position, load)
             if queued:
                 self.metrics.depth_by_class[ticket.predicted_class].dec()
-                self.metrics.wait_by_class[ticket.predicted_class].observe(ticket.dispatched_s - ticket.arrival_s)
-        ticket.backend = index
-        ticket.slot = slot
+                self.metrics.wait_by_class[ticket.predicted_class].observe(now - ticket.arrival_s)
+        else:
+            placement.backend, placement.slot, placement.dispatched_s = index, slot, now
+            placement.load, placement.switch_load_s = load, 0.0
+        if load == Load.SWITCH:  # it loads the model first: charged the learned load
+            load_s = placement.switch_load_s = self.service_time.load_s(backend.name, ticket.model)
+            self.queue.repriced(ticket, ticket.predicted_s - load_s)  # its tenant pays for it too
+            self._switch_counters[index].inc()
         backend.running[slot] = ticket
         self.metrics.in_flight.inc()
         self._in_flight_gauges[index].inc()

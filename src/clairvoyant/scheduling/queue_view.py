@@ -211,7 +211,7 @@ def queue_view(dispatcher: Dispatcher, limit: int | None = None) -> QueueView:
                 backend=names[b],
                 slot=slot,
                 **_request(t, now),
-                running_s=round(0.0 if t.dispatched_s is None else now - t.dispatched_s, 3),
+                running_s=round(0.0 if t.placement is None else now - t.placement.dispatched_s, 3),
             )  # fmt: skip
             for b in dispatcher.backends
             for slot, t in sorted(b.running.items())
@@ -220,14 +220,15 @@ def queue_view(dispatcher: Dispatcher, limit: int | None = None) -> QueueView:
             FinishedView(
                 **{
                     **_request(t, now),
-                    "waited_s": round((ended_s if t.dispatched_s is None else t.dispatched_s) - t.arrival_s, 3),
+                    "waited_s": round((ended_s if p is None else p.dispatched_s) - t.arrival_s, 3),
                 },
-                backend=None if t.backend is None else dispatcher.backends[t.backend].name,
+                backend=None if p is None or p.backend is None else dispatcher.backends[p.backend].name,
                 outcome=outcome,
                 output_tokens=output_tokens,
-                service_s=None if t.dispatched_s is None else round(ended_s - t.dispatched_s, 3),
+                service_s=None if p is None else round(ended_s - p.dispatched_s, 3),
                 ended_ago_s=round(now - ended_s, 3),
             )  # fmt: skip
             for t, ended_s, outcome, output_tokens in reversed(dispatcher.recent)
+            for p in (t.placement,)
         ],
     )

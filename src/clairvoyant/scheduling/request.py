@@ -20,7 +20,7 @@ from clairvoyant.prediction.predictor import Prediction
 from clairvoyant.scheduling.job_queue import Job
 from clairvoyant.scheduling.routing import Load
 
-__all__ = ["ID_PREFIX", "RequestStatus", "Ticket"]
+__all__ = ["ID_PREFIX", "Placement", "RequestStatus", "Ticket"]
 
 # Made request ids start with this: the process's start (hex ns) makes them unique across restarts,
 # the job's seq (process-wide arrival order) within one (``Ticket.request_id``).
@@ -71,15 +71,50 @@ _OUTCOMES: dict[RequestStatus, str] = {
 } | {RequestStatus.HOLDING: "client_left_watching", RequestStatus.EXPIRED: "refused"}
 
 
+class Placement:
+    """Where a granted request runs, and what it found and did there: made at its first grant (a
+    waiting request has none, and pays no bytes for it), kept through a reroute."""
+
+    __slots__ = (
+        "backend", "slot", "dispatched_s", "queue_position", "load", "switch_load_s", "live_tokens", "refused_by",
+        "interrupt",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        backend: int | None,
+        slot: int | None,
+        dispatched_s: float,
+        queue_position: int,
+        load: Load = Load.UNKNOWN,
+        switch_load_s: float = 0.0,
+    ) -> None:
+        self.backend = backend  # the granted backend's index in the pool; None while rerouted
+        self.slot = slot  # the granted slot, on that backend; None while rerouted
+        # Clock seconds of its latest grant (service starts there: a reroute's second wait is queue wait).
+        self.dispatched_s = dispatched_s
+        self.queue_position = queue_position  # requests dispatched ahead of it while it waited
+        self.load = load  # what it found on its backend: its model held, another (a switch), or unknown
+        # After a switch: the load it is charged, seconds (the learned one at dispatch, then the
+        # first byte's measure); 0 otherwise.
+        self.switch_load_s = switch_load_s
+        self.live_tokens = 0  # tokens its answer has streamed so far (the relay counts them)
+        self.refused_by: tuple[int, ...] = ()  # backends that refused its connection (routing avoids them)
+        # Ends the answer being relayed now with this status and error (the shutdown's grace period
+        # is over; with replicas, its slot's lease was lost): False if there is none. Set by the
+        # proxy while the request holds its slot.
+        self.interrupt: Callable[[RequestStatus, RequestError], bool] | None = None
+
+
 class Ticket(Job["Ticket"]):
     """One scheduled request, from arrival to release, and its own queue record: a ``Job`` whose
     payload is itself (one object a waiting request, not two). Slotted and lean: thousands may
-    wait (benchmarks/bench_waiting_memory.py measures the bytes per waiting request)."""
+    wait (benchmarks/bench_waiting_memory.py measures the bytes per waiting request); where it
+    runs is its ``placement``, made at its grant."""
 
     __slots__ = (
-        "given_id", "endpoint", "dialect", "prediction", "prompt_tokens", "status", "interrupt", "refusal",
-        "_future", "backend", "slot", "dispatched_s", "grants_before_arrival", "queue_position", "held_back",
-        "refused_by", "ended", "load", "switch_load_s", "live_tokens",
+        "given_id", "endpoint", "dialect", "prediction", "prompt_tokens", "status", "refusal", "_future",
+        "grants_before_arrival", "held_back", "ended", "placement",
     )  # fmt: skip
 
     def __init__(
@@ -111,25 +146,12 @@ class Ticket(Job["Ticket"]):
         self.prediction = prediction
         self.prompt_tokens = prompt_tokens
         self.status = RequestStatus.WAITING  # changed by ``Dispatcher.move`` only
-        # Ends the answer being relayed now with this status and error (the shutdown's grace period
-        # is over; with replicas, its slot's lease was lost): False if there is none. Set by the
-        # proxy while the request holds its slot.
-        self.interrupt: Callable[[RequestStatus, RequestError], bool] | None = None
         self.refusal: RequestError | None = None  # why it was REFUSED or EXPIRED
         self._future: asyncio.Future[int] | None = None  # ``granted``, made on first use
-        self.backend: int | None = None  # the granted backend's index in the pool
-        self.slot: int | None = None  # the granted slot, on that backend
-        self.dispatched_s: float | None = None  # clock seconds when a slot was granted
         self.grants_before_arrival = 0  # the dispatcher's slot grants so far when this ticket was queued
-        self.queue_position: int | None = None  # set at dispatch: requests dispatched ahead of it while it waited
         self.held_back = False  # popped by the policy (or rerouted), waiting for a backend that serves it
-        self.refused_by: tuple[int, ...] = ()  # backends that refused its connection (routing avoids them)
         self.ended = False  # withdrawn or released: set exactly once
-        self.live_tokens = 0  # tokens its answer has streamed so far (the relay counts them)
-        self.load = Load.UNKNOWN  # what it found on its backend: its model held, another (a switch), or unknown
-        # After a switch: the load it is charged, seconds (the learned one at dispatch, then the
-        # first byte's measure); 0 otherwise.
-        self.switch_load_s = 0.0
+        self.placement: Placement | None = None  # made at its first grant
 
     def __repr__(self) -> str:
         return f"Ticket({self.request_id!r}, {self.status.name}, waiting={self.waiting})"
@@ -151,7 +173,8 @@ class Ticket(Job["Ticket"]):
         if future is None or future.done() or self.status == RequestStatus.WAITING:
             return
         if not self.status.is_finished:
-            future.set_result(-1 if self.backend is None else self.backend)
+            placement = self.placement
+            future.set_result(-1 if placement is None or placement.backend is None else placement.backend)
         elif self.refusal is not None:
             future.set_exception(self.refusal)
             future.exception()  # marked retrieved: a lease that still waits raises it anyway
@@ -169,19 +192,20 @@ class Ticket(Job["Ticket"]):
         return "pending" if self.prediction is None else self.prediction.predicted_class
 
     def queue_wait_s(self) -> float | None:
-        return None if self.dispatched_s is None else self.dispatched_s - self.arrival_s
+        placement = self.placement
+        return None if placement is None else placement.dispatched_s - self.arrival_s
 
     # -- a flat mapping (str -> str | int | float) ---------------------------------------------
     def to_mapping(self) -> dict[str, str | int | float]:
         """The record's state as a flat mapping (what a shared store keeps); no prompt text. A
-        field that is None is left out; the refusal, the interrupt and the future (this process's
-        objects) are not kept."""
+        field that is None is left out, and so is the placement's before its grant; the refusal,
+        the interrupt and the future (this process's objects) are not kept."""
         out: dict[str, str | int | float] = {}
-        for name in _FIELDS:
-            value = getattr(self, name)
-            if value is not None:
-                out[name] = int(value) if isinstance(value, (bool, enum.IntEnum)) else value
-        out["refused_by"] = ",".join(map(str, self.refused_by))
+        _put(out, self, _FIELDS)
+        placement = self.placement
+        if placement is not None:
+            _put(out, placement, _PLACEMENT_FIELDS)
+            out["refused_by"] = ",".join(map(str, placement.refused_by))
         prediction = self.prediction
         if prediction is not None:
             out["prediction_score"] = prediction.score
@@ -196,10 +220,11 @@ class Ticket(Job["Ticket"]):
     def from_mapping(cls, data: Mapping[str, str | int | float]) -> Ticket:
         """The record ``to_mapping`` made (a store's strings are read back as the fields' types)."""
         ticket = cls("", "", "", None, None, 0)
-        for name, kind in _FIELDS.items():
-            if name in data:
-                setattr(ticket, name, kind(data[name]))
-        ticket.refused_by = tuple(int(i) for i in str(data.get("refused_by", "")).split(",") if i)
+        _get(ticket, data, _FIELDS)
+        if "dispatched_s" in data:  # granted: it has a placement
+            placement = ticket.placement = Placement(None, None, 0.0, 0)
+            _get(placement, data, _PLACEMENT_FIELDS)
+            placement.refused_by = tuple(int(i) for i in str(data.get("refused_by", "")).split(",") if i)
         if "prediction_score" in data:
             probabilities = str(data.get("prediction_probabilities", ""))
             ticket.prediction = Prediction(
@@ -211,16 +236,34 @@ class Ticket(Job["Ticket"]):
         return ticket
 
 
+Reader = Callable[[str | int | float], object]
+
+
+def _put(out: dict[str, str | int | float], record: object, fields: dict[str, Reader]) -> None:
+    for name in fields:
+        value = getattr(record, name)
+        if value is not None:
+            out[name] = int(value) if isinstance(value, (bool, enum.IntEnum)) else value
+
+
+def _get(record: object, data: Mapping[str, str | int | float], fields: dict[str, Reader]) -> None:
+    for name, kind in fields.items():
+        if name in data:
+            setattr(record, name, kind(data[name]))
+
+
 def _bool(value: str | int | float) -> bool:
     return bool(int(value))
 
 
 # The record's plain fields and how each is read back from a store (which may give strings).
-_FIELDS: dict[str, Callable[[str | int | float], object]] = {
+_FIELDS: dict[str, Reader] = {
     "given_id": str, "endpoint": str, "dialect": str, "model": str, "tenant": str, "seq": int, "status": lambda v:
     RequestStatus(int(v)), "arrival_s": float, "expires_s": float, "deadline_s": float, "score": float,
     "predicted_tokens": float, "predicted_s": float, "bucket": int, "cap_tokens": int, "priority": int,
-    "prompt_tokens": int, "waiting": _bool, "held_back": _bool, "ended": _bool, "backend": int, "slot": int,
-    "dispatched_s": float, "grants_before_arrival": int, "queue_position": int, "live_tokens": int,
+    "prompt_tokens": int, "waiting": _bool, "held_back": _bool, "ended": _bool, "grants_before_arrival": int,
+}  # fmt: skip
+_PLACEMENT_FIELDS: dict[str, Reader] = {
+    "backend": int, "slot": int, "dispatched_s": float, "queue_position": int, "live_tokens": int,
     "load": lambda v: Load(int(v)), "switch_load_s": float,
 }  # fmt: skip

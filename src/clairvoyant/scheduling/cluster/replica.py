@@ -165,10 +165,11 @@ class ClusterLink:
         self._supersede.pop(id(ticket), None)
         request_id = ticket.request_id
         known = self._tickets.pop(request_id, None) is not None
+        placement = ticket.placement
         if self.mode is Mode.LOCAL:  # it held the slot: nobody else does; free again if it falls to it
-            return self._owns(ticket.backend, ticket.slot)
+            return placement is not None and self._owns(placement.backend, placement.slot)
         if known:
-            service_s = None if ticket.dispatched_s is None else max(0.0, now - ticket.dispatched_s)
+            service_s = None if placement is None else max(0.0, now - placement.dispatched_s)
             self._call(lambda: self.store.release(request_id, service_s))
         return False
 
@@ -256,8 +257,9 @@ class ClusterLink:
                 Superseded("a newer request with the same X-Clairvoyant-Supersede key replaced this one"),
             )
         elif message.kind is MessageKind.ABORT:
-            if self.supersede_running and ticket.interrupt is not None:
-                ticket.interrupt(
+            interrupt = None if ticket.placement is None else ticket.placement.interrupt
+            if self.supersede_running and interrupt is not None:
+                interrupt(
                     RequestStatus.SUPERSEDED,
                     Superseded("a newer request with the same X-Clairvoyant-Supersede key replaced this one"),
                 )
@@ -265,7 +267,8 @@ class ClusterLink:
             self._end_lost(ticket)
 
     def _end_lost(self, ticket: Ticket) -> None:
-        if ticket.interrupt is not None and ticket.interrupt(
+        interrupt = None if ticket.placement is None else ticket.placement.interrupt
+        if interrupt is not None and interrupt(
             RequestStatus.LEASE_LOST, LeaseLost("the proxy lost its hold on the backend's slot; retry")
         ):
             logger.warning("request_id=%s: its slot's lease was lost; ended its answer", ticket.request_id)
