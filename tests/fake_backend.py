@@ -33,6 +33,10 @@ class FakeBackend:
         self.connections = 0
         self.health_checks = 0
         self.health_gate: threading.Event | None = None  # set: /health answers (None: at once)
+        # Requests read and not yet answered in full, now and at most (a replica's slot count is
+        # checked where it matters: at the backend).
+        self.in_progress = 0
+        self.max_in_progress = 0
         self._per_path: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -97,26 +101,35 @@ class FakeBackend:
                     return
                 with self._lock:
                     self.delivered.append((path, body))
-                if action == "ok":
-                    _write(conn, 200, json.dumps({"ok": True, "n": n}).encode())
-                elif action == "loading":
-                    _write(conn, 503, b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}')
-                elif isinstance(action, tuple) and action[0] == "json":
-                    _write(conn, 200, json.dumps(action[1]).encode())
-                elif action == "close":
-                    time.sleep(0.3)  # the fault as scripted: a backend that worked a moment, then died
+                    self.in_progress += 1
+                    self.max_in_progress = max(self.max_in_progress, self.in_progress)
+                try:
+                    self._act(conn, action, n)
+                finally:
+                    with self._lock:
+                        self.in_progress -= 1
+                if action in ("close", "hang"):
                     return
-                elif action == "hang":
-                    self._stop.wait()
-                    return
-                elif isinstance(action, tuple) and action[0] == "stream":
-                    self._stream(conn, *action[1:])
-                else:
-                    raise ValueError(f"unknown action {action!r}")
         except OSError:
             return
         finally:
             conn.close()
+
+    def _act(self, conn: socket.socket, action: Action, n: int) -> None:
+        if action == "ok":
+            _write(conn, 200, json.dumps({"ok": True, "n": n}).encode())
+        elif action == "loading":
+            _write(conn, 503, b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}')
+        elif isinstance(action, tuple) and action[0] == "json":
+            _write(conn, 200, json.dumps(action[1]).encode())
+        elif action == "close":
+            time.sleep(0.3)  # the fault as scripted: a backend that worked a moment, then died
+        elif action == "hang":
+            self._stop.wait()
+        elif isinstance(action, tuple) and action[0] == "stream":
+            self._stream(conn, *action[1:])
+        else:
+            raise ValueError(f"unknown action {action!r}")
 
     def _stream(self, conn: socket.socket, n_events: int, interval_s: float, end_after_s: float = 0.0) -> None:
         head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"

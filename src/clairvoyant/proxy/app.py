@@ -246,7 +246,11 @@ def _cluster_link(
         settings.redis_url.get_secret_value(), settings.cluster_name, replica, lease_s=settings.lease_s
     )
     link = ClusterLink(
-        store, lease_s=settings.lease_s, weights=tenant_weights, supersede_running=settings.supersede_running
+        store,
+        cluster_name=settings.cluster_name,
+        lease_s=settings.lease_s,
+        weights=tenant_weights,
+        supersede_running=settings.supersede_running,
     )
     stack.push_async_callback(link.leave)
     logger.info("replica %s of cluster %s (lease %.1f s)", replica, settings.cluster_name, settings.lease_s)
@@ -359,6 +363,8 @@ def _add_own_endpoints(api: FastAPI, proxy: ProxyApp) -> None:
         counts and the tail's ETA still cover the whole queue)."""
         state = proxy.state
         view = live_view(state.dispatcher, state.limits, limit)
+        if state.cluster is not None:
+            view.cluster = await state.cluster.view(limit)
         return Response(view.model_dump_json(), media_type="application/json")
 
     @api.get("/history")

@@ -895,9 +895,7 @@ class Dispatcher:
         if ticket.held_back:
             ticket.held_back = False
             self._held_back.remove(ticket)
-        elif self.queue.remove(ticket):
-            self.queue.take_now(ticket, self.clock.now())  # popped, as its queue sees it: done() at release
-        else:
+        elif not self.queue.remove(ticket):  # (the store did the popping: the local queue forgets it)
             return False
         self._grant(index, ticket, slot=slot)
         return True

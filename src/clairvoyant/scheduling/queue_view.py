@@ -21,7 +21,10 @@ if TYPE_CHECKING:  # typing only: the dispatcher is what is viewed
     from clairvoyant.scheduling.dispatcher import Dispatcher
     from clairvoyant.scheduling.request import Ticket
 
-__all__ = ["BackendView", "FinishedView", "QueueView", "RequestView", "RunningView", "WaitingView", "queue_view"]
+__all__ = [
+    "BackendView", "ClusterLeaseView", "ClusterPartView", "ClusterWaitingView", "FinishedView", "QueueView",
+    "ReplicaHealthView", "RequestView", "RunningView", "WaitingView", "queue_view",
+]  # fmt: skip
 
 _OPTIONAL: Any = Field(default=None, exclude_if=lambda value: value is None)  # left out of the JSON when None
 
@@ -98,6 +101,50 @@ class ModelSwitchView(_View):
     waiting_by_model: dict[str, int] = {}
 
 
+class ClusterWaitingView(_View):
+    """A request waiting in the whole cluster's queue: metadata only, and the replica that holds it."""
+
+    request_id: str = ""
+    replica: str = ""
+    tenant: str = ""
+    priority: int = 0
+    model: str = ""
+    predicted_s: float = 0.0
+    waited_s: float = 0.0
+    overdue: bool = False  # past its starvation bound: it goes before later arrivals
+
+
+class ClusterLeaseView(_View):
+    """A slot held through the shared store, by whichever replica."""
+
+    backend: str = ""
+    slot: int = 0
+    request_id: str = ""
+    replica: str = ""
+    expires_in_s: float = 0.0  # seconds until it comes back unless renewed
+
+
+class ReplicaHealthView(_View):
+    replica: str = ""
+    beat_age_s: float = 0.0  # seconds since its last heartbeat
+    live: bool = True  # it beat within the lease: its requests stay in the queue
+
+
+class ClusterPartView(_View):
+    """With replicas (``redis_url``): the whole cluster as the shared store holds it."""
+
+    name: str = ""
+    replica: str = ""  # the replica that answered
+    mode: str = "shared"  # shared, or local: Redis unreachable, scheduling on a share of the slots
+    lease_s: float = 0.0
+    quiet_s: float = 0.0  # seconds left of the pause after Redis lost its state (no new grants)
+    replicas: list[ReplicaHealthView] = []
+    waiting_count: int = 0
+    waiting: list[ClusterWaitingView] = []  # in dispatch order (the first ``limit`` when asked)
+    leases: list[ClusterLeaseView] = []
+    error: str | None = None  # why the store could not be read (the rest is then empty)
+
+
 class QueueView(_View):
     policy: str = ""
     policy_detail: dict[str, Any] = {}
@@ -115,6 +162,7 @@ class QueueView(_View):
     in_flight: list[RunningView] = []
     recent: list[FinishedView] = []  # newest first
     tenants: dict[str, dict[str, Any]] = {}  # limits and use (proxy/limits.py), added by the proxy
+    cluster: ClusterPartView | None = _OPTIONAL  # with replicas: the whole cluster, added by the proxy
 
 
 def _request(ticket: Ticket, now: float) -> dict[str, Any]:

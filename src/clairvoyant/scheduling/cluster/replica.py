@@ -45,6 +45,12 @@ from clairvoyant.scheduling.cluster.shared import (
     SlotStore,
     StoreUnavailable,
 )
+from clairvoyant.scheduling.queue_view import (
+    ClusterLeaseView,
+    ClusterPartView,
+    ClusterWaitingView,
+    ReplicaHealthView,
+)
 from clairvoyant.scheduling.request import RequestStatus, Ticket
 
 if TYPE_CHECKING:
@@ -54,6 +60,9 @@ __all__ = ["ClusterLink", "Mode", "supersede_digest"]
 
 logger = logging.getLogger(__name__)
 
+# The heartbeat: it renews the leases held and, in the same script, reclaims a silent replica's
+# expired leases, so a dead replica's slots are back within a second of their lease's end.
+RENEW_EVERY_S = 1.0
 REJOIN_EVERY_S = 0.5  # while the store is gone: how often it is tried again
 RETRY_MESSAGES_S = 0.5  # after the grant listener lost its connection
 
@@ -73,12 +82,14 @@ class ClusterLink:
         self,
         store: SlotStore,
         *,
+        cluster_name: str,
         lease_s: float,
         weights: Mapping[str, float],
         supersede_running: bool = False,
         on_mode: Callable[[Mode], None] | None = None,
     ) -> None:
         self.store = store
+        self.cluster_name = cluster_name
         self.lease_s = lease_s
         self.weights = weights  # fair-share weight by tenant (the app's dict: a reload updates it)
         self.supersede_running = supersede_running
@@ -125,6 +136,51 @@ class ClusterLink:
     @property
     def degraded(self) -> bool:
         return self.mode is Mode.LOCAL
+
+    async def view(self, limit: int | None = None) -> ClusterPartView:
+        """The whole cluster's queue, leases and replicas, for /queue (``limit``: list only the
+        first waiting requests; the count covers them all)."""
+        part = ClusterPartView(
+            name=self.cluster_name, replica=self.store.replica, mode=self.mode.value, lease_s=self.lease_s
+        )
+        try:
+            seen = await self.store.view()
+        except StoreUnavailable as exc:
+            part.error = str(exc)
+            return part
+        waiting = seen.waiting if limit is None else seen.waiting[: max(0, limit)]
+        part.quiet_s = seen.quiet_s
+        part.replicas = [
+            ReplicaHealthView.model_construct(
+                replica=r.replica, beat_age_s=r.beat_age_s, live=r.beat_age_s <= self.lease_s
+            )
+            for r in seen.replicas
+        ]
+        part.waiting_count = len(seen.waiting)
+        part.waiting = [
+            ClusterWaitingView.model_construct(
+                request_id=w.request_id,
+                replica=w.replica,
+                tenant=w.tenant,
+                priority=w.priority,
+                model=w.model,
+                predicted_s=w.predicted_s,
+                waited_s=w.waited_s,
+                overdue=w.overdue,
+            )  # fmt: skip
+            for w in waiting
+        ]
+        part.leases = [
+            ClusterLeaseView.model_construct(
+                backend=lease.backend,
+                slot=lease.slot,
+                request_id=lease.request_id,
+                replica=lease.replica,
+                expires_in_s=lease.expires_in_s,
+            )  # fmt: skip
+            for lease in seen.leases
+        ]
+        return part
 
     # -- from the dispatcher -------------------------------------------------------------------
     def supersede_key(self, ticket: Ticket, tenant: str, key: str) -> None:
@@ -276,7 +332,7 @@ class ClusterLink:
     # -- renewals, loss and rejoin ---------------------------------------------------------------
     async def _renew_periodically(self) -> None:
         while True:
-            await asyncio.sleep(self.lease_s / 3 if self.mode is Mode.SHARED else REJOIN_EVERY_S)
+            await asyncio.sleep(min(RENEW_EVERY_S, self.lease_s / 3) if self.mode is Mode.SHARED else REJOIN_EVERY_S)
             try:
                 reply = await self.store.renew(self._held())
             except StoreUnavailable as exc:
@@ -310,8 +366,11 @@ class ClusterLink:
         return next((t for b in dispatcher.backends for t in b.running.values() if t.request_id == request_id), None)
 
     async def _resync(self) -> None:
+        """Register the pool again (a store that lost its state knows no backend) and replace
+        this replica's waiting entries by those waiting here."""
         dispatcher = self._dispatcher
         assert dispatcher is not None
+        await self.store.join([BackendSpec(b.name, b.slots, b.models) for b in dispatcher.backends])
         now = dispatcher.clock.now()
         waiting = dispatcher.waiting_tickets()
         self._tickets.update({t.request_id: t for t in waiting})

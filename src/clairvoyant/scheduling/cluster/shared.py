@@ -98,6 +98,47 @@ class Placed:
     ahead_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class WaitingView:
+    request_id: str
+    replica: str
+    tenant: str
+    priority: int
+    model: str
+    score: float
+    predicted_s: float
+    waited_s: float
+    overdue: bool
+    expires_in_s: float  # seconds until its queue deadline (huge: none)
+    seq: int  # arrival order in the store
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseView:
+    backend: str
+    slot: int
+    request_id: str
+    replica: str
+    expires_in_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    replica: str
+    beat_age_s: float  # seconds since its last join/renew
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    """The whole cluster as the store holds it: waiting entries in dispatch order (if nothing else
+    arrived and every backend served every model), leases, replicas."""
+
+    waiting: tuple[WaitingView, ...]
+    leases: tuple[LeaseView, ...]
+    replicas: tuple[ReplicaView, ...]
+    quiet_s: float  # seconds left of a quiet period after the store lost its state (0: none)
+
+
 class SlotStore(Protocol):
     """The shared queue and slots. Every call is one atomic step in the store, which ends by
     granting as many waiting entries as the backends have free slots, in the policy's order."""
@@ -131,6 +172,10 @@ class SlotStore(Protocol):
         ...
 
     async def leave(self) -> None: ...
+
+    async def view(self) -> ClusterView:
+        """The whole cluster as the store holds it (read-only)."""
+        ...
 
 
 class ClusterSide(Protocol):

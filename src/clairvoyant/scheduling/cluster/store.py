@@ -75,7 +75,6 @@ import json
 import logging
 import math
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -86,13 +85,17 @@ from redis.exceptions import RedisError
 
 from clairvoyant.scheduling.cluster.shared import (
     BackendSpec,
+    ClusterView,
     Entry,
     HeldLease,
+    LeaseView,
     Message,
     MessageKind,
     Placed,
     RenewReply,
+    ReplicaView,
     StoreUnavailable,
+    WaitingView,
 )
 
 __all__ = ["ClusterView", "LeaseView", "RedisSlotStore", "ReplicaView", "WaitingView", "dispatch_order"]
@@ -141,47 +144,6 @@ def _message(raw: str) -> Message:
     request_id, _, place = rest.partition(" ")
     backend, _, slot = place.rpartition(" ")
     return Message(kind, request_id, backend, int(slot))
-
-
-@dataclass(frozen=True, slots=True)
-class WaitingView:
-    request_id: str
-    replica: str
-    tenant: str
-    priority: int
-    model: str
-    score: float
-    predicted_s: float
-    waited_s: float
-    overdue: bool
-    expires_in_s: float  # seconds until its queue deadline (huge: none)
-    seq: int  # arrival order in the store
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseView:
-    backend: str
-    slot: int
-    request_id: str
-    replica: str
-    expires_in_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaView:
-    replica: str
-    beat_age_s: float  # seconds since its last join/renew
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterView:
-    """The whole cluster as the store holds it: waiting entries in dispatch order (if nothing else
-    arrived and every backend served every model), leases, replicas."""
-
-    waiting: tuple[WaitingView, ...]
-    leases: tuple[LeaseView, ...]
-    replicas: tuple[ReplicaView, ...]
-    quiet_s: float  # seconds left of a quiet period after the store lost its state (0: none)
 
 
 def dispatch_order(
