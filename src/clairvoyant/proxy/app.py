@@ -199,8 +199,9 @@ async def _start(
     stack.push_async_callback(pool.aclose)
     await pool.discover()  # a pool's kinds and llama.cpp slots, before the dispatcher counts slots
     limits = TenantLimits(settings.tenant_limits, state_path=_limits_path(settings))
-    limits.load()
-    stack.callback(_save_limits, limits)
+    await limits.start()
+    stack.push_async_callback(limits.aclose)
+    stack.push_async_callback(_save_limits_at_stop, limits)
     encoder = _load_encoder(settings, loaded)
     learning = OnlineLearning(settings, loaded, metrics, encoder)
     await learning.start()
@@ -325,14 +326,14 @@ def _add_own_endpoints(api: FastAPI, proxy: ProxyApp) -> None:
         """``limit``: list only the first waiting requests (the live page asks for 100; the
         counts and the tail's ETA still cover the whole queue)."""
         state = proxy.state
-        view = live_view(state.dispatcher, state.limits, limit)
+        view = await live_view(state.dispatcher, state.limits, limit)
         return Response(view.model_dump_json(), media_type="application/json")
 
     @api.get("/history")
     async def history_endpoint() -> Response:
         """The last 15 minutes, for the live page's charts (proxy/history.py); a key exactly when /queue needs one."""
         state = proxy.state
-        return JSONResponse(history_now(state.history, state.dispatcher, state.limits))
+        return JSONResponse(await history_now(state.history, state.dispatcher, state.limits))
 
     @api.get("/queue/{request_id}")
     async def queue_position(request_id: str) -> Response:
@@ -466,7 +467,7 @@ class ProxyApp:
         tenant = _tenant_of(identity, headers, settings.tenant_header.lower().encode())
         dispatcher = state.dispatcher
         try:
-            state.limits.admit(tenant, lambda: dispatcher.tenant_free_in_s(tenant))
+            await state.limits.admit(tenant, lambda: dispatcher.tenant_free_in_s(tenant))
         except LimitExceeded as refused:
             metrics.tenant_refusals.labels(metrics.tenant(tenant), refused.limit).inc()
             raise
@@ -483,7 +484,7 @@ class ProxyApp:
             request = admit_scheduled(state.scheduling, arrival, out)
             await request.serve(receive)
         finally:
-            state.limits.release(tenant)
+            await state.limits.release(tenant)
             self.body_budget.give_back(held_bytes)
 
     async def _passthrough(
@@ -588,7 +589,7 @@ def _limits_path(settings: Settings) -> Path | None:
     return None if path is None else path.with_name(path.stem + ".limits.json")
 
 
-def _save_limits(limits: TenantLimits, state: dict[str, Any] | None = None) -> None:
+def _save_limits(limits: TenantLimits, state: dict[str, Any]) -> None:
     try:
         limits.save(state)
     except OSError as exc:
@@ -599,7 +600,12 @@ async def _save_limits_periodically(limits: TenantLimits, interval_s: float) -> 
     """The counts, every ``interval_s``: taken on the loop, written from a thread (fsync)."""
     while True:
         await asyncio.sleep(interval_s)
-        await asyncio.to_thread(_save_limits, limits, limits.state())
+        await asyncio.to_thread(_save_limits, limits, await limits.state())
+
+
+async def _save_limits_at_stop(limits: TenantLimits) -> None:
+    if limits.state_path is not None:
+        _save_limits(limits, await limits.state())
 
 
 async def _check_upstream_at_start(upstream: Upstream, wait_s: float) -> None:
