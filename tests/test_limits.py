@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import calendar
 import json
+import random
 import time
 from pathlib import Path
 
@@ -125,3 +126,40 @@ def test_a_stream_of_new_tenant_names_keeps_only_the_last_ones_seen() -> None:
         assert "once-0" not in kept and f"once-{5 * MAX_UNLIMITED_TENANTS - 1}" in kept
 
     asyncio.run(scenario())
+
+
+def test_the_in_process_storage_answers_as_the_packages_memory_storage() -> None:
+    # proxy/limits.py keeps its in-process counts in a storage of its own (the package's starts a
+    # thread every 10 ms of use): the package's strategies must get the same answers from both.
+    from limits import RateLimitItemPerMinute
+    from limits.storage import MemoryStorage
+    from limits.strategies import FixedWindowRateLimiter, MovingWindowRateLimiter
+
+    from clairvoyant.proxy.limits import _LazyMemoryStorage
+
+    rng = random.Random(7)
+    theirs, ours = MemoryStorage(), _LazyMemoryStorage()
+    try:
+        window = [MovingWindowRateLimiter(s) for s in (theirs, ours)]
+        counter = [FixedWindowRateLimiter(s) for s in (theirs, ours)]
+        answers: list[tuple[object, object]] = []
+        for _ in range(2_000):
+            item = RateLimitItemPerMinute(rng.randint(1, 30))
+            key, cost = rng.choice("abc"), rng.choice([1, 1, 1, 2, 5, 40])
+            match rng.randint(0, 4):
+                case 0:
+                    answers.append((window[0].hit(item, key, cost=cost), window[1].hit(item, key, cost=cost)))
+                case 1:
+                    answers.append((window[0].test(item, key, cost=cost), window[1].test(item, key, cost=cost)))
+                case 2:
+                    stats = [w.get_window_stats(item, key) for w in window]
+                    assert abs(stats[0].reset_time - stats[1].reset_time) < 1.0  # both stamp time.time()
+                    answers.append((stats[0].remaining, stats[1].remaining))
+                case 3:
+                    answers.append((counter[0].hit(item, key, cost=cost), counter[1].hit(item, key, cost=cost)))
+                case _:
+                    answers.append((counter[0].test(item, key), counter[1].test(item, key)))
+        assert all(a == b for a, b in answers)
+        assert {a for a, _ in answers} >= {True, False}  # both kinds of answer came up
+    finally:
+        theirs.timer.cancel()
