@@ -399,3 +399,32 @@ def test_redis_lost_counts_on_this_replica_and_rejoins_when_back() -> None:
         asyncio.run(scenario())
     finally:
         server.stop()
+
+
+def test_a_release_redis_missed_is_written_by_the_next_resync(on_redis: Limiters) -> None:
+    # Redis keeps its state but takes no write for a while (CLIENT PAUSE): the release times out.
+    bounds = {"a": Limits(max_concurrent=1)}
+
+    async def scenario() -> None:
+        one, two = await on_redis.new(bounds), await on_redis.new(bounds)
+        await one.admit("a", lambda: 1.0)
+        client = aioredis.Redis.from_url(on_redis.redis_url)
+        try:
+            await client.execute_command("CLIENT", "PAUSE", 1500, "WRITE")
+            await one.release("a")  # its write waits past the timeout, and fails
+            assert one.degraded
+            await client.execute_command("CLIENT", "UNPAUSE")
+        finally:
+            await client.aclose()
+        assert (await refusal(two, "a")).limit == "max_concurrent"  # Redis still counts it
+
+        deadline_s = time.monotonic() + 10
+        while True:
+            await one.resync()
+            if not one.degraded:
+                break
+            assert time.monotonic() < deadline_s, "the missed release was never written"
+            await asyncio.sleep(0.05)
+        await two.admit("a", lambda: 1.0)
+
+    on_redis.run(scenario)

@@ -291,6 +291,7 @@ class _Use:
     local: int = 0  # of those, the ones counted here only (in the process, no limits, or Redis failed)
     tokens_today: int = 0  # tenants without limits: this replica's completion tokens today
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one write of ``shared`` to Redis at a time
+    unwritten: bool = False  # the last write of ``shared`` to Redis failed
 
 
 @dataclass(frozen=True)
@@ -426,25 +427,38 @@ class TenantLimits:
             use.local += 1
 
     async def _admit_limited(self, tenant: str, limits: Limits, use: _Use, free_in_s: Callable[[], float]) -> bool:
-        """Check ``tenant``'s limits: True if counted in Redis's hash, False if here only."""
+        """Check ``tenant``'s limits: True if counted in Redis's hash, False if here only. Refusals
+        go max_concurrent, tokens_per_day, requests_per_minute: only the last counts something that
+        cannot be taken back (the window's entry), so it goes once the others passed."""
         items = self._items_of(tenant, limits)
+        day = self._roll()
         shared = False
         if self._redis is None:
             in_system = use.in_system - 1
             if limits.max_concurrent is not None and in_system >= limits.max_concurrent:
                 raise _concurrency_limited(tenant, in_system, free_in_s)
+            under: bool | BaseException = limits.tokens_per_day is None or await self._windows.under(
+                items.tokens, tenant, day
+            )
         else:
-            shared = await self._admit_shared(tenant, limits, use, free_in_s)
+            # One round trip for both: the concurrency script and the day's count at once.
+            checks = await asyncio.gather(
+                self._admit_shared(tenant, limits, use, free_in_s), self._under(items, tenant, limits, day),
+                return_exceptions=True,
+            )  # fmt: skip
+            if isinstance(checks[0], BaseException):
+                raise checks[0]
+            shared, under = checks[0], checks[1]
         try:
-            if limits.tokens_per_day is not None:
-                day = self._roll()
-                if not await self._fail_open(self._windows.under(items.tokens, tenant, day), True):
-                    wall_s = self._wall()
-                    midnight_s = (math.floor(wall_s / DAY_S) + 1) * DAY_S
-                    raise LimitExceeded(
-                        f"tenant {tenant!r} has used its {limits.tokens_per_day} completion tokens for today (UTC)",
-                        code="rate_limited", limit="tokens_per_day", retry_after_s=_seconds(midnight_s - wall_s),
-                    )  # fmt: skip
+            if isinstance(under, BaseException):
+                raise under
+            if not under:
+                wall_s = self._wall()
+                midnight_s = (math.floor(wall_s / DAY_S) + 1) * DAY_S
+                raise LimitExceeded(
+                    f"tenant {tenant!r} has used its {limits.tokens_per_day} completion tokens for today (UTC)",
+                    code="rate_limited", limit="tokens_per_day", retry_after_s=_seconds(midnight_s - wall_s),
+                )  # fmt: skip
             admitted = await self._fail_open(self._windows.hit(items.window, tenant), True)
             if not admitted and limits.requests_per_minute is not None:
                 amount = items.window.amount
@@ -463,6 +477,12 @@ class TenantLimits:
                 await self._put(tenant, use)
             raise
         return shared
+
+    async def _under(self, items: _Items, tenant: str, limits: Limits, day: str) -> bool:
+        """Whether the day's tokens are under ``tokens_per_day`` (True when unset, or Redis failed)."""
+        if limits.tokens_per_day is None:
+            return True
+        return await self._fail_open(self._windows.under(items.tokens, tenant, day), True)
 
     async def _admit_shared(self, tenant: str, limits: Limits, use: _Use, free_in_s: Callable[[], float]) -> bool:
         """``max_concurrent`` over every replica: True if counted in Redis, False if Redis failed
@@ -558,15 +578,17 @@ class TenantLimits:
             self._check_usable()
             async with use.lock:
                 await self._put_script(keys=self._shared_keys(tenant), args=[self.replica, max(0, use.shared), tenant])
+            use.unwritten = False
             self._recovered()
         except (RedisError, OSError) as exc:
+            use.unwritten = True
             self._failed(exc)
 
     async def resync(self) -> None:
         """Write every count of this replica again (after failed writes, or Redis losing its state):
         for the replica's heartbeat."""
         for tenant, use in list(self._use.items()):
-            if use.shared or tenant in self.limits:
+            if use.shared or use.unwritten:
                 await self._put(tenant, use)
 
     async def drop_replica(self, replica: str) -> int:
