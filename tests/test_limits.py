@@ -163,3 +163,10 @@ def test_the_in_process_storage_answers_as_the_packages_memory_storage() -> None
         assert {a for a, _ in answers} >= {True, False}  # both kinds of answer came up
     finally:
         theirs.timer.cancel()
+
+
+def test_a_redis_url_is_checked_and_excludes_a_state_file(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="redis://, rediss:// or unix://, not 'http'"):
+        TenantLimits({}, redis_url="http://127.0.0.1:6379")
+    with pytest.raises(ValueError, match="with Redis the counts live there"):
+        TenantLimits({}, redis_url="redis://127.0.0.1:6379/0", state_path=tmp_path / "x.limits.json")

@@ -16,17 +16,22 @@ endpoints, the live page and pass-through paths are never refused for a tenant's
 The windows are the ``limits`` package's strategies (a moving window a minute long, and a counter
 keyed by the tenant and the UTC date), over one of two storages:
 
-- in the process (the default): the package's ``MemoryStorage``. The window's count and the day's
-  tokens survive a restart in a state file (``learner_state_path``'s stem + ``.limits.json``) when
-  the learner's state is kept; on restart the window's admissions are counted again from the
-  restart (the storage stamps its own entries), so a tenant at its limit may wait up to a minute
-  longer, never less.
+- in the process (the default): a storage of the package's interface that expires lazily
+  (``_LazyMemoryStorage``: the package's ``MemoryStorage`` runs a thread every 10 ms of use). The
+  window's count and the day's tokens survive a restart in a state file (``learner_state_path``'s
+  stem + ``.limits.json``) when the learner's state is kept; on restart the window's admissions
+  are counted again from the restart (the strategies stamp their own entries), so a tenant at its
+  limit may wait up to a minute longer, never less.
 - Redis (``redis_url``): every replica naming the same Redis and ``cluster`` shares the counts.
   The windows are the package's Redis scripts; ``max_concurrent`` is a hash per tenant with one
   field per replica, checked and changed by one script (so concurrent admissions on different
   replicas never pass the limit together), whose fields a replica's death can drop
   (``drop_replica``). Keys expire with their windows, and carry ``cluster`` and the tenant's name:
-  only tenants with limits, which the configuration names, are counted there.
+  only tenants with limits, which the configuration names, are counted there (so no name is
+  hashed: a header value without a ``[[tenants]]`` entry never leaves the process). If Redis
+  fails, requests are admitted on this replica's counts (``degraded``) until it answers again.
+
+The API is async in both modes (Redis must not block the loop); in the process nothing suspends.
 
 Counts are kept by tenant name, so they survive a reload of the keys too. A tenant header can
 name any tenant: tenants without limits are counted in this process only, and of those only the
@@ -322,6 +327,8 @@ class TenantLimits:
         replica: str | None = None,
         window_s: int = WINDOW_S,
     ) -> None:
+        if redis_url is not None and not redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"a Redis URL starts with redis://, rediss:// or unix://, not {redis_url.split(':')[0]!r}")
         if redis_url is not None and state_path is not None:
             raise ValueError("a state file keeps the in-process counts; with Redis the counts live there")
         self.limits = dict(limits)
@@ -349,8 +356,11 @@ class TenantLimits:
             self._admit_script = self._redis.register_script(_ADMIT_LUA)
             self._put_script = self._redis.register_script(_PUT_LUA)
             self._drop_script = self._redis.register_script(_DROP_LUA)
-            scheme_url = redis_url if "://" in redis_url else f"redis://{redis_url}"
-            self._windows = _RedisWindows(self._redis, scheme_url, self._prefix)
+            # The package names a socket's scheme its own way; it only parses the URL (the pool is ours).
+            package_url = (
+                "redis+unix://" + redis_url.removeprefix("unix://") if redis_url.startswith("unix://") else redis_url
+            )
+            self._windows = _RedisWindows(self._redis, package_url, self._prefix)
 
     # -- life ---------------------------------------------------------------------------------
     async def start(self) -> None:
