@@ -1,8 +1,10 @@
 """What the tenants' limits cost a request: µs per admit + release, side by side in one run.
 
 Compares the tenant limits at an earlier commit (``--before``: the hand-written windows, read
-from git) with the ones in the tree, in the process and, when ``redis-server`` is installed, on a
-local Redis. Two tenants: one without limits (most requests: no key, or a header tenant without an
+from git) with the ones in the tree: in the process, on the ``limits`` package's own
+``MemoryStorage`` (which the in-process mode does not use: this shows why), and, when
+``redis-server`` is installed, on a local Redis (with the admission's p50 alone, the part a
+request's first byte waits for). Two tenants: one without limits (most requests: no key, or a header tenant without an
 entry) and one with all three limits, set high enough never to refuse. Each request yields to the
 event loop once between admit and release, so the storages' background sweeps (a thread, a task)
 run and are paid for. Figures are the median round minus the same loop with no limits at all
@@ -33,8 +35,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from limits.storage import MemoryStorage
+
 from clairvoyant.config import Limits
-from clairvoyant.proxy.limits import TenantLimits
+from clairvoyant.proxy.limits import TenantLimits, _InProcessWindows
 
 HIGH = Limits(max_concurrent=1_000_000, requests_per_minute=1_000_000, tokens_per_day=10**12)
 TENANTS = ("unlimited", "limited")
@@ -48,6 +52,14 @@ class NoLimits:
 
     def release(self, tenant: str) -> None:
         pass
+
+
+def on_package_memory_storage() -> TenantLimits:
+    """The limits in the tree on the package's own ``MemoryStorage`` (what the in-process mode
+    would be without its lazy storage)."""
+    made = TenantLimits({"limited": HIGH})
+    made._windows = _InProcessWindows(MemoryStorage())
+    return made
 
 
 def load_before(rev: str) -> type[Any]:
@@ -95,6 +107,19 @@ async def one_round(make: Callable[[], Any], tenant: str, requests: int, interva
     if hasattr(limits, "aclose"):
         await limits.aclose()
     return wall_s / requests * 1e6, cpu_s / requests * 1e6
+
+
+async def admission_p50_us(make: Callable[[], Any], tenant: str, requests: int) -> float:
+    limits = make()
+    await limits.start()
+    took_us = []
+    for _ in range(requests):
+        started_s = time.perf_counter()
+        await limits.admit(tenant, lambda: 1.0)
+        took_us.append((time.perf_counter() - started_s) * 1e6)
+        await limits.release(tenant)
+    await limits.aclose()
+    return statistics.median(took_us)
 
 
 def report(title: str, makers: dict[str, Callable[[], Any]], rounds: int, requests: int, interval_s: float) -> None:
@@ -154,10 +179,11 @@ def main() -> None:
         "none": NoLimits,
         f"before ({args.before}), in process": lambda: before({"limited": HIGH}),
         "now, in process": lambda: TenantLimits({"limited": HIGH}),
+        "now, package's MemoryStorage": on_package_memory_storage,
     }
     print(f"python {sys.version.split()[0]}")
     report("burst", makers, args.rounds, args.requests, 0.0)
-    report("paced", makers, 3, int(args.rate * args.seconds), 1 / args.rate)
+    report("paced", makers, 5, int(args.rate * args.seconds), 1 / args.rate)
     if shutil.which("redis-server") is None:
         print("\nredis-server is not installed: no Redis figures")
         return
@@ -168,6 +194,10 @@ def main() -> None:
             "now, on Redis (loopback)": lambda: TenantLimits({"limited": HIGH}, redis_url=url, cluster="bench"),
         }
         report("burst, Redis", on_redis, 3, max(1, args.requests // 10), 0.0)
+        print(f"admission alone (the first byte's wait), p50 of {args.requests // 10}:")
+        for tenant in TENANTS:
+            admit_us = asyncio.run(admission_p50_us(on_redis["now, on Redis (loopback)"], tenant, args.requests // 10))
+            print(f"  on Redis, {tenant}: {admit_us:.0f} µs")
     finally:
         server.kill()
         server.wait()

@@ -233,8 +233,8 @@ class _InProcessWindows:
     """The package's moving window and day counter, in this process. Synchronous: nothing here
     waits, so the awaits below never suspend."""
 
-    def __init__(self) -> None:
-        self.storage = _LazyMemoryStorage()
+    def __init__(self, storage_: _LazyMemoryStorage | storage.MemoryStorage | None = None) -> None:
+        self.storage = _LazyMemoryStorage() if storage_ is None else storage_  # the package's: for the benchmark
         self._window = strategies.MovingWindowRateLimiter(self.storage)
         self._counter = strategies.FixedWindowRateLimiter(self.storage)
 
@@ -254,6 +254,8 @@ class _InProcessWindows:
         return self.storage.get(item.key_for(tenant, day))
 
     def entries(self) -> int:
+        if not isinstance(self.storage, _LazyMemoryStorage):
+            return 0
         return sum(map(len, self.storage.windows.values())) + len(self.storage.counters)
 
 
