@@ -7,6 +7,7 @@ import asyncio
 import calendar
 import json
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -170,3 +171,21 @@ def test_a_redis_url_is_checked_and_excludes_a_state_file(tmp_path: Path) -> Non
         TenantLimits({}, redis_url="http://127.0.0.1:6379")
     with pytest.raises(ValueError, match="with Redis the counts live there"):
         TenantLimits({}, redis_url="redis://127.0.0.1:6379/0", state_path=tmp_path / "x.limits.json")
+
+
+def test_the_in_process_counts_start_no_thread() -> None:
+    # Why the in-process storage is not the package's MemoryStorage: that one starts a thread
+    # after every 10 ms of use (benchmarks/bench_limits_cost.py measures what it costs).
+    before = {t.ident for t in threading.enumerate()}
+
+    async def scenario() -> None:
+        limits = TenantLimits({"a": Limits(max_concurrent=5, requests_per_minute=1_000, tokens_per_day=10**6)})
+        for _ in range(50):
+            await limits.admit("a", lambda: 1.0)
+            await limits.add_tokens("a", 3)
+            await limits.release("a")
+            await asyncio.sleep(0.001)
+        assert (await limits.snapshot())["a"]["requests_last_minute"] == 50
+
+    asyncio.run(scenario())
+    assert {t.ident for t in threading.enumerate()} <= before
