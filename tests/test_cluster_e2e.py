@@ -15,7 +15,6 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import httpx
-import pytest
 from fake_backend import FakeBackend
 from polling import wait_until
 from proxy_harness import LOOPBACK, MarkerPredictor, running_proxy

@@ -21,7 +21,7 @@ import asyncio
 import json
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -62,6 +62,7 @@ from clairvoyant.proxy.target import Target, check_head_size, check_host, check_
 from clairvoyant.proxy.transport import Transport
 from clairvoyant.proxy.upstream import Upstream, forwardable_headers
 from clairvoyant.scheduling.cluster.replica import ClusterLink
+from clairvoyant.scheduling.cluster.shared import StoreUnavailable
 from clairvoyant.scheduling.dispatcher import Dispatcher, Ticket
 from clairvoyant.scheduling.policy import PolicyParams, build_queue, make_policy
 from clairvoyant.scheduling.service_time import ServiceTimeModel
@@ -201,15 +202,15 @@ async def _start(
     pool = BackendPool(settings, transport=transport)
     stack.push_async_callback(pool.aclose)
     await pool.discover()  # a pool's kinds and llama.cpp slots, before the dispatcher counts slots
-    limits = TenantLimits(settings.tenant_limits, state_path=_limits_path(settings))
-    limits.load()
-    stack.callback(_save_limits, limits)
+    limits = await _start_limits(settings)
+    stack.push_async_callback(limits.aclose)
+    stack.push_async_callback(_save_limits_at_stop, limits)
     encoder = _load_encoder(settings, loaded)
     learning = OnlineLearning(settings, loaded, metrics, encoder)
     await learning.start()
     stack.push_async_callback(learning.stop)  # after the drain: the last requests are learned, then saved
     dispatcher = _dispatcher(settings, pool, clock, metrics, proxy.tenant_weights)
-    cluster = _cluster_link(stack, settings, metrics, proxy.tenant_weights)  # leaves after the dispatcher stops
+    cluster = _cluster_link(stack, settings, metrics, proxy.tenant_weights, limits)  # leaves after the dispatcher stops
     await dispatcher.start()
     # In-flight answers get the grace period, no more.
     stack.push_async_callback(dispatcher.stop, settings.shutdown_grace_s)
@@ -231,8 +232,52 @@ async def _start(
     return ProxyState(settings, loaded, pool, dispatcher, metrics, learning, scheduling, limits, history, cluster)
 
 
+def replica_name(settings: Settings) -> str:
+    """This replica's name in the cluster: ``replica_id``, else host name and port."""
+    return settings.replica_id or f"{socket.gethostname()}:{settings.port}"
+
+
+async def _start_limits(settings: Settings) -> TenantLimits:
+    """The tenants' limits: counted in this process (with its state file), or with replicas in
+    Redis, shared by every replica of the cluster."""
+    redis_url = None if settings.redis_url is None else settings.redis_url.get_secret_value()
+    limits = TenantLimits(
+        settings.tenant_limits,
+        state_path=None if redis_url else _limits_path(settings),
+        redis_url=redis_url,
+        cluster=settings.cluster_name,
+        replica=replica_name(settings),
+    )
+    try:
+        await limits.start()
+    except Exception as exc:
+        if redis_url is None:
+            raise
+        if not settings.redis_fallback:
+            raise StoreUnavailable(f"the tenants' limits: {type(exc).__name__}: {exc}") from exc
+        limits.degraded = True  # counted on this replica until Redis answers
+    return limits
+
+
+def _on_heartbeat(limits: TenantLimits) -> Callable[[tuple[str, ...]], Awaitable[None]]:
+    """After each renewal: a replica the store dropped (it stopped beating) loses its tenants'
+    counts, and this replica's own counts are written again (a write Redis missed, or lost)."""
+    seen: set[str] = set()
+
+    async def beat(replicas: tuple[str, ...]) -> None:
+        for gone in seen - set(replicas):
+            dropped = await limits.drop_replica(gone)
+            if dropped:
+                logger.warning("replica %s is gone: its tenants' %d request(s) no longer count", gone, dropped)
+        seen.clear()
+        seen.update(replicas)
+        await limits.resync()
+
+    return beat
+
+
 def _cluster_link(
-    stack: AsyncExitStack, settings: Settings, metrics: Metrics, tenant_weights: dict[str, float]
+    stack: AsyncExitStack, settings: Settings, metrics: Metrics, tenant_weights: dict[str, float], limits: TenantLimits
 ) -> ClusterLink | None:
     """With ``redis_url``: this replica's side of the shared queue (not started yet). Its goodbye
     is pushed before the dispatcher's stop, so it runs after the last answer's slot was released."""
@@ -240,7 +285,7 @@ def _cluster_link(
         return None
     from clairvoyant.scheduling.cluster.store import RedisSlotStore  # redis-py: loaded with replicas only
 
-    replica = settings.replica_id or f"{socket.gethostname()}:{settings.port}"
+    replica = replica_name(settings)
     metrics.replica = replica
     store = RedisSlotStore(
         settings.redis_url.get_secret_value(), settings.cluster_name, replica, lease_s=settings.lease_s
@@ -250,6 +295,7 @@ def _cluster_link(
         cluster_name=settings.cluster_name,
         lease_s=settings.lease_s,
         weights=tenant_weights,
+        on_heartbeat=_on_heartbeat(limits),
         supersede_running=settings.supersede_running,
     )
     stack.push_async_callback(link.leave)
@@ -346,7 +392,7 @@ def _add_own_endpoints(api: FastAPI, proxy: ProxyApp) -> None:
         status = "ready" if ready else "not_ready"
         if state.cluster is not None:  # with replicas: degraded = scheduling locally, Redis unreachable
             checks["cluster"] = state.cluster.mode.value
-            if ready and state.cluster.degraded:
+            if ready and (state.cluster.degraded or state.limits.degraded):
                 status = "degraded"
         return JSONResponse({"status": status, **checks}, status_code=200 if ready else 503)
 
@@ -362,7 +408,7 @@ def _add_own_endpoints(api: FastAPI, proxy: ProxyApp) -> None:
         """``limit``: list only the first waiting requests (the live page asks for 100; the
         counts and the tail's ETA still cover the whole queue)."""
         state = proxy.state
-        view = live_view(state.dispatcher, state.limits, limit)
+        view = await live_view(state.dispatcher, state.limits, limit)
         if state.cluster is not None:
             view.cluster = await state.cluster.view(limit)
         return Response(view.model_dump_json(), media_type="application/json")
@@ -371,7 +417,7 @@ def _add_own_endpoints(api: FastAPI, proxy: ProxyApp) -> None:
     async def history_endpoint() -> Response:
         """The last 15 minutes, for the live page's charts (proxy/history.py); a key exactly when /queue needs one."""
         state = proxy.state
-        return JSONResponse(history_now(state.history, state.dispatcher, state.limits))
+        return JSONResponse(await history_now(state.history, state.dispatcher, state.limits))
 
     @api.get("/queue/{request_id}")
     async def queue_position(request_id: str) -> Response:
@@ -505,7 +551,7 @@ class ProxyApp:
         tenant = _tenant_of(identity, headers, settings.tenant_header.lower().encode())
         dispatcher = state.dispatcher
         try:
-            state.limits.admit(tenant, lambda: dispatcher.tenant_free_in_s(tenant))
+            await state.limits.admit(tenant, lambda: dispatcher.tenant_free_in_s(tenant))
         except LimitExceeded as refused:
             metrics.tenant_refusals.labels(metrics.tenant(tenant), refused.limit).inc()
             raise
@@ -522,7 +568,7 @@ class ProxyApp:
             request = admit_scheduled(state.scheduling, arrival, out)
             await request.serve(receive)
         finally:
-            state.limits.release(tenant)
+            await state.limits.release(tenant)
             self.body_budget.give_back(held_bytes)
 
     async def _passthrough(
@@ -627,7 +673,7 @@ def _limits_path(settings: Settings) -> Path | None:
     return None if path is None else path.with_name(path.stem + ".limits.json")
 
 
-def _save_limits(limits: TenantLimits, state: dict[str, Any] | None = None) -> None:
+def _save_limits(limits: TenantLimits, state: dict[str, Any]) -> None:
     try:
         limits.save(state)
     except OSError as exc:
@@ -638,7 +684,12 @@ async def _save_limits_periodically(limits: TenantLimits, interval_s: float) -> 
     """The counts, every ``interval_s``: taken on the loop, written from a thread (fsync)."""
     while True:
         await asyncio.sleep(interval_s)
-        await asyncio.to_thread(_save_limits, limits, limits.state())
+        await asyncio.to_thread(_save_limits, limits, await limits.state())
+
+
+async def _save_limits_at_stop(limits: TenantLimits) -> None:
+    if limits.state_path is not None:
+        _save_limits(limits, await limits.state())
 
 
 async def _check_upstream_at_start(upstream: Upstream, wait_s: float) -> None:

@@ -305,19 +305,19 @@ class History:
         }
 
 
-def live_view(dispatcher: Dispatcher, limits: TenantLimits, limit: int | None = 0) -> QueueView:
+async def live_view(dispatcher: Dispatcher, limits: TenantLimits, limit: int | None = 0) -> QueueView:
     """/queue's body: the queue's view with its tenants' limits and use. A sample reads it without
     the list of waiting requests (``limit`` 0: their count stays)."""
     view = queue_view(dispatcher, limit)
-    view.tenants = limits.snapshot()
+    view.tenants = await limits.snapshot()
     return view
 
 
-def history_now(history: History, dispatcher: Dispatcher, limits: TenantLimits) -> dict[str, Any]:
+async def history_now(history: History, dispatcher: Dispatcher, limits: TenantLimits) -> dict[str, Any]:
     """/history's body: the record so far, brought up to the present (its finished requests, and
     the present as the series' last point)."""
     now_s = dispatcher.clock.now()
-    live = live_view(dispatcher, limits)
+    live = await live_view(dispatcher, limits)
     history.observe(live, now_s)
     return history.view(now_s, live)
 
@@ -330,6 +330,6 @@ async def record_periodically(
     one takes longer than ``MAX_LOOP_SHARE`` of the interval, the next waits longer."""
     while True:
         started_s = time.perf_counter()
-        history.sample(live_view(dispatcher, limits), dispatcher.clock.now())
+        history.sample(await live_view(dispatcher, limits), dispatcher.clock.now())
         took_s = time.perf_counter() - started_s
         await asyncio.sleep(max(interval_s, took_s / MAX_LOOP_SHARE))

@@ -7,30 +7,57 @@ endpoints, the live page and pass-through paths are never refused for a tenant's
 
 - ``max_concurrent``: requests in flight plus waiting. Retry-After: the predicted seconds until
   one of them ends (the caller's estimate).
-- ``requests_per_minute``: admissions in a sliding 60 s window. Retry-After: until the oldest
+- ``requests_per_minute``: admissions in a moving 60 s window. Retry-After: until the oldest
   leaves it.
 - ``tokens_per_day``: completion tokens per UTC day, as the backend reported them (usage,
   Ollama's eval_count). A request is refused once the day's count has reached the limit (the one
   that crosses it is not cut short). Retry-After: until UTC midnight.
 
-The window and the day's tokens survive a restart in a state file (``learner_state_path``'s
-stem + ``.limits.json``) when the learner's state is kept; otherwise they live in memory only.
+The windows are the ``limits`` package's strategies (a moving window a minute long, and a counter
+keyed by the tenant and the UTC date), over one of two storages:
+
+- in the process (the default): a storage of the package's interface that expires lazily
+  (``_LazyMemoryStorage``: the package's ``MemoryStorage`` runs a thread every 10 ms of use). The
+  window's count and the day's tokens survive a restart in a state file (``learner_state_path``'s
+  stem + ``.limits.json``) when the learner's state is kept; on restart the window's admissions
+  are counted again from the restart (the strategies stamp their own entries), so a tenant at its
+  limit may wait up to a minute longer, never less.
+- Redis (``redis_url``): every replica naming the same Redis and ``cluster`` shares the counts.
+  The windows are the package's Redis scripts; ``max_concurrent`` is a hash per tenant with one
+  field per replica, checked and changed by one script (so concurrent admissions on different
+  replicas never pass the limit together), whose fields a replica's death can drop
+  (``drop_replica``). Keys expire with their windows, and carry ``cluster`` and the tenant's name:
+  only tenants with limits, which the configuration names, are counted there (so no name is
+  hashed: a header value without a ``[[tenants]]`` entry never leaves the process). If Redis
+  fails, requests are admitted on this replica's counts (``degraded``) until it answers again.
+
+The API is async in both modes (Redis must not block the loop); in the process nothing suspends.
+
 Counts are kept by tenant name, so they survive a reload of the keys too. A tenant header can
-name any tenant: of the tenants without limits, only the ``MAX_UNLIMITED_TENANTS`` seen last are
-kept (those with requests in the system always), so a stream of new names cannot grow the process.
+name any tenant: tenants without limits are counted in this process only, and of those only the
+``MAX_UNLIMITED_TENANTS`` seen last are kept (those with requests in the system always), so a
+stream of new names cannot grow the process, nor ever reach Redis.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
 import time
+import uuid
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
+
+import redis.asyncio as aioredis
+from limits import RateLimitItemPerSecond, aio, storage, strategies
+from limits.limits import safe_string
+from limits.util import WindowStats
+from redis.exceptions import RedisError
 
 from clairvoyant.config import Limits
 from clairvoyant.errors import LimitExceeded
@@ -40,36 +67,319 @@ __all__ = ["TenantLimits"]
 
 logger = logging.getLogger(__name__)
 
-WINDOW_S = 60.0  # requests_per_minute's sliding window
-MAX_UNLIMITED_TENANTS = 1024  # tenants without limits whose counts are kept, at most (the ones seen last)
+WINDOW_S = 60  # requests_per_minute's moving window
 DAY_S = 86_400
+MAX_UNLIMITED_TENANTS = 1024  # tenants without limits whose counts are kept, at most (the ones seen last)
+# A tenant with limits but no requests_per_minute: its last minute is still counted (for /queue),
+# up to this many entries.
+UNBOUNDED_WINDOW_COUNT = 10_000
+REDIS_TIMEOUT_S = 1.0  # a Redis call slower than this fails, and the request is admitted on local counts
+REDIS_RETRY_S = 1.0  # after a failure, Redis is tried again this long after (requests meanwhile count locally)
+
+_T = TypeVar("_T")
+
+# One replica's requests of one tenant, in that tenant's hash (replica -> requests), written only
+# if the sum over every replica stays within the limit (-1: none).
+# KEYS: the tenant's hash, the replica's set of tenants; ARGV: replica, its new count, limit, tenant.
+_ADMIT_LUA = """
+local others = 0
+local fields = redis.call('HGETALL', KEYS[1])
+for i = 1, #fields, 2 do
+  if fields[i] ~= ARGV[1] then others = others + tonumber(fields[i + 1]) end
+end
+local mine = tonumber(ARGV[2])
+local limit = tonumber(ARGV[3])
+if limit >= 0 and others + mine > limit then
+  return {0, others + tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or 0)}
+end
+redis.call('HSET', KEYS[1], ARGV[1], mine)
+redis.call('SADD', KEYS[2], ARGV[4])
+return {1, others + mine}
+"""
+# The replica's count as it is now (after a release, or again after Redis lost its state).
+_PUT_LUA = """
+if tonumber(ARGV[2]) > 0 then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+  redis.call('SADD', KEYS[2], ARGV[3])
+else
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  redis.call('SREM', KEYS[2], ARGV[3])
+end
+return 1
+"""
+# Every count of one replica (gone): KEYS: its set of tenants; ARGV: replica, the hashes' key prefix.
+_DROP_LUA = """
+local dropped = 0
+for _, tenant in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local key = ARGV[2] .. tenant
+  dropped = dropped + tonumber(redis.call('HGET', key, ARGV[1]) or 0)
+  redis.call('HDEL', key, ARGV[1])
+end
+redis.call('DEL', KEYS[1])
+return dropped
+"""
+
+
+class _NotTried(RedisError):
+    """Redis was not called: it failed a moment ago."""
 
 
 def _utc_day(wall_s: float) -> str:
     return time.strftime("%Y-%m-%d", time.gmtime(wall_s))
 
 
+class _TenantLimit(RateLimitItemPerSecond):
+    """A limit over ``multiples`` seconds whose storage key names what it counts, not its amount:
+    a reload that changes a tenant's limit keeps the tenant's count."""
+
+    __slots__ = ()
+
+    def key_for(self, *identifiers: bytes | str | int | float) -> str:
+        return "/".join([self.namespace, *map(safe_string, identifiers)])
+
+
+class _Windows(Protocol):
+    """A tenant's window and day counter, on one storage."""
+
+    async def hit(self, item: _TenantLimit, tenant: str, cost: int = 1) -> bool: ...
+    async def window(self, item: _TenantLimit, tenant: str) -> WindowStats: ...
+    async def under(self, item: _TenantLimit, tenant: str, day: str) -> bool: ...
+    async def add(self, item: _TenantLimit, tenant: str, day: str, amount: int) -> None: ...
+    async def count(self, item: _TenantLimit, tenant: str, day: str) -> int: ...
+    def entries(self) -> int: ...
+
+
+class _LazyMemoryStorage(storage.Storage, storage.MovingWindowSupport):
+    """The package's storage interface (what its moving window and fixed window strategies call),
+    in this process, expiring lazily. The package's own ``MemoryStorage`` starts a thread to expire
+    entries after every 10 ms of use (its ``limits.aio`` twin hands each key to a thread after every
+    call): about 0.4 ms of CPU a request at 100 requests a second on this project's machine
+    (benchmarks/bench_limits_cost.py), where the request's whole check used to cost a few µs.
+
+    A window is a deque of admission times, oldest first, trimmed when read; a counter expires when
+    read, and expired counters are dropped whenever a new one starts (once a tenant a day)."""
+
+    STORAGE_SCHEME = ["clairvoyant+memory"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.windows: dict[str, deque[float]] = {}
+        self.counters: dict[str, int] = {}
+        self._expires_s: dict[str, float] = {}
+
+    @property
+    def base_exceptions(self) -> type[Exception]:
+        return ValueError  # nothing here fails
+
+    def incr(self, key: str, expiry: int, amount: int = 1) -> int:
+        now_s = time.time()
+        if self._expires_s.get(key, 0.0) <= now_s:
+            self._drop_expired(now_s)
+            self.counters[key] = 0
+            self._expires_s[key] = now_s + expiry
+        count = self.counters[key] = self.counters[key] + amount
+        return count
+
+    def get(self, key: str) -> int:
+        if self._expires_s.get(key, 0.0) <= time.time():
+            return 0
+        return self.counters[key]
+
+    def get_expiry(self, key: str) -> float:
+        return self._expires_s.get(key, time.time())
+
+    def check(self) -> bool:
+        return True
+
+    def reset(self) -> int | None:
+        count = len(self.counters) + len(self.windows)
+        self.counters.clear()
+        self._expires_s.clear()
+        self.windows.clear()
+        return count
+
+    def clear(self, key: str) -> None:
+        self.counters.pop(key, None)
+        self._expires_s.pop(key, None)
+        self.windows.pop(key, None)
+
+    def _drop_expired(self, now_s: float) -> None:
+        for key in [k for k, expires_s in self._expires_s.items() if expires_s <= now_s]:
+            self.clear(key)
+
+    def _window(self, key: str, expiry: int, now_s: float) -> deque[float]:
+        window = self.windows.get(key)
+        if window is None:
+            window = self.windows[key] = deque()
+        while window and window[0] < now_s - expiry:  # in the window while ``now - expiry <= t``
+            window.popleft()
+        return window
+
+    def acquire_entry(self, key: str, limit: int, expiry: int, amount: int = 1) -> bool:
+        now_s = time.time()
+        window = self._window(key, expiry, now_s)
+        if len(window) + amount > limit:
+            return False
+        window.extend([now_s] * amount)
+        return True
+
+    def get_moving_window(self, key: str, limit: int, expiry: int) -> tuple[float, int]:
+        now_s = time.time()
+        window = self._window(key, expiry, now_s)
+        return (window[0], len(window)) if window else (now_s, 0)
+
+
+class _InProcessWindows:
+    """The package's moving window and day counter, in this process. Synchronous: nothing here
+    waits, so the awaits below never suspend."""
+
+    def __init__(self, storage_: _LazyMemoryStorage | storage.MemoryStorage | None = None) -> None:
+        self.storage = _LazyMemoryStorage() if storage_ is None else storage_  # the package's: for the benchmark
+        self._window = strategies.MovingWindowRateLimiter(self.storage)
+        self._counter = strategies.FixedWindowRateLimiter(self.storage)
+
+    async def hit(self, item: _TenantLimit, tenant: str, cost: int = 1) -> bool:
+        return self._window.hit(item, tenant, cost=cost)
+
+    async def window(self, item: _TenantLimit, tenant: str) -> WindowStats:
+        return self._window.get_window_stats(item, tenant)
+
+    async def under(self, item: _TenantLimit, tenant: str, day: str) -> bool:
+        return self._counter.test(item, tenant, day)
+
+    async def add(self, item: _TenantLimit, tenant: str, day: str, amount: int) -> None:
+        self._counter.hit(item, tenant, day, cost=amount)
+
+    async def count(self, item: _TenantLimit, tenant: str, day: str) -> int:
+        return self.storage.get(item.key_for(tenant, day))
+
+    def entries(self) -> int:
+        if not isinstance(self.storage, _LazyMemoryStorage):
+            return 0
+        return sum(map(len, self.storage.windows.values())) + len(self.storage.counters)
+
+
+class _RedisWindows:
+    """The same strategies on Redis, through ``limits.aio`` and redis-py's asyncio client."""
+
+    def __init__(self, client: aioredis.Redis, url: str, prefix: str) -> None:
+        # One pool for the package's scripts and ours (its docs name ``connection_pool``; its
+        # annotation of ``**options`` does not).
+        self.redis = aio.storage.RedisStorage(
+            f"async+{url}", implementation="redispy", key_prefix=prefix,
+            connection_pool=client.connection_pool,  # type: ignore[arg-type]
+        )  # fmt: skip
+        self._aio_window = aio.strategies.MovingWindowRateLimiter(self.redis)
+        self._aio_counter = aio.strategies.FixedWindowRateLimiter(self.redis)
+
+    async def hit(self, item: _TenantLimit, tenant: str, cost: int = 1) -> bool:
+        return await self._aio_window.hit(item, tenant, cost=cost)
+
+    async def window(self, item: _TenantLimit, tenant: str) -> WindowStats:
+        return await self._aio_window.get_window_stats(item, tenant)
+
+    async def under(self, item: _TenantLimit, tenant: str, day: str) -> bool:
+        return await self._aio_counter.test(item, tenant, day)
+
+    async def add(self, item: _TenantLimit, tenant: str, day: str, amount: int) -> None:
+        await self._aio_counter.hit(item, tenant, day, cost=amount)
+
+    async def count(self, item: _TenantLimit, tenant: str, day: str) -> int:
+        return await self.redis.get(item.key_for(tenant, day))
+
+    def entries(self) -> int:
+        return 0  # in Redis, expiring with their windows
+
+
 @dataclass
 class _Use:
-    in_system: int = 0  # requests in flight plus waiting
-    admitted_s: deque[float] = field(default_factory=deque)  # wall seconds of admissions in the window
-    tokens_today: int = 0
+    in_system: int = 0  # this replica's requests in flight plus waiting (and being admitted)
+    shared: int = 0  # of those, the ones counted in Redis's hash (Redis mode, tenants with limits)
+    local: int = 0  # of those, the ones counted here only (in the process, no limits, or Redis failed)
+    tokens_today: int = 0  # tenants without limits: this replica's completion tokens today
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one write of ``shared`` to Redis at a time
+    unwritten: bool = False  # the last write of ``shared`` to Redis failed
+
+
+@dataclass(frozen=True)
+class _Items:
+    """One tenant's limits as the package's items (their amounts the limits, or a cap when unset)."""
+
+    window: _TenantLimit
+    tokens: _TenantLimit
 
 
 class TenantLimits:
+    """The tenants' use against their limits, in this process (``redis_url`` None) or shared by every
+    replica of ``cluster`` on ``redis_url``.
+
+    ``wall``: the clock of the UTC day (and Retry-After until midnight); the window follows the
+    storage's clock (``time.time`` here, or each replica's on Redis: keep them in step with NTP).
+    ``replica``: this replica's id in Redis (default: a random one). ``window_s``: the window's
+    length (a minute; shorter in tests)."""
+
     def __init__(
         self,
         limits: Mapping[str, Limits],
         *,
         state_path: Path | None = None,
         wall: Callable[[], float] = time.time,
+        redis_url: str | None = None,
+        cluster: str = "default",
+        replica: str | None = None,
+        window_s: int = WINDOW_S,
     ) -> None:
+        if redis_url is not None and not redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"a Redis URL starts with redis://, rediss:// or unix://, not {redis_url.split(':')[0]!r}")
+        if redis_url is not None and state_path is not None:
+            raise ValueError("a state file keeps the in-process counts; with Redis the counts live there")
         self.limits = dict(limits)
         self.state_path = state_path
+        self.redis_url = redis_url
+        self.cluster = cluster
+        self.replica = replica or uuid.uuid4().hex[:12]
+        self.window_s = window_s
+        self.degraded = False  # Redis failed on the last call: counting on this replica only
+        self._retry_at_s = 0.0  # monotonic seconds: while degraded, Redis is not tried before then
         self._wall = wall
         self._use: dict[str, _Use] = {}
+        self._items: dict[str, _Items] = {}
         self._day = _utc_day(wall())
+        self._day_starts_s = math.floor(wall() / DAY_S) * DAY_S  # wall seconds: UTC midnight, today
+        self._redis: aioredis.Redis | None = None
+        self._windows: _Windows
+        if redis_url is None:
+            self._windows = _InProcessWindows()
+        else:
+            self._redis = aioredis.Redis.from_url(
+                redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
+            )
+            self._prefix = f"clairvoyant:{cluster}:limits"
+            self._admit_script = self._redis.register_script(_ADMIT_LUA)
+            self._put_script = self._redis.register_script(_PUT_LUA)
+            self._drop_script = self._redis.register_script(_DROP_LUA)
+            # The package names a socket's scheme its own way; it only parses the URL (the pool is ours).
+            package_url = (
+                "redis+unix://" + redis_url.removeprefix("unix://") if redis_url.startswith("unix://") else redis_url
+            )
+            self._windows = _RedisWindows(self._redis, package_url, self._prefix)
 
+    # -- life ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """In the process: restore the state file. On Redis: check that it answers (raises
+        ``RedisError`` or ``OSError`` when it does not), and drop this replica's counts left by an
+        earlier run under the same id."""
+        if self._redis is None:
+            await self.load()
+            return
+        await self._redis.ping()
+        await self.drop_replica(self.replica)
+
+    async def aclose(self) -> None:
+        if self._redis is not None:
+            await self._redis.aclose()
+
+    # -- the counts ---------------------------------------------------------------------------
     def _of(self, tenant: str) -> _Use:
         use = self._use.get(tenant)
         if use is None:
@@ -88,114 +398,312 @@ class TenantLimits:
             if use.in_system == 0 and tenant not in self.limits:
                 del self._use[tenant]
 
-    def _roll(self, now_s: float) -> None:
-        day = _utc_day(now_s)
-        if day != self._day:
-            self._day = day
-            for use in self._use.values():
-                use.tokens_today = 0
+    def _roll(self) -> str:
+        """Today's UTC date; a new day zeroes the local counts of tenants without limits."""
+        wall_s = self._wall()
+        if not self._day_starts_s <= wall_s < self._day_starts_s + DAY_S:
+            self._day_starts_s = math.floor(wall_s / DAY_S) * DAY_S
+            day = _utc_day(wall_s)
+            if day != self._day:
+                self._day = day
+                for use in self._use.values():
+                    use.tokens_today = 0
+        return self._day
 
-    def admit(self, tenant: str, free_in_s: Callable[[], float]) -> None:
+    def _items_of(self, tenant: str, limits: Limits) -> _Items:
+        items = self._items.get(tenant)
+        if items is None:
+            rate = limits.requests_per_minute or UNBOUNDED_WINDOW_COUNT
+            items = self._items[tenant] = _Items(
+                _TenantLimit(rate, self.window_s, namespace="window"),
+                _TenantLimit(limits.tokens_per_day or 1, DAY_S, namespace="tokens"),
+            )
+        return items
+
+    async def admit(self, tenant: str, free_in_s: Callable[[], float]) -> None:
         """Count a scheduled request of ``tenant`` in, or raise ``LimitExceeded`` (nothing counted).
         ``free_in_s``: predicted seconds until one of the tenant's requests ends (for Retry-After)."""
         limits = self.limits.get(tenant)
         use = self._of(tenant)
+        use.in_system += 1  # before any wait: admissions on this loop see each other
         if limits is None:  # the last seen go last when counts are dropped (``_forget_idle``)
             self._use[tenant] = self._use.pop(tenant)
-        now_s = self._wall()
-        if limits is not None:
-            self._roll(now_s)
-            window = use.admitted_s
-            while window and window[0] <= now_s - WINDOW_S:
-                window.popleft()
-            if limits.max_concurrent is not None and use.in_system >= limits.max_concurrent:
-                raise LimitExceeded(
-                    f"tenant {tenant!r} has {use.in_system} requests in flight or waiting, its limit",
-                    code="concurrency_limited", limit="max_concurrent", retry_after_s=_seconds(free_in_s()),
-                )  # fmt: skip
-            if limits.requests_per_minute is not None and len(window) >= limits.requests_per_minute:
-                raise LimitExceeded(
-                    f"tenant {tenant!r} has made {len(window)} requests in the last minute, its limit",
-                    code="rate_limited", limit="requests_per_minute", retry_after_s=_seconds(window[0] + WINDOW_S - now_s),
-                )  # fmt: skip
-            if limits.tokens_per_day is not None and use.tokens_today >= limits.tokens_per_day:
-                midnight_s = (math.floor(now_s / DAY_S) + 1) * DAY_S
+            use.local += 1
+            return
+        try:
+            shared = await self._admit_limited(tenant, limits, use, free_in_s)
+        except BaseException:
+            use.in_system -= 1
+            raise
+        if not shared:
+            use.local += 1
+
+    async def _admit_limited(self, tenant: str, limits: Limits, use: _Use, free_in_s: Callable[[], float]) -> bool:
+        """Check ``tenant``'s limits: True if counted in Redis's hash, False if here only. Refusals
+        go max_concurrent, tokens_per_day, requests_per_minute: only the last counts something that
+        cannot be taken back (the window's entry), so it goes once the others passed."""
+        items = self._items_of(tenant, limits)
+        day = self._roll()
+        shared = False
+        if self._redis is None:
+            in_system = use.in_system - 1
+            if limits.max_concurrent is not None and in_system >= limits.max_concurrent:
+                raise _concurrency_limited(tenant, in_system, free_in_s)
+            under: bool | BaseException = limits.tokens_per_day is None or await self._windows.under(
+                items.tokens, tenant, day
+            )
+        else:
+            # One round trip for both: the concurrency script and the day's count at once.
+            checks = await asyncio.gather(
+                self._admit_shared(tenant, limits, use, free_in_s), self._under(items, tenant, limits, day),
+                return_exceptions=True,
+            )  # fmt: skip
+            if isinstance(checks[0], BaseException):
+                raise checks[0]
+            shared, under = checks[0], checks[1]
+        try:
+            if isinstance(under, BaseException):
+                raise under
+            if not under:
+                wall_s = self._wall()
+                midnight_s = (math.floor(wall_s / DAY_S) + 1) * DAY_S
                 raise LimitExceeded(
                     f"tenant {tenant!r} has used its {limits.tokens_per_day} completion tokens for today (UTC)",
-                    code="rate_limited", limit="tokens_per_day", retry_after_s=_seconds(midnight_s - now_s),
+                    code="rate_limited", limit="tokens_per_day", retry_after_s=_seconds(midnight_s - wall_s),
                 )  # fmt: skip
-            window.append(now_s)
-        use.in_system += 1
+            admitted = await self._fail_open(self._windows.hit(items.window, tenant), True)
+            if not admitted and limits.requests_per_minute is not None:
+                amount = items.window.amount
+                stats = await self._fail_open(
+                    self._windows.window(items.window, tenant), WindowStats(time.time() + self.window_s, 0)
+                )
+                raise LimitExceeded(
+                    f"tenant {tenant!r} has made {amount - stats.remaining} requests in the last {self.window_s} s,"
+                    " its limit",
+                    code="rate_limited", limit="requests_per_minute",
+                    retry_after_s=_seconds(stats.reset_time - time.time()),
+                )  # fmt: skip
+        except BaseException:
+            if shared:
+                use.shared -= 1
+                await self._put(tenant, use)
+            raise
+        return shared
 
-    def release(self, tenant: str) -> None:
-        """One of ``tenant``'s admitted requests has ended (answered, refused later, or left)."""
-        self._of(tenant).in_system -= 1
+    async def _under(self, items: _Items, tenant: str, limits: Limits, day: str) -> bool:
+        """Whether the day's tokens are under ``tokens_per_day`` (True when unset, or Redis failed)."""
+        if limits.tokens_per_day is None:
+            return True
+        return await self._fail_open(self._windows.under(items.tokens, tenant, day), True)
 
-    def add_tokens(self, tenant: str, tokens: int) -> None:
+    async def _admit_shared(self, tenant: str, limits: Limits, use: _Use, free_in_s: Callable[[], float]) -> bool:
+        """``max_concurrent`` over every replica: True if counted in Redis, False if Redis failed
+        (then this replica's own count is checked against the limit)."""
+        assert self._redis is not None
+        limit = -1 if limits.max_concurrent is None else limits.max_concurrent
+        try:
+            self._check_usable()
+            async with use.lock:
+                admitted, in_system = await self._admit_script(
+                    keys=self._shared_keys(tenant), args=[self.replica, use.shared + 1, limit, tenant]
+                )
+                if admitted:
+                    use.shared += 1
+            self._recovered()
+        except (RedisError, OSError) as exc:
+            self._failed(exc)
+            in_system = use.in_system - 1
+            if limits.max_concurrent is not None and in_system >= limits.max_concurrent:
+                raise _concurrency_limited(tenant, in_system, free_in_s) from None
+            return False
+        if not admitted:
+            raise _concurrency_limited(tenant, int(in_system), free_in_s)
+        return True
+
+    async def release(self, tenant: str) -> None:
+        """One of ``tenant``'s admitted requests has ended (answered, refused later, or left). The
+        local count drops at once; Redis's follows (a failed write is redone by the next one, or
+        by ``resync``)."""
+        use = self._of(tenant)
+        use.in_system -= 1
+        if use.local > 0:
+            use.local -= 1
+        else:
+            use.shared -= 1
+            await self._put(tenant, use)
+
+    async def add_tokens(self, tenant: str, tokens: int) -> None:
         """Completion tokens the backend reported for one of ``tenant``'s answers."""
-        self._roll(self._wall())
-        self._of(tenant).tokens_today += tokens
+        day = self._roll()
+        limits = self.limits.get(tenant)
+        if limits is None:
+            self._of(tenant).tokens_today += tokens
+            return
+        item = self._items_of(tenant, limits).tokens
+        await self._fail_open(self._windows.add(item, tenant, day, tokens), None)
 
     def reload(self, limits: Mapping[str, Limits]) -> None:
         """New limits (the keys were reloaded); the counts stay."""
         self.limits = dict(limits)
+        self._items.clear()
 
     def retained(self) -> dict[str, int]:
-        """Entries held: tenants counted, and admissions kept in their windows."""
-        return {
-            "limit_tenants": len(self._use),
-            "limit_window_entries": sum(len(use.admitted_s) for use in self._use.values()),
-        }
+        """Entries held: tenants counted, and (in the process) the window's and the days' entries."""
+        return {"limit_tenants": len(self._use), "limit_window_entries": self._windows.entries()}
 
-    def snapshot(self) -> dict[str, dict[str, Any]]:
-        """Each tenant seen, or bounded: its limits and its use against them (for /queue)."""
-        now_s = self._wall()
-        self._roll(now_s)
+    async def snapshot(self) -> dict[str, dict[str, Any]]:
+        """Each tenant seen, or bounded: its limits and its use against them (for /queue). On Redis,
+        a tenant with limits shows the whole cluster's use."""
+        day = self._roll()
         out = {}
         for tenant in sorted({*self._use, *self.limits}):
             use = self._of(tenant)
             limits = self.limits.get(tenant)
-            out[tenant] = {
-                "limits": {} if limits is None else limits.model_dump(exclude_none=True),
-                "in_system": use.in_system,
-                "requests_last_minute": sum(1 for s in use.admitted_s if s > now_s - WINDOW_S),
-                "tokens_today": use.tokens_today,
-            }
+            row = {"in_system": use.in_system, "requests_last_minute": 0, "tokens_today": use.tokens_today}
+            if limits is not None:
+                row.update(await self._fail_open(self._shared_use(tenant, limits, day, use), {}))
+            out[tenant] = {"limits": {} if limits is None else limits.model_dump(exclude_none=True), **row}
         return out
 
-    # -- the state file ---------------------------------------------------------------------
-    def state(self) -> dict[str, Any]:
-        """What ``save`` writes: the window and the day's tokens (a copy, safe to write elsewhere)."""
-        now_s = self._wall()
-        self._roll(now_s)
-        return {
-            "day": self._day,
-            "tokens_today": {t: u.tokens_today for t, u in self._use.items() if u.tokens_today},
-            "admitted_s": {t: [s for s in u.admitted_s if s > now_s - WINDOW_S] for t, u in self._use.items()},
+    async def _shared_use(self, tenant: str, limits: Limits, day: str, use: _Use) -> dict[str, int]:
+        items = self._items_of(tenant, limits)
+        stats = await self._windows.window(items.window, tenant)
+        row = {
+            "requests_last_minute": items.window.amount - stats.remaining,
+            "tokens_today": await self._windows.count(items.tokens, tenant, day),
         }
+        if self._redis is not None:
+            in_system = await self._redis.hvals(self._shared_keys(tenant)[0])
+            row["in_system"] = use.in_system - use.shared + sum(int(n) for n in in_system)
+        return row
 
-    def save(self, state: dict[str, Any] | None = None) -> None:
-        """Write ``state`` (default: the current one); nothing when no state path is set. Raises OSError."""
+    # -- Redis: this replica's share of max_concurrent ------------------------------------------
+    def _shared_keys(self, tenant: str) -> list[str]:
+        return [f"{self._prefix}:concurrent:{tenant}", f"{self._prefix}:replica:{self.replica}"]
+
+    async def _put(self, tenant: str, use: _Use) -> None:
+        """Write this replica's count of ``tenant`` as it is now; a failure is logged (the next
+        write, or ``resync``, puts it right)."""
+        if self._redis is None:
+            return
+        try:
+            self._check_usable()
+            async with use.lock:
+                await self._put_script(keys=self._shared_keys(tenant), args=[self.replica, max(0, use.shared), tenant])
+            use.unwritten = False
+            self._recovered()
+        except (RedisError, OSError) as exc:
+            use.unwritten = True
+            self._failed(exc)
+
+    async def resync(self) -> None:
+        """Write every count of this replica again (after failed writes, or Redis losing its state):
+        for the replica's heartbeat."""
+        for tenant, use in list(self._use.items()):
+            if use.shared or use.unwritten:
+                await self._put(tenant, use)
+
+    async def drop_replica(self, replica: str) -> int:
+        """Drop a replica's concurrency counts (it is gone: it will never release them). Returns
+        the requests dropped. Raises ``RedisError`` or ``OSError``; nothing in the process mode."""
+        if self._redis is None:
+            return 0
+        dropped = await self._drop_script(
+            keys=[f"{self._prefix}:replica:{replica}"], args=[replica, f"{self._prefix}:concurrent:"]
+        )
+        return int(dropped)
+
+    def _fail_open(self, call: Coroutine[Any, Any, _T], fallback: _T) -> Awaitable[_T]:
+        """``call``'s result, or ``fallback`` when Redis fails (the request is admitted on this
+        replica's counts rather than refused for the store's fault)."""
+        if self._redis is None:
+            return call  # nothing to fail: no coroutine around it (a few µs a request)
+        return self._redis_or(call, fallback)
+
+    async def _redis_or(self, call: Coroutine[Any, Any, _T], fallback: _T) -> _T:
+        try:
+            self._check_usable()
+            result = await call
+        except (RedisError, OSError) as exc:
+            call.close()  # not awaited when Redis was skipped (a no-op once it ran)
+            self._failed(exc)
+            return fallback
+        self._recovered()
+        return result
+
+    def _check_usable(self) -> None:
+        """Raise ``RedisError`` while a failure is recent: each request would otherwise wait for
+        the timeout again."""
+        if self.degraded and time.monotonic() < self._retry_at_s:
+            raise _NotTried("Redis failed less than a second ago")
+
+    def _failed(self, exc: BaseException) -> None:
+        if isinstance(exc, _NotTried):
+            return
+        self._retry_at_s = time.monotonic() + REDIS_RETRY_S
+        if not self.degraded:
+            logger.warning("tenant limits: Redis failed (%s); counting on this replica only until it answers", exc)
+            self.degraded = True
+
+    def _recovered(self) -> None:
+        if self.degraded:
+            logger.info("tenant limits: Redis answers again; counting across replicas")
+            self.degraded = False
+
+    # -- the state file (in the process) ---------------------------------------------------------
+    async def state(self) -> dict[str, Any]:
+        """What ``save`` writes: the window's count and the day's tokens of each tenant."""
+        day = self._roll()
+        tokens = {t: u.tokens_today for t, u in self._use.items() if u.tokens_today}
+        window = {}
+        for tenant, limits in self.limits.items():
+            use = await self._shared_use(tenant, limits, day, self._of(tenant))
+            if use["tokens_today"]:
+                tokens[tenant] = use["tokens_today"]
+            if use["requests_last_minute"]:
+                window[tenant] = use["requests_last_minute"]
+        return {"day": day, "saved_s": time.time(), "tokens_today": tokens, "requests_last_minute": window}
+
+    def save(self, state: dict[str, Any]) -> None:
+        """Write ``state`` (from ``state``); nothing when no state path is set. Raises OSError."""
         if self.state_path is None:
             return
         with atomic_writer(self.state_path) as out:
-            json.dump(self.state() if state is None else state, out)
+            json.dump(state, out)
 
-    def load(self) -> None:
-        """Restore what ``save`` wrote, when it is still current; a missing or unreadable file is
-        logged and ignored (counting starts afresh)."""
+    async def load(self) -> None:
+        """Restore what ``save`` wrote, when it is still current: the day's tokens as they were, the
+        window's admissions as if made now. A missing or unreadable file is logged and ignored
+        (counting starts afresh)."""
         if self.state_path is None or not self.state_path.exists():
             return
         try:
             state = json.loads(self.state_path.read_text())
-            now_s = self._wall()
-            if state.get("day") == _utc_day(now_s):
+            day = self._roll()
+            if state.get("day") == day:
                 for tenant, tokens in state["tokens_today"].items():
-                    self._of(tenant).tokens_today = int(tokens)
-            for tenant, stamps in state["admitted_s"].items():
-                self._of(tenant).admitted_s.extend(float(s) for s in stamps if float(s) > now_s - WINDOW_S)
+                    await self.add_tokens(tenant, int(tokens))
+            now_s = time.time()
+            if "admitted_s" in state:  # the format before the ``limits`` package: each admission's time
+                window = {t: sum(1 for s in stamps if float(s) > now_s - self.window_s) for t, stamps in state["admitted_s"].items()}  # fmt: skip
+            elif float(state["saved_s"]) > now_s - self.window_s:
+                window = {t: int(n) for t, n in state["requests_last_minute"].items()}
+            else:
+                window = {}
+            for tenant, admitted in window.items():
+                limits = self.limits.get(tenant)
+                if limits is not None and admitted > 0:
+                    item = self._items_of(tenant, limits).window
+                    await self._windows.hit(item, tenant, cost=min(admitted, item.amount))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             logger.warning("tenant limits: cannot read %s (%s); counting starts afresh", self.state_path, exc)
+
+
+def _concurrency_limited(tenant: str, in_system: int, free_in_s: Callable[[], float]) -> LimitExceeded:
+    return LimitExceeded(
+        f"tenant {tenant!r} has {in_system} requests in flight or waiting, its limit",
+        code="concurrency_limited", limit="max_concurrent", retry_after_s=_seconds(free_in_s()),
+    )  # fmt: skip
 
 
 def _seconds(value_s: float) -> int:

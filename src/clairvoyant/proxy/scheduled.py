@@ -310,7 +310,8 @@ class ScheduledHooks(RelayHooks):
         shared = self.shared
         tokens = usage.output_tokens
         if tokens is not None and usage.observed:
-            shared.limits.add_tokens(ticket.tenant, tokens)
+            # Counted in a task: on Redis a write, and this hook runs inside the relay.
+            shared.dispatcher.run_detached(shared.limits.add_tokens(ticket.tenant, tokens), "limits-tokens")
             shared.metrics.tenant_tokens.labels(shared.metrics.tenant(ticket.tenant)).inc(tokens)
         on_usage = shared.on_usage
         if on_usage is not None:

@@ -87,6 +87,7 @@ class ClusterLink:
         weights: Mapping[str, float],
         supersede_running: bool = False,
         on_mode: Callable[[Mode], None] | None = None,
+        on_heartbeat: Callable[[tuple[str, ...]], Awaitable[None]] | None = None,
     ) -> None:
         self.store = store
         self.cluster_name = cluster_name
@@ -94,6 +95,7 @@ class ClusterLink:
         self.weights = weights  # fair-share weight by tenant (the app's dict: a reload updates it)
         self.supersede_running = supersede_running
         self.on_mode = on_mode
+        self.on_heartbeat = on_heartbeat  # after each renewal the store took: the live replicas
         self.mode = Mode.SHARED
         self.replicas: tuple[str, ...] = (store.replica,)  # the live replicas last seen, in rank order
         self._tickets: dict[str, Ticket] = {}  # in the store: from enqueue until released
@@ -343,6 +345,11 @@ class ClusterLink:
                 await self._rejoin(reply)
             else:
                 self._renewed(reply)
+            if self.on_heartbeat is not None:
+                try:
+                    await self.on_heartbeat(self.replicas)
+                except Exception:  # the heartbeat goes on
+                    logger.exception("cluster: the heartbeat's hook failed")
 
     def _held(self) -> list[HeldLease]:
         dispatcher = self._dispatcher

@@ -311,7 +311,7 @@ class RedisSlotStore:
                 log.info("shared store: waiting for grants again")
                 failing = False
             if got is not None:
-                yield _message(got[1])
+                yield _message(str(got[1]))  # (decode_responses: a str already)
 
     async def view(self) -> ClusterView:
         """The whole cluster, read in one script (nothing changes, no clock-driven step runs)."""
