@@ -248,3 +248,30 @@ def test_redis_lost_and_back_degrades_then_rejoins_without_oversubscription(own_
         statuses = [s for s, _ in first + during + after]
         assert statuses == [200] * len(statuses)
         assert backend.max_in_progress == 1
+
+
+def test_a_tenants_max_concurrent_counts_across_replicas(redis_server: Any) -> None:
+    """max_concurrent 2, six requests at once through three replicas: two admitted, four refused
+    with 429 and Retry-After (each replica alone would admit two)."""
+    with FakeBackend(lambda path, n: ("stream", 10, 0.03)) as backend:
+        tenants = [{"name": "team", "max_concurrent": 2}]
+        with replicas(3, redis_server.url, backend.url, tenants=tenants) as bases:
+
+            async def run() -> list[httpx.Response]:
+                async with httpx.AsyncClient(timeout=60.0) as client:
+                    return await asyncio.gather(
+                        *(
+                            client.post(
+                                f"{bases[i % 3]}/v1/chat/completions",
+                                json=chat(f"[short] {i}"),
+                                headers={"X-Clairvoyant-Tenant": "team"},
+                            )
+                            for i in range(6)
+                        )
+                    )
+
+            answers = asyncio.run(run())
+    statuses = sorted(r.status_code for r in answers)
+    assert statuses == [200, 200, 429, 429, 429, 429]
+    assert all(int(r.headers["retry-after"]) >= 1 for r in answers if r.status_code == 429)
+    assert backend.posts("/v1/chat/completions") == 2
