@@ -78,6 +78,8 @@ def test_three_replicas_never_run_more_than_the_backends_slot(redis_server: Any)
         with replicas(3, redis_server.url, backend.url) as bases:
             requests = [(bases[i % 3], chat(f"[short] q{i}"), {}) for i in range(18)]
             answers = asyncio.run(post_all(requests))
+            metrics = LOOPBACK.get(f"{bases[1]}/metrics").text
+        assert 'clairvoyant_in_flight_requests{replica="r1"} 0.0' in metrics  # every series: its replica
         assert [status for status, _ in answers] == [200] * 18
         assert all("[DONE]" in text for _, text in answers)
         assert backend.posts("/v1/chat/completions") == 18  # each sent once
@@ -275,3 +277,42 @@ def test_a_tenants_max_concurrent_counts_across_replicas(redis_server: Any) -> N
     assert statuses == [200, 200, 429, 429, 429, 429]
     assert all(int(r.headers["retry-after"]) >= 1 for r in answers if r.status_code == 429)
     assert backend.posts("/v1/chat/completions") == 2
+
+
+def test_a_replica_cut_off_alone_ends_its_answer_before_its_lease_runs_out(redis_server: Any) -> None:
+    """r1 reaches Redis through a relay, holds the only slot, and is cut off: it cannot renew, so
+    it ends its answer (the dialect's error, ``slot_lease_lost``) before the store hands the slot
+    to r0's waiting request. The backend never runs two at once."""
+    from tcp_relay import TcpRelay
+
+    relay = TcpRelay(redis_server.port)
+    cluster = f"test{next(_names)}"
+    with FakeBackend(lambda path, n: ("stream", 200 if n == 0 else 2, 0.02)) as backend, ExitStack() as stack:
+        r0 = stack.enter_context(
+            running_proxy(cluster_settings(redis_server.url, backend.url, cluster, "r0"), predictor=MarkerPredictor())
+        )
+        r1_url = f"redis://127.0.0.1:{relay.port}/0"
+        r1 = stack.enter_context(
+            running_proxy(cluster_settings(r1_url, backend.url, cluster, "r1"), predictor=MarkerPredictor())
+        )
+
+        async def run() -> tuple[httpx.Response, httpx.Response]:
+            async with httpx.AsyncClient(timeout=60.0) as client:
+                held = asyncio.create_task(client.post(f"{r1}/v1/chat/completions", json=chat("[long] held")))
+                await asyncio.to_thread(wait_until, lambda: backend.in_progress == 1, 10.0, "r1's request running")
+                waiting = asyncio.create_task(client.post(f"{r0}/v1/chat/completions", json=chat("[short] next")))
+                await asyncio.to_thread(
+                    wait_until, lambda: len(cluster_view(r0)["waiting"]) == 1, 10.0, "r0's request waiting"
+                )
+                relay.cut()
+                return await held, await waiting
+
+        try:
+            held, waiting = asyncio.run(run())
+        finally:
+            relay.close()
+    assert held.status_code == 200  # its stream had begun: the error ends the stream
+    assert "slot_lease_lost" in held.text
+    assert "[DONE]" not in held.text
+    assert waiting.status_code == 200 and "[DONE]" in waiting.text
+    assert backend.max_in_progress == 1

@@ -116,8 +116,9 @@ class ClusterLink:
         dispatcher.cluster = self
         specs = [BackendSpec(b.name, b.slots, b.models) for b in dispatcher.backends]
         try:
+            sent_s = time.monotonic()
             await self.store.join(specs)
-            self._renewed_at_s = time.monotonic()
+            self._renewed_at_s = sent_s
             self._set_free_lists(shared=True)
         except StoreUnavailable as exc:
             if not fallback:
@@ -335,12 +336,13 @@ class ClusterLink:
     async def _renew_periodically(self) -> None:
         while True:
             await asyncio.sleep(min(RENEW_EVERY_S, self.lease_s / 3) if self.mode is Mode.SHARED else REJOIN_EVERY_S)
+            sent_s = time.monotonic()  # the store extends the leases after this: they last at least lease_s from it
             try:
                 reply = await self.store.renew(self._held())
             except StoreUnavailable as exc:
                 self._lost(exc)
                 continue
-            self._renewed_at_s = time.monotonic()
+            self._renewed_at_s = sent_s
             if self.mode is Mode.LOCAL:
                 await self._rejoin(reply)
             else:
@@ -400,8 +402,10 @@ class ClusterLink:
         loop = asyncio.get_running_loop()
         # A slot of its share it does not hold: usable once any other holder's lease has run out.
         self._share_timer = loop.call_later(self.lease_s, self._share_ready)
-        # A slot it holds outside its share: given up when its own lease would have run out.
-        remaining_s = max(0.0, self._renewed_at_s + self.lease_s - now_s)
+        # A slot it holds outside its share: given up before its lease runs out in the store (one
+        # renewal's interval early: the store may hand the slot on the moment it does).
+        margin_s = min(RENEW_EVERY_S, self.lease_s / 3)
+        remaining_s = max(0.0, self._renewed_at_s + self.lease_s - margin_s - now_s)
         self._give_up_timer = loop.call_later(remaining_s, self._give_up_others)
         if self.on_mode is not None:
             self.on_mode(self.mode)
