@@ -13,6 +13,7 @@ llama.cpp loading a model), ``("stream", n_events, interval_s)`` (an SSE stream 
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
 import struct
@@ -103,11 +104,11 @@ class FakeBackend:
                     self.delivered.append((path, body))
                     self.in_progress += 1
                     self.max_in_progress = max(self.max_in_progress, self.in_progress)
+                finished = threading.Event()
                 try:
-                    self._act(conn, action, n)
+                    self._act(conn, action, n, functools.partial(self._finish, finished))
                 finally:
-                    with self._lock:
-                        self.in_progress -= 1
+                    self._finish(finished)
                 if action in ("close", "hang"):
                     return
         except OSError:
@@ -115,23 +116,41 @@ class FakeBackend:
         finally:
             conn.close()
 
-    def _act(self, conn: socket.socket, action: Action, n: int) -> None:
+    def _finish(self, finished: threading.Event) -> None:
+        """A request's work is over: out of ``in_progress`` once, before its last bytes are sent
+        (a client that has read them may send the next request at once)."""
+        with self._lock:
+            if not finished.is_set():
+                finished.set()
+                self.in_progress -= 1
+
+    def _act(self, conn: socket.socket, action: Action, n: int, finish: Callable[[], None]) -> None:
         if action == "ok":
+            finish()
             _write(conn, 200, json.dumps({"ok": True, "n": n}).encode())
         elif action == "loading":
+            finish()
             _write(conn, 503, b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}')
         elif isinstance(action, tuple) and action[0] == "json":
+            finish()
             _write(conn, 200, json.dumps(action[1]).encode())
         elif action == "close":
             time.sleep(0.3)  # the fault as scripted: a backend that worked a moment, then died
         elif action == "hang":
             self._stop.wait()
         elif isinstance(action, tuple) and action[0] == "stream":
-            self._stream(conn, *action[1:])
+            self._stream(conn, finish, *action[1:])
         else:
             raise ValueError(f"unknown action {action!r}")
 
-    def _stream(self, conn: socket.socket, n_events: int, interval_s: float, end_after_s: float = 0.0) -> None:
+    def _stream(
+        self,
+        conn: socket.socket,
+        finish: Callable[[], None],
+        n_events: int,
+        interval_s: float,
+        end_after_s: float = 0.0,
+    ) -> None:
         head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
         conn.sendall(head)
         for i in range(n_events):
@@ -139,6 +158,7 @@ class FakeBackend:
             conn.sendall(b"%x\r\n%s\r\n" % (len(event), event))
             time.sleep(interval_s)  # the stream's scripted pace
         done = b"data: [DONE]\n\n"
+        finish()
         conn.sendall(b"%x\r\n%s\r\n" % (len(done), done))
         if end_after_s:
             self._stop.wait(end_after_s)  # the scripted pause before the body's end
