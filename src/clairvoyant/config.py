@@ -390,8 +390,8 @@ class Settings(BaseSettings):
         ge=1.0,
         le=300.0,
         description="With redis_url: seconds a granted slot stays held without a renewal (replicas renew every "
-        "third of it); a replica that dies gives its slots back within this, and one that cannot renew stops the "
-        "answers it relays rather than run beyond the slot count.",
+        "second); a replica that dies gives its slots back within this, and one that cannot renew stops the "
+        "answers it relays rather than run beyond the slot count. Also the pause after Redis restarts empty.",
     )
     redis_fallback: bool = Field(
         False,

@@ -287,6 +287,10 @@ def _cluster_link(
 
     replica = replica_name(settings)
     metrics.replica = replica
+    if settings.policy not in ("sjf", "fcfs"):
+        logger.warning(
+            "with replicas the shared queue orders by the predictor's key (sjf); the policy %s is not applied", settings.policy
+        )
     store = RedisSlotStore(
         settings.redis_url.get_secret_value(), settings.cluster_name, replica, lease_s=settings.lease_s
     )
@@ -295,6 +299,7 @@ def _cluster_link(
         cluster_name=settings.cluster_name,
         lease_s=settings.lease_s,
         weights=tenant_weights,
+        fair_share=settings.fair_share,
         on_heartbeat=_on_heartbeat(limits),
         supersede_running=settings.supersede_running,
     )

@@ -85,6 +85,7 @@ class ClusterLink:
         cluster_name: str,
         lease_s: float,
         weights: Mapping[str, float],
+        fair_share: bool = True,
         supersede_running: bool = False,
         on_mode: Callable[[Mode], None] | None = None,
         on_heartbeat: Callable[[tuple[str, ...]], Awaitable[None]] | None = None,
@@ -93,6 +94,7 @@ class ClusterLink:
         self.cluster_name = cluster_name
         self.lease_s = lease_s
         self.weights = weights  # fair-share weight by tenant (the app's dict: a reload updates it)
+        self.fair_share = fair_share  # off: every entry is one tenant's ("" to the store)
         self.supersede_running = supersede_running
         self.on_mode = on_mode
         self.on_heartbeat = on_heartbeat  # after each renewal the store took: the live replicas
@@ -265,13 +267,16 @@ class ClusterLink:
     def _entry(self, ticket: Ticket, deadline_in_s: float) -> Entry:
         dispatcher = self._dispatcher
         assert dispatcher is not None
+        tenant = ticket.tenant if self.fair_share else ""
+        # The store orders a band by score, ties by arrival: fcfs sends one score for all.
+        score = 0.0 if dispatcher.policy.name == "fcfs" else ticket.score
         return Entry(
             ticket.request_id,
-            ticket.tenant,
-            self.weights.get(ticket.tenant, 1.0),
+            tenant,
+            self.weights.get(tenant, 1.0),
             ticket.priority,
             ticket.model or "",
-            ticket.score,
+            score,
             ticket.predicted_s,
             dispatcher.guard_s(ticket),
             deadline_in_s,
