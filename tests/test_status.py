@@ -287,6 +287,19 @@ def test_a_newer_proxys_fields_are_shown() -> None:
     assert "shed_load: yes" in text and "load_s" in text and "4.2" in text
 
 
+def test_a_sparse_or_mistyped_cluster_part_prints_dashes_not_defaults() -> None:
+    sparse = render({"cluster": {}}, url="http://new").splitlines()
+    assert "cluster -: answered by replica -, mode -; lease -" in sparse
+    assert "waiting in the cluster: none" in sparse and "running in the cluster: none" in sparse
+    mistyped = render(
+        {"cluster": {"name": "c", "mode": ["x"], "lease_s": "long", "replicas": "r0", "waiting": [{"replica": "r2"}]}},
+        url="http://new",
+    )
+    assert "cluster c: answered by replica -, mode x; lease -" in mistyped and "replicas: none reported" in mistyped
+    (row,) = _section(mistyped.splitlines(), "waiting in the cluster (1, in dispatch order)")[1:]
+    assert row.split()[:3] == ["0", "-", "r2"]
+
+
 # -- with replicas: the whole cluster -----------------------------------------------------------------
 
 

@@ -214,29 +214,36 @@ def _waiting(status: Mapping[str, Any], limit: int | None) -> list[str]:
 
 
 def _cluster_part(status: Mapping[str, Any]) -> ClusterPartView | None:
-    """/queue's ``cluster`` part as its typed view; None without replicas (or an unreadable part)."""
+    """/queue's ``cluster`` part as its typed view (a field of the wrong type read as absent); None
+    without replicas."""
     given = status.get("cluster")
     if not isinstance(given, dict):
         return None
-    try:
-        return ClusterPartView.model_validate(given)
-    except ValidationError:
-        return ClusterPartView.model_construct(
-            **{k: v for k, v in given.items() if k not in ClusterPartView.model_fields},
-            replicas=_views(given.get("replicas"), ReplicaHealthView),
-            waiting=_views(given.get("waiting"), ClusterWaitingView),
-            leases=_views(given.get("leases"), ClusterLeaseView),
-        )
+    lists = {"replicas": ReplicaHealthView, "waiting": ClusterWaitingView, "leases": ClusterLeaseView}
+    fields = {}
+    for key, value in given.items():
+        if key in lists:
+            continue
+        try:
+            ClusterPartView.model_validate({key: value})
+        except ValidationError:
+            continue
+        fields[key] = value
+    return ClusterPartView.model_validate(fields).model_copy(
+        update={key: _views(given.get(key), view) for key, view in lists.items()}
+    )
 
 
-def _cluster(part: ClusterPartView) -> list[str]:
-    """The cluster's line (this replica's mode: shared, or local = degraded) and its replicas' health."""
-    mode = part.mode or "-"
+def _cluster(status: Mapping[str, Any], part: ClusterPartView) -> list[str]:
+    """The cluster's line (this replica's mode: shared, or local = degraded) and its replicas' health.
+    The line prints /queue's values as sent: an absent one is a dash, not the view's default."""
+    given = status["cluster"]
+    mode = cell(given.get("mode"))
     if mode == "local":
         mode = "local (DEGRADED: Redis unreachable, scheduling on this replica's share of the slots)"
     lines = [
-        f"cluster {cell(part.name or None)}: answered by replica {cell(part.replica or None)}, mode {mode}; "
-        f"lease {seconds(part.lease_s)}"
+        f"cluster {cell(given.get('name'))}: answered by replica {cell(given.get('replica'))}, mode {mode}; "
+        f"lease {seconds(given.get('lease_s'))}"
         + (f"; no new grants for {seconds(part.quiet_s)} (Redis lost its state)" if part.quiet_s else "")
     ]
     if part.error:
@@ -245,7 +252,7 @@ def _cluster(part: ClusterPartView) -> list[str]:
         return [*lines, "  replicas: none reported"]
     rows = [
         [
-            cell(r.replica or None) + (" (this one)" if r.replica == part.replica else ""),
+            cell(r.replica or None) + (" (this one)" if r.replica and r.replica == part.replica else ""),
             "live" if r.live else "GONE",
             f"{seconds(r.beat_age_s)} ago",
         ]
@@ -399,7 +406,7 @@ def render(status: Mapping[str, Any], *, url: str, limit: int | None = None) -> 
     else:  # with replicas: the whole cluster's slots and queue, each request with its replica
         sections = [
             _header(status, url),
-            _cluster(part),
+            _cluster(status, part),
             _backends(status),
             _cluster_running(status, part),
             _cluster_waiting(status, part, limit),
