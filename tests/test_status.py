@@ -285,3 +285,83 @@ def test_a_newer_proxys_fields_are_shown() -> None:
     assert lines[tenants + 2].split() == ["idle", "0", "0", "5", "-"]
     assert lines[tenants + 3].split() == ["ops", "1", "0", "40", "2"]
     assert "shed_load: yes" in text and "load_s" in text and "4.2" in text
+
+
+def test_a_sparse_or_mistyped_cluster_part_prints_dashes_not_defaults() -> None:
+    sparse = render({"cluster": {}}, url="http://new").splitlines()
+    assert "cluster -: answered by replica -, mode -; lease -" in sparse
+    assert "waiting in the cluster: none" in sparse and "running in the cluster: none" in sparse
+    mistyped = render(
+        {"cluster": {"name": "c", "mode": ["x"], "lease_s": "long", "replicas": "r0", "waiting": [{"replica": "r2"}]}},
+        url="http://new",
+    )
+    assert "cluster c: answered by replica -, mode x; lease -" in mistyped and "replicas: none reported" in mistyped
+    (row,) = _section(mistyped.splitlines(), "waiting in the cluster (1, in dispatch order)")[1:]
+    assert row.split()[:3] == ["0", "-", "r2"]
+
+
+# -- with replicas: the whole cluster -----------------------------------------------------------------
+
+
+def _section(lines: list[str], title: str) -> list[str]:
+    """A section's lines after its title, up to the blank line that ends it."""
+    start = next(i for i, line in enumerate(lines) if line.startswith(title))
+    end = next((i for i in range(start, len(lines)) if not lines[i]), len(lines))
+    return lines[start + 1 : end]
+
+
+def test_with_replicas_the_table_shows_the_clusters_queue_each_request_with_its_replica(
+    redis_server: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cluster_scene import WAITING, held_cluster
+
+    with held_cluster(redis_server.url) as scene:
+        assert main(["status", "--url", scene.bases["r1"]]) == 0
+        out = capsys.readouterr().out
+    lines = out.splitlines()
+    replica_of = {label: replica for label, replica, _ in WAITING}
+    assert f"cluster {scene.cluster}: answered by replica r1, mode shared; lease 1.0 s" in out
+    # Both replicas' health, this one marked.
+    replicas = _section(lines, f"cluster {scene.cluster}")
+    assert replicas[0].split() == ["replica", "state", "last", "heartbeat"]
+    health = {row.split()[0]: row for row in replicas[1:]}
+    assert set(health) == {"r0", "r1"} and "(this one)" in health["r1"] and "(this one)" not in health["r0"]
+    assert all(re.search(r"\blive\s+\d+\.\d s ago$", row) for row in health.values())
+    # The slot, held by r0's request.
+    running = _section(lines, "running in the cluster (1 slot held)")
+    assert running[1].split()[1:4] == ["0", scene.holder_id, "r0"]
+    # The whole queue in dispatch order (not the arrival order), each request with its replica;
+    # the class only where this replica (r1) holds the request.
+    waiting = _section(lines, "waiting in the cluster (3, in dispatch order)")
+    assert waiting[0].split()[:3] == ["#", "request", "replica"]
+    rows = [re.split(r"\s{2,}", row.strip()) for row in waiting[1:]]  # cells: two spaces or more apart
+    assert [row[1] for row in rows] == [scene.ids[label] for label in scene.dispatch_order]
+    assert [row[2] for row in rows] == [replica_of[label] for label in scene.dispatch_order]
+    assert [row[0] for row in rows] == ["0", "1", "2"] and {row[3] for row in rows} == {"(no key)"}
+    classes = {row[1]: row[6] for row in rows}
+    assert (
+        classes[scene.ids["w3"]] == "medium" and classes[scene.ids["w1"]] == "long" and classes[scene.ids["w2"]] == "-"
+    )
+    assert "tenants (this replica's requests)" in out
+    assert "\ncluster:" not in out  # laid out, not dumped among the newer fields
+
+
+def test_with_redis_gone_the_table_says_the_replica_is_degraded(
+    own_redis_server: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cluster_scene import replicas
+    from fake_backend import FakeBackend
+
+    with (
+        FakeBackend(lambda path, n: ("stream", 2, 0.01)) as backend,
+        replicas(own_redis_server.url, backend.url) as scene,
+    ):
+        assert main(["status", "--url", scene.bases["r0"]]) == 0
+        shared = capsys.readouterr().out
+        own_redis_server.stop()
+        wait_until(lambda: queue(scene.bases["r0"])["cluster"]["mode"] == "local", 10.0, "r0 degraded")
+        assert main(["status", "--url", scene.bases["r0"]]) == 0
+        degraded = capsys.readouterr().out
+    assert "mode shared" in shared and "DEGRADED" not in shared
+    assert "answered by replica r0, mode local (DEGRADED: Redis unreachable" in degraded
+    assert "the shared state could not be read" in degraded and "replicas: none reported" in degraded

@@ -161,11 +161,20 @@ def test_with_a_pool_the_page_shows_each_backend_and_where_each_request_runs() -
             backends = page.evaluate(
                 "[...document.querySelectorAll('#backends tbody tr')].map((tr) => [...tr.cells].map((c) => c.textContent))"
             )
+            cluster = page.evaluate(
+                "[document.getElementById('cluster').hidden, document.getElementById('cluster-state').textContent]"
+            )
+            titles = page.evaluate(
+                "[...document.querySelectorAll('#live h2')].map((h) => h.innerText)"
+                ".filter((t) => t.startsWith('Running') || t.startsWith('Waiting'))"
+            )
         backend.gate.set()
         holder.join(timeout=30)
     assert "backend-1 1/1" in summary and "backend-2 down" in summary
     assert "backend-1 #0" in slots
     assert [row[:3] for row in backends] == [["backend-1", "up", "1/1"], ["backend-2", "down", "0/1"]]
+    assert cluster == [True, ""]  # one process: no cluster section, nothing in the header
+    assert titles == ["Running what each backend slot is doing", "Waiting in dispatch order: the top row goes next"]
 
 
 def _no_data(page: Page) -> dict[str, Any]:
@@ -244,3 +253,50 @@ def test_with_keys_the_page_asks_for_one_then_shows_the_data_and_its_charts() ->
     assert re.match(r"\d\.\d\d s / \d\.\d\d s \(\d+\)", by_tenant["alice"][1])
     assert "backend-1" in backends and "up" in backends
     assert (ARTIFACTS / "ui.png").stat().st_size > 30_000
+
+
+def test_with_replicas_the_page_shows_the_clusters_queue_with_each_requests_replica_and_their_health(
+    own_redis_server: Any,
+) -> None:
+    """Two replicas on a real Redis, the queue held across both; the page of r0 shows the whole
+    queue with the replica of each request, and both replicas live; then Redis stops and the page
+    says r0 is degraded."""
+    from cluster_scene import WAITING, held_cluster
+
+    cells = "[...document.querySelectorAll('#{table} tbody tr')].map((tr) => [...tr.cells].map((c) => c.textContent))"
+    with held_cluster(own_redis_server.url) as scene, Browser() as browser:
+        page = browser.open(f"{scene.bases['r0']}/ui/")
+        page.wait_for(f"{ROW_IDS.format(table='cluster-waiting')}.length === 3", what="the cluster's waiting rows")
+        page.wait_for(f"{cells.format(table='replicas')}.length === 2", what="both replicas")
+        waiting = page.evaluate(cells.format(table="cluster-waiting"))
+        replicas = page.evaluate(cells.format(table="replicas"))
+        slots = page.evaluate(cells.format(table="cluster-slots"))
+        local_rows = _rows(page, "waiting")
+        local_titles = page.evaluate("[...document.querySelectorAll('#live h2')].map((h) => h.innerText)")
+        state = page.evaluate("document.getElementById('cluster-state').textContent")
+        own_redis_server.stop()
+        degraded = page.wait_for(
+            "document.getElementById('cluster-state').className === 'degraded'"
+            " && [document.getElementById('cluster-state').textContent, document.getElementById('cluster-mode').textContent]",
+            what="the page saying r0 is degraded",
+        )
+        text = page.evaluate(PAGE_TEXT)
+        errors = browser.errors
+    replica_of = {label: replica for label, replica, _ in WAITING}
+    # The whole queue in dispatch order, each request with the replica that holds it.
+    assert [row[1] for row in waiting] == [scene.ids[label] for label in scene.dispatch_order]
+    assert [row[2] for row in waiting] == [replica_of[label] for label in scene.dispatch_order]
+    assert [row[0] for row in waiting] == ["0", "1", "2"]
+    # r0's own table lists only its requests; the cluster's lists r1's too.
+    assert local_rows == [scene.ids[label] for label in scene.dispatch_order if replica_of[label] == "r0"]
+    assert [t for t in local_titles if t.startswith(("Running", "Waiting"))] == [
+        "Running on this replica what each backend slot is doing",
+        "Waiting on this replica in dispatch order: the top row goes next",
+    ]
+    assert [row[:2] for row in sorted(replicas)] == [["r0 (this one)", "live"], ["r1", "live"]]
+    assert all(re.fullmatch(r"\d+\.\d s ago", row[2]) for row in replicas)
+    assert [row[:3] for row in slots] == [["backend-1 #0", scene.holder_id, "r0"]]
+    assert state == f"cluster {scene.cluster} · replica r0 · shared · 2/2 replicas live · 3 waiting in the cluster"
+    assert degraded[0].startswith(f"cluster {scene.cluster} · replica r0 · degraded")
+    assert "cannot reach Redis" in degraded[1] and "could not be read" in degraded[1]
+    assert "NaN" not in text and "undefined" not in text and errors == []

@@ -6,9 +6,11 @@
 
 The table (``status_table.render``) shows the backends with their slots and loaded models, the
 running requests, every waiting request in dispatch order with its ETA, the tenants, and the online
-learner's prediction quality. ``--json`` prints /queue's object as the proxy sent it (its ``waiting``
-rows unchanged) plus one key of its own, ``from_metrics``: the learner's state and its rolling
-prediction quality per model as /metrics has them, ``null`` where a value is not defined yet.
+learner's prediction quality. With replicas it shows each replica's health, and the slots held and
+the queue across the whole cluster, each request with the replica that holds it. ``--json`` prints
+/queue's object as the proxy sent it (its ``waiting`` rows unchanged) plus one key of its own,
+``from_metrics``: the learner's state and its rolling prediction quality per model as /metrics has
+them, ``null`` where a value is not defined yet.
 
 A proxy with ``status_requires_key`` needs a client key: ``--key KEY``, or the environment variable
 ``CLAIRVOYANT_STATUS_KEY`` (which keeps the key out of the process list and the shell history).

@@ -1,5 +1,10 @@
 """The text `clairvoyant status` prints: /queue's object (plus ``from_metrics``) as plain tables.
 
+With replicas (/queue has a ``cluster`` part) the table adds the cluster: its mode (shared, or
+local and degraded while Redis is unreachable), each replica's health, the slots held across the
+cluster and the whole cluster's queue, each request with the replica that holds it. Without that
+part the table is the one process's, as before.
+
 Every field is read with a default: a proxy that sends fewer fields prints dashes, one that sends
 new ones shows them (new columns of the backends and the tenants, new top-level fields in a last
 section), and none makes it fail. A value that is not defined yet (a rank correlation over fewer
@@ -14,7 +19,16 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from clairvoyant.scheduling.queue_view import BackendView, RequestView, RunningView, WaitingView
+from clairvoyant.scheduling.queue_view import (
+    BackendView,
+    ClusterLeaseView,
+    ClusterPartView,
+    ClusterWaitingView,
+    ReplicaHealthView,
+    RequestView,
+    RunningView,
+    WaitingView,
+)
 
 __all__ = ["render", "table"]
 
@@ -24,7 +38,7 @@ _LAID_OUT = frozenset(
     {
         "policy", "policy_detail", "starvation_timeout_s", "starvation_slowdown", "slots", "max_queue",
         "tail_eta_s", "service_time", "backends", "waiting_count", "waiting", "in_flight", "recent", "tenants",
-        "from_metrics",
+        "from_metrics", "cluster",
     }
 )  # fmt: skip
 # Backend fields with a column of their own (or left out: "url" is in --json).
@@ -199,6 +213,109 @@ def _waiting(status: Mapping[str, Any], limit: int | None) -> list[str]:
     return [title, *table(headers, rows)]
 
 
+def _cluster_part(status: Mapping[str, Any]) -> ClusterPartView | None:
+    """/queue's ``cluster`` part as its typed view (a field of the wrong type read as absent); None
+    without replicas."""
+    given = status.get("cluster")
+    if not isinstance(given, dict):
+        return None
+    lists = {"replicas": ReplicaHealthView, "waiting": ClusterWaitingView, "leases": ClusterLeaseView}
+    fields = {}
+    for key, value in given.items():
+        if key in lists:
+            continue
+        try:
+            ClusterPartView.model_validate({key: value})
+        except ValidationError:
+            continue
+        fields[key] = value
+    return ClusterPartView.model_validate(fields).model_copy(
+        update={key: _views(given.get(key), view) for key, view in lists.items()}
+    )
+
+
+def _cluster(status: Mapping[str, Any], part: ClusterPartView) -> list[str]:
+    """The cluster's line (this replica's mode: shared, or local = degraded) and its replicas' health.
+    The line prints /queue's values as sent: an absent one is a dash, not the view's default."""
+    given = status["cluster"]
+    mode = cell(given.get("mode"))
+    if mode == "local":
+        mode = "local (DEGRADED: Redis unreachable, scheduling on this replica's share of the slots)"
+    lines = [
+        f"cluster {cell(given.get('name'))}: answered by replica {cell(given.get('replica'))}, mode {mode}; "
+        f"lease {seconds(given.get('lease_s'))}"
+        + (f"; no new grants for {seconds(part.quiet_s)} (Redis lost its state)" if part.quiet_s else "")
+    ]
+    if part.error:
+        lines.append(f"  the shared state could not be read: {part.error}")
+    if not part.replicas:
+        return [*lines, "  replicas: none reported"]
+    rows = [
+        [
+            cell(r.replica or None) + (" (this one)" if r.replica and r.replica == part.replica else ""),
+            "live" if r.live else "GONE",
+            f"{seconds(r.beat_age_s)} ago",
+        ]
+        for r in part.replicas
+    ]
+    return [*lines, *table(["replica", "state", "last heartbeat"], rows)]
+
+
+def _cluster_running(status: Mapping[str, Any], part: ClusterPartView) -> list[str]:
+    """The slots held across the cluster; this replica's requests with their details from ``in_flight``."""
+    if not part.leases:
+        return ["running in the cluster: none"]
+    local = {r.request_id: r for r in _views(status.get("in_flight"), RunningView)}
+    headers = ["backend", "slot", "request", "replica", "tenant", "prio", "model", "class", "running", "lease left"]
+    rows = []
+    for lease in part.leases:
+        mine = local.get(lease.request_id)
+        rows.append(
+            [
+                cell(lease.backend or None),
+                cell(lease.slot),
+                cell(lease.request_id or None),
+                cell(lease.replica or None),
+                "-" if mine is None else _tenant(mine),
+                "-" if mine is None else cell(mine.priority),
+                "-" if mine is None else cell(mine.model),
+                "-" if mine is None else cell(mine.predicted_class),
+                "-" if mine is None else seconds(mine.running_s),
+                seconds(lease.expires_in_s),
+            ]
+        )
+    held = f"{len(rows)} slot{'' if len(rows) == 1 else 's'} held"
+    return [f"running in the cluster ({held})", *table(headers, rows)]
+
+
+def _cluster_waiting(status: Mapping[str, Any], part: ClusterPartView, limit: int | None) -> list[str]:
+    """The whole cluster's queue in dispatch order, with the replica that holds each request; the
+    class of this replica's own requests from ``waiting``."""
+    waiting = part.waiting if limit is None else part.waiting[: max(0, limit)]
+    total = max(part.waiting_count, len(part.waiting))
+    if not waiting and not total:
+        return ["waiting in the cluster: none"]
+    shown = f"{len(waiting)} of {total}" if total != len(waiting) else str(total)
+    local = {w.request_id: w for w in _views(status.get("waiting"), WaitingView)}
+    headers = ["#", "request", "replica", "tenant", "prio", "model", "class", "predicted", "waited", "overdue"]
+    rows = [
+        [
+            str(i),
+            cell(w.request_id or None),
+            cell(w.replica or None),
+            w.tenant or "(no key)",
+            cell(w.priority),
+            cell(w.model or None),
+            cell(local[w.request_id].predicted_class) if w.request_id in local else "-",
+            seconds(w.predicted_s),
+            seconds(w.waited_s),
+            "OVERDUE" if w.overdue else "-",
+        ]
+        for i, w in enumerate(waiting)
+    ]
+    return [f"waiting in the cluster ({shown}, in dispatch order)", *table(headers, rows)]
+
+
 def _tenants(status: Mapping[str, Any]) -> list[str]:
     """Requests per tenant (from the rows), beside whatever /queue says of its tenants (a list of
     objects with a "tenant" or "name", or an object keyed by tenant)."""
@@ -229,7 +346,8 @@ def _tenants(status: Mapping[str, Any]) -> list[str]:
         + [cell(described.get(name, {}).get(k)) for k in extra]
         for name in names
     ]
-    return ["tenants", *table(headers, rows)]
+    title = "tenants (this replica's requests)" if isinstance(status.get("cluster"), dict) else "tenants"
+    return [title, *table(headers, rows)]
 
 
 def _quality(status: Mapping[str, Any]) -> list[str]:
@@ -282,13 +400,16 @@ def _others(status: Mapping[str, Any]) -> list[str]:
 def render(status: Mapping[str, Any], *, url: str, limit: int | None = None) -> str:
     """The whole table, sections separated by blank lines, ending with a newline. ``limit``: list
     only the first waiting requests (the tenants' counts still cover every row there is)."""
-    sections = [
-        _header(status, url),
-        _backends(status),
-        _running(status),
-        _waiting(status, limit),
-        _tenants(status),
-        _quality(status),
-        _others(status),
-    ]
+    part = _cluster_part(status)
+    if part is None:
+        sections = [_header(status, url), _backends(status), _running(status), _waiting(status, limit)]
+    else:  # with replicas: the whole cluster's slots and queue, each request with its replica
+        sections = [
+            _header(status, url),
+            _cluster(status, part),
+            _backends(status),
+            _cluster_running(status, part),
+            _cluster_waiting(status, part, limit),
+        ]
+    sections += [_tenants(status), _quality(status), _others(status)]
     return "\n\n".join("\n".join(s) for s in sections if s) + "\n"

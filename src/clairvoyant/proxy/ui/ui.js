@@ -207,8 +207,49 @@ function timelineAxis(span) {
   return axis;
 }
 
+function renderCluster(cluster) {
+  // With replicas (/queue's "cluster" part): the replicas' health, and the whole cluster's slots and
+  // queue with the replica that holds each request. Without it the section stays hidden.
+  const state = document.getElementById("cluster-state");
+  document.getElementById("cluster").hidden = !cluster;
+  for (const label of document.querySelectorAll(".on-replica")) label.hidden = !cluster;
+  if (!cluster) {
+    state.textContent = "";
+    state.className = "";
+    return;
+  }
+  const degraded = cluster.mode === "local";
+  const live = cluster.replicas.filter((r) => r.live).length;
+  state.textContent = `cluster ${cluster.name} · replica ${cluster.replica} · ` +
+    (degraded ? "degraded: scheduling locally" : `${cluster.mode} · ${live}/${cluster.replicas.length} replicas live · ${cluster.waiting_count} waiting in the cluster`);
+  state.className = degraded ? "degraded" : "";
+  const mode = document.getElementById("cluster-mode");
+  mode.textContent = (degraded
+    ? `Replica ${cluster.replica} cannot reach Redis: it schedules locally on its share of the slots until Redis answers again.`
+    : `Replica ${cluster.replica} answers, scheduling through Redis; a slot is leased for ${text(cluster.lease_s, 1)} s at a time and renewed while its request runs.`) +
+    (cluster.quiet_s > 0 ? ` Redis lost its state: no new grants for ${text(cluster.quiet_s, 1)} s.` : "") +
+    (cluster.error ? ` The shared state could not be read: ${cluster.error}` : "");
+  mode.className = degraded || cluster.error ? "note degraded" : "note";
+  fillTable("replicas", cluster.replicas, [
+    (r) => [r.replica === cluster.replica ? `${r.replica} (this one)` : r.replica],
+    (r) => [r.live ? "live" : "gone", r.live ? "" : "bad"],
+    (r) => [`${text(r.beat_age_s, 1)} s ago`],
+  ], "no replica reported");
+  fillTable("cluster-slots", cluster.leases, [
+    (l) => [`${l.backend} #${l.slot}`], (l) => [l.request_id], (l) => [l.replica], (l) => [text(l.expires_in_s, 1)],
+  ], "all slots idle");
+  fillTable("cluster-waiting", cluster.waiting.map((w, i) => ({ ...w, position: i })), [
+    (w) => [w.position], (w) => [w.request_id], (w) => [w.replica], (w) => [modelName(w.model)],
+    (w) => [text(w.predicted_s, 1)], (w) => [text(w.waited_s, 1)], (w) => [tenantName(w.tenant)], (w) => [w.priority],
+    (w) => [w.overdue ? "overdue" : "", w.overdue ? "bad" : ""],
+  ], "nobody waits");
+  document.getElementById("cluster-more").textContent = cluster.waiting_count > cluster.waiting.length
+    ? `and ${cluster.waiting_count - cluster.waiting.length} more waiting` : "";
+}
+
 function render(queue) {
   renderSummary(queue);
+  renderCluster(queue.cluster);
   const pool = (queue.backends || []).length > 1;
   fillTable("slots", queue.in_flight, [
     (r) => [pool ? `${r.backend} #${r.slot}` : r.slot], (r) => [r.request_id], (r) => [modelName(r.model)], classCell,
@@ -393,7 +434,10 @@ function askForKey(refused) {
   document.getElementById("live").hidden = true;
   for (const body of document.querySelectorAll("#live tbody")) body.replaceChildren();
   for (const box of document.querySelectorAll("#live .chart, #live .legend, #timeline")) box.replaceChildren();
-  for (const id of ["summary", "quality", "switch", "tenants-more"]) document.getElementById(id).textContent = "";
+  for (const id of ["summary", "quality", "switch", "tenants-more", "cluster-state", "cluster-mode", "cluster-more"]) {
+    document.getElementById(id).textContent = "";
+  }
+  document.getElementById("cluster").hidden = true;
   lastHistory = null;
   quality = new Map();
   if (refused) sessionStorage.removeItem(KEY_STORAGE);
