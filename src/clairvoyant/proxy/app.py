@@ -289,7 +289,8 @@ def _cluster_link(
     metrics.replica = replica
     if settings.policy not in ("sjf", "fcfs"):
         logger.warning(
-            "with replicas the shared queue orders by the predictor's key (sjf); the policy %s is not applied", settings.policy
+            "with replicas the shared queue orders by the predictor's key (sjf); the policy %s is not applied",
+            settings.policy,
         )
     store = RedisSlotStore(
         settings.redis_url.get_secret_value(), settings.cluster_name, replica, lease_s=settings.lease_s
