@@ -293,7 +293,11 @@ def _cluster_link(
             settings.policy,
         )
     store = RedisSlotStore(
-        settings.redis_url.get_secret_value(), settings.cluster_name, replica, lease_s=settings.lease_s
+        settings.redis_url.get_secret_value(),
+        settings.cluster_name,
+        replica,
+        lease_s=settings.lease_s,
+        switch_bound_s=0.0 if settings.policy == "fcfs" else settings.model_switch_bound_s,
     )
     link = ClusterLink(
         store,

@@ -156,8 +156,9 @@ local function servable(free, model)
   return false
 end
 
--- The first entry of a sorted set that a free backend serves; expired ones leave on the way.
-local function first_servable(key, free)
+-- The first entry of a sorted set that a free backend serves (of model ``only`` when given);
+-- expired ones leave on the way.
+local function first_servable(key, free, only)
   for _, m in ipairs(redis.call('ZRANGE', key, 0, SCAN - 1)) do
     local id = id_of(m)
     local e = load(id)
@@ -166,7 +167,7 @@ local function first_servable(key, free)
     elseif tonumber(e.ex) <= now then
       unqueue(id, e) -- past its queue deadline: never granted (its replica answers the client)
       forget(id, e)
-    elseif servable(free, e.md) then
+    elseif servable(free, e.md) and (only == nil or e.md == only) then
       return e
     end
   end
@@ -176,7 +177,8 @@ end
 -- The policy's next entry: per tenant its head (the oldest overdue entry if it arrived before the
 -- policy's head, else the best band's lowest score), then among tenants: the head's band (an
 -- overdue head joins the best band waiting anywhere), the tenant's start tag, fewer waiting, arrival.
-local function choose(free)
+-- ``only``: consider the entries of that model alone.
+local function choose(free, only)
   local best, heads = nil, {}
   for _, tn in ipairs(redis.call('SMEMBERS', P .. 'act')) do
     local dk, ok = P .. 'due:' .. tn, P .. 'over:' .. tn
@@ -191,10 +193,10 @@ local function choose(free)
       if best == nil or best_here < best then best = best_here end
       local head = nil
       for _, band in ipairs(bands) do
-        head = first_servable(P .. 'q:' .. tn .. ':' .. band, free)
+        head = first_servable(P .. 'q:' .. tn .. ':' .. band, free, only)
         if head then break end
       end
-      local cand = first_servable(ok, free)
+      local cand = first_servable(ok, free, only)
       local promoted = false
       if cand and (head == nil or tonumber(cand.a) < tonumber(head.a)) then
         head, promoted = cand, true
@@ -248,17 +250,43 @@ local function grant(e, free)
   redis.call('HSET', P .. 'lid:' .. chosen.name, slot, id)
   redis.call('HSET', P .. 'e:' .. id, 'st', 'r', 'b', chosen.name, 's', slot)
   redis.call('SADD', P .. 'rr:' .. e.r, id)
-  if e.md ~= '' then redis.call('HSET', P .. 'holds', chosen.name, e.md) end
+  if e.md ~= '' then
+    local held = redis.call('HGET', P .. 'holds', chosen.name)
+    if held and held ~= e.md then redis.call('HSET', P .. 'switched', chosen.name, f(now)) end
+    redis.call('HSET', P .. 'holds', chosen.name, e.md)
+  end
   push(e.r, 'grant ' .. id .. ' ' .. chosen.name .. ' ' .. slot)
+end
+
+-- The model switch bound (``bound`` seconds, 0 = off): when the policy's next entry would make
+-- every free backend that serves it switch models, the first such backend keeps its model for the
+-- best entry of that model instead, until the entry has been put off ``bound`` seconds (since it
+-- arrived, or since that backend's last switch). Nil: no reason to hold.
+local function held_instead(e, free, bound)
+  if bound <= 0 or e.md == '' then return nil end
+  local keeper, keeps = nil, nil
+  for _, b in ipairs(free) do
+    if serves(b, e.md) then
+      local h = redis.call('HGET', P .. 'holds', b.name)
+      if (not h) or h == e.md then return nil end -- it goes where no switch is needed
+      if keeper == nil then keeper, keeps = b, h end
+    end
+  end
+  if keeper == nil then return nil end
+  local since = math.max(tonumber(e.a), num(redis.call('HGET', P .. 'switched', keeper.name), 0))
+  if now - since >= bound then return nil end -- put off long enough: the switch is due
+  return choose({ keeper }, keeps)
 end
 
 local function grant_step()
   if now < num(redis.call('HGET', meta, 'quiet_until'), 0) then return end
+  local bound = num(redis.call('HGET', meta, 'bound'), 0)
   while true do
     local free = free_backends()
     if #free == 0 then return end
     local e = choose(free)
     if e == nil then return end
+    e = held_instead(e, free, bound) or e
     grant(e, free)
   end
 end
@@ -392,6 +420,7 @@ if cmd == 'join' then
     redis.call('HSET', P .. 'bk', name, ARGV[6 + 3 * i])
     redis.call('HSET', P .. 'bm', name, ARGV[7 + 3 * i])
   end
+  if ARGV[5 + 3 * n] then redis.call('HSET', meta, 'bound', ARGV[5 + 3 * n]) end
   tick()
   grant_step()
 elseif cmd == 'enqueue' then

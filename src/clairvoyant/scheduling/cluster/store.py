@@ -197,6 +197,7 @@ class RedisSlotStore:
         poll_s: float = 1.0,
         connect_timeout_s: float = 1.0,
         call_timeout_s: float = 5.0,
+        switch_bound_s: float = 0.0,
     ) -> None:
         if not lease_s > 0:
             raise ValueError("lease_s must be > 0")
@@ -206,6 +207,7 @@ class RedisSlotStore:
         self.cluster = cluster
         self.lease_s = lease_s
         self.poll_s = poll_s
+        self.switch_bound_s = switch_bound_s  # the model switch bound, seconds (0 = off), sent at join
         self.prefix = f"cv:{{{cluster}}}:"
         self._meta = self.prefix + "meta"
         # One retry: every script is safe to run twice (an id already granted is not queued again,
@@ -248,6 +250,7 @@ class RedisSlotStore:
             if b.slots < 0:
                 raise ValueError(f"backend {b.name!r}: slots must be >= 0")
             args += [_token(b.name, "backend name"), str(b.slots), "\n".join(_token(m, "model") for m in b.models)]
+        args.append(_num(self.switch_bound_s))
         self._closed = False
         await self._call("join", *args)
 
