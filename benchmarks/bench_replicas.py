@@ -144,6 +144,8 @@ async def post(
         answer.answered_s = time.monotonic()
         if answer.status == 200:
             answer.done = text.rstrip().endswith("data: [DONE]")
+            if not answer.done:  # how it ended instead: its last event
+                answer.code = (text.strip().rsplit("\n", 1)[-1] or "empty")[:80]
         else:
             try:
                 error = json.loads(text).get("error", {})
@@ -218,7 +220,7 @@ def figures_line(case: str, mode: str, figures: dict[str, Any]) -> None:
 # -- oversubscription ---------------------------------------------------------------------------------
 
 
-def answered_once(answers: Sequence[Answer], served: Sequence[Served], survivors: set[str]) -> dict[str, int]:
+def answered_once(answers: Sequence[Answer], served: Sequence[Served], survivors: set[str]) -> dict[str, Any]:
     """For requests sent to a replica in ``survivors``: how many got no answer, how many got a
     whole 200, any other status, and how many the backends served more than once."""
     to_survivors = [a for a in answers if a.replica in survivors]
@@ -229,7 +231,9 @@ def answered_once(answers: Sequence[Answer], served: Sequence[Served], survivors
         "whole_200": sum(a.status == 200 and a.done for a in to_survivors),
         "other_status": sum(a.status is not None and not (a.status == 200 and a.done) for a in to_survivors),
         "served_twice": sum(times_served[a.rid] > 1 for a in to_survivors),
-    }
+        "other_answers": dict(Counter(f"{a.status} {a.code}".strip() for a in to_survivors
+                                      if a.status is not None and not (a.status == 200 and a.done))),
+    }  # fmt: skip
 
 
 def slots_back_s(backends: Sequence[RecordingBackend], killed: str, kill_s: float) -> float | None:

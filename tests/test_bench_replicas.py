@@ -18,6 +18,9 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
 
+import bench_replica_order  # noqa: E402
+import bench_replicas  # noqa: E402
+from bench_replicas import Answer  # noqa: E402
 from harness.recording_backend import RecordingBackend, Served, most_at_once  # noqa: E402
 from harness.redis_process import RedisProcess  # noqa: E402
 
@@ -121,3 +124,60 @@ def test_most_at_once_counts_an_end_and_a_start_at_one_instant_as_one() -> None:
     assert most_at_once(served) == 2
     assert most_at_once([Served("x", 1, 0.0)]) == 1  # still running
     assert most_at_once([]) == 0
+
+
+# -- the figures the scripts compute ---------------------------------------------------------------
+
+
+def test_most_in_window_counts_a_sliding_window_with_both_ends_included() -> None:
+    assert bench_replicas.most_in_window([0.0, 30.0, 60.0, 61.0, 119.0], 60.0) == 3  # 0, 30, 60
+    assert bench_replicas.most_in_window([0.0, 60.5, 121.0], 60.0) == 1
+    assert bench_replicas.most_in_window([], 60.0) == 0
+
+
+def test_freed_to_next_skips_a_request_read_before_the_slot_was_freed() -> None:
+    served = [Served("a", 1, 0.0, end_s=1.0), Served("b", 1, 1.002, end_s=2.0), Served("c", 1, 1.5, end_s=3.0)]
+    gaps = bench_replicas.freed_to_next_ms(served)
+    assert gaps == pytest.approx([2.0], abs=1e-6)  # c started before b ended: an oversubscription, no gap
+
+
+def test_slots_back_counts_from_the_kill_to_a_survivors_start_on_each_backend_the_killed_one_held() -> None:
+    held, idle = RecordingBackend(slots=1), RecordingBackend(slots=1)
+    held.served = [Served("dead|q1", 9, 9.0, end_s=10.5), Served("live|q2", 9, 26.0, end_s=27.0)]
+    idle.served = [Served("live|q3", 9, 10.2, end_s=11.0)]
+    assert bench_replicas.slots_back_s([held, idle], "dead", kill_s=10.0) == pytest.approx(16.0)
+    assert bench_replicas.slots_back_s([idle], "dead", kill_s=10.0) == 0.0  # it held nothing there
+    held.served = held.served[:1]
+    assert bench_replicas.slots_back_s([held], "dead", kill_s=10.0) is None  # never came back
+
+
+def test_answered_once_counts_the_unanswered_and_the_served_twice_among_the_survivors_only() -> None:
+    answers = [
+        Answer("q1", "r0", status=200, done=True), Answer("q2", "r0"),  # q2: no answer
+        Answer("q3", "r1", status=503, code="queue_full"), Answer("q4", "dead"),
+    ]  # fmt: skip
+    served = [Served("r0|q1", 1, 0.0), Served("r1|q1", 1, 1.0), Served("dead|q4", 1, 0.0)]
+    figures = bench_replicas.answered_once(answers, served, {"r0", "r1"})
+    assert figures["sent_to_survivors"] == 3 and figures["unanswered"] == 1 and figures["whole_200"] == 1
+    assert figures["served_twice"] == 1 and figures["other_answers"] == {"503 queue_full": 1}
+
+
+def test_resumed_after_waits_for_every_replica_to_answer_not_degraded() -> None:
+    readyz = [(9.0, "a", 200, True), (10.5, "a", 200, False), (10.2, "b", 200, True), (11.4, "b", 200, False)]
+    assert bench_replicas.resumed_after(readyz, ["a", "b"], resume_at=10.0) == pytest.approx(1.4)
+    assert bench_replicas.resumed_after(readyz[:3], ["a", "b"], resume_at=10.0) == "never"
+
+
+def test_oracle_share_is_the_part_of_the_oracles_cut_reached() -> None:
+    assert bench_replica_order.oracle_share(10.0, 4.0, 2.0) == pytest.approx(0.75)
+    assert bench_replica_order.oracle_share(10.0, 12.0, 2.0) == pytest.approx(-0.25)  # worse than fcfs
+    assert bench_replica_order.oracle_share(10.0, 4.0, 10.0) != bench_replica_order.oracle_share(10.0, 4.0, 10.0)
+
+
+def test_summary_pairs_each_repetitions_figures_before_taking_medians() -> None:
+    rep = {"fcfs": 10.0, "one": 4.0, "oracle": 2.0, "cluster": 4.4}
+    reps = [{n: {"short_p50_s": v * k} for n, v in rep.items()} for k in (1.0, 2.0, 3.0)]
+    result = bench_replica_order.summarize(reps)
+    assert result["short_p50_over_one"]["cluster"] == pytest.approx(1.1)
+    assert result["oracle_share"]["cluster"] == pytest.approx(0.7)
+    assert result["oracle_share"]["one"] == pytest.approx(0.75)
