@@ -156,10 +156,11 @@ def test_answered_once_counts_the_unanswered_and_the_served_twice_among_the_surv
         Answer("q1", "r0", status=200, done=True), Answer("q2", "r0"),  # q2: no answer
         Answer("q3", "r1", status=503, code="queue_full"), Answer("q4", "dead"),
     ]  # fmt: skip
-    served = [Served("r0|q1", 1, 0.0), Served("r1|q1", 1, 1.0), Served("dead|q4", 1, 0.0)]
+    served = [Served("r0|q1", 1, 0.0), Served("r1|q1", 1, 1.0), Served("dead|q4", 1, 0.0), Served("r1|q3", 1, 2.0)]
     figures = bench_replicas.answered_once(answers, served, {"r0", "r1"})
     assert figures["sent_to_survivors"] == 3 and figures["unanswered"] == 1 and figures["whole_200"] == 1
     assert figures["served_twice"] == 1 and figures["other_answers"] == {"503 queue_full": 1}
+    assert figures["failed_after_backend_read"] == 1  # q3: read by a backend, then not a whole answer
 
 
 def test_resumed_after_waits_for_every_replica_to_answer_not_degraded() -> None:
