@@ -20,9 +20,10 @@ Each case runs in these modes, side by side, each with fresh proxies and backend
 Cases (``--cases``, comma-separated; all by default):
 
     oversubscription  2 backends of 1 slot; --requests (600) requests over the replicas, forced
-                      lengths 4-16 or 60-150 tokens, 4 tenants, priorities 0 and 5. In cluster mode
-                      one replica is killed with SIGKILL a third of the way in (requests go to the
-                      survivors from then on) and Redis is restarted empty at two thirds.
+                      lengths 4-16 or 60-150 tokens, 4 tenants, priorities 0 and 5. In cluster and
+                      local modes one replica is killed with SIGKILL a third of the way in (requests go to the
+                      survivors from then on), at a moment it holds a slot; in cluster mode Redis
+                      is restarted empty at two thirds.
                       Violations at the backends (target 0); every request sent to a surviving
                       replica answered exactly once (an answer each, none served twice); seconds
                       from the kill until each slot the killed replica held serves a survivor
@@ -265,7 +266,7 @@ async def oversubscription(mode: str, args: argparse.Namespace, log_dir: Path) -
         with fleet(mode, args.replicas, log_dir, backends, args.proxy_src, tenants=json.dumps(
             [{"name": f"t{i}", "weight": 1 + i % 2} for i in range(4)]
         )) as f:  # fmt: skip
-            killed = f.replicas[-1].name if mode == "cluster" and len(f.replicas) > 1 else ""
+            killed = f.replicas[-1].name if len(f.replicas) > 1 else ""  # cluster and local: the same kill
             kill_s = 0.0
             restart_away_s = None
             started = itertools.count()
@@ -286,16 +287,23 @@ async def oversubscription(mode: str, args: argparse.Namespace, log_dir: Path) -
                 nonlocal kill_s, restart_away_s
                 if not killed:
                     return
-                while len(answers) < n // 3:
-                    await asyncio.sleep(0.05)
+                deadline_s = time.monotonic() + 60
+                # A third of the way in, at a moment it holds a slot (and so has requests waiting).
+                while len(answers) < n // 3 or not any(
+                    replica_of(s) == killed and s.end_s is None for b in backends for s in b.served
+                ):
+                    if time.monotonic() > deadline_s:
+                        break
+                    await asyncio.sleep(0.005)
                 victim = next(r for r in f.replicas if r.name == killed)
                 assert victim.proc is not None
                 victim.proc.kill()  # SIGKILL, while it holds slots and has requests waiting
                 kill_s = time.monotonic()
                 print(f"  [oversubscription / {mode}] killed {killed} after {len(answers)} answers", flush=True)
+                if f.redis is None:
+                    return
                 while len(answers) < 2 * n // 3:
                     await asyncio.sleep(0.05)
-                assert f.redis is not None
                 restart_away_s = await asyncio.to_thread(f.redis.restart_empty)
                 print(f"  [oversubscription / {mode}] Redis restarted empty after {len(answers)} answers", flush=True)
 
@@ -314,6 +322,10 @@ async def oversubscription(mode: str, args: argparse.Namespace, log_dir: Path) -
             if killed:
                 back = slots_back_s(backends, killed, kill_s)
                 figures["killed"] = killed
+                figures["killed_held_at_kill"] = sum(
+                    any(replica_of(s) == killed and s.start_s <= kill_s and (s.end_s or 1e18) > kill_s
+                        for s in b.served) for b in backends
+                )  # fmt: skip
                 figures["killed_slots_back_s"] = back if back is not None else "never"
                 figures["redis_away_s"] = restart_away_s
     finally:
@@ -341,9 +353,11 @@ def oversubscription_rows(mode: str, fig: dict[str, Any]) -> list[Row]:
     ]
     if "killed_slots_back_s" in fig:
         back = fig["killed_slots_back_s"]
+        held = fig["killed_held_at_kill"]
         rows.append(Row(f"oversubscription [{mode}]: killed replica's slots back", f"<= {LEASE_S + 1:g} s",
-                        f"{back:.2f} s" if isinstance(back, float) else str(back),
-                        isinstance(back, float) and back <= LEASE_S + 1))  # fmt: skip
+                        (f"{back:.2f} s" if isinstance(back, float) else str(back)) + f" ({held} held at the kill)",
+                        (isinstance(back, float) and back <= LEASE_S + 1 and held > 0)
+                        if mode == "cluster" else None))  # fmt: skip
     return rows
 
 
