@@ -149,10 +149,11 @@ async def post(
                 answer.code = (text.strip().rsplit("\n", 1)[-1] or "empty")[:80]
         else:
             try:
-                error = json.loads(text).get("error", {})
-                answer.code = str(error.get("code", "")) if isinstance(error, dict) else str(error)
+                data = json.loads(text)
             except ValueError:
-                answer.code = text[:60]
+                data = text[:60]
+            error = data.get("error", data) if isinstance(data, dict) else data
+            answer.code = str(error.get("code", "")) if isinstance(error, dict) else str(error)
     except httpx.HTTPError as exc:
         answer.error = type(exc).__name__
     return answer
