@@ -177,8 +177,9 @@ def test_oracle_share_is_the_part_of_the_oracles_cut_reached() -> None:
 
 def test_summary_pairs_each_repetitions_figures_before_taking_medians() -> None:
     rep = {"fcfs": 10.0, "one": 4.0, "oracle": 2.0, "cluster": 4.4}
-    reps = [{n: {"short_p50_s": v * k} for n, v in rep.items()} for k in (1.0, 2.0, 3.0)]
+    reps = [{n: {"short_p50_s": v * k, "short_p50_of_makespan": v / 20} for n, v in rep.items()} for k in (1, 2, 3)]
     result = bench_replica_order.summarize(reps)
     assert result["short_p50_over_one"]["cluster"] == pytest.approx(1.1)
     assert result["oracle_share"]["cluster"] == pytest.approx(0.7)
     assert result["oracle_share"]["one"] == pytest.approx(0.75)
+    assert result["oracle_share_of_makespan"]["cluster"] == pytest.approx(0.7)
