@@ -186,7 +186,7 @@ class Fleet:
 
 @contextmanager
 def fleet(mode: str, count: int, log_dir: Path, backends: Sequence[RecordingBackend], src: Path,
-          **settings: Any) -> Iterator[Fleet]:  # fmt: skip
+          label: str | None = None, **settings: Any) -> Iterator[Fleet]:  # fmt: skip
     """``count`` replicas (one in mode "one") in front of ``backends`` as a pool (each with the
     backend's own slot count), with Redis and the cluster flags in mode "cluster"."""
     n = 1 if mode == "one" else count
@@ -198,7 +198,7 @@ def fleet(mode: str, count: int, log_dir: Path, backends: Sequence[RecordingBack
             stack.callback(redis.stop)
         replicas = []
         for i in range(n):
-            name = f"{mode}-r{i}"
+            name = f"{label or mode}-r{i}"  # its replica id, its log's name and its requests' tag
             args = []
             if redis is not None:
                 args = ["--redis", redis.url, "--cluster", CLUSTER, "--replica-id", name, "--lease-s", f"{LEASE_S:g}"]
@@ -635,7 +635,7 @@ async def cost(mode: str, args: argparse.Namespace, log_dir: Path) -> dict[str, 
     idle = RecordingBackend(slots=1, token_s=0.0005).start()
     try:
         with fleet(mode, args.replicas, log_dir, [idle], args.proxy_src) as f, \
-                fleet("one", 1, log_dir, [idle], args.proxy_src) as ref:  # fmt: skip
+                fleet("one", 1, log_dir, [idle], args.proxy_src, label="in-process") as ref:  # fmt: skip
             ttfb: dict[str, list[float]] = {"this": [], "in_process": []}
             async with client() as http:
                 for i in range(args.cost_requests):
@@ -855,7 +855,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             if case == "redis_gone" and mode == "local":
                 continue  # no Redis to lose
-            figures = asyncio.run(run(mode, args, log_dir))
+            case_dir = log_dir / f"{case}-{rep}"  # each case's proxy logs apart
+            case_dir.mkdir(exist_ok=True)
+            figures = asyncio.run(run(mode, args, case_dir))
             figures_line(case, mode, figures)
             rows += to_rows(mode, figures)
             results.append({"case": case, "mode": mode, "rep": rep, "figures": figures})
