@@ -49,7 +49,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness.proxy_process import PROXY_SRC, ProxyProcess  # noqa: E402
+from harness.proxy_process import PROXY_SRC, ProxyProcess, serve_accepts  # noqa: E402
 from harness.redis_process import RedisProcess  # noqa: E402
 from harness.results import add_json_option, write_json  # noqa: E402
 
@@ -68,13 +68,7 @@ ORACLE_SHARE_TARGET = 0.80  # of the oracle's cut of the Short P50 against fcfs,
 
 def cluster_supported(src: Path) -> bool:
     """Whether the tree at ``src`` has cluster mode: ``clairvoyant serve --help`` names --redis."""
-    import subprocess
-
-    env = {"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"}
-    out = subprocess.run(
-        [sys.executable, "-m", "clairvoyant", "serve", "--help"], env=env, capture_output=True, text=True, check=False
-    )
-    return "--redis" in out.stdout
+    return serve_accepts("--redis", src)
 
 
 def oracle_share(fcfs_s: float, this_s: float, oracle_s: float) -> float:

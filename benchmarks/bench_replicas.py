@@ -62,7 +62,6 @@ import itertools
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -77,7 +76,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness.proxy_process import PROXY_SRC, ProxyProcess  # noqa: E402
+from harness.proxy_process import PROXY_SRC, ProxyProcess, serve_accepts  # noqa: E402
 from harness.recording_backend import RecordingBackend, Served, most_at_once  # noqa: E402
 from harness.redis_process import RedisProcess  # noqa: E402
 from harness.results import add_json_option, write_json  # noqa: E402
@@ -97,11 +96,7 @@ FAST = {"encoder": False, "online_learning": False}  # neither is under test; bo
 
 def cluster_supported(src: Path) -> bool:
     """Whether the tree at ``src`` has cluster mode: ``clairvoyant serve --help`` names --redis."""
-    env = {"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"}
-    out = subprocess.run(
-        [sys.executable, "-m", "clairvoyant", "serve", "--help"], env=env, capture_output=True, text=True, check=False
-    )
-    return "--redis" in out.stdout
+    return serve_accepts("--redis", src)
 
 
 # -- requests ---------------------------------------------------------------------------------------

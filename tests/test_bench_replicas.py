@@ -183,3 +183,10 @@ def test_summary_pairs_each_repetitions_figures_before_taking_medians() -> None:
     assert result["oracle_share"]["cluster"] == pytest.approx(0.7)
     assert result["oracle_share"]["one"] == pytest.approx(0.75)
     assert result["oracle_share_of_makespan"]["cluster"] == pytest.approx(0.7)
+
+
+def test_serve_accepts_reads_the_trees_own_help() -> None:
+    from harness.proxy_process import serve_accepts
+
+    assert serve_accepts("--slots") and serve_accepts("--max-queue")
+    assert not serve_accepts("--no-such-flag") and not serve_accepts("--slot")  # whole flags only

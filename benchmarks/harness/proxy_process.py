@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["PROXY_SRC", "REPO", "ProxyProcess", "RssSampler", "free_port", "rss_kib", "wait_healthy"]
+__all__ = ["PROXY_SRC", "REPO", "ProxyProcess", "RssSampler", "free_port", "rss_kib", "serve_accepts", "wait_healthy"]
 
 REPO = Path(__file__).resolve().parents[2]
 PROXY_SRC = [REPO / "src"]  # the package the proxy processes import (a script's --proxy-src sets it)
@@ -26,6 +26,16 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def serve_accepts(flag: str, src: Path | None = None) -> bool:
+    """Whether ``clairvoyant serve`` of the tree at ``src`` (default ``PROXY_SRC[0]``) has ``flag``,
+    by its ``--help``: how a benchmark finds out what the tree under test can do."""
+    env = {"PYTHONPATH": str(src or PROXY_SRC[0]), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    out = subprocess.run(
+        [sys.executable, "-m", "clairvoyant", "serve", "--help"], env=env, capture_output=True, text=True, check=False
+    )
+    return flag in out.stdout.split()  # a whole word: "--redis" is not "--redis-fallback"
 
 
 def rss_kib(pid: int) -> int:
