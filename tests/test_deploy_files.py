@@ -157,6 +157,41 @@ def test_every_compose_image_is_pinned_and_every_mounted_file_exists() -> None:
     assert home in mounted
 
 
+def flag_values(command: list[str]) -> dict[str, str]:
+    """``--flag value`` pairs of a service's command (its arguments to ``clairvoyant serve``)."""
+    assert len(command) % 2 == 0 and all(word.startswith("--") for word in command[::2]), command
+    return dict(zip(command[::2], command[1::2], strict=True))
+
+
+def test_the_replicas_profile_starts_redis_and_two_replicas_of_one_cluster_in_front_of_ollama() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    in_profile = {name for name, service in services.items() if "replicas" in service.get("profiles", [])}
+    assert in_profile == {"redis", "clairvoyant-a", "clairvoyant-b"}
+    assert "profiles" not in services["ollama"]  # started with the profile too
+    redis = services["redis"]
+    assert redis["image"].startswith("redis:") and EXACT_TAG.fullmatch(redis["image"])
+    assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    assert "ports" not in redis  # only the replicas reach it
+    replicas = [services["clairvoyant-a"], services["clairvoyant-b"]]
+    flags = [flag_values(replica["command"]) for replica in replicas]
+    assert {f["--redis"] for f in flags} == {"redis://redis:6379/0"}  # the redis service, on its default port
+    assert len({f["--cluster"] for f in flags}) == 1  # one cluster: one queue and one set of slots
+    assert len({f["--replica-id"] for f in flags}) == 2
+    for replica in replicas:
+        assert replica["build"] == "." and replica["image"] == services["clairvoyant"]["image"]
+        assert replica["depends_on"]["redis"]["condition"] == "service_healthy"
+        assert replica["depends_on"]["ollama"]["condition"] == "service_healthy"
+        assert replica["environment"]["CLAIRVOYANT_UPSTREAM_URL"] == "http://ollama:11434"
+        assert set(replica["environment"]) <= SETTING_ENVS
+        assert str(replica["environment"]["CLAIRVOYANT_SLOTS"]) == str(
+            services["ollama"]["environment"]["OLLAMA_NUM_PARALLEL"]
+        )
+    published = [port for replica in replicas for port in replica["ports"]]
+    assert len({port.split(":")[1] for port in published}) == 2  # one host port each
+    assert all(port.startswith("127.0.0.1:") for port in published)
+
+
 def test_dockerignore_keeps_the_context_to_what_the_image_needs() -> None:
     lines = [
         line.strip()

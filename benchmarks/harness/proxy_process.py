@@ -10,12 +10,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-__all__ = ["PROXY_SRC", "REPO", "ProxyProcess", "RssSampler", "free_port", "rss_kib", "wait_healthy"]
+__all__ = ["PROXY_SRC", "REPO", "ProxyProcess", "RssSampler", "free_port", "rss_kib", "serve_accepts", "wait_healthy"]
 
 REPO = Path(__file__).resolve().parents[2]
 PROXY_SRC = [REPO / "src"]  # the package the proxy processes import (a script's --proxy-src sets it)
@@ -27,6 +28,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def serve_accepts(flag: str, src: Path | None = None) -> bool:
+    """Whether ``clairvoyant serve`` of the tree at ``src`` (default ``PROXY_SRC[0]``) has ``flag``,
+    by its ``--help``: how a benchmark finds out what the tree under test can do."""
+    env = {"PYTHONPATH": str(src or PROXY_SRC[0]), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    out = subprocess.run(
+        [sys.executable, "-m", "clairvoyant", "serve", "--help"], env=env, capture_output=True, text=True, check=False
+    )
+    return flag in out.stdout.split()  # a whole word: "--redis" is not "--redis-fallback"
+
+
 def rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -36,13 +47,16 @@ def rss_kib(pid: int) -> int:
 
 class ProxyProcess:
     """``python -m clairvoyant serve`` with CLAIRVOYANT_* settings; its log goes to a file. ``src``:
-    the src/ directory it runs from (default ``PROXY_SRC[0]``, this checkout's or --proxy-src)."""
+    the src/ directory it runs from (default ``PROXY_SRC[0]``, this checkout's or --proxy-src).
+    ``args``: command-line flags after ``serve`` (they win over the settings)."""
 
     def __init__(
-        self, name: str, upstream_url: str, log_dir: Path, *, src: Path | None = None, **settings: Any
-    ) -> None:
+        self, name: str, upstream_url: str, log_dir: Path, *, src: Path | None = None, args: Sequence[str] = (),
+        **settings: Any,
+    ) -> None:  # fmt: skip
         self.name = name
         self.src = src
+        self.args = list(args)
         self.port = free_port()
         self.settings = {"upstream_url": upstream_url, "port": self.port, "log_level": "warning", **settings}
         self.log_path = log_dir / f"proxy-{name}.log"
@@ -63,7 +77,7 @@ class ProxyProcess:
         env.update({f"CLAIRVOYANT_{k.upper()}": str(v) for k, v in self.settings.items()})
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "clairvoyant", "serve"], env=env, stdout=log, stderr=log, cwd=REPO
+                [sys.executable, "-m", "clairvoyant", "serve", *self.args], env=env, stdout=log, stderr=log, cwd=REPO
             )
         wait_healthy(self.proc, f"{self.url}/healthz", 60, f"proxy {self.name}", self.log_path)
         return self
@@ -74,7 +88,8 @@ class ProxyProcess:
     def stated(self) -> str:
         """The settings this proxy runs with, but its port and backend URL; the rest are defaults."""
         shown = {k: v for k, v in self.settings.items() if k not in ("upstream_url", "port")}
-        return " ".join(f"{k}={v}" for k, v in shown.items()) + " (others default)"
+        flags = " ".join(self.args)
+        return " ".join(f"{k}={v}" for k, v in shown.items()) + (f" {flags}" if flags else "") + " (others default)"
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

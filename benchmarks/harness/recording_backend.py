@@ -14,6 +14,15 @@ request hidden inside a first one shows up as a request of its own. It answers:
 - ``/health``: ``{"status":"ok"}``; ``/echo``: the header lines it received, one per line;
 - anything else: ``OK`` (text/plain; no body to a HEAD).
 
+With ``token_s`` it generates at a fixed pace instead: an answer of exactly ``max_tokens`` tokens
+(from the body), streamed one event every ``token_s`` when the body asks for a stream, else
+answered whole after ``max_tokens x token_s``. With ``slots`` it counts the inference requests in
+progress at once, from the moment one is read to the end of its answer (or its connection's),
+and every moment that count went above ``slots`` (``violations``): a backend that keeps its own
+slot count, as llama.cpp does, and reports any proxy (or set of proxies) that oversubscribed it.
+``served`` holds each one's times (``Served``), for shares of served seconds and concurrency per
+group. It is one server, so several proxies can share it.
+
 ``framing_problems`` says why a received request is not one a proxy framed itself.
 """
 
@@ -23,10 +32,11 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from .fake_backend import FakeBackend
 
-__all__ = ["OLLAMA_PATHS", "OPENAI_PATHS", "Received", "RecordingBackend", "framing_problems"]
+__all__ = ["OLLAMA_PATHS", "OPENAI_PATHS", "Received", "RecordingBackend", "Served", "framing_problems", "most_at_once"]
 
 OPENAI_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 OLLAMA_PATHS = frozenset({"/api/chat", "/api/generate"})
@@ -49,6 +59,36 @@ class Received:
 
     def header(self, name: str) -> list[str]:
         return [v for k, v in self.headers if k.lower() == name]
+
+
+@dataclass
+class Served:
+    """One inference request at the backend: when it was read, when its answer's first byte and
+    its end were written (``end_s`` None while it runs), and whether the answer was written whole."""
+
+    tag: str  # the body's "user"
+    max_tokens: int
+    start_s: float  # time.monotonic() when it was read
+    first_byte_s: float | None = None
+    end_s: float | None = None
+    completed: bool = False  # False: its connection ended before the answer did
+
+    @property
+    def seconds(self) -> float:
+        return (self.end_s if self.end_s is not None else time.monotonic()) - self.start_s
+
+
+def most_at_once(served: list[Served]) -> int:
+    """The most of ``served`` in progress at one moment (an end at the same instant as a start
+    counts as before it)."""
+    events = sorted(
+        [(s.start_s, 1) for s in served] + [(s.end_s if s.end_s is not None else float("inf"), -1) for s in served]
+    )
+    running = peak = 0
+    for _, step in events:
+        running += step
+        peak = max(peak, running)
+    return peak
 
 
 class _Wire:
@@ -92,11 +132,18 @@ class RecordingBackend(FakeBackend):
     ``hold_s`` (to keep a slot busy). ``max_kept``: keep only the last requests (a long run;
     ``mark``/``since`` then count from the ones kept)."""
 
-    def __init__(self, hold_s: float = 2.0, port: int = 0, max_kept: int | None = None) -> None:
-        super().__init__(port=port)
+    def __init__(self, hold_s: float = 2.0, port: int = 0, max_kept: int | None = None, *,
+                 slots: int | None = None, token_s: float | None = None) -> None:  # fmt: skip
+        super().__init__(port=port, stream_delay_s=token_s or 0.0)
         self.hold_s = hold_s
         self.max_kept = max_kept
         self.received: list[Received] = []
+        self.slots = slots
+        self.token_s = token_s
+        self.in_progress = 0
+        self.max_in_progress = 0
+        self.violations = 0  # moments a request started with more than ``slots`` in progress
+        self.served: list[Served] = []
 
     def mark(self) -> int:
         """Where the record stands now: pass it to ``since``."""
@@ -227,20 +274,18 @@ class RecordingBackend(FakeBackend):
                 return
             if not isinstance(data, dict):
                 data = {}
-            if data.get("model") == "hold":
-                await asyncio.sleep(self.hold_s)
-            tag = str(data.get("user", ""))
-            if path in OLLAMA_PATHS:
-                answer = {"model": str(data.get("model", "m")), "created_at": "2024-01-01T00:00:00Z",
-                          "message": {"role": "assistant", "content": f"ok {tag}"}, "response": f"ok {tag}",
-                          "done": True, "prompt_eval_count": 3, "eval_count": 2}  # fmt: skip
-                await self._answer(writer, 200, json.dumps(answer).encode(), close=close, json_body=True)
-            elif data.get("stream"):
-                await self._stream(writer, tag, int(data.get("max_tokens", 2)), False)
-                if close:
-                    writer.close()
-            else:
-                await self._send(writer, 200, _chat_answer(tag, str(data.get("model", "m"))))
+            served = Served(str(data.get("user", "")), int(data.get("max_tokens", 2)), received.at_s)
+            self.served.append(served)
+            self.in_progress += 1
+            self.max_in_progress = max(self.max_in_progress, self.in_progress)
+            if self.slots is not None and self.in_progress > self.slots:
+                self.violations += 1
+            try:
+                await self._generate(writer, path, data, served, close)
+                served.completed = True
+            finally:
+                served.end_s = time.monotonic()
+                self.in_progress -= 1
             return
         if path == "/health":
             await self._answer(writer, 200, b'{"status":"ok"}', close=close, json_body=True)
@@ -249,6 +294,33 @@ class RecordingBackend(FakeBackend):
             await self._answer(writer, 200, lines.encode("latin-1"), close=close)
         else:
             await self._answer(writer, 200, b"OK", close=close, head=received.method == "HEAD")
+
+    async def _generate(self, writer: asyncio.StreamWriter, path: str, data: dict[str, Any], served: Served,
+                        close: bool) -> None:  # fmt: skip
+        if self.token_s is not None:
+            tokens = served.max_tokens
+            if data.get("stream") and path in OPENAI_PATHS:
+                served.first_byte_s = time.monotonic()
+                await self._stream(writer, served.tag, tokens, True)
+                if close:
+                    writer.close()
+                return
+            await asyncio.sleep(tokens * self.token_s)
+        if data.get("model") == "hold":
+            await asyncio.sleep(self.hold_s)
+        tag = served.tag
+        served.first_byte_s = time.monotonic()
+        if path in OLLAMA_PATHS:
+            answer = {"model": str(data.get("model", "m")), "created_at": "2024-01-01T00:00:00Z",
+                      "message": {"role": "assistant", "content": f"ok {tag}"}, "response": f"ok {tag}",
+                      "done": True, "prompt_eval_count": 3, "eval_count": 2}  # fmt: skip
+            await self._answer(writer, 200, json.dumps(answer).encode(), close=close, json_body=True)
+        elif data.get("stream"):
+            await self._stream(writer, tag, int(data.get("max_tokens", 2)), False)
+            if close:
+                writer.close()
+        else:
+            await self._send(writer, 200, _chat_answer(tag, str(data.get("model", "m"))))
 
     @staticmethod
     async def _answer(writer: asyncio.StreamWriter, status: int, body: bytes, *, close: bool, json_body: bool = False,
