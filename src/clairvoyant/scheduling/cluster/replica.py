@@ -231,12 +231,25 @@ class ClusterLink:
             return placement is not None and self._owns(placement.backend, placement.slot)
         if known:
             service_s = None if placement is None else max(0.0, now - placement.dispatched_s)
-            self._call(lambda: self.store.release(request_id, service_s))
+            self._release(request_id, service_s)
         return False
 
     # -- the store's calls, in order -------------------------------------------------------------
     def _call(self, make: Callable[[], Awaitable[object]]) -> None:
         self._calls.put_nowait(make)
+
+    def _release(self, request_id: str, service_s: float | None) -> None:
+        """A slot goes back at once, not behind the queued calls: the next grant waits on it (and a
+        granted id has no enqueue or cancel left to overtake)."""
+        dispatcher = self._dispatcher
+        if self.mode is Mode.SHARED and dispatcher is not None:
+            dispatcher.run_detached(self._released(request_id, service_s), "cluster-release")
+
+    async def _released(self, request_id: str, service_s: float | None) -> None:
+        try:
+            await self.store.release(request_id, service_s)
+        except StoreUnavailable as exc:
+            self._lost(exc)
 
     async def _work(self) -> None:
         while True:
@@ -310,7 +323,7 @@ class ClusterLink:
                 # ended in between (or unknown here): the slot goes straight back
                 self._tickets.pop(message.request_id, None)
                 request_id = message.request_id
-                self._call(lambda: self.store.release(request_id, None))
+                self._release(request_id, None)
             return
         if ticket is None:
             return

@@ -196,7 +196,7 @@ class RedisSlotStore:
         *,
         poll_s: float = 1.0,
         connect_timeout_s: float = 1.0,
-        call_timeout_s: float = 5.0,
+        call_timeout_s: float = 1.0,
         switch_bound_s: float = 0.0,
     ) -> None:
         if not lease_s > 0:
