@@ -133,6 +133,16 @@ def _entry_args(entry: Entry) -> list[str]:
     ]
 
 
+def _recancel() -> None:
+    """Raise the cancellation a redis-py call swallowed. A task cancelled while redis-py closes
+    the call's connection can come back from the call as if nothing happened (seen with redis-py
+    8.1 on Python 3.11: the task stays "cancelling" and loops on); a loop around our calls would
+    then never end."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def _message(raw: str) -> Message:
     kind_name, _, rest = raw.partition(" ")
     kind = MessageKind(kind_name)
@@ -255,10 +265,10 @@ class RedisSlotStore:
             "retry": Retry(NoBackoff(), 1),
         }
         self._redis = aioredis.Redis.from_url(url, socket_timeout=call_timeout_s, **common)
-        # BLPOP holds its connection: a client of its own, one connection, no read timeout below poll_s.
-        self._blocking = aioredis.Redis.from_url(
-            url, socket_timeout=poll_s + call_timeout_s, single_connection_client=True, **common
-        )
+        # BLPOP holds its connection: a client of its own (its calls follow one another, so its pool
+        # keeps one connection), with a read timeout beyond poll_s. Not ``single_connection_client``:
+        # a BLPOP cancelled there could leave the task hanging in its reconnect.
+        self._blocking = aioredis.Redis.from_url(url, socket_timeout=poll_s + call_timeout_s, **common)
         self._script = self._redis.register_script(_SCRIPT)
         self._epoch: str | None = None
         self._reset_pending = False
@@ -269,6 +279,8 @@ class RedisSlotStore:
             reply = await self._script(keys=[self._meta], args=[cmd, self.replica, _num(self.lease_s), *args])
         except RedisError as exc:
             raise StoreUnavailable(f"shared store at {self.cluster!r}: {exc}") from exc
+        finally:
+            _recancel()
         if cmd == "view":
             return [str(reply)]
         out = [str(x) for x in reply]
@@ -338,6 +350,7 @@ class RedisSlotStore:
             try:
                 got = await self._blocking.blpop([key], timeout=self.poll_s)
             except RedisError as exc:
+                _recancel()
                 if self._closed:
                     return
                 if not failing:
@@ -345,11 +358,12 @@ class RedisSlotStore:
                 failing = True
                 await asyncio.sleep(min(self.poll_s, 0.2))
                 continue
+            _recancel()
             if failing:
                 log.info("shared store: waiting for grants again")
                 failing = False
             if got is not None:
-                yield _message(got[1])
+                yield _message(str(got[1]))
 
     async def view(self) -> ClusterView:
         """The whole cluster, read in one script (nothing changes, no clock-driven step runs)."""
