@@ -43,9 +43,11 @@ Leases and faults:
   ``renew`` (the heartbeat; every ``lease_s / 3`` is the intent) extends this replica's leases; a
   lease not renewed in time is reclaimed by the next call of any replica, whose owner gets
   ``lease_lost <id>``.
-- A replica whose last ``join``/``renew`` is older than ``lease_s`` is dropped: its waiting
-  entries leave the queue at once, its leases at their expiry. If it renews later, ``renew``
-  answers ``reset=True`` (send the waiting entries again with ``resync``).
+- Every call is a heartbeat (``renew`` is the one a replica makes when it has nothing else to
+  say). A replica silent for ``lease_s`` is dropped: its waiting entries leave the queue at once,
+  its leases at their expiry. When it calls again, its next ``renew`` answers ``reset=True`` (send
+  the waiting entries again with ``resync``); so does the first ``renew`` after the store lost its
+  state. ``join`` registers afresh (nothing to resend).
 - The meta key holds an epoch. When it is missing (Redis restarted empty, or this cluster is new)
   the first call re-creates it and nothing is granted for ``lease_s`` seconds, so every replica can
   re-register its leases with ``renew`` first. A lease is re-taken only if that (backend, slot) is
@@ -64,7 +66,7 @@ Keys, all under ``cv:{cluster}:`` (the braces are a Redis Cluster hash tag: one 
 ``over:<tenant>`` (overdue, by arrival), ``act``/``ten``/``tw``/``tf``/``twt`` (waiting tenants;
 tags, waiting and granted counts, weights), ``bk``/``bm``/``holds`` (backends' slots, models and
 held model), ``lease:<backend>`` (slot -> expiry), ``lid:<backend>`` (slot -> id), ``rep``
-(replica -> last beat), ``rw:``/``rr:<replica>`` (its waiting and granted ids), ``sk``
+(replica -> last call), ``gone`` (replicas to tell reset), ``rw:``/``rr:<replica>`` (its waiting and granted ids), ``sk``
 (supersede key -> id), ``m:<replica>`` (its messages).
 """
 
@@ -317,9 +319,9 @@ class RedisSlotStore:
         for lease in held:
             args += [lease.request_id, lease.backend, str(lease.slot)]
         reply = await self._call("renew", *args)
-        was_live, n = reply[0] == "1", int(reply[1])
+        dropped, n = reply[0] == "1", int(reply[1])
         replicas, lost = tuple(reply[2 : 2 + n]), tuple(reply[2 + n :])
-        reset = self._reset_pending or not was_live
+        reset = self._reset_pending or dropped
         self._reset_pending = False
         return RenewReply(lost=lost, replicas=replicas, reset=reset)
 
