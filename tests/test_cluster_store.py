@@ -23,6 +23,7 @@ from clairvoyant.scheduling.cluster.shared import (
     HeldLease,
     Message,
     MessageKind,
+    Placed,
     RenewReply,
     StoreUnavailable,
 )
@@ -324,5 +325,24 @@ def test_redis_unreachable_raises_store_unavailable(own_redis_server: RedisServe
         with pytest.raises(StoreUnavailable):
             await store.enqueue(Entry("x"))
         await store.aclose()
+
+    run(test)
+
+
+def test_enqueue_places_the_entry_in_the_whole_queue(redis_server: RedisServer) -> None:
+    async def test() -> None:
+        a, b = await started(redis_server.url, GPU, ["a", "b"])
+        await a.store.enqueue(Entry("running"))
+        await until(lambda: "running" in a.held, what="the slot taken")
+        assert await a.store.enqueue(Entry("s1", score=1.0, predicted_s=2.0)) == Placed(0, 0.0)
+        assert await b.store.enqueue(Entry("s3", score=3.0, predicted_s=5.0)) == Placed(1, 2.0)
+        assert await a.store.enqueue(Entry("s2", score=2.0, predicted_s=1.0)) == Placed(1, 2.0)
+        assert await b.store.enqueue(Entry("low", priority=1, score=0.0)) == Placed(3, 8.0)
+        assert await a.store.enqueue(Entry("top", priority=-1, score=9.0)) == Placed(0, 0.0)
+        view = await a.store.view()
+        assert [w.request_id for w in view.waiting] == ["top", "s1", "s2", "s3", "low"]
+        assert [w.replica for w in view.waiting] == ["a", "a", "a", "b", "b"]
+        await a.stop()
+        await b.stop()
 
     run(test)
