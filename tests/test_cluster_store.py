@@ -346,3 +346,23 @@ def test_enqueue_places_the_entry_in_the_whole_queue(redis_server: RedisServer) 
         await b.stop()
 
     run(test)
+
+
+def test_resync_replaces_the_waiting_entries_and_leave_withdraws_them(redis_server: RedisServer) -> None:
+    async def test() -> None:
+        a, b = await started(redis_server.url, GPU, ["a", "b"])
+        await b.store.enqueue(Entry("b-running"))
+        await until(lambda: "b-running" in b.held, what="the slot taken")
+        await a.store.enqueue(Entry("w1", score=1.0))
+        await a.store.enqueue(Entry("w2", score=2.0))
+        await b.store.enqueue(Entry("b-waiting", score=1.5))
+        await a.store.resync([Entry("w3", score=0.5), Entry("w2", score=2.0)])
+        view = await a.store.view()
+        assert [w.request_id for w in view.waiting] == ["w3", "b-waiting", "w2"]
+        await a.stop()  # its heartbeat ends, then it leaves
+        view = await b.store.view()
+        assert [w.request_id for w in view.waiting] == ["b-waiting"]
+        assert [r.replica for r in view.replicas] == ["b"]
+        await b.stop()
+
+    run(test)
