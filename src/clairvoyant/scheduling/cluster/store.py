@@ -52,7 +52,9 @@ Leases and faults:
   the first call re-creates it and nothing is granted for ``lease_s`` seconds, so every replica can
   re-register its leases with ``renew`` first. A lease is re-taken only if that (backend, slot) is
   free, so no slot is granted twice; ``renew`` reports the others in ``lost``. A brand-new cluster
-  pays the same quiet period once: the store cannot tell "never had state" from "lost it".
+  pays the same quiet period once: the store cannot tell "never had state" from "lost it". The
+  store has no timer of its own: the first grant after the quiet period, and a lease's reclaim,
+  come with the next call of any replica (a heartbeat at the latest).
 - Supersede: a newer entry with the same ``supersede_key`` (a digest, never the raw header)
   replaces a waiting one (its replica gets ``superseded <id>``) or asks for a running one's abort
   (``abort <id>``; the replica decides).
@@ -67,7 +69,9 @@ Keys, all under ``cv:{cluster}:`` (the braces are a Redis Cluster hash tag: one 
 tags, waiting and granted counts, weights), ``bk``/``bm``/``holds`` (backends' slots, models and
 held model), ``lease:<backend>`` (slot -> expiry), ``lid:<backend>`` (slot -> id), ``rep``
 (replica -> last call), ``gone`` (replicas to tell reset), ``rw:``/``rr:<replica>`` (its waiting and granted ids), ``sk``
-(supersede key -> id), ``m:<replica>`` (its messages).
+(supersede key -> id), ``m:<replica>`` (its messages). The script declares only the meta key;
+the others are derived from it, which a standalone Redis accepts and Redis Cluster serves because
+the hash tag keeps them in the meta key's slot.
 """
 
 from __future__ import annotations
