@@ -220,10 +220,11 @@ def test_bands_are_strict(impl: str, request: pytest.FixtureRequest) -> None:
     async def scenario(h: Harness) -> None:
         await h.add("blocker", score=0.0)
         await h.wait_granted(1)
-        await h.add("low", priority=2, score=0.0)
-        await h.add("mid", priority=1, score=1.0)
-        await h.add("top-long", priority=0, score=9.0)
-        await h.add("top-short", priority=0, score=2.0)
+        # Bands hold across tenants too: fair share would otherwise serve "low" and "mid" first.
+        await h.add("low", tenant="t1", priority=2, score=0.0)
+        await h.add("mid", tenant="t2", priority=1, score=1.0)
+        await h.add("top-long", tenant="t3", priority=0, score=9.0)
+        await h.add("top-short", tenant="t3", priority=0, score=2.0)
         await drain(h, 4)
 
     order = on_both(impl, request, scenario)

@@ -70,8 +70,8 @@ tags, waiting and granted counts, weights), ``bk``/``bm``/``holds`` (backends' s
 held model), ``lease:<backend>`` (slot -> expiry), ``lid:<backend>`` (slot -> id), ``rep``
 (replica -> last call), ``gone`` (replicas to tell reset), ``rw:``/``rr:<replica>`` (its waiting and granted ids), ``sk``
 (supersede key -> id), ``m:<replica>`` (its messages). The script declares only the meta key;
-the others are derived from it, which a standalone Redis accepts and Redis Cluster serves because
-the hash tag keeps them in the meta key's slot.
+the others are derived from it. A standalone Redis accepts that; on Redis Cluster the hash tag
+keeps them in the meta key's slot (not tested here).
 """
 
 from __future__ import annotations
