@@ -411,9 +411,18 @@ if cmd == 'view' then return view() end -- read-only: no tick, no grant
 
 local epoch = ensure_meta()
 local out = { epoch }
+-- Every call is a heartbeat. A replica that calls after it was dropped (or after the store lost
+-- its state) is marked: its next renew answers reset, so that it sends its waiting entries again.
+if cmd ~= 'leave' then
+  if cmd == 'join' then
+    redis.call('SREM', P .. 'gone', me)
+  elseif not live(me) then
+    redis.call('SADD', P .. 'gone', me)
+  end
+  redis.call('ZADD', P .. 'rep', f(now), me)
+end
 
 if cmd == 'join' then
-  redis.call('ZADD', P .. 'rep', f(now), me)
   local n = tonumber(ARGV[4])
   for i = 0, n - 1 do
     local name = ARGV[5 + 3 * i]
@@ -459,8 +468,7 @@ elseif cmd == 'release' then
 elseif cmd == 'renew' then
   -- Own leases first: one expired but not yet reclaimed is still this replica's (nobody else can
   -- have its slot), so it is extended rather than lost.
-  local was_live = live(me)
-  redis.call('ZADD', P .. 'rep', f(now), me)
+  local reset = redis.call('SREM', P .. 'gone', me) == 1
   local n = tonumber(ARGV[4])
   local lost = {}
   for i = 0, n - 1 do
@@ -491,7 +499,7 @@ elseif cmd == 'renew' then
   grant_step()
   local names = redis.call('ZRANGE', P .. 'rep', 0, -1)
   table.sort(names)
-  table.insert(out, was_live and '1' or '0')
+  table.insert(out, reset and '1' or '0')
   table.insert(out, tostring(#names))
   for _, r in ipairs(names) do table.insert(out, r) end
   for _, id in ipairs(lost) do table.insert(out, id) end
@@ -518,6 +526,7 @@ elseif cmd == 'leave' then
   end
   redis.call('DEL', P .. 'rw:' .. me, P .. 'm:' .. me)
   redis.call('ZREM', P .. 'rep', me)
+  redis.call('SREM', P .. 'gone', me)
   tick()
   grant_step()
 elseif cmd == 'tick' then

@@ -43,14 +43,18 @@ Leases and faults:
   ``renew`` (the heartbeat; every ``lease_s / 3`` is the intent) extends this replica's leases; a
   lease not renewed in time is reclaimed by the next call of any replica, whose owner gets
   ``lease_lost <id>``.
-- A replica whose last ``join``/``renew`` is older than ``lease_s`` is dropped: its waiting
-  entries leave the queue at once, its leases at their expiry. If it renews later, ``renew``
-  answers ``reset=True`` (send the waiting entries again with ``resync``).
+- Every call is a heartbeat (``renew`` is the one a replica makes when it has nothing else to
+  say). A replica silent for ``lease_s`` is dropped: its waiting entries leave the queue at once,
+  its leases at their expiry. When it calls again, its next ``renew`` answers ``reset=True`` (send
+  the waiting entries again with ``resync``); so does the first ``renew`` after the store lost its
+  state. ``join`` registers afresh (nothing to resend).
 - The meta key holds an epoch. When it is missing (Redis restarted empty, or this cluster is new)
   the first call re-creates it and nothing is granted for ``lease_s`` seconds, so every replica can
   re-register its leases with ``renew`` first. A lease is re-taken only if that (backend, slot) is
   free, so no slot is granted twice; ``renew`` reports the others in ``lost``. A brand-new cluster
-  pays the same quiet period once: the store cannot tell "never had state" from "lost it".
+  pays the same quiet period once: the store cannot tell "never had state" from "lost it". The
+  store has no timer of its own: the first grant after the quiet period, and a lease's reclaim,
+  come with the next call of any replica (a heartbeat at the latest).
 - Supersede: a newer entry with the same ``supersede_key`` (a digest, never the raw header)
   replaces a waiting one (its replica gets ``superseded <id>``) or asks for a running one's abort
   (``abort <id>``; the replica decides).
@@ -64,8 +68,10 @@ Keys, all under ``cv:{cluster}:`` (the braces are a Redis Cluster hash tag: one 
 ``over:<tenant>`` (overdue, by arrival), ``act``/``ten``/``tw``/``tf``/``twt`` (waiting tenants;
 tags, waiting and granted counts, weights), ``bk``/``bm``/``holds`` (backends' slots, models and
 held model), ``lease:<backend>`` (slot -> expiry), ``lid:<backend>`` (slot -> id), ``rep``
-(replica -> last beat), ``rw:``/``rr:<replica>`` (its waiting and granted ids), ``sk``
-(supersede key -> id), ``m:<replica>`` (its messages).
+(replica -> last call), ``gone`` (replicas to tell reset), ``rw:``/``rr:<replica>`` (its waiting and granted ids), ``sk``
+(supersede key -> id), ``m:<replica>`` (its messages). The script declares only the meta key;
+the others are derived from it. A standalone Redis accepts that; on Redis Cluster the hash tag
+keeps them in the meta key's slot (not tested here).
 """
 
 from __future__ import annotations
@@ -134,6 +140,16 @@ def _entry_args(entry: Entry) -> list[str]:
         _num(entry.deadline_s),
         entry.supersede_key,
     ]
+
+
+def _recancel() -> None:
+    """Raise the cancellation a redis-py call swallowed. A task cancelled while redis-py closes
+    the call's connection can come back from the call as if nothing happened (seen with redis-py
+    8.1 on Python 3.11: the task stays "cancelling" and loops on); a loop around our calls would
+    then never end."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def _message(raw: str) -> Message:
@@ -219,10 +235,10 @@ class RedisSlotStore:
             "retry": Retry(NoBackoff(), 1),
         }
         self._redis = aioredis.Redis.from_url(url, socket_timeout=call_timeout_s, **common)
-        # BLPOP holds its connection: a client of its own, one connection, no read timeout below poll_s.
-        self._blocking = aioredis.Redis.from_url(
-            url, socket_timeout=poll_s + call_timeout_s, single_connection_client=True, **common
-        )
+        # BLPOP holds its connection: a client of its own (its calls follow one another, so its pool
+        # keeps one connection), with a read timeout beyond poll_s. Not ``single_connection_client``:
+        # a BLPOP cancelled there could leave the task hanging in its reconnect.
+        self._blocking = aioredis.Redis.from_url(url, socket_timeout=poll_s + call_timeout_s, **common)
         self._script = self._redis.register_script(_SCRIPT)
         self._epoch: str | None = None
         self._reset_pending = False
@@ -233,6 +249,8 @@ class RedisSlotStore:
             reply = await self._script(keys=[self._meta], args=[cmd, self.replica, _num(self.lease_s), *args])
         except RedisError as exc:
             raise StoreUnavailable(f"shared store at {self.cluster!r}: {exc}") from exc
+        finally:
+            _recancel()
         if cmd == "view":
             return [str(reply)]
         out = [str(x) for x in reply]
@@ -270,9 +288,9 @@ class RedisSlotStore:
         for lease in held:
             args += [lease.request_id, lease.backend, str(lease.slot)]
         reply = await self._call("renew", *args)
-        was_live, n = reply[0] == "1", int(reply[1])
+        dropped, n = reply[0] == "1", int(reply[1])
         replicas, lost = tuple(reply[2 : 2 + n]), tuple(reply[2 + n :])
-        reset = self._reset_pending or not was_live
+        reset = self._reset_pending or dropped
         self._reset_pending = False
         return RenewReply(lost=lost, replicas=replicas, reset=reset)
 
@@ -303,6 +321,7 @@ class RedisSlotStore:
             try:
                 got = await self._blocking.blpop([key], timeout=self.poll_s)
             except RedisError as exc:
+                _recancel()
                 if self._closed:
                     return
                 if not failing:
@@ -310,11 +329,12 @@ class RedisSlotStore:
                 failing = True
                 await asyncio.sleep(min(self.poll_s, 0.2))
                 continue
+            _recancel()
             if failing:
                 log.info("shared store: waiting for grants again")
                 failing = False
             if got is not None:
-                yield _message(str(got[1]))  # (decode_responses: a str already)
+                yield _message(str(got[1]))
 
     async def view(self) -> ClusterView:
         """The whole cluster, read in one script (nothing changes, no clock-driven step runs)."""
