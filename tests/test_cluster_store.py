@@ -257,6 +257,22 @@ def test_empty_restart_waits_for_leases_to_be_retaken(own_redis_server: RedisSer
     run(test)
 
 
+def test_a_new_cluster_pauses_a_few_heartbeats_and_a_lost_state_one_lease(own_redis_server: RedisServer) -> None:
+    """A replica's first join into an empty store cannot have held anything there: the pause is
+    3 s, not the lease. A replica that knew the store's state and finds it gone: one lease."""
+
+    async def test() -> None:
+        first = RedisSlotStore(own_redis_server.url, new_cluster(), "a", lease_s=20.0)
+        await first.join(GPU)
+        assert 0 < (await first.view()).quiet_s <= 3.0
+        own_redis_server.restart_empty()
+        await first.join(GPU)  # it knew the old epoch
+        assert (await first.view()).quiet_s > 15.0
+        await first.aclose()
+
+    run(test)
+
+
 def test_supersede_across_replicas(redis_server: RedisServer) -> None:
     async def test() -> None:
         a, b = await started(redis_server.url, GPU, ["a", "b"])

@@ -85,14 +85,20 @@ local function finish(id, e, service_s)
 end
 
 -- The empty-restart rule: no meta key means the store lost its state (or never had one). The
--- first call re-creates it and nothing is granted for one lease period, so every replica can
--- re-register the leases it holds first.
+-- first call re-creates it and nothing is granted for a while, so every replica can re-register
+-- the leases it holds first: one lease period when the caller knew the old state (its epoch), a
+-- few heartbeats (FRESH_QUIET_S) when it is a replica's first join, which knew none: a new cluster
+-- then starts at once, and a live replica that held leases in a store that lost them renews
+-- within a heartbeat (every second).
+local FRESH_QUIET_S = 3
 local meta = KEYS[1]
 local function ensure_meta()
   local epoch = redis.call('HGET', meta, 'epoch')
   if not epoch then
     epoch = t[1] .. '.' .. t[2]
-    redis.call('HSET', meta, 'epoch', epoch, 'quiet_until', f(now + lease_s), 'vt', '0')
+    local quiet_s = lease_s
+    if cmd == 'join' and ARGV[6 + 3 * tonumber(ARGV[4])] == 'fresh' then quiet_s = math.min(lease_s, FRESH_QUIET_S) end
+    redis.call('HSET', meta, 'epoch', epoch, 'quiet_until', f(now + quiet_s), 'vt', '0')
   end
   return epoch
 end

@@ -49,11 +49,12 @@ Leases and faults:
   the waiting entries again with ``resync``); so does the first ``renew`` after the store lost its
   state. ``join`` registers afresh (nothing to resend).
 - The meta key holds an epoch. When it is missing (Redis restarted empty, or this cluster is new)
-  the first call re-creates it and nothing is granted for ``lease_s`` seconds, so every replica can
-  re-register its leases with ``renew`` first. A lease is re-taken only if that (backend, slot) is
-  free, so no slot is granted twice; ``renew`` reports the others in ``lost``. A brand-new cluster
-  pays the same quiet period once: the store cannot tell "never had state" from "lost it". The
-  store has no timer of its own: the first grant after the quiet period, and a lease's reclaim,
+  the first call re-creates it and nothing is granted for a while, so every replica can
+  re-register its leases with ``renew`` first: ``lease_s`` when the caller knew the old epoch, 3 s
+  when the caller is a replica's first ``join`` (it knew no state: a new cluster starts at once,
+  and a live replica that held leases renews them within its next heartbeat, every second). A
+  lease is re-taken only if that (backend, slot) is free, so no slot is granted twice; ``renew``
+  reports the others in ``lost``. The store has no timer of its own: the first grant after the quiet period, and a lease's reclaim,
   come with the next call of any replica (a heartbeat at the latest).
 - Supersede: a newer entry with the same ``supersede_key`` (a digest, never the raw header)
   replaces a waiting one (its replica gets ``superseded <id>``) or asks for a running one's abort
@@ -269,6 +270,7 @@ class RedisSlotStore:
                 raise ValueError(f"backend {b.name!r}: slots must be >= 0")
             args += [_token(b.name, "backend name"), str(b.slots), "\n".join(_token(m, "model") for m in b.models)]
         args.append(_num(self.switch_bound_s))
+        args.append("fresh" if self._epoch is None else "known")  # (how long a new store's pause lasts)
         self._closed = False
         await self._call("join", *args)
 
