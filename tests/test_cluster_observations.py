@@ -24,7 +24,7 @@ from polling import until, wait_until
 from clairvoyant.clock import ManualClock
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.features import Prompt
-from clairvoyant.prediction.learner import PriorIdentity
+from clairvoyant.prediction.learner import PriorIdentity, usable_observation
 from clairvoyant.prediction.predictor import OnnxPredictor, Prediction
 from clairvoyant.scheduling.cluster.observations import SharedObservations, stream_key
 from clairvoyant.scheduling.cluster.shared import ServiceObservation
@@ -259,6 +259,7 @@ def test_the_learner_feed_gets_the_other_replicas_observations_without_the_embed
         for (got, got_tokens), (prediction, tokens) in zip(fed["b"], sent, strict=True):
             assert got_tokens == tokens
             assert got.feature_row == prediction.feature_row[: 4 * 5]  # the columns, not the embedding
+            assert usable_observation(got, got_tokens, n_counts=3, n_features=5)  # a row the learner takes
             assert (got.model, got.cap_tokens) == (prediction.model, prediction.cap_tokens)
             assert got.prior_log_tokens == prediction.prior_log_tokens  # exact: repr round-trips a float
             assert got.predicted_tokens == prediction.predicted_tokens
@@ -283,7 +284,8 @@ def test_no_prompt_text_reaches_redis(redis_server: RedisServer) -> None:
         a, b = replica(server, "a", cluster), replica(server, "b", cluster)
         fed: list[int] = []
         a.share_learner(identity, lambda p, n: None)
-        b.share_learner(identity, lambda p, n: fed.append(n))
+        n_counts = len(identity.feature_names)
+        b.share_learner(identity, lambda p, n: fed.append(n) if usable_observation(p, n, n_counts, n_counts) else None)
         await started(a, b)
         a.publish_learner(prediction, 321)
         a.publish_service(ServiceObservation("smollm2", "gpu", 17, round(prediction.predicted_tokens), 1.5, 1.2))

@@ -4,7 +4,10 @@ the online learner (``clairvoyant.prediction.learner``), and the learner's corre
 - ``UsageRecorder`` is the relay's ``on_usage`` hook. It runs on the event loop once per completed
   scheduled request and does O(1) work: a counter, a histogram, and the learner's ``observe`` (the
   observation sent to the learner's process; refits run there, never here), for at most
-  ``learner_max_observations_per_s`` requests a second (a sample of a faster flow).
+  ``learner_max_observations_per_s`` requests a second (a sample of a faster flow). With replicas,
+  what its learner took is told to ``on_observed`` (published: scheduling/cluster/observations.py),
+  and the other replicas' come back through ``observe_shared``, which draws on the same bucket: the
+  rate bounds what reaches this learner in all, its own and the others'.
 - ``OnlineLearning`` is the learner's life in the proxy, built by the lifespan: start the learner's
   process (``clairvoyant.prediction.learner_process``), which loads the state file; attach it to the
   predictor as its corrector; have it save the state every ``learner_save_interval_s`` and at
