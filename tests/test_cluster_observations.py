@@ -419,3 +419,25 @@ def test_an_entry_sent_twice_is_applied_once(redis_server: RedisServer) -> None:
         await b.stop()
 
     run(scenario(redis_server))
+
+
+def test_a_replica_that_catches_up_applies_what_the_stream_holds(redis_server: RedisServer) -> None:
+    """A replica starting with nothing learned may take the stream's history (``catch_up``); one
+    that starts with its own state takes only what comes after it."""
+
+    async def scenario(server: RedisServer) -> None:
+        cluster = f"c{next(_clusters)}"
+        a = replica(server, "a", cluster)
+        await started(a)
+        rng = random.Random(2)
+        for _ in range(5):
+            learn_here(a, observation(rng))
+        await until(lambda: a.published == 5, what="A's first five")
+        fresh = replica(server, "fresh", cluster, catch_up=True)
+        known = replica(server, "known", cluster)
+        await started(fresh, known)
+        await until(lambda: fresh.applied == 5, what="the fresh replica to catch up")
+        learn_here(a, observation(rng))
+        await until(lambda: fresh.applied == 6 and known.applied == 1, what="both to apply the sixth")
+
+    run(scenario(redis_server))

@@ -177,6 +177,12 @@ class SharedObservations:
                 asyncio.create_task(self._publish_forever(), name="observations-publish"),
                 asyncio.create_task(self._read_forever(), name="observations-read"),
             ]
+            for task in self._tasks:
+                task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (exc := task.exception()) is not None:  # a bug: serving goes on unshared
+            logger.error("replica %s's %s stopped", self.replica, task.get_name(), exc_info=exc)
 
     async def stop(self, flush_s: float = 1.0) -> None:
         """Publish what waits (for up to ``flush_s``), then stop both tasks and close the connections.
@@ -363,7 +369,7 @@ class SharedObservations:
                 self._apply_learner(fields)
             else:
                 return
-        except (KeyError, ValueError) as exc:  # a malformed entry (another version?): skipped
+        except (KeyError, ValueError, TypeError) as exc:  # a malformed entry (another version?): skipped
             logger.debug("observation entry skipped: %s", exc)
             return
         self.applied += 1
