@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 from collections.abc import Coroutine, Iterator
@@ -68,9 +70,19 @@ class RedisServer:
 
     def stop(self) -> None:
         if self.process is not None:
+            os.kill(self.process.pid, signal.SIGCONT)  # (a paused server dies only once resumed)
             self.process.kill()
             self.process.wait(10)
             self.process = None
+
+    def pause(self) -> None:
+        """SIGSTOP: connections open, nothing answered (a stalled host), its state kept."""
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGCONT)
 
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port)
@@ -439,5 +451,37 @@ def test_a_replica_that_catches_up_applies_what_the_stream_holds(redis_server: R
         await until(lambda: fresh.applied == 5, what="the fresh replica to catch up")
         learn_here(a, observation(rng))
         await until(lambda: fresh.applied == 6 and known.applied == 1, what="both to apply the sixth")
+
+    run(scenario(redis_server))
+
+
+def test_a_stalled_redis_delays_the_sharing_and_nothing_is_applied_twice(redis_server: RedisServer) -> None:
+    """Redis paused (SIGSTOP): A's write times out and is sent again once Redis answers, while
+    Redis, resumed, also runs the first copy: B applies each observation once."""
+
+    async def scenario(server: RedisServer) -> None:
+        cluster = f"c{next(_clusters)}"
+        a, b = replica(server, "a", cluster), replica(server, "b", cluster)
+        await started(a, b)
+        rng = random.Random(4)
+        learn_here(a, observation(rng))  # A's writer holds a connection: the next write is sent, unanswered
+        await until(lambda: b.applied == 1, what="B to apply the first")
+        server.pause()
+        try:
+            for _ in range(4):
+                learn_here(a, observation(rng))  # never blocks nor raises
+            await until(lambda: "publish" in a._lost, 10.0, what="A's write to time out")
+        finally:
+            server.resume()
+        await until(lambda: a.published == 5, 10.0, what="A to write them again")
+        await until(lambda: b.applied == 5, 10.0, what="B to apply them")
+        learn_here(a, observation(rng))  # the last, after any copy: once it is in, every copy was read
+        await until(lambda: b.applied == 6, 10.0, what="B to apply the sixth")
+        assert b.service_time.coefficients("m")["observations"] == 6
+        client = server.client()
+        copies = len(client.xrange(stream_key(cluster))) - 6
+        client.close()
+        assert copies > 0  # Redis, resumed, ran the write that had timed out
+        assert b.repeated == copies  # each copy read, and skipped
 
     run(scenario(redis_server))
