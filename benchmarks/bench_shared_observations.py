@@ -13,6 +13,7 @@ real redis-server on loopback.
 - ``lag_ms``: from ``publish_service`` on A to the observation applied on B, another process (both
   read CLOCK_MONOTONIC, one clock); p50 and p95.
 - ``apply_cpu_us``: B's CPU per observation it applied (read, decoded, learned).
+- ``catch_up``: a replica starting on a backlog (``catch_up``) applies at most its bound a second.
 
 Needs ``redis-server`` on PATH (``apt-get install -y redis-server``).
 """
@@ -33,7 +34,7 @@ from typing import Any
 
 from harness.results import add_json_option, write_json
 
-from clairvoyant.scheduling.cluster.observations import LINGER_S, SharedObservations
+from clairvoyant.scheduling.cluster.observations import LINGER_S, MAX_APPLIED_PER_S, SharedObservations
 from clairvoyant.scheduling.cluster.shared import ServiceObservation
 from clairvoyant.scheduling.service_time import ServiceTimeModel
 
@@ -41,6 +42,7 @@ __all__ = ["main"]
 
 HOOK_CALLS = 5_000
 ROUNDS = 2
+CATCH_UP_ENTRIES = 6_000
 
 
 def _start_redis(folder: str) -> tuple[subprocess.Popen[bytes], str]:
@@ -144,8 +146,31 @@ async def _hook_us(url: str, cluster: str) -> dict[str, float]:
     return {"publish_service": publish_s / HOOK_CALLS * 1e6, "service_time_observe": observe_s / HOOK_CALLS * 1e6}
 
 
-async def _run(url: str, requests: int, rate: float, linger_s: float) -> dict[str, Any]:
+async def _catch_up_per_s(url: str, cluster: str, entries: int) -> float:
+    """A backlog of ``entries`` in the stream, then a replica that catches up on it: the entries it
+    applies a second (its reader's bound is ``MAX_APPLIED_PER_S``)."""
+    a = SharedObservations(url, cluster=cluster, replica="a", service_time=ServiceTimeModel())
+    a.start()
+    backlog = _observations(entries, seed=5)
+    for chunk in range(0, entries, 1000):  # (within what may wait to be published)
+        for seen in backlog[chunk : chunk + 1000]:
+            a.publish_service(seen)
+        while a.published < min(chunk + 1000, entries):
+            await asyncio.sleep(0.005)
+    await a.stop()
+    late = SharedObservations(url, cluster=cluster, replica="late", service_time=ServiceTimeModel(), catch_up=True)
+    start_s = time.monotonic()
+    late.start()
+    while late.applied < entries:
+        await asyncio.sleep(0.005)
+    elapsed_s = time.monotonic() - start_s
+    await late.stop()
+    return entries / elapsed_s
+
+
+async def _run(url: str, requests: int, rate: float, linger_s: float, catch_up: int) -> dict[str, Any]:
     hook = await _hook_us(url, "bench-hook")
+    catch_up_per_s = await _catch_up_per_s(url, "bench-catch-up", catch_up)
     context = multiprocessing.get_context("spawn")
     cpu: dict[str, list[float]] = {"local": [], "shared": []}
     lags_ms: list[float] = []
@@ -180,6 +205,7 @@ async def _run(url: str, requests: int, rate: float, linger_s: float) -> dict[st
         "loop_cpu_us": {"local": local_us, "shared": shared_us, "added": shared_us - local_us, "rounds": cpu},
         "lag_ms": {"p50": statistics.median(lags_ms), "p95": quantiles[18], "max": max(lags_ms)},
         "apply_cpu_us": statistics.mean(apply_us),
+        "catch_up": {"entries": catch_up, "applied_per_s": catch_up_per_s, "bound_per_s": MAX_APPLIED_PER_S},
     }
 
 
@@ -187,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=1000, help="completed requests per round (default 1000)")
     parser.add_argument("--rate", type=float, default=200.0, help="completed requests a second (default 200)")
+    parser.add_argument(
+        "--catch-up",
+        type=int,
+        default=CATCH_UP_ENTRIES,
+        help=f"backlog a late replica catches up on (default {CATCH_UP_ENTRIES})",
+    )
     parser.add_argument(
         "--linger-ms",
         type=float,
@@ -198,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         process, url = _start_redis(folder)
         try:
-            figures = asyncio.run(_run(url, args.requests, args.rate, args.linger_ms / 1e3))
+            figures = asyncio.run(_run(url, args.requests, args.rate, args.linger_ms / 1e3, args.catch_up))
         finally:
             process.kill()
             process.wait(10)
@@ -219,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         f"lag publish on A -> applied on B: p50 {lag['p50']:.2f} ms, p95 {lag['p95']:.2f} ms, max {lag['max']:.1f} ms"
     )
     print(f"replica B's CPU per observation applied: {figures['apply_cpu_us']:.0f} µs")
+    catch_up = figures["catch_up"]
+    print(
+        f"a late replica catching up on {catch_up['entries']} entries: {catch_up['applied_per_s']:.0f} applied/s"
+        f" (its bound: {catch_up['bound_per_s']:g}/s)"
+    )
     write_json(args.json, figures)
     return 0
 
