@@ -8,9 +8,9 @@ Two kinds of entries, on the stream ``cv:{cluster}:observations``:
   model and backend names, prompt and predicted output tokens, the service seconds less any load,
   the predicted seconds, and a load the backend reported. Applied as the dispatcher applies its own:
   ``observe_load``, then ``observe`` and the backend's slowness (``Backend.observe_service``).
-- ``learner``: what the usage recorder handed its online learner: the model name, the prior's and
-  the predicted log tokens, the request's token cap, the observed output tokens, and the feature
-  row: the prior's lexical columns (counts, flags and the lexicon's estimate, ``FEATURE_SETS``) and
+- ``learner``: what the usage recorder handed its online learner: the model name, the prior's log
+  tokens and the predicted tokens, the request's token cap, the observed output tokens, and the
+  feature row: the prior's lexical columns (counts, flags and the lexicon's estimate, ``FEATURE_SETS``) and
   the encoder's components when the row has them, as float32 bytes. The encoder's 384-d embedding
   after them is cut off: an embedding can be inverted to an approximation of the prompt, so the
   other replicas' residual kNN never learns from it. Entries carry a digest of the learner's
