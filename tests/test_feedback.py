@@ -82,6 +82,30 @@ def test_recorder_counts_every_completion_and_lets_the_learner_observe_at_most_t
     assert "clairvoyant_learner_sampled_out_observations_total 15.0" in text
 
 
+def test_other_replicas_observations_share_the_learners_rate_and_are_not_published_again() -> None:
+    """With replicas (scheduling/cluster/observations.py): what this learner took is told to
+    ``on_observed`` (to publish); the others' go through ``observe_shared``, under the same bucket,
+    so at most the rate reaches the learner in all, and they are not told again (no echo)."""
+    metrics = Metrics()
+    learner = LearnerSpy()
+    recorder = UsageRecorder(metrics, learner, max_observations_per_s=1.0)  # type: ignore[arg-type]
+    clock = Clock()
+    recorder.sample = RateSample(1.0, burst_s=4.0, clock=clock)
+    published: list[int] = []
+    recorder.on_observed = lambda _prediction, tokens: published.append(tokens)
+    prediction = OnnxPredictor().predict(Prompt("Say OK."))
+    ticket = SimpleNamespace(prediction=prediction, endpoint="/v1/chat/completions")
+    recorder(ticket, Usage(1, 12, None, None, 0.01, "m", "openai_usage", 0))  # type: ignore[arg-type]
+    for tokens in (101, 102):
+        recorder.observe_shared(prediction, tokens)
+    recorder(ticket, Usage(2, 12, None, None, 0.01, "m", "openai_usage", 0))  # type: ignore[arg-type]
+    recorder.observe_shared(prediction, 103)  # the bucket (4) is empty: sampled out
+    recorder(ticket, Usage(3, 12, None, None, 0.01, "m", "openai_usage", 0))  # type: ignore[arg-type]
+    assert learner.observed == [1, 101, 102, 2]
+    assert published == [1, 2]
+    assert metrics.registry.get_sample_value("clairvoyant_learner_sampled_out_observations_total") == 2.0
+
+
 def test_the_default_rate_is_the_settings_one() -> None:
     settings = Settings(learner_max_observations_per_s=3.0)
     learning = OnlineLearning(settings, OnnxPredictor(), Metrics())

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, RedirectResponse, Response
@@ -69,6 +69,9 @@ from clairvoyant.scheduling.service_time import ServiceTimeModel
 from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
 
 __all__ = ["ProxyApp", "ProxyState", "create_app"]
+
+if TYPE_CHECKING:  # imported when replicas are on (redis-py costs start-up time otherwise)
+    from clairvoyant.scheduling.cluster.observations import SharedObservations
 
 logger = logging.getLogger(__name__)
 
@@ -210,12 +213,15 @@ async def _start(
     await learning.start()
     stack.push_async_callback(learning.stop)  # after the drain: the last requests are learned, then saved
     dispatcher = _dispatcher(settings, pool, clock, metrics, proxy.tenant_weights)
-    cluster = _cluster_link(stack, settings, metrics, proxy.tenant_weights, limits)  # leaves after the dispatcher stops
+    # With replicas: both stop after the dispatcher's drain (the stack unwinds in reverse).
+    cluster = _cluster_link(stack, settings, metrics, proxy.tenant_weights, limits)
+    observations = None if cluster is None else _shared_observations(stack, settings, dispatcher, learning)
     await dispatcher.start()
     # In-flight answers get the grace period, no more.
     stack.push_async_callback(dispatcher.stop, settings.shutdown_grace_s)
-    if cluster is not None:
+    if cluster is not None and observations is not None:
         await cluster.start(dispatcher, fallback=settings.redis_fallback)
+        observations.start()
     pool.start(dispatcher)
     refiner = None
     if encoder is not None:
@@ -274,6 +280,29 @@ def _on_heartbeat(limits: TenantLimits) -> Callable[[tuple[str, ...]], Awaitable
         await limits.resync()
 
     return beat
+
+
+def _shared_observations(
+    stack: AsyncExitStack, settings: Settings, dispatcher: Dispatcher, learning: OnlineLearning
+) -> SharedObservations:
+    """With replicas: every replica learns from every replica's answers (service seconds and the
+    learner's observations, numbers only) through a Redis stream, so their predictions, compared
+    in one queue, stay comparable. Not started yet; its stop is pushed on ``stack``."""
+    from clairvoyant.scheduling.cluster.observations import SharedObservations  # redis-py: replicas only
+
+    assert settings.redis_url is not None
+    shared = SharedObservations(
+        settings.redis_url.get_secret_value(), cluster=settings.cluster_name, replica=replica_name(settings),
+        service_time=dispatcher.service_time, backends=dispatcher.backends,
+        catch_up=not any(fit["observations"] for fit in dispatcher.service_time.fits().values()),
+    )  # fmt: skip
+    dispatcher.on_observed = shared.publish_service
+    learner = learning.learner
+    if learner is not None:
+        shared.share_learner(learner.identity, learning.recorder.observe_shared)
+        learning.recorder.on_observed = shared.publish_learner
+    stack.push_async_callback(shared.stop)
+    return shared
 
 
 def _cluster_link(

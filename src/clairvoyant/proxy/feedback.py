@@ -4,7 +4,10 @@ the online learner (``clairvoyant.prediction.learner``), and the learner's corre
 - ``UsageRecorder`` is the relay's ``on_usage`` hook. It runs on the event loop once per completed
   scheduled request and does O(1) work: a counter, a histogram, and the learner's ``observe`` (the
   observation sent to the learner's process; refits run there, never here), for at most
-  ``learner_max_observations_per_s`` requests a second (a sample of a faster flow).
+  ``learner_max_observations_per_s`` requests a second (a sample of a faster flow). With replicas,
+  what its learner took is told to ``on_observed`` (published: scheduling/cluster/observations.py),
+  and the other replicas' come back through ``observe_shared``, which draws on the same bucket: the
+  rate bounds what reaches this learner in all, its own and the others'.
 - ``OnlineLearning`` is the learner's life in the proxy, built by the lifespan: start the learner's
   process (``clairvoyant.prediction.learner_process``), which loads the state file; attach it to the
   predictor as its corrector; have it save the state every ``learner_save_interval_s`` and at
@@ -43,7 +46,7 @@ from clairvoyant.prediction.usage import Usage
 
 if TYPE_CHECKING:
     from clairvoyant.prediction.encoder import Refiner
-    from clairvoyant.prediction.predictor import Predictor
+    from clairvoyant.prediction.predictor import Prediction, Predictor
     from clairvoyant.scheduling.dispatcher import Ticket
 
 __all__ = ["OnlineLearning", "UsageRecorder"]
@@ -92,6 +95,8 @@ class UsageRecorder:
         # A prompt's feature row, for a prediction that carries none (it waited: see proxy/app.py);
         # None: such a request is counted only.
         self.feature_row: Callable[[Prompt], bytes] | None = None
+        # Told each observation this replica's learner took (replicas share them: scheduling/cluster/observations.py).
+        self.on_observed: Callable[[Prediction, int], None] | None = None
 
     def __call__(self, ticket: Ticket, usage: Usage, body: bytes = b"") -> None:
         """``usage`` of ``ticket``'s answer; ``body``: the request body it was sent with."""
@@ -106,7 +111,7 @@ class UsageRecorder:
             return
         feature_row = self.feature_row
         if feature_row is None:
-            learner.observe(prediction, tokens)
+            self._observe(learner, prediction, tokens)
             return
         prompt: Prompt | None = None
         if not prediction.feature_row:  # refined by the encoder while it waited: its row is made again
@@ -131,10 +136,26 @@ class UsageRecorder:
                 return None if read is None else read.instruction
 
             def observe_encoded(_log_tokens: float, components: bytes) -> None:
-                learner.observe(replace(lexical, feature_row=lexical.feature_row + components), tokens)
+                self._observe(learner, replace(lexical, feature_row=lexical.feature_row + components), tokens)
 
             if refiner.encode_later(instruction, observe_encoded):
                 return
+        self._observe(learner, prediction, tokens)
+
+    def _observe(self, learner: LearnerProcess, prediction: Prediction, tokens: int) -> None:
+        if learner.observe(prediction, tokens) and self.on_observed is not None:
+            self.on_observed(prediction, tokens)
+
+    def observe_shared(self, prediction: Prediction, tokens: int) -> None:
+        """Another replica's learner observation: this learner observes it too, within the same
+        bucket as this replica's own, so that at most ``max_observations_per_s`` a second reach it
+        in all."""
+        learner = self.learner
+        if learner is None:
+            return
+        if not self.sample.take():
+            self.metrics.learner_sampled_out.inc()
+            return
         learner.observe(prediction, tokens)
 
 

@@ -50,7 +50,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +62,7 @@ from clairvoyant.prediction.predictor import Prediction
 from clairvoyant.prediction.usage import Usage
 from clairvoyant.scheduling.affinity import Lane
 from clairvoyant.scheduling.boost import bucket_for
-from clairvoyant.scheduling.cluster.shared import ClusterSide
+from clairvoyant.scheduling.cluster.shared import ClusterSide, ServiceObservation
 from clairvoyant.scheduling.expiry import Expiry, expired
 from clairvoyant.scheduling.job_queue import Job, JobQueue, add_counts
 from clairvoyant.scheduling.policy import SchedulingPolicy
@@ -205,6 +205,8 @@ class Dispatcher:
         # With replicas: the shared store grants the slots (scheduling/cluster/replica.py), and the
         # backends' free lists hold only what this replica may grant itself (none while shared).
         self.cluster: ClusterSide | None = None
+        # Told each completed request's service-time observation (replicas share them: cluster/observations.py).
+        self.on_observed: Callable[[ServiceObservation], None] | None = None
         metrics.starvation_timeout.set(starvation_timeout_s)
         # Each backend's in-flight gauge, looked up once (a labels() lookup per request costs µs).
         self._in_flight_gauges = [metrics.backend_in_flight.labels(b.name) for b in self.backends]
@@ -648,11 +650,21 @@ class Dispatcher:
         # measure or the learned one after a switch) comes off. Ollama's load also teaches the load cost:
         # after a switch, or when a load happened anyway (its keep_alive ran out).
         load_s = placement.switch_load_s
+        learned_load_s = None
         if usage is not None and usage.load_s is not None and placement.backend is not None:
             if placement.load == Load.SWITCH or usage.load_s >= FREE_LOAD_S:
                 self.service_time.observe_load(self.backends[placement.backend].name, ticket.model, usage.load_s)
+                learned_load_s = usage.load_s
             load_s = usage.load_s
         service_s -= load_s
+        if self.on_observed is not None and placement.backend is not None:
+            name = self.backends[placement.backend].name
+            predicted = round(ticket.predicted_tokens)
+            self.on_observed(
+                ServiceObservation(
+                    ticket.model, name, prompt_tokens, predicted, service_s, ticket.predicted_s, learned_load_s
+                )
+            )
         if not service_s > 0:
             return  # a load learned longer than this one was: no service seconds to learn from
         self.service_time.observe(ticket.model, prompt_tokens, round(ticket.predicted_tokens), service_s)

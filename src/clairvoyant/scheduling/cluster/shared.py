@@ -24,6 +24,7 @@ __all__ = [
     "MessageKind",
     "Placed",
     "RenewReply",
+    "ServiceObservation",
     "SlotStore",
     "StoreUnavailable",
 ]
@@ -87,6 +88,20 @@ class RenewReply:
     lost: tuple[str, ...] = ()  # held leases the store no longer had and could not take back
     replicas: tuple[str, ...] = ()  # the live replicas, in rank order (the local fallback's share)
     reset: bool = False  # the store had lost its state: this replica's waiting entries must be sent again
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceObservation:
+    """One completed request's inputs to the service-time estimates, as ``Dispatcher._learn`` used
+    them and every replica applies them (``cluster/observations.py``): metadata only."""
+
+    model: str | None  # the backend model the request named (None: the backend's default)
+    backend: str  # the backend's name (the same on every replica)
+    prompt_tokens: int
+    output_tokens: int  # the PREDICTED output tokens: what the fit regresses on (Dispatcher._learn says why)
+    service_s: float  # the slot's seconds less any model load it paid (<= 0: nothing for the fit)
+    predicted_s: float  # the seconds predicted for it (the backend's slowness compares the two)
+    load_s: float | None = None  # a model load the backend reported that taught its load cost, seconds
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,430 @@
+"""Every replica learns from every answer: the observations a completed request teaches go to one
+Redis stream, and each replica applies the other replicas' to its own models, so their service-time
+fits converge and their predictions stay comparable in the one shared queue.
+
+Two kinds of entries, on the stream ``cv:{cluster}:observations``:
+
+- ``service``: what ``Dispatcher._learn`` fed its ``ServiceTimeModel`` (``ServiceObservation``): the
+  model and backend names, prompt and predicted output tokens, the service seconds less any load,
+  the predicted seconds, and a load the backend reported. Applied as the dispatcher applies its own:
+  ``observe_load``, then ``observe`` and the backend's slowness (``Backend.observe_service``).
+- ``learner``: what the usage recorder handed its online learner: the model name, the prior's log
+  tokens and the predicted tokens, the request's token cap, the observed output tokens, and the
+  feature row: the prior's lexical columns (counts, flags and the lexicon's estimate, ``FEATURE_SETS``) and
+  the encoder's components when the row has them, as float32 bytes. The encoder's 384-d embedding
+  after them is cut off: an embedding can be inverted to an approximation of the prompt, so the
+  other replicas' residual kNN never learns from it. Entries carry a digest of the learner's
+  ``PriorIdentity``; a replica with another prior (another model file) skips them.
+
+Numbers, ids and model names only: never the prompt or the answer.
+
+Bounds: the stream holds about ``max_entries`` entries (``XADD MAXLEN ~``); what waits to be
+published is at most ``max_pending`` (the oldest go first while Redis is away); the reader applies
+at most ``max_applied_per_s`` entries a second (it falls behind rather than take more; what it
+missed beyond the stream's length is skipped). The learner's own sampling rate bounds what reaches
+the learner (``proxy/feedback.py``: one token bucket for this replica's and the others'
+observations).
+
+Faults: publishing runs in its own task and never raises into the request path. Redis lost is
+logged once at WARNING (and its return at INFO); both tasks retry with a backoff up to
+``RETRY_MAX_S``. A batch whose write failed is sent again (it may have been written in part):
+each entry carries its publisher's session (random per start) and a sequence number, and a reader
+applies each (session, number) once, so an observation is applied once per replica either way.
+The reader resumes after the last entry it read; from the stream's end when that entry was trimmed
+(it fell a whole stream behind); from the start when the stream is newer than that entry and has
+lost none (Redis restarted empty: its ``entries-added`` equals its length).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import json
+import logging
+import math
+import secrets
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError, ResponseError
+
+from clairvoyant.prediction.learner import PriorIdentity
+from clairvoyant.prediction.predictor import Prediction
+from clairvoyant.scheduling.cluster.shared import ServiceObservation
+from clairvoyant.scheduling.routing import Backend
+from clairvoyant.scheduling.service_time import ServiceTimeModel
+
+__all__ = ["SharedObservations", "identity_digest", "stream_key"]
+
+logger = logging.getLogger(__name__)
+
+MAX_ENTRIES = 10_000  # the stream's length, about (XADD MAXLEN ~): about 1 to 3 MB
+MAX_PENDING = 4_096  # observations waiting to be published (Redis away): the oldest are dropped
+MAX_APPLIED_PER_S = 2_000.0  # entries the reader takes a second, at most (an entry costs a few µs)
+READ_BATCH = 256  # entries per XREAD, and per pipelined XADD
+BLOCK_MS = 2_000  # an XREAD waits this long for new entries before it asks again
+TIMEOUT_S = 2.0  # a call (or the reader's wait beyond BLOCK_MS) that takes longer: Redis is lost
+MAX_SESSIONS = 1_024  # publishers' sessions whose last sequence number a reader keeps
+RETRY_MIN_S, RETRY_MAX_S = 0.1, 2.0  # the backoff between attempts while Redis is lost
+# How long the publisher waits after an observation before it writes, and the reader after a read
+# that found entries before it reads again: under load, one round trip carries several entries (a
+# loopback round trip costs the event loop about as much CPU as a request's whole scheduling).
+LINGER_S = 0.005
+STOP_S = 0.5  # stop waits this long for a task to end once cancelled
+
+LearnerFeed = Callable[[Prediction, int], None]
+Fields = dict[Any, Any]  # an entry's fields as written: str names, str/int/float/bytes values
+Read = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]  # XREAD's reply (no decoding)
+
+
+def stream_key(cluster: str) -> str:
+    return f"cv:{cluster}:observations"
+
+
+def identity_digest(identity: PriorIdentity) -> str:
+    """A short digest of a learner's prior: replicas share learner observations only when equal."""
+    return hashlib.sha256(json.dumps(identity.as_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _stream_id(value: bytes | str) -> tuple[int, int]:
+    text = value.decode() if isinstance(value, bytes) else value
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class SharedObservations:
+    """This replica's side of the observation stream (see the module docstring). ``service_time``
+    and ``backends``: where the other replicas' service observations are applied. The dispatcher's
+    ``on_observed`` is ``publish_service``; the usage recorder's is ``publish_learner`` once
+    ``share_learner`` named the learner's prior and where the others' observations go."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        cluster: str,
+        replica: str,
+        service_time: ServiceTimeModel,
+        backends: Sequence[Backend] = (),
+        catch_up: bool = False,
+        max_entries: int = MAX_ENTRIES,
+        max_pending: int = MAX_PENDING,
+        max_applied_per_s: float = MAX_APPLIED_PER_S,
+        linger_s: float = LINGER_S,
+    ) -> None:
+        """``catch_up``: at start, apply what the stream holds (a replica that starts with no learned
+        state); else only what is published from then on. ``linger_s``: see ``LINGER_S`` (0: a
+        round trip per observation)."""
+        if not (max_entries >= 1 and max_pending >= 1 and max_applied_per_s > 0):
+            raise ValueError("max_entries, max_pending and max_applied_per_s must be positive")
+        self.key = stream_key(cluster)
+        self.replica = replica
+        self.service_time = service_time
+        self.backends = {b.name: b for b in backends}
+        self.max_entries = max_entries
+        self.max_applied_per_s = max_applied_per_s
+        self.max_pending = max_pending
+        self.linger_s = linger_s
+        # No retries inside the client: a retried pipeline could write an observation twice.
+        options: dict[str, Any] = {"retry": Retry(NoBackoff(), 0), "socket_connect_timeout": TIMEOUT_S}
+        self._writer = redis.Redis.from_url(url, socket_timeout=TIMEOUT_S, **options)
+        # The reader's own connection, blocked in XREAD most of the time.
+        self._reader = redis.Redis.from_url(
+            url, socket_timeout=BLOCK_MS / 1000 + TIMEOUT_S, single_connection_client=True, **options
+        )
+        self._pending: deque[Fields] = deque(maxlen=max_pending)
+        self._wake = asyncio.Event()
+        self._last_id: bytes | None = None if catch_up else b"$"  # None: from the stream's start
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+        self._stopped = False
+        self._lost: set[str] = set()  # the tasks that find Redis away now
+        # Each entry names its publisher's session (random per start) and a sequence number in it:
+        # a reader skips its own session's and any it has applied already (a batch sent again).
+        self.session = secrets.token_hex(8)
+        self._session_bytes = self.session.encode()
+        self._seq = itertools.count(1)
+        self._applied_seq: OrderedDict[bytes, int] = OrderedDict()  # session -> the last seq applied
+        self._retry_s: dict[str, float] = {}  # each task's next backoff while Redis is away
+        self._identity = ""
+        self._row_bytes = 0  # the learner row's bytes that are shared (the embedding's are not)
+        self._learner_feed: LearnerFeed | None = None
+        # Counts, for the metrics and the tests
+        self.published = 0  # entries written to the stream
+        self.dropped = 0  # observations never written (the pending bound, or a write that failed)
+        self.applied = 0  # other replicas' entries applied here
+        self.foreign = 0  # learner entries skipped: another prior
+        self.skipped = 0  # times the reader jumped to the stream's end (entries trimmed unread)
+        self.repeated = 0  # entries skipped as applied already (a batch its publisher sent again)
+
+    def share_learner(self, identity: PriorIdentity, feed: LearnerFeed) -> None:
+        """Share learner observations of this prior: others' go to ``feed(prediction, tokens)``."""
+        self._identity = identity_digest(identity)
+        self._row_bytes = 4 * (len(identity.feature_names) + len(identity.component_names))
+        self._learner_feed = feed
+
+    # -- start and stop ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Run the publisher and the reader (on the running loop). Never fails for want of Redis."""
+        if not self._tasks:
+            self._tasks = [
+                asyncio.create_task(self._publish_forever(), name="observations-publish"),
+                asyncio.create_task(self._read_forever(), name="observations-read"),
+            ]
+            for task in self._tasks:
+                task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (exc := task.exception()) is not None:  # a bug: serving goes on unshared
+            logger.error("replica %s's %s stopped", self.replica, task.get_name(), exc_info=exc)
+
+    async def stop(self, flush_s: float = 1.0) -> None:
+        """Publish what waits (for up to ``flush_s``), then stop both tasks and close the connections.
+        Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._tasks and self._pending and not self._lost:
+            deadline = time.monotonic() + flush_s
+            while self._pending and not self._lost and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+        self._stopping = True
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        _, running = await asyncio.wait(tasks, timeout=STOP_S) if tasks else (set(), set())
+        if running:
+            # redis-py can lose a cancel that lands in a blocking read (redis/redis-py#2028): the
+            # reader's connection closed under it ends the read, and the loop sees it is stopping.
+            connection = self._reader.connection
+            if connection is not None:
+                await connection.disconnect(nowait=True)
+            for task in running:
+                task.cancel()  # (the cancel it lost, again: it may be in a pause by now)
+            _, running = await asyncio.wait(running, timeout=STOP_S)
+            if running:
+                logger.warning("replica %s's observation reader did not stop", self.replica)
+        await self._reader.aclose()
+        await self._writer.aclose()
+
+    # -- publishing (on the request path: O(1), no I/O) ------------------------------------------
+    def publish_service(self, observation: ServiceObservation) -> None:
+        """The dispatcher's ``on_observed``: queue a service observation for the stream."""
+        fields: Fields = {
+            "kind": "service",
+            "replica": self.replica,
+            "session": self.session,
+            "seq": next(self._seq),
+            "model": observation.model or "",
+            "backend": observation.backend,
+            "prompt_tokens": observation.prompt_tokens,
+            "output_tokens": observation.output_tokens,
+            "service_s": observation.service_s,
+            "predicted_s": observation.predicted_s,
+        }
+        if observation.load_s is not None:
+            fields["load_s"] = observation.load_s
+        self._queue(fields)
+
+    def publish_learner(self, prediction: Prediction, observed_tokens: int) -> None:
+        """The usage recorder's ``on_observed``: queue what this replica's learner observed."""
+        if not self._identity:
+            return
+        fields: Fields = {
+            "kind": "learner",
+            "replica": self.replica,
+            "session": self.session,
+            "seq": next(self._seq),
+            "identity": self._identity,
+            "model": prediction.model or "",
+            "prior_log_tokens": prediction.prior_log_tokens,
+            "predicted_tokens": prediction.predicted_tokens,
+            "observed_tokens": int(observed_tokens),
+            "row": prediction.feature_row[: self._row_bytes],
+        }
+        if prediction.cap_tokens is not None:
+            fields["cap_tokens"] = prediction.cap_tokens
+        self._queue(fields)
+
+    def _queue(self, fields: Fields) -> None:
+        if len(self._pending) == self._pending.maxlen:
+            self.dropped += 1  # the deque drops its oldest
+        self._pending.append(fields)
+        self._wake.set()
+
+    async def _publish_forever(self) -> None:
+        while True:
+            await self._wake.wait()
+            if self.linger_s > 0:  # let a batch form: one XADD round trip for the answers of a moment
+                await asyncio.sleep(self.linger_s)
+            self._wake.clear()
+            while self._pending:
+                batch = [self._pending.popleft() for _ in range(min(READ_BATCH, len(self._pending)))]
+                try:
+                    pipe = self._writer.pipeline(transaction=False)
+                    for fields in batch:
+                        pipe.xadd(self.key, fields, maxlen=self.max_entries, approximate=True)
+                    await pipe.execute()
+                except (RedisError, OSError) as exc:
+                    # Sent again later, in order (readers skip what was written already); the newest
+                    # go when that overflows the bound.
+                    self.dropped += max(0, len(self._pending) + len(batch) - self.max_pending)
+                    self._pending.extendleft(reversed(batch))
+                    await self._lose("publish", exc)
+                    continue
+                except BaseException:
+                    self._pending.extendleft(reversed(batch))  # (cancelled: stop publishes nothing more)
+                    raise
+                self.published += len(batch)
+                self._found("publish")
+
+    # -- reading ---------------------------------------------------------------------------------
+    async def _read_forever(self) -> None:
+        budget = float(READ_BATCH)  # entries the reader may take now (a token bucket)
+        at_s = time.monotonic()
+        while not self._stopping:
+            try:
+                if self._last_id is None or self._last_id == b"$" or "read" in self._lost:
+                    self._last_id = await self._resume_from()
+                    self._found("read")
+                reply = cast(
+                    Read, await self._reader.xread({self.key: self._last_id}, count=READ_BATCH, block=BLOCK_MS)
+                )
+                self._found("read")
+            except (RedisError, OSError) as exc:
+                if self._stopping:
+                    return
+                await self._lose("read", exc)
+                continue
+            taken = 0
+            for _key, entries in reply or ():
+                for entry_id, fields in entries:
+                    self._last_id = entry_id
+                    taken += 1
+                    if self._new(fields):
+                        self._apply(fields)
+            now_s = time.monotonic()
+            budget = min(float(READ_BATCH), budget + (now_s - at_s) * self.max_applied_per_s) - taken
+            at_s = now_s
+            # Took more than the rate allows: wait until it is paid back. Else, with entries, let
+            # the next ones gather for a moment (one XREAD for several).
+            pause_s = -budget / self.max_applied_per_s if budget < 0 else (self.linger_s if taken else 0.0)
+            if pause_s > 0:
+                await asyncio.sleep(pause_s)
+
+    async def _resume_from(self) -> bytes:
+        """Where the reader goes on (see the module docstring)."""
+        try:
+            info = await self._reader.xinfo_stream(self.key)
+        except ResponseError:  # no stream (yet): everything it will hold is new
+            return b"0-0"
+        end: bytes = info["last-generated-id"]
+        last = self._last_id
+        if last is None:
+            return b"0-0"
+        if last == b"$":
+            return end  # (not "$": what is added between this call and the read is kept)
+        if _stream_id(end) < _stream_id(last):
+            return b"0-0"  # a newer stream than the last entry read (Redis restarted empty)
+        if end == last:
+            return last
+        first = info.get("first-entry")
+        if not first or _stream_id(first[0]) > _stream_id(last):  # the last entry read is gone
+            if info.get("entries-added") == info["length"]:
+                return b"0-0"  # a stream that lost nothing, newer than that entry (Redis restarted empty)
+            self.skipped += 1  # trimmed, maybe with entries after it: go on from now
+            return end
+        return last
+
+    def _new(self, fields: dict[bytes, bytes]) -> bool:
+        """Whether an entry is another replica's, and not applied yet."""
+        session = fields.get(b"session", b"")
+        if session == self._session_bytes:
+            return False
+        try:
+            seq = int(fields[b"seq"])
+        except (KeyError, ValueError):
+            return False
+        if seq <= self._applied_seq.get(session, 0):
+            self.repeated += 1
+            return False
+        self._applied_seq[session] = seq
+        self._applied_seq.move_to_end(session)
+        if len(self._applied_seq) > MAX_SESSIONS:
+            self._applied_seq.popitem(last=False)
+        return True
+
+    def _apply(self, fields: dict[bytes, bytes]) -> None:
+        try:
+            kind = fields[b"kind"]
+            if kind == b"service":
+                self._apply_service(fields)
+            elif kind == b"learner":
+                self._apply_learner(fields)
+            else:
+                return
+        except (KeyError, ValueError, TypeError) as exc:  # a malformed entry (another version?): skipped
+            logger.debug("observation entry skipped: %s", exc)
+            return
+        self.applied += 1
+
+    def _apply_service(self, fields: dict[bytes, bytes]) -> None:
+        model = fields[b"model"].decode() or None
+        backend = fields[b"backend"].decode()
+        service_s = float(fields[b"service_s"])
+        load = fields.get(b"load_s")
+        if load is not None:
+            self.service_time.observe_load(backend, model, float(load))
+        if not service_s > 0:
+            return
+        prompt_tokens, output_tokens = int(fields[b"prompt_tokens"]), int(fields[b"output_tokens"])
+        self.service_time.observe(model, prompt_tokens, output_tokens, service_s)
+        served = self.backends.get(backend)
+        if served is not None:
+            served.observe_service(float(fields[b"predicted_s"]), service_s)
+
+    def _apply_learner(self, fields: dict[bytes, bytes]) -> None:
+        feed = self._learner_feed
+        if feed is None:
+            return
+        if fields[b"identity"].decode() != self._identity:
+            self.foreign += 1
+            return
+        cap = fields.get(b"cap_tokens")
+        prediction = Prediction(
+            score=0.0,  # (the learner reads no score)
+            predicted_tokens=float(fields[b"predicted_tokens"]),
+            prior_log_tokens=float(fields[b"prior_log_tokens"]),
+            feature_row=fields[b"row"],
+            model=fields[b"model"].decode() or None,
+            cap_tokens=None if cap is None else int(cap),
+        )
+        if not math.isfinite(prediction.prior_log_tokens):
+            raise ValueError("prior_log_tokens not finite")
+        feed(prediction, int(fields[b"observed_tokens"]))
+
+    # -- Redis lost and found --------------------------------------------------------------------
+    async def _lose(self, task: str, exc: BaseException) -> None:
+        if not self._lost:
+            logger.warning(
+                "redis unreachable (%s): replica %s's observations are not shared until it returns; retrying",
+                type(exc).__name__,
+                self.replica,
+            )
+        retry_s = self._retry_s.get(task, RETRY_MIN_S)
+        self._lost.add(task)
+        self._retry_s[task] = min(RETRY_MAX_S, retry_s * 2)
+        await asyncio.sleep(retry_s)
+
+    def _found(self, task: str) -> None:
+        if task in self._lost:
+            self._lost.discard(task)
+            self._retry_s.pop(task, None)
+            if not self._lost:
+                logger.info("redis reachable again: replica %s's observations are shared", self.replica)
