@@ -63,6 +63,9 @@ _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 REQUEST_ID = "x-request-id"
 DEADLINE = "x-clairvoyant-deadline"  # seconds the client will wait before its request is sent
 SUPERSEDE = "x-clairvoyant-supersede"  # a key: a newer request with it replaces this one
+# With replicas: seconds a request's grant may take (Redis round trips) before it is taken to wait
+# and worth the encoder's refinement.
+CLUSTER_GRANT_WAIT_S = 0.01
 # Seconds after an at-once dispatch when its prediction is made, if its answer has not started by
 # then: the request is on its way to the backend by then, so the prediction is off its critical path.
 PREDICT_AFTER_S = 0.001
@@ -213,7 +216,12 @@ def admit_scheduled(shared: Scheduling, arrival: Arrival, out: Responder) -> Sch
         refiner = shared.refiner
         if refiner is not None and not (settings.allow_oracle and "output_tokens" in parsed.proxy_options):
             loop = asyncio.get_running_loop()
-            loop.call_soon(_refine_if_waiting, refiner, ticket, prediction, parsed.prompt.instruction)
+            if dispatcher.cluster is None:
+                loop.call_soon(_refine_if_waiting, refiner, ticket, prediction, parsed.prompt.instruction)
+            else:  # with replicas a free slot's grant takes a round trip to Redis: one not worth refining
+                loop.call_later(
+                    CLUSTER_GRANT_WAIT_S, _refine_if_waiting, refiner, ticket, prediction, parsed.prompt.instruction
+                )
     upstream_request = UpstreamRequest(
         "POST", arrival.target, [*arrival.headers, ("x-request-id", ticket.request_id)], forward_body,
         arrival.endpoint.dialect, close_connection=parsed.stream, authorization=arrival.authorization,
