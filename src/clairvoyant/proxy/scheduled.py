@@ -47,7 +47,6 @@ from clairvoyant.proxy.limits import TenantLimits
 from clairvoyant.proxy.pool import BackendPool
 from clairvoyant.proxy.relay import Receive, Relay, RelayHooks, Responder, UpstreamRequest, disconnected
 from clairvoyant.proxy.transport import Headers
-from clairvoyant.proxy.upstream import Upstream
 from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.dispatcher import Dispatcher, ShuttingDown
 from clairvoyant.scheduling.request import RequestStatus, Ticket
@@ -233,7 +232,7 @@ class ScheduledHooks(RelayHooks):
     dispatcher, its headers, its first byte and pace, its usage, and failover in a pool. It holds
     neither the relay nor the ``ScheduledRequest``: nothing to break by hand."""
 
-    __slots__ = ("shared", "ticket", "body", "stream", "_predict_later")
+    __slots__ = ("shared", "pool", "ticket", "body", "stream", "_predict_later")
 
     reads_usage = True
 
@@ -246,6 +245,7 @@ class ScheduledHooks(RelayHooks):
         predict_later: Callable[[], None] | None = None,  # dispatched at once: its prediction, still to make
     ) -> None:
         self.shared = shared
+        self.pool = shared.pool
         self.ticket = ticket
         self.body = body
         self.stream = stream
@@ -316,13 +316,6 @@ class ScheduledHooks(RelayHooks):
                 on_usage(ticket, usage, self.body)
             except Exception:  # the answer is relayed already: a failing observer must not break it
                 logger.exception("request_id=%s: recording usage failed", ticket.request_id)
-
-    def backend_state(self, upstream: Upstream, healthy: bool) -> None:
-        pool = self.shared.pool
-        if healthy:
-            pool.answered(upstream)
-        else:
-            pool.broken(upstream)
 
     async def failover(self, relay: Relay) -> bool:
         """The granted backend refused the connection: wait first in line for another healthy

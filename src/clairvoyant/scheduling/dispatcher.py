@@ -65,7 +65,7 @@ from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.expiry import Expiry, expired
 from clairvoyant.scheduling.job_queue import Job, JobQueue, add_counts
 from clairvoyant.scheduling.policy import SchedulingPolicy
-from clairvoyant.scheduling.request import ID_PREFIX, Placement, RequestStatus, Ticket
+from clairvoyant.scheduling.request import ID_PREFIX, Placement, RequestStatus, Ticket, status_counts
 from clairvoyant.scheduling.routing import Backend, Load, choose
 from clairvoyant.scheduling.service_time import FREE_LOAD_S, ServiceTimeModel, write_state
 from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
@@ -205,7 +205,7 @@ class Dispatcher:
         # Each backend's in-flight gauge, looked up once (a labels() lookup per request costs µs).
         self._in_flight_gauges = [metrics.backend_in_flight.labels(b.name) for b in self.backends]
         self._switch_counters = [metrics.model_switches.labels(b.name) for b in self.backends]
-        self._status_counters = {s: metrics.request_status.labels(s.name.lower()) for s in RequestStatus}
+        self._status_counts = status_counts(metrics)
         self._expiry: Expiry[Ticket] = Expiry()  # waiting tickets with a queue deadline
         self._expiry_timer: asyncio.TimerHandle | None = None
         self._expiry_timer_s = math.inf  # the clock reading the timer is set for
@@ -403,6 +403,7 @@ class Dispatcher:
         self.check_room()
         self._check_model(ticket.model)
         self.queue.push(ticket)
+        self._status_counts[RequestStatus.WAITING] += 1  # its first status: counted as it is admitted
         self.metrics.depth_by_class[ticket.predicted_class].inc()
         # O(1) on purpose: ordering the whole queue per arrival would cost O(n log n) at depth n.
         ticket.grants_before_arrival = self._grants
@@ -413,7 +414,9 @@ class Dispatcher:
             if now + eta_s >= ticket.expires_s:
                 self.queue.remove(ticket)
                 self._end_waiting(ticket)
-                raise _deadline_error(ticket, eta_s)
+                error = _deadline_error(ticket, eta_s)
+                self._end_wait(ticket, RequestStatus.EXPIRED, error)
+                raise error
             self._expiry.add(ticket)
             self._arm_expiry()
         self._schedule_pump()
@@ -432,6 +435,7 @@ class Dispatcher:
         if backend is None:
             return False
         ticket.grants_before_arrival = self._grants
+        self._status_counts[RequestStatus.WAITING] += 1  # its first status, if only for this instant
         # Through the queue all the same (its tenant's accounting, and done() at release): pushed and
         # popped at once, which take_now does without the heaps.
         self.queue.take_now(ticket, self.clock.now())
@@ -592,7 +596,7 @@ class Dispatcher:
         if old == status or old.is_finished:
             return False
         ticket.status = status
-        self._status_counters[status].inc()
+        self._status_counts[status] += 1
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("request_id=%s %s -> %s", ticket.request_id, old.name, status.name)
         return True
