@@ -701,6 +701,17 @@ class FairShareQueue(JobQueue[T]):
             queue.clock = self.share_clock_s
         return _Tenant(queue, self._virtual_s, weight)
 
+    def reset(self) -> bool:
+        """With no tenant active, make the queue as new (its spare tenants' queues are as new
+        already): a model-affinity group reuses it, not a new one per request. False (nothing
+        changed) while a tenant is active."""
+        if self._tenants:
+            return False
+        self._virtual_s = 0.0
+        self._share_lag_s = 0.0
+        self._share_at_s = -math.inf
+        return True
+
     def _retire(self, name: Hashable, tenant: _Tenant[T]) -> None:
         """``tenant`` has nothing waiting and nothing in service: no longer active."""
         del self._tenants[name]
