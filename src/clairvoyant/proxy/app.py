@@ -472,7 +472,7 @@ class ProxyApp:
         except LimitExceeded as refused:
             metrics.tenant_refusals.labels(metrics.tenant(tenant), refused.limit).inc()
             raise
-        metrics.tenant_requests.labels(metrics.tenant(tenant)).inc()
+        metrics.tenant_requests_by[metrics.tenant(tenant)].inc()
         held_bytes = 0
         try:
             dispatcher.check_room()

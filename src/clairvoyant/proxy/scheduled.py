@@ -309,7 +309,7 @@ class ScheduledHooks(RelayHooks):
         tokens = usage.output_tokens
         if tokens is not None and usage.observed:
             shared.limits.add_tokens(ticket.tenant, tokens)
-            shared.metrics.tenant_tokens.labels(shared.metrics.tenant(ticket.tenant)).inc(tokens)
+            shared.metrics.tenant_tokens_by[shared.metrics.tenant(ticket.tenant)].inc(tokens)
         on_usage = shared.on_usage
         if on_usage is not None:
             try:
@@ -402,7 +402,7 @@ class ScheduledRequest:
                 placement.interrupt = self._interrupt
                 wait_s = ticket.queue_wait_s()
                 if wait_s is not None:
-                    shared.metrics.tenant_wait.labels(shared.metrics.tenant(ticket.tenant)).observe(wait_s)
+                    shared.metrics.tenant_wait_by[shared.metrics.tenant(ticket.tenant)].observe(wait_s)
                 if limit_s is not None:
                     timer = asyncio.get_running_loop().call_later(limit_s, self._generation_over, limit_s)
                 self.hooks.bind(relay)

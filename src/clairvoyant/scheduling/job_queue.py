@@ -676,7 +676,8 @@ class FairShareQueue(JobQueue[T]):
         """``push`` then ``pop``: the tenant active, charged from the virtual time, the job in service."""
         if self._live:
             raise RuntimeError("take_now while jobs wait: push and pop instead")
-        self._tick(job.arrival_s)  # push's tick, then pop's: no tenant was waiting in between but this one
+        # Push's tick, then pop's, come to pop's alone: with no tenant waiting the share clock runs
+        # at the wall clock's (or the set clock's) pace, so only the later reading counts.
         self._tick(now)
         name = self.tenant_of(job)
         tenant = self._tenants.get(name)
