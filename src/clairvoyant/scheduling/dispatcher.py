@@ -149,19 +149,6 @@ class Lease:
     completed: bool = False
     usage: Usage | None = None  # what the backend reported producing (None: not read)
 
-    @property
-    def backend(self) -> int:
-        """The backend's index in the pool (it changes if the request is rerouted)."""
-        placement = self.ticket.placement
-        assert placement is not None and placement.backend is not None
-        return placement.backend
-
-    @property
-    def slot(self) -> int:
-        placement = self.ticket.placement
-        assert placement is not None and placement.slot is not None
-        return placement.slot
-
 
 class Dispatcher:
     def __init__(

@@ -177,19 +177,6 @@ def _backends(dispatcher: Dispatcher, now: float) -> list[dict[str, Any]]:
     ]
 
 
-def _waiting(dispatcher: Dispatcher, position: int, ticket: Ticket, eta_s: float, now: float) -> WaitingView:
-    return WaitingView(
-        **_request(ticket, now), position=position, eta_s=round(eta_s, 3),
-        switch_due_in_s=_switch_due_in_s(dispatcher, ticket, now),
-    )  # fmt: skip
-
-
-def _running(backend: str, slot: int, ticket: Ticket, now: float) -> RunningView:
-    placement = ticket.placement
-    running_s = 0.0 if placement is None else now - placement.dispatched_s
-    return RunningView(**_request(ticket, now), backend=backend, slot=slot, running_s=round(running_s, 3))
-
-
 def _finished(
     dispatcher: Dispatcher, ticket: Ticket, ended_s: float, outcome: str, output_tokens: int | None, now: float
 ) -> FinishedView:
@@ -239,9 +226,18 @@ def queue_view(dispatcher: Dispatcher, limit: int | None = None) -> QueueView:
         },
         "backends": _backends(dispatcher, now),
         "waiting_count": len(etas),
-        "waiting": [_waiting(dispatcher, i, job.payload, eta, now) for i, (job, eta) in enumerate(shown)],
+        "waiting": [
+            WaitingView(
+                **_request(job.payload, now), position=i, eta_s=round(eta, 3),
+                switch_due_in_s=_switch_due_in_s(dispatcher, job.payload, now),
+            )
+            for i, (job, eta) in enumerate(shown)
+        ],
         "in_flight": [
-            _running(b.name, slot, t, now) for b in dispatcher.backends for slot, t in sorted(b.running.items())
+            RunningView(**_request(t, now), backend=b.name, slot=slot, running_s=round(now - t.placement.dispatched_s, 3))
+            for b in dispatcher.backends
+            for slot, t in sorted(b.running.items())
+            if t.placement is not None  # (granted: it runs)
         ],
         "recent": [_finished(dispatcher, *entry, now) for entry in reversed(dispatcher.recent)],
     })  # fmt: skip
