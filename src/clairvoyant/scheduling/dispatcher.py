@@ -414,9 +414,10 @@ class Dispatcher:
     def dispatch_at_once(self, ticket: Ticket) -> bool:
         """Grant ``ticket`` a slot now, before its prediction, when a backend for it has a free
         slot and nobody waits: there is no order to decide. False otherwise (then predict it and
-        ``submit``). Raises what ``submit`` raises for any request (``ShuttingDown``,
-        ``ModelNotServed``). The caller predicts while the backend works, fills in the ticket's
-        predicted fields and calls ``predicted_at_once``."""
+        ``submit``). Raises ``ShuttingDown`` and ``QueueFull`` as ``submit`` does, and
+        ``ModelNotServed`` when nobody waits and no backend serves its model (else ``submit``
+        raises it). The caller predicts while the backend works, fills in the ticket's predicted
+        fields and calls ``predicted_at_once``."""
         waiting = self.waiting
         if self._closing or waiting >= self.max_queue:
             self.check_room()  # raises
