@@ -592,3 +592,15 @@ def test_waiting_requests_forward_their_own_trace_headers_and_the_common_ones() 
         assert headers["tracestate"] == f"t={i}"
         assert headers["user-agent"] == "OpenAI/Python 1.54.4" and headers["x-stainless-lang"] == "python"
         assert len(headers.get_list("traceparent")) == 1
+
+
+def test_a_passthrough_request_counts_the_statuses_it_enters() -> None:
+    router = respx.MockRouter(base_url=UPSTREAM)
+    router.get("/api/tags").respond(200, json={"models": []})
+    with proxy(router) as base:
+        assert httpx.get(f"{base}/api/tags").status_code == 200
+        counted = {
+            status: metric_value(base, "clairvoyant_request_status_changes_total", f'status="{status}"')
+            for status in ("waiting", "dispatched", "streaming", "completed")
+        }
+    assert counted == {"waiting": 0, "dispatched": 1, "streaming": 1, "completed": 1}  # never queued

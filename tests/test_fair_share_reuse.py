@@ -14,19 +14,25 @@ from clairvoyant.scheduling.job_queue import FairShareQueue, HeapQueue, Job, Sca
 from clairvoyant.scheduling.policy import POLICY_NAMES, build_queue, make_policy
 
 
-def run(seed: int) -> list[Any]:
-    """Random pushes, pops, removals, re-keys, re-pricings and completions over four tenants; what
-    the queue says after each step."""
-    rng = random.Random(seed)
-    name = POLICY_NAMES[seed % len(POLICY_NAMES)]
+def build(seed: int, rng: random.Random) -> FairShareQueue[int]:
     q = build_queue(
-        make_policy(name),
+        make_policy(POLICY_NAMES[seed % len(POLICY_NAMES)]),
         starvation_timeout_s=rng.choice([math.inf, 0.5, 2.0, 10.0]),
         starvation_slowdown=rng.choice([0.0, 1.5]),
         fair_share=True,
         tenant_weights=rng.choice([None, {"a": 2.0, "b": 0.5}]),
     )
     assert isinstance(q, FairShareQueue)
+    return q
+
+
+def run(seed: int, reused: FairShareQueue[int] | None = None) -> list[Any]:
+    """Random pushes, pops, removals, re-keys, re-pricings and completions over four tenants; what
+    the queue says after each step. Then every job is popped and done (the queue is idle); with
+    ``reused``, that queue is used instead of the one built for ``seed`` (built the same way)."""
+    rng = random.Random(seed)
+    q = build(seed, rng)
+    q = q if reused is None else reused
     now, n = 0.0, 0
     waiting: list[Job[int]] = []
     running: list[Job[int]] = []
@@ -64,6 +70,10 @@ def run(seed: int) -> list[Any]:
             j.score, j.predicted_s = rng.random(), rng.choice([0.3, 2.0])
             q.rekeyed(j)
         out.append((len(q), [j.payload for j in q.ordered(now)], sorted(q.tenants.items(), key=str)))
+    while (got := q.pop(now)) is not None:
+        running.append(got[0])
+    for j in running:
+        q.done(j)
     return out
 
 
@@ -74,6 +84,20 @@ def test_reused_queues_schedule_as_fresh_ones(monkeypatch: pytest.MonkeyPatch) -
     fresh = [run(seed) for seed in seeds]
     assert reused == fresh
     assert sum(1 for steps in fresh for step in steps if isinstance(step, tuple) and step[1]) > 300  # promotions
+
+
+def test_an_idle_fair_share_queue_reset_schedules_as_a_fresh_one() -> None:
+    # A model-affinity group reuses its fair-share queue once idle (one per request before).
+    for seed in range(150):
+        q = build(seed, random.Random(seed))
+        q.push(Job(-1, 0.0, tenant="a"))
+        assert not q.reset()  # a tenant is active
+        got = q.pop(0.0)
+        assert got is not None and not q.reset()  # still in service
+        q.done(got[0])
+        run(seed, q)  # used, then idle
+        assert q.reset()
+        assert run(seed, q) == run(seed)
 
 
 def test_an_idle_tenant_gets_its_emptied_queues_back() -> None:

@@ -177,7 +177,7 @@ def test_in_a_pool_a_request_for_a_suspect_backend_that_stays_unhealthy_goes_to_
         request = UpstreamRequest(
             "POST", CHAT, [("content-type", "application/json")], b"{}", Dialect.OPENAI, wait_s=0.2
         )
-        passing = PassThrough(Pool(), [suspect, other])
+        passing = PassThrough([0] * 32, Pool(), [suspect, other])
         relay = Relay(suspect, request, Metrics(), passing, passing)
         try:
             await asyncio.wait_for(relay.run(Responder(send)), 30)

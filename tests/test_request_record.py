@@ -13,11 +13,12 @@ from hypothesis import strategies as st
 from polling import settle
 
 from clairvoyant.clock import ManualClock
+from clairvoyant.errors import QueueDeadline
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.predictor import Prediction
 from clairvoyant.scheduling.dispatcher import Dispatcher
 from clairvoyant.scheduling.policy import build_queue, make_policy
-from clairvoyant.scheduling.request import Placement, RequestStatus, Ticket
+from clairvoyant.scheduling.request import Placement, RequestStatus, Ticket, status_counts
 from clairvoyant.scheduling.routing import Load
 
 finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
@@ -130,3 +131,32 @@ def test_the_statuses_say_which_are_finished_and_how_the_log_names_them() -> Non
     ]  # fmt: skip
     assert RequestStatus.STREAMING.outcome == "pending" and RequestStatus.EXPIRED.outcome == "refused"
     assert RequestStatus.CLIENT_LEFT_QUEUED.outcome == "client_left_queued"
+
+
+def test_each_request_is_counted_once_in_each_status_it_enters_from_its_admission() -> None:
+    async def scenario() -> None:
+        metrics = Metrics()
+        clock = ManualClock()
+        policy = make_policy("fcfs")
+        d = Dispatcher(build_queue(policy), policy, slots=1, clock=clock, metrics=metrics, max_queue=10)
+        await d.start()
+
+        def ticket(name: str, expires_s: float = math.inf) -> Ticket:
+            prediction = Prediction.from_probabilities(0.5, 0.3, 0.2)
+            return Ticket(
+                name, "/v1/chat/completions", "openai", None, prediction, 10, predicted_s=10.0, expires_s=expires_s
+            )
+
+        running, waiting = ticket("running"), ticket("waiting")
+        d.submit(running)
+        d.submit(waiting)
+        await settle()
+        late = ticket("late", expires_s=clock.now() + 1.0)  # 20 s of work ahead of it: refused at once
+        with pytest.raises(QueueDeadline):
+            d.submit(late)
+        assert late.status is RequestStatus.EXPIRED and late.ended
+        counts = {s.name.lower(): n for s, n in zip(RequestStatus, status_counts(metrics), strict=True) if n}
+        assert counts == {"waiting": 3, "dispatched": 1, "expired": 1}
+        await d.stop(0.1)
+
+    asyncio.run(scenario())

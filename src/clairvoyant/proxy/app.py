@@ -65,6 +65,7 @@ from clairvoyant.scheduling.cluster.replica import ClusterLink
 from clairvoyant.scheduling.cluster.shared import StoreUnavailable
 from clairvoyant.scheduling.dispatcher import Dispatcher, Ticket
 from clairvoyant.scheduling.policy import PolicyParams, build_queue, make_policy
+from clairvoyant.scheduling.request import status_counts
 from clairvoyant.scheduling.service_time import ServiceTimeModel
 from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
 
@@ -485,6 +486,7 @@ class ProxyApp:
         self.api = api  # the lifespan and the proxy's own endpoints
         self.settings = settings
         self.metrics = metrics
+        self.status_counts = status_counts(metrics)  # pass-through requests' statuses
         self.access = AccessControl(settings)
         self.body_budget = BodyBudget(settings.body_budget_bytes)
         self.proxy: ProxyState | None = None  # set by the lifespan once started
@@ -594,7 +596,7 @@ class ProxyApp:
         except LimitExceeded as refused:
             metrics.tenant_refusals.labels(metrics.tenant(tenant), refused.limit).inc()
             raise
-        metrics.tenant_requests.labels(metrics.tenant(tenant)).inc()
+        metrics.tenant_requests_by[metrics.tenant(tenant)].inc()
         held_bytes = 0
         try:
             dispatcher.check_room()
@@ -629,13 +631,13 @@ class ProxyApp:
                 await self._merged_listing(pool, request, out)
                 return
             if len(pool) == 1:
-                passing = PassThrough()
+                passing = PassThrough(self.status_counts)
                 relay = Relay(pool.first, request, self.metrics, passing, passing)
             else:
                 # To a backend serving the model the body names (Ollama's show, embeddings), or to
                 # the first healthy backend; a refused connection tries the next.
                 order = pool.passthrough_order(_model_named(body))
-                passing = PassThrough(pool, order)
+                passing = PassThrough(self.status_counts, pool, order)
                 relay = Relay(order[0], request, self.metrics, passing, passing)
             await relay_unscheduled(relay, out, receive, self.metrics)
         finally:

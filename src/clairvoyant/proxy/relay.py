@@ -81,6 +81,7 @@ class RelayHooks(Protocol):
     needs none of it)."""
 
     reads_usage: bool = False  # a 2xx answer's usage is read as it passes (``usage`` gets it)
+    pool: Pool | None = None  # the backends it may be sent to, told what each answer shows of them
 
     def move(self, status: RequestStatus) -> bool:
         """The request's status changes (the one way a relay changes it); False if it had ended."""
@@ -103,8 +104,10 @@ class RelayHooks(Protocol):
         return None
 
     def backend_state(self, upstream: Upstream, healthy: bool) -> None:
-        """A backend sent a status (``healthy``), or failed after the request was sent."""
-        return None
+        """A backend sent a status (``healthy``), or failed after the request was sent: the pool is told."""
+        pool = self.pool
+        if pool is not None:
+            (pool.answered if healthy else pool.broken)(upstream)
 
     async def failover(self, relay: Relay) -> bool:
         """``relay.upstream`` cannot take the request (its connection refused or not accepted, or
@@ -116,28 +119,29 @@ class RelayHooks(Protocol):
 class PassThrough(RelayHooks):
     """An unscheduled request's record and hooks: a status, and in a pool the next backend to try."""
 
-    __slots__ = ("status", "_pool", "_order", "_tried")
+    __slots__ = ("status", "pool", "_counts", "_order", "_tried")
 
-    def __init__(self, pool: Pool | None = None, order: Sequence[Upstream] = ()) -> None:
+    def __init__(self, counts: list[int], pool: Pool | None = None, order: Sequence[Upstream] = ()) -> None:
+        """``counts``: where each status entered is counted (``scheduling.request.status_counts``)."""
         self.status = RequestStatus.DISPATCHED
-        self._pool = pool
+        counts[RequestStatus.DISPATCHED] += 1
+        self.pool = pool
+        self._counts = counts
         self._order = order  # in a pool: the backends to try, in order
         self._tried: list[Upstream] = []
 
     def move(self, status: RequestStatus) -> bool:
-        if self.status.is_finished:
+        old = self.status
+        if old == status or old.is_finished:
             return False
         self.status = status
+        self._counts[status] += 1
         return True
 
-    def backend_state(self, upstream: Upstream, healthy: bool) -> None:
-        if self._pool is not None:
-            (self._pool.answered if healthy else self._pool.broken)(upstream)
-
     async def failover(self, relay: Relay) -> bool:
-        if self._pool is None:
+        if self.pool is None:
             return False
-        self._pool.refused(relay.upstream)
+        self.pool.refused(relay.upstream)
         self._tried.append(relay.upstream)
         other = next((u for u in self._order if u not in self._tried), None)
         if other is None:

@@ -47,7 +47,6 @@ from clairvoyant.proxy.limits import TenantLimits
 from clairvoyant.proxy.pool import BackendPool
 from clairvoyant.proxy.relay import Receive, Relay, RelayHooks, Responder, UpstreamRequest, disconnected
 from clairvoyant.proxy.transport import Headers
-from clairvoyant.proxy.upstream import Upstream
 from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.dispatcher import Dispatcher
 from clairvoyant.scheduling.request import RequestStatus, Ticket
@@ -243,7 +242,7 @@ class ScheduledHooks(RelayHooks):
     dispatcher, its headers, its first byte and pace, its usage, and failover in a pool. It holds
     neither the relay nor the ``ScheduledRequest``: nothing to break by hand."""
 
-    __slots__ = ("shared", "ticket", "body", "stream", "_predict_later")
+    __slots__ = ("shared", "pool", "ticket", "body", "stream", "_predict_later")
 
     reads_usage = True
 
@@ -256,6 +255,7 @@ class ScheduledHooks(RelayHooks):
         predict_later: Callable[[], None] | None = None,  # dispatched at once: its prediction, still to make
     ) -> None:
         self.shared = shared
+        self.pool = shared.pool
         self.ticket = ticket
         self.body = body
         self.stream = stream
@@ -320,20 +320,13 @@ class ScheduledHooks(RelayHooks):
         if tokens is not None and usage.observed:
             # Counted in a task: on Redis a write, and this hook runs inside the relay.
             shared.dispatcher.run_detached(shared.limits.add_tokens(ticket.tenant, tokens), "limits-tokens")
-            shared.metrics.tenant_tokens.labels(shared.metrics.tenant(ticket.tenant)).inc(tokens)
+            shared.metrics.tenant_tokens_by[shared.metrics.tenant(ticket.tenant)].inc(tokens)
         on_usage = shared.on_usage
         if on_usage is not None:
             try:
                 on_usage(ticket, usage, self.body)
             except Exception:  # the answer is relayed already: a failing observer must not break it
                 logger.exception("request_id=%s: recording usage failed", ticket.request_id)
-
-    def backend_state(self, upstream: Upstream, healthy: bool) -> None:
-        pool = self.shared.pool
-        if healthy:
-            pool.answered(upstream)
-        else:
-            pool.broken(upstream)
 
     async def failover(self, relay: Relay) -> bool:
         """The granted backend refused the connection: wait first in line for another healthy
@@ -420,7 +413,7 @@ class ScheduledRequest:
                 placement.interrupt = self._interrupt
                 wait_s = ticket.queue_wait_s()
                 if wait_s is not None:
-                    shared.metrics.tenant_wait.labels(shared.metrics.tenant(ticket.tenant)).observe(wait_s)
+                    shared.metrics.tenant_wait_by[shared.metrics.tenant(ticket.tenant)].observe(wait_s)
                 if limit_s is not None:
                     timer = asyncio.get_running_loop().call_later(limit_s, self._generation_over, limit_s)
                 self.hooks.bind(relay)

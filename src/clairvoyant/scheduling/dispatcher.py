@@ -66,7 +66,7 @@ from clairvoyant.scheduling.cluster.shared import ClusterSide, ServiceObservatio
 from clairvoyant.scheduling.expiry import Expiry, expired
 from clairvoyant.scheduling.job_queue import Job, JobQueue, add_counts
 from clairvoyant.scheduling.policy import SchedulingPolicy
-from clairvoyant.scheduling.request import ID_PREFIX, Placement, RequestStatus, Ticket
+from clairvoyant.scheduling.request import ID_PREFIX, Placement, RequestStatus, Ticket, status_counts
 from clairvoyant.scheduling.routing import Backend, Load, choose
 from clairvoyant.scheduling.service_time import FREE_LOAD_S, ServiceTimeModel, write_state
 from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
@@ -85,6 +85,9 @@ OVERRUN_GROWTH = 0.5
 # Streamed tokens before the answer's own pace is trusted over its prediction (the first ones carry
 # the prompt's processing).
 LIVE_PACE_MIN_TOKENS = 8
+
+
+_FINISHED = RequestStatus.COMPLETED  # the first finished status
 
 
 class _AsNow(enum.Enum):
@@ -147,19 +150,6 @@ class Lease:
     completed: bool = False
     usage: Usage | None = None  # what the backend reported producing (None: not read)
 
-    @property
-    def backend(self) -> int:
-        """The backend's index in the pool (it changes if the request is rerouted)."""
-        placement = self.ticket.placement
-        assert placement is not None and placement.backend is not None
-        return placement.backend
-
-    @property
-    def slot(self) -> int:
-        placement = self.ticket.placement
-        assert placement is not None and placement.slot is not None
-        return placement.slot
-
 
 class Dispatcher:
     def __init__(
@@ -211,7 +201,7 @@ class Dispatcher:
         # Each backend's in-flight gauge, looked up once (a labels() lookup per request costs µs).
         self._in_flight_gauges = [metrics.backend_in_flight.labels(b.name) for b in self.backends]
         self._switch_counters = [metrics.model_switches.labels(b.name) for b in self.backends]
-        self._status_counters = {s: metrics.request_status.labels(s.name.lower()) for s in RequestStatus}
+        self._status_counts = status_counts(metrics)
         self._expiry: Expiry[Ticket] = Expiry()  # waiting tickets with a queue deadline
         self._expiry_timer: asyncio.TimerHandle | None = None
         self._expiry_timer_s = math.inf  # the clock reading the timer is set for
@@ -413,6 +403,7 @@ class Dispatcher:
         self.check_room()
         self._check_model(ticket.model)
         self.queue.push(ticket)
+        self._status_counts[RequestStatus.WAITING] += 1  # its first status: counted as it is admitted
         self.metrics.depth_by_class[ticket.predicted_class].inc()
         # O(1) on purpose: ordering the whole queue per arrival would cost O(n log n) at depth n.
         ticket.grants_before_arrival = self._grants
@@ -423,7 +414,9 @@ class Dispatcher:
             if now + eta_s >= ticket.expires_s:
                 self.queue.remove(ticket)
                 self._end_waiting(ticket)
-                raise _deadline_error(ticket, eta_s)
+                error = _deadline_error(ticket, eta_s)
+                self._end_wait(ticket, RequestStatus.EXPIRED, error)
+                raise error
             self._expiry.add(ticket)
             self._arm_expiry()
         if self.cluster is not None:
@@ -433,17 +426,19 @@ class Dispatcher:
     def dispatch_at_once(self, ticket: Ticket) -> bool:
         """Grant ``ticket`` a slot now, before its prediction, when a backend for it has a free
         slot and nobody waits: there is no order to decide. False otherwise (then predict it and
-        ``submit``). Raises what ``submit`` raises for any request (``ShuttingDown``,
-        ``ModelNotServed``). The caller predicts while the backend works, fills in the ticket's
-        predicted fields and calls ``predicted_at_once``."""
-        self.check_room()
-        self._check_model(ticket.model)
-        if not self._started or self.waiting:
-            return False
-        backend = self._route(ticket)
+        ``submit``). Raises ``ShuttingDown`` and ``QueueFull`` as ``submit`` does, and
+        ``ModelNotServed`` when nobody waits and no backend serves its model (else ``submit``
+        raises it). The caller predicts while the backend works, fills in the ticket's predicted
+        fields and calls ``predicted_at_once``."""
+        waiting = self.waiting
+        if self._closing or waiting >= self.max_queue:
+            self.check_room()  # raises
+        backend = None if waiting or not self._started else self._route(ticket)  # only a backend serving its model
         if backend is None:
+            self._check_model(ticket.model)
             return False
         ticket.grants_before_arrival = self._grants
+        self._status_counts[RequestStatus.WAITING] += 1  # its first status, if only for this instant
         # Through the queue all the same (its tenant's accounting, and done() at release): pushed and
         # popped at once, which take_now does without the heaps.
         self.queue.take_now(ticket, self.clock.now())
@@ -603,10 +598,10 @@ class Dispatcher:
         """The one place a request's status changes: logged (debug) and counted. A finished
         request keeps its first ending: False then, and nothing changes."""
         old = ticket.status
-        if old == status or old.is_finished:
+        if old == status or old >= _FINISHED:  # (``is_finished``, without its call: this runs 4 times a request)
             return False
         ticket.status = status
-        self._status_counters[status].inc()
+        self._status_counts[status] += 1
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("request_id=%s %s -> %s", ticket.request_id, old.name, status.name)
         return True
@@ -777,6 +772,7 @@ class Dispatcher:
         """``queued``: it waited in the queue (False: dispatched at once, before its prediction;
         never in the depth gauge, its wait observed by ``predicted_at_once``). ``slot``: the one the
         shared store granted (None: a free one of this dispatcher's)."""
+        self.move(ticket, RequestStatus.DISPATCHED)
         backend = self.backends[index]
         if slot is None:
             slot = backend.free.pop()
@@ -802,7 +798,6 @@ class Dispatcher:
         self.metrics.in_flight.inc()
         self._in_flight_gauges[index].inc()
         self._grants += 1
-        self.move(ticket, RequestStatus.DISPATCHED)
         ticket.settle()
 
     # -- positions and ETAs -------------------------------------------------------------------

@@ -676,7 +676,8 @@ class FairShareQueue(JobQueue[T]):
         """``push`` then ``pop``: the tenant active, charged from the virtual time, the job in service."""
         if self._live:
             raise RuntimeError("take_now while jobs wait: push and pop instead")
-        self._tick(job.arrival_s)  # push's tick, then pop's: no tenant was waiting in between but this one
+        # Push's tick, then pop's, come to pop's alone: with no tenant waiting the share clock runs
+        # at the wall clock's (or the set clock's) pace, so only the later reading counts.
         self._tick(now)
         name = self.tenant_of(job)
         tenant = self._tenants.get(name)
@@ -700,6 +701,17 @@ class FairShareQueue(JobQueue[T]):
         if isinstance(queue, StarvationGuard):
             queue.clock = self.share_clock_s
         return _Tenant(queue, self._virtual_s, weight)
+
+    def reset(self) -> bool:
+        """With no tenant active, make the queue as new (its spare tenants' queues are as new
+        already): a model-affinity group reuses it, not a new one per request. False (nothing
+        changed) while a tenant is active."""
+        if self._tenants:
+            return False
+        self._virtual_s = 0.0
+        self._share_lag_s = 0.0
+        self._share_at_s = -math.inf
+        return True
 
     def _retire(self, name: Hashable, tenant: _Tenant[T]) -> None:
         """``tenant`` has nothing waiting and nothing in service: no longer active."""

@@ -67,8 +67,21 @@ class SchedulingPolicy(Protocol):
         ...
 
 
+class _Unlearned:
+    """A policy that learns nothing from finished jobs and has no parameters to describe."""
+
+    __slots__ = ()
+    name: str
+
+    def observe(self, job: Job[Any], measured_s: float) -> None:
+        pass
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+
 @dataclass(slots=True)
-class FcfsPolicy:
+class FcfsPolicy(_Unlearned):
     """First come, first served: the baseline for every benchmark."""
 
     name: str = "fcfs"
@@ -76,27 +89,15 @@ class FcfsPolicy:
     def make_queue(self) -> JobQueue[Any]:
         return HeapQueue(lambda j: (j.priority, j.arrival_s))
 
-    def observe(self, job: Job[Any], measured_s: float) -> None:
-        pass
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name}
-
 
 @dataclass(slots=True)
-class SjfPolicy:
+class SjfPolicy(_Unlearned):
     """Shortest predicted job first (paper 3.4): ascending predictor score, ties by arrival."""
 
     name: str = "sjf"
 
     def make_queue(self) -> JobQueue[Any]:
         return HeapQueue(lambda j: (j.priority, j.score))
-
-    def observe(self, job: Job[Any], measured_s: float) -> None:
-        pass
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name}
 
 
 @dataclass(slots=True)
@@ -136,7 +137,7 @@ class _NotingHeap(HeapQueue[Any]):
 
 
 @dataclass(slots=True)
-class HrrnPolicy:
+class HrrnPolicy(_Unlearned):
     """Highest response ratio next (paper 001's parameter-free aging): (wait + S) / S, S = predicted_s."""
 
     name: str = "hrrn"
@@ -148,12 +149,6 @@ class HrrnPolicy:
 
     def make_queue(self) -> JobQueue[Any]:
         return ScanQueue(self.rank)
-
-    def observe(self, job: Job[Any], measured_s: float) -> None:
-        pass
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name}
 
 
 def _boost(params: PolicyParams) -> BoostPolicy:

@@ -3,14 +3,21 @@ state. ``/queue`` serves it as JSON, ``/history`` samples it, the live page and 
 status`` read that JSON. No prompt text.
 
 Every field has a default (None where a reader must tell "absent"), so that a reader can
-validate an older proxy's sparser body, and a newer one's extra fields are kept (``extra="allow"``). A field that only some requests have
-(``p_long``, ``expires_in_s``, ``switch_due_in_s``) is left out of the JSON where it has none.
+validate an older proxy's sparser body, and a newer one's extra fields are kept (``extra="allow"``)
+everywhere but in a request's row. A field that only some requests have (``p_long``,
+``expires_in_s``, ``switch_due_in_s``) is left out of the JSON where it has none.
+
+A request's row is a slotted dataclass, not a model: the view is built from the dispatcher's own
+records, and pydantic takes a dataclass instance as it is, where it would validate each of 10,000
+rows field by field (``model_construct`` loops over the fields in Python, no faster);
+benchmarks/bench_queue_view.py measures it.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,14 +33,15 @@ __all__ = [
     "ReplicaHealthView", "RequestView", "RunningView", "WaitingView", "queue_view",
 ]  # fmt: skip
 
-_OPTIONAL: Any = Field(default=None, exclude_if=lambda value: value is None)  # left out of the JSON when None
+Optional = Annotated[float | None, Field(exclude_if=lambda value: value is None)]  # left out of the JSON when None
 
 
 class _View(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class RequestView(_View):
+@dataclass(slots=True, kw_only=True)
+class RequestView:
     """A request's public fields (``waited_s``: seconds since it arrived; for a finished one, the
     seconds it spent queued)."""
 
@@ -43,26 +51,29 @@ class RequestView(_View):
     tenant: str | None = None
     priority: int | None = None
     predicted_class: str | None = None
-    p_long: float | None = _OPTIONAL
+    p_long: Optional = None
     score: float | None = None
     predicted_tokens: float | None = None
     predicted_s: float | None = None
     waited_s: float | None = None
-    expires_in_s: float | None = _OPTIONAL
+    expires_in_s: Optional = None
 
 
+@dataclass(slots=True, kw_only=True)
 class WaitingView(RequestView):
     position: int | None = None  # in dispatch order
     eta_s: float | None = None  # predicted seconds until it is dispatched
-    switch_due_in_s: float | None = _OPTIONAL  # seconds until a switch to its model is due (model affinity)
+    switch_due_in_s: Optional = None  # seconds until a switch to its model is due (model affinity)
 
 
+@dataclass(slots=True, kw_only=True)
 class RunningView(RequestView):
     backend: str | None = None
     slot: int | None = None
     running_s: float | None = None
 
 
+@dataclass(slots=True, kw_only=True)
 class FinishedView(RequestView):
     backend: str | None = None
     outcome: str = ""  # completed, ended, left_queued or expired
@@ -162,15 +173,17 @@ class QueueView(_View):
     in_flight: list[RunningView] = []
     recent: list[FinishedView] = []  # newest first
     tenants: dict[str, dict[str, Any]] = {}  # limits and use (proxy/limits.py), added by the proxy
-    cluster: ClusterPartView | None = _OPTIONAL  # with replicas: the whole cluster, added by the proxy
+    # with replicas: the whole cluster, added by the proxy (left out of the JSON without them)
+    cluster: Annotated[ClusterPartView | None, Field(exclude_if=lambda value: value is None)] = None
 
 
 def _request(ticket: Ticket, now: float) -> dict[str, Any]:
     prediction = ticket.prediction
+    probabilities = None if prediction is None else prediction.probabilities
     return {
         "request_id": ticket.request_id, "endpoint": ticket.endpoint, "model": ticket.model, "tenant": ticket.tenant,
         "priority": ticket.priority, "predicted_class": ticket.predicted_class,
-        "p_long": None if prediction is None or prediction.p_long is None else round(prediction.p_long, 6),
+        "p_long": None if probabilities is None else round(probabilities[2], 6),
         "score": round(ticket.score, 6), "predicted_tokens": round(ticket.predicted_tokens, 1),
         "predicted_s": round(ticket.predicted_s, 3), "waited_s": round(now - ticket.arrival_s, 3),
         "expires_in_s": None if math.isinf(ticket.expires_s) else round(ticket.expires_s - now, 3),
@@ -181,34 +194,51 @@ def _switch_due_in_s(dispatcher: Dispatcher, ticket: Ticket, now: float) -> floa
     """Seconds until a switch to its model is due (put off ``bound_s``), when no backend that
     serves it holds it (then, with two models, its model is loaded next)."""
     bound_s = dispatcher.queue.bound_s
+    if not bound_s:
+        return None
     serving = [b for b in dispatcher.backends if b.serves(ticket.model)]
-    if not bound_s or not serving or any(b.holds(ticket.model) for b in serving):
+    if not serving or any(b.holds(ticket.model) for b in serving):
         return None
     return round(min(max(ticket.arrival_s, b.switched_s) for b in serving) + bound_s - now, 3)
 
 
-def _backends(dispatcher: Dispatcher, now: float) -> list[BackendView]:
+def _backends(dispatcher: Dispatcher, now: float) -> list[dict[str, Any]]:
     loads = dispatcher.service_time.loads()
     return [
-        BackendView(
-            name=b.name,
+        {
+            "name": b.name,
             **b.info,
-            slots=b.slots,
-            in_flight=len(b.running),
-            healthy=b.healthy,
-            models=list(b.models),
-            loaded_models=list(b.loaded),
-            holds=b.last_model,
-            switched_ago_s=None if math.isinf(b.switched_s) else round(now - b.switched_s, 3),
-            load_s={
-                m: LoadView(load_s=round(x["load_s"], 3), observations=int(x["observations"]))
+            "slots": b.slots,
+            "in_flight": len(b.running),
+            "healthy": b.healthy,
+            "models": list(b.models),
+            "loaded_models": list(b.loaded),
+            "holds": b.last_model,
+            "switched_ago_s": None if math.isinf(b.switched_s) else round(now - b.switched_s, 3),
+            "load_s": {
+                m: {"load_s": round(x["load_s"], 3), "observations": int(x["observations"])}
                 for m, x in loads.get(b.name, {}).items()
             },
-            remaining_s=round(dispatcher.remaining_s(b), 3),
-            slowness=round(b.slowness, 3),
-        )  # fmt: skip
+            "remaining_s": round(dispatcher.remaining_s(b), 3),
+            "slowness": round(b.slowness, 3),
+        }  # fmt: skip
         for b in dispatcher.backends
     ]
+
+
+def _finished(
+    dispatcher: Dispatcher, ticket: Ticket, ended_s: float, outcome: str, output_tokens: int | None, now: float
+) -> FinishedView:
+    placement = ticket.placement
+    row = _request(ticket, now)
+    row["waited_s"] = round((ended_s if placement is None else placement.dispatched_s) - ticket.arrival_s, 3)
+    return FinishedView(
+        **row,
+        backend=None if placement is None or placement.backend is None else dispatcher.backends[placement.backend].name,
+        outcome=outcome, output_tokens=output_tokens,
+        service_s=None if placement is None else round(ended_s - placement.dispatched_s, 3),
+        ended_ago_s=round(now - ended_s, 3),
+    )  # fmt: skip
 
 
 def queue_view(dispatcher: Dispatcher, limit: int | None = None) -> QueueView:
@@ -219,64 +249,44 @@ def queue_view(dispatcher: Dispatcher, limit: int | None = None) -> QueueView:
     etas, tail = dispatcher.etas(now)
     shown = etas if limit is None else etas[: max(0, limit)]
     slowdown = dispatcher.starvation_slowdown
-    names = {b: b.name for b in dispatcher.backends}
-    return QueueView(
-        policy=dispatcher.policy.name,
-        policy_detail=dispatcher.policy.describe(),
-        starvation_timeout_s=None if math.isinf(dispatcher.starvation_timeout_s) else dispatcher.starvation_timeout_s,
-        starvation_slowdown=slowdown.describe() if isinstance(slowdown, AdaptiveSlowdown) else slowdown,
-        model_switch=ModelSwitchView(
-            bound_s=dispatcher.queue.bound_s,
-            load_prior_s=dispatcher.service_time.defaults.load_s,
-            waiting_by_model={m or "default": n for m, n in dispatcher.queue.waiting_by_model().items()},
-        ),
-        slots=dispatcher.slots,
-        max_queue=dispatcher.max_queue,
-        tail_eta_s=round(tail, 3),
+    service_time = dispatcher.service_time
+    return QueueView.model_validate({
+        "policy": dispatcher.policy.name,
+        "policy_detail": dispatcher.policy.describe(),
+        "starvation_timeout_s": None if math.isinf(dispatcher.starvation_timeout_s) else dispatcher.starvation_timeout_s,
+        "starvation_slowdown": slowdown.describe() if isinstance(slowdown, AdaptiveSlowdown) else slowdown,
+        "model_switch": {
+            "bound_s": dispatcher.queue.bound_s,
+            "load_prior_s": service_time.defaults.load_s,
+            "waiting_by_model": {m or "default": n for m, n in dispatcher.queue.waiting_by_model().items()},
+        },
+        "slots": dispatcher.slots,
+        "max_queue": dispatcher.max_queue,
+        "tail_eta_s": round(tail, 3),
         # Every model's fit that orders requests (predicted seconds; times each backend's slowness
         # for its ETAs), including a model still at the defaults while it waits.
-        service_time={
-            **dispatcher.service_time.fits(),
+        "service_time": {
+            **service_time.fits(),
             **{
-                model: dispatcher.service_time.coefficients(model)
+                model: service_time.coefficients(model)
                 for model in {t.model for t in dispatcher.running()} | {job.payload.model for job, _ in etas}
                 if model
             },
         },
-        backends=_backends(dispatcher, now),
-        waiting_count=len(etas),
-        waiting=[
+        "backends": _backends(dispatcher, now),
+        "waiting_count": len(etas),
+        "waiting": [
             WaitingView(
-                position=i,
-                eta_s=round(eta, 3),
-                **_request(job.payload, now),
+                **_request(job.payload, now), position=i, eta_s=round(eta, 3),
                 switch_due_in_s=_switch_due_in_s(dispatcher, job.payload, now),
-            )  # fmt: skip
+            )
             for i, (job, eta) in enumerate(shown)
         ],
-        in_flight=[
-            RunningView(
-                backend=names[b],
-                slot=slot,
-                **_request(t, now),
-                running_s=round(0.0 if t.placement is None else now - t.placement.dispatched_s, 3),
-            )  # fmt: skip
+        "in_flight": [
+            RunningView(**_request(t, now), backend=b.name, slot=slot, running_s=round(now - t.placement.dispatched_s, 3))
             for b in dispatcher.backends
             for slot, t in sorted(b.running.items())
+            if t.placement is not None  # (granted: it runs)
         ],
-        recent=[
-            FinishedView(
-                **{
-                    **_request(t, now),
-                    "waited_s": round((ended_s if p is None else p.dispatched_s) - t.arrival_s, 3),
-                },
-                backend=None if p is None or p.backend is None else dispatcher.backends[p.backend].name,
-                outcome=outcome,
-                output_tokens=output_tokens,
-                service_s=None if p is None else round(ended_s - p.dispatched_s, 3),
-                ended_ago_s=round(now - ended_s, 3),
-            )  # fmt: skip
-            for t, ended_s, outcome, output_tokens in reversed(dispatcher.recent)
-            for p in (t.placement,)
-        ],
-    )
+        "recent": [_finished(dispatcher, *entry, now) for entry in reversed(dispatcher.recent)],
+    })  # fmt: skip

@@ -16,11 +16,12 @@ import time
 from collections.abc import Callable, Mapping
 
 from clairvoyant.errors import RequestError
+from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.predictor import Prediction
 from clairvoyant.scheduling.job_queue import Job
 from clairvoyant.scheduling.routing import Load
 
-__all__ = ["ID_PREFIX", "Placement", "RequestStatus", "Ticket"]
+__all__ = ["ID_PREFIX", "Placement", "RequestStatus", "Ticket", "status_counts"]
 
 # Made request ids start with this: the process's start (hex ns) makes them unique across restarts,
 # the job's seq (process-wide arrival order) within one (``Ticket.request_id``).
@@ -69,6 +70,12 @@ class RequestStatus(enum.IntEnum):
 _OUTCOMES: dict[RequestStatus, str] = {
     status: "pending" if status.in_progress else status.name.lower() for status in RequestStatus
 } | {RequestStatus.HOLDING: "client_left_watching", RequestStatus.EXPIRED: "refused"}
+
+
+def status_counts(metrics: Metrics) -> list[int]:
+    """Where each status entered is counted (``metrics.request_status``), by ``RequestStatus``
+    value: ``counts[status] += 1``."""
+    return metrics.request_status.declare([status.name.lower() for status in RequestStatus])
 
 
 class Placement:

@@ -17,7 +17,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from clairvoyant.scheduling.queue_view import (
     BackendView,
@@ -96,18 +96,22 @@ def _dicts(value: Any) -> list[dict[str, Any]]:
     return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
 
 
-View = TypeVar("View", bound=BaseModel)
+View = TypeVar("View")
 
 
 def _views(value: Any, view: type[View]) -> list[View]:
-    """The objects of a /queue list as its typed view (``scheduling.queue_view``); an object whose
-    known fields have the wrong types is read without them."""
+    """The objects of a /queue list as its typed view (``scheduling.queue_view``: a model, or a
+    request's dataclass row); an object whose known fields have the wrong types is read without them."""
+    adapter = TypeAdapter(view)
     rows = []
     for row in _dicts(value):
         try:
-            rows.append(view.model_validate(row))
+            rows.append(adapter.validate_python(row))
         except ValidationError:
-            rows.append(view.model_construct(**{k: v for k, v in row.items() if k not in view.model_fields}))
+            if isinstance(view, type) and issubclass(view, BaseModel):
+                rows.append(view.model_construct(**{k: v for k, v in row.items() if k not in view.model_fields}))
+            else:
+                rows.append(adapter.validate_python({}))
     return rows
 
 
