@@ -23,7 +23,6 @@ from clairvoyant.scheduling.cluster.shared import (
     HeldLease,
     Message,
     MessageKind,
-    Placed,
     RenewReply,
     StoreUnavailable,
 )
@@ -346,15 +345,24 @@ def test_redis_unreachable_raises_store_unavailable(own_redis_server: RedisServe
 
 
 def test_enqueue_places_the_entry_in_the_whole_queue(redis_server: RedisServer) -> None:
+    """``Placed``: the entries ahead, and their predicted seconds plus what the running request
+    has left of its 100 (stated tolerance: the test's own seconds since that grant, under 5)."""
+
     async def test() -> None:
         a, b = await started(redis_server.url, GPU, ["a", "b"])
-        await a.store.enqueue(Entry("running"))
+        await a.store.enqueue(Entry("running", predicted_s=100.0))
         await until(lambda: "running" in a.held, what="the slot taken")
-        assert await a.store.enqueue(Entry("s1", score=1.0, predicted_s=2.0)) == Placed(0, 0.0)
-        assert await b.store.enqueue(Entry("s3", score=3.0, predicted_s=5.0)) == Placed(1, 2.0)
-        assert await a.store.enqueue(Entry("s2", score=2.0, predicted_s=1.0)) == Placed(1, 2.0)
-        assert await b.store.enqueue(Entry("low", priority=1, score=0.0)) == Placed(3, 8.0)
-        assert await a.store.enqueue(Entry("top", priority=-1, score=9.0)) == Placed(0, 0.0)
+
+        async def placed(store: RedisSlotStore, entry: Entry, ahead: int, ahead_s: float) -> None:
+            got = await store.enqueue(entry)
+            assert got.ahead == ahead
+            assert ahead_s + 95.0 <= got.ahead_s <= ahead_s + 100.0, got
+
+        await placed(a.store, Entry("s1", score=1.0, predicted_s=2.0), 0, 0.0)
+        await placed(b.store, Entry("s3", score=3.0, predicted_s=5.0), 1, 2.0)
+        await placed(a.store, Entry("s2", score=2.0, predicted_s=1.0), 1, 2.0)
+        await placed(b.store, Entry("low", priority=1, score=0.0), 3, 8.0)
+        await placed(a.store, Entry("top", priority=-1, score=9.0), 0, 0.0)
         view = await a.store.view()
         assert [w.request_id for w in view.waiting] == ["top", "s1", "s2", "s3", "low"]
         assert [w.replica for w in view.waiting] == ["a", "a", "a", "b", "b"]

@@ -254,7 +254,7 @@ local function grant(e, free)
   unqueue(id, e)
   redis.call('ZADD', P .. 'lease:' .. chosen.name, f(now + lease_s), slot)
   redis.call('HSET', P .. 'lid:' .. chosen.name, slot, id)
-  redis.call('HSET', P .. 'e:' .. id, 'st', 'r', 'b', chosen.name, 's', slot)
+  redis.call('HSET', P .. 'e:' .. id, 'st', 'r', 'b', chosen.name, 's', slot, 'g', f(now))
   redis.call('SADD', P .. 'rr:' .. e.r, id)
   if e.md ~= '' then
     local held = redis.call('HGET', P .. 'holds', chosen.name)
@@ -372,6 +372,14 @@ local function placed(id)
       end
     end
     count_in(redis.call('ZRANGE', P .. 'over:' .. tn, 0, -1))
+  end
+  -- It waits, so every slot it may take is busy: what the running ones have left is ahead too.
+  for _, b in ipairs(redis.call('HKEYS', P .. 'bk')) do
+    local held = redis.call('HGETALL', P .. 'lid:' .. b)
+    for i = 2, #held, 2 do
+      local run = redis.call('HMGET', P .. 'e:' .. held[i], 'pr', 'g')
+      if run[1] and run[2] then secs = secs + math.max(0, tonumber(run[1]) - (now - tonumber(run[2]))) end
+    end
   end
   return { tostring(count), f(secs) }
 end

@@ -107,7 +107,8 @@ class ServiceObservation:
 @dataclass(frozen=True, slots=True)
 class Placed:
     """Where an enqueued entry stands in the whole cluster's order (for its queue deadline's check
-    and Retry-After): the entries that go before it, and their predicted seconds."""
+    and Retry-After): the entries that go before it, and their predicted seconds plus what the
+    requests running now have left of theirs (0 and 0 when it was granted at once)."""
 
     ahead: int
     ahead_s: float

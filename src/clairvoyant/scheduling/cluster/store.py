@@ -36,6 +36,8 @@ The policy (the in-process ``build_queue``'s sjf + ``StarvationGuard`` + ``FairS
 ``enqueue`` returns ``Placed``: the entries of every better band, the overdue ones, and in its own
 band every tenant's entries with a score at most its own. Fair share inside the band is not
 replayed there, so with several tenants ``ahead`` counts entries a fair turn would put after it.
+Its seconds add what the running requests have left of their predicted seconds (a grant stamps
+its time): the entry waits, so every slot it may take is busy.
 
 Leases and faults:
 
