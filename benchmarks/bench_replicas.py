@@ -727,7 +727,7 @@ async def redis_gone(mode: str, args: argparse.Namespace, log_dir: Path) -> dict
         figures: dict[str, Any] = {
             "requests": len(answers), "violations": sum(b.violations for b in backends),
             "lost": sum(a.status is None for a in answers),
-            "statuses": dict(Counter(str(a.status) for a in answers)),
+            "statuses": dict(Counter(str(a.status) if a.status is not None else f"none: {a.error}" for a in answers)),
         }  # fmt: skip
         if mode == "cluster":
             warnings = [line for r in f.replicas for line in r.log_path.read_text(errors="replace").splitlines()

@@ -390,3 +390,28 @@ def test_resync_replaces_the_waiting_entries_and_leave_withdraws_them(redis_serv
         await b.stop()
 
     run(test)
+
+
+def test_a_message_taken_by_a_connection_that_died_comes_again(redis_server: RedisServer) -> None:
+    """A message Redis moved to a replica's pending list for a connection that then died (its
+    BLMOVE's reply lost) is yielded after the reconnect, then removed from the list."""
+    import redis.asyncio as aioredis
+
+    async def test() -> None:
+        store = RedisSlotStore(redis_server.url, new_cluster(), "a", lease_s=5.0, poll_s=0.2)
+        await store.join(GPU)
+        raw = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+        pending = store.prefix + "mp:a"
+        await raw.rpush(pending, "superseded lost-on-the-way")  # as BLMOVE left it for the dead connection
+        await raw.rpush(store.prefix + "m:a", "superseded next")
+        messages = store.messages()
+        first = await asyncio.wait_for(anext(messages), 10)
+        second = await asyncio.wait_for(anext(messages), 10)
+        assert [first.request_id, second.request_id] == ["lost-on-the-way", "next"]
+        assert await raw.lrange(pending, 0, -1) == ["superseded next"]  # the first handled, the second in hand
+        await store.leave()
+        assert not await raw.exists(pending)
+        await raw.aclose()
+        await store.aclose()
+
+    run(test)

@@ -130,7 +130,7 @@ local function tick()
         forget(id, e)
       end
     end
-    redis.call('DEL', P .. 'rw:' .. r, P .. 'm:' .. r)
+    redis.call('DEL', P .. 'rw:' .. r, P .. 'm:' .. r, P .. 'mp:' .. r)
     redis.call('ZREM', P .. 'rep', r)
   end
 end
@@ -538,7 +538,7 @@ elseif cmd == 'leave' then
       forget(id, e)
     end
   end
-  redis.call('DEL', P .. 'rw:' .. me, P .. 'm:' .. me)
+  redis.call('DEL', P .. 'rw:' .. me, P .. 'm:' .. me, P .. 'mp:' .. me)
   redis.call('ZREM', P .. 'rep', me)
   redis.call('SREM', P .. 'gone', me)
   tick()

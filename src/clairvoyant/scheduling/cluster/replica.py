@@ -312,6 +312,9 @@ class ClusterLink:
         ticket = self._tickets.get(message.request_id)
         if message.kind is MessageKind.GRANT:
             index = dispatcher.backend_index(message.backend)
+            placement = None if ticket is None else ticket.placement
+            if placement is not None and (placement.backend, placement.slot) == (index, message.slot):
+                return  # a grant read twice (after a reconnect): it holds that slot already
             # (A grant read while LOCAL was pushed before the store was lost: not trusted. The
             # rejoin sends the request's entry again.)
             if (

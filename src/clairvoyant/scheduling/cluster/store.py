@@ -319,26 +319,45 @@ class RedisSlotStore:
         await self._redis.aclose()
 
     async def messages(self) -> AsyncIterator[Message]:
+        """This replica's messages, in order. Each is moved atomically into this replica's pending
+        list as it is taken (``BLMOVE``) and removed from it once handled: a message Redis gave to a
+        connection that died on the way (a timeout, a paused server) stays pending and comes again
+        after the reconnect, so a grant is never lost. A message may so come twice; every kind is
+        safe to handle twice (a grant of a slot already held is ignored)."""
         key = self.prefix + "m:" + self.replica
-        failing = False
+        pending = self.prefix + "mp:" + self.replica
+        failing, recover = False, True
+        # Redis takes a fractional timeout; redis-py's annotation says int.
+        timeout: Any = self.poll_s
         while not self._closed:
             try:
-                got = await self._blocking.blpop([key], timeout=self.poll_s)
+                got: list[Any] = await self._blocking.lrange(pending, 0, 0) if recover else []
+                if not got:
+                    recover = False
+                    got = [await self._blocking.blmove(key, pending, timeout, "LEFT", "RIGHT")]
             except RedisError as exc:
                 _recancel()
                 if self._closed:
                     return
                 if not failing:
                     log.warning("shared store: waiting for grants failed (%s); retrying", type(exc).__name__)
-                failing = True
+                failing, recover = True, True
                 await asyncio.sleep(min(self.poll_s, 0.2))
                 continue
             _recancel()
             if failing:
                 log.info("shared store: waiting for grants again")
                 failing = False
-            if got is not None:
-                yield _message(str(got[1]))
+            raw = got[0]
+            if raw is None:
+                continue
+            message = str(raw)  # (decode_responses: a str already)
+            yield _message(message)
+            try:
+                await self._blocking.lrem(pending, 1, message)
+            except RedisError:
+                _recancel()
+                recover = True  # comes again: handled twice, harmlessly
 
     async def view(self) -> ClusterView:
         """The whole cluster, read in one script (nothing changes, no clock-driven step runs)."""
