@@ -415,3 +415,22 @@ def test_a_message_taken_by_a_connection_that_died_comes_again(redis_server: Red
         await store.aclose()
 
     run(test)
+
+
+def test_resync_takes_back_a_grant_the_replica_never_took(redis_server: RedisServer) -> None:
+    """A grant the replica could not trust (read while it had lost Redis) is not held; when the
+    replica sends that request again as waiting, the store gives the slot back and queues it."""
+
+    async def test() -> None:
+        (a,) = await started(redis_server.url, GPU, ["a"])
+        await a.store.enqueue(Entry("x"))
+        await until(lambda: "x" in a.held, what="x granted")
+        a.held.pop("x")  # not taken: it still waits on the replica
+        a.messages.clear()
+        await a.store.resync([Entry("x")])
+        await until(lambda: a.got(MessageKind.GRANT) == ["x"], what="x granted again")
+        view = await a.store.view()
+        assert [lv.request_id for lv in view.leases] == ["x"]  # one lease, not two
+        await a.stop()
+
+    run(test)

@@ -528,7 +528,14 @@ elseif cmd == 'resync' then
   redis.call('DEL', P .. 'rw:' .. me)
   tick()
   local n = tonumber(ARGV[4])
-  for i = 0, n - 1 do add(5 + 10 * i) end
+  for i = 0, n - 1 do
+    -- The replica says it waits: a grant to it that it never took (handed out while it could not
+    -- trust its messages) is given back, its charge refunded, and the entry queued again.
+    local id = ARGV[5 + 10 * i]
+    local old = load(id)
+    if old and old.st ~= 'w' and old.r == me then finish(id, old, 0) end
+    add(5 + 10 * i)
+  end
   grant_step()
 elseif cmd == 'leave' then
   for _, id in ipairs(redis.call('SMEMBERS', P .. 'rw:' .. me)) do
