@@ -434,3 +434,28 @@ def test_resync_takes_back_a_grant_the_replica_never_took(redis_server: RedisSer
         await a.stop()
 
     run(test)
+
+
+def test_renew_is_the_truth_about_a_replicas_own_slots(redis_server: RedisServer) -> None:
+    """While Redis was gone a replica's request x ended and y took its slot; a late enqueue also
+    got y a second slot. The renewal saying y runs on x's slot ends x's lease and y's other one:
+    one lease, on the slot y runs on, and the other slot free for the next in line."""
+
+    async def test() -> None:
+        two = [BackendSpec("gpu", 2)]
+        (a,) = await started(redis_server.url, two, ["a"], lease_s=5.0)  # no lease runs out meanwhile
+        a.renew_held = False  # the test says what is held
+        await a.store.enqueue(Entry("x"))
+        await a.store.enqueue(Entry("y"))
+        await until(lambda: {"x", "y"} <= set(a.held), what="x and y granted")
+        x_slot, y_slot = a.held["x"].slot, a.held["y"].slot
+        reply = await a.store.renew([HeldLease("y", "gpu", x_slot)])
+        assert reply.lost == ()
+        view = await a.store.view()
+        assert [(lv.request_id, lv.slot) for lv in view.leases] == [("y", x_slot)]
+        await a.store.enqueue(Entry("z"))
+        await until(lambda: "z" in a.held, what="z granted the freed slot")
+        assert a.held["z"].slot == y_slot
+        await a.stop()
+
+    run(test)

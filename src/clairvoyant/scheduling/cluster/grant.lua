@@ -488,6 +488,15 @@ elseif cmd == 'renew' then
   for i = 0, n - 1 do
     local id, b, s = ARGV[5 + 3 * i], ARGV[6 + 3 * i], ARGV[7 + 3 * i]
     local cur = redis.call('HGET', P .. 'lid:' .. b, s)
+    if cur and cur ~= id then
+      -- This replica runs id on that slot: an earlier request of its own there ended while it
+      -- could not say so (Redis was gone). The replica knows its own slots: that lease goes.
+      local ce = load(cur)
+      if ce and ce.r == me then
+        finish(cur, ce, nil)
+        cur = nil
+      end
+    end
     if cur == id then
       redis.call('ZADD', P .. 'lease:' .. b, f(now + lease_s), s)
     elseif (not cur) and tonumber(s) < num(redis.call('HGET', P .. 'bk', b), 0) then
@@ -499,6 +508,12 @@ elseif cmd == 'renew' then
         unqueue(id, e)
         forget(id, e)
         e = nil
+      elseif e and e.b and e.b ~= '' and not (e.b == b and e.s == s) then
+        -- It was also granted another slot (a late enqueue, run when Redis came back): that one goes.
+        if redis.call('HGET', P .. 'lid:' .. e.b, e.s) == id then
+          redis.call('ZREM', P .. 'lease:' .. e.b, e.s)
+          redis.call('HDEL', P .. 'lid:' .. e.b, e.s)
+        end
       end
       if e == nil then
         redis.call('HSET', P .. 'e:' .. id, 'r', me, 't', '', 'pr', '0', 'st', 'r', 'adopted', '1', 'sk', '')

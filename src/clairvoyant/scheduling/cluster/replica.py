@@ -312,9 +312,11 @@ class ClusterLink:
         ticket = self._tickets.get(message.request_id)
         if message.kind is MessageKind.GRANT:
             index = dispatcher.backend_index(message.backend)
-            placement = None if ticket is None else ticket.placement
-            if placement is not None and (placement.backend, placement.slot) == (index, message.slot):
-                return  # a grant read twice (after a reconnect): it holds that slot already
+            if ticket is not None and ticket.placement is not None and not ticket.ended:
+                # It runs already: a grant read twice (after a reconnect), or one Redis made late
+                # for a request this replica granted itself while Redis was gone. Its renewal
+                # tells the store which slot it holds; releasing by id here would free that one.
+                return
             # (A grant read while LOCAL was pushed before the store was lost: not trusted. The
             # rejoin sends the request's entry again.)
             if (
