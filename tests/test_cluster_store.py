@@ -38,7 +38,7 @@ def new_cluster() -> str:
 class Replica:
     """One replica's side: its store, the messages it got, the leases it holds, its heartbeat."""
 
-    def __init__(self, url: str, cluster: str, name: str, lease_s: float = 0.5) -> None:
+    def __init__(self, url: str, cluster: str, name: str, lease_s: float = 1.0) -> None:
         self.store = RedisSlotStore(url, cluster, name, lease_s=lease_s, poll_s=0.2)
         self.messages: list[Message] = []
         self.held: dict[str, HeldLease] = {}
@@ -99,7 +99,7 @@ async def until_view(store: RedisSlotStore, predicate: Callable[[ClusterView], b
 
 
 async def started(
-    url: str, backends: list[BackendSpec], names: list[str], lease_s: float = 0.5, beat: bool = True
+    url: str, backends: list[BackendSpec], names: list[str], lease_s: float = 1.0, beat: bool = True
 ) -> list[Replica]:
     """Replicas joined to a new cluster, past its first quiet period."""
     cluster = new_cluster()

@@ -102,9 +102,9 @@ class RedisHarness:
         from clairvoyant.scheduling.cluster.store import RedisSlotStore
 
         cluster = f"contract{next(_clusters)}"
-        # A short lease: a new cluster grants nothing for one lease period (see store.py); the
-        # renew loop below keeps the granted ones alive.
-        self.stores = [RedisSlotStore(url, cluster, f"r{i}", lease_s=0.5, poll_s=0.2) for i in range(replicas)]
+        # A lease long enough that none runs out under a loaded machine (the order would then be
+        # the reclaims', not the policy's); a new cluster's pause is the lesser of it and 3 s.
+        self.stores = [RedisSlotStore(url, cluster, f"r{i}", lease_s=2.0, poll_s=0.2) for i in range(replicas)]
         self.slots, self.timeout_s, self.slowdown, self.weights = slots, timeout_s, slowdown, weights
         self.granted: list[str] = []
         self.owner: dict[str, Any] = {}
