@@ -61,7 +61,7 @@ from clairvoyant.proxy.scheduled import Arrival, Scheduling, SupersedeKeys, admi
 from clairvoyant.proxy.target import Target, check_head_size, check_host, check_target, http_version
 from clairvoyant.proxy.transport import Transport
 from clairvoyant.proxy.upstream import Upstream, forwardable_headers
-from clairvoyant.scheduling.cluster.replica import ClusterLink
+from clairvoyant.scheduling.cluster.replica import ClusterLink, ClusterOptions
 from clairvoyant.scheduling.cluster.shared import StoreUnavailable
 from clairvoyant.scheduling.dispatcher import Dispatcher, Ticket
 from clairvoyant.scheduling.policy import PolicyParams, build_queue, make_policy
@@ -329,15 +329,8 @@ def _cluster_link(
         lease_s=settings.lease_s,
         switch_bound_s=0.0 if settings.policy == "fcfs" else settings.model_switch_bound_s,
     )
-    link = ClusterLink(
-        store,
-        cluster_name=settings.cluster_name,
-        lease_s=settings.lease_s,
-        weights=tenant_weights,
-        fair_share=settings.fair_share,
-        on_heartbeat=_on_heartbeat(limits),
-        supersede_running=settings.supersede_running,
-    )
+    options = ClusterOptions(settings.cluster_name, settings.lease_s, settings.fair_share, settings.supersede_running)
+    link = ClusterLink(store, options, tenant_weights, on_heartbeat=_on_heartbeat(limits))
     stack.push_async_callback(link.leave)
     logger.info("replica %s of cluster %s (lease %.1f s)", replica, settings.cluster_name, settings.lease_s)
     return link

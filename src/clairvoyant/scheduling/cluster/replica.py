@@ -32,6 +32,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from clairvoyant.errors import LeaseLost, Superseded
@@ -56,7 +57,7 @@ from clairvoyant.scheduling.request import RequestStatus, Ticket
 if TYPE_CHECKING:
     from clairvoyant.scheduling.dispatcher import Dispatcher
 
-__all__ = ["ClusterLink", "Mode", "supersede_digest"]
+__all__ = ["ClusterLink", "ClusterOptions", "Mode", "supersede_digest"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,26 +78,27 @@ def supersede_digest(tenant: str, key: str) -> str:
     return hashlib.sha256(f"{tenant}\0{key}".encode()).hexdigest()[:32]
 
 
+@dataclass(frozen=True, slots=True)
+class ClusterOptions:
+    """The settings a replica's side of the shared queue runs by."""
+
+    cluster_name: str
+    lease_s: float  # seconds a lease lives unrenewed
+    fair_share: bool = True  # off: every entry is one tenant's ("" to the store)
+    supersede_running: bool = False  # a supersede that reaches a running request aborts it
+
+
 class ClusterLink:
     def __init__(
         self,
         store: SlotStore,
-        *,
-        cluster_name: str,
-        lease_s: float,
+        options: ClusterOptions,
         weights: Mapping[str, float],
-        fair_share: bool = True,
-        supersede_running: bool = False,
-        on_mode: Callable[[Mode], None] | None = None,
         on_heartbeat: Callable[[tuple[str, ...]], Awaitable[None]] | None = None,
     ) -> None:
         self.store = store
-        self.cluster_name = cluster_name
-        self.lease_s = lease_s
+        self.options = options
         self.weights = weights  # fair-share weight by tenant (the app's dict: a reload updates it)
-        self.fair_share = fair_share  # off: every entry is one tenant's ("" to the store)
-        self.supersede_running = supersede_running
-        self.on_mode = on_mode
         self.on_heartbeat = on_heartbeat  # after each renewal the store took: the live replicas
         self.mode = Mode.SHARED
         self.replicas: tuple[str, ...] = (store.replica,)  # the live replicas last seen, in rank order
@@ -104,10 +106,12 @@ class ClusterLink:
         self._supersede: dict[int, str] = {}  # id(ticket) -> its supersede digest, for its entry
         self._calls: asyncio.Queue[Callable[[], Awaitable[object]]] = asyncio.Queue()
         self._dispatcher: Dispatcher | None = None
-        self._lost_at_s = math.inf  # monotonic seconds the store was lost
-        self._renewed_at_s = time.monotonic()  # the last renewal the store took
-        self._share_timer: asyncio.TimerHandle | None = None
-        self._give_up_timer: asyncio.TimerHandle | None = None
+        self._renewed_at_s = time.monotonic()  # when the last renewal the store took was sent
+        self._local_timers: list[asyncio.TimerHandle] = []  # LOCAL mode's: its share, and its give-up
+
+    @property
+    def lease_s(self) -> float:
+        return self.options.lease_s
 
     # -- start and stop ------------------------------------------------------------------------
     async def start(self, dispatcher: Dispatcher, *, fallback: bool) -> None:
@@ -146,7 +150,7 @@ class ClusterLink:
         """The whole cluster's queue, leases and replicas, for /queue (``limit``: list only the
         first waiting requests; the count covers them all)."""
         part = ClusterPartView(
-            name=self.cluster_name, replica=self.store.replica, mode=self.mode.value, lease_s=self.lease_s
+            name=self.options.cluster_name, replica=self.store.replica, mode=self.mode.value, lease_s=self.lease_s
         )
         try:
             seen = await self.store.view()
@@ -280,7 +284,7 @@ class ClusterLink:
     def _entry(self, ticket: Ticket, deadline_in_s: float) -> Entry:
         dispatcher = self._dispatcher
         assert dispatcher is not None
-        tenant = ticket.tenant if self.fair_share else ""
+        tenant = ticket.tenant if self.options.fair_share else ""
         # The store orders a band by score, ties by arrival: fcfs sends one score for all.
         score = 0.0 if dispatcher.policy.name == "fcfs" else ticket.score
         return Entry(
@@ -340,7 +344,7 @@ class ClusterLink:
             )
         elif message.kind is MessageKind.ABORT:
             interrupt = None if ticket.placement is None else ticket.placement.interrupt
-            if self.supersede_running and interrupt is not None:
+            if self.options.supersede_running and interrupt is not None:
                 interrupt(
                     RequestStatus.SUPERSEDED,
                     Superseded("a newer request with the same X-Clairvoyant-Supersede key replaced this one"),
@@ -420,26 +424,21 @@ class ClusterLink:
 
     def _enter_local(self, now_s: float) -> None:
         self.mode = Mode.LOCAL
-        self._lost_at_s = now_s
         self._set_free_lists(shared=False)
         loop = asyncio.get_running_loop()
         # A slot of its share it does not hold: usable once any other holder's lease has run out.
-        self._share_timer = loop.call_later(self.lease_s, self._share_ready)
+        self._local_timers.append(loop.call_later(self.lease_s, self._share_ready))
         # A slot it holds outside its share: given up before its lease runs out in the store (one
         # renewal's interval early: the store may hand the slot on the moment it does).
         margin_s = min(RENEW_EVERY_S, self.lease_s / 3)
         remaining_s = max(0.0, self._renewed_at_s + self.lease_s - margin_s - now_s)
-        self._give_up_timer = loop.call_later(remaining_s, self._give_up_others)
-        if self.on_mode is not None:
-            self.on_mode(self.mode)
+        self._local_timers.append(loop.call_later(remaining_s, self._give_up_others))
 
     def _share_ready(self) -> None:
-        self._share_timer = None
         if self.mode is Mode.LOCAL:
             self._set_free_lists(shared=False, share_ready=True)
 
     def _give_up_others(self) -> None:
-        self._give_up_timer = None
         dispatcher = self._dispatcher
         if self.mode is not Mode.LOCAL or dispatcher is None:
             return
@@ -450,12 +449,10 @@ class ClusterLink:
 
     async def _rejoin(self, reply: RenewReply) -> None:
         """The store answers again: back to SHARED (the renewal just sent re-took the leases held)."""
-        for timer in (self._share_timer, self._give_up_timer):
-            if timer is not None:
-                timer.cancel()
-        self._share_timer = self._give_up_timer = None
+        for timer in self._local_timers:
+            timer.cancel()
+        self._local_timers.clear()
         self.mode = Mode.SHARED
-        self._lost_at_s = math.inf
         self._set_free_lists(shared=True)
         dispatcher = self._dispatcher
         assert dispatcher is not None
@@ -469,8 +466,6 @@ class ClusterLink:
             self._lost(exc)
             return
         logger.warning("redis answers again: scheduling is shared with %d replica(s)", len(self.replicas))
-        if self.on_mode is not None:
-            self.on_mode(self.mode)
 
     # -- the share -------------------------------------------------------------------------------
     def _owns(self, backend: int | None, slot: int | None) -> bool:

@@ -228,7 +228,6 @@ class RedisSlotStore:
         self.poll_s = poll_s
         self.switch_bound_s = switch_bound_s  # the model switch bound, seconds (0 = off), sent at join
         self.prefix = f"cv:{{{cluster}}}:"
-        self._meta = self.prefix + "meta"
         # One retry: every script is safe to run twice (an id already granted is not queued again,
         # a release or cancel of a gone entry does nothing), and a pooled connection the server
         # closed (a restart) fails once before the pool notices.
@@ -249,7 +248,7 @@ class RedisSlotStore:
 
     async def _call(self, cmd: str, *args: str) -> list[str]:
         try:
-            reply = await self._script(keys=[self._meta], args=[cmd, self.replica, _num(self.lease_s), *args])
+            reply = await self._script(keys=[self.prefix + "meta"], args=[cmd, self.replica, _num(self.lease_s), *args])
         except RedisError as exc:
             raise StoreUnavailable(f"shared store at {self.cluster!r}: {exc}") from exc
         finally:
