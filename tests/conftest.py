@@ -114,42 +114,20 @@ def llama_server(require_embedded_backend: None) -> Iterator[EmbeddedLlamaServer
 # =================================================================================================
 
 
-def require_redis_server() -> None:
-    """Skip when Debian's redis-server is not installed; with ``CLAIRVOYANT_REQUIRE_BACKEND=1`` (CI)
-    fail instead, as for the embedded llama.cpp backend."""
-    from redis_server import redis_server_path
-
-    if redis_server_path() is None:
-        reason = "redis-server is not installed (make install-test installs it)"
-        if os.environ.get("CLAIRVOYANT_REQUIRE_BACKEND") == "1":
-            pytest.fail(f"CLAIRVOYANT_REQUIRE_BACKEND=1 but {reason}")
-        pytest.skip(reason)
-
-
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     """One redis-server for the session. Tests share it: each uses a cluster name of its own. Tests
     that stop or restart a server start their own (``own_redis_server``)."""
-    from redis_server import RedisServer
+    from redis_server import running_redis_server
 
-    require_redis_server()
-    server = RedisServer()
-    server.start()
-    try:
+    with running_redis_server() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
 def own_redis_server() -> Iterator[RedisServer]:
     """A redis-server this test alone uses, free to stop and restart (``restart_empty``)."""
-    from redis_server import RedisServer
+    from redis_server import running_redis_server
 
-    require_redis_server()
-    server = RedisServer()
-    server.start()
-    try:
+    with running_redis_server() as server:
         yield server
-    finally:
-        server.stop()

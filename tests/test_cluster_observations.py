@@ -8,12 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import random
-import shutil
-import signal
-import socket
-import subprocess
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
-from polling import until, wait_until
+from polling import until
+from redis_server import RedisServer, running_redis_server
 
 from clairvoyant.clock import ManualClock
 from clairvoyant.metrics import Metrics
@@ -37,63 +33,12 @@ from clairvoyant.scheduling.service_time import ServiceTimeModel
 LOGGER = "clairvoyant.scheduling.cluster.observations"
 
 
-class RedisServer:
-    """``redis-server`` on 127.0.0.1 and a free port, without persistence: a restart comes back empty.
-    Small stream nodes, so that an approximate MAXLEN trims in the few entries a test writes."""
-
-    def __init__(self, folder: Path) -> None:
-        path = shutil.which("redis-server")
-        if path is None:
-            pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
-        self.binary = path
-        self.folder = folder
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        args += ["--dir", str(self.folder), "--stream-node-max-entries", "4"]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-
-        def answers() -> bool:
-            try:
-                return bool(client.ping())
-            except redis.ConnectionError:
-                return False
-
-        wait_until(answers, 10.0, "redis-server to answer PING")
-        client.close()
-
-    def stop(self) -> None:
-        if self.process is not None:
-            os.kill(self.process.pid, signal.SIGCONT)  # (a paused server dies only once resumed)
-            self.process.kill()
-            self.process.wait(10)
-            self.process = None
-
-    def pause(self) -> None:
-        """SIGSTOP: connections open, nothing answered (a stalled host), its state kept."""
-        assert self.process is not None
-        os.kill(self.process.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.process is not None
-        os.kill(self.process.pid, signal.SIGCONT)
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port)
-
-
 @pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path)
-    server.start()
-    yield server
-    server.stop()
+def redis_server() -> Iterator[RedisServer]:
+    """A server of this test's own (stopped, paused or restarted empty), with small stream nodes, so
+    that an approximate MAXLEN trims within the few entries a test writes."""
+    with running_redis_server(["--stream-node-max-entries", "4"]) as server:
+        yield server
 
 
 _clusters = itertools.count()
@@ -306,7 +251,7 @@ def test_no_prompt_text_reaches_redis(redis_server: RedisServer) -> None:
         await a.stop()
         await b.stop()
 
-        client = server.client()
+        client = redis.Redis(port=server.port)
         keys = list(client.scan_iter(count=1000))
         assert keys == [stream_key(cluster).encode()]
         stored = [key for key in keys]
@@ -370,7 +315,7 @@ def test_a_reader_goes_on_from_the_end_past_trimmed_entries_and_from_the_start_o
         rng = random.Random(9)
         learn_here(a, observation(rng))
         await until(lambda: a.published == 1, what="the first entry")
-        client = server.client()
+        client = redis.Redis(port=server.port)
         first = client.xrange(stream_key(cluster))[0][0]
         b._last_id = first  # B read the first entry, then (say) stalled
         assert await b._resume_from() == first  # nothing after it is gone yet
@@ -419,7 +364,7 @@ def test_an_entry_sent_twice_is_applied_once(redis_server: RedisServer) -> None:
         cluster = f"c{next(_clusters)}"
         b = replica(server, "b", cluster)
         await started(b)
-        client = server.client()
+        client = redis.Redis(port=server.port)
         entry = {"kind": "service", "replica": "a", "model": "m", "backend": "gpu", "prompt_tokens": 10}
         entry |= {"output_tokens": 20, "service_s": 1.0, "predicted_s": 1.0, "session": "s1"}
         for seq in (1, 2, 2, 1, 3):
@@ -478,7 +423,7 @@ def test_a_stalled_redis_delays_the_sharing_and_nothing_is_applied_twice(redis_s
         learn_here(a, observation(rng))  # the last, after any copy: once it is in, every copy was read
         await until(lambda: b.applied == 6, 10.0, what="B to apply the sixth")
         assert b.service_time.coefficients("m")["observations"] == 6
-        client = server.client()
+        client = redis.Redis(port=server.port)
         copies = len(client.xrange(stream_key(cluster))) - 6
         client.close()
         assert copies > 0  # Redis, resumed, ran the write that had timed out

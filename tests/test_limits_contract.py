@@ -15,13 +15,13 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 from polling import until
-from redis_fixture_limits import RedisServer
+from redis_server import RedisServer
 
 from clairvoyant.config import Limits
 from clairvoyant.errors import LimitExceeded
@@ -64,14 +64,6 @@ class Limiters:
                 self.made.clear()
 
         asyncio.run(main())
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -362,9 +354,8 @@ def test_only_tenants_with_limits_reach_redis_by_name(on_redis: Limiters) -> Non
     on_redis.run(scenario)
 
 
-def test_redis_lost_counts_on_this_replica_and_rejoins_when_back() -> None:
-    server = RedisServer()
-    server.start()
+def test_redis_lost_counts_on_this_replica_and_rejoins_when_back(own_redis_server: RedisServer) -> None:
+    server = own_redis_server
     bounds = {"a": Limits(max_concurrent=2)}
 
     async def scenario() -> None:
