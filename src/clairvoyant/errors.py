@@ -187,6 +187,11 @@ class Superseded(RequestError):
     error_type = "invalid_request_error"
     code = "superseded"
 
+    @classmethod
+    def by_newer(cls) -> Superseded:
+        """The error a replaced request gets, on whichever replica it waits or runs."""
+        return cls("a newer request with the same X-Clairvoyant-Supersede key replaced this one")
+
 
 class LimitExceeded(RequestError):
     """The tenant is at one of its limits: ``code`` is ``rate_limited`` (requests per minute, tokens

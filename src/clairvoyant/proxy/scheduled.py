@@ -451,7 +451,7 @@ class ScheduledRequest:
         work = self.task
         if work is None or not self.ticket.status.in_progress or not (abort_running or self._unsent):
             return
-        error = Superseded("a newer request with the same X-Clairvoyant-Supersede key replaced this one")
+        error = Superseded.by_newer()
         self.relay.interrupt(work, RequestStatus.SUPERSEDED, error)
 
     @property

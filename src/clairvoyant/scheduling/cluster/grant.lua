@@ -103,6 +103,20 @@ local function ensure_meta()
   return epoch
 end
 
+-- A replica leaves (or stopped beating): its waiting entries leave the queue, its messages go.
+-- Its leases stay until they expire (an answer may still run on them).
+local function drop_replica(r)
+  for _, id in ipairs(redis.call('SMEMBERS', P .. 'rw:' .. r)) do
+    local e = load(id)
+    if e and e.st == 'w' then
+      unqueue(id, e)
+      forget(id, e)
+    end
+  end
+  redis.call('DEL', P .. 'rw:' .. r, P .. 'm:' .. r, P .. 'mp:' .. r)
+  redis.call('ZREM', P .. 'rep', r)
+end
+
 -- Leases not renewed come back; replicas that stopped beating lose their waiting entries.
 local function tick()
   for _, b in ipairs(redis.call('HKEYS', P .. 'bk')) do
@@ -122,17 +136,7 @@ local function tick()
     end
   end
   local dead = redis.call('ZRANGEBYSCORE', P .. 'rep', '-inf', '(' .. f(now - lease_s))
-  for _, r in ipairs(dead) do
-    for _, id in ipairs(redis.call('SMEMBERS', P .. 'rw:' .. r)) do
-      local e = load(id)
-      if e and e.st == 'w' then
-        unqueue(id, e)
-        forget(id, e)
-      end
-    end
-    redis.call('DEL', P .. 'rw:' .. r, P .. 'm:' .. r, P .. 'mp:' .. r)
-    redis.call('ZREM', P .. 'rep', r)
-  end
+  for _, r in ipairs(dead) do drop_replica(r) end
 end
 
 -- Backends with a free slot (slots minus leases), by name.
@@ -553,15 +557,7 @@ elseif cmd == 'resync' then
   end
   grant_step()
 elseif cmd == 'leave' then
-  for _, id in ipairs(redis.call('SMEMBERS', P .. 'rw:' .. me)) do
-    local e = load(id)
-    if e and e.st == 'w' then
-      unqueue(id, e)
-      forget(id, e)
-    end
-  end
-  redis.call('DEL', P .. 'rw:' .. me, P .. 'm:' .. me, P .. 'mp:' .. me)
-  redis.call('ZREM', P .. 'rep', me)
+  drop_replica(me)
   redis.call('SREM', P .. 'gone', me)
   tick()
   grant_step()

@@ -33,7 +33,9 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
+
+from pydantic import BaseModel
 
 from clairvoyant.errors import LeaseLost, Superseded
 from clairvoyant.scheduling.cluster.shared import (
@@ -61,6 +63,8 @@ __all__ = ["ClusterLink", "ClusterOptions", "Mode", "supersede_digest"]
 
 logger = logging.getLogger(__name__)
 
+ViewT = TypeVar("ViewT", bound=BaseModel)
+
 # The heartbeat: it renews the leases held and, in the same script, reclaims a silent replica's
 # expired leases, so a dead replica's slots are back within a second of their lease's end.
 RENEW_EVERY_S = 1.0
@@ -71,6 +75,11 @@ RETRY_MESSAGES_S = 0.5  # after the grant listener lost its connection
 class Mode(enum.Enum):
     SHARED = "shared"
     LOCAL = "local"
+
+
+def _view(kind: type[ViewT], record: object) -> ViewT:
+    """The store's record as a /queue row: the view's fields, read off the record (trusted: not validated)."""
+    return kind.model_construct(**{name: getattr(record, name) for name in kind.model_fields})
 
 
 def supersede_digest(tenant: str, key: str) -> str:
@@ -120,10 +129,9 @@ class ClusterLink:
         reached, unless ``fallback``: then it starts LOCAL, alone until it joins."""
         self._dispatcher = dispatcher
         dispatcher.cluster = self
-        specs = [BackendSpec(b.name, b.slots, b.models) for b in dispatcher.backends]
         try:
             sent_s = time.monotonic()
-            await self.store.join(specs)
+            await self.store.join(self._pool())
             self._renewed_at_s = sent_s
             self._set_free_lists(shared=True)
         except StoreUnavailable as exc:
@@ -166,29 +174,8 @@ class ClusterLink:
             for r in seen.replicas
         ]
         part.waiting_count = len(seen.waiting)
-        part.waiting = [
-            ClusterWaitingView.model_construct(
-                request_id=w.request_id,
-                replica=w.replica,
-                tenant=w.tenant,
-                priority=w.priority,
-                model=w.model,
-                predicted_s=w.predicted_s,
-                waited_s=w.waited_s,
-                overdue=w.overdue,
-            )  # fmt: skip
-            for w in waiting
-        ]
-        part.leases = [
-            ClusterLeaseView.model_construct(
-                backend=lease.backend,
-                slot=lease.slot,
-                request_id=lease.request_id,
-                replica=lease.replica,
-                expires_in_s=lease.expires_in_s,
-            )  # fmt: skip
-            for lease in seen.leases
-        ]
+        part.waiting = [_view(ClusterWaitingView, w) for w in waiting]
+        part.leases = [_view(ClusterLeaseView, lease) for lease in seen.leases]
         return part
 
     # -- from the dispatcher -------------------------------------------------------------------
@@ -219,9 +206,8 @@ class ClusterLink:
 
     def pool_changed(self) -> None:
         """A backend's slot count changed (learned after start-up): the store is told."""
-        dispatcher = self._dispatcher
-        if dispatcher is not None:
-            specs = [BackendSpec(b.name, b.slots, b.models) for b in dispatcher.backends]
+        if self._dispatcher is not None:
+            specs = self._pool()
             self._call(lambda: self.store.join(specs))
 
     def slot_freed(self, ticket: Ticket, now: float) -> bool:
@@ -340,14 +326,14 @@ class ClusterLink:
             dispatcher.refuse_waiting(
                 ticket,
                 RequestStatus.SUPERSEDED,
-                Superseded("a newer request with the same X-Clairvoyant-Supersede key replaced this one"),
+                Superseded.by_newer(),
             )
         elif message.kind is MessageKind.ABORT:
             interrupt = None if ticket.placement is None else ticket.placement.interrupt
             if self.options.supersede_running and interrupt is not None:
                 interrupt(
                     RequestStatus.SUPERSEDED,
-                    Superseded("a newer request with the same X-Clairvoyant-Supersede key replaced this one"),
+                    Superseded.by_newer(),
                 )
         elif message.kind is MessageKind.LEASE_LOST:
             self._end_lost(ticket)
@@ -380,6 +366,12 @@ class ClusterLink:
                 except Exception:  # the heartbeat goes on
                     logger.exception("cluster: the heartbeat's hook failed")
 
+    def _pool(self) -> list[BackendSpec]:
+        """The dispatcher's backends as the store registers them."""
+        dispatcher = self._dispatcher
+        assert dispatcher is not None
+        return [BackendSpec(b.name, b.slots, b.models) for b in dispatcher.backends]
+
     def _held(self) -> list[HeldLease]:
         dispatcher = self._dispatcher
         assert dispatcher is not None
@@ -406,7 +398,7 @@ class ClusterLink:
         this replica's waiting entries by those waiting here."""
         dispatcher = self._dispatcher
         assert dispatcher is not None
-        await self.store.join([BackendSpec(b.name, b.slots, b.models) for b in dispatcher.backends])
+        await self.store.join(self._pool())
         now = dispatcher.clock.now()
         waiting = dispatcher.waiting_tickets()
         self._tickets.update({t.request_id: t for t in waiting})
