@@ -76,7 +76,7 @@ def test_a_backend_answering_as_a_kind_is_found_and_used_as_that_kind(name: str)
         assert any(call.request.url.path == kind.health_path for call in router.calls)
     assert busy == (2 if kind.busy_slots_path is not None and kind.known else None)
     assert (f"{URL}/slots" in {str(c.request.url) for c in router.calls}) is (kind.busy_slots_path is not None)
-    assert record.tracks_loaded is (kind.loaded_models_path is not None)
+    assert record.held.tracks_loaded is (kind.loaded_models_path is not None)
 
 
 @pytest.mark.parametrize("name", sorted(n for n in KINDS if n != "auto"))

@@ -17,7 +17,7 @@ from clairvoyant.prediction.usage import Usage
 from clairvoyant.scheduling.dispatcher import OVERRUN_GROWTH, Backend, Dispatcher, RequestStatus, Ticket
 from clairvoyant.scheduling.policy import build_queue, make_policy
 from clairvoyant.scheduling.queue_view import queue_view
-from clairvoyant.scheduling.routing import Load
+from clairvoyant.scheduling.routing import Load, ModelsHeld
 from clairvoyant.scheduling.service_time import ServiceTimeDefaults, ServiceTimeModel
 
 GUARD = {"starvation_timeout_s": 1.0, "starvation_slowdown": 3.2}
@@ -107,7 +107,7 @@ def test_fcfs_alternates_models_whatever_the_bound() -> None:
 
 def test_ollamas_load_duration_teaches_the_load_and_comes_off_the_service_seconds() -> None:
     async def scenario() -> None:
-        d, clock = make(Backend("ollama", 1, tracks_loaded=True), load_s=5.0)
+        d, clock = make(Backend("ollama", 1, held=ModelsHeld(tracks_loaded=True)), load_s=5.0)
         await d.start()
         d.submit(ticket("a", "llama3.2:3b", 0.0, 2.0))
         await settle()

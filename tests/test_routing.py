@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from clairvoyant.scheduling.routing import Backend, Load, choose, same_model
+from clairvoyant.scheduling.routing import Backend, Load, ModelsHeld, choose, same_model
 
 
 def pool(*backends: Backend) -> list[Backend]:
@@ -47,7 +47,7 @@ def test_an_unhealthy_backend_is_skipped_while_a_healthy_one_serves_the_model() 
 
 
 def test_a_backend_with_the_model_loaded_goes_first_then_the_least_work_per_slot() -> None:
-    backends = pool(Backend("a", 1), Backend("b", 1, loaded=("llama3:latest",)), Backend("c", 4))
+    backends = pool(Backend("a", 1), Backend("b", 1, held=ModelsHeld(loaded=("llama3:latest",))), Backend("c", 4))
     work = {"a": 0.0, "b": 30.0, "c": 8.0}
     assert choose(backends, "llama3", lambda b: work[b.name]) == 1  # loaded wins over idle
     assert choose(backends, "qwen", lambda b: work[b.name]) == 0  # a has no work
@@ -73,13 +73,15 @@ def test_slots_are_granted_from_zero_and_zero_slots_is_refused() -> None:
 
 
 def test_a_model_sent_to_an_on_demand_backend_counts_as_loaded_there_until_it_says_otherwise() -> None:
-    backends = pool(Backend("a", 1, tracks_loaded=True), Backend("b", 1, tracks_loaded=True))
-    backends[1].sent("llama3")
+    backends = pool(
+        Backend("a", 1, held=ModelsHeld(tracks_loaded=True)), Backend("b", 1, held=ModelsHeld(tracks_loaded=True))
+    )
+    backends[1].held.sent("llama3")
     assert choose(backends, "llama3", no_work) == 1  # follows the model, though a is first and idle
     assert choose(backends, "qwen", no_work) == 0
     plain = Backend("c", 1)  # llama.cpp serves the model it was started with: nothing to track
-    plain.sent("llama3")
-    assert plain.loaded == ()
+    plain.held.sent("llama3")
+    assert plain.held.loaded == ()
 
 
 def test_a_backend_that_refused_the_request_is_avoided_while_another_serves_its_model() -> None:
@@ -138,8 +140,8 @@ def _learned(loads: dict[tuple[str, str | None], float]) -> Callable[[str, str |
 def test_a_backend_that_holds_the_model_is_preferred_to_one_that_would_load_it() -> None:
     # llama-swap backends report nothing: what each served last is what it holds.
     a, b = Backend("a", 1), Backend("b", 1)
-    a.dispatched("qwen", 0.0)
-    b.dispatched("llama3", 0.0)
+    a.held.dispatched("qwen", 0.0)
+    b.held.dispatched("llama3", 0.0)
     backends = pool(a, b)
     assert choose(backends, "llama3", no_work, load_s=_learned({})) == 1
     assert choose(backends, "llama3", no_work) == 0  # without load costs: configuration order
@@ -150,23 +152,23 @@ def test_a_backend_that_holds_the_model_is_preferred_to_one_that_would_load_it()
 def test_a_backend_nothing_is_known_of_is_not_held_against() -> None:
     # A pool of llama.cpp servers: the one that served the model first does not keep the others idle.
     a, b = Backend("a", 2), Backend("b", 2)
-    a.dispatched("m", 0.0)
+    a.held.dispatched("m", 0.0)
     work = {"a": 5.0, "b": 0.0}
     assert choose(pool(a, b), "m", lambda x: work[x.name], own_s=1.0, load_s=_learned({})) == 1
     # An Ollama backend that reported nothing loaded would load the model: the one that has it goes first.
-    c, d = Backend("c", 1, tracks_loaded=True), Backend("d", 1, tracks_loaded=True)
-    c.report([])
-    d.report(["m"])
+    c, d = Backend("c", 1, held=ModelsHeld(tracks_loaded=True)), Backend("d", 1, held=ModelsHeld(tracks_loaded=True))
+    c.held.report([])
+    d.held.report(["m"])
     assert choose(pool(c, d), "m", no_work, load_s=_learned({})) == 1
 
 
 def test_what_a_request_finds_on_its_backend() -> None:
-    backend = Backend("swap", 1)
+    backend = ModelsHeld()  # llama-swap
     assert backend.dispatched("a", 1.0) == Load.UNKNOWN and backend.switched_s == 1.0
     assert backend.dispatched("a", 2.0) == Load.HELD and backend.switched_s == 1.0
     assert backend.dispatched("b", 3.0) == Load.SWITCH and backend.switched_s == 3.0
     assert backend.holds("b") and not backend.holds("a")
-    ollama = Backend("ollama", 1, tracks_loaded=True)
+    ollama = ModelsHeld(tracks_loaded=True)
     ollama.report(["a", "b"])  # both fit: neither is a switch
     assert ollama.dispatched("a:latest", 1.0) == Load.HELD and ollama.dispatched("b", 2.0) == Load.HELD
     assert ollama.dispatched("c", 3.0) == Load.SWITCH

@@ -31,7 +31,7 @@ from clairvoyant.proxy.backend_kinds import DISCOVERY_ORDER, OPENAI, BackendKind
 from clairvoyant.proxy.transport import Transport
 from clairvoyant.proxy.upstream import Upstream
 from clairvoyant.scheduling.dispatcher import Dispatcher
-from clairvoyant.scheduling.routing import Backend, same_model
+from clairvoyant.scheduling.routing import Backend, ModelsHeld, same_model
 
 __all__ = ["BackendPool", "PoolMember", "merge_model_lists"]
 
@@ -135,7 +135,7 @@ class BackendPool:
                 m.name,
                 m.slots,
                 models=tuple(m.config.models),
-                tracks_loaded=m.kind.loaded_models_path is not None,
+                held=ModelsHeld(tracks_loaded=m.kind.loaded_models_path is not None),
                 info={"url": m.upstream.display_url, "kind": m.kind.name},
             )
             for m in self.members
@@ -191,7 +191,7 @@ class BackendPool:
             self.dispatcher.set_health(index, healthy, loaded)
             record = self.dispatcher.backends[index]
             kind = self.members[index].kind  # discovered late, if it was down at start-up
-            record.info["kind"], record.tracks_loaded = kind.name, kind.loaded_models_path is not None
+            record.info["kind"], record.held.tracks_loaded = kind.name, kind.loaded_models_path is not None
 
     # -- what requests report ------------------------------------------------------------------
     def index_of(self, upstream: Upstream) -> int:
@@ -227,7 +227,7 @@ class BackendPool:
         the unhealthy ones (tried last: the request waits for one of them)."""
         backends = self.dispatcher.backends if self.dispatcher is not None else self.scheduling_backends()
         serving = [i for i, b in enumerate(backends) if b.serves(model)] or list(range(len(backends)))
-        serving.sort(key=lambda i: (not backends[i].healthy, not backends[i].has_loaded(model), i))
+        serving.sort(key=lambda i: (not backends[i].healthy, not backends[i].held.has_loaded(model), i))
         return [self.members[i].upstream for i in serving]
 
     def kind_of(self, index: int) -> BackendKind:

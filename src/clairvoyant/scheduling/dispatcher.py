@@ -294,7 +294,7 @@ class Dispatcher:
         loaded now, when it says (Ollama /api/ps)."""
         record = self.backends[backend]
         if loaded is not None:
-            record.report(loaded)
+            record.held.report(loaded)
         if record.healthy != healthy:
             record.healthy = healthy
             self.metrics.backend_healthy.labels(record.name).set(1 if healthy else 0)
@@ -546,7 +546,7 @@ class Dispatcher:
         if not streamed or placement is None or placement.backend is None or placement.load == Load.UNKNOWN:
             return  # (the first request a backend gets may have paid a load of unknown origin: no baseline)
         backend = self.backends[placement.backend]
-        if backend.tracks_loaded:
+        if backend.held.tracks_loaded:
             return
         delay_s = (self.clock.now() if at_s is None else at_s) - placement.dispatched_s
         after_switch = placement.load == Load.SWITCH
@@ -765,7 +765,10 @@ class Dispatcher:
     def _lane(self, backend: Backend) -> Lane:
         """``backend`` as the model-affinity rule sees it: what it holds, its last switch, its learned loads."""
         return Lane(
-            backend.holds, backend.serves, functools.partial(self.service_time.load_s, backend.name), backend.switched_s
+            backend.held.holds,
+            backend.serves,
+            functools.partial(self.service_time.load_s, backend.name),
+            backend.held.switched_s,
         )
 
     def _grant(self, index: int, ticket: Ticket, *, queued: bool = True, slot: int | None = None) -> None:
@@ -779,7 +782,7 @@ class Dispatcher:
         # Service starts now: a rerouted request's wait for its second backend is queue wait (its
         # header and the wait figures), not service time (the service-time model learns from it).
         now = self.clock.now()
-        load = backend.dispatched(ticket.model, now)
+        load = backend.held.dispatched(ticket.model, now)
         placement = ticket.placement
         if placement is None:  # its first grant (a reroute's is not: counted once)
             position = self._grants - ticket.grants_before_arrival
@@ -850,7 +853,10 @@ class Dispatcher:
             busy_s = job.predicted_s * slowness
             held = holding[index]
             backend = self.backends[index]
-            if not (backend.holds(model) if held is _AS_NOW else held == model) and backend.last_model is not None:
+            if (
+                not (backend.held.holds(model) if held is _AS_NOW else held == model)
+                and backend.held.last_model is not None
+            ):
                 busy_s += self.service_time.load_s(backend.name, model)
                 holding[index] = model
             heapreplace(heap, start + busy_s)  # its slot, busy until it is done

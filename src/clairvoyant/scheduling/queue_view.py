@@ -197,9 +197,9 @@ def _switch_due_in_s(dispatcher: Dispatcher, ticket: Ticket, now: float) -> floa
     if not bound_s:
         return None
     serving = [b for b in dispatcher.backends if b.serves(ticket.model)]
-    if not serving or any(b.holds(ticket.model) for b in serving):
+    if not serving or any(b.held.holds(ticket.model) for b in serving):
         return None
-    return round(min(max(ticket.arrival_s, b.switched_s) for b in serving) + bound_s - now, 3)
+    return round(min(max(ticket.arrival_s, b.held.switched_s) for b in serving) + bound_s - now, 3)
 
 
 def _backends(dispatcher: Dispatcher, now: float) -> list[dict[str, Any]]:
@@ -212,9 +212,9 @@ def _backends(dispatcher: Dispatcher, now: float) -> list[dict[str, Any]]:
             "in_flight": len(b.running),
             "healthy": b.healthy,
             "models": list(b.models),
-            "loaded_models": list(b.loaded),
-            "holds": b.last_model,
-            "switched_ago_s": None if math.isinf(b.switched_s) else round(now - b.switched_s, 3),
+            "loaded_models": list(b.held.loaded),
+            "holds": b.held.last_model,
+            "switched_ago_s": None if math.isinf(b.held.switched_s) else round(now - b.held.switched_s, 3),
             "load_s": {
                 m: {"load_s": round(x["load_s"], 3), "observations": int(x["observations"])}
                 for m, x in loads.get(b.name, {}).items()

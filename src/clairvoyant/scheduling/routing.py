@@ -1,24 +1,20 @@
 """Routing: which backend of the pool serves a request, decided at dispatch from the freshest state.
 
-The dispatcher keeps one ``Backend`` record per backend (its slots, the models it serves, its
-health and loaded models, which the proxy's health checks keep current) and calls ``choose`` when
-a request's turn comes. The rule, in order:
+The dispatcher keeps one ``Backend`` record per backend (the proxy's health checks keep it current)
+and calls ``choose`` when a request's turn comes. The rule, in order:
 
-1. only backends that serve the request's model (an empty model list serves any model) and have
-   a free slot;
-2. healthy ones; an unhealthy backend is chosen only when no backend serving the model is healthy
-   (then the request waits there for it to come back, up to ``backend_wait_s``, as with one
-   backend). A healthy backend that is merely busy is worth waiting for: ``choose`` returns None;
-3. one that already has the model loaded (Ollama ``/api/ps``), or holds it (the model it served
-   last), or would load it at no cost (its learned load under ``FREE_LOAD_S``), to avoid a reload
-   stall; a backend of which nothing is known yet (it has served nothing, reported nothing) is
-   not held against;
+1. backends that serve the request's model (an empty model list serves any) and have a free slot;
+2. healthy ones; an unhealthy one only when no backend serving the model is healthy (the request
+   then waits there for it, up to ``backend_wait_s``). A healthy backend that is merely busy is
+   worth waiting for: ``choose`` returns None;
+3. one that has the model loaded (Ollama ``/api/ps``), holds it (the model it served last), or
+   loads it at no cost (learned load under ``FREE_LOAD_S``), to avoid a reload stall; a backend
+   of which nothing is known yet is not held against;
 4. the earliest predicted finish: the predicted seconds of work left per slot (each in-flight
-   request's remainder, ``dispatcher.remainder_s``: never 0 while it runs, so a request that overran
-   its prediction still occupies its backend, which must not look as free as an idle one) plus the
-   request's own predicted seconds, both scaled by the backend's measured slowness (its measured
-   over predicted service seconds, learned per backend, robust to a few outliers: ``observe_service``),
-   so a laptop beside a GPU box gets a request only when it would finish it sooner;
+   request's ``dispatcher.remainder_s``, never 0 while it runs, so an overrun request still
+   occupies its backend) plus the request's own, scaled by the backend's measured slowness
+   (``observe_service``), so a laptop beside a GPU box gets a request only when it would finish
+   it sooner;
 5. the earlier backend in the configuration.
 
 No I/O here: the records are plain data, so the rule is tested with explicit states.
@@ -34,7 +30,7 @@ from typing import Any
 
 from clairvoyant.scheduling.service_time import FREE_LOAD_S
 
-__all__ = ["Backend", "Load", "choose", "same_model"]
+__all__ = ["Backend", "Load", "ModelsHeld", "choose", "same_model"]
 
 SLOWNESS_WEIGHT = 0.1  # of each new sample in a backend's moving slowness, in log space (about the last 10 requests)
 SLOWNESS_MAX = 10.0  # the slowness stays within 1/10 and 10
@@ -55,6 +51,54 @@ class Load(enum.IntEnum):
 
 
 @dataclass(slots=True, eq=False)
+class ModelsHeld:
+    """What one backend holds: the models it reports loaded and the model it was last sent."""
+
+    tracks_loaded: bool = False  # it loads models on demand (Ollama): a model sent to it counts as loaded
+    loaded: tuple[str, ...] = ()  # models loaded now (Ollama /api/ps); empty = unknown or none
+    reported: bool = False  # ``loaded`` is its own report (/api/ps) and no switch was sent since
+    last_model: str | None = None  # the model of the last request sent here (any kind of backend)
+    switched_s: float = -math.inf  # clock seconds when it was last sent a model it did not hold
+
+    def has_loaded(self, model: str | None) -> bool:
+        return model is not None and any(same_model(model, m) for m in self.loaded)
+
+    def holds(self, model: str | None) -> bool:
+        """For model affinity: it holds ``model`` now, with nothing to load: the model it served
+        last, or one its own report lists if no switch was sent since (a switch may have evicted
+        the others). False while nothing is known."""
+        last = self.last_model
+        if last is not None and (last == model or (model is not None and same_model(model, last))):
+            return True
+        return self.reported and self.has_loaded(model)
+
+    def report(self, loaded: Sequence[str]) -> None:
+        """Its own list of the models it has loaded now (Ollama /api/ps)."""
+        self.loaded = tuple(loaded)
+        self.reported = True
+
+    def dispatched(self, model: str | None, now: float) -> Load:
+        """A request for ``model`` is sent here at ``now`` (clock seconds): what it finds (a model
+        not held makes ``now`` the last switch)."""
+        if self.holds(model):
+            found = Load.HELD
+        else:
+            known = self.last_model is not None or (self.reported and bool(self.loaded))
+            found = Load.SWITCH if known else Load.UNKNOWN
+            self.switched_s = now
+            self.reported = False
+        self.last_model = model
+        self.sent(model)
+        return found
+
+    def sent(self, model: str | None) -> None:
+        """A backend that loads on demand has a model sent to it loaded from now on, until its next
+        /api/ps says otherwise (so the next request for it follows)."""
+        if self.tracks_loaded and model is not None and not self.has_loaded(model):
+            self.loaded = (*self.loaded, model)
+
+
+@dataclass(slots=True, eq=False)
 class Backend:
     """The dispatcher's view of one backend."""
 
@@ -62,11 +106,7 @@ class Backend:
     slots: int  # requests it runs at once
     models: tuple[str, ...] = ()  # the models it serves; empty = any
     healthy: bool = True  # its last health check (or connection) succeeded
-    loaded: tuple[str, ...] = ()  # models loaded now (Ollama /api/ps); empty = unknown or none
-    tracks_loaded: bool = False  # it loads models on demand (Ollama): a model sent to it counts as loaded
-    reported: bool = False  # ``loaded`` is its own report (/api/ps) and no switch was sent since
-    last_model: str | None = None  # the model of the last request sent here (any kind of backend)
-    switched_s: float = -math.inf  # clock seconds when it was last sent a model it did not hold
+    held: ModelsHeld = field(default_factory=ModelsHeld)
     slowness: float = 1.0  # measured / predicted service seconds here (moving average); 1 = as predicted
     info: dict[str, Any] = field(default_factory=dict)  # shown in /queue as is (url, kind)
     running: dict[int, Any] = field(default_factory=dict)  # slot -> the ticket holding it
@@ -80,63 +120,27 @@ class Backend:
     def serves(self, model: str | None) -> bool:
         return not self.models or model is None or any(same_model(model, m) for m in self.models)
 
-    def has_loaded(self, model: str | None) -> bool:
-        return model is not None and any(same_model(model, m) for m in self.loaded)
-
-    def holds(self, model: str | None) -> bool:
-        """For model affinity: it holds ``model`` now, with nothing to load: the model it served
-        last, or one its own report lists if no switch was sent since (a switch may have evicted
-        the others). False while nothing is known."""
-        last = self.last_model
-        if last is not None and (last == model or (model is not None and same_model(model, last))):
-            return True
-        return self.reported and model is not None and any(same_model(model, m) for m in self.loaded)
-
-    def report(self, loaded: Sequence[str]) -> None:
-        """Its own list of the models it has loaded now (Ollama /api/ps)."""
-        self.loaded = tuple(loaded)
-        self.reported = True
-
     def pays_load(self, model: str | None, load_s: Callable[[str, str | None], float]) -> bool:
         """A request for ``model`` sent here now would wait for a load: it holds another model (or
         reported none loaded), and ``load_s(name, model)`` (its learned load) is not negligible."""
-        if self.holds(model) or self.has_loaded(model):
+        held = self.held
+        if held.holds(model) or held.has_loaded(model):
             return False
-        known = self.last_model is not None or self.reported
+        known = held.last_model is not None or held.reported
         return known and load_s(self.name, model) >= FREE_LOAD_S
 
-    def dispatched(self, model: str | None, now: float) -> Load:
-        """A request for ``model`` is sent here at ``now`` (clock seconds): what it finds (a model
-        not held makes ``now`` the backend's last switch)."""
-        if self.holds(model):
-            found = Load.HELD
-        else:
-            known = self.last_model is not None or (self.reported and bool(self.loaded))
-            found = Load.SWITCH if known else Load.UNKNOWN
-            self.switched_s = now
-            self.reported = False
-        self.last_model = model
-        self.sent(model)
-        return found
-
     def observe_service(self, predicted_s: float, measured_s: float) -> None:
-        """A request served here took ``measured_s`` against ``predicted_s`` predicted. The slowness
-        is a moving geometric mean of measured / predicted, each sample counted as at most
-        ``SLOWNESS_STEP`` times above or below the current slowness: one outlier (a request that
-        waited on a model load or a busy CPU) moves it by at most ``SLOWNESS_STEP ** SLOWNESS_WEIGHT``,
-        while a backend that is really slower is followed within tens of requests. Always positive
-        and finite: it scales every prediction on this backend alike, so it cannot reorder them."""
+        """A request served here took ``measured_s`` against ``predicted_s``. The slowness is a
+        moving geometric mean of measured / predicted, each sample counted as at most
+        ``SLOWNESS_STEP`` times above or below it: one outlier (a request that waited on a model
+        load or a busy CPU) moves it by at most ``SLOWNESS_STEP ** SLOWNESS_WEIGHT``, while a really
+        slower backend is followed within tens of requests. Always positive and finite: it scales
+        every prediction on this backend alike, so it cannot reorder them."""
         if predicted_s > 0 and measured_s > 0 and math.isfinite(predicted_s) and math.isfinite(measured_s):
             current = self.slowness
             sample = min(current * SLOWNESS_STEP, max(current / SLOWNESS_STEP, measured_s / predicted_s))
             moved = current * (sample / current) ** SLOWNESS_WEIGHT
             self.slowness = min(SLOWNESS_MAX, max(1 / SLOWNESS_MAX, moved))
-
-    def sent(self, model: str | None) -> None:
-        """A request for ``model`` was dispatched here: a backend that loads on demand has it loaded
-        from now on, until its next /api/ps says otherwise (so the next request for it follows)."""
-        if self.tracks_loaded and model is not None and not self.has_loaded(model):
-            self.loaded = (*self.loaded, model)
 
 
 def choose(
@@ -168,7 +172,7 @@ def choose(
     return min(
         candidates,
         key=lambda i: (
-            not backends[i].has_loaded(model) if load_s is None else backends[i].pays_load(model, load_s),
+            not backends[i].held.has_loaded(model) if load_s is None else backends[i].pays_load(model, load_s),
             remaining_s(backends[i]) / backends[i].slots + own_s * backends[i].slowness,
             i,
         ),
