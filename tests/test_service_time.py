@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from clairvoyant.scheduling.boost import BoostTable, boost_s, bucket_for, solve_gamma, tail_gamma
+from clairvoyant.scheduling.boost import BoostTable, bucket_for, solve_gamma
 from clairvoyant.scheduling.service_time import ServiceTimeDefaults, ServiceTimeModel
 
 
@@ -60,8 +60,10 @@ def test_state_round_trips_atomically(tmp_path: Path) -> None:
 
 
 def test_boost_formula_and_buckets() -> None:
-    assert boost_s(1.0, 0.1) == pytest.approx(-math.log1p(-math.exp(-0.1)) / 0.1)
-    assert boost_s(1.0, 0.1) > boost_s(10.0, 0.1) > boost_s(100.0, 0.1) > 0
+    # b_gamma(S) = -log1p(-exp(-gamma S)) / gamma while a bucket has no measurements
+    table = BoostTable(0.1, max_boost_s=1e9)
+    assert table.boost(0, 1.0) == pytest.approx(-math.log1p(-math.exp(-0.1)) / 0.1, rel=1e-9)
+    assert table.boost(0, 1.0) > table.boost(0, 10.0) > table.boost(0, 100.0) > 0
     assert bucket_for(0.1) == 0 and bucket_for(0.3) == 1
     assert bucket_for(3.5) != bucket_for(8.9)
     assert bucket_for(1e9) == 31
@@ -75,8 +77,6 @@ def test_fixed_point_gamma() -> None:
     assert g == pytest.approx(0.12 * (sum(math.exp(g * s) for s in services) / len(services) - 1), rel=1e-6)
     assert 0.06 < g < 0.09
     assert solve_gamma(0.2, services) is None  # rho = 1.24: no root
-    assert tail_gamma([1.0] * 10) is None
-    assert tail_gamma(list(range(100))) == pytest.approx(math.log(5) / (98 - 94))
 
 
 def test_auto_gamma_follows_the_traffic() -> None:

@@ -1,60 +1,45 @@
 """Model affinity: a backend serves the model it holds while that is worth more than a switch, and
-puts a switch off for at most a bound.
+puts a switch off for at most a bound. docs/scheduling.md ("Model switches") gives the reasons and
+the measurements.
 
-A backend that loads models on demand (Ollama, llama-swap) holds one model, or a few, and pays a
-load of seconds to minutes for a request whose model it does not hold. Ordered as if switching were
-free, the queue interleaves models and can make every request pay a load; and once the starvation
-guard has made a burst overdue it serves arrival order, which alternates models.
+A backend that loads models on demand (Ollama, llama-swap) pays seconds to minutes for a request
+whose model it does not hold. Ordered as if switching were free, the queue interleaves models; and
+once the starvation guard makes a burst overdue it serves arrival order, which alternates them.
 
-``ModelAffinity`` keeps one queue per model, each built by ``make_queue`` (the policy's order, its
-starvation guard, fair share between tenants: ``policy.build_queue``), and decides between them when
-a backend's slot frees: ``pop_for(now, lanes)``, a ``Lane`` per backend with a free slot saying what
-it holds, when it last switched, and what a load costs it. For each lane:
+``ModelAffinity`` keeps one queue per model, built by ``make_queue`` (``policy.build_queue``: the
+policy's order, its guard, fair share), and decides between them when a slot frees:
+``pop_for(now, lanes)``, a ``Lane`` per backend with a free slot. For each lane:
 
-1. **A switch is due** once a request for a model the backend does not hold has been *put off* for
-   ``bound_s`` seconds: waiting since the backend's last switch (or since it arrived, if later).
-   The backend then switches to the model whose oldest request has been put off longest.
+1. **A switch is due** once a request for a model the backend does not hold has been *put off*
+   ``bound_s`` seconds (since the backend's last switch, or its arrival if later): the backend
+   switches to the model put off longest.
 2. Otherwise, while a model it **holds** has requests waiting, it weighs what waits (rule
-   ``"weighed"``, the default): each model's *rate*, the predicted seconds per request of its best
-   next stretch, min over k of (load + its next k requests' predicted seconds) / k (its next request
-   first, then the rest shortest first). The held model's rate counts no load; another model's
-   counts its load and the load back to the held one. The backend switches to the model of the
-   lowest rate if that is below the held model's by a margin (``_SWITCH_MARGIN``: the rates see
-   only what waits now, not what a load delays later), else serves the held models (their heads in the
-   policy's order, an overdue head first). This is weighted shortest job first over stretches of
-   one model: serving a stretch of n requests and L seconds before a stretch of m and M delays
-   those m by L in all, the other way round delays the n by M; the lower seconds per request goes
-   first. Three short requests for b (3 s each with the load there and back) go before 18 s of
-   long answers for a held a; one long request for b waits for a queue of short ones for a.
-   A model whose load costs the backend less than ``FREE_LOAD_S`` counts as held: nothing is put
-   off for a switch that costs nothing (a backend that holds both models, or a server that answers
-   every model name with the one model it has).
-3. Nothing held waits: it **switches** to the model of the lowest rate (its load counted), ties
-   to the one put off longest.
+   ``"weighed"``): a model's *rate* is min over k of (load + its next k requests' predicted
+   seconds) / k, its next request first, then the rest shortest first; the held model counts no
+   load, another counts its load and the load back. It switches to the lowest rate if that wins by
+   ``_SWITCH_MARGIN``, else serves the held models (their heads in the policy's order). That is
+   weighted shortest job first over stretches of one model. A model that loads in under
+   ``FREE_LOAD_S`` counts as held.
+3. Nothing held waits: it **switches** to the lowest rate (load counted), ties to the one put off
+   longest.
 
-Rule ``"bound"`` is the rule before weighing: step 2 serves the held models whatever waits, step 3
-switches to the model with the oldest waiting request, and the guard counts every second waited.
+Rule ``"bound"`` (the rule before weighing): step 2 serves the held models whatever waits, step 3
+switches to the model with the oldest request, and the guard counts every second waited.
 
-Inside a model its own queue decides, so the per-request starvation rule (an overdue request goes
-before every later arrival) holds among the requests for one model; across models the switch bound
-replaces it. That is the point: applied across models, the overdue rule serves a burst in arrival
-order and undoes the grouping. Each model's guard runs on its own clock (rule ``"weighed"``), which
-stops while the model is put off for a switch (it has requests waiting, none in service, and no
-backend that last asked for work holds it or loads it for free): a request does not become overdue
-by waiting for a load the bound already accounts for, so the model's requests are still served
-shortest first after the switch. The guard bounds how long a request is put off behind shorter ones
-of its own model, in the seconds its model was being served.
+Inside a model its own queue decides, so the per-request starvation rule holds among one model's
+requests; across models the switch bound replaces it (applied across models, the overdue rule would
+serve a burst in arrival order and undo the grouping). Under rule ``"weighed"`` each model's guard
+runs on its own clock, stopped while the model is put off for a switch (requests waiting, none in
+service, no backend that last asked for work holds it or loads it for free), so its requests do not
+become overdue by waiting for a load the bound already accounts for.
 
 Bound: on a backend, no request for a model it holds is dispatched once a request for another model
-(one the backend serves) has been put off ``bound_s`` seconds. With two models that means: a request
-whose model the backend does not hold waits at most ``bound_s`` from its arrival (or from the
-backend's last switch, if later) plus the requests in flight then, before its model is switched to.
-With k models a switch goes to the model put off longest, so a model waits at most k - 1 such turns.
-``tests/test_affinity.py`` checks the bound under adversarial arrivals and pop times.
+it serves has been put off ``bound_s``; with k models a request waits at most k - 1 such turns
+(``tests/test_affinity.py`` checks it under adversarial arrivals and pop times).
 
-``pop(now)`` (no lane) and ``peek`` take the policy's order across models (an overdue head first);
-``ordered_for(now, lane)`` replays the rule on one lane in predicted seconds (for positions and
-ETAs). Synchronous and clock-free, like every queue here: the simulator drives this same code.
+``pop(now)`` and ``peek`` take the policy's order across models (an overdue head first);
+``ordered_for(now, lane)`` replays the rule on one lane in predicted seconds (positions and ETAs).
+Synchronous and clock-free, like every queue here: the simulator drives this same code.
 """
 
 from __future__ import annotations
@@ -83,11 +68,9 @@ _SPARE_GROUPS = 8
 # changes its rate by little, and a decision stays O(this) however long the queue.
 _STRETCH_JOBS = 64
 
-# A switch the rates favour must win by this factor. They weigh the requests waiting now; a load
-# also delays every request that arrives during it and after it, which they do not see. At 1.0, on
-# Poisson arrivals (``clairvoyant simulate swaps``) the backend switched 11% more often than the rule
-# before weighing and the mean sojourn rose 2-5%; at 1.5 it is 0.5-5% below that rule's, and bursts
-# keep most of their gain (2.5% from the best order of 7 requests, against 0.4% at 1.0).
+# A switch the rates favour must win by this factor: they weigh the requests waiting now, not those a
+# load delays later (``clairvoyant simulate swaps``: at 1.0 the backend switched 11% more often than
+# the rule before weighing and the mean rose 2-5%; at 1.5 it is 0.5-5% below that rule's).
 _SWITCH_MARGIN = 1.5
 
 Rank = Callable[[Job[Any], float], Any]  # (job, now) -> comparable; the policy's order, lower first
@@ -153,9 +136,6 @@ class _Seconds:
         if s is not None:
             del self.ascending[bisect.bisect_left(self.ascending, (s, job.seq))]
 
-    def without(self, seq: int) -> Iterator[float]:
-        return (s for s, other in self.ascending if other != seq)
-
 
 @dataclass(slots=True, eq=False)
 class _Group(Generic[T]):
@@ -182,7 +162,7 @@ class _Group(Generic[T]):
         return got[0]
 
     def rest_s(self, head: Job[T]) -> Iterator[float]:
-        return self.seconds.without(head.seq)
+        return (s for s, seq in self.seconds.ascending if seq != head.seq)
 
 
 class _Side(Protocol[T]):
@@ -198,12 +178,6 @@ class _Side(Protocol[T]):
 
 
 S = TypeVar("S", bound=_Side[Any])
-
-
-def _run_on(queue: JobQueue[Any], clock: _GuardClock) -> None:
-    """Make ``queue``'s starvation guard (each tenant's, under fair share) run on ``clock``."""
-    if isinstance(queue, (StarvationGuard, FairShareQueue)):
-        queue.clock = clock
 
 
 class ModelAffinity(JobQueue[T]):
@@ -262,8 +236,9 @@ class ModelAffinity(JobQueue[T]):
                 queue, clock = self._spare.pop()
             else:
                 queue, clock = self.make_queue(), _GuardClock()
-                if self.rule == "weighed":
-                    _run_on(queue, clock)
+                # the guard (each tenant's, under fair share) runs on the model's clock
+                if self.rule == "weighed" and isinstance(queue, (StarvationGuard, FairShareQueue)):
+                    queue.clock = clock
             group = self._groups[key] = _Group(job.model, queue, clock)
         return group
 
@@ -374,14 +349,13 @@ class ModelAffinity(JobQueue[T]):
         held or loaded for free by a lane that asked; the lane that switched holds only ``chosen``
         now), run the others'."""
         self._lanes = lanes
-        to = _key(chosen.model)
+        holds_chosen = _holding(chosen.model)
         for group in self._groups.values():
             if not group.waiting:
                 continue
             model = group.model
             put_off = not group.in_flight and not any(
-                self._free_on(lane, model, (lambda m: _key(m) == to) if lane is switched else lane.holds)
-                for lane in lanes
+                self._free_on(lane, model, holds_chosen if lane is switched else lane.holds) for lane in lanes
             )
             group.clock.set(now, put_off)
 
@@ -476,7 +450,7 @@ class ModelAffinity(JobQueue[T]):
         rank = self.rank
 
         def best_held(held: list[_Play[T]], at: float) -> _Play[T] | None:  # the policy's order
-            return min(held, key=lambda p: (rank(p.next(), now), p.next().seq)) if held else None
+            return min(held, key=lambda p: (rank(p.head(now), now), p.head(now).seq)) if held else None
 
         out: list[Job[T]] = []
         while plays:
@@ -513,9 +487,6 @@ class _Play(Generic[T]):
         self.oldest_at = 0  # its oldest job, unless taken already
         self.shortest_at = 0  # its shortest job, unless taken already
         self.taken: set[int] = set()  # seqs taken
-
-    def next(self) -> Job[T]:
-        return self.jobs[self.at]
 
     def head(self, now: float) -> Job[T]:
         return self.jobs[self.at]

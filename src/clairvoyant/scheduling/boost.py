@@ -27,18 +27,12 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["BoostTable", "boost_s", "bucket_for", "solve_gamma", "tail_gamma"]
+__all__ = ["BoostTable", "bucket_for", "solve_gamma"]
 
 _BUCKETS_PER_OCTAVE = 2
 _BUCKET_BASE_S = 0.25  # bucket 0 holds predictions up to this many seconds
 _MAX_BUCKET = 31
 _PRIOR_WEIGHT = 5.0  # a bucket's predicted seconds count as this many measurements
-
-
-def boost_s(service_s: float, gamma_per_s: float) -> float:
-    """b_gamma(S) in seconds, computed stably as -log1p(-exp(-gamma S)) / gamma."""
-    x = gamma_per_s * max(service_s, 1e-9)
-    return -math.log1p(-math.exp(-x)) / gamma_per_s
 
 
 def bucket_for(predicted_s: float) -> int:
@@ -71,16 +65,6 @@ def solve_gamma(rate_per_s: float, services_s: Sequence[float]) -> float | None:
     return (lo + hi) / 2
 
 
-def tail_gamma(response_times_s: Sequence[float]) -> float | None:
-    """Digest 2c: gamma ~ ln(5) / (t99 - t95) of recent response times; None if undefined."""
-    if len(response_times_s) < 20:
-        return None
-    ordered = sorted(response_times_s)
-    t95 = ordered[int(0.95 * (len(ordered) - 1))]
-    t99 = ordered[int(0.99 * (len(ordered) - 1))]
-    return math.log(5.0) / (t99 - t95) if t99 > t95 else None
-
-
 @dataclass(slots=True)
 class _Bucket:
     exp_sum: float = 0.0  # sum of exp(gamma S) over the window (recomputed when gamma changes)
@@ -107,7 +91,6 @@ class BoostTable:
         if not max_boost_s > 0:
             raise ValueError("max_boost_s must be > 0")
         self.gamma_per_s = gamma_per_s
-        self.manual_gamma_per_s = gamma_per_s
         self.max_boost_s = max_boost_s
         self.auto_gamma = auto_gamma
         self._buckets: dict[int, _Bucket] = {}
@@ -146,23 +129,15 @@ class BoostTable:
             self._since_refit = 0
             self.refit_gamma()
 
-    def arrival_rate_per_s(self) -> float:
+    def refit_gamma(self) -> None:
+        """Set gamma from the fixed-point rule when it has a root (over the recent arrival rate)."""
         a = self._arrivals_s
-        if len(a) < 2 or a[-1] <= a[0]:
-            return 0.0
-        return (len(a) - 1) / (a[-1] - a[0])
-
-    def refit_gamma(self) -> float:
-        """Set gamma from the fixed-point rule when it has a root; returns the gamma in use."""
-        g = solve_gamma(self.arrival_rate_per_s(), list(self._recent_s))
+        rate_per_s = (len(a) - 1) / (a[-1] - a[0]) if len(a) >= 2 and a[-1] > a[0] else 0.0
+        g = solve_gamma(rate_per_s, list(self._recent_s))
         if g is not None and g > 0:
-            self._set_gamma(g)
-        return self.gamma_per_s
-
-    def _set_gamma(self, gamma_per_s: float) -> None:
-        self.gamma_per_s = gamma_per_s
-        for data in self._buckets.values():
-            data.exp_sum = sum(math.exp(min(gamma_per_s * s, 700.0)) for s in data.measured_s)
+            self.gamma_per_s = g
+            for data in self._buckets.values():
+                data.exp_sum = sum(math.exp(min(g * s, 700.0)) for s in data.measured_s)
 
     def describe(self) -> dict[str, float | bool]:
         return {

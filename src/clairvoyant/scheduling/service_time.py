@@ -1,39 +1,26 @@
 """Service time in seconds, per backend model: S = c0 + c_p * prompt_tokens + c_d * output_tokens,
 and each (backend, model)'s load cost: the seconds a backend that loads models on demand (Ollama,
-llama-swap) spends loading a model it does not hold before it can answer.
+llama-swap) spends loading a model it does not hold. docs/scheduling.md ("Service time in seconds")
+gives the reasons and the measurements.
 
-Fitted online by recursive least squares with a forgetting factor (recent requests weigh more, so
-a backend that changes speed is followed), seeded with defaults that hold until there is data: the
-prior covariance says how many observations the defaults are worth. One model per backend model
-name (``None`` = the default model). The state is persisted atomically (write a temporary file,
-then ``os.replace``) to a JSON file, so a restart keeps what was learned.
-
-The fit cannot turn the order upside down. Two rules keep it physical:
+Fitted online by recursive least squares with a forgetting factor (a backend that changes speed is
+followed), seeded with defaults worth ``prior_weight`` observations; one fit per model name
+(``None`` = the default model). The fit cannot turn the order upside down:
 
 - **Bounded coefficients.** After each update the coefficients are projected onto c0 >= 0,
-  c_p >= 0 and c_d >= ``C_DECODE_MIN_S`` (the closest point in the fit's own metric, its
-  covariance: the constrained least-squares answer, not a clip). More predicted tokens therefore
-  always predict more seconds, for any sequence of observations.
-- **Bounded influence.** A measured time is taken as is within ``OUTLIER_FACTOR``x of (or below)
-  the fit's prediction; beyond, it counts as that bound (winsorised: a Huber-type fit). The bound
-  widens with the median of the last ``SPREAD_WINDOW`` observations' |log(measured / predicted)|,
-  so a backend that really changed speed is followed once about half of them agree, while a few
-  outliers (a first answer that waited on a busy CPU or a model load) move the fit no more than
-  a request ``OUTLIER_FACTOR``x slower would.
+  c_p >= 0 and c_d >= ``C_DECODE_MIN_S`` in the fit's own covariance metric (the constrained
+  least-squares answer, not a clip): more predicted tokens always predict more seconds.
+- **Bounded influence.** A measured time beyond ``OUTLIER_FACTOR``x of the prediction counts as
+  that bound (winsorised); the bound widens with the median of the last ``SPREAD_WINDOW``
+  |log(measured / predicted)|, so a backend that really changed speed is followed once about half
+  of them agree, while a few outliers (a wait on a busy CPU or a model load) move the fit little.
 
-Inputs come from completed requests through one call,
-``observe(model, prompt_tokens, output_tokens, duration_s)`` (the duration without any load it
-paid); predictions through ``predict_s(model, prompt_tokens, output_tokens)``.
+Load costs: a moving average seeded with ``ServiceTimeDefaults.load_s``, taught by
+``observe_load`` (Ollama's ``load_duration``) or ``observe_first_byte``: a streamed answer's
+first-byte delay after a switch beyond the median of the last ``FIRST_BYTE_WINDOW`` that followed
+none. A sample counts as at most ``LOAD_OUTLIER_FACTOR`` times the current cost.
 
-Load costs per (backend, model), seeded with ``ServiceTimeDefaults.load_s`` (worth one
-observation), taught by ``observe_load(backend, model, load_s)`` (Ollama's ``load_duration``) or by
-``observe_first_byte(backend, model, first_byte_s, after_switch)``: a streamed answer's first-byte
-delay, whose median over the last ``FIRST_BYTE_WINDOW`` answers that followed no switch is the
-baseline that an answer following a switch exceeds by its load. A load sample counts as at most
-``LOAD_OUTLIER_FACTOR`` times the current cost in the moving average, so one outlier moves the cost
-by a bounded factor. Read by ``load_s``; never negative.
-
-Nothing here reads a clock or does I/O except ``save``/``load``.
+Nothing here reads a clock or does I/O except ``save``/``load`` (atomic JSON, kept over restarts).
 """
 
 from __future__ import annotations
@@ -41,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,10 +126,7 @@ class _Rls:
 
     def bound(self) -> float:
         """The factor beyond which a measured time counts as an outlier (at least ``OUTLIER_FACTOR``)."""
-        ordered = sorted(self.spread)
-        half = len(ordered) // 2
-        median = ordered[half] if len(ordered) % 2 else 0.5 * (ordered[half - 1] + ordered[half])
-        return max(OUTLIER_FACTOR, math.exp(min(SPREAD_WIDTH * median, 700.0)))
+        return max(OUTLIER_FACTOR, math.exp(min(SPREAD_WIDTH * statistics.median(self.spread), 700.0)))
 
     def update(self, x: list[float], y: float, lam: float, max_trace: float) -> None:
         # Unrolled 3x3 (it runs once per completed request, on the event loop).
@@ -182,12 +167,8 @@ class _Load:
 
     @property
     def first_byte_s(self) -> float | None:
-        """The usual first-byte delay (the median of ``first_bytes``), None before any."""
-        ordered = sorted(self.first_bytes)
-        if not ordered:
-            return None
-        half = len(ordered) // 2
-        return ordered[half] if len(ordered) % 2 else 0.5 * (ordered[half - 1] + ordered[half])
+        """The usual first-byte delay, None before any."""
+        return statistics.median(self.first_bytes) if self.first_bytes else None
 
 
 @dataclass(slots=True)
@@ -198,13 +179,17 @@ class ServiceTimeModel:
     path: Path | None = None  # state file; None = in memory only
     _models: dict[str, _Rls] = field(default_factory=dict)
     _loads: dict[str, dict[str, _Load]] = field(default_factory=dict)  # backend -> model ("" = default) -> cost
-    # (defaults, the trace of their fresh covariance): computed once per defaults, not per observation
-    _trace: tuple[ServiceTimeDefaults, float] | None = field(default=None, init=False, repr=False, compare=False)
+    # the trace of the defaults' covariance, which the fit's is kept under (``_Rls.update``)
+    _max_trace: float = field(init=False, repr=False, compare=False)
 
     # Feature scales keep the RLS well conditioned: tokens in thousands.
     _SCALE = (1.0, 1e-3, 1e-3)
     # The coefficients' lower bounds, scaled as theta: c0 >= 0, c_p >= 0, c_d >= C_DECODE_MIN_S.
     _LOWER = (0.0, 0.0, C_DECODE_MIN_S / 1e-3)
+
+    def __post_init__(self) -> None:
+        fresh = self._fresh().p
+        self._max_trace = fresh[0][0] + fresh[1][1] + fresh[2][2]
 
     def _fresh(self) -> _Rls:
         d = self.defaults
@@ -217,12 +202,9 @@ class ServiceTimeModel:
     def _x(self, prompt_tokens: float, output_tokens: float) -> list[float]:
         return [1.0, max(prompt_tokens, 0.0) * self._SCALE[1], max(output_tokens, 0.0) * self._SCALE[2]]
 
-    def _get(self, model: str | None) -> _Rls | None:
-        return self._models.get(model or "")
-
     def predict_s(self, model: str | None, prompt_tokens: float, output_tokens: float) -> float:
         """Predicted service seconds (never below 10 ms); never fewer for more tokens of either kind."""
-        rls = self._get(model)
+        rls = self._models.get(model or "")
         t0, t1, t2 = rls.theta if rls is not None else self._fresh().theta
         _, x1, x2 = self._x(prompt_tokens, output_tokens)
         return max(_MIN_SERVICE_S, t0 * 1.0 + t1 * x1 + t2 * x2)
@@ -246,24 +228,16 @@ class ServiceTimeModel:
             bound = rls.bound()  # before this observation joins the spread: an outlier cannot widen its own bound
             counted_s = min(max(duration_s, predicted_s / bound), predicted_s * bound)
         rls.spread.append(spread)
-        rls.update(x, counted_s, self.defaults.forgetting, self._max_trace())
+        rls.update(x, counted_s, self.defaults.forgetting, self._max_trace)
         t0, t1, t2 = theta = rls.theta
         if not (math.isfinite(t0) and math.isfinite(t1) and math.isfinite(t2)):
             self._models[key] = self._fresh()  # never serve a broken fit: start again from the defaults
             return
         rls.theta = _project(theta, rls.p, self._LOWER)
 
-    def _max_trace(self) -> float:
-        trace = self._trace
-        if trace is None or trace[0] is not self.defaults:
-            fresh = self._fresh().p
-            trace = self._trace = (self.defaults, fresh[0][0] + fresh[1][1] + fresh[2][2])
-        return trace[1]
-
     def coefficients(self, model: str | None) -> dict[str, float]:
-        """c0_s, c_prompt_s (per token), c_decode_s (per token), the observation count, and the
-        factor beyond which a measured time counts as an outlier now (``outlier_factor``)."""
-        rls = self._get(model) or self._fresh()
+        """Its coefficients (per token), observations, and the outlier bound now (``outlier_factor``)."""
+        rls = self._models.get(model or "") or self._fresh()
         return {
             "c0_s": rls.theta[0],
             "c_prompt_s": rls.theta[1] * self._SCALE[1],
@@ -273,8 +247,7 @@ class ServiceTimeModel:
         }
 
     def fits(self) -> dict[str, dict[str, float]]:
-        """Every model's coefficients (``coefficients``), by name ("default" for none), the default
-        model's first: the fits that order requests."""
+        """Every model's ``coefficients``, by name ("default" for none), the default model's first."""
         names: list[str] = ["", *(name for name in self._models if name)]
         return {(name or "default"): self.coefficients(name) for name in names}
 
@@ -299,12 +272,10 @@ class ServiceTimeModel:
         return load
 
     def observe_load(self, backend: str, model: str | None, load_s: float) -> None:
-        """``backend`` took ``load_s`` seconds to load ``model`` (Ollama's ``load_duration``, or the
-        excess first-byte delay of an answer that followed a switch). A moving average in which the
-        prior counts as one observation: the first sample weighs 1/2, then 1/3, down to
-        ``LOAD_WEIGHT``. The sample counts as at most ``LOAD_OUTLIER_FACTOR`` times the current cost
-        (or ``FREE_LOAD_S``, so a free load can grow): one outlier moves the cost by a bounded
-        factor, up or (samples being >= 0) down."""
+        """``backend`` took ``load_s`` seconds to load ``model``. A moving average in which the prior
+        counts as one observation (the first sample weighs 1/2, then 1/3, down to ``LOAD_WEIGHT``);
+        a sample counts as at most ``LOAD_OUTLIER_FACTOR`` times the current cost (or ``FREE_LOAD_S``,
+        so a free load can grow): one outlier moves the cost by a bounded factor."""
         if not (load_s >= 0 and math.isfinite(load_s)):
             return
         load = self._load(backend, model)
@@ -319,11 +290,10 @@ class ServiceTimeModel:
     def observe_first_byte(
         self, backend: str, model: str | None, first_byte_s: float, *, after_switch: bool
     ) -> float | None:
-        """A streamed answer's first byte came ``first_byte_s`` seconds after it was sent to
-        ``backend``. One that followed no switch joins the baseline (the median of the last
-        ``FIRST_BYTE_WINDOW``: one slow first byte does not raise it); one that followed a switch
-        teaches the load cost: its delay beyond the baseline (the backend's other models' while this
-        one has none; 0 while no model has one), which is returned. None when nothing was learned."""
+        """A streamed answer's first byte came ``first_byte_s`` seconds after it was sent. One that
+        followed no switch joins the baseline (a median: one slow first byte does not raise it); one
+        that followed a switch teaches the load: its delay beyond the baseline (the backend's other
+        models' while this one has none), which is returned. None when nothing was learned."""
         if not (first_byte_s >= 0 and math.isfinite(first_byte_s)):
             return None
         load = self._load(backend, model)
@@ -352,7 +322,6 @@ class ServiceTimeModel:
 
     # -- persistence ---------------------------------------------------------------------------
     def save(self) -> None:
-        """Write the state atomically (temporary file in the same folder, then rename)."""
         if self.path is None:
             return
         write_state(self.path, self.snapshot())
@@ -396,8 +365,7 @@ class ServiceTimeModel:
         return load
 
     def load(self) -> bool:
-        """Read the state file if there is one; a corrupt file is logged and ignored. True if loaded.
-        Coefficients out of their bounds (a file written before them) are projected into them."""
+        """Read the state file if there is one (a corrupt one is logged and ignored); True if read."""
         if self.path is None or not self.path.is_file():
             return False
         try:
