@@ -1,45 +1,27 @@
 """Model affinity: a backend serves the model it holds while that is worth more than a switch, and
-puts a switch off for at most a bound. docs/scheduling.md ("Model switches") gives the reasons and
-the measurements.
+puts a switch off for at most a bound (docs/scheduling.md, "Model switches", gives the reasons and
+the measurements). Ordered as if switching were free, the queue would interleave models, and the
+starvation guard would serve a burst in arrival order, which alternates them.
 
-A backend that loads models on demand (Ollama, llama-swap) pays seconds to minutes for a request
-whose model it does not hold. Ordered as if switching were free, the queue interleaves models; and
-once the starvation guard makes a burst overdue it serves arrival order, which alternates them.
+``ModelAffinity`` keeps one queue per model (``make_queue``: the policy's order, guard and fair
+share) and decides between them when a slot frees, ``pop_for(now, lanes)``; for each lane:
 
-``ModelAffinity`` keeps one queue per model, built by ``make_queue`` (``policy.build_queue``: the
-policy's order, its guard, fair share), and decides between them when a slot frees:
-``pop_for(now, lanes)``, a ``Lane`` per backend with a free slot. For each lane:
+1. **A switch is due** once a request for a model the lane does not hold has been *put off*
+   ``bound_s`` (since the lane's last switch, or its arrival if later): switch to the model put
+   off longest. A model that loads in under ``FREE_LOAD_S`` counts as held.
+2. Otherwise, while a held model has requests waiting (rule ``"weighed"``): a model's *rate* is
+   min over k of (load + its next k requests' predicted seconds) / k (``_rate_s``); the held one
+   counts no load, another its load and the load back. Switch to the lowest rate if it wins by
+   ``_SWITCH_MARGIN``, else serve the held models (weighted shortest job first over stretches).
+3. Nothing held waits: switch to the lowest rate (load counted), ties to the one put off longest.
 
-1. **A switch is due** once a request for a model the backend does not hold has been *put off*
-   ``bound_s`` seconds (since the backend's last switch, or its arrival if later): the backend
-   switches to the model put off longest.
-2. Otherwise, while a model it **holds** has requests waiting, it weighs what waits (rule
-   ``"weighed"``): a model's *rate* is min over k of (load + its next k requests' predicted
-   seconds) / k, its next request first, then the rest shortest first; the held model counts no
-   load, another counts its load and the load back. It switches to the lowest rate if that wins by
-   ``_SWITCH_MARGIN``, else serves the held models (their heads in the policy's order). That is
-   weighted shortest job first over stretches of one model. A model that loads in under
-   ``FREE_LOAD_S`` counts as held.
-3. Nothing held waits: it **switches** to the lowest rate (load counted), ties to the one put off
-   longest.
+Rule ``"bound"`` is the rule before weighing: step 2 always stays, step 3 takes the oldest request.
+Inside a model its own queue decides; across models the switch bound replaces the guard. Under
+``"weighed"`` each model's guard runs on its own clock, stopped while the model is put off for a
+switch, so waiting for a load the bound accounts for does not make its requests overdue.
 
-Rule ``"bound"`` (the rule before weighing): step 2 serves the held models whatever waits, step 3
-switches to the model with the oldest request, and the guard counts every second waited.
-
-Inside a model its own queue decides, so the per-request starvation rule holds among one model's
-requests; across models the switch bound replaces it (applied across models, the overdue rule would
-serve a burst in arrival order and undo the grouping). Under rule ``"weighed"`` each model's guard
-runs on its own clock, stopped while the model is put off for a switch (requests waiting, none in
-service, no backend that last asked for work holds it or loads it for free), so its requests do not
-become overdue by waiting for a load the bound already accounts for.
-
-Bound: on a backend, no request for a model it holds is dispatched once a request for another model
-it serves has been put off ``bound_s``; with k models a request waits at most k - 1 such turns
-(``tests/test_affinity.py`` checks it under adversarial arrivals and pop times).
-
-``pop(now)`` and ``peek`` take the policy's order across models (an overdue head first);
-``ordered_for(now, lane)`` replays the rule on one lane in predicted seconds (positions and ETAs).
-Synchronous and clock-free, like every queue here: the simulator drives this same code.
+``pop``/``peek`` take the policy's order across models; ``ordered_for`` replays the rule on one
+lane in predicted seconds (positions, ETAs). Clock-free: the simulator drives this same code.
 """
 
 from __future__ import annotations
@@ -61,12 +43,9 @@ T = TypeVar("T")
 
 SWITCH_RULES: tuple[str, ...] = ("weighed", "bound")  # the default first; see the module
 
-# Retired model queues kept for reuse, at most (as FairShareQueue keeps retired tenants).
-_SPARE_GROUPS = 8
+_SPARE_GROUPS = 8  # retired model queues kept for reuse, at most (as FairShareQueue keeps retired tenants)
 
-# A model's stretch is weighed over at most this many of its requests: past that a longer stretch
-# changes its rate by little, and a decision stays O(this) however long the queue.
-_STRETCH_JOBS = 64
+_STRETCH_JOBS = 64  # requests a stretch is weighed over, at most: a decision stays O(this) however long the queue
 
 # A switch the rates favour must win by this factor: they weigh the requests waiting now, not those a
 # load delays later (``clairvoyant simulate swaps``: at 1.0 the backend switched 11% more often than
@@ -181,16 +160,12 @@ S = TypeVar("S", bound=_Side[Any])
 
 
 class ModelAffinity(JobQueue[T]):
-    """One queue per model; a backend whose slot frees serves the models it holds while that is
-    worth more than a switch, and switches once a request for another model has been put off
-    ``bound_s`` seconds (see the module)."""
+    """One queue per model, and the switch rule between them (see the module)."""
 
     def __init__(
         self, make_queue: Callable[[], JobQueue[T]], bound_s: float, rank: Rank | None = None, rule: str = "weighed"
     ) -> None:
-        """``make_queue`` builds one model's queue (equal empty queues at every call); ``rank`` is
-        the policy's order across models' heads (default: priority, then arrival); ``rule`` one of
-        ``SWITCH_RULES``."""
+        """``make_queue`` builds equal empty queues; ``rank``: the policy's order across models' heads."""
         if not (bound_s > 0 and math.isfinite(bound_s)):
             raise ValueError("bound_s must be a positive number of seconds (a switch may not wait forever)")
         if rule not in SWITCH_RULES:
@@ -211,7 +186,6 @@ class ModelAffinity(JobQueue[T]):
         return (job for group in list(self._groups.values()) for job in group.queue)
 
     def waiting_by_model(self) -> dict[str | None, int]:
-        """Requests waiting per model."""
         return {group.model: group.waiting for group in self._groups.values() if group.waiting}
 
     def describe(self) -> dict[str, Any]:
@@ -284,7 +258,6 @@ class ModelAffinity(JobQueue[T]):
         return True
 
     def _left(self, group: _Group[T], job: Job[T]) -> None:
-        """``job``, one of ``group``'s, left the waiting queue."""
         group.waiting -= 1
         group.seconds.discard(job)
         self._live -= 1
@@ -318,17 +291,15 @@ class ModelAffinity(JobQueue[T]):
         return None if group is None else group.queue.peek(now)
 
     def pop(self, now: float) -> tuple[Job[T], bool] | None:
-        """The policy's next job across models (an overdue head first): what a backend that holds
-        nothing in particular would take. ``pop_for`` is the rule for a backend whose slot frees."""
+        """The policy's next job across models (an overdue head first), for a lane that holds nothing."""
         group = self._best([g for g in self._groups.values() if g.waiting], now)
         if group is not None:
             group.clock.set(now, False)
         return self._pop(group, now)
 
     def pop_for(self, now: float, lanes: Sequence[Lane]) -> tuple[Job[T], bool] | None:
-        """The next job for one of ``lanes`` (backends with a free slot) at ``now``: a lane's choice
-        that needs no switch first, else the first lane's switch (see the module's rule). None if
-        nothing waits or no lane serves any waiting model."""
+        """The next job for one of ``lanes`` (backends with a free slot): a lane's choice that needs no
+        switch first, else the first lane's switch. None if no lane serves a waiting model."""
         group, switched = self._choose(now, lanes)
         got = self._pop(group, now)
         if self.rule == "weighed" and group is not None:
@@ -345,9 +316,8 @@ class ModelAffinity(JobQueue[T]):
         return got
 
     def _set_clocks(self, now: float, lanes: Sequence[Lane], chosen: _Group[T], switched: Lane | None) -> None:
-        """After a decision: stop the clock of each model put off (waiting, nothing in service, not
-        held or loaded for free by a lane that asked; the lane that switched holds only ``chosen``
-        now), run the others'."""
+        """Stop the clock of each model now put off (waiting, nothing in service, not held or loaded
+        for free by a lane that asked: the one that switched holds only ``chosen``), run the others'."""
         self._lanes = lanes
         holds_chosen = _holding(chosen.model)
         for group in self._groups.values():
@@ -402,8 +372,8 @@ class ModelAffinity(JobQueue[T]):
         served: list[S],
         best_held: Callable[[list[S], float], S | None],
     ) -> tuple[S, bool]:
-        """What ``lane`` (holding what ``holds`` says since ``switched_s``) takes next among
-        ``served`` (models waiting that it serves), and whether that is a switch: the module's rule."""
+        """The module's rule: what ``lane`` (holding ``holds`` since ``switched_s``) takes next among
+        ``served``, and whether that is a switch."""
         held: list[S] = []
         others: list[S] = []
         for side in served:
@@ -438,10 +408,8 @@ class ModelAffinity(JobQueue[T]):
         return self.ordered_for(now, Lane(lambda model: False, lambda model: True, lambda model: math.inf))
 
     def ordered_for(self, now: float, lane: Lane, free_in_s: float = 0.0) -> list[Job[T]]:
-        """Waiting jobs in the order ``lane`` would take them if nothing else arrived, its slot free
-        in ``free_in_s`` seconds: the rule replayed in predicted seconds (each job its
-        ``predicted_s``, each switch its load), each model's jobs in that model's own order at
-        ``now``. After a replayed switch the lane holds only the model it switched to."""
+        """Waiting jobs in the order ``lane`` (free in ``free_in_s``) would take them if nothing else
+        arrived: the rule replayed in predicted seconds, each switch costing its load."""
         groups = [g for g in self._groups.values() if g.waiting]
         if len(groups) < 2:
             return groups[0].queue.ordered(now) if groups else []
@@ -473,8 +441,7 @@ def _holding(model: str | None) -> Callable[[str | None], bool]:
 
 
 class _Play(Generic[T]):
-    """One model's waiting jobs while ``ordered_for`` replays the rule: taken in its own order,
-    its oldest untaken one and its shortest ones at hand."""
+    """One model's waiting jobs while ``ordered_for`` replays the rule, taken in its own order."""
 
     __slots__ = ("model", "jobs", "by_arrival", "by_seconds", "at", "oldest_at", "shortest_at", "taken")
 

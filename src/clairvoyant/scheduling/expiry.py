@@ -1,14 +1,12 @@
 """Queue deadlines: the waiting jobs that carry one (``Job.expires_s``), soonest first.
 
-A client may say how long it will wait before dispatch. A job whose deadline has come (``now >=
-expires_s``) must never be sent: it is withdrawn from its queue and answered at once. ``Expiry``
-finds those jobs without looking at the others: a min-heap of ``(expires_s, seq, job)``, O(log n)
-per job with a deadline, none for jobs without one. Entries of jobs that left the queue (dispatched
-or withdrawn) are dropped lazily, and the heap is rebuilt when they outnumber the waiting ones.
+A job whose deadline has come (``now >= expires_s``) must never be sent: it is withdrawn and
+answered at once. ``Expiry`` finds those without looking at the others: a min-heap of
+``(expires_s, seq, job)``, O(log n) per job with a deadline, nothing for one without. Entries of
+jobs that left the queue are dropped lazily; the heap is rebuilt when they outnumber the waiting.
 
-Clock-free like the queues: ``now`` is passed in (the dispatcher's clock, or the simulator's virtual
-time). The caller withdraws what ``due(now)`` returns (``JobQueue.remove``), and checks a job it has
-already taken from the queue (held back for a busy backend) itself.
+Clock-free like the queues. The caller withdraws what ``due(now)`` returns (``JobQueue.remove``),
+and checks a job it has already taken from the queue (held back for a busy backend) itself.
 """
 
 from __future__ import annotations
@@ -36,12 +34,10 @@ class Expiry(Generic[T]):
         self._heap: list[tuple[float, int, Job[T]]] = []
         self._limit = 64  # rebuilt past this many entries: twice the waiting ones at the last rebuild
 
-    def __len__(self) -> int:
-        """Entries held (waiting jobs with a deadline, and lingering ones not yet dropped)."""
+    def __len__(self) -> int:  # entries held, lingering ones included
         return len(self._heap)
 
     def add(self, job: Job[T]) -> None:
-        """Track a job just queued; one without a deadline costs nothing."""
         if math.isinf(job.expires_s):
             return
         heap = self._heap
@@ -52,8 +48,7 @@ class Expiry(Generic[T]):
             self._limit = max(64, 2 * len(heap))
 
     def due(self, now: float) -> list[Job[T]]:
-        """The waiting jobs whose deadline has come by ``now``, soonest first; they are no longer
-        tracked (the caller withdraws them)."""
+        """The waiting jobs whose deadline has come by ``now``, soonest first, no longer tracked."""
         heap = self._heap
         out = []
         while heap and heap[0][0] <= now:

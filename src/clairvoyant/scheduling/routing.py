@@ -64,16 +64,14 @@ class ModelsHeld:
         return model is not None and any(same_model(model, m) for m in self.loaded)
 
     def holds(self, model: str | None) -> bool:
-        """For model affinity: it holds ``model`` now, with nothing to load: the model it served
-        last, or one its own report lists if no switch was sent since (a switch may have evicted
-        the others). False while nothing is known."""
+        """It holds ``model`` now, with nothing to load: the model it served last, or one its own
+        report lists if no switch was sent since (a switch may have evicted the others)."""
         last = self.last_model
         if last is not None and (last == model or (model is not None and same_model(model, last))):
             return True
         return self.reported and self.has_loaded(model)
 
-    def report(self, loaded: Sequence[str]) -> None:
-        """Its own list of the models it has loaded now (Ollama /api/ps)."""
+    def report(self, loaded: Sequence[str]) -> None:  # its own list of the models loaded now (/api/ps)
         self.loaded = tuple(loaded)
         self.reported = True
 
@@ -151,12 +149,10 @@ def choose(
     own_s: float = 0.0,
     load_s: Callable[[str, str | None], float] | None = None,
 ) -> int | None:
-    """The index of the backend to dispatch a request for ``model`` to now, or None to wait (see
-    the module's rule). ``remaining_s(backend)``: its predicted seconds of work left. ``avoid``:
-    backends that refused this request already; they are left out while another serves the model
-    (a backend that answers its health check but refuses requests must not bounce it forever).
-    ``own_s``: the request's own predicted seconds. ``load_s(backend name, model)``: learned load
-    seconds (None: only Ollama's report of loaded models counts)."""
+    """The backend to dispatch a request for ``model`` to now, or None to wait (the module's rule).
+    ``avoid``: backends that refused this request already, left out while another serves the model
+    (one that answers its health check but refuses requests must not bounce it forever).
+    ``load_s``: learned load seconds (None: only Ollama's report of loaded models counts)."""
     if len(backends) == 1:  # the common deployment, on every request: the rule below comes to this
         only = backends[0]
         return 0 if only.free and only.serves(model) else None

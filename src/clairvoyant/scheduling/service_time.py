@@ -46,12 +46,10 @@ logger = logging.getLogger(__name__)
 _MIN_SERVICE_S = 0.01
 _MAX_MODELS = 64  # bounded: model names come from clients
 _MAX_BACKENDS = 64  # load costs are kept for this many backends at most (they come from the configuration)
-# The least seconds an output token costs (10,000 tokens/s for one answer: faster than any backend
-# decodes): keeps more predicted tokens strictly more predicted seconds, not merely as many.
+# The least seconds an output token costs (10,000 tokens/s, faster than any backend decodes): more
+# predicted tokens are strictly more predicted seconds, not merely as many.
 C_DECODE_MIN_S = 1e-4
-# A measured service time within this factor of the prediction (above or below) is taken as is;
-# beyond, it counts as this factor (until the recent spread says the backend changed speed).
-OUTLIER_FACTOR = 3.0
+OUTLIER_FACTOR = 3.0  # a measured time beyond this factor of the prediction counts as this factor
 _LOG_OUTLIER_FACTOR = math.log(OUTLIER_FACTOR)
 SPREAD_WINDOW = 16  # recent |log(measured / predicted)| whose median widens the bound
 SPREAD_WIDTH = 2.0  # the bound is at least exp(this x that median): a backend that changed speed gets through
@@ -157,23 +155,20 @@ class _Rls:
 
 
 @dataclass(slots=True)
-class _Load:
-    """One (backend, model)'s load cost."""
-
+class _Load:  # one (backend, model)'s load cost
     load_s: float  # moving average of measured loads, seconds (the prior until observed)
     n: int = 0  # loads observed
     # The first-byte delays of the last streamed answers that followed no switch, seconds
     first_bytes: deque[float] = field(default_factory=lambda: deque(maxlen=FIRST_BYTE_WINDOW))
 
     @property
-    def first_byte_s(self) -> float | None:
-        """The usual first-byte delay, None before any."""
+    def first_byte_s(self) -> float | None:  # the usual first-byte delay, None before any
         return statistics.median(self.first_bytes) if self.first_bytes else None
 
 
 @dataclass(slots=True)
 class ServiceTimeModel:
-    """Per-model online linear service-time model (see the module docstring)."""
+    """Per-model online linear service-time model, and load costs per (backend, model)."""
 
     defaults: ServiceTimeDefaults = field(default_factory=ServiceTimeDefaults)
     path: Path | None = None  # state file; None = in memory only
@@ -203,7 +198,7 @@ class ServiceTimeModel:
         return [1.0, max(prompt_tokens, 0.0) * self._SCALE[1], max(output_tokens, 0.0) * self._SCALE[2]]
 
     def predict_s(self, model: str | None, prompt_tokens: float, output_tokens: float) -> float:
-        """Predicted service seconds (never below 10 ms); never fewer for more tokens of either kind."""
+        """Never below 10 ms, and never fewer for more tokens of either kind."""
         rls = self._models.get(model or "")
         t0, t1, t2 = rls.theta if rls is not None else self._fresh().theta
         _, x1, x2 = self._x(prompt_tokens, output_tokens)
@@ -386,7 +381,6 @@ class ServiceTimeModel:
 
 
 def write_state(path: Path, state: dict[str, Any]) -> None:
-    """Write ``state`` (a ``snapshot``) to ``path`` atomically: a temporary file in the same folder,
-    fsynced, then renamed over the old one. Safe to run in a worker thread."""
+    """Write a ``snapshot`` atomically (``atomic_writer``); safe to run in a worker thread."""
     with atomic_writer(path) as fh:
         json.dump(state, fh)

@@ -35,7 +35,6 @@ class AdaptiveSlowdown:
         self._sumsq = 0.0
 
     def observe(self, service_s: float) -> None:
-        """A completed request took ``service_s`` seconds."""
         if not (service_s > 0 and math.isfinite(service_s)):
             return
         if len(self._window) == self._window.maxlen:
