@@ -74,14 +74,12 @@ def _rate_s(load_s: float, head_s: float, rest_s: Iterable[float]) -> float:
     return total / k
 
 
+@dataclass(slots=True, eq=False)
 class _GuardClock:
     """A model's guard clock: clock seconds, stopped while the model is put off for a switch."""
 
-    __slots__ = ("lag_s", "stopped_s")
-
-    def __init__(self) -> None:
-        self.lag_s = 0.0  # seconds stopped before ``stopped_s``
-        self.stopped_s: float | None = None  # stopped since (None: running)
+    lag_s: float = 0.0  # seconds stopped before ``stopped_s``
+    stopped_s: float | None = None  # stopped since (None: running)
 
     def __call__(self, now: float) -> float:
         stopped = self.stopped_s
@@ -97,14 +95,12 @@ class _GuardClock:
             self.stopped_s = None
 
 
+@dataclass(slots=True, eq=False)
 class _Seconds:
     """A model's waiting requests' predicted seconds, ascending (its stretches are weighed on them)."""
 
-    __slots__ = ("ascending", "of")
-
-    def __init__(self) -> None:
-        self.ascending: list[tuple[float, int]] = []  # (predicted_s, seq)
-        self.of: dict[int, float] = {}  # seq -> the predicted seconds it is filed under
+    ascending: list[tuple[float, int]] = field(default_factory=list)  # (predicted_s, seq)
+    of: dict[int, float] = field(default_factory=dict)  # seq -> the predicted seconds it is filed under
 
     def add(self, job: Job[Any]) -> None:
         self.of[job.seq] = job.predicted_s
