@@ -1,23 +1,16 @@
-"""gamma-boost (paper 002, digest section 2): key = arrival_s - b, with b in seconds.
+"""gamma-boost (paper 002, digest section 2): key = arrival_s - b, with b in seconds; the reasons
+and figures are in docs/scheduling.md ("Policies").
 
-``b_gamma(S) = (1/gamma) ln(1 / (1 - exp(-gamma S)))``: decreasing in S, so short jobs get a large
-boost. gamma -> inf is FCFS, gamma -> 0 is SJF; only jobs shorter than about 1/gamma seconds get a
-meaningful boost.
+``b_gamma(S) = (1/gamma) ln(1 / (1 - exp(-gamma S)))``: gamma -> inf is FCFS, gamma -> 0 is SJF.
+Per prediction bucket l, ``b(l) = (1/gamma) ln(M_l / (M_l - 1))`` with ``M_l = mean(exp(gamma S))``
+over the *measured* service times of the bucket's completed requests (blended with the predicted
+seconds until it has data): a bucket whose real sizes are dispersed gets a small boost, so a weak
+predictor degrades toward FCFS.
 
-Bucket-conditioned boosts: the boost of prediction bucket l is
-``b(l) = (1/gamma) ln(M_l / (M_l - 1))`` with ``M_l = mean(exp(gamma S) | bucket l)`` over the
-*measured* service times of completed requests in that bucket (blended with the predicted seconds
-until a bucket has data). A bucket whose real sizes are dispersed gets a small boost, so a weak
-predictor degrades toward FCFS instead of reordering at random.
-
-Starvation bound: every boost is capped at ``max_boost_s``. A later arrival j overtakes a waiting
-i only if ``a_j - a_i < b_j - b_i <= max_boost_s``: after waiting ``max_boost_s`` seconds nobody
-new passes i (within its priority class). That cap holds whatever gamma is, so automatic gamma
-cannot break it.
-
-Automatic gamma (digest 2b): the positive root of ``gamma = lambda (mean(exp(gamma S)) - 1)`` over
-recent arrivals and measured service times; it exists only when rho < 1, otherwise the manual
-gamma stays.
+Every boost is capped at ``max_boost_s``: a later arrival j passes a waiting i only if ``a_j - a_i <
+b_j - b_i <= max_boost_s``, so after waiting that long nobody new passes i (within its class),
+whatever gamma is. Automatic gamma (digest 2b): the positive root of ``gamma = lambda
+(mean(exp(gamma S)) - 1)``; at rho >= 1 there is none and the manual gamma stays.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The starvation guard's slowdown factor, fixed or following the measured service-time spread.
 
-With the guard a request is overdue after ``tau + slowdown x predicted_s``. How long a request may
-be passed over should grow with how much there is to gain from reordering, which is the spread of
-service times: under FCFS the mean wait in units of the mean service is
-``rho (1 + CV^2) / (2 (1 - rho))`` (Pollaczek-Khinchine), so the same tolerance measured in those
-units is ``base x (1 + CV^2)``. ``AdaptiveSlowdown`` measures CV^2 over the last ``window``
-completed requests (measured seconds) and starts from ``prior_cv2`` until it has ``min_samples``.
+A request is overdue after ``tau + slowdown x predicted_s``. Under FCFS the mean wait in mean
+services is ``rho (1 + CV^2) / (2 (1 - rho))`` (Pollaczek-Khinchine), so ``AdaptiveSlowdown`` is
+``base x (1 + CV^2)``, CV^2 over the last ``window`` measured service times (``prior_cv2`` until
+``min_samples``).
 """
 
 from __future__ import annotations
