@@ -9,9 +9,9 @@ import math
 import time
 
 import pytest
+from manual_clock import ManualClock
 from polling import settle, until
 
-from clairvoyant.clock import ManualClock
 from clairvoyant.errors import QueueFull
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.predictor import Prediction

@@ -12,9 +12,9 @@ import random
 import re
 from pathlib import Path
 
+from manual_clock import ManualClock
 from prometheus_client.parser import text_string_to_metric_families
 
-from clairvoyant.clock import ManualClock
 from clairvoyant.metrics import Children, Counts, Families, Metrics, MetricSpec
 from clairvoyant.prediction.learner import ModelQuality
 from clairvoyant.scheduling.dispatcher import Dispatcher

@@ -19,11 +19,11 @@ from typing import Any
 import httpx
 import pytest
 import respx
+from manual_clock import ManualClock
 from polling import wait_until
 from proxy_harness import LOOPBACK, HeldBackend, MarkerPredictor, mock_transport, running_proxy
 
 from clairvoyant.cli import main
-from clairvoyant.clock import ManualClock
 from clairvoyant.config import Settings
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.learner import ModelQuality

@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from contextvars import ContextVar
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -24,12 +24,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    TomlConfigSettingsSource,
-)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from clairvoyant.errors import ConfigError
 from clairvoyant.scheduling.policy import POLICY_NAMES
@@ -446,9 +441,7 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Highest first: CLI flags (init), the environment, the config file (set by load_settings).
         config_file = _config_file.get()
-        if config_file is None:
-            return (init_settings, env_settings)
-        return (init_settings, env_settings, config_file)
+        return (init_settings, env_settings) if config_file is None else (init_settings, env_settings, config_file)
 
 
 # Settings that no longer have any effect: accepted with a WARNING, so that an older config file
@@ -464,11 +457,10 @@ RETIRED_SETTINGS: dict[str, str] = {
 OTHER_ENV_NAMES = frozenset({f"{ENV_PREFIX}CONFIG", f"{ENV_PREFIX}REQUIRE_BACKEND", f"{ENV_PREFIX}STATUS_KEY"})
 
 
-def _did_you_mean(name: str, candidates: Mapping[str, str]) -> str:
-    """A hint naming the candidate most like ``name`` (difflib; compared by key, named by value),
-    or "" when nothing is close."""
+def _did_you_mean(name: str, candidates: Iterable[str], prefix: str = "") -> str:
+    """A hint naming the candidate most like ``name`` (difflib), or "" when nothing is close."""
     matches = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)
-    return f"; did you mean {candidates[matches[0]]}?" if matches else ""
+    return f"; did you mean {prefix}{matches[0]}?" if matches else ""
 
 
 def unknown_environment_variables(environ: Mapping[str, str] | None = None) -> list[str]:
@@ -480,14 +472,14 @@ def unknown_environment_variables(environ: Mapping[str, str] | None = None) -> l
     retired = {f"{ENV_PREFIX}{name.upper()}": name for name in RETIRED_SETTINGS}
     # Compared without the shared prefix (it would make every name look alike), upper-cased because
     # pydantic-settings reads the environment case-insensitively.
-    suffixes = {name.removeprefix(ENV_PREFIX): name for name in valid}
+    suffixes = [name.removeprefix(ENV_PREFIX) for name in valid]
     messages = []
     for key in sorted(environ):
         upper = key.upper()
         if upper in retired:
             messages.append(f"{key} has no effect any more ({RETIRED_SETTINGS[retired[upper]]})")
         elif upper.startswith(ENV_PREFIX) and upper not in valid:
-            hint = _did_you_mean(upper.removeprefix(ENV_PREFIX), suffixes)
+            hint = _did_you_mean(upper.removeprefix(ENV_PREFIX), suffixes, ENV_PREFIX)
             messages.append(f"unknown environment variable {key} (ignored){hint}")
     return messages
 
@@ -567,7 +559,7 @@ class ConfigFileSource(TomlConfigSettingsSource):
             logger.warning("config file %s: %s has no effect any more (%s)", file_path, key, RETIRED_SETTINGS[key])
             del data[key]
         unknown = [
-            f"config file {file_path}: unknown setting {key!r}{_did_you_mean(key, {name: name for name in Settings.model_fields})}"
+            f"config file {file_path}: unknown setting {key!r}{_did_you_mean(key, Settings.model_fields)}"
             for key in sorted(set(data) - set(Settings.model_fields))
         ]
         if unknown:
