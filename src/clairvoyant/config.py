@@ -145,7 +145,7 @@ class BackendConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    url: str = Field()
+    url: str
     """Base URL, e.g. http://127.0.0.1:11434 (user:password@ allowed; never logged)."""
     name: str | None = Field(None, max_length=64)
     """Shown in /queue, /readyz, metrics and the X-Clairvoyant-Backend header; default backend-N (its place in the list,

@@ -153,8 +153,7 @@ class BackendMetrics(Families):
         help="Scheduled requests holding a slot of this backend.")
     healthy: Children = family(Gauge, "clairvoyant_backend_healthy", "backend",
         help="1 while this backend's last health check or connection succeeded, else 0.")
-    slots: Children = family(Gauge, "clairvoyant_backend_slots", "backend",
-        help="Requests this backend runs at once.")
+    slots: Children = family(Gauge, "clairvoyant_backend_slots", "backend", help="Requests this backend runs at once.")
     requests: Children = family(Counter, "clairvoyant_backend_requests", "backend", "outcome",
         help="Requests sent to this backend, scheduled or passed through, by outcome: answered (it sent a status), "
         "refused (connection refused: nothing sent), failed (no status), failed_mid_answer.")

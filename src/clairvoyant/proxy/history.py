@@ -296,14 +296,12 @@ async def history_now(history: History, dispatcher: Dispatcher, limits: TenantLi
     return history.view(now_s, live)
 
 
-async def record_periodically(
-    history: History, dispatcher: Dispatcher, limits: TenantLimits, interval_s: float = SAMPLE_INTERVAL_S
-) -> None:
-    """Sample every ``interval_s``, from now until cancelled (a tracked task of the dispatcher).
+async def record_periodically(history: History, dispatcher: Dispatcher, limits: TenantLimits) -> None:
+    """Sample every ``SAMPLE_INTERVAL_S``, from now until cancelled (a tracked task of the dispatcher).
     A snapshot plays the whole queue forward for its ETAs (tens of ms for 10,000 waiting): when
     one takes longer than ``MAX_LOOP_SHARE`` of the interval, the next waits longer."""
     while True:
         started_s = time.perf_counter()
         history.sample(await live_view(dispatcher, limits), dispatcher.clock.now())
         took_s = time.perf_counter() - started_s
-        await asyncio.sleep(max(interval_s, took_s / MAX_LOOP_SHARE))
+        await asyncio.sleep(max(SAMPLE_INTERVAL_S, took_s / MAX_LOOP_SHARE))
