@@ -179,3 +179,13 @@ def test_a_structure_no_longer_reported_reads_zero() -> None:
     assert "clairvoyant_event_loop_tasks 7.0\n" in text
     assert 'clairvoyant_retained_entries{structure="fair_share_tenants"} 0.0\n' in text
     assert 'clairvoyant_retained_entries{structure="model_groups"} 0.0\n' in text
+
+
+def test_with_replicas_every_series_carries_the_replica_label() -> None:
+    metrics = Metrics()
+    metrics.queue.depth["short"].inc()
+    assert 'clairvoyant_queue_depth{predicted_class="short"} 1.0\n' in metrics.render().decode()
+    metrics.replica = "r1"
+    text = metrics.render().decode()
+    assert 'clairvoyant_queue_depth{predicted_class="short",replica="r1"} 1.0\n' in text
+    assert 'clairvoyant_in_flight_requests{replica="r1"} 0.0\n' in text

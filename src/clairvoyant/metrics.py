@@ -344,20 +344,12 @@ class Metrics:
 
     def render(self) -> bytes:
         """The exposition text; with replicas, every series carries this replica's ``replica`` label."""
-        if self.replica is None:
-            return generate_latest(self.registry)
-        return generate_latest(_WithReplica(self.registry, self.replica))
-
-
-class _WithReplica:
-    """A registry's families, each sample with a ``replica`` label added (at scrape time: the
-    request path's labelled children stay as they are)."""
-
-    def __init__(self, registry: CollectorRegistry, replica: str) -> None:
-        self.registry = registry
-        self.replica = replica
+        return generate_latest(self.registry if self.replica is None else self)
 
     def collect(self) -> Iterator[PromMetric]:
+        """The registry's families, each sample with the ``replica`` label added (at scrape time: the
+        request path's labelled children stay as they are)."""
+        replica = {"replica": self.replica} if self.replica else {}
         for family in self.registry.collect():
-            family.samples = [s._replace(labels={**s.labels, "replica": self.replica}) for s in family.samples]
+            family.samples = [s._replace(labels={**s.labels, **replica}) for s in family.samples]
             yield family
