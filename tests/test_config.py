@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from clairvoyant.config import CLI_FLAGS, Settings, load_settings, settings_reference_markdown
+from clairvoyant.config import CLI_FLAGS, Settings, load_settings
 from clairvoyant.errors import ConfigError
 from clairvoyant.tools import settings_table
-from clairvoyant.tools.settings_table import END_MARK, START_MARK, with_settings_table
+from clairvoyant.tools.settings_table import END_MARK, START_MARK, settings_reference_markdown, with_settings_table
 
 ROOT = Path(__file__).resolve().parents[1]
 

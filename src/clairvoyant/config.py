@@ -38,7 +38,6 @@ __all__ = [
     "Settings",
     "load_settings",
     "read_api_keys_file",
-    "settings_reference_markdown",
     "unknown_environment_variables",
 ]
 
@@ -619,17 +618,3 @@ def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Se
         raise ConfigError(_describe(exc, flags, file_source)) from None
     finally:
         _config_file.reset(token)
-
-
-def settings_reference_markdown() -> str:
-    """docs/configuration.md's table, generated from ``Settings`` (a test keeps them equal)."""
-    rows = [
-        "| setting | environment variable | flag | default | meaning |",
-        "|---|---|---|---|---|",
-    ]
-    for name, field in Settings.model_fields.items():
-        default = "unset" if field.default is None else f"`{field.get_default(call_default_factory=True)}`"
-        flag = f"`{CLI_FLAGS[name]}`" if name in CLI_FLAGS else ""
-        meaning = " ".join((field.description or "").split())  # a docstring's lines, as one
-        rows.append(f"| `{name}` | `{ENV_PREFIX}{name.upper()}` | {flag} | {default} | {meaning} |")
-    return "\n".join(rows) + "\n"
