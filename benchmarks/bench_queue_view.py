@@ -27,7 +27,7 @@ def worker(n: int, limit: int | None, reps: int) -> list[float]:
     """Seconds per body, ``reps`` times, in the tree on this process's PYTHONPATH."""
     import asyncio
 
-    from clairvoyant.clock import ManualClock
+    from clairvoyant.clock import MonotonicClock
     from clairvoyant.metrics import Metrics
     from clairvoyant.prediction.predictor import Prediction
     from clairvoyant.scheduling.dispatcher import Dispatcher, Ticket
@@ -47,7 +47,7 @@ def worker(n: int, limit: int | None, reps: int) -> list[float]:
     async def run() -> list[float]:
         policy = make_policy("sjf")
         d = Dispatcher(
-            build_queue(policy), policy, slots=1, clock=ManualClock(), metrics=Metrics(), max_queue=n + 10
+            build_queue(policy), policy, slots=1, clock=MonotonicClock(), metrics=Metrics(), max_queue=n + 10
         )  # fmt: skip
         await d.start()
         prediction = Prediction.from_probabilities(0.5, 0.3, 0.2)

@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
+from manual_clock import ManualClock
 from polling import until
 from redis_server import RedisServer, running_redis_server
 
-from clairvoyant.clock import ManualClock
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.features import Prompt
 from clairvoyant.prediction.learner import PriorIdentity, usable_observation

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from clairvoyant.config import CLI_FLAGS, Settings, load_settings, settings_reference_markdown
+from clairvoyant.config import CLI_FLAGS, Settings, load_settings
 from clairvoyant.errors import ConfigError
 from clairvoyant.tools import settings_table
-from clairvoyant.tools.settings_table import END_MARK, START_MARK, with_settings_table
+from clairvoyant.tools.settings_table import END_MARK, START_MARK, settings_reference_markdown, with_settings_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -386,3 +386,8 @@ def test_the_keys_file_joins_its_keys_and_holds_nothing_else(tmp_path: Path, mon
     keys.unlink()
     with pytest.raises(ConfigError, match=r"api_keys_file .* cannot be read"):
         load_settings(config)
+
+
+def test_a_starvation_timeout_that_is_not_a_number_is_refused() -> None:
+    with pytest.raises(ConfigError, match="starvation_timeout_s"):
+        load_settings(starvation_timeout_s=float("nan"))

@@ -9,9 +9,9 @@ import math
 import time
 
 import pytest
+from manual_clock import ManualClock
 from polling import settle, until
 
-from clairvoyant.clock import ManualClock
 from clairvoyant.errors import QueueFull
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.predictor import Prediction
@@ -467,7 +467,7 @@ def test_repredicted_reorders_a_waiting_ticket_and_moves_its_class_gauge() -> No
             d.submit(t)
             waiting[name] = t
         assert [j.payload.request_id for j in d.queue.ordered(1.0)] == ["x", "y", "z"]
-        depth = d.metrics.depth_by_class
+        depth = d.metrics.queue.depth
         before = {c: gauge(d, c) for c in depth}
         short = Prediction.from_probabilities(0.9, 0.1, 0.0)  # P(Long) 0: first in line, class Short
         assert d.repredicted(waiting["z"], short)

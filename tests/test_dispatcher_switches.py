@@ -7,9 +7,9 @@ import asyncio
 import math
 
 import pytest
+from manual_clock import ManualClock
 from polling import settle, until
 
-from clairvoyant.clock import ManualClock
 from clairvoyant.errors import QueueDeadline
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.predictor import Prediction

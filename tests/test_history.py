@@ -7,6 +7,9 @@ import json
 import math
 from typing import Any
 
+import pytest
+
+from clairvoyant.proxy import history as history_module
 from clairvoyant.proxy.history import History, percentile
 from clairvoyant.scheduling.queue_view import QueueView
 
@@ -146,8 +149,9 @@ def test_an_empty_window_is_null_never_nan() -> None:
     assert alice["series"]["in_system"] == [None, 0]  # not yet known at the first sample
 
 
-def test_tenants_show_their_use_against_their_limits_and_their_waits() -> None:
-    history = History(max_tenants=3)
+def test_tenants_show_their_use_against_their_limits_and_their_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(history_module, "MAX_TENANTS", 3)
+    history = History()
     tenants = {
         "alice": use(2, 10, 500, max_concurrent=4, requests_per_minute=60),
         "bob": use(1, 3, 90, tokens_per_day=1000),

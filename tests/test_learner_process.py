@@ -190,7 +190,7 @@ def test_a_killed_worker_is_started_again_from_the_saved_state_and_the_last_fit_
             with pytest.raises(LearnerUnavailable):
                 await remote.save()
             metrics = Metrics()
-            metrics.set_learner(remote.running, remote.refits, remote.dropped)
+            metrics.learner.publish(remote.running, remote.refits, remote.dropped)
             shown = metrics.render().decode()
             assert "clairvoyant_learner_up 0.0" in shown
             assert "clairvoyant_learner_dropped_observations_total 2.0" in shown

@@ -10,9 +10,9 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from manual_clock import ManualClock
 from polling import settle
 
-from clairvoyant.clock import ManualClock
 from clairvoyant.errors import QueueDeadline
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.predictor import Prediction

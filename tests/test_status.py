@@ -19,11 +19,11 @@ from typing import Any
 import httpx
 import pytest
 import respx
+from manual_clock import ManualClock
 from polling import wait_until
 from proxy_harness import LOOPBACK, HeldBackend, MarkerPredictor, mock_transport, running_proxy
 
 from clairvoyant.cli import main
-from clairvoyant.clock import ManualClock
 from clairvoyant.config import Settings
 from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.learner import ModelQuality
@@ -234,14 +234,14 @@ def test_watch_reports_an_unreachable_proxy_and_keeps_trying(free_port: int) -> 
 
 def test_quality_from_the_proxys_own_metrics_never_prints_nan() -> None:
     metrics = Metrics()
-    metrics.set_prediction_quality(
+    metrics.prediction.set_quality(
         {
             "llama3.2:1b": ModelQuality("llama3.2:1b", observations=1, kendall_tau_b=math.nan, mean_abs_log_error=0.7),
             "qwen2.5:0.5b": ModelQuality("qwen2.5:0.5b", observations=40, kendall_tau_b=0.61, mean_abs_log_error=0.42),
             "empty": ModelQuality("empty", observations=0, kendall_tau_b=math.nan, mean_abs_log_error=math.nan),
         }
     )
-    metrics.set_learner(True, 3, 0)
+    metrics.learner.publish(True, 3, 0)
     read = read_metrics(metrics.render().decode())
     assert read["learner_up"] is True and read["learner_refits"] == 3
     by_model = {row["model"]: row for row in read["prediction_quality"]}

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import respx
 from browser import Browser, Page
+from manual_clock import ManualClock
 from proxy_harness import (
     BackgroundPosts,
     HeldBackend,
@@ -28,7 +29,6 @@ from proxy_harness import (
 )
 from ui_scenario import KEYS, OPS_KEY, RUN, busy_proxy
 
-from clairvoyant.clock import ManualClock
 from clairvoyant.config import Settings
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,11 +1,12 @@
-"""Time as an injected dependency: the proxy uses the monotonic clock, tests and the simulator a manual one."""
+"""Time as an injected dependency: the proxy reads the monotonic clock, the tests a manual one
+(tests/manual_clock.py)."""
 
 from __future__ import annotations
 
 import time
 from typing import Protocol
 
-__all__ = ["Clock", "ManualClock", "MonotonicClock"]
+__all__ = ["Clock", "MonotonicClock"]
 
 
 class Clock(Protocol):
@@ -16,23 +17,3 @@ class Clock(Protocol):
 
 class MonotonicClock:
     now = staticmethod(time.monotonic)  # the C function itself: no Python frame per reading (several a request)
-
-
-class ManualClock:
-    """A clock that moves only when told to (unit tests, discrete-event simulation)."""
-
-    def __init__(self, start: float = 0.0) -> None:
-        self._t = start
-
-    def now(self) -> float:
-        return self._t
-
-    def advance(self, seconds: float) -> None:
-        if seconds < 0:
-            raise ValueError("time cannot go backwards")
-        self._t += seconds
-
-    def set(self, t: float) -> None:
-        if t < self._t:
-            raise ValueError("time cannot go backwards")
-        self._t = t

@@ -24,12 +24,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    TomlConfigSettingsSource,
-)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from clairvoyant.errors import ConfigError
 from clairvoyant.scheduling.policy import POLICY_NAMES
@@ -43,7 +38,6 @@ __all__ = [
     "Settings",
     "load_settings",
     "read_api_keys_file",
-    "settings_reference_markdown",
     "unknown_environment_variables",
 ]
 
@@ -79,13 +73,14 @@ CLI_FLAGS: dict[str, str] = {
 class Limits(BaseModel):
     """What one tenant may use at most (unset: no bound). Counted on the scheduled endpoints only."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    max_concurrent: int | None = Field(None, ge=1, description="Requests in flight plus waiting, at most.")
-    requests_per_minute: int | None = Field(None, ge=1, description="Requests admitted in any sliding 60 s, at most.")
-    tokens_per_day: int | None = Field(
-        None, ge=1, description="Completion tokens per UTC day, as the backend reported them, at most."
-    )
+    max_concurrent: int | None = Field(None, ge=1)
+    """Requests in flight plus waiting, at most."""
+    requests_per_minute: int | None = Field(None, ge=1)
+    """Requests admitted in any sliding 60 s, at most."""
+    tokens_per_day: int | None = Field(None, ge=1)
+    """Completion tokens per UTC day, as the backend reported them, at most."""
 
     @property
     def bounded(self) -> bool:
@@ -96,13 +91,16 @@ class ApiKey(Limits):
     """One client API key, stored only as its hash (``clairvoyant keys add`` makes one), with its
     tenant's limits."""
 
-    hash: str = Field(pattern=r"^sha256:[0-9a-f]{64}$", description="sha256:<hex> of the key's text")
-    tenant: str = Field(min_length=1, max_length=128, description="The tenant its requests belong to (fair share).")
-    min_priority: int = Field(0, description="Most urgent priority this key may ask for.")
-    max_priority: int = Field(10, description="Least urgent priority this key may ask for.")
-    weight: float = Field(
-        1.0, gt=0, description="The tenant's fair-share weight (2 = twice the backend seconds of weight 1)."
-    )
+    hash: str = Field(pattern=r"^sha256:[0-9a-f]{64}$")
+    """sha256:<hex> of the key's text"""
+    tenant: str = Field(min_length=1, max_length=128)
+    """The tenant its requests belong to (fair share)."""
+    min_priority: int = 0
+    """Most urgent priority this key may ask for."""
+    max_priority: int = 10
+    """Least urgent priority this key may ask for."""
+    weight: float = Field(1.0, gt=0)
+    """The tenant's fair-share weight (2 = twice the backend seconds of weight 1)."""
 
     @model_validator(mode="after")
     def _check_range(self) -> ApiKey:
@@ -114,8 +112,10 @@ class ApiKey(Limits):
 class Tenant(Limits):
     """A tenant named by the tenant header (``[[tenants]]``): its fair-share weight and limits."""
 
-    name: str = Field(min_length=1, max_length=128, description="The tenant header's value.")
-    weight: float = Field(1.0, gt=0, description="Fair-share weight (2 = twice the backend seconds of weight 1).")
+    name: str = Field(min_length=1, max_length=128)
+    """The tenant header's value."""
+    weight: float = Field(1.0, gt=0)
+    """Fair-share weight (2 = twice the backend seconds of weight 1)."""
 
 
 def http_url(value: str) -> str:
@@ -142,24 +142,21 @@ BackendKindName = Literal["auto", "ollama", "llamacpp", "openai", "vllm"]
 class BackendConfig(BaseModel):
     """One backend of the pool (``[[backends]]``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    url: str = Field(description="Base URL, e.g. http://127.0.0.1:11434 (user:password@ allowed; never logged).")
-    name: str | None = Field(
-        None,
-        max_length=64,
-        description="Shown in /queue, /readyz, metrics and the X-Clairvoyant-Backend header; default backend-N "
-        "(its place in the list, from 1: names reach clients, addresses must not).",
-    )
-    kind: BackendKindName = Field("auto", description="ollama, llamacpp, openai or vllm; auto = asked at start-up.")
-    slots: int | None = Field(
-        None,
-        ge=1,
-        le=256,
-        description="Requests it runs at once; unset = llama.cpp's /props total_slots, else `slots`.",
-    )
-    models: list[str] = Field(default_factory=list, description="Models it serves; empty = any model.")
-    api_key: SecretStr | None = Field(None, description="Its own key, sent as Authorization: Bearer; never logged.")
+    url: str
+    """Base URL, e.g. http://127.0.0.1:11434 (user:password@ allowed; never logged)."""
+    name: str | None = Field(None, max_length=64)
+    """Shown in /queue, /readyz, metrics and the X-Clairvoyant-Backend header; default backend-N (its place in the list,
+    from 1: names reach clients, addresses must not)."""
+    kind: BackendKindName = "auto"
+    """ollama, llamacpp, openai or vllm; auto = asked at start-up."""
+    slots: int | None = Field(None, ge=1, le=256)
+    """Requests it runs at once; unset = llama.cpp's /props total_slots, else `slots`."""
+    models: list[str] = Field(default_factory=list)
+    """Models it serves; empty = any model."""
+    api_key: SecretStr | None = None
+    """Its own key, sent as Authorization: Bearer; never logged."""
 
     _check_url = field_validator("url")(http_url)
 
@@ -167,24 +164,22 @@ class BackendConfig(BaseModel):
 class Settings(BaseSettings):
     """Every setting of the proxy. docs/configuration.md is generated from this class."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, use_attribute_docstrings=True
+    )
 
-    host: str = Field("127.0.0.1", description="Address to listen on.")
-    port: int = Field(8080, ge=0, le=65535, description="Port to listen on.")
-    upstream_url: str = Field(
-        "http://127.0.0.1:11434",
-        description="Base URL of the backend (Ollama or llama.cpp's server): the one-backend shorthand of `backends`.",
-    )
-    backends: list[BackendConfig] = Field(
-        default_factory=list,
-        description="A pool of backends as [[backends]] tables (url, name, kind, slots, models, api_key) or a JSON "
-        "list; requests are routed at dispatch by model, loaded model and predicted work; empty = upstream_url.",
-    )
-    vllm_priority: bool = Field(
-        False,
-        description="Send vLLM backends each request's computed priority (its 'priority' field: client class, then "
-        "predicted tokens) so the engine orders its own batch queue by it; needs vLLM's --scheduling-policy priority.",
-    )
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = Field(8080, ge=0, le=65535)
+    """Port to listen on."""
+    upstream_url: str = "http://127.0.0.1:11434"
+    """Base URL of the backend (Ollama or llama.cpp's server): the one-backend shorthand of `backends`."""
+    backends: list[BackendConfig] = Field(default_factory=list)
+    """A pool of backends as [[backends]] tables (url, name, kind, slots, models, api_key) or a JSON list; requests are
+    routed at dispatch by model, loaded model and predicted work; empty = upstream_url."""
+    vllm_priority: bool = False
+    """Send vLLM backends each request's computed priority (its 'priority' field: client class, then predicted tokens)
+    so the engine orders its own batch queue by it; needs vLLM's --scheduling-policy priority."""
     policy: str = Field(
         "sjf",
         description=(
@@ -192,277 +187,162 @@ class Settings(BaseSettings):
             "predicted first; boost gamma-boost; hrrn highest response ratio next). See docs/simulation.md."
         ),
     )
-    starvation_timeout_s: float = Field(
-        1.0,
-        gt=0,
-        description=(
-            "tau: a request waiting longer than tau + starvation_slowdown x its predicted seconds goes before "
-            "every later arrival, whatever the policy or priority ('inf' disables)."
-        ),
-    )
-    starvation_slowdown: float = Field(
-        2.56,
-        ge=0,
-        description=(
-            "Adds this many times a request's predicted service seconds to its tau (0 = the paper's rule); with "
-            "starvation_slowdown_adaptive, times (1 + CV^2) of recent service times. See docs/scheduling.md."
-        ),
-    )
-    starvation_slowdown_adaptive: bool = Field(
-        True,
-        description="Scale the slowdown by (1 + CV^2) of the last 512 measured service times (CV^2 = 0.25 until 20 are in).",
-    )
-    boost_gamma_per_s: float = Field(
-        0.02, gt=0, description="boost: gamma in 1/s; requests shorter than about 1/gamma seconds get a real boost."
-    )
-    boost_auto_gamma: bool = Field(
-        False, description="boost: fit gamma online by the fixed-point rule (manual gamma until it has a root)."
-    )
-    boost_max_s: float = Field(
-        600.0,
-        gt=0,
-        description="boost: cap on any boost, seconds; within a priority class no later arrival passes a request after this.",
-    )
-    fair_share: bool = Field(True, description="Share the backend between tenants by predicted service seconds.")
-    model_switch_bound_s: float = Field(
-        30.0,
-        ge=0,
-        description="Model affinity, seconds: a backend that loads models on demand (Ollama, llama-swap) serves the "
-        "model it holds while that is worth more than a load (predicted seconds of what waits, on both sides) and no "
-        "request for another model has been put off this long (waiting since it arrived, or since the backend's last "
-        "switch), then switches to the model put off longest; a request for a model not held is charged its learned "
-        "load. 0 = off (switching counted as free); fcfs ignores it. See docs/scheduling.md.",
-    )
-    tenant_header: str = Field(
-        "X-Clairvoyant-Tenant", description="Request header naming the tenant (absent = the default tenant)."
-    )
-    priority_header: str = Field(
-        "X-Clairvoyant-Priority",
-        description="Request header with an integer priority (the body field 'priority' wins).",
-    )
-    min_priority: int = Field(
-        0, description="Most urgent priority a client may ask for (lower = sooner); lower values are clamped."
-    )
-    max_priority: int = Field(10, description="Least urgent priority a client may ask for; higher values are clamped.")
-    forward_priority: bool = Field(
-        False, description="Keep the body's 'priority' field when forwarding (vLLM accepts it)."
-    )
-    service_time_state: Path | None = Field(
-        None,
-        description="JSON file where the learned service-time model is kept across restarts; unset = beside "
-        "learner_state_path (<stem>.service-time.json) when that is set, else memory only.",
-    )
-    slots: int = Field(
-        1, ge=1, le=64, description="Requests in flight upstream at once (the backend's parallel slots)."
-    )
-    max_queue: int = Field(256, ge=1, description="Waiting requests before new ones get 503 with Retry-After.")
-    retry_after_s: int = Field(
-        1,
-        ge=1,
-        description="Smallest Retry-After seconds sent with a queue-full 503 (the value is the queue tail's ETA).",
-    )
-    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above).")
-    connect_timeout_s: float = Field(
-        10.0,
-        gt=0,
-        description="Seconds for the backend to accept a connection. Not accepted in time is a 504 (refused is a 502); "
-        "nothing was sent, so the request first waits for the backend (backend_wait_s).",
-    )
-    first_byte_timeout_s: float = Field(
-        600.0,
-        gt=0,
-        description="Seconds from sending a request until the backend's response headers (504 beyond). Covers a cold "
-        "model load; a NON-streamed answer's headers come only when it is fully generated, so this also bounds it.",
-    )
-    read_timeout_s: float | None = Field(
-        None,
-        gt=0,
-        description="Timeout between bytes from the backend once it answers; unset = none (long answers take minutes).",
-    )
-    backend_keepalive_s: float = Field(
-        60.0,
-        ge=0,
-        description="TCP keepalive on backend connections, seconds idle before the first probe (then 4 probes, this / 4 "
-        "apart), and twice this for request bytes left unacknowledged: a backend whose host vanished mid-answer (powered "
-        "off, off the network) is found gone after about twice this, and the answer ends with the dialect's error "
-        "instead of hanging (read_timeout_s is unset by default). A backend that is there answers the probes, however "
-        "long it generates. 0 = the system's defaults (hours).",
-    )
-    backend_wait_s: float = Field(
-        30.0,
-        ge=0,
-        description="A request not yet sent whose backend is down (connection refused or not accepted, or 503 while a "
-        "model loads) or suspect (it let a first-byte deadline pass) waits this long from the outage's start for its "
-        "health check, then gets 502 (refused), 504 (not accepted), the backend's 503, or 503 with Retry-After "
-        "(suspect: never sent into a hang). In all at most the larger of this and connect_timeout_s, plus 0.5 s.",
-    )
-    disconnect_mode: DisconnectMode = Field(
-        "auto",
-        description="When a client leaves mid-generation: abort the upstream request, drain it to its end, or auto: "
-        "abort, and for a non-streamed request hold the slot until llama.cpp's /slots shows the backend idle "
-        "(llama.cpp does not always stop one). See docs/design.md.",
-    )
-    client_timeout_s: float = Field(
-        30.0,
-        gt=0,
-        description="A client must send its request headers within this many seconds of connecting (or of its previous "
-        "answer, on a kept-alive connection: an idle connection closes then), and then its body within as many again "
-        "(408).",
-    )
-    max_header_bytes: int = Field(
-        64 * 1024,
-        ge=8192,  # the least the server's HTTP/1.1 parser (hyper) accepts
-        description="Largest request line + headers accepted, bytes (431 beyond).",
-    )
-    max_connections: int = Field(
-        2048,
-        ge=1,
-        description="Requests the server handles at once (waiting ones included); a connection beyond it waits to be "
-        "accepted until one ends. Set it above max_queue + slots.",
-    )
-    body_budget_bytes: int = Field(
-        64 * 1024 * 1024,
-        ge=1024,
-        description="Bytes of request bodies the proxy holds at once (being read or waiting in the queue); a body "
-        "that does not fit gets 503 with Retry-After.",
-    )
-    shutdown_grace_s: float = Field(
-        8.0,
-        ge=0,
-        description="On SIGTERM: queued requests get 503 at once; in-flight answers may finish for this many seconds, "
-        "then end with an error event. (docker stop waits 10 s before SIGKILL.)",
-    )
-    api_keys: list[ApiKey] = Field(
-        default_factory=list,
-        description="Client API keys as [[api_keys]] tables (hash, tenant, min_priority, max_priority, weight); "
-        "none = no authentication (the localhost default). Make one with `clairvoyant keys add`.",
-    )
-    api_keys_file: Path | None = Field(
-        None,
-        description="A TOML file holding only [[api_keys]] tables, which `clairvoyant keys add` appends to; its keys "
-        "join api_keys. Read again on SIGHUP. In the config file, a relative path is from the file's folder.",
-    )
-    tenants: list[Tenant] = Field(
-        default_factory=list,
-        description="Tenants named by the tenant header, as [[tenants]] tables (name, weight, max_concurrent, "
-        "requests_per_minute, tokens_per_day). A key's tenant takes the key's limits.",
-    )
-    default_queue_deadline_s: float | None = Field(
-        None,
-        gt=0,
-        description="Seconds a scheduled request may wait before it is sent, when it does not say "
-        "(X-Clairvoyant-Deadline); beyond it, 503 queue_deadline and never sent. Unset = no deadline.",
-    )
-    max_generation_s: float | None = Field(
-        None,
-        gt=0,
-        description="Seconds a scheduled answer may run once sent; a longer one ends with the dialect's error. "
-        "Unset = no bound.",
-    )
-    supersede_running: bool = Field(
-        False,
-        description="X-Clairvoyant-Supersede also aborts a running request with the same key (as a client that "
-        "left would), not only a waiting one.",
-    )
-    redis_url: SecretStr | None = Field(
-        None,
-        description="Share the queue, the slots, the tenants' limits and what is learned with every replica naming the "
-        "same Redis and cluster, e.g. redis://127.0.0.1:6379/0 (a password in it is never logged); unset = this "
-        "process schedules alone. Only metadata goes to Redis, never prompt or answer text.",
-    )
-    cluster_name: str = Field(
-        "clairvoyant",
-        min_length=1,
-        max_length=64,
-        pattern=r"^[A-Za-z0-9_.-]+$",
-        description="With redis_url: the replicas that share one queue name the same cluster (two deployments may share "
-        "one Redis under two names).",
-    )
-    replica_id: str | None = Field(
-        None,
-        max_length=64,
-        pattern=r"^[A-Za-z0-9_.:-]+$",
-        description="With redis_url: this replica's name in /queue, the metrics' replica label and the logs; unset = "
-        "host name and port.",
-    )
-    lease_s: float = Field(
-        15.0,
-        ge=1.0,
-        le=300.0,
-        description="With redis_url: seconds a granted slot stays held without a renewal (replicas renew every "
-        "second); a replica that dies gives its slots back within this, and one that cannot renew stops the "
-        "answers it relays rather than run beyond the slot count. Also the pause after Redis restarts empty.",
-    )
-    redis_fallback: bool = Field(
-        False,
-        description="With redis_url: start on local scheduling when Redis is unreachable at start-up (a share of "
-        "each backend's slots), and join when it answers; off = such a start-up fails with exit code 2.",
-    )
-    status_requires_key: bool = Field(
-        False,
-        description="With api_keys: the proxy's data (GET /queue, /queue/{id}, /metrics and /history) needs a key too. "
-        "/healthz, /readyz and the live page's files (/ui, /ui/) stay open: they hold no data, and the page asks "
-        "for the key.",
-    )
-    forward_client_key: bool = Field(
-        False, description="With api_keys: forward the client's Authorization / X-Api-Key header to the backend."
-    )
-    upstream_api_key: SecretStr | None = Field(
-        None, description="The backend's own key (llama-server --api-key), sent as Authorization: Bearer; never logged."
-    )
-    passthrough_allow: list[str] | None = Field(
-        None,
-        description="Pass-through paths allowed, as 'METHOD /path' or 'METHOD /prefix/*' ('*' = all); unset = all on "
-        "loopback, else inference, model listing and show only (no pull, push, create, copy, delete).",
-    )
-    model_path: Path | None = Field(
-        None, description="ONNX predictor model (its .card.json beside it); unset = shipped model."
-    )
-    encoder: bool = Field(
-        True,
-        description="Refine the prediction of a request that waits with the shipped MiniLM encoder, on one background "
-        "thread (milliseconds per request; a request that finds a free slot is never refined; the learner's encodes of "
-        "completed requests take at most a quarter of that thread). Off: lexical only.",
-    )
-    encoder_path: Path | None = Field(
-        None, description="The encoder's card (encoder.card.json, its files beside it); unset = the shipped encoder."
-    )
-    encoder_max_pending: int = Field(
-        256, ge=1, description="Waiting requests queued for the encoder at most; beyond it they keep the lexical one."
-    )
-    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
-    log_format: Literal["text", "json"] = Field(
-        "text", description="Log lines as text (key=value fields) or JSON (one object a line, for Loki or Elastic)."
-    )
-    log_prompts: bool = Field(False, description="Log prompt text (debug aid; off by default).")
-    allow_oracle: bool = Field(
-        False,
-        description="Benchmarks only: accept the true output length in the request's 'clairvoyant' field.",
-    )
-    bench_upstream_fields: bool = Field(
-        False,
-        description="Benchmarks only: add the request's 'clairvoyant.proxy.upstream' fields to the body sent to the "
-        "backend after prediction (a forced answer length the predictor must not see as a cap).",
-    )
-    online_learning: bool = Field(
-        True,
-        description="Learn this deployment's answer lengths from the backend's counts and correct the predictor "
-        "(off: the static model, whose quality /metrics still shows).",
-    )
-    learner_state_path: Path | None = Field(
-        None,
-        description="File the online learner loads at start and saves to (atomically); unset = learn in memory only.",
-    )
-    learner_save_interval_s: float = Field(
-        300.0, gt=0, description="Seconds between saves of the learner's state (it is also saved at shutdown)."
-    )
-    learner_max_observations_per_s: float = Field(
-        10.0,
-        gt=0,
-        description="Completed requests the online learner takes per second on average at most (bursts of ten "
-        "seconds' worth); a faster flow is sampled. It keeps the last 1,024 per model and refits at most once a "
-        "second, so more would add little, and each costs the request path and the encoder's thread (milliseconds).",
-    )
+    starvation_timeout_s: float = Field(1.0, gt=0)
+    """tau: a request waiting longer than tau + starvation_slowdown x its predicted seconds goes before every later
+    arrival, whatever the policy or priority ('inf' disables)."""
+    starvation_slowdown: float = Field(2.56, ge=0)
+    """Adds this many times a request's predicted service seconds to its tau (0 = the paper's rule); with
+    starvation_slowdown_adaptive, times (1 + CV^2) of recent service times. See docs/scheduling.md."""
+    starvation_slowdown_adaptive: bool = True
+    """Scale the slowdown by (1 + CV^2) of the last 512 measured service times (CV^2 = 0.25 until 20 are in)."""
+    boost_gamma_per_s: float = Field(0.02, gt=0)
+    """boost: gamma in 1/s; requests shorter than about 1/gamma seconds get a real boost."""
+    boost_auto_gamma: bool = False
+    """boost: fit gamma online by the fixed-point rule (manual gamma until it has a root)."""
+    boost_max_s: float = Field(600.0, gt=0)
+    """boost: cap on any boost, seconds; within a priority class no later arrival passes a request after this."""
+    fair_share: bool = True
+    """Share the backend between tenants by predicted service seconds."""
+    model_switch_bound_s: float = Field(30.0, ge=0)
+    """Model affinity, seconds: a backend that loads models on demand (Ollama, llama-swap) serves the model it holds
+    while that is worth more than a load (predicted seconds of what waits, on both sides) and no request for another
+    model has been put off this long (waiting since it arrived, or since the backend's last switch), then switches to
+    the model put off longest; a request for a model not held is charged its learned load. 0 = off (switching counted as
+    free); fcfs ignores it. See docs/scheduling.md."""
+    tenant_header: str = "X-Clairvoyant-Tenant"
+    """Request header naming the tenant (absent = the default tenant)."""
+    priority_header: str = "X-Clairvoyant-Priority"
+    """Request header with an integer priority (the body field 'priority' wins)."""
+    min_priority: int = 0
+    """Most urgent priority a client may ask for (lower = sooner); lower values are clamped."""
+    max_priority: int = 10
+    """Least urgent priority a client may ask for; higher values are clamped."""
+    forward_priority: bool = False
+    """Keep the body's 'priority' field when forwarding (vLLM accepts it)."""
+    service_time_state: Path | None = None
+    """JSON file where the learned service-time model is kept across restarts; unset = beside learner_state_path
+    (<stem>.service-time.json) when that is set, else memory only."""
+    slots: int = Field(1, ge=1, le=64)
+    """Requests in flight upstream at once (the backend's parallel slots)."""
+    max_queue: int = Field(256, ge=1)
+    """Waiting requests before new ones get 503 with Retry-After."""
+    retry_after_s: int = Field(1, ge=1)
+    """Smallest Retry-After seconds sent with a queue-full 503 (the value is the queue tail's ETA)."""
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    """Largest request body accepted (413 above)."""
+    connect_timeout_s: float = Field(10.0, gt=0)
+    """Seconds for the backend to accept a connection. Not accepted in time is a 504 (refused is a 502); nothing was
+    sent, so the request first waits for the backend (backend_wait_s)."""
+    first_byte_timeout_s: float = Field(600.0, gt=0)
+    """Seconds from sending a request until the backend's response headers (504 beyond). Covers a cold model load; a
+    NON-streamed answer's headers come only when it is fully generated, so this also bounds it."""
+    read_timeout_s: float | None = Field(None, gt=0)
+    """Timeout between bytes from the backend once it answers; unset = none (long answers take minutes)."""
+    backend_keepalive_s: float = Field(60.0, ge=0)
+    """TCP keepalive on backend connections, seconds idle before the first probe (then 4 probes, this / 4 apart), and
+    twice this for request bytes left unacknowledged: a backend whose host vanished mid-answer (powered off, off the
+    network) is found gone after about twice this, and the answer ends with the dialect's error instead of hanging
+    (read_timeout_s is unset by default). A backend that is there answers the probes, however long it generates. 0 = the
+    system's defaults (hours)."""
+    backend_wait_s: float = Field(30.0, ge=0)
+    """A request not yet sent whose backend is down (connection refused or not accepted, or 503 while a model loads) or
+    suspect (it let a first-byte deadline pass) waits this long from the outage's start for its health check, then gets
+    502 (refused), 504 (not accepted), the backend's 503, or 503 with Retry-After (suspect: never sent into a hang). In
+    all at most the larger of this and connect_timeout_s, plus 0.5 s."""
+    disconnect_mode: DisconnectMode = "auto"
+    """When a client leaves mid-generation: abort the upstream request, drain it to its end, or auto: abort, and for a
+    non-streamed request hold the slot until llama.cpp's /slots shows the backend idle (llama.cpp does not always stop
+    one). See docs/design.md."""
+    client_timeout_s: float = Field(30.0, gt=0)
+    """A client must send its request headers within this many seconds of connecting (or of its previous answer, on a
+    kept-alive connection: an idle connection closes then), and then its body within as many again (408)."""
+    max_header_bytes: int = Field(64 * 1024, ge=8192)  # the least the server's HTTP/1.1 parser (hyper) accepts
+    """Largest request line + headers accepted, bytes (431 beyond)."""
+    max_connections: int = Field(2048, ge=1)
+    """Requests the server handles at once (waiting ones included); a connection beyond it waits to be accepted until
+    one ends. Set it above max_queue + slots."""
+    body_budget_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    """Bytes of request bodies the proxy holds at once (being read or waiting in the queue); a body that does not fit
+    gets 503 with Retry-After."""
+    shutdown_grace_s: float = Field(8.0, ge=0)
+    """On SIGTERM: queued requests get 503 at once; in-flight answers may finish for this many seconds, then end with an
+    error event. (docker stop waits 10 s before SIGKILL.)"""
+    api_keys: list[ApiKey] = Field(default_factory=list)
+    """Client API keys as [[api_keys]] tables (hash, tenant, min_priority, max_priority, weight); none = no
+    authentication (the localhost default). Make one with `clairvoyant keys add`."""
+    api_keys_file: Path | None = None
+    """A TOML file holding only [[api_keys]] tables, which `clairvoyant keys add` appends to; its keys join api_keys.
+    Read again on SIGHUP. In the config file, a relative path is from the file's folder."""
+    tenants: list[Tenant] = Field(default_factory=list)
+    """Tenants named by the tenant header, as [[tenants]] tables (name, weight, max_concurrent, requests_per_minute,
+    tokens_per_day). A key's tenant takes the key's limits."""
+    default_queue_deadline_s: float | None = Field(None, gt=0)
+    """Seconds a scheduled request may wait before it is sent, when it does not say (X-Clairvoyant-Deadline); beyond it,
+    503 queue_deadline and never sent. Unset = no deadline."""
+    max_generation_s: float | None = Field(None, gt=0)
+    """Seconds a scheduled answer may run once sent; a longer one ends with the dialect's error. Unset = no bound."""
+    supersede_running: bool = False
+    """X-Clairvoyant-Supersede also aborts a running request with the same key (as a client that left would), not only a
+    waiting one."""
+    redis_url: SecretStr | None = None
+    """Share the queue, the slots, the tenants' limits and what is learned with every replica naming the same Redis and
+    cluster, e.g. redis://127.0.0.1:6379/0 (a password in it is never logged); unset = this process schedules alone.
+    Only metadata goes to Redis, never prompt or answer text."""
+    cluster_name: str = Field("clairvoyant", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    """With redis_url: the replicas that share one queue name the same cluster (two deployments may share one Redis
+    under two names)."""
+    replica_id: str | None = Field(None, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    """With redis_url: this replica's name in /queue, the metrics' replica label and the logs; unset = host name and
+    port."""
+    lease_s: float = Field(15.0, ge=1.0, le=300.0)
+    """With redis_url: seconds a granted slot stays held without a renewal (replicas renew every second); a replica that
+    dies gives its slots back within this, and one that cannot renew stops the answers it relays rather than run beyond
+    the slot count. Also the pause after Redis restarts empty."""
+    redis_fallback: bool = False
+    """With redis_url: start on local scheduling when Redis is unreachable at start-up (a share of each backend's
+    slots), and join when it answers; off = such a start-up fails with exit code 2."""
+    status_requires_key: bool = False
+    """With api_keys: the proxy's data (GET /queue, /queue/{id}, /metrics and /history) needs a key too. /healthz,
+    /readyz and the live page's files (/ui, /ui/) stay open: they hold no data, and the page asks for the key."""
+    forward_client_key: bool = False
+    """With api_keys: forward the client's Authorization / X-Api-Key header to the backend."""
+    upstream_api_key: SecretStr | None = None
+    """The backend's own key (llama-server --api-key), sent as Authorization: Bearer; never logged."""
+    passthrough_allow: list[str] | None = None
+    """Pass-through paths allowed, as 'METHOD /path' or 'METHOD /prefix/*' ('*' = all); unset = all on loopback, else
+    inference, model listing and show only (no pull, push, create, copy, delete)."""
+    model_path: Path | None = None
+    """ONNX predictor model (its .card.json beside it); unset = shipped model."""
+    encoder: bool = True
+    """Refine the prediction of a request that waits with the shipped MiniLM encoder, on one background thread
+    (milliseconds per request; a request that finds a free slot is never refined; the learner's encodes of completed
+    requests take at most a quarter of that thread). Off: lexical only."""
+    encoder_path: Path | None = None
+    """The encoder's card (encoder.card.json, its files beside it); unset = the shipped encoder."""
+    encoder_max_pending: int = Field(256, ge=1)
+    """Waiting requests queued for the encoder at most; beyond it they keep the lexical one."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Log level."""
+    log_format: Literal["text", "json"] = "text"
+    """Log lines as text (key=value fields) or JSON (one object a line, for Loki or Elastic)."""
+    log_prompts: bool = False
+    """Log prompt text (debug aid; off by default)."""
+    allow_oracle: bool = False
+    """Benchmarks only: accept the true output length in the request's 'clairvoyant' field."""
+    bench_upstream_fields: bool = False
+    """Benchmarks only: add the request's 'clairvoyant.proxy.upstream' fields to the body sent to the backend after
+    prediction (a forced answer length the predictor must not see as a cap)."""
+    online_learning: bool = True
+    """Learn this deployment's answer lengths from the backend's counts and correct the predictor (off: the static
+    model, whose quality /metrics still shows)."""
+    learner_state_path: Path | None = None
+    """File the online learner loads at start and saves to (atomically); unset = learn in memory only."""
+    learner_save_interval_s: float = Field(300.0, gt=0)
+    """Seconds between saves of the learner's state (it is also saved at shutdown)."""
+    learner_max_observations_per_s: float = Field(10.0, gt=0)
+    """Completed requests the online learner takes per second on average at most (bursts of ten seconds' worth); a
+    faster flow is sampled. It keeps the last 1,024 per model and refits at most once a second, so more would add
+    little, and each costs the request path and the encoder's thread (milliseconds)."""
 
     _check_url = field_validator("upstream_url")(http_url)
 
@@ -485,12 +365,9 @@ class Settings(BaseSettings):
 
     def _limit_entries(self) -> list[tuple[str, Limits]]:
         """(tenant, its limits) from every key and [[tenants]] entry that bounds something."""
-        entries: list[tuple[str, Limits]] = []
-        for key in self.api_keys:
-            entries.append((key.tenant, Limits(**{f: getattr(key, f) for f in Limits.model_fields})))
-        for tenant in self.tenants:
-            entries.append((tenant.name, Limits(**{f: getattr(tenant, f) for f in Limits.model_fields})))
-        return [(name, limits) for name, limits in entries if limits.bounded]
+        entries = [(key.tenant, key) for key in self.api_keys] + [(tenant.name, tenant) for tenant in self.tenants]
+        limits = [(name, Limits(**{f: getattr(e, f) for f in Limits.model_fields})) for name, e in entries]
+        return [(name, bounds) for name, bounds in limits if bounds.bounded]
 
     @model_validator(mode="after")
     def _check_tenants(self) -> Settings:
@@ -527,16 +404,7 @@ class Settings(BaseSettings):
             return [
                 b if b.name else b.model_copy(update={"name": f"backend-{i}"}) for i, b in enumerate(self.backends, 1)
             ]
-        return [
-            BackendConfig(
-                url=self.upstream_url,
-                name="backend-1",
-                kind="auto",
-                slots=self.slots,
-                models=[],
-                api_key=self.upstream_api_key,
-            )
-        ]
+        return [BackendConfig(url=self.upstream_url, name="backend-1", slots=self.slots, api_key=self.upstream_api_key)]
 
     @property
     def service_time_path(self) -> Path | None:
@@ -552,13 +420,6 @@ class Settings(BaseSettings):
     def _check_policy(cls, value: str) -> str:
         if value not in POLICY_NAMES:
             raise ValueError(f"unknown policy {value!r}; known: {', '.join(POLICY_NAMES)}")
-        return value
-
-    @field_validator("starvation_timeout_s")
-    @classmethod
-    def _check_tau(cls, value: float) -> float:
-        if math.isnan(value):
-            raise ValueError("must be a number of seconds or 'inf'")
         return value
 
     @field_validator("model_switch_bound_s")
@@ -579,9 +440,7 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Highest first: CLI flags (init), the environment, the config file (set by load_settings).
         config_file = _config_file.get()
-        if config_file is None:
-            return (init_settings, env_settings)
-        return (init_settings, env_settings, config_file)
+        return (init_settings, env_settings) if config_file is None else (init_settings, env_settings, config_file)
 
 
 # Settings that no longer have any effect: accepted with a WARNING, so that an older config file
@@ -597,15 +456,10 @@ RETIRED_SETTINGS: dict[str, str] = {
 OTHER_ENV_NAMES = frozenset({f"{ENV_PREFIX}CONFIG", f"{ENV_PREFIX}REQUIRE_BACKEND", f"{ENV_PREFIX}STATUS_KEY"})
 
 
-def _closest(name: str, candidates: Iterable[str]) -> str | None:
-    """The candidate most like ``name`` (difflib), or None when nothing is close."""
+def _did_you_mean(name: str, candidates: Iterable[str], prefix: str = "") -> str:
+    """A hint naming the candidate most like ``name`` (difflib), or "" when nothing is close."""
     matches = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)
-    return matches[0] if matches else None
-
-
-def _did_you_mean(name: str, candidates: Iterable[str]) -> str:
-    closest = _closest(name, candidates)
-    return f"; did you mean {closest}?" if closest else ""
+    return f"; did you mean {prefix}{matches[0]}?" if matches else ""
 
 
 def unknown_environment_variables(environ: Mapping[str, str] | None = None) -> list[str]:
@@ -617,15 +471,14 @@ def unknown_environment_variables(environ: Mapping[str, str] | None = None) -> l
     retired = {f"{ENV_PREFIX}{name.upper()}": name for name in RETIRED_SETTINGS}
     # Compared without the shared prefix (it would make every name look alike), upper-cased because
     # pydantic-settings reads the environment case-insensitively.
-    suffixes = {name.removeprefix(ENV_PREFIX): name for name in valid}
+    suffixes = [name.removeprefix(ENV_PREFIX) for name in valid]
     messages = []
     for key in sorted(environ):
         upper = key.upper()
         if upper in retired:
             messages.append(f"{key} has no effect any more ({RETIRED_SETTINGS[retired[upper]]})")
         elif upper.startswith(ENV_PREFIX) and upper not in valid:
-            closest = _closest(upper.removeprefix(ENV_PREFIX), suffixes)
-            hint = f"; did you mean {suffixes[closest]}?" if closest else ""
+            hint = _did_you_mean(upper.removeprefix(ENV_PREFIX), suffixes, ENV_PREFIX)
             messages.append(f"unknown environment variable {key} (ignored){hint}")
     return messages
 
@@ -765,17 +618,3 @@ def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Se
         raise ConfigError(_describe(exc, flags, file_source)) from None
     finally:
         _config_file.reset(token)
-
-
-def settings_reference_markdown() -> str:
-    """docs/configuration.md's table, generated from ``Settings`` (a test keeps them equal)."""
-    flags = CLI_FLAGS
-    rows = [
-        "| setting | environment variable | flag | default | meaning |",
-        "|---|---|---|---|---|",
-    ]
-    for name, field in Settings.model_fields.items():
-        default = "unset" if field.default is None else f"`{field.get_default(call_default_factory=True)}`"
-        flag = f"`{flags[name]}`" if name in flags else ""
-        rows.append(f"| `{name}` | `{ENV_PREFIX}{name.upper()}` | {flag} | {default} | {field.description} |")
-    return "\n".join(rows) + "\n"

@@ -134,7 +134,7 @@ def _start_refiner(
     assert isinstance(predictor, OnnxPredictor)
     weights = encoder.blend_weights
     outcomes = {
-        name: metrics.encoder_requests.labels(name)
+        name: metrics.encoder.requests[name]
         for name in ("refined", "late", "skipped", "bypassed", "dropped", "failed", "learning", "learning_dropped")
     }
 
@@ -154,7 +154,7 @@ def _start_refiner(
 
     refiner = Refiner(
         encoder, deliver, max_pending=settings.encoder_max_pending,
-        observe_seconds=metrics.encoder_latency.observe, count=lambda outcome: outcomes[outcome].inc(),
+        observe_seconds=metrics.encoder.latency.observe, count=lambda outcome: outcomes[outcome].inc(),
     )  # fmt: skip
     refiner.start(asyncio.get_running_loop())
     logger.info(
@@ -230,7 +230,7 @@ async def _start(
         stack.callback(refiner.stop)
     if settings.online_learning:  # the learner's encoder pass for requests that never waited
         learning.recorder.refiner = refiner
-    metrics.known_tenants = _known_tenants(settings)
+    metrics.tenants.known = _known_tenants(settings)
     supersede = SupersedeKeys(settings.supersede_running)
     scheduling = Scheduling(settings, loaded, pool, metrics, dispatcher, learning.recorder, refiner, limits, supersede)
     history = History()
@@ -433,7 +433,7 @@ def _add_own_endpoints(api: FastAPI, proxy: ProxyApp) -> None:
     async def metrics_endpoint() -> Response:
         state = proxy.state
         await state.learning.refresh_quality()
-        metrics.set_retained(len(asyncio.all_tasks()), state.retained())
+        metrics.process.publish(len(asyncio.all_tasks()), state.retained())
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/queue")
@@ -498,7 +498,7 @@ class ProxyApp:
         state = self.proxy
         if state is not None:
             state.limits.reload(self.settings.tenant_limits)
-            self.metrics.known_tenants = _known_tenants(self.settings)
+            self.metrics.tenants.known = _known_tenants(self.settings)
         logger.info("reloaded %d API key(s) and %d tenant(s)", len(new.api_keys), len(new.tenants))
 
     @property
@@ -546,7 +546,7 @@ class ProxyApp:
             self._reject(method, scope, denied.error, denied.outcome)
             await out.error(dialect, denied.error)
         except IncompleteBody as incomplete:  # most often the client left mid-upload: counted as such
-            self.metrics.disconnects_by_stage["upload"].inc()
+            self.metrics.requests.disconnects["upload"].inc()
             self._reject(method, scope, incomplete, "client_left_uploading")
             await out.error(dialect, incomplete)
         except RequestError as error:
@@ -587,9 +587,9 @@ class ProxyApp:
         try:
             await state.limits.admit(tenant, lambda: dispatcher.tenant_free_in_s(tenant))
         except LimitExceeded as refused:
-            metrics.tenant_refusals.labels(metrics.tenant(tenant), refused.limit).inc()
+            metrics.tenants.refusals[metrics.tenants.label(tenant), refused.limit].inc()
             raise
-        metrics.tenant_requests_by[metrics.tenant(tenant)].inc()
+        metrics.tenants.requests[metrics.tenants.label(tenant)].inc()
         held_bytes = 0
         try:
             dispatcher.check_room()
@@ -636,7 +636,7 @@ class ProxyApp:
         finally:
             self.body_budget.give_back(held_bytes)
             status = "client_closed" if relay is None or relay.status is None else str(relay.status)
-            self.metrics.count_request("passthrough", dialect_of_path(target.path).value, status)
+            self.metrics.requests.answered["passthrough", dialect_of_path(target.path).value, status].inc()
             if relay is not None and REQUEST_LOG.isEnabledFor(logging.INFO):
                 log_request({
                     "request_id": _request_id(headers), "method": method, "path": target.path,
@@ -659,14 +659,14 @@ class ProxyApp:
         path: str = scope["path"]
         reason = next((r for cls, r in _REJECTION_REASONS.items() if isinstance(error, cls)), None)
         if reason is not None:
-            self.metrics.rejections_by_reason[reason].inc()
+            self.metrics.requests.rejections[reason].inc()
         if isinstance(error, RequestTimeout):
-            self.metrics.client_rejections.labels("client_timeout").inc()
+            self.metrics.requests.client_rejections["client_timeout"].inc()
         elif isinstance(error, BodyBudgetExhausted):
-            self.metrics.client_rejections.labels("body_budget").inc()
+            self.metrics.requests.client_rejections["body_budget"].inc()
         endpoint = path if path in SCHEDULED_ENDPOINTS else "passthrough"
         status = error.status_code
-        self.metrics.count_request(endpoint, dialect_of_path(path).value, str(status))
+        self.metrics.requests.answered[endpoint, dialect_of_path(path).value, str(status)].inc()
         log_request({
             "request_id": _request_id(scope["headers"]), "method": method, "path": path[:256], "status": status,
             "outcome": outcome,

@@ -100,14 +100,14 @@ class UsageRecorder:
 
     def __call__(self, ticket: Ticket, usage: Usage, body: bytes = b"") -> None:
         """``usage`` of ``ticket``'s answer; ``body``: the request body it was sent with."""
-        self.metrics.count_usage(usage.source, usage.output_tokens)
+        self.metrics.prediction.count_usage(usage.source, usage.output_tokens)
         prediction = ticket.prediction  # made by now, even when it was deferred past dispatch
         learner = self.learner
         tokens = usage.output_tokens
         if learner is None or prediction is None or not usage.observed or tokens is None:
             return
         if not self.sample.take():
-            self.metrics.learner_sampled_out.inc()
+            self.metrics.learner.sampled_out.inc()
             return
         feature_row = self.feature_row
         if feature_row is None:
@@ -154,7 +154,7 @@ class UsageRecorder:
         if learner is None:
             return
         if not self.sample.take():
-            self.metrics.learner_sampled_out.inc()
+            self.metrics.learner.sampled_out.inc()
             return
         learner.observe(prediction, tokens)
 
@@ -273,5 +273,5 @@ class OnlineLearning:
                 self._quality_total = total
             except (LearnerUnavailable, TimeoutError):  # shown as last computed
                 pass
-        self.metrics.set_prediction_quality(learner.quality())
-        self.metrics.set_learner(learner.running, learner.refits, learner.dropped)
+        self.metrics.prediction.set_quality(learner.quality())
+        self.metrics.learner.publish(learner.running, learner.refits, learner.dropped)

@@ -1,24 +1,20 @@
-"""The live page's memory: the last 15 minutes of the queue, sampled from the queue's view (``QueueView``).
+"""The live page's memory: the last 15 minutes of the queue, sampled from its view (``QueueView``).
 
-/queue shows the present; /history shows what led to it, for the live page's charts, even when the
-page was opened a moment ago. A background task (``record_periodically``) reads the dispatcher's
-snapshot every ``SAMPLE_INTERVAL_S`` seconds and keeps, in bounded memory:
+/queue shows the present; /history what led to it, for the live page's charts, even when the page
+was opened a moment ago. ``record_periodically`` samples the view every ``SAMPLE_INTERVAL_S`` and
+keeps, in bounded memory, for ``WINDOW_S``: the waiting count and the requests in flight, a point a
+sample; each finished request's wait (queued until dispatch, or until it left or expired), by
+predicted class and by tenant, in ``BUCKET_S`` buckets by when the wait ended, for their P50 and P95
+(nearest rank; past ``WAITS_PER_BUCKET``, of an even sample); the last ``ANSWERS`` answers, predicted
+against actual output tokens; and each tenant's use against its limits (the ``MAX_TENANTS`` first
+seen by name, the others summed as ``OTHER_TENANTS``).
 
-- the waiting count and the requests in flight, one point per sample, for ``WINDOW_S``;
-- each finished request's wait (the seconds it spent queued, until its dispatch or until it left
-  or expired), by predicted class and by tenant, in ``BUCKET_S`` buckets by the time the wait
-  ended; /history gives each bucket's P50 and P95 (nearest rank; past ``WAITS_PER_BUCKET`` waits
-  in one bucket, of an even sample of them);
-- the last ``ANSWERS`` answers: predicted against actual output tokens, with their model;
-- each tenant's use against its limits (in system, requests in the last minute, tokens today),
-  for at most ``MAX_TENANTS`` tenants by name (the others are summed as ``OTHER_TENANTS``).
-
-Finished requests come from the snapshot's ``recent`` list (the dispatcher keeps its last 100),
-each recorded once: by request id, outcome, wait and service time (fixed once it ended; its end
-time, as seconds ago, moves with each reading of the clock). Sampling every 2 s keeps the record whole up to
-50 finished requests a second; past that, the charts see the last 100 of each interval. Nothing
-here runs on a request's path. Times are the dispatcher's clock (monotonic seconds); /history
-gives them as seconds ago. What cannot be computed (the P95 of no waits) is null, never NaN.
+Finished requests come from the view's ``recent`` list (the dispatcher's last 100), each recorded
+once, known by request id, outcome, wait and service time (fixed once it ended, where its end, as
+seconds ago, moves with the clock). Sampling every 2 s keeps the record whole up to 50 finished
+requests a second; past that, the charts see the last 100 of each interval. Nothing here runs on a
+request's path. Times are the dispatcher's clock; /history gives them as seconds ago, and what
+cannot be computed (the P95 of no waits) as null, never NaN.
 """
 
 from __future__ import annotations
@@ -109,23 +105,11 @@ class History:
     """The rings described in the module docstring. ``sample`` and ``observe`` take a view
     and the dispatcher clock's reading it was taken at; ``view`` is /history's body."""
 
-    def __init__(
-        self,
-        *,
-        window_s: float = WINDOW_S,
-        interval_s: float = SAMPLE_INTERVAL_S,
-        bucket_s: float = BUCKET_S,
-        answers: int = ANSWERS,
-        max_tenants: int = MAX_TENANTS,
-    ) -> None:
-        self.window_s = window_s
-        self.interval_s = interval_s
-        self.bucket_s = bucket_s
-        self.max_tenants = max_tenants
-        # Bounded by time (pruned to window_s) and by count (a burst of samples cannot grow it).
-        self._points: deque[_Point] = deque(maxlen=math.ceil(window_s / interval_s) + 1)
-        self._answers: deque[_Answer] = deque(maxlen=answers)
-        # bucket index (floor(end of wait / bucket_s)) -> ("class" or "tenant", name) -> its waits
+    def __init__(self) -> None:
+        # Bounded by time (pruned to WINDOW_S) and by count (a burst of samples cannot grow it).
+        self._points: deque[_Point] = deque(maxlen=math.ceil(WINDOW_S / SAMPLE_INTERVAL_S) + 1)
+        self._answers: deque[_Answer] = deque(maxlen=ANSWERS)
+        # bucket index (floor(end of wait / BUCKET_S)) -> ("class" or "tenant", name) -> its waits
         self._waits: dict[int, dict[tuple[str, str], _Waits]] = {}
         self._last_recent: set[tuple[Any, ...]] = set()  # the last snapshot's finished requests (_identity)
         self._charted: list[str] = []  # tenants with their own series, in the order first seen
@@ -175,15 +159,9 @@ class History:
             wait_end_s = end_s - (_finite(entry.service_s) or 0.0)
             if self._first_s is None or wait_end_s < self._first_s:  # the record reaches back to it
                 self._first_s = wait_end_s
-            bucket = self._waits.setdefault(math.floor(wait_end_s / self.bucket_s), {})
-            for key in (
-                ("class", str(entry.predicted_class)),
-                ("tenant", self._chart(entry.tenant or "")),
-            ):
-                waits = bucket.get(key)
-                if waits is None:
-                    waits = bucket[key] = _Waits()
-                waits.add(waited_s, self._rng)
+            bucket = self._waits.setdefault(math.floor(wait_end_s / BUCKET_S), {})
+            for key in (("class", str(entry.predicted_class)), ("tenant", self._chart(entry.tenant or ""))):
+                bucket.setdefault(key, _Waits()).add(waited_s, self._rng)
         output_tokens = entry.output_tokens
         predicted_tokens = _finite(entry.predicted_tokens)
         if entry.outcome == "completed" and output_tokens is not None and predicted_tokens is not None:
@@ -195,7 +173,7 @@ class History:
         """The series ``tenant`` is counted in: its own while there is room, else ``OTHER_TENANTS``."""
         if tenant in self._charted:
             return tenant
-        if len(self._charted) < self.max_tenants:
+        if len(self._charted) < MAX_TENANTS:
             self._charted.append(tenant)
             return tenant
         return OTHER_TENANTS
@@ -212,10 +190,10 @@ class History:
         return _Point(now_s, snapshot.waiting_count, len(snapshot.in_flight), tenants)
 
     def _prune(self, now_s: float) -> None:
-        cutoff_s = now_s - self.window_s
+        cutoff_s = now_s - WINDOW_S
         while self._points and self._points[0].at_s < cutoff_s:
             self._points.popleft()
-        for index in [i for i in self._waits if (i + 1) * self.bucket_s <= cutoff_s]:
+        for index in [i for i in self._waits if (i + 1) * BUCKET_S <= cutoff_s]:
             del self._waits[index]
 
     # -- the view ----------------------------------------------------------------------------
@@ -226,17 +204,17 @@ class History:
         points = list(self._points)
         if live is not None:
             points.append(self._point(live, now_s))
-        first_s = now_s if self._first_s is None else max(self._first_s, now_s - self.window_s)
-        buckets = list(range(math.floor(first_s / self.bucket_s), math.floor(now_s / self.bucket_s) + 1))
+        first_s = now_s if self._first_s is None else max(self._first_s, now_s - WINDOW_S)
+        buckets = list(range(math.floor(first_s / BUCKET_S), math.floor(now_s / BUCKET_S) + 1))
         classes = list(CLASS_NAMES) + sorted(
             {name for b in self._waits.values() for kind, name in b if kind == "class"} - set(CLASS_NAMES)
         )
         tenants = self._charted + ([OTHER_TENANTS] if self._uses_other(points) else [])
         current = live.tenants if live is not None else None
         return {
-            "window_s": self.window_s,
-            "interval_s": self.interval_s,
-            "bucket_s": self.bucket_s,
+            "window_s": WINDOW_S,
+            "interval_s": SAMPLE_INTERVAL_S,
+            "bucket_s": BUCKET_S,
             "covered_s": round(now_s - first_s, 3),  # how far back the record goes (at most window_s)
             "series": {
                 "ago_s": [round(now_s - p.at_s, 3) for p in points],
@@ -244,7 +222,7 @@ class History:
                 "in_flight": [p.in_flight for p in points],
             },
             "waits": {
-                "ago_s": [round(max(0.0, now_s - (i + 1) * self.bucket_s), 3) for i in buckets],  # each bucket's end
+                "ago_s": [round(max(0.0, now_s - (i + 1) * BUCKET_S), 3) for i in buckets],  # each bucket's end
                 "by_class": {name: self._wait_series(buckets, ("class", name)) for name in classes},
             },
             "answers": [
@@ -282,18 +260,14 @@ class History:
         key = ("tenant", name)
         kept = [v for b in self._waits.values() if key in b for v in b[key].kept]
         if name == OTHER_TENANTS:  # summed over the tenants without a series of their own
-            others = [use for t, use in tenants.items() if t not in self._charted]
-            now = {
-                f: sum(int(u.get(f, 0)) for u in others) for f in ("in_system", "requests_last_minute", "tokens_today")
-            }
+            uses = [use for t, use in tenants.items() if t not in self._charted]
             limits: Mapping[str, Any] = {}
         else:
-            use = tenants.get(name, {})
-            now = {f: int(use.get(f, 0)) for f in ("in_system", "requests_last_minute", "tokens_today")}
-            limits = use.get("limits", {})
+            uses = [tenants.get(name, {})]
+            limits = uses[0].get("limits", {})
         return {
             "limits": dict(limits),
-            **now,
+            **{f: sum(int(u.get(f, 0)) for u in uses) for f in ("in_system", "requests_last_minute", "tokens_today")},
             "series": {
                 "in_system": [p.tenants[name][0] if name in p.tenants else None for p in points],
                 "requests_last_minute": [p.tenants[name][1] if name in p.tenants else None for p in points],
@@ -322,14 +296,12 @@ async def history_now(history: History, dispatcher: Dispatcher, limits: TenantLi
     return history.view(now_s, live)
 
 
-async def record_periodically(
-    history: History, dispatcher: Dispatcher, limits: TenantLimits, interval_s: float = SAMPLE_INTERVAL_S
-) -> None:
-    """Sample every ``interval_s``, from now until cancelled (a tracked task of the dispatcher).
+async def record_periodically(history: History, dispatcher: Dispatcher, limits: TenantLimits) -> None:
+    """Sample every ``SAMPLE_INTERVAL_S``, from now until cancelled (a tracked task of the dispatcher).
     A snapshot plays the whole queue forward for its ETAs (tens of ms for 10,000 waiting): when
     one takes longer than ``MAX_LOOP_SHARE`` of the interval, the next waits longer."""
     while True:
         started_s = time.perf_counter()
         history.sample(await live_view(dispatcher, limits), dispatcher.clock.now())
         took_s = time.perf_counter() - started_s
-        await asyncio.sleep(max(interval_s, took_s / MAX_LOOP_SHARE))
+        await asyncio.sleep(max(SAMPLE_INTERVAL_S, took_s / MAX_LOOP_SHARE))

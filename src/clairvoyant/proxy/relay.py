@@ -439,10 +439,10 @@ class Relay:
         await out.error(self.request.dialect, exc, self.hooks.own_headers())
 
     def _count_backend(self, outcome: str) -> None:
-        self.metrics.count_backend_request(self.upstream.name, outcome)
+        self.metrics.backends.requests[self.upstream.name, outcome].inc()
 
     def _count_upstream_error(self, exc: RequestError) -> None:
-        self.metrics.upstream_errors_by_kind["timeout" if isinstance(exc, UpstreamTimeout) else "unavailable"].inc()
+        self.metrics.backends.errors["timeout" if isinstance(exc, UpstreamTimeout) else "unavailable"].inc()
         logger.warning("upstream error on %s %s: %s", self.request.method, _path_of(self.request.target), exc.detail)
 
 
@@ -466,7 +466,7 @@ async def relay_unscheduled(relay: Relay, out: Responder, receive: Receive, metr
         await disconnected(receive)
         out.client_gone = True
         if relay.record.status.in_progress:
-            metrics.disconnects_by_stage["streaming"].inc()
+            metrics.requests.disconnects["streaming"].inc()
             relay.interrupt(task, RequestStatus.CLIENT_LEFT_STREAMING)
 
     watching = asyncio.create_task(watch())

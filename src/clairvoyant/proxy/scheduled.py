@@ -159,7 +159,7 @@ def _predict(shared: Scheduling, parsed: ParsedRequest, ticket: Ticket) -> Predi
     settings = shared.settings
     started = time.perf_counter()
     prediction = shared.predictor.predict(parsed.prompt, model=parsed.model, cap_tokens=parsed.cap_tokens)
-    shared.metrics.predictor_latency.observe(time.perf_counter() - started)
+    shared.metrics.prediction.latency.observe(time.perf_counter() - started)
     score, predicted_tokens = prediction.score, prediction.predicted_tokens
     oracle = parsed.proxy_options.get("output_tokens")
     if settings.allow_oracle and isinstance(oracle, (int, float)) and not isinstance(oracle, bool):
@@ -304,7 +304,7 @@ class ScheduledHooks(RelayHooks):
     def first_byte(self, at_s: float) -> None:
         ticket = self.ticket
         shared = self.shared
-        shared.metrics.ttft_by_class[ticket.predicted_class].observe(at_s - ticket.arrival_s)
+        shared.metrics.requests.ttft[ticket.predicted_class].observe(at_s - ticket.arrival_s)
         # After a model switch: the load this answer paid.
         shared.dispatcher.first_byte(ticket, streamed=self.stream, at_s=at_s)
 
@@ -320,7 +320,7 @@ class ScheduledHooks(RelayHooks):
         if tokens is not None and usage.observed:
             # Counted in a task: on Redis a write, and this hook runs inside the relay.
             shared.dispatcher.run_detached(shared.limits.add_tokens(ticket.tenant, tokens), "limits-tokens")
-            shared.metrics.tenant_tokens_by[shared.metrics.tenant(ticket.tenant)].inc(tokens)
+            shared.metrics.tenants.tokens[shared.metrics.tenants.label(ticket.tenant)].inc(tokens)
         on_usage = shared.on_usage
         if on_usage is not None:
             try:
@@ -413,7 +413,7 @@ class ScheduledRequest:
                 placement.interrupt = self._interrupt
                 wait_s = ticket.queue_wait_s()
                 if wait_s is not None:
-                    shared.metrics.tenant_wait_by[shared.metrics.tenant(ticket.tenant)].observe(wait_s)
+                    shared.metrics.tenants.wait[shared.metrics.tenants.label(ticket.tenant)].observe(wait_s)
                 if limit_s is not None:
                     timer = asyncio.get_running_loop().call_later(limit_s, self._generation_over, limit_s)
                 self.hooks.bind(relay)
@@ -480,7 +480,7 @@ class ScheduledRequest:
             # The lease withdraws it (or gives back a slot granted in this instant).
             relay.interrupt(work, RequestStatus.CLIENT_LEFT_QUEUED)
             return
-        self.shared.metrics.disconnects_by_stage["streaming"].inc()
+        self.shared.metrics.requests.disconnects["streaming"].inc()
         if self.mode == "auto":
             relay.interrupt(work, RequestStatus.HOLDING)  # closes it; the slot waits for /slots
         elif self.mode == "abort":
@@ -518,7 +518,7 @@ class ScheduledRequest:
 
     def _observe_end(self) -> None:
         ticket = self.ticket
-        self.shared.metrics.end_to_end_by_class[ticket.predicted_class].observe(
+        self.shared.metrics.requests.end_to_end[ticket.predicted_class].observe(
             self.shared.dispatcher.clock.now() - ticket.arrival_s
         )
 
@@ -527,7 +527,7 @@ class ScheduledRequest:
         relay = self.relay
         status = str(relay.status) if relay.status is not None else "client_closed"
         metrics = self.shared.metrics
-        metrics.count_request(ticket.endpoint, ticket.dialect, status)
+        metrics.requests.answered[ticket.endpoint, ticket.dialect, status].inc()
         if not REQUEST_LOG.isEnabledFor(logging.INFO):
             return
         wait_s = ticket.queue_wait_s()

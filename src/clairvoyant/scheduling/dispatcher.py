@@ -197,19 +197,19 @@ class Dispatcher:
         self.cluster: ClusterSide | None = None
         # Told each completed request's service-time observation (replicas share them: cluster/observations.py).
         self.on_observed: Callable[[ServiceObservation], None] | None = None
-        metrics.starvation_timeout.set(starvation_timeout_s)
+        metrics.queue.starvation_timeout.set(starvation_timeout_s)
         # Each backend's in-flight gauge, looked up once (a labels() lookup per request costs µs).
-        self._in_flight_gauges = [metrics.backend_in_flight.labels(b.name) for b in self.backends]
-        self._switch_counters = [metrics.model_switches.labels(b.name) for b in self.backends]
+        self._in_flight_gauges = [metrics.backends.in_flight[b.name] for b in self.backends]
+        self._switch_counters = [metrics.backends.model_switches[b.name] for b in self.backends]
         self._status_counts = status_counts(metrics)
         self._expiry: Expiry[Ticket] = Expiry()  # waiting tickets with a queue deadline
         self._expiry_timer: asyncio.TimerHandle | None = None
         self._expiry_timer_s = math.inf  # the clock reading the timer is set for
         for backend in self.backends:
-            metrics.backend_healthy.labels(backend.name).set(1 if backend.healthy else 0)
-            metrics.backend_in_flight.labels(backend.name).set(0)
-            metrics.backend_slots.labels(backend.name).set(backend.slots)
-            metrics.declare_backend(backend.name)
+            metrics.backends.healthy[backend.name].set(1 if backend.healthy else 0)
+            metrics.backends.in_flight[backend.name].set(0)
+            metrics.backends.slots[backend.name].set(backend.slots)
+            metrics.backends.declare(backend.name)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -297,7 +297,7 @@ class Dispatcher:
             record.held.report(loaded)
         if record.healthy != healthy:
             record.healthy = healthy
-            self.metrics.backend_healthy.labels(record.name).set(1 if healthy else 0)
+            self.metrics.backends.healthy[record.name].set(1 if healthy else 0)
             logger.log(
                 logging.INFO if healthy else logging.WARNING,
                 "backend %s is %s",
@@ -329,7 +329,7 @@ class Dispatcher:
         else:
             record.free = [slot for slot in record.free if slot < slots]
         self.slots = sum(b.slots for b in self.backends)
-        self.metrics.backend_slots.labels(record.name).set(slots)
+        self.metrics.backends.slots[record.name].set(slots)
         logger.info("backend %s runs %d requests at once (was %d)", record.name, slots, old)
         self._schedule_pump()
 
@@ -404,7 +404,7 @@ class Dispatcher:
         self._check_model(ticket.model)
         self.queue.push(ticket)
         self._status_counts[RequestStatus.WAITING] += 1  # its first status: counted as it is admitted
-        self.metrics.depth_by_class[ticket.predicted_class].inc()
+        self.metrics.queue.depth[ticket.predicted_class].inc()
         # O(1) on purpose: ordering the whole queue per arrival would cost O(n log n) at depth n.
         ticket.grants_before_arrival = self._grants
         if not math.isinf(ticket.expires_s):
@@ -451,7 +451,7 @@ class Dispatcher:
         wait is observed under its class, now known. (A queue ignores a job it no longer serves.)"""
         assert ticket.placement is not None
         self.queue.repriced(ticket, charged_s)
-        self.metrics.wait_by_class[ticket.predicted_class].observe(ticket.placement.dispatched_s - ticket.arrival_s)
+        self.metrics.queue.wait[ticket.predicted_class].observe(ticket.placement.dispatched_s - ticket.arrival_s)
 
     def expire(self, now: float | None = None) -> int:
         """Withdraw every waiting ticket whose queue deadline has come (``now >= expires_s``), held
@@ -515,8 +515,8 @@ class Dispatcher:
         if self.cluster is not None:
             self.cluster.rekeyed(ticket)
         if ticket.predicted_class != old_class:
-            self.metrics.depth_by_class[old_class].dec()
-            self.metrics.depth_by_class[ticket.predicted_class].inc()
+            self.metrics.queue.depth[old_class].dec()
+            self.metrics.queue.depth[ticket.predicted_class].inc()
         return True
 
     def lease(self, ticket: Ticket) -> _LeaseScope:
@@ -568,7 +568,7 @@ class Dispatcher:
                 self._held_back.remove(ticket)
                 self.queue.done(ticket)
             self._end_waiting(ticket)
-            self.metrics.disconnects_by_stage["queued"].inc()
+            self.metrics.requests.disconnects["queued"].inc()
             self.recent.append((ticket, self.clock.now(), "left_queued", None))
             self._end_wait(ticket, RequestStatus.CLIENT_LEFT_QUEUED)
             return
@@ -622,7 +622,7 @@ class Dispatcher:
             mine = self.cluster is None or self.cluster.slot_freed(ticket, self.clock.now())
             if mine and placement.slot < backend.slots:  # not a slot ``resize`` removed
                 backend.free.append(placement.slot)
-            self.metrics.in_flight.dec()
+            self.metrics.queue.in_flight.dec()
             self._in_flight_gauges[placement.backend].dec()
 
     def _end_waiting(self, ticket: Ticket) -> None:
@@ -630,7 +630,7 @@ class Dispatcher:
         if self.cluster is not None:
             self.cluster.withdrawn(ticket)
         if ticket.placement is None:  # a rerouted ticket left the depth gauge at its first grant
-            self.metrics.depth_by_class[ticket.predicted_class].dec()
+            self.metrics.queue.depth[ticket.predicted_class].dec()
 
     def _learn(self, ticket: Ticket, placement: Placement, service_s: float, usage: Usage | None) -> None:
         # The slot's measured seconds against the inputs the model predicts from: the prompt's
@@ -740,7 +740,7 @@ class Dispatcher:
                 job, promoted = got
                 ticket = job.payload
                 if promoted:
-                    self.metrics.starvation_promotions.inc()
+                    self.metrics.queue.starvation_promotions.inc()
                 if ticket.status != RequestStatus.WAITING:  # withdrawn in between: nothing to run
                     self._end_waiting(ticket)
                     self.queue.done(job)
@@ -788,8 +788,8 @@ class Dispatcher:
             position = self._grants - ticket.grants_before_arrival
             placement = ticket.placement = Placement(index, slot, now, position, load)
             if queued:
-                self.metrics.depth_by_class[ticket.predicted_class].dec()
-                self.metrics.wait_by_class[ticket.predicted_class].observe(now - ticket.arrival_s)
+                self.metrics.queue.depth[ticket.predicted_class].dec()
+                self.metrics.queue.wait[ticket.predicted_class].observe(now - ticket.arrival_s)
         else:
             placement.backend, placement.slot, placement.dispatched_s = index, slot, now
             placement.load, placement.switch_load_s = load, 0.0
@@ -798,7 +798,7 @@ class Dispatcher:
             self.queue.repriced(ticket, ticket.predicted_s - load_s)  # its tenant pays for it too
             self._switch_counters[index].inc()
         backend.running[slot] = ticket
-        self.metrics.in_flight.inc()
+        self.metrics.queue.in_flight.inc()
         self._in_flight_gauges[index].inc()
         self._grants += 1
         ticket.settle()

@@ -1,16 +1,13 @@
-"""One typed view of the queue (``QueueView``): the records' public fields plus the backends'
-state. ``/queue`` serves it as JSON, ``/history`` samples it, the live page and ``clairvoyant
-status`` read that JSON. No prompt text.
+"""One typed view of the queue (``QueueView``): the records' public fields and the backends' state,
+served by ``/queue`` as JSON, sampled by ``/history``, read by the live page and ``clairvoyant
+status``. No prompt text.
 
-Every field has a default (None where a reader must tell "absent"), so that a reader can
-validate an older proxy's sparser body, and a newer one's extra fields are kept (``extra="allow"``)
-everywhere but in a request's row. A field that only some requests have (``p_long``,
-``expires_in_s``, ``switch_due_in_s``) is left out of the JSON where it has none.
-
-A request's row is a slotted dataclass, not a model: the view is built from the dispatcher's own
-records, and pydantic takes a dataclass instance as it is, where it would validate each of 10,000
-rows field by field (``model_construct`` loops over the fields in Python, no faster);
-benchmarks/bench_queue_view.py measures it.
+Every field has a default (None where a reader must tell "absent"), so that a reader validates an
+older proxy's sparser body, and a newer one's extra fields are kept (``extra="allow"``) but in a
+request's row. A field only some requests have (``p_long``, ``expires_in_s``, ``switch_due_in_s``)
+is left out of the JSON where it has none. A request's row is a slotted dataclass, not a model:
+pydantic takes a dataclass instance as it is, where it would validate 10,000 rows field by field
+(``model_construct`` loops in Python too); benchmarks/bench_queue_view.py measures it.
 """
 
 from __future__ import annotations

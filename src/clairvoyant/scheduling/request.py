@@ -73,9 +73,9 @@ _OUTCOMES: dict[RequestStatus, str] = {
 
 
 def status_counts(metrics: Metrics) -> list[int]:
-    """Where each status entered is counted (``metrics.request_status``), by ``RequestStatus``
+    """Where each status entered is counted (``metrics.requests.status``), by ``RequestStatus``
     value: ``counts[status] += 1``."""
-    return metrics.request_status.declare([status.name.lower() for status in RequestStatus])
+    return metrics.requests.status.declare([status.name.lower() for status in RequestStatus])
 
 
 class Placement:
