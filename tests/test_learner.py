@@ -420,7 +420,9 @@ def _fit_trace() -> list[dict[str, dict[str, list[float]]]]:
                             key: [*linear.weights.tolist(), linear.prior_weight, linear.intercept]
                             for key, linear in linears
                         },
-                        "penalties": {key.strip("\x00"): [alpha] for key, (alpha, _) in learner._ridge.penalties.items()},
+                        "penalties": {
+                            key.strip("\x00"): [alpha] for key, (alpha, _) in learner._ridge.penalties.items()
+                        },
                     }
                 )
     return fits
