@@ -34,11 +34,9 @@ On top of the linear correction, a residual kNN (``knn_neighbours`` k, 16; 0: of
 linearly. A request refined by the encoder carries the encoder's pooled embedding after its columns, and each
 model keeps the unit embeddings of its last ``buffer_size`` uncensored observations with their residuals
 r = observed - (prior + the linear correction in force when observed), clipped to +-c when remembered (the kNN
-is a memory: re-clipping it would cost a pass). A prediction adds
-
-    sum_{j in the k nearest by cosine} w_j r_j / (sum_j w_j + ``knn_shrinkage``),  w_j = max(cos_j, 0)
-
-so few or far neighbours add about nothing. Residuals after the linear correction, not the prior: the kNN must
+is a memory: re-clipping it would cost a pass). A prediction adds the k nearest residuals' cosine-weighted
+sum over their weights plus ``knn_shrinkage`` (``ResidualKnn.correction``), so few or far neighbours add about
+nothing. Residuals after the linear correction, not the prior: the kNN must
 model what the correction leaves (a model's mean shift, counted twice and scaled by each neighbourhood, would be
 ranking noise). k 16, shrinkage 16 raised the weakest model's replay gain from +0.048 to +0.058 (seeds 0-4) and
 +0.037 to +0.041 (seeds 5-14). Its cost on a refined request's path: one 1 x 384 by 384 x 1024 mat-vec,
@@ -51,9 +49,8 @@ calls it with the count the BACKEND reported, never one the client sent. An answ
 (the only name known when predicting); past ``max_models`` names, they share ``OTHER_MODEL``, so memory is
 bounded by (max_models + 1) x buffer_size rows and as many kNN embeddings.
 
-``refit`` swaps the corrections in as one immutable object, so ``correction`` (the request path) reads them
-without a lock. It is synchronous: the proxy runs it in the learner's process
-(``clairvoyant.prediction.learner_process``), ``clairvoyant replay`` in line. A refit never builds a Gram
+``refit`` is synchronous (the proxy runs it in ``clairvoyant.prediction.learner_process``, ``clairvoyant replay``
+in line) and swaps in one immutable fit, which the proxy's side receives whole. A refit never builds a Gram
 matrix from the rows: it solves p x p systems from the moments (p = features + 1: 65 with the encoder's
 components), one ``np.linalg.solve`` per GCV penalty with ``[Z'y, I]`` as right-hand sides (the weights and the
 inverse's trace), and searches a fit's penalty again only once a quarter of its buffer is new. With the clip
@@ -73,10 +70,10 @@ Serving path: numpy only.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
-import threading
 import time
 from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
@@ -238,10 +235,7 @@ def kendall_tau_b(x: np.ndarray, y: np.ndarray, block: int = 0) -> float:
 
 
 class _Ring:
-    """The last ``capacity`` rows of parallel arrays, the oldest overwritten first. Appended under the
-    learner's lock, readable without it: the arrays are allocated once and never replaced, and
-    ``count`` grows only after a row is written, so a reader sees whole rows (one being overwritten
-    may be of either age)."""
+    """The last ``capacity`` rows of parallel arrays, the oldest overwritten first."""
 
     __slots__ = ("arrays", "capacity", "count", "next")
 
@@ -378,16 +372,16 @@ class _Moments:
         self.s_yy = 0.0
 
     @staticmethod
-    def design(row: np.ndarray, prior: float, counts: int | None = None) -> np.ndarray:
-        """[prior, log1p(max(row[:counts], 0)), row[counts:]] in float64: the first ``counts``
-        columns (all by default) are count features (>= 0 by contract), the rest the encoder's
-        signed components."""
+    def design(row: np.ndarray, prior: Any, counts: int | None = None) -> np.ndarray:
+        """[prior, log1p(max(row[:counts], 0)), row[counts:]] in float64, of one row or of each row of
+        a matrix: the first ``counts`` columns (all by default) are count features (>= 0 by
+        contract), the rest the encoder's signed components."""
         if counts is None:
-            counts = len(row)
-        z = np.empty(len(row) + 1)
-        z[0] = prior
-        z[1:] = row
-        tail = z[1 : counts + 1]
+            counts = row.shape[-1]
+        z = np.empty(row.shape[:-1] + (row.shape[-1] + 1,))
+        z[..., 0] = prior
+        z[..., 1:] = row
+        tail = z[..., 1 : counts + 1]
         np.maximum(tail, 0.0, out=tail)
         np.log1p(tail, out=tail)
         return z
@@ -409,12 +403,6 @@ class _Moments:
         self.s_zz += both.T @ signed
         self.s_zy += y * z - y_out * z_out
         self.s_yy += y * y - y_out * y_out
-
-    def copy(self) -> _Moments:
-        out = _Moments(len(self.s_z))
-        out.n, out.s_y, out.s_yy = self.n, self.s_y, self.s_yy
-        out.s_z, out.s_zz, out.s_zy = self.s_z.copy(), self.s_zz.copy(), self.s_zy.copy()
-        return out
 
     def __iadd__(self, other: _Moments) -> _Moments:
         self.n += other.n
@@ -555,8 +543,8 @@ def _ridge_gcv(
 
 class LearnedCorrection:
     """What the request path reads of a learner (``OnlineLearner``'s, and ``LearnerProcess``'s copy
-    of its worker's): the fit in force, swapped whole, and each model's residual kNN memory, both
-    read without a lock. ``known``: the model keys with a buffer (``bucket_key``), filled by the owner."""
+    of its worker's): the fit in force, swapped whole, and each model's residual kNN memory.
+    ``known``: the model keys with a buffer (``bucket_key``), filled by the owner."""
 
     __slots__ = ("config", "fit", "knn", "known", "n_features")
 
@@ -693,17 +681,13 @@ class _Ridge:
 
 
 class OnlineLearner:
-    """See the module docstring. Thread-safe (the rows and counters are guarded by a lock, the fit
-    and quality are swapped whole), though the proxy's learner process and replay use it from one
-    thread."""
+    """See the module docstring. Used from one thread: the proxy's learner process calls it in turn, and
+    so does ``clairvoyant replay``."""
 
     def __init__(self, identity: PriorIdentity, config: LearnerConfig | None = None) -> None:
         self.identity = identity
         self.config = config or LearnerConfig()
         self._buckets: dict[str, _Bucket] = {}
-        self._lock = threading.Lock()  # guards _buckets and _new_since_fit
-        self._refit_lock = threading.Lock()  # one refit at a time
-        self._quality_lock = threading.Lock()  # one quality update at a time
         self._new_since_fit = 0
         self.corrector = LearnedCorrection(self.config, identity.n_features, self._buckets)
         self._ridge = _Ridge(self.config, identity)
@@ -717,7 +701,7 @@ class OnlineLearner:
 
     # -- the request path ----------------------------------------------------------------------
     def correction(self, model: str | None, row: np.ndarray, prior_log_tokens: float) -> float:
-        """``LearnedCorrection.correction``: lock-free; never raises."""
+        """``LearnedCorrection.correction``: never raises."""
         return self.corrector.correction(model, row, prior_log_tokens)
 
     def observe(self, prediction: Prediction, observed_tokens: int, knn_residual: float | None = None) -> bool:
@@ -730,30 +714,26 @@ class OnlineLearner:
         if not usable_observation(prediction, observed_tokens, n_counts, n_features):
             return False
         observed_log = log_tokens(int(observed_tokens))
+        key = bucket_key(prediction.model, self._buckets, self.config.max_models)
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = _Bucket(self.config, n_features, n_counts)
+        bucket.window.append(prediction.predicted_log_tokens, observed_log)
+        bucket.observations += 1
         cap = prediction.cap_tokens
         censored = cap is not None and observed_tokens >= cap
-        learnable = len(prediction.feature_row) >= 4 * n_features  # a lexical row: quality only
-        with self._lock:
-            key = bucket_key(prediction.model, self._buckets, self.config.max_models)
-            bucket = self._buckets.get(key)
-            if bucket is None:
-                bucket = self._buckets[key] = _Bucket(self.config, n_features, n_counts)
-            bucket.window.append(prediction.predicted_log_tokens, observed_log)
-            bucket.observations += 1
-            if not censored and learnable:
-                row = np.frombuffer(prediction.feature_row, dtype=np.float32)[:n_features]
-                bucket.learn(row, prediction.prior_log_tokens, observed_log)
-                self._new_since_fit += 1
-                self.corrector.remember(key, prediction, observed_tokens, knn_residual)
+        if not censored and len(prediction.feature_row) >= 4 * n_features:  # a lexical row: quality only
+            row = np.frombuffer(prediction.feature_row, dtype=np.float32)[:n_features]
+            bucket.learn(row, prediction.prior_log_tokens, observed_log)
+            self._new_since_fit += 1
+            self.corrector.remember(key, prediction, observed_tokens, knn_residual)
         return True
 
     # -- reading -------------------------------------------------------------------------------
     def knn_memory(self, key: str) -> tuple[np.ndarray, ...] | None:
-        """Model ``key``'s kNN memory (unit embeddings, residuals; oldest first), copied under one
-        hold of the lock; None if it has none."""
-        with self._lock:
-            knn = self.corrector.knn.get(key)
-            return None if knn is None or not knn.count else knn.ordered()
+        """Model ``key``'s kNN memory (unit embeddings, residuals; oldest first); None if it has none."""
+        knn = self.corrector.knn.get(key)
+        return None if knn is None or not knn.count else knn.ordered()
 
     @property
     def refit_due(self) -> bool:
@@ -770,96 +750,74 @@ class OnlineLearner:
 
     @property
     def observed_total(self) -> int:
-        with self._lock:
-            return sum(bucket.observations for bucket in self._buckets.values())
+        return sum(bucket.observations for bucket in self._buckets.values())
 
     def quality(self) -> Mapping[str, ModelQuality]:
         """Rolling quality per model key, as last computed (by the worker or ``update_quality``)."""
         return self._quality
 
     def models(self) -> list[str]:
-        with self._lock:
-            return list(self._buckets)
+        return list(self._buckets)
 
     # -- fitting -------------------------------------------------------------------------------
-    def _snapshot(self) -> tuple[list[tuple[str, _Moments, int]], FittedCorrection | None]:
-        """Copies of every model's moments (p x p each) and its observation count, one model per
-        hold of the lock; with the residual clip on and a fit in force (or restored as the last
-        fit's center), the target's sums are those of the clipped target against that fit (also
-        returned: the center of the fit about to be made; None: unclipped)."""
-        with self._lock:
-            self._new_since_fit = 0
-            keys = list(self._buckets)
-        data = []
-        center = self.corrector.fit or self._ridge.center
-        clip = self.config.residual_clip
-        reclip = center is not None and clip < math.inf
-        for key in keys:
-            with self._lock:
-                bucket = self._buckets[key]
-                if not bucket.moments.n:
-                    continue
-                moments = bucket.moments.copy()
-                kept = bucket.ring.ordered() if reclip else None
-            if kept is not None and center is not None:
-                linear = center.by_model.get(key, center.global_)
-                _clip_target(moments, kept, linear, self.identity.n_counts, clip)
-            data.append((key, moments, bucket.observations))
-        return data, (center if reclip else None)
-
     def refit(self) -> None:
         """Fit the corrections from the moments and swap them in; then update the rolling quality.
         Blocking, about 0.2 ms of work per model (0.5 with the residual clip: the target's sums from
-        the rows): never on an event loop (the proxy runs it in the learner's process)."""
-        with self._refit_lock:
-            started = time.perf_counter()
-            data, center = self._snapshot()
-            if sum(m.n for _, m, _ in data) >= self.config.min_observations:
-                self.corrector.fit = self._ridge.fit(data)
-                self._ridge.center = center
-            self.last_refit_s = time.perf_counter() - started
-            self.refits += 1
-            self.update_quality()
+        the rows): never on an event loop (the proxy runs it in the learner's process).
+
+        With the residual clip on and a fit in force (or restored as the last fit's center), each
+        model's target sums are those of its target clipped against that fit, which becomes the
+        center of the fit made now."""
+        started = time.perf_counter()
+        self._new_since_fit = 0
+        center = self.corrector.fit or self._ridge.center
+        if self.config.residual_clip == math.inf:
+            center = None
+        data = []
+        for key, bucket in self._buckets.items():
+            if not bucket.moments.n:
+                continue
+            moments = bucket.moments
+            if center is not None:
+                linear = center.by_model.get(key, center.global_)
+                moments = _clipped(
+                    moments, bucket.ring.ordered(), linear, self.identity.n_counts, self.config.residual_clip
+                )
+            data.append((key, moments, bucket.observations))
+        if sum(m.n for _, m, _ in data) >= self.config.min_observations:
+            self.corrector.fit = self._ridge.fit(data)
+            self._ridge.center = center
+        self.last_refit_s = time.perf_counter() - started
+        self.refits += 1
+        self.update_quality()
 
     def update_quality(self) -> None:
         """Recompute the rolling quality of the models observed since the last update
         (O(window^2) each, about 0.2 ms for 256; off the event loop)."""
-        with self._quality_lock:
-            with self._lock:
-                keys = list(self._buckets)
-            quality = dict(self._quality)
-            for key in keys:
-                with self._lock:
-                    bucket = self._buckets[key]
-                    if key in quality and bucket.observations == bucket.quality_at:
-                        continue
-                    bucket.quality_at = bucket.observations
-                    predicted, observed = bucket.window.ordered()
-                mae = float(np.mean(np.abs(predicted - observed))) if len(observed) else math.nan
-                quality[key] = ModelQuality(key, len(observed), kendall_tau_b(predicted, observed, _TAU_BLOCK), mae)
-            self._quality = quality
+        for key, bucket in self._buckets.items():
+            if key in self._quality and bucket.observations == bucket.quality_at:
+                continue
+            bucket.quality_at = bucket.observations
+            predicted, observed = bucket.window.ordered()
+            mae = float(np.mean(np.abs(predicted - observed))) if len(observed) else math.nan
+            self._quality[key] = ModelQuality(key, len(observed), kendall_tau_b(predicted, observed, _TAU_BLOCK), mae)
 
     # -- persistence ---------------------------------------------------------------------------
     def save(self, path: Path | str) -> None:
         """Write the state atomically (temp file + fsync + os.replace). Raises OSError."""
         arrays: dict[str, np.ndarray] = {}
-        with self._lock:
-            keys = list(self._buckets)
-            observations = []
-            for i, key in enumerate(keys):
-                bucket = self._buckets[key]
-                arrays[f"rows_{i}"], arrays[f"prior_{i}"], arrays[f"observed_{i}"] = bucket.ring.ordered()
-                arrays[f"qpredicted_{i}"], arrays[f"qobserved_{i}"] = bucket.window.ordered()
-                observations.append(bucket.observations)
-        for i, key in enumerate(keys):  # the kNN memories (1.5 MB each): one model per hold of the lock
-            memory = self.knn_memory(key)
+        keys = list(self._buckets)
+        for i, bucket in enumerate(self._buckets.values()):
+            arrays[f"rows_{i}"], arrays[f"prior_{i}"], arrays[f"observed_{i}"] = bucket.ring.ordered()
+            arrays[f"qpredicted_{i}"], arrays[f"qobserved_{i}"] = bucket.window.ordered()
+            memory = self.knn_memory(keys[i])
             if memory is not None:
                 arrays[f"knn_unit_{i}"], arrays[f"knn_residual_{i}"] = memory
         meta = {
             "format": STATE_FORMAT,
             "identity": self.identity.as_dict(),
             "models": keys,
-            "observations": observations,
+            "observations": [bucket.observations for bucket in self._buckets.values()],
             "config": asdict(self.config),
         }
         center = self._ridge.center
@@ -978,20 +936,17 @@ def _restored_knn(npz: Any, i: int, capacity: int) -> ResidualKnn:
     return ResidualKnn.filled(capacity, unit.astype(np.float32), residual.astype(np.float64))
 
 
-def _clip_target(moments: _Moments, kept: tuple[np.ndarray, ...], linear: _Linear, counts: int, clip: float) -> None:
-    """Replace the target's sums in ``moments`` (those of the ring's ``kept`` rows, prior and observed
-    log tokens) by those of Huber's pseudo-target y* = yhat + clip(y - yhat, -clip, clip), yhat =
-    ``linear``'s correction of each row."""
+def _clipped(moments: _Moments, kept: tuple[np.ndarray, ...], linear: _Linear, counts: int, clip: float) -> _Moments:
+    """``moments`` with the target's sums (those of the ring's ``kept`` rows, prior and observed log tokens)
+    replaced by those of Huber's pseudo-target y* = yhat + clip(y - yhat, -clip, clip), yhat = ``linear``'s
+    correction of each row."""
     rows, prior, observed = kept
-    z = np.empty((len(rows), rows.shape[1] + 1))
-    z[:, 0] = prior
-    z[:, 1:] = rows
-    np.log1p(np.maximum(z[:, 1 : counts + 1], 0.0), out=z[:, 1 : counts + 1])
+    z = _Moments.design(rows, prior, counts)
     expected = z[:, 1:] @ linear.weights.astype(np.float64) + linear.prior_weight * prior + linear.intercept
     target = expected + np.clip(observed - prior - expected, -clip, clip)
-    moments.s_y = float(target.sum())
-    moments.s_zy = z.T @ target
-    moments.s_yy = float(target @ target)
+    clipped = copy.copy(moments)  # the design's sums are shared, never written
+    clipped.s_y, clipped.s_zy, clipped.s_yy = float(target.sum()), z.T @ target, float(target @ target)
+    return clipped
 
 
 class _Refused(ValueError):
