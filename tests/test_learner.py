@@ -442,15 +442,6 @@ def test_the_refit_in_small_steps_fits_what_the_stacked_solve_fitted() -> None:
             np.testing.assert_allclose(mine["coefficients"][key], coefficients, rtol=0, atol=1e-12)
 
 
-def test_kendall_tau_b_in_blocks_is_the_same_tau() -> None:
-    rng = np.random.default_rng(3)
-    x, y = rng.integers(0, 12, 257).astype(float), rng.integers(0, 30, 257).astype(float)
-    whole = kendall_tau_b(x, y)
-    assert -1 < whole < 1 and whole != 0
-    assert kendall_tau_b(x, y, 64) == whole  # 5 blocks of at most 64 rows
-    assert kendall_tau_b(x, y, 1000) == whole
-
-
 def test_gcv_never_chooses_a_penalty_below_min_penalty_factor_times_the_observations() -> None:
     """A strong, clean signal makes GCV want almost no penalty: free (0.001 x n) it takes less than
     n; the default floor keeps it at n or more, and the floor moves the fit."""

@@ -108,7 +108,6 @@ OTHER_MODEL = "other"  # the shared key of models beyond max_models
 # Ridge penalties tried by GCV, relative to the number of observations (features are standardised,
 # so the Gram matrix's eigenvalues are of order n).
 _ALPHA_FACTORS = 10.0 ** np.linspace(-3, 3, 13)
-_TAU_BLOCK = 64  # rows of the rolling quality's pair matrices per unit of work (window 256: 4 units)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,16 +117,15 @@ class PriorIdentity:
     feature_set: str
     feature_names: tuple[str, ...]  # count features: the design reads log1p of each
     onnx_sha256: str
-    # The encoder's components, appended to a refined prediction's row and read as they are (signed);
-    # empty without an encoder. Its sha ties the columns to the graph that made them.
+    # The rest is empty without an encoder. Its components follow the counts in a refined prediction's
+    # row, read as they are (signed); its sha ties them to the graph that made them.
     component_names: tuple[str, ...] = ()
     encoder_sha256: str = ""
-    # The encoder's blend weights (single-turn, with history): they define the refined prior whose
-    # residuals a learner stores, so a state learned under other weights is refused. Empty without
-    # an encoder.
+    # Its blend weights (single-turn, with history) define the refined prior whose residuals a learner
+    # stores, so a state learned under other weights is refused.
     blend_weights: tuple[float, ...] = ()
-    # How the encoder reads a long instruction (its last N word pieces after the first ones; 0: the
-    # first pieces only): the components and the encoder's opinion of a long prompt depend on it.
+    # How it reads a long instruction (its last N word pieces after the first ones; 0: the first
+    # pieces only): the components and its opinion of a long prompt depend on it.
     encoder_tail_word_pieces: int = 0
     # The kNN graph blended into the refined prior ("" without one; its weight is in blend_weights).
     knn_sha256: str = ""
@@ -172,18 +170,12 @@ class LearnerConfig:
     max_models: int = 16  # models with their own buffer; the rest share OTHER_MODEL
     quality_window: int = 256  # observed requests per model in the rolling quality
     intercept_prior_observations: float = 16.0  # pseudo-observations shrinking the mean correction to 0
-    # the smallest ridge penalty GCV may choose, per observation (the grid runs 1e-3 to 1e3 in
-    # half decades); see the module docstring
-    min_penalty_factor: float = 1.0
+    # The module docstring says why each of the following is what it is.
+    min_penalty_factor: float = 1.0  # the smallest ridge penalty GCV may choose, per observation (grid: 1e-3..1e3)
     worker_nice: int = 10  # the learner process's niceness above the proxy's
-    # The residual kNN on the encoder's embedding (see the module docstring): the neighbours read (0: off)
-    # and the shrinkage pseudo-weight lambda, in cosine units (the replay chose 16 and 16: module docstring).
-    knn_neighbours: int = 16
-    knn_shrinkage: float = 16.0
-    # The residual clip c, ln tokens (inf: off): an observation whose residual after the linear correction
-    # in force is beyond +-c is learned as if it were c off, by the ridge (re-clipped at each refit) and by
-    # the kNN (clipped when remembered); the replay chose 1 (module docstring).
-    residual_clip: float = 1.0
+    knn_neighbours: int = 16  # the residual kNN's neighbours read (0: off)
+    knn_shrinkage: float = 16.0  # its shrinkage pseudo-weight, in cosine units
+    residual_clip: float = 1.0  # ln tokens (inf: off); a residual beyond +-c is learned as if c off
 
     def __post_init__(self) -> None:
         if min(self.buffer_size, self.refit_every, self.min_observations, self.max_models, self.quality_window) < 1:
@@ -208,27 +200,20 @@ class ModelQuality:
     mean_abs_log_error: float  # mean |predicted - observed| natural-log tokens; NaN when empty
 
 
-def kendall_tau_b(x: np.ndarray, y: np.ndarray, block: int = 0) -> float:
+def kendall_tau_b(x: np.ndarray, y: np.ndarray) -> float:
     """Kendall's tau_b of two equally long arrays, O(n^2) in numpy on boolean pair matrices (n is a
-    few hundred here: about 0.2 ms for 256). NaN when undefined. ``block`` > 0: the pair matrices
-    are built ``block`` rows at a time (less memory); the counts, and so the result, are the same."""
+    few hundred here: about 0.2 ms for 256). NaN when undefined."""
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
-    n = len(x)
-    if n < 2:
+    if len(x) < 2:
         return math.nan
-    block = block if block > 0 else n
-    concordant = discordant = untied_x = untied_y = 0
-    for start in range(0, n, block):
-        rows = slice(start, start + block)
-        x_greater = x[rows, None] > x[None, :]
-        y_greater = y[rows, None] > y[None, :]
-        y_less = y[rows, None] < y[None, :]
-        # over ordered pairs (i, j) with x_i > x_j: concordant if y_i > y_j, discordant if y_i < y_j
-        concordant += int(np.count_nonzero(x_greater & y_greater))
-        discordant += int(np.count_nonzero(x_greater & y_less))
-        untied_x += int(np.count_nonzero(x_greater))  # untied pairs in x, each counted once
-        untied_y += int(np.count_nonzero(y_greater))
+    x_greater = x[:, None] > x[None, :]
+    y_greater = y[:, None] > y[None, :]
+    # over ordered pairs (i, j) with x_i > x_j: concordant if y_i > y_j, discordant if y_i < y_j
+    concordant = int(np.count_nonzero(x_greater & y_greater))
+    discordant = int(np.count_nonzero(x_greater & (y[:, None] < y[None, :])))
+    untied_x = int(np.count_nonzero(x_greater))  # untied pairs in x, each counted once
+    untied_y = int(np.count_nonzero(y_greater))
     if untied_x == 0 or untied_y == 0:
         return math.nan
     return (concordant - discordant) / math.sqrt(float(untied_x) * float(untied_y))
@@ -800,7 +785,7 @@ class OnlineLearner:
             bucket.quality_at = bucket.observations
             predicted, observed = bucket.window.ordered()
             mae = float(np.mean(np.abs(predicted - observed))) if len(observed) else math.nan
-            self._quality[key] = ModelQuality(key, len(observed), kendall_tau_b(predicted, observed, _TAU_BLOCK), mae)
+            self._quality[key] = ModelQuality(key, len(observed), kendall_tau_b(predicted, observed), mae)
 
     # -- persistence ---------------------------------------------------------------------------
     def save(self, path: Path | str) -> None:
@@ -865,7 +850,7 @@ class OnlineLearner:
             with npz:
                 self._restore_from(npz)
 
-    def _restore_from(self, npz: Any) -> None:
+    def _restore_from(self, npz: np.lib.npyio.NpzFile) -> None:
         if "meta" not in npz.files:
             raise _Refused("not a learner state file (no metadata)")
         meta = json.loads(str(npz["meta"][()]))

@@ -85,19 +85,18 @@ class LearnerUnavailable(RuntimeError):
 
 
 # -- the worker process ------------------------------------------------------------------------------
+class _Learned(NamedTuple):
+    fit: Packed | None  # a new fit, if the batch made one due
+    refit_s: float | None  # seconds it took
+    wake_in_s: float | None  # seconds until the observations not yet fitted are due (None: none wait)
+
+
 class _Started(NamedTuple):
     pid: int
     observed_total: int
     models: list[str]
     memories: dict[str, tuple[np.ndarray, ...]]  # per model key: kNN unit embeddings, residuals
-    fit: Packed | None  # the restored observations' fit
-    refit_s: float | None  # seconds that refit took
-
-
-class _Learned(NamedTuple):
-    fit: Packed | None  # a new fit, if the batch made one due
-    refit_s: float | None  # seconds it took
-    wake_in_s: float | None  # seconds until the observations not yet fitted are due (None: none wait)
+    restored: _Learned  # the restored observations' fit
 
 
 @dataclass(frozen=True)
@@ -176,7 +175,7 @@ def _start(identity: PriorIdentity, config: LearnerConfig, setup: _WorkerSetup) 
     _worker = worker = _Worker(learner, setup)
     memories = {key: memory for key in learner.models() if (memory := learner.knn_memory(key)) is not None}
     restored = worker.refit() if setup.fit and learner.unfitted else _Learned(None, None, None)
-    return _Started(os.getpid(), learner.observed_total, learner.models(), memories, restored.fit, restored.refit_s)
+    return _Started(os.getpid(), learner.observed_total, learner.models(), memories, restored)
 
 
 def _learn(batch: list[Observation]) -> _Learned:
@@ -351,7 +350,7 @@ class LearnerProcess:
             key: ResidualKnn.filled(config.buffer_size, unit, residual)
             for key, (unit, residual) in started.memories.items()
         }
-        self._took(_Learned(started.fit, started.refit_s, None))
+        self._took(started.restored)
         return True
 
     async def stop(self, timeout_s: float = 10.0) -> None:
