@@ -1,46 +1,40 @@
 """Online learning: corrects the shipped prior for THIS deployment, from what its backend produced.
 
-The prior was trained on ShareGPT answers; a deployment's models answer its own users at their own lengths.
-``docs/online-learning.md`` describes the learner and its measured gain; this is how it is built.
-The learner fits, per backend model as traffic allows, a correction in log tokens that ``OnnxPredictor`` adds:
+The reasons and the measurements are in docs/online-learning.md ("What the learner learns", "Measured"); this is
+how it is built. Per backend model as traffic allows, the learner fits a correction in log tokens that
+``OnnxPredictor`` adds:
 
     predicted log tokens = prior log tokens + correction(model, features, prior log tokens)
 
 The correction: a ridge regression of (observed - prior) log tokens on the standardised [prior log tokens,
 log1p(feature row)], the penalty chosen by generalised cross-validation, so that with few or uninformative
-observations it shrinks to zero by itself. The penalty is at least ``min_penalty_factor`` (1) x n: on standardised
+observations it shrinks to zero by itself. The penalty is at least ``min_penalty_factor`` x n: on standardised
 columns (a column's own sum of squares is n) that halves, or more, the least-squares weight of every direction
-whose Gram eigenvalue is n or less. GCV picks what predicts log tokens best, and left free (down to 0.001 x n) it
-undershoots what ORDERS best: with 65 columns and 16-100 observations it chose near-interpolating fits that took
-the replay's Kendall tau on lines 17-100 from the prior's 0.33-0.43 down to 0.21-0.33 on AlpacaEval's four
-models (0.46 to 0.30 on held-out ShareGPT); with the floor, 0.32-0.42 and 0.43. The mean correction is shrunk
-toward zero too (``intercept_prior_observations`` pseudo-observations). First a global correction over every
-model's observations; then, for a model with ``min_model_observations`` of its own, a correction of the global
-one's residuals on top. No fit before ``min_observations``: until then predictions are the prior's.
+whose Gram eigenvalue is n or less (left free, GCV picks what predicts log tokens best, near-interpolating fits
+that ORDER worse). The mean correction is shrunk toward zero by ``intercept_prior_observations``
+pseudo-observations. A global correction first; then, for a model with ``min_model_observations`` of its own, a
+correction of the global one's residuals on top. No fit before ``min_observations``.
 
-The residual clip (``residual_clip`` c, 1 ln token; inf: off) is Huber's pseudo-observation: at each refit, with
-yhat the correction in force (the model's own, else the global one), every kept row's target y = observed - prior
-becomes yhat + clip(y - yhat, -c, c). Why: a few answers of 1-13 tokens to ordinary prompts (Qwen1.5 on
-AlpacaEval: 5% of its residuals carry 55% of their squares) pulled the squared-loss fit, which is ranking noise
-for every other request. It is made at each refit over the ring's RAW rows (only the target's sums are
-recomputed, one pass of ``buffer_size`` x p per model), so nothing clipped is kept: each refit is one more
-iteration, and a prior far (> c) from a model's lengths is still learned as fast (a clip kept as observed would
-hold the first observations toward the prior until evicted). Chosen by the replay's second-half gain of the
-weakest AlpacaEval model: +0.050 -> +0.057 on seeds not used to choose it (mean +0.073 -> +0.076, held-out
-ShareGPT -0.011 -> -0.005). The fit a refit clipped against is saved with the state (``clip_center``), so a
-restored learner's first refit makes the fit the saved one had.
+The residual clip c (``residual_clip``; inf: off) is Huber's pseudo-observation: at each refit, with yhat the
+correction in force (the model's own, else the global one), each kept row's target y = observed - prior becomes
+yhat + clip(y - yhat, -c, c), so that a few answers of a handful of tokens to ordinary prompts (Qwen1.5 on
+AlpacaEval: 5% of its residuals carry 55% of their squares) stop pulling the squared-loss fit. It is made over
+the ring's RAW rows (only the target's sums are recomputed: one pass of ``buffer_size`` x p per model), so
+nothing clipped is kept: each refit is one more iteration, and a prior far (> c) from a model's lengths is still
+learned as fast (a clip kept as observed would hold the first observations toward the prior until evicted). The
+fit a refit clipped against is saved with the state (``clip_center``), so a restored learner's first refit makes
+the fit the saved one had. The clip raised the replay's second-half gain of the weakest AlpacaEval model from
++0.050 to +0.057 on seeds not used to choose it (mean +0.073 -> +0.076, held-out ShareGPT -0.011 -> -0.005).
 
-On top of the linear correction, a residual kNN (``knn_neighbours`` k, 16; 0: off) for what no column carries
-linearly. A request refined by the encoder carries the encoder's pooled embedding after its columns, and each
-model keeps the unit embeddings of its last ``buffer_size`` uncensored observations with their residuals
-r = observed - (prior + the linear correction in force when observed), clipped to +-c when remembered (the kNN
-is a memory: re-clipping it would cost a pass). A prediction adds the k nearest residuals' cosine-weighted
-sum over their weights plus ``knn_shrinkage`` (``ResidualKnn.correction``), so few or far neighbours add about
-nothing. Residuals after the linear correction, not the prior: the kNN must
-model what the correction leaves (a model's mean shift, counted twice and scaled by each neighbourhood, would be
-ranking noise). k 16, shrinkage 16 raised the weakest model's replay gain from +0.048 to +0.058 (seeds 0-4) and
-+0.037 to +0.041 (seeds 5-14). Its cost on a refined request's path: one 1 x 384 by 384 x 1024 mat-vec,
-0.07-0.11 ms with the memory out of cache; 1.6 MB per model. A lexical prediction gets the linear part only.
+A residual kNN (``knn_neighbours``; 0: off, ``ResidualKnn.correction``) adds what no column carries linearly. A
+request refined by the encoder carries its pooled embedding after its columns; each model keeps the unit
+embeddings of its last ``buffer_size`` uncensored observations with their residuals after the linear correction
+in force when observed, clipped to +-c when remembered (a memory: re-clipping it would cost a pass). Residuals
+after the linear correction, not the prior: the kNN must model what the correction leaves (a model's mean shift,
+counted twice and scaled by each neighbourhood, would be ranking noise). With k 16 and shrinkage 16 it raised
+the weakest model's gain from +0.048 to +0.058 (seeds 0-4) and +0.037 to +0.041 (seeds 5-14). It costs a refined
+request one 1 x 384 by 384 x 1024 mat-vec, 0.07-0.11 ms with the memory out of cache. A lexical prediction gets
+the linear part only.
 
 ``observe`` is O(1), 20-40 us: a row copied into the model's ring of ``buffer_size``, a rank-2 update of its
 p x p sufficient statistics (the one added, the one evicted), two floats into its quality window. The proxy

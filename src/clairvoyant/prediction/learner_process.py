@@ -2,11 +2,8 @@
 
 Why a process, and not a thread: a thread's refit shares the event loop's interpreter lock. Each time the loop
 wakes it waits for the lock, up to the 5 ms switch interval, and longer when the OS preempts the niced thread
-while it holds it. On a 2-core host with the other core busy, refitting 17 full buffers once a second, a 1 ms
-asyncio timer was late during a refit by p99 13-14 ms (worst 39-48 ms) with a thread at ``worker_nice``, by p99
-3.5-12 ms (worst 4-21 ms) unniced, and by p99 4-6 ms (worst 6-15 ms) with this process: within the worst of the
-segments without a refit (6-17 ms). What is left is two cores shared by three busy processes, not a lock
-(``docs/online-learning.md``, "Cost on the event loop").
+while it holds it. With this process a refit no longer makes the loop later than two cores shared by three busy
+processes do (docs/online-learning.md, "Cost on the event loop"; benchmarks/bench_learner_refit.py).
 
 The proxy's side, ``LearnerProcess``, runs on the event loop:
 
