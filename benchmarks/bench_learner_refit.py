@@ -56,6 +56,7 @@ from clairvoyant.prediction.learner_process import (  # noqa: E402
     Observation,
     _Learned,
     _Worker,
+    _WorkerSetup,
 )
 from clairvoyant.prediction.predictor import OnnxPredictor, Prediction  # noqa: E402
 
@@ -103,7 +104,7 @@ class _GatedProcess(LearnerProcess):
 
     def _flush(self) -> None:
         if self.gated:  # the batch stays; the next observation schedules another try
-            self._flush_handle = None
+            self._backlog.flush_handle = None
             return
         super()._flush()
 
@@ -117,7 +118,7 @@ class _ThreadLearner:
     ``FLUSH_S``, ``_Worker.learn`` on each batch in the thread, a wake-up when a refit falls due."""
 
     def __init__(self, learner: OnlineLearner, nice: int, min_refit_interval_s: float) -> None:
-        self.worker = _Worker(learner, None, True, 5.0, min_refit_interval_s)  # as LearnerProcess's
+        self.worker = _Worker(learner, _WorkerSetup(None, True, 5.0, min_refit_interval_s))  # as LearnerProcess's
         self.executor = ThreadPoolExecutor(1, initializer=os.nice, initargs=(nice,))  # this thread only
         self.gated = True
         self.refits = 0

@@ -310,7 +310,7 @@ def test_the_encoders_components_are_learned_signed_and_a_lexical_row_reads_them
     rows, prior, truth = _encoded_world(400)
     test_rows, test_prior, test_truth = _encoded_world(300, seed=1)
     learner = OnlineLearner(ENCODED)
-    assert learner.n_features == N_FEATURES + 2
+    assert learner.identity.n_features == N_FEATURES + 2
     _learn(learner, rows, prior, truth)
     after = _corrected(learner, test_rows, test_prior)
     # a negative component must lower the prediction: log1p would have flattened it
@@ -411,7 +411,7 @@ def _fit_trace() -> list[dict[str, dict[str, list[float]]]]:
         if learner.refit_due:
             learner.refit()
             if learner.refits % 12 == 0:
-                fitted = learner._fitted
+                fitted = learner.corrector.fit
                 assert fitted is not None
                 linears = [("global", fitted.global_), *sorted(fitted.by_model.items())]
                 fits.append(
@@ -420,7 +420,9 @@ def _fit_trace() -> list[dict[str, dict[str, list[float]]]]:
                             key: [*linear.weights.tolist(), linear.prior_weight, linear.intercept]
                             for key, linear in linears
                         },
-                        "penalties": {key.strip("\x00"): [alpha] for key, (alpha, _) in learner._penalties.items()},
+                        "penalties": {
+                            key.strip("\x00"): [alpha] for key, (alpha, _) in learner._ridge.penalties.items()
+                        },
                     }
                 )
     return fits
@@ -440,15 +442,6 @@ def test_the_refit_in_small_steps_fits_what_the_stacked_solve_fitted() -> None:
             np.testing.assert_allclose(mine["coefficients"][key], coefficients, rtol=0, atol=1e-12)
 
 
-def test_kendall_tau_b_in_blocks_is_the_same_tau() -> None:
-    rng = np.random.default_rng(3)
-    x, y = rng.integers(0, 12, 257).astype(float), rng.integers(0, 30, 257).astype(float)
-    whole = kendall_tau_b(x, y)
-    assert -1 < whole < 1 and whole != 0
-    assert kendall_tau_b(x, y, 64) == whole  # 5 blocks of at most 64 rows
-    assert kendall_tau_b(x, y, 1000) == whole
-
-
 def test_gcv_never_chooses_a_penalty_below_min_penalty_factor_times_the_observations() -> None:
     """A strong, clean signal makes GCV want almost no penalty: free (0.001 x n) it takes less than
     n; the default floor keeps it at n or more, and the floor moves the fit."""
@@ -458,8 +451,8 @@ def test_gcv_never_chooses_a_penalty_below_min_penalty_factor_times_the_observat
     floored = OnlineLearner(IDENTITY, LearnerConfig(refit_every=10_000))
     _learn(free, rows, prior, truth)
     _learn(floored, rows, prior, truth)
-    assert free._penalties["\x00global"][0] < 0.5 * 200
-    assert floored._penalties["\x00global"][0] >= 1.0 * 200
+    assert free._ridge.penalties["\x00global"][0] < 0.5 * 200
+    assert floored._ridge.penalties["\x00global"][0] >= 1.0 * 200
     assert (
         abs(free.correction("m", rows[0], float(prior[0])) - floored.correction("m", rows[0], float(prior[0]))) > 1e-3
     )
@@ -503,10 +496,10 @@ def test_the_residual_knn_learns_a_local_signal_that_no_linear_column_carries() 
     assert np.abs(linear).max() < 0.15  # the linear correction cannot tell the clusters apart
     assert kendall_tau_b(test_prior + knn, test_truth) > kendall_tau_b(test_prior + linear, test_truth) + 0.3
     # a row without the embedding (a lexical or unencoded one) gets the linear correction only
-    assert learner.correction("m", test_rows[0, : learner.n_features], 5.0) == pytest.approx(
+    assert learner.correction("m", test_rows[0, : learner.identity.n_features], 5.0) == pytest.approx(
         off.correction("m", test_rows[0], 5.0)
     )
-    assert off.models() == ["m"] and off._buckets["m"].knn is None  # off: no memory kept
+    assert off.models() == ["m"] and "m" not in off.corrector.knn  # off: no memory kept
 
 
 def test_the_knn_correction_is_the_shrunk_weighted_mean_of_the_nearest_residuals(tmp_path: Path) -> None:
@@ -560,7 +553,7 @@ def test_the_knn_stores_residuals_after_the_linear_correction_and_skips_censored
         learner.observe(_prediction(row, float(p)), int(round(math.exp(p + 1.0))))
         if learner.refit_due:
             learner.refit()
-    memory = learner._buckets["m"].knn
+    memory = learner.corrector.knn.get("m")
     assert memory is not None and memory.count == n
     assert abs(float(np.mean(memory.residual[100:n]))) < 0.1  # after the fit: the shift is the linear part's
     assert float(np.mean(memory.residual[:8])) > 0.9  # before the first fit: the prior's residuals
@@ -591,7 +584,7 @@ def test_the_knn_memory_survives_a_restart_and_an_old_or_damaged_file_is_handled
     old.save(path)
     upgraded = OnlineLearner.load(path, ENCODED)
     upgraded.refit()
-    assert upgraded.observed_total == 120 and upgraded._buckets["m"].knn is None
+    assert upgraded.observed_total == 120 and "m" not in upgraded.corrector.knn
     assert upgraded.correction("m", test_rows[0], 5.0) == pytest.approx(old.correction("m", test_rows[0], 5.0))
     # damaged kNN arrays: refused with one line, like any damaged file
     learner.save(path)
@@ -617,7 +610,7 @@ def test_a_refined_prediction_carries_the_embedding_to_the_learners_knn() -> Non
         essay = "Write a detailed essay about the history of the printing press."
         for _ in range(3):  # this deployment answers this prompt in 3 tokens
             prediction = refined_by(encoder, predictor, predictor.predict(Prompt(essay), model="m"), essay)
-            assert len(prediction.feature_row) == 4 * (learner.n_features + encoder.embedding_width)
+            assert len(prediction.feature_row) == 4 * (learner.identity.n_features + encoder.embedding_width)
             learner.observe(prediction, 3)
         corrected = refined_by(encoder, predictor, predictor.predict(Prompt(essay), model="m"), essay)
         # 3 neighbours at cosine 1: 3 / (3 + 16) of the residual, before any linear fit; the residual

@@ -261,7 +261,7 @@ def test_a_worker_that_does_not_start_in_time_is_reported_and_not_started_again(
     async def run() -> None:
         remote = LearnerProcess(IDENTITY, respawn_after_s=0.05)
         assert not await remote.start(timeout_s=0.001)  # a new interpreter takes far longer
-        assert remote._restart is None and not remote.running
+        assert remote._respawn.task is None and not remote.running
         prediction, tokens = _world(1)[0]
         assert remote.observe(prediction, tokens) and remote.dropped == 1  # the proxy serves on, unlearning
         await remote.stop()
@@ -298,7 +298,7 @@ def test_with_learning_off_the_proxys_side_keeps_no_knn_memory() -> None:
                 remote.observe(prediction, tokens)
             await remote.update_quality()
             assert remote.quality()["m"].observations == 20  # the quality is still measured
-            return len(remote._knn)
+            return len(remote.corrector.knn)
         finally:
             await remote.stop()
 

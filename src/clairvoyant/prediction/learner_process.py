@@ -1,44 +1,33 @@
 """The online learner off the event loop: the one worker process of a ``ProcessPoolExecutor``.
 
-Why a process, and not a thread: a thread's refit shares the event loop's interpreter lock. Each
-time the loop wakes it waits for the lock, up to the 5 ms switch interval, and longer when the OS
-preempts the niced thread while it holds the lock. Both were measured on a 2-core host with the
-other core kept busy. The learner held 17 full buffers and ran at the default refit settings: 10
-observations a second, a refit at most once a second, about 20 ms of CPU each. There were four runs of the process and two of each thread, 20 s per phase.
-During a refit, a 1 ms asyncio timer was late by p99 13-14 ms and at worst 39-48 ms with a thread
-at ``worker_nice``. Unniced, so competing with the backend for CPU, it was late by p99 3.5-12 ms
-and at worst 4-21 ms. With this worker process it was late by p99 4-6 ms and at worst 6-15 ms. That
-is within the worst of the segments without a refit (6-17 ms): what is left is two cores shared by
-three busy processes, not a lock.
+Why a process, and not a thread: a thread's refit shares the event loop's interpreter lock. Each time the loop
+wakes it waits for the lock, up to the 5 ms switch interval, and longer when the OS preempts the niced thread
+while it holds it. With this process a refit no longer makes the loop later than two cores shared by three busy
+processes do (docs/online-learning.md, "Cost on the event loop"; benchmarks/bench_learner_refit.py).
 
 The proxy's side, ``LearnerProcess``, runs on the event loop:
 
-- ``observe`` checks the observation as ``OnlineLearner.observe`` would (``usable_observation``) and
-  keeps it for the next batch. Every ``FLUSH_S`` the batch is submitted to the worker (``_learn``), which observes it and refits when a refit is due.
-  The fit comes back as that call's result. It never waits: at most ``max_backlog`` observations
-  may be submitted and not yet learned, and past that a batch is dropped and counted.
-- ``correction``, the request path, reads the last fit the worker returned. That fit is an immutable
-  ``FittedCorrection``, swapped whole. To it the residual kNN's part is added for a row with the
-  encoder's embedding, exactly as ``OnlineLearner.correction`` does. The kNN memories live here,
-  where the correction reads them. ``observe`` computes each residual with the fit in force and
-  submits it with the observation, so the worker's copy, which the state file keeps, is the same.
-  A starting worker returns its restored copy.
+- ``observe`` checks an observation as ``OnlineLearner.observe`` would and batches it; every ``FLUSH_S`` the
+  batch goes to the worker (``_learn``), which observes it and refits when due. The fit comes back as that
+  call's result. It never waits: past ``MAX_BACKLOG`` observations submitted and not yet learned, a batch is
+  dropped and counted.
+- ``correction``, the request path, reads a ``LearnedCorrection``: the last fit the worker returned (immutable,
+  swapped whole) and the kNN memories, which live here, where the correction reads them. ``observe`` computes
+  each residual with the fit in force and sends it along, so the worker's copy, which the state file keeps, is
+  the same. A starting worker returns its restored copy.
 - ``update_quality`` and ``save`` are submitted calls, awaited with a timeout, never blocking.
 
-The worker (``_init``, then ``_start``) ignores SIGINT and SIGTERM. A terminal's Ctrl-C and systemd's
-stop reach the whole process group, but its exit is the proxy's to make: the proxy saves the state
-through it, then shuts the pool down. It runs at ``worker_nice`` above the proxy. Its log records
-reach the proxy through a ``QueueHandler`` and a ``QueueListener``, and are logged under their own
-logger names. A thread in it waits on ``multiprocessing.parent_process()`` and ends it if the proxy
-dies, so the worker never outlives the proxy. It loads the state file (a refused file is logged as
-in-process), takes the observations, and refits once ``refit_every`` new ones have arrived, at most
-once per ``min_refit_interval_s``. Fewer than ``refit_every`` are fitted ``quiet_refit_s`` after the
-first of them. The worker cannot wake itself, so each call's result says when the next refit falls
-due, and the proxy submits an empty batch then.
+The worker (``_init``, then ``_start``) ignores SIGINT and SIGTERM: a terminal's Ctrl-C and systemd's stop
+reach the whole process group, but its exit is the proxy's to make (the proxy saves the state through it, then
+shuts the pool down). It runs at ``worker_nice`` above the proxy; its log records reach the proxy through a
+``QueueHandler`` and a ``QueueListener``, under their own logger names; a thread in it ends it if the proxy
+dies. It refits once ``refit_every`` new observations have arrived, at most once per ``min_refit_interval_s``;
+fewer are fitted ``quiet_refit_s`` after the first of them. The worker cannot wake itself, so each call's result
+says when the next refit falls due, and the proxy submits an empty batch then.
 
-A dead worker (killed, out of memory) breaks the pool. The next call notices: the death is logged,
-predictions keep the last fit, and observations are dropped. A new pool starts ``respawn_after_s``
-later and restores the last saved state.
+A dead worker (killed, out of memory) breaks the pool. The next call notices: the death is logged, predictions
+keep the last fit, and observations are dropped. A new pool starts ``respawn_after_s`` later from the last saved
+state.
 """
 
 from __future__ import annotations
@@ -53,7 +42,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from logging.handlers import QueueHandler, QueueListener
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
@@ -61,18 +50,17 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from clairvoyant.prediction.learner import (
-    DEFAULT_MODEL,
     FittedCorrection,
+    LearnedCorrection,
     LearnerConfig,
     ModelQuality,
     OnlineLearner,
     PriorIdentity,
     ResidualKnn,
     bucket_key,
-    clipped_residual,
     usable_observation,
 )
-from clairvoyant.prediction.predictor import Prediction, log_tokens
+from clairvoyant.prediction.predictor import Prediction
 
 __all__ = ["LearnerProcess", "LearnerUnavailable"]
 
@@ -94,30 +82,36 @@ class LearnerUnavailable(RuntimeError):
 
 
 # -- the worker process ------------------------------------------------------------------------------
-class _Started(NamedTuple):
-    pid: int
-    observed_total: int
-    models: list[str]
-    memories: dict[str, tuple[np.ndarray, np.ndarray]]  # per model key: kNN unit embeddings, residuals
-    fit: Packed | None  # the restored observations' fit
-    refit_s: float | None  # seconds that refit took
-
-
 class _Learned(NamedTuple):
     fit: Packed | None  # a new fit, if the batch made one due
     refit_s: float | None  # seconds it took
     wake_in_s: float | None  # seconds until the observations not yet fitted are due (None: none wait)
 
 
-@dataclass
-class _Worker:
-    """The worker process's learner and its refit clock (see ``LearnerProcess``'s arguments)."""
+class _Started(NamedTuple):
+    pid: int
+    observed_total: int
+    models: list[str]
+    memories: dict[str, tuple[np.ndarray, ...]]  # per model key: kNN unit embeddings, residuals
+    restored: _Learned  # the restored observations' fit
 
-    learner: OnlineLearner
+
+@dataclass(frozen=True)
+class _WorkerSetup:
+    """How the worker learns and saves (see ``LearnerProcess``'s arguments)."""
+
     state_path: Path | None
     fit: bool  # False: observe for the quality figures only
     quiet_refit_s: float
     min_refit_interval_s: float
+
+
+@dataclass
+class _Worker:
+    """The worker process's learner and its refit clock."""
+
+    learner: OnlineLearner
+    setup: _WorkerSetup
     refit_after: float = 0.0  # monotonic seconds: no refit before
     quiet_until: float | None = None  # monotonic seconds: fewer than refit_every observations are fitted then
 
@@ -125,11 +119,11 @@ class _Worker:
         learner = self.learner
         for prediction, tokens, residual in batch:
             learner.observe(prediction, tokens, residual)
-        if not (self.fit and learner.unfitted):
+        if not (self.setup.fit and learner.unfitted):
             return _Learned(None, None, None)
         now = time.monotonic()
         if self.quiet_until is None:
-            self.quiet_until = now + self.quiet_refit_s
+            self.quiet_until = now + self.setup.quiet_refit_s
         if (learner.refit_due and now >= self.refit_after) or now >= self.quiet_until:
             return self.refit()
         due = min(self.quiet_until, self.refit_after) if learner.refit_due else self.quiet_until
@@ -141,8 +135,8 @@ class _Worker:
             self.learner.refit()
         except Exception:  # a failed refit must not end learning; the old fit stays
             logger.exception("online learner: refit failed; keeping the previous correction")
-        self.refit_after = time.monotonic() + self.min_refit_interval_s
-        fit = self.learner.current_fit
+        self.refit_after = time.monotonic() + self.setup.min_refit_interval_s
+        fit = self.learner.corrector.fit
         return _Learned(None if fit is None else fit.packed(), self.learner.last_refit_s, None)
 
 
@@ -170,14 +164,15 @@ def _exit_with(parent: multiprocessing.process.BaseProcess) -> None:
     os._exit(0)
 
 
-def _start(identity: PriorIdentity, config: LearnerConfig, state_path: Path | None, *timing: Any) -> _Started:
-    """Load the state file; ``timing``: the rest of ``_Worker``'s fields (fit, quiet_refit_s...)."""
+def _start(identity: PriorIdentity, config: LearnerConfig, setup: _WorkerSetup) -> _Started:
+    """Load the state file, and refit what it restored."""
     global _worker
-    learner = OnlineLearner.load(state_path, identity, config) if state_path else OnlineLearner(identity, config)
-    _worker = worker = _Worker(learner, state_path, *timing)
+    path = setup.state_path
+    learner = OnlineLearner.load(path, identity, config) if path else OnlineLearner(identity, config)
+    _worker = worker = _Worker(learner, setup)
     memories = {key: memory for key in learner.models() if (memory := learner.knn_memory(key)) is not None}
-    restored = worker.refit() if worker.fit and learner.unfitted else _Learned(None, None, None)
-    return _Started(os.getpid(), learner.observed_total, learner.models(), memories, restored.fit, restored.refit_s)
+    restored = worker.refit() if setup.fit and learner.unfitted else _Learned(None, None, None)
+    return _Started(os.getpid(), learner.observed_total, learner.models(), memories, restored)
 
 
 def _learn(batch: list[Observation]) -> _Learned:
@@ -193,10 +188,10 @@ def _quality() -> dict[str, ModelQuality]:
 
 def _save() -> None:
     assert _worker is not None
-    if _worker.state_path is None:
+    if _worker.setup.state_path is None:
         return
     try:
-        _worker.learner.save(_worker.state_path)
+        _worker.learner.save(_worker.setup.state_path)
     except OSError:
         raise
     except Exception as exc:  # whatever failed, the proxy is told as for a full disk: logged, not fatal
@@ -243,6 +238,39 @@ class _Pool:
         self.listener.stop()
 
 
+@dataclass
+class _Backlog:
+    """Observations on their way to the worker."""
+
+    batch: list[Observation] = field(default_factory=list)  # not yet submitted
+    flush_handle: asyncio.TimerHandle | None = None  # submits the batch
+    in_flight: int = 0  # observations submitted and not yet learned
+
+
+@dataclass
+class _Respawn:
+    """A worker started again ``after_s`` after one died (so at most that often), unless stopping."""
+
+    after_s: float
+    stopping: bool = False
+    task: asyncio.Task[None] | None = None
+
+    def schedule(self, process: LearnerProcess) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._start_again(process), name="learner-restart")
+
+    async def _start_again(self, process: LearnerProcess) -> None:
+        await asyncio.sleep(self.after_s)
+        if await process.start():
+            logger.info("online learner: its process is running again (pid %s)", process.pid)
+
+    async def stop(self) -> None:
+        self.stopping = True
+        if self.task is not None:  # not wanted now
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+            self.task = None
+
+
 class LearnerProcess:
     """The proxy's side of the learner's worker process (see the module docstring). Use from one
     event loop: ``await start()``, then ``observe``/``correction`` from the loop's callbacks,
@@ -257,35 +285,22 @@ class LearnerProcess:
         fit: bool = True,
         quiet_refit_s: float = 5.0,  # seconds after which fewer than refit_every new observations are fitted
         min_refit_interval_s: float = MIN_REFIT_INTERVAL_S,
-        max_backlog: int = MAX_BACKLOG,
         respawn_after_s: float = 10.0,
     ) -> None:
         self.identity = identity
         # Learning off: the worker measures the quality only, and nothing reads a kNN memory
-        self.config = (config or LearnerConfig()) if fit else replace(config or LearnerConfig(), knn_neighbours=0)
-        self.state_path = state_path
-        self.fit = fit  # False: observe for the quality figures only (online_learning = false)
-        self.quiet_refit_s = quiet_refit_s
-        self.min_refit_interval_s = min_refit_interval_s
-        self.max_backlog = max_backlog
-        self.respawn_after_s = respawn_after_s
-        self.n_counts = len(identity.feature_names)
-        self.n_features = self.n_counts + len(identity.component_names)
-        self._fit: FittedCorrection | None = None
-        self._keys: dict[str, None] = {}  # the model keys with a buffer, as the worker assigns them
-        self._knn: dict[str, ResidualKnn] = {}  # per model key: the residual kNN's memory
-        self._batch: list[Observation] = []  # not yet submitted
-        self._flush_handle: asyncio.TimerHandle | None = None
+        config = (config or LearnerConfig()) if fit else replace(config or LearnerConfig(), knn_neighbours=0)
+        self.corrector = LearnedCorrection(config, identity.n_features, {})
+        self._setup = _WorkerSetup(state_path, fit, quiet_refit_s, min_refit_interval_s)
+        self._backlog = _Backlog()
         self._wake_handle: asyncio.TimerHandle | None = None  # an empty batch, when a refit falls due
-        self._in_flight = 0  # observations submitted and not yet learned
         self._quality: dict[str, ModelQuality] = {}
         self.observed_total = 0  # restored + accepted here (the worker may not have taken them yet)
         self.dropped = 0  # observations not learned: no worker, a full backlog, or the worker died
         self.refits = 0  # fits received
         self.last_refit_s: float | None = None  # seconds the worker's last refit took
         self._pool: _Pool | None = None
-        self._stopping = False
-        self._restart: asyncio.Task[None] | None = None  # a worker started again after one died
+        self._respawn = _Respawn(respawn_after_s)
 
     @property
     def pid(self) -> int | None:
@@ -300,22 +315,23 @@ class LearnerProcess:
     def retained(self) -> dict[str, int]:
         """Entries held on the proxy's side: model keys, kNN memories, observations not yet learned."""
         return {
-            "learner_models": len(self._keys),
-            "learner_knn_memories": len(self._knn),
-            "learner_unsent": len(self._batch),
-            "learner_in_flight": self._in_flight,
+            "learner_models": len(self.corrector.known),
+            "learner_knn_memories": len(self.corrector.knn),
+            "learner_unsent": len(self._backlog.batch),
+            "learner_in_flight": self._backlog.in_flight,
         }
 
     # -- life ------------------------------------------------------------------------------------
     async def start(self, timeout_s: float = 60.0) -> bool:
         """Start the worker and wait until it has loaded the state file. False (logged) if it could
         not start: the proxy then predicts with the prior, or the last fit, and learns nothing."""
-        self._stopping = False
-        setup = (self.identity, self.config, self.state_path, self.fit, self.quiet_refit_s, self.min_refit_interval_s)
+        self._respawn.stopping = False
+        config = self.corrector.config
         pool: _Pool | None = None
         try:
-            pool = _Pool.create(self.config.worker_nice)
-            started = await asyncio.wait_for(asyncio.wrap_future(pool.executor.submit(_start, *setup)), timeout_s)
+            pool = _Pool.create(config.worker_nice)
+            submitted = pool.executor.submit(_start, self.identity, config, self._setup)
+            started = await asyncio.wait_for(asyncio.wrap_future(submitted), timeout_s)
         except BaseException as exc:  # a broken install, a worker that hangs or dies at once, a cancelled start
             if pool is not None:
                 pool.discard()
@@ -326,25 +342,21 @@ class LearnerProcess:
         pool.pid = started.pid
         self._pool = pool
         self.observed_total = started.observed_total
-        self._keys = dict.fromkeys(started.models)
-        self._knn = {
-            key: ResidualKnn.filled(self.config.buffer_size, unit, residual)
+        self.corrector.known = dict.fromkeys(started.models)
+        self.corrector.knn = {
+            key: ResidualKnn.filled(config.buffer_size, unit, residual)
             for key, (unit, residual) in started.memories.items()
         }
-        self._took(_Learned(started.fit, started.refit_s, None))
+        self._took(started.restored)
         return True
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Shut the worker down and wait for it (it saves nothing by itself: ``save`` first)."""
-        self._stopping = True
-        for handle in (self._flush_handle, self._wake_handle):
+        for handle in (self._backlog.flush_handle, self._wake_handle):
             if handle is not None:
                 handle.cancel()
-        self._flush_handle = self._wake_handle = None
-        if self._restart is not None:  # not wanted now
-            self._restart.cancel()
-            await asyncio.gather(self._restart, return_exceptions=True)
-            self._restart = None
+        self._backlog.flush_handle = self._wake_handle = None
+        await self._respawn.stop()
         pool, self._pool = self._pool, None
         if pool is None:
             return
@@ -359,63 +371,37 @@ class LearnerProcess:
     # -- the request path ------------------------------------------------------------------------
     def correction(self, model: str | None, row: np.ndarray, prior_log_tokens: float) -> float:
         """``OnlineLearner.correction`` on the last fit the worker returned (0.0 before the first)."""
-        fit, cfg = self._fit, self.config
-        key = model or DEFAULT_MODEL
-        value = 0.0 if fit is None else fit.correction(key, self._keys, cfg.max_models, row, prior_log_tokens)
-        if len(row) > self.n_features and self._knn:
-            knn = self._knn.get(bucket_key(key, self._keys, cfg.max_models))
-            if knn is not None:
-                value += knn.correction(row[self.n_features :], cfg.knn_neighbours, cfg.knn_shrinkage)
-        return value
+        return self.corrector.correction(model, row, prior_log_tokens)
 
     def observe(self, prediction: Prediction, observed_tokens: int) -> bool:
         """Keep an observation for the worker. False, as ``OnlineLearner.observe``, for an unusable
-        one; an observation that cannot be learned (no worker, a full backlog) counts in ``dropped``."""
-        if not usable_observation(prediction, observed_tokens, self.n_counts, self.n_features):
+        one; an observation that cannot be learned (no worker, a full backlog) counts in ``dropped``.
+        Its kNN residual is computed here, with the fit in force, and sent with it, so that the
+        worker's copy of the memory (the one the state file keeps) is the same."""
+        if not usable_observation(prediction, observed_tokens, self.identity.n_counts, self.identity.n_features):
             return False
         self.observed_total += 1
-        key = bucket_key(prediction.model, self._keys, self.config.max_models)  # OnlineLearner.observe's rule
-        self._keys.setdefault(key, None)
-        residual = self._remember(key, prediction, observed_tokens)
+        corrector = self.corrector
+        key = bucket_key(prediction.model, corrector.known, corrector.config.max_models)  # OnlineLearner.observe's rule
+        corrector.known.setdefault(key, None)
+        residual = corrector.remember(key, prediction, observed_tokens)
         if self._pool is None:
             self.dropped += 1
             return True
-        self._batch.append((prediction, int(observed_tokens), residual))
-        if self._flush_handle is None:
-            self._flush_handle = asyncio.get_running_loop().call_later(FLUSH_S, self._flush)
+        backlog = self._backlog
+        backlog.batch.append((prediction, int(observed_tokens), residual))
+        if backlog.flush_handle is None:
+            backlog.flush_handle = asyncio.get_running_loop().call_later(FLUSH_S, self._flush)
         return True
-
-    def _remember(self, key: str, prediction: Prediction, observed_tokens: int) -> float | None:
-        """The residual kNN's part of ``OnlineLearner.observe``: an uncensored observation whose row
-        carries the embedding joins its model's memory, with its residual after the linear
-        correction in force now. Returns that residual (None: no embedding, or the kNN is off)."""
-        cap = prediction.cap_tokens
-        if (
-            not self.config.knn_neighbours
-            or len(prediction.feature_row) <= 4 * self.n_features
-            or (cap is not None and observed_tokens >= cap)
-        ):
-            return None
-        row = np.frombuffer(prediction.feature_row, dtype=np.float32)
-        embedding = row[self.n_features :]
-        knn = self._knn.get(key)
-        if knn is None:
-            knn = self._knn[key] = ResidualKnn(self.config.buffer_size, len(embedding))
-        prior = prediction.prior_log_tokens
-        fit = self._fit
-        model = prediction.model or DEFAULT_MODEL  # the fit's key, as in-process
-        linear = 0.0 if fit is None else fit.correction(model, self._keys, self.config.max_models, row, prior)
-        residual = clipped_residual(log_tokens(int(observed_tokens)) - (prior + linear), self.config.residual_clip)
-        knn.remember(embedding, residual)  # the worker's copy gets the same residual (or refuses it alike)
-        return residual
 
     def _flush(self) -> None:
         """Submit the batch of observations, unless there is no worker or its backlog is full."""
-        if self._flush_handle is not None:
-            self._flush_handle.cancel()
-            self._flush_handle = None
-        batch, self._batch = self._batch, []
-        if batch and self._in_flight + len(batch) > self.max_backlog:
+        backlog = self._backlog
+        if backlog.flush_handle is not None:
+            backlog.flush_handle.cancel()
+            backlog.flush_handle = None
+        batch, backlog.batch = backlog.batch, []
+        if batch and backlog.in_flight + len(batch) > MAX_BACKLOG:
             self.dropped += len(batch)
         elif batch:
             self._submit_learn(batch)
@@ -431,10 +417,10 @@ class LearnerProcess:
         except LearnerUnavailable:
             self.dropped += len(batch)
             return
-        self._in_flight += len(batch)
+        self._backlog.in_flight += len(batch)
 
         def learned(future: asyncio.Future[_Learned]) -> None:
-            self._in_flight -= len(batch)
+            self._backlog.in_flight -= len(batch)
             if future.cancelled():
                 return
             exc = future.exception()
@@ -451,10 +437,10 @@ class LearnerProcess:
 
     def _took(self, learned: _Learned) -> None:
         if learned.fit is not None:
-            self._fit = FittedCorrection.unpacked(learned.fit)
+            self.corrector.fit = FittedCorrection.unpacked(learned.fit)
             self.last_refit_s = learned.refit_s
             self.refits += 1
-        if learned.wake_in_s is not None and not self._stopping:
+        if learned.wake_in_s is not None and not self._respawn.stopping:
             if self._wake_handle is not None:
                 self._wake_handle.cancel()
             self._wake_handle = asyncio.get_running_loop().call_later(learned.wake_in_s, self._wake)
@@ -507,19 +493,13 @@ class LearnerProcess:
         if self._wake_handle is not None:
             self._wake_handle.cancel()
             self._wake_handle = None
-        if self._stopping:
+        if self._respawn.stopping:
             return
-        delay_s = self.respawn_after_s  # a worker that keeps dying is started at most this often
         logger.error(
             "online learner: its process (pid %s) died (%s); predictions keep the last fit, observations are "
             "dropped until it is started again in %.0f s (from the last saved state)",
             pool.pid,
             exc,
-            delay_s,
+            self._respawn.after_s,
         )
-        self._restart = asyncio.get_running_loop().create_task(self._start_again(delay_s), name="learner-restart")
-
-    async def _start_again(self, delay_s: float) -> None:
-        await asyncio.sleep(delay_s)
-        if await self.start():
-            logger.info("online learner: its process is running again (pid %s)", self.pid)
+        self._respawn.schedule(self)

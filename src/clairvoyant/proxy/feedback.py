@@ -121,8 +121,8 @@ class UsageRecorder:
         refiner = self.refiner
         if (
             refiner is not None
-            and learner.n_features > learner.n_counts
-            and len(prediction.feature_row) == 4 * learner.n_counts
+            and learner.identity.n_features > learner.identity.n_counts
+            and len(prediction.feature_row) == 4 * learner.identity.n_counts
         ):
             # Its row has no encoder columns (none is kept past a request's wait, and one that did
             # not wait was never encoded): the encoder's thread adds them first (a few ms later, off
