@@ -35,10 +35,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from limits.storage import MemoryStorage
+from limits import aio
+from limits.aio.storage import MemoryStorage
 
 from clairvoyant.config import Limits
-from clairvoyant.proxy.limits import TenantLimits, _InProcessWindows
+from clairvoyant.proxy.limits import TenantLimits
 
 HIGH = Limits(max_concurrent=1_000_000, requests_per_minute=1_000_000, tokens_per_day=10**12)
 TENANTS = ("unlimited", "limited")
@@ -58,7 +59,9 @@ def on_package_memory_storage() -> TenantLimits:
     """The limits in the tree on the package's own ``MemoryStorage`` (what the in-process mode
     would be without its lazy storage)."""
     made = TenantLimits({"limited": HIGH})
-    made._windows = _InProcessWindows(MemoryStorage())
+    storage = MemoryStorage()
+    made._window = aio.strategies.MovingWindowRateLimiter(storage)
+    made._counter = aio.strategies.FixedWindowRateLimiter(storage)
     return made
 
 

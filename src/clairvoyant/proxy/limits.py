@@ -45,9 +45,9 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from limits import RateLimitItemPerSecond, storage, strategies
+from limits import RateLimitItemPerSecond, aio
 from limits.limits import safe_string
 from limits.util import WindowStats
 
@@ -86,18 +86,7 @@ class _TenantLimit(RateLimitItemPerSecond):
         return "/".join([self.namespace, *map(safe_string, identifiers)])
 
 
-class _Windows(Protocol):
-    """A tenant's window and day counter, on one storage."""
-
-    async def hit(self, item: _TenantLimit, tenant: str, cost: int = 1) -> bool: ...
-    async def window(self, item: _TenantLimit, tenant: str) -> WindowStats: ...
-    async def under(self, item: _TenantLimit, tenant: str, day: str) -> bool: ...
-    async def add(self, item: _TenantLimit, tenant: str, day: str, amount: int) -> None: ...
-    async def count(self, item: _TenantLimit, tenant: str, day: str) -> int: ...
-    def entries(self) -> int: ...
-
-
-class _LazyMemoryStorage(storage.Storage, storage.MovingWindowSupport):
+class _LazyMemoryStorage(aio.storage.Storage, aio.storage.MovingWindowSupport):
     """The package's storage interface (what its moving window and fixed window strategies call),
     in this process, expiring lazily. The package's own ``MemoryStorage`` starts a thread to expire
     entries after every 10 ms of use (its ``limits.aio`` twin hands each key to a thread after every
@@ -119,7 +108,7 @@ class _LazyMemoryStorage(storage.Storage, storage.MovingWindowSupport):
     def base_exceptions(self) -> type[Exception]:
         return ValueError  # nothing here fails
 
-    def incr(self, key: str, expiry: int, amount: int = 1) -> int:
+    async def incr(self, key: str, expiry: int, amount: int = 1) -> int:
         now_s = time.time()
         if self._expires_s.get(key, 0.0) <= now_s:
             self._drop_expired(now_s)
@@ -128,32 +117,32 @@ class _LazyMemoryStorage(storage.Storage, storage.MovingWindowSupport):
         count = self.counters[key] = self.counters[key] + amount
         return count
 
-    def get(self, key: str) -> int:
+    async def get(self, key: str) -> int:
         if self._expires_s.get(key, 0.0) <= time.time():
             return 0
         return self.counters[key]
 
-    def get_expiry(self, key: str) -> float:
+    async def get_expiry(self, key: str) -> float:
         return self._expires_s.get(key, time.time())
 
-    def check(self) -> bool:
+    async def check(self) -> bool:
         return True
 
-    def reset(self) -> int | None:
+    async def reset(self) -> int | None:
         count = len(self.counters) + len(self.windows)
         self.counters.clear()
         self._expires_s.clear()
         self.windows.clear()
         return count
 
-    def clear(self, key: str) -> None:
+    async def clear(self, key: str) -> None:
         self.counters.pop(key, None)
         self._expires_s.pop(key, None)
         self.windows.pop(key, None)
 
     def _drop_expired(self, now_s: float) -> None:
         for key in [k for k, expires_s in self._expires_s.items() if expires_s <= now_s]:
-            self.clear(key)
+            del self.counters[key], self._expires_s[key]
 
     def _window(self, key: str, expiry: int, now_s: float) -> deque[float]:
         window = self.windows.get(key)
@@ -163,7 +152,7 @@ class _LazyMemoryStorage(storage.Storage, storage.MovingWindowSupport):
             window.popleft()
         return window
 
-    def acquire_entry(self, key: str, limit: int, expiry: int, amount: int = 1) -> bool:
+    async def acquire_entry(self, key: str, limit: int, expiry: int, amount: int = 1) -> bool:
         now_s = time.time()
         window = self._window(key, expiry, now_s)
         if len(window) + amount > limit:
@@ -171,40 +160,10 @@ class _LazyMemoryStorage(storage.Storage, storage.MovingWindowSupport):
         window.extend([now_s] * amount)
         return True
 
-    def get_moving_window(self, key: str, limit: int, expiry: int) -> tuple[float, int]:
+    async def get_moving_window(self, key: str, limit: int, expiry: int) -> tuple[float, int]:
         now_s = time.time()
         window = self._window(key, expiry, now_s)
         return (window[0], len(window)) if window else (now_s, 0)
-
-
-class _InProcessWindows:
-    """The package's moving window and day counter, in this process. Synchronous: nothing here
-    waits, so the awaits below never suspend."""
-
-    def __init__(self, storage_: _LazyMemoryStorage | storage.MemoryStorage | None = None) -> None:
-        self.storage = _LazyMemoryStorage() if storage_ is None else storage_  # the package's: for the benchmark
-        self._window = strategies.MovingWindowRateLimiter(self.storage)
-        self._counter = strategies.FixedWindowRateLimiter(self.storage)
-
-    async def hit(self, item: _TenantLimit, tenant: str, cost: int = 1) -> bool:
-        return self._window.hit(item, tenant, cost=cost)
-
-    async def window(self, item: _TenantLimit, tenant: str) -> WindowStats:
-        return self._window.get_window_stats(item, tenant)
-
-    async def under(self, item: _TenantLimit, tenant: str, day: str) -> bool:
-        return self._counter.test(item, tenant, day)
-
-    async def add(self, item: _TenantLimit, tenant: str, day: str, amount: int) -> None:
-        self._counter.hit(item, tenant, day, cost=amount)
-
-    async def count(self, item: _TenantLimit, tenant: str, day: str) -> int:
-        return self.storage.get(item.key_for(tenant, day))
-
-    def entries(self) -> int:
-        if not isinstance(self.storage, _LazyMemoryStorage):
-            return 0
-        return sum(map(len, self.storage.windows.values())) + len(self.storage.counters)
 
 
 @dataclass
@@ -257,13 +216,15 @@ class TenantLimits:
         self._day = _utc_day(wall())
         self._day_starts_s = math.floor(wall() / DAY_S) * DAY_S  # wall seconds: UTC midnight, today
         self._shared: SharedCounts | None = None
-        self._windows: _Windows
-        if redis_url is None:
-            self._windows = _InProcessWindows()
-        else:
+        counts: aio.storage.Storage = _LazyMemoryStorage()
+        if redis_url is not None:
             from clairvoyant.proxy.shared_limits import SharedCounts  # redis-py: with replicas only
 
-            self._windows = self._shared = SharedCounts(redis_url, cluster, self.replica)
+            self._shared = SharedCounts(redis_url, cluster, self.replica)
+            counts = self._shared.storage
+        # The package's strategies: a moving window, and a fixed one a day long keyed by the date.
+        self._window = aio.strategies.MovingWindowRateLimiter(counts)
+        self._counter = aio.strategies.FixedWindowRateLimiter(counts)
 
     # -- life ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -308,11 +269,9 @@ class TenantLimits:
         wall_s = self._wall()
         if not self._day_starts_s <= wall_s < self._day_starts_s + DAY_S:
             self._day_starts_s = math.floor(wall_s / DAY_S) * DAY_S
-            day = _utc_day(wall_s)
-            if day != self._day:
-                self._day = day
-                for use in self._use.values():
-                    use.tokens_today = 0
+            self._day = _utc_day(wall_s)
+            for use in self._use.values():
+                use.tokens_today = 0
         return self._day
 
     def _items_of(self, tenant: str, limits: Limits) -> _Items:
@@ -352,7 +311,7 @@ class TenantLimits:
         shared = False
         if self._shared is None:
             _check_local_concurrency(tenant, limits, use, free_in_s)
-            under: bool | BaseException = limits.tokens_per_day is None or await self._windows.under(
+            under: bool | BaseException = limits.tokens_per_day is None or await self._counter.test(
                 items.tokens, tenant, day
             )
         else:
@@ -374,11 +333,11 @@ class TenantLimits:
                     f"tenant {tenant!r} has used its {limits.tokens_per_day} completion tokens for today (UTC)",
                     code="rate_limited", limit="tokens_per_day", retry_after_s=_seconds(midnight_s - wall_s),
                 )  # fmt: skip
-            admitted = await self._fail_open(self._windows.hit(items.window, tenant), True)
+            admitted = await self._fail_open(self._window.hit(items.window, tenant), True)
             if not admitted and limits.requests_per_minute is not None:
                 amount = items.window.amount
                 stats = await self._fail_open(
-                    self._windows.window(items.window, tenant), WindowStats(time.time() + self.window_s, 0)
+                    self._window.get_window_stats(items.window, tenant), WindowStats(time.time() + self.window_s, 0)
                 )
                 raise LimitExceeded(
                     f"tenant {tenant!r} has made {amount - stats.remaining} requests in the last {self.window_s} s,"
@@ -397,7 +356,7 @@ class TenantLimits:
         """Whether the day's tokens are under ``tokens_per_day`` (True when unset, or Redis failed)."""
         if limits.tokens_per_day is None:
             return True
-        return await self._fail_open(self._windows.under(items.tokens, tenant, day), True)
+        return await self._fail_open(self._counter.test(items.tokens, tenant, day), True)
 
     async def _admit_shared(self, tenant: str, limits: Limits, use: _Use, free_in_s: Callable[[], float]) -> bool:
         """``max_concurrent`` over every replica: True if counted in Redis, False if Redis failed
@@ -435,7 +394,7 @@ class TenantLimits:
             self._of(tenant).tokens_today += tokens
             return
         item = self._items_of(tenant, limits).tokens
-        await self._fail_open(self._windows.add(item, tenant, day, tokens), None)
+        await self._fail_open(self._counter.hit(item, tenant, day, cost=tokens), None)
 
     def reload(self, limits: Mapping[str, Limits]) -> None:
         """New limits (the keys were reloaded); the counts stay."""
@@ -444,7 +403,7 @@ class TenantLimits:
 
     def retained(self) -> dict[str, int]:
         """Entries held: tenants counted, and (in the process) the window's and the days' entries."""
-        return {"limit_tenants": len(self._use), "limit_window_entries": self._windows.entries()}
+        return {"limit_tenants": len(self._use), "limit_window_entries": _entries(self._counter.storage)}
 
     async def snapshot(self) -> dict[str, dict[str, Any]]:
         """Each tenant seen, or bounded: its limits and its use against them (for /queue). On Redis,
@@ -462,10 +421,10 @@ class TenantLimits:
 
     async def _shared_use(self, tenant: str, limits: Limits, day: str, use: _Use) -> dict[str, int]:
         items = self._items_of(tenant, limits)
-        stats = await self._windows.window(items.window, tenant)
+        stats = await self._window.get_window_stats(items.window, tenant)
         row = {
             "requests_last_minute": items.window.amount - stats.remaining,
-            "tokens_today": await self._windows.count(items.tokens, tenant, day),
+            "tokens_today": await self._counter.storage.get(items.tokens.key_for(tenant, day)),
         }
         if self._shared is not None:
             row["in_system"] = use.in_system - use.shared + await self._shared.in_system(tenant)
@@ -540,9 +499,16 @@ class TenantLimits:
                 limits = self.limits.get(tenant)
                 if limits is not None and admitted > 0:
                     item = self._items_of(tenant, limits).window
-                    await self._windows.hit(item, tenant, cost=min(admitted, item.amount))
+                    await self._window.hit(item, tenant, cost=min(admitted, item.amount))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             logger.warning("tenant limits: cannot read %s (%s); counting starts afresh", self.state_path, exc)
+
+
+def _entries(counts: aio.storage.Storage) -> int:
+    """The windows' and the days' entries held in the process (in Redis: none, they expire there)."""
+    if not isinstance(counts, _LazyMemoryStorage):
+        return 0
+    return sum(map(len, counts.windows.values())) + len(counts.counters)
 
 
 def _check_local_concurrency(tenant: str, limits: Limits, use: _Use, free_in_s: Callable[[], float]) -> None:
