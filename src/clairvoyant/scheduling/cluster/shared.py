@@ -202,7 +202,7 @@ class ClusterSide(Protocol):
         ...
 
     def withdrawn(self, ticket: Ticket) -> None:
-        """A waiting ticket ended without a slot."""
+        """A waiting ticket ended without a slot (its client left, its deadline came, it was refused)."""
         ...
 
     def supersede_key(self, ticket: Ticket, tenant: str, key: str) -> None:
@@ -214,7 +214,7 @@ class ClusterSide(Protocol):
         ...
 
     def pool_changed(self) -> None:
-        """A backend's slot count changed."""
+        """A backend's slot count changed (learned after start-up)."""
         ...
 
     def rekeyed(self, ticket: Ticket) -> None:
