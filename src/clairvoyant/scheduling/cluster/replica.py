@@ -45,7 +45,6 @@ from clairvoyant.scheduling.cluster.shared import (
     Message,
     MessageKind,
     RenewReply,
-    SlotStore,
     StoreUnavailable,
 )
 from clairvoyant.scheduling.queue_view import (
@@ -57,6 +56,7 @@ from clairvoyant.scheduling.queue_view import (
 from clairvoyant.scheduling.request import RequestStatus, Ticket
 
 if TYPE_CHECKING:
+    from clairvoyant.scheduling.cluster.store import RedisSlotStore
     from clairvoyant.scheduling.dispatcher import Dispatcher
 
 __all__ = ["ClusterLink", "ClusterOptions", "Mode", "supersede_digest"]
@@ -100,7 +100,7 @@ class ClusterOptions:
 class ClusterLink:
     def __init__(
         self,
-        store: SlotStore,
+        store: RedisSlotStore,
         options: ClusterOptions,
         weights: Mapping[str, float],
         on_heartbeat: Callable[[tuple[str, ...]], Awaitable[None]] | None = None,

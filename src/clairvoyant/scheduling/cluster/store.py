@@ -1,6 +1,6 @@
 """``RedisSlotStore``: the shared queue and slots in Redis, every decision one Lua script.
 
-Each call (join, enqueue, cancel, release, renew, resync, tick, leave) is one ``EVALSHA`` of
+Each call (join, enqueue, cancel, release, renew, resync, leave) is one ``EVALSHA`` of
 grant.lua, which reads Redis's clock (``TIME``), changes what the call changes, reclaims expired
 leases, drops replicas that stopped beating, and ends with the grant step: while a backend has a
 free slot (slots minus live leases) and an entry it serves waits, the policy's next entry gets the
@@ -265,6 +265,7 @@ class RedisSlotStore:
         self._epoch = epoch
 
     async def join(self, backends: Sequence[BackendSpec]) -> None:
+        """Register this replica and the pool (again: the pool changed, or the store lost its state)."""
         args = [str(len(backends))]
         for b in backends:
             if b.slots < 0:
@@ -280,13 +281,16 @@ class RedisSlotStore:
         return Placed(int(ahead), float(ahead_s))
 
     async def cancel(self, request_id: str) -> bool:
+        """Withdraw a waiting entry: False if it was granted already (its grant is on its way)."""
         (withdrawn,) = await self._call("cancel", request_id)
         return withdrawn == "1"
 
     async def release(self, request_id: str, service_s: float | None) -> None:
+        """Give a granted slot back; ``service_s``: the measured seconds (fair share's correction)."""
         await self._call("release", request_id, "" if service_s is None else _num(service_s))
 
     async def renew(self, held: Sequence[HeldLease]) -> RenewReply:
+        """Heartbeat: extend every held lease (re-take one the store lost while its slot is free)."""
         args = [str(len(held))]
         for lease in held:
             args += [lease.request_id, lease.backend, str(lease.slot)]
@@ -298,14 +302,11 @@ class RedisSlotStore:
         return RenewReply(lost=lost, replicas=replicas, reset=reset)
 
     async def resync(self, waiting: Sequence[Entry]) -> None:
+        """Replace this replica's waiting entries by ``waiting`` (after the store lost its state)."""
         args = [str(len(waiting))]
         for entry in waiting:
             args += _entry_args(entry)
         await self._call("resync", *args)
-
-    async def tick(self) -> None:
-        """Reclaim expired leases, drop silent replicas, grant what is free (renew does this too)."""
-        await self._call("tick")
 
     async def leave(self) -> None:
         self._closed = True
