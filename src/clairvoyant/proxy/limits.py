@@ -13,19 +13,16 @@ endpoints, the live page and pass-through paths are never refused for a tenant's
   Ollama's eval_count). A request is refused once the day's count has reached the limit (the one
   that crosses it is not cut short). Retry-After: until UTC midnight.
 
-The windows are the ``limits`` package's strategies (a moving window a minute long, and a counter
-keyed by the tenant and the UTC date), over one of two storages:
+The windows are the ``limits`` package's async strategies (a moving window a minute long, and a
+counter keyed by the tenant and the UTC date), over one of two storages:
 
-- in the process (the default): a storage of the package's interface that expires lazily
-  (``_LazyMemoryStorage``: the package's ``MemoryStorage`` runs a thread every 10 ms of use). The
-  window's count and the day's tokens survive a restart in a state file (``learner_state_path``'s
-  stem + ``.limits.json``) when the learner's state is kept; on restart the window's admissions
-  are counted again from the restart (the strategies stamp their own entries), so a tenant at its
+- in the process (the default): ``_LazyMemoryStorage``, where nothing suspends. The window's count
+  and the day's tokens survive a restart in a state file (``learner_state_path``'s stem +
+  ``.limits.json``) when the learner's state is kept; on restart the window's admissions are
+  counted again from the restart (the strategies stamp their own entries), so a tenant at its
   limit may wait up to a minute longer, never less.
 - Redis (``redis_url``): every replica naming the same Redis and ``cluster`` shares the counts
   (``proxy/shared_limits.py``, loaded only then).
-
-The API is async in both modes (Redis must not block the loop); in the process nothing suspends.
 
 Counts are kept by tenant name, so they survive a reload of the keys too. A tenant header can
 name any tenant: tenants without limits are counted in this process only, and of those only the

@@ -18,12 +18,10 @@ Two kinds of entries, on the stream ``cv:{cluster}:observations``:
 
 Numbers, ids and model names only: never the prompt or the answer.
 
-Bounds: the stream holds about ``max_entries`` entries (``XADD MAXLEN ~``); what waits to be
-published is at most ``max_pending`` (the oldest go first while Redis is away); the reader applies
-at most ``max_applied_per_s`` entries a second (it falls behind rather than take more; what it
-missed beyond the stream's length is skipped). The learner's own sampling rate bounds what reaches
-the learner (``proxy/feedback.py``: one token bucket for this replica's and the others'
-observations).
+Bounds: ``MAX_ENTRIES``, ``MAX_PENDING`` and ``MAX_APPLIED_PER_S`` below (a reader falls behind
+rather than take more; what it missed beyond the stream's length is skipped). The learner's own
+sampling rate bounds what reaches the learner (``proxy/feedback.py``: one token bucket for this
+replica's and the others' observations).
 
 Faults: publishing runs in its own task and never raises into the request path. Redis lost is
 logged once at WARNING (and its return at INFO); both tasks retry with a backoff up to
@@ -150,9 +148,7 @@ class _Outage:
 
 class _Publisher:
     """Queues this replica's observations (on the request path: O(1), no I/O) and writes them to
-    the stream from its own task, in batches. Each entry names its publisher's session (random per
-    start) and a sequence number in it: a reader skips its own session's and any it has applied
-    already (a batch sent again)."""
+    the stream from its own task, in batches, each entry with its session and sequence number."""
 
     def __init__(
         self, client: redis.Redis, key: str, replica: str, *, max_entries: int, max_pending: int, linger_s: float,

@@ -112,6 +112,7 @@ __all__ = ["ClusterView", "LeaseView", "RedisSlotStore", "ReplicaView", "Waiting
 log = logging.getLogger(__name__)
 
 _SCRIPT = resources.files("clairvoyant.scheduling.cluster").joinpath("grant.lua").read_text(encoding="utf-8")
+TIMEOUT_S = 1.0  # connecting, or a call: slower, and the store is unavailable
 _INF = "1e300"  # what Lua reads as "never" (it cannot parse "inf" portably)
 
 
@@ -201,7 +202,7 @@ def dispatch_order(
 
 
 class RedisSlotStore:
-    """``SlotStore`` on Redis (see the module's docstring). ``url``: a redis:// URL; ``cluster``:
+    """The shared queue and slots (see the module's docstring). ``url``: a redis:// URL; ``cluster``:
     the deployment's name (two deployments may share one Redis); ``replica``: this process's id,
     unique in the cluster; ``lease_s``: seconds a lease lives unrenewed (and a replica unbeating);
     ``poll_s``: the ``BLPOP`` timeout, how soon ``messages()`` notices ``leave``."""
@@ -214,8 +215,6 @@ class RedisSlotStore:
         lease_s: float = 15.0,
         *,
         poll_s: float = 1.0,
-        connect_timeout_s: float = 1.0,
-        call_timeout_s: float = 1.0,
         switch_bound_s: float = 0.0,
     ) -> None:
         if not lease_s > 0:
@@ -233,14 +232,14 @@ class RedisSlotStore:
         # closed (a restart) fails once before the pool notices.
         common: dict[str, Any] = {
             "decode_responses": True,
-            "socket_connect_timeout": connect_timeout_s,
+            "socket_connect_timeout": TIMEOUT_S,
             "retry": Retry(NoBackoff(), 1),
         }
-        self._redis = aioredis.Redis.from_url(url, socket_timeout=call_timeout_s, **common)
+        self._redis = aioredis.Redis.from_url(url, socket_timeout=TIMEOUT_S, **common)
         # BLPOP holds its connection: a client of its own (its calls follow one another, so its pool
         # keeps one connection), with a read timeout beyond poll_s. Not ``single_connection_client``:
         # a BLPOP cancelled there could leave the task hanging in its reconnect.
-        self._blocking = aioredis.Redis.from_url(url, socket_timeout=poll_s + call_timeout_s, **common)
+        self._blocking = aioredis.Redis.from_url(url, socket_timeout=poll_s + TIMEOUT_S, **common)
         self._script = self._redis.register_script(_SCRIPT)
         self._epoch: str | None = None
         self._reset_pending = False
