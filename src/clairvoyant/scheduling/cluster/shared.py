@@ -158,25 +158,19 @@ class ClusterSide(Protocol):
 
     def enqueued(self, ticket: Ticket, deadline_in_s: float) -> None:
         """``ticket`` was queued here; ``deadline_in_s``: seconds until its queue deadline (inf: none)."""
-        ...
 
     def withdrawn(self, ticket: Ticket) -> None:
         """A waiting ticket ended without a slot (its client left, its deadline came, it was refused)."""
-        ...
 
     def supersede_key(self, ticket: Ticket, tenant: str, key: str) -> None:
         """A queued ticket carries an X-Clairvoyant-Supersede key (told before its entry is sent)."""
-        ...
 
     def slot_freed(self, ticket: Ticket, now: float) -> bool:
         """A granted ticket gave its slot back: True when the dispatcher may grant it again itself."""
-        ...
 
     def pool_changed(self) -> None:
         """A backend's slot count changed (learned after start-up)."""
-        ...
 
     def rekeyed(self, ticket: Ticket) -> None:
         """A waiting ticket's prediction was refined: its entry is sent again (an enqueue of an id
         the store holds updates it in place)."""
-        ...
