@@ -146,7 +146,7 @@ def test_the_in_process_storage_answers_as_the_packages_memory_storage() -> None
         theirs, ours = MemoryStorage(), _LazyMemoryStorage()
         window = [MovingWindowRateLimiter(s) for s in (theirs, ours)]
         counter = [FixedWindowRateLimiter(s) for s in (theirs, ours)]
-        answers: list[tuple[object, object]] = []
+        answers: list[tuple[object, ...]] = []
         for _ in range(2_000):
             item = RateLimitItemPerMinute(rng.randint(1, 30))
             key, cost = rng.choice("abc"), rng.choice([1, 1, 1, 2, 5, 40])
