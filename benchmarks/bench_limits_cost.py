@@ -35,11 +35,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from limits import aio
-from limits.aio.storage import MemoryStorage
+from limits.storage import MemoryStorage
 
 from clairvoyant.config import Limits
-from clairvoyant.proxy.limits import TenantLimits
+from clairvoyant.proxy.limits import TenantLimits, _InProcessWindows
 
 HIGH = Limits(max_concurrent=1_000_000, requests_per_minute=1_000_000, tokens_per_day=10**12)
 TENANTS = ("unlimited", "limited")
@@ -59,9 +58,7 @@ def on_package_memory_storage() -> TenantLimits:
     """The limits in the tree on the package's own ``MemoryStorage`` (what the in-process mode
     would be without its lazy storage)."""
     made = TenantLimits({"limited": HIGH})
-    storage = MemoryStorage()
-    made._window = aio.strategies.MovingWindowRateLimiter(storage)
-    made._counter = aio.strategies.FixedWindowRateLimiter(storage)
+    made._windows = _InProcessWindows(MemoryStorage())
     return made
 
 

@@ -136,14 +136,14 @@ def test_the_in_process_storage_answers_as_the_packages_memory_storage() -> None
     # proxy/limits.py keeps its in-process counts in a storage of its own (the package's starts a
     # thread every 10 ms of use): the package's strategies must get the same answers from both.
     from limits import RateLimitItemPerMinute
-    from limits.aio.storage import MemoryStorage
-    from limits.aio.strategies import FixedWindowRateLimiter, MovingWindowRateLimiter
+    from limits.storage import MemoryStorage
+    from limits.strategies import FixedWindowRateLimiter, MovingWindowRateLimiter
 
     from clairvoyant.proxy.limits import _LazyMemoryStorage
 
-    async def scenario() -> None:
-        rng = random.Random(7)
-        theirs, ours = MemoryStorage(), _LazyMemoryStorage()
+    rng = random.Random(7)
+    theirs, ours = MemoryStorage(), _LazyMemoryStorage()
+    try:
         window = [MovingWindowRateLimiter(s) for s in (theirs, ours)]
         counter = [FixedWindowRateLimiter(s) for s in (theirs, ours)]
         answers: list[tuple[object, ...]] = []
@@ -152,23 +152,21 @@ def test_the_in_process_storage_answers_as_the_packages_memory_storage() -> None
             key, cost = rng.choice("abc"), rng.choice([1, 1, 1, 2, 5, 40])
             match rng.randint(0, 4):
                 case 0:
-                    answers.append(tuple([await w.hit(item, key, cost=cost) for w in window]))
+                    answers.append((window[0].hit(item, key, cost=cost), window[1].hit(item, key, cost=cost)))
                 case 1:
-                    answers.append(tuple([await w.test(item, key, cost=cost) for w in window]))
+                    answers.append((window[0].test(item, key, cost=cost), window[1].test(item, key, cost=cost)))
                 case 2:
-                    stats = [await w.get_window_stats(item, key) for w in window]
+                    stats = [w.get_window_stats(item, key) for w in window]
                     assert abs(stats[0].reset_time - stats[1].reset_time) < 1.0  # both stamp time.time()
                     answers.append((stats[0].remaining, stats[1].remaining))
                 case 3:
-                    answers.append(tuple([await c.hit(item, key, cost=cost) for c in counter]))
+                    answers.append((counter[0].hit(item, key, cost=cost), counter[1].hit(item, key, cost=cost)))
                 case _:
-                    answers.append(tuple([await c.test(item, key) for c in counter]))
+                    answers.append((counter[0].test(item, key), counter[1].test(item, key)))
         assert all(a == b for a, b in answers)
         assert {a for a, _ in answers} >= {True, False}  # both kinds of answer came up
-        if theirs.timer is not None:
-            theirs.timer.cancel()
-
-    asyncio.run(scenario())
+    finally:
+        theirs.timer.cancel()
 
 
 def test_a_redis_url_is_checked_and_excludes_a_state_file(tmp_path: Path) -> None:

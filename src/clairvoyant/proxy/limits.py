@@ -13,14 +13,14 @@ endpoints, the live page and pass-through paths are never refused for a tenant's
   Ollama's eval_count). A request is refused once the day's count has reached the limit (the one
   that crosses it is not cut short). Retry-After: until UTC midnight.
 
-The windows are the ``limits`` package's async strategies (a moving window a minute long, and a
-counter keyed by the tenant and the UTC date), over one of two storages:
+The windows are the ``limits`` package's strategies (a moving window a minute long, and a counter
+keyed by the tenant and the UTC date), over one of two storages:
 
-- in the process (the default): ``_LazyMemoryStorage``, where nothing suspends. The window's count
-  and the day's tokens survive a restart in a state file (``learner_state_path``'s stem +
-  ``.limits.json``) when the learner's state is kept; on restart the window's admissions are
-  counted again from the restart (the strategies stamp their own entries), so a tenant at its
-  limit may wait up to a minute longer, never less.
+- in the process (the default): ``_LazyMemoryStorage``, synchronous (the API is async in both
+  modes, but here nothing suspends). The window's count and the day's tokens survive a restart in
+  a state file (``learner_state_path``'s stem + ``.limits.json``) when the learner's state is
+  kept; on restart the window's admissions are counted again from the restart (the strategies
+  stamp their own entries), so a tenant at its limit may wait up to a minute longer, never less.
 - Redis (``redis_url``): every replica naming the same Redis and ``cluster`` shares the counts
   (``proxy/shared_limits.py``, loaded only then).
 
@@ -42,9 +42,9 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from limits import RateLimitItemPerSecond, aio
+from limits import RateLimitItemPerSecond, storage, strategies
 from limits.limits import safe_string
 from limits.util import WindowStats
 
@@ -83,7 +83,18 @@ class _TenantLimit(RateLimitItemPerSecond):
         return "/".join([self.namespace, *map(safe_string, identifiers)])
 
 
-class _LazyMemoryStorage(aio.storage.Storage, aio.storage.MovingWindowSupport):
+class _Windows(Protocol):
+    """A tenant's window and day counter, on one storage."""
+
+    async def hit(self, item: _TenantLimit, tenant: str, cost: int = 1) -> bool: ...
+    async def window(self, item: _TenantLimit, tenant: str) -> WindowStats: ...
+    async def under(self, item: _TenantLimit, tenant: str, day: str) -> bool: ...
+    async def add(self, item: _TenantLimit, tenant: str, day: str, amount: int) -> None: ...
+    async def count(self, item: _TenantLimit, tenant: str, day: str) -> int: ...
+    def entries(self) -> int: ...
+
+
+class _LazyMemoryStorage(storage.Storage, storage.MovingWindowSupport):
     """The package's storage interface (what its moving window and fixed window strategies call),
     in this process, expiring lazily. The package's own ``MemoryStorage`` starts a thread to expire
     entries after every 10 ms of use (its ``limits.aio`` twin hands each key to a thread after every
@@ -105,7 +116,7 @@ class _LazyMemoryStorage(aio.storage.Storage, aio.storage.MovingWindowSupport):
     def base_exceptions(self) -> type[Exception]:
         return ValueError  # nothing here fails
 
-    async def incr(self, key: str, expiry: int, amount: int = 1) -> int:
+    def incr(self, key: str, expiry: int, amount: int = 1) -> int:
         now_s = time.time()
         if self._expires_s.get(key, 0.0) <= now_s:
             self._drop_expired(now_s)
@@ -114,32 +125,32 @@ class _LazyMemoryStorage(aio.storage.Storage, aio.storage.MovingWindowSupport):
         count = self.counters[key] = self.counters[key] + amount
         return count
 
-    async def get(self, key: str) -> int:
+    def get(self, key: str) -> int:
         if self._expires_s.get(key, 0.0) <= time.time():
             return 0
         return self.counters[key]
 
-    async def get_expiry(self, key: str) -> float:
+    def get_expiry(self, key: str) -> float:
         return self._expires_s.get(key, time.time())
 
-    async def check(self) -> bool:
+    def check(self) -> bool:
         return True
 
-    async def reset(self) -> int | None:
+    def reset(self) -> int | None:
         count = len(self.counters) + len(self.windows)
         self.counters.clear()
         self._expires_s.clear()
         self.windows.clear()
         return count
 
-    async def clear(self, key: str) -> None:
+    def clear(self, key: str) -> None:
         self.counters.pop(key, None)
         self._expires_s.pop(key, None)
         self.windows.pop(key, None)
 
     def _drop_expired(self, now_s: float) -> None:
         for key in [k for k, expires_s in self._expires_s.items() if expires_s <= now_s]:
-            del self.counters[key], self._expires_s[key]
+            self.clear(key)
 
     def _window(self, key: str, expiry: int, now_s: float) -> deque[float]:
         window = self.windows.get(key)
@@ -149,7 +160,7 @@ class _LazyMemoryStorage(aio.storage.Storage, aio.storage.MovingWindowSupport):
             window.popleft()
         return window
 
-    async def acquire_entry(self, key: str, limit: int, expiry: int, amount: int = 1) -> bool:
+    def acquire_entry(self, key: str, limit: int, expiry: int, amount: int = 1) -> bool:
         now_s = time.time()
         window = self._window(key, expiry, now_s)
         if len(window) + amount > limit:
@@ -157,10 +168,40 @@ class _LazyMemoryStorage(aio.storage.Storage, aio.storage.MovingWindowSupport):
         window.extend([now_s] * amount)
         return True
 
-    async def get_moving_window(self, key: str, limit: int, expiry: int) -> tuple[float, int]:
+    def get_moving_window(self, key: str, limit: int, expiry: int) -> tuple[float, int]:
         now_s = time.time()
         window = self._window(key, expiry, now_s)
         return (window[0], len(window)) if window else (now_s, 0)
+
+
+class _InProcessWindows:
+    """The package's moving window and day counter, in this process. Synchronous: nothing here
+    waits, so the awaits below never suspend."""
+
+    def __init__(self, storage_: _LazyMemoryStorage | storage.MemoryStorage | None = None) -> None:
+        self.storage = _LazyMemoryStorage() if storage_ is None else storage_  # the package's: for the benchmark
+        self._window = strategies.MovingWindowRateLimiter(self.storage)
+        self._counter = strategies.FixedWindowRateLimiter(self.storage)
+
+    async def hit(self, item: _TenantLimit, tenant: str, cost: int = 1) -> bool:
+        return self._window.hit(item, tenant, cost=cost)
+
+    async def window(self, item: _TenantLimit, tenant: str) -> WindowStats:
+        return self._window.get_window_stats(item, tenant)
+
+    async def under(self, item: _TenantLimit, tenant: str, day: str) -> bool:
+        return self._counter.test(item, tenant, day)
+
+    async def add(self, item: _TenantLimit, tenant: str, day: str, amount: int) -> None:
+        self._counter.hit(item, tenant, day, cost=amount)
+
+    async def count(self, item: _TenantLimit, tenant: str, day: str) -> int:
+        return self.storage.get(item.key_for(tenant, day))
+
+    def entries(self) -> int:
+        if not isinstance(self.storage, _LazyMemoryStorage):
+            return 0
+        return sum(map(len, self.storage.windows.values())) + len(self.storage.counters)
 
 
 @dataclass
@@ -213,15 +254,13 @@ class TenantLimits:
         self._day = _utc_day(wall())
         self._day_starts_s = math.floor(wall() / DAY_S) * DAY_S  # wall seconds: UTC midnight, today
         self._shared: SharedCounts | None = None
-        counts: aio.storage.Storage = _LazyMemoryStorage()
-        if redis_url is not None:
+        self._windows: _Windows
+        if redis_url is None:
+            self._windows = _InProcessWindows()
+        else:
             from clairvoyant.proxy.shared_limits import SharedCounts  # redis-py: with replicas only
 
-            self._shared = SharedCounts(redis_url, cluster, self.replica)
-            counts = self._shared.storage
-        # The package's strategies: a moving window, and a fixed one a day long keyed by the date.
-        self._window = aio.strategies.MovingWindowRateLimiter(counts)
-        self._counter = aio.strategies.FixedWindowRateLimiter(counts)
+            self._windows = self._shared = SharedCounts(redis_url, cluster, self.replica)
 
     # -- life ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -308,7 +347,7 @@ class TenantLimits:
         shared = False
         if self._shared is None:
             _check_local_concurrency(tenant, limits, use, free_in_s)
-            under: bool | BaseException = limits.tokens_per_day is None or await self._counter.test(
+            under: bool | BaseException = limits.tokens_per_day is None or await self._windows.under(
                 items.tokens, tenant, day
             )
         else:
@@ -330,11 +369,11 @@ class TenantLimits:
                     f"tenant {tenant!r} has used its {limits.tokens_per_day} completion tokens for today (UTC)",
                     code="rate_limited", limit="tokens_per_day", retry_after_s=_seconds(midnight_s - wall_s),
                 )  # fmt: skip
-            admitted = await self._fail_open(self._window.hit(items.window, tenant), True)
+            admitted = await self._fail_open(self._windows.hit(items.window, tenant), True)
             if not admitted and limits.requests_per_minute is not None:
                 amount = items.window.amount
                 stats = await self._fail_open(
-                    self._window.get_window_stats(items.window, tenant), WindowStats(time.time() + self.window_s, 0)
+                    self._windows.window(items.window, tenant), WindowStats(time.time() + self.window_s, 0)
                 )
                 raise LimitExceeded(
                     f"tenant {tenant!r} has made {amount - stats.remaining} requests in the last {self.window_s} s,"
@@ -353,7 +392,7 @@ class TenantLimits:
         """Whether the day's tokens are under ``tokens_per_day`` (True when unset, or Redis failed)."""
         if limits.tokens_per_day is None:
             return True
-        return await self._fail_open(self._counter.test(items.tokens, tenant, day), True)
+        return await self._fail_open(self._windows.under(items.tokens, tenant, day), True)
 
     async def _admit_shared(self, tenant: str, limits: Limits, use: _Use, free_in_s: Callable[[], float]) -> bool:
         """``max_concurrent`` over every replica: True if counted in Redis, False if Redis failed
@@ -391,7 +430,7 @@ class TenantLimits:
             self._of(tenant).tokens_today += tokens
             return
         item = self._items_of(tenant, limits).tokens
-        await self._fail_open(self._counter.hit(item, tenant, day, cost=tokens), None)
+        await self._fail_open(self._windows.add(item, tenant, day, tokens), None)
 
     def reload(self, limits: Mapping[str, Limits]) -> None:
         """New limits (the keys were reloaded); the counts stay."""
@@ -400,7 +439,7 @@ class TenantLimits:
 
     def retained(self) -> dict[str, int]:
         """Entries held: tenants counted, and (in the process) the window's and the days' entries."""
-        return {"limit_tenants": len(self._use), "limit_window_entries": _entries(self._counter.storage)}
+        return {"limit_tenants": len(self._use), "limit_window_entries": self._windows.entries()}
 
     async def snapshot(self) -> dict[str, dict[str, Any]]:
         """Each tenant seen, or bounded: its limits and its use against them (for /queue). On Redis,
@@ -418,10 +457,10 @@ class TenantLimits:
 
     async def _shared_use(self, tenant: str, limits: Limits, day: str, use: _Use) -> dict[str, int]:
         items = self._items_of(tenant, limits)
-        stats = await self._window.get_window_stats(items.window, tenant)
+        stats = await self._windows.window(items.window, tenant)
         row = {
             "requests_last_minute": items.window.amount - stats.remaining,
-            "tokens_today": await self._counter.storage.get(items.tokens.key_for(tenant, day)),
+            "tokens_today": await self._windows.count(items.tokens, tenant, day),
         }
         if self._shared is not None:
             row["in_system"] = use.in_system - use.shared + await self._shared.in_system(tenant)
@@ -496,16 +535,9 @@ class TenantLimits:
                 limits = self.limits.get(tenant)
                 if limits is not None and admitted > 0:
                     item = self._items_of(tenant, limits).window
-                    await self._window.hit(item, tenant, cost=min(admitted, item.amount))
+                    await self._windows.hit(item, tenant, cost=min(admitted, item.amount))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             logger.warning("tenant limits: cannot read %s (%s); counting starts afresh", self.state_path, exc)
-
-
-def _entries(counts: aio.storage.Storage) -> int:
-    """The windows' and the days' entries held in the process (in Redis: none, they expire there)."""
-    if not isinstance(counts, _LazyMemoryStorage):
-        return 0
-    return sum(map(len, counts.windows.values())) + len(counts.counters)
 
 
 def _check_local_concurrency(tenant: str, limits: Limits, use: _Use, free_in_s: Callable[[], float]) -> None:

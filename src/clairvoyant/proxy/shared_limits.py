@@ -18,7 +18,8 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from limits import aio
+from limits import RateLimitItem, aio
+from limits.util import WindowStats
 from redis.exceptions import RedisError
 
 __all__ = ["SharedCounts"]
@@ -77,9 +78,8 @@ class _NotTried(RedisError):
 
 
 class SharedCounts:
-    """The tenants' counts in Redis under ``clairvoyant:<cluster>:limits``: ``storage`` for the
-    package's windows, and this replica's share of ``max_concurrent`` (``replica``: its field in
-    each tenant's hash)."""
+    """The tenants' windows, day counters and this replica's share of ``max_concurrent``, in Redis
+    under ``clairvoyant:<cluster>:limits``. ``replica``: this replica's field in each tenant's hash."""
 
     def __init__(self, url: str, cluster: str, replica: str) -> None:
         if not url.startswith(("redis://", "rediss://", "unix://")):
@@ -102,6 +102,8 @@ class SharedCounts:
             implementation="redispy", key_prefix=self._prefix,
             connection_pool=self._redis.connection_pool,  # type: ignore[arg-type]
         )  # fmt: skip
+        self._window = aio.strategies.MovingWindowRateLimiter(self.storage)
+        self._counter = aio.strategies.FixedWindowRateLimiter(self.storage)
 
     async def start(self) -> None:
         """Check that Redis answers (raises ``RedisError`` or ``OSError`` when it does not), and drop
@@ -111,6 +113,25 @@ class SharedCounts:
 
     async def aclose(self) -> None:
         await self._redis.aclose()
+
+    # -- the windows (``limits._Windows``) ------------------------------------------------------
+    async def hit(self, item: RateLimitItem, tenant: str, cost: int = 1) -> bool:
+        return await self._window.hit(item, tenant, cost=cost)
+
+    async def window(self, item: RateLimitItem, tenant: str) -> WindowStats:
+        return await self._window.get_window_stats(item, tenant)
+
+    async def under(self, item: RateLimitItem, tenant: str, day: str) -> bool:
+        return await self._counter.test(item, tenant, day)
+
+    async def add(self, item: RateLimitItem, tenant: str, day: str, amount: int) -> None:
+        await self._counter.hit(item, tenant, day, cost=amount)
+
+    async def count(self, item: RateLimitItem, tenant: str, day: str) -> int:
+        return await self.storage.get(item.key_for(tenant, day))
+
+    def entries(self) -> int:
+        return 0  # in Redis, expiring with their windows
 
     # -- this replica's share of max_concurrent --------------------------------------------------
     def _keys(self, tenant: str) -> list[str]:
