@@ -122,8 +122,8 @@ class _LazyMemoryStorage(storage.Storage, storage.MovingWindowSupport):
             self._drop_expired(now_s)
             self.counters[key] = 0
             self._expires_s[key] = now_s + expiry
-        count = self.counters[key] = self.counters[key] + amount
-        return count
+        self.counters[key] += amount
+        return self.counters[key]
 
     def get(self, key: str) -> int:
         if self._expires_s.get(key, 0.0) <= time.time():

@@ -73,10 +73,6 @@ return dropped
 """
 
 
-class _NotTried(RedisError):
-    """Redis was not called: it failed a moment ago."""
-
-
 class SharedCounts:
     """The tenants' windows, day counters and this replica's share of ``max_concurrent``, in Redis
     under ``clairvoyant:<cluster>:limits``. ``replica``: this replica's field in each tenant's hash."""
@@ -164,19 +160,16 @@ class SharedCounts:
         """``call``'s result, or ``fallback`` when Redis fails (the request is admitted on this
         replica's counts rather than refused for the store's fault). While a failure is recent,
         Redis is not tried: each request would otherwise wait for the timeout again."""
+        if self.degraded and time.monotonic() < self._retry_at_s:
+            call.close()  # never awaited
+            return fallback
         try:
-            if self.degraded and time.monotonic() < self._retry_at_s:
-                raise _NotTried("Redis failed less than a second ago")
             result = await call
         except (RedisError, OSError) as exc:
-            call.close()  # not awaited when Redis was skipped (a no-op once it ran)
-            if not isinstance(exc, _NotTried):
-                self._retry_at_s = time.monotonic() + REDIS_RETRY_S
-                if not self.degraded:
-                    logger.warning(
-                        "tenant limits: Redis failed (%s); counting on this replica only until it answers", exc
-                    )
-                    self.degraded = True
+            self._retry_at_s = time.monotonic() + REDIS_RETRY_S
+            if not self.degraded:
+                logger.warning("tenant limits: Redis failed (%s); counting on this replica only until it answers", exc)
+                self.degraded = True
             return fallback
         if self.degraded:
             logger.info("tenant limits: Redis answers again; counting across replicas")
