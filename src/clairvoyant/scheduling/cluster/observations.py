@@ -148,15 +148,14 @@ class _Outage:
 
 class _Publisher:
     """Queues this replica's observations (on the request path: O(1), no I/O) and writes them to
-    the stream from its own task, in batches, each entry with its session and sequence number."""
+    the stream from its own task, in batches. Each entry carries its ``session`` and a ``seq`` in it."""
 
     def __init__(
-        self, client: redis.Redis, key: str, replica: str, *, max_entries: int, max_pending: int, linger_s: float,
+        self, client: redis.Redis, key: str, *, max_entries: int, max_pending: int, linger_s: float,
         counts: ObservationCounts, outage: _Outage,
     ) -> None:  # fmt: skip
         self.client = client
         self.key = key
-        self.replica = replica
         self.session = secrets.token_hex(8)
         self.max_entries = max_entries
         self.linger_s = linger_s
@@ -164,10 +163,9 @@ class _Publisher:
         self.outage = outage
         self.pending: deque[Fields] = deque(maxlen=max_pending)
         self._wake = asyncio.Event()
-        self._seq = itertools.count(1)
+        self.seq = itertools.count(1)  # the next entry's sequence number in this session
 
-    def queue(self, kind: str, fields: Fields) -> None:
-        fields.update(kind=kind, replica=self.replica, session=self.session, seq=next(self._seq))
+    def queue(self, fields: Fields) -> None:
         if len(self.pending) == self.pending.maxlen:
             self.counts.dropped += 1  # the deque drops its oldest
         self.pending.append(fields)
@@ -330,7 +328,7 @@ class SharedObservations:
         options: dict[str, Any] = {"retry": Retry(NoBackoff(), 0), "socket_connect_timeout": TIMEOUT_S}
         writer = redis.Redis.from_url(url, socket_timeout=TIMEOUT_S, **options)
         self._publisher = _Publisher(
-            writer, stream_key(cluster), replica, max_entries=max_entries, max_pending=max_pending,
+            writer, stream_key(cluster), max_entries=max_entries, max_pending=max_pending,
             linger_s=linger_s, counts=self.counts, outage=self._outage,
         )  # fmt: skip
         reader = redis.Redis.from_url(
@@ -395,7 +393,12 @@ class SharedObservations:
     # -- publishing (on the request path: O(1), no I/O) ------------------------------------------
     def publish_service(self, observation: ServiceObservation) -> None:
         """The dispatcher's ``on_observed``: queue a service observation for the stream."""
+        publisher = self._publisher
         fields: Fields = {
+            "kind": "service",
+            "replica": self.replica,
+            "session": publisher.session,
+            "seq": next(publisher.seq),
             "model": observation.model or "",
             "backend": observation.backend,
             "prompt_tokens": observation.prompt_tokens,
@@ -405,13 +408,18 @@ class SharedObservations:
         }
         if observation.load_s is not None:
             fields["load_s"] = observation.load_s
-        self._publisher.queue("service", fields)
+        publisher.queue(fields)
 
     def publish_learner(self, prediction: Prediction, observed_tokens: int) -> None:
         """The usage recorder's ``on_observed``: queue what this replica's learner observed."""
         if self._learner is None:
             return
+        publisher = self._publisher
         fields: Fields = {
+            "kind": "learner",
+            "replica": self.replica,
+            "session": publisher.session,
+            "seq": next(publisher.seq),
             "identity": self._learner.identity,
             "model": prediction.model or "",
             "prior_log_tokens": prediction.prior_log_tokens,
@@ -421,7 +429,7 @@ class SharedObservations:
         }
         if prediction.cap_tokens is not None:
             fields["cap_tokens"] = prediction.cap_tokens
-        self._publisher.queue("learner", fields)
+        publisher.queue(fields)
 
     # -- applying the other replicas' -------------------------------------------------------------
     def _apply(self, fields: dict[bytes, bytes]) -> None:
