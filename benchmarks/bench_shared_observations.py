@@ -92,12 +92,12 @@ async def _run_b(url: str, cluster: str, expected: int, linger_s: float, ready: 
 
     b = SharedObservations(url, cluster=cluster, replica="b", service_time=TimedModel(), linger_s=linger_s)
     b.start()
-    while b._last_id in (None, b"$"):  # standing at the stream's end
+    while b._reader.last_id in (None, b"$"):  # standing at the stream's end
         await asyncio.sleep(0.005)
     ready.set()
     cpu_s = time.process_time()
     deadline = time.monotonic() + 600.0
-    while b.applied < expected and time.monotonic() < deadline:
+    while b.counts.applied < expected and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
     cpu_s = time.process_time() - cpu_s
     await b.stop()
@@ -119,7 +119,7 @@ async def _paced(
         if shared is not None:
             published_at.append(time.monotonic())
             shared.publish_service(seen)
-    while shared is not None and shared.published < len(observations):  # until the last is written
+    while shared is not None and shared.counts.published < len(observations):  # until the last is written
         await asyncio.sleep(0.001)
     return time.process_time() - cpu_s, published_at
 
@@ -155,13 +155,13 @@ async def _catch_up_per_s(url: str, cluster: str, entries: int) -> float:
     for chunk in range(0, entries, 1000):  # (within what may wait to be published)
         for seen in backlog[chunk : chunk + 1000]:
             a.publish_service(seen)
-        while a.published < min(chunk + 1000, entries):
+        while a.counts.published < min(chunk + 1000, entries):
             await asyncio.sleep(0.005)
     await a.stop()
     late = SharedObservations(url, cluster=cluster, replica="late", service_time=ServiceTimeModel(), catch_up=True)
     start_s = time.monotonic()
     late.start()
-    while late.applied < entries:
+    while late.counts.applied < entries:
         await asyncio.sleep(0.005)
     elapsed_s = time.monotonic() - start_s
     await late.stop()
@@ -186,7 +186,7 @@ async def _run(url: str, requests: int, rate: float, linger_s: float, catch_up: 
         child.start()
         a = SharedObservations(url, cluster=cluster, replica="a", service_time=ServiceTimeModel(), linger_s=linger_s)
         a.start()
-        while a._last_id in (None, b"$") or not ready.is_set():
+        while a._reader.last_id in (None, b"$") or not ready.is_set():
             await asyncio.sleep(0.005)
         shared_cpu_s, published_at = await _paced(observations, rate, a)
         await a.stop()

@@ -82,7 +82,7 @@ async def started(*replicas: SharedObservations) -> None:
     takes only what is published after it started)."""
     for r in replicas:
         r.start()
-    await until(lambda: all(r._last_id not in (None, b"$") for r in replicas), what="the readers to stand")
+    await until(lambda: all(r._reader.last_id not in (None, b"$") for r in replicas), what="the readers to stand")
 
 
 def test_a_replica_converges_to_the_same_fit_as_the_one_that_served(redis_server: RedisServer) -> None:
@@ -118,13 +118,13 @@ def test_a_replica_converges_to_the_same_fit_as_the_one_that_served(redis_server
             async with dispatcher.lease(ticket) as lease:
                 clock.advance((0.2 + 0.0005 * prompt_tokens + 0.025 * output_tokens) * rng.uniform(0.8, 1.25))
                 lease.completed = True
-        await until(lambda: b.applied == 300, what="B to apply A's 300 observations")
+        await until(lambda: b.counts.applied == 300, what="B to apply A's 300 observations")
         fit_a, fit_b = a.service_time.coefficients("m"), b.service_time.coefficients("m")
         assert fit_a["observations"] == fit_b["observations"] == 300
         for name in ("c0_s", "c_prompt_s", "c_decode_s", "outlier_factor"):
             assert fit_b[name] == pytest.approx(fit_a[name], rel=1e-12), name
         assert fit_b["c_decode_s"] == pytest.approx(0.025, rel=0.1)  # and it is the backend's cost
-        assert a.applied == 0  # A skipped its own
+        assert a.counts.applied == 0  # A skipped its own
         await dispatcher.stop()
         await a.stop()
         await b.stop()
@@ -147,10 +147,15 @@ def test_each_replica_learns_every_answer_once_and_skips_its_own(redis_server: R
         rng = random.Random(11)
         for i in range(120):
             server_replica, other = (a, b) if i % 3 else (b, a)
-            expected = other.applied + 1
+            expected = other.counts.applied + 1
             learn_here(server_replica, observation(rng))
-            await until(lambda r=other, n=expected: r.applied == n, what=f"observation {i} to reach the other replica")
-        assert (a.applied, b.applied) == (40, 80)  # B served the 40 of i % 3 == 0; each applied the other's only
+            await until(
+                lambda r=other, n=expected: r.counts.applied == n, what=f"observation {i} to reach the other replica"
+            )
+        assert (a.counts.applied, b.counts.applied) == (
+            40,
+            80,
+        )  # B served the 40 of i % 3 == 0; each applied the other's only
         fit_a, fit_b = a.service_time.coefficients("m"), b.service_time.coefficients("m")
         assert fit_a["observations"] == fit_b["observations"] == 120
         for name in ("c0_s", "c_prompt_s", "c_decode_s"):
@@ -170,7 +175,7 @@ def test_loads_and_backend_slowness_reach_the_other_replica(redis_server: RedisS
         await started(a, b)
         a.publish_service(ServiceObservation("big", "gpu", 100, 50, 2.0, 1.0, load_s=12.0))
         a.publish_service(ServiceObservation(None, "gpu", 100, 50, -1.0, 1.0, load_s=30.0))  # all load: no service
-        await until(lambda: b.applied == 2, what="B to apply both")
+        await until(lambda: b.counts.applied == 2, what="B to apply both")
         reference = ServiceTimeModel()
         reference.observe_load("gpu", "big", 12.0)
         reference.observe_load("gpu", None, 30.0)
@@ -211,7 +216,7 @@ def test_the_learner_feed_gets_the_other_replicas_observations_without_the_embed
         sent = [(learner_prediction(rng), rng.randint(0, 900)) for _ in range(20)]
         for prediction, tokens in sent:
             a.publish_learner(prediction, tokens)
-        await until(lambda: len(fed["b"]) == 20 and other.foreign == 20, what="B to be fed and C to skip")
+        await until(lambda: len(fed["b"]) == 20 and other.counts.foreign == 20, what="B to be fed and C to skip")
         assert fed["a"] == [] and fed["c"] == []
         for (got, got_tokens), (prediction, tokens) in zip(fed["b"], sent, strict=True):
             assert got_tokens == tokens
@@ -246,7 +251,7 @@ def test_no_prompt_text_reaches_redis(redis_server: RedisServer) -> None:
         await started(a, b)
         a.publish_learner(prediction, 321)
         a.publish_service(ServiceObservation("smollm2", "gpu", 17, round(prediction.predicted_tokens), 1.5, 1.2))
-        await until(lambda: b.applied == 2, what="B to apply both")
+        await until(lambda: b.counts.applied == 2, what="B to apply both")
         assert fed == [321]
         await a.stop()
         await b.stop()
@@ -281,16 +286,16 @@ def test_a_redis_restart_neither_raises_nor_stops_the_sharing(
         rng = random.Random(5)
         for _ in range(30):
             learn_here(a, observation(rng))
-        await until(lambda: b.applied == 30, what="B to apply the first 30")
+        await until(lambda: b.counts.applied == 30, what="B to apply the first 30")
         server.stop()
         for _ in range(10):
             learn_here(a, observation(rng))  # never raises: they wait for Redis
-        await until(lambda: {"publish", "read"} <= a._lost, what="A to find Redis away")
+        await until(lambda: {"publish", "read"} <= a._outage.lost, what="A to find Redis away")
         server.start()
-        await until(lambda: b.applied == 40, 10.0, what="B to apply what A kept while Redis was away")
+        await until(lambda: b.counts.applied == 40, 10.0, what="B to apply what A kept while Redis was away")
         for _ in range(10):
             learn_here(a, observation(rng))
-        await until(lambda: b.applied == 50, what="B to apply what A published after")
+        await until(lambda: b.counts.applied == 50, what="B to apply what A published after")
         fit_a, fit_b = a.service_time.coefficients("m"), b.service_time.coefficients("m")
         for name in ("c0_s", "c_prompt_s", "c_decode_s"):
             assert fit_b[name] == pytest.approx(fit_a[name], rel=1e-12), name
@@ -314,25 +319,25 @@ def test_a_reader_goes_on_from_the_end_past_trimmed_entries_and_from_the_start_o
         a.start()
         rng = random.Random(9)
         learn_here(a, observation(rng))
-        await until(lambda: a.published == 1, what="the first entry")
+        await until(lambda: a.counts.published == 1, what="the first entry")
         client = redis.Redis(port=server.port)
         first = client.xrange(stream_key(cluster))[0][0]
-        b._last_id = first  # B read the first entry, then (say) stalled
-        assert await b._resume_from() == first  # nothing after it is gone yet
+        b._reader.last_id = first  # B read the first entry, then (say) stalled
+        assert await b._reader.resume_from() == first  # nothing after it is gone yet
         for _ in range(40):
             learn_here(a, observation(rng))
-        await until(lambda: a.published == 41, what="the rest")
+        await until(lambda: a.counts.published == 41, what="the rest")
         assert client.xlen(stream_key(cluster)) < 41  # trimmed
         end = client.xinfo_stream(stream_key(cluster))["last-generated-id"]
-        assert await b._resume_from() == end and b.skipped == 1
+        assert await b._reader.resume_from() == end and b.counts.skipped == 1
         await a.stop()
         server.stop()  # started again empty, and written to before B's reader is back
         server.start()
         client.xadd(stream_key(cluster), {"kind": "service", "session": "s", "seq": 1})
         try:
-            resumed = await b._resume_from()
+            resumed = await b._reader.resume_from()
         except redis.ConnectionError:  # B's connection to the old server, found closed: the next call reconnects
-            resumed = await b._resume_from()
+            resumed = await b._reader.resume_from()
         assert resumed == b"0-0"  # everything the new stream holds is new
         client.close()
         await b.stop()
@@ -348,8 +353,8 @@ def test_publishing_is_bounded_while_redis_is_away(tmp_path: Path) -> None:
         rng = random.Random(1)
         for _ in range(100):
             learn_here(a, observation(rng))  # never raises
-        await until(lambda: "publish" in a._lost, what="A to find no Redis")
-        assert len(a._pending) == 16 and a.dropped == 84 and a.published == 0
+        await until(lambda: "publish" in a._outage.lost, what="A to find no Redis")
+        assert len(a._publisher.pending) == 16 and a.counts.dropped == 84 and a.counts.published == 0
         assert a.service_time.coefficients("m")["observations"] == 100  # serving learned all the same
         await a.stop()
 
@@ -369,8 +374,8 @@ def test_an_entry_sent_twice_is_applied_once(redis_server: RedisServer) -> None:
         entry |= {"output_tokens": 20, "service_s": 1.0, "predicted_s": 1.0, "session": "s1"}
         for seq in (1, 2, 2, 1, 3):
             client.xadd(stream_key(cluster), {**entry, "seq": seq})
-        await until(lambda: b.applied + b.repeated == 5, what="B to read all five")
-        assert (b.applied, b.repeated) == (3, 2)
+        await until(lambda: b.counts.applied + b.counts.repeated == 5, what="B to read all five")
+        assert (b.counts.applied, b.counts.repeated) == (3, 2)
         assert b.service_time.coefficients("m")["observations"] == 3
         client.close()
         await b.stop()
@@ -389,13 +394,13 @@ def test_a_replica_that_catches_up_applies_what_the_stream_holds(redis_server: R
         rng = random.Random(2)
         for _ in range(5):
             learn_here(a, observation(rng))
-        await until(lambda: a.published == 5, what="A's first five")
+        await until(lambda: a.counts.published == 5, what="A's first five")
         fresh = replica(server, "fresh", cluster, catch_up=True)
         known = replica(server, "known", cluster)
         await started(fresh, known)
-        await until(lambda: fresh.applied == 5, what="the fresh replica to catch up")
+        await until(lambda: fresh.counts.applied == 5, what="the fresh replica to catch up")
         learn_here(a, observation(rng))
-        await until(lambda: fresh.applied == 6 and known.applied == 1, what="both to apply the sixth")
+        await until(lambda: fresh.counts.applied == 6 and known.counts.applied == 1, what="both to apply the sixth")
 
     run(scenario(redis_server))
 
@@ -410,23 +415,23 @@ def test_a_stalled_redis_delays_the_sharing_and_nothing_is_applied_twice(redis_s
         await started(a, b)
         rng = random.Random(4)
         learn_here(a, observation(rng))  # A's writer holds a connection: the next write is sent, unanswered
-        await until(lambda: b.applied == 1, what="B to apply the first")
+        await until(lambda: b.counts.applied == 1, what="B to apply the first")
         server.pause()
         try:
             for _ in range(4):
                 learn_here(a, observation(rng))  # never blocks nor raises
-            await until(lambda: "publish" in a._lost, 10.0, what="A's write to time out")
+            await until(lambda: "publish" in a._outage.lost, 10.0, what="A's write to time out")
         finally:
             server.resume()
-        await until(lambda: a.published == 5, 10.0, what="A to write them again")
-        await until(lambda: b.applied == 5, 10.0, what="B to apply them")
+        await until(lambda: a.counts.published == 5, 10.0, what="A to write them again")
+        await until(lambda: b.counts.applied == 5, 10.0, what="B to apply them")
         learn_here(a, observation(rng))  # the last, after any copy: once it is in, every copy was read
-        await until(lambda: b.applied == 6, 10.0, what="B to apply the sixth")
+        await until(lambda: b.counts.applied == 6, 10.0, what="B to apply the sixth")
         assert b.service_time.coefficients("m")["observations"] == 6
         client = redis.Redis(port=server.port)
         copies = len(client.xrange(stream_key(cluster))) - 6
         client.close()
         assert copies > 0  # Redis, resumed, ran the write that had timed out
-        assert b.repeated == copies  # each copy read, and skipped
+        assert b.counts.repeated == copies  # each copy read, and skipped
 
     run(scenario(redis_server))

@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import calendar
 import json
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -143,7 +146,7 @@ def test_the_in_process_storage_answers_as_the_packages_memory_storage() -> None
     try:
         window = [MovingWindowRateLimiter(s) for s in (theirs, ours)]
         counter = [FixedWindowRateLimiter(s) for s in (theirs, ours)]
-        answers: list[tuple[object, object]] = []
+        answers: list[tuple[object, ...]] = []
         for _ in range(2_000):
             item = RateLimitItemPerMinute(rng.randint(1, 30))
             key, cost = rng.choice("abc"), rng.choice([1, 1, 1, 2, 5, 40])
@@ -189,3 +192,22 @@ def test_the_in_process_counts_start_no_thread() -> None:
 
     asyncio.run(scenario())
     assert {t.ident for t in threading.enumerate()} <= before
+
+
+@pytest.mark.parametrize("redis_url", [None, "redis://127.0.0.1:1"])
+def test_redis_py_is_loaded_only_with_a_redis_url(redis_url: str | None) -> None:
+    # Loading redis-py costs a proxy's start-up time (about 0.4 s); one without replicas never needs it.
+    script = f"""
+import asyncio, sys
+import clairvoyant.proxy.app
+from clairvoyant.config import Limits
+from clairvoyant.proxy.limits import TenantLimits
+
+limits = TenantLimits({{"a": Limits(max_concurrent=1)}}, redis_url={redis_url!r})
+if {redis_url!r} is None:
+    asyncio.run(limits.start())
+print("redis" in sys.modules)
+"""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    assert done.stdout.strip() == str(redis_url is not None)

@@ -310,9 +310,10 @@ def test_a_cluster_name_keeps_two_deployments_apart(redis_server: RedisServer) -
     bounds = {"a": Limits(max_concurrent=1, requests_per_minute=1)}
 
     async def scenario() -> None:
-        first = TenantLimits(bounds, redis_url=redis_server.url, cluster="blue-" + uuid.uuid4().hex[:6])
+        blue = "blue-" + uuid.uuid4().hex[:6]
+        first = TenantLimits(bounds, redis_url=redis_server.url, cluster=blue)
         second = TenantLimits(bounds, redis_url=redis_server.url, cluster="green-" + uuid.uuid4().hex[:6])
-        same = TenantLimits(bounds, redis_url=redis_server.url, cluster=first.cluster)
+        same = TenantLimits(bounds, redis_url=redis_server.url, cluster=blue)
         try:
             for limits in (first, second, same):
                 await limits.start()

@@ -16,22 +16,13 @@ endpoints, the live page and pass-through paths are never refused for a tenant's
 The windows are the ``limits`` package's strategies (a moving window a minute long, and a counter
 keyed by the tenant and the UTC date), over one of two storages:
 
-- in the process (the default): a storage of the package's interface that expires lazily
-  (``_LazyMemoryStorage``: the package's ``MemoryStorage`` runs a thread every 10 ms of use). The
-  window's count and the day's tokens survive a restart in a state file (``learner_state_path``'s
-  stem + ``.limits.json``) when the learner's state is kept; on restart the window's admissions
-  are counted again from the restart (the strategies stamp their own entries), so a tenant at its
-  limit may wait up to a minute longer, never less.
-- Redis (``redis_url``): every replica naming the same Redis and ``cluster`` shares the counts.
-  The windows are the package's Redis scripts; ``max_concurrent`` is a hash per tenant with one
-  field per replica, checked and changed by one script (so concurrent admissions on different
-  replicas never pass the limit together), whose fields a replica's death can drop
-  (``drop_replica``). Keys expire with their windows, and carry ``cluster`` and the tenant's name:
-  only tenants with limits, which the configuration names, are counted there (so no name is
-  hashed: a header value without a ``[[tenants]]`` entry never leaves the process). If Redis
-  fails, requests are admitted on this replica's counts (``degraded``) until it answers again.
-
-The API is async in both modes (Redis must not block the loop); in the process nothing suspends.
+- in the process (the default): ``_LazyMemoryStorage``, synchronous (the API is async in both
+  modes, but here nothing suspends). The window's count and the day's tokens survive a restart in
+  a state file (``learner_state_path``'s stem + ``.limits.json``) when the learner's state is
+  kept; on restart the window's admissions are counted again from the restart (the strategies
+  stamp their own entries), so a tenant at its limit may wait up to a minute longer, never less.
+- Redis (``redis_url``): every replica naming the same Redis and ``cluster`` shares the counts
+  (``proxy/shared_limits.py``, loaded only then).
 
 Counts are kept by tenant name, so they survive a reload of the keys too. A tenant header can
 name any tenant: tenants without limits are counted in this process only, and of those only the
@@ -51,17 +42,18 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-import redis.asyncio as aioredis
-from limits import RateLimitItemPerSecond, aio, storage, strategies
+from limits import RateLimitItemPerSecond, storage, strategies
 from limits.limits import safe_string
 from limits.util import WindowStats
-from redis.exceptions import RedisError
 
 from clairvoyant.config import Limits
 from clairvoyant.errors import LimitExceeded
 from clairvoyant.state_file import atomic_writer
+
+if TYPE_CHECKING:
+    from clairvoyant.proxy.shared_limits import SharedCounts
 
 __all__ = ["TenantLimits"]
 
@@ -73,55 +65,8 @@ MAX_UNLIMITED_TENANTS = 1024  # tenants without limits whose counts are kept, at
 # A tenant with limits but no requests_per_minute: its last minute is still counted (for /queue),
 # up to this many entries.
 UNBOUNDED_WINDOW_COUNT = 10_000
-REDIS_TIMEOUT_S = 1.0  # a Redis call slower than this fails, and the request is admitted on local counts
-REDIS_RETRY_S = 1.0  # after a failure, Redis is tried again this long after (requests meanwhile count locally)
 
 _T = TypeVar("_T")
-
-# One replica's requests of one tenant, in that tenant's hash (replica -> requests), written only
-# if the sum over every replica stays within the limit (-1: none).
-# KEYS: the tenant's hash, the replica's set of tenants; ARGV: replica, its new count, limit, tenant.
-_ADMIT_LUA = """
-local others = 0
-local fields = redis.call('HGETALL', KEYS[1])
-for i = 1, #fields, 2 do
-  if fields[i] ~= ARGV[1] then others = others + tonumber(fields[i + 1]) end
-end
-local mine = tonumber(ARGV[2])
-local limit = tonumber(ARGV[3])
-if limit >= 0 and others + mine > limit then
-  return {0, others + tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or 0)}
-end
-redis.call('HSET', KEYS[1], ARGV[1], mine)
-redis.call('SADD', KEYS[2], ARGV[4])
-return {1, others + mine}
-"""
-# The replica's count as it is now (after a release, or again after Redis lost its state).
-_PUT_LUA = """
-if tonumber(ARGV[2]) > 0 then
-  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-  redis.call('SADD', KEYS[2], ARGV[3])
-else
-  redis.call('HDEL', KEYS[1], ARGV[1])
-  redis.call('SREM', KEYS[2], ARGV[3])
-end
-return 1
-"""
-# Every count of one replica (gone): KEYS: its set of tenants; ARGV: replica, the hashes' key prefix.
-_DROP_LUA = """
-local dropped = 0
-for _, tenant in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local key = ARGV[2] .. tenant
-  dropped = dropped + tonumber(redis.call('HGET', key, ARGV[1]) or 0)
-  redis.call('HDEL', key, ARGV[1])
-end
-redis.call('DEL', KEYS[1])
-return dropped
-"""
-
-
-class _NotTried(RedisError):
-    """Redis was not called: it failed a moment ago."""
 
 
 def _utc_day(wall_s: float) -> str:
@@ -177,8 +122,8 @@ class _LazyMemoryStorage(storage.Storage, storage.MovingWindowSupport):
             self._drop_expired(now_s)
             self.counters[key] = 0
             self._expires_s[key] = now_s + expiry
-        count = self.counters[key] = self.counters[key] + amount
-        return count
+        self.counters[key] += amount
+        return self.counters[key]
 
     def get(self, key: str) -> int:
         if self._expires_s.get(key, 0.0) <= time.time():
@@ -259,38 +204,6 @@ class _InProcessWindows:
         return sum(map(len, self.storage.windows.values())) + len(self.storage.counters)
 
 
-class _RedisWindows:
-    """The same strategies on Redis, through ``limits.aio`` and redis-py's asyncio client."""
-
-    def __init__(self, client: aioredis.Redis, url: str, prefix: str) -> None:
-        # One pool for the package's scripts and ours (its docs name ``connection_pool``; its
-        # annotation of ``**options`` does not).
-        self.redis = aio.storage.RedisStorage(
-            f"async+{url}", implementation="redispy", key_prefix=prefix,
-            connection_pool=client.connection_pool,  # type: ignore[arg-type]
-        )  # fmt: skip
-        self._aio_window = aio.strategies.MovingWindowRateLimiter(self.redis)
-        self._aio_counter = aio.strategies.FixedWindowRateLimiter(self.redis)
-
-    async def hit(self, item: _TenantLimit, tenant: str, cost: int = 1) -> bool:
-        return await self._aio_window.hit(item, tenant, cost=cost)
-
-    async def window(self, item: _TenantLimit, tenant: str) -> WindowStats:
-        return await self._aio_window.get_window_stats(item, tenant)
-
-    async def under(self, item: _TenantLimit, tenant: str, day: str) -> bool:
-        return await self._aio_counter.test(item, tenant, day)
-
-    async def add(self, item: _TenantLimit, tenant: str, day: str, amount: int) -> None:
-        await self._aio_counter.hit(item, tenant, day, cost=amount)
-
-    async def count(self, item: _TenantLimit, tenant: str, day: str) -> int:
-        return await self.redis.get(item.key_for(tenant, day))
-
-    def entries(self) -> int:
-        return 0  # in Redis, expiring with their windows
-
-
 @dataclass
 class _Use:
     in_system: int = 0  # this replica's requests in flight plus waiting (and being admitted)
@@ -329,55 +242,44 @@ class TenantLimits:
         replica: str | None = None,
         window_s: int = WINDOW_S,
     ) -> None:
-        if redis_url is not None and not redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"a Redis URL starts with redis://, rediss:// or unix://, not {redis_url.split(':')[0]!r}")
         if redis_url is not None and state_path is not None:
             raise ValueError("a state file keeps the in-process counts; with Redis the counts live there")
         self.limits = dict(limits)
         self.state_path = state_path
-        self.redis_url = redis_url
-        self.cluster = cluster
         self.replica = replica or uuid.uuid4().hex[:12]
         self.window_s = window_s
-        self.degraded = False  # Redis failed on the last call: counting on this replica only
-        self._retry_at_s = 0.0  # monotonic seconds: while degraded, Redis is not tried before then
         self._wall = wall
         self._use: dict[str, _Use] = {}
         self._items: dict[str, _Items] = {}
         self._day = _utc_day(wall())
         self._day_starts_s = math.floor(wall() / DAY_S) * DAY_S  # wall seconds: UTC midnight, today
-        self._redis: aioredis.Redis | None = None
+        self._shared: SharedCounts | None = None
         self._windows: _Windows
         if redis_url is None:
             self._windows = _InProcessWindows()
         else:
-            self._redis = aioredis.Redis.from_url(
-                redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
-            )
-            self._prefix = f"clairvoyant:{cluster}:limits"
-            self._admit_script = self._redis.register_script(_ADMIT_LUA)
-            self._put_script = self._redis.register_script(_PUT_LUA)
-            self._drop_script = self._redis.register_script(_DROP_LUA)
-            # The package names a socket's scheme its own way; it only parses the URL (the pool is ours).
-            package_url = (
-                "redis+unix://" + redis_url.removeprefix("unix://") if redis_url.startswith("unix://") else redis_url
-            )
-            self._windows = _RedisWindows(self._redis, package_url, self._prefix)
+            from clairvoyant.proxy.shared_limits import SharedCounts  # redis-py: with replicas only
+
+            self._windows = self._shared = SharedCounts(redis_url, cluster, self.replica)
 
     # -- life ---------------------------------------------------------------------------------
     async def start(self) -> None:
-        """In the process: restore the state file. On Redis: check that it answers (raises
-        ``RedisError`` or ``OSError`` when it does not), and drop this replica's counts left by an
-        earlier run under the same id."""
-        if self._redis is None:
-            await self.load()
-            return
-        await self._redis.ping()
-        await self.drop_replica(self.replica)
+        """In the process: restore the state file. On Redis: ``SharedCounts.start``."""
+        await (self.load() if self._shared is None else self._shared.start())
 
     async def aclose(self) -> None:
-        if self._redis is not None:
-            await self._redis.aclose()
+        if self._shared is not None:
+            await self._shared.aclose()
+
+    @property
+    def degraded(self) -> bool:
+        """Redis failed on the last call: counting on this replica only."""
+        return self._shared is not None and self._shared.degraded
+
+    @degraded.setter
+    def degraded(self, value: bool) -> None:
+        if self._shared is not None:
+            self._shared.degraded = value
 
     # -- the counts ---------------------------------------------------------------------------
     def _of(self, tenant: str) -> _Use:
@@ -403,11 +305,9 @@ class TenantLimits:
         wall_s = self._wall()
         if not self._day_starts_s <= wall_s < self._day_starts_s + DAY_S:
             self._day_starts_s = math.floor(wall_s / DAY_S) * DAY_S
-            day = _utc_day(wall_s)
-            if day != self._day:
-                self._day = day
-                for use in self._use.values():
-                    use.tokens_today = 0
+            self._day = _utc_day(wall_s)
+            for use in self._use.values():
+                use.tokens_today = 0
         return self._day
 
     def _items_of(self, tenant: str, limits: Limits) -> _Items:
@@ -445,10 +345,8 @@ class TenantLimits:
         items = self._items_of(tenant, limits)
         day = self._roll()
         shared = False
-        if self._redis is None:
-            in_system = use.in_system - 1
-            if limits.max_concurrent is not None and in_system >= limits.max_concurrent:
-                raise _concurrency_limited(tenant, in_system, free_in_s)
+        if self._shared is None:
+            _check_local_concurrency(tenant, limits, use, free_in_s)
             under: bool | BaseException = limits.tokens_per_day is None or await self._windows.under(
                 items.tokens, tenant, day
             )
@@ -499,25 +397,17 @@ class TenantLimits:
     async def _admit_shared(self, tenant: str, limits: Limits, use: _Use, free_in_s: Callable[[], float]) -> bool:
         """``max_concurrent`` over every replica: True if counted in Redis, False if Redis failed
         (then this replica's own count is checked against the limit)."""
-        assert self._redis is not None
+        assert self._shared is not None
         limit = -1 if limits.max_concurrent is None else limits.max_concurrent
-        try:
-            self._check_usable()
-            async with use.lock:
-                admitted, in_system = await self._admit_script(
-                    keys=self._shared_keys(tenant), args=[self.replica, use.shared + 1, limit, tenant]
-                )
-                if admitted:
-                    use.shared += 1
-            self._recovered()
-        except (RedisError, OSError) as exc:
-            self._failed(exc)
-            in_system = use.in_system - 1
-            if limits.max_concurrent is not None and in_system >= limits.max_concurrent:
-                raise _concurrency_limited(tenant, in_system, free_in_s) from None
+        async with use.lock:
+            reply = await self._shared.admit(tenant, use.shared + 1, limit)
+            if reply is not None and reply[0]:
+                use.shared += 1
+        if reply is None:
+            _check_local_concurrency(tenant, limits, use, free_in_s)
             return False
-        if not admitted:
-            raise _concurrency_limited(tenant, int(in_system), free_in_s)
+        if not reply[0]:
+            raise _concurrency_limited(tenant, reply[1], free_in_s)
         return True
 
     async def release(self, tenant: str) -> None:
@@ -572,29 +462,16 @@ class TenantLimits:
             "requests_last_minute": items.window.amount - stats.remaining,
             "tokens_today": await self._windows.count(items.tokens, tenant, day),
         }
-        if self._redis is not None:
-            in_system = await self._redis.hvals(self._shared_keys(tenant)[0])
-            row["in_system"] = use.in_system - use.shared + sum(int(n) for n in in_system)
+        if self._shared is not None:
+            row["in_system"] = use.in_system - use.shared + await self._shared.in_system(tenant)
         return row
-
-    # -- Redis: this replica's share of max_concurrent ------------------------------------------
-    def _shared_keys(self, tenant: str) -> list[str]:
-        return [f"{self._prefix}:concurrent:{tenant}", f"{self._prefix}:replica:{self.replica}"]
 
     async def _put(self, tenant: str, use: _Use) -> None:
         """Write this replica's count of ``tenant`` as it is now; a failure is logged (the next
         write, or ``resync``, puts it right)."""
-        if self._redis is None:
-            return
-        try:
-            self._check_usable()
+        if self._shared is not None:
             async with use.lock:
-                await self._put_script(keys=self._shared_keys(tenant), args=[self.replica, max(0, use.shared), tenant])
-            use.unwritten = False
-            self._recovered()
-        except (RedisError, OSError) as exc:
-            use.unwritten = True
-            self._failed(exc)
+                use.unwritten = not await self._shared.put(tenant, max(0, use.shared))
 
     async def resync(self) -> None:
         """Write every count of this replica again (after failed writes, or Redis losing its state):
@@ -606,49 +483,13 @@ class TenantLimits:
     async def drop_replica(self, replica: str) -> int:
         """Drop a replica's concurrency counts (it is gone: it will never release them). Returns
         the requests dropped. Raises ``RedisError`` or ``OSError``; nothing in the process mode."""
-        if self._redis is None:
-            return 0
-        dropped = await self._drop_script(
-            keys=[f"{self._prefix}:replica:{replica}"], args=[replica, f"{self._prefix}:concurrent:"]
-        )
-        return int(dropped)
+        return 0 if self._shared is None else await self._shared.drop_replica(replica)
 
     def _fail_open(self, call: Coroutine[Any, Any, _T], fallback: _T) -> Awaitable[_T]:
-        """``call``'s result, or ``fallback`` when Redis fails (the request is admitted on this
-        replica's counts rather than refused for the store's fault)."""
-        if self._redis is None:
+        """``call``'s result, or ``fallback`` when Redis fails (``SharedCounts.fail_open``)."""
+        if self._shared is None:
             return call  # nothing to fail: no coroutine around it (a few µs a request)
-        return self._redis_or(call, fallback)
-
-    async def _redis_or(self, call: Coroutine[Any, Any, _T], fallback: _T) -> _T:
-        try:
-            self._check_usable()
-            result = await call
-        except (RedisError, OSError) as exc:
-            call.close()  # not awaited when Redis was skipped (a no-op once it ran)
-            self._failed(exc)
-            return fallback
-        self._recovered()
-        return result
-
-    def _check_usable(self) -> None:
-        """Raise ``RedisError`` while a failure is recent: each request would otherwise wait for
-        the timeout again."""
-        if self.degraded and time.monotonic() < self._retry_at_s:
-            raise _NotTried("Redis failed less than a second ago")
-
-    def _failed(self, exc: BaseException) -> None:
-        if isinstance(exc, _NotTried):
-            return
-        self._retry_at_s = time.monotonic() + REDIS_RETRY_S
-        if not self.degraded:
-            logger.warning("tenant limits: Redis failed (%s); counting on this replica only until it answers", exc)
-            self.degraded = True
-
-    def _recovered(self) -> None:
-        if self.degraded:
-            logger.info("tenant limits: Redis answers again; counting across replicas")
-            self.degraded = False
+        return self._shared.fail_open(call, fallback)
 
     # -- the state file (in the process) ---------------------------------------------------------
     async def state(self) -> dict[str, Any]:
@@ -697,6 +538,13 @@ class TenantLimits:
                     await self._windows.hit(item, tenant, cost=min(admitted, item.amount))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             logger.warning("tenant limits: cannot read %s (%s); counting starts afresh", self.state_path, exc)
+
+
+def _check_local_concurrency(tenant: str, limits: Limits, use: _Use, free_in_s: Callable[[], float]) -> None:
+    """``max_concurrent`` on this replica's count (in the process, or while Redis fails)."""
+    in_system = use.in_system - 1  # (``use`` counts the request being admitted)
+    if limits.max_concurrent is not None and in_system >= limits.max_concurrent:
+        raise _concurrency_limited(tenant, in_system, free_in_s)
 
 
 def _concurrency_limited(tenant: str, in_system: int, free_in_s: Callable[[], float]) -> LimitExceeded:

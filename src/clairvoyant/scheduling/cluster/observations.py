@@ -18,12 +18,10 @@ Two kinds of entries, on the stream ``cv:{cluster}:observations``:
 
 Numbers, ids and model names only: never the prompt or the answer.
 
-Bounds: the stream holds about ``max_entries`` entries (``XADD MAXLEN ~``); what waits to be
-published is at most ``max_pending`` (the oldest go first while Redis is away); the reader applies
-at most ``max_applied_per_s`` entries a second (it falls behind rather than take more; what it
-missed beyond the stream's length is skipped). The learner's own sampling rate bounds what reaches
-the learner (``proxy/feedback.py``: one token bucket for this replica's and the others'
-observations).
+Bounds: ``MAX_ENTRIES``, ``MAX_PENDING`` and ``MAX_APPLIED_PER_S`` below (a reader falls behind
+rather than take more; what it missed beyond the stream's length is skipped). The learner's own
+sampling rate bounds what reaches the learner (``proxy/feedback.py``: one token bucket for this
+replica's and the others' observations).
 
 Faults: publishing runs in its own task and never raises into the request path. Redis lost is
 logged once at WARNING (and its return at INFO); both tasks retry with a backoff up to
@@ -47,6 +45,7 @@ import secrets
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import redis.asyncio as redis
@@ -60,7 +59,7 @@ from clairvoyant.scheduling.cluster.shared import ServiceObservation
 from clairvoyant.scheduling.routing import Backend
 from clairvoyant.scheduling.service_time import ServiceTimeModel
 
-__all__ = ["SharedObservations", "identity_digest", "stream_key"]
+__all__ = ["ObservationCounts", "SharedObservations", "identity_digest", "stream_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +97,202 @@ def _stream_id(value: bytes | str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+@dataclass(slots=True)
+class ObservationCounts:
+    """What went through the stream here, for the metrics and the tests."""
+
+    published: int = 0  # entries written to the stream
+    dropped: int = 0  # observations never written (the pending bound, or a write that failed)
+    applied: int = 0  # other replicas' entries applied here
+    foreign: int = 0  # learner entries skipped: another prior
+    skipped: int = 0  # times the reader jumped to the stream's end (entries trimmed unread)
+    repeated: int = 0  # entries skipped as applied already (a batch its publisher sent again)
+
+
+@dataclass(frozen=True, slots=True)
+class _LearnerShare:
+    """The learner observations shared: those of one prior."""
+
+    identity: str  # ``identity_digest`` of the prior
+    row_bytes: int  # the feature row's bytes that are shared (the embedding's are not)
+    feed: LearnerFeed  # where the other replicas' observations go
+
+
+class _Outage:
+    """Redis lost and found: which tasks find it away now, and each one's next backoff."""
+
+    def __init__(self, replica: str) -> None:
+        self.replica = replica
+        self.lost: set[str] = set()
+        self._retry_s: dict[str, float] = {}
+
+    async def lose(self, task: str, exc: BaseException) -> None:
+        if not self.lost:
+            logger.warning(
+                "redis unreachable (%s): replica %s's observations are not shared until it returns; retrying",
+                type(exc).__name__,
+                self.replica,
+            )
+        retry_s = self._retry_s.get(task, RETRY_MIN_S)
+        self.lost.add(task)
+        self._retry_s[task] = min(RETRY_MAX_S, retry_s * 2)
+        await asyncio.sleep(retry_s)
+
+    def found(self, task: str) -> None:
+        if task in self.lost:
+            self.lost.discard(task)
+            self._retry_s.pop(task, None)
+            if not self.lost:
+                logger.info("redis reachable again: replica %s's observations are shared", self.replica)
+
+
+class _Publisher:
+    """Queues this replica's observations (on the request path: O(1), no I/O) and writes them to
+    the stream from its own task, in batches. Each entry carries its ``session`` and a ``seq`` in it."""
+
+    def __init__(
+        self, client: redis.Redis, key: str, *, max_entries: int, max_pending: int, linger_s: float,
+        counts: ObservationCounts, outage: _Outage,
+    ) -> None:  # fmt: skip
+        self.client = client
+        self.key = key
+        self.session = secrets.token_hex(8)
+        self.max_entries = max_entries
+        self.linger_s = linger_s
+        self.counts = counts
+        self.outage = outage
+        self.pending: deque[Fields] = deque(maxlen=max_pending)
+        self._wake = asyncio.Event()
+        self.seq = itertools.count(1)  # the next entry's sequence number in this session
+
+    def queue(self, fields: Fields) -> None:
+        if len(self.pending) == self.pending.maxlen:
+            self.counts.dropped += 1  # the deque drops its oldest
+        self.pending.append(fields)
+        self._wake.set()
+
+    async def run(self) -> None:
+        max_pending = self.pending.maxlen or 0
+        while True:
+            await self._wake.wait()
+            if self.linger_s > 0:  # let a batch form: one XADD round trip for the answers of a moment
+                await asyncio.sleep(self.linger_s)
+            self._wake.clear()
+            while self.pending:
+                batch = [self.pending.popleft() for _ in range(min(READ_BATCH, len(self.pending)))]
+                try:
+                    pipe = self.client.pipeline(transaction=False)
+                    for fields in batch:
+                        pipe.xadd(self.key, fields, maxlen=self.max_entries, approximate=True)
+                    await pipe.execute()
+                except (RedisError, OSError) as exc:
+                    # Sent again later, in order (readers skip what was written already); the newest
+                    # go when that overflows the bound.
+                    self.counts.dropped += max(0, len(self.pending) + len(batch) - max_pending)
+                    self.pending.extendleft(reversed(batch))
+                    await self.outage.lose("publish", exc)
+                    continue
+                except BaseException:
+                    self.pending.extendleft(reversed(batch))  # (cancelled: stop publishes nothing more)
+                    raise
+                self.counts.published += len(batch)
+                self.outage.found("publish")
+
+
+class _Reader:
+    """Reads the stream from its own task, on a connection of its own (blocked in XREAD most of the
+    time), and hands each entry of another replica, not applied yet, to ``apply``."""
+
+    def __init__(
+        self, client: redis.Redis, key: str, session: str, *, catch_up: bool, max_applied_per_s: float,
+        linger_s: float, counts: ObservationCounts, outage: _Outage, apply: Callable[[dict[bytes, bytes]], None],
+    ) -> None:  # fmt: skip
+        self.client = client
+        self.key = key
+        self.last_id: bytes | None = None if catch_up else b"$"  # None: from the stream's start
+        self.stopping = False
+        self.max_applied_per_s = max_applied_per_s
+        self.linger_s = linger_s
+        self.counts = counts
+        self.outage = outage
+        self._apply = apply
+        self._own_session = session.encode()
+        self._applied_seq: OrderedDict[bytes, int] = OrderedDict()  # session -> the last seq applied
+
+    async def run(self) -> None:
+        budget = float(READ_BATCH)  # entries the reader may take now (a token bucket)
+        at_s = time.monotonic()
+        while not self.stopping:
+            try:
+                if self.last_id is None or self.last_id == b"$" or "read" in self.outage.lost:
+                    self.last_id = await self.resume_from()
+                    self.outage.found("read")
+                reply = cast(Read, await self.client.xread({self.key: self.last_id}, count=READ_BATCH, block=BLOCK_MS))
+                self.outage.found("read")
+            except (RedisError, OSError) as exc:
+                if self.stopping:
+                    return
+                await self.outage.lose("read", exc)
+                continue
+            taken = 0
+            for _key, entries in reply or ():
+                for entry_id, fields in entries:
+                    self.last_id = entry_id
+                    taken += 1
+                    if self._new(fields):
+                        self._apply(fields)
+            now_s = time.monotonic()
+            budget = min(float(READ_BATCH), budget + (now_s - at_s) * self.max_applied_per_s) - taken
+            at_s = now_s
+            # Took more than the rate allows: wait until it is paid back. Else, with entries, let
+            # the next ones gather for a moment (one XREAD for several).
+            pause_s = -budget / self.max_applied_per_s if budget < 0 else (self.linger_s if taken else 0.0)
+            if pause_s > 0:
+                await asyncio.sleep(pause_s)
+
+    async def resume_from(self) -> bytes:
+        """Where the reader goes on (see the module docstring)."""
+        try:
+            info = await self.client.xinfo_stream(self.key)
+        except ResponseError:  # no stream (yet): everything it will hold is new
+            return b"0-0"
+        end: bytes = info["last-generated-id"]
+        last = self.last_id
+        if last is None:
+            return b"0-0"
+        if last == b"$":
+            return end  # (not "$": what is added between this call and the read is kept)
+        if _stream_id(end) < _stream_id(last):
+            return b"0-0"  # a newer stream than the last entry read (Redis restarted empty)
+        if end == last:
+            return last
+        first = info.get("first-entry")
+        if not first or _stream_id(first[0]) > _stream_id(last):  # the last entry read is gone
+            if info.get("entries-added") == info["length"]:
+                return b"0-0"  # a stream that lost nothing, newer than that entry (Redis restarted empty)
+            self.counts.skipped += 1  # trimmed, maybe with entries after it: go on from now
+            return end
+        return last
+
+    def _new(self, fields: dict[bytes, bytes]) -> bool:
+        """Whether an entry is another replica's, and not applied yet."""
+        session = fields.get(b"session", b"")
+        if session == self._own_session:
+            return False
+        try:
+            seq = int(fields[b"seq"])
+        except (KeyError, ValueError):
+            return False
+        if seq <= self._applied_seq.get(session, 0):
+            self.counts.repeated += 1
+            return False
+        self._applied_seq[session] = seq
+        self._applied_seq.move_to_end(session)
+        if len(self._applied_seq) > MAX_SESSIONS:
+            self._applied_seq.popitem(last=False)
+        return True
+
+
 class SharedObservations:
     """This replica's side of the observation stream (see the module docstring). ``service_time``
     and ``backends``: where the other replicas' service observations are applied. The dispatcher's
@@ -123,59 +318,42 @@ class SharedObservations:
         round trip per observation)."""
         if not (max_entries >= 1 and max_pending >= 1 and max_applied_per_s > 0):
             raise ValueError("max_entries, max_pending and max_applied_per_s must be positive")
-        self.key = stream_key(cluster)
         self.replica = replica
         self.service_time = service_time
         self.backends = {b.name: b for b in backends}
-        self.max_entries = max_entries
-        self.max_applied_per_s = max_applied_per_s
-        self.max_pending = max_pending
-        self.linger_s = linger_s
+        self.counts = ObservationCounts()
+        self._learner: _LearnerShare | None = None
+        self._outage = _Outage(replica)
         # No retries inside the client: a retried pipeline could write an observation twice.
         options: dict[str, Any] = {"retry": Retry(NoBackoff(), 0), "socket_connect_timeout": TIMEOUT_S}
-        self._writer = redis.Redis.from_url(url, socket_timeout=TIMEOUT_S, **options)
-        # The reader's own connection, blocked in XREAD most of the time.
-        self._reader = redis.Redis.from_url(
+        writer = redis.Redis.from_url(url, socket_timeout=TIMEOUT_S, **options)
+        self._publisher = _Publisher(
+            writer, stream_key(cluster), max_entries=max_entries, max_pending=max_pending,
+            linger_s=linger_s, counts=self.counts, outage=self._outage,
+        )  # fmt: skip
+        reader = redis.Redis.from_url(
             url, socket_timeout=BLOCK_MS / 1000 + TIMEOUT_S, single_connection_client=True, **options
         )
-        self._pending: deque[Fields] = deque(maxlen=max_pending)
-        self._wake = asyncio.Event()
-        self._last_id: bytes | None = None if catch_up else b"$"  # None: from the stream's start
+        self._reader = _Reader(
+            reader, stream_key(cluster), self._publisher.session, catch_up=catch_up,
+            max_applied_per_s=max_applied_per_s, linger_s=linger_s, counts=self.counts, outage=self._outage,
+            apply=self._apply,
+        )  # fmt: skip
         self._tasks: list[asyncio.Task[None]] = []
-        self._stopping = False
         self._stopped = False
-        self._lost: set[str] = set()  # the tasks that find Redis away now
-        # Each entry names its publisher's session (random per start) and a sequence number in it:
-        # a reader skips its own session's and any it has applied already (a batch sent again).
-        self.session = secrets.token_hex(8)
-        self._session_bytes = self.session.encode()
-        self._seq = itertools.count(1)
-        self._applied_seq: OrderedDict[bytes, int] = OrderedDict()  # session -> the last seq applied
-        self._retry_s: dict[str, float] = {}  # each task's next backoff while Redis is away
-        self._identity = ""
-        self._row_bytes = 0  # the learner row's bytes that are shared (the embedding's are not)
-        self._learner_feed: LearnerFeed | None = None
-        # Counts, for the metrics and the tests
-        self.published = 0  # entries written to the stream
-        self.dropped = 0  # observations never written (the pending bound, or a write that failed)
-        self.applied = 0  # other replicas' entries applied here
-        self.foreign = 0  # learner entries skipped: another prior
-        self.skipped = 0  # times the reader jumped to the stream's end (entries trimmed unread)
-        self.repeated = 0  # entries skipped as applied already (a batch its publisher sent again)
 
     def share_learner(self, identity: PriorIdentity, feed: LearnerFeed) -> None:
         """Share learner observations of this prior: others' go to ``feed(prediction, tokens)``."""
-        self._identity = identity_digest(identity)
-        self._row_bytes = 4 * (len(identity.feature_names) + len(identity.component_names))
-        self._learner_feed = feed
+        row_bytes = 4 * (len(identity.feature_names) + len(identity.component_names))
+        self._learner = _LearnerShare(identity_digest(identity), row_bytes, feed)
 
     # -- start and stop ------------------------------------------------------------------------
     def start(self) -> None:
         """Run the publisher and the reader (on the running loop). Never fails for want of Redis."""
         if not self._tasks:
             self._tasks = [
-                asyncio.create_task(self._publish_forever(), name="observations-publish"),
-                asyncio.create_task(self._read_forever(), name="observations-read"),
+                asyncio.create_task(self._publisher.run(), name="observations-publish"),
+                asyncio.create_task(self._reader.run(), name="observations-read"),
             ]
             for task in self._tasks:
                 task.add_done_callback(self._ended)
@@ -190,11 +368,10 @@ class SharedObservations:
         if self._stopped:
             return
         self._stopped = True
-        if self._tasks and self._pending and not self._lost:
-            deadline = time.monotonic() + flush_s
-            while self._pending and not self._lost and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-        self._stopping = True
+        deadline = time.monotonic() + flush_s
+        while self._tasks and self._publisher.pending and not self._outage.lost and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self._reader.stopping = True
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
@@ -202,7 +379,7 @@ class SharedObservations:
         if running:
             # redis-py can lose a cancel that lands in a blocking read (redis/redis-py#2028): the
             # reader's connection closed under it ends the read, and the loop sees it is stopping.
-            connection = self._reader.connection
+            connection = self._reader.client.connection
             if connection is not None:
                 await connection.disconnect(nowait=True)
             for task in running:
@@ -210,17 +387,18 @@ class SharedObservations:
             _, running = await asyncio.wait(running, timeout=STOP_S)
             if running:
                 logger.warning("replica %s's observation reader did not stop", self.replica)
-        await self._reader.aclose()
-        await self._writer.aclose()
+        await self._reader.client.aclose()
+        await self._publisher.client.aclose()
 
     # -- publishing (on the request path: O(1), no I/O) ------------------------------------------
     def publish_service(self, observation: ServiceObservation) -> None:
         """The dispatcher's ``on_observed``: queue a service observation for the stream."""
+        publisher = self._publisher
         fields: Fields = {
             "kind": "service",
             "replica": self.replica,
-            "session": self.session,
-            "seq": next(self._seq),
+            "session": publisher.session,
+            "seq": next(publisher.seq),
             "model": observation.model or "",
             "backend": observation.backend,
             "prompt_tokens": observation.prompt_tokens,
@@ -230,136 +408,30 @@ class SharedObservations:
         }
         if observation.load_s is not None:
             fields["load_s"] = observation.load_s
-        self._queue(fields)
+        publisher.queue(fields)
 
     def publish_learner(self, prediction: Prediction, observed_tokens: int) -> None:
         """The usage recorder's ``on_observed``: queue what this replica's learner observed."""
-        if not self._identity:
+        if self._learner is None:
             return
+        publisher = self._publisher
         fields: Fields = {
             "kind": "learner",
             "replica": self.replica,
-            "session": self.session,
-            "seq": next(self._seq),
-            "identity": self._identity,
+            "session": publisher.session,
+            "seq": next(publisher.seq),
+            "identity": self._learner.identity,
             "model": prediction.model or "",
             "prior_log_tokens": prediction.prior_log_tokens,
             "predicted_tokens": prediction.predicted_tokens,
             "observed_tokens": int(observed_tokens),
-            "row": prediction.feature_row[: self._row_bytes],
+            "row": prediction.feature_row[: self._learner.row_bytes],
         }
         if prediction.cap_tokens is not None:
             fields["cap_tokens"] = prediction.cap_tokens
-        self._queue(fields)
+        publisher.queue(fields)
 
-    def _queue(self, fields: Fields) -> None:
-        if len(self._pending) == self._pending.maxlen:
-            self.dropped += 1  # the deque drops its oldest
-        self._pending.append(fields)
-        self._wake.set()
-
-    async def _publish_forever(self) -> None:
-        while True:
-            await self._wake.wait()
-            if self.linger_s > 0:  # let a batch form: one XADD round trip for the answers of a moment
-                await asyncio.sleep(self.linger_s)
-            self._wake.clear()
-            while self._pending:
-                batch = [self._pending.popleft() for _ in range(min(READ_BATCH, len(self._pending)))]
-                try:
-                    pipe = self._writer.pipeline(transaction=False)
-                    for fields in batch:
-                        pipe.xadd(self.key, fields, maxlen=self.max_entries, approximate=True)
-                    await pipe.execute()
-                except (RedisError, OSError) as exc:
-                    # Sent again later, in order (readers skip what was written already); the newest
-                    # go when that overflows the bound.
-                    self.dropped += max(0, len(self._pending) + len(batch) - self.max_pending)
-                    self._pending.extendleft(reversed(batch))
-                    await self._lose("publish", exc)
-                    continue
-                except BaseException:
-                    self._pending.extendleft(reversed(batch))  # (cancelled: stop publishes nothing more)
-                    raise
-                self.published += len(batch)
-                self._found("publish")
-
-    # -- reading ---------------------------------------------------------------------------------
-    async def _read_forever(self) -> None:
-        budget = float(READ_BATCH)  # entries the reader may take now (a token bucket)
-        at_s = time.monotonic()
-        while not self._stopping:
-            try:
-                if self._last_id is None or self._last_id == b"$" or "read" in self._lost:
-                    self._last_id = await self._resume_from()
-                    self._found("read")
-                reply = cast(
-                    Read, await self._reader.xread({self.key: self._last_id}, count=READ_BATCH, block=BLOCK_MS)
-                )
-                self._found("read")
-            except (RedisError, OSError) as exc:
-                if self._stopping:
-                    return
-                await self._lose("read", exc)
-                continue
-            taken = 0
-            for _key, entries in reply or ():
-                for entry_id, fields in entries:
-                    self._last_id = entry_id
-                    taken += 1
-                    if self._new(fields):
-                        self._apply(fields)
-            now_s = time.monotonic()
-            budget = min(float(READ_BATCH), budget + (now_s - at_s) * self.max_applied_per_s) - taken
-            at_s = now_s
-            # Took more than the rate allows: wait until it is paid back. Else, with entries, let
-            # the next ones gather for a moment (one XREAD for several).
-            pause_s = -budget / self.max_applied_per_s if budget < 0 else (self.linger_s if taken else 0.0)
-            if pause_s > 0:
-                await asyncio.sleep(pause_s)
-
-    async def _resume_from(self) -> bytes:
-        """Where the reader goes on (see the module docstring)."""
-        try:
-            info = await self._reader.xinfo_stream(self.key)
-        except ResponseError:  # no stream (yet): everything it will hold is new
-            return b"0-0"
-        end: bytes = info["last-generated-id"]
-        last = self._last_id
-        if last is None:
-            return b"0-0"
-        if last == b"$":
-            return end  # (not "$": what is added between this call and the read is kept)
-        if _stream_id(end) < _stream_id(last):
-            return b"0-0"  # a newer stream than the last entry read (Redis restarted empty)
-        if end == last:
-            return last
-        first = info.get("first-entry")
-        if not first or _stream_id(first[0]) > _stream_id(last):  # the last entry read is gone
-            if info.get("entries-added") == info["length"]:
-                return b"0-0"  # a stream that lost nothing, newer than that entry (Redis restarted empty)
-            self.skipped += 1  # trimmed, maybe with entries after it: go on from now
-            return end
-        return last
-
-    def _new(self, fields: dict[bytes, bytes]) -> bool:
-        """Whether an entry is another replica's, and not applied yet."""
-        session = fields.get(b"session", b"")
-        if session == self._session_bytes:
-            return False
-        try:
-            seq = int(fields[b"seq"])
-        except (KeyError, ValueError):
-            return False
-        if seq <= self._applied_seq.get(session, 0):
-            self.repeated += 1
-            return False
-        self._applied_seq[session] = seq
-        self._applied_seq.move_to_end(session)
-        if len(self._applied_seq) > MAX_SESSIONS:
-            self._applied_seq.popitem(last=False)
-        return True
-
+    # -- applying the other replicas' -------------------------------------------------------------
     def _apply(self, fields: dict[bytes, bytes]) -> None:
         try:
             kind = fields[b"kind"]
@@ -372,7 +444,7 @@ class SharedObservations:
         except (KeyError, ValueError, TypeError) as exc:  # a malformed entry (another version?): skipped
             logger.debug("observation entry skipped: %s", exc)
             return
-        self.applied += 1
+        self.counts.applied += 1
 
     def _apply_service(self, fields: dict[bytes, bytes]) -> None:
         model = fields[b"model"].decode() or None
@@ -390,11 +462,11 @@ class SharedObservations:
             served.observe_service(float(fields[b"predicted_s"]), service_s)
 
     def _apply_learner(self, fields: dict[bytes, bytes]) -> None:
-        feed = self._learner_feed
-        if feed is None:
+        learner = self._learner
+        if learner is None:
             return
-        if fields[b"identity"].decode() != self._identity:
-            self.foreign += 1
+        if fields[b"identity"].decode() != learner.identity:
+            self.counts.foreign += 1
             return
         cap = fields.get(b"cap_tokens")
         prediction = Prediction(
@@ -407,24 +479,4 @@ class SharedObservations:
         )
         if not math.isfinite(prediction.prior_log_tokens):
             raise ValueError("prior_log_tokens not finite")
-        feed(prediction, int(fields[b"observed_tokens"]))
-
-    # -- Redis lost and found --------------------------------------------------------------------
-    async def _lose(self, task: str, exc: BaseException) -> None:
-        if not self._lost:
-            logger.warning(
-                "redis unreachable (%s): replica %s's observations are not shared until it returns; retrying",
-                type(exc).__name__,
-                self.replica,
-            )
-        retry_s = self._retry_s.get(task, RETRY_MIN_S)
-        self._lost.add(task)
-        self._retry_s[task] = min(RETRY_MAX_S, retry_s * 2)
-        await asyncio.sleep(retry_s)
-
-    def _found(self, task: str) -> None:
-        if task in self._lost:
-            self._lost.discard(task)
-            self._retry_s.pop(task, None)
-            if not self._lost:
-                logger.info("redis reachable again: replica %s's observations are shared", self.replica)
+        learner.feed(prediction, int(fields[b"observed_tokens"]))

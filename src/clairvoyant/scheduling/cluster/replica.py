@@ -45,7 +45,6 @@ from clairvoyant.scheduling.cluster.shared import (
     Message,
     MessageKind,
     RenewReply,
-    SlotStore,
     StoreUnavailable,
 )
 from clairvoyant.scheduling.queue_view import (
@@ -57,6 +56,7 @@ from clairvoyant.scheduling.queue_view import (
 from clairvoyant.scheduling.request import RequestStatus, Ticket
 
 if TYPE_CHECKING:
+    from clairvoyant.scheduling.cluster.store import RedisSlotStore
     from clairvoyant.scheduling.dispatcher import Dispatcher
 
 __all__ = ["ClusterLink", "ClusterOptions", "Mode", "supersede_digest"]
@@ -100,7 +100,7 @@ class ClusterOptions:
 class ClusterLink:
     def __init__(
         self,
-        store: SlotStore,
+        store: RedisSlotStore,
         options: ClusterOptions,
         weights: Mapping[str, float],
         on_heartbeat: Callable[[tuple[str, ...]], Awaitable[None]] | None = None,
@@ -114,20 +114,16 @@ class ClusterLink:
         self._tickets: dict[str, Ticket] = {}  # in the store: from enqueue until released
         self._supersede: dict[int, str] = {}  # id(ticket) -> its supersede digest, for its entry
         self._calls: asyncio.Queue[Callable[[], Awaitable[object]]] = asyncio.Queue()
-        self._dispatcher: Dispatcher | None = None
+        self.dispatcher: Dispatcher  # set by ``start``, before any call from it or the store
         self._renewed_at_s = time.monotonic()  # when the last renewal the store took was sent
         self._local_timers: list[asyncio.TimerHandle] = []  # LOCAL mode's: its share, and its give-up
-
-    @property
-    def lease_s(self) -> float:
-        return self.options.lease_s
 
     # -- start and stop ------------------------------------------------------------------------
     async def start(self, dispatcher: Dispatcher, *, fallback: bool) -> None:
         """Join the store with the dispatcher's pool, then run the worker, the grant listener and
         the renewals as the dispatcher's tasks. Raises ``StoreUnavailable`` when the store cannot be
         reached, unless ``fallback``: then it starts LOCAL, alone until it joins."""
-        self._dispatcher = dispatcher
+        self.dispatcher = dispatcher
         dispatcher.cluster = self
         try:
             sent_s = time.monotonic()
@@ -157,9 +153,8 @@ class ClusterLink:
     async def view(self, limit: int | None = None) -> ClusterPartView:
         """The whole cluster's queue, leases and replicas, for /queue (``limit``: list only the
         first waiting requests; the count covers them all)."""
-        part = ClusterPartView(
-            name=self.options.cluster_name, replica=self.store.replica, mode=self.mode.value, lease_s=self.lease_s
-        )
+        name, lease_s = self.options.cluster_name, self.options.lease_s
+        part = ClusterPartView(name=name, replica=self.store.replica, mode=self.mode.value, lease_s=lease_s)
         try:
             seen = await self.store.view()
         except StoreUnavailable as exc:
@@ -168,9 +163,7 @@ class ClusterLink:
         waiting = seen.waiting if limit is None else seen.waiting[: max(0, limit)]
         part.quiet_s = seen.quiet_s
         part.replicas = [
-            ReplicaHealthView.model_construct(
-                replica=r.replica, beat_age_s=r.beat_age_s, live=r.beat_age_s <= self.lease_s
-            )
+            ReplicaHealthView.model_construct(replica=r.replica, beat_age_s=r.beat_age_s, live=r.beat_age_s <= lease_s)
             for r in seen.replicas
         ]
         part.waiting_count = len(seen.waiting)
@@ -178,41 +171,34 @@ class ClusterLink:
         part.leases = [_view(ClusterLeaseView, lease) for lease in seen.leases]
         return part
 
-    # -- from the dispatcher -------------------------------------------------------------------
+    # -- from the dispatcher (``ClusterSide``) --------------------------------------------------
     def supersede_key(self, ticket: Ticket, tenant: str, key: str) -> None:
-        """The ticket carries an X-Clairvoyant-Supersede key: its entry replaces the older one on
-        any replica."""
         self._supersede[id(ticket)] = supersede_digest(tenant, key)
 
     def enqueued(self, ticket: Ticket, deadline_in_s: float) -> None:
-        """A ticket was queued locally: its entry goes to the store (in SHARED mode)."""
         if self.mode is not Mode.SHARED:
             return
         self._tickets[ticket.request_id] = ticket
         # The entry is made when sent: by then the proxy has given it its supersede key, if any.
-        self._call(lambda: self._enqueue(ticket, deadline_in_s))
+        self._calls.put_nowait(lambda: self._enqueue(ticket, deadline_in_s))
 
     def rekeyed(self, ticket: Ticket) -> None:
         if self.mode is Mode.SHARED and ticket.request_id in self._tickets:
             deadline_in_s = ticket.expires_s - ticket.arrival_s  # (the store keeps its first deadline)
-            self._call(lambda: self._enqueue(ticket, deadline_in_s))
+            self._calls.put_nowait(lambda: self._enqueue(ticket, deadline_in_s))
 
     def withdrawn(self, ticket: Ticket) -> None:
-        """A waiting ticket ended (its client left, its deadline came, it was refused)."""
         self._supersede.pop(id(ticket), None)
         request_id = ticket.request_id
         if self._tickets.pop(request_id, None) is not None and self.mode is Mode.SHARED:
-            self._call(lambda: self.store.cancel(request_id))
+            self._calls.put_nowait(lambda: self.store.cancel(request_id))
 
     def pool_changed(self) -> None:
-        """A backend's slot count changed (learned after start-up): the store is told."""
-        if self._dispatcher is not None:
-            specs = self._pool()
-            self._call(lambda: self.store.join(specs))
+        specs = self._pool()
+        self._calls.put_nowait(lambda: self.store.join(specs))
 
     def slot_freed(self, ticket: Ticket, now: float) -> bool:
-        """A granted ticket gave its slot back: True when the dispatcher may grant that slot itself
-        (LOCAL, a slot of its share), else the store has it back."""
+        """LOCAL: True when the slot falls to this replica's share. SHARED: the store has it back."""
         self._supersede.pop(id(ticket), None)
         request_id = ticket.request_id
         known = self._tickets.pop(request_id, None) is not None
@@ -225,15 +211,11 @@ class ClusterLink:
         return False
 
     # -- the store's calls, in order -------------------------------------------------------------
-    def _call(self, make: Callable[[], Awaitable[object]]) -> None:
-        self._calls.put_nowait(make)
-
     def _release(self, request_id: str, service_s: float | None) -> None:
         """A slot goes back at once, not behind the queued calls: the next grant waits on it (and a
         granted id has no enqueue or cancel left to overtake)."""
-        dispatcher = self._dispatcher
-        if self.mode is Mode.SHARED and dispatcher is not None:
-            dispatcher.run_detached(self._released(request_id, service_s), "cluster-release")
+        if self.mode is Mode.SHARED:
+            self.dispatcher.run_detached(self._released(request_id, service_s), "cluster-release")
 
     async def _released(self, request_id: str, service_s: float | None) -> None:
         try:
@@ -257,22 +239,18 @@ class ClusterLink:
         if ticket.ended:  # withdrawn before it was sent: its cancel follows, harmless
             return
         placed = await self.store.enqueue(self._entry(ticket, deadline_in_s))
-        dispatcher = self._dispatcher
-        if dispatcher is None or ticket.ended or ticket.status is not RequestStatus.WAITING:
+        if ticket.ended or ticket.status is not RequestStatus.WAITING:
             return
         # Its queue deadline, against the whole cluster's queue (the local check saw this replica's).
         if not math.isinf(ticket.expires_s):
-            slots = max(1, dispatcher.slots)
-            eta_s = placed.ahead_s / slots
-            if dispatcher.clock.now() + eta_s >= ticket.expires_s:
-                dispatcher.expire_waiting(ticket, eta_s)
+            eta_s = placed.ahead_s / max(1, self.dispatcher.slots)
+            if self.dispatcher.clock.now() + eta_s >= ticket.expires_s:
+                self.dispatcher.expire_waiting(ticket, eta_s)
 
     def _entry(self, ticket: Ticket, deadline_in_s: float) -> Entry:
-        dispatcher = self._dispatcher
-        assert dispatcher is not None
         tenant = ticket.tenant if self.options.fair_share else ""
         # The store orders a band by score, ties by arrival: fcfs sends one score for all.
-        score = 0.0 if dispatcher.policy.name == "fcfs" else ticket.score
+        score = 0.0 if self.dispatcher.policy.name == "fcfs" else ticket.score
         return Entry(
             ticket.request_id,
             tenant,
@@ -281,7 +259,7 @@ class ClusterLink:
             ticket.model or "",
             score,
             ticket.predicted_s,
-            dispatcher.guard_s(ticket),
+            self.dispatcher.guard_s(ticket),
             deadline_in_s,
             self._supersede.get(id(ticket), ""),
         )
@@ -297,11 +275,9 @@ class ClusterLink:
             await asyncio.sleep(RETRY_MESSAGES_S)
 
     def _on_message(self, message: Message) -> None:
-        dispatcher = self._dispatcher
-        assert dispatcher is not None
         ticket = self._tickets.get(message.request_id)
         if message.kind is MessageKind.GRANT:
-            index = dispatcher.backend_index(message.backend)
+            index = self.dispatcher.backend_index(message.backend)
             if ticket is not None and ticket.placement is not None and not ticket.ended:
                 # It runs already: a grant read twice (after a reconnect), or one Redis made late
                 # for a request this replica granted itself while Redis was gone. Its renewal
@@ -313,28 +289,20 @@ class ClusterLink:
                 self.mode is not Mode.SHARED
                 or ticket is None
                 or index is None
-                or not dispatcher.grant_shared(ticket, index, message.slot)
+                or not self.dispatcher.grant_shared(ticket, index, message.slot)
             ):
                 # ended in between (or unknown here): the slot goes straight back
                 self._tickets.pop(message.request_id, None)
-                request_id = message.request_id
-                self._release(request_id, None)
+                self._release(message.request_id, None)
             return
         if ticket is None:
             return
         if message.kind is MessageKind.SUPERSEDED:
-            dispatcher.refuse_waiting(
-                ticket,
-                RequestStatus.SUPERSEDED,
-                Superseded.by_newer(),
-            )
+            self.dispatcher.refuse_waiting(ticket, RequestStatus.SUPERSEDED, Superseded.by_newer())
         elif message.kind is MessageKind.ABORT:
             interrupt = None if ticket.placement is None else ticket.placement.interrupt
             if self.options.supersede_running and interrupt is not None:
-                interrupt(
-                    RequestStatus.SUPERSEDED,
-                    Superseded.by_newer(),
-                )
+                interrupt(RequestStatus.SUPERSEDED, Superseded.by_newer())
         elif message.kind is MessageKind.LEASE_LOST:
             self._end_lost(ticket)
 
@@ -348,7 +316,9 @@ class ClusterLink:
     # -- renewals, loss and rejoin ---------------------------------------------------------------
     async def _renew_periodically(self) -> None:
         while True:
-            await asyncio.sleep(min(RENEW_EVERY_S, self.lease_s / 3) if self.mode is Mode.SHARED else REJOIN_EVERY_S)
+            await asyncio.sleep(
+                min(RENEW_EVERY_S, self.options.lease_s / 3) if self.mode is Mode.SHARED else REJOIN_EVERY_S
+            )
             sent_s = time.monotonic()  # the store extends the leases after this: they last at least lease_s from it
             try:
                 reply = await self.store.renew(self._held())
@@ -368,14 +338,12 @@ class ClusterLink:
 
     def _pool(self) -> list[BackendSpec]:
         """The dispatcher's backends as the store registers them."""
-        dispatcher = self._dispatcher
-        assert dispatcher is not None
-        return [BackendSpec(b.name, b.slots, b.models) for b in dispatcher.backends]
+        return [BackendSpec(b.name, b.slots, b.models) for b in self.dispatcher.backends]
 
     def _held(self) -> list[HeldLease]:
-        dispatcher = self._dispatcher
-        assert dispatcher is not None
-        return [HeldLease(t.request_id, b.name, slot) for b in dispatcher.backends for slot, t in b.running.items()]
+        return [
+            HeldLease(t.request_id, b.name, slot) for b in self.dispatcher.backends for slot, t in b.running.items()
+        ]
 
     def _renewed(self, reply: RenewReply) -> None:
         if reply.replicas:
@@ -386,21 +354,19 @@ class ClusterLink:
                 self._end_lost(ticket)
         if reply.reset:
             logger.warning("redis lost its state: this replica's waiting requests are sent again")
-            self._call(self._resync)
+            self._calls.put_nowait(self._resync)
 
     def _running(self, request_id: str) -> Ticket | None:
-        dispatcher = self._dispatcher
-        assert dispatcher is not None
-        return next((t for b in dispatcher.backends for t in b.running.values() if t.request_id == request_id), None)
+        return next(
+            (t for b in self.dispatcher.backends for t in b.running.values() if t.request_id == request_id), None
+        )
 
     async def _resync(self) -> None:
         """Register the pool again (a store that lost its state knows no backend) and replace
         this replica's waiting entries by those waiting here."""
-        dispatcher = self._dispatcher
-        assert dispatcher is not None
         await self.store.join(self._pool())
-        now = dispatcher.clock.now()
-        waiting = dispatcher.waiting_tickets()
+        now = self.dispatcher.clock.now()
+        waiting = self.dispatcher.waiting_tickets()
         self._tickets.update({t.request_id: t for t in waiting})
         await self.store.resync([self._entry(t, t.expires_s - now) for t in waiting])
 
@@ -419,11 +385,11 @@ class ClusterLink:
         self._set_free_lists(shared=False)
         loop = asyncio.get_running_loop()
         # A slot of its share it does not hold: usable once any other holder's lease has run out.
-        self._local_timers.append(loop.call_later(self.lease_s, self._share_ready))
+        self._local_timers.append(loop.call_later(self.options.lease_s, self._share_ready))
         # A slot it holds outside its share: given up before its lease runs out in the store (one
         # renewal's interval early: the store may hand the slot on the moment it does).
-        margin_s = min(RENEW_EVERY_S, self.lease_s / 3)
-        remaining_s = max(0.0, self._renewed_at_s + self.lease_s - margin_s - now_s)
+        margin_s = min(RENEW_EVERY_S, self.options.lease_s / 3)
+        remaining_s = max(0.0, self._renewed_at_s + self.options.lease_s - margin_s - now_s)
         self._local_timers.append(loop.call_later(remaining_s, self._give_up_others))
 
     def _share_ready(self) -> None:
@@ -431,10 +397,9 @@ class ClusterLink:
             self._set_free_lists(shared=False, share_ready=True)
 
     def _give_up_others(self) -> None:
-        dispatcher = self._dispatcher
-        if self.mode is not Mode.LOCAL or dispatcher is None:
+        if self.mode is not Mode.LOCAL:
             return
-        for index, backend in enumerate(dispatcher.backends):
+        for index, backend in enumerate(self.dispatcher.backends):
             for slot, ticket in list(backend.running.items()):
                 if not self._owns(index, slot):
                     self._end_lost(ticket)
@@ -446,9 +411,7 @@ class ClusterLink:
         self._local_timers.clear()
         self.mode = Mode.SHARED
         self._set_free_lists(shared=True)
-        dispatcher = self._dispatcher
-        assert dispatcher is not None
-        for backend in dispatcher.backends:  # what it holds is the store's to release from now on
+        for backend in self.dispatcher.backends:  # what it holds is the store's to release from now on
             for ticket in backend.running.values():
                 self._tickets[ticket.request_id] = ticket
         self._renewed(RenewReply(reply.lost, reply.replicas, reset=False))
@@ -462,19 +425,16 @@ class ClusterLink:
     # -- the share -------------------------------------------------------------------------------
     def _owns(self, backend: int | None, slot: int | None) -> bool:
         """Slot ``slot`` of backend ``backend`` falls to this replica in LOCAL mode."""
-        dispatcher = self._dispatcher
-        if dispatcher is None or backend is None or slot is None:
+        if backend is None or slot is None:
             return False
-        k = sum(b.slots for b in dispatcher.backends[:backend]) + slot
+        k = sum(b.slots for b in self.dispatcher.backends[:backend]) + slot
         replicas = self.replicas if self.store.replica in self.replicas else (self.store.replica,)
         return k % len(replicas) == replicas.index(self.store.replica)
 
     def _set_free_lists(self, *, shared: bool, share_ready: bool = False) -> None:
         """SHARED: no free slot is the dispatcher's own. LOCAL: the slots of its share it holds
         already (free as they end), and once ``share_ready`` the rest of its share."""
-        dispatcher = self._dispatcher
-        assert dispatcher is not None
-        for index, backend in enumerate(dispatcher.backends):
+        for index, backend in enumerate(self.dispatcher.backends):
             if shared or not share_ready:
                 backend.free = []
             else:
@@ -482,4 +442,4 @@ class ClusterLink:
                     s for s in range(backend.slots - 1, -1, -1) if s not in backend.running and self._owns(index, s)
                 ]
         if not shared:
-            dispatcher.slots_changed()
+            self.dispatcher.slots_changed()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -25,7 +24,6 @@ __all__ = [
     "Placed",
     "RenewReply",
     "ServiceObservation",
-    "SlotStore",
     "StoreUnavailable",
 ]
 
@@ -155,69 +153,24 @@ class ClusterView:
     quiet_s: float  # seconds left of a quiet period after the store lost its state (0: none)
 
 
-class SlotStore(Protocol):
-    """The shared queue and slots. Every call is one atomic step in the store, which ends by
-    granting as many waiting entries as the backends have free slots, in the policy's order."""
-
-    replica: str  # this replica's id
-
-    async def join(self, backends: Sequence[BackendSpec]) -> None:
-        """Register this replica and the pool (raises ``StoreUnavailable``)."""
-        ...
-
-    async def enqueue(self, entry: Entry) -> Placed: ...
-
-    async def cancel(self, request_id: str) -> bool:
-        """Withdraw a waiting entry: False if it was granted already (its grant is on its way)."""
-        ...
-
-    async def release(self, request_id: str, service_s: float | None) -> None:
-        """Give a granted slot back; ``service_s``: the measured seconds (fair share's correction)."""
-        ...
-
-    async def renew(self, held: Sequence[HeldLease]) -> RenewReply:
-        """Heartbeat: extend every held lease (re-take one the store lost while its slot is free)."""
-        ...
-
-    async def resync(self, waiting: Sequence[Entry]) -> None:
-        """Replace this replica's waiting entries by ``waiting`` (after the store lost its state)."""
-        ...
-
-    def messages(self) -> AsyncIterator[Message]:
-        """This replica's grants and notices, as the store pushes them (no polling)."""
-        ...
-
-    async def leave(self) -> None: ...
-
-    async def view(self) -> ClusterView:
-        """The whole cluster as the store holds it (read-only)."""
-        ...
-
-
 class ClusterSide(Protocol):
     """What the dispatcher tells its replica's side of the shared queue (``cluster/replica.py``)."""
 
     def enqueued(self, ticket: Ticket, deadline_in_s: float) -> None:
         """``ticket`` was queued here; ``deadline_in_s``: seconds until its queue deadline (inf: none)."""
-        ...
 
     def withdrawn(self, ticket: Ticket) -> None:
-        """A waiting ticket ended without a slot."""
-        ...
+        """A waiting ticket ended without a slot (its client left, its deadline came, it was refused)."""
 
     def supersede_key(self, ticket: Ticket, tenant: str, key: str) -> None:
         """A queued ticket carries an X-Clairvoyant-Supersede key (told before its entry is sent)."""
-        ...
 
     def slot_freed(self, ticket: Ticket, now: float) -> bool:
         """A granted ticket gave its slot back: True when the dispatcher may grant it again itself."""
-        ...
 
     def pool_changed(self) -> None:
-        """A backend's slot count changed."""
-        ...
+        """A backend's slot count changed (learned after start-up)."""
 
     def rekeyed(self, ticket: Ticket) -> None:
         """A waiting ticket's prediction was refined: its entry is sent again (an enqueue of an id
         the store holds updates it in place)."""
-        ...

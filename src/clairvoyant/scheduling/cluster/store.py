@@ -1,6 +1,6 @@
 """``RedisSlotStore``: the shared queue and slots in Redis, every decision one Lua script.
 
-Each call (join, enqueue, cancel, release, renew, resync, tick, leave) is one ``EVALSHA`` of
+Each call (join, enqueue, cancel, release, renew, resync, leave) is one ``EVALSHA`` of
 grant.lua, which reads Redis's clock (``TIME``), changes what the call changes, reclaims expired
 leases, drops replicas that stopped beating, and ends with the grant step: while a backend has a
 free slot (slots minus live leases) and an entry it serves waits, the policy's next entry gets the
@@ -112,6 +112,7 @@ __all__ = ["ClusterView", "LeaseView", "RedisSlotStore", "ReplicaView", "Waiting
 log = logging.getLogger(__name__)
 
 _SCRIPT = resources.files("clairvoyant.scheduling.cluster").joinpath("grant.lua").read_text(encoding="utf-8")
+TIMEOUT_S = 1.0  # connecting, or a call: slower, and the store is unavailable
 _INF = "1e300"  # what Lua reads as "never" (it cannot parse "inf" portably)
 
 
@@ -201,7 +202,7 @@ def dispatch_order(
 
 
 class RedisSlotStore:
-    """``SlotStore`` on Redis (see the module's docstring). ``url``: a redis:// URL; ``cluster``:
+    """The shared queue and slots (see the module's docstring). ``url``: a redis:// URL; ``cluster``:
     the deployment's name (two deployments may share one Redis); ``replica``: this process's id,
     unique in the cluster; ``lease_s``: seconds a lease lives unrenewed (and a replica unbeating);
     ``poll_s``: the ``BLPOP`` timeout, how soon ``messages()`` notices ``leave``."""
@@ -214,8 +215,6 @@ class RedisSlotStore:
         lease_s: float = 15.0,
         *,
         poll_s: float = 1.0,
-        connect_timeout_s: float = 1.0,
-        call_timeout_s: float = 1.0,
         switch_bound_s: float = 0.0,
     ) -> None:
         if not lease_s > 0:
@@ -233,14 +232,14 @@ class RedisSlotStore:
         # closed (a restart) fails once before the pool notices.
         common: dict[str, Any] = {
             "decode_responses": True,
-            "socket_connect_timeout": connect_timeout_s,
+            "socket_connect_timeout": TIMEOUT_S,
             "retry": Retry(NoBackoff(), 1),
         }
-        self._redis = aioredis.Redis.from_url(url, socket_timeout=call_timeout_s, **common)
+        self._redis = aioredis.Redis.from_url(url, socket_timeout=TIMEOUT_S, **common)
         # BLPOP holds its connection: a client of its own (its calls follow one another, so its pool
         # keeps one connection), with a read timeout beyond poll_s. Not ``single_connection_client``:
         # a BLPOP cancelled there could leave the task hanging in its reconnect.
-        self._blocking = aioredis.Redis.from_url(url, socket_timeout=poll_s + call_timeout_s, **common)
+        self._blocking = aioredis.Redis.from_url(url, socket_timeout=poll_s + TIMEOUT_S, **common)
         self._script = self._redis.register_script(_SCRIPT)
         self._epoch: str | None = None
         self._reset_pending = False
@@ -265,6 +264,7 @@ class RedisSlotStore:
         self._epoch = epoch
 
     async def join(self, backends: Sequence[BackendSpec]) -> None:
+        """Register this replica and the pool (again: the pool changed, or the store lost its state)."""
         args = [str(len(backends))]
         for b in backends:
             if b.slots < 0:
@@ -280,13 +280,16 @@ class RedisSlotStore:
         return Placed(int(ahead), float(ahead_s))
 
     async def cancel(self, request_id: str) -> bool:
+        """Withdraw a waiting entry: False if it was granted already (its grant is on its way)."""
         (withdrawn,) = await self._call("cancel", request_id)
         return withdrawn == "1"
 
     async def release(self, request_id: str, service_s: float | None) -> None:
+        """Give a granted slot back; ``service_s``: the measured seconds (fair share's correction)."""
         await self._call("release", request_id, "" if service_s is None else _num(service_s))
 
     async def renew(self, held: Sequence[HeldLease]) -> RenewReply:
+        """Heartbeat: extend every held lease (re-take one the store lost while its slot is free)."""
         args = [str(len(held))]
         for lease in held:
             args += [lease.request_id, lease.backend, str(lease.slot)]
@@ -298,14 +301,11 @@ class RedisSlotStore:
         return RenewReply(lost=lost, replicas=replicas, reset=reset)
 
     async def resync(self, waiting: Sequence[Entry]) -> None:
+        """Replace this replica's waiting entries by ``waiting`` (after the store lost its state)."""
         args = [str(len(waiting))]
         for entry in waiting:
             args += _entry_args(entry)
         await self._call("resync", *args)
-
-    async def tick(self) -> None:
-        """Reclaim expired leases, drop silent replicas, grant what is free (renew does this too)."""
-        await self._call("tick")
 
     async def leave(self) -> None:
         self._closed = True
