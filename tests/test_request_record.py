@@ -38,8 +38,8 @@ def tickets(draw: st.DrawFn) -> Ticket:
     ticket = Ticket(
         draw(text), draw(st.sampled_from(["/v1/chat/completions", "/api/chat"])), draw(st.sampled_from(["openai", "ollama"])),
         model, prediction, draw(st.integers(0, 10**6)), draw(finite),
-        score=draw(finite), predicted_tokens=draw(finite), predicted_s=draw(finite), bucket=draw(st.integers(0, 9)),
-        cap_tokens=cap_tokens, priority=draw(st.integers(-5, 5)), tenant=draw(text),
+        score=draw(finite), predicted_tokens=draw(finite), predicted_s=draw(finite),
+        priority=draw(st.integers(-5, 5)), tenant=draw(text),
         expires_s=draw(finite | st.just(math.inf)),
     )  # fmt: skip
     ticket.status = draw(st.sampled_from(RequestStatus))

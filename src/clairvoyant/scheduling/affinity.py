@@ -68,6 +68,7 @@ from itertools import islice
 from typing import Any, Generic, Protocol, TypeVar
 
 from clairvoyant.scheduling.job_queue import FairShareQueue, Job, JobQueue, Lane, StarvationGuard, add_counts
+from clairvoyant.scheduling.routing import Backend
 from clairvoyant.scheduling.service_time import FREE_LOAD_S
 
 __all__ = ["FREE_LOAD_S", "SWITCH_RULES", "Lane", "ModelAffinity"]
@@ -461,7 +462,7 @@ class ModelAffinity(JobQueue[T]):
     # -- positions ---------------------------------------------------------------------------------
     def ordered(self, now: float) -> list[Job[T]]:
         """Waiting jobs as a backend that holds nothing would take them (``ordered_for``)."""
-        return self.ordered_for(now, Lane(lambda model: False, lambda model: True, lambda model: math.inf))
+        return self.ordered_for(now, Lane(Backend("", 1), lambda model: math.inf))
 
     def ordered_for(self, now: float, lane: Lane, free_in_s: float = 0.0) -> list[Job[T]]:
         """Waiting jobs in the order ``lane`` would take them if nothing else arrived, its slot free

@@ -63,14 +63,34 @@ T = TypeVar("T")
 _seq = itertools.count()  # process-wide arrival order: ties break the same way in every queue
 
 
+class LaneBackend(Protocol):
+    """What a lane's backend holds and serves (``routing.Backend`` is one)."""
+
+    switched_s: float  # clock seconds of its last switch (since when it holds what it holds)
+
+    def holds(self, model: str | None) -> bool: ...  # it has this model loaded now: no load to pay
+
+    def serves(self, model: str | None) -> bool: ...  # it may run this model at all
+
+
 @dataclass(frozen=True, slots=True)
 class Lane:
     """One backend with a free slot, as the affinity rule (and any queue's ``pop_for``) sees it."""
 
-    holds: Callable[[str | None], bool]  # it has this model loaded now: no load to pay
-    serves: Callable[[str | None], bool]  # it may run this model at all
+    backend: LaneBackend
     load_s: Callable[[str | None], float]  # predicted seconds it takes to load a model it does not hold
-    switched_s: float = -math.inf  # clock seconds of its last switch (since when it holds what it holds)
+
+    @property
+    def holds(self) -> Callable[[str | None], bool]:
+        return self.backend.holds
+
+    @property
+    def serves(self) -> Callable[[str | None], bool]:
+        return self.backend.serves
+
+    @property
+    def switched_s(self) -> float:
+        return self.backend.switched_s
 
 
 @dataclass(slots=True, eq=False)
@@ -83,8 +103,6 @@ class Job(Generic[T]):
     score: float = 0.0  # the predictor's queue key: unitless, lower = sooner (paper SJF)
     predicted_tokens: float = 0.0  # predicted output tokens (already capped by cap_tokens)
     predicted_s: float = 1.0  # predicted service seconds (service-time model), > 0
-    bucket: int = 0  # prediction bucket, for bucket-conditioned boosts (see policy.Boost)
-    cap_tokens: int | None = None  # the client's max_tokens / num_predict, if any
     priority: int = 0  # client priority class, already clamped; lower = sooner
     tenant: str = ""  # who sent it (fair share); "" = the default tenant
     model: str | None = None  # the model it asks for (model affinity); None = the backend's default

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from clairvoyant.scheduling.affinity import ModelAffinity
-from clairvoyant.scheduling.boost import BoostTable
+from clairvoyant.scheduling.boost import BoostTable, bucket_for
 from clairvoyant.scheduling.job_queue import FairShareQueue, HeapQueue, Job, JobQueue, ScanQueue, StarvationGuard
 from clairvoyant.scheduling.slowdown import SlowdownRule
 
@@ -108,13 +108,13 @@ class BoostPolicy:
     name: str = "boost"
 
     def key(self, job: Job[Any]) -> tuple[int, float]:
-        return job.priority, job.arrival_s - self.table.boost(job.bucket, job.predicted_s)
+        return job.priority, job.arrival_s - self.table.boost(bucket_for(job.predicted_s), job.predicted_s)
 
     def make_queue(self) -> JobQueue[Any]:
         return _NotingHeap(self.key, self.table)
 
     def observe(self, job: Job[Any], measured_s: float) -> None:
-        self.table.observe(job.bucket, measured_s)
+        self.table.observe(bucket_for(job.predicted_s), measured_s)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, **self.table.describe()}

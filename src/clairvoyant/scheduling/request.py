@@ -137,15 +137,12 @@ class Ticket(Job["Ticket"]):
         score: float = 0.0,
         predicted_tokens: float = 0.0,
         predicted_s: float = 1.0,
-        bucket: int = 0,
-        cap_tokens: int | None = None,
         priority: int = 0,
         tenant: str = "",
         expires_s: float = math.inf,  # clock seconds from which it must not be sent (its queue deadline)
     ) -> None:
         Job.__init__(
-            self, self, arrival_s, score, predicted_tokens, predicted_s, bucket, cap_tokens, priority, tenant, model,
-            expires_s,
+            self, self, arrival_s, score, predicted_tokens, predicted_s, priority, tenant, model, expires_s
         )  # fmt: skip
         self.given_id = given_id
         self.endpoint = endpoint
@@ -219,6 +216,8 @@ class Ticket(Job["Ticket"]):
             out["prediction_tokens"] = prediction.predicted_tokens
             out["prediction_prior_log_tokens"] = prediction.prior_log_tokens
             out["prediction_feature_row"] = prediction.feature_row.hex()
+            if prediction.cap_tokens is not None:
+                out["prediction_cap_tokens"] = prediction.cap_tokens
             if prediction.probabilities is not None:
                 out["prediction_probabilities"] = ",".join(map(repr, prediction.probabilities))
         return out
@@ -238,7 +237,7 @@ class Ticket(Job["Ticket"]):
                 float(data["prediction_score"]), float(data["prediction_tokens"]),
                 tuple(float(p) for p in probabilities.split(",")) if probabilities else None,  # type: ignore[arg-type]
                 float(data["prediction_prior_log_tokens"]), bytes.fromhex(str(data["prediction_feature_row"])),
-                ticket.model, ticket.cap_tokens,
+                ticket.model, int(data["prediction_cap_tokens"]) if "prediction_cap_tokens" in data else None,
             )  # fmt: skip
         return ticket
 
@@ -267,7 +266,7 @@ def _bool(value: str | int | float) -> bool:
 _FIELDS: dict[str, Reader] = {
     "given_id": str, "endpoint": str, "dialect": str, "model": str, "tenant": str, "seq": int, "status": lambda v:
     RequestStatus(int(v)), "arrival_s": float, "expires_s": float, "deadline_s": float, "score": float,
-    "predicted_tokens": float, "predicted_s": float, "bucket": int, "cap_tokens": int, "priority": int,
+    "predicted_tokens": float, "predicted_s": float, "priority": int,
     "prompt_tokens": int, "waiting": _bool, "held_back": _bool, "ended": _bool, "grants_before_arrival": int,
 }  # fmt: skip
 _PLACEMENT_FIELDS: dict[str, Reader] = {
