@@ -1,34 +1,14 @@
-"""The waiting queue is the policy unit (the shape of vLLM's ``RequestQueue``).
+"""The waiting queue is the policy unit (the shape of vLLM's ``RequestQueue``): every queue here
+has the interface ``JobQueue``, and a ``pop`` says whether a starvation rule, not the policy's
+order, chose the job (``promoted``).
 
-Every queue here has the same small interface (``JobQueue``):
-
-    push(job)            queue a job (its key, if any, is computed now, and again only at rekeyed)
-    remove(job) -> bool  withdraw a waiting job (its client left); False if it was not waiting
-    pop(now)  -> (job, promoted) | None    the next job to dispatch at ``now``
-    done(job)            a popped job has left the backend (finished, failed, or never ran)
-    rekeyed(job)         a waiting job's prediction changed: order it by its new fields
-    peek(now) -> (job, promoted) | None    what ``pop(now)`` would return, without removing it
-    len(q), iter(q)      waiting jobs (iteration order unspecified; ``ordered(now)`` is dispatch order)
-
-``promoted`` is True when a starvation rule, not the policy's order, chose the job.
-
-Implementations:
-
-- ``HeapQueue``: a min-heap of ``(key, seq, job)`` for keys fixed at push (fcfs, sjf, gamma-boost,
-  priority tuples). O(log n) push and pop; removal is lazy in the heap and the heap is rebuilt
-  when dead entries outnumber live ones, so memory stays bounded.
+- ``HeapQueue``: keys fixed at push (fcfs, sjf, gamma-boost). O(log n) push and pop.
 - ``ScanQueue``: priorities that change with time (HRRN). ``pop`` scans every waiting job: O(n),
   about 0.4 ms at 1,000 waiting requests (benchmarks/bench_queue_cost.py prints the measured cost).
-- ``StarvationGuard``: a wrapper any queue can wear. A job past its deadline
-  (``timeout_s + slowdown x predicted_s`` of waiting, on the guard's clock) goes before any later
-  arrival, whatever the inner order (oldest overdue first). Bound: once a job is overdue no job
-  that arrived after it is dispatched before it. Jobs that arrived at the same instant stay in
-  policy order (a burst is not FIFO).
-- ``FairShareQueue``: one inner queue (policy + guard) per tenant; the next tenant is the one that
-  has received the least predicted service *seconds* while active (start-time fair queuing), so a
-  tenant's batch of 500 requests cannot starve another tenant's interactive ones. Each tenant's
-  guard runs on the *share clock* (wall seconds / tenants waiting): it bounds waiting inside the
-  tenant in the tenant's own share of the backend, and fair share bounds waiting across tenants.
+- ``StarvationGuard``: a wrapper any queue can wear: an overdue job goes before any later arrival.
+- ``FairShareQueue``: one inner queue (policy + guard) per tenant, shared in predicted service
+  seconds (start-time fair queuing), so a tenant's batch of 500 requests cannot starve another
+  tenant's interactive ones.
 
 Synchronous and clock-free: callers pass ``now`` in, so the proxy (monotonic clock) and the
 discrete-event simulator (virtual time) drive this very code. Capacity limits and HTTP errors are
@@ -40,8 +20,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import operator
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -53,6 +32,7 @@ __all__ = [
     "Job",
     "JobQueue",
     "Lane",
+    "LaneBackend",
     "ScanQueue",
     "StarvationGuard",
     "add_counts",
@@ -154,7 +134,7 @@ class JobQueue(Protocol[T]):
     def take_now(self, job: Job[T], now: float) -> None:
         """``push(job)`` then ``pop(now)``, which gives ``job``, when no job waits: the same state,
         without the work (a request that finds a slot free and nobody waiting)."""
-        ...
+        job.waiting = False
 
     def done(self, job: Job[T]) -> None:
         """A job this queue popped has left the backend (finished, failed, or was never run)."""
@@ -235,9 +215,6 @@ class HeapQueue(JobQueue[T]):
         heapq.heappush(self._heap, self._entry(job))
         self._live += 1
 
-    def take_now(self, job: Job[T], now: float) -> None:
-        job.waiting = False  # pushed and popped: the heap is as it was
-
     def _entry(self, job: Job[T]) -> tuple[Any, ...]:
         key = self.key(job)
         return (*key, job.seq, job) if type(key) is tuple else (key, job.seq, job)
@@ -282,15 +259,12 @@ class HeapQueue(JobQueue[T]):
         return [entry[-1] for entry in sorted(e for e in self._heap if e[-1].waiting)]
 
     def sort_key(self, job: Job[T], now: float) -> tuple[Any, int]:
-        """The job's place in this queue's order (lower = sooner)."""
         return self.key(job), job.seq
 
     def retained(self) -> dict[str, int]:
         return {"queue_entries": len(self._heap)}
 
     def reset(self) -> bool:
-        """With no job waiting, drop the entries removed jobs left behind: the queue is as new.
-        False (and nothing changed) if a job is waiting."""
         if self._live:
             return False
         self._heap.clear()
@@ -322,9 +296,6 @@ class ScanQueue(JobQueue[T]):
         del self._jobs[job.seq]
         return True
 
-    def take_now(self, job: Job[T], now: float) -> None:
-        job.waiting = False
-
     def peek(self, now: float) -> tuple[Job[T], bool] | None:
         if not self._jobs:
             return None
@@ -345,15 +316,13 @@ class ScanQueue(JobQueue[T]):
         return sorted(self._jobs.values(), key=lambda j: (rank(j, now), j.seq))
 
     def sort_key(self, job: Job[T], now: float) -> tuple[Any, int]:
-        """The job's place in this queue's order at ``now`` (lower = sooner)."""
         return self.rank(job, now), job.seq
 
     def retained(self) -> dict[str, int]:
         return {"queue_entries": len(self._jobs)}
 
     def reset(self) -> bool:
-        """True if no job is waiting: the queue is then as new (it keeps nothing else)."""
-        return not self._jobs
+        return not self._jobs  # it keeps nothing else
 
 
 class StarvationGuard(JobQueue[T]):
@@ -378,13 +347,7 @@ class StarvationGuard(JobQueue[T]):
     O(log n) plus the size of a same-instant group of overdue jobs (capped at 64).
     """
 
-    def __init__(
-        self,
-        inner: JobQueue[T],
-        timeout_s: float,
-        slowdown: float | SlowdownRule = 0.0,
-        clock: Callable[[float], float] | None = None,
-    ) -> None:
+    def __init__(self, inner: JobQueue[T], timeout_s: float, slowdown: float | SlowdownRule = 0.0) -> None:
         if not timeout_s > 0:
             raise ValueError("timeout_s must be > 0 (math.inf disables it)")
         if isinstance(slowdown, (int, float)) and not slowdown >= 0:
@@ -392,7 +355,7 @@ class StarvationGuard(JobQueue[T]):
         self.inner = inner
         self.timeout_s = timeout_s
         self.slowdown = slowdown
-        self.clock = clock  # wall seconds -> the guard's seconds (None: the wall clock itself)
+        self.clock: Callable[[float], float] | None = None  # wall seconds -> the guard's (None: the wall clock)
         # Both heaps are lazy: popped or removed jobs linger until they surface or a compaction.
         self._pending: list[Job[T]] = []  # not yet overdue, by deadline (``Job.__lt__``)
         self._overdue: list[tuple[float, int, Job[T]]] = []  # (arrival_s, seq, job), overdue
@@ -402,15 +365,6 @@ class StarvationGuard(JobQueue[T]):
 
     def __iter__(self) -> Iterator[Job[T]]:
         return iter(self.inner)
-
-    def slowdown_now(self) -> float:
-        """The slowdown factor for a job queued now (fixed, or the rule's current value)."""
-        s = self.slowdown
-        return float(s) if isinstance(s, (int, float)) else s.value()
-
-    def deadline_s(self, job: Job[T]) -> float:
-        """The guard-clock reading after which ``job`` is overdue (fixed when it was pushed)."""
-        return job.deadline_s
 
     def _clock_s(self, now: float) -> float:
         return now if self.clock is None else self.clock(now)
@@ -433,8 +387,10 @@ class StarvationGuard(JobQueue[T]):
         self.inner.take_now(job, now)
 
     def _new_deadline_s(self, job: Job[T]) -> float:
+        slowdown = self.slowdown  # fixed, or the rule's value now
+        factor = float(slowdown) if isinstance(slowdown, (int, float)) else slowdown.value()
         # Summed left to right as before the clock existed: wall-clock deadlines are bit-identical.
-        return self._clock_s(job.arrival_s) + self.timeout_s + self.slowdown_now() * job.predicted_s
+        return self._clock_s(job.arrival_s) + self.timeout_s + factor * job.predicted_s
 
     def remove(self, job: Job[T]) -> bool:
         removed = self.inner.remove(job)
@@ -613,18 +569,12 @@ class FairShareQueue(JobQueue[T]):
     P_A + P_max <= 2 x P_max predicted seconds.
     """
 
-    def __init__(
-        self,
-        make_queue: Callable[[], JobQueue[T]],
-        tenant_of: Callable[[Job[T]], Hashable] | None = None,
-        weight_of: Callable[[Hashable], float] | None = None,
-    ) -> None:
+    def __init__(self, make_queue: Callable[[], JobQueue[T]], weight_of: Callable[[str], float] | None = None) -> None:
         self.make_queue = make_queue
-        self.tenant_of: Callable[[Job[T]], Hashable] = tenant_of or operator.attrgetter("tenant")
         # A tenant of weight w is charged predicted_s / w: it gets w times the backend seconds of a
         # weight-1 tenant (weighted fair queuing). The share clock still divides by the count.
         self.weight_of = weight_of or (lambda tenant: 1.0)
-        self._tenants: dict[Hashable, _Tenant[T]] = {}  # active tenants (waiting or in service)
+        self._tenants: dict[str, _Tenant[T]] = {}  # active tenants (waiting or in service)
         self._spare: list[_Tenant[T]] = []  # retired tenants whose queues were reset to as-new
         self._waiting_tenants = 0  # active tenants with a request waiting (k of the share clock)
         self._live = 0
@@ -650,7 +600,7 @@ class FairShareQueue(JobQueue[T]):
         return counts
 
     @property
-    def tenants(self) -> dict[Hashable, float]:
+    def tenants(self) -> dict[str, float]:
         """Active tenants (waiting or in service) and their start tags in predicted seconds."""
         return {name: t.served_s for name, t in self._tenants.items()}
 
@@ -659,30 +609,25 @@ class FairShareQueue(JobQueue[T]):
         requests waiting (1 s per second with one or none). ``now`` before the last update counts
         as the last update. A withdrawal (``remove``) takes effect from the last push or pop, which
         can only make the clock run faster (deadlines come sooner, never later)."""
-        if self.clock is not None:
-            now = self.clock(now)
+        now = now if self.clock is None else self.clock(now)
+        return max(now, self._share_at_s) - self._lag_s(now)
+
+    def _lag_s(self, now: float) -> float:
+        """Wall seconds minus share seconds at ``now`` (on the set clock)."""
         k = self._waiting_tenants
-        lag_s = self._share_lag_s
         if k > 1 and now > self._share_at_s:
-            lag_s += (now - self._share_at_s) * (1.0 - 1.0 / k)
-        return (now if now > self._share_at_s else self._share_at_s) - lag_s
+            return self._share_lag_s + (now - self._share_at_s) * (1.0 - 1.0 / k)
+        return self._share_lag_s
 
     def _tick(self, now: float) -> None:
         """Fold the share clock up to ``now`` (before the number of waiting tenants changes)."""
-        if self.clock is not None:
-            now = self.clock(now)
+        now = now if self.clock is None else self.clock(now)
         if now > self._share_at_s and math.isfinite(now):  # pop(math.inf) drains at shutdown
-            k = self._waiting_tenants
-            if k > 1:
-                self._share_lag_s += (now - self._share_at_s) * (1.0 - 1.0 / k)
-            self._share_at_s = now
+            self._share_lag_s, self._share_at_s = self._lag_s(now), now
 
     def push(self, job: Job[T]) -> None:
         self._tick(job.arrival_s)
-        name = self.tenant_of(job)
-        tenant = self._tenants.get(name)
-        if tenant is None:
-            tenant = self._tenants[name] = self._activate(name)
+        tenant = self._active(job.tenant)
         if not tenant.waiting:
             self._waiting_tenants += 1
             tenant.served_s = max(tenant.served_s, self._virtual_s)  # in service only: keeps its tag
@@ -697,18 +642,21 @@ class FairShareQueue(JobQueue[T]):
         # Push's tick, then pop's, come to pop's alone: with no tenant waiting the share clock runs
         # at the wall clock's (or the set clock's) pace, so only the later reading counts.
         self._tick(now)
-        name = self.tenant_of(job)
-        tenant = self._tenants.get(name)
-        if tenant is None:
-            tenant = self._tenants[name] = self._activate(name)
+        tenant = self._active(job.tenant)
         tenant.served_s = max(tenant.served_s, self._virtual_s)  # in service only: keeps its tag
         tenant.queue.take_now(job, now)
         self._virtual_s = tenant.served_s
         tenant.served_s += job.predicted_s / tenant.weight
         tenant.in_flight.add(job.seq)
 
-    def _activate(self, name: Hashable) -> _Tenant[T]:
-        """A tenant that becomes active: a spare one's queues (as new), else new ones."""
+    def _active(self, name: str) -> _Tenant[T]:
+        """The tenant ``name``, made active if it is not: a spare one's queues (as new), else new ones."""
+        tenant = self._tenants.get(name)
+        if tenant is None:
+            tenant = self._tenants[name] = self._activate(name)
+        return tenant
+
+    def _activate(self, name: str) -> _Tenant[T]:
         weight = self.weight_of(name)
         if self._spare:
             tenant = self._spare.pop()
@@ -731,21 +679,21 @@ class FairShareQueue(JobQueue[T]):
         self._share_at_s = -math.inf
         return True
 
-    def _retire(self, name: Hashable, tenant: _Tenant[T]) -> None:
+    def _retire(self, name: str, tenant: _Tenant[T]) -> None:
         """``tenant`` has nothing waiting and nothing in service: no longer active."""
         del self._tenants[name]
         if len(self._spare) < _SPARE_TENANTS:
             if tenant.queue.reset():
                 self._spare.append(tenant)  # in_flight is empty, waiting 0
 
-    def _emptied(self, name: Hashable, tenant: _Tenant[T]) -> None:
+    def _emptied(self, name: str, tenant: _Tenant[T]) -> None:
         """``tenant``'s last waiting job left the queue."""
         self._waiting_tenants -= 1
         if not tenant.in_flight:
             self._retire(name, tenant)
 
     def remove(self, job: Job[T]) -> bool:
-        name = self.tenant_of(job)
+        name = job.tenant
         tenant = self._tenants.get(name)
         if tenant is None or not tenant.queue.remove(job):
             return False
@@ -757,18 +705,18 @@ class FairShareQueue(JobQueue[T]):
 
     def repriced(self, job: Job[T], old_predicted_s: float) -> None:
         """Its tenant was charged ``old_predicted_s`` at the pop: charge the true prediction."""
-        name = self.tenant_of(job)
+        name = job.tenant
         tenant = self._tenants.get(name)
         if tenant is not None and job.seq in tenant.in_flight:
             tenant.served_s += (job.predicted_s - old_predicted_s) / tenant.weight
 
     def rekeyed(self, job: Job[T]) -> None:
-        tenant = self._tenants.get(self.tenant_of(job))
+        tenant = self._tenants.get(job.tenant)
         if tenant is not None:
             tenant.queue.rekeyed(job)  # tenants are charged at the pop, from the job's fields then
 
     def done(self, job: Job[T]) -> None:
-        name = self.tenant_of(job)
+        name = job.tenant
         tenant = self._tenants.get(name)
         if tenant is None or job.seq not in tenant.in_flight:
             return  # not one of ours in service (or reported twice)
@@ -777,7 +725,7 @@ class FairShareQueue(JobQueue[T]):
         if not tenant.in_flight and not tenant.waiting:
             self._retire(name, tenant)
 
-    def _choose(self, now: float) -> tuple[Hashable, Job[T], bool, tuple[Job[T], bool]] | None:
+    def _choose(self, now: float) -> tuple[str, Job[T], bool, tuple[Job[T], bool]] | None:
         """The tenant to serve, its head job, whether a starvation rule chose it, and its queue's
         ``peek(now)`` (for ``StarvationGuard.take``)."""
         if self._waiting_tenants == 1:  # one tenant waiting: its head, its own class the best

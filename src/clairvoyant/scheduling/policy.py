@@ -206,7 +206,7 @@ def build_queue(
         if not fair_share:
             return one()
         weights = tenant_weights or {}
-        return FairShareQueue(one, weight_of=lambda tenant: weights.get(str(tenant), 1.0))
+        return FairShareQueue(one, weight_of=lambda tenant: weights.get(tenant, 1.0))
 
     if model_switch_bound_s == 0 or policy.name == "fcfs":
         return shared()
