@@ -9,40 +9,27 @@ A scheduled request's life, all of it visible here:
 
 Dispatching is one synchronous step, ``_pump``, run when work arrives, a slot frees or a backend
 comes back (coalesced to once per event-loop turn, so a burst that arrives together is ordered by
-the policy before the first of it is dispatched). It takes the policy's next request and routes it
-(scheduling/routing.py) to a backend with a free slot: the route is decided at dispatch, with the
-freshest state. A request whose model only busy backends serve is held back (in the order the
-policy chose it) until one of them frees a slot; it goes before anything still in the queue.
-A request that finds a free slot and nobody waiting has no order to decide: ``dispatch_at_once``
-grants it before its prediction (the proxy predicts it while the backend works).
+the policy before the first of it is dispatched). It routes the policy's next request
+(scheduling/routing.py) at dispatch, with the freshest state. A request whose model only busy
+backends serve is held back, first in line, until one of them frees a slot.
 
 Invariants, each enforced in this file:
 - never more leases on a backend than its slots; a slot is granted only to a waiting ticket;
-- every ticket leaves the system exactly once: ``lease.__aexit__`` either withdraws it from the
-  queue (client left or cancelled while waiting) or releases its slot, and ``_end`` is idempotent;
+- every ticket leaves exactly once: ``_end`` (idempotent) withdraws it or releases its slot;
 - a request whose backend refused the connection (nothing was sent) may be rerouted once per
   refusal: its slot is given back and it waits first in line for another healthy backend;
+- nothing is sent at or after its queue deadline (``Job.expires_s``);
 - detached tasks are strongly referenced and their failures logged.
 
-The service-time model and the policy learn from each completed lease (measured service seconds).
-
-Model switches (scheduling/affinity.py): with a ``ModelAffinity`` queue the dispatch step tells the
-queue what each backend with a free slot holds (``Lane``), and the queue picks the request. A request
-sent to a backend that does not hold its model is charged that backend's learned load
-(``Placement.switch_load_s``: in its ETA and its tenant's fair share, never in the service-time model's
-inputs), and a switch from another model counts in ``clairvoyant_model_switches_total``. The load
-is learned from Ollama's ``load_duration`` (``Usage.load_s``) or, for other backends, from the
-first-byte delay of a streamed answer that followed a switch (``first_byte``).
-
-Queue deadlines (``Job.expires_s``): a ticket whose deadline comes while it waits is withdrawn and
-refused at once (``QueueDeadline``), by ``expire`` (run first by the dispatch step, and by a timer at
-the soonest deadline); it is never sent after its deadline.
+The service-time model and the policy learn from each completed lease. A request sent to a backend
+that does not hold its model (scheduling/affinity.py) is charged that backend's learned load
+(``Placement.switch_load_s``: in its ETA and its tenant's fair share, never in the service-time
+model's inputs), learned from Ollama's ``load_duration`` or else from the first byte (``first_byte``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import functools
 import heapq
 import itertools
@@ -90,13 +77,6 @@ SHUTDOWN_RETRY_AFTER_S = 5  # a restarted proxy is usually back within seconds
 _FINISHED = RequestStatus.COMPLETED  # the first finished status
 
 
-class _AsNow(enum.Enum):
-    AS_NOW = 0  # a backend holds what it holds now (not yet played forward)
-
-
-_AS_NOW = _AsNow.AS_NOW
-
-
 def remainder_s(ticket: Ticket, now: float, slowness: float = 1.0) -> float:
     """Predicted seconds an in-flight request still holds its slot.
 
@@ -140,18 +120,15 @@ def _deadline_error(ticket: Ticket, retry_in_s: float) -> QueueDeadline:
 
 @dataclass(slots=True)
 class Lease:
-    """A held slot. ``completed`` is set by the relay when the backend's answer ended normally
-    (only those durations teach the service-time model)."""
-
     ticket: Ticket
-    completed: bool = False
+    completed: bool = False  # the answer ended normally (only those durations teach the service-time model)
     usage: Usage | None = None  # what the backend reported producing (None: not read)
 
 
 @dataclass(frozen=True, slots=True)
 class QueueLimits:
-    """How many requests may wait, and after how long a waiting one is overdue (its starvation
-    guard's bound: ``starvation_timeout_s + slowdown * predicted_s``)."""
+    """How many requests may wait; a waiting one is overdue after ``starvation_timeout_s +
+    starvation_slowdown * predicted_s``."""
 
     max_queue: int
     min_retry_after_s: int = 1  # the least Retry-After of a full queue's refusal
@@ -161,34 +138,31 @@ class QueueLimits:
 
 @dataclass(slots=True)
 class ClusterHooks:
-    """What replicas hook into (scheduling/cluster/). With ``side`` set the shared store grants the
-    slots, and the backends' free lists hold only what this replica may grant itself (none while
-    shared)."""
+    """With replicas (scheduling/cluster/): with ``side`` set the shared store grants the slots,
+    and the backends' free lists hold only what this replica may grant itself."""
 
     side: ClusterSide | None = None
-    # Told each completed request's service-time observation (replicas share them: cluster/observations.py).
+    # Told each completed request's service-time observation (replicas share them).
     on_observed: Callable[[ServiceObservation], None] | None = None
 
 
 @dataclass(slots=True, eq=False)
 class DispatchStats:
-    """What the dispatcher counts: slot grants (a ticket's queue position is a difference of
-    these), service-time observations, entries into each status, each backend's in-flight gauge and
-    switch counter (looked up once: a ``labels()`` lookup per request costs µs), and the last
-    finished requests for /queue's timeline."""
+    """What the dispatcher counts. Each backend's gauge and counter is looked up once (a
+    ``labels()`` lookup per request costs µs)."""
 
-    status: list[int]  # by ``RequestStatus`` value (``status_counts``)
+    status: list[int]  # entries into each status, by ``RequestStatus`` value (``status_counts``)
     in_flight: list[Any]  # per backend
     switches: list[Any]  # per backend
-    grants: int = 0
-    observed: int = 0
+    grants: int = 0  # slots granted so far (a ticket's queue position is a difference of these)
+    observed: int = 0  # service-time observations
     # (ticket, ended clock seconds, outcome, output tokens or None), newest last
     recent: deque[tuple[Ticket, float, str, int | None]] = field(default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
 
 
 class _Life:
-    """The dispatcher on the event loop: started, closing, the dispatch step it has scheduled, the
-    shutdown's grace timer and its detached tasks (referenced until done, failures logged)."""
+    """The dispatcher on the event loop: started, closing, its scheduled dispatch step, the
+    shutdown's grace timer and its detached tasks."""
 
     __slots__ = ("started", "closing", "pump_scheduled", "grace_timer", "tasks", "cancel_at_stop")
 
@@ -214,7 +188,7 @@ class _Life:
 
 
 class _Deadlines:
-    """Waiting tickets with a queue deadline, and one timer at the soonest (re-armed when a sooner one comes)."""
+    """Waiting tickets with a queue deadline, and one timer at the soonest."""
 
     __slots__ = ("expiry", "timer", "timer_s")
 
@@ -359,21 +333,20 @@ class Dispatcher:
         record = self.backends[backend]
         if loaded is not None:
             record.report(loaded)
-        if record.healthy != healthy:
-            record.healthy = healthy
-            self.metrics.backend_healthy.labels(record.name).set(1 if healthy else 0)
-            logger.log(
-                logging.INFO if healthy else logging.WARNING,
-                "backend %s is %s",
-                record.name,
-                "healthy again"
-                if healthy
-                else "unhealthy: skipped while another backend serves its requests"
+        if record.healthy == healthy:
+            return
+        record.healthy = healthy
+        self.metrics.backend_healthy.labels(record.name).set(1 if healthy else 0)
+        if healthy:
+            logger.info("backend %s is healthy again", record.name)
+            self._schedule_pump()
+        else:
+            fallback = (
+                "skipped while another backend serves its requests"
                 if len(self.backends) > 1
-                else "unhealthy: its requests wait for it",
+                else "its requests wait for it"
             )
-            if healthy:
-                self._schedule_pump()
+            logger.warning("backend %s is unhealthy: %s", record.name, fallback)
 
     def resize(self, backend: int, slots: int) -> None:
         """The backend runs ``slots`` requests at once from now on (learned after start-up, e.g.
@@ -454,12 +427,9 @@ class Dispatcher:
             )
 
     def submit(self, ticket: Ticket) -> None:
-        """Queue a ticket (its own job record, its predicted fields filled in).
-
-        Raises ``ShuttingDown`` after ``stop``, ``ModelNotServed`` when no backend serves its model,
-        ``QueueFull`` at capacity (``check_room``), and ``QueueDeadline`` when its ETA is already past
-        its queue deadline (it is not queued: answered at once, never sent).
-        """
+        """Queue a ticket, its predicted fields filled in. Raises ``ShuttingDown``,
+        ``ModelNotServed``, ``QueueFull`` (``check_room``), and ``QueueDeadline`` when its ETA is
+        already past its queue deadline (it is not queued: answered at once, never sent)."""
         self.check_room()
         self._check_model(ticket.model)
         self.queue.push(ticket)
@@ -485,10 +455,8 @@ class Dispatcher:
     def dispatch_at_once(self, ticket: Ticket) -> bool:
         """Grant ``ticket`` a slot now, before its prediction, when a backend for it has a free
         slot and nobody waits: there is no order to decide. False otherwise (then predict it and
-        ``submit``). Raises ``ShuttingDown`` and ``QueueFull`` as ``submit`` does, and
-        ``ModelNotServed`` when nobody waits and no backend serves its model (else ``submit``
-        raises it). The caller predicts while the backend works, fills in the ticket's predicted
-        fields and calls ``predicted_at_once``."""
+        ``submit``). Raises as ``submit`` does. The caller predicts while the backend works, fills
+        in the ticket's predicted fields and calls ``predicted_at_once``."""
         waiting = self.waiting
         if self._life.closing or waiting >= self.limits.max_queue:
             self.check_room()  # raises
@@ -569,11 +537,8 @@ class Dispatcher:
 
     def lease(self, ticket: Ticket) -> _LeaseScope:
         """``async with dispatcher.lease(ticket) as lease``: wait for the ticket's turn, hold its
-        slot for the block, then give it back exactly once.
-
-        Raises what refused the ticket (``ShuttingDown``). Cancel-safe: cancelled while waiting,
-        the ticket is withdrawn and never sent.
-        """
+        slot for the block, then give it back exactly once. Raises what refused the ticket.
+        Cancel-safe: cancelled while waiting, the ticket is withdrawn and never sent."""
         return _LeaseScope(self, ticket)
 
     def end(self, ticket: Ticket, *, completed: bool = False, usage: Usage | None = None) -> None:
@@ -582,13 +547,11 @@ class Dispatcher:
         self._end(ticket, Lease(ticket, completed, usage) if completed or usage is not None else None)
 
     def first_byte(self, ticket: Ticket, *, streamed: bool, at_s: float | None = None) -> None:
-        """The backend's first byte of ``ticket``'s answer has arrived (call once, from the relay;
-        ``at_s``: when it arrived, on this dispatcher's clock; default now). A streamed answer's
-        delay since dispatch teaches the backend's load cost: after a switch, its excess over the
-        backend's usual first-byte delay (which it then counts as the load this answer paid);
-        otherwise it updates that usual delay. Ignored for an answer that is not streamed (its first
-        byte comes after the whole answer) and for Ollama, whose ``load_duration`` (``Usage.load_s``,
-        at the end) is exact."""
+        """The first byte of ``ticket``'s answer arrived at ``at_s`` (default now). A streamed
+        answer's delay since dispatch teaches the backend's load cost: after a switch, its excess
+        over the backend's usual first-byte delay (then the load this answer paid); otherwise that
+        usual delay. Ignored for an answer not streamed (its first byte comes after the whole
+        answer) and for Ollama, whose ``load_duration`` (``Usage.load_s``) is exact."""
         placement = ticket.placement
         if not streamed or placement is None or placement.backend is None or placement.load == Load.UNKNOWN:
             return  # (the first request a backend gets may have paid a load of unknown origin: no baseline)
@@ -735,10 +698,8 @@ class Dispatcher:
             )
 
     def _save_state(self) -> None:
-        try:
-            self.service_time.save()
-        except OSError as exc:
-            logger.warning("cannot save the service-time state: %s", exc)
+        if self.service_time.path is not None:
+            self._write_state(self.service_time.path, self.service_time.snapshot())
 
     @staticmethod
     def _write_state(path: Path, state: dict[str, Any]) -> None:
@@ -750,9 +711,8 @@ class Dispatcher:
     def run_detached(
         self, coro: Coroutine[Any, Any, Any], name: str, *, cancel_at_stop: bool = False
     ) -> asyncio.Task[Any]:
-        """Run ``coro`` as a tracked background task (state saves, health checks), cancelled by
-        ``stop``. ``stop`` lets the others finish within its grace period; a ``cancel_at_stop``
-        task (a periodic loop, a wait for the backend) is cancelled at once."""
+        """Run ``coro`` as a tracked background task, which ``stop`` lets finish within its grace
+        period; a ``cancel_at_stop`` one (a periodic loop, a wait for the backend) it cancels at once."""
         return self._life.run(coro, name, cancel_at_stop)
 
     # -- dispatch ----------------------------------------------------------------------------
@@ -854,22 +814,19 @@ class Dispatcher:
 
     def etas(self, now: float) -> tuple[list[tuple[Job[Ticket], float]], float]:
         """Waiting jobs in dispatch order (held back first) with the predicted seconds until each
-        is dispatched, and the predicted seconds until the last of them is dispatched (the first
-        slot to free, with nobody waiting).
+        is dispatched, and until the last of them is (with nobody waiting: the first slot to free).
 
-        The dispatch is played forward as routing does it: each job, in order, takes the first slot
-        to free among the backends that serve its model (the healthy ones, or all of them when none
-        is healthy), and holds it for its predicted seconds times that backend's measured slowness,
-        plus the backend's learned load when the job's model is not the one it holds (then it holds
-        that one). With a model-affinity queue and one backend the order is the affinity rule
-        replayed for it (``ModelAffinity.ordered_for``). Routing's model-loaded preference and its
-        ties are not played: an ETA is an estimate."""
+        Played forward as routing does it: each job takes the first slot to free among the backends
+        that serve its model (the healthy ones, or all when none is), and holds it for its predicted
+        seconds times that backend's slowness, plus the backend's learned load when the job's model
+        is not the one it holds. With one backend the order is the queue's for it (``ordered_for``:
+        the affinity rule replayed). Routing's model-loaded preference and its ties are not played."""
         heaps = self._slot_free_in_s(now)
         healthy = [i for i, b in enumerate(self.backends) if b.healthy]
         usable = healthy or list(range(len(self.backends)))
         # per model: (heap, slowness, index) of each backend it may take
         by_model: dict[str | None, list[tuple[list[float], float, int]]] = {}
-        holding: list[str | None | _AsNow] = [_AS_NOW] * len(self.backends)  # as played forward
+        holding: dict[int, str | None] = {}  # backend index -> the model it holds, as played forward
         out = []
         heapreplace = heapq.heapreplace
         if len(self.backends) == 1:
@@ -886,9 +843,9 @@ class Dispatcher:
             heap, slowness, index = choices[0] if len(choices) == 1 else min(choices, key=lambda c: c[0][0])
             start = heap[0]
             busy_s = job.predicted_s * slowness
-            held = holding[index]
             backend = self.backends[index]
-            if not (backend.holds(model) if held is _AS_NOW else held == model) and backend.last_model is not None:
+            holds = holding[index] == model if index in holding else backend.holds(model)
+            if not holds and backend.last_model is not None:
                 busy_s += self.service_time.load_s(backend.name, model)
                 holding[index] = model
             heapreplace(heap, start + busy_s)  # its slot, busy until it is done

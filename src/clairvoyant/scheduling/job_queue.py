@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
@@ -104,11 +105,10 @@ class Job(Generic[T]):
 
 def add_counts(*counts: dict[str, int]) -> dict[str, int]:
     """``retained()`` figures summed by key (a composite queue's own and its parts')."""
-    out: dict[str, int] = {}
+    out: Counter[str] = Counter()
     for one in counts:
-        for key, n in one.items():
-            out[key] = out.get(key, 0) + n
-    return out
+        out.update(one)  # (update keeps zero counts, where ``+`` drops them)
+    return dict(out)
 
 
 class JobQueue(Protocol[T]):
@@ -330,12 +330,10 @@ class StarvationGuard(JobQueue[T]):
 
     Job i is overdue once ``clock(now) > clock(arrival_s) + timeout_s + slowdown * predicted_s``
     (its deadline; ``slowdown`` = 0 is the paper's rule 3.4 with tau = ``timeout_s``, strict ``>``
-    included). ``clock`` is the wall clock unless set: a ``FairShareQueue`` sets its share clock
-    (wall seconds / tenants waiting), so a tenant's requests age in the tenant's own share of the
-    backend and a job waits at most k x its offset of wall time to become overdue, k being the
-    most tenants waiting at once meanwhile. With one tenant the share clock is the wall clock.
-    When the inner queue's head arrived after the oldest overdue job, that job goes instead
-    (overdue jobs go oldest first; jobs of the same instant in the inner queue's order).
+    included). ``clock`` is the wall clock unless a ``FairShareQueue`` sets its share clock, so a
+    tenant's requests age in the tenant's own share of the backend. When the inner queue's head
+    arrived after the oldest overdue job, that job goes instead (overdue jobs go oldest first; jobs
+    of the same instant in the inner queue's order).
 
     Bound: once job i is overdue, no job that arrived after it is dispatched before it. Its wait is
     therefore at most ``timeout_s + slowdown * predicted_s_i`` plus the service of the jobs that
@@ -470,9 +468,7 @@ class StarvationGuard(JobQueue[T]):
         return add_counts(self.inner.retained(), {"guard_entries": len(self._pending) + len(self._overdue)})
 
     def reset(self) -> bool:
-        """With no job waiting, drop the entries popped and removed jobs left in both heaps and
-        reset the inner queue: the guard is then as new (same timeout, slowdown and clock). False
-        (and nothing changed) if a job is waiting or the inner queue cannot be reset."""
+        """As new: no entries left in both heaps, the inner queue reset (same timeout, slowdown, clock)."""
         if len(self.inner) or not self.inner.reset():
             return False
         self._pending.clear()
@@ -549,10 +545,8 @@ class FairShareQueue(JobQueue[T]):
     (at least the virtual time): sending the next request while the last one runs buys no place.
     With one tenant this is exactly its inner queue.
 
-    ``make_queue`` must build equal empty queues at every call (``build_queue``'s does): a retired
-    tenant's queue that can ``reset()`` itself to as-new is kept (up to ``_SPARE_TENANTS``) and
-    given to the next tenant that becomes active instead of a new one. ``weight_of`` is read once
-    per activation.
+    ``make_queue`` must build equal empty queues at every call: a retired tenant's queue that can
+    ``reset()`` is kept for the next tenant that becomes active. ``weight_of`` is read once per activation.
 
     Each tenant's ``StarvationGuard`` runs on the share clock (``share_clock_s``): wall seconds
     divided by the number of tenants with requests waiting, so the guard bounds waiting *within* a
@@ -669,9 +663,7 @@ class FairShareQueue(JobQueue[T]):
         return _Tenant(queue, self._virtual_s, weight)
 
     def reset(self) -> bool:
-        """With no tenant active, make the queue as new (its spare tenants' queues are as new
-        already): a model-affinity group reuses it, not a new one per request. False (nothing
-        changed) while a tenant is active."""
+        """As new, with no tenant active (a model-affinity group reuses it, not a new one per request)."""
         if self._tenants:
             return False
         self._virtual_s = 0.0

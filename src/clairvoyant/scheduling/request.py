@@ -14,6 +14,7 @@ import enum
 import math
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from clairvoyant.errors import RequestError
 from clairvoyant.metrics import Metrics
@@ -78,39 +79,25 @@ def status_counts(metrics: Metrics) -> list[int]:
     return metrics.request_status.declare([status.name.lower() for status in RequestStatus])
 
 
+@dataclass(slots=True, eq=False)
 class Placement:
     """Where a granted request runs, and what it found and did there: made at its first grant (a
     waiting request has none, and pays no bytes for it), kept through a reroute."""
 
-    __slots__ = (
-        "backend", "slot", "dispatched_s", "queue_position", "load", "switch_load_s", "live_tokens", "refused_by",
-        "interrupt",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        backend: int | None,
-        slot: int | None,
-        dispatched_s: float,
-        queue_position: int,
-        load: Load = Load.UNKNOWN,
-        switch_load_s: float = 0.0,
-    ) -> None:
-        self.backend = backend  # the granted backend's index in the pool; None while rerouted
-        self.slot = slot  # the granted slot, on that backend; None while rerouted
-        # Clock seconds of its latest grant (service starts there: a reroute's second wait is queue wait).
-        self.dispatched_s = dispatched_s
-        self.queue_position = queue_position  # requests dispatched ahead of it while it waited
-        self.load = load  # what it found on its backend: its model held, another (a switch), or unknown
-        # After a switch: the load it is charged, seconds (the learned one at dispatch, then the
-        # first byte's measure); 0 otherwise.
-        self.switch_load_s = switch_load_s
-        self.live_tokens = 0  # tokens its answer has streamed so far (the relay counts them)
-        self.refused_by: tuple[int, ...] = ()  # backends that refused its connection (routing avoids them)
-        # Ends the answer being relayed now with this status and error (the shutdown's grace period
-        # is over; with replicas, its slot's lease was lost): False if there is none. Set by the
-        # proxy while the request holds its slot.
-        self.interrupt: Callable[[RequestStatus, RequestError], bool] | None = None
+    backend: int | None  # the granted backend's index in the pool; None while rerouted
+    slot: int | None  # the granted slot, on that backend; None while rerouted
+    # Clock seconds of its latest grant (service starts there: a reroute's second wait is queue wait).
+    dispatched_s: float
+    queue_position: int  # requests dispatched ahead of it while it waited
+    load: Load = Load.UNKNOWN  # what it found on its backend: its model held, another (a switch), or unknown
+    # After a switch: the load it is charged, seconds (the learned one at dispatch, then the first
+    # byte's measure); 0 otherwise.
+    switch_load_s: float = 0.0
+    live_tokens: int = 0  # tokens its answer has streamed so far (the relay counts them)
+    refused_by: tuple[int, ...] = ()  # backends that refused its connection (routing avoids them)
+    # Ends the answer being relayed now with this status and error (the shutdown's grace period is
+    # over; with replicas, its slot's lease was lost): False if there is none. Set by the proxy.
+    interrupt: Callable[[RequestStatus, RequestError], bool] | None = None
 
 
 class Ticket(Job["Ticket"]):
@@ -141,9 +128,7 @@ class Ticket(Job["Ticket"]):
         tenant: str = "",
         expires_s: float = math.inf,  # clock seconds from which it must not be sent (its queue deadline)
     ) -> None:
-        Job.__init__(
-            self, self, arrival_s, score, predicted_tokens, predicted_s, priority, tenant, model, expires_s
-        )  # fmt: skip
+        Job.__init__(self, self, arrival_s, score, predicted_tokens, predicted_s, priority, tenant, model, expires_s)
         self.given_id = given_id
         self.endpoint = endpoint
         self.dialect = dialect
