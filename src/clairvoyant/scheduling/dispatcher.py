@@ -255,9 +255,8 @@ class Dispatcher:
         self._schedule_pump()
 
     def begin_shutdown(self, grace_s: float) -> None:
-        """Refuse new work and every waiting request (503 ``shutting_down`` at once); in-flight
-        answers may finish for ``grace_s`` seconds, then each is interrupted (its stream ends with
-        an error event). Idempotent."""
+        """Refuse new work and every waiting request (503 ``shutting_down``); in-flight answers may
+        finish for ``grace_s`` seconds, then each is interrupted. Idempotent."""
         if self._life.closing:
             return
         self._life.closing = True
@@ -273,7 +272,7 @@ class Dispatcher:
         self._life.grace_timer = asyncio.get_running_loop().call_later(grace_s, self._interrupt_running)
 
     def _refuse(self, ticket: Ticket) -> None:
-        """A waiting ticket (popped or held back) that will never reach a backend: shutting down."""
+        """A popped or held-back ticket, refused: shutting down."""
         ticket.held_back = False
         self.queue.done(ticket)
         self._end_waiting(ticket, RequestStatus.REFUSED, ShuttingDown("the proxy is shutting down; retry"))
@@ -303,7 +302,6 @@ class Dispatcher:
 
     @property
     def slots(self) -> int:
-        """Slots of every backend."""
         return sum(b.slots for b in self.backends)
 
     @property
@@ -328,8 +326,7 @@ class Dispatcher:
 
     # -- backends --------------------------------------------------------------------------
     def set_health(self, backend: int, healthy: bool, loaded: Sequence[str] | None = None) -> None:
-        """What a health check (or a refused connection) found; ``loaded``: the models it has
-        loaded now, when it says (Ollama /api/ps)."""
+        """What a health check (or a refused connection) found; ``loaded``: Ollama's /api/ps."""
         record = self.backends[backend]
         if loaded is not None:
             record.report(loaded)
@@ -349,9 +346,8 @@ class Dispatcher:
             logger.warning("backend %s is unhealthy: %s", record.name, fallback)
 
     def resize(self, backend: int, slots: int) -> None:
-        """The backend runs ``slots`` requests at once from now on (learned after start-up, e.g.
-        llama.cpp's ``total_slots`` once a backend that was down answers). New slots are free at
-        once; a removed slot that is busy is not reused when its request ends."""
+        """The backend runs ``slots`` requests at once from now on (e.g. llama.cpp's ``total_slots``,
+        learned once it answers). A removed slot that is busy is not reused when its request ends."""
         if slots < 1:
             raise ValueError("slots must be >= 1")
         record = self.backends[backend]
@@ -387,11 +383,9 @@ class Dispatcher:
         )
 
     def reroute(self, ticket: Ticket) -> bool:
-        """The ticket's backend refused the connection: nothing was sent. Mark that backend
-        unhealthy; when another backend serving the ticket's model is healthy, give the slot back
-        and put the ticket first in line for that one (it waits again: await ``regranted``),
-        and return True. Otherwise False: the ticket keeps its slot (the caller waits for its
-        backend to come back)."""
+        """The ticket's backend refused the connection (nothing was sent): that backend is marked
+        unhealthy. True: the slot is given back and the ticket waits first in line for another
+        healthy backend (await ``regranted``). False: none serves its model; it keeps its slot."""
         placement = ticket.placement
         assert placement is not None and placement.backend is not None and placement.slot is not None
         self.set_health(placement.backend, False)
@@ -473,17 +467,15 @@ class Dispatcher:
         return True
 
     def predicted_at_once(self, ticket: Ticket, charged_s: float) -> None:
-        """A ticket dispatched at once has its prediction: its tenant's fair share is charged the
-        predicted seconds (it was charged ``charged_s``, the default, at dispatch), and its queue
-        wait is observed under its class, now known. (A queue ignores a job it no longer serves.)"""
+        """A ticket dispatched at once has its prediction: its tenant is charged the predicted
+        seconds (it was charged ``charged_s`` at dispatch), and its wait is observed under its class."""
         assert ticket.placement is not None
         self.queue.repriced(ticket, charged_s)
         self.metrics.wait_by_class[ticket.predicted_class].observe(ticket.placement.dispatched_s - ticket.arrival_s)
 
     def expire(self, now: float | None = None) -> int:
-        """Withdraw every waiting ticket whose queue deadline has come (``now >= expires_s``), held
-        back ones too, and refuse each at once with ``QueueDeadline``: it is never sent. Returns how
-        many. The dispatch step runs this first; a timer runs it at the soonest deadline."""
+        """Withdraw every waiting ticket whose queue deadline has come, held back ones too, and
+        refuse each with ``QueueDeadline``; how many. Run by the dispatch step first, and by a timer."""
         now = self.clock.now() if now is None else now
         count = 0
         tail_s: float | None = None  # the queue's tail ETA: a retry's wait, at worst (computed once)
@@ -517,9 +509,8 @@ class Dispatcher:
         self._arm_expiry()
 
     def repredicted(self, ticket: Ticket, prediction: Prediction) -> bool:
-        """A waiting ticket's prediction was refined (the encoder's second opinion, see
-        ``prediction.encoder``): it takes the new key, tokens and seconds, and the queue
-        re-orders it. False (nothing changes) if it is no longer waiting in the queue."""
+        """A waiting ticket's prediction was refined (the encoder's second opinion): the queue
+        re-orders it. False (nothing changes) if it no longer waits in the queue."""
         if ticket.ended or not ticket.waiting or ticket.prediction is None:
             return False
         old_class = ticket.predicted_class
@@ -542,8 +533,7 @@ class Dispatcher:
         return _LeaseScope(self, ticket)
 
     def end(self, ticket: Ticket, *, completed: bool = False, usage: Usage | None = None) -> None:
-        """A ticket's one exit, for a caller that does not hold it in ``lease``: withdraw it if it
-        still waits, else give its slot back (``completed``: its answer ended normally). Idempotent."""
+        """``_end`` for a caller that does not hold the ticket in ``lease``."""
         self._end(ticket, Lease(ticket, completed, usage) if completed or usage is not None else None)
 
     def first_byte(self, ticket: Ticket, *, streamed: bool, at_s: float | None = None) -> None:
@@ -569,7 +559,7 @@ class Dispatcher:
         await asyncio.shield(ticket.granted)
 
     def _end(self, ticket: Ticket, lease: Lease | None) -> None:
-        """The single exit of every ticket: withdraw it if still waiting, else release its slot."""
+        """Every ticket's one exit: withdraw it if still waiting, else release its slot. Idempotent."""
         if ticket.ended:
             return
         if self._withdraw(ticket):
@@ -617,7 +607,7 @@ class Dispatcher:
             self.stats.in_flight[placement.backend].dec()
 
     def _unhold(self, ticket: Ticket) -> None:
-        """A held-back ticket leaves the line unserved: popped already, so done for its queue."""
+        """A held-back ticket leaves the line unserved (popped already: done for its queue)."""
         ticket.held_back = False
         self._held_back.remove(ticket)
         self.queue.done(ticket)
@@ -632,9 +622,8 @@ class Dispatcher:
         return ticket.waiting and self.queue.remove(ticket)
 
     def _end_waiting(self, ticket: Ticket, status: RequestStatus | None, refusal: RequestError | None = None) -> None:
-        """A waiting ticket, out of the line, will never be granted a slot: it ends ``status``
-        (unless it has ended already, its client gone; None: its status has moved on), and its
-        wait's future is settled at once."""
+        """A waiting ticket, out of the line, ends ``status`` (unless its client left first; None:
+        its status moved on already), and its wait's future is settled at once."""
         ticket.ended = True
         if self.cluster.side is not None:
             self.cluster.side.withdrawn(ticket)
@@ -767,9 +756,8 @@ class Dispatcher:
         return Lane(backend, functools.partial(self.service_time.load_s, backend.name))
 
     def _grant(self, index: int, ticket: Ticket, *, queued: bool = True, slot: int | None = None) -> None:
-        """``queued``: it waited in the queue (False: dispatched at once, before its prediction;
-        never in the depth gauge, its wait observed by ``predicted_at_once``). ``slot``: the one the
-        shared store granted (None: a free one of this dispatcher's)."""
+        """``queued``: it waited in the queue (False: dispatched at once, before its prediction).
+        ``slot``: the one the shared store granted (None: a free one of this dispatcher's)."""
         self.move(ticket, RequestStatus.DISPATCHED)
         backend = self.backends[index]
         if slot is None:
@@ -800,9 +788,7 @@ class Dispatcher:
 
     # -- positions and ETAs -------------------------------------------------------------------
     def _slot_free_in_s(self, now: float) -> list[list[float]]:
-        """Per backend, a heap of the predicted seconds until each of its slots is free: in-flight
-        remainders at the backend's measured slowness (``remainder_s``: a busy slot is never free
-        now), idle 0."""
+        """Per backend, a heap of the predicted seconds until each of its slots is free (idle: 0)."""
         heaps = []
         for backend in self.backends:
             slowness = backend.slowness
@@ -873,8 +859,8 @@ class Dispatcher:
         return min((eta + job.predicted_s for job, eta in self.etas(now)[0] if job.tenant == tenant), default=1.0)
 
     def waiting_ticket(self, request_id: str) -> Ticket | None:
-        """The waiting ticket with ``request_id``, or None. A scan, not an index: an index would
-        cost every waiting request ~46 bytes, and where it stands (``where``) is O(waiting) anyway."""
+        """The waiting ticket with ``request_id``. A scan, not an index: an index would cost every
+        waiting request ~46 bytes, and where it stands (``where``) is O(waiting) anyway."""
         made = request_id[len(ID_PREFIX) :] if request_id.startswith(ID_PREFIX) else ""
         seq = int(made) if made.isdigit() else -1  # a made id names its job's seq
         for ticket in self.waiting_tickets():
@@ -891,8 +877,8 @@ class Dispatcher:
         return next((i for i, b in enumerate(self.backends) if b.name == name), None)
 
     def grant_shared(self, ticket: Ticket, index: int, slot: int) -> bool:
-        """The shared store granted ``ticket`` slot ``slot`` of backend ``index``. False, with
-        nothing changed, when the ticket no longer waits here or this replica runs that slot."""
+        """The shared store granted ``ticket`` a slot. False, with nothing changed, when the ticket
+        no longer waits here or this replica runs that slot."""
         backend = self.backends[index]
         if slot in backend.running:
             logger.error("the shared store granted %s slot %d, which this replica runs", backend.name, slot)
@@ -934,8 +920,7 @@ class Dispatcher:
 
     # -- introspection (the queue's view: scheduling/queue_view.py) ----------------------------
     def retained(self) -> dict[str, int]:
-        """Entries the dispatcher and its queue hold, by structure (``JobQueue.retained``): each
-        is bounded by the requests waiting or in flight, or by a fixed size."""
+        """Entries the dispatcher and its queue hold, by structure (``JobQueue.retained``)."""
         return add_counts(
             self.queue.retained(),
             {

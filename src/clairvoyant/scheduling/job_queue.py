@@ -446,9 +446,7 @@ class StarvationGuard(JobQueue[T]):
 
     def pop(self, now: float) -> tuple[Job[T], bool] | None:
         head = self.peek(now)
-        if head is None:
-            return None
-        return self.take(head, now)
+        return None if head is None else self.take(head, now)
 
     def take(self, head: tuple[Job[T], bool], now: float) -> tuple[Job[T], bool]:
         """``pop(now)`` when ``head`` is what ``peek(now)`` has just returned, nothing changed since:
@@ -646,21 +644,19 @@ class FairShareQueue(JobQueue[T]):
     def _active(self, name: str) -> _Tenant[T]:
         """The tenant ``name``, made active if it is not: a spare one's queues (as new), else new ones."""
         tenant = self._tenants.get(name)
-        if tenant is None:
-            tenant = self._tenants[name] = self._activate(name)
-        return tenant
-
-    def _activate(self, name: str) -> _Tenant[T]:
+        if tenant is not None:
+            return tenant
         weight = self.weight_of(name)
         if self._spare:
             tenant = self._spare.pop()
-            tenant.served_s = self._virtual_s
-            tenant.weight = weight
-            return tenant
-        queue = self.make_queue()
-        if isinstance(queue, StarvationGuard):
-            queue.clock = self.share_clock_s
-        return _Tenant(queue, self._virtual_s, weight)
+            tenant.served_s, tenant.weight = self._virtual_s, weight
+        else:
+            queue = self.make_queue()
+            if isinstance(queue, StarvationGuard):
+                queue.clock = self.share_clock_s
+            tenant = _Tenant(queue, self._virtual_s, weight)
+        self._tenants[name] = tenant
+        return tenant
 
     def reset(self) -> bool:
         """As new, with no tenant active (a model-affinity group reuses it, not a new one per request)."""
@@ -678,27 +674,25 @@ class FairShareQueue(JobQueue[T]):
             if tenant.queue.reset():
                 self._spare.append(tenant)  # in_flight is empty, waiting 0
 
-    def _emptied(self, name: str, tenant: _Tenant[T]) -> None:
-        """``tenant``'s last waiting job left the queue."""
-        self._waiting_tenants -= 1
-        if not tenant.in_flight:
-            self._retire(name, tenant)
-
-    def remove(self, job: Job[T]) -> bool:
-        name = job.tenant
-        tenant = self._tenants.get(name)
-        if tenant is None or not tenant.queue.remove(job):
-            return False
+    def _dequeued(self, name: str, tenant: _Tenant[T]) -> None:
+        """One of ``tenant``'s waiting jobs left its queue."""
         self._live -= 1
         tenant.waiting -= 1
         if not tenant.waiting:
-            self._emptied(name, tenant)
+            self._waiting_tenants -= 1
+            if not tenant.in_flight:
+                self._retire(name, tenant)
+
+    def remove(self, job: Job[T]) -> bool:
+        tenant = self._tenants.get(job.tenant)
+        if tenant is None or not tenant.queue.remove(job):
+            return False
+        self._dequeued(job.tenant, tenant)
         return True
 
     def repriced(self, job: Job[T], old_predicted_s: float) -> None:
         """Its tenant was charged ``old_predicted_s`` at the pop: charge the true prediction."""
-        name = job.tenant
-        tenant = self._tenants.get(name)
+        tenant = self._tenants.get(job.tenant)
         if tenant is not None and job.seq in tenant.in_flight:
             tenant.served_s += (job.predicted_s - old_predicted_s) / tenant.weight
 
@@ -708,14 +702,13 @@ class FairShareQueue(JobQueue[T]):
             tenant.queue.rekeyed(job)  # tenants are charged at the pop, from the job's fields then
 
     def done(self, job: Job[T]) -> None:
-        name = job.tenant
-        tenant = self._tenants.get(name)
+        tenant = self._tenants.get(job.tenant)
         if tenant is None or job.seq not in tenant.in_flight:
             return  # not one of ours in service (or reported twice)
         tenant.queue.done(job)
         tenant.in_flight.discard(job.seq)
         if not tenant.in_flight and not tenant.waiting:
-            self._retire(name, tenant)
+            self._retire(job.tenant, tenant)
 
     def _choose(self, now: float) -> tuple[str, Job[T], bool, tuple[Job[T], bool]] | None:
         """The tenant to serve, its head job, whether a starvation rule chose it, and its queue's
@@ -769,10 +762,7 @@ class FairShareQueue(JobQueue[T]):
         self._virtual_s = tenant.served_s
         tenant.served_s += job.predicted_s / tenant.weight
         tenant.in_flight.add(job.seq)
-        self._live -= 1
-        tenant.waiting -= 1
-        if not tenant.waiting:
-            self._emptied(name, tenant)
+        self._dequeued(name, tenant)
         return job, promoted
 
     def ordered(self, now: float) -> list[Job[T]]:
