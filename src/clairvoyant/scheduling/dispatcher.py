@@ -160,7 +160,7 @@ class DispatchStats:
     recent: deque[tuple[Ticket, float, str, int | None]] = field(default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
 
 
-class _Life:
+class _Lifecycle:
     """The dispatcher on the event loop: started, closing, its scheduled dispatch step, the
     shutdown's grace timer and its detached tasks."""
 
@@ -240,7 +240,7 @@ class Dispatcher:
             [metrics.model_switches.labels(b.name) for b in self.backends],
         )
         self._held_back: deque[Ticket] = deque()  # chosen (or rerouted), waiting for a backend: first in line
-        self._life = _Life()
+        self._lifecycle = _Lifecycle()
         self._deadlines = _Deadlines()
         metrics.starvation_timeout.set(starvation_timeout_s)
         for backend in self.backends:
@@ -251,15 +251,15 @@ class Dispatcher:
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        self._life.started = True
+        self._lifecycle.started = True
         self._schedule_pump()
 
     def begin_shutdown(self, grace_s: float) -> None:
         """Refuse new work and every waiting request (503 ``shutting_down``); in-flight answers may
         finish for ``grace_s`` seconds, then each is interrupted. Idempotent."""
-        if self._life.closing:
+        if self._lifecycle.closing:
             return
-        self._life.closing = True
+        self._lifecycle.closing = True
         refused = len(self._held_back)
         while self._held_back:
             self._refuse(self._held_back.popleft())
@@ -269,7 +269,7 @@ class Dispatcher:
         logger.info(
             "shutting down: refused %d waiting request(s); %d in flight get %.1f s", refused, self.in_flight, grace_s
         )
-        self._life.grace_timer = asyncio.get_running_loop().call_later(grace_s, self._interrupt_running)
+        self._lifecycle.grace_timer = asyncio.get_running_loop().call_later(grace_s, self._interrupt_running)
 
     def _refuse(self, ticket: Ticket) -> None:
         """A popped or held-back ticket, refused: shutting down."""
@@ -287,17 +287,17 @@ class Dispatcher:
     async def stop(self, timeout_s: float = 5.0) -> None:
         """Refuse new work, let in-flight requests finish for up to ``timeout_s``, then cancel."""
         self.begin_shutdown(timeout_s)
-        life = self._life
+        lifecycle = self._lifecycle
         deadline = time.monotonic() + timeout_s
-        while (self.in_flight or life.tasks - life.cancel_at_stop) and time.monotonic() < deadline:
+        while (self.in_flight or lifecycle.tasks - lifecycle.cancel_at_stop) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for timer in (life.grace_timer, self._deadlines.timer):
+        for timer in (lifecycle.grace_timer, self._deadlines.timer):
             if timer is not None:
                 timer.cancel()
-        for task in list(life.tasks):
+        for task in list(lifecycle.tasks):
             task.cancel()
-        await asyncio.gather(*life.tasks, return_exceptions=True)
-        life.started = False
+        await asyncio.gather(*lifecycle.tasks, return_exceptions=True)
+        lifecycle.started = False
         self._save_state()
 
     @property
@@ -317,7 +317,7 @@ class Dispatcher:
 
     @property
     def healthy(self) -> bool:
-        return self._life.started
+        return self._lifecycle.started
 
     @property
     def waiting(self) -> int:
@@ -391,7 +391,7 @@ class Dispatcher:
         self.set_health(placement.backend, False)
         others = [b for i, b in enumerate(self.backends) if i != placement.backend and b.serves(ticket.model)]
         # (With replicas the store routes: the request keeps its slot and waits for its backend.)
-        if self._life.closing or self.cluster.side is not None or not any(b.healthy for b in others):
+        if self._lifecycle.closing or self.cluster.side is not None or not any(b.healthy for b in others):
             return False
         placement.refused_by = (*placement.refused_by, placement.backend)
         self._free_slot(ticket)
@@ -410,7 +410,7 @@ class Dispatcher:
     def check_room(self) -> None:
         """Raise what ``submit`` would refuse any request for now: ``ShuttingDown``, or ``QueueFull``
         with a Retry-After computed from the predicted time until the queue's tail is dispatched."""
-        if self._life.closing:
+        if self._lifecycle.closing:
             raise ShuttingDown("the proxy is shutting down; retry")
         limits = self.limits
         if self.waiting >= limits.max_queue:
@@ -452,9 +452,11 @@ class Dispatcher:
         ``submit``). Raises as ``submit`` does. The caller predicts while the backend works, fills
         in the ticket's predicted fields and calls ``predicted_at_once``."""
         waiting = self.waiting
-        if self._life.closing or waiting >= self.limits.max_queue:
+        if self._lifecycle.closing or waiting >= self.limits.max_queue:
             self.check_room()  # raises
-        backend = None if waiting or not self._life.started else self._route(ticket)  # only a backend serving its model
+        backend = (
+            None if waiting or not self._lifecycle.started else self._route(ticket)
+        )  # only a backend serving its model
         if backend is None:
             self._check_model(ticket.model)
             return False
@@ -497,12 +499,12 @@ class Dispatcher:
         self._end_waiting(ticket, RequestStatus.EXPIRED, _deadline_error(ticket, retry_in_s))
 
     def _arm_expiry(self) -> None:
-        if self._life.started:
+        if self._lifecycle.started:
             self._deadlines.arm(self.clock.now(), self._on_expiry_timer)
 
     def _on_expiry_timer(self) -> None:
         self._deadlines.timer, self._deadlines.timer_s = None, math.inf
-        if self._life.closing:
+        if self._lifecycle.closing:
             return
         if self.expire():
             self._schedule_pump()  # a withdrawn held-back ticket may have been first in line
@@ -702,21 +704,21 @@ class Dispatcher:
     ) -> asyncio.Task[Any]:
         """Run ``coro`` as a tracked background task, which ``stop`` lets finish within its grace
         period; a ``cancel_at_stop`` one (a periodic loop, a wait for the backend) it cancels at once."""
-        return self._life.run(coro, name, cancel_at_stop)
+        return self._lifecycle.run(coro, name, cancel_at_stop)
 
     # -- dispatch ----------------------------------------------------------------------------
     def _schedule_pump(self) -> None:
         """Dispatch what can go, once, at the end of this event-loop turn."""
-        life = self._life
-        if not life.pump_scheduled and life.started:
-            life.pump_scheduled = True
+        lifecycle = self._lifecycle
+        if not lifecycle.pump_scheduled and lifecycle.started:
+            lifecycle.pump_scheduled = True
             asyncio.get_running_loop().call_soon(self._pump)
 
     def _pump(self) -> None:
         """Grant free slots: first to held-back tickets (chosen earlier), then in the policy's
         order; a popped ticket no free backend can take is held back."""
-        self._life.pump_scheduled = False
-        if self._life.closing:
+        self._lifecycle.pump_scheduled = False
+        if self._lifecycle.closing:
             return
         try:
             now = self.clock.now()
@@ -926,7 +928,7 @@ class Dispatcher:
             {
                 "held_back": len(self._held_back),
                 "running": self.in_flight,
-                "detached_tasks": len(self._life.tasks),
+                "detached_tasks": len(self._lifecycle.tasks),
                 "expiry_entries": len(self._deadlines.expiry),
                 "recent": len(self.stats.recent),
             },
