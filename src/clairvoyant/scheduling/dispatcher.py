@@ -197,14 +197,14 @@ class _Deadlines:
         self.timer: asyncio.TimerHandle | None = None
         self.timer_s = math.inf  # the clock reading the timer is set for
 
-    def arm(self, now: float, callback: Callable[[], None]) -> None:
+    def arm(self, clock: Clock, callback: Callable[[], None]) -> None:
         soonest = self.expiry.next_s()
         if math.isinf(soonest) or soonest >= self.timer_s:
             return
         if self.timer is not None:
             self.timer.cancel()
         self.timer_s = soonest
-        self.timer = asyncio.get_running_loop().call_later(max(0.0, soonest - now), callback)
+        self.timer = asyncio.get_running_loop().call_later(max(0.0, soonest - clock.now()), callback)
 
 
 class Dispatcher:
@@ -454,9 +454,8 @@ class Dispatcher:
         waiting = self.waiting
         if self._lifecycle.closing or waiting >= self.limits.max_queue:
             self.check_room()  # raises
-        backend = (
-            None if waiting or not self._lifecycle.started else self._route(ticket)
-        )  # only a backend serving its model
+        # (``_route`` finds only a backend that serves its model)
+        backend = None if waiting or not self._lifecycle.started else self._route(ticket)
         if backend is None:
             self._check_model(ticket.model)
             return False
@@ -500,7 +499,7 @@ class Dispatcher:
 
     def _arm_expiry(self) -> None:
         if self._lifecycle.started:
-            self._deadlines.arm(self.clock.now(), self._on_expiry_timer)
+            self._deadlines.arm(self.clock, self._on_expiry_timer)
 
     def _on_expiry_timer(self) -> None:
         self._deadlines.timer, self._deadlines.timer_s = None, math.inf
@@ -659,22 +658,16 @@ class Dispatcher:
                 learned_load_s = usage.load_s
             load_s = usage.load_s
         service_s -= load_s
-        predicted_tokens = round(ticket.predicted_tokens)
+        predicted = round(ticket.predicted_tokens)  # output tokens
         if self.cluster.on_observed is not None and backend is not None:
             self.cluster.on_observed(
                 ServiceObservation(
-                    ticket.model,
-                    backend.name,
-                    prompt_tokens,
-                    predicted_tokens,
-                    service_s,
-                    ticket.predicted_s,
-                    learned_load_s,
+                    ticket.model, backend.name, prompt_tokens, predicted, service_s, ticket.predicted_s, learned_load_s
                 )
             )
         if not service_s > 0:
             return  # a load learned longer than this one was: no service seconds to learn from
-        self.service_time.observe(ticket.model, prompt_tokens, predicted_tokens, service_s)
+        self.service_time.observe(ticket.model, prompt_tokens, predicted, service_s)
         if backend is not None:
             backend.observe_service(ticket.predicted_s, service_s)
         self.policy.observe(ticket, service_s)
