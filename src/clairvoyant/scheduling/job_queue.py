@@ -47,11 +47,14 @@ _seq = itertools.count()  # process-wide arrival order: ties break the same way 
 class LaneBackend(Protocol):
     """What a lane's backend holds and serves (``routing.Backend`` is one)."""
 
-    switched_s: float  # clock seconds of its last switch (since when it holds what it holds)
+    @property
+    def switched_s(self) -> float: ...  # clock seconds of its last switch (since when it holds what it holds)
 
-    def holds(self, model: str | None) -> bool: ...  # it has this model loaded now: no load to pay
+    @property
+    def holds(self) -> Callable[[str | None], bool]: ...  # it has this model loaded now: no load to pay
 
-    def serves(self, model: str | None) -> bool: ...  # it may run this model at all
+    @property
+    def serves(self) -> Callable[[str | None], bool]: ...  # it may run this model at all
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,18 +63,6 @@ class Lane:
 
     backend: LaneBackend
     load_s: Callable[[str | None], float]  # predicted seconds it takes to load a model it does not hold
-
-    @property
-    def holds(self) -> Callable[[str | None], bool]:
-        return self.backend.holds
-
-    @property
-    def serves(self) -> Callable[[str | None], bool]:
-        return self.backend.serves
-
-    @property
-    def switched_s(self) -> float:
-        return self.backend.switched_s
 
 
 @dataclass(slots=True, eq=False)
@@ -601,25 +592,27 @@ class FairShareQueue(JobQueue[T]):
         requests waiting (1 s per second with one or none). ``now`` before the last update counts
         as the last update. A withdrawal (``remove``) takes effect from the last push or pop, which
         can only make the clock run faster (deadlines come sooner, never later)."""
-        now = now if self.clock is None else self.clock(now)
-        return max(now, self._share_at_s) - self._lag_s(now)
-
-    def _lag_s(self, now: float) -> float:
-        """Wall seconds minus share seconds at ``now`` (on the set clock)."""
+        if self.clock is not None:
+            now = self.clock(now)
         k = self._waiting_tenants
+        lag_s = self._share_lag_s
         if k > 1 and now > self._share_at_s:
-            return self._share_lag_s + (now - self._share_at_s) * (1.0 - 1.0 / k)
-        return self._share_lag_s
+            lag_s += (now - self._share_at_s) * (1.0 - 1.0 / k)
+        return (now if now > self._share_at_s else self._share_at_s) - lag_s
 
     def _tick(self, now: float) -> None:
         """Fold the share clock up to ``now`` (before the number of waiting tenants changes)."""
-        now = now if self.clock is None else self.clock(now)
+        if self.clock is not None:
+            now = self.clock(now)
         if now > self._share_at_s and math.isfinite(now):  # pop(math.inf) drains at shutdown
-            self._share_lag_s, self._share_at_s = self._lag_s(now), now
+            k = self._waiting_tenants
+            if k > 1:
+                self._share_lag_s += (now - self._share_at_s) * (1.0 - 1.0 / k)
+            self._share_at_s = now
 
     def push(self, job: Job[T]) -> None:
         self._tick(job.arrival_s)
-        tenant = self._active(job.tenant)
+        tenant = self._tenants.get(job.tenant) or self._activate(job.tenant)
         if not tenant.waiting:
             self._waiting_tenants += 1
             tenant.served_s = max(tenant.served_s, self._virtual_s)  # in service only: keeps its tag
@@ -634,18 +627,15 @@ class FairShareQueue(JobQueue[T]):
         # Push's tick, then pop's, come to pop's alone: with no tenant waiting the share clock runs
         # at the wall clock's (or the set clock's) pace, so only the later reading counts.
         self._tick(now)
-        tenant = self._active(job.tenant)
+        tenant = self._tenants.get(job.tenant) or self._activate(job.tenant)
         tenant.served_s = max(tenant.served_s, self._virtual_s)  # in service only: keeps its tag
         tenant.queue.take_now(job, now)
         self._virtual_s = tenant.served_s
         tenant.served_s += job.predicted_s / tenant.weight
         tenant.in_flight.add(job.seq)
 
-    def _active(self, name: str) -> _Tenant[T]:
-        """The tenant ``name``, made active if it is not: a spare one's queues (as new), else new ones."""
-        tenant = self._tenants.get(name)
-        if tenant is not None:
-            return tenant
+    def _activate(self, name: str) -> _Tenant[T]:
+        """The tenant ``name`` becomes active: a spare one's queues (as new), else new ones."""
         weight = self.weight_of(name)
         if self._spare:
             tenant = self._spare.pop()
