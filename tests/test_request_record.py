@@ -8,6 +8,7 @@ import logging
 import math
 
 import pytest
+from ending import end
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from polling import settle
@@ -95,10 +96,10 @@ def test_every_status_change_is_made_by_the_dispatcher_logged_and_counted(caplog
         assert d.move(first, RequestStatus.COMPLETED)
         assert not d.move(first, RequestStatus.SHUTDOWN)  # a finished request keeps its first ending
         assert first.status is RequestStatus.COMPLETED and first.status.is_finished
-        d.end(first, completed=True)
+        end(d, first, completed=True)
         await settle()
         assert second.status is RequestStatus.DISPATCHED
-        d.end(third)  # its client left while it waited: withdrawn, never sent
+        end(d, third)  # its client left while it waited: withdrawn, never sent
         assert third.status is RequestStatus.CLIENT_LEFT_QUEUED and third.ended and third.placement is None
 
         def count(status: RequestStatus) -> float:

@@ -533,10 +533,6 @@ class Dispatcher:
         Cancel-safe: cancelled while waiting, the ticket is withdrawn and never sent."""
         return _LeaseScope(self, ticket)
 
-    def end(self, ticket: Ticket, *, completed: bool = False, usage: Usage | None = None) -> None:
-        """``_end`` for a caller that does not hold the ticket in ``lease``."""
-        self._end(ticket, Lease(ticket, completed, usage) if completed or usage is not None else None)
-
     def first_byte(self, ticket: Ticket, *, streamed: bool, at_s: float | None = None) -> None:
         """The first byte of ``ticket``'s answer arrived at ``at_s`` (default now). A streamed
         answer's delay since dispatch teaches the backend's load cost: after a switch, its excess
