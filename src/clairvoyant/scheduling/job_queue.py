@@ -116,7 +116,10 @@ class JobQueue(Protocol[T]):
 
     def pop(self, now: float) -> tuple[Job[T], bool] | None:
         """The next job at ``now`` and whether a starvation rule chose it; None if empty."""
-        ...
+        head = self.peek(now)
+        if head is not None:
+            self.remove(head[0])
+        return head
 
     def peek(self, now: float) -> tuple[Job[T], bool] | None:
         """What ``pop(now)`` would return, without removing it."""
@@ -292,12 +295,6 @@ class ScanQueue(JobQueue[T]):
             return None
         rank = self.rank
         return min(self._jobs.values(), key=lambda j: (rank(j, now), j.seq)), False
-
-    def pop(self, now: float) -> tuple[Job[T], bool] | None:
-        head = self.peek(now)
-        if head is not None:
-            self.remove(head[0])
-        return head
 
     def rekeyed(self, job: Job[T]) -> None:
         pass  # ranks are computed at each pop from the job's current fields
