@@ -25,7 +25,6 @@ from typing import Any
 
 from harness.results import add_json_option, write_json
 
-from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.job_queue import Job
 from clairvoyant.scheduling.policy import POLICY_NAMES, build_queue, make_policy
 
@@ -34,7 +33,7 @@ __all__ = ["main", "measure_dispatch_us", "measure_memory_bytes"]
 
 def _job(rng: random.Random, i: int, now: float) -> Job[int]:
     pred = rng.lognormvariate(1.5, 1.0)
-    return Job(i, now, score=rng.random(), predicted_tokens=pred * 50, predicted_s=pred, bucket=bucket_for(pred),
+    return Job(i, now, score=rng.random(), predicted_tokens=pred * 50, predicted_s=pred,
                priority=rng.choice((0, 0, 0, 1)), tenant=rng.choice(("a", "b")))  # fmt: skip
 
 
@@ -99,7 +98,6 @@ def measure_memory_bytes(depth: int) -> tuple[float, float]:
                 score=0.5,
                 predicted_tokens=300.0,
                 predicted_s=6.0,
-                bucket=bucket_for(6.0),
                 tenant="a",
             )
             q.push(t)

@@ -7,6 +7,7 @@ predicted seconds, a request for a model the backend does not hold first pays th
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from clairvoyant.scheduling.affinity import FREE_LOAD_S, Lane, ModelAffinity
 from clairvoyant.scheduling.job_queue import Job, JobQueue
 from clairvoyant.scheduling.policy import build_queue, make_policy
 
+NOTHING = object()  # held by a lane's backend that holds no model at all
 GUARD = {"starvation_timeout_s": 1.0, "starvation_slowdown": 2.56 * 1.25}  # the default guard before data
 
 
@@ -24,8 +26,30 @@ def job(name: str, arrival_s: float, model: str | None, *, score: float = 0.5, p
     return Job(name, arrival_s, score=score, predicted_s=predicted_s, model=model)
 
 
+@dataclass(frozen=True)
+class Held:
+    """What a lane's backend holds: ``held`` (matched exactly)."""
+
+    held: object  # a model name, None (the default model) or NOTHING
+    switched_s: float = -math.inf
+
+    def holds(self, model: str | None) -> bool:
+        return model == self.held
+
+
+@dataclass(frozen=True)
+class Serving:
+    """A lane's backend: holds ``held``, serves ``serving`` (None: any model)."""
+
+    held: Held
+    serving: str | None = None
+
+    def serves(self, model: str | None) -> bool:
+        return self.serving is None or model == self.serving
+
+
 def lane(held: str | None, switched_s: float = -math.inf, load_s: float = 3.0) -> Lane:
-    return Lane(lambda m: m == held, lambda m: True, lambda m: load_s, switched_s)
+    return Lane(Serving(Held(held, switched_s)), lambda m: load_s)
 
 
 def serve(
@@ -103,7 +127,7 @@ def test_a_switch_that_costs_nothing_is_not_put_off() -> None:
     assert isinstance(queue, ModelAffinity)
     queue.push(job("long-a", 0.0, "a", score=0.9))
     queue.push(job("short-b", 0.0, "b", score=0.1))
-    free = Lane(lambda m: m == "a", lambda m: True, lambda m: 0.0)
+    free = Lane(Serving(Held("a")), lambda m: 0.0)
     got = queue.pop_for(0.0, [free])  # both fit: b costs nothing to switch to, and it is shorter
     assert got is not None and got[0].payload == "short-b"
     costly = lane("a", load_s=FREE_LOAD_S * 2)
@@ -137,10 +161,10 @@ def test_a_backend_that_serves_only_some_models_takes_only_theirs() -> None:
     queue: ModelAffinity[str] = ModelAffinity(lambda: build_queue(make_policy("sjf")), 30.0)
     queue.push(job("a", 0.0, "a", score=0.1))
     queue.push(job("b", 0.0, "b", score=0.9))
-    only_b = Lane(lambda m: False, lambda m: m == "b", lambda m: 3.0)
+    only_b = Lane(Serving(Held(NOTHING), serving="b"), lambda m: 3.0)
     got = queue.pop_for(0.0, [only_b])
     assert got is not None and got[0].payload == "b"
-    none = Lane(lambda m: False, lambda m: m == "c", lambda m: 3.0)
+    none = Lane(Serving(Held(NOTHING), serving="c"), lambda m: 3.0)
     queue.push(job("b2", 0.0, "b"))
     assert queue.pop_for(0.0, [none]) is None and len(queue) == 2
 
@@ -328,7 +352,7 @@ def test_no_held_model_is_served_once_a_switch_is_due(
         elif kind == "done" and in_service:
             queue.done(in_service.pop(0))
         elif kind == "pop":
-            the_lane = Lane(lambda m, h=held: m == h, lambda m: True, lambda m: 0.0 if m in free else 3.0, switched_s)
+            the_lane = Lane(Serving(Held(held, switched_s)), lambda m: 0.0 if m in free else 3.0)
             got = queue.pop_for(now, [the_lane])
             if not waiting:
                 assert got is None

@@ -104,7 +104,7 @@ def test_a_replica_converges_to_the_same_fit_as_the_one_that_served(redis_server
             max_queue=10,
             service_time=a.service_time,
         )
-        dispatcher.on_observed = a.publish_service
+        dispatcher.cluster.on_observed = a.publish_service
         await dispatcher.start()
         await started(a, b)
         rng = random.Random(7)

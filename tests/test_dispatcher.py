@@ -9,6 +9,7 @@ import math
 import time
 
 import pytest
+from ending import end
 from manual_clock import ManualClock
 from polling import settle, until
 
@@ -108,7 +109,7 @@ def test_a_made_request_id_is_read_from_the_seq_and_found_while_it_waits() -> No
         assert d.waiting_ticket(f"{ID_PREFIX}{running.seq}") is None  # not waiting
         assert d.waiting_ticket(f"{ID_PREFIX}{made.seq}x") is None
         assert d.waiting_ticket(f"cv-0-{made.seq}") is None  # another process's id
-        d.end(made)  # withdrawn
+        end(d, made)  # withdrawn
         assert d.waiting_ticket(made.request_id) is None
         await lease.__aexit__(None, None, None)
         await d.stop()
@@ -648,7 +649,7 @@ def test_a_request_finding_a_free_slot_and_nobody_waiting_is_granted_before_its_
         d.predicted_at_once(early, 1.0)
         assert d.queue.tenants["t1"] == pytest.approx(charged + 6.0)
         assert _wait_count(d, "long") == 1
-        d.end(early, completed=True)
+        end(d, early, completed=True)
         await d.stop()
 
     asyncio.run(scenario())
@@ -699,13 +700,13 @@ def test_a_first_answer_40_s_late_does_not_make_the_backend_serve_essays_first()
 
         served: list[str] = []
         clock.advance(10.0)  # the blocker runs 10 s: every question is overdue by now
-        d.end(blocker, completed=True)
+        end(d, blocker, completed=True)
         for _ in burst:
             await settle()
             [running] = d.running()
             served.append(running.request_id)
             clock.advance(running.predicted_s)
-            d.end(running, completed=True)
+            end(d, running, completed=True)
         assert served[:6] == [f"hi{i}" for i in range(6)]
         await d.stop(timeout_s=0.01)
 

@@ -7,6 +7,7 @@ import asyncio
 import math
 
 import pytest
+from ending import end
 from manual_clock import ManualClock
 from polling import settle, until
 
@@ -68,7 +69,7 @@ def test_a_burst_for_two_models_is_served_in_groups_and_each_switch_is_counted()
             t = running(d)
             out.append((t.request_id, t.placement.load, t.placement.switch_load_s))
             clock.advance((3.0 if t.placement.load != Load.HELD else 0.0) + 5.0)
-            d.end(t, completed=True)
+            end(d, t, completed=True)
         await d.stop(timeout_s=0.01)
         assert switches(d) == 3  # a -> b -> a -> b
         return out
@@ -97,7 +98,7 @@ def test_fcfs_alternates_models_whatever_the_bound() -> None:
             t = running(d)
             out.append(t.request_id)
             clock.advance(5.0)
-            d.end(t, completed=True)
+            end(d, t, completed=True)
         await d.stop(timeout_s=0.01)
         assert switches(d) == 5
         return out
@@ -113,7 +114,7 @@ def test_ollamas_load_duration_teaches_the_load_and_comes_off_the_service_second
         await settle()
         first = running(d)
         clock.advance(2.0)  # the model was loaded already: Ollama says 20 ms
-        d.end(first, completed=True, usage=_usage(load_s=0.02))
+        end(d, first, completed=True, usage=_usage(load_s=0.02))
         assert d.service_time.loads() == {}  # a load of nothing, on an unknown backend: not a sample
         d.submit(ticket("b", "qwen2.5:7b", 2.0, 2.0))
         await settle()
@@ -121,7 +122,7 @@ def test_ollamas_load_duration_teaches_the_load_and_comes_off_the_service_second
         assert second.placement.load == Load.SWITCH and second.placement.switch_load_s == 5.0  # charged the prior
         assert queue_view(d).model_dump()["backends"][0]["holds"] == "qwen2.5:7b"
         clock.advance(4.2 + 2.0)  # it took 4.2 s to load, then 2 s to answer
-        d.end(second, completed=True, usage=_usage(load_s=4.2))
+        end(d, second, completed=True, usage=_usage(load_s=4.2))
         assert d.service_time.load_s("ollama", "qwen2.5:7b") == pytest.approx((5.0 + 4.2) / 2)
         # what the service-time model learned: the answer's 2 s, not the 6.2 s the slot was held
         assert d.service_time.coefficients("qwen2.5:7b")["observations"] == 1
@@ -146,7 +147,7 @@ def test_the_first_byte_after_a_switch_teaches_the_load_of_a_backend_that_does_n
             clock.advance(load_s + 0.5)  # the load, then its first token half a second later
             d.first_byte(t, streamed=True)
             clock.advance(1.0)
-            d.end(t, completed=True)
+            end(d, t, completed=True)
         # a0 was the backend's first request (unknown): no sample; a1, a2 set the usual delay (0.5 s);
         # b0 followed a switch: 12.5 - 0.5 s, averaged with the 5 s prior.
         loads = d.service_time.loads()["llama-swap"]
@@ -173,7 +174,7 @@ def test_the_first_bytes_arrival_time_is_what_teaches_not_when_the_relay_reports
             arrived_s = clock.now()
             clock.advance(reported_after_s)  # b0: its bytes went on to a slow client before they were reported
             d.first_byte(t, streamed=True, at_s=arrived_s)
-            d.end(t, completed=True)
+            end(d, t, completed=True)
         # From the arrival times: 12.5 s after a switch less the usual 0.5 s. Counted when reported,
         # b0's delay would be 15.5 s, and its load 15 s.
         loads = d.service_time.loads()["llama-swap"]
@@ -189,7 +190,7 @@ def test_a_non_streamed_answers_first_byte_teaches_nothing() -> None:
         await d.start()
         d.submit(ticket("a0", "a", 0.0, 1.0))
         await settle()
-        d.end(running(d), completed=True)
+        end(d, running(d), completed=True)
         d.submit(ticket("b0", "b", 0.0, 1.0))
         await settle()
         t = running(d)
@@ -244,7 +245,7 @@ def test_a_request_is_never_sent_at_or_after_its_queue_deadline() -> None:
         assert late.placement is None and len(d.queue) == 1
         assert queue_view(d).model_dump()["recent"][0]["outcome"] == "expired"
         clock.set(10.0)
-        d.end(running(d), completed=True)
+        end(d, running(d), completed=True)
         await settle()
         assert patient.status == RequestStatus.DISPATCHED  # before its deadline
         await d.stop(timeout_s=0.01)
@@ -263,7 +264,7 @@ def test_the_dispatch_step_withdraws_what_expired_before_it_chooses() -> None:
         d.submit(first)
         d.submit(second)
         clock.set(9.0)  # the slot frees exactly at first's deadline: it is not sent, second is
-        d.end(running(d), completed=True)
+        end(d, running(d), completed=True)
         await settle()
         assert first.status == RequestStatus.EXPIRED and second.status == RequestStatus.DISPATCHED
         await d.stop(timeout_s=0.01)

@@ -30,9 +30,8 @@ def job(
     predicted_s: float = 1.0,
     priority: int = 0,
     tenant: str = "",
-    bucket: int = 0,
 ) -> Job[str]:
-    return Job(name, arrival_s, score=score, predicted_s=predicted_s, priority=priority, tenant=tenant, bucket=bucket)
+    return Job(name, arrival_s, score=score, predicted_s=predicted_s, priority=priority, tenant=tenant)
 
 
 def drain(queue: JobQueue[str], now: float) -> list[str]:
@@ -72,9 +71,9 @@ def test_boost_key_by_hand() -> None:
     assert policy.table.boost(0, 10.0) == pytest.approx(4.587, abs=1e-3)
     assert policy.table.boost(1, 1.0) == pytest.approx(23.52, abs=1e-2)
     q = policy.make_queue()
-    q.push(job("A", 0.0, predicted_s=10.0, bucket=0))
-    q.push(job("B", 15.0, predicted_s=1.0, bucket=1))
-    q.push(job("C", 20.0, predicted_s=1.0, bucket=1))
+    q.push(job("A", 0.0, predicted_s=10.0))
+    q.push(job("B", 15.0, predicted_s=1.0))
+    q.push(job("C", 20.0, predicted_s=1.0))
     assert drain(q, now=20.0) == ["B", "A", "C"]
 
 

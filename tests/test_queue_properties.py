@@ -8,7 +8,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from clairvoyant.scheduling.boost import BoostTable, bucket_for
+from clairvoyant.scheduling.boost import BoostTable
 from clairvoyant.scheduling.job_queue import Job, JobQueue, StarvationGuard
 from clairvoyant.scheduling.policy import POLICY_NAMES, BoostPolicy, PolicyParams, build_queue, make_policy
 
@@ -38,7 +38,7 @@ def run(queue, operations, check=None, tick=None):  # type: ignore[no-untyped-de
         if tick is not None:
             tick(now, list(waiting.values()), list(in_service))
         if kind == "push":
-            job = Job(pushed, now, score=score, predicted_s=pred, bucket=bucket_for(pred), priority=prio, tenant=tenant)
+            job = Job(pushed, now, score=score, predicted_s=pred, priority=prio, tenant=tenant)
             pushed += 1
             queue.push(job)
             waiting[job.payload] = job

@@ -8,6 +8,7 @@ import logging
 import math
 
 import pytest
+from ending import end
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from manual_clock import ManualClock
@@ -38,8 +39,8 @@ def tickets(draw: st.DrawFn) -> Ticket:
     ticket = Ticket(
         draw(text), draw(st.sampled_from(["/v1/chat/completions", "/api/chat"])), draw(st.sampled_from(["openai", "ollama"])),
         model, prediction, draw(st.integers(0, 10**6)), draw(finite),
-        score=draw(finite), predicted_tokens=draw(finite), predicted_s=draw(finite), bucket=draw(st.integers(0, 9)),
-        cap_tokens=cap_tokens, priority=draw(st.integers(-5, 5)), tenant=draw(text),
+        score=draw(finite), predicted_tokens=draw(finite), predicted_s=draw(finite),
+        priority=draw(st.integers(-5, 5)), tenant=draw(text),
         expires_s=draw(finite | st.just(math.inf)),
     )  # fmt: skip
     ticket.status = draw(st.sampled_from(RequestStatus))
@@ -95,10 +96,10 @@ def test_every_status_change_is_made_by_the_dispatcher_logged_and_counted(caplog
         assert d.move(first, RequestStatus.COMPLETED)
         assert not d.move(first, RequestStatus.SHUTDOWN)  # a finished request keeps its first ending
         assert first.status is RequestStatus.COMPLETED and first.status.is_finished
-        d.end(first, completed=True)
+        end(d, first, completed=True)
         await settle()
         assert second.status is RequestStatus.DISPATCHED
-        d.end(third)  # its client left while it waited: withdrawn, never sent
+        end(d, third)  # its client left while it waited: withdrawn, never sent
         assert third.status is RequestStatus.CLIENT_LEFT_QUEUED and third.ended and third.placement is None
 
         def count(status: RequestStatus) -> float:

@@ -297,7 +297,7 @@ def _shared_observations(
         service_time=dispatcher.service_time, backends=dispatcher.backends,
         catch_up=not any(fit["observations"] for fit in dispatcher.service_time.fits().values()),
     )  # fmt: skip
-    dispatcher.on_observed = shared.publish_service
+    dispatcher.cluster.on_observed = shared.publish_service
     learner = learning.learner
     if learner is not None:
         shared.share_learner(learner.identity, learning.recorder.observe_shared)

@@ -47,7 +47,6 @@ from clairvoyant.proxy.limits import TenantLimits
 from clairvoyant.proxy.pool import BackendPool
 from clairvoyant.proxy.relay import Receive, Relay, RelayHooks, Responder, UpstreamRequest, disconnected
 from clairvoyant.proxy.transport import Headers
-from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.dispatcher import Dispatcher
 from clairvoyant.scheduling.request import RequestStatus, Ticket
 
@@ -148,7 +147,7 @@ def _ticket(shared: Scheduling, arrival: Arrival, parsed: ParsedRequest) -> Tick
     return Ticket(
         given_id if _REQUEST_ID_RE.match(given_id) else "", arrival.endpoint.path, arrival.endpoint.dialect.value,
         parsed.model, None, parsed.prompt.context_chars // 4,  # ~4 characters a token until usage says better
-        arrival_s, cap_tokens=parsed.cap_tokens,
+        arrival_s,
         priority=_priority(own.get(settings.priority_header.lower()), parsed.priority, settings, arrival.identity),
         tenant=arrival.tenant, expires_s=arrival_s + deadline_s,
     )  # fmt: skip
@@ -170,7 +169,6 @@ def _predict(shared: Scheduling, parsed: ParsedRequest, ticket: Ticket) -> Predi
     ticket.score = score
     ticket.predicted_tokens = predicted_tokens
     ticket.predicted_s = shared.dispatcher.predicted_s(parsed.model, ticket.prompt_tokens, predicted_tokens)
-    ticket.bucket = bucket_for(ticket.predicted_s)
     return prediction
 
 
@@ -215,7 +213,7 @@ def admit_scheduled(shared: Scheduling, arrival: Arrival, out: Responder) -> Sch
         refiner = shared.refiner
         if refiner is not None and not (settings.allow_oracle and "output_tokens" in parsed.proxy_options):
             loop = asyncio.get_running_loop()
-            if dispatcher.cluster is None:
+            if dispatcher.cluster.side is None:
                 loop.call_soon(_refine_if_waiting, refiner, ticket, prediction, parsed.prompt.instruction)
             else:  # with replicas a free slot's grant takes a round trip to Redis: one not worth refining
                 loop.call_later(
@@ -232,8 +230,8 @@ def admit_scheduled(shared: Scheduling, arrival: Arrival, out: Responder) -> Sch
     if supersede_key:
         request.supersede_key = (arrival.tenant, supersede_key[:256])
         shared.supersede.replace(request.supersede_key, request)
-        if dispatcher.cluster is not None:  # with replicas: the older one may wait on another replica
-            dispatcher.cluster.supersede_key(ticket, arrival.tenant, supersede_key[:256])
+        if dispatcher.cluster.side is not None:  # with replicas: the older one may wait on another replica
+            dispatcher.cluster.side.supersede_key(ticket, arrival.tenant, supersede_key[:256])
     return request
 
 

@@ -35,6 +35,7 @@ from itertools import islice
 from typing import Any, Generic, Protocol, TypeVar
 
 from clairvoyant.scheduling.job_queue import FairShareQueue, Job, JobQueue, Lane, StarvationGuard, add_counts
+from clairvoyant.scheduling.routing import Backend
 from clairvoyant.scheduling.service_time import FREE_LOAD_S
 
 __all__ = ["FREE_LOAD_S", "SWITCH_RULES", "Lane", "ModelAffinity"]
@@ -220,7 +221,7 @@ class ModelAffinity(JobQueue[T]):
             self._spare.append((group.queue, group.clock))
 
     def _free_on(self, lane: Lane, model: str | None, held: Callable[[str | None], bool]) -> bool:
-        return lane.serves(model) and (held(model) or lane.load_s(model) < FREE_LOAD_S)
+        return lane.backend.serves(model) and (held(model) or lane.load_s(model) < FREE_LOAD_S)
 
     # -- the queue interface ---------------------------------------------------------------------
     def push(self, job: Job[T]) -> None:
@@ -229,7 +230,7 @@ class ModelAffinity(JobQueue[T]):
             # A model that starts waiting while another one runs is put off (until a decision says
             # otherwise), unless a backend loads it for free.
             others_run = any(g.in_flight for g in self._groups.values() if g is not group)
-            free = any(lane.serves(job.model) and lane.load_s(job.model) < FREE_LOAD_S for lane in self._lanes)
+            free = any(lane.backend.serves(job.model) and lane.load_s(job.model) < FREE_LOAD_S for lane in self._lanes)
             group.clock.set(job.arrival_s, others_run and not free)
         group.queue.push(job)
         group.arrivals.append(job)
@@ -321,7 +322,8 @@ class ModelAffinity(JobQueue[T]):
                 continue
             model = group.model
             put_off = not group.in_flight and not any(
-                self._free_on(lane, model, holds_chosen if lane is switched else lane.holds) for lane in lanes
+                self._free_on(lane, model, holds_chosen if lane is switched else lane.backend.held.holds)
+                for lane in lanes
             )
             group.clock.set(now, put_off)
 
@@ -346,14 +348,16 @@ class ModelAffinity(JobQueue[T]):
                 return None, None
             group = groups[0]
             for lane in lanes:
-                if lane.serves(group.model):
-                    return group, None if self._free_on(lane, group.model, lane.holds) else lane
+                if lane.backend.serves(group.model):
+                    return group, None if self._free_on(lane, group.model, lane.backend.held.holds) else lane
             return group, None
         switch: tuple[_Group[T], Lane] | None = None
         for lane in lanes:
-            served = [g for g in groups if lane.serves(g.model)]
+            served = [g for g in groups if lane.backend.serves(g.model)]
             if served:
-                group, switches = self._decide(now, lane, lane.switched_s, lane.holds, served, self._best)
+                group, switches = self._decide(
+                    now, lane, lane.backend.held.switched_s, lane.backend.held.holds, served, self._best
+                )
                 if not switches:
                     return group, None
                 switch = switch or (group, lane)
@@ -401,7 +405,7 @@ class ModelAffinity(JobQueue[T]):
     # -- positions ---------------------------------------------------------------------------------
     def ordered(self, now: float) -> list[Job[T]]:
         """Waiting jobs as a backend that holds nothing would take them (``ordered_for``)."""
-        return self.ordered_for(now, Lane(lambda model: False, lambda model: True, lambda model: math.inf))
+        return self.ordered_for(now, Lane(Backend("", 1), lambda model: math.inf))
 
     def ordered_for(self, now: float, lane: Lane, free_in_s: float = 0.0) -> list[Job[T]]:
         """Waiting jobs in the order ``lane`` (free in ``free_in_s``) would take them if nothing else
@@ -410,7 +414,7 @@ class ModelAffinity(JobQueue[T]):
         if len(groups) < 2:
             return groups[0].queue.ordered(now) if groups else []
         plays = [_Play(g.model, g.queue.ordered(now)) for g in groups]
-        holds, switched_s, t = lane.holds, lane.switched_s, now + free_in_s
+        holds, switched_s, t = lane.backend.held.holds, lane.backend.held.switched_s, now + free_in_s
         rank = self.rank
 
         def best_held(held: list[_Play[T]], at: float) -> _Play[T] | None:  # the policy's order

@@ -9,40 +9,27 @@ A scheduled request's life, all of it visible here:
 
 Dispatching is one synchronous step, ``_pump``, run when work arrives, a slot frees or a backend
 comes back (coalesced to once per event-loop turn, so a burst that arrives together is ordered by
-the policy before the first of it is dispatched). It takes the policy's next request and routes it
-(scheduling/routing.py) to a backend with a free slot: the route is decided at dispatch, with the
-freshest state. A request whose model only busy backends serve is held back (in the order the
-policy chose it) until one of them frees a slot; it goes before anything still in the queue.
-A request that finds a free slot and nobody waiting has no order to decide: ``dispatch_at_once``
-grants it before its prediction (the proxy predicts it while the backend works).
+the policy before the first of it is dispatched). It routes the policy's next request
+(scheduling/routing.py) at dispatch, with the freshest state. A request whose model only busy
+backends serve is held back, first in line, until one of them frees a slot.
 
 Invariants, each enforced in this file:
 - never more leases on a backend than its slots; a slot is granted only to a waiting ticket;
-- every ticket leaves the system exactly once: ``lease.__aexit__`` either withdraws it from the
-  queue (client left or cancelled while waiting) or releases its slot, and ``_end`` is idempotent;
+- every ticket leaves exactly once: ``_end`` (idempotent) withdraws it or releases its slot;
 - a request whose backend refused the connection (nothing was sent) may be rerouted once per
   refusal: its slot is given back and it waits first in line for another healthy backend;
+- nothing is sent at or after its queue deadline (``Job.expires_s``);
 - detached tasks are strongly referenced and their failures logged.
 
-The service-time model and the policy learn from each completed lease (measured service seconds).
-
-Model switches (scheduling/affinity.py): with a ``ModelAffinity`` queue the dispatch step tells the
-queue what each backend with a free slot holds (``Lane``), and the queue picks the request. A request
-sent to a backend that does not hold its model is charged that backend's learned load
-(``Placement.switch_load_s``: in its ETA and its tenant's fair share, never in the service-time model's
-inputs), and a switch from another model counts in ``clairvoyant_model_switches_total``. The load
-is learned from Ollama's ``load_duration`` (``Usage.load_s``) or, for other backends, from the
-first-byte delay of a streamed answer that followed a switch (``first_byte``).
-
-Queue deadlines (``Job.expires_s``): a ticket whose deadline comes while it waits is withdrawn and
-refused at once (``QueueDeadline``), by ``expire`` (run first by the dispatch step, and by a timer at
-the soonest deadline); it is never sent after its deadline.
+The service-time model and the policy learn from each completed lease. A request sent to a backend
+that does not hold its model (scheduling/affinity.py) is charged that backend's learned load
+(``Placement.switch_load_s``: in its ETA and its tenant's fair share, never in the service-time
+model's inputs), learned from Ollama's ``load_duration`` or else from the first byte (``first_byte``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import functools
 import heapq
 import itertools
@@ -51,7 +38,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +48,6 @@ from clairvoyant.metrics import Metrics
 from clairvoyant.prediction.predictor import Prediction
 from clairvoyant.prediction.usage import Usage
 from clairvoyant.scheduling.affinity import Lane
-from clairvoyant.scheduling.boost import bucket_for
 from clairvoyant.scheduling.cluster.shared import ClusterSide, ServiceObservation
 from clairvoyant.scheduling.expiry import Expiry, expired
 from clairvoyant.scheduling.job_queue import Job, JobQueue, add_counts
@@ -72,7 +58,8 @@ from clairvoyant.scheduling.service_time import FREE_LOAD_S, ServiceTimeModel, w
 from clairvoyant.scheduling.slowdown import AdaptiveSlowdown
 
 __all__ = [
-    "ID_PREFIX", "Backend", "Dispatcher", "Lease", "ModelNotServed", "RequestStatus", "ShuttingDown", "Ticket",
+    "ID_PREFIX", "Backend", "ClusterHooks", "Dispatcher", "Lease", "ModelNotServed", "QueueLimits", "RequestStatus",
+    "ShuttingDown", "Ticket",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -85,16 +72,9 @@ OVERRUN_GROWTH = 0.5
 # Streamed tokens before the answer's own pace is trusted over its prediction (the first ones carry
 # the prompt's processing).
 LIVE_PACE_MIN_TOKENS = 8
-
+SHUTDOWN_RETRY_AFTER_S = 5  # a restarted proxy is usually back within seconds
 
 _FINISHED = RequestStatus.COMPLETED  # the first finished status
-
-
-class _AsNow(enum.Enum):
-    AS_NOW = 0  # a backend holds what it holds now (not yet played forward)
-
-
-_AS_NOW = _AsNow.AS_NOW
 
 
 def remainder_s(ticket: Ticket, now: float, slowness: float = 1.0) -> float:
@@ -113,9 +93,6 @@ def remainder_s(ticket: Ticket, now: float, slowness: float = 1.0) -> float:
         return (expected - produced) * running_s / produced
     predicted_s = ticket.predicted_s * slowness + placement.switch_load_s
     return max(predicted_s - running_s, OVERRUN_GROWTH * running_s)
-
-
-SHUTDOWN_RETRY_AFTER_S = 5  # a restarted proxy is usually back within seconds
 
 
 class ShuttingDown(RequestError):
@@ -143,12 +120,91 @@ def _deadline_error(ticket: Ticket, retry_in_s: float) -> QueueDeadline:
 
 @dataclass(slots=True)
 class Lease:
-    """A held slot. ``completed`` is set by the relay when the backend's answer ended normally
-    (only those durations teach the service-time model)."""
-
     ticket: Ticket
-    completed: bool = False
+    completed: bool = False  # the answer ended normally (only those durations teach the service-time model)
     usage: Usage | None = None  # what the backend reported producing (None: not read)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueLimits:
+    """How many requests may wait; a waiting one is overdue after ``starvation_timeout_s +
+    starvation_slowdown * predicted_s``."""
+
+    max_queue: int
+    min_retry_after_s: int = 1  # the least Retry-After of a full queue's refusal
+    starvation_timeout_s: float = math.inf
+    starvation_slowdown: float | AdaptiveSlowdown = 0.0
+
+
+@dataclass(slots=True)
+class ClusterHooks:
+    """With replicas (scheduling/cluster/): with ``side`` set the shared store grants the slots,
+    and the backends' free lists hold only what this replica may grant itself."""
+
+    side: ClusterSide | None = None
+    # Told each completed request's service-time observation (replicas share them).
+    on_observed: Callable[[ServiceObservation], None] | None = None
+
+
+@dataclass(slots=True, eq=False)
+class DispatchStats:
+    """What the dispatcher counts. Each backend's gauge and counter is looked up once (a
+    ``labels()`` lookup per request costs µs)."""
+
+    status: list[int]  # entries into each status, by ``RequestStatus`` value (``status_counts``)
+    in_flight: list[Any]  # per backend
+    switches: list[Any]  # per backend
+    grants: int = 0  # slots granted so far (a ticket's queue position is a difference of these)
+    observed: int = 0  # service-time observations
+    # (ticket, ended clock seconds, outcome, output tokens or None), newest last
+    recent: deque[tuple[Ticket, float, str, int | None]] = field(default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
+
+
+class _Lifecycle:
+    """The dispatcher on the event loop: started, closing, its scheduled dispatch step, the
+    shutdown's grace timer and its detached tasks."""
+
+    __slots__ = ("started", "closing", "pump_scheduled", "grace_timer", "tasks", "cancel_at_stop")
+
+    def __init__(self) -> None:
+        self.started = self.closing = self.pump_scheduled = False
+        self.grace_timer: asyncio.TimerHandle | None = None
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.cancel_at_stop: set[asyncio.Task[Any]] = set()  # of those, loops and checks ``stop`` does not wait for
+
+    def run(self, coro: Coroutine[Any, Any, Any], name: str, cancel_at_stop: bool) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=name)
+        self.tasks.add(task)
+        if cancel_at_stop:
+            self.cancel_at_stop.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self.tasks.discard(task)
+        self.cancel_at_stop.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("detached task %s failed", task.get_name(), exc_info=task.exception())
+
+
+class _Deadlines:
+    """Waiting tickets with a queue deadline, and one timer at the soonest."""
+
+    __slots__ = ("expiry", "timer", "timer_s")
+
+    def __init__(self) -> None:
+        self.expiry: Expiry[Ticket] = Expiry()
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_s = math.inf  # the clock reading the timer is set for
+
+    def arm(self, clock: Clock, callback: Callable[[], None]) -> None:
+        soonest = self.expiry.next_s()
+        if math.isinf(soonest) or soonest >= self.timer_s:
+            return
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer_s = soonest
+        self.timer = asyncio.get_running_loop().call_later(max(0.0, soonest - clock.now()), callback)
 
 
 class Dispatcher:
@@ -173,38 +229,20 @@ class Dispatcher:
         self.queue = queue
         self.policy = policy
         self.backends: list[Backend] = list(backends) if backends else [Backend("default", slots)]
-        self.slots = sum(b.slots for b in self.backends)
         self.clock = clock
         self.metrics = metrics
-        self.max_queue = max_queue
+        self.limits = QueueLimits(max_queue, min_retry_after_s, starvation_timeout_s, starvation_slowdown)
         self.service_time = service_time or ServiceTimeModel()
-        self.min_retry_after_s = min_retry_after_s
-        self.starvation_timeout_s = starvation_timeout_s
-        self.starvation_slowdown = starvation_slowdown
+        self.cluster = ClusterHooks()
+        self.stats = DispatchStats(
+            status_counts(metrics),
+            [metrics.backends.in_flight[b.name] for b in self.backends],
+            [metrics.backends.model_switches[b.name] for b in self.backends],
+        )
         self._held_back: deque[Ticket] = deque()  # chosen (or rerouted), waiting for a backend: first in line
-        self._pump_scheduled = False
-        self._started = False
-        self._detached: set[asyncio.Task[Any]] = set()
-        self._cancel_at_stop: set[asyncio.Task[Any]] = set()  # of those, loops and checks that stop does not wait for
-        self._closing = False
-        self._grace_timer: asyncio.TimerHandle | None = None
-        self._observed = 0
-        self._grants = 0  # slots granted so far (a ticket's queue position is a difference of these)
-        # (ticket, ended clock seconds, outcome, output tokens or None), newest last
-        self.recent: deque[tuple[Ticket, float, str, int | None]] = deque(maxlen=RECENT_REQUESTS)
-        # With replicas: the shared store grants the slots (scheduling/cluster/replica.py), and the
-        # backends' free lists hold only what this replica may grant itself (none while shared).
-        self.cluster: ClusterSide | None = None
-        # Told each completed request's service-time observation (replicas share them: cluster/observations.py).
-        self.on_observed: Callable[[ServiceObservation], None] | None = None
+        self._lifecycle = _Lifecycle()
+        self._deadlines = _Deadlines()
         metrics.queue.starvation_timeout.set(starvation_timeout_s)
-        # Each backend's in-flight gauge, looked up once (a labels() lookup per request costs µs).
-        self._in_flight_gauges = [metrics.backends.in_flight[b.name] for b in self.backends]
-        self._switch_counters = [metrics.backends.model_switches[b.name] for b in self.backends]
-        self._status_counts = status_counts(metrics)
-        self._expiry: Expiry[Ticket] = Expiry()  # waiting tickets with a queue deadline
-        self._expiry_timer: asyncio.TimerHandle | None = None
-        self._expiry_timer_s = math.inf  # the clock reading the timer is set for
         for backend in self.backends:
             metrics.backends.healthy[backend.name].set(1 if backend.healthy else 0)
             metrics.backends.in_flight[backend.name].set(0)
@@ -213,37 +251,31 @@ class Dispatcher:
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        self._started = True
+        self._lifecycle.started = True
         self._schedule_pump()
 
     def begin_shutdown(self, grace_s: float) -> None:
-        """Refuse new work and every waiting request (503 ``shutting_down`` at once); in-flight
-        answers may finish for ``grace_s`` seconds, then each is interrupted (its stream ends with
-        an error event). Idempotent."""
-        if self._closing:
+        """Refuse new work and every waiting request (503 ``shutting_down``); in-flight answers may
+        finish for ``grace_s`` seconds, then each is interrupted. Idempotent."""
+        if self._lifecycle.closing:
             return
-        self._closing = True
-        refused = 0
+        self._lifecycle.closing = True
+        refused = len(self._held_back)
         while self._held_back:
             self._refuse(self._held_back.popleft())
-            refused += 1
         while (got := self.queue.pop(math.inf)) is not None:
             self._refuse(got[0].payload)
             refused += 1
         logger.info(
-            "shutting down: refused %d waiting request(s); %d in flight get %.1f s",
-            refused,
-            self.in_flight,
-            grace_s,
+            "shutting down: refused %d waiting request(s); %d in flight get %.1f s", refused, self.in_flight, grace_s
         )
-        self._grace_timer = asyncio.get_running_loop().call_later(grace_s, self._interrupt_running)
+        self._lifecycle.grace_timer = asyncio.get_running_loop().call_later(grace_s, self._interrupt_running)
 
     def _refuse(self, ticket: Ticket) -> None:
-        """A waiting ticket (popped or held back) that will never reach a backend: shutting down."""
+        """A popped or held-back ticket, refused: shutting down."""
         ticket.held_back = False
         self.queue.done(ticket)
-        self._end_waiting(ticket)
-        self._end_wait(ticket, RequestStatus.REFUSED, ShuttingDown("the proxy is shutting down; retry"))
+        self._end_waiting(ticket, RequestStatus.REFUSED, ShuttingDown("the proxy is shutting down; retry"))
 
     def _interrupt_running(self) -> None:
         error = ShuttingDown("the proxy shut down before the answer was complete")
@@ -255,18 +287,22 @@ class Dispatcher:
     async def stop(self, timeout_s: float = 5.0) -> None:
         """Refuse new work, let in-flight requests finish for up to ``timeout_s``, then cancel."""
         self.begin_shutdown(timeout_s)
+        lifecycle = self._lifecycle
         deadline = time.monotonic() + timeout_s
-        while (self.in_flight or self._detached - self._cancel_at_stop) and time.monotonic() < deadline:
+        while (self.in_flight or lifecycle.tasks - lifecycle.cancel_at_stop) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self._grace_timer is not None:
-            self._grace_timer.cancel()
-        if self._expiry_timer is not None:
-            self._expiry_timer.cancel()
-        for task in list(self._detached):
+        for timer in (lifecycle.grace_timer, self._deadlines.timer):
+            if timer is not None:
+                timer.cancel()
+        for task in list(lifecycle.tasks):
             task.cancel()
-        await asyncio.gather(*self._detached, return_exceptions=True)
-        self._started = False
+        await asyncio.gather(*lifecycle.tasks, return_exceptions=True)
+        lifecycle.started = False
         self._save_state()
+
+    @property
+    def slots(self) -> int:
+        return sum(b.slots for b in self.backends)
 
     @property
     def in_flight(self) -> int:
@@ -281,7 +317,7 @@ class Dispatcher:
 
     @property
     def healthy(self) -> bool:
-        return self._started
+        return self._lifecycle.started
 
     @property
     def waiting(self) -> int:
@@ -290,31 +326,28 @@ class Dispatcher:
 
     # -- backends --------------------------------------------------------------------------
     def set_health(self, backend: int, healthy: bool, loaded: Sequence[str] | None = None) -> None:
-        """What a health check (or a refused connection) found; ``loaded``: the models it has
-        loaded now, when it says (Ollama /api/ps)."""
+        """What a health check (or a refused connection) found; ``loaded``: Ollama's /api/ps."""
         record = self.backends[backend]
         if loaded is not None:
             record.held.report(loaded)
-        if record.healthy != healthy:
-            record.healthy = healthy
-            self.metrics.backends.healthy[record.name].set(1 if healthy else 0)
-            logger.log(
-                logging.INFO if healthy else logging.WARNING,
-                "backend %s is %s",
-                record.name,
-                "healthy again"
-                if healthy
-                else "unhealthy: skipped while another backend serves its requests"
+        if record.healthy == healthy:
+            return
+        record.healthy = healthy
+        self.metrics.backends.healthy[record.name].set(1 if healthy else 0)
+        if healthy:
+            logger.info("backend %s is healthy again", record.name)
+            self._schedule_pump()
+        else:
+            fallback = (
+                "skipped while another backend serves its requests"
                 if len(self.backends) > 1
-                else "unhealthy: its requests wait for it",
+                else "its requests wait for it"
             )
-            if healthy:
-                self._schedule_pump()
+            logger.warning("backend %s is unhealthy: %s", record.name, fallback)
 
     def resize(self, backend: int, slots: int) -> None:
-        """The backend runs ``slots`` requests at once from now on (learned after start-up, e.g.
-        llama.cpp's ``total_slots`` once a backend that was down answers). New slots are free at
-        once; a removed slot that is busy is not reused when its request ends."""
+        """The backend runs ``slots`` requests at once from now on (e.g. llama.cpp's ``total_slots``,
+        learned once it answers). A removed slot that is busy is not reused when its request ends."""
         if slots < 1:
             raise ValueError("slots must be >= 1")
         record = self.backends[backend]
@@ -322,19 +355,17 @@ class Dispatcher:
         if slots == old:
             return
         record.slots = slots
-        if self.cluster is not None:  # the store grants the slots: it is told, and the free lists stay its
-            self.cluster.pool_changed()
+        if self.cluster.side is not None:  # the store grants the slots: it is told, and the free lists stay its
+            self.cluster.side.pool_changed()
         elif slots > old:
             record.free[:0] = range(slots - 1, old - 1, -1)  # popped from the end: the old ones first
         else:
             record.free = [slot for slot in record.free if slot < slots]
-        self.slots = sum(b.slots for b in self.backends)
         self.metrics.backends.slots[record.name].set(slots)
         logger.info("backend %s runs %d requests at once (was %d)", record.name, slots, old)
         self._schedule_pump()
 
     def _check_model(self, model: str | None) -> None:
-        """Raise ``ModelNotServed`` when no backend of the pool serves ``model``."""
         if not any(b.serves(model) for b in self.backends):
             raise ModelNotServed(f"the model {model!r} is not served by any backend of this proxy", param="model")
 
@@ -342,8 +373,7 @@ class Dispatcher:
         """Predicted seconds of work left on ``backend`` (its in-flight requests' remainders, at its
         measured slowness; one that overran its prediction still counts: ``remainder_s``)."""
         now = self.clock.now()
-        slowness = backend.slowness
-        return sum(remainder_s(t, now, slowness) for t in backend.running.values())
+        return sum(remainder_s(t, now, backend.slowness) for t in backend.running.values())
 
     def _route(self, ticket: Ticket) -> int | None:
         placement = ticket.placement
@@ -353,17 +383,15 @@ class Dispatcher:
         )
 
     def reroute(self, ticket: Ticket) -> bool:
-        """The ticket's backend refused the connection: nothing was sent. Mark that backend
-        unhealthy; when another backend serving the ticket's model is healthy, give the slot back
-        and put the ticket first in line for that one (it waits again: await ``regranted``),
-        and return True. Otherwise False: the ticket keeps its slot (the caller waits for its
-        backend to come back)."""
+        """The ticket's backend refused the connection (nothing was sent): that backend is marked
+        unhealthy. True: the slot is given back and the ticket waits first in line for another
+        healthy backend (await ``regranted``). False: none serves its model; it keeps its slot."""
         placement = ticket.placement
         assert placement is not None and placement.backend is not None and placement.slot is not None
         self.set_health(placement.backend, False)
         others = [b for i, b in enumerate(self.backends) if i != placement.backend and b.serves(ticket.model)]
         # (With replicas the store routes: the request keeps its slot and waits for its backend.)
-        if self._closing or self.cluster is not None or not any(b.healthy for b in others):
+        if self._lifecycle.closing or self.cluster.side is not None or not any(b.healthy for b in others):
             return False
         placement.refused_by = (*placement.refused_by, placement.backend)
         self._free_slot(ticket)
@@ -377,68 +405,62 @@ class Dispatcher:
 
     # -- requests --------------------------------------------------------------------------
     def predicted_s(self, model: str | None, prompt_tokens: float, output_tokens: float) -> float:
-        """Predicted service seconds of a request (the service-time model)."""
         return self.service_time.predict_s(model, prompt_tokens, output_tokens)
 
     def check_room(self) -> None:
         """Raise what ``submit`` would refuse any request for now: ``ShuttingDown``, or ``QueueFull``
         with a Retry-After computed from the predicted time until the queue's tail is dispatched."""
-        if self._closing:
+        if self._lifecycle.closing:
             raise ShuttingDown("the proxy is shutting down; retry")
-        if self.waiting >= self.max_queue:
+        limits = self.limits
+        if self.waiting >= limits.max_queue:
             tail_eta_s = self.etas(self.clock.now())[1]
-            retry = max(self.min_retry_after_s, min(3600, math.ceil(tail_eta_s)))
             raise QueueFull(
-                f"the scheduling queue is full ({self.max_queue} requests waiting); retry later",
-                retry_after_s=retry,
+                f"the scheduling queue is full ({limits.max_queue} requests waiting); retry later",
+                retry_after_s=max(limits.min_retry_after_s, min(3600, math.ceil(tail_eta_s))),
             )
 
     def submit(self, ticket: Ticket) -> None:
-        """Queue a ticket (its own job record, its predicted fields filled in).
-
-        Raises ``ShuttingDown`` after ``stop``, ``ModelNotServed`` when no backend serves its model,
-        ``QueueFull`` at capacity (``check_room``), and ``QueueDeadline`` when its ETA is already past
-        its queue deadline (it is not queued: answered at once, never sent).
-        """
+        """Queue a ticket, its predicted fields filled in. Raises ``ShuttingDown``,
+        ``ModelNotServed``, ``QueueFull`` (``check_room``), and ``QueueDeadline`` when its ETA is
+        already past its queue deadline (it is not queued: answered at once, never sent)."""
         self.check_room()
         self._check_model(ticket.model)
         self.queue.push(ticket)
-        self._status_counts[RequestStatus.WAITING] += 1  # its first status: counted as it is admitted
+        self.stats.status[RequestStatus.WAITING] += 1  # its first status: counted as it is admitted
         self.metrics.queue.depth[ticket.predicted_class].inc()
         # O(1) on purpose: ordering the whole queue per arrival would cost O(n log n) at depth n.
-        ticket.grants_before_arrival = self._grants
+        ticket.grants_before_arrival = self.stats.grants
         if not math.isinf(ticket.expires_s):
             # O(waiting) for a request with a deadline: where it would stand, played forward.
             now = self.clock.now()
             eta_s = next((eta for job, eta in self.etas(now)[0] if job is ticket), 0.0)
             if now + eta_s >= ticket.expires_s:
                 self.queue.remove(ticket)
-                self._end_waiting(ticket)
                 error = _deadline_error(ticket, eta_s)
-                self._end_wait(ticket, RequestStatus.EXPIRED, error)
+                self._end_waiting(ticket, RequestStatus.EXPIRED, error)
                 raise error
-            self._expiry.add(ticket)
+            self._deadlines.expiry.add(ticket)
             self._arm_expiry()
-        if self.cluster is not None:
-            self.cluster.enqueued(ticket, ticket.expires_s - self.clock.now())
+        if self.cluster.side is not None:
+            self.cluster.side.enqueued(ticket, ticket.expires_s - self.clock.now())
         self._schedule_pump()
 
     def dispatch_at_once(self, ticket: Ticket) -> bool:
         """Grant ``ticket`` a slot now, before its prediction, when a backend for it has a free
         slot and nobody waits: there is no order to decide. False otherwise (then predict it and
-        ``submit``). Raises ``ShuttingDown`` and ``QueueFull`` as ``submit`` does, and
-        ``ModelNotServed`` when nobody waits and no backend serves its model (else ``submit``
-        raises it). The caller predicts while the backend works, fills in the ticket's predicted
-        fields and calls ``predicted_at_once``."""
+        ``submit``). Raises as ``submit`` does. The caller predicts while the backend works, fills
+        in the ticket's predicted fields and calls ``predicted_at_once``."""
         waiting = self.waiting
-        if self._closing or waiting >= self.max_queue:
+        if self._lifecycle.closing or waiting >= self.limits.max_queue:
             self.check_room()  # raises
-        backend = None if waiting or not self._started else self._route(ticket)  # only a backend serving its model
+        # (``_route`` finds only a backend that serves its model)
+        backend = None if waiting or not self._lifecycle.started else self._route(ticket)
         if backend is None:
             self._check_model(ticket.model)
             return False
-        ticket.grants_before_arrival = self._grants
-        self._status_counts[RequestStatus.WAITING] += 1  # its first status, if only for this instant
+        ticket.grants_before_arrival = self.stats.grants
+        self.stats.status[RequestStatus.WAITING] += 1  # its first status, if only for this instant
         # Through the queue all the same (its tenant's accounting, and done() at release): pushed and
         # popped at once, which take_now does without the heaps.
         self.queue.take_now(ticket, self.clock.now())
@@ -446,63 +468,50 @@ class Dispatcher:
         return True
 
     def predicted_at_once(self, ticket: Ticket, charged_s: float) -> None:
-        """A ticket dispatched at once has its prediction: its tenant's fair share is charged the
-        predicted seconds (it was charged ``charged_s``, the default, at dispatch), and its queue
-        wait is observed under its class, now known. (A queue ignores a job it no longer serves.)"""
+        """A ticket dispatched at once has its prediction: its tenant is charged the predicted
+        seconds (it was charged ``charged_s`` at dispatch), and its wait is observed under its class."""
         assert ticket.placement is not None
         self.queue.repriced(ticket, charged_s)
         self.metrics.queue.wait[ticket.predicted_class].observe(ticket.placement.dispatched_s - ticket.arrival_s)
 
     def expire(self, now: float | None = None) -> int:
-        """Withdraw every waiting ticket whose queue deadline has come (``now >= expires_s``), held
-        back ones too, and refuse each at once with ``QueueDeadline``: it is never sent. Returns how
-        many. The dispatch step runs this first; a timer runs it at the soonest deadline."""
+        """Withdraw every waiting ticket whose queue deadline has come, held back ones too, and
+        refuse each with ``QueueDeadline``; how many. Run by the dispatch step first, and by a timer."""
         now = self.clock.now() if now is None else now
         count = 0
         tail_s: float | None = None  # the queue's tail ETA: a retry's wait, at worst (computed once)
-        for job in self._expiry.due(now):
+        for job in self._deadlines.expiry.due(now):
             ticket = job.payload
             if not ticket.ended and self.queue.remove(ticket):
                 tail_s = self.etas(now)[1] if tail_s is None else tail_s
                 self._expired(ticket, now, tail_s)
                 count += 1
         for ticket in [t for t in self._held_back if expired(t, now)]:
-            self._held_back.remove(ticket)
-            ticket.held_back = False
-            self.queue.done(ticket)
+            self._unhold(ticket)
             self._expired(ticket, now, 0.0)  # first in line: a retry would be too
             count += 1
         return count
 
     def _expired(self, ticket: Ticket, now: float, retry_in_s: float) -> None:
         """``ticket``'s queue deadline came while it waited (out of the queue already): refused."""
-        self._end_waiting(ticket)
-        self.recent.append((ticket, now, "expired", None))
-        self._end_wait(ticket, RequestStatus.EXPIRED, _deadline_error(ticket, retry_in_s))
+        self.stats.recent.append((ticket, now, "expired", None))
+        self._end_waiting(ticket, RequestStatus.EXPIRED, _deadline_error(ticket, retry_in_s))
 
     def _arm_expiry(self) -> None:
-        """One timer, at the soonest queue deadline of a waiting ticket (re-armed when a sooner one comes)."""
-        soonest = self._expiry.next_s()
-        if not self._started or math.isinf(soonest) or soonest >= self._expiry_timer_s:
-            return
-        if self._expiry_timer is not None:
-            self._expiry_timer.cancel()
-        self._expiry_timer_s = soonest
-        delay_s = max(0.0, soonest - self.clock.now())
-        self._expiry_timer = asyncio.get_running_loop().call_later(delay_s, self._on_expiry_timer)
+        if self._lifecycle.started:
+            self._deadlines.arm(self.clock, self._on_expiry_timer)
 
     def _on_expiry_timer(self) -> None:
-        self._expiry_timer, self._expiry_timer_s = None, math.inf
-        if self._closing:
+        self._deadlines.timer, self._deadlines.timer_s = None, math.inf
+        if self._lifecycle.closing:
             return
         if self.expire():
             self._schedule_pump()  # a withdrawn held-back ticket may have been first in line
         self._arm_expiry()
 
     def repredicted(self, ticket: Ticket, prediction: Prediction) -> bool:
-        """A waiting ticket's prediction was refined (the encoder's second opinion, see
-        ``prediction.encoder``): it takes the new key, tokens and seconds, and the queue
-        re-orders it. False (nothing changes) if it is no longer waiting in the queue."""
+        """A waiting ticket's prediction was refined (the encoder's second opinion): the queue
+        re-orders it. False (nothing changes) if it no longer waits in the queue."""
         if ticket.ended or not ticket.waiting or ticket.prediction is None:
             return False
         old_class = ticket.predicted_class
@@ -510,10 +519,9 @@ class Dispatcher:
         ticket.score = prediction.score
         ticket.predicted_tokens = prediction.predicted_tokens
         ticket.predicted_s = self.predicted_s(ticket.model, ticket.prompt_tokens, prediction.predicted_tokens)
-        ticket.bucket = bucket_for(ticket.predicted_s)
         self.queue.rekeyed(ticket)
-        if self.cluster is not None:
-            self.cluster.rekeyed(ticket)
+        if self.cluster.side is not None:
+            self.cluster.side.rekeyed(ticket)
         if ticket.predicted_class != old_class:
             self.metrics.queue.depth[old_class].dec()
             self.metrics.queue.depth[ticket.predicted_class].inc()
@@ -521,27 +529,16 @@ class Dispatcher:
 
     def lease(self, ticket: Ticket) -> _LeaseScope:
         """``async with dispatcher.lease(ticket) as lease``: wait for the ticket's turn, hold its
-        slot for the block, then give it back exactly once.
-
-        Raises what refused the ticket (``ShuttingDown``). Cancel-safe: cancelled while waiting,
-        the ticket is withdrawn and never sent.
-        """
+        slot for the block, then give it back exactly once. Raises what refused the ticket.
+        Cancel-safe: cancelled while waiting, the ticket is withdrawn and never sent."""
         return _LeaseScope(self, ticket)
 
-    def end(self, ticket: Ticket, *, completed: bool = False, usage: Usage | None = None) -> None:
-        """A ticket's one exit, for a caller that does not hold it in ``lease``: withdraw it if it
-        still waits, else give its slot back (``completed``: its answer ended normally; only those
-        teach the service-time model). Idempotent."""
-        self._end(ticket, Lease(ticket, completed, usage) if completed or usage is not None else None)
-
     def first_byte(self, ticket: Ticket, *, streamed: bool, at_s: float | None = None) -> None:
-        """The backend's first byte of ``ticket``'s answer has arrived (call once, from the relay;
-        ``at_s``: when it arrived, on this dispatcher's clock; default now). A streamed answer's
-        delay since dispatch teaches the backend's load cost: after a switch, its excess over the
-        backend's usual first-byte delay (which it then counts as the load this answer paid);
-        otherwise it updates that usual delay. Ignored for an answer that is not streamed (its first
-        byte comes after the whole answer) and for Ollama, whose ``load_duration`` (``Usage.load_s``,
-        at the end) is exact."""
+        """The first byte of ``ticket``'s answer arrived at ``at_s`` (default now). A streamed
+        answer's delay since dispatch teaches the backend's load cost: after a switch, its excess
+        over the backend's usual first-byte delay (then the load this answer paid); otherwise that
+        usual delay. Ignored for an answer not streamed (its first byte comes after the whole
+        answer) and for Ollama, whose ``load_duration`` (``Usage.load_s``) is exact."""
         placement = ticket.placement
         if not streamed or placement is None or placement.backend is None or placement.load == Load.UNKNOWN:
             return  # (the first request a backend gets may have paid a load of unknown origin: no baseline)
@@ -559,40 +556,28 @@ class Dispatcher:
         await asyncio.shield(ticket.granted)
 
     def _end(self, ticket: Ticket, lease: Lease | None) -> None:
-        """The single exit of every ticket: withdraw it if still waiting, else release its slot."""
+        """Every ticket's one exit: withdraw it if still waiting, else release its slot. Idempotent."""
         if ticket.ended:
             return
-        if ticket.held_back or (ticket.waiting and self.queue.remove(ticket)):
-            if ticket.held_back:  # popped already (or rerouted): out of the line, and done for its queue
-                ticket.held_back = False
-                self._held_back.remove(ticket)
-                self.queue.done(ticket)
-            self._end_waiting(ticket)
+        if self._withdraw(ticket):
             self.metrics.requests.disconnects["queued"].inc()
-            self.recent.append((ticket, self.clock.now(), "left_queued", None))
-            self._end_wait(ticket, RequestStatus.CLIENT_LEFT_QUEUED)
+            self.stats.recent.append((ticket, self.clock.now(), "left_queued", None))
+            self._end_waiting(ticket, RequestStatus.CLIENT_LEFT_QUEUED)
             return
+        ticket.ended = True
         placement = ticket.placement
-        if placement is not None and placement.slot is not None:
-            ticket.ended = True
-            completed = lease is not None and lease.completed
-            usage = None if lease is None else lease.usage
-            self.recent.append(
-                (
-                    ticket,
-                    self.clock.now(),
-                    "completed" if completed else "ended",
-                    None if usage is None else usage.output_tokens,
-                )
-            )
-            if completed:
-                self._learn(ticket, placement, self.clock.now() - placement.dispatched_s, usage)
-            self._free_slot(ticket)
-            self.queue.done(ticket)  # its tenant stays active for fair share until here
-            if self.waiting:
-                self._schedule_pump()
-            return
-        ticket.ended = True  # refused (shutting down): nothing held
+        if placement is None or placement.slot is None:
+            return  # refused (shutting down): nothing held
+        completed = lease is not None and lease.completed
+        usage = None if lease is None else lease.usage
+        tokens = None if usage is None else usage.output_tokens
+        self.stats.recent.append((ticket, self.clock.now(), "completed" if completed else "ended", tokens))
+        if completed:
+            self._learn(ticket, placement, self.clock.now() - placement.dispatched_s, usage)
+        self._free_slot(ticket)
+        self.queue.done(ticket)  # its tenant stays active for fair share until here
+        if self.waiting:
+            self._schedule_pump()
 
     def move(self, ticket: Ticket, status: RequestStatus) -> bool:
         """The one place a request's status changes: logged (debug) and counted. A finished
@@ -601,36 +586,52 @@ class Dispatcher:
         if old == status or old >= _FINISHED:  # (``is_finished``, without its call: this runs 4 times a request)
             return False
         ticket.status = status
-        self._status_counts[status] += 1
+        self.stats.status[status] += 1
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("request_id=%s %s -> %s", ticket.request_id, old.name, status.name)
         return True
-
-    def _end_wait(self, ticket: Ticket, status: RequestStatus, refusal: RequestError | None = None) -> None:
-        """A waiting ticket will never be granted a slot: it ends ``status`` (unless it has ended
-        already, its client gone), and its wait's future is settled at once."""
-        if ticket.status == RequestStatus.WAITING:
-            ticket.refusal = refusal
-            self.move(ticket, status)
-        ticket.settle()
 
     def _free_slot(self, ticket: Ticket) -> None:
         placement = ticket.placement
         assert placement is not None and placement.backend is not None and placement.slot is not None
         backend = self.backends[placement.backend]
         if backend.running.pop(placement.slot, None) is not None:
-            mine = self.cluster is None or self.cluster.slot_freed(ticket, self.clock.now())
+            side = self.cluster.side
+            mine = side is None or side.slot_freed(ticket, self.clock.now())
             if mine and placement.slot < backend.slots:  # not a slot ``resize`` removed
                 backend.free.append(placement.slot)
             self.metrics.queue.in_flight.dec()
-            self._in_flight_gauges[placement.backend].dec()
+            self.stats.in_flight[placement.backend].dec()
 
-    def _end_waiting(self, ticket: Ticket) -> None:
+    def _unhold(self, ticket: Ticket) -> None:
+        """A held-back ticket leaves the line unserved (popped already: done for its queue)."""
+        ticket.held_back = False
+        self._held_back.remove(ticket)
+        self.queue.done(ticket)
+
+    def _withdraw(self, ticket: Ticket) -> bool:
+        """Take a waiting ticket out of the line (the queue, or held back): False if it is not there."""
+        if ticket.ended:
+            return False
+        if ticket.held_back:
+            self._unhold(ticket)
+            return True
+        return ticket.waiting and self.queue.remove(ticket)
+
+    def _end_waiting(self, ticket: Ticket, status: RequestStatus | None, refusal: RequestError | None = None) -> None:
+        """A waiting ticket, out of the line, ends ``status`` (unless its client left first; None:
+        its status moved on already), and its wait's future is settled at once."""
         ticket.ended = True
-        if self.cluster is not None:
-            self.cluster.withdrawn(ticket)
+        if self.cluster.side is not None:
+            self.cluster.side.withdrawn(ticket)
         if ticket.placement is None:  # a rerouted ticket left the depth gauge at its first grant
             self.metrics.queue.depth[ticket.predicted_class].dec()
+        if status is None:
+            return
+        if ticket.status == RequestStatus.WAITING:
+            ticket.refusal = refusal
+            self.move(ticket, status)
+        ticket.settle()
 
     def _learn(self, ticket: Ticket, placement: Placement, service_s: float, usage: Usage | None) -> None:
         # The slot's measured seconds against the inputs the model predicts from: the prompt's
@@ -646,30 +647,30 @@ class Dispatcher:
         # after a switch, or when a load happened anyway (its keep_alive ran out).
         load_s = placement.switch_load_s
         learned_load_s = None
-        if usage is not None and usage.load_s is not None and placement.backend is not None:
+        backend = None if placement.backend is None else self.backends[placement.backend]
+        if usage is not None and usage.load_s is not None and backend is not None:
             if placement.load == Load.SWITCH or usage.load_s >= FREE_LOAD_S:
-                self.service_time.observe_load(self.backends[placement.backend].name, ticket.model, usage.load_s)
+                self.service_time.observe_load(backend.name, ticket.model, usage.load_s)
                 learned_load_s = usage.load_s
             load_s = usage.load_s
         service_s -= load_s
-        if self.on_observed is not None and placement.backend is not None:
-            name = self.backends[placement.backend].name
-            predicted = round(ticket.predicted_tokens)
-            self.on_observed(
+        predicted = round(ticket.predicted_tokens)  # output tokens
+        if self.cluster.on_observed is not None and backend is not None:
+            self.cluster.on_observed(
                 ServiceObservation(
-                    ticket.model, name, prompt_tokens, predicted, service_s, ticket.predicted_s, learned_load_s
+                    ticket.model, backend.name, prompt_tokens, predicted, service_s, ticket.predicted_s, learned_load_s
                 )
             )
         if not service_s > 0:
             return  # a load learned longer than this one was: no service seconds to learn from
-        self.service_time.observe(ticket.model, prompt_tokens, round(ticket.predicted_tokens), service_s)
-        if placement.backend is not None:
-            self.backends[placement.backend].observe_service(ticket.predicted_s, service_s)
+        self.service_time.observe(ticket.model, prompt_tokens, predicted, service_s)
+        if backend is not None:
+            backend.observe_service(ticket.predicted_s, service_s)
         self.policy.observe(ticket, service_s)
-        if isinstance(self.starvation_slowdown, AdaptiveSlowdown):
-            self.starvation_slowdown.observe(service_s)
-        self._observed += 1
-        if self._observed % _SAVE_EVERY == 0 and self.service_time.path is not None:
+        if isinstance(self.limits.starvation_slowdown, AdaptiveSlowdown):
+            self.limits.starvation_slowdown.observe(service_s)
+        self.stats.observed += 1
+        if self.stats.observed % _SAVE_EVERY == 0 and self.service_time.path is not None:
             # Written in a worker thread (fsync can take milliseconds); the snapshot is taken here.
             self.run_detached(
                 asyncio.to_thread(self._write_state, self.service_time.path, self.service_time.snapshot()),
@@ -677,10 +678,8 @@ class Dispatcher:
             )
 
     def _save_state(self) -> None:
-        try:
-            self.service_time.save()
-        except OSError as exc:
-            logger.warning("cannot save the service-time state: %s", exc)
+        if self.service_time.path is not None:
+            self._write_state(self.service_time.path, self.service_time.snapshot())
 
     @staticmethod
     def _write_state(path: Path, state: dict[str, Any]) -> None:
@@ -692,49 +691,37 @@ class Dispatcher:
     def run_detached(
         self, coro: Coroutine[Any, Any, Any], name: str, *, cancel_at_stop: bool = False
     ) -> asyncio.Task[Any]:
-        """Run ``coro`` as a tracked background task (state saves, health checks): referenced
-        until done, its failure logged, cancelled by ``stop``. ``stop`` lets the others finish
-        within its grace period; a ``cancel_at_stop`` task (a periodic loop, a wait for the backend) is cancelled at once."""
-        task = asyncio.create_task(coro, name=name)
-        self._detached.add(task)
-        if cancel_at_stop:
-            self._cancel_at_stop.add(task)
-        task.add_done_callback(self._detached_done)
-        return task
-
-    def _detached_done(self, task: asyncio.Task[Any]) -> None:
-        self._detached.discard(task)
-        self._cancel_at_stop.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("detached task %s failed", task.get_name(), exc_info=task.exception())
+        """Run ``coro`` as a tracked background task, which ``stop`` lets finish within its grace
+        period; a ``cancel_at_stop`` one (a periodic loop, a wait for the backend) it cancels at once."""
+        return self._lifecycle.run(coro, name, cancel_at_stop)
 
     # -- dispatch ----------------------------------------------------------------------------
     def _schedule_pump(self) -> None:
         """Dispatch what can go, once, at the end of this event-loop turn."""
-        if not self._pump_scheduled and self._started:
-            self._pump_scheduled = True
+        lifecycle = self._lifecycle
+        if not lifecycle.pump_scheduled and lifecycle.started:
+            lifecycle.pump_scheduled = True
             asyncio.get_running_loop().call_soon(self._pump)
 
     def _pump(self) -> None:
         """Grant free slots: first to held-back tickets (chosen earlier), then in the policy's
         order; a popped ticket no free backend can take is held back."""
-        self._pump_scheduled = False
-        if self._closing:
+        self._lifecycle.pump_scheduled = False
+        if self._lifecycle.closing:
             return
         try:
             now = self.clock.now()
             self.expire(now)  # nothing is sent at or after its queue deadline
-            if self._held_back:
-                for ticket in list(self._held_back):
-                    if not any(b.free for b in self.backends):
-                        return
-                    backend = self._route(ticket)
-                    if backend is not None:
-                        self._held_back.remove(ticket)
-                        ticket.held_back = False
-                        self._grant(backend, ticket)
+            for ticket in list(self._held_back):
+                if not any(b.free for b in self.backends):
+                    return
+                backend = self._route(ticket)
+                if backend is not None:
+                    self._held_back.remove(ticket)
+                    ticket.held_back = False
+                    self._grant(backend, ticket)
             while any(b.free for b in self.backends):
-                got = self._pop(now)
+                got = self.queue.pop_for(now, [self._lane(b) for b in self.backends if b.free])
                 if got is None:
                     return
                 job, promoted = got
@@ -742,39 +729,26 @@ class Dispatcher:
                 if promoted:
                     self.metrics.queue.starvation_promotions.inc()
                 if ticket.status != RequestStatus.WAITING:  # withdrawn in between: nothing to run
-                    self._end_waiting(ticket)
+                    self._end_waiting(ticket, None)
                     self.queue.done(job)
-                    continue
-                if expired(ticket, now):  # its deadline was set or moved after it was queued
+                elif expired(ticket, now):  # its deadline was set or moved after it was queued
                     self.queue.done(job)
                     self._expired(ticket, now, 0.0)  # popped: it was next in line
-                    continue
-                backend = self._route(ticket)
-                if backend is None:
+                elif (backend := self._route(ticket)) is None:
                     ticket.held_back = True  # its backends are busy: first in line for them
                     self._held_back.append(ticket)
-                    continue
-                self._grant(backend, ticket)
+                else:
+                    self._grant(backend, ticket)
         except Exception:  # dispatching must never stop: log, and try again next turn
             logger.exception("dispatcher: unexpected error")
 
-    def _pop(self, now: float) -> tuple[Job[Ticket], bool] | None:
-        """The queue's next job; a model-affinity queue is told what each backend with a free slot holds."""
-        return self.queue.pop_for(now, [self._lane(b) for b in self.backends if b.free])
-
     def _lane(self, backend: Backend) -> Lane:
         """``backend`` as the model-affinity rule sees it: what it holds, its last switch, its learned loads."""
-        return Lane(
-            backend.held.holds,
-            backend.serves,
-            functools.partial(self.service_time.load_s, backend.name),
-            backend.held.switched_s,
-        )
+        return Lane(backend, functools.partial(self.service_time.load_s, backend.name))
 
     def _grant(self, index: int, ticket: Ticket, *, queued: bool = True, slot: int | None = None) -> None:
-        """``queued``: it waited in the queue (False: dispatched at once, before its prediction;
-        never in the depth gauge, its wait observed by ``predicted_at_once``). ``slot``: the one the
-        shared store granted (None: a free one of this dispatcher's)."""
+        """``queued``: it waited in the queue (False: dispatched at once, before its prediction).
+        ``slot``: the one the shared store granted (None: a free one of this dispatcher's)."""
         self.move(ticket, RequestStatus.DISPATCHED)
         backend = self.backends[index]
         if slot is None:
@@ -785,7 +759,7 @@ class Dispatcher:
         load = backend.held.dispatched(ticket.model, now)
         placement = ticket.placement
         if placement is None:  # its first grant (a reroute's is not: counted once)
-            position = self._grants - ticket.grants_before_arrival
+            position = self.stats.grants - ticket.grants_before_arrival
             placement = ticket.placement = Placement(index, slot, now, position, load)
             if queued:
                 self.metrics.queue.depth[ticket.predicted_class].dec()
@@ -796,18 +770,16 @@ class Dispatcher:
         if load == Load.SWITCH:  # it loads the model first: charged the learned load
             load_s = placement.switch_load_s = self.service_time.load_s(backend.name, ticket.model)
             self.queue.repriced(ticket, ticket.predicted_s - load_s)  # its tenant pays for it too
-            self._switch_counters[index].inc()
+            self.stats.switches[index].inc()
         backend.running[slot] = ticket
         self.metrics.queue.in_flight.inc()
-        self._in_flight_gauges[index].inc()
-        self._grants += 1
+        self.stats.in_flight[index].inc()
+        self.stats.grants += 1
         ticket.settle()
 
     # -- positions and ETAs -------------------------------------------------------------------
     def _slot_free_in_s(self, now: float) -> list[list[float]]:
-        """Per backend, a heap of the predicted seconds until each of its slots is free: in-flight
-        remainders at the backend's measured slowness (``remainder_s``: a busy slot is never free
-        now), idle 0."""
+        """Per backend, a heap of the predicted seconds until each of its slots is free (idle: 0)."""
         heaps = []
         for backend in self.backends:
             slowness = backend.slowness
@@ -819,22 +791,19 @@ class Dispatcher:
 
     def etas(self, now: float) -> tuple[list[tuple[Job[Ticket], float]], float]:
         """Waiting jobs in dispatch order (held back first) with the predicted seconds until each
-        is dispatched, and the predicted seconds until the last of them is dispatched (the first
-        slot to free, with nobody waiting).
+        is dispatched, and until the last of them is (with nobody waiting: the first slot to free).
 
-        The dispatch is played forward as routing does it: each job, in order, takes the first slot
-        to free among the backends that serve its model (the healthy ones, or all of them when none
-        is healthy), and holds it for its predicted seconds times that backend's measured slowness,
-        plus the backend's learned load when the job's model is not the one it holds (then it holds
-        that one). With a model-affinity queue and one backend the order is the affinity rule
-        replayed for it (``ModelAffinity.ordered_for``). Routing's model-loaded preference and its
-        ties are not played: an ETA is an estimate."""
+        Played forward as routing does it: each job takes the first slot to free among the backends
+        that serve its model (the healthy ones, or all when none is), and holds it for its predicted
+        seconds times that backend's slowness, plus the backend's learned load when the job's model
+        is not the one it holds. With one backend the order is the queue's for it (``ordered_for``:
+        the affinity rule replayed). Routing's model-loaded preference and its ties are not played."""
         heaps = self._slot_free_in_s(now)
         healthy = [i for i, b in enumerate(self.backends) if b.healthy]
         usable = healthy or list(range(len(self.backends)))
         # per model: (heap, slowness, index) of each backend it may take
         by_model: dict[str | None, list[tuple[list[float], float, int]]] = {}
-        holding: list[str | None | _AsNow] = [_AS_NOW] * len(self.backends)  # as played forward
+        holding: dict[int, str | None] = {}  # backend index -> the model it holds, as played forward
         out = []
         heapreplace = heapq.heapreplace
         if len(self.backends) == 1:
@@ -851,12 +820,9 @@ class Dispatcher:
             heap, slowness, index = choices[0] if len(choices) == 1 else min(choices, key=lambda c: c[0][0])
             start = heap[0]
             busy_s = job.predicted_s * slowness
-            held = holding[index]
             backend = self.backends[index]
-            if (
-                not (backend.held.holds(model) if held is _AS_NOW else held == model)
-                and backend.held.last_model is not None
-            ):
+            holds = holding[index] == model if index in holding else backend.held.holds(model)
+            if not holds and backend.held.last_model is not None:
                 busy_s += self.service_time.load_s(backend.name, model)
                 holding[index] = model
             heapreplace(heap, start + busy_s)  # its slot, busy until it is done
@@ -884,26 +850,31 @@ class Dispatcher:
         return min((eta + job.predicted_s for job, eta in self.etas(now)[0] if job.tenant == tenant), default=1.0)
 
     def waiting_ticket(self, request_id: str) -> Ticket | None:
-        """The waiting ticket with ``request_id``, or None. A scan, not an index: an index would
-        cost every waiting request ~46 bytes, and where it stands (``where``) is O(waiting) anyway."""
+        """The waiting ticket with ``request_id``. A scan, not an index: an index would cost every
+        waiting request ~46 bytes, and where it stands (``where``) is O(waiting) anyway."""
         made = request_id[len(ID_PREFIX) :] if request_id.startswith(ID_PREFIX) else ""
         seq = int(made) if made.isdigit() else -1  # a made id names its job's seq
-        for ticket in itertools.chain(self._held_back, (job.payload for job in self.queue)):
+        for ticket in self.waiting_tickets():
             if ticket.given_id == request_id if ticket.given_id else ticket.seq == seq:
                 return ticket
         return None
+
+    def waiting_tickets(self) -> list[Ticket]:
+        """Every ticket waiting here: held back, then the queue's."""
+        return [*self._held_back, *(job.payload for job in self.queue)]
 
     # -- with replicas (scheduling/cluster/replica.py) -------------------------------------------
     def backend_index(self, name: str) -> int | None:
         return next((i for i, b in enumerate(self.backends) if b.name == name), None)
 
     def grant_shared(self, ticket: Ticket, index: int, slot: int) -> bool:
-        """The shared store granted ``ticket`` slot ``slot`` of backend ``index``. False, with
-        nothing changed, when the ticket no longer waits here or this replica runs that slot."""
+        """The shared store granted ``ticket`` a slot. False, with nothing changed, when the ticket
+        no longer waits here or this replica runs that slot."""
         backend = self.backends[index]
-        if ticket.ended or ticket.status != RequestStatus.WAITING or slot in backend.running:
-            if slot in backend.running:
-                logger.error("the shared store granted %s slot %d, which this replica runs", backend.name, slot)
+        if slot in backend.running:
+            logger.error("the shared store granted %s slot %d, which this replica runs", backend.name, slot)
+            return False
+        if ticket.ended or ticket.status != RequestStatus.WAITING:
             return False
         if ticket.held_back:
             ticket.held_back = False
@@ -918,8 +889,7 @@ class Dispatcher:
         replica). False if it no longer waits."""
         if not self._withdraw(ticket):
             return False
-        self._end_waiting(ticket)
-        self._end_wait(ticket, status, refusal)
+        self._end_waiting(ticket, status, refusal)
         return True
 
     def expire_waiting(self, ticket: Ticket, eta_s: float) -> bool:
@@ -929,26 +899,11 @@ class Dispatcher:
         self._expired(ticket, self.clock.now(), eta_s)
         return True
 
-    def _withdraw(self, ticket: Ticket) -> bool:
-        """Take a waiting ticket out of the line (the queue, or held back): False if it is not there."""
-        if ticket.ended:
-            return False
-        if ticket.held_back:
-            ticket.held_back = False
-            self._held_back.remove(ticket)
-            self.queue.done(ticket)
-            return True
-        return self.queue.remove(ticket)
-
     def guard_s(self, ticket: Ticket) -> float:
         """Seconds of waiting after which ``ticket`` is overdue: its starvation guard's bound."""
-        slowdown = self.starvation_slowdown
+        slowdown = self.limits.starvation_slowdown
         factor = slowdown.value() if isinstance(slowdown, AdaptiveSlowdown) else slowdown
-        return self.starvation_timeout_s + factor * ticket.predicted_s
-
-    def waiting_tickets(self) -> list[Ticket]:
-        """Every ticket waiting here: held back, then the queue's."""
-        return [*self._held_back, *(job.payload for job in self.queue)]
+        return self.limits.starvation_timeout_s + factor * ticket.predicted_s
 
     def slots_changed(self) -> None:
         """The free lists changed (this replica may grant more, or fewer, slots itself)."""
@@ -956,16 +911,15 @@ class Dispatcher:
 
     # -- introspection (the queue's view: scheduling/queue_view.py) ----------------------------
     def retained(self) -> dict[str, int]:
-        """Entries the dispatcher and its queue hold, by structure (``JobQueue.retained``): each
-        is bounded by the requests waiting or in flight, or by a fixed size."""
+        """Entries the dispatcher and its queue hold, by structure (``JobQueue.retained``)."""
         return add_counts(
             self.queue.retained(),
             {
                 "held_back": len(self._held_back),
-                "running": sum(len(b.running) for b in self.backends),
-                "detached_tasks": len(self._detached),
-                "expiry_entries": len(self._expiry),
-                "recent": len(self.recent),
+                "running": self.in_flight,
+                "detached_tasks": len(self._lifecycle.tasks),
+                "expiry_entries": len(self._deadlines.expiry),
+                "recent": len(self.stats.recent),
             },
         )
 

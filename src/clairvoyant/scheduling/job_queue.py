@@ -1,34 +1,14 @@
-"""The waiting queue is the policy unit (the shape of vLLM's ``RequestQueue``).
+"""The waiting queue is the policy unit (the shape of vLLM's ``RequestQueue``): every queue here
+has the interface ``JobQueue``, and a ``pop`` says whether a starvation rule, not the policy's
+order, chose the job (``promoted``).
 
-Every queue here has the same small interface (``JobQueue``):
-
-    push(job)            queue a job (its key, if any, is computed now, and again only at rekeyed)
-    remove(job) -> bool  withdraw a waiting job (its client left); False if it was not waiting
-    pop(now)  -> (job, promoted) | None    the next job to dispatch at ``now``
-    done(job)            a popped job has left the backend (finished, failed, or never ran)
-    rekeyed(job)         a waiting job's prediction changed: order it by its new fields
-    peek(now) -> (job, promoted) | None    what ``pop(now)`` would return, without removing it
-    len(q), iter(q)      waiting jobs (iteration order unspecified; ``ordered(now)`` is dispatch order)
-
-``promoted`` is True when a starvation rule, not the policy's order, chose the job.
-
-Implementations:
-
-- ``HeapQueue``: a min-heap of ``(key, seq, job)`` for keys fixed at push (fcfs, sjf, gamma-boost,
-  priority tuples). O(log n) push and pop; removal is lazy in the heap and the heap is rebuilt
-  when dead entries outnumber live ones, so memory stays bounded.
+- ``HeapQueue``: keys fixed at push (fcfs, sjf, gamma-boost). O(log n) push and pop.
 - ``ScanQueue``: priorities that change with time (HRRN). ``pop`` scans every waiting job: O(n),
   about 0.4 ms at 1,000 waiting requests (benchmarks/bench_queue_cost.py prints the measured cost).
-- ``StarvationGuard``: a wrapper any queue can wear. A job past its deadline
-  (``timeout_s + slowdown x predicted_s`` of waiting, on the guard's clock) goes before any later
-  arrival, whatever the inner order (oldest overdue first). Bound: once a job is overdue no job
-  that arrived after it is dispatched before it. Jobs that arrived at the same instant stay in
-  policy order (a burst is not FIFO).
-- ``FairShareQueue``: one inner queue (policy + guard) per tenant; the next tenant is the one that
-  has received the least predicted service *seconds* while active (start-time fair queuing), so a
-  tenant's batch of 500 requests cannot starve another tenant's interactive ones. Each tenant's
-  guard runs on the *share clock* (wall seconds / tenants waiting): it bounds waiting inside the
-  tenant in the tenant's own share of the backend, and fair share bounds waiting across tenants.
+- ``StarvationGuard``: a wrapper any queue can wear: an overdue job goes before any later arrival.
+- ``FairShareQueue``: one inner queue (policy + guard) per tenant, shared in predicted service
+  seconds (start-time fair queuing), so a tenant's batch of 500 requests cannot starve another
+  tenant's interactive ones.
 
 Synchronous and clock-free: callers pass ``now`` in, so the proxy (monotonic clock) and the
 discrete-event simulator (virtual time) drive this very code. Capacity limits and HTTP errors are
@@ -40,8 +20,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import operator
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -53,6 +33,7 @@ __all__ = [
     "Job",
     "JobQueue",
     "Lane",
+    "LaneBackend",
     "ScanQueue",
     "StarvationGuard",
     "add_counts",
@@ -63,14 +44,32 @@ T = TypeVar("T")
 _seq = itertools.count()  # process-wide arrival order: ties break the same way in every queue
 
 
+class LaneModels(Protocol):
+    """What a lane's backend holds (``routing.ModelsHeld`` is one)."""
+
+    @property
+    def switched_s(self) -> float: ...  # clock seconds of its last switch (since when it holds what it holds)
+
+    @property
+    def holds(self) -> Callable[[str | None], bool]: ...  # it has this model loaded now: no load to pay
+
+
+class LaneBackend(Protocol):
+    """What a lane's backend holds and serves (``routing.Backend`` is one)."""
+
+    @property
+    def held(self) -> LaneModels: ...
+
+    @property
+    def serves(self) -> Callable[[str | None], bool]: ...  # it may run this model at all
+
+
 @dataclass(frozen=True, slots=True)
 class Lane:
     """One backend with a free slot, as the affinity rule (and any queue's ``pop_for``) sees it."""
 
-    holds: Callable[[str | None], bool]  # it has this model loaded now: no load to pay
-    serves: Callable[[str | None], bool]  # it may run this model at all
+    backend: LaneBackend
     load_s: Callable[[str | None], float]  # predicted seconds it takes to load a model it does not hold
-    switched_s: float = -math.inf  # clock seconds of its last switch (since when it holds what it holds)
 
 
 @dataclass(slots=True, eq=False)
@@ -83,8 +82,6 @@ class Job(Generic[T]):
     score: float = 0.0  # the predictor's queue key: unitless, lower = sooner (paper SJF)
     predicted_tokens: float = 0.0  # predicted output tokens (already capped by cap_tokens)
     predicted_s: float = 1.0  # predicted service seconds (service-time model), > 0
-    bucket: int = 0  # prediction bucket, for bucket-conditioned boosts (see policy.Boost)
-    cap_tokens: int | None = None  # the client's max_tokens / num_predict, if any
     priority: int = 0  # client priority class, already clamped; lower = sooner
     tenant: str = ""  # who sent it (fair share); "" = the default tenant
     model: str | None = None  # the model it asks for (model affinity); None = the backend's default
@@ -106,11 +103,10 @@ class Job(Generic[T]):
 
 def add_counts(*counts: dict[str, int]) -> dict[str, int]:
     """``retained()`` figures summed by key (a composite queue's own and its parts')."""
-    out: dict[str, int] = {}
+    out: Counter[str] = Counter()
     for one in counts:
-        for key, n in one.items():
-            out[key] = out.get(key, 0) + n
-    return out
+        out.update(one)  # (update keeps zero counts, where ``+`` drops them)
+    return dict(out)
 
 
 class JobQueue(Protocol[T]):
@@ -127,7 +123,10 @@ class JobQueue(Protocol[T]):
 
     def pop(self, now: float) -> tuple[Job[T], bool] | None:
         """The next job at ``now`` and whether a starvation rule chose it; None if empty."""
-        ...
+        head = self.peek(now)
+        if head is not None:
+            self.remove(head[0])
+        return head
 
     def peek(self, now: float) -> tuple[Job[T], bool] | None:
         """What ``pop(now)`` would return, without removing it."""
@@ -136,7 +135,7 @@ class JobQueue(Protocol[T]):
     def take_now(self, job: Job[T], now: float) -> None:
         """``push(job)`` then ``pop(now)``, which gives ``job``, when no job waits: the same state,
         without the work (a request that finds a slot free and nobody waiting)."""
-        ...
+        job.waiting = False
 
     def done(self, job: Job[T]) -> None:
         """A job this queue popped has left the backend (finished, failed, or was never run)."""
@@ -217,9 +216,6 @@ class HeapQueue(JobQueue[T]):
         heapq.heappush(self._heap, self._entry(job))
         self._live += 1
 
-    def take_now(self, job: Job[T], now: float) -> None:
-        job.waiting = False  # pushed and popped: the heap is as it was
-
     def _entry(self, job: Job[T]) -> tuple[Any, ...]:
         key = self.key(job)
         return (*key, job.seq, job) if type(key) is tuple else (key, job.seq, job)
@@ -264,15 +260,12 @@ class HeapQueue(JobQueue[T]):
         return [entry[-1] for entry in sorted(e for e in self._heap if e[-1].waiting)]
 
     def sort_key(self, job: Job[T], now: float) -> tuple[Any, int]:
-        """The job's place in this queue's order (lower = sooner)."""
         return self.key(job), job.seq
 
     def retained(self) -> dict[str, int]:
         return {"queue_entries": len(self._heap)}
 
     def reset(self) -> bool:
-        """With no job waiting, drop the entries removed jobs left behind: the queue is as new.
-        False (and nothing changed) if a job is waiting."""
         if self._live:
             return False
         self._heap.clear()
@@ -304,20 +297,11 @@ class ScanQueue(JobQueue[T]):
         del self._jobs[job.seq]
         return True
 
-    def take_now(self, job: Job[T], now: float) -> None:
-        job.waiting = False
-
     def peek(self, now: float) -> tuple[Job[T], bool] | None:
         if not self._jobs:
             return None
         rank = self.rank
         return min(self._jobs.values(), key=lambda j: (rank(j, now), j.seq)), False
-
-    def pop(self, now: float) -> tuple[Job[T], bool] | None:
-        head = self.peek(now)
-        if head is not None:
-            self.remove(head[0])
-        return head
 
     def rekeyed(self, job: Job[T]) -> None:
         pass  # ranks are computed at each pop from the job's current fields
@@ -327,15 +311,13 @@ class ScanQueue(JobQueue[T]):
         return sorted(self._jobs.values(), key=lambda j: (rank(j, now), j.seq))
 
     def sort_key(self, job: Job[T], now: float) -> tuple[Any, int]:
-        """The job's place in this queue's order at ``now`` (lower = sooner)."""
         return self.rank(job, now), job.seq
 
     def retained(self) -> dict[str, int]:
         return {"queue_entries": len(self._jobs)}
 
     def reset(self) -> bool:
-        """True if no job is waiting: the queue is then as new (it keeps nothing else)."""
-        return not self._jobs
+        return not self._jobs  # it keeps nothing else
 
 
 class StarvationGuard(JobQueue[T]):
@@ -343,12 +325,10 @@ class StarvationGuard(JobQueue[T]):
 
     Job i is overdue once ``clock(now) > clock(arrival_s) + timeout_s + slowdown * predicted_s``
     (its deadline; ``slowdown`` = 0 is the paper's rule 3.4 with tau = ``timeout_s``, strict ``>``
-    included). ``clock`` is the wall clock unless set: a ``FairShareQueue`` sets its share clock
-    (wall seconds / tenants waiting), so a tenant's requests age in the tenant's own share of the
-    backend and a job waits at most k x its offset of wall time to become overdue, k being the
-    most tenants waiting at once meanwhile. With one tenant the share clock is the wall clock.
-    When the inner queue's head arrived after the oldest overdue job, that job goes instead
-    (overdue jobs go oldest first; jobs of the same instant in the inner queue's order).
+    included). ``clock`` is the wall clock unless a ``FairShareQueue`` sets its share clock, so a
+    tenant's requests age in the tenant's own share of the backend. When the inner queue's head
+    arrived after the oldest overdue job, that job goes instead (overdue jobs go oldest first; jobs
+    of the same instant in the inner queue's order).
 
     Bound: once job i is overdue, no job that arrived after it is dispatched before it. Its wait is
     therefore at most ``timeout_s + slowdown * predicted_s_i`` plus the service of the jobs that
@@ -360,13 +340,7 @@ class StarvationGuard(JobQueue[T]):
     O(log n) plus the size of a same-instant group of overdue jobs (capped at 64).
     """
 
-    def __init__(
-        self,
-        inner: JobQueue[T],
-        timeout_s: float,
-        slowdown: float | SlowdownRule = 0.0,
-        clock: Callable[[float], float] | None = None,
-    ) -> None:
+    def __init__(self, inner: JobQueue[T], timeout_s: float, slowdown: float | SlowdownRule = 0.0) -> None:
         if not timeout_s > 0:
             raise ValueError("timeout_s must be > 0 (math.inf disables it)")
         if isinstance(slowdown, (int, float)) and not slowdown >= 0:
@@ -374,7 +348,7 @@ class StarvationGuard(JobQueue[T]):
         self.inner = inner
         self.timeout_s = timeout_s
         self.slowdown = slowdown
-        self.clock = clock  # wall seconds -> the guard's seconds (None: the wall clock itself)
+        self.clock: Callable[[float], float] | None = None  # wall seconds -> the guard's (None: the wall clock)
         # Both heaps are lazy: popped or removed jobs linger until they surface or a compaction.
         self._pending: list[Job[T]] = []  # not yet overdue, by deadline (``Job.__lt__``)
         self._overdue: list[tuple[float, int, Job[T]]] = []  # (arrival_s, seq, job), overdue
@@ -384,15 +358,6 @@ class StarvationGuard(JobQueue[T]):
 
     def __iter__(self) -> Iterator[Job[T]]:
         return iter(self.inner)
-
-    def slowdown_now(self) -> float:
-        """The slowdown factor for a job queued now (fixed, or the rule's current value)."""
-        s = self.slowdown
-        return float(s) if isinstance(s, (int, float)) else s.value()
-
-    def deadline_s(self, job: Job[T]) -> float:
-        """The guard-clock reading after which ``job`` is overdue (fixed when it was pushed)."""
-        return job.deadline_s
 
     def _clock_s(self, now: float) -> float:
         return now if self.clock is None else self.clock(now)
@@ -415,8 +380,10 @@ class StarvationGuard(JobQueue[T]):
         self.inner.take_now(job, now)
 
     def _new_deadline_s(self, job: Job[T]) -> float:
+        slowdown = self.slowdown  # fixed, or the rule's value now
+        factor = float(slowdown) if isinstance(slowdown, (int, float)) else slowdown.value()
         # Summed left to right as before the clock existed: wall-clock deadlines are bit-identical.
-        return self._clock_s(job.arrival_s) + self.timeout_s + self.slowdown_now() * job.predicted_s
+        return self._clock_s(job.arrival_s) + self.timeout_s + factor * job.predicted_s
 
     def remove(self, job: Job[T]) -> bool:
         removed = self.inner.remove(job)
@@ -474,9 +441,7 @@ class StarvationGuard(JobQueue[T]):
 
     def pop(self, now: float) -> tuple[Job[T], bool] | None:
         head = self.peek(now)
-        if head is None:
-            return None
-        return self.take(head, now)
+        return None if head is None else self.take(head, now)
 
     def take(self, head: tuple[Job[T], bool], now: float) -> tuple[Job[T], bool]:
         """``pop(now)`` when ``head`` is what ``peek(now)`` has just returned, nothing changed since:
@@ -496,9 +461,7 @@ class StarvationGuard(JobQueue[T]):
         return add_counts(self.inner.retained(), {"guard_entries": len(self._pending) + len(self._overdue)})
 
     def reset(self) -> bool:
-        """With no job waiting, drop the entries popped and removed jobs left in both heaps and
-        reset the inner queue: the guard is then as new (same timeout, slowdown and clock). False
-        (and nothing changed) if a job is waiting or the inner queue cannot be reset."""
+        """As new: no entries left in both heaps, the inner queue reset (same timeout, slowdown, clock)."""
         if len(self.inner) or not self.inner.reset():
             return False
         self._pending.clear()
@@ -575,10 +538,8 @@ class FairShareQueue(JobQueue[T]):
     (at least the virtual time): sending the next request while the last one runs buys no place.
     With one tenant this is exactly its inner queue.
 
-    ``make_queue`` must build equal empty queues at every call (``build_queue``'s does): a retired
-    tenant's queue that can ``reset()`` itself to as-new is kept (up to ``_SPARE_TENANTS``) and
-    given to the next tenant that becomes active instead of a new one. ``weight_of`` is read once
-    per activation.
+    ``make_queue`` must build equal empty queues at every call: a retired tenant's queue that can
+    ``reset()`` is kept for the next tenant that becomes active. ``weight_of`` is read once per activation.
 
     Each tenant's ``StarvationGuard`` runs on the share clock (``share_clock_s``): wall seconds
     divided by the number of tenants with requests waiting, so the guard bounds waiting *within* a
@@ -595,18 +556,12 @@ class FairShareQueue(JobQueue[T]):
     P_A + P_max <= 2 x P_max predicted seconds.
     """
 
-    def __init__(
-        self,
-        make_queue: Callable[[], JobQueue[T]],
-        tenant_of: Callable[[Job[T]], Hashable] | None = None,
-        weight_of: Callable[[Hashable], float] | None = None,
-    ) -> None:
+    def __init__(self, make_queue: Callable[[], JobQueue[T]], weight_of: Callable[[str], float] | None = None) -> None:
         self.make_queue = make_queue
-        self.tenant_of: Callable[[Job[T]], Hashable] = tenant_of or operator.attrgetter("tenant")
         # A tenant of weight w is charged predicted_s / w: it gets w times the backend seconds of a
         # weight-1 tenant (weighted fair queuing). The share clock still divides by the count.
         self.weight_of = weight_of or (lambda tenant: 1.0)
-        self._tenants: dict[Hashable, _Tenant[T]] = {}  # active tenants (waiting or in service)
+        self._tenants: dict[str, _Tenant[T]] = {}  # active tenants (waiting or in service)
         self._spare: list[_Tenant[T]] = []  # retired tenants whose queues were reset to as-new
         self._waiting_tenants = 0  # active tenants with a request waiting (k of the share clock)
         self._live = 0
@@ -632,7 +587,7 @@ class FairShareQueue(JobQueue[T]):
         return counts
 
     @property
-    def tenants(self) -> dict[Hashable, float]:
+    def tenants(self) -> dict[str, float]:
         """Active tenants (waiting or in service) and their start tags in predicted seconds."""
         return {name: t.served_s for name, t in self._tenants.items()}
 
@@ -661,10 +616,7 @@ class FairShareQueue(JobQueue[T]):
 
     def push(self, job: Job[T]) -> None:
         self._tick(job.arrival_s)
-        name = self.tenant_of(job)
-        tenant = self._tenants.get(name)
-        if tenant is None:
-            tenant = self._tenants[name] = self._activate(name)
+        tenant = self._tenants.get(job.tenant) or self._activate(job.tenant)
         if not tenant.waiting:
             self._waiting_tenants += 1
             tenant.served_s = max(tenant.served_s, self._virtual_s)  # in service only: keeps its tag
@@ -679,33 +631,29 @@ class FairShareQueue(JobQueue[T]):
         # Push's tick, then pop's, come to pop's alone: with no tenant waiting the share clock runs
         # at the wall clock's (or the set clock's) pace, so only the later reading counts.
         self._tick(now)
-        name = self.tenant_of(job)
-        tenant = self._tenants.get(name)
-        if tenant is None:
-            tenant = self._tenants[name] = self._activate(name)
+        tenant = self._tenants.get(job.tenant) or self._activate(job.tenant)
         tenant.served_s = max(tenant.served_s, self._virtual_s)  # in service only: keeps its tag
         tenant.queue.take_now(job, now)
         self._virtual_s = tenant.served_s
         tenant.served_s += job.predicted_s / tenant.weight
         tenant.in_flight.add(job.seq)
 
-    def _activate(self, name: Hashable) -> _Tenant[T]:
-        """A tenant that becomes active: a spare one's queues (as new), else new ones."""
+    def _activate(self, name: str) -> _Tenant[T]:
+        """The tenant ``name`` becomes active: a spare one's queues (as new), else new ones."""
         weight = self.weight_of(name)
         if self._spare:
             tenant = self._spare.pop()
-            tenant.served_s = self._virtual_s
-            tenant.weight = weight
-            return tenant
-        queue = self.make_queue()
-        if isinstance(queue, StarvationGuard):
-            queue.clock = self.share_clock_s
-        return _Tenant(queue, self._virtual_s, weight)
+            tenant.served_s, tenant.weight = self._virtual_s, weight
+        else:
+            queue = self.make_queue()
+            if isinstance(queue, StarvationGuard):
+                queue.clock = self.share_clock_s
+            tenant = _Tenant(queue, self._virtual_s, weight)
+        self._tenants[name] = tenant
+        return tenant
 
     def reset(self) -> bool:
-        """With no tenant active, make the queue as new (its spare tenants' queues are as new
-        already): a model-affinity group reuses it, not a new one per request. False (nothing
-        changed) while a tenant is active."""
+        """As new, with no tenant active (a model-affinity group reuses it, not a new one per request)."""
         if self._tenants:
             return False
         self._virtual_s = 0.0
@@ -713,53 +661,50 @@ class FairShareQueue(JobQueue[T]):
         self._share_at_s = -math.inf
         return True
 
-    def _retire(self, name: Hashable, tenant: _Tenant[T]) -> None:
+    def _retire(self, name: str, tenant: _Tenant[T]) -> None:
         """``tenant`` has nothing waiting and nothing in service: no longer active."""
         del self._tenants[name]
         if len(self._spare) < _SPARE_TENANTS:
             if tenant.queue.reset():
                 self._spare.append(tenant)  # in_flight is empty, waiting 0
 
-    def _emptied(self, name: Hashable, tenant: _Tenant[T]) -> None:
-        """``tenant``'s last waiting job left the queue."""
-        self._waiting_tenants -= 1
-        if not tenant.in_flight:
-            self._retire(name, tenant)
-
-    def remove(self, job: Job[T]) -> bool:
-        name = self.tenant_of(job)
-        tenant = self._tenants.get(name)
-        if tenant is None or not tenant.queue.remove(job):
-            return False
+    def _dequeued(self, name: str, tenant: _Tenant[T]) -> None:
+        """One of ``tenant``'s waiting jobs left its queue."""
         self._live -= 1
         tenant.waiting -= 1
         if not tenant.waiting:
-            self._emptied(name, tenant)
+            self._waiting_tenants -= 1
+            if not tenant.in_flight:
+                self._retire(name, tenant)
+
+    def remove(self, job: Job[T]) -> bool:
+        tenant = self._tenants.get(job.tenant)
+        if tenant is None or not tenant.queue.remove(job):
+            return False
+        self._dequeued(job.tenant, tenant)
         return True
 
     def repriced(self, job: Job[T], old_predicted_s: float) -> None:
         """Its tenant was charged ``old_predicted_s`` at the pop: charge the true prediction."""
-        name = self.tenant_of(job)
-        tenant = self._tenants.get(name)
+        tenant = self._tenants.get(job.tenant)
         if tenant is not None and job.seq in tenant.in_flight:
             tenant.served_s += (job.predicted_s - old_predicted_s) / tenant.weight
 
     def rekeyed(self, job: Job[T]) -> None:
-        tenant = self._tenants.get(self.tenant_of(job))
+        tenant = self._tenants.get(job.tenant)
         if tenant is not None:
             tenant.queue.rekeyed(job)  # tenants are charged at the pop, from the job's fields then
 
     def done(self, job: Job[T]) -> None:
-        name = self.tenant_of(job)
-        tenant = self._tenants.get(name)
+        tenant = self._tenants.get(job.tenant)
         if tenant is None or job.seq not in tenant.in_flight:
             return  # not one of ours in service (or reported twice)
         tenant.queue.done(job)
         tenant.in_flight.discard(job.seq)
         if not tenant.in_flight and not tenant.waiting:
-            self._retire(name, tenant)
+            self._retire(job.tenant, tenant)
 
-    def _choose(self, now: float) -> tuple[Hashable, Job[T], bool, tuple[Job[T], bool]] | None:
+    def _choose(self, now: float) -> tuple[str, Job[T], bool, tuple[Job[T], bool]] | None:
         """The tenant to serve, its head job, whether a starvation rule chose it, and its queue's
         ``peek(now)`` (for ``StarvationGuard.take``)."""
         if self._waiting_tenants == 1:  # one tenant waiting: its head, its own class the best
@@ -811,10 +756,7 @@ class FairShareQueue(JobQueue[T]):
         self._virtual_s = tenant.served_s
         tenant.served_s += job.predicted_s / tenant.weight
         tenant.in_flight.add(job.seq)
-        self._live -= 1
-        tenant.waiting -= 1
-        if not tenant.waiting:
-            self._emptied(name, tenant)
+        self._dequeued(name, tenant)
         return job, promoted
 
     def ordered(self, now: float) -> list[Job[T]]:

@@ -6,14 +6,11 @@
     hrrn   highest response ratio next (wait + S) / S           ScanQueue, rank (priority, -ratio)
 
 Ordering is always (priority class, then the policy inside the class), ties by arrival. Starvation
-protection is not in the keys: ``build_queue`` wraps each queue in a ``StarvationGuard`` (tau) and,
-with fair share on, puts one such queue per tenant inside a ``FairShareQueue``; with a model switch
-bound, one such queue per model inside a ``ModelAffinity`` (every policy but fcfs, the baseline).
-
-Bounds, in seconds (see ``describe``): the guard's tau (no later arrival passes a request that
-has waited tau, whatever its class); boost's own cap ``max_boost_s`` (inside a class, no request
-arriving ``max_boost_s`` after a waiting one passes it); the model switch bound (a backend serves
-the model it holds while no request for another model has been put off that long).
+protection is not in the keys but in the wrappers ``build_queue`` adds. Bounds, in seconds: the
+guard's tau (no later arrival passes a request that has waited tau, whatever its class); boost's
+own cap ``max_boost_s`` (inside a class, no request arriving ``max_boost_s`` after a waiting one
+passes it); the model switch bound (a backend serves the model it holds while no request for
+another model has been put off that long).
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from clairvoyant.scheduling.affinity import ModelAffinity
-from clairvoyant.scheduling.boost import BoostTable
+from clairvoyant.scheduling.boost import BoostTable, bucket_for
 from clairvoyant.scheduling.job_queue import FairShareQueue, HeapQueue, Job, JobQueue, ScanQueue, StarvationGuard
 from clairvoyant.scheduling.slowdown import SlowdownRule
 
@@ -108,13 +105,13 @@ class BoostPolicy:
     name: str = "boost"
 
     def key(self, job: Job[Any]) -> tuple[int, float]:
-        return job.priority, job.arrival_s - self.table.boost(job.bucket, job.predicted_s)
+        return job.priority, job.arrival_s - self.table.boost(bucket_for(job.predicted_s), job.predicted_s)
 
     def make_queue(self) -> JobQueue[Any]:
-        return _NotingHeap(self.key, self.table)
+        return _NotingHeap(self)
 
     def observe(self, job: Job[Any], measured_s: float) -> None:
-        self.table.observe(job.bucket, measured_s)
+        self.table.observe(bucket_for(job.predicted_s), measured_s)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, **self.table.describe()}
@@ -123,9 +120,9 @@ class BoostPolicy:
 class _NotingHeap(HeapQueue[Any]):
     """A boost heap that also records arrivals (the arrival rate for automatic gamma)."""
 
-    def __init__(self, key: Callable[[Job[Any]], Any], table: BoostTable) -> None:
-        super().__init__(key)
-        self.table = table
+    def __init__(self, policy: BoostPolicy) -> None:
+        super().__init__(policy.key)
+        self.table = policy.table
 
     def push(self, job: Job[Any]) -> None:
         self.table.note_arrival(job.arrival_s)
@@ -151,15 +148,12 @@ class HrrnPolicy(_Unlearned):
         return ScanQueue(self.rank)
 
 
-def _boost(params: PolicyParams) -> BoostPolicy:
-    table = BoostTable(params.boost_gamma_per_s, max_boost_s=params.boost_max_s, auto_gamma=params.boost_auto_gamma)
-    return BoostPolicy(table)
-
-
 POLICIES: dict[str, Callable[[PolicyParams], SchedulingPolicy]] = {
     "fcfs": lambda p: FcfsPolicy(),
     "sjf": lambda p: SjfPolicy(),
-    "boost": _boost,
+    "boost": lambda p: BoostPolicy(
+        BoostTable(p.boost_gamma_per_s, max_boost_s=p.boost_max_s, auto_gamma=p.boost_auto_gamma)
+    ),
     "hrrn": lambda p: HrrnPolicy(),
 }
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
@@ -206,7 +200,7 @@ def build_queue(
         if not fair_share:
             return one()
         weights = tenant_weights or {}
-        return FairShareQueue(one, weight_of=lambda tenant: weights.get(str(tenant), 1.0))
+        return FairShareQueue(one, weight_of=lambda tenant: weights.get(tenant, 1.0))
 
     if model_switch_bound_s == 0 or policy.name == "fcfs":
         return shared()

@@ -245,12 +245,12 @@ def queue_view(dispatcher: Dispatcher, limit: int | None = None) -> QueueView:
     now = dispatcher.clock.now()
     etas, tail = dispatcher.etas(now)
     shown = etas if limit is None else etas[: max(0, limit)]
-    slowdown = dispatcher.starvation_slowdown
+    slowdown = dispatcher.limits.starvation_slowdown
     service_time = dispatcher.service_time
     return QueueView.model_validate({
         "policy": dispatcher.policy.name,
         "policy_detail": dispatcher.policy.describe(),
-        "starvation_timeout_s": None if math.isinf(dispatcher.starvation_timeout_s) else dispatcher.starvation_timeout_s,
+        "starvation_timeout_s": None if math.isinf(timeout_s := dispatcher.limits.starvation_timeout_s) else timeout_s,
         "starvation_slowdown": slowdown.describe() if isinstance(slowdown, AdaptiveSlowdown) else slowdown,
         "model_switch": {
             "bound_s": dispatcher.queue.bound_s,
@@ -258,7 +258,7 @@ def queue_view(dispatcher: Dispatcher, limit: int | None = None) -> QueueView:
             "waiting_by_model": {m or "default": n for m, n in dispatcher.queue.waiting_by_model().items()},
         },
         "slots": dispatcher.slots,
-        "max_queue": dispatcher.max_queue,
+        "max_queue": dispatcher.limits.max_queue,
         "tail_eta_s": round(tail, 3),
         # Every model's fit that orders requests (predicted seconds; times each backend's slowness
         # for its ETAs), including a model still at the defaults while it waits.
@@ -285,5 +285,5 @@ def queue_view(dispatcher: Dispatcher, limit: int | None = None) -> QueueView:
             for slot, t in sorted(b.running.items())
             if t.placement is not None  # (granted: it runs)
         ],
-        "recent": [_finished(dispatcher, *entry, now) for entry in reversed(dispatcher.recent)],
+        "recent": [_finished(dispatcher, *entry, now) for entry in reversed(dispatcher.stats.recent)],
     })  # fmt: skip

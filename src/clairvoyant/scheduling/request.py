@@ -14,6 +14,7 @@ import enum
 import math
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from clairvoyant.errors import RequestError
 from clairvoyant.metrics import Metrics
@@ -78,39 +79,25 @@ def status_counts(metrics: Metrics) -> list[int]:
     return metrics.requests.status.declare([status.name.lower() for status in RequestStatus])
 
 
+@dataclass(slots=True, eq=False)
 class Placement:
     """Where a granted request runs, and what it found and did there: made at its first grant (a
     waiting request has none, and pays no bytes for it), kept through a reroute."""
 
-    __slots__ = (
-        "backend", "slot", "dispatched_s", "queue_position", "load", "switch_load_s", "live_tokens", "refused_by",
-        "interrupt",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        backend: int | None,
-        slot: int | None,
-        dispatched_s: float,
-        queue_position: int,
-        load: Load = Load.UNKNOWN,
-        switch_load_s: float = 0.0,
-    ) -> None:
-        self.backend = backend  # the granted backend's index in the pool; None while rerouted
-        self.slot = slot  # the granted slot, on that backend; None while rerouted
-        # Clock seconds of its latest grant (service starts there: a reroute's second wait is queue wait).
-        self.dispatched_s = dispatched_s
-        self.queue_position = queue_position  # requests dispatched ahead of it while it waited
-        self.load = load  # what it found on its backend: its model held, another (a switch), or unknown
-        # After a switch: the load it is charged, seconds (the learned one at dispatch, then the
-        # first byte's measure); 0 otherwise.
-        self.switch_load_s = switch_load_s
-        self.live_tokens = 0  # tokens its answer has streamed so far (the relay counts them)
-        self.refused_by: tuple[int, ...] = ()  # backends that refused its connection (routing avoids them)
-        # Ends the answer being relayed now with this status and error (the shutdown's grace period
-        # is over; with replicas, its slot's lease was lost): False if there is none. Set by the
-        # proxy while the request holds its slot.
-        self.interrupt: Callable[[RequestStatus, RequestError], bool] | None = None
+    backend: int | None  # the granted backend's index in the pool; None while rerouted
+    slot: int | None  # the granted slot, on that backend; None while rerouted
+    # Clock seconds of its latest grant (service starts there: a reroute's second wait is queue wait).
+    dispatched_s: float
+    queue_position: int  # requests dispatched ahead of it while it waited
+    load: Load = Load.UNKNOWN  # what it found on its backend: its model held, another (a switch), or unknown
+    # After a switch: the load it is charged, seconds (the learned one at dispatch, then the first
+    # byte's measure); 0 otherwise.
+    switch_load_s: float = 0.0
+    live_tokens: int = 0  # tokens its answer has streamed so far (the relay counts them)
+    refused_by: tuple[int, ...] = ()  # backends that refused its connection (routing avoids them)
+    # Ends the answer being relayed now with this status and error (the shutdown's grace period is
+    # over; with replicas, its slot's lease was lost): False if there is none. Set by the proxy.
+    interrupt: Callable[[RequestStatus, RequestError], bool] | None = None
 
 
 class Ticket(Job["Ticket"]):
@@ -137,16 +124,11 @@ class Ticket(Job["Ticket"]):
         score: float = 0.0,
         predicted_tokens: float = 0.0,
         predicted_s: float = 1.0,
-        bucket: int = 0,
-        cap_tokens: int | None = None,
         priority: int = 0,
         tenant: str = "",
         expires_s: float = math.inf,  # clock seconds from which it must not be sent (its queue deadline)
     ) -> None:
-        Job.__init__(
-            self, self, arrival_s, score, predicted_tokens, predicted_s, bucket, cap_tokens, priority, tenant, model,
-            expires_s,
-        )  # fmt: skip
+        Job.__init__(self, self, arrival_s, score, predicted_tokens, predicted_s, priority, tenant, model, expires_s)
         self.given_id = given_id
         self.endpoint = endpoint
         self.dialect = dialect
@@ -219,6 +201,8 @@ class Ticket(Job["Ticket"]):
             out["prediction_tokens"] = prediction.predicted_tokens
             out["prediction_prior_log_tokens"] = prediction.prior_log_tokens
             out["prediction_feature_row"] = prediction.feature_row.hex()
+            if prediction.cap_tokens is not None:
+                out["prediction_cap_tokens"] = prediction.cap_tokens
             if prediction.probabilities is not None:
                 out["prediction_probabilities"] = ",".join(map(repr, prediction.probabilities))
         return out
@@ -238,7 +222,7 @@ class Ticket(Job["Ticket"]):
                 float(data["prediction_score"]), float(data["prediction_tokens"]),
                 tuple(float(p) for p in probabilities.split(",")) if probabilities else None,  # type: ignore[arg-type]
                 float(data["prediction_prior_log_tokens"]), bytes.fromhex(str(data["prediction_feature_row"])),
-                ticket.model, ticket.cap_tokens,
+                ticket.model, int(data["prediction_cap_tokens"]) if "prediction_cap_tokens" in data else None,
             )  # fmt: skip
         return ticket
 
@@ -267,7 +251,7 @@ def _bool(value: str | int | float) -> bool:
 _FIELDS: dict[str, Reader] = {
     "given_id": str, "endpoint": str, "dialect": str, "model": str, "tenant": str, "seq": int, "status": lambda v:
     RequestStatus(int(v)), "arrival_s": float, "expires_s": float, "deadline_s": float, "score": float,
-    "predicted_tokens": float, "predicted_s": float, "bucket": int, "cap_tokens": int, "priority": int,
+    "predicted_tokens": float, "predicted_s": float, "priority": int,
     "prompt_tokens": int, "waiting": _bool, "held_back": _bool, "ended": _bool, "grants_before_arrival": int,
 }  # fmt: skip
 _PLACEMENT_FIELDS: dict[str, Reader] = {

@@ -124,7 +124,7 @@ class ClusterLink:
         the renewals as the dispatcher's tasks. Raises ``StoreUnavailable`` when the store cannot be
         reached, unless ``fallback``: then it starts LOCAL, alone until it joins."""
         self.dispatcher = dispatcher
-        dispatcher.cluster = self
+        dispatcher.cluster.side = self
         try:
             sent_s = time.monotonic()
             await self.store.join(self._pool())

@@ -132,7 +132,6 @@ def simulate(
     service = workload.service_s.tolist()
     score = beliefs.score.tolist()
     pred = beliefs.predicted_s.tolist()
-    bucket = beliefs.bucket.tolist()
     tokens = None if beliefs.predicted_tokens is None else beliefs.predicted_tokens.tolist()
     learn = service_time is not None and tokens is not None
     prio = [0] * n if priority is None else [int(p) for p in priority]
@@ -185,12 +184,12 @@ def simulate(
             if learn:
                 p_s = service_time.predict_s(None, 0, tokens[nxt])  # type: ignore[union-attr,index]
                 job = Job(
-                    nxt, arrival[nxt], score[nxt], tokens[nxt], p_s, bucket_for(p_s), None, prio[nxt], tenant[nxt],
+                    nxt, arrival[nxt], score[nxt], tokens[nxt], p_s, prio[nxt], tenant[nxt],
                     model[nxt], expires[nxt],
                 )  # type: ignore[index]  # fmt: skip
             else:
                 job = Job(
-                    nxt, arrival[nxt], score[nxt], 0.0, pred[nxt], bucket[nxt], None, prio[nxt], tenant[nxt],
+                    nxt, arrival[nxt], score[nxt], 0.0, pred[nxt], prio[nxt], tenant[nxt],
                     model[nxt], expires[nxt],
                 )  # fmt: skip
             jobs[nxt] = job
@@ -209,9 +208,7 @@ def simulate(
                 continue
         if pop_for is not None and loads is not None:
             name, holding = names[slot], held[slot]
-            lane = Lane(
-                lambda m, h=holding: m == h, _serves_any, lambda m, b=name: loads.load_s(b, m), switched_s[slot]
-            )  # type: ignore[misc]
+            lane = Lane(_Slot(_Holding(holding, switched_s[slot])), lambda m, b=name: loads.load_s(b, m))  # type: ignore[misc]
             got = pop_for(t, [lane])
         else:
             got = pop(t)
@@ -250,5 +247,22 @@ def simulate(
     )
 
 
-def _serves_any(model: str | None) -> bool:
-    return True
+@dataclass(frozen=True, slots=True)
+class _Holding:
+    """What a simulated slot holds: the model it ran last."""
+
+    model: str | None
+    switched_s: float
+
+    def holds(self, model: str | None) -> bool:
+        return model == self.model
+
+
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    """A simulated slot as a lane's backend: it serves any model."""
+
+    held: _Holding
+
+    def serves(self, model: str | None) -> bool:
+        return True
