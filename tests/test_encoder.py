@@ -103,7 +103,7 @@ def test_the_serving_sessions_pin_every_option_that_can_change_a_result(
     the encoder and its kNN."""
     import onnxruntime as ort
 
-    for session in (predictor._session, encoder._session, encoder._knn):
+    for session in (predictor._bound.session, encoder._session, encoder._knn):
         options = session.get_session_options()
         assert (options.intra_op_num_threads, options.inter_op_num_threads) == (1, 1)
         assert options.execution_mode == ort.ExecutionMode.ORT_SEQUENTIAL

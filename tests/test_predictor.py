@@ -395,13 +395,14 @@ def test_the_bound_run_calls_the_session_directly_and_scores_like_a_plain_run() 
     from clairvoyant.prediction.predictor import _bound_runner
 
     predictor = OnnxPredictor()
-    run = predictor._run_bound  # what predict runs
+    bound = predictor._bound
+    run = bound.run  # what predict runs
     # this onnxruntime has the C session and binding: the per-call capture bookkeeping is skipped
     assert isinstance(run, functools.partial)
-    assert run.func is not predictor._session.run_with_iobinding
-    assert run.args[0] is predictor._binding._iobinding
+    assert run.func is not bound.session.run_with_iobinding
+    assert run.args[0] is bound.binding._iobinding
     assert isinstance(run.args[1], ort.RunOptions)  # made once: none would cost default options every call
-    again = _bound_runner(predictor._session, predictor._binding)
+    again = _bound_runner(bound.session, bound.binding)
     assert again.func == run.func and again.args[0] is run.args[0]
     prompts = [
         Prompt("hi"),
@@ -410,7 +411,7 @@ def test_the_bound_run_calls_the_session_directly_and_scores_like_a_plain_run() 
         Prompt("def f(): pass\n" * 40),
     ]
     rows = predictor.feature_set.extract_many(prompts)
-    plain = predictor._session.run([predictor.output.output], {predictor._input_name: rows})[0].reshape(-1)
+    plain = bound.session.run([predictor.output.output], {bound.input_name: rows})[0].reshape(-1)
     for prompt, expected in zip(prompts, plain):
         prediction = predictor.predict(prompt)
         assert prediction.score == float(expected)

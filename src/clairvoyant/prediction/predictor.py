@@ -485,19 +485,44 @@ def single_threaded_session(path: Path, what: str, content: bytes | None = None)
         raise ModelError(f"cannot load {what} {path}: {exc}") from exc
 
 
-class OnnxPredictor:
-    """Scores one request at a time with a single-threaded ONNX Runtime session.
+class _BoundRow:
+    """``session`` bound once to one float32 input row and one output row (IOBinding over numpy
+    buffers shared with ONNX Runtime), so that a request is "fill the row in place, run, read the
+    outputs" with no per-call allocation. Whoever reads ``row`` or runs holds ``lock``."""
 
-    Single-threaded on purpose: the backend generates on the same cores, and a thread pool per
-    call turns a 0.05 ms median into a multi-millisecond p99 under that load.
+    def __init__(self, session: Any, size: int, output: str, out_shape: list[int]) -> None:
+        import onnxruntime as ort
+
+        self.session = session
+        self.input_name = session.get_inputs()[0].name
+        self.row = np.zeros(size, dtype=np.float32)
+        out = np.zeros(out_shape, dtype=np.float32)
+        self.binding = session.io_binding()
+        # shares self.row's memory (the memoryview below keeps ``out`` alive)
+        self._input = ort.OrtValue.ortvalue_from_numpy(self.row.reshape(1, size))
+        self.binding.bind_ortvalue_input(self.input_name, self._input)
+        self.binding.bind_output(output, "cpu", 0, np.float32, out_shape, out.ctypes.data)
+        # memoryviews of the two bound buffers: reading them back (tolist, tobytes) without a numpy
+        # call is about 0.25 us cheaper per request, with the same float32 -> float values and bytes
+        # (numpy's stubs omit the buffer protocol)
+        self.outputs = memoryview(out.reshape(-1)).tolist  # type: ignore[arg-type]
+        self.row_bytes = memoryview(self.row).tobytes  # type: ignore[arg-type]
+        # struct packs the feature list straight into the bound buffer: cheaper than numpy's list
+        # assignment, and the same float64 -> float32 rounding.
+        self.fill = functools.partial(struct.Struct(f"={size}f").pack_into, self.row, 0)  # type: ignore[arg-type]
+        self.run = _bound_runner(session, self.binding)
+        self.lock = threading.Lock()
+
+
+class OnnxPredictor:
+    """Scores one request at a time with a single-threaded ONNX Runtime session (see
+    ``single_threaded_session``).
 
     ``corrector`` (settable later): an online correction of the prior, e.g.
     ``clairvoyant.prediction.learner.OnlineLearner``; None = the static shipped model.
     """
 
     def __init__(self, model_path: Path | str | None = None, *, corrector: Corrector | None = None) -> None:
-        import onnxruntime as ort  # imported here so that importing this module stays cheap
-
         path = Path(model_path) if model_path is not None else DEFAULT_MODEL_PATH
         if not path.is_file():
             raise ModelError(f"model file {path} not found")
@@ -505,57 +530,37 @@ class OnnxPredictor:
         self.card = load_card(path)
         self.output = _model_output(self.card, path)
         self.feature_set = _check_card(self.card, path)
-        self.onnx_sha256: str = self.card["onnx_sha256"]
         self.calibration = self.output.calibration
         self.corrector: Corrector | None = None
-        self._session = single_threaded_session(path, "ONNX model")
-        inputs = self._session.get_inputs()
+        session = single_threaded_session(path, "ONNX model")
+        inputs = session.get_inputs()
         if len(inputs) != 1 or inputs[0].shape[-1] != self.feature_set.size:
             raise ModelError(f"model {path} input does not take {self.feature_set.size} features")
-        self._input_name = inputs[0].name
-        outputs = {o.name: o for o in self._session.get_outputs()}
+        outputs = {o.name: o for o in session.get_outputs()}
         if self.output.output not in outputs:
             raise ModelError(f"model {path} has no {self.output.output!r} output (has {sorted(outputs)})")
         out_shape = outputs[self.output.output].shape
         width = out_shape[-1] if len(out_shape) == 2 else 1
-        expected_width = len(CLASS_NAMES) if self.output.kind == "classifier" else 1
+        self._is_classifier = self.output.kind == "classifier"
+        expected_width = len(CLASS_NAMES) if self._is_classifier else 1
         if width != expected_width:
             raise ModelError(
                 f"model {path} output {self.output.output!r} has shape {out_shape}, expected [N, {expected_width}]"
             )
-        self._output_names = [self.output.output]
-        self._is_classifier = self.output.kind == "classifier"
-        self._score_column = 2 if self._is_classifier else 0
-        # The per-request path avoids every per-call allocation it can: one input row and one
-        # output row, bound once to the session (IOBinding over numpy buffers shared with ORT), so
-        # a call is "fill the row in place, run, read the outputs". The lock makes the shared
-        # buffers safe if predict is called from several threads.
-        self._row = np.zeros((1, self.feature_set.size), dtype=np.float32)
-        bound_shape = [1, width] if len(out_shape) == 2 else [1]
-        self._out = np.zeros(bound_shape, dtype=np.float32)
-        self._binding = self._session.io_binding()
-        self._input_value = ort.OrtValue.ortvalue_from_numpy(self._row)  # shares self._row's memory
-        self._binding.bind_ortvalue_input(self._input_name, self._input_value)
-        self._binding.bind_output(self.output.output, "cpu", 0, np.float32, bound_shape, self._out.ctypes.data)
-        self._out_flat = self._out.reshape(-1)
-        self._row_view = self._row[0]
-        # memoryviews of the two bound buffers: reading them back (tolist, tobytes) without a numpy
-        # call is about 0.25 us cheaper per request, with the same float32 -> float values and bytes
-        self._out_memory = memoryview(self._out_flat)  # type: ignore[arg-type]  # numpy's stubs omit the buffer protocol
-        self._row_memory = memoryview(self._row_view)
-        # struct packs the feature list straight into the bound buffer: cheaper than numpy's
-        # list assignment, and the same float64 -> float32 rounding.
-        packer = struct.Struct(f"={self.feature_set.size}f")
-        self._pack_into = packer.pack_into
-        self._pack = packer.pack
+        self._bound = _BoundRow(
+            session, self.feature_set.size, self.output.output, [1, width] if len(out_shape) == 2 else [1]
+        )
+        self._pack = struct.Struct(f"={self.feature_set.size}f").pack
         # where a feature row keeps history_chars (BlendWeights' rule); None: this feature set has none
         names = self.feature_set.names
         self.history_column: int | None = names.index("history_chars") if "history_chars" in names else None
         self._values = self.feature_set.values
-        self._run_bound = _bound_runner(self._session, self._binding)
-        self._lock = threading.Lock()
         self.predict(Prompt(""))  # warm up (first-run allocations) and prove the binding works
         self.corrector = corrector
+
+    @property
+    def onnx_sha256(self) -> str:
+        return str(self.card["onnx_sha256"])
 
     @property
     def feature_set_name(self) -> str:
@@ -563,15 +568,16 @@ class OnnxPredictor:
 
     def predict(self, prompt: Prompt, *, model: str | None = None, cap_tokens: int | None = None) -> Prediction:
         """The prediction for one request (see the module docstring). Never raises on any Prompt."""
-        with self._lock:
-            self._pack_into(self._row, 0, *self._values(prompt))  # type: ignore[arg-type]  # a writable buffer
-            self._run_bound()
-            out = self._out_memory.tolist()
-            row = self._row_memory.tobytes()
-            raw = out[self._score_column]
+        bound = self._bound
+        with bound.lock:
+            bound.fill(*self._values(prompt))
+            bound.run()
+            out = bound.outputs()
+            row = bound.row_bytes()
+            raw = out[-1]  # the raw score: a regressor's one output, a class model's P(Long)
             prior = self.calibration.log_tokens_of(raw)
             corrector = self.corrector
-            correction = 0.0 if corrector is None else corrector.correction(model, self._row_view, prior)
+            correction = 0.0 if corrector is None else corrector.correction(model, bound.row, prior)
         probabilities = (out[0], out[1], out[2]) if self._is_classifier else None
         return self._prediction(raw, prior, correction, probabilities, row, model, cap_tokens)
 
@@ -661,14 +667,14 @@ class OnnxPredictor:
         if matrix.ndim != 2 or matrix.shape[1] != self.feature_set.size:
             raise ValueError(f"expected a [N, {self.feature_set.size}] feature matrix, got {matrix.shape}")
         if len(matrix) == 0:
-            width = len(CLASS_NAMES) if self._is_classifier else 1
-            return np.zeros((0, width), dtype=np.float32)
-        return np.asarray(self._session.run(self._output_names, {self._input_name: matrix})[0])
+            return np.zeros((0, len(CLASS_NAMES) if self._is_classifier else 1), dtype=np.float32)
+        bound = self._bound
+        return np.asarray(bound.session.run([self.output.output], {bound.input_name: matrix})[0])
 
     def raw_scores(self, matrix: np.ndarray) -> np.ndarray:
         """The raw score [N] of each row (P(Long) for a class model, the regressor's output else)."""
         out = self.predict_features(matrix)
-        return out[:, self._score_column] if out.ndim == 2 else out
+        return out[:, -1] if out.ndim == 2 else out
 
     def predict_many(
         self,
@@ -683,7 +689,7 @@ class OnnxPredictor:
         matrix = self.feature_set.extract_many(prompts)
         out = self.predict_features(matrix)
         out2d = out.reshape(len(out), -1)
-        raws = out2d[:, self._score_column].astype(np.float64)
+        raws = out2d[:, -1].astype(np.float64)
         priors = self.calibration.log_tokens_many(raws)
         corrector = self.corrector
         predictions = []
