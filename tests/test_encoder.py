@@ -421,8 +421,8 @@ def _knn_reference(encoder: EncoderModel, embeddings: np.ndarray) -> np.ndarray:
     import onnx
     from onnx import numpy_helper
 
-    assert encoder.card.knn_path is not None
-    inits = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(encoder.card.knn_path)).graph.initializer}
+    assert encoder.card.knn is not None
+    inits = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(encoder.card.knn.path)).graph.initializer}
     zero_point = inits["memory_zero_point"]
     assert zero_point.dtype == np.uint8 and (zero_point == 128).all()  # symmetric int8, stored as uint8 + 128
     quantized = inits["memory_quantized"].astype(np.float32) - zero_point.astype(np.float32)[None, :]

@@ -169,7 +169,7 @@ class PriorIdentity:
         if encoder is not None:
             weights = tuple(encoder.blend_weights.as_list())
             tail = encoder.card.tail_word_pieces
-            encoder_sha = encoder.card.onnx_sha256
+            encoder_sha = encoder.card.onnx.sha256
             if encoder.components:
                 components = tuple(f"encoder_component_{i}" for i in range(encoder.components))
         return cls(
@@ -180,7 +180,7 @@ class PriorIdentity:
             encoder_sha,
             weights,
             tail,
-            getattr(encoder.card, "knn_sha256", "") if encoder is not None else "",
+            encoder.card.knn.sha256 if encoder is not None and encoder.card.knn is not None else "",
         )
 
     def as_dict(self) -> dict[str, Any]:
