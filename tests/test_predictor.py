@@ -102,13 +102,13 @@ def test_predict_matches_bulk_and_probabilities_sum_to_one(small_model) -> None:
     bulk = predictor.predict_many(prompts)
     for s, b, p in zip(single, bulk, prompts):
         assert isinstance(s, Prediction)
-        assert s.p_short + s.p_medium + s.p_long == pytest.approx(1.0, abs=1e-5)
-        assert (s.p_short, s.p_medium, s.p_long) == pytest.approx((b.p_short, b.p_medium, b.p_long), abs=1e-6)
+        assert sum(s.probabilities) == pytest.approx(1.0, abs=1e-5)
+        assert s.probabilities == pytest.approx(b.probabilities, abs=1e-6)
         ref = clf.predict_proba(predictor.feature_set.extract(p)[None, :])[0]
-        assert s.p_long == pytest.approx(float(ref[2]), abs=1e-5)
-        assert s.score == s.p_long
+        assert s.probabilities[2] == pytest.approx(float(ref[2]), abs=1e-5)
+        assert s.score == s.probabilities[2]
     # The reused input buffer really is re-filled: different prompts, different answers.
-    assert single[0].p_long != single[1].p_long
+    assert single[0].score != single[1].score
     assert predictor.feature_set_name == "rich_v1"
     assert predictor.predict_many([]) == []
 
@@ -178,7 +178,7 @@ def test_the_shipped_model_loads_by_default_and_ranks_the_obvious_cases() -> Non
     hi = predictor.predict(Prompt("hi"))
     essay = predictor.predict(Prompt("Write a detailed 2000-word essay on the history of the Roman Empire."))
     assert essay.score > hi.score and essay.predicted_tokens > 2 * hi.predicted_tokens
-    assert hi.predicted_class == "short" and hi.p_long is None and hi.probabilities is None
+    assert hi.predicted_class == "short" and hi.probabilities is None
 
 
 # --------------------------------------------------------------------------------------------
@@ -249,7 +249,7 @@ def test_schema2_regressor_card_predicts_calibrated_tokens(regressor_model) -> N
         assert s.score == pytest.approx(raw, abs=1e-5)  # the key is the raw score
         expected_log = np.interp(s.score, predictor.calibration.score, predictor.calibration.log_tokens)
         assert s.predicted_tokens == pytest.approx(math.exp(expected_log), rel=1e-6)
-        assert s.probabilities is None and s.p_long is None
+        assert s.probabilities is None
         assert "p_long" not in s.as_dict() and s.as_dict()["predicted_tokens"] == s.predicted_tokens
         assert (b.score, b.predicted_tokens) == pytest.approx((s.score, s.predicted_tokens), rel=1e-6)
         assert s.feature_row == b.feature_row == predictor.feature_set.extract(p).tobytes()
@@ -262,9 +262,9 @@ def test_schema1_card_is_a_class_model_with_the_named_stand_in_calibration(schem
     assert predictor.calibration is STAND_IN_P_LONG_CALIBRATION and predictor.calibration.stand_in
     assert "stand-in" in predictor.calibration.method
     pred = predictor.predict(Prompt(ESSAY))
-    assert pred.score == pred.p_long
+    assert pred.probabilities is not None and pred.score == pred.probabilities[2]
     assert pred.predicted_tokens == pytest.approx(
-        math.exp(np.interp(pred.p_long, (0, 0.5, 1), np.log([100, 400, 1000])))
+        math.exp(np.interp(pred.probabilities[2], (0, 0.5, 1), np.log([100, 400, 1000])))
     )
     # one definition of the classes: derived from predicted tokens
     for p in (predictor.predict(Prompt("hi")), pred):

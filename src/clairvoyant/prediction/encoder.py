@@ -14,26 +14,18 @@ both figures). It costs milliseconds, so it never stands in a request's way:
   it is still waiting, the encoder's log tokens are blended into its prediction and the queue
   re-keys it (``Dispatcher.repredicted``). A request dispatched meanwhile is skipped.
 
-Blend, in log tokens (w from the encoder's card, by turn: ``predictor.BlendWeights``):
+Blend, in log tokens, with the weights of the encoder's card (``predictor.BlendWeights``):
 
     refined prior = lexical prior + w x (encoder log tokens - lexical prior)
-    w = blend_weight_with_history  if the request has conversation history (history_chars > 0)
-        blend_weight               otherwise (a single-turn request)
-
-The encoder reads only the last user turn; the lexical model also reads the history, so the
-encoder's opinion counts for less once there is history it cannot see.
-
-A card with a ``knn`` block adds a third opinion for the same waiting requests, on the same thread
-right after the encoder: the cosine-weighted mean ln tokens of the 16 training-side ShareGPT
-instructions nearest to the request's pooled embedding (``encoder.knn.onnx``: ``model/ENCODER_CARD.md``),
-blended in with the card's weight v for every request:
-
     final prior = refined prior + v x (kNN log tokens - refined prior)
 
-(``BlendWeights.blend``). The learner's after-completion encodes need only the components and the
-pooled embedding (the key of the learner's residual kNN), from the same run, and never run the kNN
-graph. The learned correction and the request's cap then apply exactly as to a lexical prediction
-(``OnnxPredictor.refined``).
+w is ``blend_weight_with_history`` for a request with conversation history (history_chars > 0),
+which the encoder cannot see, and ``blend_weight`` otherwise. The kNN (a card's ``knn`` block,
+``model/ENCODER_CARD.md``), run on the same thread right after the encoder, is the cosine-weighted
+mean ln tokens of the 16 training-side ShareGPT instructions nearest to the request's pooled
+embedding. The learner's after-completion encodes need only the components and the pooled embedding
+(the key of the learner's residual kNN), from the same run, and never run the kNN graph. The learned
+correction and the request's cap then apply as to a lexical prediction (``OnnxPredictor.refined``).
 Serving needs onnxruntime and ``tokenizers`` only: no torch.
 """
 
@@ -240,12 +232,7 @@ class EncoderModel:
         ids = np.asarray([self.word_pieces(text)], dtype=np.int64)
         out = self._session.run(outputs, {"input_ids": ids, "attention_mask": np.ones_like(ids)})
         value = float(np.asarray(out[0]).reshape(-1)[0])
-        components = b""
-        if self.components:
-            components = np.asarray(out[1], dtype=np.float32).reshape(-1).tobytes()
-            if self.embedding_width:
-                components += np.asarray(out[2], dtype=np.float32).reshape(-1).tobytes()
-        return value, components, out
+        return value, b"".join(np.asarray(o, dtype=np.float32).tobytes() for o in out[1 : len(self._both)]), out
 
     @property
     def has_knn(self) -> bool:

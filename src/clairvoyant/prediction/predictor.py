@@ -1,10 +1,8 @@
 """The length predictor: features -> ONNX XGBoost model -> a queue key and calibrated output tokens.
 
-Serving imports only onnxruntime and numpy here. The model file ships with a JSON card beside it
-(``<model>.card.json``); loading refuses a model whose card names a feature set or feature list
-that differs from ``clairvoyant.prediction.features``, or whose sha256 differs from the file.
-
-Two card schemas are read:
+The model file ships with a JSON card beside it (``<model>.card.json``); loading refuses a model
+whose card names another feature set or feature list than ``clairvoyant.prediction.features``, or
+another sha256 than the file's. Two card schemas are read:
 
 - ``"schema": 2`` says what the model outputs and how to turn it into tokens::
 
@@ -15,19 +13,15 @@ Two card schemas are read:
       "classes": ["short", "medium", "long"]       # classifier only
 
   Predicted log tokens (natural log of output tokens) = ``np.interp(raw_score, score, log_tokens)``.
-- ``"schema": 1`` (the 3-class models trained before schema 2) is read as a classifier whose raw
-  score is P(Long), with ``STAND_IN_P_LONG_CALIBRATION``: NOT a fitted calibration, only the class
-  midpoints placed on the P(Long) axis, so that such a model still reports tokens.
+- ``"schema": 1`` (3-class models from before schema 2): a classifier whose raw score is P(Long),
+  read with ``STAND_IN_P_LONG_CALIBRATION`` (not fitted) so that it still reports tokens.
 
-The queue key (``Prediction.score``, lower = sooner) is the model's raw score, so for one model it
-is monotone in predicted tokens. A request's own cap (``max_tokens`` and friends, parsed by
-``clairvoyant.prediction.dialects``) bounds the prediction: predicted tokens <= cap, and
-``score = min(raw score, calibration^-1(log cap))``, where the inverse is ``np.interp`` on the
-swapped knots inside the calibrated range and is extended linearly beyond it (so caps below the
-range, e.g. 4 and 24 tokens under a first knot of 100, still order by cap). An online corrector (``clairvoyant.prediction.learner``)
+The queue key (``Prediction.score``, lower = sooner) is the model's raw score, monotone in predicted
+tokens for one model. A request's own cap (``max_tokens`` and friends) bounds it: tokens <= cap and
+``score = min(raw score, calibration^-1(log cap))``. An online corrector (``clairvoyant.prediction.learner``)
 may add a learned correction in log tokens; the key is then the calibration's inverse of the
-corrected log tokens, extended linearly beyond the calibrated range so that it stays strictly
-ordered there.
+corrected log tokens. Both inverses extend linearly beyond the calibrated range, so that caps below
+it (4 and 24 tokens under a first knot of 100) and corrections past its ends still order strictly.
 """
 
 from __future__ import annotations
@@ -145,14 +139,6 @@ class Calibration:
         """``log_tokens_of`` for an array of raw scores."""
         return np.interp(np.asarray(scores, dtype=np.float64), self.score, self.log_tokens)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "method": self.method,
-            "score": list(self.score),
-            "log_tokens": list(self.log_tokens),
-            "stand_in": self.stand_in,
-        }
-
 
 # Schema-1 cards have no calibration. This stand-in is NOT fitted: it puts the class midpoints
 # (Short 100, Medium 400, Long 1000 tokens) at P(Long) = 0, 0.5 and 1, so a 3-class model still
@@ -255,18 +241,6 @@ class Prediction:
     def predicted_log_tokens(self) -> float:
         return log_tokens(self.predicted_tokens)
 
-    @property
-    def p_short(self) -> float | None:
-        return None if self.probabilities is None else self.probabilities[0]
-
-    @property
-    def p_medium(self) -> float | None:
-        return None if self.probabilities is None else self.probabilities[1]
-
-    @property
-    def p_long(self) -> float | None:
-        return None if self.probabilities is None else self.probabilities[2]
-
     def features(self) -> np.ndarray:
         """The feature row as a float32 array (a copy-free view of ``feature_row``)."""
         return np.frombuffer(self.feature_row, dtype=np.float32)
@@ -286,19 +260,10 @@ class Prediction:
 def _prediction_maker() -> Callable[..., Prediction]:
     """``Prediction(...)`` with all seven fields positional, built without the frozen dataclass's
     ``__init__`` (seven ``object.__setattr__`` calls): the slots' own setters on a bare instance,
-    about 0.6 us cheaper per request. Same object, same fields (tests/test_predictor.py)."""
+    about 0.6 us cheaper per request. Same object, same fields in the same order (a field more or
+    less fails the unpacking below; tests/test_predictor.py checks the order)."""
     new = object.__new__
     s0, s1, s2, s3, s4, s5, s6 = (getattr(Prediction, name).__set__ for name in Prediction.__slots__)
-    if Prediction.__slots__ != (
-        "score",
-        "predicted_tokens",
-        "probabilities",
-        "prior_log_tokens",
-        "feature_row",
-        "model",
-        "cap_tokens",
-    ):
-        raise AssertionError("Prediction's fields changed: update _prediction_maker")
 
     def make(
         score: float,
@@ -342,15 +307,6 @@ class Corrector(Protocol):
 
 def card_path_for(model_path: Path) -> Path:
     return model_path.with_suffix(".card.json")
-
-
-def file_sha256(path: Path) -> str:
-    """The hex sha256 of a file, read in 1 MiB chunks (model files are tens of MB)."""
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def load_card(model_path: Path) -> dict[str, Any]:
@@ -419,7 +375,9 @@ def _check_card(card: dict[str, Any], model_path: Path) -> FeatureSet:
     expected_sha = card.get("onnx_sha256")
     if not isinstance(expected_sha, str):
         raise ModelError(f"model {model_path} card has no 'onnx_sha256': cannot tell it describes this file")
-    if expected_sha != file_sha256(model_path):
+    with model_path.open("rb") as fh:
+        sha = hashlib.file_digest(fh, "sha256").hexdigest()
+    if expected_sha != sha:
         raise ModelError(
             f"model {model_path} does not match the sha256 in its card {card_path_for(model_path)}: "
             "the file was replaced or the card belongs to another model"
