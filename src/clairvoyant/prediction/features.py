@@ -45,7 +45,7 @@ import string
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from itertools import chain, islice
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -495,7 +495,7 @@ def _rich_values(prompt: Prompt, head: int, tail_chars: int, table: _KeywordTabl
         1.0 if tail.endswith(":") else 0.0,
         raw.count(b'"'),
     ]
-    if table.lexicon:  # Lexicon.score_window, exactly (see _lexicon_table)
+    if table.lexicon:  # intercept + fsum(weights) / sqrt(known), exactly (see _lexicon_table)
         known = (total >> _COUNT_SHIFT) & _COUNT_MASK
         values.append(
             table.intercept + (total >> _WEIGHT_SHIFT) / table.scale / math.sqrt(known) if known else table.intercept
@@ -542,42 +542,6 @@ class Lexicon:
     name: str
     intercept_log_tokens: float
     weights: dict[bytes, float]
-
-    def __post_init__(self) -> None:
-        # One dict probe per term: words keyed by bytes, bigrams by (w1, w2) tuples, which zip builds
-        # in C (no b" ".join per pair). Words never hold a space, so a term that is not one word or two
-        # words joined by one space can never match and is left out.
-        lookup: dict[bytes | tuple[bytes, ...], float] = {}
-        for term, weight in self.weights.items():
-            parts = term.split(b" ")
-            if len(parts) <= 2:
-                lookup[parts[0] if len(parts) == 1 else tuple(parts)] = weight
-        object.__setattr__(self, "_lookup", lookup)
-        object.__setattr__(self, "_get", lookup.get)
-        object.__setattr__(self, "_zero_weights", not all(lookup.values()))
-
-    def score_words(self, words: list[bytes]) -> float:
-        """intercept + sum of the distinct known terms' weights / sqrt(their number)."""
-        return self.score_window(words, set(words))
-
-    def score_window(self, words: list[bytes], distinct: Iterable[bytes]) -> float:
-        """``score_words(words)``, given the distinct words of ``words`` (e.g. their set), each once.
-
-        fsum: exact, so the result does not depend on the set's (hash-seeded) iteration order.
-        ``filter(None, ...)`` keeps the known terms' weights (an unknown term is None); a lexicon
-        with zero weights (the shipped one has none) counts its known terms the slower way.
-        """
-        terms = map(self._get, chain(distinct, set(zip(words, islice(words, 1, None)))))  # type: ignore[attr-defined]
-        if self._zero_weights:  # type: ignore[attr-defined]
-            found = list(terms)
-            known = len(found) - found.count(None)
-            found = list(filter(None, found))  # zeros leave the exact sum unchanged
-        else:
-            found = list(filter(None, terms))
-            known = len(found)
-        if not known:
-            return self.intercept_log_tokens
-        return self.intercept_log_tokens + math.fsum(found) / math.sqrt(known)
 
     def to_json(self, extra: dict[str, object] | None = None) -> str:
         terms = {t.decode("utf-8", "surrogatepass"): round(w, 6) for t, w in sorted(self.weights.items())}
@@ -627,23 +591,28 @@ def load_lexicon(file_name: str = RICH_V3_LEXICON, sha256: str | None = None) ->
 def _lexicon_table(lexicon: Lexicon, fields: dict[bytes, int] = _KEYWORD_FIELDS) -> _KeywordTable:
     """The keyword table with ``lexicon`` folded in (the layout is above ``_KeywordTable``).
 
-    ``Lexicon.score_window`` is ``intercept + fsum(weights) / sqrt(known)``. Here each weight is the
+    The column is ``intercept + fsum(weights) / sqrt(known)``. Here each weight is the
     integer ``weight * 2**scale_bits``, so one ``sum`` of ints adds them exactly, and
     ``int / 2**scale_bits`` rounds that exact sum to the nearest float, which is what ``fsum``
     returns: the same float, bit for bit (tests/test_features_reference.py compares them).
     """
-    lookup: dict[bytes | tuple[bytes, ...], float] = lexicon._lookup  # type: ignore[attr-defined]
-    ratios = {}
-    for term, weight in lookup.items():
+    # One dict probe per term: words keyed by bytes, bigrams by (w1, w2) tuples, which zip builds in C
+    # (no b" ".join per pair). Words never hold a space, so a term that is not one word or two words
+    # joined by one space can never match and is left out.
+    ratios: dict[bytes | tuple[bytes, ...], tuple[int, int]] = {}
+    for term, weight in lexicon.weights.items():
+        parts = term.split(b" ")
+        if len(parts) > 2:
+            continue
         if not math.isfinite(weight):
             raise ValueError(f"lexicon {lexicon.name} has a non-finite weight for {term!r}")
-        ratios[term] = weight.as_integer_ratio()  # (n, 2**k)
+        ratios[parts[0] if len(parts) == 1 else tuple(parts)] = weight.as_integer_ratio()  # (n, 2**k)
     scale_bits = max((d.bit_length() - 1 for _, d in ratios.values()), default=0)
     one = 1 << _COUNT_SHIFT
     terms: dict[bytes | tuple[bytes, ...], int] = {word: packed for word, packed in fields.items()}
-    for term, (n, d) in ratios.items():
+    for key, (n, d) in ratios.items():
         packed = one + ((n << (scale_bits - (d.bit_length() - 1))) << _WEIGHT_SHIFT)
-        terms[term] = terms.get(term, 0) + packed
+        terms[key] = terms.get(key, 0) + packed
     return _KeywordTable(terms, True, 1 << scale_bits, lexicon.intercept_log_tokens)
 
 
