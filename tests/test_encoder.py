@@ -63,7 +63,7 @@ def test_the_shipped_encoder_orders_an_essay_after_a_one_word_answer(encoder: En
     essay, short = encoder.log_tokens(ESSAY), encoder.log_tokens(SHORT)
     assert essay > short + 1.0  # e-fold apart at least, in tokens
     assert 0.0 < math.exp(short) < math.exp(essay) < 5000
-    many = encoder.log_tokens_many([ESSAY, SHORT, ESSAY])
+    many = encoder.opinions_many([ESSAY, SHORT, ESSAY])[0]
     assert many.tolist() == [essay, short, essay]  # one at a time: the served values exactly
 
 
@@ -486,7 +486,7 @@ def test_refined_blends_the_knn_after_the_encoder_with_its_own_weight(predictor:
 def test_refined_by_uses_the_cards_knn_and_a_card_without_one_works_as_before(
     tmp_path: Path, predictor: OnnxPredictor, encoder: EncoderModel
 ) -> None:
-    assert encoder.has_knn and encoder.blend_weights == BlendWeights(0.6, 0.45, 0.15)  # the shipped card
+    assert encoder.card.knn is not None and encoder.blend_weights == BlendWeights(0.6, 0.45, 0.15)  # the shipped card
     prompt = _chat(("user", ESSAY))
     lexical = predictor.predict(prompt)
     value, _, knn = encoder.opinion(ESSAY)
@@ -496,7 +496,7 @@ def test_refined_by_uses_the_cards_knn_and_a_card_without_one_works_as_before(
     assert refined.prior_log_tokens == pytest.approx(expected)
     assert refined.prior_log_tokens != pytest.approx(BlendWeights.blend(lexical.prior_log_tokens, value, 0.6))
     plain = EncoderModel(_copy_card(tmp_path, knn=None))
-    assert not plain.has_knn and plain.blend_weights == BlendWeights(0.6, 0.45)
+    assert plain.card.knn is None and plain.blend_weights == BlendWeights(0.6, 0.45)
     assert plain.opinion(ESSAY)[2] is None and plain.opinion(ESSAY)[0] == value
     assert refined_by(plain, predictor, lexical, ESSAY).prior_log_tokens == pytest.approx(
         BlendWeights.blend(lexical.prior_log_tokens, value, 0.6)

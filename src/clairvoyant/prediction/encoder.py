@@ -45,12 +45,7 @@ from typing import Any
 import numpy as np
 
 from clairvoyant.errors import ModelError
-from clairvoyant.prediction.predictor import (
-    BlendWeights,
-    OnnxPredictor,
-    Prediction,
-    single_threaded_session,
-)
+from clairvoyant.prediction.predictor import BlendWeights, OnnxPredictor, Prediction, single_threaded_session
 
 __all__ = ["DEFAULT_ENCODER_CARD", "EncoderCard", "EncoderModel", "Refiner", "encoder_for", "refined_by"]
 
@@ -234,10 +229,6 @@ class EncoderModel:
         value = float(np.asarray(out[0]).reshape(-1)[0])
         return value, b"".join(np.asarray(o, dtype=np.float32).tobytes() for o in out[1 : len(self._both)]), out
 
-    @property
-    def has_knn(self) -> bool:
-        return self._knn is not None
-
     def opinion(self, text: str) -> tuple[float, bytes, float | None]:
         """``encode``, and the kNN's ln tokens from the same run's pooled embedding (None without a
         kNN): what a waiting request is refined with."""
@@ -255,18 +246,12 @@ class EncoderModel:
 
     def opinions_many(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray | None]:
         """The encoder's and the kNN's ln tokens for each instruction (the kNN's None without one),
-        one at a time like ``log_tokens_many``: the kNN graph's int8 MatMul also scales its input
-        over the whole batch."""
+        one at a time: batching would pad, and a quantized graph scales its activations over the
+        whole batch, padding included, so a padded batch does not give the served values."""
         values = [self.opinion(t) for t in texts]
         encoder = np.array([v[0] for v in values], dtype=np.float64)
         knn = np.array([v[2] for v in values], dtype=np.float64) if self._knn is not None else None
         return encoder, knn
-
-    def log_tokens_many(self, texts: Sequence[str]) -> np.ndarray:
-        """``log_tokens`` for each instruction, one at a time: batching would pad, and a quantized
-        graph scales its activations over the whole batch, padding included, so a padded batch
-        does not give the served values."""
-        return np.fromiter((self.log_tokens(t) for t in texts), dtype=np.float64, count=len(texts))
 
 
 @dataclass(slots=True)
@@ -303,8 +288,10 @@ PROBE_INTERVAL_S = 1.0
 
 
 class _Delivery:
-    """Hands waiting requests' opinions back (``deliver``) and keeps the moving share of them that
-    came in time, probing once a ``probe_interval_s`` while it is under ``IN_TIME_FLOOR``."""
+    """Hands waiting requests' opinions back (``deliver``) and keeps ``in_time``, the moving share
+    of them that was used, out of those used or dispatched before (a skipped request counts as not
+    when its ``dispatched`` says so; requests withdrawn by their clients say nothing of the pace).
+    Under ``IN_TIME_FLOOR``, one request a ``probe_interval_s`` is asked for."""
 
     def __init__(
         self, deliver: Callable[[Any, float, bytes, float | None], bool | None], probe_interval_s: float
@@ -388,25 +375,21 @@ class _WorkQueue:
 
 class Refiner:
     """One background thread that encodes waiting requests, oldest first, and hands each result
-    back on the event loop: ``deliver(key, encoder_log_tokens, components, knn_log_tokens)`` (the
-    kNN's ln tokens: None for an encoder without one).
+    back on the event loop: ``deliver(key, encoder_log_tokens, components, knn_log_tokens)``. The
+    event loop never waits for the encoder. Outcomes counted (``count``):
 
-    Bounded: at most ``max_pending`` requests wait for the encoder; a request beyond that keeps
-    its lexical prediction (outcome ``dropped``). A request no longer waiting when its turn comes
-    is skipped without encoding (``skipped``). The event loop never waits for the encoder.
-
-    It also encodes completed requests for the online learner (``encode_later``), with less right:
-    only when no waiting request is pending, at most ``learning_share`` of the thread's time, and
-    at most ``LEARNING_MAX_PENDING`` at once (beyond: ``learning_dropped``; the learner then counts
-    the request for its quality figures only). Encoded for the learner: ``learning``.
+    - ``dropped``: beyond ``max_pending`` waiting requests; it keeps its lexical prediction;
+    - ``skipped``: no longer waiting when its turn came; not encoded;
+    - ``bypassed``: passed over while opinions come too late (``_Delivery``): they would not change
+      an order, and asking for them costs the loop and the thread;
+    - ``learning``, ``learning_dropped``: a completed request encoded for the online learner
+      (``encode_later``), or refused beyond ``LEARNING_MAX_PENDING`` (the learner then counts it for
+      its quality figures only). These come only when no waiting request is pending, within
+      ``learning_share`` of the thread's time;
+    - ``failed``: the encoder raised.
 
     ``deliver`` returns whether the opinion was used (True: the request still waited; False: it
-    was dispatched first; None: neither, e.g. its client left). ``in_time`` is the moving share
-    of waiting requests whose opinion was used, out of those it was used for or dispatched before
-    (a skipped request counts as not when ``want``'s ``dispatched`` says it was dispatched); while
-    it is under ``IN_TIME_FLOOR``, ``want`` takes one request a ``probe_interval_s`` and passes
-    the rest over (``bypassed``): their opinion would come too late to change an order, and asking
-    for it costs the loop and the thread. Requests withdrawn by their clients say nothing of that.
+    was dispatched first; None: neither, e.g. its client left).
     """
 
     def __init__(

@@ -238,10 +238,7 @@ class UsageTap:
         return Usage(output, prompt_tokens, generation_s, prompt_s, wall_s, model, source, self._events, load_s)
 
     def _fallback(
-        self,
-        wall_s: float,
-        model: str | None,
-        known: tuple[int | None, float | None, float | None] | None,
+        self, wall_s: float, model: str | None, known: tuple[int | None, float | None, float | None] | None
     ) -> Usage:
         prompt_tokens, generation_s, prompt_s = known or (None, None, None)
         if self.is_stream and self._events > 0:
