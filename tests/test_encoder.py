@@ -203,20 +203,20 @@ class _ConstantCorrector:
 def test_refined_blends_in_log_tokens_then_corrects_then_caps(predictor: OnnxPredictor) -> None:
     lexical = predictor.predict(Prompt(SHORT), model="m")
     prior = lexical.prior_log_tokens
-    same = predictor.refined(lexical, 7.0, 0.0)
+    same = predictor.refined(lexical, 7.0, BlendWeights(0.0, 0.0))
     assert same.predicted_tokens == pytest.approx(lexical.predicted_tokens)
     assert same.prior_log_tokens == prior
-    whole = predictor.refined(lexical, 7.0, 1.0)
+    whole = predictor.refined(lexical, 7.0, BlendWeights(1.0, 1.0))
     assert whole.predicted_tokens == pytest.approx(math.exp(7.0))
-    half = predictor.refined(lexical, 7.0, 0.5)
+    half = predictor.refined(lexical, 7.0, BlendWeights(0.5, 0.5))
     assert half.prior_log_tokens == pytest.approx(prior + 0.5 * (7.0 - prior))
     assert half.score > lexical.score  # a longer answer: a later key
     assert half.feature_row == lexical.feature_row and half.model == "m"  # the learner still sees its row
-    capped = predictor.refined(predictor.predict(Prompt(SHORT), cap_tokens=20), 7.0, 1.0)
+    capped = predictor.refined(predictor.predict(Prompt(SHORT), cap_tokens=20), 7.0, BlendWeights(1.0, 1.0))
     assert capped.predicted_tokens == 20.0 and capped.cap_tokens == 20
     corrector = _ConstantCorrector(math.log(2.0))
     learned = OnnxPredictor(predictor.model_path, corrector=corrector)
-    corrected = learned.refined(lexical, 7.0, 0.5)
+    corrected = learned.refined(lexical, 7.0, BlendWeights(0.5, 0.5))
     assert corrector.priors[-1] == pytest.approx(half.prior_log_tokens)  # the correction sees the refined prior
     assert corrected.predicted_tokens == pytest.approx(2.0 * half.predicted_tokens)
 
@@ -263,7 +263,9 @@ def test_refined_weighs_the_encoder_by_whether_the_request_has_history(predictor
         prior = lexical.prior_log_tokens
         assert refined.prior_log_tokens == pytest.approx(prior + w * (7.0 - prior)), prompt
         # a float is one weight for every request
-        assert predictor.refined(lexical, 7.0, 0.5).prior_log_tokens == pytest.approx(prior + 0.5 * (7.0 - prior))
+        assert predictor.refined(lexical, 7.0, BlendWeights(0.5, 0.5)).prior_log_tokens == pytest.approx(
+            prior + 0.5 * (7.0 - prior)
+        )
     with pytest.raises(ValueError, match="in \\[0, 1\\]"):
         BlendWeights(0.5, 1.2)
 

@@ -558,7 +558,7 @@ class OnnxPredictor:
         self,
         prediction: Prediction,
         encoder_log_tokens: float,
-        weights: BlendWeights | float,
+        weights: BlendWeights,
         components: bytes = b"",
         knn_log_tokens: float | None = None,
         *,
@@ -566,18 +566,15 @@ class OnnxPredictor:
     ) -> Prediction:
         """``prediction`` with a second opinion blended into its prior, in log tokens:
         prior + w x (``encoder_log_tokens`` - prior), w = ``weights.for_history`` of the
-        prediction's own feature row (a float: the same w for every request); with
+        prediction's own feature row; with
         ``knn_log_tokens``, that + ``weights.knn`` x (knn - that) (``BlendWeights.blend``); then the
         learned correction and the cap, as in ``predict``. ``components`` (the encoder's, float32
         bytes) are appended to the feature row: the learner's correction and its observation read
         them. ``row``: the lexical row to read instead of the prediction's own (a queued request's
         prediction carries none). Reads no shared buffer."""
         row = prediction.feature_row if row is None else row
-        if isinstance(weights, float | int):
-            weight, knn_weight = weights, 0.0
-        else:
-            weight, knn_weight = weights.for_history(self.history_chars(prediction, row)), weights.knn
-        prior = BlendWeights.blend(prediction.prior_log_tokens, encoder_log_tokens, weight, knn_log_tokens, knn_weight)
+        weight = weights.for_history(self.history_chars(prediction, row))
+        prior = BlendWeights.blend(prediction.prior_log_tokens, encoder_log_tokens, weight, knn_log_tokens, weights.knn)
         feature_row = row + components
         corrector = self.corrector
         correction = 0.0
@@ -606,9 +603,7 @@ class OnnxPredictor:
             score = raw
         tokens = math.exp(predicted_log)
         if cap_tokens is not None and cap_tokens >= 0:
-            # np.interp on the swapped knots inside the calibrated range; extended beyond it, so
-            # that caps below the range (max_tokens 4 vs 24, under a first knot of 100 tokens)
-            # still order by cap instead of tying at the first knot's score
+            # extended beyond the calibrated range: caps below it still order by cap (module docstring)
             cap_score = calibration.score_of_extended(log_tokens(cap_tokens))
             if cap_score < score:
                 score = cap_score

@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["TAIL_BYTES", "Usage", "UsageSource", "UsageTap"]
+__all__ = ["TAIL_BYTES", "Usage", "UsageSource", "UsageTap", "non_negative_int"]
 
 # The end of a body kept for reading the counts (at most twice this is held between trims).
 # llama.cpp's last stream event, with its generation_settings, is ~2.5 KB; OpenAI's usage event and
@@ -200,26 +200,26 @@ class UsageTap:
             usage = {}
         if type(timings) is not dict:
             timings = {}
-        eval_count = _count(_last_value(tail, '"eval_count"'))
+        eval_count = non_negative_int(_last_value(tail, '"eval_count"'))
         model = _last_value(tail, '"model"')
         model = model if isinstance(model, str) and model else request_model
 
         output: int | None = None
         load_s: float | None = None
         source: UsageSource = "none"
-        prompt_tokens = _count(usage.get("prompt_tokens"))
+        prompt_tokens = non_negative_int(usage.get("prompt_tokens"))
         generation_s = _seconds(timings.get("predicted_ms"), 1e3)
         prompt_s = _seconds(timings.get("prompt_ms"), 1e3)
         if prompt_tokens is None:
-            prompt_n, cache_n = _count(timings.get("prompt_n")), _count(timings.get("cache_n"))
+            prompt_n, cache_n = non_negative_int(timings.get("prompt_n")), non_negative_int(timings.get("cache_n"))
             if prompt_n is not None:
                 prompt_tokens = prompt_n + (cache_n or 0)
 
-        if (n := _count(usage.get("completion_tokens"))) is not None:
+        if (n := non_negative_int(usage.get("completion_tokens"))) is not None:
             output, source = n, "openai_usage"
-        elif (n := _count(timings.get("predicted_n"))) is not None:
+        elif (n := non_negative_int(timings.get("predicted_n"))) is not None:
             output, source = n, "llamacpp_timings"
-        elif (n := _count(_last_value(tail, '"tokens_predicted"'))) is not None:
+        elif (n := non_negative_int(_last_value(tail, '"tokens_predicted"'))) is not None:
             output, source = n, "llamacpp_tokens_predicted"
         elif eval_count is not None:
             output, source = eval_count, "ollama_eval_count"
@@ -231,7 +231,7 @@ class UsageTap:
             prompt_s = prompt_s if prompt_s is not None else _seconds(_last_value(tail, '"prompt_eval_duration"'), 1e9)
             load_s = _seconds(_last_value(tail, '"load_duration"'), 1e9)
             if prompt_tokens is None:
-                prompt_tokens = _count(_last_value(tail, '"prompt_eval_count"'))
+                prompt_tokens = non_negative_int(_last_value(tail, '"prompt_eval_count"'))
 
         if output is None:
             return self._fallback(wall_s, model, (prompt_tokens, generation_s, prompt_s))
@@ -270,8 +270,9 @@ def _last_value(tail: str, needle: str) -> Any:
     return None
 
 
-def _count(value: Any) -> int | None:
-    """A non-negative integer count, else None (bools, floats with fractions, negatives refused)."""
+def non_negative_int(value: Any) -> int | None:
+    """A count or a cap from JSON: a non-negative integer (an integral float too), else None (bools,
+    fractions, negatives and anything else refused)."""
     if isinstance(value, bool):
         return None
     if isinstance(value, float) and value.is_integer():
