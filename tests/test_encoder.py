@@ -258,7 +258,9 @@ def test_refined_weighs_the_encoder_by_whether_the_request_has_history(predictor
     completion = prompt_from_body(SCHEDULED_ENDPOINTS["/v1/completions"], {"prompt": SHORT})
     for prompt, w in ((single, 0.8), (with_system, 0.8), (completion, 0.8), (later, 0.2)):
         lexical = predictor.predict(prompt)
-        assert predictor.history_chars(lexical) == (len("Rome fell slowly.") + len(ESSAY) if w == 0.2 else 0.0)
+        assert predictor.history_chars(lexical.feature_row) == (
+            len("Rome fell slowly.") + len(ESSAY) if w == 0.2 else 0.0
+        )
         refined = predictor.refined(lexical, 7.0, weights)
         prior = lexical.prior_log_tokens
         assert refined.prior_log_tokens == pytest.approx(prior + w * (7.0 - prior)), prompt
@@ -307,7 +309,7 @@ def test_evaluate_applies_the_served_rule(predictor: OnnxPredictor, encoder: Enc
         Prompt(ESSAY, context_chars=len(ESSAY) + 400, turns=1),  # e.g. Ollama's context ids
     ]
     got = blend_weights_of(weights, ModelScorer(predictor.model_path), prompts)
-    served = [weights.for_history(predictor.history_chars(predictor.predict(p))) for p in prompts]
+    served = [weights.for_history(predictor.history_chars(predictor.predict(p).feature_row)) for p in prompts]
     assert got.tolist() == served == [0.9, 0.9, 0.3, 0.3]
 
 

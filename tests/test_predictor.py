@@ -418,23 +418,6 @@ def test_the_bound_run_calls_the_session_directly_and_scores_like_a_plain_run() 
         np.testing.assert_array_equal(prediction.features(), predictor.feature_set.extract(prompt))
 
 
-def test_the_fast_prediction_constructor_builds_the_same_frozen_object() -> None:
-    from dataclasses import FrozenInstanceError, fields
-
-    from clairvoyant.prediction.predictor import _make_prediction
-
-    args = (1.25, 300.0, (0.2, 0.3, 0.5), 5.7, b"\x00\x01", "llama", 512)
-    fast, slow = _make_prediction(*args), Prediction(*args)
-    assert type(fast) is Prediction
-    assert fast == slow and hash(fast) == hash(slow)
-    assert [getattr(fast, f.name) for f in fields(Prediction)] == list(args)
-    with pytest.raises(FrozenInstanceError):
-        fast.score = 0.0  # type: ignore[misc]
-    shipped = OnnxPredictor()
-    got = shipped.predict(Prompt("Write a 2000-word essay on rivers."), model="m", cap_tokens=900)
-    assert got == Prediction(*(getattr(got, f.name) for f in fields(Prediction)))
-
-
 def test_a_predictions_class_at_the_class_bounds() -> None:
     tokens = (0, 199.999, 200, 599.999, 600, 1e9)
     assert [Prediction(0.5, t).predicted_class for t in tokens] == [

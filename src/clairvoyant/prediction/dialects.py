@@ -97,8 +97,6 @@ class ParsedRequest:
 
 def _content_text(content: Any) -> str:
     """Text of an OpenAI/Ollama message content: a string, or a list of parts."""
-    if content is None:
-        return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -114,9 +112,7 @@ def _content_text(content: Any) -> str:
 
 def _chat_prompt(messages: list[Any]) -> Prompt:
     instruction = ""
-    context = 0
-    system = 0
-    turns = 0
+    context = system = turns = 0
     for message in messages:
         if not isinstance(message, dict):
             continue

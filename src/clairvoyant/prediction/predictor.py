@@ -194,9 +194,9 @@ class BlendWeights:
         return [self.first, self.later, self.knn] if self.knn else [self.first, self.later]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass sets each field through object.__setattr__ (one a request)
 class Prediction:
-    """One request's prediction. Compact on purpose (a waiting request carries it): about 0.2 KB,
+    """One request's prediction, not changed after it is made. Compact on purpose (a waiting request carries it): about 0.2 KB,
     and 0.2 KB more with the 48-feature row. A queued request's carries no row while it waits
     (``proxy/app.py``: the learner re-derives it from the body after completion); a row with the
     encoder's 16 components and 384-d embedding after it (the learner's columns and its residual
@@ -257,39 +257,6 @@ class Prediction:
         return out
 
 
-def _prediction_maker() -> Callable[..., Prediction]:
-    """``Prediction(...)`` with all seven fields positional, built without the frozen dataclass's
-    ``__init__`` (seven ``object.__setattr__`` calls): the slots' own setters on a bare instance,
-    about 0.6 us cheaper per request. Same object, same fields in the same order (a field more or
-    less fails the unpacking below; tests/test_predictor.py checks the order)."""
-    new = object.__new__
-    s0, s1, s2, s3, s4, s5, s6 = (getattr(Prediction, name).__set__ for name in Prediction.__slots__)
-
-    def make(
-        score: float,
-        predicted_tokens: float,
-        probabilities: tuple[float, float, float] | None,
-        prior_log_tokens: float,
-        feature_row: bytes,
-        model: str | None,
-        cap_tokens: int | None,
-    ) -> Prediction:
-        p = new(Prediction)
-        s0(p, score)
-        s1(p, predicted_tokens)
-        s2(p, probabilities)
-        s3(p, prior_log_tokens)
-        s4(p, feature_row)
-        s5(p, model)
-        s6(p, cap_tokens)
-        return p
-
-    return make
-
-
-_make_prediction = _prediction_maker()
-
-
 class Predictor(Protocol):
     def predict(self, prompt: Prompt, *, model: str | None = None, cap_tokens: int | None = None) -> Prediction:
         """The prediction for one request. Must not raise on any Prompt."""
@@ -330,7 +297,6 @@ class ModelOutput:
     output: str  # ONNX output name
     score: str  # one of SCORE_KINDS
     calibration: Calibration
-    classes: tuple[str, ...] | None  # classifier only
 
 
 def _model_output(card: dict[str, Any], model_path: Path) -> ModelOutput:
@@ -339,7 +305,7 @@ def _model_output(card: dict[str, Any], model_path: Path) -> ModelOutput:
     if schema == 1:
         if classes != CLASS_NAMES:
             raise ModelError(f"model {model_path} card classes {card.get('classes')!r} are not {list(CLASS_NAMES)}")
-        return ModelOutput("classifier", "probabilities", "p_long", STAND_IN_P_LONG_CALIBRATION, CLASS_NAMES)
+        return ModelOutput("classifier", "probabilities", "p_long", STAND_IN_P_LONG_CALIBRATION)
     if schema != 2:
         raise ModelError(f"model {model_path} card has schema {schema!r}; this clairvoyant reads schemas 1 and 2")
     kind, output, score = card.get("kind"), card.get("output"), card.get("score")
@@ -355,7 +321,7 @@ def _model_output(card: dict[str, Any], model_path: Path) -> ModelOutput:
         calibration = Calibration.from_card(card.get("calibration"))
     except ValueError as exc:
         raise ModelError(f"model {model_path} card: {exc}") from None
-    return ModelOutput(kind, output, score, calibration, CLASS_NAMES if kind == "classifier" else None)
+    return ModelOutput(kind, output, score, calibration)
 
 
 def _check_card(card: dict[str, Any], model_path: Path) -> FeatureSet:
@@ -429,11 +395,9 @@ def pinned_session_options() -> Any:
 
 
 def single_threaded_session(path: Path, what: str, content: bytes | None = None) -> Any:
-    """An onnxruntime session on one thread, sequential, fully optimised. One thread on purpose:
-    the backend generates on the same cores, and a thread pool per call turns a 0.05 ms median into
-    a multi-millisecond p99 under that load. ``what`` names the file in the error; ``content``: the
-    model's bytes as already read from ``path`` (and checked against its card), loaded instead of
-    reading the file again."""
+    """An onnxruntime session on one thread: the backend generates on the same cores, and a thread
+    pool per call turns a 0.05 ms median into a multi-millisecond p99 under that load. ``what``
+    names the file in the error; ``content``: its bytes, if already read (and checked)."""
     import onnxruntime as ort
 
     try:
@@ -544,12 +508,10 @@ class OnnxPredictor:
         same values, packed the same way), without running the model. Reads no shared buffer."""
         return self._pack(*self._values(prompt))
 
-    def history_chars(self, prediction: Prediction, row: bytes | None = None) -> float:
-        """The ``history_chars`` feature of ``row`` (default: ``prediction``'s row); 0.0 if the row
-        or the column is missing: a feature set without it cannot tell turns apart, see
-        ``encoder.encoder_for``."""
+    def history_chars(self, row: bytes) -> float:
+        """The ``history_chars`` feature of a feature row; 0.0 if the row or the column is missing:
+        a feature set without it cannot tell turns apart, see ``encoder.encoder_for``."""
         column = self.history_column
-        row = prediction.feature_row if row is None else row
         if column is None or len(row) < 4 * (column + 1):
             return 0.0
         return float(struct.unpack_from("=f", row, 4 * column)[0])
@@ -564,16 +526,13 @@ class OnnxPredictor:
         *,
         row: bytes | None = None,
     ) -> Prediction:
-        """``prediction`` with a second opinion blended into its prior, in log tokens:
-        prior + w x (``encoder_log_tokens`` - prior), w = ``weights.for_history`` of the
-        prediction's own feature row; with
-        ``knn_log_tokens``, that + ``weights.knn`` x (knn - that) (``BlendWeights.blend``); then the
-        learned correction and the cap, as in ``predict``. ``components`` (the encoder's, float32
-        bytes) are appended to the feature row: the learner's correction and its observation read
-        them. ``row``: the lexical row to read instead of the prediction's own (a queued request's
-        prediction carries none). Reads no shared buffer."""
+        """``prediction`` with the encoder's (and kNN's) opinion blended into its prior
+        (``BlendWeights.blend``, w by the row's history), then the learned correction and the cap
+        as in ``predict``. ``components`` (float32 bytes) are appended to the feature row, for the
+        learner. ``row``: the lexical row to read instead of the prediction's own (a queued
+        request's prediction carries none). Reads no shared buffer."""
         row = prediction.feature_row if row is None else row
-        weight = weights.for_history(self.history_chars(prediction, row))
+        weight = weights.for_history(self.history_chars(row))
         prior = BlendWeights.blend(prediction.prior_log_tokens, encoder_log_tokens, weight, knn_log_tokens, weights.knn)
         feature_row = row + components
         corrector = self.corrector
@@ -611,7 +570,7 @@ class OnnxPredictor:
                 tokens = float(cap_tokens)
         else:
             cap_tokens = None
-        return _make_prediction(score, tokens, probabilities, prior_log_tokens, row, model, cap_tokens)
+        return Prediction(score, tokens, probabilities, prior_log_tokens, row, model, cap_tokens)
 
     def predict_features(self, matrix: np.ndarray) -> np.ndarray:
         """The model's raw ONNX output for a feature matrix: probabilities [N, 3] for a class
