@@ -599,19 +599,13 @@ class OnnxPredictor:
         if not prompts:
             return []
         matrix = self.feature_set.extract_many(prompts)
-        out = self.predict_features(matrix)
-        out2d = out.reshape(len(out), -1)
-        raws = out2d[:, -1].astype(np.float64)
-        priors = self.calibration.log_tokens_many(raws)
+        outs = self.predict_features(matrix).reshape(len(prompts), -1).tolist()
+        priors = self.calibration.log_tokens_many(np.array([out[-1] for out in outs])).tolist()
+        none = [None] * len(prompts)
         corrector = self.corrector
         predictions = []
-        for i in range(len(prompts)):
-            model = models[i] if models is not None else None
-            cap = caps_tokens[i] if caps_tokens is not None else None
-            prior = float(priors[i])
-            correction = 0.0 if corrector is None else corrector.correction(model, matrix[i], prior)
-            probabilities = tuple(float(p) for p in out2d[i]) if self._is_classifier else None
-            predictions.append(
-                self._prediction(float(raws[i]), prior, correction, probabilities, matrix[i].tobytes(), model, cap)  # type: ignore[arg-type]
-            )
+        for row, out, prior, model, cap in zip(matrix, outs, priors, models or none, caps_tokens or none):
+            correction = 0.0 if corrector is None else corrector.correction(model, row, prior)
+            probabilities = (out[0], out[1], out[2]) if self._is_classifier else None
+            predictions.append(self._prediction(out[-1], prior, correction, probabilities, row.tobytes(), model, cap))
         return predictions
