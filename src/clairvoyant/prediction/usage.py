@@ -190,7 +190,8 @@ class UsageTap:
                 body = body[-self._tail_bytes :]
             return self._read(body.decode("utf-8", errors="replace"), wall_s, request_model)
         except Exception:  # noqa: BLE001 - an odd body must never become an error for the client
-            return self._fallback(wall_s, request_model, None)
+            output, source = self._counted()
+            return Usage(output, None, None, None, wall_s, request_model, source, self._events)
 
     # -- reading the tail ----------------------------------------------------------------------
     def _read(self, tail: str, wall_s: float, request_model: str | None) -> Usage:
@@ -234,18 +235,12 @@ class UsageTap:
                 prompt_tokens = non_negative_int(_last_value(tail, '"prompt_eval_count"'))
 
         if output is None:
-            return self._fallback(wall_s, model, (prompt_tokens, generation_s, prompt_s))
+            output, source = self._counted()
         return Usage(output, prompt_tokens, generation_s, prompt_s, wall_s, model, source, self._events, load_s)
 
-    def _fallback(
-        self, wall_s: float, model: str | None, known: tuple[int | None, float | None, float | None] | None
-    ) -> Usage:
-        prompt_tokens, generation_s, prompt_s = known or (None, None, None)
-        if self.is_stream and self._events > 0:
-            return Usage(
-                self._events, prompt_tokens, generation_s, prompt_s, wall_s, model, "stream_events", self._events
-            )
-        return Usage(None, prompt_tokens, generation_s, prompt_s, wall_s, model, "none", self._events)
+    def _counted(self) -> tuple[int | None, UsageSource]:
+        """Without a backend count: a stream's content-bearing events, if it had any."""
+        return (self._events, "stream_events") if self.is_stream and self._events > 0 else (None, "none")
 
 
 def _last_value(tail: str, needle: str) -> Any:
