@@ -92,10 +92,6 @@ class Prompt:
     turns: int = 1
     system_chars: int = 0
 
-    @property
-    def total_chars(self) -> int:
-        return len(self.instruction) if self.context_chars < 0 else self.context_chars
-
 
 # --------------------------------------------------------------------------------------------
 # Tokenizing into words (bytes)
@@ -575,14 +571,13 @@ RICH_V3_LEXICON_SHA256 = "107363506241f09933300b4a5c3938cb9787e7ceaa55647ce64dbc
 
 
 @functools.cache
-def load_lexicon(file_name: str = RICH_V3_LEXICON, sha256: str | None = None) -> Lexicon:
-    """The lexicon file under ``lexicons/``; raises RuntimeError if its sha256 is not the pinned one."""
-    raw = (LEXICON_DIR / file_name).read_bytes()
-    expected = sha256 if sha256 is not None else RICH_V3_LEXICON_SHA256
+def load_lexicon(sha256: str = RICH_V3_LEXICON_SHA256) -> Lexicon:
+    """The rich_v3 lexicon file; raises RuntimeError if its sha256 is not ``sha256`` (the pinned one)."""
+    raw = (LEXICON_DIR / RICH_V3_LEXICON).read_bytes()
     digest = hashlib.sha256(raw).hexdigest()
-    if digest != expected:
+    if digest != sha256:
         raise RuntimeError(
-            f"lexicon {file_name} has sha256 {digest}, feature set rich_v3 expects {expected}: "
+            f"lexicon {RICH_V3_LEXICON} has sha256 {digest}, feature set rich_v3 expects {sha256}: "
             "the file was changed; a new lexicon needs a new feature-set name"
         )
     return Lexicon.from_json(raw.decode("utf-8"))
