@@ -326,7 +326,8 @@ class _WorkQueue:
     """The thread's two queues under one condition: waiting requests first; the learner's only when
     none waits, each learning encode of t seconds followed by t x (1 / share - 1) seconds of rest."""
 
-    def __init__(self, learning_share: float) -> None:
+    def __init__(self, learning_share: float, max_waiting: int) -> None:
+        self.max_waiting = max_waiting
         self.waiting: deque[_Waiting] = deque()
         self.learning: deque[_Learning] = deque()
         self._wake = threading.Condition()
@@ -334,9 +335,10 @@ class _WorkQueue:
         self._rest_per_busy = 1.0 / learning_share - 1.0  # seconds of rest per second of learning
         self._learning_after_s = 0.0  # time.monotonic() before which no learning encode starts
 
-    def put(self, item: _Waiting | _Learning, bound: int) -> bool:
-        """False if its queue holds ``bound`` already."""
+    def put(self, item: _Waiting | _Learning) -> bool:
+        """False if its queue is full."""
         queue: deque[Any] = self.waiting if isinstance(item, _Waiting) else self.learning
+        bound = self.max_waiting if isinstance(item, _Waiting) else LEARNING_MAX_PENDING
         with self._wake:
             if len(queue) >= bound:
                 return False
@@ -406,11 +408,10 @@ class Refiner:
         if not 0.0 < learning_share <= 1.0:
             raise ValueError(f"learning_share must be in (0, 1], got {learning_share}")
         self.encoder = encoder
-        self.max_pending = max_pending
         self.observe_seconds = observe_seconds  # the encoder's seconds per request (from its thread)
         self.count = count  # an outcome: skipped, dropped, failed, learning... (from either thread)
         self._delivery = _Delivery(deliver, probe_interval_s)
-        self._queue = _WorkQueue(learning_share)
+        self._queue = _WorkQueue(learning_share, max_pending)
         self._loop: Any = None
         self._thread: threading.Thread | None = None
 
@@ -445,7 +446,7 @@ class Refiner:
             self._count("bypassed")
             return False
         item = _Waiting(key, self.encoder.clip(text), still_wanted, dispatched)
-        return self._put(item, self.max_pending, "dropped")
+        return self._put(item, "dropped")
 
     def encode_later(self, text: str | Callable[[], str | None], then: Callable[[float, bytes], None]) -> bool:
         """Encode ``text`` when the thread has time to spare and call ``then(log_tokens,
@@ -458,12 +459,12 @@ class Refiner:
         found = text() if callable(text) else text
         if found is None:
             return False
-        return self._put(_Learning(self.encoder.clip(found), then), LEARNING_MAX_PENDING, "learning_dropped")
+        return self._put(_Learning(self.encoder.clip(found), then), "learning_dropped")
 
-    def _put(self, item: _Waiting | _Learning, bound: int, refused: str) -> bool:
+    def _put(self, item: _Waiting | _Learning, refused: str) -> bool:
         if self._thread is None:
             return False
-        if not self._queue.put(item, bound):
+        if not self._queue.put(item):
             self._count(refused)
             return False
         return True

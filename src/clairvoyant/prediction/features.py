@@ -167,14 +167,11 @@ def _lead_index(words: list[bytes]) -> int:
     return i
 
 
-def _verb_column(words: list[bytes]) -> int:
-    i = _lead_index(words)
-    return _VERB_OF.get(words[i], _OTHER) if i < len(words) else _OTHER
-
-
 def leading_verb(text: str) -> str:
     """The verb category of the first instruction word after openers ("please", "can you", ...)."""
-    return VERBS[_verb_column(_words(text[:2000]))]
+    words = _words(text[:2000])
+    i = _lead_index(words)
+    return VERBS[_VERB_OF.get(words[i], _OTHER) if i < len(words) else _OTHER]
 
 
 # --------------------------------------------------------------------------------------------
