@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         knn_values.append(knn)
         embeddings.append(np.frombuffer(columns, dtype=np.float32)[encoder.components :])
     embedding = np.stack(embeddings)
-    enc, knn = np.array(enc_values), np.array(knn_values) if encoder.has_knn else None
+    enc, knn = np.array(enc_values), np.array(knn_values) if encoder.card.knn is not None else None
     print(
         f"{len(data.prompts)} instructions x {len(data.models)} models; {args.folds}-fold over instructions "
         f"(seed {args.seed}); tau_b = mean over models of Kendall tau_b on the check fold, mean over folds (sd)"

@@ -171,6 +171,7 @@ def _phase(predictor: Any, prompts: list[Prompt], floor: tuple[Any, Any]) -> dic
     fs = predictor.feature_set
     row = np.zeros(fs.size, dtype=np.float32)
     _, (run_floor, _, _) = floor
+    onnx_run = predictor._bound.run if isinstance(predictor, OnnxPredictor) else predictor._run_bound
     # First pass: every prompt's memory touched once, as a proxy request's text is (it was just
     # parsed from the body). Timed and reported separately: cold caches, page faults.
     cold = _stats(_time_each(predictor.predict, prompts))
@@ -178,7 +179,7 @@ def _phase(predictor: Any, prompts: list[Prompt], floor: tuple[Any, Any]) -> dic
     fns = [
         predictor.predict,
         lambda p: fs.extract_into(p, row),
-        lambda _: predictor._run_bound(),
+        lambda _: onnx_run(),
         lambda _: run_floor(),
     ]
     predict, features, onnx, floor_run = _time_interleaved(fns, prompts)

@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "model": str(predictor.model_path),
                     "onnx_sha256": predictor.onnx_sha256,
-                    "encoder": None if encoder is None else encoder.card.onnx_sha256,
+                    "encoder": None if encoder is None else encoder.card.onnx.sha256,
                     "seeds": args.seeds,
                     "refit_every": config.refit_every,
                     "learner": dataclasses.asdict(config),

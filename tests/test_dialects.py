@@ -152,7 +152,7 @@ def test_ollama_context_ids_count_as_history_and_non_object_messages_do_not_coun
     generate = parse_request(
         OLLAMA_GENERATE, json.dumps({"model": "m", "prompt": "go on", "context": [1, 2, 3]}).encode()
     )
-    assert generate.prompt.total_chars == len("go on") + 4 * 3
+    assert generate.prompt.context_chars == len("go on") + 4 * 3
     chat = parse_request(
         OLLAMA_CHAT, json.dumps({"model": "m", "messages": ["junk", {"role": "user", "content": "hi"}]}).encode()
     )

@@ -63,7 +63,7 @@ def test_the_shipped_encoder_orders_an_essay_after_a_one_word_answer(encoder: En
     essay, short = encoder.log_tokens(ESSAY), encoder.log_tokens(SHORT)
     assert essay > short + 1.0  # e-fold apart at least, in tokens
     assert 0.0 < math.exp(short) < math.exp(essay) < 5000
-    many = encoder.log_tokens_many([ESSAY, SHORT, ESSAY])
+    many = encoder.opinions_many([ESSAY, SHORT, ESSAY])[0]
     assert many.tolist() == [essay, short, essay]  # one at a time: the served values exactly
 
 
@@ -103,7 +103,7 @@ def test_the_serving_sessions_pin_every_option_that_can_change_a_result(
     the encoder and its kNN."""
     import onnxruntime as ort
 
-    for session in (predictor._session, encoder._session, encoder._knn):
+    for session in (predictor._bound.session, encoder._session, encoder._knn):
         options = session.get_session_options()
         assert (options.intra_op_num_threads, options.inter_op_num_threads) == (1, 1)
         assert options.execution_mode == ort.ExecutionMode.ORT_SEQUENTIAL
@@ -203,20 +203,20 @@ class _ConstantCorrector:
 def test_refined_blends_in_log_tokens_then_corrects_then_caps(predictor: OnnxPredictor) -> None:
     lexical = predictor.predict(Prompt(SHORT), model="m")
     prior = lexical.prior_log_tokens
-    same = predictor.refined(lexical, 7.0, 0.0)
+    same = predictor.refined(lexical, 7.0, BlendWeights(0.0, 0.0))
     assert same.predicted_tokens == pytest.approx(lexical.predicted_tokens)
     assert same.prior_log_tokens == prior
-    whole = predictor.refined(lexical, 7.0, 1.0)
+    whole = predictor.refined(lexical, 7.0, BlendWeights(1.0, 1.0))
     assert whole.predicted_tokens == pytest.approx(math.exp(7.0))
-    half = predictor.refined(lexical, 7.0, 0.5)
+    half = predictor.refined(lexical, 7.0, BlendWeights(0.5, 0.5))
     assert half.prior_log_tokens == pytest.approx(prior + 0.5 * (7.0 - prior))
     assert half.score > lexical.score  # a longer answer: a later key
     assert half.feature_row == lexical.feature_row and half.model == "m"  # the learner still sees its row
-    capped = predictor.refined(predictor.predict(Prompt(SHORT), cap_tokens=20), 7.0, 1.0)
+    capped = predictor.refined(predictor.predict(Prompt(SHORT), cap_tokens=20), 7.0, BlendWeights(1.0, 1.0))
     assert capped.predicted_tokens == 20.0 and capped.cap_tokens == 20
     corrector = _ConstantCorrector(math.log(2.0))
     learned = OnnxPredictor(predictor.model_path, corrector=corrector)
-    corrected = learned.refined(lexical, 7.0, 0.5)
+    corrected = learned.refined(lexical, 7.0, BlendWeights(0.5, 0.5))
     assert corrector.priors[-1] == pytest.approx(half.prior_log_tokens)  # the correction sees the refined prior
     assert corrected.predicted_tokens == pytest.approx(2.0 * half.predicted_tokens)
 
@@ -258,12 +258,16 @@ def test_refined_weighs_the_encoder_by_whether_the_request_has_history(predictor
     completion = prompt_from_body(SCHEDULED_ENDPOINTS["/v1/completions"], {"prompt": SHORT})
     for prompt, w in ((single, 0.8), (with_system, 0.8), (completion, 0.8), (later, 0.2)):
         lexical = predictor.predict(prompt)
-        assert predictor.history_chars(lexical) == (len("Rome fell slowly.") + len(ESSAY) if w == 0.2 else 0.0)
+        assert predictor.history_chars(lexical.feature_row) == (
+            len("Rome fell slowly.") + len(ESSAY) if w == 0.2 else 0.0
+        )
         refined = predictor.refined(lexical, 7.0, weights)
         prior = lexical.prior_log_tokens
         assert refined.prior_log_tokens == pytest.approx(prior + w * (7.0 - prior)), prompt
         # a float is one weight for every request
-        assert predictor.refined(lexical, 7.0, 0.5).prior_log_tokens == pytest.approx(prior + 0.5 * (7.0 - prior))
+        assert predictor.refined(lexical, 7.0, BlendWeights(0.5, 0.5)).prior_log_tokens == pytest.approx(
+            prior + 0.5 * (7.0 - prior)
+        )
     with pytest.raises(ValueError, match="in \\[0, 1\\]"):
         BlendWeights(0.5, 1.2)
 
@@ -305,7 +309,7 @@ def test_evaluate_applies_the_served_rule(predictor: OnnxPredictor, encoder: Enc
         Prompt(ESSAY, context_chars=len(ESSAY) + 400, turns=1),  # e.g. Ollama's context ids
     ]
     got = blend_weights_of(weights, ModelScorer(predictor.model_path), prompts)
-    served = [weights.for_history(predictor.history_chars(predictor.predict(p))) for p in prompts]
+    served = [weights.for_history(predictor.history_chars(predictor.predict(p).feature_row)) for p in prompts]
     assert got.tolist() == served == [0.9, 0.9, 0.3, 0.3]
 
 
@@ -421,8 +425,8 @@ def _knn_reference(encoder: EncoderModel, embeddings: np.ndarray) -> np.ndarray:
     import onnx
     from onnx import numpy_helper
 
-    assert encoder.card.knn_path is not None
-    inits = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(encoder.card.knn_path)).graph.initializer}
+    assert encoder.card.knn is not None
+    inits = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(encoder.card.knn.path)).graph.initializer}
     zero_point = inits["memory_zero_point"]
     assert zero_point.dtype == np.uint8 and (zero_point == 128).all()  # symmetric int8, stored as uint8 + 128
     quantized = inits["memory_quantized"].astype(np.float32) - zero_point.astype(np.float32)[None, :]
@@ -486,7 +490,7 @@ def test_refined_blends_the_knn_after_the_encoder_with_its_own_weight(predictor:
 def test_refined_by_uses_the_cards_knn_and_a_card_without_one_works_as_before(
     tmp_path: Path, predictor: OnnxPredictor, encoder: EncoderModel
 ) -> None:
-    assert encoder.has_knn and encoder.blend_weights == BlendWeights(0.6, 0.45, 0.15)  # the shipped card
+    assert encoder.card.knn is not None and encoder.blend_weights == BlendWeights(0.6, 0.45, 0.15)  # the shipped card
     prompt = _chat(("user", ESSAY))
     lexical = predictor.predict(prompt)
     value, _, knn = encoder.opinion(ESSAY)
@@ -496,7 +500,7 @@ def test_refined_by_uses_the_cards_knn_and_a_card_without_one_works_as_before(
     assert refined.prior_log_tokens == pytest.approx(expected)
     assert refined.prior_log_tokens != pytest.approx(BlendWeights.blend(lexical.prior_log_tokens, value, 0.6))
     plain = EncoderModel(_copy_card(tmp_path, knn=None))
-    assert not plain.has_knn and plain.blend_weights == BlendWeights(0.6, 0.45)
+    assert plain.card.knn is None and plain.blend_weights == BlendWeights(0.6, 0.45)
     assert plain.opinion(ESSAY)[2] is None and plain.opinion(ESSAY)[0] == value
     assert refined_by(plain, predictor, lexical, ESSAY).prior_log_tokens == pytest.approx(
         BlendWeights.blend(lexical.prior_log_tokens, value, 0.6)

@@ -125,7 +125,7 @@ def test_serving_loads_what_the_command_installs(tmp_path: Path) -> None:
             "--facts", str(DEFAULT_ENCODER_CARD), "--model-dir", str(tmp_path)]  # fmt: skip
     assert encoder_card.main(argv) == 0
     card = EncoderCard.load(tmp_path / "encoder.card.json")
-    assert card.raw == SHIPPED and card.onnx_path == tmp_path / "encoder.onnx"
+    assert card.raw == SHIPPED and card.onnx.path == tmp_path / "encoder.onnx"
     encoder = EncoderModel(tmp_path / "encoder.card.json")
     for case in GOLDEN[:3]:
         value, _, knn = encoder.opinion(case["text"])

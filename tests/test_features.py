@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lexicon_reference import lexicon_score
 
 from clairvoyant.prediction import features
 from clairvoyant.prediction.features import (
@@ -347,9 +348,9 @@ def test_lexicon_column_is_the_documented_formula() -> None:
     lexicon = Lexicon("t", 5.0, {b"essay": 0.8, b"detailed essay": 0.4, b"hi": -1.0})
     words = scan_words("Write a DETAILED essay, essay!")  # known: essay, "detailed essay" (each counted once)
     assert words == [b"write", b"a", b"detailed", b"essay", b"essay"]
-    assert lexicon.score_words(words) == pytest.approx(5.0 + (0.8 + 0.4) / math.sqrt(2))
-    assert lexicon.score_words(scan_words("hi")) == pytest.approx(4.0)
-    assert lexicon.score_words([]) == 5.0
+    assert lexicon_score(lexicon, words) == pytest.approx(5.0 + (0.8 + 0.4) / math.sqrt(2))
+    assert lexicon_score(lexicon, scan_words("hi")) == pytest.approx(4.0)
+    assert lexicon_score(lexicon, []) == 5.0
 
 
 def test_rich_v3_is_rich_v2_plus_the_shipped_lexicon_column() -> None:
@@ -361,7 +362,7 @@ def test_rich_v3_is_rich_v2_plus_the_shipped_lexicon_column() -> None:
     for text in ("Write a 2000-word essay about the history of Rome", "hi", "", "\ud800 x" * 3, "y " * 5000):
         row = v3.extract(Prompt(text))
         np.testing.assert_array_equal(row[:-1], v2.extract(Prompt(text)))
-        assert row[-1] == np.float32(lexicon.score_words(scan_words(text)))
+        assert row[-1] == np.float32(lexicon_score(lexicon, scan_words(text)))
     essay = v3.extract(Prompt("Write a detailed 2000-word essay about the history of Rome"))[-1]
     short = v3.extract(Prompt("Translate 'hello' into French. Answer with one word."))[-1]
     assert essay > short

@@ -33,12 +33,14 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from lexicon_reference import lexicon_score
 
 from clairvoyant.prediction import features
 from clairvoyant.prediction.features import FEATURE_SETS, Prompt, load_lexicon
@@ -91,6 +93,14 @@ _CODE = [
     "snake_case_name",
     "```python\nprint(1)\n```",
 ]
+
+# The length-constraint regex as first written (features._LENGTH_SEARCH is it, made faster).
+_LENGTH_RE = re.compile(
+    rb"\b(?:brief(?:ly)?|concise(?:ly)?|short(?:ly)?|succinct(?:ly)?|one liner|tl dr|tldr|detailed|"
+    rb"in detail|in depth|elaborate|in (?:one|a single|\d+) (?:word|words|sentence|sentences|line|lines|"
+    rb"paragraph|paragraphs)|(?:no more than|not more than|at most|under|less than|fewer than|maximum of|max) \d+|"
+    rb"\d+ (?:word|words|sentence|sentences|paragraph|paragraphs|page|pages))\b"
+)
 
 
 def _vocabulary() -> list[str]:
@@ -375,13 +385,13 @@ def test_the_lexicon_score_is_its_formula() -> None:
     # bias + sum of the weights of the known terms (words and "w1 w2" bigrams) / sqrt(their count);
     # zero weights count as known terms; keys with two spaces or a leading space never match
     odd = features.Lexicon("t", 1.5, {b"a": 0.0, b"a b": 0.25, b"b  c": 9.0, b" c": 9.0, b"c": -0.5})
-    assert odd.score_words([b"a", b"b", b"c", b"a", b"b"]) == 1.5 + (0.0 + 0.25 - 0.5) / 3**0.5
-    assert odd.score_words([b"b", b"  c"]) == 1.5 and odd.score_words([]) == 1.5
+    assert lexicon_score(odd, [b"a", b"b", b"c", b"a", b"b"]) == 1.5 + (0.0 + 0.25 - 0.5) / 3**0.5
+    assert lexicon_score(odd, [b"b", b"  c"]) == 1.5 and lexicon_score(odd, []) == 1.5
 
 
 def test_the_folded_lexicon_column_equals_the_lexicons_own_score() -> None:
     # rich_v3 adds the lexicon's weights as exact scaled integers inside the keyword sum; the column
-    # must be Lexicon.score_window's fsum formula bit for bit, also for zero, negative and tiny weights
+    # must be the lexicon's fsum formula (tests/lexicon_reference.py) bit for bit, also for zero, negative and tiny weights
     odd = features.Lexicon(
         "t", 1.5, {b"a": 0.0, b"a b": 0.25, b"b  c": 9.0, b" c": 9.0, b"c": -0.5, b"essay": 1e-300, b"write": -3.3}
     )
@@ -396,7 +406,7 @@ def test_the_folded_lexicon_column_equals_the_lexicons_own_score() -> None:
         for prompt in prompts:
             row = features._rich_values(prompt, features.RICH_V2_HEAD_CHARS, features.RICH_V2_TAIL_CHARS, table)
             assert row[:-1] == FEATURE_SETS["rich_v2"].values(prompt)
-            assert row[-1] == lexicon.score_words(features.scan_words(prompt.instruction))
+            assert row[-1] == lexicon_score(lexicon, features.scan_words(prompt.instruction))
 
 
 def _near_miss_norms(n: int) -> list[bytes]:
@@ -446,7 +456,7 @@ def _near_miss_norms(n: int) -> list[bytes]:
 
 
 def test_the_grouped_length_search_equals_the_length_regex() -> None:
-    # _LENGTH_SEARCH is _LENGTH_RE rewritten (a leading byte class, alternatives grouped by their
+    # _LENGTH_SEARCH is the paper's _LENGTH_RE rewritten (a leading byte class, alternatives grouped by their
     # first letters): it must find a match exactly where _LENGTH_RE does, near misses included
     found = 0
     norms = _near_miss_norms(20_000) + [
@@ -458,7 +468,7 @@ def test_the_grouped_length_search_equals_the_length_regex() -> None:
         )
     ]  # fmt: skip
     for norm in norms:
-        expected = features._LENGTH_RE.search(norm) is not None
+        expected = _LENGTH_RE.search(norm) is not None
         found += expected
         assert (features._LENGTH_SEARCH(norm) is not None) == expected, norm
     assert 2_000 < found < 18_000  # both answers occur often

@@ -102,13 +102,13 @@ def test_predict_matches_bulk_and_probabilities_sum_to_one(small_model) -> None:
     bulk = predictor.predict_many(prompts)
     for s, b, p in zip(single, bulk, prompts):
         assert isinstance(s, Prediction)
-        assert s.p_short + s.p_medium + s.p_long == pytest.approx(1.0, abs=1e-5)
-        assert (s.p_short, s.p_medium, s.p_long) == pytest.approx((b.p_short, b.p_medium, b.p_long), abs=1e-6)
+        assert sum(s.probabilities) == pytest.approx(1.0, abs=1e-5)
+        assert s.probabilities == pytest.approx(b.probabilities, abs=1e-6)
         ref = clf.predict_proba(predictor.feature_set.extract(p)[None, :])[0]
-        assert s.p_long == pytest.approx(float(ref[2]), abs=1e-5)
-        assert s.score == s.p_long
+        assert s.probabilities[2] == pytest.approx(float(ref[2]), abs=1e-5)
+        assert s.score == s.probabilities[2]
     # The reused input buffer really is re-filled: different prompts, different answers.
-    assert single[0].p_long != single[1].p_long
+    assert single[0].score != single[1].score
     assert predictor.feature_set_name == "rich_v1"
     assert predictor.predict_many([]) == []
 
@@ -178,7 +178,7 @@ def test_the_shipped_model_loads_by_default_and_ranks_the_obvious_cases() -> Non
     hi = predictor.predict(Prompt("hi"))
     essay = predictor.predict(Prompt("Write a detailed 2000-word essay on the history of the Roman Empire."))
     assert essay.score > hi.score and essay.predicted_tokens > 2 * hi.predicted_tokens
-    assert hi.predicted_class == "short" and hi.p_long is None and hi.probabilities is None
+    assert hi.predicted_class == "short" and hi.probabilities is None
 
 
 # --------------------------------------------------------------------------------------------
@@ -249,7 +249,7 @@ def test_schema2_regressor_card_predicts_calibrated_tokens(regressor_model) -> N
         assert s.score == pytest.approx(raw, abs=1e-5)  # the key is the raw score
         expected_log = np.interp(s.score, predictor.calibration.score, predictor.calibration.log_tokens)
         assert s.predicted_tokens == pytest.approx(math.exp(expected_log), rel=1e-6)
-        assert s.probabilities is None and s.p_long is None
+        assert s.probabilities is None
         assert "p_long" not in s.as_dict() and s.as_dict()["predicted_tokens"] == s.predicted_tokens
         assert (b.score, b.predicted_tokens) == pytest.approx((s.score, s.predicted_tokens), rel=1e-6)
         assert s.feature_row == b.feature_row == predictor.feature_set.extract(p).tobytes()
@@ -262,9 +262,9 @@ def test_schema1_card_is_a_class_model_with_the_named_stand_in_calibration(schem
     assert predictor.calibration is STAND_IN_P_LONG_CALIBRATION and predictor.calibration.stand_in
     assert "stand-in" in predictor.calibration.method
     pred = predictor.predict(Prompt(ESSAY))
-    assert pred.score == pred.p_long
+    assert pred.probabilities is not None and pred.score == pred.probabilities[2]
     assert pred.predicted_tokens == pytest.approx(
-        math.exp(np.interp(pred.p_long, (0, 0.5, 1), np.log([100, 400, 1000])))
+        math.exp(np.interp(pred.probabilities[2], (0, 0.5, 1), np.log([100, 400, 1000])))
     )
     # one definition of the classes: derived from predicted tokens
     for p in (predictor.predict(Prompt("hi")), pred):
@@ -395,13 +395,14 @@ def test_the_bound_run_calls_the_session_directly_and_scores_like_a_plain_run() 
     from clairvoyant.prediction.predictor import _bound_runner
 
     predictor = OnnxPredictor()
-    run = predictor._run_bound  # what predict runs
+    bound = predictor._bound
+    run = bound.run  # what predict runs
     # this onnxruntime has the C session and binding: the per-call capture bookkeeping is skipped
     assert isinstance(run, functools.partial)
-    assert run.func is not predictor._session.run_with_iobinding
-    assert run.args[0] is predictor._binding._iobinding
+    assert run.func is not bound.session.run_with_iobinding
+    assert run.args[0] is bound.binding._iobinding
     assert isinstance(run.args[1], ort.RunOptions)  # made once: none would cost default options every call
-    again = _bound_runner(predictor._session, predictor._binding)
+    again = _bound_runner(bound.session, bound.binding)
     assert again.func == run.func and again.args[0] is run.args[0]
     prompts = [
         Prompt("hi"),
@@ -410,28 +411,11 @@ def test_the_bound_run_calls_the_session_directly_and_scores_like_a_plain_run() 
         Prompt("def f(): pass\n" * 40),
     ]
     rows = predictor.feature_set.extract_many(prompts)
-    plain = predictor._session.run([predictor.output.output], {predictor._input_name: rows})[0].reshape(-1)
+    plain = bound.session.run([predictor.output.output], {bound.input_name: rows})[0].reshape(-1)
     for prompt, expected in zip(prompts, plain):
         prediction = predictor.predict(prompt)
         assert prediction.score == float(expected)
         np.testing.assert_array_equal(prediction.features(), predictor.feature_set.extract(prompt))
-
-
-def test_the_fast_prediction_constructor_builds_the_same_frozen_object() -> None:
-    from dataclasses import FrozenInstanceError, fields
-
-    from clairvoyant.prediction.predictor import _make_prediction
-
-    args = (1.25, 300.0, (0.2, 0.3, 0.5), 5.7, b"\x00\x01", "llama", 512)
-    fast, slow = _make_prediction(*args), Prediction(*args)
-    assert type(fast) is Prediction
-    assert fast == slow and hash(fast) == hash(slow)
-    assert [getattr(fast, f.name) for f in fields(Prediction)] == list(args)
-    with pytest.raises(FrozenInstanceError):
-        fast.score = 0.0  # type: ignore[misc]
-    shipped = OnnxPredictor()
-    got = shipped.predict(Prompt("Write a 2000-word essay on rivers."), model="m", cap_tokens=900)
-    assert got == Prediction(*(getattr(got, f.name) for f in fields(Prediction)))
 
 
 def test_a_predictions_class_at_the_class_bounds() -> None:

@@ -303,7 +303,7 @@ def test_every_step_after_fine_tuning_runs_without_torch_and_serving_loads_the_r
     explained = json.loads((layout.export / "components.json").read_text())["explained_variance"]
     assert f"{100 * explained:.1f}% of the embedding's variance" in card["components"]["fit_on"]
     encoder = EncoderModel(model_dir / "encoder.card.json")
-    assert (encoder.components, encoder.embedding_width) == (16, WIDTH) and encoder.has_knn
+    assert (encoder.components, encoder.embedding_width) == (16, WIDTH) and encoder.card.knn is not None
     value, columns, knn = encoder.opinion(rows.texts[0])
     assert np.isfinite(value) and len(columns) == 4 * (16 + WIDTH)
     assert knn is not None and rows.log_tokens.min() <= knn <= rows.log_tokens.max()  # a mean of labels

@@ -11,6 +11,8 @@ import pytest
 pytest.importorskip("xgboost")
 pytest.importorskip("quicktok")
 
+from lexicon_reference import lexicon_score
+
 from clairvoyant.prediction.features import Prompt  # noqa: E402
 from clairvoyant.tools.training import metrics  # noqa: E402
 from clairvoyant.tools.training.dataset import (  # noqa: E402
@@ -416,12 +418,12 @@ def test_lexicon_fit_score_and_round_trip() -> None:
     assert lexicon.weights[b"essay"] > 0 > lexicon.weights[b"hi"]
     assert b"number" in lexicon.weights and b"0" not in lexicon.weights  # "0" occurs in fewer than 5 rows
     row = score_terms(lexicon, terms)
-    served = [lexicon.score_words(scan_words(t)) for t in texts]
+    served = [lexicon_score(lexicon, scan_words(t)) for t in texts]
     np.testing.assert_allclose(row, served, rtol=1e-9)
     assert lexicon_terms([b"a", b"b", b"a"]) == {b"a", b"b", b"a b", b"b a"}
     again = Lexicon.from_json(lexicon.to_json())
     assert again.weights.keys() == lexicon.weights.keys() and again.intercept_log_tokens == lexicon.intercept_log_tokens
-    assert Lexicon("x", 1.5, {}).score_words([b"anything"]) == 1.5
+    assert lexicon_score(Lexicon("x", 1.5, {}), [b"anything"]) == 1.5
     oof = out_of_fold_scores(terms, y, [p.group for p in pairs], LexiconConfig(min_rows=5, ridge_alpha=1.0), folds=3)
     assert np.corrcoef(oof, y)[0, 1] > 0.8 and not np.allclose(oof, row)
 

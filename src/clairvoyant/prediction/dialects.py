@@ -31,6 +31,7 @@ from typing import Any
 
 from clairvoyant.errors import BadRequest, RequestError
 from clairvoyant.prediction.features import Prompt
+from clairvoyant.prediction.usage import non_negative_int
 
 __all__ = [
     "PROXY_FIELD",
@@ -96,8 +97,6 @@ class ParsedRequest:
 
 def _content_text(content: Any) -> str:
     """Text of an OpenAI/Ollama message content: a string, or a list of parts."""
-    if content is None:
-        return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -113,9 +112,7 @@ def _content_text(content: Any) -> str:
 
 def _chat_prompt(messages: list[Any]) -> Prompt:
     instruction = ""
-    context = 0
-    system = 0
-    turns = 0
+    context = system = turns = 0
     for message in messages:
         if not isinstance(message, dict):
             continue
@@ -165,23 +162,12 @@ def prompt_from_body(endpoint: Endpoint, body: dict[str, Any]) -> Prompt:
 _OPENAI_CAP_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
 
 
-def _cap_value(value: Any) -> int | None:
-    """A non-negative integer cap, or None (absent, unlimited, or not an integer)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not isinstance(value, int) or value < 0:
-        return None
-    return value
-
-
 def cap_tokens_from_body(dialect: Dialect, body: dict[str, Any]) -> int | None:
     """The output-token cap a request body sets, or None (see the module docstring). Never raises."""
     if dialect is Dialect.OLLAMA:
         options = body.get("options")
-        return _cap_value(options.get("num_predict")) if isinstance(options, dict) else None
-    caps = [cap for field in _OPENAI_CAP_FIELDS if (cap := _cap_value(body.get(field))) is not None]
+        return non_negative_int(options.get("num_predict")) if isinstance(options, dict) else None
+    caps = [cap for field in _OPENAI_CAP_FIELDS if (cap := non_negative_int(body.get(field))) is not None]
     return min(caps) if caps else None
 
 
@@ -233,18 +219,11 @@ def parse_request(endpoint: Endpoint, raw: bytes, *, keep_priority: bool = False
     priority = body.get(PRIORITY_FIELD)
     if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
         raise BadRequest(f"'{PRIORITY_FIELD}' must be an integer", param=PRIORITY_FIELD)
-    proxy_options: dict[str, Any] = {}
-    forward = raw
-    stripped = False
-    if PROXY_FIELD in body:
-        options = body.pop(PROXY_FIELD)
-        proxy_options = options if isinstance(options, dict) else {}
-        stripped = True
+    stripped = PROXY_FIELD in body
+    proxy_options = body.pop(PROXY_FIELD, None)
     if PRIORITY_FIELD in body and not keep_priority:
         del body[PRIORITY_FIELD]
         stripped = True
-    if stripped:
-        forward = json.dumps(body).encode()  # ASCII escapes: lone surrogates survive
     model = body.get("model")
     return ParsedRequest(
         endpoint=endpoint,
@@ -252,8 +231,8 @@ def parse_request(endpoint: Endpoint, raw: bytes, *, keep_priority: bool = False
         stream=endpoint.stream_default if stream is None else bool(stream),
         # interned: the requests that name one model share its name (a waiting request holds it)
         model=sys.intern(model) if isinstance(model, str) else None,
-        forward_body=forward,
-        proxy_options=proxy_options,
+        forward_body=json.dumps(body).encode() if stripped else raw,  # ASCII escapes: lone surrogates survive
+        proxy_options=proxy_options if isinstance(proxy_options, dict) else {},
         cap_tokens=cap_tokens_from_body(endpoint.dialect, body),
         priority=priority,
     )

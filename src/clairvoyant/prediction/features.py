@@ -5,44 +5,33 @@ predictor refuses a model whose card does not match ``FEATURE_SETS[name].names``
 feature computes means a new feature-set name, never an edit in place.
 
 ``paper19``: the paper's 19 features (section 3.2) in the paper's order, with the reference
-implementation's defects fixed:
-
-- the verb is the *leading* instruction verb (after openers such as "please", "can you"),
-  not the first match anywhere in the text;
-- keywords match whole words ("information" is not "format", "stable" is not "table",
-  "listen" is not "list");
-- ``prompt_token_len`` is always ``len(instruction) // 4`` in Unicode code points (never bytes),
-  at training and serving time alike.
-
-``rich_v2`` (the shipped model's): exactly ``rich_v1`` computed on a 600-character scan window
-(first 500 + last 100 characters), so that a long prompt costs what a short one does; lengths
-(``prompt_token_len``, history, system) still use the whole text, ``word_count`` counts the window.
-
-``rich_v3`` (the shipped regressor's): ``rich_v2`` plus one learned column, ``lexicon_log_tokens``: a
-linear word lexicon's estimate of the answer's log tokens. The lexicon (``lexicons/rich_v3.json``,
-pinned by sha256 below) maps words and word bigrams of the rich_v2 scan window to weights; the
-column is ``intercept + sum(weights of the distinct known terms) / sqrt(number of known terms)``
-(a ridge regression on binary term presence, fit on the ShareGPT training split only: see
-``clairvoyant.tools.training.lexicon``). A new lexicon means a new feature-set name.
+implementation's defects fixed: the verb is the *leading* instruction verb (after openers such as
+"please", "can you"), not the first match anywhere; keywords match whole words ("information" is not
+"format", "listen" is not "list"); ``prompt_token_len`` is ``len(instruction) // 4`` in code points.
 
 ``rich_v1``: ``paper19`` followed by conversation and structure features (history size, turns,
 system prompt, lines, code fences and symbols, requested quantities such as "10 ideas" or
-"2000-word") and counts of curated word groups (long-form artifacts, code, detail, brevity,
-continuation, chit-chat, role-play, reply constraints, rewriting, creation, questions).
+"2000-word") and counts of curated word groups.
+
+``rich_v2``: exactly ``rich_v1`` on a 600-character scan window (first 500 + last 100 characters),
+so that a long prompt costs what a short one does; lengths (``prompt_token_len``, history, system)
+still use the whole text, ``word_count`` counts the window.
+
+``rich_v3`` (the shipped regressor's): ``rich_v2`` plus ``lexicon_log_tokens``, a linear word
+lexicon's estimate of the answer's log tokens: ``intercept + sum(weights of the distinct known
+terms) / sqrt(number of known terms)`` over the words and word bigrams of the rich_v2 window (a ridge
+regression on term presence, fit on the ShareGPT training split: ``clairvoyant.tools.training.lexicon``).
+The lexicon file is pinned by sha256: a new lexicon means a new feature-set name.
 
 Words: the scanned text is UTF-8 encoded, ASCII-lower-cased, ASCII punctuation except ``#+_`` is
 turned into spaces, and the result is split on whitespace (so "step-by-step" is three words,
 "what's" is "what" + "s", "c++" and "c#" stay whole). Non-ASCII words never match the English
 keyword sets. Everything runs in C-level str/bytes/set operations (one regex only when a trigger
 word is present); the keyword and lexicon sum over the window's words and word pairs is one set of
-dict lookups and one integer ``sum`` (``_term_total``).
-tests/test_features_reference.py pins every value against golden outputs of the code the shipped
-model was trained with (tests/fixtures/features_golden.json).
+dict lookups and one integer ``sum`` (``_term_total``). tests/test_features_reference.py pins every
+value against golden outputs of the code the shipped model was trained with.
 
-Only the first ``SCAN_HEAD_CHARS`` and last ``SCAN_TAIL_CHARS`` characters (rich_v2: 500 and 100)
-are scanned for words,
-so a megabyte prompt costs the same as a long one; lengths always use the whole text. No input
-raises: empty text, lone surrogates, control characters and any script are all valid.
+No input raises: empty text, lone surrogates, control characters and any script are all valid.
 """
 
 from __future__ import annotations
@@ -55,7 +44,8 @@ import re
 import string
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import chain, islice
+from functools import partial
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -102,10 +92,6 @@ class Prompt:
     turns: int = 1
     system_chars: int = 0
 
-    @property
-    def total_chars(self) -> int:
-        return len(self.instruction) if self.context_chars < 0 else self.context_chars
-
 
 # --------------------------------------------------------------------------------------------
 # Tokenizing into words (bytes)
@@ -121,14 +107,14 @@ def _scan_window(text: str, head: int = SCAN_HEAD_CHARS, tail: int = SCAN_TAIL_C
     return text[:head] + "\n" + text[-tail:]
 
 
-def _lower_bytes(window: str) -> bytes:
+def _words(text: str) -> list[bytes]:
     # surrogatepass: a lone surrogate (legal in a JSON string) must not raise.
-    return window.encode("utf-8", "surrogatepass").lower()
+    return text.encode("utf-8", "surrogatepass").lower().translate(_WORD_TABLE).split()
 
 
 def words_of(text: str) -> list[str]:
     """The words the keyword features see, in order (a debugging and test aid)."""
-    return [w.decode("utf-8", "replace") for w in _lower_bytes(_scan_window(text)).translate(_WORD_TABLE).split()]
+    return [w.decode("utf-8", "replace") for w in scan_words(text, SCAN_HEAD_CHARS, SCAN_TAIL_CHARS)]
 
 
 def _bset(words: str) -> frozenset[bytes]:
@@ -139,20 +125,8 @@ def _bset(words: str) -> frozenset[bytes]:
 # The leading verb
 
 # The paper's 13 verb categories, in the paper's column order.
-VERBS: tuple[str, ...] = (
-    "what",
-    "write",
-    "explain",
-    "summarize",
-    "how",
-    "list",
-    "implement",
-    "compare",
-    "describe",
-    "generate",
-    "why",
-    "define",
-    "other",
+VERBS: tuple[str, ...] = tuple(
+    "what write explain summarize how list implement compare describe generate why define other".split()
 )
 _VERB_INDEX = {v: i for i, v in enumerate(VERBS)}
 _VERB_OF: dict[bytes, int] = {v.encode(): i for i, v in enumerate(VERBS) if v != "other"}
@@ -161,44 +135,16 @@ _VERB_OF.update({b"whats": 0, b"summarise": 3})
 _OTHER = _VERB_INDEX["other"]
 
 # Openers skipped before the leading verb, matched word by word (longest first).
-_OPENER_PHRASES = (
-    "i would like you to",
-    "i'd like you to",
-    "i want you to",
-    "i need you to",
-    "can you please",
-    "could you please",
-    "would you please",
-    "will you please",
-    "can you",
-    "could you",
-    "would you",
-    "will you",
-    "can u",
-    "could u",
-    "help me",
-    "please",
-    "pls",
-    "plz",
-    "kindly",
-    "hey",
-    "hi",
-    "hello",
-    "ok",
-    "okay",
-    "so",
-    "now",
-    "also",
-    "and",
-    "then",
-    "dear",
-    "chatgpt",
-    "gpt",
-    "assistant",
+_OPENER_PHRASES = tuple(
+    phrase.strip()
+    for phrase in """i would like you to, i'd like you to, i want you to, i need you to, can you please,
+    could you please, would you please, will you please, can you, could you, would you, will you, can u,
+    could u, help me, please, pls, plz, kindly, hey, hi, hello, ok, okay, so, now, also, and, then, dear,
+    chatgpt, gpt, assistant""".split(",")
 )
 _OPENERS: dict[bytes, tuple[tuple[bytes, ...], ...]] = {}
 for _phrase in sorted(_OPENER_PHRASES, key=lambda p: -len(p.split())):
-    _ws = tuple(_lower_bytes(_phrase).translate(_WORD_TABLE).split())
+    _ws = tuple(_words(_phrase))
     _OPENERS[_ws[0]] = _OPENERS.get(_ws[0], ()) + (_ws,)
 del _phrase, _ws
 _LEAD_WORDS = 24  # openers are looked for among the first words only
@@ -221,14 +167,11 @@ def _lead_index(words: list[bytes]) -> int:
     return i
 
 
-def _verb_column(words: list[bytes]) -> int:
-    i = _lead_index(words)
-    return _VERB_OF.get(words[i], _OTHER) if i < len(words) else _OTHER
-
-
 def leading_verb(text: str) -> str:
     """The verb category of the first instruction word after openers ("please", "can you", ...)."""
-    return VERBS[_verb_column(_lower_bytes(text[:2000]).translate(_WORD_TABLE).split())]
+    words = _words(text[:2000])
+    i = _lead_index(words)
+    return VERBS[_VERB_OF.get(words[i], _OTHER) if i < len(words) else _OTHER]
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,13 +202,7 @@ _LENGTH_TRIGGERS = _bset(
     detail depth elaborate word words sentence sentences line lines paragraph paragraphs page pages
     than most under maximum max"""
 )
-_LENGTH_RE = re.compile(
-    rb"\b(?:brief(?:ly)?|concise(?:ly)?|short(?:ly)?|succinct(?:ly)?|one liner|tl dr|tldr|detailed|"
-    rb"in detail|in depth|elaborate|in (?:one|a single|\d+) (?:word|words|sentence|sentences|line|lines|"
-    rb"paragraph|paragraphs)|(?:no more than|not more than|at most|under|less than|fewer than|maximum of|max) \d+|"
-    rb"\d+ (?:word|words|sentence|sentences|paragraph|paragraphs|page|pages))\b"
-)
-# _LENGTH_RE.search(norm) is not None, faster:
+# The paper's length-constraint regex (tests/test_features_reference.py keeps it as written), faster:
 # - every alternative starts with a word character and a norm starts with a space, so "\b before
 #   the match" is "a non-word byte just before it"; a pattern that starts with a character class
 #   lets the regex engine skip to candidate positions (a leading \b defeats that): ~20% cheaper;
@@ -273,8 +210,7 @@ _LENGTH_RE = re.compile(
 #   tests one byte per group instead of one per alternative: ~25% cheaper again on the longest windows
 #   (the predictor's p99). Only whether there is a match is read, and the language is
 #   the same, so the order of the alternatives does not matter.
-# tests/test_features_reference.py compares it with _LENGTH_RE on near misses, and the golden
-# outputs pin the extractor on ShareGPT.
+# The test compares the two on near misses, and the golden outputs pin the extractor on ShareGPT.
 _LENGTH_SEARCH = re.compile(
     rb"[^0-9A-Z_a-z](?:b(?:riefly|rief)|c(?:oncisely|oncise)|s(?:hortly|hort|uccinctly|uccinct)"
     rb"|one liner|t(?:l dr|ldr)|detailed|elaborate"
@@ -285,44 +221,12 @@ _LENGTH_SEARCH = re.compile(
 _STEP_BY_STEP = b" step by step "
 
 
-def _scan(
-    text: str, head: int = SCAN_HEAD_CHARS, tail: int = SCAN_TAIL_CHARS
-) -> tuple[bytes, list[bytes], frozenset[bytes]]:
-    """(lower-cased UTF-8 bytes of the scan window, its words, the set of its words).
-
-    Counting ASCII symbols in the bytes equals counting them in the text: UTF-8 multi-byte
-    sequences never contain ASCII bytes, and lower-casing only touches letters.
-    """
-    window = text if len(text) <= head + tail else _scan_window(text, head, tail)
-    raw = window.encode("utf-8", "surrogatepass").lower()
-    words = raw.translate(_WORD_TABLE).split()
-    return raw, words, frozenset(words)
-
-
 def _norm(words: list[bytes]) -> bytes:
     """The words joined by single spaces, with a space at each end (for the few regexes)."""
     return b" " + b" ".join(words) + b" "
 
 
 _QUESTION_MARKS = frozenset("?？")
-
-
-def _paper19_values(
-    text: str, raw: bytes, words: list[bytes], wset: frozenset[bytes], lead: int, tail: str
-) -> list[float | int]:
-    """The 19 paper features as a list; ``lead`` is ``_lead_index(words)``, ``tail`` the stripped end."""
-    values = [
-        len(text) // 4,
-        0.0 if (CODE_WORDS.isdisjoint(wset) and b"```" not in raw) else 1.0,
-        0.0 if (_LENGTH_TRIGGERS.isdisjoint(wset) or _LENGTH_SEARCH(_norm(words)) is None) else 1.0,
-        1.0 if (tail and tail[-1] in _QUESTION_MARKS) else 0.0,
-        0.0
-        if (FORMAT_WORDS.isdisjoint(wset) and (_STEP_WORDS.isdisjoint(wset) or _STEP_BY_STEP not in _norm(words)))
-        else 1.0,
-        0.0 if CLAUSE_WORDS.isdisjoint(wset) else sum(map(_IS_CLAUSE_WORD, words)),
-    ]
-    values += _VERB_ROWS[_VERB_OF.get(words[lead], _OTHER) if lead < len(words) else _OTHER]
-    return values
 
 
 # The 13-column one-hot rows, prebuilt.
@@ -333,9 +237,8 @@ _STEP_WORDS = frozenset((b"step",))
 
 
 def _paper19(prompt: Prompt) -> list[float | int]:
-    text = prompt.instruction
-    raw, words, wset = _scan(text)
-    return _paper19_values(text, raw, words, wset, _lead_index(words), text[-256:].rstrip())
+    """rich_v1's first 19 columns: they are the paper's features, computed on the same window."""
+    return _rich_values(prompt, SCAN_HEAD_CHARS, SCAN_TAIL_CHARS)[:19]
 
 
 PAPER19_NAMES: tuple[str, ...] = (
@@ -349,108 +252,48 @@ PAPER19_NAMES: tuple[str, ...] = (
 
 # Feature groups for the drop-one ablation (paper Table 4): group name -> feature names.
 PAPER19_GROUPS: dict[str, tuple[str, ...]] = {
-    "prompt_token_len": ("prompt_token_len",),
-    "has_code_keyword": ("has_code_keyword",),
-    "has_length_constraint": ("has_length_constraint",),
-    "ends_with_question": ("ends_with_question",),
-    "has_format_keyword": ("has_format_keyword",),
-    "clause_count": ("clause_count",),
-    "instruction_verb": tuple(f"verb_{v}" for v in VERBS),
+    **{name: (name,) for name in PAPER19_NAMES[:6]},
+    "instruction_verb": PAPER19_NAMES[6:],
 }
 
 # --------------------------------------------------------------------------------------------
 # rich_v1: word groups (counts of distinct words present)
 
-_RICH_GROUPS: tuple[tuple[str, frozenset[bytes]], ...] = (
-    (
-        "w_longform",
-        _bset(
-            """essay article articles blog post posts story stories report script outline plan chapter
-        chapters book guide tutorial course curriculum lesson lessons proposal letter speech
-        presentation slides email newsletter itinerary quiz questions examples website landing
-        documentation readme description descriptions paper thesis novel episode scene lyrics
-        song poem agenda schedule syllabus strategy campaign"""
-        ),
-    ),
-    (
-        "w_code",
-        _bset(
-            """code function functions def class python javascript js typescript html css sql api
-        implement algorithm script json node nodejs react database server query component
-        program app application backend frontend endpoint java c++ c# golang rust php ruby bash
-        regex array method variable print input output error import return unity flutter
-        django flask spring docker kubernetes aws"""
-        ),
-    ),
-    (
-        "w_detail",
-        _bset(
-            """detailed detail details comprehensive complete full thorough elaborate extensive depth
-        expand longer long entire whole every each all steps include including additional more
-        examples"""
-        ),
-    ),
-    (
-        "w_brief",
-        _bset(
-            """brief briefly short shorter concise concisely summary summarize summarise tldr quick
-        quickly simple simply sentence sentences one word yes no only just"""
-        ),
-    ),
-    ("w_continue", _bset("""continue continues finish proceed resume rest keep going further next""")),
-    (
-        "w_chat",
-        _bset(
-            """thanks thank thx great awesome cool nice perfect ok okay hi hello hey good wow lol
-        sure correct right exactly yes no love amazing"""
-        ),
-    ),
-    ("w_roleplay", _bset("""act pretend roleplay role imagine simulate persona character game play""")),
-    (
-        "w_reply_constraint",
-        _bset("""reply respond answer say confirm acknowledge understood ready wait remember only"""),
-    ),
-    (
-        "w_rewrite",
-        _bset(
-            """rewrite rephrase paraphrase improve edit fix correct proofread translate convert shorten
-        polish revise grammar reword"""
-        ),
-    ),
-    (
-        "w_create",
-        _bset(
-            """write create generate make build develop design produce draft compose give provide list
-        show suggest add"""
-        ),
-    ),
-    (
-        "w_question",
-        _bset(
-            """what why how who when where which is are does do did can could should would will was were
-        whats"""
-        ),
-    ),
-    ("w_personal", _bset("""i i'm im me my mine we our she her he him his they them am was were""")),
-)
+_RICH_GROUPS_WORDS = {
+    "w_longform": """essay article articles blog post posts story stories report script outline plan chapter chapters
+    book guide tutorial course curriculum lesson lessons proposal letter speech presentation slides
+    email newsletter itinerary quiz questions examples website landing documentation readme
+    description descriptions paper thesis novel episode scene lyrics song poem agenda schedule
+    syllabus strategy campaign""",
+    "w_code": """code function functions def class python javascript js typescript html css sql api implement
+    algorithm script json node nodejs react database server query component program app application
+    backend frontend endpoint java c++ c# golang rust php ruby bash regex array method variable
+    print input output error import return unity flutter django flask spring docker kubernetes aws""",
+    "w_detail": """detailed detail details comprehensive complete full thorough elaborate extensive depth expand
+    longer long entire whole every each all steps include including additional more examples""",
+    "w_brief": """brief briefly short shorter concise concisely summary summarize summarise tldr quick quickly
+    simple simply sentence sentences one word yes no only just""",
+    "w_continue": "continue continues finish proceed resume rest keep going further next",
+    "w_chat": """thanks thank thx great awesome cool nice perfect ok okay hi hello hey good wow lol sure correct
+    right exactly yes no love amazing""",
+    "w_roleplay": "act pretend roleplay role imagine simulate persona character game play",
+    "w_reply_constraint": "reply respond answer say confirm acknowledge understood ready wait remember only",
+    "w_rewrite": """rewrite rephrase paraphrase improve edit fix correct proofread translate convert shorten polish
+    revise grammar reword""",
+    "w_create": """write create generate make build develop design produce draft compose give provide list show
+    suggest add""",
+    "w_question": "what why how who when where which is are does do did can could should would will was were whats",
+    "w_personal": "i i'm im me my mine we our she her he him his they them am was were",
+}
+_RICH_GROUPS: tuple[tuple[str, frozenset[bytes]], ...] = tuple((n, _bset(w)) for n, w in _RICH_GROUPS_WORDS.items())
 
 _QUESTION_LEADS = _bset("what why how who when where which is are does do did can could should would will whats")
 _CONTINUE_LEADS = _bset("continue finish proceed resume go keep more next rest")
 _CREATE_LEADS = _bset("write create generate make build develop design produce draft compose give provide list")
 _CONTEXT_LEADS = _bset("i my we our here this the")
 
-_UNIT_WORDS = {  # requested text size: words per unit
-    b"word": 1,
-    b"words": 1,
-    b"sentence": 20,
-    b"sentences": 20,
-    b"line": 10,
-    b"lines": 10,
-    b"paragraph": 120,
-    b"paragraphs": 120,
-    b"page": 450,
-    b"pages": 450,
-}
+_UNIT_SIZES = ((b"word", 1), (b"sentence", 20), (b"line", 10), (b"paragraph", 120), (b"page", 450))
+_UNIT_WORDS = {unit + plural: n for unit, n in _UNIT_SIZES for plural in (b"", b"s")}
 _ITEM_WORDS = _bset(
     """ideas examples questions tips ways steps points reasons names titles options suggestions
     items facts things strategies methods topics questions headlines slogans sentences prompts
@@ -459,25 +302,10 @@ _ITEM_WORDS = _bset(
 )
 _QUANTITY_TRIGGERS = _ITEM_WORDS | frozenset(_UNIT_WORDS)
 _NUMBER_WORDS = {
-    b"one": 1,
-    b"two": 2,
-    b"three": 3,
-    b"four": 4,
-    b"five": 5,
-    b"six": 6,
-    b"seven": 7,
-    b"eight": 8,
-    b"nine": 9,
-    b"ten": 10,
-    b"eleven": 11,
-    b"twelve": 12,
-    b"fifteen": 15,
-    b"twenty": 20,
-    b"thirty": 30,
-    b"forty": 40,
-    b"fifty": 50,
-    b"hundred": 100,
-    b"a": 1,
+    **{
+        w.encode(): n for n, w in enumerate("one two three four five six seven eight nine ten eleven twelve".split(), 1)
+    },
+    **{b"fifteen": 15, b"twenty": 20, b"thirty": 30, b"forty": 40, b"fifty": 50, b"hundred": 100, b"a": 1},
 }
 
 
@@ -595,15 +423,6 @@ _PLAIN_TABLE = _KeywordTable({word: packed for word, packed in _KEYWORD_FIELDS.i
 _COUNT_CAP = 1e12  # keeps every value finite in float32 whatever a hand-built Prompt carries
 
 
-def _rich(head: int, tail: int) -> Callable[[Prompt], list[float | int]]:
-    """The rich extractor with a scan window of the first ``head`` and last ``tail`` characters."""
-
-    def values(prompt: Prompt) -> list[float | int]:
-        return _rich_values(prompt, head, tail)
-
-    return values
-
-
 def _term_total(words: list[bytes], table: _KeywordTable) -> int:
     """The packed sum of the table's values over the distinct words of ``words`` that are terms and,
     with a lexicon, over its distinct adjacent word pairs that are terms: each distinct term counts
@@ -669,7 +488,7 @@ def _rich_values(prompt: Prompt, head: int, tail_chars: int, table: _KeywordTabl
         1.0 if tail.endswith(":") else 0.0,
         raw.count(b'"'),
     ]
-    if table.lexicon:  # Lexicon.score_window, exactly (see _lexicon_table)
+    if table.lexicon:  # intercept + fsum(weights) / sqrt(known), exactly (see _lexicon_table)
         known = (total >> _COUNT_SHIFT) & _COUNT_MASK
         values.append(
             table.intercept + (total >> _WEIGHT_SHIFT) / table.scale / math.sqrt(known) if known else table.intercept
@@ -681,54 +500,23 @@ _NO_KEYWORDS = bytes(_N_FIELDS)
 
 
 # lead word -> (lead_question, lead_continue, lead_create, lead_context)
-_LEAD_FLAGS: dict[bytes, tuple[float, float, float, float]] = {
-    w: (
-        1.0 if w in _QUESTION_LEADS else 0.0,
-        1.0 if w in _CONTINUE_LEADS else 0.0,
-        1.0 if w in _CREATE_LEADS else 0.0,
-        1.0 if w in _CONTEXT_LEADS else 0.0,
-    )
-    for w in _QUESTION_LEADS | _CONTINUE_LEADS | _CREATE_LEADS | _CONTEXT_LEADS
-}
+_LEAD_SETS = (_QUESTION_LEADS, _CONTINUE_LEADS, _CREATE_LEADS, _CONTEXT_LEADS)
+_LEAD_FLAGS = {w: tuple(1.0 if w in leads else 0.0 for leads in _LEAD_SETS) for w in frozenset().union(*_LEAD_SETS)}
 _NO_LEAD_FLAGS = (0.0, 0.0, 0.0, 0.0)
 
 
 RICH_V1_EXTRA: tuple[str, ...] = (
-    (
-        "history_chars",
-        "turns",
-        "system_chars",
-        "mean_history_message_chars",
-        "line_count",
-        "code_fence_count",
-        "code_symbol_count",
-        "word_count",
-        "requested_items",
-        "requested_words",
-    )
-    + tuple(name for name, _ in _RICH_GROUPS)
-    + (
-        "lead_question",
-        "lead_continue",
-        "lead_create",
-        "lead_context",
-        "is_ascii",
-        "ends_with_colon",
-        "quote_count",
-    )
+    *"""history_chars turns system_chars mean_history_message_chars line_count code_fence_count
+    code_symbol_count word_count requested_items requested_words""".split(),
+    *(name for name, _ in _RICH_GROUPS),
+    *"lead_question lead_continue lead_create lead_context is_ascii ends_with_colon quote_count".split(),
 )
 RICH_V1_NAMES: tuple[str, ...] = PAPER19_NAMES + RICH_V1_EXTRA
 RICH_V1_GROUPS: dict[str, tuple[str, ...]] = {
     **PAPER19_GROUPS,
-    "conversation": ("history_chars", "turns", "system_chars", "mean_history_message_chars"),
-    "structure": (
-        "line_count",
-        "code_fence_count",
-        "code_symbol_count",
-        "word_count",
-        "ends_with_colon",
-        "quote_count",
-        "is_ascii",
+    "conversation": RICH_V1_EXTRA[:4],
+    "structure": tuple(
+        "line_count code_fence_count code_symbol_count word_count ends_with_colon quote_count is_ascii".split()
     ),
     "requested_quantity": ("requested_items", "requested_words"),
     "word_groups": tuple(name for name, _ in _RICH_GROUPS),
@@ -748,57 +536,10 @@ class Lexicon:
     intercept_log_tokens: float
     weights: dict[bytes, float]
 
-    def __post_init__(self) -> None:
-        # One dict probe per term: words keyed by bytes, bigrams by (w1, w2) tuples, which zip builds
-        # in C (no b" ".join per pair). Words never hold a space, so a term that is not one word or two
-        # words joined by one space can never match and is left out.
-        lookup: dict[bytes | tuple[bytes, ...], float] = {}
-        for term, weight in self.weights.items():
-            parts = term.split(b" ")
-            if len(parts) <= 2:
-                lookup[parts[0] if len(parts) == 1 else tuple(parts)] = weight
-        object.__setattr__(self, "_lookup", lookup)
-        object.__setattr__(self, "_get", lookup.get)
-        object.__setattr__(self, "_zero_weights", not all(lookup.values()))
-
-    def score_words(self, words: list[bytes]) -> float:
-        """intercept + sum of the distinct known terms' weights / sqrt(their number)."""
-        return self.score_window(words, set(words))
-
-    def score_window(self, words: list[bytes], distinct: Iterable[bytes]) -> float:
-        """``score_words(words)``, given the distinct words of ``words`` (e.g. their set), each once.
-
-        fsum: exact, so the result does not depend on the set's (hash-seeded) iteration order.
-        ``filter(None, ...)`` keeps the known terms' weights (an unknown term is None); a lexicon
-        with zero weights (the shipped one has none) counts its known terms the slower way.
-        """
-        terms = map(self._get, chain(distinct, set(zip(words, islice(words, 1, None)))))  # type: ignore[attr-defined]
-        if self._zero_weights:  # type: ignore[attr-defined]
-            found = list(terms)
-            known = len(found) - found.count(None)
-            found = list(filter(None, found))  # zeros leave the exact sum unchanged
-        else:
-            found = list(filter(None, terms))
-            known = len(found)
-        if not known:
-            return self.intercept_log_tokens
-        return self.intercept_log_tokens + math.fsum(found) / math.sqrt(known)
-
     def to_json(self, extra: dict[str, object] | None = None) -> str:
         terms = {t.decode("utf-8", "surrogatepass"): round(w, 6) for t, w in sorted(self.weights.items())}
-        return (
-            json.dumps(
-                {
-                    "name": self.name,
-                    "intercept_log_tokens": self.intercept_log_tokens,
-                    **(extra or {}),
-                    "weights": terms,
-                },
-                ensure_ascii=False,
-                separators=(",", ":"),
-            )
-            + "\n"
-        )
+        body = {"name": self.name, "intercept_log_tokens": self.intercept_log_tokens, **(extra or {}), "weights": terms}
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> Lexicon:
@@ -817,7 +558,7 @@ def lexicon_terms(words: Iterable[bytes]) -> set[bytes]:
 
 def scan_words(text: str, head: int = RICH_V2_HEAD_CHARS, tail: int = RICH_V2_TAIL_CHARS) -> list[bytes]:
     """The words of the rich_v2 scan window as the extractor sees them (bytes, lower-cased)."""
-    return _scan(text, head, tail)[1]
+    return _words(_scan_window(text, head, tail))
 
 
 LEXICON_DIR = Path(__file__).parent / "lexicons"
@@ -827,14 +568,13 @@ RICH_V3_LEXICON_SHA256 = "107363506241f09933300b4a5c3938cb9787e7ceaa55647ce64dbc
 
 
 @functools.cache
-def load_lexicon(file_name: str = RICH_V3_LEXICON, sha256: str | None = None) -> Lexicon:
-    """The lexicon file under ``lexicons/``; raises RuntimeError if its sha256 is not the pinned one."""
-    raw = (LEXICON_DIR / file_name).read_bytes()
-    expected = sha256 if sha256 is not None else RICH_V3_LEXICON_SHA256
+def load_lexicon(sha256: str = RICH_V3_LEXICON_SHA256) -> Lexicon:
+    """The rich_v3 lexicon file; raises RuntimeError if its sha256 is not ``sha256`` (the pinned one)."""
+    raw = (LEXICON_DIR / RICH_V3_LEXICON).read_bytes()
     digest = hashlib.sha256(raw).hexdigest()
-    if digest != expected:
+    if digest != sha256:
         raise RuntimeError(
-            f"lexicon {file_name} has sha256 {digest}, feature set rich_v3 expects {expected}: "
+            f"lexicon {RICH_V3_LEXICON} has sha256 {digest}, feature set rich_v3 expects {sha256}: "
             "the file was changed; a new lexicon needs a new feature-set name"
         )
     return Lexicon.from_json(raw.decode("utf-8"))
@@ -843,23 +583,28 @@ def load_lexicon(file_name: str = RICH_V3_LEXICON, sha256: str | None = None) ->
 def _lexicon_table(lexicon: Lexicon, fields: dict[bytes, int] = _KEYWORD_FIELDS) -> _KeywordTable:
     """The keyword table with ``lexicon`` folded in (the layout is above ``_KeywordTable``).
 
-    ``Lexicon.score_window`` is ``intercept + fsum(weights) / sqrt(known)``. Here each weight is the
+    The column is ``intercept + fsum(weights) / sqrt(known)``. Here each weight is the
     integer ``weight * 2**scale_bits``, so one ``sum`` of ints adds them exactly, and
     ``int / 2**scale_bits`` rounds that exact sum to the nearest float, which is what ``fsum``
     returns: the same float, bit for bit (tests/test_features_reference.py compares them).
     """
-    lookup: dict[bytes | tuple[bytes, ...], float] = lexicon._lookup  # type: ignore[attr-defined]
-    ratios = {}
-    for term, weight in lookup.items():
+    # One dict probe per term: words keyed by bytes, bigrams by (w1, w2) tuples, which zip builds in C
+    # (no b" ".join per pair). Words never hold a space, so a term that is not one word or two words
+    # joined by one space can never match and is left out.
+    ratios: dict[bytes | tuple[bytes, ...], tuple[int, int]] = {}
+    for term, weight in lexicon.weights.items():
+        parts = term.split(b" ")
+        if len(parts) > 2:
+            continue
         if not math.isfinite(weight):
             raise ValueError(f"lexicon {lexicon.name} has a non-finite weight for {term!r}")
-        ratios[term] = weight.as_integer_ratio()  # (n, 2**k)
+        ratios[parts[0] if len(parts) == 1 else tuple(parts)] = weight.as_integer_ratio()  # (n, 2**k)
     scale_bits = max((d.bit_length() - 1 for _, d in ratios.values()), default=0)
     one = 1 << _COUNT_SHIFT
     terms: dict[bytes | tuple[bytes, ...], int] = {word: packed for word, packed in fields.items()}
-    for term, (n, d) in ratios.items():
+    for key, (n, d) in ratios.items():
         packed = one + ((n << (scale_bits - (d.bit_length() - 1))) << _WEIGHT_SHIFT)
-        terms[term] = terms.get(term, 0) + packed
+        terms[key] = terms.get(key, 0) + packed
     return _KeywordTable(terms, True, 1 << scale_bits, lexicon.intercept_log_tokens)
 
 
@@ -882,7 +627,7 @@ RICH_V3_GROUPS: dict[str, tuple[str, ...]] = {**RICH_V1_GROUPS, "lexicon": ("lex
 
 @dataclass(frozen=True)
 class FeatureSet:
-    """A named, versioned feature vector. ``extract`` allocates; ``extract_into`` fills a buffer.
+    """A named, versioned feature vector.
 
     Contract: every method accepts any Prompt (any text, any size) without raising, and fills
     every one of the ``size`` columns with a finite float32 value.
@@ -891,36 +636,42 @@ class FeatureSet:
     name: str
     names: tuple[str, ...]
     groups: dict[str, tuple[str, ...]]
-    _values: Callable[[Prompt], list[float | int]]
+    # the raw extractor: the row as a list of ``size`` Python numbers (the predictor packs it
+    # straight into its bound buffer)
+    values: Callable[[Prompt], list[float | int]]
 
     @property
     def size(self) -> int:
         return len(self.names)
 
-    @property
-    def values(self) -> Callable[[Prompt], list[float | int]]:
-        """The raw extractor: ``values(prompt)`` is the row as a list of ``size`` Python floats
-        (what ``extract_into`` copies; the predictor packs it straight into its bound buffer)."""
-        return self._values
-
     def extract_into(self, prompt: Prompt, out: np.ndarray) -> np.ndarray:
         """Write the features of ``prompt`` into ``out`` (float32, shape [size]) and return it."""
-        out[:] = self._values(prompt)
+        out[:] = self.values(prompt)
         return out
 
     def extract(self, prompt: Prompt) -> np.ndarray:
-        return np.array(self._values(prompt), dtype=np.float32)
+        return np.array(self.values(prompt), dtype=np.float32)
 
     def extract_many(self, prompts: Sequence[Prompt]) -> np.ndarray:
         if not prompts:
             return np.zeros((0, self.size), dtype=np.float32)
-        return np.array([self._values(p) for p in prompts], dtype=np.float32)
+        return np.array([self.values(p) for p in prompts], dtype=np.float32)
 
 
 FEATURE_SETS: dict[str, FeatureSet] = {
     "paper19": FeatureSet("paper19", PAPER19_NAMES, PAPER19_GROUPS, _paper19),
-    "rich_v1": FeatureSet("rich_v1", RICH_V1_NAMES, RICH_V1_GROUPS, _rich(SCAN_HEAD_CHARS, SCAN_TAIL_CHARS)),
-    "rich_v2": FeatureSet("rich_v2", RICH_V1_NAMES, RICH_V1_GROUPS, _rich(RICH_V2_HEAD_CHARS, RICH_V2_TAIL_CHARS)),
+    "rich_v1": FeatureSet(
+        "rich_v1",
+        RICH_V1_NAMES,
+        RICH_V1_GROUPS,
+        partial(_rich_values, head=SCAN_HEAD_CHARS, tail_chars=SCAN_TAIL_CHARS),
+    ),
+    "rich_v2": FeatureSet(
+        "rich_v2",
+        RICH_V1_NAMES,
+        RICH_V1_GROUPS,
+        partial(_rich_values, head=RICH_V2_HEAD_CHARS, tail_chars=RICH_V2_TAIL_CHARS),
+    ),
     "rich_v3": FeatureSet("rich_v3", RICH_V3_NAMES, RICH_V3_GROUPS, _rich_v3_values),
 }
 assert all(len(set(fs.names)) == fs.size for fs in FEATURE_SETS.values())

@@ -144,10 +144,10 @@ class PriorIdentity:
         return cls(
             *prior,
             tuple(f"encoder_component_{i}" for i in range(encoder.components or 0)),
-            card.onnx_sha256,
+            card.onnx.sha256,
             tuple(encoder.blend_weights.as_list()),
             card.tail_word_pieces,
-            getattr(card, "knn_sha256", ""),
+            card.knn.sha256 if card.knn is not None else "",
         )
 
     def as_dict(self) -> dict[str, Any]:

@@ -7,20 +7,13 @@ predictor, the metrics, the simulator and the benchmarks can all share it.
 
 from __future__ import annotations
 
-__all__ = ["CLASS_NAMES", "LONG_FROM_TOKENS", "SHORT_BELOW_TOKENS", "class_index_of_tokens", "class_of_tokens"]
+__all__ = ["CLASS_NAMES", "LONG_FROM_TOKENS", "SHORT_BELOW_TOKENS", "class_of_tokens"]
 
 CLASS_NAMES: tuple[str, str, str] = ("short", "medium", "long")
 SHORT_BELOW_TOKENS = 200
 LONG_FROM_TOKENS = 600
 
 
-def class_index_of_tokens(tokens: float) -> int:
-    """0 (Short), 1 (Medium) or 2 (Long) for an answer of ``tokens`` output tokens."""
-    if tokens < SHORT_BELOW_TOKENS:
-        return 0
-    return 1 if tokens < LONG_FROM_TOKENS else 2
-
-
 def class_of_tokens(tokens: float) -> str:
     """The class name of an answer of ``tokens`` output tokens."""
-    return CLASS_NAMES[class_index_of_tokens(tokens)]
+    return CLASS_NAMES[0 if tokens < SHORT_BELOW_TOKENS else 1 if tokens < LONG_FROM_TOKENS else 2]

@@ -1,10 +1,8 @@
 """The length predictor: features -> ONNX XGBoost model -> a queue key and calibrated output tokens.
 
-Serving imports only onnxruntime and numpy here. The model file ships with a JSON card beside it
-(``<model>.card.json``); loading refuses a model whose card names a feature set or feature list
-that differs from ``clairvoyant.prediction.features``, or whose sha256 differs from the file.
-
-Two card schemas are read:
+The model file ships with a JSON card beside it (``<model>.card.json``); loading refuses a model
+whose card names another feature set or feature list than ``clairvoyant.prediction.features``, or
+another sha256 than the file's. Two card schemas are read:
 
 - ``"schema": 2`` says what the model outputs and how to turn it into tokens::
 
@@ -15,19 +13,15 @@ Two card schemas are read:
       "classes": ["short", "medium", "long"]       # classifier only
 
   Predicted log tokens (natural log of output tokens) = ``np.interp(raw_score, score, log_tokens)``.
-- ``"schema": 1`` (the 3-class models trained before schema 2) is read as a classifier whose raw
-  score is P(Long), with ``STAND_IN_P_LONG_CALIBRATION``: NOT a fitted calibration, only the class
-  midpoints placed on the P(Long) axis, so that such a model still reports tokens.
+- ``"schema": 1`` (3-class models from before schema 2): a classifier whose raw score is P(Long),
+  read with ``STAND_IN_P_LONG_CALIBRATION`` (not fitted) so that it still reports tokens.
 
-The queue key (``Prediction.score``, lower = sooner) is the model's raw score, so for one model it
-is monotone in predicted tokens. A request's own cap (``max_tokens`` and friends, parsed by
-``clairvoyant.prediction.dialects``) bounds the prediction: predicted tokens <= cap, and
-``score = min(raw score, calibration^-1(log cap))``, where the inverse is ``np.interp`` on the
-swapped knots inside the calibrated range and is extended linearly beyond it (so caps below the
-range, e.g. 4 and 24 tokens under a first knot of 100, still order by cap). An online corrector (``clairvoyant.prediction.learner``)
+The queue key (``Prediction.score``, lower = sooner) is the model's raw score, monotone in predicted
+tokens for one model. A request's own cap (``max_tokens`` and friends) bounds it: tokens <= cap and
+``score = min(raw score, calibration^-1(log cap))``. An online corrector (``clairvoyant.prediction.learner``)
 may add a learned correction in log tokens; the key is then the calibration's inverse of the
-corrected log tokens, extended linearly beyond the calibrated range so that it stays strictly
-ordered there.
+corrected log tokens. Both inverses extend linearly beyond the calibrated range, so that caps below
+it (4 and 24 tokens under a first knot of 100) and corrections past its ends still order strictly.
 """
 
 from __future__ import annotations
@@ -145,14 +139,6 @@ class Calibration:
         """``log_tokens_of`` for an array of raw scores."""
         return np.interp(np.asarray(scores, dtype=np.float64), self.score, self.log_tokens)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "method": self.method,
-            "score": list(self.score),
-            "log_tokens": list(self.log_tokens),
-            "stand_in": self.stand_in,
-        }
-
 
 # Schema-1 cards have no calibration. This stand-in is NOT fitted: it puts the class midpoints
 # (Short 100, Medium 400, Long 1000 tokens) at P(Long) = 0, 0.5 and 1, so a 3-class model still
@@ -208,9 +194,9 @@ class BlendWeights:
         return [self.first, self.later, self.knn] if self.knn else [self.first, self.later]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass sets each field through object.__setattr__ (one a request)
 class Prediction:
-    """One request's prediction. Compact on purpose (a waiting request carries it): about 0.2 KB,
+    """One request's prediction, not changed after it is made. Compact on purpose (a waiting request carries it): about 0.2 KB,
     and 0.2 KB more with the 48-feature row. A queued request's carries no row while it waits
     (``proxy/app.py``: the learner re-derives it from the body after completion); a row with the
     encoder's 16 components and 384-d embedding after it (the learner's columns and its residual
@@ -255,18 +241,6 @@ class Prediction:
     def predicted_log_tokens(self) -> float:
         return log_tokens(self.predicted_tokens)
 
-    @property
-    def p_short(self) -> float | None:
-        return None if self.probabilities is None else self.probabilities[0]
-
-    @property
-    def p_medium(self) -> float | None:
-        return None if self.probabilities is None else self.probabilities[1]
-
-    @property
-    def p_long(self) -> float | None:
-        return None if self.probabilities is None else self.probabilities[2]
-
     def features(self) -> np.ndarray:
         """The feature row as a float32 array (a copy-free view of ``feature_row``)."""
         return np.frombuffer(self.feature_row, dtype=np.float32)
@@ -281,48 +255,6 @@ class Prediction:
         out["predicted_tokens"] = self.predicted_tokens
         out["predicted_class"] = self.predicted_class
         return out
-
-
-def _prediction_maker() -> Callable[..., Prediction]:
-    """``Prediction(...)`` with all seven fields positional, built without the frozen dataclass's
-    ``__init__`` (seven ``object.__setattr__`` calls): the slots' own setters on a bare instance,
-    about 0.6 us cheaper per request. Same object, same fields (tests/test_predictor.py)."""
-    new = object.__new__
-    s0, s1, s2, s3, s4, s5, s6 = (getattr(Prediction, name).__set__ for name in Prediction.__slots__)
-    if Prediction.__slots__ != (
-        "score",
-        "predicted_tokens",
-        "probabilities",
-        "prior_log_tokens",
-        "feature_row",
-        "model",
-        "cap_tokens",
-    ):
-        raise AssertionError("Prediction's fields changed: update _prediction_maker")
-
-    def make(
-        score: float,
-        predicted_tokens: float,
-        probabilities: tuple[float, float, float] | None,
-        prior_log_tokens: float,
-        feature_row: bytes,
-        model: str | None,
-        cap_tokens: int | None,
-    ) -> Prediction:
-        p = new(Prediction)
-        s0(p, score)
-        s1(p, predicted_tokens)
-        s2(p, probabilities)
-        s3(p, prior_log_tokens)
-        s4(p, feature_row)
-        s5(p, model)
-        s6(p, cap_tokens)
-        return p
-
-    return make
-
-
-_make_prediction = _prediction_maker()
 
 
 class Predictor(Protocol):
@@ -342,15 +274,6 @@ class Corrector(Protocol):
 
 def card_path_for(model_path: Path) -> Path:
     return model_path.with_suffix(".card.json")
-
-
-def file_sha256(path: Path) -> str:
-    """The hex sha256 of a file, read in 1 MiB chunks (model files are tens of MB)."""
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def load_card(model_path: Path) -> dict[str, Any]:
@@ -374,7 +297,6 @@ class ModelOutput:
     output: str  # ONNX output name
     score: str  # one of SCORE_KINDS
     calibration: Calibration
-    classes: tuple[str, ...] | None  # classifier only
 
 
 def _model_output(card: dict[str, Any], model_path: Path) -> ModelOutput:
@@ -383,7 +305,7 @@ def _model_output(card: dict[str, Any], model_path: Path) -> ModelOutput:
     if schema == 1:
         if classes != CLASS_NAMES:
             raise ModelError(f"model {model_path} card classes {card.get('classes')!r} are not {list(CLASS_NAMES)}")
-        return ModelOutput("classifier", "probabilities", "p_long", STAND_IN_P_LONG_CALIBRATION, CLASS_NAMES)
+        return ModelOutput("classifier", "probabilities", "p_long", STAND_IN_P_LONG_CALIBRATION)
     if schema != 2:
         raise ModelError(f"model {model_path} card has schema {schema!r}; this clairvoyant reads schemas 1 and 2")
     kind, output, score = card.get("kind"), card.get("output"), card.get("score")
@@ -399,7 +321,7 @@ def _model_output(card: dict[str, Any], model_path: Path) -> ModelOutput:
         calibration = Calibration.from_card(card.get("calibration"))
     except ValueError as exc:
         raise ModelError(f"model {model_path} card: {exc}") from None
-    return ModelOutput(kind, output, score, calibration, CLASS_NAMES if kind == "classifier" else None)
+    return ModelOutput(kind, output, score, calibration)
 
 
 def _check_card(card: dict[str, Any], model_path: Path) -> FeatureSet:
@@ -419,7 +341,9 @@ def _check_card(card: dict[str, Any], model_path: Path) -> FeatureSet:
     expected_sha = card.get("onnx_sha256")
     if not isinstance(expected_sha, str):
         raise ModelError(f"model {model_path} card has no 'onnx_sha256': cannot tell it describes this file")
-    if expected_sha != file_sha256(model_path):
+    with model_path.open("rb") as fh:
+        sha = hashlib.file_digest(fh, "sha256").hexdigest()
+    if expected_sha != sha:
         raise ModelError(
             f"model {model_path} does not match the sha256 in its card {card_path_for(model_path)}: "
             "the file was replaced or the card belongs to another model"
@@ -471,11 +395,9 @@ def pinned_session_options() -> Any:
 
 
 def single_threaded_session(path: Path, what: str, content: bytes | None = None) -> Any:
-    """An onnxruntime session on one thread, sequential, fully optimised. One thread on purpose:
-    the backend generates on the same cores, and a thread pool per call turns a 0.05 ms median into
-    a multi-millisecond p99 under that load. ``what`` names the file in the error; ``content``: the
-    model's bytes as already read from ``path`` (and checked against its card), loaded instead of
-    reading the file again."""
+    """An onnxruntime session on one thread: the backend generates on the same cores, and a thread
+    pool per call turns a 0.05 ms median into a multi-millisecond p99 under that load. ``what``
+    names the file in the error; ``content``: its bytes, if already read (and checked)."""
     import onnxruntime as ort
 
     try:
@@ -485,19 +407,44 @@ def single_threaded_session(path: Path, what: str, content: bytes | None = None)
         raise ModelError(f"cannot load {what} {path}: {exc}") from exc
 
 
-class OnnxPredictor:
-    """Scores one request at a time with a single-threaded ONNX Runtime session.
+class _BoundRow:
+    """``session`` bound once to one float32 input row and one output row (IOBinding over numpy
+    buffers shared with ONNX Runtime), so that a request is "fill the row in place, run, read the
+    outputs" with no per-call allocation. Whoever reads ``row`` or runs holds ``lock``."""
 
-    Single-threaded on purpose: the backend generates on the same cores, and a thread pool per
-    call turns a 0.05 ms median into a multi-millisecond p99 under that load.
+    def __init__(self, session: Any, size: int, output: str, out_shape: list[int]) -> None:
+        import onnxruntime as ort
+
+        self.session = session
+        self.input_name = session.get_inputs()[0].name
+        self.row = np.zeros(size, dtype=np.float32)
+        out = np.zeros(out_shape, dtype=np.float32)
+        self.binding = session.io_binding()
+        # shares self.row's memory (the memoryview below keeps ``out`` alive)
+        self._input = ort.OrtValue.ortvalue_from_numpy(self.row.reshape(1, size))
+        self.binding.bind_ortvalue_input(self.input_name, self._input)
+        self.binding.bind_output(output, "cpu", 0, np.float32, out_shape, out.ctypes.data)
+        # memoryviews of the two bound buffers: reading them back (tolist, tobytes) without a numpy
+        # call is about 0.25 us cheaper per request, with the same float32 -> float values and bytes
+        # (numpy's stubs omit the buffer protocol)
+        self.outputs = memoryview(out.reshape(-1)).tolist  # type: ignore[arg-type]
+        self.row_bytes = memoryview(self.row).tobytes  # type: ignore[arg-type]
+        # struct packs the feature list straight into the bound buffer: cheaper than numpy's list
+        # assignment, and the same float64 -> float32 rounding.
+        self.fill = functools.partial(struct.Struct(f"={size}f").pack_into, self.row, 0)  # type: ignore[arg-type]
+        self.run = _bound_runner(session, self.binding)
+        self.lock = threading.Lock()
+
+
+class OnnxPredictor:
+    """Scores one request at a time with a single-threaded ONNX Runtime session (see
+    ``single_threaded_session``).
 
     ``corrector`` (settable later): an online correction of the prior, e.g.
     ``clairvoyant.prediction.learner.OnlineLearner``; None = the static shipped model.
     """
 
     def __init__(self, model_path: Path | str | None = None, *, corrector: Corrector | None = None) -> None:
-        import onnxruntime as ort  # imported here so that importing this module stays cheap
-
         path = Path(model_path) if model_path is not None else DEFAULT_MODEL_PATH
         if not path.is_file():
             raise ModelError(f"model file {path} not found")
@@ -505,57 +452,37 @@ class OnnxPredictor:
         self.card = load_card(path)
         self.output = _model_output(self.card, path)
         self.feature_set = _check_card(self.card, path)
-        self.onnx_sha256: str = self.card["onnx_sha256"]
         self.calibration = self.output.calibration
         self.corrector: Corrector | None = None
-        self._session = single_threaded_session(path, "ONNX model")
-        inputs = self._session.get_inputs()
+        session = single_threaded_session(path, "ONNX model")
+        inputs = session.get_inputs()
         if len(inputs) != 1 or inputs[0].shape[-1] != self.feature_set.size:
             raise ModelError(f"model {path} input does not take {self.feature_set.size} features")
-        self._input_name = inputs[0].name
-        outputs = {o.name: o for o in self._session.get_outputs()}
+        outputs = {o.name: o for o in session.get_outputs()}
         if self.output.output not in outputs:
             raise ModelError(f"model {path} has no {self.output.output!r} output (has {sorted(outputs)})")
         out_shape = outputs[self.output.output].shape
         width = out_shape[-1] if len(out_shape) == 2 else 1
-        expected_width = len(CLASS_NAMES) if self.output.kind == "classifier" else 1
+        self._is_classifier = self.output.kind == "classifier"
+        expected_width = len(CLASS_NAMES) if self._is_classifier else 1
         if width != expected_width:
             raise ModelError(
                 f"model {path} output {self.output.output!r} has shape {out_shape}, expected [N, {expected_width}]"
             )
-        self._output_names = [self.output.output]
-        self._is_classifier = self.output.kind == "classifier"
-        self._score_column = 2 if self._is_classifier else 0
-        # The per-request path avoids every per-call allocation it can: one input row and one
-        # output row, bound once to the session (IOBinding over numpy buffers shared with ORT), so
-        # a call is "fill the row in place, run, read the outputs". The lock makes the shared
-        # buffers safe if predict is called from several threads.
-        self._row = np.zeros((1, self.feature_set.size), dtype=np.float32)
-        bound_shape = [1, width] if len(out_shape) == 2 else [1]
-        self._out = np.zeros(bound_shape, dtype=np.float32)
-        self._binding = self._session.io_binding()
-        self._input_value = ort.OrtValue.ortvalue_from_numpy(self._row)  # shares self._row's memory
-        self._binding.bind_ortvalue_input(self._input_name, self._input_value)
-        self._binding.bind_output(self.output.output, "cpu", 0, np.float32, bound_shape, self._out.ctypes.data)
-        self._out_flat = self._out.reshape(-1)
-        self._row_view = self._row[0]
-        # memoryviews of the two bound buffers: reading them back (tolist, tobytes) without a numpy
-        # call is about 0.25 us cheaper per request, with the same float32 -> float values and bytes
-        self._out_memory = memoryview(self._out_flat)  # type: ignore[arg-type]  # numpy's stubs omit the buffer protocol
-        self._row_memory = memoryview(self._row_view)
-        # struct packs the feature list straight into the bound buffer: cheaper than numpy's
-        # list assignment, and the same float64 -> float32 rounding.
-        packer = struct.Struct(f"={self.feature_set.size}f")
-        self._pack_into = packer.pack_into
-        self._pack = packer.pack
+        self._bound = _BoundRow(
+            session, self.feature_set.size, self.output.output, [1, width] if len(out_shape) == 2 else [1]
+        )
+        self._pack = struct.Struct(f"={self.feature_set.size}f").pack
         # where a feature row keeps history_chars (BlendWeights' rule); None: this feature set has none
         names = self.feature_set.names
         self.history_column: int | None = names.index("history_chars") if "history_chars" in names else None
         self._values = self.feature_set.values
-        self._run_bound = _bound_runner(self._session, self._binding)
-        self._lock = threading.Lock()
         self.predict(Prompt(""))  # warm up (first-run allocations) and prove the binding works
         self.corrector = corrector
+
+    @property
+    def onnx_sha256(self) -> str:
+        return str(self.card["onnx_sha256"])
 
     @property
     def feature_set_name(self) -> str:
@@ -563,15 +490,16 @@ class OnnxPredictor:
 
     def predict(self, prompt: Prompt, *, model: str | None = None, cap_tokens: int | None = None) -> Prediction:
         """The prediction for one request (see the module docstring). Never raises on any Prompt."""
-        with self._lock:
-            self._pack_into(self._row, 0, *self._values(prompt))  # type: ignore[arg-type]  # a writable buffer
-            self._run_bound()
-            out = self._out_memory.tolist()
-            row = self._row_memory.tobytes()
-            raw = out[self._score_column]
+        bound = self._bound
+        with bound.lock:
+            bound.fill(*self._values(prompt))
+            bound.run()
+            out = bound.outputs()
+            row = bound.row_bytes()
+            raw = out[-1]  # the raw score: a regressor's one output, a class model's P(Long)
             prior = self.calibration.log_tokens_of(raw)
             corrector = self.corrector
-            correction = 0.0 if corrector is None else corrector.correction(model, self._row_view, prior)
+            correction = 0.0 if corrector is None else corrector.correction(model, bound.row, prior)
         probabilities = (out[0], out[1], out[2]) if self._is_classifier else None
         return self._prediction(raw, prior, correction, probabilities, row, model, cap_tokens)
 
@@ -580,12 +508,10 @@ class OnnxPredictor:
         same values, packed the same way), without running the model. Reads no shared buffer."""
         return self._pack(*self._values(prompt))
 
-    def history_chars(self, prediction: Prediction, row: bytes | None = None) -> float:
-        """The ``history_chars`` feature of ``row`` (default: ``prediction``'s row); 0.0 if the row
-        or the column is missing: a feature set without it cannot tell turns apart, see
-        ``encoder.encoder_for``."""
+    def history_chars(self, row: bytes) -> float:
+        """The ``history_chars`` feature of a feature row; 0.0 if the row or the column is missing:
+        a feature set without it cannot tell turns apart, see ``encoder.encoder_for``."""
         column = self.history_column
-        row = prediction.feature_row if row is None else row
         if column is None or len(row) < 4 * (column + 1):
             return 0.0
         return float(struct.unpack_from("=f", row, 4 * column)[0])
@@ -594,26 +520,20 @@ class OnnxPredictor:
         self,
         prediction: Prediction,
         encoder_log_tokens: float,
-        weights: BlendWeights | float,
+        weights: BlendWeights,
         components: bytes = b"",
         knn_log_tokens: float | None = None,
         *,
         row: bytes | None = None,
     ) -> Prediction:
-        """``prediction`` with a second opinion blended into its prior, in log tokens:
-        prior + w x (``encoder_log_tokens`` - prior), w = ``weights.for_history`` of the
-        prediction's own feature row (a float: the same w for every request); with
-        ``knn_log_tokens``, that + ``weights.knn`` x (knn - that) (``BlendWeights.blend``); then the
-        learned correction and the cap, as in ``predict``. ``components`` (the encoder's, float32
-        bytes) are appended to the feature row: the learner's correction and its observation read
-        them. ``row``: the lexical row to read instead of the prediction's own (a queued request's
-        prediction carries none). Reads no shared buffer."""
+        """``prediction`` with the encoder's (and kNN's) opinion blended into its prior
+        (``BlendWeights.blend``, w by the row's history), then the learned correction and the cap
+        as in ``predict``. ``components`` (float32 bytes) are appended to the feature row, for the
+        learner. ``row``: the lexical row to read instead of the prediction's own (a queued
+        request's prediction carries none). Reads no shared buffer."""
         row = prediction.feature_row if row is None else row
-        if isinstance(weights, float | int):
-            weight, knn_weight = weights, 0.0
-        else:
-            weight, knn_weight = weights.for_history(self.history_chars(prediction, row)), weights.knn
-        prior = BlendWeights.blend(prediction.prior_log_tokens, encoder_log_tokens, weight, knn_log_tokens, knn_weight)
+        weight = weights.for_history(self.history_chars(row))
+        prior = BlendWeights.blend(prediction.prior_log_tokens, encoder_log_tokens, weight, knn_log_tokens, weights.knn)
         feature_row = row + components
         corrector = self.corrector
         correction = 0.0
@@ -642,9 +562,7 @@ class OnnxPredictor:
             score = raw
         tokens = math.exp(predicted_log)
         if cap_tokens is not None and cap_tokens >= 0:
-            # np.interp on the swapped knots inside the calibrated range; extended beyond it, so
-            # that caps below the range (max_tokens 4 vs 24, under a first knot of 100 tokens)
-            # still order by cap instead of tying at the first knot's score
+            # extended beyond the calibrated range: caps below it still order by cap (module docstring)
             cap_score = calibration.score_of_extended(log_tokens(cap_tokens))
             if cap_score < score:
                 score = cap_score
@@ -652,7 +570,7 @@ class OnnxPredictor:
                 tokens = float(cap_tokens)
         else:
             cap_tokens = None
-        return _make_prediction(score, tokens, probabilities, prior_log_tokens, row, model, cap_tokens)
+        return Prediction(score, tokens, probabilities, prior_log_tokens, row, model, cap_tokens)
 
     def predict_features(self, matrix: np.ndarray) -> np.ndarray:
         """The model's raw ONNX output for a feature matrix: probabilities [N, 3] for a class
@@ -661,14 +579,14 @@ class OnnxPredictor:
         if matrix.ndim != 2 or matrix.shape[1] != self.feature_set.size:
             raise ValueError(f"expected a [N, {self.feature_set.size}] feature matrix, got {matrix.shape}")
         if len(matrix) == 0:
-            width = len(CLASS_NAMES) if self._is_classifier else 1
-            return np.zeros((0, width), dtype=np.float32)
-        return np.asarray(self._session.run(self._output_names, {self._input_name: matrix})[0])
+            return np.zeros((0, len(CLASS_NAMES) if self._is_classifier else 1), dtype=np.float32)
+        bound = self._bound
+        return np.asarray(bound.session.run([self.output.output], {bound.input_name: matrix})[0])
 
     def raw_scores(self, matrix: np.ndarray) -> np.ndarray:
         """The raw score [N] of each row (P(Long) for a class model, the regressor's output else)."""
         out = self.predict_features(matrix)
-        return out[:, self._score_column] if out.ndim == 2 else out
+        return out[:, -1] if out.ndim == 2 else out
 
     def predict_many(
         self,
@@ -681,19 +599,13 @@ class OnnxPredictor:
         if not prompts:
             return []
         matrix = self.feature_set.extract_many(prompts)
-        out = self.predict_features(matrix)
-        out2d = out.reshape(len(out), -1)
-        raws = out2d[:, self._score_column].astype(np.float64)
-        priors = self.calibration.log_tokens_many(raws)
+        outs = self.predict_features(matrix).reshape(len(prompts), -1).tolist()
+        priors = self.calibration.log_tokens_many(np.array([out[-1] for out in outs])).tolist()
+        none = [None] * len(prompts)
         corrector = self.corrector
         predictions = []
-        for i in range(len(prompts)):
-            model = models[i] if models is not None else None
-            cap = caps_tokens[i] if caps_tokens is not None else None
-            prior = float(priors[i])
-            correction = 0.0 if corrector is None else corrector.correction(model, matrix[i], prior)
-            probabilities = tuple(float(p) for p in out2d[i]) if self._is_classifier else None
-            predictions.append(
-                self._prediction(float(raws[i]), prior, correction, probabilities, matrix[i].tobytes(), model, cap)  # type: ignore[arg-type]
-            )
+        for row, out, prior, model, cap in zip(matrix, outs, priors, models or none, caps_tokens or none):
+            correction = 0.0 if corrector is None else corrector.correction(model, row, prior)
+            probabilities = (out[0], out[1], out[2]) if self._is_classifier else None
+            predictions.append(self._prediction(out[-1], prior, correction, probabilities, row.tobytes(), model, cap))
         return predictions

@@ -2,26 +2,23 @@
 
 A ``UsageTap`` is fed every chunk the proxy relays. It keeps only a bounded tail of the body
 (``TAIL_BYTES``) and, for streams, a count of content-bearing events; when the answer has ended,
-``UsageTap.usage`` reads the counts the backends put at the END of their answers:
+``UsageTap.usage`` reads the counts the backends put at the END of their answers, the output length
+from the first of these that is present (durations from wherever they are):
 
 - OpenAI (and llama.cpp's OpenAI endpoints): ``usage.completion_tokens`` / ``usage.prompt_tokens``
   (streams carry it in the last event only with ``stream_options.include_usage``);
 - llama.cpp: ``timings`` (``predicted_n``, ``predicted_ms``, ``prompt_n``, ``prompt_ms``,
-  ``cache_n``), present in non-streamed bodies and in a stream's last event, and
-  ``tokens_predicted`` (its native /completion endpoint);
-- Ollama: the final object's ``eval_count``, ``eval_duration`` (ns), ``prompt_eval_count``,
-  ``prompt_eval_duration`` (ns) and ``load_duration`` (ns: the seconds it spent loading the model
-  before this answer; milliseconds when the model was loaded already);
+  ``cache_n``), and ``tokens_predicted`` (its native /completion endpoint);
+- Ollama: the final object's ``eval_count``, ``eval_duration``, ``prompt_eval_count``,
+  ``prompt_eval_duration`` and ``load_duration`` (all durations in ns);
 - else, for a stream, the number of content-bearing events (one per generated token on
   llama.cpp and Ollama, an estimate elsewhere).
 
-Whichever source gives the output length wins in that order; durations are taken from
-wherever they are present. A stream's answer is whole once its end event has passed (``ended``:
-OpenAI's ``data: [DONE]``, Ollama's ``"done": true`` object), before the body's own end: every
-count above comes with or before that event. Nothing here raises on any body: an unreadable tail gives a
-``Usage`` with ``output_tokens=None`` (no observation), or a chunk count for a stream. The tap
-sees the bytes as relayed: a compressed body (``Content-Encoding: gzip``; neither llama.cpp's
-server nor Ollama compresses by default) is unreadable, so no observation.
+A stream's answer is whole once its end event has passed (``ended``: OpenAI's ``data: [DONE]``,
+Ollama's ``"done": true``), before the body's own end. Nothing here raises on any body: an
+unreadable tail gives a ``Usage`` with ``output_tokens=None`` (no observation), or a chunk count
+for a stream. A compressed body (``Content-Encoding: gzip``; neither llama.cpp nor Ollama
+compresses by default) is unreadable, so no observation.
 
 Keys are found by searching the tail for ``"<key>":`` and decoding the JSON value after it.
 That cannot be fooled by generated text: inside a JSON string every ``"`` is escaped, so the
@@ -37,7 +34,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["TAIL_BYTES", "Usage", "UsageSource", "UsageTap"]
+__all__ = ["TAIL_BYTES", "Usage", "UsageSource", "UsageTap", "non_negative_int"]
 
 # The end of a body kept for reading the counts (at most twice this is held between trims).
 # llama.cpp's last stream event, with its generation_settings, is ~2.5 KB; OpenAI's usage event and
@@ -181,14 +178,11 @@ class UsageTap:
             return _SSE_END.match(line) is not None
         return _NDJSON_END.search(line, 0, _EVENT_PREFIX_BYTES) is not None
 
-    def _count_line(self, line: bytes) -> None:
-        if _CONTENT_EVENT.search(line, 0, _EVENT_PREFIX_BYTES) is not None:
-            self._events += 1
-
     def usage(self, *, wall_s: float, request_model: str | None = None) -> Usage:
         """The record, once the answer has ended. Never raises."""
         if self._partial:  # a last line without its newline
-            self._count_line(bytes(self._partial))
+            if _CONTENT_EVENT.search(self._partial, 0, _EVENT_PREFIX_BYTES) is not None:
+                self._events += 1
             self._partial.clear()
         try:
             body = self._tail
@@ -196,7 +190,8 @@ class UsageTap:
                 body = body[-self._tail_bytes :]
             return self._read(body.decode("utf-8", errors="replace"), wall_s, request_model)
         except Exception:  # noqa: BLE001 - an odd body must never become an error for the client
-            return self._fallback(wall_s, request_model, None)
+            output, source = self._counted()
+            return Usage(output, None, None, None, wall_s, request_model, source, self._events)
 
     # -- reading the tail ----------------------------------------------------------------------
     def _read(self, tail: str, wall_s: float, request_model: str | None) -> Usage:
@@ -206,53 +201,46 @@ class UsageTap:
             usage = {}
         if type(timings) is not dict:
             timings = {}
-        eval_count = _count(_last_value(tail, '"eval_count"'))
+        eval_count = non_negative_int(_last_value(tail, '"eval_count"'))
         model = _last_value(tail, '"model"')
         model = model if isinstance(model, str) and model else request_model
 
         output: int | None = None
         load_s: float | None = None
         source: UsageSource = "none"
-        prompt_tokens = _count(usage.get("prompt_tokens"))
-        generation_s = _ms(timings.get("predicted_ms"))
-        prompt_s = _ms(timings.get("prompt_ms"))
+        prompt_tokens = non_negative_int(usage.get("prompt_tokens"))
+        generation_s = _seconds(timings.get("predicted_ms"), 1e3)
+        prompt_s = _seconds(timings.get("prompt_ms"), 1e3)
         if prompt_tokens is None:
-            prompt_n, cache_n = _count(timings.get("prompt_n")), _count(timings.get("cache_n"))
+            prompt_n, cache_n = non_negative_int(timings.get("prompt_n")), non_negative_int(timings.get("cache_n"))
             if prompt_n is not None:
                 prompt_tokens = prompt_n + (cache_n or 0)
 
-        if (n := _count(usage.get("completion_tokens"))) is not None:
+        if (n := non_negative_int(usage.get("completion_tokens"))) is not None:
             output, source = n, "openai_usage"
-        elif (n := _count(timings.get("predicted_n"))) is not None:
+        elif (n := non_negative_int(timings.get("predicted_n"))) is not None:
             output, source = n, "llamacpp_timings"
-        elif (n := _count(_last_value(tail, '"tokens_predicted"'))) is not None:
+        elif (n := non_negative_int(_last_value(tail, '"tokens_predicted"'))) is not None:
             output, source = n, "llamacpp_tokens_predicted"
         elif eval_count is not None:
             output, source = eval_count, "ollama_eval_count"
 
         if eval_count is not None:  # Ollama: durations in nanoseconds
-            generation_s = generation_s if generation_s is not None else _ns(_last_value(tail, '"eval_duration"'))
-            prompt_s = prompt_s if prompt_s is not None else _ns(_last_value(tail, '"prompt_eval_duration"'))
-            load_s = _ns(_last_value(tail, '"load_duration"'))
+            generation_s = (
+                generation_s if generation_s is not None else _seconds(_last_value(tail, '"eval_duration"'), 1e9)
+            )
+            prompt_s = prompt_s if prompt_s is not None else _seconds(_last_value(tail, '"prompt_eval_duration"'), 1e9)
+            load_s = _seconds(_last_value(tail, '"load_duration"'), 1e9)
             if prompt_tokens is None:
-                prompt_tokens = _count(_last_value(tail, '"prompt_eval_count"'))
+                prompt_tokens = non_negative_int(_last_value(tail, '"prompt_eval_count"'))
 
         if output is None:
-            return self._fallback(wall_s, model, (prompt_tokens, generation_s, prompt_s))
+            output, source = self._counted()
         return Usage(output, prompt_tokens, generation_s, prompt_s, wall_s, model, source, self._events, load_s)
 
-    def _fallback(
-        self,
-        wall_s: float,
-        model: str | None,
-        known: tuple[int | None, float | None, float | None] | None,
-    ) -> Usage:
-        prompt_tokens, generation_s, prompt_s = known or (None, None, None)
-        if self.is_stream and self._events > 0:
-            return Usage(
-                self._events, prompt_tokens, generation_s, prompt_s, wall_s, model, "stream_events", self._events
-            )
-        return Usage(None, prompt_tokens, generation_s, prompt_s, wall_s, model, "none", self._events)
+    def _counted(self) -> tuple[int | None, UsageSource]:
+        """Without a backend count: a stream's content-bearing events, if it had any."""
+        return (self._events, "stream_events") if self.is_stream and self._events > 0 else (None, "none")
 
 
 def _last_value(tail: str, needle: str) -> Any:
@@ -277,28 +265,18 @@ def _last_value(tail: str, needle: str) -> Any:
     return None
 
 
-def _count(value: Any) -> int | None:
-    """A non-negative integer count, else None (bools, floats with fractions, negatives refused)."""
-    if type(value) is int:  # what JSON gives (a bool's type is bool)
-        return value if value >= 0 else None
-    if value is None or isinstance(value, bool):
+def non_negative_int(value: Any) -> int | None:
+    """A count or a cap from JSON: a non-negative integer (an integral float too), else None (bools,
+    fractions, negatives and anything else refused)."""
+    if isinstance(value, bool):
         return None
-    if isinstance(value, int) and value >= 0:
-        return value
-    if isinstance(value, float) and value >= 0 and value.is_integer():
-        return int(value)
-    return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return value if isinstance(value, int) and value >= 0 else None
 
 
-def _ms(value: Any) -> float | None:
-    if value is None:
-        return None
+def _seconds(value: Any, per_second: float) -> float | None:
+    """A non-negative duration given in 1/``per_second`` seconds, in seconds; else None."""
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
-        return float(value) / 1000.0
-    return None
-
-
-def _ns(value: Any) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
-        return float(value) / 1e9
+        return float(value) / per_second
     return None

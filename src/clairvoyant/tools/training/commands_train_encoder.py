@@ -278,7 +278,7 @@ def step_knn(layout: Layout, recipe: EncoderRecipe) -> dict[str, Any]:
     data = EncoderData.load(_require(layout.data, "prepare"))
     encoder = EncoderModel(_require(layout.staged / "encoder.card.json", "export"))
     if not encoder.embedding_width:
-        raise ConfigError(f"the staged encoder {encoder.card.onnx_path} gives no pooled embedding")
+        raise ConfigError(f"the staged encoder {encoder.card.onnx.path} gives no pooled embedding")
     memory = np.empty((len(data.rows), encoder.embedding_width), dtype=np.float32)
     for i, text in enumerate(data.rows.texts):
         columns = np.frombuffer(encoder.encode(text)[1], dtype=np.float32)
