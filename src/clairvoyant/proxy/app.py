@@ -86,11 +86,8 @@ _REJECTION_REASONS = {BadRequest: "bad_request", PayloadTooLarge: "too_large", Q
 class ProxyState:
     """Everything the requests need, built by the lifespan."""
 
-    settings: Settings
-    predictor: Predictor
     pool: BackendPool
     dispatcher: Dispatcher
-    metrics: Metrics
     learning: OnlineLearning  # its recorder is a scheduled request's on_usage: metrics and the online learner
     scheduling: Scheduling  # what every scheduled request shares
     limits: TenantLimits  # tenants' use against their limits
@@ -228,7 +225,7 @@ async def _start(
     history = History()
     _run_background_tasks(settings, pool, dispatcher, limits, history)
     _log_ready(settings, pool, dispatcher)
-    return ProxyState(settings, loaded, pool, dispatcher, metrics, learning, scheduling, limits, history, cluster)
+    return ProxyState(pool, dispatcher, learning, scheduling, limits, history, cluster)
 
 
 def replica_name(settings: Settings) -> str:

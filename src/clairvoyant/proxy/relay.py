@@ -289,8 +289,8 @@ class Relay:
                     r.method, r.target, headers=r.headers, authorization=r.authorization, body=r.body,
                     close_connection=r.close_connection,
                 )  # fmt: skip
-            except (UpstreamUnavailable, UpstreamTimeout) as exc:
-                if not exc.never_sent:
+            except RequestError as exc:
+                if not (isinstance(exc, (UpstreamUnavailable, UpstreamTimeout)) and exc.never_sent):
                     self._count_backend("failed")
                     self.hooks.backend_state(self.upstream, False)
                     raise
@@ -305,10 +305,6 @@ class Relay:
                         return None
                     raise
                 continue
-            except RequestError:
-                self._count_backend("failed")
-                self.hooks.backend_state(self.upstream, False)
-                raise
             self._count_backend("answered")
             self.hooks.backend_state(self.upstream, True)
             if response.status_code != 503 or not r.retry_unavailable:

@@ -95,9 +95,8 @@ def _priority(header: str | None, given: int | None, settings: Settings, identit
         except ValueError:
             raise BadRequest(f"header {settings.priority_header} must be an integer") from None
     value = 0 if given is None else given
-    if identity is None:
-        return max(settings.min_priority, min(settings.max_priority, value))
-    return max(identity.min_priority, min(identity.max_priority, value))
+    bounds = settings if identity is None else identity
+    return max(bounds.min_priority, min(bounds.max_priority, value))
 
 
 def _deadline_s(header: str | None, default_s: float | None) -> float:
