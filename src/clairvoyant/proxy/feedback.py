@@ -159,7 +159,6 @@ class OnlineLearning:
         self.predictor = predictor
         self.encoder = encoder  # refines waiting requests: its components join the learner's rows
         self.metrics = metrics
-        self.learning = settings.online_learning
         self.state_path = settings.learner_state_path if settings.online_learning else None
         self.learner: LearnerProcess | None = None
         self.recorder = UsageRecorder(metrics, max_observations_per_s=settings.learner_max_observations_per_s)
@@ -174,7 +173,7 @@ class OnlineLearning:
             logger.info("online learning: the predictor has no prior identity; usage is recorded in metrics only")
             return
         learner = LearnerProcess(
-            PriorIdentity.of(predictor, self.encoder), state_path=self.state_path, fit=self.learning
+            PriorIdentity.of(predictor, self.encoder), state_path=self.state_path, fit=self.settings.online_learning
         )
         if not await learner.start():  # logged: the proxy serves with the static model
             return
@@ -182,7 +181,7 @@ class OnlineLearning:
         self._saved_total = learner.observed_total
         self.recorder.learner = learner
         self.recorder.feature_row = predictor.feature_row
-        if not self.learning:
+        if not self.settings.online_learning:
             logger.info("online learning off: the static model predicts; its quality is still measured")
             return
         self._previous_corrector = predictor.corrector
@@ -205,7 +204,7 @@ class OnlineLearning:
         learner = self.learner
         if learner is None:
             return
-        if self.learning:
+        if self.settings.online_learning:
             predictor: Any = self.predictor
             predictor.corrector = self._previous_corrector
             await self.save()
@@ -214,7 +213,7 @@ class OnlineLearning:
     async def save(self) -> bool:
         """True if saved (a state file, and anything new). A failed save is logged, never raised."""
         learner = self.learner
-        if learner is None or self.state_path is None or not self.learning:
+        if learner is None or self.state_path is None:  # no state file without online_learning
             return False
         total = learner.observed_total
         if total == self._saved_total:

@@ -185,19 +185,16 @@ class BackendPool:
             kind = self.members[index].kind  # discovered late, if it was down at start-up
             record.info["kind"], record.tracks_loaded = kind.name, kind.loaded_models_path is not None
 
-    def index_of(self, upstream: Upstream) -> int:
-        return self._index[id(upstream)]
-
     def refused(self, upstream: Upstream) -> None:
         """A connection to this backend was refused: unhealthy now, its monitor woken."""
-        index = self.index_of(upstream)
+        index = self._index[id(upstream)]
         self._set(index, False)
         self.members[index].checked.set()
 
     def answered(self, upstream: Upstream) -> None:
         """This backend answered a request: healthy (cheap when it already was)."""
         if self.dispatcher is not None:
-            index = self.index_of(upstream)
+            index = self._index[id(upstream)]
             if not self.dispatcher.backends[index].healthy:
                 self._set(index, True)
 
@@ -214,9 +211,6 @@ class BackendPool:
         serving = [i for i, b in enumerate(backends) if b.serves(model)] or list(range(len(backends)))
         serving.sort(key=lambda i: (not backends[i].healthy, not backends[i].has_loaded(model), i))
         return [self.members[i].upstream for i in serving]
-
-    def kind_of(self, index: int) -> BackendKind:
-        return self.members[index].kind
 
     async def aclose(self) -> None:
         for task in self._monitors:

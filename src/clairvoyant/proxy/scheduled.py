@@ -78,7 +78,7 @@ class Scheduling:
     def at_once(self) -> bool:
         """A request may go before its prediction: not in a pool (routing weighs the prediction),
         nor to a vLLM backend that reads it as its priority."""
-        return len(self.pool) == 1 and not (self.settings.vllm_priority and self.pool.kind_of(0).priority_field)
+        return len(self.pool) == 1 and not (self.settings.vllm_priority and self.pool.members[0].kind.priority_field)
 
     @property
     def own_headers(self) -> tuple[str, ...]:
@@ -330,7 +330,7 @@ class ScheduledHooks(RelayHooks):
         placement = ticket.placement
         backend = 0 if placement is None or placement.backend is None else placement.backend
         relay.upstream = shared.pool.members[backend].upstream
-        field = shared.pool.kind_of(backend).priority_field
+        field = shared.pool.members[backend].kind.priority_field
         if shared.settings.vllm_priority and field is not None:
             tokens = min(VLLM_CLASS_STRIDE - 1, max(0, round(ticket.predicted_tokens)))
             priority = ticket.priority * VLLM_CLASS_STRIDE + tokens

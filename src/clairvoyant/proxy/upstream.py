@@ -28,7 +28,7 @@ from clairvoyant.proxy.aiohttp_transport import AiohttpTransport
 from clairvoyant.proxy.backend_kinds import AUTO, BackendKind
 from clairvoyant.proxy.transport import FirstByteTimeout, Headers, Transport, TransportError, UpstreamResponse
 
-__all__ = ["Upstream", "forwardable_headers", "redact_url", "response_headers"]
+__all__ = ["Upstream", "forwardable_headers", "response_headers"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +49,6 @@ HOP_BY_HOP = frozenset(
 _NOT_FORWARDED = HOP_BY_HOP | {"content-length", "expect"}
 # Never relayed to the client: the proxy's server sets its own Date and Server.
 _NOT_RELAYED = HOP_BY_HOP | {"date", "server"}
-
-
-def redact_url(url: str) -> str:
-    """The URL with any user:password replaced by ``***`` (for logs and status pages)."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"***@{host}"))
 
 
 def forwardable_headers(
@@ -111,15 +102,16 @@ class Upstream:
         """``transport``: None (aiohttp's, with these timeouts and keepalive), or tests' own."""
         self.name = name  # the backend's name in the pool
         self.kind = kind  # what it is (the pool finds out when ``auto``): its health path and slot probe
-        self.display_url = redact_url(base_url.rstrip("/"))
+        self.display_url = base_url.rstrip("/")  # for logs and status pages: credentials as ***
         # Credentials in the URL become an Authorization header: the URL the client library holds
         # (and may log) has none. The backend's own key (``api_key``) wins over them.
         parts = urlsplit(base_url.rstrip("/"))
         self._authorization: str | None = None  # the backend's own Authorization value
-        if parts.username is not None or parts.password is not None:
+        if "@" in parts.netloc:
             userinfo = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
             self._authorization = "Basic " + base64.b64encode(userinfo.encode()).decode()
             parts = parts._replace(netloc=parts.netloc.rsplit("@", 1)[1])
+            self.display_url = urlunsplit(parts._replace(netloc="***@" + parts.netloc))
         if api_key is not None:
             self._authorization = "Bearer " + api_key
         self.base_url = urlunsplit(parts)
