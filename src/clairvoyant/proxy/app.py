@@ -624,9 +624,8 @@ class ProxyApp:
                 })  # fmt: skip
 
     async def _merged_listing(self, pool: BackendPool, request: UpstreamRequest, out: Responder) -> None:
-        """``GET /api/tags`` or ``/v1/models`` in front of a pool: every backend's list, merged (the
-        first backend's entry wins a model listed twice). Backends that do not answer are left out;
-        none answering is a 502."""
+        """``GET /api/tags`` or ``/v1/models`` in front of a pool: the lists of the backends that
+        answer, merged (the first backend's entry wins a duplicate); none answering is a 502."""
         bodies = await asyncio.gather(*(m.upstream.get_json(request.target, LISTING_TIMEOUT_S) for m in pool.members))
         answered = [body for body in bodies if body is not None]
         if not answered:

@@ -349,8 +349,7 @@ class ScheduledRequest:
         self.out = out
         self.task: asyncio.Task[Any] | None = None  # the one that runs ``serve``
         self.supersede_key: tuple[str, str] | None = None  # (tenant, X-Clairvoyant-Supersede), if it has one
-        clock = shared.dispatcher.clock
-        self.relay = Relay(shared.pool.first, request, shared.metrics, ticket, hooks, now=clock.now)
+        self.relay = Relay(shared.pool.first, request, shared.metrics, ticket, hooks, now=shared.dispatcher.clock.now)
 
     @property
     def mode(self) -> Literal["auto", "drain", "abort"]:
