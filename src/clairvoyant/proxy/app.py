@@ -496,6 +496,7 @@ class ProxyApp:
         out = Responder(send)
         method: str = scope["method"]
         raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
+        dialect = dialect_of_path(scope["path"])
         try:
             check_head_size(raw_path, scope["query_string"], scope["headers"], self.settings.max_header_bytes)
             version = http_version(scope["http_version"])
@@ -525,16 +526,21 @@ class ProxyApp:
             else:
                 raise MethodNotAllowed(f"{method} is not served here", allow=_ALLOW.decode())
         except Denied as denied:
-            await self._reject(out, scope, denied.error, denied.outcome)
+            self._reject(method, scope, denied.error, denied.outcome)
+            await out.error(dialect, denied.error)
         except IncompleteBody as incomplete:  # most often the client left mid-upload: counted as such
             self.metrics.disconnects_by_stage["upload"].inc()
-            await self._reject(out, scope, incomplete, "client_left_uploading")
+            self._reject(method, scope, incomplete, "client_left_uploading")
+            await out.error(dialect, incomplete)
         except RequestError as error:
             outcome = "client_timeout" if isinstance(error, RequestTimeout) else error.code or "error"
-            await self._reject(out, scope, error, outcome)
+            self._reject(method, scope, error, outcome)
+            await out.error(dialect, error)
         except Exception:  # a bug: logged, answered if nothing was sent yet; the proxy goes on
             logger.exception("unexpected error on %s %s", method, scope["path"])
-            await self._reject(out, scope, RequestError("internal error in the proxy"), "internal_error")
+            internal = RequestError("internal error in the proxy")
+            self._reject(method, scope, internal, "internal_error")
+            await out.error(dialect, internal)
 
     async def _read(self, headers: list[tuple[bytes, bytes]], receive: Receive) -> tuple[bytes, int]:
         settings = self.settings
@@ -626,11 +632,9 @@ class ProxyApp:
         body = merge_model_lists(request.target.partition("?")[0], answered)
         await out.respond(200, [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))], body)
 
-    async def _reject(self, out: Responder, scope: dict[str, Any], error: RequestError, outcome: str) -> None:
-        """Count, log and answer (in the client's dialect) what the proxy refuses itself: it never
-        reached the queue or the backend."""
+    def _reject(self, method: str, scope: dict[str, Any], error: RequestError, outcome: str) -> None:
+        """Count and log an answer the proxy gave itself (it never reached the queue or the backend)."""
         path: str = scope["path"]
-        dialect = dialect_of_path(path)
         reason = next((r for cls, r in _REJECTION_REASONS.items() if isinstance(error, cls)), None)
         if reason is not None:
             self.metrics.rejections_by_reason[reason].inc()
@@ -640,12 +644,11 @@ class ProxyApp:
             self.metrics.client_rejections.labels("body_budget").inc()
         endpoint = path if path in SCHEDULED_ENDPOINTS else "passthrough"
         status = error.status_code
-        self.metrics.count_request(endpoint, dialect.value, str(status))
+        self.metrics.count_request(endpoint, dialect_of_path(path).value, str(status))
         log_request({
-            "request_id": _header(scope["headers"], b"x-request-id") or "-", "method": scope["method"],
-            "path": path[:256], "status": status, "outcome": outcome,
+            "request_id": _header(scope["headers"], b"x-request-id") or "-", "method": method, "path": path[:256],
+            "status": status, "outcome": outcome,
         })  # fmt: skip
-        await out.error(dialect, error)
 
 
 def _is_own_endpoint(path: str) -> bool:
