@@ -68,7 +68,7 @@ def test_a_backend_answering_as_a_kind_is_found_and_used_as_that_kind(name: str)
 
     pool, not_ready, busy = asyncio.run(scenario())
     member, record = pool.members[0], pool.scheduling_backends()[0]
-    assert member.kind is kind and pool.kind_of(0) is kind and record.info["kind"] == name
+    assert member.kind is kind and record.info["kind"] == name
     assert member.slots == (3 if kind.slots_key is not None else 1)
     assert member.slots_known is kind.known  # an unreached backend is asked again
     assert (not_ready is None) is kind.known

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from clairvoyant.proxy.keepalive import tcp_keepalive
+from clairvoyant.proxy.aiohttp_transport import tcp_keepalive
 
 SCENARIO = Path(__file__).with_name("vanished_peer_scenario.py")
 

@@ -1,3 +1,1 @@
-"""The HTTP side: the app (routes, lifespan), the responses that relay the backend's answer, the
-upstream client, the closed loop's wiring, and ``clairvoyant serve``.
-"""
+"""The HTTP side: the app, the relay, the backend client, the closed loop, ``clairvoyant serve``."""

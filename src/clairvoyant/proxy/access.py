@@ -1,22 +1,15 @@
-"""Who may use the proxy, and for what: API keys that name a tenant and a priority range, and the
-allowlist of pass-through paths.
+"""Who may use the proxy, and for what (docs/operations.md, "Keys, tenants and what passes
+through"), checked for every request by ``AccessControl.admit``: one SHA-256 and one dict lookup.
 
-Checked for every request (cheap: one SHA-256 and one dict lookup), by ``AccessControl.admit``:
-
-- **Keys** (``api_keys``; off when none are configured, the localhost default). A key arrives as
-  ``Authorization: Bearer KEY`` or ``X-Api-Key: KEY`` (llama-server's two forms). It is stored
-  only as ``sha256:<hex>`` of its text; keys are random (``clairvoyant keys add``), so a plain hash
-  is enough. A missing or unknown key is 401 in the dialect's error shape. The accepted key's
-  ``Identity`` (tenant, priority range, fair-share weight) goes with the request.
-  The client's key is removed before anything is forwarded unless ``forward_client_key``.
-- **The pass-through allowlist** (``passthrough_allow``): which other paths and methods reach the
-  backend. Unset: every path while the proxy listens on loopback only, else
-  ``DEFAULT_PASSTHROUGH_ALLOW`` (inference, model listing and show; never pull, push, create, copy
-  or delete). Refused: 403.
-- ``/healthz`` and ``/readyz`` are always open, and so are the live page's files (GET ``/ui``,
-  ``/ui/...``: they hold no data; the page asks for a key when the data needs one). The data:
-  GET ``/queue``, ``/queue/{id}``, ``/metrics`` and ``/history`` need a key when
-  ``status_requires_key``. Any other method or path on them goes by the allowlist and keys.
+- **Keys** (``api_keys``; none: off). ``Authorization: Bearer KEY`` or ``X-Api-Key: KEY``
+  (llama-server's two forms), stored only as ``sha256:<hex>``: keys are random (``clairvoyant keys
+  add``), so a plain hash is enough. Missing or unknown: 401. The key's ``Identity`` goes with the
+  request; the key itself is not forwarded unless ``forward_client_key``.
+- **The pass-through allowlist** (``passthrough_allow``). Unset: every path while the proxy listens
+  on loopback only, else ``DEFAULT_PASSTHROUGH_ALLOW`` (never pull, push, create, copy or delete).
+  Refused: 403.
+- ``/healthz``, ``/readyz`` and the live page's files (they hold no data) are always open; GET
+  ``/queue``, ``/queue/{id}``, ``/metrics`` and ``/history`` need a key when ``status_requires_key``.
 """
 
 from __future__ import annotations
@@ -26,7 +19,7 @@ import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from clairvoyant.config import ApiKey, Settings
+from clairvoyant.config import Settings
 from clairvoyant.errors import Forbidden, RequestError, Unauthorized
 from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS
 
@@ -74,7 +67,7 @@ def _rules(entries: Iterable[str]) -> tuple[set[tuple[str, str]], list[tuple[str
 
 
 class Denied(Exception):
-    """A request access control refuses: ``error`` is its answer, ``outcome`` its log line's."""
+    """``error`` is the refused request's answer, ``outcome`` its log line's."""
 
     def __init__(self, error: RequestError, outcome: str) -> None:
         super().__init__(error.message)
@@ -83,10 +76,8 @@ class Denied(Exception):
 
 
 class AccessControl:
-    """The rules described in the module docstring, checked by ``admit`` for every request."""
-
     def __init__(self, settings: Settings) -> None:
-        self.keys: dict[str, Identity] = {k.hash: _identity(k) for k in settings.api_keys}
+        self.keys = {k.hash: Identity(k.tenant, k.min_priority, k.max_priority, k.weight) for k in settings.api_keys}
         self.status_requires_key = settings.status_requires_key
         self.forward_client_key = settings.forward_client_key
         allow = settings.passthrough_allow
@@ -98,9 +89,8 @@ class AccessControl:
     def admit(
         self, method: str, path: str, headers: list[tuple[bytes, bytes]]
     ) -> tuple[Identity | None, list[tuple[bytes, bytes]]]:
-        """The identity of the key presented (None: keys are off, or the path is open) and the
-        headers to go on with (the client's key removed unless ``forward_client_key``).
-        Raises ``Denied``: 403 outside the allowlist, 401 without a valid key."""
+        """The key's identity (None: keys are off, or the path is open) and the headers to go on
+        with. Raises ``Denied``: 403 outside the allowlist, 401 without a valid key."""
         if method in READ_METHODS and (path in OPEN_PATHS or _page_path(path)):
             return None, headers
         status_path = method in READ_METHODS and _status_path(path)
@@ -132,10 +122,6 @@ def _status_path(path: str) -> bool:
     if path in STATUS_PATHS:
         return True
     return path.startswith("/queue/") and len(path) > 7 and "/" not in path[7:]
-
-
-def _identity(key: ApiKey) -> Identity:
-    return Identity(key.tenant, key.min_priority, key.max_priority, key.weight)
 
 
 def _presented_key(headers: Iterable[tuple[bytes, bytes]]) -> str:

@@ -3,25 +3,20 @@
 aiohttp keeps a pool of keep-alive connections per backend (idle ones dropped after
 ``KEEPALIVE_EXPIRY_S``), never retries a POST itself, and leaves the body undecoded
 (``auto_decompress=False``): the proxy relays the backend's bytes as they are. It adds none of its
-own default headers (User-Agent, Accept, Accept-Encoding, Content-Type): the backend sees the
-client's. URLs are sent as given (``encoded=True``), so the target the proxy checked is the one the
-backend reads.
-
-This module only moves bytes and classifies aiohttp's failures as ``TransportError``; the rules
-(resend, timeouts, error translation) are ``Upstream``'s.
+own default headers: the backend sees the client's. URLs are sent as given (``encoded=True``), so
+the target the proxy checked is the one the backend reads. The rules (resend, timeouts, error
+translation) are ``Upstream``'s; this module only moves bytes and classifies aiohttp's failures.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 from yarl import URL
 
-from clairvoyant.proxy.keepalive import tcp_keepalive
 from clairvoyant.proxy.transport import (
     KEEPALIVE_EXPIRY_S,
     FirstByteTimeout,
@@ -31,9 +26,29 @@ from clairvoyant.proxy.transport import (
     was_reset,
 )
 
-__all__ = ["AiohttpTransport"]
+__all__ = ["AiohttpTransport", "tcp_keepalive"]
 
 _SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
+
+
+def tcp_keepalive(sock: Any, idle_s: float) -> None:
+    """Find a peer whose host vanished without a FIN or a reset (a laptop asleep, a network gone)
+    in about 2 x ``idle_s``, where the system takes hours (keepalive) or ~15 minutes
+    (unacknowledged bytes): keepalive probes after ``idle_s`` of silence, 4 of them ``idle_s`` / 4
+    apart, and TCP_USER_TIMEOUT 2 x ``idle_s`` for bytes in flight. A peer that is there answers
+    probes and acknowledges bytes, however long it takes to generate."""
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return  # ``sock``: a transport's "socket" (None, or a Unix one: nothing to set)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):  # Linux (macOS has TCP_KEEPALIVE for the idle time only)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(idle_s)))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(idle_s / 4)))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 4)
+        if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux; milliseconds
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1000, int(2000 * idle_s)))
+    except OSError:  # a socket that refuses them still serves; the system's default applies
+        pass
 
 
 class _AiohttpResponse:
@@ -61,18 +76,6 @@ class _AiohttpResponse:
             self._response.close()
 
 
-def _keepalive_sockets(idle_s: float) -> Callable[[Any], socket.socket]:
-    """aiohttp's ``socket_factory``: sockets with TCP keepalive (``keepalive.tcp_keepalive``)."""
-
-    def make(addr_info: Any) -> socket.socket:
-        family, type_, proto, _, _ = addr_info
-        sock = socket.socket(family=family, type=type_, proto=proto)
-        tcp_keepalive(sock, idle_s)
-        return sock
-
-    return make
-
-
 class AiohttpTransport:
     def __init__(self, *, connect_timeout_s: float, read_timeout_s: float | None, keepalive_s: float = 0.0) -> None:
         """``keepalive_s``: TCP keepalive idle seconds on backend connections (0: the system's)."""
@@ -80,9 +83,16 @@ class AiohttpTransport:
         self._keepalive_s = keepalive_s
         self._session: aiohttp.ClientSession | None = None  # made on first use, on the running loop
 
+    def _socket(self, addr_info: Any) -> socket.socket:
+        """aiohttp's ``socket_factory``: a socket with ``tcp_keepalive``."""
+        family, type_, proto, _, _ = addr_info
+        sock = socket.socket(family=family, type=type_, proto=proto)
+        tcp_keepalive(sock, self._keepalive_s)
+        return sock
+
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
-            factory = _keepalive_sockets(self._keepalive_s) if self._keepalive_s > 0 else None
+            factory = self._socket if self._keepalive_s > 0 else None
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_EXPIRY_S, socket_factory=factory),
                 timeout=self._timeout,

@@ -1,18 +1,12 @@
 """The proxy's ASGI app: lifespan wiring and the routing of each request.
 
-Scheduled endpoints (predicted, queued, dispatched by policy): POST /v1/chat/completions,
-/v1/completions, /api/chat, /api/generate (proxy/scheduled.py). The proxy's own endpoints: GET
-/healthz, /readyz, /metrics, /queue, /queue/{request_id}, /history, and the live page /ui, served by FastAPI.
-Every other path and method passes through to the backend, streamed, unqueued; with a pool of
-backends (proxy/pool.py) a scheduled request's backend is chosen at dispatch, a pass-through one
-goes to a backend serving the model its body names, and the model listings are merged.
-
-Each request, in order (``ProxyApp.__call__``): its Host and target are checked
-(proxy/target.py: 400, and ``OPTIONS *`` answered here); its key and path are admitted
-(proxy/access.py: 401, 403); a scheduled request must find room in the queue; only then is its
-body read (proxy/body.py: the server's ``100 Continue`` goes out only now), within its deadline,
-size limit and the process's body budget. Every refusal is answered in the client's dialect
-(OpenAI's error object, or Ollama's ``{"error": ...}``) and logged as one line.
+POST /v1/chat/completions, /v1/completions, /api/chat and /api/generate are scheduled
+(proxy/scheduled.py); GET /healthz, /readyz, /metrics, /queue, /queue/{request_id}, /history and
+the live page /ui are the proxy's own, served by FastAPI; everything else passes through to the
+backend unqueued (in a pool, to one serving the model its body names; model listings merged).
+``ProxyApp.__call__`` checks each request in the order docs/design.md gives ("A request's life"),
+reading the body only after the checks, and answers every refusal in the client's dialect and
+with one log line.
 """
 
 from __future__ import annotations
@@ -90,13 +84,10 @@ _REJECTION_REASONS = {BadRequest: "bad_request", PayloadTooLarge: "too_large", Q
 
 @dataclass
 class ProxyState:
-    """Everything the requests need; built by the lifespan, closed in reverse order."""
+    """Everything the requests need, built by the lifespan."""
 
-    settings: Settings
-    predictor: Predictor
     pool: BackendPool
     dispatcher: Dispatcher
-    metrics: Metrics
     learning: OnlineLearning  # its recorder is a scheduled request's on_usage: metrics and the online learner
     scheduling: Scheduling  # what every scheduled request shares
     limits: TenantLimits  # tenants' use against their limits
@@ -116,9 +107,8 @@ class ProxyState:
 
 
 def _load_encoder(settings: Settings, predictor: Predictor) -> EncoderModel | None:
-    """The encoder that refines waiting requests (``prediction/encoder.py``), when it applies: it
-    refines a regressor's log tokens, so a class model (``--preset paper``) or a test double runs
-    without it. A broken encoder fails start-up, like a broken predictor."""
+    """The encoder that refines waiting requests, when it applies: it refines a regressor's log
+    tokens (not a class model's, nor a test double's). A broken one fails start-up."""
     if not settings.encoder:
         return None
     encoder = encoder_for(predictor, settings.encoder_path) if isinstance(predictor, OnnxPredictor) else None
@@ -171,8 +161,7 @@ def create_app(
     clock: Clock | None = None,
     upstream_transport: Transport | None = None,  # tests' (tests/httpx_transport.py)
 ) -> ProxyApp:
-    """Build the proxy (served by ``server.ProxyServer``). ``predictor``, ``clock`` and
-    ``upstream_transport`` are for tests."""
+    """Build the proxy (served by ``server.ProxyServer``); the keywords are for tests."""
     metrics = Metrics()
     running_clock = clock or MonotonicClock()
     proxy: ProxyApp
@@ -236,7 +225,7 @@ async def _start(
     history = History()
     _run_background_tasks(settings, pool, dispatcher, limits, history)
     _log_ready(settings, pool, dispatcher)
-    return ProxyState(settings, loaded, pool, dispatcher, metrics, learning, scheduling, limits, history, cluster)
+    return ProxyState(pool, dispatcher, learning, scheduling, limits, history, cluster)
 
 
 def replica_name(settings: Settings) -> str:
@@ -245,8 +234,7 @@ def replica_name(settings: Settings) -> str:
 
 
 async def _start_limits(settings: Settings) -> TenantLimits:
-    """The tenants' limits: counted in this process (with its state file), or with replicas in
-    Redis, shared by every replica of the cluster."""
+    """The tenants' limits: counted in this process (with its state file), or in Redis with replicas."""
     redis_url = None if settings.redis_url is None else settings.redis_url.get_secret_value()
     limits = TenantLimits(
         settings.tenant_limits,
@@ -286,9 +274,8 @@ def _on_heartbeat(limits: TenantLimits) -> Callable[[tuple[str, ...]], Awaitable
 def _shared_observations(
     stack: AsyncExitStack, settings: Settings, dispatcher: Dispatcher, learning: OnlineLearning
 ) -> SharedObservations:
-    """With replicas: every replica learns from every replica's answers (service seconds and the
-    learner's observations, numbers only) through a Redis stream, so their predictions, compared
-    in one queue, stay comparable. Not started yet; its stop is pushed on ``stack``."""
+    """With replicas: every replica learns from every replica's answers (numbers only) through a
+    Redis stream, so that their predictions, compared in one queue, stay comparable. Not started yet."""
     from clairvoyant.scheduling.cluster.observations import SharedObservations  # redis-py: replicas only
 
     assert settings.redis_url is not None
@@ -310,7 +297,7 @@ def _cluster_link(
     stack: AsyncExitStack, settings: Settings, metrics: Metrics, tenant_weights: dict[str, float], limits: TenantLimits
 ) -> ClusterLink | None:
     """With ``redis_url``: this replica's side of the shared queue (not started yet). Its goodbye
-    is pushed before the dispatcher's stop, so it runs after the last answer's slot was released."""
+    is pushed before the dispatcher's stop: it runs after the last slot's release."""
     if settings.redis_url is None:
         return None
     from clairvoyant.scheduling.cluster.store import RedisSlotStore  # redis-py: loaded with replicas only
@@ -366,8 +353,7 @@ def _dispatcher(
 def _run_background_tasks(
     settings: Settings, pool: BackendPool, dispatcher: Dispatcher, limits: TenantLimits, history: History
 ) -> None:
-    """The dispatcher's detached tasks (cancelled when it stops): each backend's first health check,
-    the tenants' counts saved, the live page's history."""
+    """The dispatcher's detached tasks (cancelled when it stops)."""
     for member in pool.members:
         dispatcher.run_detached(
             _check_upstream_at_start(member.upstream, settings.backend_wait_s),
@@ -400,8 +386,7 @@ def _log_ready(settings: Settings, pool: BackendPool, dispatcher: Dispatcher) ->
 
 
 def _add_own_endpoints(api: FastAPI, proxy: ProxyApp) -> None:
-    """The proxy's own GET endpoints, served by FastAPI: health, readiness, metrics, the queue, the
-    live page."""
+    """The proxy's own GET endpoints."""
     metrics = proxy.metrics
 
     @api.get("/healthz")
@@ -438,8 +423,7 @@ def _add_own_endpoints(api: FastAPI, proxy: ProxyApp) -> None:
 
     @api.get("/queue")
     async def queue_endpoint(limit: int | None = None) -> Response:
-        """``limit``: list only the first waiting requests (the live page asks for 100; the
-        counts and the tail's ETA still cover the whole queue)."""
+        """``limit``: list only the first waiting requests (the counts and ETAs cover them all)."""
         state = proxy.state
         view = await live_view(state.dispatcher, state.limits, limit)
         if state.cluster is not None:
@@ -448,13 +432,13 @@ def _add_own_endpoints(api: FastAPI, proxy: ProxyApp) -> None:
 
     @api.get("/history")
     async def history_endpoint() -> Response:
-        """The last 15 minutes, for the live page's charts (proxy/history.py); a key exactly when /queue needs one."""
+        """The last 15 minutes, for the live page's charts (proxy/history.py)."""
         state = proxy.state
         return JSONResponse(await history_now(state.history, state.dispatcher, state.limits))
 
     @api.get("/queue/{request_id}")
     async def queue_position(request_id: str) -> Response:
-        """Where one waiting request stands: position in dispatch order and ETA in seconds."""
+        """Where one waiting request stands: its position in dispatch order and ETA."""
         dispatcher = proxy.state.dispatcher
         ticket = dispatcher.waiting_ticket(request_id)
         where = None if ticket is None else dispatcher.where(ticket)
@@ -473,7 +457,7 @@ def _add_own_endpoints(api: FastAPI, proxy: ProxyApp) -> None:
 
 
 class ProxyApp:
-    """The ASGI app the server runs: every request's checks and routing (module docstring)."""
+    """The ASGI app the server runs (module docstring)."""
 
     def __init__(self, api: FastAPI, settings: Settings, metrics: Metrics) -> None:
         self.api = api  # the lifespan and the proxy's own endpoints
@@ -488,9 +472,8 @@ class ProxyApp:
         self.tenant_weights = settings.tenant_weights  # the fair-share queue reads this very dict
 
     def reload_keys(self, new: Settings) -> None:
-        """The keys and tenants of ``new`` (the config file read again, on SIGHUP) replace the
-        current ones; the queue, the requests in flight and every tenant's counts stay. Other
-        changed settings need a restart."""
+        """SIGHUP: the keys and tenants of ``new`` replace the current ones; the queue, the requests
+        in flight and every tenant's counts stay. Other settings need a restart."""
         self.settings = self.settings.model_copy(update={"api_keys": new.api_keys, "tenants": new.tenants})
         self.access = AccessControl(self.settings)
         self.tenant_weights.clear()
@@ -550,9 +533,8 @@ class ProxyApp:
             self._reject(method, scope, incomplete, "client_left_uploading")
             await out.error(dialect, incomplete)
         except RequestError as error:
-            self._reject(
-                method, scope, error, "client_timeout" if isinstance(error, RequestTimeout) else error.code or "error"
-            )
+            outcome = "client_timeout" if isinstance(error, RequestTimeout) else error.code or "error"
+            self._reject(method, scope, error, outcome)
             await out.error(dialect, error)
         except Exception:  # a bug: logged, answered if nothing was sent yet; the proxy goes on
             logger.exception("unexpected error on %s %s", method, scope["path"])
@@ -575,14 +557,13 @@ class ProxyApp:
         receive: Receive,
         out: Responder,
     ) -> None:
-        """Check the tenant's limits and the queue's room, read the body, then queue the request
-        and answer it once granted. Nothing is read before the checks: a refused upload is never
-        invited (the server's 100 Continue goes out with the first read)."""
+        """The tenant's limits and the queue's room first: a refused upload is never invited (the
+        server's 100 Continue goes out with the first read)."""
         state = self.state
         settings = self.settings
         metrics = self.metrics
         declared_length(headers, settings.max_body_bytes)  # 413 before anything else is said
-        tenant = _tenant_of(identity, headers, settings.tenant_header.lower().encode())
+        tenant = identity.tenant if identity else _header(headers, settings.tenant_header.lower().encode()) or ""
         dispatcher = state.dispatcher
         try:
             await state.limits.admit(tenant, lambda: dispatcher.tenant_free_in_s(tenant))
@@ -609,7 +590,7 @@ class ProxyApp:
         self, method: str, target: Target, headers: list[tuple[bytes, bytes]], receive: Receive, out: Responder
     ) -> None:
         """Relay a request unscheduled: to the backend, or in a pool to one serving its model."""
-        state = self.state
+        pool = self.state.pool
         body, held_bytes = await self._read(headers, receive)
         relay: Relay | None = None
         try:
@@ -619,19 +600,17 @@ class ProxyApp:
                 method, target.raw_path + _query(target), forward, body, dialect_of_path(path),
                 authorization=authorization, wait_s=self.settings.backend_wait_s,
             )  # fmt: skip
-            pool = state.pool
             if len(pool) > 1 and method == "GET" and path in MODEL_LISTINGS:
                 await self._merged_listing(pool, request, out)
                 return
             if len(pool) == 1:
-                passing = PassThrough(self.status_counts)
-                relay = Relay(pool.first, request, self.metrics, passing, passing)
+                passing, upstream = PassThrough(self.status_counts), pool.first
             else:
                 # To a backend serving the model the body names (Ollama's show, embeddings), or to
                 # the first healthy backend; a refused connection tries the next.
                 order = pool.passthrough_order(_model_named(body))
-                passing = PassThrough(self.status_counts, pool, order)
-                relay = Relay(order[0], request, self.metrics, passing, passing)
+                passing, upstream = PassThrough(self.status_counts, pool, order), order[0]
+            relay = Relay(upstream, request, self.metrics, passing, passing)
             await relay_unscheduled(relay, out, receive, self.metrics)
         finally:
             self.body_budget.give_back(held_bytes)
@@ -639,14 +618,13 @@ class ProxyApp:
             self.metrics.requests.answered["passthrough", dialect_of_path(target.path).value, status].inc()
             if relay is not None and REQUEST_LOG.isEnabledFor(logging.INFO):
                 log_request({
-                    "request_id": _request_id(headers), "method": method, "path": target.path,
+                    "request_id": _header(headers, b"x-request-id") or "-", "method": method, "path": target.path,
                     "status": relay.status or "client_closed", "outcome": "passthrough_" + relay.record.status.outcome,
                 })  # fmt: skip
 
     async def _merged_listing(self, pool: BackendPool, request: UpstreamRequest, out: Responder) -> None:
-        """``GET /api/tags`` or ``/v1/models`` in front of a pool: every backend's list, merged (the
-        first backend's entry wins a model listed twice). Backends that do not answer are left out;
-        none answering is a 502."""
+        """``GET /api/tags`` or ``/v1/models`` in front of a pool: the lists of the backends that
+        answer, merged (the first backend's entry wins a duplicate); none answering is a 502."""
         bodies = await asyncio.gather(*(m.upstream.get_json(request.target, LISTING_TIMEOUT_S) for m in pool.members))
         answered = [body for body in bodies if body is not None]
         if not answered:
@@ -668,8 +646,8 @@ class ProxyApp:
         status = error.status_code
         self.metrics.requests.answered[endpoint, dialect_of_path(path).value, str(status)].inc()
         log_request({
-            "request_id": _request_id(scope["headers"]), "method": method, "path": path[:256], "status": status,
-            "outcome": outcome,
+            "request_id": _header(scope["headers"], b"x-request-id") or "-", "method": method, "path": path[:256],
+            "status": status, "outcome": outcome,
         })  # fmt: skip
 
 
@@ -685,16 +663,9 @@ def _known_tenants(settings: Settings) -> frozenset[str]:
     return frozenset({*settings.tenant_weights, *settings.tenant_limits})
 
 
-def _tenant_of(identity: Identity | None, headers: list[tuple[bytes, bytes]], tenant_header: bytes) -> str:
-    """The request's tenant: its key's, else the tenant header's (at most 128 characters), else ""."""
-    if identity is not None:
-        return identity.tenant
-    return next((v.decode("latin-1")[:128] for k, v in headers if k == tenant_header), "")
-
-
-def _request_id(headers: list[tuple[bytes, bytes]]) -> str:
-    """The client's X-Request-Id for a log line, or "-"."""
-    return next((v.decode("latin-1")[:128] for k, v in headers if k == b"x-request-id"), "-")
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    """A header's first value, at most 128 characters (for a log line or a tenant's name)."""
+    return next((v.decode("latin-1")[:128] for k, v in headers if k == name), None)
 
 
 def _query(target: Target) -> str:

@@ -1,17 +1,9 @@
-"""Reading a request's body: whole, within a deadline, a size limit and a process-wide budget.
-
-The proxy reads every body whole before it forwards anything and sends it upstream with its own
-Content-Length, so no framing of the client's reaches the backend (no request smuggling through
-Transfer-Encoding or Content-Length tricks). What that costs is bounded here:
-
-- ``max_body_bytes`` per request: 413, at once when Content-Length says so;
-- ``client_timeout_s`` for the whole body (a stalled or trickling upload): 408;
-- ``BodyBudget``: the bytes of all bodies held at once (read, or waiting in the queue) stay under
-  ``body_budget_bytes``; a body that does not fit is 503 with Retry-After. Without it, N clients
-  each holding a body just under the limit would hold N times the limit.
-
-The server sends ``100 Continue`` when the app first asks for the body, so a caller that checks the
-request's key, path and queue room before calling ``read_body`` never invites a refused upload.
+"""Reading a request's body whole, so that it goes upstream with the proxy's own Content-Length
+and no framing of the client's reaches the backend (no request smuggling). What that costs is
+bounded: ``max_body_bytes`` per request (413, at once when Content-Length says so),
+``client_timeout_s`` for the whole body (408), and ``BodyBudget`` for all bodies held at once
+(503 with Retry-After: else N clients each just under the limit would hold N times the limit).
+The server sends ``100 Continue`` only when ``read_body`` first asks for the body.
 """
 
 from __future__ import annotations
@@ -42,7 +34,7 @@ class BodyBudget:
         self.held_bytes = 0
 
     def take(self, n_bytes: int) -> None:
-        """Hold ``n_bytes`` more; raises ``BodyBudgetExhausted`` (holding nothing more) when they do not fit."""
+        """Hold ``n_bytes`` more, or raise ``BodyBudgetExhausted`` (holding nothing more)."""
         if self.held_bytes + n_bytes > self.limit_bytes:
             raise BodyBudgetExhausted("the proxy holds as many request bodies as it may; retry shortly")
         self.held_bytes += n_bytes
@@ -73,8 +65,8 @@ def check_framing(http_version: str, headers: list[tuple[bytes, bytes]]) -> None
 
 
 def declared_length(headers: list[tuple[bytes, bytes]], max_bytes: int) -> int | None:
-    """The request's Content-Length, or None (chunked, or none); the server has checked its form.
-    Raises ``PayloadTooLarge`` above ``max_bytes``."""
+    """The request's Content-Length (its form checked by the server), or None; ``PayloadTooLarge``
+    above ``max_bytes``."""
     for name, value in headers:
         if name == b"content-length":
             if int(value) > max_bytes:
@@ -86,12 +78,9 @@ def declared_length(headers: list[tuple[bytes, bytes]], max_bytes: int) -> int |
 async def read_body(
     receive: Receive, *, declared_bytes: int | None, max_bytes: int, timeout_s: float, budget: BodyBudget
 ) -> tuple[bytes, int]:
-    """The whole body and the bytes taken from ``budget`` for it (the caller gives them back with
-    ``budget.give_back`` when the request is over; on an exception nothing stays taken).
-
-    Raises ``PayloadTooLarge``, ``BodyBudgetExhausted``, ``RequestTimeout`` (not whole within
-    ``timeout_s`` seconds) or ``IncompleteBody`` (it ended early: the client left, or its chunked
-    framing is broken)."""
+    """The whole body and the bytes taken from ``budget`` for it (given back by the caller when the
+    request is over; on an exception, here). Raises ``PayloadTooLarge``, ``BodyBudgetExhausted``,
+    ``RequestTimeout`` or ``IncompleteBody`` (the client left, or its chunked framing is broken)."""
     if declared_bytes is not None:  # ``declared_length``'s, within the limit
         budget.take(declared_bytes)
     taken = declared_bytes or 0

@@ -1,29 +1,10 @@
 """The closed loop: what the backend produced for each completed request goes to the metrics and
-the online learner (``clairvoyant.prediction.learner``), and the learner's correction back into the predictor.
+the online learner, and the learner's correction back into the predictor (docs/online-learning.md).
 
-- ``UsageRecorder`` is the relay's ``on_usage`` hook. It runs on the event loop once per completed
-  scheduled request and does O(1) work: a counter, a histogram, and the learner's ``observe`` (the
-  observation sent to the learner's process; refits run there, never here), for at most
-  ``learner_max_observations_per_s`` requests a second (a sample of a faster flow). With replicas,
-  what its learner took is told to ``on_observed`` (published: scheduling/cluster/observations.py),
-  and the other replicas' come back through ``observe_shared``, which draws on the same bucket: the
-  rate bounds what reaches this learner in all, its own and the others'.
-- ``OnlineLearning`` is the learner's life in the proxy, built by the lifespan: start the learner's
-  process (``clairvoyant.prediction.learner_process``), which loads the state file; attach it to the
-  predictor as its corrector; have it save the state every ``learner_save_interval_s`` and at
-  shutdown. Loading, fitting and saving all happen in that process, never on the event loop.
-
-The learner learns only from ``Usage`` records, which the relay reads from the BACKEND's answer
-(its reported token counts, else its counted stream events): nothing a client sends (the request
-body, its proxy field, its headers) can become an observed length.
-
-With ``online_learning = false`` the predictor stays the static shipped model: no corrector, no
-refits, no state file read or written. Completed requests are still observed, only so that
-/metrics shows the static model's rolling prediction quality (the learner's quality windows);
-nothing learned from them is ever used.
-
-A predictor that is not an ``OnnxPredictor`` (test doubles) has no prior identity to learn
-against: the proxy then records usage in the metrics only.
+The learner learns only from ``Usage`` records, which the relay reads from the BACKEND's answer:
+nothing a client sends can become an observed length. Loading, fitting and saving happen in the
+learner's process, never on the event loop. With ``online_learning = false`` the predictor stays
+the static model; completed requests are still observed, only for /metrics' prediction quality.
 """
 
 from __future__ import annotations
@@ -42,6 +23,7 @@ from clairvoyant.prediction.dialects import SCHEDULED_ENDPOINTS, parse_request
 from clairvoyant.prediction.features import Prompt
 from clairvoyant.prediction.learner import PriorIdentity
 from clairvoyant.prediction.learner_process import LearnerProcess, LearnerUnavailable
+from clairvoyant.prediction.predictor import OnnxPredictor
 from clairvoyant.prediction.usage import Usage
 
 if TYPE_CHECKING:
@@ -55,8 +37,8 @@ logger = logging.getLogger(__name__)
 
 
 class RateSample:
-    """Takes at most ``per_s`` events a second on average, and bursts of up to ``burst_s`` seconds'
-    worth (a token bucket): beyond that rate, the events taken are a sample spread over time."""
+    """A token bucket: at most ``per_s`` events a second on average, in bursts of up to ``burst_s``
+    seconds' worth; beyond that rate, the events taken are a sample spread over time."""
 
     def __init__(self, per_s: float, burst_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         if not (per_s > 0 and burst_s > 0):
@@ -79,11 +61,11 @@ class RateSample:
 
 
 class UsageRecorder:
-    """Counts each completed request's usage and, when there is a learner, lets it observe the
-    backend's length: at most ``max_observations_per_s`` a second on average, in bursts of up to
-    ten seconds' worth (a sample beyond: the learner keeps the last 1,024 per model and refits at
-    most once a second, so a flood of completions would cost the request path and the encoder's
-    thread for nothing). ``learner=None``: metrics only."""
+    """A scheduled request's ``on_usage``, O(1) on the loop: counts its usage and lets the learner
+    (if any) observe the backend's length, at most ``max_observations_per_s`` a second (the learner
+    keeps the last 1,024 per model and refits at most once a second: a flood would cost the request
+    path and the encoder's thread for nothing). With replicas, what it took goes to ``on_observed``,
+    and the others' come back through ``observe_shared``, from the same bucket."""
 
     def __init__(
         self, metrics: Metrics, learner: LearnerProcess | None = None, *, max_observations_per_s: float
@@ -99,7 +81,7 @@ class UsageRecorder:
         self.on_observed: Callable[[Prediction, int], None] | None = None
 
     def __call__(self, ticket: Ticket, usage: Usage, body: bytes = b"") -> None:
-        """``usage`` of ``ticket``'s answer; ``body``: the request body it was sent with."""
+        """``body``: the request body the answer was sent with."""
         self.metrics.prediction.count_usage(usage.source, usage.output_tokens)
         prediction = ticket.prediction  # made by now, even when it was deferred past dispatch
         learner = self.learner
@@ -124,11 +106,10 @@ class UsageRecorder:
             and learner.identity.n_features > learner.identity.n_counts
             and len(prediction.feature_row) == 4 * learner.identity.n_counts
         ):
-            # Its row has no encoder columns (none is kept past a request's wait, and one that did
-            # not wait was never encoded): the encoder's thread adds them first (a few ms later, off
-            # the loop, within its learning share), then the learner observes it. Not taken: a
-            # lexical row, counted for quality only. The body is parsed (again) only when the
-            # encoder takes it.
+            # Its row has no encoder columns (none is kept past a request's wait): the encoder's
+            # thread adds them first (off the loop, within its learning share), then the learner
+            # observes it. Not taken: a lexical row, for quality only. The body is parsed again only
+            # when the encoder takes it.
             lexical = prediction
 
             def instruction() -> str | None:
@@ -147,9 +128,7 @@ class UsageRecorder:
             self.on_observed(prediction, tokens)
 
     def observe_shared(self, prediction: Prediction, tokens: int) -> None:
-        """Another replica's learner observation: this learner observes it too, within the same
-        bucket as this replica's own, so that at most ``max_observations_per_s`` a second reach it
-        in all."""
+        """Another replica's learner observation, within this replica's bucket."""
         learner = self.learner
         if learner is None:
             return
@@ -160,7 +139,7 @@ class UsageRecorder:
 
 
 def _prompt_of(path: str, body: bytes) -> Prompt | None:
-    """The prompt of a scheduled request's body (None: not one, or no longer parseable)."""
+    """The prompt of a scheduled request's body (None: no longer parseable)."""
     endpoint = SCHEDULED_ENDPOINTS.get(path)
     if endpoint is None:
         return None
@@ -170,23 +149,16 @@ def _prompt_of(path: str, body: bytes) -> Prompt | None:
         return None
 
 
-def _identity(predictor: Predictor, encoder: Any = None) -> PriorIdentity | None:
-    """The prior a learner is tied to, or None for a predictor without one (a test double)."""
-    if not all(hasattr(predictor, name) for name in ("feature_set", "onnx_sha256", "corrector")):
-        return None
-    return PriorIdentity.of(predictor, encoder)
-
-
 class OnlineLearning:
-    """The learner's lifecycle in the proxy (see the module docstring). ``learner`` is None when the
-    predictor has no prior identity."""
+    """The learner's process in the proxy: started with its state file, attached to the predictor
+    as its corrector, saved every ``learner_save_interval_s`` and at stop. ``learner`` is None when
+    the predictor has no prior identity (a test double: usage is then counted in the metrics only)."""
 
     def __init__(self, settings: Settings, predictor: Predictor, metrics: Metrics, encoder: Any = None) -> None:
         self.settings = settings
         self.predictor = predictor
         self.encoder = encoder  # refines waiting requests: its components join the learner's rows
         self.metrics = metrics
-        self.learning = settings.online_learning
         self.state_path = settings.learner_state_path if settings.online_learning else None
         self.learner: LearnerProcess | None = None
         self.recorder = UsageRecorder(metrics, max_observations_per_s=settings.learner_max_observations_per_s)
@@ -196,21 +168,22 @@ class OnlineLearning:
         self._quality_total = -1  # learner.observed_total when the quality gauges were last refreshed
 
     async def start(self) -> None:
-        identity = _identity(self.predictor, self.encoder)
-        if identity is None:
+        predictor = self.predictor
+        if not isinstance(predictor, OnnxPredictor):
             logger.info("online learning: the predictor has no prior identity; usage is recorded in metrics only")
             return
-        learner = LearnerProcess(identity, state_path=self.state_path, fit=self.learning)
+        learner = LearnerProcess(
+            PriorIdentity.of(predictor, self.encoder), state_path=self.state_path, fit=self.settings.online_learning
+        )
         if not await learner.start():  # logged: the proxy serves with the static model
             return
         self.learner = learner
         self._saved_total = learner.observed_total
         self.recorder.learner = learner
-        self.recorder.feature_row = getattr(self.predictor, "feature_row", None)
-        if not self.learning:
+        self.recorder.feature_row = predictor.feature_row
+        if not self.settings.online_learning:
             logger.info("online learning off: the static model predicts; its quality is still measured")
             return
-        predictor: Any = self.predictor
         self._previous_corrector = predictor.corrector
         predictor.corrector = learner
         if self.state_path is not None:
@@ -223,8 +196,7 @@ class OnlineLearning:
         )
 
     async def stop(self) -> None:
-        """Stop saving, save once more, and stop the learner's process. Call after the dispatcher
-        has drained."""
+        """Save once more and stop the learner's process (after the dispatcher has drained)."""
         if self._saver is not None:
             self._saver.cancel()
             await asyncio.gather(self._saver, return_exceptions=True)
@@ -232,17 +204,16 @@ class OnlineLearning:
         learner = self.learner
         if learner is None:
             return
-        if self.learning:
+        if self.settings.online_learning:
             predictor: Any = self.predictor
             predictor.corrector = self._previous_corrector
             await self.save()
         await learner.stop()
 
     async def save(self) -> bool:
-        """Have the learner's process save the state now if there is a state file and anything
-        new. True if saved. A failed save is logged, never raised: the proxy keeps serving."""
+        """True if saved (a state file, and anything new). A failed save is logged, never raised."""
         learner = self.learner
-        if learner is None or self.state_path is None or not self.learning:
+        if learner is None or self.state_path is None:  # no state file without online_learning
             return False
         total = learner.observed_total
         if total == self._saved_total:
@@ -261,8 +232,8 @@ class OnlineLearning:
             await self.save()
 
     async def refresh_quality(self) -> None:
-        """Bring the quality gauges up to date (before /metrics renders). The learner's process
-        recomputes the rolling quality only if requests were observed since the last refresh."""
+        """Bring the quality gauges up to date (before /metrics renders), recomputed only if
+        requests were observed since the last refresh."""
         learner = self.learner
         if learner is None:
             return

@@ -1,20 +1,14 @@
 """The pool of backends: one ``Upstream`` each, what each backend is, and the health checks that
-keep the dispatcher's routing records (scheduling/routing.py) current.
+keep the dispatcher's routing records (scheduling/routing.py) current (docs/design.md, "The pool
+of backends").
 
-At start-up each backend of a pool is asked what it is (kind ``auto``; the questions are the
-kinds', proxy/backend_kinds.py): llama.cpp answers ``/props`` (with its ``total_slots``, used when
-``slots`` is not configured), Ollama ``/api/version``, vLLM ``/version``; anything else that
-answers is an OpenAI-compatible server. With more than one backend, a monitor task per backend
-then checks ``/health`` every ``HEALTH_INTERVAL_S`` (an unhealthy one with backoff from
-``RETRY_START_S`` to ``RETRY_MAX_S``) and, for Ollama, which models are loaded (``/api/ps``:
-routing prefers a backend that has the model loaded). A refused connection marks a
-backend unhealthy at once and wakes its monitor; any answer marks it healthy again. A llama.cpp
-backend without configured slots is asked ``/props`` again when its health check passes after a
-failure (it may have been restarted with another ``-np``), and resized to what it says.
-
-With the ``upstream_url`` shorthand nothing is asked (its slots are ``slots``), and with one
-backend nothing is polled: a request that finds it down waits for it (``backend_wait_s``), as
-before the pool existed.
+At start-up each backend of kind ``auto`` is asked what it is (the kinds' questions,
+proxy/backend_kinds.py); llama.cpp's answer carries its slots. With more than one backend, a
+monitor task each checks its health (with backoff while unhealthy) and, for Ollama, its loaded
+models. A refused connection marks a backend unhealthy at once and wakes its monitor; any answer
+marks it healthy. A llama.cpp backend without configured slots is asked again when it comes back
+(it may have been restarted with another ``-np``). With one backend nothing is polled: a request
+that finds it down waits for it (``backend_wait_s``).
 """
 
 from __future__ import annotations
@@ -55,7 +49,7 @@ class PoolMember:
 
     @property
     def kind(self) -> BackendKind:
-        """What it is (``auto`` while unknown: not reached yet); its upstream's, which probes by it."""
+        """Its upstream's, which probes by it (``auto`` while not reached yet)."""
         return self.upstream.kind
 
 
@@ -91,10 +85,9 @@ class BackendPool:
     def first(self) -> Upstream:
         return self.members[0].upstream
 
-    # -- start-up ----------------------------------------------------------------------------
     async def discover(self) -> None:
-        """Ask each backend of a pool what it is (kind, slots), all at once. A backend that does
-        not answer keeps its configured slots (or ``slots``) and is asked again once it does."""
+        """Ask each backend what it is (kind, slots), all at once; one that does not answer keeps its
+        configured slots and is asked again once it does."""
         if not self.settings.backends and not self.settings.vllm_priority:
             return  # the upstream_url shorthand: its slots are `slots`, and nothing to route
         try:  # a black-holed address must not hold start-up: unanswered ones are asked again later
@@ -105,8 +98,7 @@ class BackendPool:
             logger.warning("backends %s did not say what they are within %.0f s", ", ".join(unknown), DISCOVERY_TOTAL_S)
 
     async def _discover(self, member: PoolMember) -> None:
-        """Ask the member what it is and, for llama.cpp, its slots, unless both are known. A llama.cpp
-        backend that was down at start-up and has other slots than assumed is resized when it answers."""
+        """Ask what it is and, for llama.cpp, its slots, unless both are known (resized if they differ)."""
         if member.kind.known and member.slots_known:
             return
         upstream = member.upstream
@@ -193,45 +185,32 @@ class BackendPool:
             kind = self.members[index].kind  # discovered late, if it was down at start-up
             record.info["kind"], record.held.tracks_loaded = kind.name, kind.loaded_models_path is not None
 
-    # -- what requests report ------------------------------------------------------------------
-    def index_of(self, upstream: Upstream) -> int:
-        return self._index[id(upstream)]
-
     def refused(self, upstream: Upstream) -> None:
-        """A connection to this backend was refused: unhealthy now, checked again soon."""
-        index = self.index_of(upstream)
+        """A connection to this backend was refused: unhealthy now, its monitor woken."""
+        index = self._index[id(upstream)]
         self._set(index, False)
         self.members[index].checked.set()
 
     def answered(self, upstream: Upstream) -> None:
         """This backend answered a request: healthy (cheap when it already was)."""
         if self.dispatcher is not None:
-            index = self.index_of(upstream)
+            index = self._index[id(upstream)]
             if not self.dispatcher.backends[index].healthy:
                 self._set(index, True)
 
     def broken(self, upstream: Upstream) -> None:
         """An answer from this backend broke off (it may have died): in a pool it gets no more
-        requests until its monitor, woken now, finds it healthy; the request that broke is never
-        sent elsewhere (it may have been generating)."""
-        if len(self.members) < 2:
-            return  # one backend: nowhere else to send the next request; its relay waits for it
-        index = self.index_of(upstream)
-        self._set(index, False)
-        self.members[index].checked.set()
+        requests until its monitor finds it healthy (the broken request is never resent)."""
+        if len(self.members) > 1:  # one backend: nowhere else to send the next request
+            self.refused(upstream)
 
-    # -- pass-through --------------------------------------------------------------------------
     def passthrough_order(self, model: str | None) -> list[Upstream]:
-        """Where a pass-through request for ``model`` (None: it names none) may go, best first:
-        healthy backends that serve it, those with it loaded first, in configuration order; then
-        the unhealthy ones (tried last: the request waits for one of them)."""
+        """Where a pass-through request for ``model`` may go, best first: healthy backends that serve
+        it, those with it loaded first, in configuration order; then the unhealthy ones."""
         backends = self.dispatcher.backends if self.dispatcher is not None else self.scheduling_backends()
         serving = [i for i, b in enumerate(backends) if b.serves(model)] or list(range(len(backends)))
         serving.sort(key=lambda i: (not backends[i].healthy, not backends[i].held.has_loaded(model), i))
         return [self.members[i].upstream for i in serving]
-
-    def kind_of(self, index: int) -> BackendKind:
-        return self.members[index].kind
 
     async def aclose(self) -> None:
         for task in self._monitors:

@@ -1,23 +1,10 @@
-"""The relay of one backend answer to one client, over ASGI.
-
-``Relay.run`` opens the upstream request and relays status, headers and body as they arrive,
-through a ``Responder`` (the ASGI ``send`` of the client's request). Scheduled and pass-through
-requests share it.
-
-Opening waits out a backend that cannot take the request yet, since nothing has been generated:
-a refused connection, one not accepted within the connect timeout (or, for a scheduled request, a
-503 from a model still loading) is retried after the backend's health check passes, up to
-``backend_wait_s`` from the outage's start; a pool may instead hand the request to another
-backend (``failover``). A backend that let a first-byte deadline pass is health-checked before the
-next request goes to it, and if the check does not pass within ``backend_wait_s`` the request is
-answered 503 (Retry-After), never sent into the hang.
-
-Once the status is sent it cannot change: a backend failure after that point ends a stream with
-one final error event in the dialect's framing (SSE or NDJSON), or cuts a plain body short (the
-server closes the connection without the body's end).
-
-A completed 2xx answer is read by a ``UsageTap`` as it passes, without buffering: its ``Usage``
-(what the backend really produced) goes to the request's ``RelayHooks.usage``.
+"""The relay of one backend answer to one client, over ASGI, for scheduled and pass-through
+requests alike: ``Relay.run`` opens the upstream request (waiting out a backend that cannot take
+it yet: ``Relay._open``) and relays status, headers and body as they arrive, through a
+``Responder`` (the ASGI ``send``). Once the status is sent it cannot change: a backend failure
+after that ends a stream with one error event in the dialect's framing (SSE or NDJSON), or cuts a
+plain body short. A 2xx answer is read by a ``UsageTap`` as it passes, without buffering: what the
+backend really produced goes to ``RelayHooks.usage``.
 """
 
 from __future__ import annotations
@@ -28,7 +15,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from clairvoyant.errors import RequestError, UpstreamNotReady, UpstreamTimeout, UpstreamUnavailable
 from clairvoyant.metrics import Metrics
@@ -38,9 +25,12 @@ from clairvoyant.proxy.transport import Headers, UpstreamResponse, header
 from clairvoyant.proxy.upstream import Upstream, response_headers
 from clairvoyant.scheduling.request import RequestStatus
 
+if TYPE_CHECKING:
+    from clairvoyant.proxy.pool import BackendPool
+
 __all__ = [
     "PassThrough", "Receive", "Record", "Relay", "RelayHooks", "Responder", "Send", "UpstreamRequest", "disconnected",
-    "error_headers", "relay_unscheduled",
+    "relay_unscheduled",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -81,7 +71,7 @@ class RelayHooks(Protocol):
     needs none of it)."""
 
     reads_usage: bool = False  # a 2xx answer's usage is read as it passes (``usage`` gets it)
-    pool: Pool | None = None  # the backends it may be sent to, told what each answer shows of them
+    pool: BackendPool | None = None  # the backends it may be sent to, told what each answer shows of them
 
     def move(self, status: RequestStatus) -> bool:
         """The request's status changes (the one way a relay changes it); False if it had ended."""
@@ -121,7 +111,7 @@ class PassThrough(RelayHooks):
 
     __slots__ = ("status", "pool", "_counts", "_order", "_tried")
 
-    def __init__(self, counts: list[int], pool: Pool | None = None, order: Sequence[Upstream] = ()) -> None:
+    def __init__(self, counts: list[int], pool: BackendPool | None = None, order: Sequence[Upstream] = ()) -> None:
         """``counts``: where each status entered is counted (``scheduling.request.status_counts``)."""
         self.status = RequestStatus.DISPATCHED
         counts[RequestStatus.DISPATCHED] += 1
@@ -148,23 +138,6 @@ class PassThrough(RelayHooks):
             return False
         relay.upstream = other
         return True
-
-
-class Pool(Protocol):
-    """What a pass-through relay tells a pool of backends (``proxy.pool.BackendPool``)."""
-
-    def refused(self, upstream: Upstream) -> None: ...
-
-    def answered(self, upstream: Upstream) -> None: ...
-
-    def broken(self, upstream: Upstream) -> None: ...
-
-
-def error_headers(exc: RequestError, length: int) -> list[tuple[bytes, bytes]]:
-    """An error answer's headers."""
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(length).encode())]
-    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
-    return headers
 
 
 class Responder:
@@ -201,7 +174,10 @@ class Responder:
         if self.started:
             return
         payload = error_body(dialect, exc)
-        await self.respond(exc.status_code, [*error_headers(exc, len(payload)), *extra], payload)
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload))]
+        headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
+        headers += extra
+        await self.respond(exc.status_code, headers, payload)
 
 
 @dataclass(eq=False, slots=True)
@@ -224,10 +200,9 @@ class Relay:
 
     def interrupt(self, task: asyncio.Task[Any], status: RequestStatus, error: RequestError | None = None) -> None:
         """End this request now (``task`` runs it) with ``status``, closing the backend connection
-        if it is open. The client gets ``error`` (its dialect's error event, or the error itself
-        before the answer began), or nothing more (``None``: it left). A waiting request takes
-        ``status`` at once (the lease's exit withdraws it); one being answered when its task is
-        interrupted (an answer that was whole by then keeps its ending). The first one wins."""
+        if open; the client gets ``error`` (None: it left). A waiting request takes ``status`` at
+        once (the lease's exit withdraws it); one being answered, when its task is interrupted (an
+        answer whole by then keeps its ending). The first call wins."""
         if self._interrupt is not None or self.record.status.is_finished:
             return
         self._interrupt = (status, error)
@@ -236,14 +211,13 @@ class Relay:
         task.cancel()
 
     def interrupted(self) -> bool:
-        """The task was cancelled by ``interrupt`` (and by nothing else): call in its ``except
-        CancelledError``."""
+        """In the task's ``except CancelledError``: cancelled by ``interrupt``, and by nothing else."""
         task = asyncio.current_task()
         return self._interrupt is not None and task is not None and task.uncancel() == 0
 
     async def end_interrupted(self, out: Responder) -> None:
-        """End what ``interrupt`` ended: its status, and its error as an error event or as the
-        answer (nothing when the answer was whole already: its stream's end event went out)."""
+        """Give what ``interrupt`` ended its status, and its error (nothing when the answer was whole
+        already: its stream's end event went out)."""
         assert self._interrupt is not None
         (status, error), self._interrupt = self._interrupt, None
         if not self.record.status.is_finished:
@@ -284,10 +258,10 @@ class Relay:
     async def _open(self, out: Responder) -> UpstreamResponse | None:
         """Open the upstream request (None: the client left before it was sent). While the backend
         is down (connection refused or not accepted in time), suspect (a first-byte deadline passed)
-        or, for a scheduled request, answers 503 (a model loading, its queue full), nothing has been
-        generated: wait for its health check, up to the request's ``wait_s`` from the outage's start,
-        and send again. A suspect backend whose health check does not pass by then is never sent the
-        request: 503 with Retry-After (or, in a pool, another backend)."""
+        or, for a scheduled request, answers 503 (a model loading), nothing has been generated: wait
+        for its health check, up to ``wait_s`` from the outage's start, and send again (in a pool,
+        ``failover`` may pick another backend). A suspect one still failing it then is never sent
+        the request: 503 with Retry-After."""
         unavailable_since_s: float | None = None  # our own first 503 (a loading model)
         wait_s = self.request.wait_s
         resend_in_s = RESEND_AFTER_503_S
@@ -315,8 +289,8 @@ class Relay:
                     r.method, r.target, headers=r.headers, authorization=r.authorization, body=r.body,
                     close_connection=r.close_connection,
                 )  # fmt: skip
-            except (UpstreamUnavailable, UpstreamTimeout) as exc:
-                if not exc.never_sent:
+            except RequestError as exc:
+                if not (isinstance(exc, (UpstreamUnavailable, UpstreamTimeout)) and exc.never_sent):
                     self._count_backend("failed")
                     self.hooks.backend_state(self.upstream, False)
                     raise
@@ -331,10 +305,6 @@ class Relay:
                         return None
                     raise
                 continue
-            except RequestError:
-                self._count_backend("failed")
-                self.hooks.backend_state(self.upstream, False)
-                raise
             self._count_backend("answered")
             self.hooks.backend_state(self.upstream, True)
             if response.status_code != 503 or not r.retry_unavailable:
@@ -443,12 +413,8 @@ class Relay:
 
     def _count_upstream_error(self, exc: RequestError) -> None:
         self.metrics.backends.errors["timeout" if isinstance(exc, UpstreamTimeout) else "unavailable"].inc()
-        logger.warning("upstream error on %s %s: %s", self.request.method, _path_of(self.request.target), exc.detail)
-
-
-def _path_of(target: str) -> str:
-    """The path of a target, without its query (which may carry a client's token)."""
-    return target.partition("?")[0]
+        path = self.request.target.partition("?")[0]  # its query may carry a client's token
+        logger.warning("upstream error on %s %s: %s", self.request.method, path, exc.detail)
 
 
 async def disconnected(receive: Receive) -> None:

@@ -1,26 +1,16 @@
-"""A scheduled request's life: read, predicted, queued, granted a slot, relayed, released.
+"""A scheduled request's life (docs/design.md, "A request's life"): parsed and predicted,
+``dispatcher.submit`` (or ``dispatch_at_once``: a free slot and nobody waiting, predicted while
+the backend works), then one coroutine in ``async with dispatcher.lease(ticket)`` that waits for
+its turn and relays the answer (proxy/relay.py); leaving the block withdraws or releases it, once.
+A waiting client receives nothing, not even a status line (``GET /queue/{request_id}`` says where
+it stands).
 
-    parse the body, predict its answer's length        (prediction/)
-    dispatcher.submit(ticket)                          queued, or refused at once (QueueFull ...)
-      (or dispatcher.dispatch_at_once(ticket)          a free slot and nobody waiting: it goes
-       before its prediction, made while the backend works)
-    async with dispatcher.lease(ticket) as lease:      waits for its turn, then holds a backend slot
-        relay the backend's answer                     (proxy/relay.py)
-    (leaving the block)                                withdrawn if still waiting, else released, once
-
-A waiting request is one coroutine in that ``async with``; a second task watches its connection
-for the client leaving (the server's ``http.disconnect``), which ends the request by its stage:
-
-- waiting: withdrawn from the queue, never sent;
-- relaying: by ``disconnect_mode``: ``abort`` cancels the relay (closing the backend connection:
-  llama.cpp and Ollama stop generating) and frees the slot; ``drain`` reads the answer to its end
-  into the void, so the slot is freed only when the backend is; ``auto`` aborts, and for a
-  non-streamed request then holds the slot until llama.cpp's ``/slots`` shows the backend idle
-  (llama.cpp notices a closed non-streamed request only late; a stream it stops within ~0.2 s).
-
-Before dispatch a waiting client receives nothing, not even a status line (the status comes from
-the backend). It can see where it stands at ``GET /queue/{request_id}``. The answer's headers
-carry the request id, the backend, the measured queue wait and the prediction.
+A second task watches for the client leaving (``http.disconnect``). Waiting, the request is
+withdrawn, never sent. Relaying, ``disconnect_mode`` decides: ``abort`` closes the backend
+connection (llama.cpp and Ollama stop generating) and frees the slot; ``drain`` reads the answer
+to its end, so the slot frees when the backend does; ``auto`` aborts, and for a non-streamed
+request holds the slot until llama.cpp's ``/slots`` shows it idle (llama.cpp notices a closed
+non-streamed request only late; a stream it stops within ~0.2 s).
 """
 
 from __future__ import annotations
@@ -85,33 +75,31 @@ class Scheduling:
 
     @property
     def at_once(self) -> bool:
-        """A request that finds a free slot and nobody waiting may go before its prediction: not in
-        a pool (routing weighs the prediction), nor to a vLLM backend that reads it as its priority."""
-        return len(self.pool) == 1 and not (self.settings.vllm_priority and self.pool.kind_of(0).priority_field)
+        """A request may go before its prediction: not in a pool (routing weighs the prediction),
+        nor to a vLLM backend that reads it as its priority."""
+        return len(self.pool) == 1 and not (self.settings.vllm_priority and self.pool.members[0].kind.priority_field)
 
     @property
     def own_headers(self) -> tuple[str, ...]:
-        """The request headers that are the proxy's own (read, never forwarded)."""
+        """Read, never forwarded."""
         settings = self.settings
         return (REQUEST_ID, settings.tenant_header.lower(), settings.priority_header.lower(), DEADLINE, SUPERSEDE)
 
 
 def _priority(header: str | None, given: int | None, settings: Settings, identity: Identity | None) -> int:
-    """The body's priority, else the header's, else 0; clamped to [min_priority, max_priority]
-    (the API key's range when the request came with one)."""
+    """The body's priority, else the header's, else 0; clamped to the key's range, else the settings'."""
     if given is None and header is not None:
         try:
             given = int(header.strip())
         except ValueError:
             raise BadRequest(f"header {settings.priority_header} must be an integer") from None
     value = 0 if given is None else given
-    if identity is None:
-        return max(settings.min_priority, min(settings.max_priority, value))
-    return max(identity.min_priority, min(identity.max_priority, value))
+    bounds = settings if identity is None else identity
+    return max(bounds.min_priority, min(bounds.max_priority, value))
 
 
 def _deadline_s(header: str | None, default_s: float | None) -> float:
-    """Seconds the request may wait before it is sent: its header's, else the default (inf: none)."""
+    """Seconds it may wait before it is sent: its header's, else the default (inf: none)."""
     if header is None:
         return math.inf if default_s is None else default_s
     try:
@@ -125,7 +113,7 @@ def _deadline_s(header: str | None, default_s: float | None) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Arrival:
-    """A scheduled request as it arrived: what ``admit_scheduled`` reads."""
+    """A scheduled request as it arrived."""
 
     endpoint: Endpoint
     target: str  # the raw path and query, checked (proxy/target.py)
@@ -138,7 +126,6 @@ class Arrival:
 
 
 def _ticket(shared: Scheduling, arrival: Arrival, parsed: ParsedRequest) -> Ticket:
-    """The request's record, before its prediction."""
     settings = shared.settings
     own = arrival.own
     arrival_s = shared.dispatcher.clock.now()
@@ -173,8 +160,8 @@ def _predict(shared: Scheduling, parsed: ParsedRequest, ticket: Ticket) -> Predi
 
 
 def _refine_if_waiting(refiner: Refiner, ticket: Ticket, prediction: Prediction, instruction: str) -> None:
-    """Hand a request still waiting to the encoder (run after the dispatcher's turn, scheduled
-    first: a request granted a free slot then is not worth the encoder's time)."""
+    """Hand a request still waiting after the dispatcher's turn to the encoder (one granted a free
+    slot then is not worth its time)."""
     if ticket.waiting:
         refiner.want(  # plain reads, from its thread
             (ticket, prediction.feature_row), instruction, lambda: ticket.waiting,
@@ -183,9 +170,8 @@ def _refine_if_waiting(refiner: Refiner, ticket: Ticket, prediction: Prediction,
 
 
 def admit_scheduled(shared: Scheduling, arrival: Arrival, out: Responder) -> ScheduledRequest:
-    """Parse, predict and queue a scheduled request; its ``ScheduledRequest`` answers it once
-    granted (``serve``). Raises ``RequestError`` for what is refused at once (a bad body, a full
-    queue, a model no backend serves, an ETA past its deadline)."""
+    """Parse, predict and queue a request; ``serve`` answers it. Raises ``RequestError`` for what
+    is refused at once (a bad body, a full queue, a model no backend serves, an ETA past its deadline)."""
     settings = shared.settings
     dispatcher = shared.dispatcher
     parsed = parse_request(arrival.endpoint, arrival.body, keep_priority=settings.forward_priority)
@@ -197,9 +183,8 @@ def admit_scheduled(shared: Scheduling, arrival: Arrival, out: Responder) -> Sch
     if settings.log_prompts:
         logger.debug("request_id=%s prompt=%r", ticket.request_id, parsed.prompt.instruction[:2000])
     predict_later: Callable[[], None] | None = None
-    # A free slot and nobody waiting: there is no order to decide, so the request goes now and is
-    # predicted while the backend works (the prediction still fills its headers, metrics and the
-    # learner). A pool routes by the prediction, and a vLLM backend reads it in the body: predicted first.
+    # A free slot and nobody waiting: no order to decide, so it goes now and is predicted while the
+    # backend works (in time for its headers, metrics and the learner).
     if shared.at_once and dispatcher.dispatch_at_once(ticket):
         charged_s = ticket.predicted_s  # the default its tenant was charged at dispatch
 
@@ -236,9 +221,8 @@ def admit_scheduled(shared: Scheduling, arrival: Arrival, out: Responder) -> Sch
 
 
 class ScheduledHooks(RelayHooks):
-    """A scheduled request's side of its relay (``RelayHooks``): its record's status through the
-    dispatcher, its headers, its first byte and pace, its usage, and failover in a pool. It holds
-    neither the relay nor the ``ScheduledRequest``: nothing to break by hand."""
+    """A scheduled request's ``RelayHooks``. It holds neither the relay nor the ``ScheduledRequest``:
+    no reference cycle to break by hand."""
 
     __slots__ = ("shared", "pool", "ticket", "body", "stream", "_predict_later")
 
@@ -264,18 +248,17 @@ class ScheduledHooks(RelayHooks):
 
     @property
     def prediction_pending(self) -> bool:
-        """Dispatched at once, its prediction still to make (``predicted`` makes it)."""
+        """Dispatched at once, its prediction still to make."""
         return self._predict_later is not None
 
     def predicted(self) -> None:
-        """Make the prediction of a request dispatched at once, if it is still to make."""
+        """Make the prediction, if it is still to make."""
         predict, self._predict_later = self._predict_later, None
         if predict is not None:
             predict()
 
     def own_headers(self) -> list[tuple[bytes, bytes]]:
-        """The answer's headers that are the proxy's: the request id, backend, wait and prediction
-        (made now if it is still to make: the answer starts with these headers)."""
+        """The request id, backend, wait and prediction (made now if it is still to make)."""
         self.predicted()
         ticket = self.ticket
         prediction = ticket.prediction
@@ -327,9 +310,8 @@ class ScheduledHooks(RelayHooks):
                 logger.exception("request_id=%s: recording usage failed", ticket.request_id)
 
     async def failover(self, relay: Relay) -> bool:
-        """The granted backend refused the connection: wait first in line for another healthy
-        backend (the client sees nothing of it), or False when there is none (the relay waits for
-        this one). Waiting again, a client that leaves cancels the task: the lease withdraws it."""
+        """Wait first in line for another healthy backend (the client sees nothing of it), or False
+        when there is none. Waiting again, a client that leaves cancels the task: the lease withdraws it."""
         shared = self.shared
         shared.pool.refused(relay.upstream)
         if not shared.dispatcher.reroute(self.ticket):
@@ -339,15 +321,14 @@ class ScheduledHooks(RelayHooks):
         return True
 
     def bind(self, relay: Relay) -> None:
-        """Send to the granted backend. A vLLM one (with ``vllm_priority``) gets the request's
-        computed priority in its body: the client's class, then the predicted tokens (lower =
-        sooner, as vLLM's priority scheduling reads it)."""
+        """Send to the granted backend; a vLLM one (``vllm_priority``) gets the request's priority in
+        its body: the client's class, then the predicted tokens (lower = sooner, as vLLM reads it)."""
         shared = self.shared
         ticket = self.ticket
         placement = ticket.placement
         backend = 0 if placement is None or placement.backend is None else placement.backend
         relay.upstream = shared.pool.members[backend].upstream
-        field = shared.pool.kind_of(backend).priority_field
+        field = shared.pool.members[backend].kind.priority_field
         if shared.settings.vllm_priority and field is not None:
             tokens = min(VLLM_CLASS_STRIDE - 1, max(0, round(ticket.predicted_tokens)))
             priority = ticket.priority * VLLM_CLASS_STRIDE + tokens
@@ -355,8 +336,7 @@ class ScheduledHooks(RelayHooks):
 
 
 class ScheduledRequest:
-    """A scheduled request from its queueing to its slot's release (``serve``). Its state is its
-    record's status (``ticket.status``)."""
+    """A scheduled request from its queueing to its slot's release; its state is ``ticket.status``."""
 
     def __init__(
         self, shared: Scheduling, ticket: Ticket, request: UpstreamRequest, hooks: ScheduledHooks, out: Responder
@@ -367,12 +347,11 @@ class ScheduledRequest:
         self.out = out
         self.task: asyncio.Task[Any] | None = None  # the one that runs ``serve``
         self.supersede_key: tuple[str, str] | None = None  # (tenant, X-Clairvoyant-Supersede), if it has one
-        clock = shared.dispatcher.clock
-        self.relay = Relay(shared.pool.first, request, shared.metrics, ticket, hooks, now=clock.now)
+        self.relay = Relay(shared.pool.first, request, shared.metrics, ticket, hooks, now=shared.dispatcher.clock.now)
 
     @property
     def mode(self) -> Literal["auto", "drain", "abort"]:
-        """What the client's leaving does while its answer is relayed (see the module docstring)."""
+        """What the client's leaving does while its answer is relayed (module docstring)."""
         mode = self.shared.settings.disconnect_mode
         return "abort" if mode == "auto" and self.hooks.stream else mode
 
@@ -403,6 +382,7 @@ class ScheduledRequest:
         relay = self.relay
         shared = self.shared
         limit_s = shared.settings.max_generation_s
+        clock = shared.dispatcher.clock
         timer: asyncio.TimerHandle | None = None
         try:
             async with shared.dispatcher.lease(ticket) as lease:
@@ -421,7 +401,7 @@ class ScheduledRequest:
                     self.hooks.move(RequestStatus.CLIENT_LEFT_WATCHING)
                 finished = ticket.status in (RequestStatus.COMPLETED, RequestStatus.CLIENT_LEFT_STREAMING)
                 if finished:
-                    self._observe_end()
+                    shared.metrics.requests.end_to_end[ticket.predicted_class].observe(clock.now() - ticket.arrival_s)
                 # Only whole successful answers teach the service-time model.
                 lease.completed = finished and relay.status is not None and relay.status < 400
                 lease.usage = relay.usage
@@ -443,9 +423,8 @@ class ScheduledRequest:
                 timer.cancel()
 
     def superseded(self, abort_running: bool) -> None:
-        """A newer request with this one's supersede key arrived: a waiting one is withdrawn and
-        answered 409, never sent; a running one (with ``abort_running``) is ended as a client that
-        left would end it, its answer closed with the dialect's error."""
+        """A newer request with its supersede key arrived: waiting, it is withdrawn and answered 409;
+        running (with ``abort_running``), its answer is ended with the dialect's error."""
         work = self.task
         if work is None or not self.ticket.status.in_progress or not (abort_running or self._unsent):
             return
@@ -454,8 +433,8 @@ class ScheduledRequest:
 
     @property
     def _unsent(self) -> bool:
-        """It waits for a slot (rerouted too), or was granted one in this instant (its task has not
-        resumed to take it: ``interrupt`` is set once it has)."""
+        """It waits (rerouted too), or was granted a slot in this instant (its task has not resumed:
+        ``interrupt`` is set once it has)."""
         placement = self.ticket.placement
         return self.ticket.status is RequestStatus.WAITING or placement is None or placement.interrupt is None
 
@@ -466,8 +445,7 @@ class ScheduledRequest:
             self.relay.interrupt(self.task, RequestStatus.GENERATION_LIMIT, error)
 
     def _client_left(self) -> None:
-        """The client is gone (the server said so), at whatever stage its request is: this
-        request's task is interrupted where it waits (``serve``'s task, suspended meanwhile)."""
+        """The client is gone: ``serve``'s task is interrupted where it waits."""
         self.out.client_gone = True
         relay = self.relay
         work = self.task
@@ -486,8 +464,7 @@ class ScheduledRequest:
         # drain: the relay reads the backend's answer to its end, so the slot is freed when the backend is
 
     def _interrupt(self, status: RequestStatus, error: RequestError) -> bool:
-        """End the answer being relayed (or the hold) with ``status`` and ``error``: the shutdown's
-        grace period is over, or (with replicas) its slot's lease was lost."""
+        """End the answer (or the hold): the shutdown's grace is over, or its slot's lease was lost."""
         now = self.ticket.status
         if self.task is None or not (now.in_progress or now is RequestStatus.HOLDING):
             return False
@@ -495,11 +472,9 @@ class ScheduledRequest:
         return True
 
     async def _hold_until_backend_idle(self) -> None:
-        """Keep the slot until the backend's /slots shows no more busy slots than our other
-        requests in flight, polled every SLOTS_POLL_S (a poll more often than llama.cpp's 1 s
-        disconnect check would keep it from noticing), for at most HOLD_MAX_S. A backend without
-        /slots (Ollama, vLLM: they stop on disconnect) releases at once. The shutdown's interrupt
-        ends the hold quietly."""
+        """Keep the slot until /slots shows no more busy slots than our other requests in flight,
+        polled every SLOTS_POLL_S (more often, llama.cpp's 1 s disconnect check would not notice),
+        for at most HOLD_MAX_S. A backend without /slots releases at once."""
         placement = self.ticket.placement
         assert placement is not None and placement.backend is not None
         deadline_s = time.monotonic() + HOLD_MAX_S
@@ -513,12 +488,6 @@ class ScheduledRequest:
             if not self.relay.interrupted():
                 raise
             await self.relay.end_interrupted(self.out)
-
-    def _observe_end(self) -> None:
-        ticket = self.ticket
-        self.shared.metrics.requests.end_to_end[ticket.predicted_class].observe(
-            self.shared.dispatcher.clock.now() - ticket.arrival_s
-        )
 
     def _log(self) -> None:
         ticket = self.ticket
@@ -548,8 +517,8 @@ class ScheduledRequest:
 
 
 class SupersedeKeys:
-    """The latest scheduled request per (tenant, ``X-Clairvoyant-Supersede`` key): editor
-    completion sends one request per keystroke, and only the latest matters."""
+    """The latest request per (tenant, ``X-Clairvoyant-Supersede`` key): editor completion sends
+    one per keystroke, and only the latest matters."""
 
     def __init__(self, abort_running: bool) -> None:
         self.abort_running = abort_running  # supersede_running: a running request is replaced too

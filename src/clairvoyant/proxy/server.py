@@ -1,20 +1,13 @@
-"""The HTTP server: Granian, embedded in this process's event loop, serving the proxy's ASGI app.
+"""The HTTP server: Granian, embedded in this process's event loop (one process, one loop for the
+dispatcher, the learner and the requests), serving the proxy's ASGI app. Granian is chosen for two
+protections together: a deadline on the request head (``client_timeout_s``, also for an idle
+kept-alive connection), and ``100 Continue`` only once the app reads the body, after its checks
+(docs/design.md, "Who protects what").
 
-Granian (its HTTP/1.1 is Rust's hyper) is chosen for two protections together: a deadline on the
-request head (uvicorn has none), and ``100 Continue`` only once the app reads the body, after its
-checks (Hypercorn sends it as soon as the head is read). ``client_timeout_s`` bounds how long a
-client may take to send its request line and headers, trickled or stalled, and how long a
-kept-alive connection may stay idle; the body's deadline is the app's (proxy/body.py).
-docs/design.md, "The server", says which protection comes from where. Embedded mode keeps one
-process and one event loop: the dispatcher, the learner and the requests share them.
-
-The life of the process (``run``): bind the port (a port already taken is a clear error and exit
-2, before anything says ready), run the app's lifespan (it logs "ready" once it has started),
-serve. On SIGHUP the config file is read again and its API keys and tenants replace the current ones
-(the queue and every count stay). On SIGTERM or SIGINT the dispatcher refuses every waiting request at once (503
-``shutting_down``, Retry-After); answers in flight get ``shutdown_grace_s`` to finish, after which
-the dispatcher ends each with an error event; then the server stops and the lifespan closes
-everything in reverse order.
+``run``: bind the port (taken: exit 2, before anything says ready), start the app, serve. SIGHUP
+reloads the config file's keys and tenants. SIGTERM or SIGINT: the dispatcher refuses every
+waiting request (503 ``shutting_down``), answers in flight get ``shutdown_grace_s`` to finish (then
+an error event), the server stops and the lifespan closes everything in reverse order.
 """
 
 from __future__ import annotations
@@ -52,15 +45,8 @@ class StartupFailed(Exception):
         self.exit_code = exit_code
 
 
-class _QuietEmbedWarning(logging.Filter):
-    """Granian warns that its embedded mode is experimental on every start; the proxy uses it on
-    purpose (see the module docstring), so the line is not repeated to operators."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Embedded server is experimental" not in record.getMessage()
-
-
-logging.getLogger("_granian").addFilter(_QuietEmbedWarning())
+# Granian warns on every start that its embedded mode is experimental; it is used on purpose.
+logging.getLogger("_granian").addFilter(lambda record: "Embedded server is experimental" not in record.getMessage())
 
 
 class ProxyServer:
@@ -73,7 +59,7 @@ class ProxyServer:
         port: int | None = None,
         reload_settings: Callable[[], Settings] | None = None,
     ) -> None:
-        """``reload_settings``: the settings read again (SIGHUP reloads the keys from them)."""
+        """``reload_settings``: the settings read again, for SIGHUP."""
         self.app = app
         self.settings = settings
         self.reload_settings = reload_settings
@@ -142,7 +128,7 @@ class ProxyServer:
         self._server.stop()  # type: ignore[no-untyped-call]
 
     def reload_keys(self) -> None:
-        """SIGHUP: read the config file again and take its keys and tenants (proxy/app.py)."""
+        """SIGHUP: take the config file's keys and tenants again."""
         if self.reload_settings is None:
             logger.warning("SIGHUP: nothing to reload from (no config file)")
             return
@@ -176,8 +162,8 @@ class ProxyServer:
 
 
 def serve_in_thread(server: ProxyServer, timeout_s: float = 30.0) -> threading.Thread:
-    """Run ``server`` in a daemon thread (its own event loop) and wait until it serves. Raises
-    RuntimeError when it does not start within ``timeout_s``."""
+    """Run ``server`` in a daemon thread (its own event loop) until it serves; RuntimeError when it
+    does not start within ``timeout_s``."""
     failure: list[BaseException] = []
 
     def target() -> None:

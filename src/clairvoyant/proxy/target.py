@@ -1,31 +1,18 @@
 """The request target and Host, checked once, before anything else reads them.
 
-The server hands the app the target twice: ``raw_path`` as the client sent it and ``path``
-percent-decoded. The proxy routes on the decoded path, matches it against the allowlist, and
-forwards the raw one. That is only safe when the two cannot disagree about where a segment ends
-or what it names, so a target is refused (400) when its raw form has:
+The server hands the app the target twice: ``raw_path`` as sent and ``path`` percent-decoded. The
+proxy routes and checks the decoded one and forwards the raw one, which is only safe when the two
+cannot disagree about where a segment ends or what it names. So a raw target is refused (400) with:
 
-- a dot segment (``.`` or ``..``), plain or percent-encoded: a path-normalising front would
-  resolve it after the allowlist was checked (``/v1/models/%2e%2e/%2e%2e/slots``);
-- an encoded ``/``, ``?``, ``#`` or ``\\``: decoded, it would move the boundary of a segment or of
-  the query (``/v1/chat/completions%3Fx=1`` would be routed as an unknown path and reach the
-  backend as a scheduled one);
+- a dot segment, plain or percent-encoded: a path-normalising front would resolve it after the
+  allowlist was checked (``/v1/models/%2e%2e/%2e%2e/slots``);
+- an encoded ``/``, ``?``, ``#`` or ``\\``: decoded, it would move a segment's or the query's
+  boundary (``/v1/chat/completions%3Fx=1`` would be routed as unknown and reach the backend as
+  a scheduled one);
 - a control character once decoded, or bytes that are not UTF-8.
 
-With those refused, the decoded path names the same resource the backend will decode from the
-raw one, and the raw one is what goes upstream: routed, checked and forwarded as one value.
-
-``*`` (RFC 9112 asterisk-form) is only meaningful with OPTIONS: ``OPTIONS *`` is answered by the
-proxy itself (RFC 9110 9.3.7), any other method with it is 400. An absolute-form target
-(``POST http://host/v1/chat/completions``) arrives from the server as its path already.
-
-Host (RFC 9112 3.2): an HTTP/1.1 request needs exactly one, well formed; missing, repeated or
-malformed is 400, as nginx answers. An HTTP/1.0 request may leave it out (old tools and health
-checkers do). The version is read through ``http_version``: Granian reports HTTP/1.0 as ``"1"``
-where the ASGI specification says ``"1.0"``.
-
-The head's size: the server's parser bounds it only roughly (its buffer grows in steps), so
-``max_header_bytes`` is checked here too, exactly: 431.
+Host (RFC 9112 3.2): exactly one, well formed, as nginx demands; HTTP/1.0 may leave it out. The
+head's size is checked exactly here (431): the server's parser bounds it only roughly.
 """
 
 from __future__ import annotations
@@ -76,14 +63,12 @@ def check_target(method: str, raw_path: bytes, query: bytes) -> Target:
 
 
 def http_version(scope_version: str) -> str:
-    """The request's HTTP version as the ASGI specification spells it ("1.0", "1.1", "2"), from the
-    server's scope value (Granian says "1" for HTTP/1.0)."""
+    """The version as ASGI spells it ("1.0", "1.1", "2"): Granian says "1" for HTTP/1.0."""
     return "1.0" if scope_version == "1" else scope_version
 
 
 def check_host(http_version: str, headers: list[tuple[bytes, bytes]]) -> None:
-    """Raise ``BadRequest`` unless the request carries a Host as RFC 9112 requires: exactly one,
-    well formed (an HTTP/1.0 request may leave it out)."""
+    """Raise ``BadRequest`` unless the request's Host is as RFC 9112 requires (module docstring)."""
     hosts = [value for name, value in headers if name == b"host"]
     if len(hosts) > 1:
         raise BadRequest("more than one Host header")
@@ -96,8 +81,7 @@ def check_host(http_version: str, headers: list[tuple[bytes, bytes]]) -> None:
 
 
 def check_head_size(raw_path: bytes, query: bytes, headers: list[tuple[bytes, bytes]], max_bytes: int) -> None:
-    """Raise ``HeadersTooLarge`` when the request line's target and the header lines (as sent:
-    ``name: value`` and CRLF) exceed ``max_bytes``."""
+    """Raise ``HeadersTooLarge`` when the target and header lines (as sent) exceed ``max_bytes``."""
     size = len(raw_path) + len(query) + sum(len(name) + len(value) + 4 for name, value in headers)
     if size > max_bytes:
         raise HeadersTooLarge(f"the request's headers are larger than {max_bytes} bytes")

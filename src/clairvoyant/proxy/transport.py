@@ -16,6 +16,7 @@ __all__ = [
 ]  # fmt: skip
 
 Headers = list[tuple[str, str]]  # (name, value) pairs as text (latin-1), names in lower case
+FailureKind = Literal["connect", "connect_timeout", "build", "timeout", "failed"]
 
 # Pooled connections idle longer than this are dropped, below the 5 s idle timeout of llama.cpp's
 # server and of uvicorn (Ollama's is Go's, 5 s too): closing first ourselves avoids racing the backend's close of an idle connection.
@@ -28,23 +29,14 @@ class FirstByteTimeout(TimeoutError):
 
 
 class TransportError(Exception):
-    """A transport's failure, classified for ``Upstream``: ``connect`` (the connection was refused
-    or could not be opened: nothing was sent), ``connect_timeout`` (the backend did not accept the
-    connection within the connect timeout: nothing was sent), ``build`` (the request could not be
-    made: nothing was sent, and waiting will not help), ``timeout``, or ``failed``. ``never_read`` is True only when the
-    backend provably did not act on the request: it was not fully written, or the backend reset
-    the connection before answering. A reset means the backend closed with our bytes unread in its
-    socket (a socket closed after reading everything sends a FIN, not a reset), and a backend
-    cannot act on a request it has not read whole. A clean close after the request went out is
-    never resent: the backend may have read it and be generating."""
+    """A transport's failure, classified for ``Upstream``: ``connect`` (refused or not opened),
+    ``connect_timeout`` (not accepted in time) and ``build`` (the request could not be made; waiting
+    will not help) sent nothing; then ``timeout`` and ``failed``. ``never_read``: the backend provably
+    did not act on the request, as when it reset the connection before answering (it closed with our
+    bytes unread: a socket closed after reading everything sends a FIN). A clean close after the
+    request went out is never resent: the backend may have read it and be generating."""
 
-    def __init__(
-        self,
-        kind: Literal["connect", "connect_timeout", "build", "timeout", "failed"],
-        cause: BaseException,
-        *,
-        never_read: bool = False,
-    ) -> None:
+    def __init__(self, kind: FailureKind, cause: BaseException, *, never_read: bool = False) -> None:
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.kind = kind
         self.cause = cause

@@ -1,25 +1,14 @@
 """The backend (Ollama, llama.cpp's server, vLLM, any OpenAI-compatible server) and the rules for
-talking to it.
+talking to it: ``Upstream`` owns them; a ``Transport`` (proxy/transport.py: aiohttp's, or tests'
+over ``httpx.MockTransport``) only moves one request. No other module sees a client library.
 
-``Upstream`` owns the rules; a ``Transport`` (proxy/transport.py) only moves one request and
-classifies its own failures. The production transport is aiohttp's client
-(proxy/aiohttp_transport.py, chosen by measurement: docs/design.md, "The backend client"); tests
-inject their own (tests/httpx_transport.py, over ``httpx.MockTransport``). No other module sees a
-client library.
-
-Every transport failure is translated here into ``UpstreamUnavailable`` (502) or
-``UpstreamTimeout`` (504). Client-facing messages never name the backend's address (it may carry
-credentials); the log detail does, with userinfo redacted.
-
-Timeouts: connect ``connect_timeout_s``; the response head within ``first_byte_timeout_s`` of
-sending (a cold model load, or a whole non-streamed answer); between body bytes ``read_timeout_s``
-(none by default: long answers take minutes).
-
-A request is sent again only when the backend cannot have acted on it (see ``TransportError``):
-nothing is resent after the backend may have read it, so a generation is never duplicated.
-
-A backend that let a first-byte deadline pass is *suspect*: it may be hung. The next request
-waits for its health check (as after a refused connection) instead of being sent into the hang.
+Every transport failure becomes ``UpstreamUnavailable`` (502) or ``UpstreamTimeout`` (504). What
+the client reads never names the backend's address (it may carry credentials); the log does,
+redacted. A request is sent again only when the backend cannot have acted on it (see
+``TransportError``), so a generation is never duplicated. Timeouts: ``connect_timeout_s``;
+``first_byte_timeout_s`` for the answer's head (a cold model load, or a whole non-streamed
+answer), after which the backend is *suspect* (it may be hung: the next request waits for its
+health check); ``read_timeout_s`` between body bytes (none by default: answers take minutes).
 """
 
 from __future__ import annotations
@@ -39,7 +28,7 @@ from clairvoyant.proxy.aiohttp_transport import AiohttpTransport
 from clairvoyant.proxy.backend_kinds import AUTO, BackendKind
 from clairvoyant.proxy.transport import FirstByteTimeout, Headers, Transport, TransportError, UpstreamResponse
 
-__all__ = ["Upstream", "forwardable_headers", "redact_url", "response_headers"]
+__all__ = ["Upstream", "forwardable_headers", "response_headers"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,20 +51,6 @@ _NOT_FORWARDED = HOP_BY_HOP | {"content-length", "expect"}
 _NOT_RELAYED = HOP_BY_HOP | {"date", "server"}
 
 
-def redact_url(url: str) -> str:
-    """The URL with any user:password replaced by ``***`` (for logs and status pages)."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"***@{host}"))
-
-
-def _named_in_connection(pairs: Iterable[tuple[str, str]]) -> set[str]:
-    """The header names a Connection header lists (hop-by-hop for this message too)."""
-    return {token.strip().lower() for name, value in pairs if name == "connection" for token in value.split(",")}
-
-
 def forwardable_headers(
     raw: Iterable[tuple[bytes, bytes]], drop: Container[str] = ()
 ) -> tuple[Headers, str | None, dict[str, str]]:
@@ -84,7 +59,7 @@ def forwardable_headers(
     in ``drop`` (the proxy's own: read, not forwarded). Dropped too: hop-by-hop headers, those
     named in Connection, Content-Length and Expect."""
     pairs = [(name.decode("latin-1").lower(), value.decode("latin-1")) for name, value in raw]
-    named = _named_in_connection(pairs)
+    named = {t.strip().lower() for n, v in pairs if n == "connection" for t in v.split(",")}  # hop-by-hop too
     kept: Headers = []
     dropped: dict[str, str] = {}
     authorization: str | None = None
@@ -122,21 +97,21 @@ class Upstream:
         transport: Transport | None = None,
         name: str = "default",
         kind: BackendKind = AUTO,
-        keepalive_s: float = 0.0,  # TCP keepalive idle seconds on its connections (proxy/keepalive.py); 0 = off
+        keepalive_s: float = 0.0,  # TCP keepalive idle seconds on its connections (aiohttp_transport.tcp_keepalive); 0 = off
     ) -> None:
-        """``transport``: None (aiohttp's, with the timeouts and keepalive given here), or tests'
-        own ``Transport``, which keeps its own timeouts."""
+        """``transport``: None (aiohttp's, with these timeouts and keepalive), or tests' own."""
         self.name = name  # the backend's name in the pool
         self.kind = kind  # what it is (the pool finds out when ``auto``): its health path and slot probe
-        self.display_url = redact_url(base_url.rstrip("/"))
+        self.display_url = base_url.rstrip("/")  # for logs and status pages: credentials as ***
         # Credentials in the URL become an Authorization header: the URL the client library holds
         # (and may log) has none. The backend's own key (``api_key``) wins over them.
         parts = urlsplit(base_url.rstrip("/"))
         self._authorization: str | None = None  # the backend's own Authorization value
-        if parts.username is not None or parts.password is not None:
+        if "@" in parts.netloc:
             userinfo = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
             self._authorization = "Basic " + base64.b64encode(userinfo.encode()).decode()
             parts = parts._replace(netloc=parts.netloc.rsplit("@", 1)[1])
+            self.display_url = urlunsplit(parts._replace(netloc="***@" + parts.netloc))
         if api_key is not None:
             self._authorization = "Bearer " + api_key
         self.base_url = urlunsplit(parts)
@@ -166,18 +141,12 @@ class Upstream:
         body: bytes = b"",
         close_connection: bool = False,
     ) -> UpstreamResponse:
-        """Send a request and return the response with its body not yet read. Close it with ``aclose``.
-
-        ``target``: the path (raw, as the client sent it) and query. ``headers``: the end-to-end
-        headers to forward (``forwardable_headers``); ``authorization``: the client's, sent unless
-        the backend has credentials of its own. ``close_connection`` asks the backend to close the
-        connection after this answer (llama.cpp's server closes its connection after every stream
-        without saying so; a request sent on it in that instant would meet a close it cannot tell
-        from a backend that read it and died).
-
-        Raises ``UpstreamUnavailable`` (502; ``never_sent`` when the connection was refused) or
-        ``UpstreamTimeout`` (504; ``never_sent`` when the connection was not accepted in time).
-        """
+        """The response, its body not yet read (``aclose`` it). ``target``: the raw path and query.
+        ``authorization``: the client's, sent unless the backend has credentials of its own.
+        ``close_connection``: llama.cpp's server closes its connection after every stream without
+        saying so; a request sent on it in that instant would meet a close it cannot tell from a
+        backend that read it and died. Raises ``UpstreamUnavailable`` or ``UpstreamTimeout``
+        (``never_sent`` when the connection was refused or not accepted in time)."""
         forwarded = list(headers)
         if self._authorization is not None:  # the backend's own credentials replace the client's
             forwarded.append(("authorization", self._authorization))
@@ -226,9 +195,8 @@ class Upstream:
             raise self._translate(exc, "reading the answer") from exc
 
     async def probe(self, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
-        """One health check: None when the backend is ready, else why not. Ready = its kind's
-        health path answers anything but 503 (llama.cpp answers 503 while its model loads; Ollama,
-        which has no such path, 404)."""
+        """One health check: None when the backend is ready (its kind's ``health_path`` answers
+        anything but 503), else why not."""
         path = self.kind.health_path
         try:
             async with asyncio.timeout(timeout_s):
@@ -241,8 +209,7 @@ class Upstream:
         return "the backend answered 503 (loading or busy)" if response.status_code == 503 else None
 
     async def get_json(self, path: str, timeout_s: float = 2.0) -> Any:
-        """``GET path``'s JSON body when it answers 200, else None (unreachable, an error status,
-        not JSON, or no answer within ``timeout_s``)."""
+        """``GET path``'s JSON body when it answers 200 within ``timeout_s``, else None."""
         try:
             async with asyncio.timeout(timeout_s):
                 response = await self.open("GET", path)
@@ -258,8 +225,8 @@ class Upstream:
             return None
 
     async def busy_slots(self) -> int | None:
-        """How many of llama.cpp's slots are processing (its kind's ``busy_slots_path``), or None
-        where the backend has no such endpoint (not asked: it stops on disconnect) or does not answer."""
+        """How many of llama.cpp's slots are processing, or None (no ``busy_slots_path``: it stops
+        on disconnect; or no answer)."""
         if self.kind.busy_slots_path is None:
             return None
         slots = await self.get_json(self.kind.busy_slots_path)
@@ -274,10 +241,9 @@ class Upstream:
         return start_s + wait_s
 
     async def wait_until_ready(self, deadline_s: float, give_up: Callable[[], bool] = lambda: False) -> bool:
-        """Probe with backoff (0.1 s doubling to 2 s) until the backend is ready, ``deadline_s``
-        (time.monotonic seconds) passes or ``give_up()``. True when ready. Each probe is bounded by
-        the time left (at least ``LAST_PROBE_S``): a backend that accepts and never answers, or never
-        accepts, holds the caller no later than the deadline."""
+        """True once a probe (0.1 s apart, doubling to 2 s) passes; False at ``deadline_s``
+        (time.monotonic) or ``give_up()``. Each probe is bounded by the time left (at least
+        ``LAST_PROBE_S``): a backend that never answers holds the caller no later than the deadline."""
         delay_s = 0.1
         while not give_up():
             timeout_s = min(PROBE_TIMEOUT_S, max(LAST_PROBE_S, deadline_s - time.monotonic()))
