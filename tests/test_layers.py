@@ -3,7 +3,7 @@
     config, errors, clock, state_file, logs (the bottom: settings, errors, time, atomic state files, log format)
     prediction/                      dialects, features, predictor, learner, usage
     scheduling/, metrics             job record and queues, policies, dispatcher and its lease
-    proxy/                           connection (the HTTP server), parking, keepalive, app, responses, upstream, server, ui/, the closed loop's wiring, serve
+    proxy/                           server (Granian), app, scheduled, relay, upstream and its aiohttp transport, pool, limits, ui/, the closed loop's wiring, serve
     tools/                           training, simulator, benchmarks, demo, replay (never served)
     cli                              the command line
 
