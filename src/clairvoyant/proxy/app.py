@@ -542,10 +542,10 @@ class ProxyApp:
             self._reject(method, scope, internal, "internal_error")
             await out.error(dialect, internal)
 
-    async def _read(self, headers: list[tuple[bytes, bytes]], receive: Receive) -> tuple[bytes, int]:
+    async def _read(self, declared_bytes: int | None, receive: Receive) -> tuple[bytes, int]:
         settings = self.settings
         return await read_body(
-            receive, declared_bytes=declared_length(headers, settings.max_body_bytes), max_bytes=settings.max_body_bytes,
+            receive, declared_bytes=declared_bytes, max_bytes=settings.max_body_bytes,
             timeout_s=settings.client_timeout_s, budget=self.body_budget,
         )  # fmt: skip
 
@@ -562,7 +562,7 @@ class ProxyApp:
         state = self.state
         settings = self.settings
         metrics = self.metrics
-        declared_length(headers, settings.max_body_bytes)  # 413 before anything else is said
+        declared_bytes = declared_length(headers, settings.max_body_bytes)  # 413 before anything else is said
         tenant = identity.tenant if identity else _header(headers, settings.tenant_header.lower().encode()) or ""
         dispatcher = state.dispatcher
         try:
@@ -574,7 +574,7 @@ class ProxyApp:
         held_bytes = 0
         try:
             dispatcher.check_room()
-            body, held_bytes = await self._read(headers, receive)
+            body, held_bytes = await self._read(declared_bytes, receive)
             forward, authorization, own = forwardable_headers(headers, state.scheduling.own_headers)
             arrival = Arrival(
                 SCHEDULED_ENDPOINTS[target.path], target.raw_path + _query(target), forward, authorization, own, body,
@@ -591,7 +591,7 @@ class ProxyApp:
     ) -> None:
         """Relay a request unscheduled: to the backend, or in a pool to one serving its model."""
         pool = self.state.pool
-        body, held_bytes = await self._read(headers, receive)
+        body, held_bytes = await self._read(declared_length(headers, self.settings.max_body_bytes), receive)
         relay: Relay | None = None
         try:
             forward, authorization, _ = forwardable_headers(headers)
