@@ -496,7 +496,6 @@ class ProxyApp:
         out = Responder(send)
         method: str = scope["method"]
         raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
-        dialect = dialect_of_path(scope["path"])
         try:
             check_head_size(raw_path, scope["query_string"], scope["headers"], self.settings.max_header_bytes)
             version = http_version(scope["http_version"])
@@ -527,20 +526,20 @@ class ProxyApp:
                 raise MethodNotAllowed(f"{method} is not served here", allow=_ALLOW.decode())
         except Denied as denied:
             self._reject(method, scope, denied.error, denied.outcome)
-            await out.error(dialect, denied.error)
+            await out.error(dialect_of_path(scope["path"]), denied.error)
         except IncompleteBody as incomplete:  # most often the client left mid-upload: counted as such
             self.metrics.requests.disconnects["upload"].inc()
             self._reject(method, scope, incomplete, "client_left_uploading")
-            await out.error(dialect, incomplete)
+            await out.error(dialect_of_path(scope["path"]), incomplete)
         except RequestError as error:
             outcome = "client_timeout" if isinstance(error, RequestTimeout) else error.code or "error"
             self._reject(method, scope, error, outcome)
-            await out.error(dialect, error)
+            await out.error(dialect_of_path(scope["path"]), error)
         except Exception:  # a bug: logged, answered if nothing was sent yet; the proxy goes on
             logger.exception("unexpected error on %s %s", method, scope["path"])
             internal = RequestError("internal error in the proxy")
             self._reject(method, scope, internal, "internal_error")
-            await out.error(dialect, internal)
+            await out.error(dialect_of_path(scope["path"]), internal)
 
     async def _read(self, declared_bytes: int | None, receive: Receive) -> tuple[bytes, int]:
         settings = self.settings
