@@ -39,9 +39,13 @@ and written to ``--json FILE`` (default: a file in the system's temporary direct
    20 s, and the backend receives only the first.
 10. a backend that never accepts (a full accept queue; connect_timeout_s=2, backend_wait_s=3): a
    504 in each dialect's shape (OpenAI, Ollama) within backend_wait_s + 1 s.
+11. streams back to back (slots=1, a queue always waiting, 1,500 requests): the proxy asks the
+   backend to close after each stream, and it does without saying so, as llama.cpp's server does
+   (harness/recording_backend.py); the next request goes out the moment the slot frees, racing that
+   close. Target: no 502, every request read by the backend once.
 
     PYTHONPATH=src python benchmarks/bench_hardening.py                 # everything, 3-4.5 min
-    PYTHONPATH=src python benchmarks/bench_hardening.py --cases 1,2,3,6,7,9,10   # fake-backend cases only
+    PYTHONPATH=src python benchmarks/bench_hardening.py --cases 1,2,3,6,7,9,10,11   # fake-backend cases only
     ... --proxy-src /path/to/patched/src   # the same probe against another tree
 
 Timing figures are noisy on a shared 2-core machine; "before/during" latencies are measured in the
@@ -70,11 +74,12 @@ import httpx
 from harness import proxy_process
 from harness.fake_backend import FakeBackend
 from harness.proxy_process import ProxyProcess, RssSampler, free_port
+from harness.recording_backend import RecordingBackend
 from harness.results import add_json_option, write_json
 from harness.verdicts import Row, answer_complete, print_table, sse_outcome, status_of
 
 CHAT = "/v1/chat/completions"
-ALL_CASES = "1,2,3,4,5,6,7,8,9,10"
+ALL_CASES = "1,2,3,4,5,6,7,8,9,10,11"
 
 
 # --------------------------------------------------------------------------------------------
@@ -1175,6 +1180,55 @@ async def restart_case(log_dir: Path, down_s: float = 10.0, n: int = 10) -> Row:
 # --------------------------------------------------------------------------------------------
 
 
+# --------------------------------------------------------------------------------------------
+# Case 11: a backend that closes after each stream, without saying so
+# --------------------------------------------------------------------------------------------
+
+
+async def closes_after_each_stream(log_dir: Path, n: int = 1500, clients: int = 4) -> Row:
+    backend = RecordingBackend(slots=1, token_s=0.0005).start()
+    proxy = ProxyProcess("closes", backend.base_url, log_dir, slots=1, encoder=False, online_learning=False).start()
+    statuses: Counter[str] = Counter()
+    gate = asyncio.Semaphore(clients)  # more clients than slots: the next request waits for the slot
+
+    async def one(i: int, client: httpx.AsyncClient) -> None:
+        async with gate:
+            try:
+                r = await client.post(f"{proxy.url}{CHAT}", json=chat_body(f"c11-{i}", stream=True, max_tokens=4))
+                statuses[str(r.status_code) if r.status_code != 200 or "[DONE]" in r.text else "200 cut"] += 1
+            except httpx.HTTPError as exc:
+                statuses[type(exc).__name__] += 1
+
+    try:
+        async with httpx.AsyncClient(timeout=60) as client:
+            await asyncio.gather(*(one(i, client) for i in range(n)))
+    finally:
+        proxy.stop()
+        backend.stop()
+    read = Counter(
+        tag
+        for r in backend.received
+        if r.method == "POST" and (tag := json.loads(r.body).get("user", "")).startswith("c11-")
+    )
+    failed = n - statuses["200"]
+    twice = sum(count > 1 for count in read.values())
+    return Row(
+        f"11 {n} streams back to back, the backend closing after each without saying so",
+        "0 x 502, each read once",
+        f"{statuses['502']} x 502 ({statuses['502'] / n:.2%}), other failures {failed - statuses['502']}, "
+        f"read {len(read)}/{n}, read twice {twice}",
+        failed == 0 and twice == 0 and len(read) == n,
+        {
+            "requests": n,
+            "statuses": dict(statuses),
+            "rate_502": statuses["502"] / n,
+            "read": len(read),
+            "read_twice": twice,
+        },
+        proxy.stated(),
+    )
+
+
 async def run(cases: set[str], log_dir: Path, trials: int) -> list[Row]:
     rows: list[Row] = []
 
@@ -1235,6 +1289,8 @@ async def run(cases: set[str], log_dir: Path, trials: int) -> list[Row]:
         await step("9", hung_backend(log_dir))
     if "10" in cases:
         await step("10", never_accepts(log_dir))
+    if "11" in cases:
+        await step("11", closes_after_each_stream(log_dir))
     return rows
 
 

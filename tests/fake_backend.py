@@ -9,6 +9,12 @@ llama.cpp loading a model), ``("stream", n_events, interval_s)`` (an SSE stream 
 ``health_gate`` is set, when one is given), counted in ``health_checks``. Every read request is recorded in
 ``delivered`` as (path, body), unless its action was ``reset``: the proxy must treat a reset as
 "never read", and the tests count what the backend would have acted on.
+
+``silent_close``: a request that says ``Connection: close`` is answered without saying so in the
+answer (allowed: RFC 9112 9.6 makes it a SHOULD), as llama.cpp's server does after a stream, and
+its connection is closed late: held open until the client closes it or sends another request on
+it. That request is read, counted in ``sent_after_close`` (not delivered), and met with a FIN
+before any answer: the backend's close, deterministically losing the race with the client's reuse.
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ Action = Any  # str or ("stream", n_events, interval_s)
 
 
 class FakeBackend:
-    def __init__(self, script: Callable[[str, int], Action], port: int = 0) -> None:
+    def __init__(self, script: Callable[[str, int], Action], port: int = 0, *, silent_close: bool = False) -> None:
         self.script = script
+        self.silent_close = silent_close
+        self.sent_after_close = 0  # requests sent on a connection after one that said Connection: close
         self.delivered: list[tuple[str, bytes]] = []
         self.resets = 0
         self.connections = 0
@@ -80,7 +88,7 @@ class FakeBackend:
                 request, buffer = _read_request(conn, buffer)
                 if request is None:
                     return
-                method, path, body = request
+                method, path, body, asks_close = request
                 if path == "/health":
                     # The gate is read before the check is counted: a gate installed once a check
                     # has been seen applies to the next check, never to that one.
@@ -111,10 +119,24 @@ class FakeBackend:
                     self._finish(finished)
                 if action in ("close", "hang"):
                     return
+                if asks_close and self.silent_close:
+                    self._close_late(conn)
+                    return
         except OSError:
             return
         finally:
             conn.close()
+
+    def _close_late(self, conn: socket.socket) -> None:
+        """Wait for the client's close or its next request; meet a request with a FIN, then read
+        until the client closes (bytes left unread would turn the close into a reset)."""
+        if not conn.recv(65536):
+            return
+        with self._lock:
+            self.sent_after_close += 1
+        conn.shutdown(socket.SHUT_WR)
+        while conn.recv(65536):
+            pass
 
     def _finish(self, finished: threading.Event) -> None:
         """A request's work is over: out of ``in_progress`` once, before its last bytes are sent
@@ -165,7 +187,8 @@ class FakeBackend:
         conn.sendall(b"0\r\n\r\n")
 
 
-def _read_request(conn: socket.socket, buffer: bytes) -> tuple[tuple[str, str, bytes] | None, bytes]:
+def _read_request(conn: socket.socket, buffer: bytes) -> tuple[tuple[str, str, bytes, bool] | None, bytes]:
+    """The next request: (method, path, body, whether its Connection header says close), and the bytes after it."""
     while b"\r\n\r\n" not in buffer:
         data = conn.recv(65536)
         if not data:
@@ -175,16 +198,19 @@ def _read_request(conn: socket.socket, buffer: bytes) -> tuple[tuple[str, str, b
     lines = head.decode("latin-1").split("\r\n")
     method, target, _ = lines[0].split(" ", 2)
     length = 0
+    asks_close = False
     for line in lines[1:]:
         name, _, value = line.partition(":")
         if name.strip().lower() == "content-length":
             length = int(value.strip())
+        elif name.strip().lower() == "connection":
+            asks_close = asks_close or "close" in value.lower()
     while len(buffer) < length:
         data = conn.recv(65536)
         if not data:
             return None, b""
         buffer += data
-    return (method, target.split("?", 1)[0], buffer[:length]), buffer[length:]
+    return (method, target.split("?", 1)[0], buffer[:length], asks_close), buffer[length:]
 
 
 def _write(conn: socket.socket, status: int, body: bytes, *, close: bool = False) -> None:

@@ -94,6 +94,20 @@ def test_a_reused_connection_reset_unread_is_resent_once() -> None:
     assert backend.resets == 1 and backend.posts(CHAT) == 2
 
 
+def test_a_connection_asked_to_close_is_never_reused_even_when_the_backend_closes_it_late() -> None:
+    # A scheduled stream asks the backend to close (Connection: close); the backend answers without
+    # saying it will, and its close reaches the proxy only once a next request went out on that
+    # connection (the race llama.cpp's server runs after every stream). Sent there, the next
+    # request would meet a clean close, unread, that nothing may resend: a 502 on a healthy backend.
+    script = lambda path, n: ("stream", 2, 0.0) if path == CHAT else "ok"  # noqa: E731
+    with FakeBackend(script, silent_close=True) as backend, proxy(backend.url) as base:
+        with httpx.Client(timeout=30) as client:
+            answers = [client.post(f"{base}{CHAT}", json=chat(stream=True)) for _ in range(3)]
+    assert [a.status_code for a in answers] == [200, 200, 200]
+    assert all(a.text.rstrip().endswith("data: [DONE]") for a in answers)
+    assert backend.sent_after_close == 0 and backend.posts(CHAT) == 3
+
+
 def test_a_backend_that_never_answers_is_a_504_after_the_first_byte_timeout() -> None:
     with FakeBackend(lambda path, n: "hang") as backend, proxy(backend.url, first_byte_timeout_s=0.5) as base:
         r = httpx.post(f"{base}/api/chat", json=chat(), timeout=10)

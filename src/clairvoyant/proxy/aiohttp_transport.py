@@ -6,6 +6,14 @@ aiohttp keeps a pool of keep-alive connections per backend (idle ones dropped af
 own default headers: the backend sees the client's. URLs are sent as given (``encoded=True``), so
 the target the proxy checked is the one the backend reads. The rules (resend, timeouts, error
 translation) are ``Upstream``'s; this module only moves bytes and classifies aiohttp's failures.
+
+A request that says ``Connection: close`` goes on a connection of its own, closed after its answer
+(RFC 9112 9.6: a client that sends "close" must not send another request on that connection).
+aiohttp's pool reads only the answer's Connection header, and a backend that closes as asked
+without saying so (llama.cpp's server after a stream; the close is allowed to be silent) would
+leave a connection in the pool that its close has not reached yet: the next request sent on it
+meets "Server disconnected", unread, a 502 that nothing may resend (a clean close cannot be told
+from a backend that read the request and died). httpx's h11 honours the request's header the same way.
 """
 
 from __future__ import annotations
@@ -51,6 +59,11 @@ def tcp_keepalive(sock: Any, idle_s: float) -> None:
         pass
 
 
+def _asks_close(headers: Headers) -> bool:
+    """Whether the request's Connection header names "close" (names are in lower case)."""
+    return any(name == "connection" and "close" in value.lower() for name, value in headers)
+
+
 class _AiohttpResponse:
     __slots__ = ("status_code", "raw_headers", "_response")
 
@@ -81,7 +94,10 @@ class AiohttpTransport:
         """``keepalive_s``: TCP keepalive idle seconds on backend connections (0: the system's)."""
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
         self._keepalive_s = keepalive_s
-        self._session: aiohttp.ClientSession | None = None  # made on first use, on the running loop
+        # Made on first use, on the running loop: the pooled one, and one whose every connection
+        # closes after its answer (requests that say Connection: close).
+        self._session: aiohttp.ClientSession | None = None
+        self._closing_session: aiohttp.ClientSession | None = None
 
     def _socket(self, addr_info: Any) -> socket.socket:
         """aiohttp's ``socket_factory``: a socket with ``tcp_keepalive``."""
@@ -90,16 +106,25 @@ class AiohttpTransport:
         tcp_keepalive(sock, self._keepalive_s)
         return sock
 
-    def _client(self) -> aiohttp.ClientSession:
+    def _client(self, headers: Headers) -> aiohttp.ClientSession:
+        if _asks_close(headers):
+            if self._closing_session is None:
+                self._closing_session = self._new_session(force_close=True)
+            return self._closing_session
         if self._session is None:
-            factory = self._socket if self._keepalive_s > 0 else None
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_EXPIRY_S, socket_factory=factory),
-                timeout=self._timeout,
-                auto_decompress=False,
-                skip_auto_headers=_SKIP_AUTO_HEADERS,
-            )
+            self._session = self._new_session(force_close=False)
         return self._session
+
+    def _new_session(self, *, force_close: bool) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(
+            limit=0,
+            force_close=force_close,
+            keepalive_timeout=None if force_close else KEEPALIVE_EXPIRY_S,  # aiohttp refuses both
+            socket_factory=self._socket if self._keepalive_s > 0 else None,
+        )
+        return aiohttp.ClientSession(
+            connector=connector, timeout=self._timeout, auto_decompress=False, skip_auto_headers=_SKIP_AUTO_HEADERS
+        )
 
     async def send(
         self, method: str, url: str, headers: Headers, body: bytes, *, first_byte_timeout_s: float | None = None
@@ -109,7 +134,8 @@ class AiohttpTransport:
         except ValueError as exc:
             raise TransportError("build", exc) from exc
         try:
-            request = self._client().request(method, target, headers=headers, data=body or None, allow_redirects=False)
+            session = self._client(headers)
+            request = session.request(method, target, headers=headers, data=body or None, allow_redirects=False)
             if first_byte_timeout_s is None:
                 response = await request
             else:
@@ -130,5 +156,6 @@ class AiohttpTransport:
         return _AiohttpResponse(response)
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._session, self._closing_session):
+            if session is not None:
+                await session.close()

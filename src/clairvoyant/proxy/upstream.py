@@ -145,8 +145,9 @@ class Upstream:
         ``authorization``: the client's, sent unless the backend has credentials of its own.
         ``close_connection``: llama.cpp's server closes its connection after every stream without
         saying so; a request sent on it in that instant would meet a close it cannot tell from a
-        backend that read it and died. Raises ``UpstreamUnavailable`` or ``UpstreamTimeout``
-        (``never_sent`` when the connection was refused or not accepted in time)."""
+        backend that read it and died (so the transport sends no other request on it). Raises
+        ``UpstreamUnavailable`` or ``UpstreamTimeout`` (``never_sent`` when the connection was
+        refused or not accepted in time)."""
         forwarded = list(headers)
         if self._authorization is not None:  # the backend's own credentials replace the client's
             forwarded.append(("authorization", self._authorization))
