@@ -1,5 +1,7 @@
 """A TCP relay on loopback that a test can cut and restore: one replica's own path to Redis, so
-that it alone is cut off while the others still reach the store."""
+that it alone is cut off while the others still reach the store. A cut resets the connections
+(the other end learns at once), or with ``silently`` drops what they carry from then on, as a
+network that loses packets does (the other end learns only from its own timeouts)."""
 
 from __future__ import annotations
 
@@ -18,14 +20,22 @@ class TcpRelay:
         self._open = threading.Event()
         self._open.set()
         self._pairs: list[tuple[socket.socket, socket.socket]] = []
+        self._silent = threading.Event()  # set: nothing is relayed, nothing is closed
+        self._held: list[socket.socket] = []  # connections accepted while silent, never answered
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def cut(self) -> None:
-        """Close every relayed connection and refuse new ones until ``restore``."""
+    def cut(self, *, silently: bool = False) -> None:
+        """Close every relayed connection and refuse new ones until ``restore``; ``silently``: keep
+        them all open and relay nothing (new ones too) until ``close``."""
+        if silently:
+            self._silent.set()
+            return
         self._open.clear()
         with self._lock:
             pairs, self._pairs = self._pairs, []
+            pairs += [(held, held) for held in self._held]
+            self._held = []
         for pair in pairs:
             for sock in pair:
                 try:
@@ -38,6 +48,7 @@ class TcpRelay:
         self._open.set()
 
     def close(self) -> None:
+        self._silent.clear()
         self.cut()
         self._listener.close()
 
@@ -47,6 +58,10 @@ class TcpRelay:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            if self._silent.is_set():
+                with self._lock:
+                    self._held.append(client)
+                continue
             if not self._open.is_set():
                 client.close()
                 continue
@@ -56,15 +71,19 @@ class TcpRelay:
                 client.close()
                 continue
             with self._lock:
+                if not self._open.is_set():  # cut while this one connected: cut() has not seen it
+                    client.close()
+                    upstream.close()
+                    continue
                 self._pairs.append((client, upstream))
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
         try:
             while data := source.recv(65536):
-                sink.sendall(data)
+                if not self._silent.is_set():
+                    sink.sendall(data)
         except OSError:
             pass
         finally:

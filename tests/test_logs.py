@@ -20,6 +20,9 @@ from proxy_harness import answering, metric_value
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET_PROMPT = "PROMPT-TEXT-7f3a never to be logged"
+# Waits here end with their event (the proxy answers, or exits); this bound only keeps a hung proxy
+# from hanging the suite. A start costs about 2 s of CPU: on a loaded machine, many times that.
+HANG_BOUND_S = 120.0
 
 
 def _serve(backend_url: str, port: int, **env: str) -> subprocess.Popen[str]:
@@ -32,18 +35,29 @@ def _serve(backend_url: str, port: int, **env: str) -> subprocess.Popen[str]:
     )
 
 
+def _started(process: subprocess.Popen[str], base: str) -> None:
+    """Return once the proxy answers; fail at once, with its stderr, if its process exits first."""
+    wait_until(
+        lambda: process.poll() is not None or answering(base), timeout_s=HANG_BOUND_S, what="the proxy to answer"
+    )
+    if process.poll() is not None:
+        assert process.stderr is not None
+        raise AssertionError(f"the proxy exited with code {process.returncode}:\n{process.stderr.read()[-4000:]}")
+
+
 def _exercise(base: str, port: int) -> None:
     """A scheduled answer, a pass-through, a 400, an aborted upload, a 408 for a body that never ends."""
     chat = {"model": "m", "messages": [{"role": "user", "content": SECRET_PROMPT}]}
-    assert httpx.post(f"{base}/v1/chat/completions", json=chat, headers={"X-Request-Id": "sched-1"}).status_code == 200
-    assert httpx.get(f"{base}/api/tags", headers={"X-Request-Id": "pass-1"}).status_code == 200
-    bad = httpx.post(f"{base}/api/chat", content=b'{"messages": [', headers={"X-Request-Id": "bad-1"})
-    assert bad.status_code == 400
+    with httpx.Client(base_url=base, timeout=HANG_BOUND_S) as client:
+        assert client.post("/v1/chat/completions", json=chat, headers={"X-Request-Id": "sched-1"}).status_code == 200
+        assert client.get("/api/tags", headers={"X-Request-Id": "pass-1"}).status_code == 200
+        bad = client.post("/api/chat", content=b'{"messages": [', headers={"X-Request-Id": "bad-1"})
+        assert bad.status_code == 400
     with socket.create_connection(("127.0.0.1", port)) as sock:  # aborted upload
         sock.sendall(b'POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"m')
     with socket.create_connection(("127.0.0.1", port)) as sock:  # a body that never ends: 408
         sock.sendall(b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"m')
-        sock.settimeout(10)
+        sock.settimeout(HANG_BOUND_S)
         assert sock.recv(100).startswith(b"HTTP/1.1 408")
 
 
@@ -52,16 +66,17 @@ def _run(free_port: int, **env: str) -> str:
         process = _serve(backend.url, free_port, **env)
         base = f"http://127.0.0.1:{free_port}"
         try:
-            wait_until(lambda: answering(base), timeout_s=30, what="the proxy to start")
+            _started(process, base)
             _exercise(base, free_port)
             # the aborted upload is counted, then logged in the same step: once counted, it is logged
             wait_until(
                 lambda: metric_value(base, "clairvoyant_client_disconnects_total", 'stage="upload"') == 1,
+                timeout_s=HANG_BOUND_S,
                 what="the aborted upload",
             )
         finally:
             process.send_signal(signal.SIGTERM)
-            _, stderr = process.communicate(timeout=30)
+            _, stderr = process.communicate(timeout=HANG_BOUND_S)
     return stderr
 
 

@@ -442,6 +442,31 @@ def _raise_stop(signum: int, frame: object) -> None:
     raise _StopRequested(signal.Signals(signum).name)
 
 
+# llama.cpp's logger (common/log.cpp) prints from a worker thread; common_log_flush drains its queue.
+# The binding does not expose it, but its library exports the C++ symbols (Itanium-mangled names).
+_COMMON_LOG_MAIN = "_Z15common_log_mainv"
+_COMMON_LOG_FLUSH = "_Z16common_log_flushP10common_log"
+
+
+def _flush_llama_log() -> None:
+    """Write out every line llama.cpp has logged so far. Call it before ``os._exit``: the exit ends
+    the logger's thread, and under load the lines still queued, such as the error that explains a
+    failed start, would never reach the log. Does nothing if the library lacks the symbols."""
+    import ctypes
+
+    import xllamacpp.xllamacpp as native
+
+    try:
+        library = ctypes.CDLL(native.__file__)
+        log_main = getattr(library, _COMMON_LOG_MAIN)
+        log_flush = getattr(library, _COMMON_LOG_FLUSH)
+    except (OSError, AttributeError):
+        return
+    log_main.restype = ctypes.c_void_p
+    log_flush.argtypes = [ctypes.c_void_p]
+    log_flush(log_main())
+
+
 def _child_main(config_json: str) -> None:
     """Entry point of the child: run the server until SIGTERM/SIGINT/SIGHUP or the parent's death.
 
@@ -476,6 +501,7 @@ def _child_main(config_json: str) -> None:
         try:
             server = xllamacpp.Server(params)  # blocks until the model is loaded and the socket bound
         except RuntimeError as exc:
+            _flush_llama_log()  # llama.cpp's reason first, then ours
             print(f"clairvoyant: xllamacpp.Server failed: {exc}", file=sys.stderr, flush=True)
             os._exit(2)
         status.write(f"{_READY_PREFIX}{server.listening_address}\n")
@@ -502,6 +528,8 @@ def _child_main(config_json: str) -> None:
         # A clean shutdown waits for the generation in progress; do not let it hold the port for long.
         threading.Timer(3.0, os._exit, args=(0,)).start()
         del server
+        if "xllamacpp" in sys.modules:
+            _flush_llama_log()
         sys.stderr.flush()
         if orphaned and config.orphan_log_path is not None:
             Path(config.orphan_log_path).unlink(missing_ok=True)  # nobody is left to delete it

@@ -10,7 +10,9 @@ scheduling on a share of the slots while the store is gone.
   among the n replicas last seen: never more than the pool has. A slot of its share that it does
   not hold becomes usable one lease period after the store was lost (by then a replica that held
   it has stopped, unable to renew); a slot it holds outside its share is given up when its lease
-  would have run out (that answer ends with ``LeaseLost``).
+  would have run out (that answer ends with ``LeaseLost``). That point is kept in SHARED mode too,
+  by a timer each renewal re-arms: a call to a store cut off without a reset fails only by its
+  timeouts, which can outlast a short lease.
 - Rejoin (the store answers again): its leases are renewed (re-taken where the store lost them;
   an answer whose slot went to another replica meanwhile is ended), its waiting entries replace
   what the store had of it, and the free lists are emptied again.
@@ -117,6 +119,7 @@ class ClusterLink:
         self.dispatcher: Dispatcher  # set by ``start``, before any call from it or the store
         self._renewed_at_s = time.monotonic()  # when the last renewal the store took was sent
         self._local_timers: list[asyncio.TimerHandle] = []  # LOCAL mode's: its share, and its give-up
+        self._renewal_due: asyncio.TimerHandle | None = None  # SHARED mode's give-up, re-armed by each renewal
 
     # -- start and stop ------------------------------------------------------------------------
     async def start(self, dispatcher: Dispatcher, *, fallback: bool) -> None:
@@ -129,6 +132,7 @@ class ClusterLink:
             sent_s = time.monotonic()
             await self.store.join(self._pool())
             self._renewed_at_s = sent_s
+            self._arm_renewal_due()
             self._set_free_lists(shared=True)
         except StoreUnavailable as exc:
             if not fallback:
@@ -316,9 +320,7 @@ class ClusterLink:
     # -- renewals, loss and rejoin ---------------------------------------------------------------
     async def _renew_periodically(self) -> None:
         while True:
-            await asyncio.sleep(
-                min(RENEW_EVERY_S, self.options.lease_s / 3) if self.mode is Mode.SHARED else REJOIN_EVERY_S
-            )
+            await asyncio.sleep(self._renew_every_s if self.mode is Mode.SHARED else REJOIN_EVERY_S)
             sent_s = time.monotonic()  # the store extends the leases after this: they last at least lease_s from it
             try:
                 reply = await self.store.renew(self._held())
@@ -326,6 +328,7 @@ class ClusterLink:
                 self._lost(exc)
                 continue
             self._renewed_at_s = sent_s
+            self._arm_renewal_due()
             if self.mode is Mode.LOCAL:
                 await self._rejoin(reply)
             else:
@@ -335,6 +338,34 @@ class ClusterLink:
                     await self.on_heartbeat(self.replicas)
                 except Exception:  # the heartbeat goes on
                     logger.exception("cluster: the heartbeat's hook failed")
+
+    @property
+    def _renew_every_s(self) -> float:
+        """Seconds between renewals; also the margin by which an answer ends before its lease would."""
+        return min(RENEW_EVERY_S, self.options.lease_s / 3)
+
+    def _give_up_at_s(self) -> float:
+        """When (monotonic seconds) the slots held outside its share are given up, unless a later
+        renewal is taken: a renewal's interval before the leases that renewal extended may run out."""
+        return self._renewed_at_s + self.options.lease_s - self._renew_every_s
+
+    def _arm_renewal_due(self) -> None:
+        """Give up the slots held outside its share at ``_give_up_at_s`` unless a renewal is taken
+        first, whether or not a call has failed by then: a store cut off without a reset (packets
+        dropped) makes a call wait for its timeouts, which can outlast a lease."""
+        if self._renewal_due is not None:
+            self._renewal_due.cancel()
+        delay_s = max(0.0, self._give_up_at_s() - time.monotonic())
+        self._renewal_due = asyncio.get_running_loop().call_later(delay_s, self._renewal_overdue)
+
+    def _renewal_overdue(self) -> None:
+        if self.mode is not Mode.SHARED:
+            return  # LOCAL mode's own timer gives them up (at the same time)
+        logger.warning(
+            "no renewal taken by redis for %.1f s: ending the answers on slots outside this replica's share",
+            time.monotonic() - self._renewed_at_s,
+        )
+        self._end_outside_share()
 
     def _pool(self) -> list[BackendSpec]:
         """The dispatcher's backends as the store registers them."""
@@ -388,8 +419,7 @@ class ClusterLink:
         self._local_timers.append(loop.call_later(self.options.lease_s, self._share_ready))
         # A slot it holds outside its share: given up before its lease runs out in the store (one
         # renewal's interval early: the store may hand the slot on the moment it does).
-        margin_s = min(RENEW_EVERY_S, self.options.lease_s / 3)
-        remaining_s = max(0.0, self._renewed_at_s + self.options.lease_s - margin_s - now_s)
+        remaining_s = max(0.0, self._give_up_at_s() - now_s)
         self._local_timers.append(loop.call_later(remaining_s, self._give_up_others))
 
     def _share_ready(self) -> None:
@@ -397,8 +427,10 @@ class ClusterLink:
             self._set_free_lists(shared=False, share_ready=True)
 
     def _give_up_others(self) -> None:
-        if self.mode is not Mode.LOCAL:
-            return
+        if self.mode is Mode.LOCAL:
+            self._end_outside_share()
+
+    def _end_outside_share(self) -> None:
         for index, backend in enumerate(self.dispatcher.backends):
             for slot, ticket in list(backend.running.items()):
                 if not self._owns(index, slot):
