@@ -560,7 +560,9 @@ def test_sigterm_refuses_the_queue_at_once_and_ends_the_stream_after_the_grace_p
         process = subprocess.Popen([sys.executable, "-m", "clairvoyant.cli", "serve"], env=env)
         base = f"http://127.0.0.1:{free_port}"
         try:
-            wait_until(lambda: answering(base), timeout_s=30, what="the proxy to start")
+            # a start costs about 2 s of CPU, many times that on a loaded machine: wait for its event
+            wait_until(lambda: process.poll() is not None or answering(base), timeout_s=120, what="the proxy to start")
+            assert process.poll() is None, f"the proxy exited with code {process.returncode}"
             results: dict[str, Any] = {}
             stream_thread = threading.Thread(target=_read_stream, args=(base, results), daemon=True)
             stream_thread.start()

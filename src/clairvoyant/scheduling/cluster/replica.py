@@ -89,6 +89,15 @@ def supersede_digest(tenant: str, key: str) -> str:
     return hashlib.sha256(f"{tenant}\0{key}".encode()).hexdigest()[:32]
 
 
+@dataclass(slots=True)
+class _LastRenewal:
+    """The last renewal the store took, and the timer that gives up the slots held outside the
+    share unless a later one is taken (SHARED mode; LOCAL mode has its own timers)."""
+
+    sent_s: float  # monotonic seconds it was sent: the leases it extended last lease_s from then
+    overdue: asyncio.TimerHandle | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterOptions:
     """The settings a replica's side of the shared queue runs by."""
@@ -117,9 +126,8 @@ class ClusterLink:
         self._supersede: dict[int, str] = {}  # id(ticket) -> its supersede digest, for its entry
         self._calls: asyncio.Queue[Callable[[], Awaitable[object]]] = asyncio.Queue()
         self.dispatcher: Dispatcher  # set by ``start``, before any call from it or the store
-        self._renewed_at_s = time.monotonic()  # when the last renewal the store took was sent
+        self._renewal = _LastRenewal(time.monotonic())
         self._local_timers: list[asyncio.TimerHandle] = []  # LOCAL mode's: its share, and its give-up
-        self._renewal_due: asyncio.TimerHandle | None = None  # SHARED mode's give-up, re-armed by each renewal
 
     # -- start and stop ------------------------------------------------------------------------
     async def start(self, dispatcher: Dispatcher, *, fallback: bool) -> None:
@@ -131,7 +139,7 @@ class ClusterLink:
         try:
             sent_s = time.monotonic()
             await self.store.join(self._pool())
-            self._renewed_at_s = sent_s
+            self._renewal.sent_s = sent_s
             self._arm_renewal_due()
             self._set_free_lists(shared=True)
         except StoreUnavailable as exc:
@@ -145,6 +153,8 @@ class ClusterLink:
 
     async def leave(self) -> None:
         """Say goodbye: the store drops this replica's entries and leases at once."""
+        if self._renewal.overdue is not None:
+            self._renewal.overdue.cancel()
         try:
             await self.store.leave()
         except StoreUnavailable:
@@ -327,7 +337,7 @@ class ClusterLink:
             except StoreUnavailable as exc:
                 self._lost(exc)
                 continue
-            self._renewed_at_s = sent_s
+            self._renewal.sent_s = sent_s
             self._arm_renewal_due()
             if self.mode is Mode.LOCAL:
                 await self._rejoin(reply)
@@ -347,23 +357,23 @@ class ClusterLink:
     def _give_up_at_s(self) -> float:
         """When (monotonic seconds) the slots held outside its share are given up, unless a later
         renewal is taken: a renewal's interval before the leases that renewal extended may run out."""
-        return self._renewed_at_s + self.options.lease_s - self._renew_every_s
+        return self._renewal.sent_s + self.options.lease_s - self._renew_every_s
 
     def _arm_renewal_due(self) -> None:
         """Give up the slots held outside its share at ``_give_up_at_s`` unless a renewal is taken
         first, whether or not a call has failed by then: a store cut off without a reset (packets
         dropped) makes a call wait for its timeouts, which can outlast a lease."""
-        if self._renewal_due is not None:
-            self._renewal_due.cancel()
+        if self._renewal.overdue is not None:
+            self._renewal.overdue.cancel()
         delay_s = max(0.0, self._give_up_at_s() - time.monotonic())
-        self._renewal_due = asyncio.get_running_loop().call_later(delay_s, self._renewal_overdue)
+        self._renewal.overdue = asyncio.get_running_loop().call_later(delay_s, self._renewal_overdue)
 
     def _renewal_overdue(self) -> None:
         if self.mode is not Mode.SHARED:
             return  # LOCAL mode's own timer gives them up (at the same time)
         logger.warning(
             "no renewal taken by redis for %.1f s: ending the answers on slots outside this replica's share",
-            time.monotonic() - self._renewed_at_s,
+            time.monotonic() - self._renewal.sent_s,
         )
         self._end_outside_share()
 
