@@ -103,9 +103,8 @@ local function ensure_meta()
   return epoch
 end
 
--- A replica leaves (or stopped beating): its waiting entries leave the queue, its messages go.
--- Its leases stay until they expire (an answer may still run on them).
-local function drop_replica(r)
+-- A replica's waiting entries leave the queue.
+local function drop_waiting(r)
   for _, id in ipairs(redis.call('SMEMBERS', P .. 'rw:' .. r)) do
     local e = load(id)
     if e and e.st == 'w' then
@@ -113,7 +112,14 @@ local function drop_replica(r)
       forget(id, e)
     end
   end
-  redis.call('DEL', P .. 'rw:' .. r, P .. 'm:' .. r, P .. 'mp:' .. r)
+  redis.call('DEL', P .. 'rw:' .. r)
+end
+
+-- A replica leaves (or stopped beating): its waiting entries leave the queue, its messages go.
+-- Its leases stay until they expire (an answer may still run on them).
+local function drop_replica(r)
+  drop_waiting(r)
+  redis.call('DEL', P .. 'm:' .. r, P .. 'mp:' .. r)
   redis.call('ZREM', P .. 'rep', r)
 end
 
@@ -537,14 +543,7 @@ elseif cmd == 'renew' then
   for _, r in ipairs(names) do table.insert(out, r) end
   for _, id in ipairs(lost) do table.insert(out, id) end
 elseif cmd == 'resync' then
-  for _, id in ipairs(redis.call('SMEMBERS', P .. 'rw:' .. me)) do
-    local e = load(id)
-    if e and e.st == 'w' then
-      unqueue(id, e)
-      forget(id, e)
-    end
-  end
-  redis.call('DEL', P .. 'rw:' .. me)
+  drop_waiting(me)
   tick()
   local n = tonumber(ARGV[4])
   for i = 0, n - 1 do
